@@ -1,0 +1,149 @@
+"""Validated configuration: the model's architecture and the engine's budgets.
+
+`ModelConfig` is frozen and hashable so it can be a static argument of jitted functions.
+`EngineConfig` is what a user builds; it is validated once, in `__post_init__`, with messages
+that name the bad value and what is accepted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+DTYPES = ("float32", "bfloat16")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama-3 style RoPE frequency scaling (`rope_type = "llama3"` in HF configs)."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of a Llama-family decoder. Hashable: usable as a static jit argument."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    max_position_embeddings: int = 4096
+    tie_embeddings: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
+                     "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"ModelConfig.{name} must be a positive integer, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"ModelConfig.num_heads ({self.num_heads}) must be a multiple of "
+                f"num_kv_heads ({self.num_kv_heads})")
+        if self.head_dim % 2:
+            raise ValueError(f"ModelConfig.head_dim must be even for RoPE, got {self.head_dim}")
+
+    @property
+    def group_size(self) -> int:
+        """Query heads per KV head (GQA)."""
+        return self.num_heads // self.num_kv_heads
+
+    def num_params(self, include_embedding: bool = True) -> int:
+        """Parameter count (the LM head counts separately only when untied)."""
+        e, f, h, k, d = (self.hidden_size, self.intermediate_size, self.num_heads,
+                         self.num_kv_heads, self.head_dim)
+        per_layer = e * (h * d) * 2 + e * (k * d) * 2 + 3 * e * f + 2 * e
+        total = self.num_layers * per_layer + e
+        head = 0 if self.tie_embeddings else self.vocab_size * e
+        return total + head + (self.vocab_size * e if include_embedding else 0)
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        """Bytes of K and V cache one token occupies across all layers."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+
+    @classmethod
+    def from_dict(cls, d: dict) -> ModelConfig:
+        """Build from a plain dict (a preset's `[architecture]` table or saved JSON)."""
+        d = dict(d)
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown model config keys {unknown}; accepted: {sorted(known)}")
+        if d.get("rope_scaling") is not None and not isinstance(d["rope_scaling"], RopeScaling):
+            d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
+        if "eos_token_ids" in d:
+            d["eos_token_ids"] = tuple(d["eos_token_ids"])
+        return cls(**d)
+
+    def to_dict(self) -> dict:
+        """Inverse of `from_dict` (JSON-serialisable)."""
+        return dataclasses.asdict(self)
+
+
+def _default_cache_dir() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "jaxpipe", "xla")
+
+
+@dataclass
+class EngineConfig:
+    """Everything an `Engine` needs. Validated once, at construction.
+
+    model: a preset name from `models/` (e.g. "smollm2-135m"), a path to a `.gguf` file, an HF
+        directory (config.json + *.safetensors) or an orbax checkpoint made by scripts/convert.py.
+    dtype: "bfloat16" (fast on CPU with f32 accumulation) or "float32".
+    max_model_len: longest prompt + output, in tokens (default: min(model limit, 2048)).
+    max_num_seqs: sequences decoded together (device KV slots).
+    max_num_batched_tokens: token budget of one prefill batch (padded tokens count).
+    kv_cache_gb: optional cap on the device KV store; construction fails if slots × length
+        would exceed it, saying which knob to lower.
+    """
+
+    model: str = "smollm2-135m"
+    dtype: str = "bfloat16"
+    max_model_len: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 4096
+    kv_cache_gb: float | None = None
+    seed: int = 0
+    random_weights: bool = False
+    compilation_cache_dir: str | None = field(default_factory=_default_cache_dir)
+    warmup: bool = True
+    show_progress: bool = True
+
+    def __post_init__(self):
+        if not isinstance(self.model, (str, os.PathLike)) or not str(self.model):
+            raise ValueError(f"EngineConfig.model must be a preset name or a path, got {self.model!r}")
+        self.model = str(self.model)
+        if self.dtype not in DTYPES:
+            raise ValueError(f"EngineConfig.dtype must be one of {DTYPES}, got {self.dtype!r}")
+        _check_int("max_num_seqs", self.max_num_seqs, 1, 4096)
+        _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 16, 1 << 20)
+        if self.max_model_len is not None:
+            _check_int("max_model_len", self.max_model_len, 2, 1 << 20)
+        _check_int("seed", self.seed, 0, 2**32 - 1)
+        if self.kv_cache_gb is not None and not (
+                isinstance(self.kv_cache_gb, (int, float)) and self.kv_cache_gb > 0):
+            raise ValueError(f"EngineConfig.kv_cache_gb must be a positive number or None, "
+                             f"got {self.kv_cache_gb!r}")
+        if self.compilation_cache_dir is not None:
+            self.compilation_cache_dir = str(Path(self.compilation_cache_dir).expanduser())
+
+
+def _check_int(name: str, value, lo: int, hi: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise ValueError(f"EngineConfig.{name} must be an integer in [{lo}, {hi}], got {value!r}")

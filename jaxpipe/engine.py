@@ -1,0 +1,425 @@
+"""The engine: requests in, tokens out. `step()` is the whole architecture:
+
+    batch = scheduler.schedule()      # prefill the next prompts, or decode all running
+    output = runner.run(batch)        # one jitted, static-shape device step
+    postprocess(batch, output)        # append tokens, stop checks, free finished slots
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Iterator
+from collections.abc import Sequence as Seq
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxpipe import sampling
+from jaxpipe.buckets import Buckets, round_up
+from jaxpipe.config import EngineConfig, ModelConfig
+from jaxpipe.kv import device_cache
+from jaxpipe.model import loading
+from jaxpipe.model.llama import Llama, init_random
+from jaxpipe.model.presets import resolve_model
+from jaxpipe.outputs import CompletionOutput, RequestOutput, StreamDelta
+from jaxpipe.runner import Runner, SamplingPlan, StepOutput
+from jaxpipe.sampling import SamplingParams
+from jaxpipe.scheduler import Batch, Scheduler, Sequence
+from jaxpipe.stopping import StopChecker
+from jaxpipe.tokenizer import Tokenizer
+
+log = logging.getLogger("jaxpipe")
+
+
+class Engine:
+    """Offline / batch LLM generation. See README for the full contract."""
+
+    def __init__(self, config: EngineConfig | None = None, **overrides):
+        """Load the model, allocate the KV store and compile the steps (warm-up)."""
+        self.config = config = config or EngineConfig(**overrides)
+        _enable_compilation_cache(config.compilation_cache_dir)
+        self.dtype = jnp.dtype(config.dtype)
+        self.model_config, model, self.tokenizer = _load(config, self.dtype)
+        self.max_model_len = _max_model_len(config, self.model_config)
+        self.buckets = Buckets.for_engine(config.max_num_seqs, self.max_model_len,
+                                          max(config.max_num_batched_tokens, self.max_model_len))
+        _check_kv_budget(config, self.model_config, self.max_model_len, self.dtype)
+        self.runner = Runner(model, self.buckets, config.max_num_seqs, self.max_model_len,
+                             self.dtype)
+        self.scheduler = Scheduler(config.max_num_seqs, self.buckets.prefill_fits)
+        self._eos = frozenset(self.model_config.eos_token_ids)
+        self._seeds = np.random.default_rng(config.seed)
+        self._ids = itertools.count()
+        self._requests: dict[str, Sequence] = {}
+        self._stats = _new_stats()
+        if config.warmup:
+            self.warmup()
+
+    # ---- public API ---------------------------------------------------------------------------
+
+    def add_request(self, prompt: str | None = None, params: SamplingParams | None = None, *,
+                    prompt_token_ids: Seq[int] | None = None, request_id: str | None = None,
+                    ) -> str:
+        """Queue one request; returns its id. Raises ValueError on bad input (nothing queued)."""
+        params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        ids = self._prompt_ids(prompt, prompt_token_ids)
+        max_tokens = self._max_tokens(ids, params)
+        request_id = str(next(self._ids)) if request_id is None else str(request_id)
+        if request_id in self._requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        seed = params.seed if params.seed is not None else int(self._seeds.integers(2**32))
+        seq = Sequence(request_id, ids, params, seed, max_tokens, arrival=time.perf_counter())
+        seq.extra["prompt"] = prompt
+        seq.extra["stop"] = StopChecker(self.tokenizer, ids, params, self._eos)
+        self._requests[request_id] = seq
+        self.scheduler.add(seq)
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request; it finishes with finish_reason "abort"."""
+        seq = self._requests.get(request_id)
+        if seq is not None and not seq.is_finished:
+            self._finish(seq, "abort")
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self) -> list[Sequence]:
+        """Run one scheduled batch; returns the sequences that got a token."""
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return []
+        output = self._run(batch)
+        return self._postprocess(batch, output)
+
+    def generate(self, prompts: str | Seq[str] | None = None,
+                 sampling_params: SamplingParams | Seq[SamplingParams] | None = None, *,
+                 prompt_token_ids: Seq[int] | Seq[Seq[int]] | None = None,
+                 use_tqdm: bool | None = None) -> list[RequestOutput]:
+        """Generate for every prompt (text or token ids); outputs in input order."""
+        prompts, token_lists = _normalise_prompts(prompts, prompt_token_ids)
+        n = len(prompts) if prompts is not None else len(token_lists)
+        params = _per_request(sampling_params, n)
+        ids = [self.add_request(prompts[i] if prompts is not None else None, params[i],
+                                prompt_token_ids=None if token_lists is None else token_lists[i])
+               for i in range(n)]
+        self._drain(ids, self.config.show_progress if use_tqdm is None else use_tqdm)
+        return [self._pop_output(i) for i in ids]
+
+    def chat(self, conversations: Seq[dict] | Seq[Seq[dict]],
+             sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+             use_tqdm: bool | None = None) -> list[RequestOutput]:
+        """Apply the model's chat template to each conversation and generate."""
+        self._need_tokenizer("chat")
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]
+        prompts = [self.tokenizer.apply_chat_template(list(c), add_generation_prompt=True)
+                   for c in conversations]
+        token_lists = [self.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
+        params = _per_request(sampling_params, len(prompts))
+        ids = [self.add_request(p, s, prompt_token_ids=t)
+               for p, s, t in zip(prompts, params, token_lists, strict=True)]
+        self._drain(ids, self.config.show_progress if use_tqdm is None else use_tqdm)
+        return [self._pop_output(i) for i in ids]
+
+    def stream(self, prompt: str | Seq[int], params: SamplingParams | None = None,
+               ) -> Iterator[StreamDelta]:
+        """Yield the new tokens and text of one request as they are generated."""
+        text, token_ids = (prompt, None) if isinstance(prompt, str) else (None, list(prompt))
+        rid = self.add_request(text, params, prompt_token_ids=token_ids)
+        seq = self._requests[rid]
+        stop = seq.extra["stop"]
+        stop.enable_streaming()
+        sent = 0
+        try:
+            while not seq.is_finished:
+                self.step()
+                new = seq.output_token_ids[sent:]
+                sent += len(new)
+                if new or seq.is_finished:
+                    yield StreamDelta(rid, new, stop.stream_delta(seq), seq.finish_reason)
+        finally:
+            self.abort(rid)
+            self._requests.pop(rid, None)
+
+    def stats(self) -> dict:
+        """Counters over the engine's lifetime (JSON-serialisable)."""
+        s = dict(self._stats)
+        s["compile_seconds"] = self.runner.compile_seconds
+        s["compiled_shapes"] = len(self.runner.compiled)
+        steps = s["decode_steps"]
+        s["mean_decode_batch"] = s["decode_rows_active"] / steps if steps else 0.0
+        return s
+
+    def reset_stats(self) -> None:
+        self._stats = _new_stats()
+
+    def warmup(self) -> None:
+        """Compile the decode step for every KV-length bucket at full batch, and one prefill
+        shape per length bucket, so that generation does not stop to compile."""
+        from tqdm.auto import tqdm
+
+        shapes = [("decode", self.buckets.decode_batch[-1], kv) for kv in self.buckets.kv_len]
+        shapes += [("prefill", 1, t) for t in self.buckets.prefill_len]
+        for kind, b, n in tqdm(shapes, desc="jaxpipe: compiling", unit="shape",
+                               disable=not self.config.show_progress):
+            if kind == "decode":
+                zeros = np.zeros(b, np.int32)
+                self.runner.decode(zeros, zeros, _neutral_plan(b), n)
+            else:
+                self.runner.prefill([[0]], [0], _neutral_plan(b), (b, n))
+
+    # ---- one step -----------------------------------------------------------------------------
+
+    def _run(self, batch: Batch) -> StepOutput:
+        start = time.perf_counter()
+        if batch.kind == "prefill":
+            out = self._run_prefill(batch.seqs)
+        else:
+            out = self._run_decode(batch.seqs)
+        self._stats[f"{batch.kind}_seconds"] += time.perf_counter() - start
+        self._stats[f"{batch.kind}_steps"] += 1
+        return out
+
+    def _run_prefill(self, seqs: list[Sequence]) -> StepOutput:
+        shape = self.buckets.prefill_shape(len(seqs), max(s.prompt_len for s in seqs))
+        self._stats["prefill_tokens"] += sum(s.prompt_len for s in seqs)
+        self._stats["prefill_padded_tokens"] += shape[0] * shape[1]
+        plan = self._sampling_plan(seqs, shape[0])
+        return self.runner.prefill([s.prompt_token_ids for s in seqs], [s.slot for s in seqs],
+                                   plan, shape)
+
+    def _run_decode(self, seqs: list[Sequence]) -> StepOutput:
+        rows = round_up(self.scheduler.decode_rows(), self.buckets.decode_batch)
+        tokens = np.zeros(rows, np.int32)
+        positions = np.zeros(rows, np.int32)
+        by_row: list[Sequence | None] = [None] * rows
+        for s in seqs:
+            tokens[s.slot], positions[s.slot], by_row[s.slot] = s.last_token, s.num_tokens - 1, s
+        kv_len = self.runner.kv_len_bucket(int(positions.max()))
+        self._stats["decode_rows_active"] += len(seqs)
+        self._stats["decode_rows_padded"] += rows
+        out = self.runner.decode(tokens, positions, self._row_plan(by_row), kv_len)
+        return _select_rows(out, [s.slot for s in seqs])
+
+    def _sampling_plan(self, seqs: list[Sequence], rows: int) -> SamplingPlan:
+        return self._row_plan(seqs + [None] * (rows - len(seqs)))
+
+    def _row_plan(self, by_row: list[Sequence | None]) -> SamplingPlan:
+        active = [s for s in by_row if s is not None]
+        neutral = SamplingParams(temperature=0.0)
+        params = [s.params if s else neutral for s in by_row]
+        seeds = [s.seed if s else 0 for s in by_row]
+        steps = [len(s.output_token_ids) if s else 0 for s in by_row]
+        banned = [s.extra["stop"].banned(len(s.output_token_ids)) if s else [] for s in by_row]
+        plan = _plan(params, seeds, steps, banned, len(by_row))
+        mode = sampling.sampling_mode(s.params for s in active)
+        penalties = sampling.uses_penalties(s.params for s in active)
+        wanted = [s.params.logprobs for s in active if s.params.logprobs is not None]
+        num = max(wanted) if wanted else None
+        return SamplingPlan(plan.tensors, mode, penalties, num)
+
+    def _postprocess(self, batch: Batch, out: StepOutput) -> list[Sequence]:
+        now = time.perf_counter()
+        for i, seq in enumerate(batch.seqs):
+            token = int(out.tokens[i])
+            seq.output_token_ids.append(token)
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            if seq.params.logprobs is not None:
+                _record_logprobs(seq, out, i, token)
+            reason = seq.extra["stop"].check(seq, self.max_model_len)
+            if reason is not None:
+                self._finish(seq, reason)
+        self._stats["generated_tokens"] += len(batch.seqs)
+        return batch.seqs
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        self.scheduler.finish(seq, reason)
+        seq.finish_time = time.perf_counter()
+        self._stats["finished_requests"] += 1
+
+    # ---- helpers ------------------------------------------------------------------------------
+
+    def _drain(self, ids: list[str], progress: bool) -> None:
+        """Step until every request in `ids` has finished, with an optional progress bar."""
+        from tqdm.auto import tqdm
+
+        pending = {i for i in ids}
+        bar = tqdm(total=len(ids), desc="jaxpipe: generating", unit="req", disable=not progress)
+        try:
+            while pending:
+                if not self.scheduler.has_work():
+                    raise RuntimeError(f"requests {sorted(pending)[:5]} were lost by the scheduler")
+                for seq in self.step():
+                    if seq.is_finished and seq.request_id in pending:
+                        pending.discard(seq.request_id)
+                        bar.update(1)
+                        bar.set_postfix(tok=self._stats["generated_tokens"], refresh=False)
+                pending = {i for i in pending if not self._requests[i].is_finished}
+        except BaseException:
+            for rid in pending:  # never leave orphans behind in the engine
+                self.abort(rid)
+            raise
+        finally:
+            bar.close()
+
+    def _pop_output(self, request_id: str) -> RequestOutput:
+        seq = self._requests.pop(request_id)
+        stop = seq.extra["stop"]
+        text = stop.final_text(seq)
+        completion = CompletionOutput(0, text, list(seq.output_token_ids), seq.finish_reason,
+                                      seq.stop_reason, seq.logprobs)
+        metrics = {"arrival": seq.arrival, "first_token": seq.first_token_time,
+                   "finished": seq.finish_time}
+        return RequestOutput(seq.request_id, seq.extra["prompt"], list(seq.prompt_token_ids),
+                             [completion], seq.is_finished, metrics)
+
+    def _prompt_ids(self, prompt, prompt_token_ids) -> list[int]:
+        if (prompt is None) == (prompt_token_ids is None):
+            if prompt_token_ids is not None and prompt is not None:
+                return self._check_ids(prompt_token_ids)
+            raise ValueError("give exactly one of prompt (text) or prompt_token_ids")
+        if prompt_token_ids is not None:
+            return self._check_ids(prompt_token_ids)
+        if not isinstance(prompt, str):
+            raise TypeError(f"prompt must be a str, got {type(prompt).__name__}")
+        self._need_tokenizer("text prompts")
+        return self._check_ids(self.tokenizer.encode(prompt))
+
+    def _check_ids(self, ids) -> list[int]:
+        ids = [int(i) for i in ids]
+        vocab = self.model_config.vocab_size
+        if not ids:
+            raise ValueError("the prompt is empty: give at least one token")
+        bad = [i for i in ids if not 0 <= i < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens; max_model_len is "
+                             f"{self.max_model_len}, which must leave room for one new token")
+        return ids
+
+    def _max_tokens(self, ids: list[int], params: SamplingParams) -> int:
+        room = self.max_model_len - len(ids)
+        if params.max_tokens is None:
+            return room
+        if params.max_tokens > room:
+            raise ValueError(f"max_tokens={params.max_tokens} with a {len(ids)}-token prompt "
+                             f"exceeds max_model_len={self.max_model_len}; at most {room}")
+        return params.max_tokens
+
+    def _need_tokenizer(self, what: str) -> None:
+        if self.tokenizer is None:
+            raise ValueError(f"model {self.config.model!r} has no tokenizer; {what} need one "
+                             "(use prompt_token_ids)")
+
+
+# ---- module helpers ---------------------------------------------------------------------------
+
+
+def _enable_compilation_cache(path: str | None) -> None:
+    if path:
+        jax.config.update("jax_compilation_cache_dir", path)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
+def _load(config: EngineConfig, dtype) -> tuple[ModelConfig, Llama, Tokenizer | None]:
+    source = resolve_model(config.model)
+    tokenizer = _tokenizer_for(source)
+    if config.random_weights:
+        cfg = source.config or loading.load_weights(source)[0]
+        return cfg, init_random(cfg, config.seed, dtype), tokenizer
+    start = time.perf_counter()
+    cfg, values = loading.load_weights(source)
+    model = Llama(cfg, dtype=dtype, values=values)
+    log.info("loaded %s in %.1f s", source.name, time.perf_counter() - start)
+    return cfg, model, tokenizer
+
+
+def _tokenizer_for(source) -> Tokenizer | None:
+    if source.kind == "gguf":
+        return Tokenizer.from_gguf(source.path)
+    if source.kind in ("hf", "orbax") and (source.path / "tokenizer.json").is_file():
+        return Tokenizer.from_hf_dir(source.path)
+    return None
+
+
+def _max_model_len(config: EngineConfig, cfg: ModelConfig) -> int:
+    limit = cfg.max_position_embeddings
+    if config.max_model_len is None:
+        return min(limit, 2048)
+    if config.max_model_len > limit:
+        raise ValueError(f"EngineConfig.max_model_len={config.max_model_len} exceeds the model's "
+                         f"max_position_embeddings={limit}")
+    return config.max_model_len
+
+
+def _check_kv_budget(config: EngineConfig, cfg: ModelConfig, max_len: int, dtype) -> None:
+    need = device_cache.cache_bytes(cfg, config.max_num_seqs, max_len, dtype.itemsize)
+    if config.kv_cache_gb is not None and need > config.kv_cache_gb * 2**30:
+        raise ValueError(
+            f"the device KV store needs {need / 2**30:.2f} GiB (max_num_seqs={config.max_num_seqs}"
+            f" x max_model_len={max_len}) but kv_cache_gb={config.kv_cache_gb}; lower "
+            "max_num_seqs or max_model_len, or raise kv_cache_gb")
+
+
+def _normalise_prompts(prompts, prompt_token_ids):
+    if (prompts is None) == (prompt_token_ids is None):
+        raise ValueError("give exactly one of prompts or prompt_token_ids")
+    if prompts is not None:
+        return ([prompts] if isinstance(prompts, str) else list(prompts)), None
+    ids = list(prompt_token_ids)
+    if ids and not isinstance(ids[0], (list, tuple, np.ndarray)):
+        ids = [ids]  # one prompt given as a flat list of ints
+    return None, ids
+
+
+def _per_request(params, n: int) -> list[SamplingParams]:
+    if params is None or isinstance(params, SamplingParams):
+        return [params or SamplingParams()] * n
+    params = list(params)
+    if len(params) != n:
+        raise ValueError(f"got {len(params)} sampling params for {n} prompts; give one, or one "
+                         "per prompt")
+    return params
+
+
+def _plan(params, seeds, steps, banned, rows: int) -> SamplingPlan:
+    tensors = sampling.build_sampling_tensors(params, seeds, steps, banned, rows)
+    return SamplingPlan(tensors, sampling.sampling_mode(params), False, None)
+
+
+def _neutral_plan(rows: int) -> SamplingPlan:
+    neutral = SamplingParams(temperature=0.0)
+    return _plan([neutral] * rows, [0] * rows, [0] * rows, [[]] * rows, rows)
+
+
+def _select_rows(out: StepOutput, rows: list[int]) -> StepOutput:
+    pick = np.asarray(rows)
+    def take(a):
+        return (None if a is None else a[pick])
+    return StepOutput(out.tokens[pick], take(out.logprob), take(out.top_ids),
+                      take(out.top_logprobs))
+
+
+def _record_logprobs(seq: Sequence, out: StepOutput, i: int, token: int) -> None:
+    entry = {token: float(out.logprob[i])}
+    n = seq.params.logprobs
+    for tid, lp in zip(out.top_ids[i][:n], out.top_logprobs[i][:n], strict=True):
+        entry.setdefault(int(tid), float(lp))
+    if seq.logprobs is None:
+        seq.logprobs = []
+    seq.logprobs.append(entry)
+
+
+def _new_stats() -> dict:
+    keys = ("prefill_seconds", "decode_seconds", "prefill_steps", "decode_steps",
+            "prefill_tokens", "prefill_padded_tokens", "decode_rows_active", "decode_rows_padded",
+            "generated_tokens", "finished_requests")
+    return {k: 0 if not k.endswith("seconds") else 0.0 for k in keys}

@@ -1,0 +1,199 @@
+"""Weights into the model: GGUF (dequantized), HF safetensors directories, orbax checkpoints.
+
+Every loader produces `(ModelConfig, {param name: array})` in the layout `param_decls` declares.
+GGUF and HF share one conversion: GGUF tensor names are mapped to HF names and llama.cpp's Q/K
+row permutation is undone first.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from jaxpipe.config import ModelConfig, RopeScaling
+from jaxpipe.model.presets import ORBAX_MARKER
+
+GGUF_TO_HF = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+
+
+def _gguf_field(reader, key: str, default=None):
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def gguf_config(reader) -> ModelConfig:
+    """Architecture from GGUF metadata (llama-family keys)."""
+    arch = _gguf_field(reader, "general.architecture")
+    if arch not in ("llama", "mistral"):
+        raise ValueError(f"GGUF architecture {arch!r} is not supported; supported: llama, mistral")
+
+    def key(name, default=None):
+        return _gguf_field(reader, f"{arch}.{name}", default)
+
+    heads = int(key("attention.head_count"))
+    hidden = int(key("embedding_length"))
+    names = {t.name for t in reader.tensors}
+    vocab = len(reader.fields["tokenizer.ggml.tokens"].data) if (
+        "tokenizer.ggml.tokens" in reader.fields) else int(key("vocab_size"))
+    eos = _gguf_field(reader, "tokenizer.ggml.eos_token_id")
+    return ModelConfig(
+        vocab_size=vocab, hidden_size=hidden,
+        intermediate_size=int(key("feed_forward_length")),
+        num_layers=int(key("block_count")), num_heads=heads,
+        num_kv_heads=int(key("attention.head_count_kv", heads)),
+        head_dim=int(key("attention.key_length", hidden // heads)),
+        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(key("rope.freq_base", 10000.0)),
+        max_position_embeddings=int(key("context_length", 4096)),
+        tie_embeddings="output.weight" not in names,
+        bos_token_id=_gguf_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_ids=() if eos is None else (int(eos),))
+
+
+def _unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's interleaving of Q/K rows (it converts rotate-half RoPE to pairwise).
+
+    w [n_heads * D, E]: within each head, llama.cpp stores rows as (D/2, 2); HF as (2, D/2).
+    """
+    per_head = w.shape[0] // n_heads
+    return w.reshape(n_heads, per_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def load_gguf(path: Path) -> tuple[ModelConfig, dict[str, np.ndarray]]:
+    """Read and dequantize a GGUF file."""
+    from gguf import GGUFReader, quants
+
+    reader = GGUFReader(str(path))
+    cfg = gguf_config(reader)
+    if any(t.name == "rope_freqs.weight" for t in reader.tensors):
+        raise ValueError(f"{path}: GGUF with rope_freqs (Llama-3.1 scaling) is not supported yet")
+    hf: dict[str, np.ndarray] = {}
+    for t in reader.tensors:
+        value = quants.dequantize(t.data, t.tensor_type).astype(np.float32)
+        value = value.reshape([int(n) for n in reversed(t.shape)])
+        name = t.name
+        if name.startswith("blk."):
+            _, idx, rest = name.split(".", 2)
+            if rest == "attn_q.weight":
+                value = _unpermute_qk(value, cfg.num_heads)
+            elif rest == "attn_k.weight":
+                value = _unpermute_qk(value, cfg.num_kv_heads)
+            hf[f"model.layers.{idx}.{GGUF_TO_HF[rest]}"] = value
+        else:
+            hf[GGUF_TO_HF[name]] = value
+    return cfg, from_hf_names(cfg, hf.__getitem__)
+
+
+def hf_config(config_json: dict) -> ModelConfig:
+    """Architecture from an HF `config.json` (LlamaForCausalLM / MistralForCausalLM)."""
+    c = config_json
+    heads = c["num_attention_heads"]
+    rope = c.get("rope_scaling") or c.get("rope_parameters") or {}
+    scaling = None
+    if rope.get("rope_type", rope.get("type")) == "llama3":
+        scaling = RopeScaling(float(rope["factor"]), float(rope["low_freq_factor"]),
+                              float(rope["high_freq_factor"]),
+                              int(rope["original_max_position_embeddings"]))
+    eos = c.get("eos_token_id")
+    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+    return ModelConfig(
+        vocab_size=c["vocab_size"], hidden_size=c["hidden_size"],
+        intermediate_size=c["intermediate_size"], num_layers=c["num_hidden_layers"],
+        num_heads=heads, num_kv_heads=c.get("num_key_value_heads", heads),
+        head_dim=c.get("head_dim") or c["hidden_size"] // heads,
+        rms_norm_eps=float(c.get("rms_norm_eps", 1e-5)),
+        rope_theta=float(c.get("rope_theta", rope.get("rope_theta", 10000.0))),
+        rope_scaling=scaling, max_position_embeddings=c.get("max_position_embeddings", 4096),
+        tie_embeddings=bool(c.get("tie_word_embeddings", False)),
+        bos_token_id=c.get("bos_token_id"), eos_token_ids=eos_ids)
+
+
+def load_hf_dir(path: Path) -> tuple[ModelConfig, dict[str, np.ndarray]]:
+    """Read config.json and every *.safetensors file of an HF checkpoint directory."""
+    from safetensors import safe_open
+
+    cfg = hf_config(json.loads((path / "config.json").read_text()))
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{path} has config.json but no *.safetensors files")
+    tensors: dict[str, np.ndarray] = {}
+    for file in files:
+        with safe_open(str(file), framework="flax") as f:
+            for name in f.keys():
+                tensors[name] = np.asarray(f.get_tensor(name), dtype=np.float32)
+    return cfg, from_hf_names(cfg, tensors.__getitem__)
+
+
+def from_hf_names(cfg: ModelConfig, get: Callable[[str], np.ndarray]) -> dict[str, np.ndarray]:
+    """HF tensor names and [out, in] matrices -> our stacked parameters (see `param_decls`)."""
+    E, H, K, D = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+
+    def stack(suffix: str, fn: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
+        return np.stack([fn(get(f"model.layers.{i}.{suffix}")) for i in range(cfg.num_layers)])
+
+    values = {
+        "embed": get("model.embed_tokens.weight"),
+        "final_norm": get("model.norm.weight"),
+        "attn_norm": stack("input_layernorm.weight", lambda w: w),
+        "mlp_norm": stack("post_attention_layernorm.weight", lambda w: w),
+        "wq": stack("self_attn.q_proj.weight", lambda w: w.T.reshape(E, H, D)),
+        "wk": stack("self_attn.k_proj.weight", lambda w: w.T.reshape(E, K, D)),
+        "wv": stack("self_attn.v_proj.weight", lambda w: w.T.reshape(E, K, D)),
+        "wo": stack("self_attn.o_proj.weight", lambda w: w.T.reshape(H, D, E)),
+        "w_gate": stack("mlp.gate_proj.weight", lambda w: w.T),
+        "w_up": stack("mlp.up_proj.weight", lambda w: w.T),
+        "w_down": stack("mlp.down_proj.weight", lambda w: w.T),
+    }
+    if not cfg.tie_embeddings:
+        values["lm_head"] = get("lm_head.weight").T
+    return values
+
+
+def save_orbax(path: Path, cfg: ModelConfig, values: dict, dtype: str) -> None:
+    """Write converted weights as an orbax checkpoint plus the architecture as JSON."""
+    import orbax.checkpoint as ocp
+
+    path = Path(path).resolve()
+    path.mkdir(parents=True, exist_ok=True)
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(path / "params", values, force=True)
+    meta = {"config": cfg.to_dict(), "dtype": dtype}
+    (path / ORBAX_MARKER).write_text(json.dumps(meta, indent=2))
+
+
+def load_orbax(path: Path, target: dict | None = None) -> tuple[ModelConfig, dict]:
+    """Restore an orbax checkpoint. `target` (name -> ShapeDtypeStruct with sharding) restores
+    straight into those shardings; without it, arrays land on the default device."""
+    import orbax.checkpoint as ocp
+
+    path = Path(path).resolve()
+    meta = json.loads((path / ORBAX_MARKER).read_text())
+    cfg = ModelConfig.from_dict(meta["config"])
+    with ocp.StandardCheckpointer() as ckptr:
+        values = ckptr.restore(path / "params", target)
+    return cfg, dict(values)
+
+
+def load_weights(source) -> tuple[ModelConfig, dict]:
+    """Dispatch on a resolved `ModelSource`."""
+    loaders = {"gguf": load_gguf, "hf": load_hf_dir, "orbax": load_orbax}
+    if source.kind not in loaders:
+        raise ValueError(f"model {source.name!r} has no weights (architecture-only preset); "
+                         "use EngineConfig(random_weights=True) for benchmarks")
+    return loaders[source.kind](source.path)

