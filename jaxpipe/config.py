@@ -127,7 +127,8 @@ class EngineConfig:
 
     def __post_init__(self):
         if not isinstance(self.model, (str, os.PathLike)) or not str(self.model):
-            raise ValueError(f"EngineConfig.model must be a preset name or a path, got {self.model!r}")
+            raise ValueError(
+                f"EngineConfig.model must be a preset name or a path, got {self.model!r}")
         self.model = str(self.model)
         if self.dtype not in DTYPES:
             raise ValueError(f"EngineConfig.dtype must be one of {DTYPES}, got {self.dtype!r}")

@@ -66,7 +66,8 @@ class Engine:
         """Queue one request; returns its id. Raises ValueError on bad input (nothing queued)."""
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
-            raise TypeError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+            raise TypeError(
+                f"sampling params must be a SamplingParams, got {type(params).__name__}")
         ids = self._prompt_ids(prompt, prompt_token_ids)
         max_tokens = self._max_tokens(ids, params)
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
@@ -164,15 +165,20 @@ class Engine:
         shape per length bucket, so that generation does not stop to compile."""
         from tqdm.auto import tqdm
 
-        shapes = [("decode", self.buckets.decode_batch[-1], kv) for kv in self.buckets.kv_len]
-        shapes += [("prefill", 1, t) for t in self.buckets.prefill_len]
+        shapes = [("decode", b, kv) for b in self.buckets.decode_batch
+                  for kv in self.buckets.kv_len]
+        shapes += [("prefill", b, t) for t in self.buckets.prefill_len
+                   for b in self.buckets.prefill_batch if b * t <= self.buckets.prefill_tokens]
         for kind, b, n in tqdm(shapes, desc="jaxpipe: compiling", unit="shape",
                                disable=not self.config.show_progress):
-            if kind == "decode":
-                zeros = np.zeros(b, np.int32)
-                self.runner.decode(zeros, zeros, _neutral_plan(b), n)
+            if kind == "decode":  # one live row at position n - 1 selects kv bucket n
+                positions = np.zeros(b, np.int32)
+                positions[0] = n - 1
+                self.runner.decode(np.zeros(b, np.int32), positions, positions == n - 1,
+                                   _neutral_plan(b))
             else:
-                self.runner.prefill([[0]], [0], _neutral_plan(b), (b, n))
+                self.runner.prefill([[0]], [self.config.max_num_seqs - 1], _neutral_plan(b),
+                                    (b, n))
 
     # ---- one step -----------------------------------------------------------------------------
 
@@ -201,10 +207,10 @@ class Engine:
         by_row: list[Sequence | None] = [None] * rows
         for s in seqs:
             tokens[s.slot], positions[s.slot], by_row[s.slot] = s.last_token, s.num_tokens - 1, s
-        kv_len = self.runner.kv_len_bucket(int(positions.max()))
+        active = np.array([s is not None for s in by_row])
         self._stats["decode_rows_active"] += len(seqs)
         self._stats["decode_rows_padded"] += rows
-        out = self.runner.decode(tokens, positions, self._row_plan(by_row), kv_len)
+        out = self.runner.decode(tokens, positions, active, self._row_plan(by_row))
         return _select_rows(out, [s.slot for s in seqs])
 
     def _sampling_plan(self, seqs: list[Sequence], rows: int) -> SamplingPlan:

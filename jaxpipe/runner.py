@@ -1,9 +1,15 @@
 """The runner owns every device array and compiled function; it decides nothing.
 
-Two jitted steps, each compiled once per static shape (see `buckets.py`):
-  prefill: prompts [b, T] -> KV written into their slots, first token sampled
-  decode:  one token for slots 0..B-1 over the first `kv_len` cached positions
-The KV cache and the penalty state are donated through both, so they are updated in place.
+A step is dispatched one layer at a time, each piece a small jitted program compiled once per
+static shape (see `buckets.py`):
+  prefill: embed [b, T] -> per layer: attention + MLP, K/V written into the slots -> logits
+  decode:  embed [B] -> per layer: qkv + K/V write | attention per block of rows | out + MLP
+           -> logits -> sample
+Why per layer: a block of `attn_block` rows attends over *its own* KV-length bucket (the
+longest sequence in that block, not in the whole batch), blocks with no running sequence are
+skipped, and each program is one layer, so compiling a shape costs ~1/30 of a whole-model
+program. Dispatch costs ~0.1 ms per program, small next to a step (~100s of ms). Each layer's
+KV buffer and the penalty state are donated, so they are updated in place.
 """
 
 from __future__ import annotations
@@ -15,11 +21,11 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from jaxpipe import sampling
 from jaxpipe.buckets import Buckets, round_up
 from jaxpipe.kv import device_cache
+from jaxpipe.model import llama
 from jaxpipe.model.llama import Llama
 from jaxpipe.sampling import SamplingTensors
 
@@ -46,12 +52,16 @@ class SamplingPlan:
     num_logprobs: int | None  # None: no logprobs this step
 
 
-def _prefill_logits(graphdef, params, cache, tokens, lengths, slots):
-    return nnx.merge(graphdef, params).prefill(tokens, lengths, slots, cache)
+def _attend_into(out, q, cache, positions, start, *, kv_len: int, rows: int):
+    """Attention for rows start..start+rows-1, written into out [B, H, D] (donated)."""
+    qb = jax.lax.dynamic_slice_in_dim(q, start, rows)  # [R, H, D]
+    pb = jax.lax.dynamic_slice_in_dim(positions, start, rows)  # [R]
+    attn = llama.attend_rows(qb, cache, pb, start, kv_len)
+    return jax.lax.dynamic_update_slice_in_dim(out, attn, start, 0)
 
 
-def _decode_logits(graphdef, params, cache, tokens, positions, *, kv_len):
-    return nnx.merge(graphdef, params).decode(tokens, positions, cache, kv_len)
+def _prefill_logits(cfg, head, x, lengths):
+    return llama.logits(cfg, head, llama.last_positions(x, lengths))
 
 
 def _sample(logits, prompt_mask, out_counts, rows, tensors, *, mode, penalties, num_logprobs):
@@ -79,20 +89,28 @@ def _reset_penalty_rows(prompt_mask, out_counts, tokens, lengths, slots):
 
 
 class Runner:
-    """Device state (weights, KV slots, penalty counts) and the compiled steps."""
+    """Device state (weights, KV slots, penalty counts) and the compiled pieces of a step."""
 
-    def __init__(self, model: Llama, buckets: Buckets, num_slots: int, max_len: int, dtype):
-        self.config = model.config
+    def __init__(self, model: Llama, buckets: Buckets, num_slots: int, max_len: int, dtype,
+                 attn_block: int = 32):
+        cfg = self.config = model.config
         self.buckets = buckets
         self.num_slots, self.max_len = num_slots, max_len
-        self.graphdef, self.params = nnx.split(model)
-        self.cache = device_cache.allocate(self.config, num_slots, max_len, dtype)
-        vocab = self.config.vocab_size
+        self.attn_block = attn_block
+        self.head = model.head()
+        self.layers = [model.layer(i) for i in range(cfg.num_layers)]
+        self.cache = list(device_cache.allocate(cfg, num_slots, max_len, dtype))
+        vocab = cfg.vocab_size
         self.prompt_mask = jnp.zeros((num_slots, vocab), bool)  # [N, V]
         self.out_counts = jnp.zeros((num_slots, vocab), jnp.int32)  # [N, V]
-        self._prefill = jax.jit(partial(_prefill_logits, self.graphdef), donate_argnames="cache")
-        self._decode = jax.jit(partial(_decode_logits, self.graphdef),
-                               static_argnames="kv_len", donate_argnames="cache")
+        self._embed = jax.jit(llama.embed)
+        self._prefill_layer = jax.jit(partial(llama.prefill_layer, cfg), donate_argnames="cache")
+        self._prefill_logits = jax.jit(partial(_prefill_logits, cfg))
+        self._decode_qkv = jax.jit(partial(llama.decode_qkv, cfg), donate_argnames="cache")
+        self._attend = jax.jit(_attend_into, static_argnames=("kv_len", "rows"),
+                               donate_argnames="out")
+        self._out_mlp = jax.jit(partial(llama.attn_out_mlp, cfg))
+        self._logits = jax.jit(partial(llama.logits, cfg))
         self._sample = jax.jit(_sample, static_argnames=_STATIC,
                                donate_argnames=("prompt_mask", "out_counts"))
         self._reset = jax.jit(_reset_penalty_rows, donate_argnames=("prompt_mask", "out_counts"))
@@ -108,22 +126,46 @@ class Runner:
         slot_arr = np.full(b, self.num_slots, np.int32)  # padding rows: out of range, dropped
         for i, (ids, slot) in enumerate(zip(prompts, slots, strict=True)):
             tokens[i, : len(ids)], lengths[i], slot_arr[i] = ids, len(ids), slot
-        logits, self.cache = self._timed(("prefill", b, t), self._prefill, self.params,
-                                         self.cache, tokens, lengths, slot_arr)
+        key = ("prefill", b, t)
+        x = self._embed(self.head, tokens)
+        for i, p in enumerate(self.layers):
+            x, self.cache[i] = self._once(key, self._prefill_layer, p, x, self.cache[i], slot_arr)
+        logits = self._once(key + ("logits",), self._prefill_logits, self.head, x, lengths)
         if plan.penalties:
             self.prompt_mask, self.out_counts = self._reset(
                 self.prompt_mask, self.out_counts, tokens, lengths, slot_arr)
         return self._sample_host(logits, slot_arr, plan, len(prompts))
 
-    def decode(self, tokens: np.ndarray, positions: np.ndarray, plan: SamplingPlan,
-               kv_len: int) -> StepOutput:
-        """One token for slots 0..B-1 (B = len(tokens), a bucket); rows past the active ones
-        are padding whose outputs are ignored."""
-        logits, self.cache = self._timed(
-            ("decode", len(tokens), kv_len), partial(self._decode, kv_len=kv_len), self.params,
-            self.cache, tokens, positions)
+    def decode(self, tokens: np.ndarray, positions: np.ndarray, active: np.ndarray,
+               plan: SamplingPlan) -> StepOutput:
+        """One token for slots 0..B-1 (B = len(tokens), a bucket). Rows where `active` is
+        False are padding: their outputs are garbage and are ignored by the caller."""
+        blocks = self.attention_blocks(positions, active)
+        x = self._embed(self.head, tokens)
+        for i, p in enumerate(self.layers):
+            q, self.cache[i] = self._once(("qkv", len(tokens)), self._decode_qkv, p, x,
+                                          positions, self.cache[i])
+            attn = jnp.zeros_like(q)
+            for start, rows, kv_len in blocks:
+                attn = self._once(("attend", rows, kv_len), self._attend, attn, q,
+                                  self.cache[i], positions, np.int32(start), kv_len=kv_len,
+                                  rows=rows)
+            x = self._once(("out_mlp", len(tokens)), self._out_mlp, p, x, attn)
+        logits = self._once(("logits", len(tokens)), self._logits, self.head, x)
         return self._sample_host(logits, np.arange(len(tokens), dtype=np.int32), plan,
                                  len(tokens))
+
+    def attention_blocks(self, positions: np.ndarray, active: np.ndarray):
+        """(start, rows, kv_len) of each block of rows holding a running sequence; kv_len is
+        the bucket of the block's own longest sequence."""
+        rows = min(self.attn_block, len(positions))
+        blocks = []
+        for start in range(0, len(positions), rows):
+            live = active[start:start + rows]
+            if live.any():
+                longest = int(positions[start:start + rows][live].max())
+                blocks.append((start, rows, round_up(longest + 1, self.buckets.kv_len)))
+        return blocks
 
     def _sample_host(self, logits, rows, plan: SamplingPlan, n: int) -> StepOutput:
         tokens, lp, self.prompt_mask, self.out_counts = self._sample(
@@ -131,19 +173,15 @@ class Runner:
             penalties=plan.penalties, num_logprobs=plan.num_logprobs)
         return _to_host(tokens, lp, n)
 
-    def _timed(self, key: tuple, fn, *args):
-        """Call a model step; the first call of each shape is timed as its compilation."""
+    def _once(self, key: tuple, fn, *args, **kwargs):
+        """Call a compiled piece; the first call of each shape is timed as its compilation."""
         if key in self.compiled:
-            return fn(*args)
+            return fn(*args, **kwargs)
         start = time.perf_counter()
-        out = jax.block_until_ready(fn(*args))
+        out = jax.block_until_ready(fn(*args, **kwargs))
         self.compiled.add(key)
         self.compile_seconds += time.perf_counter() - start
         return out
-
-    def kv_len_bucket(self, longest_position: int) -> int:
-        """Cached positions a decode step must read: bucket of (largest position + 1)."""
-        return round_up(longest_position + 1, self.buckets.kv_len)
 
 
 def _to_host(tokens, lp, n: int) -> StepOutput:

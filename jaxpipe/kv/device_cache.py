@@ -1,7 +1,9 @@
 """The device KV store: one slot per running sequence, HND layout per slot.
 
-Layout `[layers, slots, kv_heads, seq, head_dim]` keeps each (sequence, head) contiguous over
-tokens, which is what attention over the cache reads (DESIGN.md: HND is 4x faster than NHD here).
+The store is a tuple of per-layer caches, each `[slots, kv_heads, seq, head_dim]`, so each
+layer's buffer is donated and updated on its own (and can live on its pipeline stage). HND keeps
+each (sequence, head) contiguous over tokens, which is what attention over the cache reads
+(DESIGN.md: HND is 4x faster than NHD here).
 
 bf16 caches are *stored* as their uint16 bit patterns: XLA's CPU backend upcasts bf16 buffers
 to f32 around a dynamic-update-slice or scatter, turning each one-token write into a copy of
@@ -19,22 +21,14 @@ import jax.numpy as jnp
 from jaxpipe.config import ModelConfig
 
 # Logical axes of each cache array; the sharding rules map them to mesh axes.
-KV_AXES = ("layers", "batch", "kv_heads", "seq", "head_dim")
+KV_AXES = ("batch", "kv_heads", "seq", "head_dim")
 
 
 class KVCache(NamedTuple):
-    """Keys and values of every slot. Donated through each decode step."""
+    """Keys and values of every slot for one layer. Donated through each step."""
 
-    k: jax.Array  # [L, N, Hkv, S, D]
-    v: jax.Array  # [L, N, Hkv, S, D]
-
-    @property
-    def num_slots(self) -> int:
-        return self.k.shape[1]
-
-    @property
-    def max_len(self) -> int:
-        return self.k.shape[3]
+    k: jax.Array  # [N, Hkv, S, D]
+    v: jax.Array  # [N, Hkv, S, D]
 
 
 def storage_dtype(dtype) -> jnp.dtype:
@@ -56,15 +50,12 @@ def from_storage(x: jax.Array) -> jax.Array:
     return x
 
 
-def kv_shape(cfg: ModelConfig, num_slots: int, max_len: int) -> tuple[int, ...]:
-    return (cfg.num_layers, num_slots, cfg.num_kv_heads, max_len, cfg.head_dim)
-
-
-def allocate(cfg: ModelConfig, num_slots: int, max_len: int, dtype) -> KVCache:
-    """Zeroed cache for `num_slots` sequences of up to `max_len` tokens."""
-    shape = kv_shape(cfg, num_slots, max_len)
+def allocate(cfg: ModelConfig, num_slots: int, max_len: int, dtype) -> tuple[KVCache, ...]:
+    """Zeroed per-layer caches for `num_slots` sequences of up to `max_len` tokens."""
+    shape = (num_slots, cfg.num_kv_heads, max_len, cfg.head_dim)
     store = storage_dtype(dtype)
-    return KVCache(jnp.zeros(shape, store), jnp.zeros(shape, store))
+    return tuple(KVCache(jnp.zeros(shape, store), jnp.zeros(shape, store))
+                 for _ in range(cfg.num_layers))
 
 
 def cache_bytes(cfg: ModelConfig, num_slots: int, max_len: int, dtype_bytes: int) -> int:

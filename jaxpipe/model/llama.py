@@ -4,10 +4,11 @@ Layers are stacked along a leading "layers" axis so a pipeline layout can shard 
 tensor-parallel layout can shard heads / mlp: switching layouts is a `device_put` of the same
 pytree. Every parameter carries logical axis names (never a physical mesh axis).
 
-The model is pure: the KV cache goes in and comes out. Two entry points:
+The math lives in pure per-layer functions over plain arrays (`LayerParams`), so that the runner
+can dispatch a layer at a time and the whole-model methods below are just loops over them:
   prefill(tokens [b, T], lengths [b], slots [b], cache) -> (last-token logits [b, V], cache)
   decode(tokens [B], positions [B], cache, kv_len)       -> (logits [B, V], cache)
-Decode runs on cache slots 0..B-1 and attends over the first `kv_len` positions (a static bucket).
+`cache` is a tuple of per-layer `KVCache`s; decode reads slots 0..B-1 up to `kv_len` positions.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from flax import nnx
 from jaxpipe.config import ModelConfig
 from jaxpipe.kv.device_cache import KVCache, from_storage, to_storage
 
+LAYER_PARAMS = ("attn_norm", "wq", "wkv", "wo", "mlp_norm", "w_gate_up", "w_down")
+
 
 class ParamDecl(NamedTuple):
     """One parameter, declared once: everything else (init, shardings) derives from it."""
@@ -33,19 +36,23 @@ class ParamDecl(NamedTuple):
 
 
 def param_decls(cfg: ModelConfig) -> dict[str, ParamDecl]:
-    """The model's parameters: shape, logical axes and initializer of each."""
+    """The model's parameters: shape, logical axes and initializer of each.
+
+    K and V projections share one weight (`wkv`, pair axis first) and so do gate and up
+    (`w_gate_up`): fewer, larger matmuls, which is what the CPU backend needs at decode batch
+    sizes. The pair axes are never sharded, so TP splits heads / mlp exactly as unfused.
+    """
     L, E, H, K, D, F, V = (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads,
                            cfg.head_dim, cfg.intermediate_size, cfg.vocab_size)
     decls = {
         "embed": ParamDecl((V, E), ("vocab", "embed"), "normal"),
         "attn_norm": ParamDecl((L, E), ("layers", "embed"), "ones"),
         "wq": ParamDecl((L, E, H, D), ("layers", "embed", "heads", "head_dim"), "fan_in", E),
-        "wk": ParamDecl((L, E, K, D), ("layers", "embed", "kv_heads", "head_dim"), "fan_in", E),
-        "wv": ParamDecl((L, E, K, D), ("layers", "embed", "kv_heads", "head_dim"), "fan_in", E),
+        "wkv": ParamDecl((L, E, 2, K, D), ("layers", "embed", "kv_pair", "kv_heads", "head_dim"),
+                         "fan_in", E),
         "wo": ParamDecl((L, H, D, E), ("layers", "heads", "head_dim", "embed"), "fan_in", H * D),
         "mlp_norm": ParamDecl((L, E), ("layers", "embed"), "ones"),
-        "w_gate": ParamDecl((L, E, F), ("layers", "embed", "mlp"), "fan_in", E),
-        "w_up": ParamDecl((L, E, F), ("layers", "embed", "mlp"), "fan_in", E),
+        "w_gate_up": ParamDecl((L, E, 2, F), ("layers", "embed", "gate_up", "mlp"), "fan_in", E),
         "w_down": ParamDecl((L, F, E), ("layers", "mlp", "embed"), "fan_in", F),
         "final_norm": ParamDecl((E,), ("embed",), "ones"),
     }
@@ -59,6 +66,26 @@ def _init_value(decl: ParamDecl, key: jax.Array, dtype) -> jax.Array:
         return jnp.ones(decl.shape, dtype)
     std = 0.02 if decl.init == "normal" else 1.0 / math.sqrt(decl.fan_in)
     return (std * jax.random.normal(key, decl.shape, jnp.float32)).astype(dtype)
+
+
+class LayerParams(NamedTuple):
+    """One decoder layer's weights (a slice of the stacked parameters)."""
+
+    attn_norm: jax.Array  # [E]
+    wq: jax.Array  # [E, H, D]
+    wkv: jax.Array  # [E, 2, Hkv, D]
+    wo: jax.Array  # [H, D, E]
+    mlp_norm: jax.Array  # [E]
+    w_gate_up: jax.Array  # [E, 2, F]
+    w_down: jax.Array  # [F, E]
+
+
+class HeadParams(NamedTuple):
+    """What turns tokens into the residual stream and back into logits."""
+
+    embed: jax.Array  # [V, E]
+    final_norm: jax.Array  # [E]
+    lm_head: jax.Array | None  # [E, V], None when tied to `embed`
 
 
 class Llama(nnx.Module):
@@ -83,78 +110,114 @@ class Llama(nnx.Module):
                 value = _init_value(decl, rngs.params(), dtype)
             setattr(self, name, nnx.Param(value, sharding_names=decl.axes, eager_sharding=False))
 
-    def prefill(self, tokens, lengths, slots, cache: KVCache):
-        """Run whole prompts, write their KV into `slots`, return last-token logits.
+    def layer(self, index: int) -> LayerParams:
+        return LayerParams(*(getattr(self, n)[index] for n in LAYER_PARAMS))
 
-        tokens [b, T] i32 (right-padded), lengths [b] i32, slots [b] i32 -> logits [b, V] f32.
-        """
-        b, t = tokens.shape
-        positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-        x = self.embed[...][tokens].astype(jnp.float32)  # [b, T, E]
-        k_all, v_all = cache
-        for layer in range(self.config.num_layers):
-            with jax.named_scope(f"layer{layer}"):
-                x, k, v = self._prefill_layer(layer, x, positions)
-                # Cache is HND: [b, T, Hkv, D] -> [b, Hkv, T, D] at slots, positions 0..T-1.
-                # Rows whose slot is out of range (batch padding) are dropped.
-                k_all = k_all.at[layer, slots, :, :t].set(
-                    to_storage(k.transpose(0, 2, 1, 3), k_all), mode="drop")
-                v_all = v_all.at[layer, slots, :, :t].set(
-                    to_storage(v.transpose(0, 2, 1, 3), v_all), mode="drop")
-        last = x[jnp.arange(b), lengths - 1]  # [b, E]
-        return self._logits(last), KVCache(k_all, v_all)
+    def head(self) -> HeadParams:
+        lm_head = None if self.config.tie_embeddings else self.lm_head[...]
+        return HeadParams(self.embed[...], self.final_norm[...], lm_head)
 
-    def decode(self, tokens, positions, cache: KVCache, kv_len: int):
-        """One token for each of slots 0..B-1. tokens, positions [B] i32 -> logits [B, V] f32."""
-        x = self.embed[...][tokens].astype(jnp.float32)  # [B, E]
-        k_all, v_all = cache
-        rows = jnp.arange(tokens.shape[0])
-        for layer in range(self.config.num_layers):
-            with jax.named_scope(f"layer{layer}"):
-                h = rms_norm(x, self.attn_norm[layer], self.config.rms_norm_eps)
-                q, k, v = self._qkv(layer, h[:, None], positions[:, None])  # [B, 1, H|Hkv, D]
-                k_all = k_all.at[layer, rows, :, positions].set(to_storage(k[:, 0], k_all))
-                v_all = v_all.at[layer, rows, :, positions].set(to_storage(v[:, 0], v_all))
-                kc = from_storage(k_all[layer, : tokens.shape[0], :, :kv_len])  # [B, Hkv, S, D]
-                vc = from_storage(v_all[layer, : tokens.shape[0], :, :kv_len])
-                attn = decode_attention(q[:, 0], kc, vc, positions)  # [B, H, D]
-                x = x + self._proj(attn, self.wo[layer], "bhd,hde->be")
-                x = x + self._mlp(layer, x)
-        return self._logits(x), KVCache(k_all, v_all)
+    def prefill(self, tokens, lengths, slots, cache: tuple[KVCache, ...]):
+        """Whole prompts through every layer (one program); see module docstring."""
+        cfg, head = self.config, self.head()
+        x = embed(head, tokens)
+        new_cache = []
+        for i, layer_cache in enumerate(cache):
+            with jax.named_scope(f"layer{i}"):
+                x, layer_cache = prefill_layer(cfg, self.layer(i), x, layer_cache, slots)
+            new_cache.append(layer_cache)
+        return logits(cfg, head, last_positions(x, lengths)), tuple(new_cache)
 
-    def _prefill_layer(self, layer: int, x, positions):
-        h = rms_norm(x, self.attn_norm[layer], self.config.rms_norm_eps)
-        q, k, v = self._qkv(layer, h, positions)  # [b, T, H|Hkv, D]
-        attn = causal_attention(q, k, v)  # [b, T, H, D]
-        x = x + self._proj(attn, self.wo[layer], "bthd,hde->bte")
-        return x + self._mlp(layer, x), k, v
+    def decode(self, tokens, positions, cache: tuple[KVCache, ...], kv_len: int):
+        """One token for slots 0..B-1 through every layer (one program)."""
+        cfg, head = self.config, self.head()
+        x = embed(head, tokens)
+        new_cache = []
+        for i, layer_cache in enumerate(cache):
+            with jax.named_scope(f"layer{i}"):
+                p = self.layer(i)
+                q, layer_cache = decode_qkv(cfg, p, x, positions, layer_cache)
+                attn = attend_rows(q, layer_cache, positions, 0, kv_len)
+                x = attn_out_mlp(cfg, p, x, attn)
+            new_cache.append(layer_cache)
+        return logits(cfg, head, x), tuple(new_cache)
 
-    def _qkv(self, layer: int, h, positions):
-        """h [..., T, E] -> roped q [..., T, H, D], roped k and v [..., T, Hkv, D]."""
-        q = self._proj(h, self.wq[layer], "...te,ehd->...thd")
-        k = self._proj(h, self.wk[layer], "...te,ehd->...thd")
-        v = self._proj(h, self.wv[layer], "...te,ehd->...thd")
-        cos, sin = rope_tables(self.config, positions)  # [..., T, D]
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
-    def _mlp(self, layer: int, x):
-        h = rms_norm(x, self.mlp_norm[layer], self.config.rms_norm_eps)
-        gate = self._proj(h, self.w_gate[layer], "...e,ef->...f")
-        up = self._proj(h, self.w_up[layer], "...e,ef->...f")
-        return self._proj(jax.nn.silu(gate) * up, self.w_down[layer], "...f,fe->...e")
+# ---- per-layer functions (pure, over arrays) ---------------------------------------------------
 
-    def _logits(self, x):
-        """x [b, E] f32 -> logits [b, V] f32."""
-        h = rms_norm(x, self.final_norm[...], self.config.rms_norm_eps)
-        if self.config.tie_embeddings:
-            return self._proj(h, self.embed[...], "be,ve->bv")
-        return self._proj(h, self.lm_head[...], "be,ev->bv")
 
-    @staticmethod
-    def _proj(x, w, spec: str):
-        # Cast activations to the weight dtype and accumulate in f32: with bf16 weights this is
-        # the native bf16 path on CPU (DESIGN.md); the residual stream stays f32.
-        return jnp.einsum(spec, x.astype(w.dtype), w, preferred_element_type=jnp.float32)
+def embed(head: HeadParams, tokens):
+    """tokens [...] i32 -> residual stream [..., E] f32."""
+    return jnp.take(head.embed, tokens, axis=0).astype(jnp.float32)
+
+
+def _proj(x, w, spec: str):
+    # Activations are cast to the weight dtype and accumulate in f32: with bf16 weights this is
+    # the native bf16 path on CPU (DESIGN.md); the residual stream stays f32.
+    return jnp.einsum(spec, x.astype(w.dtype), w, preferred_element_type=jnp.float32)
+
+
+def qkv(cfg: ModelConfig, p: LayerParams, x, positions):
+    """x [..., E], positions [...] -> roped q [..., H, D], roped k and v [..., Hkv, D] (f32)."""
+    h = rms_norm(x, p.attn_norm, cfg.rms_norm_eps)
+    q = _proj(h, p.wq, "...e,ehd->...hd")
+    kv = _proj(h, p.wkv, "...e,ekhd->...khd")  # [..., 2, Hkv, D]
+    cos, sin = rope_tables(cfg, positions)  # [..., 1, D]
+    return apply_rope(q, cos, sin), apply_rope(kv[..., 0, :, :], cos, sin), kv[..., 1, :, :]
+
+
+def attn_out_mlp(cfg: ModelConfig, p: LayerParams, x, attn):
+    """Residual updates after attention: x [..., E], attn [..., H, D] -> x [..., E]."""
+    x = x + _proj(attn, p.wo, "...hd,hde->...e")
+    h = rms_norm(x, p.mlp_norm, cfg.rms_norm_eps)
+    gate_up = _proj(h, p.w_gate_up, "...e,eif->...if")  # [..., 2, F]
+    act = jax.nn.silu(gate_up[..., 0, :]) * gate_up[..., 1, :]
+    return x + _proj(act, p.w_down, "...f,fe->...e")
+
+
+def prefill_layer(cfg: ModelConfig, p: LayerParams, x, cache: KVCache, slots):
+    """One layer over whole prompts. x [b, T, E]; writes K/V of positions 0..T-1 into `slots`
+    (rows whose slot is out of range — batch padding — are dropped)."""
+    t = x.shape[1]
+    positions = jnp.arange(t, dtype=jnp.int32)[None, :]  # [1, T]
+    q, k, v = qkv(cfg, p, x, positions)  # [b, T, H|Hkv, D]
+    cache = KVCache(
+        cache.k.at[slots, :, :t].set(to_storage(k.transpose(0, 2, 1, 3), cache.k), mode="drop"),
+        cache.v.at[slots, :, :t].set(to_storage(v.transpose(0, 2, 1, 3), cache.v), mode="drop"))
+    return attn_out_mlp(cfg, p, x, causal_attention(q, k, v)), cache
+
+
+def decode_qkv(cfg: ModelConfig, p: LayerParams, x, positions, cache: KVCache):
+    """Project one token per row (x [B, E]) and write its K/V at `positions` of slots 0..B-1.
+    Returns q [B, H, D] and the updated cache."""
+    q, k, v = qkv(cfg, p, x, positions)
+    rows = jnp.arange(x.shape[0])
+    cache = KVCache(cache.k.at[rows, :, positions].set(to_storage(k, cache.k)),
+                    cache.v.at[rows, :, positions].set(to_storage(v, cache.v)))
+    return q, cache
+
+
+def attend_rows(q, cache: KVCache, positions, start, kv_len: int):
+    """Attention of rows start..start+R-1 (R = q.shape[0]) over their first kv_len positions.
+    q [R, H, D] f32, positions [R]; `start` may be traced."""
+    r = q.shape[0]
+    _, hkv, _, d = cache.k.shape
+    k = jax.lax.dynamic_slice(cache.k, (start, 0, 0, 0), (r, hkv, kv_len, d))
+    v = jax.lax.dynamic_slice(cache.v, (start, 0, 0, 0), (r, hkv, kv_len, d))
+    return decode_attention(q, from_storage(k), from_storage(v), positions)
+
+
+def last_positions(x, lengths):
+    """x [b, T, E] -> the residual at each prompt's last token [b, E]."""
+    return x[jnp.arange(x.shape[0]), lengths - 1]
+
+
+def logits(cfg: ModelConfig, head: HeadParams, x):
+    """x [b, E] f32 -> logits [b, V] f32."""
+    h = rms_norm(x, head.final_norm, cfg.rms_norm_eps)
+    if head.lm_head is None:
+        return _proj(h, head.embed, "be,ve->bv")
+    return _proj(h, head.lm_head, "be,ev->bv")
 
 
 def rms_norm(x, weight, eps: float):

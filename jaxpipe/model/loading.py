@@ -153,11 +153,11 @@ def from_hf_names(cfg: ModelConfig, get: Callable[[str], np.ndarray]) -> dict[st
         "attn_norm": stack("input_layernorm.weight", lambda w: w),
         "mlp_norm": stack("post_attention_layernorm.weight", lambda w: w),
         "wq": stack("self_attn.q_proj.weight", lambda w: w.T.reshape(E, H, D)),
-        "wk": stack("self_attn.k_proj.weight", lambda w: w.T.reshape(E, K, D)),
-        "wv": stack("self_attn.v_proj.weight", lambda w: w.T.reshape(E, K, D)),
+        "wkv": np.stack([stack(f"self_attn.{n}_proj.weight", lambda w: w.T.reshape(E, K, D))
+                         for n in "kv"], axis=2),  # [L, E, 2, Hkv, D]
         "wo": stack("self_attn.o_proj.weight", lambda w: w.T.reshape(H, D, E)),
-        "w_gate": stack("mlp.gate_proj.weight", lambda w: w.T),
-        "w_up": stack("mlp.up_proj.weight", lambda w: w.T),
+        "w_gate_up": np.stack([stack(f"mlp.{n}_proj.weight", lambda w: w.T)
+                               for n in ("gate", "up")], axis=2),  # [L, E, 2, F]
         "w_down": stack("mlp.down_proj.weight", lambda w: w.T),
     }
     if not cfg.tie_embeddings:

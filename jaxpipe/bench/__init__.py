@@ -1,0 +1,236 @@
+"""Offline throughput benchmark: jaxpipe vs HF transformers on one seeded workload.
+
+Entry point: `scripts/bench_throughput.py`. The pieces:
+  * `workload`    -- the seeded request set (`make_workload`, `Request`);
+  * `hf_baseline` -- HF static-batch generation and its batch-size sweep;
+  * `matmul`      -- measured JAX matmul GFLOP/s and the model FLOP count;
+  * `report`      -- throughput arithmetic, the table, the JSON.
+This module runs jaxpipe through its public `Engine` API and ties the pieces together.
+torch/transformers are imported only when the HF side runs.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from jaxpipe.bench.report import machine_info, render, throughput, write_json
+from jaxpipe.bench.workload import (
+    Request,
+    default_gguf_path,
+    describe_workload,
+    gguf_vocab,
+    make_workload,
+)
+
+Log = Callable[[str], None]
+
+
+@dataclass
+class BenchConfig:
+    """Everything a benchmark run depends on (mirrors the script's flags)."""
+
+    num_prompts: int = 256
+    seed: int = 0
+    input_len: int | None = None
+    output_len: int | None = None
+    dtype: str = "bfloat16"
+    model: str = "smollm2-135m"
+    gguf: str | None = None  # None: the bundled SmolLM2-135M-Instruct GGUF
+    max_num_seqs: int | None = None  # None: the engine's default
+    max_num_batched_tokens: int | None = None  # None: the engine's default
+    max_model_len: int | None = None  # None: longest request, rounded up to 128
+    warmup_prompts: int = 4
+    hf_batch_sizes: tuple[int, ...] = (16, 32, 64)
+    hf_num_prompts: int | None = None  # None: the whole workload
+    hf_max_seconds: float | None = None
+    skip_hf: bool = False
+    skip_jaxpipe: bool = False
+    skip_matmul: bool = False
+    matmul_repeats: int = 10
+    json_path: str = "out/bench_throughput.json"
+
+
+def default_max_model_len(workload: Sequence[Request], multiple: int = 128) -> int:
+    """Longest prompt + output in the workload, rounded up to a multiple of `multiple`."""
+    longest = max(r.prompt_len + r.output_len for r in workload)
+    return -(-longest // multiple) * multiple
+
+
+def warmup_requests(workload: Sequence[Request], n: int, max_output: int = 16) -> list[Request]:
+    """`n` short warm-up requests shaped like the workload's first ones.
+
+    Prompts are reversed so they share no prefix with the measured requests: a prefix cache
+    warmed by them would otherwise make the timed run look faster than it is.
+    """
+    return [
+        Request(tuple(reversed(r.prompt_token_ids)), min(r.output_len, max_output))
+        for r in workload[:n]
+    ]
+
+
+def check_outputs(outs: Sequence[Any], workload: Sequence[Request]) -> None:
+    """Raise unless every request came back, in order, with exactly its output_len tokens.
+
+    ignore_eos makes the token count part of the contract; a throughput number computed over
+    short or missing outputs would silently overstate the engine.
+    """
+    if len(outs) != len(workload):
+        raise RuntimeError(f"engine returned {len(outs)} outputs for {len(workload)} requests")
+    for i, (out, req) in enumerate(zip(outs, workload, strict=True)):
+        got = len(out.outputs[0].token_ids)
+        if got != req.output_len:
+            raise RuntimeError(f"request {i}: got {got} output tokens, expected {req.output_len}")
+        prompt = getattr(out, "prompt_token_ids", None)
+        if prompt is not None and tuple(prompt) != req.prompt_token_ids:
+            raise RuntimeError(f"request {i}: output is for a different prompt (order mixed up?)")
+
+
+def _generate(engine: Any, requests: Sequence[Request]) -> list[Any]:
+    """Greedy, ignore_eos generation of `requests` through the public Engine API."""
+    from jaxpipe import SamplingParams
+
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True) for r in requests
+    ]
+    return engine.generate(
+        prompt_token_ids=[list(r.prompt_token_ids) for r in requests],
+        sampling_params=params,
+        use_tqdm=False,
+    )
+
+
+def run_jaxpipe(
+    cfg: BenchConfig, workload: Sequence[Request], log: Log = print
+) -> tuple[dict, Any]:
+    """Build the engine, warm it up, time `generate` over the workload.
+
+    Returns (result row, the engine's ModelConfig). Engine construction (weights load, compile)
+    and the warm-up are timed separately and excluded from throughput.
+    """
+    from jaxpipe import Engine, EngineConfig
+
+    engine_cfg = EngineConfig(**_engine_kwargs(cfg, workload))
+    start = time.perf_counter()
+    engine = Engine(engine_cfg)
+    startup_s = time.perf_counter() - start
+    log(f"[jaxpipe] engine built in {startup_s:.1f}s")
+    warmup = warmup_requests(workload, cfg.warmup_prompts)
+    start = time.perf_counter()
+    if warmup:
+        check_outputs(_generate(engine, warmup), warmup)
+    warmup_s = time.perf_counter() - start
+    start = time.perf_counter()
+    outs = _generate(engine, workload)
+    elapsed = time.perf_counter() - start
+    check_outputs(outs, workload)
+    result = throughput(workload, elapsed)
+    result.update(engine="jaxpipe", dtype=cfg.dtype, batch_size=engine_cfg.max_num_seqs)
+    result.update(engine_config=dict(vars(engine_cfg)), startup_s=startup_s, warmup_s=warmup_s)
+    result["engine_stats"] = _engine_stats(engine)
+    log(f"[jaxpipe] {result['output_tok_s']:.1f} output tok/s in {elapsed:.1f}s")
+    return result, engine.model_config
+
+
+def _engine_kwargs(cfg: BenchConfig, workload: Sequence[Request]) -> dict[str, Any]:
+    """EngineConfig arguments: the benchmark's, plus the engine knobs the user set."""
+    kwargs: dict[str, Any] = dict(
+        model=cfg.model,
+        dtype=cfg.dtype,
+        max_model_len=cfg.max_model_len or default_max_model_len(workload),
+        seed=cfg.seed,
+    )
+    # Unset knobs are left out so the engine's own defaults apply (and show up in the JSON).
+    if cfg.max_num_seqs is not None:
+        kwargs["max_num_seqs"] = cfg.max_num_seqs
+    if cfg.max_num_batched_tokens is not None:
+        kwargs["max_num_batched_tokens"] = cfg.max_num_batched_tokens
+    return kwargs
+
+
+def _engine_stats(engine: Any) -> dict | None:
+    """`engine.stats()` if the engine provides it (the contract allows a partial dict)."""
+    try:
+        return dict(engine.stats())
+    except Exception as exc:  # noqa: BLE001 -- stats are informational, never fatal
+        return {"error": repr(exc)}
+
+
+def _flops_summary(
+    cfg: BenchConfig, model_config: Any, jaxpipe: dict, matmul: dict, workload: Sequence[Request]
+) -> dict:
+    """Achieved model FLOP/s of the jaxpipe run and its fraction of the matmul peak."""
+    from jaxpipe.bench.matmul import model_flops
+
+    flops = model_flops(
+        model_config, [r.prompt_len for r in workload], [r.output_len for r in workload]
+    )
+    achieved = flops / jaxpipe["elapsed_s"] / 1e9
+    return {
+        "dtype": cfg.dtype,
+        "model_flops": flops,
+        "achieved_gflops": achieved,
+        "matmul_peak_gflops": matmul["peak_gflops"],
+        "fraction_of_matmul_peak": achieved / matmul["peak_gflops"],
+    }
+
+
+def _run_hf_side(cfg: BenchConfig, workload: Sequence[Request], gguf_path: Path, log: Log) -> dict:
+    """The HF batch-size sweep on the (possibly capped) workload."""
+    from jaxpipe.bench.hf_baseline import sweep_hf
+
+    hf_workload = workload[: cfg.hf_num_prompts] if cfg.hf_num_prompts else workload
+    sweep = sweep_hf(
+        hf_workload,
+        cfg.hf_batch_sizes,
+        cfg.dtype,
+        str(gguf_path.parent),
+        gguf_path.name,
+        max_seconds=cfg.hf_max_seconds,
+        log=log,
+    )
+    # Say what HF actually ran when --hf-num-prompts cut the workload.
+    sweep["workload"] = describe_workload(hf_workload)
+    return sweep
+
+
+def _measure_matmul(cfg: BenchConfig, log: Log) -> dict:
+    """JAX matmul peak (the FLOP/s denominator), plus torch's on the same shapes for context
+    when the HF side runs anyway (torch is then installed and about to be imported)."""
+    from jaxpipe.bench.matmul import measure_peak_gflops
+
+    matmul = measure_peak_gflops(cfg.dtype, repeats=cfg.matmul_repeats)
+    log(f"[matmul] jax {cfg.dtype} peak {matmul['peak_gflops']:.1f} GFLOP/s")
+    if not cfg.skip_hf:
+        ref = measure_peak_gflops(cfg.dtype, repeats=cfg.matmul_repeats, backend="torch")
+        matmul["torch_reference"] = ref
+        log(f"[matmul] torch {cfg.dtype} peak {ref['peak_gflops']:.1f} GFLOP/s (reference)")
+    return matmul
+
+
+def run_benchmark(cfg: BenchConfig, log: Log = print) -> dict:
+    """Run the whole benchmark, print the report, write the JSON; return the result dict."""
+    gguf_path = Path(cfg.gguf) if cfg.gguf else default_gguf_path()
+    vocab_size, special_ids = gguf_vocab(gguf_path)
+    workload = make_workload(
+        cfg.num_prompts, cfg.seed, vocab_size, cfg.input_len, cfg.output_len, special_ids
+    )
+    result: dict[str, Any] = {"config": asdict(cfg), "machine": machine_info()}
+    result["workload"] = describe_workload(workload) | {"seed": cfg.seed, "vocab": vocab_size}
+    log(f"[workload] {result['workload']}")
+    if not cfg.skip_matmul:
+        result["matmul"] = _measure_matmul(cfg, log)
+    if not cfg.skip_jaxpipe:
+        result["jaxpipe"], model_config = run_jaxpipe(cfg, workload, log)
+        if "matmul" in result:
+            result["flops"] = _flops_summary(
+                cfg, model_config, result["jaxpipe"], result["matmul"], workload
+            )
+    if not cfg.skip_hf:
+        result["hf"] = _run_hf_side(cfg, workload, gguf_path, log)
+    log(render(result))
+    log(f"wrote {write_json(result, cfg.json_path)}")
+    return result

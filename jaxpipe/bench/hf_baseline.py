@@ -1,0 +1,173 @@
+"""HF transformers baseline: static-batch greedy generation over the benchmark workload.
+
+This is the "what you get without a serving engine" reference: requests are cut into fixed
+batches in workload order, each batch is left-padded and generated to its longest output. Only
+each request's own output_len counts as output; the padding and the tokens generated past a
+request's length are the cost of static batching, and are charged to HF's elapsed time.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from jaxpipe.bench.report import throughput
+from jaxpipe.bench.workload import Request
+
+_TORCH_DTYPES = ("bfloat16", "float32")
+
+
+def load_hf_model(model_dir: str, gguf_file: str, dtype: str) -> tuple[Any, int]:
+    """Load the GGUF as a dense HF causal LM in `dtype`; return (model, pad token id).
+
+    The GGUF is dequantized at load time (`GgufConfig(dequantize=True)`) so HF runs plain
+    `dtype` matmuls, the same arithmetic jaxpipe does, rather than a packed-weight kernel.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if dtype not in _TORCH_DTYPES:
+        raise ValueError(f"dtype must be one of {_TORCH_DTYPES}, got {dtype!r}")
+    kwargs: dict[str, Any] = {}
+    try:  # transformers >= 5 keeps GGUF weights packed unless told otherwise
+        from transformers import GgufConfig
+
+        kwargs["quantization_config"] = GgufConfig(dequantize=True)
+    except ImportError:  # older releases always dequantize
+        pass
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, gguf_file=gguf_file, dtype=getattr(torch, dtype), **kwargs
+    )
+    model.eval()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, gguf_file=gguf_file)
+    pad_id = tokenizer.pad_token_id
+    if pad_id is None:
+        pad_id = tokenizer.eos_token_id
+    return model, int(pad_id)
+
+
+def _left_pad(batch: Sequence[Request], pad_id: int) -> tuple[Any, Any]:
+    """(input_ids, attention_mask) for `batch`, left-padded to its longest prompt."""
+    import torch
+
+    width = max(r.prompt_len for r in batch)
+    input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(batch), width), dtype=torch.long)
+    for row, req in enumerate(batch):
+        input_ids[row, width - req.prompt_len :] = torch.tensor(req.prompt_token_ids)
+        attention_mask[row, width - req.prompt_len :] = 1
+    return input_ids, attention_mask
+
+
+def _generate_batch(model: Any, batch: Sequence[Request], pad_id: int) -> int:
+    """Greedy-generate one static batch; return the number of token slots HF computed."""
+    input_ids, attention_mask = _left_pad(batch, pad_id)
+    new_tokens = max(r.output_len for r in batch)
+    out = model.generate(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,  # never stop at EOS: every row runs to the batch maximum
+        do_sample=False,
+        pad_token_id=pad_id,
+    )
+    if out.shape[1] != input_ids.shape[1] + new_tokens:
+        raise RuntimeError(
+            f"HF generated {out.shape[1] - input_ids.shape[1]} tokens, expected {new_tokens}"
+        )
+    return int(out.shape[0] * out.shape[1])
+
+
+def warm_up_hf(model: Any, pad_id: int, workload: Sequence[Request]) -> None:
+    """One short generate, so first-call allocation/dispatch costs stay out of the timing."""
+    import torch
+
+    sample = [Request(r.prompt_token_ids, min(r.output_len, 4)) for r in workload[:2]]
+    with torch.inference_mode():
+        _generate_batch(model, sample, pad_id)
+
+
+def run_hf(
+    workload: Sequence[Request],
+    batch_size: int,
+    dtype: str,
+    model_dir: str,
+    gguf_file: str,
+    *,
+    model: Any = None,
+    pad_id: int | None = None,
+    max_seconds: float | None = None,
+) -> dict:
+    """Time HF static-batch generation of `workload` at `batch_size`.
+
+    Pass a preloaded `model`/`pad_id` (from `load_hf_model`) to reuse it across a sweep;
+    otherwise the model is loaded here (loading is never timed). With `max_seconds`, stops
+    after the first batch that ends past the limit and reports throughput over the completed
+    requests (`truncated: true`), an estimate rather than the full-workload number.
+    """
+    import torch
+
+    if model is None or pad_id is None:
+        model, pad_id = load_hf_model(model_dir, gguf_file, dtype)
+    torch.set_num_threads(os.cpu_count() or 1)
+    done: list[Request] = []
+    computed_tokens = 0
+    start = time.perf_counter()
+    with torch.inference_mode():
+        for i in range(0, len(workload), batch_size):
+            batch = workload[i : i + batch_size]
+            computed_tokens += _generate_batch(model, batch, pad_id)
+            done.extend(batch)
+            if max_seconds is not None and time.perf_counter() - start > max_seconds:
+                break
+    elapsed = time.perf_counter() - start
+    result = throughput(done, elapsed)
+    result.update(
+        engine="hf",
+        dtype=dtype,
+        batch_size=batch_size,
+        truncated=len(done) < len(workload),
+        computed_token_slots=computed_tokens,
+        torch_threads=torch.get_num_threads(),
+    )
+    return result
+
+
+def sweep_hf(
+    workload: Sequence[Request],
+    batch_sizes: Sequence[int],
+    dtype: str,
+    model_dir: str,
+    gguf_file: str,
+    max_seconds: float | None = None,
+    log: Any = print,
+) -> dict:
+    """Run `run_hf` at each batch size with one loaded model; return all points and the best.
+
+    "Best" is the highest output tok/s. `max_seconds` caps each sweep point separately.
+    """
+    load_start = time.perf_counter()
+    model, pad_id = load_hf_model(model_dir, gguf_file, dtype)
+    log(f"[hf] loaded model in {time.perf_counter() - load_start:.1f}s")
+    warm_up_hf(model, pad_id, workload)
+    points = []
+    for batch_size in batch_sizes:
+        point = run_hf(
+            workload,
+            batch_size,
+            dtype,
+            model_dir,
+            gguf_file,
+            model=model,
+            pad_id=pad_id,
+            max_seconds=max_seconds,
+        )
+        log(
+            f"[hf] batch {batch_size}: {point['output_tok_s']:.1f} output tok/s over "
+            f"{point['num_requests']} requests in {point['elapsed_s']:.1f}s"
+        )
+        points.append(point)
+    best = max(points, key=lambda p: p["output_tok_s"])
+    return {"points": points, "best": best}

