@@ -107,18 +107,19 @@ class EngineConfig:
         directory (config.json + *.safetensors) or an orbax checkpoint made by scripts/convert.py.
     dtype: "bfloat16" (fast on CPU with f32 accumulation) or "float32".
     max_model_len: longest prompt + output, in tokens (default: min(model limit, 2048)).
-    max_num_seqs: sequences decoded together (device KV slots).
+    max_num_seqs: sequences decoded together (device KV slots). Default: as many as fit in
+        kv_cache_gb at max_model_len tokens each (a multiple of 32, at most 256).
     max_num_batched_tokens: token budget of one prefill batch (padded tokens count).
-    kv_cache_gb: optional cap on the device KV store; construction fails if slots × length
-        would exceed it, saying which knob to lower.
+    kv_cache_gb: size of the device KV store. An explicit max_num_seqs whose slots would not
+        fit raises, saying which knob to change.
     """
 
     model: str = "smollm2-135m"
     dtype: str = "bfloat16"
     max_model_len: int | None = None
-    max_num_seqs: int = 64
+    max_num_seqs: int | None = None
     max_num_batched_tokens: int = 4096
-    kv_cache_gb: float | None = None
+    kv_cache_gb: float = 8.0
     seed: int = 0
     random_weights: bool = False
     compilation_cache_dir: str | None = field(default_factory=_default_cache_dir)
@@ -132,14 +133,15 @@ class EngineConfig:
         self.model = str(self.model)
         if self.dtype not in DTYPES:
             raise ValueError(f"EngineConfig.dtype must be one of {DTYPES}, got {self.dtype!r}")
-        _check_int("max_num_seqs", self.max_num_seqs, 1, 4096)
+        if self.max_num_seqs is not None:
+            _check_int("max_num_seqs", self.max_num_seqs, 1, 4096)
         _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 16, 1 << 20)
         if self.max_model_len is not None:
             _check_int("max_model_len", self.max_model_len, 2, 1 << 20)
         _check_int("seed", self.seed, 0, 2**32 - 1)
-        if self.kv_cache_gb is not None and not (
+        if isinstance(self.kv_cache_gb, bool) or not (
                 isinstance(self.kv_cache_gb, (int, float)) and self.kv_cache_gb > 0):
-            raise ValueError(f"EngineConfig.kv_cache_gb must be a positive number or None, "
+            raise ValueError(f"EngineConfig.kv_cache_gb must be a positive number, "
                              f"got {self.kv_cache_gb!r}")
         if self.compilation_cache_dir is not None:
             self.compilation_cache_dir = str(Path(self.compilation_cache_dir).expanduser())

@@ -44,12 +44,13 @@ class Engine:
         self.dtype = jnp.dtype(config.dtype)
         self.model_config, model, self.tokenizer = _load(config, self.dtype)
         self.max_model_len = _max_model_len(config, self.model_config)
-        self.buckets = Buckets.for_engine(config.max_num_seqs, self.max_model_len,
+        self.max_num_seqs = _max_num_seqs(config, self.model_config, self.max_model_len,
+                                          self.dtype)
+        self.buckets = Buckets.for_engine(self.max_num_seqs, self.max_model_len,
                                           max(config.max_num_batched_tokens, self.max_model_len))
-        _check_kv_budget(config, self.model_config, self.max_model_len, self.dtype)
-        self.runner = Runner(model, self.buckets, config.max_num_seqs, self.max_model_len,
+        self.runner = Runner(model, self.buckets, self.max_num_seqs, self.max_model_len,
                              self.dtype)
-        self.scheduler = Scheduler(config.max_num_seqs, self.buckets.prefill_fits)
+        self.scheduler = Scheduler(self.max_num_seqs, self.buckets.prefill_fits)
         self._eos = frozenset(self.model_config.eos_token_ids)
         self._seeds = np.random.default_rng(config.seed)
         self._ids = itertools.count()
@@ -161,24 +162,17 @@ class Engine:
         self._stats = _new_stats()
 
     def warmup(self) -> None:
-        """Compile the decode step for every KV-length bucket at full batch, and one prefill
-        shape per length bucket, so that generation does not stop to compile."""
+        """Compile the decode step for every (batch, KV-length) bucket, so that the hot loop
+        never stops to compile. Prefill shapes compile on first use (a few per run)."""
         from tqdm.auto import tqdm
 
-        shapes = [("decode", b, kv) for b in self.buckets.decode_batch
-                  for kv in self.buckets.kv_len]
-        shapes += [("prefill", b, t) for t in self.buckets.prefill_len
-                   for b in self.buckets.prefill_batch if b * t <= self.buckets.prefill_tokens]
-        for kind, b, n in tqdm(shapes, desc="jaxpipe: compiling", unit="shape",
-                               disable=not self.config.show_progress):
-            if kind == "decode":  # one live row at position n - 1 selects kv bucket n
-                positions = np.zeros(b, np.int32)
-                positions[0] = n - 1
-                self.runner.decode(np.zeros(b, np.int32), positions, positions == n - 1,
-                                   _neutral_plan(b))
-            else:
-                self.runner.prefill([[0]], [self.config.max_num_seqs - 1], _neutral_plan(b),
-                                    (b, n))
+        shapes = [(b, kv) for b in self.buckets.decode_batch for kv in self.buckets.kv_len]
+        for b, kv in tqdm(shapes, desc="jaxpipe: compiling decode", unit="shape",
+                          disable=not self.config.show_progress):
+            positions = np.zeros(b, np.int32)  # one live row at kv - 1 selects bucket kv
+            positions[0] = kv - 1
+            self.runner.decode(np.zeros(b, np.int32), positions, positions == kv - 1,
+                               _neutral_plan(b))
 
     # ---- one step -----------------------------------------------------------------------------
 
@@ -332,12 +326,12 @@ class Engine:
 def _enable_compilation_cache(path: str | None) -> None:
     if path:
         jax.config.update("jax_compilation_cache_dir", path)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 
 
 def _load(config: EngineConfig, dtype) -> tuple[ModelConfig, Llama, Tokenizer | None]:
     source = resolve_model(config.model)
-    tokenizer = _tokenizer_for(source)
+    tokenizer = loading.load_tokenizer(source)
     if config.random_weights:
         cfg = source.config or loading.load_weights(source)[0]
         return cfg, init_random(cfg, config.seed, dtype), tokenizer
@@ -346,14 +340,6 @@ def _load(config: EngineConfig, dtype) -> tuple[ModelConfig, Llama, Tokenizer | 
     model = Llama(cfg, dtype=dtype, values=values)
     log.info("loaded %s in %.1f s", source.name, time.perf_counter() - start)
     return cfg, model, tokenizer
-
-
-def _tokenizer_for(source) -> Tokenizer | None:
-    if source.kind == "gguf":
-        return Tokenizer.from_gguf(source.path)
-    if source.kind in ("hf", "orbax") and (source.path / "tokenizer.json").is_file():
-        return Tokenizer.from_hf_dir(source.path)
-    return None
 
 
 def _max_model_len(config: EngineConfig, cfg: ModelConfig) -> int:
@@ -366,13 +352,23 @@ def _max_model_len(config: EngineConfig, cfg: ModelConfig) -> int:
     return config.max_model_len
 
 
-def _check_kv_budget(config: EngineConfig, cfg: ModelConfig, max_len: int, dtype) -> None:
-    need = device_cache.cache_bytes(cfg, config.max_num_seqs, max_len, dtype.itemsize)
-    if config.kv_cache_gb is not None and need > config.kv_cache_gb * 2**30:
+def _max_num_seqs(config: EngineConfig, cfg: ModelConfig, max_len: int, dtype) -> int:
+    """KV slots: the configured number, or as many as fit in kv_cache_gb (multiple of 32)."""
+    per_slot = device_cache.cache_bytes(cfg, 1, max_len, dtype.itemsize)
+    budget = config.kv_cache_gb * 2**30
+    if config.max_num_seqs is None:
+        fit = int(budget // per_slot)
+        if fit < 1:
+            raise ValueError(f"one sequence of max_model_len={max_len} needs "
+                             f"{per_slot / 2**30:.2f} GiB of KV; raise kv_cache_gb "
+                             f"({config.kv_cache_gb}) or lower max_model_len")
+        return min(256, fit if fit < 32 else fit // 32 * 32)
+    if config.max_num_seqs * per_slot > budget:
         raise ValueError(
-            f"the device KV store needs {need / 2**30:.2f} GiB (max_num_seqs={config.max_num_seqs}"
-            f" x max_model_len={max_len}) but kv_cache_gb={config.kv_cache_gb}; lower "
-            "max_num_seqs or max_model_len, or raise kv_cache_gb")
+            f"the device KV store needs {config.max_num_seqs * per_slot / 2**30:.2f} GiB "
+            f"(max_num_seqs={config.max_num_seqs} x max_model_len={max_len}) but kv_cache_gb="
+            f"{config.kv_cache_gb}; lower max_num_seqs or max_model_len, or raise kv_cache_gb")
+    return config.max_num_seqs
 
 
 def _normalise_prompts(prompts, prompt_token_ids):

@@ -398,6 +398,19 @@ class Tokenizer:
         template = _hf_chat_template(directory, config)
         return cls(backend, special_tokens=names, chat_template=template)
 
+    def save(self, directory: str | os.PathLike) -> None:
+        """Write `tokenizer.json` + `tokenizer_config.json`, readable by `from_hf_dir` (and HF).
+
+        The post-processor (BOS/EOS insertion) travels inside tokenizer.json, so no add_bos /
+        add_eos flag is written."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        self._backend.save(str(directory / "tokenizer.json"))
+        config = dict(self._special_tokens)
+        if self.chat_template is not None:
+            config["chat_template"] = self.chat_template
+        (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2), "utf-8")
+
     # -- text <-> ids --------------------------------------------------------------------------
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:

@@ -197,3 +197,14 @@ def load_weights(source) -> tuple[ModelConfig, dict]:
         raise ValueError(f"model {source.name!r} has no weights (architecture-only preset); "
                          "use EngineConfig(random_weights=True) for benchmarks")
     return loaders[source.kind](source.path)
+
+
+def load_tokenizer(source):
+    """The tokenizer that goes with a resolved `ModelSource`, or None (architecture-only)."""
+    from jaxpipe.tokenizer import Tokenizer
+
+    if source.kind == "gguf":
+        return Tokenizer.from_gguf(source.path)
+    if source.kind in ("hf", "orbax") and (source.path / "tokenizer.json").is_file():
+        return Tokenizer.from_hf_dir(source.path)
+    return None
