@@ -106,12 +106,9 @@ class Engine:
         """Generate for every prompt (text or token ids); outputs in input order."""
         prompts, token_lists = _normalise_prompts(prompts, prompt_token_ids)
         n = len(prompts) if prompts is not None else len(token_lists)
-        params = _per_request(sampling_params, n)
-        ids = [self.add_request(prompts[i] if prompts is not None else None, params[i],
-                                prompt_token_ids=None if token_lists is None else token_lists[i])
-               for i in range(n)]
-        self._drain(ids, self.config.show_progress if use_tqdm is None else use_tqdm)
-        return [self._pop_output(i) for i in ids]
+        prompts = prompts if prompts is not None else [None] * n
+        token_lists = token_lists if token_lists is not None else [None] * n
+        return self._generate_all(prompts, token_lists, _per_request(sampling_params, n), use_tqdm)
 
     def chat(self, conversations: Seq[dict] | Seq[Seq[dict]],
              sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
@@ -124,10 +121,7 @@ class Engine:
                    for c in conversations]
         token_lists = [self.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
         params = _per_request(sampling_params, len(prompts))
-        ids = [self.add_request(p, s, prompt_token_ids=t)
-               for p, s, t in zip(prompts, params, token_lists, strict=True)]
-        self._drain(ids, self.config.show_progress if use_tqdm is None else use_tqdm)
-        return [self._pop_output(i) for i in ids]
+        return self._generate_all(prompts, token_lists, params, use_tqdm)
 
     def stream(self, prompt: str | Seq[int], params: SamplingParams | None = None,
                ) -> Iterator[StreamDelta]:
@@ -245,6 +239,21 @@ class Engine:
         self._stats["finished_requests"] += 1
 
     # ---- helpers ------------------------------------------------------------------------------
+
+    def _generate_all(self, prompts, token_lists, params, use_tqdm) -> list[RequestOutput]:
+        """Queue every request or none (a bad one rolls back those queued before it), run them
+        to completion and return their outputs in order."""
+        ids: list[str] = []
+        try:
+            for prompt, tokens, sp in zip(prompts, token_lists, params, strict=True):
+                ids.append(self.add_request(prompt, sp, prompt_token_ids=tokens))
+        except BaseException:
+            for rid in ids:
+                self.abort(rid)
+                self._requests.pop(rid, None)
+            raise
+        self._drain(ids, self.config.show_progress if use_tqdm is None else use_tqdm)
+        return [self._pop_output(i) for i in ids]
 
     def _drain(self, ids: list[str], progress: bool) -> None:
         """Step until every request in `ids` has finished, with an optional progress bar."""

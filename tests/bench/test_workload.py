@@ -1,0 +1,201 @@
+"""Tests for the benchmark workload, FLOP count and report helpers (no engine, no torch)."""
+
+from __future__ import annotations
+
+import dataclasses
+from types import SimpleNamespace
+
+import pytest
+
+from jaxpipe.bench.matmul import model_flops
+from jaxpipe.bench.report import format_table, throughput
+from jaxpipe.bench.workload import (
+    OUTPUT_LEN_BOUNDS,
+    PROMPT_LEN_BOUNDS,
+    Request,
+    describe_workload,
+    make_workload,
+)
+
+VOCAB = 49152
+SPECIAL = tuple(range(17))  # SmolLM2's control tokens
+SMOLLM2 = SimpleNamespace(
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_layers=30,
+    num_heads=9,
+    num_kv_heads=3,
+    head_dim=64,
+    tie_embeddings=True,
+)
+
+
+def test_same_seed_same_workload():
+    assert make_workload(32, 7, VOCAB, special_ids=SPECIAL) == make_workload(
+        32, 7, VOCAB, special_ids=SPECIAL
+    )
+
+
+def test_different_seed_different_workload():
+    a = make_workload(32, 0, VOCAB, special_ids=SPECIAL)
+    b = make_workload(32, 1, VOCAB, special_ids=SPECIAL)
+    assert [r.prompt_len for r in a] != [r.prompt_len for r in b]
+    assert a[0].prompt_token_ids != b[0].prompt_token_ids
+
+
+def test_lengths_within_clip_bounds():
+    workload = make_workload(2000, 3, VOCAB)
+    prompt = [r.prompt_len for r in workload]
+    output = [r.output_len for r in workload]
+    assert PROMPT_LEN_BOUNDS[0] <= min(prompt) and max(prompt) <= PROMPT_LEN_BOUNDS[1]
+    assert OUTPUT_LEN_BOUNDS[0] <= min(output) and max(output) <= OUTPUT_LEN_BOUNDS[1]
+    # ShareGPT-like: medians near the documented choices, and a heavy tail reaching the clip.
+    stats = describe_workload(workload)
+    assert 150 <= stats["prompt_len"]["median"] <= 250
+    assert 110 <= stats["output_len"]["median"] <= 190
+    assert max(prompt) == PROMPT_LEN_BOUNDS[1] and max(output) == OUTPUT_LEN_BOUNDS[1]
+
+
+def test_fixed_lengths_honoured():
+    workload = make_workload(10, 0, VOCAB, input_len=37, output_len=5)
+    assert all(r.prompt_len == 37 and r.output_len == 5 for r in workload)
+    # Fixing one length leaves the other lognormal.
+    mixed = make_workload(50, 0, VOCAB, output_len=64)
+    assert {r.output_len for r in mixed} == {64}
+    assert len({r.prompt_len for r in mixed}) > 1
+
+
+def test_no_special_ids_and_ids_in_vocab():
+    special = SPECIAL + (VOCAB - 1,)
+    workload = make_workload(200, 5, VOCAB, special_ids=special)
+    seen = {t for r in workload for t in r.prompt_token_ids}
+    assert not seen & set(special)
+    assert min(seen) >= 0 and max(seen) < VOCAB
+
+
+def test_tiny_vocab_excludes_specials_exactly():
+    workload = make_workload(20, 0, 4, input_len=50, output_len=1, special_ids=(0, 2))
+    assert {t for r in workload for t in r.prompt_token_ids} == {1, 3}
+
+
+def test_request_is_frozen_and_hashable():
+    req = make_workload(1, 0, VOCAB)[0]
+    assert isinstance(req.prompt_token_ids, tuple)
+    assert all(type(t) is int for t in req.prompt_token_ids)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        req.output_len = 3  # type: ignore[misc]
+    hash(req)
+
+
+def test_invalid_arguments():
+    with pytest.raises(ValueError):
+        make_workload(0, 0, VOCAB)
+    with pytest.raises(ValueError):
+        make_workload(4, 0, VOCAB, input_len=0)
+    with pytest.raises(ValueError):
+        make_workload(4, 0, 3, special_ids=(0, 1, 2))
+
+
+def test_model_flops_matches_hand_count():
+    cfg = SMOLLM2
+    per_layer = 576 * (576 + 2 * 192) + 576 * 576 + 3 * 576 * 1536
+    body, head = 2 * 30 * per_layer, 2 * 576 * 49152
+    attn = 4 * 30 * 9 * 64
+    # P=3, O=2: 4 forwarded tokens attending 1+2+3+4 keys; LM head on the 2 generated tokens.
+    expected = 4 * body + 2 * head + attn * 10
+    assert model_flops(cfg, [3], [2]) == pytest.approx(expected)
+    assert model_flops(cfg, [3, 3], [2, 2]) == pytest.approx(2 * expected)
+    # ~2 * 135M FLOPs per token for the 135M-parameter model.
+    assert model_flops(cfg, [1], [2]) / 2 == pytest.approx(2 * 134.5e6, rel=0.01)
+
+
+def test_throughput_counts_own_output_len_only():
+    reqs = [Request((1, 2, 3), 10), Request((4,), 30)]
+    t = throughput(reqs, 2.0)
+    assert t["requests_per_s"] == 1.0
+    assert t["output_tok_s"] == 20.0
+    assert t["total_tok_s"] == 22.0
+    table = format_table([t | {"engine": "x", "dtype": "bfloat16", "batch_size": 4}])
+    assert "20.0" in table and "bfloat16" in table
+
+
+class _FakeEngine:
+    """Stands in for jaxpipe.Engine: echoes prompts, returns `max_tokens` tokens (or fewer)."""
+
+    short_by = 0
+
+    def __init__(self, config):
+        self.config = config
+        self.model_config = SMOLLM2
+
+    def generate(self, prompt_token_ids, sampling_params, use_tqdm=True):
+        def out(prompt, params):
+            tokens = [5] * (params.max_tokens - self.short_by)
+            return SimpleNamespace(
+                prompt_token_ids=prompt, outputs=[SimpleNamespace(token_ids=tokens)]
+            )
+
+        return [out(p, s) for p, s in zip(prompt_token_ids, sampling_params, strict=True)]
+
+    def stats(self):
+        return {"steps": 1}
+
+
+@pytest.fixture
+def fake_engine(monkeypatch):
+    import jaxpipe
+
+    monkeypatch.setattr(jaxpipe, "Engine", _FakeEngine, raising=False)
+    monkeypatch.setattr(jaxpipe, "EngineConfig", SimpleNamespace, raising=False)
+    monkeypatch.setattr(jaxpipe, "SamplingParams", SimpleNamespace, raising=False)
+    _FakeEngine.short_by = 0
+    return _FakeEngine
+
+
+def test_run_jaxpipe_with_fake_engine(fake_engine):
+    from jaxpipe.bench import BenchConfig, run_jaxpipe
+
+    workload = make_workload(6, 0, VOCAB, input_len=100, output_len=20)
+    result, model_config = run_jaxpipe(BenchConfig(max_num_seqs=4), workload, log=lambda _: None)
+    assert result["num_requests"] == 6 and result["output_tokens"] == 120
+    assert result["engine_config"]["max_model_len"] == 128  # 120 rounded up to 128
+    assert result["batch_size"] == 4 and result["engine_stats"] == {"steps": 1}
+    assert model_config is SMOLLM2
+
+
+def test_run_jaxpipe_rejects_short_outputs(fake_engine):
+    from jaxpipe.bench import BenchConfig, run_jaxpipe
+
+    fake_engine.short_by = 1
+    workload = make_workload(3, 0, VOCAB, input_len=10, output_len=5)
+    with pytest.raises(RuntimeError, match="got 4 output tokens, expected 5"):
+        run_jaxpipe(BenchConfig(warmup_prompts=0), workload, log=lambda _: None)
+
+
+def test_check_outputs_detects_reordering():
+    from jaxpipe.bench import check_outputs
+
+    workload = make_workload(2, 0, VOCAB, input_len=4, output_len=2)
+    outs = [
+        SimpleNamespace(
+            prompt_token_ids=list(r.prompt_token_ids), outputs=[SimpleNamespace(token_ids=[1, 2])]
+        )
+        for r in reversed(workload)
+    ]
+    with pytest.raises(RuntimeError, match="different prompt"):
+        check_outputs(outs, workload)
+    with pytest.raises(RuntimeError, match="returned 1 outputs"):
+        check_outputs(outs[:1], workload)
+
+
+def test_warmup_requests_share_no_prefix():
+    from jaxpipe.bench import warmup_requests
+
+    workload = make_workload(4, 0, VOCAB, input_len=64)
+    warm = warmup_requests(workload, 2, max_output=16)
+    assert len(warm) == 2 and all(w.output_len <= 16 for w in warm)
+    assert all(
+        w.prompt_token_ids[:16] != r.prompt_token_ids[:16]
+        for w, r in zip(warm, workload[:2], strict=True)
+    )

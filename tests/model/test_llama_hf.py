@@ -1,0 +1,219 @@
+"""Numerical parity with HF transformers on SmolLM2-135M-Instruct (both dequantize the same
+Q4_1 GGUF to float32): greedy tokens through the engine, logits through the model-level API."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxpipe import SamplingParams
+
+torch = pytest.importorskip("torch")
+
+EOS = 2  # <|im_end|>
+NEW_TOKENS = 32
+LOGITS_ATOL = 1e-3
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "What is 2+2?"}],
+    [{"role": "user", "content": "Write a short poem about the sea."}],
+    [{"role": "user", "content": "Hi"}],
+    [{"role": "system", "content": "You are a terse assistant. Answer in one word."},
+     {"role": "user", "content": "What colour is the sky on a clear day?"}],
+    [{"role": "user", "content": "Explain in detail how a bicycle works, covering the frame, "
+                                 "the drivetrain, the brakes, the wheels and the steering."}],
+    [{"role": "user", "content": "Translate to French: 'The cat sleeps on the mat.'"}],
+    [{"role": "user", "content": "Name three prime numbers."},
+     {"role": "assistant", "content": "2, 3 and 5."},
+     {"role": "user", "content": "Three more, please."}],
+    [{"role": "user", "content": "def fib(n):\n    # complete this Python function\n"}],
+    [{"role": "user", "content": "List the planets of the solar system in order."}],
+]
+
+PLAIN_TEXTS = [
+    "The capital of France is",
+    "Once upon a time, in a small village at the edge of a great forest, there lived an old "
+    "woodcutter and his three daughters. The youngest",
+    "1, 2, 3,",
+]
+
+
+def _hf_chat_ids(hf_tokenizer, conversation) -> list[int]:
+    ids = hf_tokenizer.apply_chat_template(conversation, add_generation_prompt=True,
+                                           tokenize=True, return_dict=True)["input_ids"]
+    return [int(i) for i in ids]
+
+
+def _hf_greedy(hf_model, prompt_ids: list[int]) -> tuple[list[int], np.ndarray]:
+    """HF greedy continuation of one unpadded prompt: (new ids, log-softmax per step [n, V])."""
+    input_ids = torch.tensor([prompt_ids])
+    with torch.no_grad():
+        out = hf_model.generate(input_ids, attention_mask=torch.ones_like(input_ids),
+                                do_sample=False, max_new_tokens=NEW_TOKENS, pad_token_id=EOS,
+                                output_logits=True, return_dict_in_generate=True)
+    new = out.sequences[0, len(prompt_ids):].tolist()
+    logits = torch.stack(out.logits)[:, 0].float()  # [n, V]
+    return new, torch.log_softmax(logits, dim=-1).numpy()
+
+
+def _hf_last_logits(hf_model, ids: list[int]) -> np.ndarray:
+    with torch.no_grad():
+        return hf_model(torch.tensor([ids])).logits[0, -1].float().numpy()
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(hf_tokenizer) -> list[list[int]]:
+    return [_hf_chat_ids(hf_tokenizer, c) for c in CONVERSATIONS]
+
+
+@pytest.fixture(scope="module")
+def hf_reference(hf_model, prompt_ids):
+    """[(new token ids, log-probs [n, V])] per prompt, generated one prompt at a time."""
+    return [_hf_greedy(hf_model, ids) for ids in prompt_ids]
+
+
+@pytest.fixture(scope="module")
+def batched(engine, hf_reference):
+    """All conversations through `Engine.chat` as one mixed-length batch."""
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, logprobs=5)
+    return engine.chat(CONVERSATIONS, params)
+
+
+def _assert_same_as_hf(out, ref_tokens: list[int], label: str) -> None:
+    got = out.outputs[0]
+    assert got.token_ids == ref_tokens, f"{label}: tokens differ from HF"
+    if ref_tokens[-1] == EOS:
+        assert got.finish_reason == "stop", label
+    else:
+        assert len(ref_tokens) == NEW_TOKENS
+        assert got.finish_reason == "length", label
+
+
+def test_reference_covers_eos_and_length(hf_reference):
+    # The comparison is only meaningful if some prompts stop at EOS and some run to the limit.
+    ends = [tokens[-1] == EOS for tokens, _ in hf_reference]
+    assert any(ends) and not all(ends)
+
+
+def test_chat_prompt_ids_match_hf_template(batched, prompt_ids):
+    assert [o.prompt_token_ids for o in batched] == prompt_ids
+
+
+def test_batched_greedy_matches_hf(batched, hf_reference):
+    for i, (out, (ref, _)) in enumerate(zip(batched, hf_reference, strict=True)):
+        _assert_same_as_hf(out, ref, f"prompt {i}")
+
+
+def test_one_at_a_time_greedy_matches_hf(engine, prompt_ids, hf_reference):
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)
+    for i, (ids, (ref, _)) in enumerate(zip(prompt_ids, hf_reference, strict=True)):
+        [out] = engine.generate(prompt_token_ids=[ids], sampling_params=params)
+        _assert_same_as_hf(out, ref, f"prompt {i}")
+
+
+def test_logprobs_match_hf(batched, hf_reference):
+    for out, (_, ref_lp) in zip(batched, hf_reference, strict=True):
+        got = out.outputs[0]
+        assert len(got.logprobs) == len(got.token_ids)
+        for step, (token, entry) in enumerate(zip(got.token_ids, got.logprobs, strict=True)):
+            fifth = np.sort(ref_lp[step])[-5]
+            assert token in entry
+            for tid, lp in entry.items():
+                assert lp == pytest.approx(ref_lp[step, tid], abs=2 * LOGITS_ATOL)
+            assert min(entry.values()) >= fifth - 2 * LOGITS_ATOL  # they are HF's top 5
+
+
+def test_repetition_penalty_matches_hf(engine, hf_model, prompt_ids):
+    # HF's RepetitionPenaltyLogitsProcessor and vLLM's penalty are the same formula, applied
+    # over prompt + output. A plain greedy request shares the batch to check it is per row.
+    chosen = [prompt_ids[1], prompt_ids[4]]
+    want = []
+    for ids in chosen:
+        input_ids = torch.tensor([ids])
+        with torch.no_grad():
+            out = hf_model.generate(input_ids, attention_mask=torch.ones_like(input_ids),
+                                    do_sample=False, max_new_tokens=16, pad_token_id=EOS,
+                                    repetition_penalty=1.3)
+        want.append(out[0, len(ids):].tolist())
+    params = SamplingParams(temperature=0.0, max_tokens=16, repetition_penalty=1.3)
+    outs = engine.generate(prompt_token_ids=chosen + [prompt_ids[1]],
+                           sampling_params=[params, params, SamplingParams(temperature=0.0,
+                                                                           max_tokens=16)])
+    assert [o.outputs[0].token_ids for o in outs[:2]] == want
+    assert outs[2].outputs[0].token_ids != want[0]  # the penalty made a difference
+
+
+# ---- model-level API: prefill and decode logits -------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def model(gguf_weights):
+    from jaxpipe.model.llama import Llama
+
+    cfg, values = gguf_weights
+    return Llama(cfg, dtype=jnp.float32, values=values)
+
+
+@pytest.fixture(scope="module")
+def plain_ids(hf_tokenizer) -> list[list[int]]:
+    ids = [hf_tokenizer(t)["input_ids"] for t in PLAIN_TEXTS]
+    assert len({len(i) for i in ids}) == len(ids)  # mixed lengths
+    return ids
+
+
+@pytest.fixture(scope="module")
+def hf_last(hf_model, plain_ids) -> list[np.ndarray]:
+    """HF's last-position logits of each plain prompt."""
+    return [_hf_last_logits(hf_model, ids) for ids in plain_ids]
+
+
+def _padded(prompts: list[list[int]], length: int) -> tuple[jnp.ndarray, jnp.ndarray]:
+    tokens = np.zeros((len(prompts), length), np.int32)
+    for row, ids in enumerate(prompts):
+        tokens[row, :len(ids)] = ids
+    return jnp.asarray(tokens), jnp.asarray([len(p) for p in prompts], jnp.int32)
+
+
+def _prefill(model, prompts, slots, length: int, num_slots: int = 4, max_len: int = 64):
+    from jaxpipe.kv import device_cache
+
+    cache = device_cache.allocate(model.config, num_slots, max_len, jnp.float32)
+    tokens, lengths = _padded(prompts, length)
+    logits, cache = model.prefill(tokens, lengths, jnp.asarray(slots, jnp.int32), cache)
+    return np.asarray(logits), cache
+
+
+SLOTS = [2, 0, 1]  # prompt i is written to cache slot SLOTS[i]
+
+
+@pytest.fixture(scope="module")
+def prefilled(model, plain_ids):
+    """(logits [3, V], cache) of the plain prompts as one right-padded batch."""
+    return _prefill(model, plain_ids, SLOTS, length=max(map(len, plain_ids)) + 7)
+
+
+def test_prefill_logits_single_prompt_match_hf(model, plain_ids, hf_last):
+    logits, _ = _prefill(model, plain_ids[:1], [0], length=len(plain_ids[0]))
+    assert logits.shape == (1, model.config.vocab_size)
+    np.testing.assert_allclose(logits[0], hf_last[0], rtol=0, atol=LOGITS_ATOL)
+
+
+def test_prefill_logits_padded_batch_match_hf(prefilled, hf_last):
+    logits, _ = prefilled
+    for row, ref in enumerate(hf_last):
+        np.testing.assert_allclose(logits[row], ref, rtol=0, atol=LOGITS_ATOL,
+                                   err_msg=f"row {row}")
+
+
+def test_decode_after_prefill_matches_hf(model, hf_model, prefilled, plain_ids, hf_last):
+    # Decode row r reads cache slot r, which holds prompt SLOTS.index(r).
+    _, cache = prefilled
+    order = [SLOTS.index(r) for r in range(len(SLOTS))]
+    nxt = [int(np.argmax(hf_last[i])) for i in order]
+    positions = jnp.asarray([len(plain_ids[i]) for i in order], jnp.int32)
+    logits, _ = model.decode(jnp.asarray(nxt, jnp.int32), positions, cache, 64)
+    for row, (i, token) in enumerate(zip(order, nxt, strict=True)):
+        np.testing.assert_allclose(np.asarray(logits[row]),
+                                   _hf_last_logits(hf_model, plain_ids[i] + [token]), rtol=0,
+                                   atol=LOGITS_ATOL, err_msg=f"row {row} (prompt {i})")

@@ -1,0 +1,82 @@
+"""Model presets (`models/*.toml`): each resolves; the architecture-only ones match the public HF
+`config.json` of the model they are named after, and their parameter counts match the published
+totals."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from jaxpipe import Engine, EngineConfig
+from jaxpipe.model.loading import hf_config
+from jaxpipe.model.presets import preset_names, resolve_model
+
+MODELS_DIR = Path(__file__).resolve().parents[2] / "models"
+PRESET_FILES = sorted(MODELS_DIR.glob("*.toml"))
+
+# The public config.json of each model (independent reference, copied from the HF hub pages).
+_LLAMA2 = dict(vocab_size=32000, rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1,
+               eos_token_id=2, hidden_act="silu", model_type="llama")
+PUBLIC_CONFIGS = {
+    "llama2-70b": dict(_LLAMA2, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                       num_attention_heads=64, num_key_value_heads=8,
+                       max_position_embeddings=4096, rope_theta=10000.0),
+    "llama2-13b": dict(_LLAMA2, hidden_size=5120, intermediate_size=13824, num_hidden_layers=40,
+                       num_attention_heads=40, num_key_value_heads=40,
+                       max_position_embeddings=4096, rope_theta=10000.0),
+    "codellama-34b": dict(_LLAMA2, hidden_size=8192, intermediate_size=22016,
+                          num_hidden_layers=48, num_attention_heads=64, num_key_value_heads=8,
+                          max_position_embeddings=16384, rope_theta=1000000.0),
+}
+# Parameter totals as published (the sizes of the released safetensors checkpoints).
+PUBLIC_PARAM_COUNTS = {
+    "llama2-70b": 68_976_648_192,
+    "llama2-13b": 13_015_864_320,
+    "codellama-34b": 33_743_970_304,
+}
+
+
+def test_preset_names_are_the_toml_files():
+    assert preset_names() == [p.stem for p in PRESET_FILES]
+    assert {"smollm2-135m", *PUBLIC_CONFIGS} <= set(preset_names())
+
+
+@pytest.mark.parametrize("name", [p.stem for p in PRESET_FILES])
+def test_every_preset_resolves(name):
+    source = resolve_model(name)
+    assert source.name == name
+    if source.kind == "architecture":
+        assert source.config is not None and source.path is None
+    else:
+        assert source.kind in ("gguf", "hf", "orbax") and source.path.exists()
+
+
+def test_smollm2_preset_points_at_the_wheel_gguf(gguf_path):
+    source = resolve_model("smollm2-135m")
+    assert source.kind == "gguf" and source.path == gguf_path
+
+
+@pytest.mark.parametrize("name", sorted(PUBLIC_CONFIGS))
+def test_architecture_preset_matches_public_config(name):
+    source = resolve_model(name)
+    assert source.kind == "architecture"
+    assert source.config == hf_config(PUBLIC_CONFIGS[name])
+
+
+@pytest.mark.parametrize("name", sorted(PUBLIC_CONFIGS))
+def test_architecture_preset_parameter_count(name):
+    assert resolve_model(name).config.num_params() == PUBLIC_PARAM_COUNTS[name]
+
+
+def test_unknown_preset_lists_the_presets():
+    with pytest.raises(ValueError, match="llama2-7000b") as err:
+        resolve_model("llama2-7000b")
+    for name in preset_names():
+        assert name in str(err.value)
+
+
+def test_architecture_preset_without_random_weights_is_refused():
+    config = EngineConfig(model="llama2-70b", warmup=False, show_progress=False)
+    with pytest.raises(ValueError, match="random_weights"):
+        Engine(config)

@@ -1,0 +1,111 @@
+"""EngineConfig and ModelConfig validation: every bad value fails at construction, naming the
+field (and for ModelConfig the offending numbers). No model is loaded here."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from jaxpipe import Engine, EngineConfig
+from jaxpipe.config import ModelConfig, RopeScaling
+
+FAST = dict(warmup=False, show_progress=False)
+
+BAD_ENGINE_CONFIGS = [  # (kwargs, the field the message must name)
+    (dict(dtype="float16"), "dtype"),
+    (dict(dtype="f32"), "dtype"),
+    (dict(max_num_seqs=0), "max_num_seqs"),
+    (dict(max_num_seqs=2.5), "max_num_seqs"),
+    (dict(max_num_seqs=True), "max_num_seqs"),
+    (dict(max_num_batched_tokens=0), "max_num_batched_tokens"),
+    (dict(max_model_len=1), "max_model_len"),
+    (dict(seed=-1), "seed"),
+    (dict(seed=2**32), "seed"),
+    (dict(kv_cache_gb=-1), "kv_cache_gb"),
+    (dict(kv_cache_gb=0), "kv_cache_gb"),
+    (dict(kv_cache_gb="big"), "kv_cache_gb"),
+    (dict(model=""), "model"),
+    (dict(model=None), "model"),
+]
+
+
+@pytest.mark.parametrize("kwargs, field", BAD_ENGINE_CONFIGS,
+                         ids=[repr(k) for k, _ in BAD_ENGINE_CONFIGS])
+def test_bad_engine_config_names_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=rf"EngineConfig\.{field}\b"):
+        EngineConfig(**kwargs)
+
+
+def test_engine_config_defaults_are_valid():
+    config = EngineConfig()
+    assert config.dtype in ("float32", "bfloat16")
+    assert config.max_num_seqs is None or config.max_num_seqs >= 1
+
+
+def test_engine_config_accepts_path_objects(tmp_path):
+    config = EngineConfig(model=tmp_path, compilation_cache_dir="~/somewhere")
+    assert config.model == str(tmp_path)
+    assert config.compilation_cache_dir == str(Path("~/somewhere").expanduser())
+
+
+def test_engine_rejects_unknown_preset_listing_presets():
+    with pytest.raises(ValueError, match="no-such-model") as err:
+        Engine(EngineConfig(model="no-such-model", **FAST))
+    assert "smollm2-135m" in str(err.value) and "llama2-70b" in str(err.value)
+
+
+def test_engine_rejects_missing_path_naming_it(tmp_path):
+    missing = tmp_path / "absent" / "model.gguf"
+    with pytest.raises(ValueError, match="absent"):
+        Engine(EngineConfig(model=str(missing), **FAST))
+
+
+# ---- ModelConfig ------------------------------------------------------------------------------
+
+SMALL = dict(vocab_size=97, hidden_size=40, intermediate_size=56, num_layers=2, num_heads=6,
+             num_kv_heads=2, head_dim=8)
+
+
+def test_num_heads_must_be_a_multiple_of_num_kv_heads():
+    with pytest.raises(ValueError, match=r"num_heads \(9\).*num_kv_heads \(4\)"):
+        ModelConfig(**{**SMALL, "num_heads": 9, "num_kv_heads": 4})
+
+
+@pytest.mark.parametrize("field", ["vocab_size", "hidden_size", "intermediate_size",
+                                   "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                                   "max_position_embeddings"])
+@pytest.mark.parametrize("value", [0, -3, 2.0])
+def test_model_dimensions_must_be_positive_integers(field, value):
+    with pytest.raises(ValueError, match=rf"ModelConfig\.{field}\b"):
+        ModelConfig(**{**SMALL, field: value})
+
+
+def test_head_dim_must_be_even():
+    with pytest.raises(ValueError, match="head_dim"):
+        ModelConfig(**{**SMALL, "head_dim": 7})
+
+
+def test_model_config_is_frozen_and_hashable():
+    a, b = ModelConfig(**SMALL), ModelConfig(**SMALL)
+    assert a == b and hash(a) == hash(b) and len({a, b}) == 1
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        a.num_layers = 3
+
+
+def test_model_config_dict_round_trip():
+    cfg = ModelConfig(**SMALL, rope_scaling=RopeScaling(8.0, 1.0, 4.0, 8192),
+                      eos_token_ids=(2, 7), bos_token_id=1, tie_embeddings=True)
+    assert ModelConfig.from_dict(cfg.to_dict()) == cfg
+
+
+def test_model_config_from_dict_rejects_unknown_keys():
+    with pytest.raises(ValueError, match="num_hidden_layers"):
+        ModelConfig.from_dict({**SMALL, "num_hidden_layers": 2})
+
+
+def test_group_size_and_kv_bytes():
+    cfg = ModelConfig(**SMALL)
+    assert cfg.group_size == 3
+    assert cfg.kv_bytes_per_token(2) == 2 * 2 * 2 * 8 * 2  # K and V x layers x heads x dim x B

@@ -1,0 +1,410 @@
+"""The public Engine contract on one shared f32 SmolLM2 engine: lengths, stop conditions,
+seeded sampling, logprobs, streaming, continuous batching and input validation.
+
+Expected outputs are never hard-coded from a jaxpipe run: each test derives them from a plain
+greedy run and Python string / list operations (exact-token parity with HF is in
+tests/model/test_llama_hf.py)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from jaxpipe import SamplingParams
+
+EOS = 2  # <|im_end|>
+PLAIN_TOKENS = 24
+
+QUESTION = [{"role": "user", "content": "What is 2+2?"}]  # greedy answer ends with EOS
+POEM = [{"role": "user", "content": "Write a short poem about the sea."}]  # runs to the limit
+GREETING = [{"role": "user", "content": "Hi"}]
+RAW_TEXT = "The quick brown fox"
+
+BATCH_PROMPTS = [
+    "The capital of France is",
+    "Water boils at",
+    "A list of fruits: apple, banana,",
+    "In 1492, Columbus",
+    "The opposite of hot is",
+    "def add(a, b):",
+    "Roses are red, violets are",
+    "The largest planet in our solar system is",
+    "Photosynthesis converts",
+    "My favourite book is",
+    "Once upon a time",
+    "E = mc",
+]
+
+
+def greedy(max_tokens: int = PLAIN_TOKENS, **kwargs) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, **kwargs)
+
+
+def chat_ids(engine, conversation) -> list[int]:
+    text = engine.tokenizer.apply_chat_template(conversation, add_generation_prompt=True)
+    return engine.tokenizer.encode(text, add_special_tokens=False)
+
+
+def run(engine, ids: list[int], params: SamplingParams):
+    """One request by token ids; returns its CompletionOutput."""
+    [out] = engine.generate(prompt_token_ids=[ids], sampling_params=params)
+    return out.outputs[0]
+
+
+@pytest.fixture(scope="module")
+def prompts(engine) -> dict[str, list[int]]:
+    return {"question": chat_ids(engine, QUESTION), "poem": chat_ids(engine, POEM),
+            "greeting": chat_ids(engine, GREETING), "raw": engine.tokenizer.encode(RAW_TEXT)}
+
+
+@pytest.fixture(scope="module")
+def plain(engine, prompts):
+    """Greedy, 24-token outputs of every prompt in one batch: name -> CompletionOutput."""
+    outs = engine.generate(prompt_token_ids=list(prompts.values()), sampling_params=greedy())
+    return {name: o.outputs[0] for name, o in zip(prompts, outs, strict=True)}
+
+
+@pytest.fixture(scope="module")
+def eos_index(plain) -> int:
+    """Position of EOS in the greedy answer to QUESTION (a precondition of several tests)."""
+    tokens = plain["question"].token_ids
+    assert tokens[-1] == EOS and len(tokens) < PLAIN_TOKENS, "QUESTION must end with EOS"
+    return len(tokens) - 1
+
+
+# ---- lengths and stop conditions --------------------------------------------------------------
+
+
+def test_plain_run_to_the_limit_finishes_with_length(plain):
+    poem = plain["poem"]
+    assert len(poem.token_ids) == PLAIN_TOKENS
+    assert EOS not in poem.token_ids
+    assert poem.finish_reason == "length" and poem.stop_reason is None
+
+
+def test_max_tokens_gives_exact_prefix(engine, prompts, plain):
+    out = run(engine, prompts["poem"], greedy(5))
+    assert out.token_ids == plain["poem"].token_ids[:5]
+    assert out.finish_reason == "length"
+
+
+def test_eos_stops_with_stop_and_no_special_text(plain, eos_index):
+    out = plain["question"]
+    assert out.finish_reason == "stop" and out.stop_reason is None
+    assert EOS not in out.token_ids[:eos_index]
+    assert "<|im_end|>" not in out.text and out.text.strip()
+
+
+def test_ignore_eos_continues_past_eos(engine, prompts, plain, eos_index):
+    out = run(engine, prompts["question"], greedy(eos_index + 5, ignore_eos=True))
+    assert len(out.token_ids) == eos_index + 5
+    assert out.token_ids[:eos_index + 1] == plain["question"].token_ids
+    assert out.finish_reason == "length"
+
+
+def _first_new_token(tokens: list[int], start: int) -> tuple[int, int]:
+    """(position, id) of the first token at or after `start` that does not occur before it."""
+    for k in range(start, len(tokens)):
+        if tokens[k] not in tokens[:k]:
+            return k, tokens[k]
+    raise AssertionError("no suitable token in the plain run")
+
+
+def test_stop_token_ids_cut_after_the_token(engine, prompts, plain):
+    tokens = plain["poem"].token_ids
+    k, token = _first_new_token(tokens, 6)
+    out = run(engine, prompts["poem"], greedy(stop_token_ids=[token]))
+    assert out.token_ids == tokens[:k + 1]
+    assert out.finish_reason == "stop" and out.stop_reason == token
+
+
+def _stop_string(text: str) -> str:
+    """A 6-character piece from the middle of `text`."""
+    start = len(text) // 2
+    return text[start:start + 6]
+
+
+def test_stop_string_cuts_text_before_it(engine, prompts, plain):
+    text = plain["poem"].text
+    stop = _stop_string(text)
+    out = run(engine, prompts["poem"], greedy(stop=[stop]))
+    assert out.text == text[:text.index(stop)]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.token_ids == plain["poem"].token_ids[:len(out.token_ids)]
+
+
+def test_min_tokens_bans_eos_until_reached(engine, prompts, plain, eos_index):
+    min_tokens = eos_index + 4
+    out = run(engine, prompts["question"], greedy(min_tokens + 2, min_tokens=min_tokens))
+    assert len(out.token_ids) >= min_tokens
+    assert EOS not in out.token_ids[:min_tokens]
+    # Banning EOS does not change the earlier greedy choices (EOS was not their argmax).
+    assert out.token_ids[:eos_index] == plain["question"].token_ids[:eos_index]
+
+
+# ---- sampling ---------------------------------------------------------------------------------
+
+
+def sampled(seed: int | None, **kwargs) -> SamplingParams:
+    return SamplingParams(temperature=1.0, top_p=0.95, seed=seed, max_tokens=8, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def seeded_alone(engine, prompts):
+    return run(engine, prompts["poem"], sampled(1234)).token_ids
+
+
+def test_seeded_sampling_is_batch_independent(engine, prompts, seeded_alone):
+    ids = [prompts["raw"], prompts["poem"], prompts["greeting"]]
+    params = [SamplingParams(temperature=0.8, seed=7, max_tokens=3), sampled(1234),
+              SamplingParams(temperature=1.0, top_k=20, max_tokens=12)]
+    outs = engine.generate(prompt_token_ids=ids, sampling_params=params)
+    assert outs[1].outputs[0].token_ids == seeded_alone
+
+
+def test_seeded_sampling_repeats(engine, prompts, seeded_alone):
+    assert run(engine, prompts["poem"], sampled(1234)).token_ids == seeded_alone
+
+
+def test_different_seeds_differ(engine, prompts, seeded_alone):
+    assert run(engine, prompts["poem"], sampled(4321)).token_ids != seeded_alone
+
+
+@pytest.mark.parametrize("filters", [dict(top_k=1), dict(min_p=1.0), dict(top_p=1e-9)],
+                         ids=["top_k=1", "min_p=1", "top_p=1e-9"])
+def test_filters_that_keep_one_token_are_greedy(engine, prompts, plain, filters):
+    params = SamplingParams(temperature=1.0, seed=5, max_tokens=6, **filters)
+    assert run(engine, prompts["poem"], params).token_ids == plain["poem"].token_ids[:6]
+
+
+def penalised(max_tokens: int = 16) -> SamplingParams:
+    return greedy(max_tokens, repetition_penalty=1.3, frequency_penalty=0.5,
+                  presence_penalty=0.5)
+
+
+def test_penalties_change_the_output_and_are_per_request(engine, prompts, plain):
+    alone = run(engine, prompts["poem"], penalised()).token_ids
+    assert alone != plain["poem"].token_ids[:16]
+    ids = [prompts["raw"], prompts["poem"], prompts["poem"]]
+    outs = engine.generate(prompt_token_ids=ids,
+                           sampling_params=[penalised(20), penalised(), greedy(16)])
+    assert outs[1].outputs[0].token_ids == alone
+    assert outs[2].outputs[0].token_ids == plain["poem"].token_ids[:16]
+
+
+# ---- logprobs ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def with_logprobs(engine, prompts):
+    """(greedy top-5, sampled top-3, greedy top-0) on the poem prompt, one batch."""
+    params = [greedy(6, logprobs=5), sampled(99, logprobs=3), greedy(6, logprobs=0)]
+    outs = engine.generate(prompt_token_ids=[prompts["poem"]] * 3, sampling_params=params)
+    return [o.outputs[0] for o in outs]
+
+
+def _check_entries(out, n: int) -> None:
+    assert out.logprobs is not None and len(out.logprobs) == len(out.token_ids)
+    for token, entry in zip(out.token_ids, out.logprobs, strict=True):
+        assert token in entry
+        assert all(lp <= 0.0 for lp in entry.values())
+        assert n <= len(entry) <= n + 1  # top n, plus the sampled token if not among them
+        assert math.fsum(math.exp(lp) for lp in entry.values()) <= 1.0 + 1e-5
+
+
+def test_greedy_logprobs_top_n_and_argmax(with_logprobs, plain):
+    out = with_logprobs[0]
+    assert out.token_ids == plain["poem"].token_ids[:6]
+    _check_entries(out, 5)
+    for token, entry in zip(out.token_ids, out.logprobs, strict=True):
+        assert len(entry) == 5
+        assert entry[token] == max(entry.values())
+
+
+def test_sampled_logprobs_contain_the_sampled_token(with_logprobs):
+    _check_entries(with_logprobs[1], 3)
+
+
+def test_zero_logprobs_gives_only_the_sampled_token(with_logprobs):
+    out = with_logprobs[2]
+    _check_entries(out, 0)
+    assert all(len(entry) == 1 for entry in out.logprobs)
+    assert out.logprobs[0][out.token_ids[0]] == pytest.approx(
+        with_logprobs[0].logprobs[0][out.token_ids[0]], abs=1e-6)
+
+
+def test_no_logprobs_by_default(plain):
+    assert plain["poem"].logprobs is None
+
+
+# ---- streaming --------------------------------------------------------------------------------
+
+
+def _collect(engine, ids, params):
+    deltas = list(engine.stream(ids, params))
+    tokens = [t for d in deltas for t in d.token_ids]
+    return deltas, tokens, "".join(d.text for d in deltas)
+
+
+def test_stream_concatenates_to_generate(engine, prompts, plain):
+    deltas, tokens, text = _collect(engine, prompts["question"], greedy())
+    assert tokens == plain["question"].token_ids
+    assert text == plain["question"].text
+    assert deltas[-1].finish_reason == "stop"
+    assert all(d.finish_reason is None for d in deltas[:-1])
+    assert len({d.request_id for d in deltas}) == 1
+
+
+def test_stream_with_stop_string_matches_generate(engine, prompts, plain):
+    text = plain["poem"].text
+    stop = _stop_string(text)
+    _, tokens, streamed = _collect(engine, prompts["poem"], greedy(stop=[stop]))
+    assert streamed == text[:text.index(stop)]
+    assert tokens == plain["poem"].token_ids[:len(tokens)]
+
+
+def test_stream_accepts_text(engine, plain):
+    _, tokens, _ = _collect(engine, RAW_TEXT, greedy(4))
+    assert tokens == plain["raw"].token_ids[:4]
+
+
+def test_closing_a_stream_early_aborts_the_request(engine, prompts):
+    stream = engine.stream(prompts["poem"], greedy())
+    first = next(stream)
+    assert first.token_ids and first.finish_reason is None
+    stream.close()
+    assert not engine.has_unfinished()
+
+
+# ---- batching ---------------------------------------------------------------------------------
+
+
+def batch_params() -> list[SamplingParams]:
+    """Different lengths, so that requests finish (and free slots) at different steps."""
+    return [greedy(2 + (i * 5) % 7) for i in range(len(BATCH_PROMPTS))]
+
+
+@pytest.fixture(scope="module")
+def big_batch(engine):
+    """More prompts than max_num_seqs, in one generate call; plus the stats delta."""
+    assert len(BATCH_PROMPTS) > engine.config.max_num_seqs
+    before = engine.stats()
+    outs = engine.generate(BATCH_PROMPTS, batch_params())
+    return outs, before, engine.stats()
+
+
+def test_outputs_in_input_order_with_distinct_ids(engine, big_batch):
+    outs, _, _ = big_batch
+    assert [o.prompt for o in outs] == BATCH_PROMPTS
+    assert [o.prompt_token_ids for o in outs] == [engine.tokenizer.encode(p)
+                                                  for p in BATCH_PROMPTS]
+    assert len({o.request_id for o in outs}) == len(outs)
+    assert all(o.finished for o in outs)
+
+
+def test_continuous_batching_matches_one_at_a_time(engine, big_batch):
+    outs, _, _ = big_batch
+    for prompt, params, out in zip(BATCH_PROMPTS, batch_params(), outs, strict=True):
+        [alone] = engine.generate(prompt, params)
+        assert out.outputs[0].token_ids == alone.outputs[0].token_ids, prompt
+        assert out.outputs[0].text == alone.outputs[0].text
+        assert len(out.outputs[0].token_ids) <= params.max_tokens
+
+
+def test_stats_count_the_batch(big_batch):
+    outs, before, after = big_batch
+    generated = sum(len(o.outputs[0].token_ids) for o in outs)
+    assert after["generated_tokens"] - before["generated_tokens"] == generated
+    assert after["finished_requests"] - before["finished_requests"] == len(outs)
+    assert after["prefill_tokens"] - before["prefill_tokens"] == sum(
+        len(o.prompt_token_ids) for o in outs)
+
+
+def test_flat_token_list_is_one_prompt(engine, prompts, plain):
+    [out] = engine.generate(prompt_token_ids=prompts["poem"], sampling_params=greedy(2))
+    assert out.prompt_token_ids == prompts["poem"]
+    assert out.outputs[0].token_ids == plain["poem"].token_ids[:2]
+
+
+def test_chat_accepts_a_single_conversation(engine, plain):
+    [out] = engine.chat(QUESTION, greedy())
+    assert out.outputs[0].token_ids == plain["question"].token_ids
+
+
+# ---- invalid input ----------------------------------------------------------------------------
+
+
+INVALID_REQUESTS = {
+    "empty token prompt": (dict(prompt_token_ids=[[]]), "empty"),
+    "empty text prompt": (dict(prompts=[""]), "empty"),
+    "token id = vocab size": (dict(prompt_token_ids=[[1, 49152]]), "vocabulary"),
+    "negative token id": (dict(prompt_token_ids=[[1, -1]]), "vocabulary"),
+    "prompt too long": (dict(prompt_token_ids=[[1] * 300]), "max_model_len"),
+    "prompt fills context": (dict(prompt_token_ids=[[1] * 256]), "max_model_len"),
+    "max_tokens overflows": (dict(prompt_token_ids=[[1] * 10],
+                                  sampling_params=SamplingParams(max_tokens=247)), "max_tokens"),
+    "too many params": (dict(prompts=["a", "b"], sampling_params=[SamplingParams()] * 3),
+                        "sampling params"),
+    "too few params": (dict(prompts=["a", "b", "c"], sampling_params=[SamplingParams()] * 2),
+                       "sampling params"),
+    "both prompts and ids": (dict(prompts=["a"], prompt_token_ids=[[1]]), "exactly one"),
+    "neither prompts nor ids": (dict(), "exactly one"),
+}
+
+
+@pytest.mark.parametrize("kwargs, match", list(INVALID_REQUESTS.values()),
+                         ids=list(INVALID_REQUESTS))
+def test_invalid_request_raises_and_queues_nothing(engine, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        engine.generate(**kwargs)
+    assert not engine.has_unfinished()
+
+
+def test_invalid_prompt_later_in_batch_queues_nothing(engine):
+    with pytest.raises(ValueError, match="vocabulary"):
+        engine.generate(prompt_token_ids=[[1, 2, 3], [1, 10**6]], sampling_params=greedy(4))
+    assert not engine.has_unfinished()
+
+
+def test_max_tokens_exactly_filling_context_is_accepted(engine):
+    out = run(engine, [1] * 254, greedy(2))
+    assert len(out.token_ids) == 2 and out.finish_reason == "length"
+
+
+def test_engine_usable_after_errors(engine, prompts, plain):
+    for kwargs, _ in INVALID_REQUESTS.values():
+        with pytest.raises(ValueError):
+            engine.generate(**kwargs)
+    assert run(engine, prompts["poem"], greedy(3)).token_ids == plain["poem"].token_ids[:3]
+
+
+INVALID_PARAMS = [  # (kwargs, the field the error must name)
+    (dict(temperature=-1.0), "temperature"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(top_k=-2), "top_k"),
+    (dict(min_p=1.5), "min_p"),
+    (dict(max_tokens=0), "max_tokens"),
+    (dict(max_tokens=4, min_tokens=5), "min_tokens"),
+    (dict(logprobs=-1), "logprobs"),
+    (dict(seed=-1), "seed"),
+    (dict(repetition_penalty=0.0), "repetition_penalty"),
+    (dict(presence_penalty=3.0), "presence_penalty"),
+    (dict(stop=[""]), "stop"),
+    (dict(stop_token_ids=[-5]), "stop_token_ids"),
+    (dict(n=2), "n"),
+]
+
+
+@pytest.mark.parametrize("kwargs, field", INVALID_PARAMS, ids=[repr(k) for k, _ in INVALID_PARAMS])
+def test_invalid_sampling_params_raise_naming_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=rf"\b{field}\b"):
+        SamplingParams(**kwargs)
+
+
+def test_sampling_params_reject_wrong_types():
+    with pytest.raises(TypeError, match="temperature"):
+        SamplingParams(temperature="hot")
+    with pytest.raises(TypeError, match="max_tokens"):
+        SamplingParams(max_tokens=3.5)

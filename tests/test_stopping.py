@@ -1,0 +1,149 @@
+"""StopChecker with the real SmolLM2 tokenizer and no model: tokens are fed by hand, and the
+expected cut points are computed with plain string operations on the decoded text."""
+
+from __future__ import annotations
+
+import pytest
+
+from jaxpipe import SamplingParams
+from jaxpipe.scheduler import Sequence, SequenceStatus
+from jaxpipe.stopping import StopChecker
+from jaxpipe.tokenizer import Tokenizer
+
+EOS = 2
+EOS_IDS = frozenset({EOS})
+MAX_LEN = 1000
+PROMPT = "<|im_start|>user\nSay something.<|im_end|>\n<|im_start|>assistant\n"
+
+
+@pytest.fixture(scope="module")
+def tok(gguf_path) -> Tokenizer:
+    return Tokenizer.from_gguf(gguf_path)
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(tok) -> list[int]:
+    return tok.encode(PROMPT)
+
+
+def feed(tok, prompt_ids, output_ids, stream: bool = False, max_tokens: int = 100, **params):
+    """Push `output_ids` one at a time until a stop; returns (seq, reason, checker, deltas)."""
+    p = SamplingParams(max_tokens=max_tokens, **params)
+    checker = StopChecker(tok, prompt_ids, p, EOS_IDS)
+    if stream:
+        checker.enable_streaming()
+    seq = Sequence("r", list(prompt_ids), p, 0, max_tokens)
+    reason, deltas = None, []
+    for token in output_ids:
+        seq.output_token_ids.append(token)
+        reason = checker.check(seq, MAX_LEN)
+        if reason is not None:
+            seq.finish_reason = reason
+            seq.status = SequenceStatus.FINISHED
+        if stream:
+            deltas.append(checker.stream_delta(seq))
+        if reason is not None:
+            break
+    return seq, reason, checker, deltas
+
+
+def test_eos_stops_with_no_stop_reason(tok, prompt_ids):
+    ids = tok.encode("Hello there!") + [EOS, 42, 43]
+    seq, reason, checker, _ = feed(tok, prompt_ids, ids)
+    assert reason == "stop" and seq.stop_reason is None
+    assert seq.output_token_ids == ids[:-2]
+    assert checker.final_text(seq) == "Hello there!"
+
+
+def test_ignore_eos_runs_to_max_tokens(tok, prompt_ids):
+    ids = tok.encode("Hi") + [EOS] + tok.encode(" again and again")
+    seq, reason, _, _ = feed(tok, prompt_ids, ids, ignore_eos=True, max_tokens=len(ids) - 1)
+    assert reason == "length" and len(seq.output_token_ids) == len(ids) - 1
+
+
+def test_stop_token_id_is_the_stop_reason(tok, prompt_ids):
+    ids = tok.encode("one two three four")
+    seq, reason, _, _ = feed(tok, prompt_ids, ids, stop_token_ids=[ids[2]])
+    assert reason == "stop" and seq.stop_reason == ids[2]
+    assert seq.output_token_ids == ids[:3]
+
+
+def test_max_tokens_and_max_model_len_give_length(tok, prompt_ids):
+    ids = tok.encode("a b c d e f g h")
+    seq, reason, _, _ = feed(tok, prompt_ids, ids, max_tokens=3)
+    assert reason == "length" and len(seq.output_token_ids) == 3
+    p = SamplingParams(max_tokens=None)
+    checker = StopChecker(tok, prompt_ids, p, EOS_IDS)
+    seq = Sequence("r", list(prompt_ids), p, 0, MAX_LEN)
+    seq.output_token_ids.append(ids[0])
+    assert checker.check(seq, len(prompt_ids) + 2) is None
+    seq.output_token_ids.append(ids[1])
+    assert checker.check(seq, len(prompt_ids) + 2) == "length"
+
+
+def test_min_tokens_bans_stop_ids_then_lifts_the_ban(tok, prompt_ids):
+    p = SamplingParams(min_tokens=3, stop_token_ids=[50, 7])
+    checker = StopChecker(tok, prompt_ids, p, EOS_IDS)
+    assert [checker.banned(n) for n in range(5)] == [[EOS, 7, 50]] * 3 + [[], []]
+
+
+def test_eos_before_min_tokens_does_not_stop(tok, prompt_ids):
+    ids = tok.encode("Hi") + [EOS] + tok.encode(" there friend") + [EOS]
+    seq, reason, _, _ = feed(tok, prompt_ids, ids, min_tokens=len(ids) - 1)
+    assert reason == "stop" and seq.output_token_ids == ids
+
+
+def test_ignore_eos_lifts_the_eos_ban(tok, prompt_ids):
+    checker = StopChecker(tok, prompt_ids, SamplingParams(min_tokens=2, ignore_eos=True),
+                          EOS_IDS)
+    assert checker.banned(0) == []
+
+
+STOP_CASES = [  # (generated text, stop strings)
+    ("The answer is 42. Done.", ["42"]),
+    ("The answer is 42. Done.", [" answer is"]),
+    ("Line one\nLine two\nLine three", ["\nLine t"]),
+    ("naïve café 😀 end", ["😀"]),
+    ("no match in here", ["zebra"]),
+    ("abc abc abd", ["abd", "zzz"]),
+]
+
+
+def _expected(text: str, stops: list[str]) -> str:
+    found = [text.index(s) for s in stops if s in text]
+    return text[:min(found)] if found else text
+
+
+@pytest.mark.parametrize("text, stops", STOP_CASES)
+def test_stop_string_cuts_the_text(tok, prompt_ids, text, stops):
+    ids = tok.encode(text)
+    seq, reason, checker, _ = feed(tok, prompt_ids, ids, stop=stops)
+    assert checker.final_text(seq) == _expected(text, stops)
+    if any(s in text for s in stops):
+        assert reason == "stop" and seq.stop_reason in stops
+        # It stops at the first token whose text completes the stop string.
+        k = len(seq.output_token_ids)
+        assert any(s in tok.decode(ids[:k]) for s in stops)
+        assert not any(s in tok.decode(ids[:k - 1]) for s in stops)
+    else:
+        assert reason is None
+
+
+@pytest.mark.parametrize("text, stops", STOP_CASES)
+def test_streamed_text_equals_final_text(tok, prompt_ids, text, stops):
+    ids = tok.encode(text) + [EOS]
+    seq, _, checker, deltas = feed(tok, prompt_ids, ids, stream=True, stop=stops)
+    assert "".join(deltas) == checker.final_text(seq) == _expected(text, stops)
+
+
+def test_streaming_without_stop_strings_matches_decode(tok, prompt_ids):
+    text = "Emoji 👩‍👩‍👧 and 日本語 and spaces  here."
+    ids = tok.encode(text) + [EOS]
+    seq, reason, checker, deltas = feed(tok, prompt_ids, ids, stream=True)
+    assert reason == "stop"
+    assert "".join(deltas) == text == checker.final_text(seq)
+
+
+def test_stop_strings_need_a_tokenizer(prompt_ids):
+    with pytest.raises(ValueError, match="tokenizer"):
+        StopChecker(None, prompt_ids, SamplingParams(stop=["x"]), EOS_IDS)
