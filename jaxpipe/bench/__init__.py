@@ -11,6 +11,7 @@ torch/transformers are imported only when the HF side runs.
 
 from __future__ import annotations
 
+import gc
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -243,6 +244,7 @@ def run_benchmark(cfg: BenchConfig, log: Log = print) -> dict:
         result["matmul"] = _measure_matmul(cfg, log)
     if not cfg.skip_jaxpipe:
         result["jaxpipe"], model_config = run_jaxpipe(cfg, workload, log)
+        gc.collect()  # free the engine's device buffers before HF allocates its own
         if "matmul" in result:
             result["flops"] = _flops_summary(
                 cfg, model_config, result["jaxpipe"], result["matmul"], workload

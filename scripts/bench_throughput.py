@@ -1,0 +1,72 @@
+#!/usr/bin/env python
+"""Offline throughput: jaxpipe vs HF transformers on a seeded ShareGPT-like workload.
+
+Examples:
+  python scripts/bench_throughput.py                              # the full default comparison
+  python scripts/bench_throughput.py --num-prompts 16 --hf-batch-sizes 8,16
+  python scripts/bench_throughput.py --input-len 128 --output-len 128 --skip-hf
+The logic lives in `jaxpipe.bench`; this file only parses flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+# Run from a checkout without installing: make `jaxpipe` importable.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from jaxpipe.bench import BenchConfig, run_benchmark  # noqa: E402
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    """Parse '16,32,64' into (16, 32, 64)."""
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected comma-separated ints, got {text!r}") from exc
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive ints, got {text!r}")
+    return values
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command-line flags, one per `BenchConfig` field."""
+    d = BenchConfig()
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    w = p.add_argument_group("workload")
+    w.add_argument("--num-prompts", type=int, default=d.num_prompts)
+    w.add_argument("--seed", type=int, default=d.seed)
+    w.add_argument("--input-len", type=int, help="fixed prompt length (default: lognormal)")
+    w.add_argument("--output-len", type=int, help="fixed output length (default: lognormal)")
+    e = p.add_argument_group("engines")
+    e.add_argument("--dtype", choices=("bfloat16", "float32"), default=d.dtype)
+    e.add_argument("--model", default=d.model, help="jaxpipe model name")
+    e.add_argument("--gguf", help="GGUF file for HF and the workload vocab (default: SmolLM2)")
+    e.add_argument("--max-num-seqs", type=int, help="jaxpipe batch limit (default: engine's)")
+    e.add_argument("--max-num-batched-tokens", type=int, help="jaxpipe prefill token budget")
+    e.add_argument("--max-model-len", type=int, help="default: longest request, rounded to 128")
+    e.add_argument("--warmup-prompts", type=int, default=d.warmup_prompts)
+    e.add_argument("--hf-batch-sizes", type=_int_list, default=d.hf_batch_sizes)
+    e.add_argument("--hf-num-prompts", type=int, help="run HF on only the first N prompts")
+    e.add_argument("--hf-max-seconds", type=float, help="stop each HF sweep point after ~N s")
+    e.add_argument("--skip-hf", action="store_true")
+    e.add_argument("--skip-jaxpipe", action="store_true")
+    e.add_argument("--skip-matmul", action="store_true", help="no matmul peak / FLOP/s line")
+    e.add_argument("--matmul-repeats", type=int, default=d.matmul_repeats)
+    p.add_argument("--json", dest="json_path", default=d.json_path, help="output JSON path")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse flags and run the benchmark."""
+    args = build_parser().parse_args(argv)
+    if args.skip_hf and args.skip_jaxpipe:
+        build_parser().error("--skip-hf and --skip-jaxpipe together leave nothing to measure")
+    run_benchmark(BenchConfig(**vars(args)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
