@@ -1,23 +1,15 @@
 """Static shapes: the bucket sizes jitted steps are compiled for (pure Python, no jax).
 
 A step's real size is rounded up to the next bucket so that a handful of compiled programs
-serve every batch. Length buckets grow by about 1.5x, so padding wastes at most a third.
+serve every batch. Buckets are powers of two: each one is a compile (seconds on a loaded
+2-core machine), and the decode padding they cost is limited because each block of rows
+attends over its own KV-length bucket (see runner.py).
 """
 
 from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
-
-
-def geometric_buckets(lo: int, hi: int) -> tuple[int, ...]:
-    """lo, 1.5·lo, 2·lo, 3·lo, 4·lo, ... (alternating x1.5, x4/3) capped and ending at hi."""
-    out, b = [], lo
-    while b < hi:
-        out.append(b)
-        b = b * 3 // 2 if (b & (b - 1)) == 0 else b * 4 // 3
-    out.append(hi)
-    return tuple(sorted(set(out)))
 
 
 def pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
@@ -50,12 +42,12 @@ class Buckets:
 
     @classmethod
     def for_engine(cls, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int,
-                   min_decode_batch: int = 8) -> Buckets:
+                   min_decode_batch: int = 16) -> Buckets:
         lo = min(min_decode_batch, max_num_seqs)
         return cls(
             decode_batch=pow2_buckets(lo, max_num_seqs),
-            kv_len=geometric_buckets(min(128, max_model_len), max_model_len),
-            prefill_len=geometric_buckets(min(32, max_model_len), max_model_len),
+            kv_len=pow2_buckets(min(128, max_model_len), max_model_len),
+            prefill_len=pow2_buckets(min(32, max_model_len), max_model_len),
             prefill_batch=pow2_buckets(1, max_num_seqs),
             prefill_tokens=max_num_batched_tokens)
 

@@ -126,7 +126,7 @@ def run_jaxpipe(
     warmup_s = time.perf_counter() - start
     elapsed, stats = _timed_generate(engine, workload, log)
     result = throughput(workload, elapsed)
-    result.update(engine="jaxpipe", dtype=cfg.dtype, batch_size=engine_cfg.max_num_seqs)
+    result.update(engine="jaxpipe", dtype=cfg.dtype, batch_size=engine.max_num_seqs)
     result.update(engine_config=dict(vars(engine_cfg)), startup_s=startup_s, warmup_s=warmup_s)
     result.update(stats)
     log(f"[jaxpipe] {result['output_tok_s']:.1f} output tok/s in {elapsed:.1f}s")

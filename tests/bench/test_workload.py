@@ -128,6 +128,7 @@ class _FakeEngine:
     def __init__(self, config):
         self.config = config
         self.model_config = SMOLLM2
+        self.max_num_seqs = getattr(config, "max_num_seqs", None)
 
     def generate(self, prompt_token_ids, sampling_params, use_tqdm=True):
         def out(prompt, params):
