@@ -163,9 +163,9 @@ class Engine:
         shapes = [(b, kv) for b in self.buckets.decode_batch for kv in self.buckets.kv_len]
         for b, kv in tqdm(shapes, desc="jaxpipe: compiling decode", unit="shape",
                           disable=not self.config.show_progress):
-            positions = np.zeros(b, np.int32)  # one live row at kv - 1 selects bucket kv
-            positions[0] = kv - 1
-            self.runner.decode(np.zeros(b, np.int32), positions, positions == kv - 1,
+            # Every row live at position kv - 1: each attention block compiles for bucket kv.
+            positions = np.full(b, kv - 1, np.int32)
+            self.runner.decode(np.zeros(b, np.int32), positions, np.ones(b, bool),
                                _neutral_plan(b))
 
     # ---- one step -----------------------------------------------------------------------------

@@ -52,8 +52,11 @@ class SamplingPlan:
     num_logprobs: int | None  # None: no logprobs this step
 
 
-def _attend_into(out, q, cache, positions, start, *, kv_len: int, rows: int):
-    """Attention for rows start..start+rows-1, written into out [B, H, D] (donated)."""
+def _attend_into(out, q, cache, positions, *, start: int, kv_len: int, rows: int):
+    """Attention for rows start..start+rows-1, written into out [B, H, D] (donated).
+
+    `start` is static: a static slice of the cache feeds the attention dots directly, where a
+    dynamic one is first copied out (19.1 vs 10.1 ms for 32 rows x 512 positions, measured)."""
     qb = jax.lax.dynamic_slice_in_dim(q, start, rows)  # [R, H, D]
     pb = jax.lax.dynamic_slice_in_dim(positions, start, rows)  # [R]
     attn = llama.attend_rows(qb, cache, pb, start, kv_len)
@@ -107,7 +110,7 @@ class Runner:
         self._prefill_layer = jax.jit(partial(llama.prefill_layer, cfg), donate_argnames="cache")
         self._prefill_logits = jax.jit(partial(_prefill_logits, cfg))
         self._decode_qkv = jax.jit(partial(llama.decode_qkv, cfg), donate_argnames="cache")
-        self._attend = jax.jit(_attend_into, static_argnames=("kv_len", "rows"),
+        self._attend = jax.jit(_attend_into, static_argnames=("start", "kv_len", "rows"),
                                donate_argnames="out")
         self._out_mlp = jax.jit(partial(llama.attn_out_mlp, cfg))
         self._logits = jax.jit(partial(llama.logits, cfg))
@@ -147,8 +150,8 @@ class Runner:
                                           positions, self.cache[i])
             attn = jnp.zeros_like(q)
             for start, rows, kv_len in blocks:
-                attn = self._once(("attend", rows, kv_len), self._attend, attn, q,
-                                  self.cache[i], positions, np.int32(start), kv_len=kv_len,
+                attn = self._once(("attend", start, rows, kv_len), self._attend, attn, q,
+                                  self.cache[i], positions, start=start, kv_len=kv_len,
                                   rows=rows)
             x = self._once(("out_mlp", len(tokens)), self._out_mlp, p, x, attn)
         logits = self._once(("logits", len(tokens)), self._logits, self.head, x)
