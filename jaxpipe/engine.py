@@ -211,12 +211,12 @@ class Engine:
         seeds = [s.seed if s else 0 for s in by_row]
         steps = [len(s.output_token_ids) if s else 0 for s in by_row]
         banned = [s.extra["stop"].banned(len(s.output_token_ids)) if s else [] for s in by_row]
-        plan = _plan(params, seeds, steps, banned, len(by_row))
+        tensors = sampling.build_sampling_tensors(params, seeds, steps, banned, len(by_row))
         mode = sampling.sampling_mode(s.params for s in active)
         penalties = sampling.uses_penalties(s.params for s in active)
         wanted = [s.params.logprobs for s in active if s.params.logprobs is not None]
         num = max(wanted) if wanted else None
-        return SamplingPlan(plan.tensors, mode, penalties, num)
+        return SamplingPlan(tensors, mode, penalties, num)
 
     def _postprocess(self, batch: Batch, out: StepOutput) -> list[Sequence]:
         now = time.perf_counter()
@@ -290,12 +290,11 @@ class Engine:
                              [completion], seq.is_finished, metrics)
 
     def _prompt_ids(self, prompt, prompt_token_ids) -> list[int]:
-        if (prompt is None) == (prompt_token_ids is None):
-            if prompt_token_ids is not None and prompt is not None:
-                return self._check_ids(prompt_token_ids)
-            raise ValueError("give exactly one of prompt (text) or prompt_token_ids")
+        """Token ids win when both are given (chat passes its rendered text for the output)."""
         if prompt_token_ids is not None:
             return self._check_ids(prompt_token_ids)
+        if prompt is None:
+            raise ValueError("give a prompt (text) or prompt_token_ids")
         if not isinstance(prompt, str):
             raise TypeError(f"prompt must be a str, got {type(prompt).__name__}")
         self._need_tokenizer("text prompts")
