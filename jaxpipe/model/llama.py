@@ -174,13 +174,17 @@ def qkv(cfg: ModelConfig, p: LayerParams, x, positions):
     return apply_rope(q, cos, sin), apply_rope(kv[..., 0, :, :], cos, sin), kv[..., 1, :, :]
 
 
-def attn_out_mlp(cfg: ModelConfig, p: LayerParams, x, attn):
-    """Residual updates after attention: x [..., E], attn [..., H, D] -> x [..., E]."""
-    x = x + _matmul(attn, p.wo, 2)
+def attn_out_mlp(cfg: ModelConfig, p: LayerParams, x, attn, reduce=None):
+    """Residual updates after attention: x [..., E], attn [..., H, D] -> x [..., E].
+
+    `reduce` sums the partial products of the two row-split matmuls (`wo`, `w_down`) across
+    tensor-parallel shards (a `psum` inside `shard_map`); None on one shard."""
+    reduce = reduce or (lambda y: y)
+    x = x + reduce(_matmul(attn, p.wo, 2))
     h = rms_norm(x, p.mlp_norm, cfg.rms_norm_eps)
     gate_up = _matmul(h, p.w_gate_up)  # [..., 2, F]
     act = jax.nn.silu(gate_up[..., 0, :]) * gate_up[..., 1, :]
-    return x + _matmul(act, p.w_down)
+    return x + reduce(_matmul(act, p.w_down))
 
 
 def prefill_layer(cfg: ModelConfig, p: LayerParams, x, cache: KVCache, slots):

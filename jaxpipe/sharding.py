@@ -1,0 +1,274 @@
+"""Layouts on devices: meshes, logical-axis rules, padding for uneven splits, re-sharding.
+
+The model names *logical* axes (`layers`, `heads`, `kv_heads`, `mlp`, `vocab`, ...); this module
+is the only place that maps them to *physical* mesh axes (`pp`, `tp`, `dp`). Every layout of
+one engine uses the same devices in the same order, arranged as a mesh `[dp, pp, tp]`.
+
+JAX refuses uneven splits, so sizes that a layout's degree does not divide are padded once, on
+the host, into a form every layout of the engine divides (`PaddingPlan`):
+  - layers: identity layers (every weight zero: x + 0 + 0 == x exactly) fill each short stage;
+  - heads: KV heads are replicated and query heads zero-padded so each TP shard holds whole
+    GQA groups; a zero query head attends somewhere, but its `wo` rows are zero, so the
+    output is unchanged;
+  - mlp / vocab: zero columns (silu(0) * 0 == 0; padded logits are cut off by the runner).
+Because the padded shapes are common to all layouts, re-sharding is a pure `device_put`.
+A size a rule cannot split raises; nothing is ever silently replicated.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxpipe.config import ModelConfig
+from jaxpipe.layout import Layout
+from jaxpipe.model.llama import param_decls
+
+MESH_AXES = ("dp", "pp", "tp")
+# Logical axis -> mesh axis. Axes not listed (embed, head_dim, kv_pair, gate_up, seq) are never
+# split: embed is the residual stream every layer needs whole; the pair axes hold two halves
+# of one fused matmul.
+RULES = {"layers": "pp", "heads": "tp", "kv_heads": "tp", "mlp": "tp", "vocab": "tp",
+         "batch": "dp"}
+# Logical axes of the stacked KV store (one array for K, one for V).
+KV_AXES = ("layers", "batch", "kv_heads", "seq", "head_dim")
+
+
+# ---- padding -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PaddingPlan:
+    """Source index of every padded position along each padded logical axis (-1: zero).
+
+    `index[axis][i]` is the original index feeding padded position i. Axes not in `index` are
+    unchanged. Built for a *set* of layouts so that one padded model serves all of them."""
+
+    index: dict[str, tuple[int, ...]]
+
+    def size(self, axis: str, original: int) -> int:
+        return len(self.index[axis]) if axis in self.index else original
+
+    @property
+    def is_identity(self) -> bool:
+        return all(list(src) == list(range(len(src))) for src in self.index.values())
+
+    def padded_config(self, cfg: ModelConfig) -> dict[str, int]:
+        """The padded sizes: num_layers, num_heads, num_kv_heads, intermediate_size, vocab."""
+        return {"num_layers": self.size("layers", cfg.num_layers),
+                "num_heads": self.size("heads", cfg.num_heads),
+                "num_kv_heads": self.size("kv_heads", cfg.num_kv_heads),
+                "intermediate_size": self.size("mlp", cfg.intermediate_size),
+                "vocab_size": self.size("vocab", cfg.vocab_size)}
+
+
+def plan_padding(cfg: ModelConfig, layouts: Iterable[Layout]) -> PaddingPlan:
+    """The smallest padding every layout in `layouts` divides evenly."""
+    layouts = list(layouts)
+    pp = math.lcm(*(lo.pp for lo in layouts))
+    tp = math.lcm(*(lo.tp for lo in layouts))
+    q_src, kv_src = _head_plan(cfg.num_heads, cfg.num_kv_heads, tp)
+    return PaddingPlan({
+        "layers": _layer_plan(cfg.num_layers, pp),
+        "heads": q_src,
+        "kv_heads": kv_src,
+        "mlp": _zero_pad(cfg.intermediate_size, tp),
+        "vocab": _zero_pad(cfg.vocab_size, tp),
+    })
+
+
+def _zero_pad(size: int, multiple: int) -> tuple[int, ...]:
+    return tuple(range(size)) + (-1,) * (-size % multiple)
+
+
+def _layer_plan(num_layers: int, pp: int) -> tuple[int, ...]:
+    """Stages of equal length: the first `L % pp` stages hold one more real layer, the others
+    end with an identity layer (uneven stage assignment, made even by padding)."""
+    per_stage = -(-num_layers // pp)
+    src: list[int] = []
+    nxt = 0
+    for stage in range(pp):
+        real = num_layers // pp + (stage < num_layers % pp)
+        src += list(range(nxt, nxt + real)) + [-1] * (per_stage - real)
+        nxt += real
+    return tuple(src)
+
+
+def _head_plan(heads: int, kv_heads: int, tp: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(query-head sources, KV-head sources) so that `tp` divides both counts and each shard's
+    query heads use only that shard's KV heads (padded query head i uses KV head i // G').
+
+    KV head k is replicated r_k times; its G query heads are spread over the replicas, each
+    replica padded to G' = max_k ceil(G / r_k) slots. Among KV counts that are multiples of
+    `tp`, the one with fewest padded query heads (then fewest KV heads) wins: SmolLM2's 9/3
+    heads become 12/4 at tp=4 and 16/8 at tp=8."""
+    group = heads // kv_heads
+    if kv_heads % tp == 0:
+        return tuple(range(heads)), tuple(range(kv_heads))
+    best = None
+    for total in range(-(-kv_heads // tp) * tp, kv_heads * tp + 1, tp):
+        reps = [total // kv_heads + (k < total % kv_heads) for k in range(kv_heads)]
+        g_pad = max(-(-group // r) for r in reps)
+        if best is None or (total * g_pad, total) < best[0]:
+            best = ((total * g_pad, total), reps, g_pad)
+    _, reps, g_pad = best
+    q_src: list[int] = []
+    kv_src: list[int] = []
+    for k, r in enumerate(reps):
+        heads_of_k = list(range(k * group, (k + 1) * group))
+        for chunk in np.array_split(np.array(heads_of_k), r):
+            kv_src.append(k)
+            q_src += [int(h) for h in chunk] + [-1] * (g_pad - len(chunk))
+    return tuple(q_src), tuple(kv_src)
+
+
+def pad_values(cfg: ModelConfig, values: dict, plan: PaddingPlan) -> dict[str, np.ndarray]:
+    """Host arrays (name -> array, as `param_decls` declares) -> padded host arrays."""
+    out = {}
+    for name, decl in param_decls(cfg).items():
+        a = np.asarray(values[name])
+        for dim, axis in enumerate(decl.axes):
+            if axis in plan.index:
+                a = _take_or_zero(a, plan.index[axis], dim)
+        out[name] = a
+    return out
+
+
+def _take_or_zero(a: np.ndarray, src: tuple[int, ...], axis: int) -> np.ndarray:
+    if list(src) == list(range(a.shape[axis])):
+        return a
+    idx = np.array(src)
+    out = np.take(a, np.maximum(idx, 0), axis=axis)
+    keep = (idx >= 0).reshape([-1 if d == axis else 1 for d in range(a.ndim)])
+    return np.where(keep, out, np.zeros((), a.dtype))
+
+
+def padded_shapes(cfg: ModelConfig, plan: PaddingPlan) -> dict[str, tuple[int, ...]]:
+    """name -> padded shape of every parameter."""
+    return {name: tuple(plan.size(ax, n) for ax, n in zip(d.axes, d.shape, strict=True))
+            for name, d in param_decls(cfg).items()}
+
+
+# ---- meshes and shardings ------------------------------------------------------------------------
+
+
+def make_mesh(layout: Layout, devices=None) -> Mesh:
+    """The layout's mesh `[dp, pp, tp]` over the first dp*pp*tp devices (same order for every
+    layout, so that replicated arrays are interchangeable between layouts)."""
+    devices = list(jax.devices() if devices is None else devices)
+    if len(devices) < layout.num_devices:
+        raise ValueError(f"layout {layout} needs {layout.num_devices} devices; "
+                         f"{len(devices)} are available")
+    grid = np.array(devices[: layout.num_devices]).reshape(layout.dp, layout.pp, layout.tp)
+    return Mesh(grid, MESH_AXES)
+
+
+def spec(axes: tuple[str | None, ...], layout: Layout) -> P:
+    """Logical axes -> PartitionSpec under `layout` (axes of degree 1 are left unsplit)."""
+    parts = []
+    for axis in axes:
+        mesh_axis = RULES.get(axis)
+        parts.append(mesh_axis if mesh_axis and getattr(layout, mesh_axis) > 1 else None)
+    return P(*parts)
+
+
+def named_sharding(mesh: Mesh, layout: Layout, axes: tuple, shape: tuple[int, ...],
+                   what: str) -> NamedSharding:
+    """The sharding of one array; raises if a split axis is not divisible (never replicates)."""
+    s = spec(axes, layout)
+    for size, mesh_axis, axis in zip(shape, s, axes, strict=True):
+        if mesh_axis is not None and size % getattr(layout, mesh_axis):
+            raise ValueError(f"{what}: axis {axis!r} of size {size} does not split over "
+                             f"{mesh_axis}={getattr(layout, mesh_axis)} (layout {layout}); "
+                             "pad it first (sharding.plan_padding)")
+    return NamedSharding(mesh, s)
+
+
+def param_shardings(cfg: ModelConfig, plan: PaddingPlan, layout: Layout,
+                    mesh: Mesh) -> dict[str, NamedSharding]:
+    """name -> NamedSharding of every (padded) parameter under `layout`."""
+    shapes = padded_shapes(cfg, plan)
+    return {name: named_sharding(mesh, layout, d.axes, shapes[name], f"parameter {name!r}")
+            for name, d in param_decls(cfg).items()}
+
+
+def kv_shape(cfg: ModelConfig, plan: PaddingPlan, num_slots: int, max_len: int):
+    """Shape of the stacked KV store, K or V: [L', N, Hkv', S, D]."""
+    return (plan.size("layers", cfg.num_layers), num_slots,
+            plan.size("kv_heads", cfg.num_kv_heads), max_len, cfg.head_dim)
+
+
+def kv_sharding(cfg: ModelConfig, plan: PaddingPlan, layout: Layout, mesh: Mesh,
+                num_slots: int, max_len: int) -> NamedSharding:
+    return named_sharding(mesh, layout, KV_AXES, kv_shape(cfg, plan, num_slots, max_len),
+                          "KV store")
+
+
+# ---- moving between layouts ----------------------------------------------------------------------
+
+
+def reshard(tree, shardings):
+    """`tree` with every leaf on the matching sharding of `shardings` (same structure).
+
+    Pure: returns the new tree. Leaves already on their target are returned as they are, so
+    identical layouts cost nothing (no copy, no device work)."""
+    leaves, treedef = jax.tree.flatten(tree)
+    targets = treedef.flatten_up_to(shardings)
+    moving = [i for i, (x, s) in enumerate(zip(leaves, targets, strict=True))
+              if not _same(x.sharding, s, x.ndim)]
+    if not moving:
+        return tree
+    moved = jax.device_put([leaves[i] for i in moving], [targets[i] for i in moving])
+    for i, x in zip(moving, moved, strict=True):
+        leaves[i] = x
+    return jax.tree.unflatten(treedef, leaves)
+
+
+def _same(a, b, ndim: int) -> bool:
+    return a == b or a.is_equivalent_to(b, ndim)
+
+
+def timed_reshard(tree, shardings) -> tuple[object, float]:
+    """`reshard` and the seconds it took until the arrays were in place (0.0 when a no-op)."""
+    start = time.perf_counter()
+    out = reshard(tree, shardings)
+    if out is tree:
+        return tree, 0.0
+    jax.block_until_ready(out)
+    return out, time.perf_counter() - start
+
+
+def abstract_params(cfg: ModelConfig, shardings: dict[str, NamedSharding], dtype):
+    """name -> ShapeDtypeStruct with sharding (unpadded shapes): a target for orbax to
+    restore straight into a layout's shardings (`loading.load_orbax(path, target)`)."""
+    return {name: jax.ShapeDtypeStruct(d.shape, dtype, sharding=shardings[name])
+            for name, d in param_decls(cfg).items()}
+
+
+# ---- devices -------------------------------------------------------------------------------------
+
+
+def ensure_cpu_devices(count: int) -> None:
+    """Make JAX's CPU backend start with at least `count` virtual devices.
+
+    Only possible before the backend starts; afterwards a clear error says how to fix it."""
+    from jax._src import xla_bridge
+
+    if not xla_bridge.backends_are_initialized():
+        current = jax.config.jax_num_cpu_devices
+        if current < count:
+            jax.config.update("jax_num_cpu_devices", count)
+        return
+    have = len(jax.devices("cpu"))
+    if have < count:
+        raise RuntimeError(
+            f"this mesh needs {count} CPU devices but JAX already started with {have}; create "
+            f"the Engine before any other JAX use in this process, or start Python with "
+            f"XLA_FLAGS=--xla_force_host_platform_device_count={count}")
