@@ -12,6 +12,9 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from jaxpipe.layout import Layout
+from jaxpipe.meshes import load_mesh
+
 DTYPES = ("float32", "bfloat16")
 
 
@@ -112,6 +115,11 @@ class EngineConfig:
     max_num_batched_tokens: token budget of one prefill batch (padded tokens count).
     kv_cache_gb: size of the device KV store. An explicit max_num_seqs whose slots would not
         fit raises, saying which knob to change.
+    mesh: a device-topology preset from `meshes/` ("cpu-1", "cpu-8", ...). A cpu-N preset asks
+        JAX for N virtual CPU devices when the engine starts.
+    prefill, decode: layouts like "pp=4,tp=2" (default: the mesh preset's). pp*tp*dp must
+        equal the mesh's device count. Prefill runs on one, decode on the other; the weights
+        and KV store are re-sharded between them at each phase change.
     """
 
     model: str = "smollm2-135m"
@@ -125,6 +133,9 @@ class EngineConfig:
     compilation_cache_dir: str | None = field(default_factory=_default_cache_dir)
     warmup: bool = True
     show_progress: bool = True
+    mesh: str = "cpu-1"
+    prefill: str | Layout | None = None
+    decode: str | Layout | None = None
 
     def __post_init__(self):
         if not isinstance(self.model, (str, os.PathLike)) or not str(self.model):
@@ -145,6 +156,23 @@ class EngineConfig:
                              f"got {self.kv_cache_gb!r}")
         if self.compilation_cache_dir is not None:
             self.compilation_cache_dir = str(Path(self.compilation_cache_dir).expanduser())
+        self._check_layouts()
+
+    def _check_layouts(self) -> None:
+        """Resolve `prefill` / `decode` to `Layout`s (preset defaults) that fit the mesh."""
+        try:
+            preset = load_mesh(self.mesh)
+        except ValueError as err:
+            raise ValueError(f"EngineConfig.mesh: {err}") from None
+        for phase in ("prefill", "decode"):
+            value = getattr(self, phase)
+            try:
+                layout = getattr(preset, phase) if value is None else Layout.parse(value)
+                layout.check_devices(preset.num_devices, f"{phase} layout")
+            except ValueError as err:
+                raise ValueError(f"EngineConfig.{phase}={value!r} on mesh {self.mesh!r}: "
+                                 f"{err}") from None
+            setattr(self, phase, layout)
 
 
 def _check_int(name: str, value, lo: int, hi: int) -> None:

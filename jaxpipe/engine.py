@@ -17,12 +17,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpipe import sampling
+from jaxpipe import sampling, sharding
 from jaxpipe.buckets import Buckets, round_up
 from jaxpipe.config import EngineConfig, ModelConfig
 from jaxpipe.kv import device_cache
+from jaxpipe.layout_runner import LayoutRunner
+from jaxpipe.meshes import MeshPreset, load_mesh
 from jaxpipe.model import loading
-from jaxpipe.model.llama import Llama, init_random
+from jaxpipe.model.llama import Llama, init_random, param_decls
 from jaxpipe.model.presets import resolve_model
 from jaxpipe.outputs import CompletionOutput, RequestOutput, StreamDelta
 from jaxpipe.runner import Runner, SamplingPlan, StepOutput
@@ -40,6 +42,8 @@ class Engine:
     def __init__(self, config: EngineConfig | None = None, **overrides):
         """Load the model, allocate the KV store and compile the steps (warm-up)."""
         self.config = config = config or EngineConfig(**overrides)
+        self.mesh = load_mesh(config.mesh)
+        devices = _mesh_devices(self.mesh)  # before any other JAX use: may add CPU devices
         _enable_compilation_cache(config.compilation_cache_dir)
         self.dtype = jnp.dtype(config.dtype)
         self.model_config, model, self.tokenizer = _load(config, self.dtype)
@@ -48,8 +52,8 @@ class Engine:
                                           self.dtype)
         self.buckets = Buckets.for_engine(self.max_num_seqs, self.max_model_len,
                                           max(config.max_num_batched_tokens, self.max_model_len))
-        self.runner = Runner(model, self.buckets, self.max_num_seqs, self.max_model_len,
-                             self.dtype)
+        self.runner = _make_runner(config, model, self.buckets, self.max_num_seqs,
+                                   self.max_model_len, self.dtype, devices)
         self.scheduler = Scheduler(self.max_num_seqs, self.buckets.prefill_fits)
         self._eos = frozenset(self.model_config.eos_token_ids)
         self._seeds = np.random.default_rng(config.seed)
@@ -160,6 +164,7 @@ class Engine:
         never stops to compile. Prefill shapes compile on first use (a few per run)."""
         from tqdm.auto import tqdm
 
+        self._enter_phase("decode")
         shapes = [(b, kv) for b in self.buckets.decode_batch for kv in self.buckets.kv_len]
         for b, kv in tqdm(shapes, desc="jaxpipe: compiling decode", unit="shape",
                           disable=not self.config.show_progress):
@@ -171,6 +176,7 @@ class Engine:
     # ---- one step -----------------------------------------------------------------------------
 
     def _run(self, batch: Batch) -> StepOutput:
+        self._enter_phase(batch.kind)
         start = time.perf_counter()
         if batch.kind == "prefill":
             out = self._run_prefill(batch.seqs)
@@ -179,6 +185,14 @@ class Engine:
         self._stats[f"{batch.kind}_seconds"] += time.perf_counter() - start
         self._stats[f"{batch.kind}_steps"] += 1
         return out
+
+    def _enter_phase(self, kind: str) -> None:
+        """Move weights and KV into the layout of `kind` ("prefill" | "decode") if they are not
+        there yet: the simple policy of re-sharding at every phase change."""
+        seconds = self.runner.set_phase(kind)
+        if seconds is not None:
+            self._stats["reshards"] += 1
+            self._stats["reshard_seconds"] += seconds
 
     def _run_prefill(self, seqs: list[Sequence]) -> StepOutput:
         shape = self.buckets.prefill_shape(len(seqs), max(s.prompt_len for s in seqs))
@@ -337,6 +351,30 @@ def _enable_compilation_cache(path: str | None) -> None:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 
 
+def _mesh_devices(mesh: MeshPreset) -> list:
+    """The devices of a mesh preset; a cpu-N preset adds virtual CPU devices if JAX has not
+    started yet (a clear error if it has, with fewer)."""
+    if mesh.platform == "cpu" and mesh.num_devices > 1:
+        sharding.ensure_cpu_devices(mesh.num_devices)
+    devices = jax.devices("cpu" if mesh.platform == "cpu" else None)
+    if len(devices) < mesh.num_devices or (mesh.platform != "cpu"
+                                           and devices[0].platform == "cpu"):
+        raise RuntimeError(f"mesh {mesh.name!r} needs {mesh.num_devices} {mesh.platform} "
+                           f"devices; found {len(devices)} {devices[0].platform} device(s)")
+    return devices[: mesh.num_devices]
+
+
+def _make_runner(config: EngineConfig, model: Llama, buckets: Buckets, num_slots: int,
+                 max_len: int, dtype, devices: list) -> Runner:
+    """One device: per-layer dispatch (the fast single-device path). More: pipelined layouts."""
+    if len(devices) == 1:
+        return Runner(model, buckets, num_slots, max_len, dtype)
+    values = {name: getattr(model, name)[...] for name in param_decls(model.config)}
+    layouts = {"prefill": config.prefill, "decode": config.decode}
+    return LayoutRunner(model.config, values, buckets, num_slots, max_len, dtype, layouts,
+                        devices)
+
+
 def _load(config: EngineConfig, dtype) -> tuple[ModelConfig, Llama, Tokenizer | None]:
     source = resolve_model(config.model)
     tokenizer = loading.load_tokenizer(source)
@@ -431,5 +469,5 @@ def _record_logprobs(seq: Sequence, out: StepOutput, i: int, token: int) -> None
 def _new_stats() -> dict:
     keys = ("prefill_seconds", "decode_seconds", "prefill_steps", "decode_steps",
             "prefill_tokens", "prefill_padded_tokens", "decode_rows_active", "decode_rows_padded",
-            "generated_tokens", "finished_requests")
+            "generated_tokens", "finished_requests", "reshards", "reshard_seconds")
     return {k: 0 if not k.endswith("seconds") else 0.0 for k in keys}

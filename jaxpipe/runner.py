@@ -120,6 +120,10 @@ class Runner:
         self.compiled: set[tuple] = set()
         self.compile_seconds = 0.0
 
+    def set_phase(self, phase: str) -> float | None:
+        """One device has one layout: nothing ever moves (see `LayoutRunner.set_phase`)."""
+        return None
+
     def prefill(self, prompts: list[list[int]], slots: list[int], plan: SamplingPlan,
                 shape: tuple[int, int]) -> StepOutput:
         """Run `prompts` (written into `slots`) padded to `shape` = (batch, length) bucket."""

@@ -1,0 +1,151 @@
+"""The runner for multi-device layouts: prefill on one layout, decode on another.
+
+Same interface as `Runner` (`prefill`, `decode`, `set_phase`, compile bookkeeping), different
+strategy: each step is one whole-model program (`pipeline.py`) over a mesh, instead of one
+program per layer on one device. The weights and the KV store are padded once (see
+`sharding.py`) and live in the current phase's layout; `set_phase` moves both with
+`sharding.reshard` when the phase's layout differs from the one they are in.
+
+The KV store here is stacked, `[L', N, Hkv', S, D]` for K and for V, so that the `layers` axis
+can be split over pipeline stages (each stage holds and writes its own layers' KV).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxpipe import pipeline, sharding
+from jaxpipe.buckets import Buckets, round_up
+from jaxpipe.config import ModelConfig
+from jaxpipe.kv.device_cache import KVCache, storage_dtype
+from jaxpipe.layout import Layout
+from jaxpipe.runner import _STATIC, Runner, SamplingPlan, StepOutput, _reset_penalty_rows, _sample
+
+PHASES = ("prefill", "decode")
+
+
+class Placement:
+    """One layout's mesh and the shardings of everything that moves between layouts."""
+
+    def __init__(self, cfg: ModelConfig, plan: sharding.PaddingPlan, layout: Layout, devices,
+                 num_slots: int, max_len: int):
+        self.layout = layout
+        self.mesh = sharding.make_mesh(layout, devices)
+        self.params = sharding.param_shardings(cfg, plan, layout, self.mesh)
+        kv = sharding.kv_sharding(cfg, plan, layout, self.mesh, num_slots, max_len)
+        self.cache = KVCache(kv, kv)
+
+
+class LayoutRunner(Runner):
+    """Device state and compiled steps over a prefill and a decode layout of the same devices.
+
+    Inherits `Runner`'s sampling and compile bookkeeping; the model steps are its own."""
+
+    def __init__(self, cfg: ModelConfig, values: dict, buckets: Buckets, num_slots: int,
+                 max_len: int, dtype, layouts: dict[str, Layout], devices,
+                 prefill_microbatches_per_stage: int = 2):
+        """`values`: unpadded weights (name -> host or device array, as `param_decls`)."""
+        for phase, layout in layouts.items():
+            if layout.dp > 1:
+                raise ValueError(f"{phase} layout {layout}: dp > 1 is not supported yet; "
+                                 "use pp*tp = the mesh's device count")
+        self.config, self.buckets = cfg, buckets
+        self.num_slots, self.max_len = num_slots, max_len
+        self.layouts = dict(layouts)
+        self.prefill_microbatches_per_stage = prefill_microbatches_per_stage
+        self.plan = sharding.plan_padding(cfg, self.layouts.values())
+        self.placements = {p: Placement(cfg, self.plan, self.layouts[p], devices, num_slots,
+                                        max_len) for p in PHASES}
+        self.phase = "prefill"
+        place = self.placements[self.phase]
+        padded = sharding.pad_values(cfg, {k: np.asarray(v) for k, v in values.items()},
+                                     self.plan)
+        self.params = jax.device_put({k: v.astype(dtype) for k, v in padded.items()},
+                                     place.params)
+        self.cache = _zeros_cache(sharding.kv_shape(cfg, self.plan, num_slots, max_len),
+                                  storage_dtype(dtype), place.cache)
+        replicated = NamedSharding(place.mesh, P())
+        self.prompt_mask = jax.device_put(np.zeros((num_slots, cfg.vocab_size), bool),
+                                          replicated)  # [N, V]
+        self.out_counts = jax.device_put(np.zeros((num_slots, cfg.vocab_size), np.int32),
+                                         replicated)  # [N, V]
+        self._sample = jax.jit(_sample, static_argnames=_STATIC,
+                               donate_argnames=("prompt_mask", "out_counts"))
+        self._reset = jax.jit(_reset_penalty_rows, donate_argnames=("prompt_mask", "out_counts"))
+        self._programs: dict[tuple, object] = {}
+        self.compiled: set[tuple] = set()
+        self.compile_seconds = 0.0
+
+    def set_phase(self, phase: str) -> float | None:
+        """Put weights and KV in `phase`'s layout. Returns the seconds spent moving them, or
+        None when nothing moved (same phase, or both phases share one layout)."""
+        if phase == self.phase:
+            return None
+        self.phase = phase
+        place = self.placements[phase]
+        state = (self.params, self.cache)
+        moved, seconds = sharding.timed_reshard(state, (place.params, place.cache))
+        self.params, self.cache = moved
+        return None if moved is state else seconds
+
+    def prefill(self, prompts: list[list[int]], slots: list[int], plan: SamplingPlan,
+                shape: tuple[int, int]) -> StepOutput:
+        """Run `prompts` (written into `slots`) padded to `shape`, pipelined over pp."""
+        b, t = shape
+        tokens = np.zeros((b, t), np.int32)
+        lengths = np.ones(b, np.int32)
+        slot_arr = np.full(b, self.num_slots, np.int32)  # padding rows: out of range, dropped
+        for i, (ids, slot) in enumerate(zip(prompts, slots, strict=True)):
+            tokens[i, : len(ids)], lengths[i], slot_arr[i] = ids, len(ids), slot
+        logits = self.prefill_logits(tokens, lengths, slot_arr)
+        if plan.penalties:
+            self.prompt_mask, self.out_counts = self._reset(
+                self.prompt_mask, self.out_counts, tokens, lengths, slot_arr)
+        return self._sample_host(logits, slot_arr, plan, len(prompts))
+
+    def prefill_logits(self, tokens: np.ndarray, lengths: np.ndarray, slots: np.ndarray,
+                       microbatches: int | None = None) -> jax.Array:
+        """Last-token logits [b, V] of prompts tokens [b, T] (valid up to lengths [b]), their
+        K/V written into slots [b]. Default micro-batches: up to 2 per stage (pp > 1)."""
+        b, t = tokens.shape
+        pp = self.placements[self.phase].layout.pp
+        most = pp * self.prefill_microbatches_per_stage if pp > 1 else 1
+        m = microbatches or pipeline.microbatches(b, most)
+        fn = self._program("prefill", m)
+        logits, self.cache = self._once((self.phase, "prefill", b, t, m), fn, self.params,
+                                        self.cache, tokens, lengths, slots)
+        return logits
+
+    def decode(self, tokens: np.ndarray, positions: np.ndarray, active: np.ndarray,
+               plan: SamplingPlan) -> StepOutput:
+        """One token for slots 0..B-1; with pp > 1 the rows flow as pp micro-batches."""
+        rows = len(tokens)
+        longest = int(positions[active].max()) + 1 if active.any() else 1
+        kv_len = round_up(longest, self.buckets.kv_len)
+        lengths = np.where(active, positions + 1, 0).astype(np.int32)
+        m = pipeline.microbatches(rows, self.placements[self.phase].layout.pp)
+        fn = self._program("decode", m)
+        logits, self.cache = self._once((self.phase, "decode", rows, kv_len), fn, self.params,
+                                        self.cache, tokens, positions.astype(np.int32),
+                                        lengths, kv_len=kv_len)
+        return self._sample_host(logits, np.arange(rows, dtype=np.int32), plan, rows)
+
+    def _program(self, kind: str, microbatches: int):
+        """The jitted step of `kind` on the current phase's layout (built once per key)."""
+        key = (self.phase, kind, microbatches)
+        if key not in self._programs:
+            place = self.placements[self.phase]
+            build = pipeline.prefill_program if kind == "prefill" else pipeline.decode_program
+            self._programs[key] = build(self.config, place.layout, place.mesh,
+                                        self.config.vocab_size, microbatches)
+        return self._programs[key]
+
+
+def _zeros_cache(shape, dtype, shardings: KVCache) -> KVCache:
+    """A zeroed KV store created directly in its sharding (never whole on one device)."""
+    make = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=shardings.k)
+    return KVCache(make(), make())
