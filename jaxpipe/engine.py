@@ -12,6 +12,7 @@ import logging
 import time
 from collections.abc import Iterator
 from collections.abc import Sequence as Seq
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -46,14 +47,14 @@ class Engine:
         devices = _mesh_devices(self.mesh)  # before any other JAX use: may add CPU devices
         _enable_compilation_cache(config.compilation_cache_dir)
         self.dtype = jnp.dtype(config.dtype)
-        self.model_config, model, self.tokenizer = _load(config, self.dtype)
+        self.model_config, model, self.tokenizer = _load(config, self.dtype, len(devices) > 1)
         self.max_model_len = _max_model_len(config, self.model_config)
         self.max_num_seqs = _max_num_seqs(config, self.model_config, self.max_model_len,
                                           self.dtype)
         self.buckets = Buckets.for_engine(self.max_num_seqs, self.max_model_len,
                                           max(config.max_num_batched_tokens, self.max_model_len))
-        self.runner = _make_runner(config, model, self.buckets, self.max_num_seqs,
-                                   self.max_model_len, self.dtype, devices)
+        self.runner = _make_runner(config, self.model_config, model, self.buckets,
+                                   self.max_num_seqs, self.max_model_len, self.dtype, devices)
         self.scheduler = Scheduler(self.max_num_seqs, self.buckets.prefill_fits)
         self._eos = frozenset(self.model_config.eos_token_ids)
         self._seeds = np.random.default_rng(config.seed)
@@ -364,23 +365,29 @@ def _mesh_devices(mesh: MeshPreset) -> list:
     return devices[: mesh.num_devices]
 
 
-def _make_runner(config: EngineConfig, model: Llama, buckets: Buckets, num_slots: int,
-                 max_len: int, dtype, devices: list) -> Runner:
-    """One device: per-layer dispatch (the fast single-device path). More: pipelined layouts."""
+def _make_runner(config: EngineConfig, cfg: ModelConfig, model: Llama | Path,
+                 buckets: Buckets, num_slots: int, max_len: int, dtype, devices: list) -> Runner:
+    """One device: per-layer dispatch (the fast single-device path). More: pipelined layouts.
+    `model` is a path when an orbax checkpoint is to be restored straight into shardings."""
     if len(devices) == 1:
         return Runner(model, buckets, num_slots, max_len, dtype)
-    values = {name: getattr(model, name)[...] for name in param_decls(model.config)}
+    weights = model if isinstance(model, Path) else {
+        name: getattr(model, name)[...] for name in param_decls(cfg)}
     layouts = {"prefill": config.prefill, "decode": config.decode}
-    return LayoutRunner(model.config, values, buckets, num_slots, max_len, dtype, layouts,
-                        devices)
+    return LayoutRunner(cfg, weights, buckets, num_slots, max_len, dtype, layouts, devices)
 
 
-def _load(config: EngineConfig, dtype) -> tuple[ModelConfig, Llama, Tokenizer | None]:
+def _load(config: EngineConfig, dtype, sharded: bool,
+          ) -> tuple[ModelConfig, Llama | Path, Tokenizer | None]:
+    """Architecture, weights and tokenizer. With `sharded` (a multi-device mesh) an orbax
+    checkpoint is not read here: its path is returned, for the runner to restore in place."""
     source = resolve_model(config.model)
     tokenizer = loading.load_tokenizer(source)
     if config.random_weights:
         cfg = source.config or loading.load_weights(source)[0]
         return cfg, init_random(cfg, config.seed, dtype), tokenizer
+    if sharded and source.kind == "orbax":
+        return loading.orbax_config(source.path), source.path, tokenizer
     start = time.perf_counter()
     cfg, values = loading.load_weights(source)
     model = Llama(cfg, dtype=dtype, values=values)

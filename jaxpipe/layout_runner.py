@@ -12,6 +12,8 @@ can be split over pipeline stages (each stage holds and writes its own layers' K
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -23,6 +25,7 @@ from jaxpipe.buckets import Buckets, round_up
 from jaxpipe.config import ModelConfig
 from jaxpipe.kv.device_cache import KVCache, storage_dtype
 from jaxpipe.layout import Layout
+from jaxpipe.model import loading
 from jaxpipe.runner import _STATIC, Runner, SamplingPlan, StepOutput, _reset_penalty_rows, _sample
 
 PHASES = ("prefill", "decode")
@@ -45,10 +48,11 @@ class LayoutRunner(Runner):
 
     Inherits `Runner`'s sampling and compile bookkeeping; the model steps are its own."""
 
-    def __init__(self, cfg: ModelConfig, values: dict, buckets: Buckets, num_slots: int,
+    def __init__(self, cfg: ModelConfig, weights: dict | Path, buckets: Buckets, num_slots: int,
                  max_len: int, dtype, layouts: dict[str, Layout], devices,
                  prefill_microbatches_per_stage: int = 2):
-        """`values`: unpadded weights (name -> host or device array, as `param_decls`)."""
+        """`weights`: unpadded weights (name -> host or device array, as `param_decls`), or
+        the path of an orbax checkpoint to restore straight into the prefill layout."""
         for phase, layout in layouts.items():
             if layout.dp > 1:
                 raise ValueError(f"{phase} layout {layout}: dp > 1 is not supported yet; "
@@ -62,10 +66,7 @@ class LayoutRunner(Runner):
                                         max_len) for p in PHASES}
         self.phase = "prefill"
         place = self.placements[self.phase]
-        padded = sharding.pad_values(cfg, {k: np.asarray(v) for k, v in values.items()},
-                                     self.plan)
-        self.params = jax.device_put({k: v.astype(dtype) for k, v in padded.items()},
-                                     place.params)
+        self.params = self._place_weights(weights, dtype)
         self.cache = _zeros_cache(sharding.kv_shape(cfg, self.plan, num_slots, max_len),
                                   storage_dtype(dtype), place.cache)
         replicated = NamedSharding(place.mesh, P())
@@ -79,6 +80,20 @@ class LayoutRunner(Runner):
         self._programs: dict[tuple, object] = {}
         self.compiled: set[tuple] = set()
         self.compile_seconds = 0.0
+
+    def _place_weights(self, weights: dict | Path, dtype) -> dict:
+        """Padded weights in the current layout: from host/device arrays (padded on the host),
+        or restored from an orbax checkpoint straight into the layout's shardings."""
+        place = self.placements[self.phase]
+        if isinstance(weights, dict):
+            padded = sharding.pad_values(self.config, {k: np.asarray(v)
+                                                       for k, v in weights.items()}, self.plan)
+            return jax.device_put({k: v.astype(dtype) for k, v in padded.items()}, place.params)
+        target = sharding.restore_target(self.config, self.plan, place.layout, place.mesh, dtype)
+        cfg, values = loading.load_orbax(weights, target)
+        if cfg != self.config:
+            raise ValueError(f"orbax checkpoint {weights} holds {cfg}, expected {self.config}")
+        return sharding.pad_on_device(self.config, values, self.plan, place.params)
 
     def set_phase(self, phase: str) -> float | None:
         """Put weights and KV in `phase`'s layout. Returns the seconds spent moving them, or

@@ -23,6 +23,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -141,13 +142,29 @@ def pad_values(cfg: ModelConfig, values: dict, plan: PaddingPlan) -> dict[str, n
     return out
 
 
-def _take_or_zero(a: np.ndarray, src: tuple[int, ...], axis: int) -> np.ndarray:
+def pad_on_device(cfg: ModelConfig, values: dict, plan: PaddingPlan,
+                  shardings: dict[str, NamedSharding]) -> dict:
+    """Device arrays (unpadded) -> padded arrays, computed by XLA straight into `shardings`."""
+    def pad(values):
+        out = {}
+        for name, decl in param_decls(cfg).items():
+            a = values[name]
+            for dim, axis in enumerate(decl.axes):
+                if axis in plan.index:
+                    a = _take_or_zero(a, plan.index[axis], dim, jnp)
+            out[name] = a
+        return out
+
+    return jax.jit(pad, out_shardings=shardings)(values)
+
+
+def _take_or_zero(a, src: tuple[int, ...], axis: int, xp=np):
     if list(src) == list(range(a.shape[axis])):
         return a
     idx = np.array(src)
-    out = np.take(a, np.maximum(idx, 0), axis=axis)
+    out = xp.take(a, np.maximum(idx, 0), axis=axis)
     keep = (idx >= 0).reshape([-1 if d == axis else 1 for d in range(a.ndim)])
-    return np.where(keep, out, np.zeros((), a.dtype))
+    return xp.where(keep, out, xp.zeros((), a.dtype))
 
 
 def padded_shapes(cfg: ModelConfig, plan: PaddingPlan) -> dict[str, tuple[int, ...]]:
@@ -245,11 +262,24 @@ def timed_reshard(tree, shardings) -> tuple[object, float]:
     return out, time.perf_counter() - start
 
 
-def abstract_params(cfg: ModelConfig, shardings: dict[str, NamedSharding], dtype):
-    """name -> ShapeDtypeStruct with sharding (unpadded shapes): a target for orbax to
-    restore straight into a layout's shardings (`loading.load_orbax(path, target)`)."""
-    return {name: jax.ShapeDtypeStruct(d.shape, dtype, sharding=shardings[name])
-            for name, d in param_decls(cfg).items()}
+def restore_target(cfg: ModelConfig, plan: PaddingPlan, layout: Layout, mesh: Mesh, dtype):
+    """name -> ShapeDtypeStruct with sharding: the target for orbax to restore an (unpadded)
+    checkpoint straight into `layout`'s shardings (`loading.load_orbax(path, target)`).
+
+    Axes the plan pads are restored whole (padding needs the whole axis) and split by
+    `pad_on_device` right after; every other axis is read shard by shard. With an identity
+    plan the restored arrays are already in their final shardings."""
+    out = {}
+    for name, d in param_decls(cfg).items():
+        axes = tuple(None if _is_padded(plan, ax, n) else ax
+                     for ax, n in zip(d.axes, d.shape, strict=True))
+        s = named_sharding(mesh, layout, axes, d.shape, f"parameter {name!r}")
+        out[name] = jax.ShapeDtypeStruct(d.shape, dtype, sharding=s)
+    return out
+
+
+def _is_padded(plan: PaddingPlan, axis: str, size: int) -> bool:
+    return axis in plan.index and list(plan.index[axis]) != list(range(size))
 
 
 # ---- devices -------------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ once per test run, whichever test modules are selected.
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 
 import pytest
@@ -66,3 +67,9 @@ def hf_model():
     model = transformers.AutoModelForCausalLM.from_pretrained(
         gguf_dir(), gguf_file=GGUF_FILE, dtype=torch.float32)
     return model.eval()
+
+
+# Multi-device tests need 8 virtual CPU devices, and JAX fixes the device count when its
+# backend starts: they live in tests/multidevice/ and run in their own process, launched by
+# tests/test_multidevice.py (or directly: JAXPIPE_MULTIDEVICE=1 pytest tests/multidevice).
+collect_ignore = [] if os.environ.get("JAXPIPE_MULTIDEVICE") else ["multidevice"]

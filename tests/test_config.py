@@ -28,6 +28,11 @@ BAD_ENGINE_CONFIGS = [  # (kwargs, the field the message must name)
     (dict(kv_cache_gb="big"), "kv_cache_gb"),
     (dict(model=""), "model"),
     (dict(model=None), "model"),
+    (dict(mesh="cpu-9"), "mesh"),
+    (dict(mesh="cpu-8", prefill="pp=3"), "prefill"),
+    (dict(mesh="cpu-8", decode="tp=4"), "decode"),
+    (dict(mesh="cpu-8", prefill="xx=8"), "prefill"),
+    (dict(mesh="cpu-1", decode="tp=2"), "decode"),
 ]
 
 
@@ -42,6 +47,21 @@ def test_engine_config_defaults_are_valid():
     config = EngineConfig()
     assert config.dtype in ("float32", "bfloat16")
     assert config.max_num_seqs is None or config.max_num_seqs >= 1
+
+
+def test_layouts_default_to_the_mesh_preset_and_can_be_overridden():
+    from jaxpipe.layout import Layout
+
+    config = EngineConfig(mesh="cpu-8")
+    assert (config.prefill, config.decode) == (Layout(pp=4, tp=2), Layout(tp=8))
+    config = EngineConfig(mesh="cpu-8", prefill="pp=8", decode="tp=4,pp=2")
+    assert (config.prefill, config.decode) == (Layout(pp=8), Layout(pp=2, tp=4))
+    assert EngineConfig().prefill == EngineConfig().decode == Layout()
+
+
+def test_bad_layout_message_gives_the_device_count():
+    with pytest.raises(ValueError, match=r"pp=2,tp=2.*4 devices.*mesh has 8"):
+        EngineConfig(mesh="cpu-8", decode="tp=2,pp=2")
 
 
 def test_engine_config_accepts_path_objects(tmp_path):

@@ -177,14 +177,19 @@ def save_orbax(path: Path, cfg: ModelConfig, values: dict, dtype: str) -> None:
     (path / ORBAX_MARKER).write_text(json.dumps(meta, indent=2))
 
 
+def orbax_config(path: Path) -> ModelConfig:
+    """The architecture saved beside an orbax checkpoint (no weights read)."""
+    meta = json.loads((Path(path) / ORBAX_MARKER).read_text())
+    return ModelConfig.from_dict(meta["config"])
+
+
 def load_orbax(path: Path, target: dict | None = None) -> tuple[ModelConfig, dict]:
     """Restore an orbax checkpoint. `target` (name -> ShapeDtypeStruct with sharding) restores
     straight into those shardings; without it, arrays land on the default device."""
     import orbax.checkpoint as ocp
 
     path = Path(path).resolve()
-    meta = json.loads((path / ORBAX_MARKER).read_text())
-    cfg = ModelConfig.from_dict(meta["config"])
+    cfg = orbax_config(path)
     with ocp.StandardCheckpointer() as ckptr:
         values = ckptr.restore(path / "params", target)
     return cfg, dict(values)

@@ -1,0 +1,70 @@
+"""Fixtures for tests on 8 virtual CPU devices (this directory runs in its own process; see
+tests/test_multidevice.py). Models are saved once as orbax checkpoints, so every engine here
+loads fast and exercises restoring straight into a layout's shardings."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+jax.config.update("jax_num_cpu_devices", 8)  # before anything starts the backend
+
+from jaxpipe.config import ModelConfig  # noqa: E402
+from jaxpipe.model import llama, loading  # noqa: E402
+from jaxpipe.model.presets import resolve_model  # noqa: E402
+
+# Prime sizes, so a swapped or mis-padded axis fails loudly. 5 layers split unevenly over any
+# pp > 1; 7 KV heads (GQA groups of 2) split unevenly over any tp > 1; mlp and vocab too.
+TINY = ModelConfig(vocab_size=251, hidden_size=37, intermediate_size=53, num_layers=5,
+                   num_heads=14, num_kv_heads=7, head_dim=6, tie_embeddings=False,
+                   max_position_embeddings=512, eos_token_ids=(250,))
+# The layout pairs (prefill, decode) the issue names.
+PAIRS = [("pp=8", "tp=8"), ("pp=4,tp=2", "tp=4,pp=2"), ("pp=2,tp=4", "tp=8"),
+         ("pp=8", "pp=2,tp=4")]
+
+
+def values_of(model) -> dict[str, np.ndarray]:
+    return {n: np.asarray(getattr(model, n)[...]) for n in llama.param_decls(model.config)}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def eight_devices():
+    if len(jax.devices()) < 8:
+        pytest.skip("needs 8 devices: run through tests/test_multidevice.py")
+
+
+@pytest.fixture(scope="session")
+def tiny_values() -> dict[str, np.ndarray]:
+    return values_of(llama.init_random(TINY, seed=3))
+
+
+@pytest.fixture(scope="session")
+def tiny_orbax(tmp_path_factory, tiny_values):
+    path = tmp_path_factory.mktemp("tiny") / "ckpt"
+    loading.save_orbax(path, TINY, tiny_values, "float32")
+    return path
+
+
+@pytest.fixture(scope="session")
+def smollm2_source():
+    try:
+        return resolve_model("smollm2-135m")
+    except (ValueError, FileNotFoundError) as err:
+        pytest.skip(f"SmolLM2 weights unavailable: {err}")
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_source):
+    """(ModelConfig, {name: f32 array}) of SmolLM2-135M from its GGUF."""
+    return loading.load_weights(smollm2_source)
+
+
+@pytest.fixture(scope="session")
+def smollm2_orbax(tmp_path_factory, smollm2, smollm2_source):
+    """SmolLM2 as an orbax checkpoint with its tokenizer (loads in about a second)."""
+    cfg, values = smollm2
+    path = tmp_path_factory.mktemp("smollm2") / "ckpt"
+    loading.save_orbax(path, cfg, values, "float32")
+    loading.load_tokenizer(smollm2_source).save(path)
+    return path
