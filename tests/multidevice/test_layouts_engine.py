@@ -1,0 +1,118 @@
+"""The engine on 8 devices: prefill on one layout, decode on another, re-sharding between them.
+Greedy outputs must equal the single-device engine's token for token (SmolLM2 and a tiny
+prime-sized model), and SmolLM2's prefill logits must be within 1e-4 (f32) of one device."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import PAIRS, TINY
+
+from jaxpipe import Engine, EngineConfig, SamplingParams
+from jaxpipe.kv import device_cache
+from jaxpipe.model import loading
+from jaxpipe.model.llama import Llama
+
+FAST = dict(dtype="float32", max_model_len=128, max_num_seqs=8, warmup=False,
+            show_progress=False)
+PROMPTS = ["The capital of France is", "def add(a, b):", "Once upon a time, in a land far away,"]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
+
+
+def token_ids(outputs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+@pytest.fixture(scope="module")
+def smollm2_reference(smollm2_orbax):
+    """Greedy tokens of the single-device engine (mesh cpu-1, in this same process)."""
+    engine = Engine(EngineConfig(model=str(smollm2_orbax), **FAST))
+    assert engine.stats()["reshards"] == 0
+    return token_ids(engine.generate(PROMPTS, GREEDY))
+
+
+@pytest.fixture(scope="module")
+def smollm2_prefill_logits(smollm2):
+    """Last-token logits of PROMPTS from the unpadded single-device model."""
+    cfg, values = smollm2
+    tokenizer = loading.load_tokenizer(loading_source())
+    ids = [tokenizer.encode(p) for p in PROMPTS]
+    tokens, lengths = pack(ids)
+    cache = device_cache.allocate(cfg, len(lengths), tokens.shape[1], jnp.float32)
+    logits, _ = Llama(cfg, values=values).prefill(jnp.asarray(tokens), lengths,
+                                                  np.arange(len(lengths), dtype=np.int32), cache)
+    return tokens, lengths, np.asarray(logits)[: len(ids)]
+
+
+def loading_source():
+    from jaxpipe.model.presets import resolve_model
+
+    return resolve_model("smollm2-135m")
+
+
+def pack(ids: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """Prompts padded to the engine's prefill bucket for them (4 x 32), so that the engine's
+    compiled prefill program is reused; the padding row has length 1."""
+    tokens = np.zeros((4, 32), np.int32)
+    lengths = np.ones(4, np.int32)
+    for i, row in enumerate(ids):
+        tokens[i, : len(row)], lengths[i] = row, len(row)
+    return tokens, lengths
+
+
+@pytest.mark.parametrize("prefill, decode", PAIRS)
+def test_smollm2_layout_pair_matches_one_device(smollm2_orbax, smollm2_reference,
+                                                smollm2_prefill_logits, prefill, decode):
+    engine = Engine(EngineConfig(model=str(smollm2_orbax), mesh="cpu-8", prefill=prefill,
+                                 decode=decode, **FAST))
+    assert token_ids(engine.generate(PROMPTS, GREEDY)) == smollm2_reference
+    stats = engine.stats()
+    assert stats["reshards"] >= 1 and stats["reshard_seconds"] > 0
+    runner = engine.runner
+    assert runner.phase == "decode"
+    for name, arr in runner.params.items():
+        assert arr.sharding.is_equivalent_to(runner.placements["decode"].params[name],
+                                             arr.ndim), name
+
+    runner.set_phase("prefill")
+    tokens, lengths, want = smollm2_prefill_logits
+    slots = np.array([0, 1, 2, runner.num_slots], np.int32)  # the last row is padding
+    got = np.asarray(runner.prefill_logits(tokens, lengths, slots))[: len(want)]
+    assert got.shape == want.shape
+    assert np.abs(got - want).max() <= 1e-4
+
+
+def tiny_prompts() -> list[list[int]]:
+    rng = np.random.default_rng(11)
+    return [list(rng.integers(0, TINY.vocab_size - 1, n)) for n in (5, 17, 2)]
+
+
+@pytest.fixture(scope="module")
+def tiny_reference(tiny_orbax):
+    engine = Engine(EngineConfig(model=str(tiny_orbax), **FAST))
+    return token_ids(engine.generate(prompt_token_ids=tiny_prompts(),
+                                     sampling_params=SamplingParams(temperature=0.0,
+                                                                    max_tokens=12)))
+
+
+@pytest.mark.parametrize("prefill, decode", [("pp=8", "tp=8"), ("pp=4,tp=2", "tp=4,pp=2")])
+def test_tiny_prime_model_layout_pair_matches_one_device(tiny_orbax, tiny_reference, prefill,
+                                                         decode):
+    engine = Engine(EngineConfig(model=str(tiny_orbax), mesh="cpu-8", prefill=prefill,
+                                 decode=decode, **FAST))
+    params = SamplingParams(temperature=0.0, max_tokens=12)
+    # Twice: the second run re-shards decode -> prefill -> decode.
+    for _ in range(2):
+        got = engine.generate(prompt_token_ids=tiny_prompts(), sampling_params=params)
+        assert token_ids(got) == tiny_reference
+    assert engine.stats()["reshards"] >= 3
+
+
+def test_equal_layouts_never_reshard(tiny_orbax, tiny_reference):
+    engine = Engine(EngineConfig(model=str(tiny_orbax), mesh="cpu-8", prefill="tp=4,pp=2",
+                                 decode="pp=2,tp=4", **FAST))
+    got = engine.generate(prompt_token_ids=tiny_prompts(),
+                          sampling_params=SamplingParams(temperature=0.0, max_tokens=12))
+    assert token_ids(got) == tiny_reference
+    assert engine.stats()["reshards"] == 0 and engine.stats()["reshard_seconds"] == 0.0

@@ -1,0 +1,116 @@
+"""Sharding on 8 devices: after a re-shard every weight and the KV store sit exactly on the
+target layout's shardings, split as the rules say (never replicated instead); re-sharding to
+the layout one is in costs nothing; indivisible splits raise; orbax restores into shardings."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import PAIRS, TINY
+
+from jaxpipe import sharding
+from jaxpipe.buckets import Buckets
+from jaxpipe.config import ModelConfig
+from jaxpipe.layout import Layout
+from jaxpipe.layout_runner import LayoutRunner
+from jaxpipe.model import llama, loading
+from jaxpipe.sharding import RULES
+
+DEVICES = 8
+
+
+def runner(weights, prefill: str, decode: str, cfg: ModelConfig = TINY) -> LayoutRunner:
+    layouts = {"prefill": Layout.parse(prefill), "decode": Layout.parse(decode)}
+    return LayoutRunner(cfg, weights, Buckets.for_engine(8, 64, 256), 8, 64, jnp.float32,
+                        layouts, jax.devices()[:DEVICES])
+
+
+def expected_shard_shape(shape, axes, layout: Layout):
+    """Per-device shape straight from the rules table (independent of sharding.spec)."""
+    return tuple(n // getattr(layout, RULES[a]) if a in RULES else n
+                 for n, a in zip(shape, axes, strict=True))
+
+
+def assert_on_layout(r: LayoutRunner, phase: str):
+    place = r.placements[phase]
+    decls = llama.param_decls(TINY)
+    for name, arr in r.params.items():
+        # Equal, or (a replicated array left where it was) equivalent on the same devices.
+        assert arr.sharding.is_equivalent_to(place.params[name], arr.ndim), name
+        want = expected_shard_shape(arr.shape, decls[name].axes, place.layout)
+        assert arr.sharding.shard_shape(arr.shape) == want, name
+        assert len(arr.sharding.device_set) == DEVICES
+    for arr in r.cache:
+        assert arr.sharding == place.cache.k  # the KV store is split on every layout here
+        want = expected_shard_shape(arr.shape, sharding.KV_AXES, place.layout)
+        assert arr.sharding.shard_shape(arr.shape) == want
+
+
+@pytest.mark.parametrize("prefill, decode", PAIRS)
+def test_reshard_puts_every_weight_on_the_target_spec(tiny_values, prefill, decode):
+    r = runner(tiny_values, prefill, decode)
+    assert_on_layout(r, "prefill")
+    before = jax.tree.map(np.asarray, r.params)
+    assert r.set_phase("decode") > 0
+    assert_on_layout(r, "decode")
+    assert r.set_phase("prefill") > 0
+    assert_on_layout(r, "prefill")
+    after = jax.tree.map(np.asarray, r.params)
+    assert all(np.array_equal(before[k], after[k]) for k in before)
+
+
+def test_tp_really_splits_heads_and_pp_really_splits_layers(tiny_values):
+    r = runner(tiny_values, "pp=8", "tp=8")
+    wq = r.params["wq"]  # [L', E, H', D]: 8 layers, 16 query heads after padding
+    assert wq.sharding.shard_shape(wq.shape) == (1, 37, 16, 6)
+    r.set_phase("decode")
+    assert r.params["wq"].sharding.shard_shape(wq.shape) == (8, 37, 2, 6)
+    assert r.params["wkv"].sharding.shard_shape(r.params["wkv"].shape) == (8, 37, 2, 1, 6)
+
+
+def test_same_layout_costs_nothing(tiny_values):
+    r = runner(tiny_values, "tp=4,pp=2", "pp=2,tp=4")
+    params, cache = r.params, r.cache
+    assert r.set_phase("decode") is None
+    assert r.params is params and r.cache is cache
+    place = r.placements["decode"]
+    tree = (r.params, r.cache)
+    assert sharding.reshard(tree, (place.params, place.cache)) is tree
+
+
+def test_indivisible_split_raises_instead_of_replicating():
+    layout = Layout(tp=8)
+    mesh = sharding.make_mesh(layout)
+    with pytest.raises(ValueError, match=r"'heads' of size 9 does not split over tp=8"):
+        sharding.named_sharding(mesh, layout, ("embed", "heads"), (576, 9), "wq")
+
+
+def test_orbax_restores_into_the_layout(tiny_orbax, tiny_values):
+    r = runner(tiny_orbax, "pp=4,tp=2", "tp=8")
+    assert_on_layout(r, "prefill")
+    padded = sharding.pad_values(TINY, tiny_values, r.plan)
+    for name, arr in r.params.items():
+        np.testing.assert_array_equal(np.asarray(arr), padded[name], err_msg=name)
+
+
+def test_orbax_restore_lands_in_final_shardings_when_nothing_pads(tmp_path):
+    cfg = ModelConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_layers=4,
+                      num_heads=8, num_kv_heads=4, head_dim=4)
+    values = {n: np.asarray(getattr(llama.init_random(cfg, 1), n)[...])
+              for n in llama.param_decls(cfg)}
+    loading.save_orbax(tmp_path / "ckpt", cfg, values, "float32")
+    layout = Layout(pp=2, tp=4)
+    plan = sharding.plan_padding(cfg, [layout])
+    assert plan.is_identity
+    mesh = sharding.make_mesh(layout)
+    target = sharding.restore_target(cfg, plan, layout, mesh, jnp.float32)
+    final = sharding.param_shardings(cfg, plan, layout, mesh)
+    _, restored = loading.load_orbax(tmp_path / "ckpt", target)
+    for name, arr in restored.items():
+        assert arr.sharding == final[name], name
+        np.testing.assert_array_equal(np.asarray(arr), values[name])
+    assert math.prod(restored["wq"].sharding.shard_shape((4, 16, 8, 4))) == 4 * 16 * 8 * 4 // 8
