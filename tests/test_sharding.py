@@ -1,0 +1,105 @@
+"""Padding plans (pure bookkeeping, one device): uneven layer and head splits are padded so that
+every layout divides them, and the padded model computes exactly what the unpadded one does.
+Placement on 8 devices is tested in tests/multidevice/."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxpipe import Engine, EngineConfig, sharding
+from jaxpipe.config import ModelConfig
+from jaxpipe.kv import device_cache
+from jaxpipe.layout import Layout
+from jaxpipe.model import llama
+
+SMOLLM2 = ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
+                      num_heads=9, num_kv_heads=3, head_dim=64, tie_embeddings=True)
+TINY = ModelConfig(vocab_size=251, hidden_size=37, intermediate_size=53, num_layers=5,
+                   num_heads=14, num_kv_heads=7, head_dim=6)
+
+
+def numpy_values(cfg: ModelConfig, seed: int) -> dict[str, np.ndarray]:
+    """Random weights drawn with numpy (eager jax.random would compile once per shape)."""
+    rng = np.random.default_rng(seed)
+    out = {}
+    for name, d in llama.param_decls(cfg).items():
+        scale = 0.02 if d.init == "normal" else d.fan_in ** -0.5
+        base = 1.0 if d.init == "ones" else 0.0
+        out[name] = (base + scale * rng.standard_normal(d.shape)).astype(np.float32)
+    return out
+
+
+def check_heads(plan: sharding.PaddingPlan, cfg: ModelConfig, tp: int) -> None:
+    """Every query head appears once; each padded query head uses (through its padded KV head)
+    the KV head it used before; each TP shard holds whole groups."""
+    q, kv = plan.index["heads"], plan.index["kv_heads"]
+    assert sorted(h for h in q if h >= 0) == list(range(cfg.num_heads))
+    assert len(q) % tp == 0 and len(kv) % tp == 0 and len(q) % len(kv) == 0
+    g_pad = len(q) // len(kv)
+    for i, src in enumerate(q):
+        if src >= 0:
+            assert kv[i // g_pad] == src // cfg.group_size
+
+
+@pytest.mark.parametrize("tp, heads, kv_heads", [(1, 9, 3), (2, 12, 4), (4, 12, 4),
+                                                 (8, 16, 8)])
+def test_smollm2_head_padding(tp, heads, kv_heads):
+    plan = sharding.plan_padding(SMOLLM2, [Layout(tp=tp)])
+    assert (len(plan.index["heads"]), len(plan.index["kv_heads"])) == (heads, kv_heads)
+    check_heads(plan, SMOLLM2, tp)
+
+
+@pytest.mark.parametrize("tp", [2, 4, 8])
+def test_prime_head_padding(tp):
+    check_heads(sharding.plan_padding(TINY, [Layout(tp=tp)]), TINY, tp)
+
+
+def test_uneven_pipeline_stages_are_padded_with_identity_layers():
+    plan = sharding.plan_padding(SMOLLM2, [Layout(pp=8), Layout(tp=8)])
+    layers = plan.index["layers"]
+    assert len(layers) == 32
+    stages = [layers[i:i + 4] for i in range(0, 32, 4)]
+    assert [sum(s >= 0 for s in st) for st in stages] == [4, 4, 4, 4, 4, 4, 3, 3]
+    assert [s for s in layers if s >= 0] == list(range(30))
+    # One plan serves both layouts of an engine: pp=2 and pp=4 split it evenly too.
+    assert len(sharding.plan_padding(SMOLLM2, [Layout(pp=2), Layout(pp=4)]).index["layers"]) == 32
+
+
+def test_divisible_layouts_need_no_padding():
+    assert sharding.plan_padding(SMOLLM2, [Layout(pp=2), Layout(pp=4)]).is_identity is False
+    assert sharding.plan_padding(SMOLLM2, [Layout(pp=5), Layout(pp=2, tp=3)]).is_identity
+
+
+@pytest.mark.parametrize("layouts", [["pp=8", "tp=8"], ["pp=4,tp=2", "tp=4,pp=2"]])
+def test_padded_model_gives_the_unpadded_logits(layouts):
+    """Head padding, KV-head replication, identity layers, mlp and vocab padding together:
+    the padded model on one device equals the unpadded one (prefill and a decode step)."""
+    plan = sharding.plan_padding(TINY, [Layout.parse(lo) for lo in layouts])
+    values = numpy_values(TINY, seed=5)
+    model = llama.Llama(TINY, values=values)
+    sizes = plan.padded_config(TINY)
+    assert sizes["num_layers"] > TINY.num_layers and sizes["num_kv_heads"] > TINY.num_kv_heads
+    padded_cfg = ModelConfig(**{**TINY.to_dict(), **sizes})
+    padded = llama.Llama(padded_cfg, values=sharding.pad_values(TINY, values, plan))
+    rng = np.random.default_rng(0)
+    tokens = jnp.asarray(rng.integers(0, TINY.vocab_size, (2, 8)), jnp.int32)
+    lengths, slots = np.array([8, 5], np.int32), np.arange(2, dtype=np.int32)
+    outs = []
+    for cfg, m in ((TINY, model), (padded_cfg, padded)):
+        cache = device_cache.allocate(cfg, 2, 16, jnp.float32)
+        first, cache = m.prefill(tokens, lengths, slots, cache)
+        nxt, _ = m.decode(jnp.argmax(first[:, :TINY.vocab_size], -1), lengths, cache, 16)
+        outs.append((np.asarray(first), np.asarray(nxt)))
+    for want, got in zip(outs[0], outs[1], strict=True):
+        np.testing.assert_allclose(got[:, :TINY.vocab_size], want, atol=1e-5, rtol=0)
+
+
+def test_engine_asks_for_devices_it_cannot_get_any_more():
+    jax.devices()  # the backend is running (with one CPU device in this process)
+    if len(jax.devices("cpu")) >= 8:
+        pytest.skip("this process already has 8 CPU devices")
+    with pytest.raises(RuntimeError, match=r"needs 8 CPU devices.*already started with 1"):
+        Engine(EngineConfig(mesh="cpu-8", warmup=False, show_progress=False))
