@@ -127,7 +127,7 @@ class LayoutRunner(Runner):
         """Last-token logits [b, V] of prompts tokens [b, T] (valid up to lengths [b]), their
         K/V written into slots [b]. Default micro-batches: up to 2 per stage (pp > 1)."""
         b, t = tokens.shape
-        pp = self.placements[self.phase].layout.pp
+        pp = self.layout.pp
         most = pp * self.prefill_microbatches_per_stage if pp > 1 else 1
         m = microbatches or pipeline.microbatches(b, most)
         fn = self._program("prefill", m)
@@ -140,14 +140,25 @@ class LayoutRunner(Runner):
         """One token for slots 0..B-1; with pp > 1 the rows flow as pp micro-batches."""
         rows = len(tokens)
         longest = int(positions[active].max()) + 1 if active.any() else 1
-        kv_len = round_up(longest, self.buckets.kv_len)
         lengths = np.where(active, positions + 1, 0).astype(np.int32)
-        m = pipeline.microbatches(rows, self.placements[self.phase].layout.pp)
-        fn = self._program("decode", m)
-        logits, self.cache = self._once((self.phase, "decode", rows, kv_len), fn, self.params,
-                                        self.cache, tokens, positions.astype(np.int32),
-                                        lengths, kv_len=kv_len)
+        logits = self.decode_logits(tokens, positions.astype(np.int32), lengths,
+                                    round_up(longest, self.buckets.kv_len))
         return self._sample_host(logits, np.arange(rows, dtype=np.int32), plan, rows)
+
+    def decode_logits(self, tokens: np.ndarray, positions: np.ndarray, lengths: np.ndarray,
+                      kv_len: int) -> jax.Array:
+        """Logits [B, V] of one decode step for slots 0..B-1 (lengths 0: idle rows), attending
+        over the first kv_len cache positions."""
+        rows = len(tokens)
+        fn = self._program("decode", pipeline.microbatches(rows, self.layout.pp))
+        logits, self.cache = self._once((self.phase, "decode", rows, kv_len), fn, self.params,
+                                        self.cache, tokens, positions, lengths, kv_len=kv_len)
+        return logits
+
+    @property
+    def layout(self) -> Layout:
+        """The layout weights and KV are in now."""
+        return self.placements[self.phase].layout
 
     def _program(self, kind: str, microbatches: int):
         """The jitted step of `kind` on the current phase's layout (built once per key)."""

@@ -113,3 +113,8 @@ def test_orbax_restore_lands_in_final_shardings_when_nothing_pads(tmp_path):
         assert arr.sharding == final[name], name
         np.testing.assert_array_equal(np.asarray(arr), values[name])
     assert math.prod(restored["wq"].sharding.shard_shape((4, 16, 8, 4))) == 4 * 16 * 8 * 4 // 8
+
+
+def test_data_parallel_layouts_are_refused_clearly(tiny_values):
+    with pytest.raises(ValueError, match=r"decode layout tp=4,dp=2: dp > 1 is not supported"):
+        runner(tiny_values, "pp=8", "tp=4,dp=2")
