@@ -94,6 +94,9 @@ class ModelConfig:
         return dataclasses.asdict(self)
 
 
+ATTENTION = ("auto", "kernel", "xla")
+
+
 def _default_cache_dir() -> str:
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(base, "jaxpipe", "xla")
@@ -112,6 +115,8 @@ class EngineConfig:
     max_num_batched_tokens: token budget of one prefill batch (padded tokens count).
     kv_cache_gb: size of the device KV store. An explicit max_num_seqs whose slots would not
         fit raises, saying which knob to change.
+    attention: decode attention implementation: "auto" (the C++ CPU kernel where it builds,
+        else XLA), "kernel" (the kernel or an error) or "xla".
     """
 
     model: str = "smollm2-135m"
@@ -125,6 +130,7 @@ class EngineConfig:
     compilation_cache_dir: str | None = field(default_factory=_default_cache_dir)
     warmup: bool = True
     show_progress: bool = True
+    attention: str = "auto"
 
     def __post_init__(self):
         if not isinstance(self.model, (str, os.PathLike)) or not str(self.model):
@@ -143,6 +149,9 @@ class EngineConfig:
                 isinstance(self.kv_cache_gb, (int, float)) and self.kv_cache_gb > 0):
             raise ValueError(f"EngineConfig.kv_cache_gb must be a positive number, "
                              f"got {self.kv_cache_gb!r}")
+        if self.attention not in ATTENTION:
+            raise ValueError(f"EngineConfig.attention must be one of {ATTENTION}, "
+                             f"got {self.attention!r}")
         if self.compilation_cache_dir is not None:
             self.compilation_cache_dir = str(Path(self.compilation_cache_dir).expanduser())
 

@@ -49,7 +49,7 @@ class Engine:
         self.buckets = Buckets.for_engine(self.max_num_seqs, self.max_model_len,
                                           max(config.max_num_batched_tokens, self.max_model_len))
         self.runner = Runner(model, self.buckets, self.max_num_seqs, self.max_model_len,
-                             self.dtype)
+                             self.dtype, attention=config.attention)
         self.scheduler = Scheduler(self.max_num_seqs, self.buckets.prefill_fits)
         self._eos = frozenset(self.model_config.eos_token_ids)
         self._seeds = np.random.default_rng(config.seed)
@@ -156,15 +156,14 @@ class Engine:
         self._stats = _new_stats()
 
     def warmup(self) -> None:
-        """Compile the decode step for every (batch, KV-length) bucket, so that the hot loop
-        never stops to compile. Prefill shapes compile on first use (a few per run)."""
+        """Compile the decode step for every shape bucket, so that the hot loop never stops
+        to compile. Prefill shapes compile on first use (a few per run)."""
         from tqdm.auto import tqdm
 
-        shapes = [(b, kv) for b in self.buckets.decode_batch for kv in self.buckets.kv_len]
-        for b, kv in tqdm(shapes, desc="jaxpipe: compiling decode", unit="shape",
-                          disable=not self.config.show_progress):
+        for b, kv in tqdm(self.runner.decode_shapes(), desc="jaxpipe: compiling decode",
+                          unit="shape", disable=not self.config.show_progress):
             # Every row live at position kv - 1: each attention block compiles for bucket kv.
-            positions = np.full(b, kv - 1, np.int32)
+            positions = np.full(b, (kv or 1) - 1, np.int32)
             self.runner.decode(np.zeros(b, np.int32), positions, np.ones(b, bool),
                                _neutral_plan(b))
 
