@@ -46,7 +46,7 @@ def _runner(args, parser):
 
     if args.server:
         return RemoteRunner(args.server, args.max_in_flight)
-    return LocalRunner(engine_kwargs(args, parser), args.max_in_flight)
+    return LocalRunner.from_config(engine_kwargs(args, parser), args.max_in_flight)
 
 
 def main(argv=None) -> int:

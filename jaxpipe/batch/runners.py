@@ -20,14 +20,22 @@ Emit = Callable[[BatchLine, Finished | Failed], None]
 class LocalRunner:
     """Runs requests on an in-process Engine through add_request / step."""
 
-    def __init__(self, engine_kwargs: dict, max_in_flight: int):
-        from jaxpipe import Engine, EngineConfig
-
-        self.engine = Engine(EngineConfig(**{"show_progress": False, **engine_kwargs}))
+    def __init__(self, engine, max_in_flight: int):
+        """Use `engine` (an Engine nobody else is stepping) with at most `max_in_flight`
+        requests queued in it."""
+        self.engine = engine
         self.limits = Limits(self.engine.max_model_len, self.engine.model_config.vocab_size)
         self.max_in_flight = max_in_flight
         self.model = self.engine.config.model
         self._ids = itertools.count()
+
+    @classmethod
+    def from_config(cls, engine_kwargs: dict, max_in_flight: int) -> LocalRunner:
+        """Build the Engine from EngineConfig fields."""
+        from jaxpipe import Engine, EngineConfig
+
+        return cls(Engine(EngineConfig(**{"show_progress": False, **engine_kwargs})),
+                   max_in_flight)
 
     def run(self, items: Iterator[BatchLine], emit: Emit) -> None:
         """Feed `items` to the engine and emit each result as its request finishes."""
