@@ -18,7 +18,7 @@ from jaxpipe import SamplingParams
 from jaxpipe.serve import jaxpipe_pb2 as pb
 from jaxpipe.serve import jaxpipe_pb2_grpc as pb_grpc
 
-TOKENS = 8
+TOKENS = 5
 SUBJECTS = ["The capital of France is", "Water boils at", "My favourite colour is",
             "The best way to learn is", "In the morning I", "A good book about",
             "The river flows", "Computers are"]
