@@ -118,7 +118,7 @@ class EngineClient:
         """Send one request; its TokenDelta / Rejected / EngineLost items arrive on `out`."""
         with self._lock:
             if self.dead.is_set() or not self.ready.is_set():
-                raise EngineUnavailable(self._unavailable_reason())
+                raise EngineUnavailable(self.unavailable_reason())
             self._queues[request_id] = out
             try:
                 self._requests.send(m.encode(m.AddRequest(request_id, prompt_token_ids, params)),
@@ -142,7 +142,8 @@ class EngineClient:
             except queue.Empty:
                 return None
 
-    def _unavailable_reason(self) -> str:
+    def unavailable_reason(self) -> str:
+        """Why requests cannot be taken now (the engine is starting, or has exited)."""
         if self.dead.is_set():
             return f"the engine process has exited (code {self.proc.returncode})"
         return "the engine is still starting; retry when health reports SERVING"

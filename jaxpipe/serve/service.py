@@ -52,6 +52,7 @@ class GenerationService(pb_grpc.GenerationServicer):
     def Generate(self, request, context):
         """Stream one request's tokens and text; the last message carries usage."""
         rid, start = f"g{next(self._ids)}", time.perf_counter()
+        self._check_engine(context)
         try:
             prep = self._prepare(request, "request")
         except RequestError as e:
@@ -99,6 +100,7 @@ class GenerationService(pb_grpc.GenerationServicer):
 
     def GenerateBatch(self, request, context):
         """One result per item, streamed as each finishes; bad items get error results."""
+        self._check_engine(context)
         out: queue.Queue = queue.Queue()
         pending: dict[str, _Pending] = {}
         seen: dict[str, int] = {}
@@ -166,6 +168,11 @@ class GenerationService(pb_grpc.GenerationServicer):
 
     # ---- shared -------------------------------------------------------------------------------
 
+    def _check_engine(self, context) -> None:
+        """UNAVAILABLE unless the engine process is loaded and alive."""
+        if self.client.info is None or self.client.dead.is_set():
+            context.abort(grpc.StatusCode.UNAVAILABLE, self.client.unavailable_reason())
+
     def _prepare(self, msg, path: str) -> Prepared:
         size = msg.ByteSize()
         if size > self.max_request_bytes:
@@ -173,8 +180,6 @@ class GenerationService(pb_grpc.GenerationServicer):
                                f"{self.max_request_bytes}")
         protos.check_known_fields(msg)
         info = self.client.info
-        if info is None:
-            raise RequestError("request", "the engine is still starting")
         kind, value = protos.prompt_of(msg)
         return prepare(kind, value, protos.sampling_of(msg), self.tokenizer,
                        Limits(info.max_model_len, info.vocab_size))
