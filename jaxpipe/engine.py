@@ -88,6 +88,13 @@ class Engine:
         if seq is not None and not seq.is_finished:
             self._finish(seq, "abort")
 
+    def release(self, request_id: str) -> None:
+        """Forget a finished (or aborted) request so its memory is freed. For callers that drive
+        `add_request` / `step` themselves, such as a server; `generate` and `stream` do this."""
+        seq = self._requests.get(request_id)
+        if seq is not None and seq.is_finished:
+            del self._requests[request_id]
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 
