@@ -50,7 +50,8 @@ class Engine:
                                           max(config.max_num_batched_tokens, self.max_model_len))
         self.runner = Runner(model, self.buckets, self.max_num_seqs, self.max_model_len,
                              self.dtype, attention=config.attention)
-        self.scheduler = Scheduler(self.max_num_seqs, self.buckets.prefill_fits)
+        self.scheduler = Scheduler(self.max_num_seqs, self.buckets.prefill_fits,
+                                   length_bucket=self.buckets.prefill_length)
         self._eos = frozenset(self.model_config.eos_token_ids)
         self._seeds = np.random.default_rng(config.seed)
         self._ids = itertools.count()
@@ -163,16 +164,24 @@ class Engine:
         self._stats = _new_stats()
 
     def warmup(self) -> None:
-        """Compile the decode step for every shape bucket, so that the hot loop never stops
-        to compile. Prefill shapes compile on first use (a few per run)."""
+        """Compile every decode and prefill shape bucket, so that the hot loop never stops to
+        compile (JAX's persistent cache makes this seconds after the first run)."""
         from tqdm.auto import tqdm
 
-        for b, kv in tqdm(self.runner.decode_shapes(), desc="jaxpipe: compiling decode",
-                          unit="shape", disable=not self.config.show_progress):
-            # Every row live at position kv - 1: each attention block compiles for bucket kv.
-            positions = np.full(b, (kv or 1) - 1, np.int32)
-            self.runner.decode(np.zeros(b, np.int32), positions, np.ones(b, bool),
-                               _neutral_plan(b))
+        decode, prefill = self.runner.decode_shapes(), self.buckets.prefill_shapes()
+        with tqdm(total=len(decode) + len(prefill), desc="jaxpipe: compiling", unit="shape",
+                  disable=not self.config.show_progress) as bar:
+            for b, kv in decode:
+                # Every row live at position kv - 1: each attention block compiles for kv.
+                positions = np.full(b, (kv or 1) - 1, np.int32)
+                self.runner.decode(np.zeros(b, np.int32), positions, np.ones(b, bool),
+                                   _neutral_plan(b))
+                bar.update()
+            for b, t in prefill:
+                # Slot num_slots is out of range: the warm-up writes no KV.
+                self.runner.prefill([[0] * t] * b, [self.max_num_seqs] * b, _neutral_plan(b),
+                                    (b, t))
+                bar.update()
 
     # ---- one step -----------------------------------------------------------------------------
 
