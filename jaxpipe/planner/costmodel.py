@@ -107,7 +107,8 @@ class CostModel:
         """LM head on the last stage for `rows` sampled positions."""
         params = self.model.vocab_size * self.model.hidden_size
         hw, tp = self.hardware, self.layout.tp
-        return max(BYTES * params / (tp * hw.hbm_bandwidth), 2 * rows * params / (tp * hw.peak_flops))
+        weights = BYTES * params / (tp * hw.hbm_bandwidth)
+        return max(weights, 2 * rows * params / (tp * hw.peak_flops))
 
     def t_p2p(self, tokens: float) -> float:
         """Hand one micro-batch's activations to the next stage (zero without pipelining)."""
@@ -172,7 +173,8 @@ class CostModel:
 
     def swap_seconds(self, tokens: float) -> float:
         """Move `tokens` of KV between device and host, all host links in parallel."""
-        return self.swap_bytes(tokens) / (self.layout.num_devices * self.hardware.host_link_bandwidth)
+        links = self.layout.num_devices * self.hardware.host_link_bandwidth
+        return self.swap_bytes(tokens) / links
 
     def swap_bytes(self, tokens: float) -> float:
         return tokens * self.kv_bytes_per_token

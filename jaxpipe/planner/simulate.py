@@ -26,11 +26,25 @@ from jaxpipe.config import ModelConfig
 from jaxpipe.layout import Layout
 from jaxpipe.meshes import MeshPreset
 from jaxpipe.planner.costmodel import CostModel
-from jaxpipe.planner.planner import (HOST_KV_GB, MAX_NUM_SEQS, PREFILL_TOKENS_PER_MICROBATCH,
-                                     host_kv_tokens)
+from jaxpipe.planner.planner import (
+    HOST_KV_GB,
+    MAX_NUM_SEQS,
+    PREFILL_TOKENS_PER_MICROBATCH,
+    host_kv_tokens,
+)
 from jaxpipe.planner.workloads import Workload
-from jaxpipe.scheduler import (Kind, Phase, Preempt, Run, SchedulerState, SeqInfo, SwapIn,
-                               Switch, drive, make_policy)
+from jaxpipe.scheduler import (
+    Kind,
+    Phase,
+    Preempt,
+    Run,
+    SchedulerState,
+    SeqInfo,
+    SwapIn,
+    Switch,
+    drive,
+    make_policy,
+)
 
 CHUNK_TOKENS_PER_MICROBATCH = 2048  # vLLM's max_num_batched_tokens for chunked prefill
 TIMELINE_POINTS = 200  # host-occupancy samples kept in the result
