@@ -3,7 +3,8 @@
 Every (pp, tp) factorisation of the mesh's devices whose weights and at least one whole request
 of KV fit is a candidate. For each, the cost model predicts prefill throughput (prompt tokens/s
 at a full pipeline of prefill micro-batches) and decode throughput (tokens/s at the largest
-decode batch the KV store holds at the workload's mean context). A pair (c_p, c_d) serves a
+decode batch the KV store holds at the workload's mean context, and no larger than the mean
+batch a run can sustain: total output / longest output). A pair (c_p, c_d) serves a
 request in prompt/prefill_tps(c_p) + output/decode_tps(c_d) seconds plus its share of the
 re-shards (two per host-tier refill); a static layout is the pair (c, c) without re-shards.
 The planner picks the pair with the highest predicted end-to-end throughput.
@@ -65,7 +66,10 @@ def estimate(model: ModelConfig, mesh: MeshPreset, layout: Layout, w: Workload) 
     s = max(1, round(w.mean_prompt))
     b_p = max(1, min(layout.pp * max(1, PREFILL_TOKENS_PER_MICROBATCH // s), kv // s))
     ctx = max(1, round(w.mean_prompt + w.mean_output / 2))  # mean context while decoding
-    b_d = max(1, min(kv // ctx, MAX_NUM_SEQS * layout.pp))
+    # Decoding lasts at least as many steps as the longest output, so the mean batch is at
+    # most total output / longest output, however much KV there is.
+    longest = max(o for _, o in w.requests)
+    b_d = max(1, min(kv // ctx, MAX_NUM_SEQS * layout.pp, w.total_output // longest))
     return LayoutEstimate(layout, kv, b_p * s / cm.prefill_time(b_p, s),
                           b_d / cm.decode_time(b_d, ctx), b_d, cm)
 

@@ -64,6 +64,7 @@ class SimStats:
     preemptions: int = 0
     decode_steps: int = 0
     decode_rows: int = 0
+    tokens_generated: int = 0
     padding_waste: float = 0.0
     host_timeline: list[tuple[float, int]] = field(default_factory=list)  # (s, tokens)
 
@@ -113,6 +114,7 @@ class SimExecutor:
             self.stats.decode_steps += 1
             self.stats.decode_rows += len(action.decode)
         sampling = action.sampling()
+        self.stats.tokens_generated += len(sampling)
         if action.prefill_to_host:
             done = [s for s, n in action.prefill if n == s.to_prefill]
             self._copy(cm, sum(s.context_len for s in done), out=True)
@@ -188,6 +190,7 @@ class SimResult:
             "swap_out_bytes": st.swap_out_bytes, "swap_in_bytes": st.swap_in_bytes,
             "swap_seconds": st.swap_seconds, "mean_decode_batch": st.mean_decode_batch,
             "preemptions": st.preemptions, "padding_waste": st.padding_waste,
+            "tokens_generated": st.tokens_generated,
             "host_timeline": _downsample(st.host_timeline),
         }
 

@@ -5,7 +5,8 @@ tier while the tier has room. When it is full, or nothing waits, switch to decod
 Decode phase (decode layout): swap sequences in from the host tier whenever device slots and KV
 free up, decode everything on the device, preempt (to the host tier) if the batch outgrows the
 store. When the host tier is drained and prompts wait, park the still-running sequences in the
-host tier and switch back to prefill. Each switch therefore happens only when a tier is full or
+host tier (if it and the next prompt take at most `park_fraction` of the tier; else keep
+decoding) and switch back to prefill. Each switch therefore happens only when a tier is full or
 empty, so the number of prefill->decode switches is about total prompt KV / host capacity.
 """
 
@@ -21,8 +22,14 @@ class Seesaw(Policy):
 
     name = "seesaw"
 
-    def __init__(self, two_layouts: bool = True, **kwargs):
+    def __init__(self, two_layouts: bool = True, park_fraction: float = 0.5, **kwargs):
+        """`park_fraction`: the running batch is parked in the host tier (to switch back to
+        prefill) only if it and the next prompt take at most this fraction of the tier, so a
+        refill is mostly new prompts; 0 never parks (decode drains the device first)."""
         super().__init__(two_layouts=True, **kwargs)  # its phases are layouts by definition
+        if not 0.0 <= park_fraction <= 1.0:
+            raise ValueError(f"park_fraction must be in [0, 1], got {park_fraction}")
+        self.park_fraction = park_fraction
         self._parked = False  # the running batch was just parked in the host tier
 
     def schedule(self, state: SchedulerState) -> Action | None:
@@ -49,8 +56,10 @@ class Seesaw(Policy):
         if self._parked or (state.waiting and not state.host and not state.device):
             self._parked = False
             return Switch(Phase.PREFILL.value)
-        if state.waiting and not state.host and state.device_used <= state.host_free:
-            self._parked = True  # park the running batch in the host tier, then switch
+        limit = min(state.host_free, self.park_fraction * state.host_kv_tokens)
+        if state.waiting and not state.host and \
+                state.device_used + state.waiting[0].to_prefill <= limit:
+            self._parked = True  # park the running batch (leaving room for a prompt), switch
             return Preempt(list(state.device.values()), "swap")
         swap = swap_in_batch(state, self._device_room(state))
         if swap:
