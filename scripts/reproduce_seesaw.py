@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 from jaxpipe.planner import reproduce
 
@@ -24,6 +25,7 @@ def main() -> None:
     print()
     print(reproduce.format_fig10(fig10))
     if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         with open(args.json, "w") as f:
             json.dump({"fig13": fig13, "fig10": fig10}, f, indent=1)
         print(f"wrote {args.json}")
