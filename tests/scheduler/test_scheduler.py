@@ -11,7 +11,7 @@ import pytest
 
 from jaxpipe.scheduler import Scheduler, Sequence, SequenceStatus
 
-SCHEDULER_DIR = Path(__file__).resolve().parents[1] / "jaxpipe" / "scheduler"
+SCHEDULER_DIR = Path(__file__).resolve().parents[2] / "jaxpipe" / "scheduler"
 
 
 def seq(name: str, prompt_len: int = 4, max_tokens: int = 3) -> Sequence:
