@@ -55,6 +55,15 @@ class Buckets:
         """(batch, length) bucket for `count` prompts whose longest has `longest` tokens."""
         return round_up(count, self.prefill_batch), round_up(longest, self.prefill_len)
 
+    def prefill_shapes(self) -> list[tuple[int, int]]:
+        """Every (batch, length) bucket a prefill batch can take."""
+        return [(b, t) for t in self.prefill_len for b in self.prefill_batch
+                if b * t <= self.prefill_tokens or b == 1]
+
+    def prefill_length(self, length: int) -> int:
+        """The padded length a prompt of `length` tokens is prefilled at."""
+        return round_up(length, self.prefill_len)
+
     def prefill_fits(self, count: int, longest: int) -> bool:
         b, t = self.prefill_shape(count, longest)
         return b * t <= self.prefill_tokens or count == 1

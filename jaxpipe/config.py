@@ -97,6 +97,9 @@ class ModelConfig:
         return dataclasses.asdict(self)
 
 
+ATTENTION = ("auto", "kernel", "xla")
+
+
 def _default_cache_dir() -> str:
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(base, "jaxpipe", "xla")
@@ -120,6 +123,8 @@ class EngineConfig:
     prefill, decode: layouts like "pp=4,tp=2" (default: the mesh preset's). pp*tp*dp must
         equal the mesh's device count. Prefill runs on one, decode on the other; the weights
         and KV store are re-sharded between them at each phase change.
+    attention: decode attention implementation: "auto" (the C++ CPU kernel where it builds,
+        else XLA), "kernel" (the kernel or an error) or "xla".
     """
 
     model: str = "smollm2-135m"
@@ -133,6 +138,7 @@ class EngineConfig:
     compilation_cache_dir: str | None = field(default_factory=_default_cache_dir)
     warmup: bool = True
     show_progress: bool = True
+    attention: str = "auto"
     mesh: str = "cpu-1"
     prefill: str | Layout | None = None
     decode: str | Layout | None = None
@@ -154,6 +160,9 @@ class EngineConfig:
                 isinstance(self.kv_cache_gb, (int, float)) and self.kv_cache_gb > 0):
             raise ValueError(f"EngineConfig.kv_cache_gb must be a positive number, "
                              f"got {self.kv_cache_gb!r}")
+        if self.attention not in ATTENTION:
+            raise ValueError(f"EngineConfig.attention must be one of {ATTENTION}, "
+                             f"got {self.attention!r}")
         if self.compilation_cache_dir is not None:
             self.compilation_cache_dir = str(Path(self.compilation_cache_dir).expanduser())
         self._check_layouts()

@@ -55,7 +55,8 @@ class Engine:
                                           max(config.max_num_batched_tokens, self.max_model_len))
         self.runner = _make_runner(config, self.model_config, model, self.buckets,
                                    self.max_num_seqs, self.max_model_len, self.dtype, devices)
-        self.scheduler = Scheduler(self.max_num_seqs, self.buckets.prefill_fits)
+        self.scheduler = Scheduler(self.max_num_seqs, self.buckets.prefill_fits,
+                                   length_bucket=self.buckets.prefill_length)
         self._eos = frozenset(self.model_config.eos_token_ids)
         self._seeds = np.random.default_rng(config.seed)
         self._ids = itertools.count()
@@ -92,6 +93,13 @@ class Engine:
         seq = self._requests.get(request_id)
         if seq is not None and not seq.is_finished:
             self._finish(seq, "abort")
+
+    def release(self, request_id: str) -> None:
+        """Forget a finished (or aborted) request so its memory is freed. For callers that drive
+        `add_request` / `step` themselves, such as a server; `generate` and `stream` do this."""
+        seq = self._requests.get(request_id)
+        if seq is not None and seq.is_finished:
+            del self._requests[request_id]
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
@@ -161,18 +169,26 @@ class Engine:
         self._stats = _new_stats()
 
     def warmup(self) -> None:
-        """Compile the decode step for every (batch, KV-length) bucket, so that the hot loop
-        never stops to compile. Prefill shapes compile on first use (a few per run)."""
+        """Compile every decode and prefill shape bucket, so that the hot loop never stops to
+        compile (JAX's persistent cache makes this seconds after the first run)."""
         from tqdm.auto import tqdm
 
+        decode, prefill = self.runner.decode_shapes(), self.buckets.prefill_shapes()
         self._enter_phase("decode")
-        shapes = [(b, kv) for b in self.buckets.decode_batch for kv in self.buckets.kv_len]
-        for b, kv in tqdm(shapes, desc="jaxpipe: compiling decode", unit="shape",
-                          disable=not self.config.show_progress):
-            # Every row live at position kv - 1: each attention block compiles for bucket kv.
-            positions = np.full(b, kv - 1, np.int32)
-            self.runner.decode(np.zeros(b, np.int32), positions, np.ones(b, bool),
-                               _neutral_plan(b))
+        with tqdm(total=len(decode) + len(prefill), desc="jaxpipe: compiling", unit="shape",
+                  disable=not self.config.show_progress) as bar:
+            for b, kv in decode:
+                # Every row live at position kv - 1: each attention block compiles for kv.
+                positions = np.full(b, (kv or 1) - 1, np.int32)
+                self.runner.decode(np.zeros(b, np.int32), positions, np.ones(b, bool),
+                                   _neutral_plan(b))
+                bar.update()
+            self._enter_phase("prefill")
+            for b, t in prefill:
+                # Slot num_slots is out of range: the warm-up writes no KV.
+                self.runner.prefill([[0] * t] * b, [self.max_num_seqs] * b, _neutral_plan(b),
+                                    (b, t))
+                bar.update()
 
     # ---- one step -----------------------------------------------------------------------------
 
@@ -370,11 +386,12 @@ def _make_runner(config: EngineConfig, cfg: ModelConfig, model: Llama | Path,
     """One device: per-layer dispatch (the fast single-device path). More: pipelined layouts.
     `model` is a path when an orbax checkpoint is to be restored straight into shardings."""
     if len(devices) == 1:
-        return Runner(model, buckets, num_slots, max_len, dtype)
+        return Runner(model, buckets, num_slots, max_len, dtype, attention=config.attention)
     weights = model if isinstance(model, Path) else {
         name: getattr(model, name)[...] for name in param_decls(cfg)}
     layouts = {"prefill": config.prefill, "decode": config.decode}
-    return LayoutRunner(cfg, weights, buckets, num_slots, max_len, dtype, layouts, devices)
+    return LayoutRunner(cfg, weights, buckets, num_slots, max_len, dtype, layouts, devices,
+                        attention=config.attention)
 
 
 def _load(config: EngineConfig, dtype, sharded: bool,

@@ -26,7 +26,15 @@ from jaxpipe.config import ModelConfig
 from jaxpipe.kv.device_cache import KVCache, storage_dtype
 from jaxpipe.layout import Layout
 from jaxpipe.model import loading
-from jaxpipe.runner import _STATIC, Runner, SamplingPlan, StepOutput, _reset_penalty_rows, _sample
+from jaxpipe.runner import (
+    _STATIC,
+    Runner,
+    SamplingPlan,
+    StepOutput,
+    _reset_penalty_rows,
+    _sample,
+    _use_kernel,
+)
 
 PHASES = ("prefill", "decode")
 
@@ -50,7 +58,7 @@ class LayoutRunner(Runner):
 
     def __init__(self, cfg: ModelConfig, weights: dict | Path, buckets: Buckets, num_slots: int,
                  max_len: int, dtype, layouts: dict[str, Layout], devices,
-                 prefill_microbatches_per_stage: int = 2):
+                 attention: str = "auto", prefill_microbatches_per_stage: int = 2):
         """`weights`: unpadded weights (name -> host or device array, as `param_decls`), or
         the path of an orbax checkpoint to restore straight into the prefill layout."""
         for phase, layout in layouts.items():
@@ -58,6 +66,7 @@ class LayoutRunner(Runner):
                 raise ValueError(f"{phase} layout {layout}: dp > 1 is not supported yet; "
                                  "use pp*tp = the mesh's device count")
         self.config, self.buckets = cfg, buckets
+        self.use_kernel = _use_kernel(attention)
         self.num_slots, self.max_len = num_slots, max_len
         self.layouts = dict(layouts)
         self.prefill_microbatches_per_stage = prefill_microbatches_per_stage
@@ -155,6 +164,11 @@ class LayoutRunner(Runner):
                                         self.cache, tokens, positions, lengths, kv_len=kv_len)
         return logits
 
+    def decode_shapes(self) -> list[tuple[int, int]]:
+        """(batch, KV length) shapes a decode step compiles for: the pipeline's attention
+        reads a window of each KV-length bucket, with or without the kernel."""
+        return [(b, n) for b in self.buckets.decode_batch for n in self.buckets.kv_len]
+
     @property
     def layout(self) -> Layout:
         """The layout weights and KV are in now."""
@@ -166,8 +180,9 @@ class LayoutRunner(Runner):
         if key not in self._programs:
             place = self.placements[self.phase]
             build = pipeline.prefill_program if kind == "prefill" else pipeline.decode_program
+            options = {} if kind == "prefill" else {"kernel": self.use_kernel}
             self._programs[key] = build(self.config, place.layout, place.mesh,
-                                        self.config.vocab_size, microbatches)
+                                        self.config.vocab_size, microbatches, **options)
         return self._programs[key]
 
 

@@ -23,19 +23,22 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpipe import sharding
 from jaxpipe.config import ModelConfig
+from jaxpipe.kernels import decode_attention as attention_kernel
 from jaxpipe.kv.device_cache import KVCache, from_storage, to_storage
 from jaxpipe.layout import Layout
 from jaxpipe.model import llama
 from jaxpipe.model.llama import LAYER_PARAMS, HeadParams, LayerParams, param_decls
 
 
-def attend_decode(q, k, v, lengths):
-    """Decode attention: the seam for a custom kernel (called inside `shard_map`, so every
-    array is this device's shard: its heads and its rows).
+def attend_decode(q, k, v, lengths, kernel: bool = False):
+    """Decode attention, called inside `shard_map` (every array is this device's shard: its
+    heads and its rows), so the C++ kernel (a custom call XLA cannot partition) works here.
 
     q [B, H, D] f32; k, v [B, Hkv, S, D] in the cache's storage dtype (uint16 for bf16);
     lengths [B] i32: keys 0..length-1 are attended, 0 marks an idle row (output zeros).
-    Returns [B, H, D] f32. H is a multiple of Hkv (GQA)."""
+    Returns [B, H, D] f32. H is a multiple of Hkv (GQA). `kernel`: use the C++ kernel."""
+    if kernel:
+        return attention_kernel.decode_attention(q, k, v, lengths)
     out = llama.decode_attention(q, from_storage(k), from_storage(v), lengths - 1)
     return jnp.where((lengths > 0)[:, None, None], out, 0.0)
 
@@ -93,7 +96,7 @@ def prefill_stage(cfg: ModelConfig, layers: LayerParams, x, slots, cache: KVCach
 
 
 def decode_stage(cfg: ModelConfig, layers: LayerParams, x, positions, lengths, start, rows,
-                 cache: KVCache, kv_len: int, reduce):
+                 cache: KVCache, kv_len: int, reduce, kernel: bool = False):
     """This stage's layers for one token of rows start..start+b-1: x [b, E], positions [b],
     lengths [b] (0: idle row). K/V are written at `rows` [b] (out of range: dropped) and
     attention reads the first kv_len positions of rows start.."""
@@ -109,7 +112,7 @@ def decode_stage(cfg: ModelConfig, layers: LayerParams, x, positions, lengths, s
         window = (1, b, hkv, kv_len, d)
         kr = lax.dynamic_slice(k, (j, start, 0, 0, 0), window)[0]  # [b, Hkv, kv_len, D]
         vr = lax.dynamic_slice(v, (j, start, 0, 0, 0), window)[0]
-        x = llama.attn_out_mlp(cfg, p, x, attend_decode(q, kr, vr, lengths), reduce)
+        x = llama.attn_out_mlp(cfg, p, x, attend_decode(q, kr, vr, lengths, kernel), reduce)
         return (x, k, v), None
 
     # Unrolled: XLA CPU runs the rolled decode loop 2-4x slower (SmolLM2 bf16, 16 rows,
@@ -165,17 +168,18 @@ def prefill_program(cfg: ModelConfig, layout: Layout, mesh, vocab: int, microbat
     return jax.jit(prefill, donate_argnames="cache")
 
 
-def decode_program(cfg: ModelConfig, layout: Layout, mesh, vocab: int, microbatches: int):
+def decode_program(cfg: ModelConfig, layout: Layout, mesh, vocab: int, microbatches: int,
+                   kernel: bool = False):
     """jit(params, cache, tokens [B], positions [B], lengths [B], kv_len=static)
     -> (logits [B, vocab], cache). Rows are slots 0..B-1, split into `microbatches`
-    contiguous micro-batches that flow through the stages."""
+    contiguous micro-batches that flow through the stages. `kernel`: C++ decode attention."""
     def body(kv_len, reduce, layers, xs, positions, lengths, cache):
         n, b = cache.k.shape[1], xs.shape[1]
 
         def stage_fn(x, m, valid, cache):
             rows = jnp.where(valid, m * b + jnp.arange(b), n)
             return decode_stage(cfg, layers, x, positions[m], lengths[m], m * b, rows, cache,
-                                kv_len, reduce)
+                                kv_len, reduce, kernel)
 
         return gpipe(stage_fn, xs, cache, num_stages=layout.pp, readout=lambda y, m: y)
 

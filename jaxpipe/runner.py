@@ -3,13 +3,13 @@
 A step is dispatched one layer at a time, each piece a small jitted program compiled once per
 static shape (see `buckets.py`):
   prefill: embed [b, T] -> per layer: attention + MLP, K/V written into the slots -> logits
-  decode:  embed [B] -> per layer: qkv + K/V write | attention per block of rows | out + MLP
-           -> logits -> sample
-Why per layer: a block of `attn_block` rows attends over *its own* KV-length bucket (the
-longest sequence in that block, not in the whole batch), blocks with no running sequence are
-skipped, and each program is one layer, so compiling a shape costs ~1/30 of a whole-model
-program. Dispatch costs ~0.1 ms per program, small next to a step (~100s of ms). Each layer's
-KV buffer and the penalty state are donated, so they are updated in place.
+  decode:  embed [B] -> per layer: qkv + K/V write, attention, out + MLP -> logits -> sample
+Decode attention is the C++ kernel of `kernels/decode_attention.py` where it builds (CPU): each
+row reads only its own positions, so one program per batch bucket serves every KV length. The
+XLA fallback (other backends, no compiler) attends per block of `attn_block` rows over *that
+block's* KV-length bucket and skips empty blocks. Per layer, because compiling a one-layer
+program costs ~1/30 of a whole-model one. Dispatch costs ~0.1 ms per program, small next to a
+step (~100s of ms). Each layer's KV buffer and the penalty state are donated (updated in place).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import numpy as np
 
 from jaxpipe import sampling
 from jaxpipe.buckets import Buckets, round_up
+from jaxpipe.kernels import decode_attention as attention_kernel
 from jaxpipe.kv import device_cache
 from jaxpipe.model import llama
 from jaxpipe.model.llama import Llama
@@ -63,6 +64,15 @@ def _attend_into(out, q, cache, positions, *, start: int, kv_len: int, rows: int
     return jax.lax.dynamic_update_slice_in_dim(out, attn, start, 0)
 
 
+def _decode_layer(cfg, p, x, positions, lengths, cache):
+    """One layer of a decode step with the attention kernel: x [B, E] -> x [B, E]; the
+    layer's cache (donated) gets each row's new K/V at `positions`, then rows attend over
+    their first `lengths` positions (0 for idle rows)."""
+    q, cache = llama.decode_qkv(cfg, p, x, positions, cache)
+    attn = attention_kernel.decode_attention(q, cache.k, cache.v, lengths)
+    return llama.attn_out_mlp(cfg, p, x, attn), cache
+
+
 def _prefill_logits(cfg, head, x, lengths):
     return llama.logits(cfg, head, llama.last_positions(x, lengths))
 
@@ -95,8 +105,9 @@ class Runner:
     """Device state (weights, KV slots, penalty counts) and the compiled pieces of a step."""
 
     def __init__(self, model: Llama, buckets: Buckets, num_slots: int, max_len: int, dtype,
-                 attn_block: int = 32):
+                 attention: str = "auto", attn_block: int = 32):
         cfg = self.config = model.config
+        self.use_kernel = _use_kernel(attention)
         self.buckets = buckets
         self.num_slots, self.max_len = num_slots, max_len
         self.attn_block = attn_block
@@ -109,6 +120,7 @@ class Runner:
         self._embed = jax.jit(llama.embed)
         self._prefill_layer = jax.jit(partial(llama.prefill_layer, cfg), donate_argnames="cache")
         self._prefill_logits = jax.jit(partial(_prefill_logits, cfg))
+        self._decode_layer = jax.jit(partial(_decode_layer, cfg), donate_argnames="cache")
         self._decode_qkv = jax.jit(partial(llama.decode_qkv, cfg), donate_argnames="cache")
         self._attend = jax.jit(_attend_into, static_argnames=("start", "kv_len", "rows"),
                                donate_argnames="out")
@@ -147,20 +159,36 @@ class Runner:
                plan: SamplingPlan) -> StepOutput:
         """One token for slots 0..B-1 (B = len(tokens), a bucket). Rows where `active` is
         False are padding: their outputs are garbage and are ignored by the caller."""
-        blocks = self.attention_blocks(positions, active)
         x = self._embed(self.head, tokens)
+        if self.use_kernel:
+            lengths = np.where(active, positions + 1, 0).astype(np.int32)
+            for i, p in enumerate(self.layers):
+                x, self.cache[i] = self._once(("decode", len(tokens)), self._decode_layer, p, x,
+                                              positions, lengths, self.cache[i])
+        else:
+            x = self._decode_layers_xla(x, positions, active)
+        logits = self._once(("logits", len(tokens)), self._logits, self.head, x)
+        return self._sample_host(logits, np.arange(len(tokens), dtype=np.int32), plan,
+                                 len(tokens))
+
+    def decode_shapes(self) -> list[tuple[int, int | None]]:
+        """(batch, KV length) shapes a decode step compiles for; KV length None with the
+        kernel, which serves every length with one program."""
+        kv = [None] if self.use_kernel else list(self.buckets.kv_len)
+        return [(b, n) for b in self.buckets.decode_batch for n in kv]
+
+    def _decode_layers_xla(self, x, positions, active):
+        blocks = self.attention_blocks(positions, active)
         for i, p in enumerate(self.layers):
-            q, self.cache[i] = self._once(("qkv", len(tokens)), self._decode_qkv, p, x,
+            q, self.cache[i] = self._once(("qkv", len(positions)), self._decode_qkv, p, x,
                                           positions, self.cache[i])
             attn = jnp.zeros_like(q)
             for start, rows, kv_len in blocks:
                 attn = self._once(("attend", start, rows, kv_len), self._attend, attn, q,
                                   self.cache[i], positions, start=start, kv_len=kv_len,
                                   rows=rows)
-            x = self._once(("out_mlp", len(tokens)), self._out_mlp, p, x, attn)
-        logits = self._once(("logits", len(tokens)), self._logits, self.head, x)
-        return self._sample_host(logits, np.arange(len(tokens), dtype=np.int32), plan,
-                                 len(tokens))
+            x = self._once(("out_mlp", len(positions)), self._out_mlp, p, x, attn)
+        return x
 
     def attention_blocks(self, positions: np.ndarray, active: np.ndarray):
         """(start, rows, kv_len) of each block of rows holding a running sequence; kv_len is
@@ -189,6 +217,16 @@ class Runner:
         self.compiled.add(key)
         self.compile_seconds += time.perf_counter() - start
         return out
+
+
+def _use_kernel(attention: str) -> bool:
+    """"auto": the kernel where it builds; "kernel": it or an error; "xla": never."""
+    if attention == "xla":
+        return False
+    if attention == "kernel" and not attention_kernel.available():
+        raise RuntimeError("attention='kernel' but the decode attention kernel cannot be built "
+                           "here (see the warning above); use attention='auto' or 'xla'")
+    return attention_kernel.available()
 
 
 def _to_host(tokens, lp, n: int) -> StepOutput:

@@ -69,6 +69,115 @@ def hf_model():
     return model.eval()
 
 
+# ---- serving: `python -m jaxpipe.serve` as a subprocess ---------------------------------------
+
+SERVE_ARGS = ["--model", "smollm2-135m", "--dtype", "float32", "--max-model-len", "256",
+              "--max-num-seqs", "8", "--no-warmup"]
+
+
+class ServerProcess:
+    """A `python -m jaxpipe.serve` subprocess on a free loopback port (tests only)."""
+
+    def __init__(self, *extra: str, log_path: Path):
+        import os
+        import socket
+        import subprocess
+        import sys
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.address = f"127.0.0.1:{self.port}"
+        self.log_path = log_path
+        env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+        self._log = open(log_path, "wb")  # noqa: SIM115 (closed in stop())
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "jaxpipe.serve", *SERVE_ARGS, "--port", str(self.port),
+             *extra], stdout=self._log, stderr=subprocess.STDOUT, env=env)
+
+    def wait_serving(self, timeout: float = 240.0) -> None:
+        """Block until health reports SERVING (fail with the server's log otherwise)."""
+        import time
+
+        import grpc
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        deadline = time.monotonic() + timeout
+        with grpc.insecure_channel(self.address) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            while time.monotonic() < deadline and self.proc.poll() is None:
+                try:
+                    reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=2)
+                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                        return
+                except grpc.RpcError:
+                    pass
+                time.sleep(0.3)
+        self.stop()
+        pytest.fail(f"server did not become SERVING; log:\n{self.log()}")
+
+    def engine_pid(self) -> int:
+        import grpc
+
+        from jaxpipe.serve import jaxpipe_pb2 as pb
+        from jaxpipe.serve import jaxpipe_pb2_grpc as pb_grpc
+
+        with grpc.insecure_channel(self.address) as channel:
+            return pb_grpc.GenerationStub(channel).GetServerInfo(pb.ServerInfoRequest()).engine_pid
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-5000:]
+
+    def stop(self) -> int:
+        """SIGTERM, then SIGKILL after 60 s; also kills a leftover engine process."""
+        import subprocess
+
+        pids = _child_pids(self.proc.pid)
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        _kill_pids(pids)
+        self._log.close()
+        return self.proc.returncode
+
+
+def _child_pids(pid: int) -> list[int]:
+    import psutil
+
+    try:
+        return [c.pid for c in psutil.Process(pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def _kill_pids(pids: list[int]) -> None:
+    import psutil
+
+    for pid in pids:
+        try:
+            proc = psutil.Process(pid)
+            proc.kill()
+            proc.wait(10)
+        except psutil.NoSuchProcess:
+            pass
+
+
+@pytest.fixture(scope="session")
+def grpc_server(tmp_path_factory):
+    """One shared server (f32, max_model_len=256, max_num_seqs=8; request limit 64 KiB, message
+    limit 1 MiB). Tests must leave it idle and alive."""
+    gguf_dir()
+    server = ServerProcess("--max-request-bytes", "65536", "--max-message-mb", "1",
+                           log_path=tmp_path_factory.mktemp("serve") / "server.log")
+    server.wait_serving()
+    yield server
+    server.stop()
+
+
 # Multi-device tests need 8 virtual CPU devices, and JAX fixes the device count when its
 # backend starts: they live in tests/multidevice/ and run in their own process, launched by
 # tests/test_multidevice.py (or directly: JAXPIPE_MULTIDEVICE=1 pytest tests/multidevice).

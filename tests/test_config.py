@@ -13,7 +13,8 @@ from jaxpipe.config import ModelConfig, RopeScaling
 
 FAST = dict(warmup=False, show_progress=False)
 
-BAD_ENGINE_CONFIGS = [  # (kwargs, the field the message must name)
+BAD_ENGINE_CONFIGS = [
+    (dict(attention="pallas"), "attention"),  # (kwargs, the field the message must name)
     (dict(dtype="float16"), "dtype"),
     (dict(dtype="f32"), "dtype"),
     (dict(max_num_seqs=0), "max_num_seqs"),

@@ -408,3 +408,16 @@ def test_sampling_params_reject_wrong_types():
         SamplingParams(temperature="hot")
     with pytest.raises(TypeError, match="max_tokens"):
         SamplingParams(max_tokens=3.5)
+
+
+def test_xla_attention_fallback_gives_the_same_tokens(engine, prompts, plain):
+    """The kernel and the XLA fallback are two implementations of one contract."""
+    from conftest import ENGINE_KWARGS
+
+    from jaxpipe import Engine, EngineConfig
+
+    assert engine.runner.use_kernel, "the shared engine should use the kernel on CPU"
+    fallback = Engine(EngineConfig(**{**ENGINE_KWARGS, "attention": "xla"}))
+    assert not fallback.runner.use_kernel
+    outs = fallback.generate(prompt_token_ids=list(prompts.values()), sampling_params=greedy())
+    assert [o.outputs[0].token_ids for o in outs] == [plain[n].token_ids for n in prompts]

@@ -11,7 +11,7 @@ import pytest
 
 from jaxpipe.scheduler import Scheduler, Sequence, SequenceStatus
 
-SCHEDULER_DIR = Path(__file__).resolve().parents[1] / "jaxpipe" / "scheduler"
+SCHEDULER_DIR = Path(__file__).resolve().parents[2] / "jaxpipe" / "scheduler"
 
 
 def seq(name: str, prompt_len: int = 4, max_tokens: int = 3) -> Sequence:
@@ -161,3 +161,24 @@ def _check_prefill(seqs: list[Sequence], budget: int) -> None:
     longest = max(q.prompt_len for q in seqs)
     assert len(seqs) == 1 or len(seqs) * longest <= budget
     assert all(not q.output_token_ids for q in seqs)
+
+
+def test_length_buckets_group_prompts_behind_the_oldest():
+    bucket = {3: 4, 4: 4, 5: 8, 8: 8}.__getitem__
+    s = Scheduler(8, always, length_bucket=bucket)
+    seqs = [seq(f"r{i}", n) for i, n in enumerate([5, 3, 8, 4, 5])]
+    for q in seqs:
+        s.add(q)
+    first = s.schedule()
+    assert [q.request_id for q in first.seqs] == ["r0", "r2", "r4"]  # r0's bucket (8) only
+    second = s.schedule()
+    assert [q.request_id for q in second.seqs] == ["r1", "r3"]
+    assert not s.waiting
+
+
+def test_length_buckets_never_skip_the_oldest_prompt():
+    bucket = lambda n: 1 << (n - 1).bit_length()  # noqa: E731
+    s = Scheduler(2, always, length_bucket=bucket)
+    for i, n in enumerate([100, 3, 3, 3]):
+        s.add(seq(f"r{i}", n))
+    assert [q.request_id for q in s.schedule().seqs] == ["r0"]

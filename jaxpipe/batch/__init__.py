@@ -1,0 +1,7 @@
+"""Offline batch jobs over JSONL (`python -m jaxpipe.batch`), in OpenAI's batch format.
+
+    openai.py    request lines -> BatchLine; results -> output records
+    jobfile.py   streamed input, resumable append-only output
+    job.py       one run of a job: skip done, run the rest, summary
+    runners.py   LocalRunner (Engine in this process) / RemoteRunner (a jaxpipe server)
+"""

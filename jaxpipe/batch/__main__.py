@@ -1,0 +1,78 @@
+"""`python -m jaxpipe.batch INPUT.jsonl -o OUTPUT.jsonl`: an offline batch job in OpenAI's batch
+format, in-process or against a server. See `--help` and README "Batch jobs"."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from jaxpipe.serve.cli import add_engine_args, engine_kwargs
+
+EPILOG = """\
+Input lines: {"custom_id": "...", "method": "POST", "url": "/v1/chat/completions" or
+"/v1/completions", "body": {...}}. Output lines: {"id", "custom_id", "response": {...},
+"error": null} or an error record ("response": null, "error": {"code", "message", "param"}).
+Records are appended and flushed as requests finish. Re-running the same command after an
+interruption (Ctrl-C, kill -9) skips every custom_id already in the output.
+
+examples:
+  python -m jaxpipe.batch requests.jsonl -o results.jsonl --dtype float32
+  python -m jaxpipe.batch requests.jsonl -o results.jsonl --server 127.0.0.1:50051
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m jaxpipe.batch", epilog=EPILOG,
+                                description="Run an OpenAI-format JSONL batch job with jaxpipe.",
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("input", metavar="INPUT.jsonl", help="requests, one JSON object per line")
+    p.add_argument("-o", "--output", required=True, metavar="OUTPUT.jsonl",
+                   help="results; appended to, so an interrupted job resumes")
+    p.add_argument("--server", metavar="HOST:PORT",
+                   help="send requests to a running `python -m jaxpipe.serve` instead of "
+                        "loading the model in this process (engine flags are then ignored)")
+    p.add_argument("--max-in-flight", type=int, default=256,
+                   help="requests outstanding at once; bounds memory (default: 256)")
+    p.add_argument("--max-line-bytes", type=int, default=1 << 20,
+                   help="longer input lines get an error record (default: 1048576)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_engine_args(p)
+    return p
+
+
+def _runner(args, parser):
+    from jaxpipe.batch.runners import LocalRunner, RemoteRunner
+
+    if args.server:
+        return RemoteRunner(args.server, args.max_in_flight)
+    return LocalRunner.from_config(engine_kwargs(args, parser), args.max_in_flight)
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    for name in ("max_in_flight", "max_line_bytes"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
+    from jaxpipe.batch.job import Job
+    from jaxpipe.batch.runners import ServerError
+
+    job = Job(args.input, args.output, args.max_line_bytes, progress=not args.no_progress)
+    try:
+        job.run(_runner(args, parser))
+    except ServerError as e:
+        print(f"jaxpipe.batch: {e}\njaxpipe.batch: stopped; re-run the same command to resume",
+              file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("\njaxpipe.batch: interrupted; re-run the same command to resume", file=sys.stderr)
+        return 130
+    finally:
+        print(job.summary.text(args.output), file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

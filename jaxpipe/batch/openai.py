@@ -1,0 +1,176 @@
+"""The OpenAI batch format: request lines in, result records out.
+
+In:  {"custom_id": str, "method": "POST", "url": "/v1/chat/completions" | "/v1/completions",
+      "body": {...}}  -- chat bodies carry "messages", completion bodies a "prompt" (text or a
+      list of token ids); sampling fields use OpenAI's names plus vLLM's extras (top_k, min_p,
+      repetition_penalty, min_tokens, stop_token_ids, ignore_eos, skip_special_tokens).
+Out: {"id", "custom_id", "response": {"status_code": 200, "request_id", "body": {...}},
+      "error": null}, or {"id", "custom_id", "response": null, "error": {"code", "message",
+      "param"}} (plus "line" for lines that could not be read as a request).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+
+from jaxpipe.serve.requests import RequestError
+
+CHAT_URL, COMPLETIONS_URL = "/v1/chat/completions", "/v1/completions"
+LINE_KEYS = {"custom_id", "method", "url", "body"}
+# OpenAI / vLLM body key -> SamplingParams field (the same name unless listed).
+_SAMPLING_KEYS = {"max_tokens": "max_tokens", "max_completion_tokens": "max_tokens",
+                  "temperature": "temperature", "top_p": "top_p", "n": "n", "stop": "stop",
+                  "seed": "seed", "presence_penalty": "presence_penalty",
+                  "frequency_penalty": "frequency_penalty", "top_k": "top_k", "min_p": "min_p",
+                  "repetition_penalty": "repetition_penalty", "min_tokens": "min_tokens",
+                  "stop_token_ids": "stop_token_ids", "ignore_eos": "ignore_eos",
+                  "skip_special_tokens": "skip_special_tokens"}
+_IGNORED_KEYS = {"model", "user", "stream"}
+_CHAT_KEYS = set(_SAMPLING_KEYS) | _IGNORED_KEYS | {"messages", "logprobs", "top_logprobs"}
+_COMPLETION_KEYS = ((set(_SAMPLING_KEYS) - {"max_completion_tokens"}) | _IGNORED_KEYS
+                    | {"prompt", "logprobs"})
+
+
+@dataclass(frozen=True)
+class BatchLine:
+    """One readable request line: where it came from and what it asks for."""
+
+    line: int
+    custom_id: str
+    url: str
+    model: str
+    kind: str  # "text" | "chat" | "token_ids"
+    prompt: object
+    sampling: dict
+
+
+@dataclass(frozen=True)
+class Finished:
+    """A completed request, from either runner."""
+
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    stop_reason: int | str | None
+    logprobs: list | None  # per token [[id, logprob], ...], sampled token first
+
+
+@dataclass(frozen=True)
+class Failed:
+    """A request refused by validation (code "invalid_argument") or by the server."""
+
+    code: str
+    message: str
+    param: str | None
+
+    @classmethod
+    def from_error(cls, e: RequestError) -> Failed:
+        return cls("invalid_argument", e.message, body_field(e.field))
+
+
+def parse_line(raw: dict, line: int) -> BatchLine:
+    """A decoded JSON line -> BatchLine, or RequestError naming the offending key."""
+    if not isinstance(raw, dict):
+        raise RequestError("line", "each line must be a JSON object")
+    unknown = sorted(set(raw) - LINE_KEYS)
+    if unknown:
+        raise RequestError(unknown[0], f"unknown key; a line has {sorted(LINE_KEYS)}")
+    cid = raw.get("custom_id")
+    if not isinstance(cid, str) or not cid:
+        raise RequestError("custom_id", "every line needs a non-empty string custom_id")
+    if raw.get("method", "POST") != "POST":
+        raise RequestError("method", f"only POST is supported, got {raw.get('method')!r}")
+    url, body = raw.get("url"), raw.get("body")
+    if url not in (CHAT_URL, COMPLETIONS_URL):
+        raise RequestError("url", f"must be {CHAT_URL} or {COMPLETIONS_URL}, got {url!r}")
+    if not isinstance(body, dict):
+        raise RequestError("body", "must be a JSON object")
+    kind, prompt, sampling = parse_body(url, body)
+    return BatchLine(line, cid, url, str(body.get("model", "")), kind, prompt, sampling)
+
+
+def parse_body(url: str, body: dict) -> tuple[str, object, dict]:
+    """(prompt kind, prompt, SamplingParams fields) of a request body."""
+    allowed = _CHAT_KEYS if url == CHAT_URL else _COMPLETION_KEYS
+    unknown = sorted(set(body) - allowed)
+    if unknown:
+        raise RequestError(f"body.{unknown[0]}", f"unknown key for {url}; accepted: "
+                           f"{', '.join(sorted(allowed))}")
+    if body.get("stream"):
+        raise RequestError("body.stream", "streaming is not available in batch jobs")
+    # null means "not given": SamplingParams' default applies (as for an absent key)
+    sampling = {_SAMPLING_KEYS[k]: v for k, v in body.items()
+                if k in _SAMPLING_KEYS and v is not None}
+    if url == CHAT_URL:
+        if "messages" not in body:
+            raise RequestError("body.messages", "a chat request needs messages")
+        if body.get("logprobs"):
+            sampling["logprobs"] = body.get("top_logprobs") or 0
+        return "chat", body["messages"], sampling
+    if "prompt" not in body:
+        raise RequestError("body.prompt", "a completion request needs a prompt")
+    if body.get("logprobs") is not None:
+        sampling["logprobs"] = body["logprobs"]
+    prompt = body["prompt"]
+    if not isinstance(prompt, str | list):
+        raise RequestError("body.prompt", "must be a string or a list of token ids")
+    return ("token_ids" if isinstance(prompt, list) else "text"), prompt, sampling
+
+
+def body_field(field: str) -> str:
+    """A validation error's field (as jaxpipe.serve names it) -> the request body's key."""
+    head, _, rest = field.partition(".")
+    if head == "sampling":
+        return f"body.{rest}"
+    for ours, theirs in (("text", "prompt"), ("token_ids", "prompt"), ("chat", "messages")):
+        if field.startswith(ours):
+            return "body." + theirs + field[len(ours):]
+    return field
+
+
+def success_record(item: BatchLine, result: Finished, model: str) -> dict:
+    """The output record of a completed request (`model`: the body's model, else the engine's)."""
+    rid = f"req_{uuid.uuid4().hex[:24]}"
+    usage = {"prompt_tokens": len(result.prompt_token_ids),
+             "completion_tokens": len(result.token_ids),
+             "total_tokens": len(result.prompt_token_ids) + len(result.token_ids)}
+    choice = {"index": 0, "finish_reason": result.finish_reason,
+              "stop_reason": result.stop_reason, "token_ids": result.token_ids,
+              "logprobs": _logprobs(result.logprobs)}
+    if item.url == CHAT_URL:
+        choice["message"] = {"role": "assistant", "content": result.text}
+        body = {"id": f"chatcmpl-{rid}", "object": "chat.completion"}
+    else:
+        choice["text"] = result.text
+        body = {"id": f"cmpl-{rid}", "object": "text_completion"}
+    body.update(created=int(time.time()), model=item.model or model, choices=[choice],
+                usage=usage)
+    return {"id": f"batch_{rid}", "custom_id": item.custom_id,
+            "response": {"status_code": 200, "request_id": rid, "body": body}, "error": None}
+
+
+def error_record(custom_id: str | None, code: str, message: str, param: str | None,
+                 line: int | None = None) -> dict:
+    """The output record of a request that failed (line is set for unreadable lines)."""
+    record = {"id": f"batch_req_{uuid.uuid4().hex[:24]}", "custom_id": custom_id,
+              "response": None, "error": {"code": code, "message": message, "param": param}}
+    if line is not None:
+        record["line"] = line
+    return record
+
+
+def _logprobs(entries) -> dict | None:
+    """Per-token logprobs as {"content": [{"token_id", "logprob", "top_logprobs"}]}; the top list
+    holds the top-N tokens and the sampled one, most likely first."""
+    if entries is None:
+        return None
+    content = []
+    for per_token in entries:
+        tok, lp = per_token[0]
+        top = sorted(per_token, key=lambda e: -e[1])
+        content.append({"token_id": tok, "logprob": lp,
+                        "top_logprobs": [{"token_id": t, "logprob": v} for t, v in top]})
+    return {"content": content}

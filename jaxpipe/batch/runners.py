@@ -1,0 +1,199 @@
+"""Who runs a batch job's requests: an `Engine` in this process (`LocalRunner`), or a running
+`python -m jaxpipe.serve` (`RemoteRunner`, over GenerateBatch). Both take a stream of
+`BatchLine`s and call `emit(line, Finished | Failed)` once per line, from the calling thread,
+keeping at most `max_in_flight` requests outstanding so the input is never loaded whole."""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+from collections.abc import Callable, Iterator
+
+from jaxpipe.batch.openai import BatchLine, Failed, Finished
+from jaxpipe.serve.requests import Limits, RequestError, prepare, sampling_params
+from jaxpipe.serve.text import final_text
+
+Emit = Callable[[BatchLine, Finished | Failed], None]
+
+
+class LocalRunner:
+    """Runs requests on an in-process Engine through add_request / step."""
+
+    def __init__(self, engine, max_in_flight: int):
+        """Use `engine` (an Engine nobody else is stepping) with at most `max_in_flight`
+        requests queued in it."""
+        self.engine = engine
+        self.limits = Limits(self.engine.max_model_len, self.engine.model_config.vocab_size)
+        self.max_in_flight = max_in_flight
+        self.model = self.engine.config.model
+        self._ids = itertools.count()
+
+    @classmethod
+    def from_config(cls, engine_kwargs: dict, max_in_flight: int) -> LocalRunner:
+        """Build the Engine from EngineConfig fields."""
+        from jaxpipe import Engine, EngineConfig
+
+        return cls(Engine(EngineConfig(**{"show_progress": False, **engine_kwargs})),
+                   max_in_flight)
+
+    def run(self, items: Iterator[BatchLine], emit: Emit) -> None:
+        """Feed `items` to the engine and emit each result as its request finishes."""
+        live: dict[str, tuple[BatchLine, list[int]]] = {}
+        more = True
+        while more or live:
+            while more and len(live) < self.max_in_flight:
+                item = next(items, None)
+                more = item is not None
+                if more:
+                    self._add(item, live, emit)
+            for seq in self.engine.step():
+                if seq.is_finished and seq.request_id in live:
+                    item, prompt_ids = live.pop(seq.request_id)
+                    emit(item, self._finished(seq, prompt_ids))
+                    self.engine.release(seq.request_id)
+
+    def _add(self, item: BatchLine, live: dict, emit: Emit) -> None:
+        tokenizer = self.engine.tokenizer
+        try:
+            prep = prepare(item.kind, item.prompt, item.sampling, tokenizer, self.limits)
+            rid = str(next(self._ids))
+            self.engine.add_request(None, prep.params, prompt_token_ids=prep.prompt_token_ids,
+                                    request_id=rid)
+        except RequestError as e:
+            emit(item, Failed.from_error(e))
+            return
+        except (ValueError, TypeError) as e:
+            emit(item, Failed("invalid_argument", str(e), None))
+            return
+        live[rid] = (item, prep.prompt_token_ids)
+
+    def _finished(self, seq, prompt_ids: list[int]) -> Finished:
+        params, tok = seq.params, self.engine.tokenizer
+        text = final_text(tok, seq.output_token_ids, params.skip_special_tokens,
+                          seq.stop_reason) if tok is not None else ""
+        logprobs = None
+        if seq.logprobs is not None:
+            logprobs = [[[int(t), float(v)] for t, v in e.items()] for e in seq.logprobs]
+        return Finished(prompt_ids, list(seq.output_token_ids), text, seq.finish_reason,
+                        seq.stop_reason, logprobs)
+
+
+class ServerError(RuntimeError):
+    """The server failed a whole call (e.g. UNAVAILABLE); the job stops and can be resumed."""
+
+
+class RemoteRunner:
+    """Sends requests to a jaxpipe server in GenerateBatch calls of `chunk` items, with up to
+    `calls` calls in flight."""
+
+    def __init__(self, address: str, max_in_flight: int, chunk: int = 32, timeout: float = 30):
+        import grpc
+
+        from jaxpipe.serve import jaxpipe_pb2 as pb
+        from jaxpipe.serve import jaxpipe_pb2_grpc as pb_grpc
+
+        self.pb, self.grpc = pb, grpc
+        self.channel = grpc.insecure_channel(address)
+        self.stub = pb_grpc.GenerationStub(self.channel)
+        self.chunk = max(1, min(chunk, max_in_flight))
+        self.calls = max(1, max_in_flight // self.chunk)
+        try:
+            info = self.stub.GetServerInfo(pb.ServerInfoRequest(), timeout=timeout,
+                                           wait_for_ready=True)
+        except grpc.RpcError as e:
+            raise ServerError(f"cannot reach a jaxpipe server at {address}: {e.code().name} "
+                              f"{e.details()}") from None
+        self.model = info.model
+
+    def run(self, items: Iterator[BatchLine], emit: Emit) -> None:
+        """Send `items` in chunks; emit results as they stream back."""
+        results: queue.Queue = queue.Queue()
+        active = 0
+        more = True
+        while more or active:
+            while more and active < self.calls:
+                chunk, more = self._next_chunk(items, emit)
+                if chunk:
+                    threading.Thread(target=self._call, args=(chunk, results),
+                                     daemon=True).start()
+                    active += 1
+            if not active:
+                continue
+            kind, payload = results.get()
+            if kind == "done":
+                active -= 1
+            elif kind == "failed":
+                raise ServerError(payload)
+            elif kind == "result":
+                emit(*payload)
+
+    def _next_chunk(self, items: Iterator[BatchLine], emit: Emit) -> tuple[dict, bool]:
+        """(up to `chunk` valid items by custom_id, whether more input may follow)."""
+        chunk: dict[str, tuple[BatchLine, object]] = {}
+        taken = 0
+        for item in itertools.islice(items, self.chunk):
+            taken += 1
+            try:
+                chunk[item.custom_id] = (item, self._to_proto(item))
+            except RequestError as e:
+                emit(item, Failed.from_error(e))
+        return chunk, taken == self.chunk
+
+    def _to_proto(self, item: BatchLine):
+        sampling_params(item.sampling)  # type and range errors, before building the proto
+        sp = self.pb.SamplingParams(**{k: v for k, v in item.sampling.items()
+                                       if not (k == "stop" and isinstance(v, str))})
+        if isinstance(item.sampling.get("stop"), str):
+            sp.stop.append(item.sampling["stop"])
+        msg = self.pb.BatchItem(custom_id=item.custom_id, sampling=sp)
+        if item.kind == "text":
+            msg.text = item.prompt
+        elif item.kind == "chat":
+            self._set_chat(msg, item.prompt)
+        else:
+            _set_token_ids(msg, item.prompt)
+        return msg
+
+    def _set_chat(self, msg, messages) -> None:
+        if not isinstance(messages, list):
+            raise RequestError("body.messages", "must be a list of {role, content} objects")
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or not isinstance(m.get("content"), str):
+                raise RequestError(f"body.messages[{i}]", "needs a string role and content")
+            msg.chat.messages.add(role=str(m.get("role")), content=m["content"])
+        if not messages:
+            msg.chat.SetInParent()
+
+    def _call(self, chunk: dict, results: queue.Queue) -> None:
+        request = self.pb.BatchRequest(items=[proto for _, proto in chunk.values()])
+        try:
+            for r in self.stub.GenerateBatch(request):
+                results.put(("result", (chunk[r.custom_id][0], self._outcome(r))))
+            results.put(("done", None))
+        except self.grpc.RpcError as e:
+            results.put(("failed", f"GenerateBatch failed: {e.code().name}: {e.details()}"))
+
+    @staticmethod
+    def _outcome(r) -> Finished | Failed:
+        from jaxpipe.batch.openai import body_field
+
+        if r.WhichOneof("result") == "error":
+            return Failed(r.error.code.lower(), r.error.message, body_field(r.error.field))
+        c = r.completion
+        stop = c.stop_string if c.WhichOneof("stop_reason") == "stop_string" else (
+            c.stop_token_id if c.WhichOneof("stop_reason") == "stop_token_id" else None)
+        logprobs = [[[e.token_id, e.logprob] for e in t.entries] for t in c.logprobs] or None
+        return Finished(list(c.prompt_token_ids), list(c.token_ids), c.text, c.finish_reason,
+                        stop, logprobs)
+
+
+def _set_token_ids(msg, ids) -> None:
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        bad = next(i for i, t in enumerate(ids) if not isinstance(t, int) or isinstance(t, bool))
+        raise RequestError(f"body.prompt[{bad}]", f"token id {ids[bad]!r} is not an integer")
+    if any(not -(2**63) <= t < 2**63 for t in ids):
+        raise RequestError("body.prompt", "token ids must fit in 64 bits")
+    msg.token_ids.ids.extend(ids)
+    if not ids:
+        msg.token_ids.SetInParent()

@@ -1,0 +1,1 @@
+"""Hand-written CPU kernels, called from jitted code through `jax.ffi`."""

@@ -1,0 +1,78 @@
+"""Compile the package's C++ CPU kernels once per machine and cache the shared library.
+
+A kernel is built with the system C++ compiler against the XLA FFI headers shipped in jaxlib,
+for this CPU (`-march=native`), into `~/.cache/jaxpipe/kernels/` keyed by the source, the
+flags, jaxlib's version and the CPU's feature flags, so an edited source, a new jaxlib or a
+different machine rebuilds. Several processes may build at once: each writes a private temp
+file and renames it into place.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import jax
+import jaxlib
+
+FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-std=c++17", "-shared",
+         "-fPIC", "-w")
+LIBS = ("-lmvec",)  # glibc's vector math (the vectorised expf that -ffast-math selects)
+
+
+class KernelBuildError(RuntimeError):
+    """No compiler, or the compiler failed: callers fall back to the XLA implementation."""
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "jaxpipe" / "kernels"
+
+
+def compiler() -> str:
+    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if not cxx:
+        raise KernelBuildError("no C++ compiler found (set CXX or install g++)")
+    return cxx
+
+
+def build(source: Path) -> Path:
+    """The shared library for `source`, compiling it if it is not cached yet."""
+    cxx = compiler()
+    key = _key(source, cxx)
+    target = cache_dir() / f"{source.stem}-{key}.so"
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    cmd = [cxx, *FLAGS, "-I", jax.ffi.include_dir(), str(source), "-o", tmp, *LIBS]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        os.unlink(tmp)
+        raise KernelBuildError(f"compiling {source.name} failed:\n{' '.join(cmd)}\n"
+                               f"{proc.stderr[-2000:]}")
+    os.replace(tmp, target)
+    return target
+
+
+def _key(source: Path, cxx: str) -> str:
+    h = hashlib.sha256(source.read_bytes())
+    for part in (cxx, *FLAGS, *LIBS, jaxlib.__version__, platform.machine(), _cpu_flags()):
+        h.update(part.encode())
+    return h.hexdigest()[:16]
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()

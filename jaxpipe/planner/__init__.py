@@ -1,0 +1,9 @@
+"""Seesaw's cost model, the layout planner and a simulator that drives the real scheduler
+policies (`jaxpipe.scheduler`) with step times from the cost model. No jax."""
+
+from jaxpipe.planner.costmodel import CostModel
+from jaxpipe.planner.planner import Plan, choose_layouts, layout_name, plan
+from jaxpipe.planner.workloads import Workload, make_workload
+
+__all__ = ["CostModel", "Plan", "Workload", "choose_layouts", "layout_name", "make_workload",
+           "plan"]

@@ -1,0 +1,86 @@
+"""`prefill_first`: vLLM-like continuous batching on one layout.
+
+Every step prefers new work: swapped-out sequences come back first, then waiting prompts are
+prefilled whenever the device KV store has room (less a small watermark and one token of growth
+per running sequence); otherwise every running sequence decodes one token. When the running
+sequences outgrow the store the newest are preempted (recomputed, or swapped to the host tier).
+
+`chunked=True` is vLLM's chunked prefill: each step decodes every running sequence and fills
+the rest of a `max_prefill_tokens` budget with prompt chunks (a mixed batch, one layout only).
+"""
+
+from __future__ import annotations
+
+from jaxpipe.scheduler.actions import Action, Preempt, Run, SwapIn
+from jaxpipe.scheduler.policy import Policy, growth_victims, preempt_or_decode, swap_in_batch
+from jaxpipe.scheduler.state import Phase, SchedulerState, SeqInfo
+
+PREEMPT_MODES = ("recompute", "swap")
+
+
+class PrefillFirst(Policy):
+    """Eager prefill whenever device KV allows; optional chunked prefill (mixed batches)."""
+
+    name = "prefill_first"
+
+    def __init__(self, chunked: bool = False, preempt_mode: str = "recompute", **kwargs):
+        super().__init__(**kwargs)
+        if preempt_mode not in PREEMPT_MODES:
+            raise ValueError(f"preempt_mode {preempt_mode!r}; accepted: {PREEMPT_MODES}")
+        if chunked and self.two_layouts:
+            raise ValueError("chunked prefill mixes prefill and decode in one step, so it runs "
+                             "on one layout: use chunked=False with two_layouts=True")
+        self.chunked = chunked
+        self.preempt_mode = preempt_mode
+
+    def schedule(self, state: SchedulerState) -> Action | None:
+        swap = swap_in_batch(state, self._device_room(state))
+        if swap:
+            return SwapIn(swap)
+        if self.chunked:
+            return self._mixed_step(state)
+        batch = self._admit(state, self._device_room(state), _prefill_need)
+        if batch:
+            return self._in_phase(state, Phase.PREFILL, Run(prefill=batch))
+        action = preempt_or_decode(state, swap=self.preempt_mode == "swap")
+        if isinstance(action, Run):
+            return self._in_phase(state, Phase.DECODE, action)
+        return action
+
+    def _mixed_step(self, state: SchedulerState) -> Action | None:
+        """Decode all running sequences and prefill chunks within the token budget."""
+        victims = growth_victims(state)
+        if victims:
+            fits = self.preempt_mode == "swap" and sum(s.computed for s in victims) <= \
+                state.host_free
+            return Preempt(victims, "swap" if fits else "recompute")
+        decode = [s for s in state.device.values() if not s.in_prefill]
+        budget = self.max_prefill_tokens - len(decode)
+        free = state.device_free - len(decode)  # after this step's decode tokens
+        chunks: list[tuple[SeqInfo, int]] = []
+        for seq in [s for s in state.device.values() if s.in_prefill]:
+            budget, free = self._add_chunk(chunks, seq, budget, free)
+        room = min(free, self._device_room(state))
+        slots = state.free_slots
+        for seq in state.waiting:
+            if budget <= 0 or slots <= 0 or seq.to_prefill + 1 > room:
+                break  # vLLM admits a prompt only if all of its KV fits
+            budget, room = self._add_chunk(chunks, seq, budget, room)
+            slots -= 1
+        if chunks or decode:
+            return Run(prefill=chunks, decode=decode)
+        if state.device:  # half-prefilled prompts filled the store: restart the newest later
+            return Preempt([list(state.device.values())[-1]], "recompute")
+        return None
+
+    @staticmethod
+    def _add_chunk(chunks: list, seq: SeqInfo, budget: int, room: int) -> tuple[int, int]:
+        n = min(seq.to_prefill, budget, room)
+        if n > 0:
+            chunks.append((seq, n))
+        return budget - max(n, 0), room - max(n, 0)
+
+
+def _prefill_need(seq: SeqInfo) -> int:
+    """Device KV a whole prefill takes: the context plus the token it samples."""
+    return seq.to_prefill + 1

@@ -1,0 +1,217 @@
+"""What a scheduling policy sees: sequences as plain integers and the two KV tiers' budgets.
+
+A `SeqInfo` is one request reduced to token counts. A `SchedulerState` holds every `SeqInfo` in
+exactly one place — the waiting queue, the device KV store, the host KV tier, or finished — and
+the capacities of the two tiers in tokens. Only `SchedulerState.apply` moves sequences between
+places (see `jaxpipe.scheduler.policy` for the loop that calls it), and it checks the capacity
+invariants on every move, so no executor can silently overfill a tier.
+
+Token accounting. `computed` is how many tokens of a sequence have KV (in whichever tier holds
+it); `context_len` = prompt + generated. After a whole prefill `computed == context_len` and the
+sampled token raises `generated` by one, so a decode step writes one more KV row (computed + 1).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from collections.abc import Hashable, Iterable
+from dataclasses import dataclass
+
+from jaxpipe.scheduler.actions import Action, Kind, Preempt, Run, SwapIn, Switch
+
+
+class Location(enum.Enum):
+    WAITING = "waiting"  # no KV (never prefilled, or preempted for recompute)
+    DEVICE = "device"  # KV in the device store: decodable
+    HOST = "host"  # KV in the host tier: must be swapped in before decoding
+    FINISHED = "finished"
+
+
+class Phase(enum.StrEnum):
+    """Which layout's weights are on the devices (for single-layout runs, always PREFILL)."""
+
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+@dataclass(eq=False)
+class SeqInfo:
+    """One request as the scheduler sees it. Lengths in tokens."""
+
+    seq_id: Hashable
+    prompt_len: int
+    max_output_len: int
+    predicted_output_len: int | None = None  # e.g. from an output-length predictor
+    generated: int = 0  # output tokens sampled so far
+    computed: int = 0  # tokens whose KV exists (prefill progress, then one per decode step)
+    location: Location = Location.WAITING
+    arrival: int = 0  # admission order, set by SchedulerState.add (preemption picks the newest)
+
+    def __post_init__(self):
+        if self.prompt_len < 1 or self.max_output_len < 1:
+            raise ValueError(f"sequence {self.seq_id!r}: prompt_len ({self.prompt_len}) and "
+                             f"max_output_len ({self.max_output_len}) must be >= 1")
+
+    @property
+    def context_len(self) -> int:
+        """Prompt plus generated tokens: what a (re)prefill must cover."""
+        return self.prompt_len + self.generated
+
+    @property
+    def in_prefill(self) -> bool:
+        """True until a (chunked) prefill of the whole context has sampled a token."""
+        return self.generated == 0 or self.computed < self.context_len - 1
+
+    @property
+    def to_prefill(self) -> int:
+        """Tokens still to prefill (prompt, plus outputs after a recompute preemption)."""
+        return self.context_len - self.computed
+
+    @property
+    def expected_total(self) -> int:
+        """Tokens of KV this sequence will hold at the end (predicted, else the maximum)."""
+        out = self.predicted_output_len or self.max_output_len
+        return self.prompt_len + min(out, self.max_output_len)
+
+
+class SchedulerState:
+    """Queues (waiting FIFO, device, host FIFO) and the KV budgets of both tiers, in tokens."""
+
+    def __init__(self, device_kv_tokens: int, max_device_seqs: int, host_kv_tokens: int = 0,
+                 phase: Phase = Phase.PREFILL):
+        if device_kv_tokens < 1 or max_device_seqs < 1 or host_kv_tokens < 0:
+            raise ValueError(f"need device_kv_tokens >= 1 (got {device_kv_tokens}), "
+                             f"max_device_seqs >= 1 (got {max_device_seqs}) and "
+                             f"host_kv_tokens >= 0 (got {host_kv_tokens})")
+        self.device_kv_tokens = device_kv_tokens
+        self.max_device_seqs = max_device_seqs
+        self.host_kv_tokens = host_kv_tokens
+        self.phase = Phase(phase)
+        self.waiting: deque[SeqInfo] = deque()
+        self.device: dict[Hashable, SeqInfo] = {}  # insertion order = admission order
+        self.host: dict[Hashable, SeqInfo] = {}  # insertion order = swap-out order (FIFO)
+        self.finished: list[SeqInfo] = []
+        self.device_used = 0  # tokens of KV in the device store
+        self.host_used = 0  # tokens of KV in the host tier
+        self._arrivals = 0
+
+    # ---- reading -------------------------------------------------------------------------
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.device or self.host)
+
+    @property
+    def device_free(self) -> int:
+        return self.device_kv_tokens - self.device_used
+
+    @property
+    def host_free(self) -> int:
+        return self.host_kv_tokens - self.host_used
+
+    @property
+    def free_slots(self) -> int:
+        return self.max_device_seqs - len(self.device)
+
+    # ---- writing -------------------------------------------------------------------------
+    def add(self, seq: SeqInfo) -> None:
+        """Queue a new request; refuse one that could never fit the device store."""
+        if seq.prompt_len + seq.max_output_len > self.device_kv_tokens:
+            raise ValueError(
+                f"sequence {seq.seq_id!r} needs up to {seq.prompt_len + seq.max_output_len} "
+                f"tokens of KV but the device store holds {self.device_kv_tokens}")
+        seq.arrival, self._arrivals = self._arrivals, self._arrivals + 1
+        self.waiting.append(seq)
+
+    def add_all(self, seqs: Iterable[SeqInfo]) -> None:
+        for seq in seqs:
+            self.add(seq)
+
+    def apply(self, action: Action, finished: Iterable[Hashable] = ()) -> None:
+        """Record that `action` ran; `finished` names the sequences that ended in it."""
+        handler = {Kind.RUN: self._apply_run, Kind.SWITCH: self._apply_switch,
+                   Kind.SWAP_IN: self._apply_swap_in, Kind.PREEMPT: self._apply_preempt}
+        handler[action.kind](action)
+        for seq_id in finished:
+            self._finish(seq_id)
+
+    def _apply_switch(self, action: Switch) -> None:
+        self.phase = Phase(action.phase)
+
+    def _apply_run(self, action: Run) -> None:
+        for seq, num_tokens in action.prefill:
+            self._prefill(seq, num_tokens, action.prefill_to_host)
+        for seq in action.decode:
+            if seq.location is not Location.DEVICE or seq.in_prefill:
+                raise RuntimeError(f"decode of {seq.seq_id!r} which is {seq.location.value}"
+                                   f"{' and still prefilling' if seq.in_prefill else ''}")
+            seq.computed += 1
+            seq.generated += 1
+            self.device_used += 1
+        self._check_capacity()
+
+    def _prefill(self, seq: SeqInfo, num_tokens: int, to_host: bool) -> None:
+        """Advance a prefill by `num_tokens`; a completed prefill samples a token and lands on
+        the device (or in the host tier if `to_host`)."""
+        if seq.location is Location.WAITING:
+            self.waiting.remove(seq)
+            seq.location = Location.DEVICE
+            self.device[seq.seq_id] = seq
+        if not 1 <= num_tokens <= seq.to_prefill:
+            raise RuntimeError(f"prefill chunk of {num_tokens} tokens for {seq.seq_id!r} "
+                               f"which has {seq.to_prefill} left")
+        seq.computed += num_tokens
+        self.device_used += num_tokens
+        if seq.to_prefill == 0:
+            seq.generated += 1
+            if to_host:
+                self._move(seq, Location.HOST)
+
+    def _apply_swap_in(self, action: SwapIn) -> None:
+        for seq in action.seqs:
+            if seq.location is not Location.HOST:
+                raise RuntimeError(f"swap-in of {seq.seq_id!r} which is {seq.location.value}")
+            self._move(seq, Location.DEVICE)
+        self._check_capacity()
+
+    def _apply_preempt(self, action: Preempt) -> None:
+        for seq in action.seqs:
+            if seq.location is not Location.DEVICE:
+                raise RuntimeError(f"preempting {seq.seq_id!r} which is {seq.location.value}")
+            if action.mode == "swap":
+                self._move(seq, Location.HOST)
+            else:  # recompute: drop the KV, prefill prompt + outputs again later (first in line)
+                del self.device[seq.seq_id]
+                self.device_used -= seq.computed
+                seq.computed, seq.location = 0, Location.WAITING
+                self.waiting.appendleft(seq)
+        self._check_capacity()
+
+    def _move(self, seq: SeqInfo, to: Location) -> None:
+        """Move a sequence's KV between device and host (either direction)."""
+        src, dst = (self.device, self.host) if to is Location.HOST else (self.host, self.device)
+        del src[seq.seq_id]
+        dst[seq.seq_id] = seq
+        sign = 1 if to is Location.HOST else -1
+        self.host_used += sign * seq.computed
+        self.device_used -= sign * seq.computed
+        seq.location = to
+
+    def _finish(self, seq_id: Hashable) -> None:
+        seq = self.device.pop(seq_id, None) or self.host.pop(seq_id, None)
+        if seq is None:
+            raise RuntimeError(f"finished sequence {seq_id!r} is not running")
+        if seq.location is Location.HOST:
+            self.host_used -= seq.computed
+        else:
+            self.device_used -= seq.computed
+        seq.location = Location.FINISHED
+        self.finished.append(seq)
+
+    def _check_capacity(self) -> None:
+        if self.device_used > self.device_kv_tokens or len(self.device) > self.max_device_seqs:
+            raise RuntimeError(
+                f"device KV overfilled: {self.device_used}/{self.device_kv_tokens} tokens, "
+                f"{len(self.device)}/{self.max_device_seqs} sequences")
+        if self.host_used > self.host_kv_tokens:
+            raise RuntimeError(f"host KV tier overfilled: {self.host_used}/"
+                               f"{self.host_kv_tokens} tokens")

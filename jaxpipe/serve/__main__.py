@@ -1,0 +1,69 @@
+"""`python -m jaxpipe.serve`: the gRPC server. See `--help` and README "Serving"."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from jaxpipe.serve.cli import add_engine_args, engine_kwargs
+from jaxpipe.serve.config import ServerConfig
+
+EPILOG = """\
+The front end (gRPC, tokenization, detokenization) runs in this process; the engine runs in a
+child process it starts, and the two talk over ZeroMQ. Health (grpc.health.v1) reports
+NOT_SERVING until the model is loaded. SIGTERM / SIGINT drain in-flight requests, then exit.
+
+example:
+  python -m jaxpipe.serve --model smollm2-135m --dtype float32 --port 50051
+"""
+
+
+def parse_args(argv=None) -> tuple[ServerConfig, str]:
+    """Flags -> (ServerConfig, log level)."""
+    p = argparse.ArgumentParser(prog="python -m jaxpipe.serve", epilog=EPILOG,
+                                description="jaxpipe gRPC server (service jaxpipe.v1.Generation: "
+                                            "Generate, GenerateBatch, GetServerInfo)",
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    d = ServerConfig()
+    net = p.add_argument_group("server")
+    net.add_argument("--host", default=d.host, help=f"address to listen on (default: {d.host})")
+    net.add_argument("--port", type=int, default=d.port,
+                     help=f"port to listen on; 0 picks a free one (default: {d.port})")
+    net.add_argument("--max-message-mb", type=float, default=d.max_message_mb,
+                     help="largest gRPC message, e.g. a whole GenerateBatch call; larger ones get "
+                          f"RESOURCE_EXHAUSTED (default: {d.max_message_mb:g})")
+    net.add_argument("--max-request-bytes", type=int, default=d.max_request_bytes,
+                     help="largest single request or batch item; larger ones get INVALID_ARGUMENT "
+                          f"(default: {d.max_request_bytes})")
+    net.add_argument("--max-concurrent-requests", type=int, default=d.max_concurrent_requests,
+                     help="concurrent calls; more get RESOURCE_EXHAUSTED "
+                          f"(default: {d.max_concurrent_requests})")
+    net.add_argument("--drain-timeout", type=float, default=d.drain_timeout,
+                     help="seconds in-flight calls get to finish after SIGTERM / SIGINT "
+                          f"(default: {d.drain_timeout:g})")
+    net.add_argument("--log-level", default="INFO",
+                     choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                     help="INFO logs one line per request (default: INFO)")
+    add_engine_args(p)
+    args = p.parse_args(argv)
+    try:
+        config = ServerConfig(host=args.host, port=args.port, max_message_mb=args.max_message_mb,
+                              max_request_bytes=args.max_request_bytes,
+                              max_concurrent_requests=args.max_concurrent_requests,
+                              drain_timeout=args.drain_timeout, engine=engine_kwargs(args, p))
+    except ValueError as e:
+        p.error(str(e))
+    return config, args.log_level
+
+
+def main(argv=None) -> int:
+    config, level = parse_args(argv)
+    logging.basicConfig(level=level, format="%(asctime)s serve %(levelname)s %(message)s")
+    from jaxpipe.serve.server import serve
+
+    return serve(config)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

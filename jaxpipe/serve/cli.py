@@ -1,0 +1,71 @@
+"""Command-line flags for the engine, shared by `python -m jaxpipe.serve` and
+`python -m jaxpipe.batch`. Each flag maps to one `EngineConfig` field and is passed on only when
+given, so EngineConfig's own defaults and validation apply."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+from jaxpipe.config import DTYPES, EngineConfig
+
+# flag dest -> (EngineConfig field, help). Fields that a jaxpipe version lacks are refused
+# with a clear message when the flag is used (the layouts and scheduler work adds them).
+ENGINE_FLAGS = {
+    "model": ("model", "model preset in models/ (e.g. smollm2-135m), a .gguf file, an HF "
+                       "directory or an orbax checkpoint (default: smollm2-135m)"),
+    "dtype": ("dtype", f"weights dtype, one of {', '.join(DTYPES)} (default: bfloat16)"),
+    "max_model_len": ("max_model_len", "longest prompt + output in tokens "
+                                       "(default: min(model limit, 2048))"),
+    "max_num_seqs": ("max_num_seqs", "sequences decoded together (default: as many as fit in "
+                                     "--kv-cache-gb)"),
+    "max_num_batched_tokens": ("max_num_batched_tokens", "token budget of one prefill batch "
+                                                         "(default: 4096)"),
+    "kv_cache_gb": ("kv_cache_gb", "device KV store size in GiB (default: 8)"),
+    "seed": ("seed", "seed for requests that give none (default: 0)"),
+    "compilation_cache_dir": ("compilation_cache_dir", "JAX persistent compilation cache "
+                                                       "(default: ~/.cache/jaxpipe/xla)"),
+    "mesh": ("mesh", "device mesh preset in meshes/ (e.g. cpu-8)"),
+    "prefill": ("prefill", "prefill layout, e.g. 'pp=8'"),
+    "decode": ("decode", "decode layout, e.g. 'tp=4,pp=2'"),
+    "scheduler": ("scheduler", "scheduling policy, e.g. seesaw, prefill_first, decode_first"),
+    "host_kv_gb": ("host_kv_gb", "host KV tier size in GiB"),
+}
+_TYPES = {"max_model_len": int, "max_num_seqs": int, "max_num_batched_tokens": int,
+          "kv_cache_gb": float, "seed": int, "host_kv_gb": float}
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Add the engine flags (one per EngineConfig field) to `parser`."""
+    group = parser.add_argument_group("engine")
+    for dest, (_, help_text) in ENGINE_FLAGS.items():
+        group.add_argument("--" + dest.replace("_", "-"), dest=dest, type=_TYPES.get(dest, str),
+                           default=None, help=help_text)
+    group.add_argument("--random-weights", action="store_true",
+                       help="seeded random weights (architecture-only presets, benchmarks)")
+    group.add_argument("--no-warmup", action="store_true",
+                       help="skip compiling every decode shape at start (faster start, slower "
+                            "first requests)")
+
+
+def engine_kwargs(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict:
+    """EngineConfig fields from parsed flags (only those given); validated by EngineConfig."""
+    known = {f.name for f in dataclasses.fields(EngineConfig)}
+    kwargs = {"model": "smollm2-135m"}
+    for dest, (name, _) in ENGINE_FLAGS.items():
+        value = getattr(args, dest)
+        if value is None:
+            continue
+        if name not in known:
+            parser.error(f"--{dest.replace('_', '-')} needs EngineConfig.{name}, which this "
+                         "jaxpipe version does not have yet")
+        kwargs[name] = value
+    if args.random_weights:
+        kwargs["random_weights"] = True
+    if args.no_warmup:
+        kwargs["warmup"] = False
+    try:
+        EngineConfig(**kwargs)
+    except (ValueError, TypeError) as e:
+        parser.error(str(e))
+    return kwargs

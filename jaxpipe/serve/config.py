@@ -1,0 +1,56 @@
+"""`ServerConfig`: how the gRPC front end listens and what it accepts. Validated once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ServerConfig:
+    """Front-end settings; `engine` holds the EngineConfig fields for the engine process.
+
+    max_message_mb: gRPC's limit on one message (a whole GenerateBatch call); a larger message is
+        refused by gRPC itself with RESOURCE_EXHAUSTED.
+    max_request_bytes: limit on one request (a Generate request or one batch item); a larger
+        one gets INVALID_ARGUMENT and the rest of its batch still runs.
+    max_concurrent_requests: concurrent calls; more are refused with RESOURCE_EXHAUSTED.
+    drain_timeout: seconds in-flight calls get to finish after SIGTERM / SIGINT.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 50051
+    max_message_mb: float = 64.0
+    max_request_bytes: int = 1 << 20
+    max_concurrent_requests: int = 256
+    drain_timeout: float = 600.0
+    engine: dict = field(default_factory=lambda: {"model": "smollm2-135m"})
+
+    def __post_init__(self):
+        if not isinstance(self.host, str) or not self.host:
+            raise ValueError(f"ServerConfig.host must be a host name or address, got {self.host!r}")
+        _check_int("port", self.port, 0, 65535)
+        _check_int("max_request_bytes", self.max_request_bytes, 1, 1 << 31)
+        _check_int("max_concurrent_requests", self.max_concurrent_requests, 1, 100_000)
+        _check_number("max_message_mb", self.max_message_mb, 2047)
+        _check_number("drain_timeout", self.drain_timeout, 1e9)
+        if self.max_request_bytes > self.max_message_bytes:
+            raise ValueError(f"ServerConfig.max_request_bytes ({self.max_request_bytes}) must not "
+                             f"exceed max_message_mb ({self.max_message_mb} MiB)")
+
+    @property
+    def max_message_bytes(self) -> int:
+        return int(self.max_message_mb * 2**20)
+
+    @property
+    def address(self) -> str:
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+
+def _check_int(name: str, value, lo: int, hi: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise ValueError(f"ServerConfig.{name} must be an integer in [{lo}, {hi}], got {value!r}")
+
+
+def _check_number(name: str, value, hi: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= hi:
+        raise ValueError(f"ServerConfig.{name} must be a number in (0, {hi}], got {value!r}")

@@ -1,0 +1,214 @@
+"""The front end's handle on the engine process: start it, send it requests, route its outputs.
+
+One receiver thread reads the engine's output socket and puts each message on the queue of the
+request it belongs to. If the engine process exits, every pending request gets an `EngineLost`
+item and later submissions raise `EngineUnavailable`, so no caller ever waits forever.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import zmq
+
+from jaxpipe.serve import messages as m
+
+log = logging.getLogger("jaxpipe.serve")
+
+POLL_MS = 100
+
+
+class EngineUnavailable(RuntimeError):
+    """The engine process is not running (still starting, or dead)."""
+
+
+@dataclass(frozen=True)
+class EngineLost:
+    """Queued for each pending request when the engine process dies."""
+
+    request_id: str
+    message: str
+
+
+class EngineClient:
+    """Start the engine process with `engine_kwargs` (EngineConfig fields) and talk to it.
+
+    `on_health(serving)` is called when the engine becomes ready (True) or dies (False)."""
+
+    def __init__(self, engine_kwargs: dict, on_health: Callable[[bool], None] = lambda s: None):
+        self._on_health = on_health
+        self._dir = tempfile.mkdtemp(prefix="jaxpipe-serve-")
+        self._ctx = zmq.Context()
+        self._requests = self._bind(zmq.PUSH, "requests")
+        self._outputs = self._bind(zmq.PULL, "outputs")
+        self._lock = threading.Lock()  # guards _requests (zmq sockets are not thread-safe)
+        self._queues: dict[str, queue.Queue] = {}
+        self._stats: queue.Queue = queue.Queue()
+        self._stats_lock = threading.Lock()
+        self.info: m.Ready | None = None
+        self.ready, self.dead = threading.Event(), threading.Event()
+        self.proc = self._spawn(engine_kwargs)
+        self._closing = False
+        self._thread = threading.Thread(target=self._receive_loop, name="engine-client",
+                                        daemon=True)
+        self._thread.start()
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+
+    def _bind(self, kind: int, name: str) -> zmq.Socket:
+        sock = self._ctx.socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.bind(f"ipc://{os.path.join(self._dir, name)}")
+        return sock
+
+    def _spawn(self, engine_kwargs: dict) -> subprocess.Popen:
+        cmd = [sys.executable, "-m", "jaxpipe.serve.engine_process",
+               "--config", json.dumps(engine_kwargs),
+               "--inbox", self._requests.getsockopt_string(zmq.LAST_ENDPOINT),
+               "--outbox", self._outputs.getsockopt_string(zmq.LAST_ENDPOINT),
+               "--parent-pid", str(os.getpid())]
+        # Own session: a Ctrl-C in the terminal reaches only the front end, which drains first.
+        return subprocess.Popen(cmd, start_new_session=True)
+
+    def wait_ready(self, timeout: float | None = None) -> m.Ready:
+        """Block until the engine has loaded; raise EngineUnavailable if it died instead."""
+        while not self.ready.wait(0.2):
+            if self.dead.is_set():
+                raise EngineUnavailable(
+                    f"the engine process exited with code {self.proc.returncode} while starting "
+                    "(its error is above)")
+            if timeout is not None:
+                timeout -= 0.2
+                if timeout <= 0:
+                    raise EngineUnavailable("the engine process did not become ready in time")
+        return self.info
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Ask the engine to exit (killing it after `timeout` s) and release the sockets."""
+        if self.proc.poll() is None:
+            self._send(m.Shutdown(), quiet=True)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                log.error("engine process did not exit in %.0f s; killing it", timeout)
+                self.proc.kill()
+                self.proc.wait()
+        self._closing = True
+        self._thread.join()  # returns within one poll interval
+        with self._lock:
+            self._requests.close()
+        self._outputs.close()
+        self._ctx.term()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    # ---- requests -----------------------------------------------------------------------------
+
+    def submit(self, request_id: str, prompt_token_ids: list[int], params: dict,
+               out: queue.Queue) -> None:
+        """Send one request; its TokenDelta / Rejected / EngineLost items arrive on `out`."""
+        with self._lock:
+            if self.dead.is_set() or not self.ready.is_set():
+                raise EngineUnavailable(self.unavailable_reason())
+            self._queues[request_id] = out
+            try:
+                self._requests.send(m.encode(m.AddRequest(request_id, prompt_token_ids, params)),
+                                    zmq.NOBLOCK)
+            except zmq.Again:
+                del self._queues[request_id]
+                raise EngineUnavailable("the engine process is not accepting requests") from None
+
+    def abort(self, request_id: str) -> None:
+        """Cancel a request if it is still pending (its final 'abort' delta follows)."""
+        if request_id in self._queues:
+            self._send(m.Abort(request_id), quiet=True)
+
+    def stats(self, timeout: float = 5.0) -> m.Stats | None:
+        """The engine process's load, or None if it does not answer in time."""
+        with self._stats_lock:
+            if not self.ready.is_set() or self.dead.is_set() or not self._send(m.QueryStats()):
+                return None
+            try:
+                return self._stats.get(timeout=timeout)
+            except queue.Empty:
+                return None
+
+    def unavailable_reason(self) -> str:
+        """Why requests cannot be taken now (the engine is starting, or has exited)."""
+        if self.dead.is_set():
+            return f"the engine process has exited (code {self.proc.returncode})"
+        return "the engine is still starting; retry when health reports SERVING"
+
+    def _send(self, msg, quiet: bool = False) -> bool:
+        with self._lock:
+            try:
+                self._requests.send(m.encode(msg), zmq.NOBLOCK)
+                return True
+            except (zmq.Again, zmq.ZMQError) as e:
+                if not quiet:
+                    log.warning("could not send %s to the engine: %s", type(msg).__name__, e)
+                return False
+
+    # ---- receiving ----------------------------------------------------------------------------
+
+    def _receive_loop(self) -> None:
+        while not self._closing:
+            if self._outputs.poll(POLL_MS):
+                self._drain()
+            elif self.proc.poll() is not None:
+                self._engine_died()
+                return
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                data = self._outputs.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                self._dispatch(m.decode(data))
+            except m.ProtocolError as e:
+                log.error("dropped a message from the engine: %s", e)
+
+    def _dispatch(self, msg) -> None:
+        if isinstance(msg, m.Outputs):
+            for delta in msg.deltas:
+                self._route(delta.request_id, delta, final=delta.finish_reason is not None)
+        elif isinstance(msg, m.Rejected):
+            self._route(msg.request_id, msg, final=True)
+        elif isinstance(msg, m.Stats):
+            self._stats.put(msg)
+        elif isinstance(msg, m.Ready):
+            self.info = msg
+            self.ready.set()
+            log.info("engine ready: pid %d, model %s, max_model_len %d, max_num_seqs %d",
+                     msg.pid, msg.model, msg.max_model_len, msg.max_num_seqs)
+            self._on_health(True)
+
+    def _route(self, request_id: str, item, final: bool) -> None:
+        with self._lock:
+            out = self._queues.pop(request_id, None) if final else self._queues.get(request_id)
+        if out is not None:
+            out.put(item)
+
+    def _engine_died(self) -> None:
+        code = self.proc.returncode
+        with self._lock:
+            self.dead.set()
+            pending, self._queues = self._queues, {}
+        if not self._closing:
+            log.error("the engine process exited with code %s; %d requests fail UNAVAILABLE",
+                      code, len(pending))
+        for rid, out in pending.items():
+            out.put(EngineLost(rid, f"the engine process exited (code {code}) before this "
+                                    "request finished"))
+        self._on_health(False)

@@ -1,0 +1,178 @@
+"""The engine process: owns the `Engine` and runs its device loop, nothing else.
+
+It talks to the front end only through two ZeroMQ sockets carrying `messages` (requests in,
+per-step token deltas out), so request parsing, tokenization and network I/O never stall a step.
+The loop is a short list of non-blocking steps (gLLM's shape):
+
+    receive control messages (block briefly only when idle)
+    run one engine step, if there is work
+    send every new token of that step in one message
+
+Started by the front end as `python -m jaxpipe.serve.engine_process`; it exits on `Shutdown`,
+or when the front end (its parent) disappears.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+
+import zmq
+
+from jaxpipe.serve import messages as m
+
+log = logging.getLogger("jaxpipe.serve.engine")
+
+IDLE_POLL_MS = 100
+
+
+class EngineLoop:
+    """Serve one `Engine` over a pair of sockets until told to stop."""
+
+    def __init__(self, engine, inbox: zmq.Socket, outbox: zmq.Socket, parent_pid: int):
+        self.engine = engine
+        self.inbox, self.outbox = inbox, outbox
+        self.parent_pid = parent_pid
+        self.sent: dict[str, int] = {}  # live request id -> output tokens already sent
+        self.counts = {"finished": 0, "aborted": 0, "generated": 0}
+        self.stopping = False
+
+    def run(self) -> None:
+        """Announce readiness, then loop until `Shutdown` or the parent's death."""
+        self._send(self._ready())
+        while not self.stopping:
+            busy = self.engine.has_unfinished()
+            self._receive(0 if busy else IDLE_POLL_MS)
+            if self.engine.has_unfinished():
+                self._step()
+            if os.getppid() != self.parent_pid:
+                log.error("front end (pid %d) is gone; engine exiting", self.parent_pid)
+                break
+        for rid in list(self.sent):
+            self._abort(rid)
+
+    def _ready(self) -> m.Ready:
+        e = self.engine
+        return m.Ready(pid=os.getpid(), model=e.config.model, max_model_len=e.max_model_len,
+                       vocab_size=e.model_config.vocab_size, max_num_seqs=e.max_num_seqs)
+
+    def _receive(self, timeout_ms: int) -> None:
+        if not self.inbox.poll(timeout_ms):
+            return
+        while True:
+            try:
+                data = self.inbox.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                self._handle(m.decode(data))
+            except m.ProtocolError as e:
+                log.error("dropped a control message: %s", e)
+
+    def _handle(self, msg) -> None:
+        if isinstance(msg, m.AddRequest):
+            self._add(msg)
+        elif isinstance(msg, m.Abort):
+            self._abort(msg.request_id)
+        elif isinstance(msg, m.QueryStats):
+            self._send(self._stats())
+        elif isinstance(msg, m.Shutdown):
+            self.stopping = True
+        else:
+            log.error("unexpected control message %s", type(msg).__name__)
+
+    def _add(self, msg: m.AddRequest) -> None:
+        from jaxpipe.sampling import SamplingParams
+
+        if msg.request_id in self.sent:
+            self._send(m.Rejected(msg.request_id, f"request id {msg.request_id!r} is in use"))
+            return
+        try:
+            params = SamplingParams(**msg.params)
+            self.engine.add_request(None, params, prompt_token_ids=msg.prompt_token_ids,
+                                    request_id=msg.request_id)
+        except (ValueError, TypeError) as e:
+            self._send(m.Rejected(msg.request_id, str(e)))
+            return
+        self.sent[msg.request_id] = 0
+
+    def _abort(self, request_id: str) -> None:
+        if request_id not in self.sent:
+            return  # already finished: its final delta is on its way
+        self.engine.abort(request_id)
+        self.engine.release(request_id)
+        del self.sent[request_id]
+        self.counts["aborted"] += 1
+        self._send(m.Outputs([m.TokenDelta(request_id, [], None, "abort", None)]))
+
+    def _step(self) -> None:
+        deltas = [self._delta(seq) for seq in self.engine.step() if seq.request_id in self.sent]
+        if deltas:
+            self._send(m.Outputs(deltas))
+
+    def _delta(self, seq) -> m.TokenDelta:
+        rid, start = seq.request_id, self.sent[seq.request_id]
+        new = [int(t) for t in seq.output_token_ids[start:]]
+        logprobs = None
+        if seq.logprobs is not None:
+            logprobs = [[[int(t), float(lp)] for t, lp in entry.items()]
+                        for entry in seq.logprobs[start:]]
+        self.sent[rid] = start + len(new)
+        self.counts["generated"] += len(new)
+        if not seq.is_finished:
+            return m.TokenDelta(rid, new, logprobs)
+        del self.sent[rid]
+        self.engine.release(rid)
+        self.counts["finished"] += 1
+        return m.TokenDelta(rid, new, logprobs, seq.finish_reason, seq.stop_reason)
+
+    def _stats(self) -> m.Stats:
+        return m.Stats(unfinished_requests=len(self.sent),
+                       engine_has_unfinished=self.engine.has_unfinished(),
+                       finished_requests=self.counts["finished"],
+                       aborted_requests=self.counts["aborted"],
+                       generated_tokens=self.counts["generated"])
+
+    def _send(self, msg) -> None:
+        self.outbox.send(m.encode(msg))
+
+
+def _parse_args(argv):
+    p = argparse.ArgumentParser(prog="python -m jaxpipe.serve.engine_process",
+                                description="jaxpipe's engine process (started by jaxpipe.serve)")
+    p.add_argument("--config", required=True, help="EngineConfig fields as a JSON object")
+    p.add_argument("--inbox", required=True, help="ZeroMQ address to receive requests from")
+    p.add_argument("--outbox", required=True, help="ZeroMQ address to send outputs to")
+    p.add_argument("--parent-pid", type=int, required=True)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    """Build the engine, connect to the front end and serve until shutdown."""
+    args = _parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s engine %(levelname)s %(message)s")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front end decides when we stop
+    from jaxpipe import Engine, EngineConfig
+
+    engine = Engine(EngineConfig(**json.loads(args.config)))
+    ctx = zmq.Context()
+    inbox, outbox = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    for sock in (inbox, outbox):
+        sock.setsockopt(zmq.LINGER, 2000)
+    inbox.connect(args.inbox)
+    outbox.connect(args.outbox)
+    try:
+        EngineLoop(engine, inbox, outbox, args.parent_pid).run()
+    finally:
+        inbox.close()
+        outbox.close()
+        ctx.term()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

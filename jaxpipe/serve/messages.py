@@ -1,0 +1,143 @@
+"""Control messages between the front end and the engine process (over ZeroMQ).
+
+Small, typed and versioned: each message is one frozen dataclass, sent as UTF-8 JSON
+`{"v": PROTOCOL_VERSION, "type": <class name>, "body": {...}}`. Only ids, token ids, numbers and
+strings travel; never pickled objects. A message of another version or an unknown type is
+refused with `ProtocolError`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+
+PROTOCOL_VERSION = 1
+
+
+class ProtocolError(ValueError):
+    """A control message that this side cannot decode."""
+
+
+# ---- front end -> engine ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AddRequest:
+    """Queue one validated request. `params` holds `SamplingParams` fields (JSON values)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: dict
+
+
+@dataclass(frozen=True)
+class Abort:
+    """Stop a request (client cancelled); the engine answers with a finished `TokenDelta`."""
+
+    request_id: str
+
+
+@dataclass(frozen=True)
+class QueryStats:
+    """Ask the engine process for a `Stats` message."""
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    """Finish the engine loop and exit (sent after the front end has drained)."""
+
+
+# ---- engine -> front end ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Ready:
+    """The engine is loaded; what the front end needs to validate requests."""
+
+    pid: int
+    model: str
+    max_model_len: int
+    vocab_size: int
+    max_num_seqs: int
+
+
+@dataclass(frozen=True)
+class TokenDelta:
+    """New tokens of one request. `logprobs`: per new token, [[token id, logprob], ...] with the
+    sampled token first (None unless requested). `finish_reason` is set on the last delta."""
+
+    request_id: str
+    token_ids: list[int]
+    logprobs: list[list[list[float]]] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass(frozen=True)
+class Outputs:
+    """Every delta produced by one engine step (one message per step, not per request)."""
+
+    deltas: list[TokenDelta] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Rejected:
+    """The engine refused a request (it validates again); nothing was queued."""
+
+    request_id: str
+    message: str
+
+
+@dataclass(frozen=True)
+class Stats:
+    """Engine-process load, answered to `QueryStats`."""
+
+    unfinished_requests: int
+    engine_has_unfinished: bool
+    finished_requests: int
+    aborted_requests: int
+    generated_tokens: int
+
+
+MESSAGE_TYPES = {cls.__name__: cls for cls in (
+    AddRequest, Abort, QueryStats, Shutdown, Ready, TokenDelta, Outputs, Rejected, Stats)}
+
+
+def encode(message) -> bytes:
+    """One message -> bytes for the socket."""
+    name = type(message).__name__
+    if MESSAGE_TYPES.get(name) is not type(message):
+        raise ProtocolError(f"not a control message: {type(message).__name__}")
+    body = dataclasses.asdict(message)
+    return json.dumps({"v": PROTOCOL_VERSION, "type": name, "body": body},
+                      separators=(",", ":")).encode()
+
+
+def decode(data: bytes):
+    """Bytes from the socket -> one message, or ProtocolError saying what was wrong."""
+    try:
+        raw = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ProtocolError(f"control message is not JSON: {e}") from None
+    if not isinstance(raw, dict) or raw.get("v") != PROTOCOL_VERSION:
+        version = raw.get("v") if isinstance(raw, dict) else None
+        raise ProtocolError(f"control message version {version!r}; this side speaks "
+                            f"{PROTOCOL_VERSION}")
+    cls = MESSAGE_TYPES.get(raw.get("type"))
+    if cls is None or not isinstance(raw.get("body"), dict):
+        raise ProtocolError(f"unknown control message type {raw.get('type')!r}; "
+                            f"known: {sorted(MESSAGE_TYPES)}")
+    return _build(cls, raw["body"])
+
+
+def _build(cls, body: dict):
+    names = {f.name for f in dataclasses.fields(cls)}
+    if set(body) - names:
+        raise ProtocolError(f"{cls.__name__} has no fields {sorted(set(body) - names)}")
+    if cls is Outputs:
+        body = {"deltas": [_build(TokenDelta, d) for d in body.get("deltas", [])]}
+    try:
+        return cls(**body)
+    except TypeError as e:
+        raise ProtocolError(f"bad {cls.__name__} message: {e}") from None

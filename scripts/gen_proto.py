@@ -1,0 +1,29 @@
+"""Regenerate jaxpipe/serve/jaxpipe_pb2*.py from jaxpipe/serve/jaxpipe.proto (needs grpcio-tools).
+
+Run from anywhere: `python scripts/gen_proto.py`. The proto is compiled with the repository root
+as include path, so the generated gRPC module imports `jaxpipe.serve.jaxpipe_pb2` (a package
+import that works after `pip install`).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from grpc_tools import protoc
+
+ROOT = Path(__file__).resolve().parent.parent
+PROTO = "jaxpipe/serve/jaxpipe.proto"
+
+
+def main() -> int:
+    args = ["grpc_tools.protoc", f"-I{ROOT}", f"--python_out={ROOT}", f"--pyi_out={ROOT}",
+            f"--grpc_python_out={ROOT}", str(ROOT / PROTO)]
+    code = protoc.main(args)
+    if code:
+        print(f"protoc failed with exit code {code}", file=sys.stderr)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

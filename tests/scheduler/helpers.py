@@ -1,0 +1,63 @@
+"""A pure-Python executor for policy tests: every sequence wants exactly `output_len` tokens."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+from jaxpipe.scheduler import Kind, Policy, SchedulerState, SeqInfo, drive
+
+
+@dataclass
+class Trace:
+    """What happened, recorded by `run_policy`."""
+
+    actions: list[str] = field(default_factory=list)
+    switches: list[str] = field(default_factory=list)
+    preempted: int = 0
+    swapped_in: int = 0
+    max_host_used: int = 0
+    max_device_used: int = 0
+    finished: list = field(default_factory=list)
+
+
+def make_seqs(n: int, seed: int, prompt=(4, 60), output=(1, 40)) -> list[SeqInfo]:
+    rng = random.Random(seed)
+    return [SeqInfo(i, rng.randint(*prompt), rng.randint(*output)) for i in range(n)]
+
+
+def run_policy(policy: Policy, seqs: list[SeqInfo], device_kv: int, slots: int,
+               host_kv: int = 0) -> tuple[SchedulerState, Trace]:
+    """Drive `policy` until every sequence ran to its `max_output_len`."""
+    state = SchedulerState(device_kv, slots, host_kv)
+    state.add_all(seqs)
+    trace = Trace()
+
+    def execute(action, st):
+        trace.actions.append(action.kind.value)
+        if action.kind is Kind.SWITCH:
+            trace.switches.append(action.phase)
+        elif action.kind is Kind.PREEMPT:
+            trace.preempted += len(action.seqs)
+        elif action.kind is Kind.SWAP_IN:
+            trace.swapped_in += len(action.seqs)
+        ended = []
+        if action.kind is Kind.RUN:
+            ended = [s.seq_id for s in action.sampling() if s.generated + 1 >= s.max_output_len]
+        trace.finished += ended
+        return ended
+
+    original_apply = state.apply
+
+    def apply(action, finished=()):
+        original_apply(action, finished)
+        trace.max_host_used = max(trace.max_host_used, state.host_used)
+        trace.max_device_used = max(trace.max_device_used, state.device_used)
+
+    state.apply = apply
+    drive(policy, state, execute)
+    return state, trace
+
+
+def prefill_to_decode(trace: Trace) -> int:
+    return trace.switches.count("decode")

@@ -1,0 +1,88 @@
+"""Request validation shared by the gRPC front end and batch jobs, and front-end text."""
+
+from __future__ import annotations
+
+import pytest
+
+from jaxpipe.serve.requests import Limits, RequestError, prepare
+from jaxpipe.serve.text import TextStream, final_text
+
+LIMITS = Limits(max_model_len=64, vocab_size=49152)
+GOOD = {"temperature": 0.0, "max_tokens": 4}
+
+
+@pytest.fixture(scope="module")
+def tokenizer(gguf_path):
+    from jaxpipe.model.loading import load_tokenizer
+    from jaxpipe.model.presets import resolve_model
+
+    return load_tokenizer(resolve_model("smollm2-135m"))
+
+
+def test_text_chat_and_ids_tokenize_like_the_engine(tokenizer):
+    chat = [{"role": "user", "content": "Hi"}]
+    rendered = tokenizer.apply_chat_template(chat, add_generation_prompt=True)
+    assert prepare("text", "Hello", GOOD, tokenizer, LIMITS).prompt_token_ids == \
+        tokenizer.encode("Hello")
+    assert prepare("chat", chat, GOOD, tokenizer, LIMITS).prompt_token_ids == \
+        tokenizer.encode(rendered, add_special_tokens=False)
+    prep = prepare("token_ids", [1, 2, 3], {"stop": "x", "top_k": -1}, tokenizer, LIMITS)
+    assert prep.prompt_token_ids == [1, 2, 3]
+    assert prep.params_dict["stop"] == ["x"] and prep.params_dict["top_k"] == 0
+
+
+@pytest.mark.parametrize("kind, value, sampling, field", [
+    (None, None, {}, "prompt"),
+    ("text", "", {}, "text"),
+    ("token_ids", [], {}, "token_ids"),
+    ("chat", [], {}, "chat"),
+    ("chat", [{"role": "wizard", "content": "x"}], {}, "chat[0].role"),
+    ("chat", [{"role": "user", "content": 3}], {}, "chat[0].content"),
+    ("token_ids", [1] * 64, {}, "token_ids"),
+    ("text", "word " * 100, {}, "text"),
+    ("token_ids", [1, 49152], {}, "token_ids[1]"),
+    ("token_ids", [-1], {}, "token_ids[0]"),
+    ("token_ids", [1], {"max_tokens": 0}, "sampling.max_tokens"),
+    ("token_ids", [1, 2], {"max_tokens": 63}, "sampling.max_tokens"),
+    ("token_ids", [1], {"temperature": -0.5}, "sampling.temperature"),
+    ("token_ids", [1], {"top_p": 0.0}, "sampling.top_p"),
+    ("token_ids", [1], {"top_p": 1.5}, "sampling.top_p"),
+    ("token_ids", [1], {"top_k": -2}, "sampling.top_k"),
+    ("token_ids", [1], {"presence_penalty": -2.5}, "sampling.presence_penalty"),
+    ("token_ids", [1], {"frequency_penalty": 3.0}, "sampling.frequency_penalty"),
+    ("token_ids", [1], {"repetition_penalty": 0.0}, "sampling.repetition_penalty"),
+    ("token_ids", [1], {"n": 2}, "sampling.n"),
+    ("token_ids", [1], {"logprobs": 21}, "sampling.logprobs"),
+    ("token_ids", [1], {"temperature": "hot"}, "sampling.temperature"),
+    ("token_ids", [1], {"beam_width": 4}, "sampling.beam_width"),
+])
+def test_bad_request_names_the_field(tokenizer, kind, value, sampling, field):
+    with pytest.raises(RequestError) as info:
+        prepare(kind, value, sampling, tokenizer, LIMITS)
+    assert info.value.field == field
+    assert str(info.value).startswith(f"{field}: ")
+
+
+def test_max_tokens_filling_the_context_exactly_is_accepted(tokenizer):
+    assert prepare("token_ids", [1, 2], {"max_tokens": 62}, tokenizer, LIMITS).params.max_tokens \
+        == 62
+
+
+def test_stream_deltas_concatenate_to_the_final_text_and_hold_back_stop_strings(tokenizer):
+    ids = tokenizer.encode("Roses are red. Violets are blue. Sugar is sweet.",
+                           add_special_tokens=False)
+    # The engine stops at the token that completes "blue"; stream everything before it.
+    k = next(k for k in range(1, len(ids) + 1) if "blue" in tokenizer.decode(ids[:k]))
+    stream = TextStream(tokenizer, [1], True, stop=["blue"])
+    shown = "".join(stream.push([t]) for t in ids[:k - 1])
+    assert shown.startswith("Roses are red.")
+    assert len(shown) <= len(tokenizer.decode(ids[:k - 1])) - 3  # "blu" could start "blue"
+    full = shown + stream.finish(ids[k - 1:k], "blue")
+    assert full == "Roses are red. Violets are "  # the stop string is cut
+    assert full == final_text(tokenizer, ids[:k], True, "blue")
+
+
+def test_final_text_without_a_stop_string_is_the_decoded_text(tokenizer):
+    ids = tokenizer.encode("Hello there", add_special_tokens=False) + [2]
+    assert final_text(tokenizer, ids, True, 2) == "Hello there"
+    assert final_text(tokenizer, ids, False, None).endswith("<|im_end|>")

@@ -1,0 +1,85 @@
+"""Servers of their own (these tests end them): the engine process killed under load, and
+SIGTERM draining in-flight requests. Every call has a deadline, so a hang fails the test with
+DEADLINE_EXCEEDED instead of blocking the run."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+import grpc
+import psutil
+import pytest
+from conftest import ServerProcess, gguf_dir
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from jaxpipe.serve import jaxpipe_pb2 as pb
+from jaxpipe.serve import jaxpipe_pb2_grpc as pb_grpc
+
+LONG = pb.SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True)
+
+
+@pytest.fixture
+def server(tmp_path):
+    gguf_dir()
+    s = ServerProcess(log_path=tmp_path / "server.log")
+    s.wait_serving()
+    yield s
+    s.stop()
+
+
+def started_stream(stub, sampling):
+    """A Generate call that has already produced its first token, and its responses so far."""
+    call = stub.Generate(pb.GenerateRequest(text="Tell me a long story.", sampling=sampling),
+                         timeout=120)
+    return call, [next(call)]
+
+
+def test_engine_killed_gives_unavailable_and_not_serving(server):
+    with grpc.insecure_channel(server.address) as ch:
+        stub, health = pb_grpc.GenerationStub(ch), health_pb2_grpc.HealthStub(ch)
+        call, _ = started_stream(stub, LONG)
+        batch = stub.GenerateBatch(pb.BatchRequest(items=[
+            pb.BatchItem(custom_id=f"b{i}", text=f"Story {i}:", sampling=LONG) for i in range(3)]),
+            timeout=120)
+        os.kill(server.engine_pid(), signal.SIGKILL)
+        for pending in (call, batch):
+            with pytest.raises(grpc.RpcError) as info:
+                list(pending)
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE, info.value.details()
+            assert "engine process exited" in info.value.details()
+        with pytest.raises(grpc.RpcError) as info:
+            list(stub.Generate(pb.GenerateRequest(text="Hi"), timeout=30))
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        for service in ("", "jaxpipe.v1.Generation"):
+            reply = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=10)
+            assert reply.status == health_pb2.HealthCheckResponse.NOT_SERVING
+    assert server.proc.poll() is None  # the front end stays up to report it
+
+
+def test_sigterm_drains_in_flight_requests_then_exits(server):
+    engine_pid = server.engine_pid()
+    sampling = pb.SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    results: dict[int, list] = {}
+    with grpc.insecure_channel(server.address) as ch:
+        stub = pb_grpc.GenerationStub(ch)
+        calls = [started_stream(stub, sampling) for _ in range(3)]
+        server.proc.send_signal(signal.SIGTERM)
+
+        def finish(i, call, got):
+            results[i] = got + list(call)
+
+        threads = [threading.Thread(target=finish, args=(i, *c)) for i, c in enumerate(calls)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+    assert server.proc.wait(120) == 0
+    for i in range(3):
+        responses = results[i]
+        assert sum(len(r.token_ids) for r in responses) == 24
+        assert responses[-1].finish_reason == "length"
+    assert not psutil.pid_exists(engine_pid) or \
+        psutil.Process(engine_pid).status() == psutil.STATUS_ZOMBIE
+    assert "SIGTERM received: draining" in server.log()

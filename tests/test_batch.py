@@ -1,0 +1,199 @@
+"""`python -m jaxpipe.batch`: OpenAI batch format in and out, bad lines, resume after kill -9,
+and --server mode. Expected completions come from `Engine.generate` / `Engine.chat`."""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from jaxpipe import SamplingParams
+from jaxpipe.batch.__main__ import main as batch_main
+from jaxpipe.batch.job import Job
+from jaxpipe.batch.runners import LocalRunner
+
+ROOT = Path(__file__).resolve().parents[1]
+CHAT = [{"role": "user", "content": "What is 2+2?"}]
+
+
+def line(cid, url="/v1/completions", **body) -> str:
+    return json.dumps({"custom_id": cid, "method": "POST", "url": url, "body": body})
+
+
+def good_lines() -> list[str]:
+    lines = [line(f"c{i}", prompt=f"Fact {i}:", max_tokens=6, temperature=0) for i in range(5)]
+    lines.append(line("chat", "/v1/chat/completions", messages=CHAT, max_tokens=20,
+                      temperature=0, logprobs=True, top_logprobs=2))
+    lines.append(line("ids", prompt=[1, 504, 2988], max_tokens=5, temperature=0, stop=[" the"]))
+    return lines
+
+
+BAD_LINES = {  # custom_id -> (line, expected error param)
+    "unknown-key": (line("unknown-key", prompt="x", best_of=2), "body.best_of"),
+    "no-prompt": (line("no-prompt", max_tokens=3), "body.prompt"),
+    "empty": (line("empty", prompt=""), "body.prompt"),
+    "too-long": (line("too-long", prompt="word " * 400), "body.prompt"),
+    "vocab": (line("vocab", prompt=[1, 10**6]), "body.prompt[1]"),
+    "max-tokens-0": (line("max-tokens-0", prompt="x", max_tokens=0), "body.max_tokens"),
+    "max-tokens-big": (line("max-tokens-big", prompt="x", max_tokens=5000), "body.max_tokens"),
+    "temp": (line("temp", prompt="x", temperature=-1), "body.temperature"),
+    "top-p": (line("top-p", prompt="x", top_p=0), "body.top_p"),
+    "top-k": (line("top-k", prompt="x", top_k=-7), "body.top_k"),
+    "penalty": (line("penalty", prompt="x", presence_penalty=9), "body.presence_penalty"),
+    "role": (line("role", "/v1/chat/completions", messages=[{"role": "x", "content": "y"}]),
+             "body.messages[0].role"),
+    "url": (json.dumps({"custom_id": "url", "method": "POST", "url": "/v1/embeddings",
+                        "body": {}}), "url"),
+}
+LINE_ERRORS = ["{this is not json", json.dumps({"method": "POST", "body": {}}),
+               line("c0", prompt="duplicate of c0"), "x" * 5000]
+
+
+def write_input(path: Path, lines: list[str]) -> None:
+    path.write_text("\n".join(lines) + "\n")
+
+
+def records(path: Path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines()]
+
+
+def check_against_engine(engine, by_id: dict) -> None:
+    for i in range(5):
+        [want] = engine.generate(f"Fact {i}:", SamplingParams(temperature=0, max_tokens=6))
+        choice = by_id[f"c{i}"]["response"]["body"]["choices"][0]
+        assert (choice["text"], choice["token_ids"]) == (want.outputs[0].text,
+                                                         want.outputs[0].token_ids)
+    [want] = engine.chat(CHAT, SamplingParams(temperature=0, max_tokens=20, logprobs=2))
+    body = by_id["chat"]["response"]["body"]
+    assert body["object"] == "chat.completion"
+    assert body["choices"][0]["message"] == {"role": "assistant",
+                                             "content": want.outputs[0].text}
+    assert len(body["choices"][0]["logprobs"]["content"]) == len(want.outputs[0].token_ids)
+    assert body["usage"]["completion_tokens"] == len(want.outputs[0].token_ids)
+    [want] = engine.generate(prompt_token_ids=[[1, 504, 2988]], sampling_params=SamplingParams(
+        temperature=0, max_tokens=5, stop=[" the"]))
+    assert by_id["ids"]["response"]["body"]["choices"][0]["text"] == want.outputs[0].text
+
+
+def check_job_output(path: Path, engine) -> None:
+    out = records(path)
+    keyed = [r for r in out if "line" not in r]
+    counts = collections.Counter(r["custom_id"] for r in keyed)
+    expected_ids = {f"c{i}" for i in range(5)} | {"chat", "ids"} | set(BAD_LINES)
+    assert set(counts) == expected_ids and set(counts.values()) == {1}
+    by_id = {r["custom_id"]: r for r in keyed}
+    for cid, (_, param) in BAD_LINES.items():
+        assert by_id[cid]["response"] is None and by_id[cid]["error"]["param"] == param, cid
+    line_records = sorted((r for r in out if "line" in r), key=lambda r: r["line"])
+    assert [r["error"]["param"] for r in line_records] == ["line", "custom_id", "custom_id",
+                                                           "line"]
+    check_against_engine(engine, by_id)
+
+
+@pytest.fixture(scope="module")
+def job_input(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("batch") / "in.jsonl"
+    lines = good_lines() + [x for x, _ in BAD_LINES.values()] + LINE_ERRORS
+    write_input(path, lines)
+    return path
+
+
+def test_in_process_job_gives_one_record_per_line(engine, job_input, tmp_path):
+    output = tmp_path / "out.jsonl"
+    summary = Job(str(job_input), str(output), 4096, progress=False).run(
+        LocalRunner(engine, max_in_flight=4))
+    assert (summary.succeeded, summary.failed, summary.skipped) == (7, 17, 0)
+    check_job_output(output, engine)
+    again = Job(str(job_input), str(output), 4096, progress=False).run(
+        LocalRunner(engine, max_in_flight=4))
+    assert (again.succeeded, again.failed, again.skipped) == (0, 0, 24)
+    assert len(records(output)) == 24
+
+
+def test_server_mode_matches(grpc_server, engine, job_input, tmp_path):
+    output = tmp_path / "out.jsonl"
+    code = batch_main([str(job_input), "-o", str(output), "--server", grpc_server.address,
+                       "--max-line-bytes", "4096", "--no-progress", "--max-in-flight", "8"])
+    assert code == 0
+    check_job_output(output, engine)
+
+
+def test_unreachable_server_fails_clearly():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    from jaxpipe.batch import runners
+
+    with pytest.raises(runners.ServerError, match=f"cannot reach a jaxpipe server at .*{port}"):
+        runners.RemoteRunner(f"127.0.0.1:{port}", 8, timeout=1)
+
+
+def test_killed_job_resumes_and_every_custom_id_ends_once(tmp_path):
+    n = 16
+    source, output = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    write_input(source, [line(f"r{i:02d}", prompt=f"Story {i}:", max_tokens=8, temperature=0,
+                              ignore_eos=True) for i in range(n)])
+    cmd = [sys.executable, "-m", "jaxpipe.batch", str(source), "-o", str(output), "--no-progress",
+           "--dtype", "float32", "--max-model-len", "256", "--max-num-seqs", "2",
+           "--max-in-flight", "2", "--no-warmup"]
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen(cmd, env=env, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 240
+        while (not output.exists() or len(output.read_text().splitlines()) < 2) and \
+                time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.wait()
+    first = len(output.read_text().splitlines())
+    assert 2 <= first < n, "the job must be killed midway"
+    with open(output, "a") as f:
+        f.write('{"id": "batch_req_torn", "custom_id": "r')  # a record torn by the kill
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert f"{n - first} succeeded, 0 failed" in done.stderr
+    assert f"{first} skipped" in done.stderr
+    out = records(output)  # every line parses: the torn record was dropped
+    counts = collections.Counter(r["custom_id"] for r in out)
+    assert counts == {f"r{i:02d}": 1 for i in range(n)}
+    assert all(len(r["response"]["body"]["choices"][0]["token_ids"]) == 8 for r in out)
+
+
+@pytest.mark.parametrize("module, flags", [
+    ("jaxpipe.serve", ["--model", "--dtype", "--mesh", "--prefill", "--decode", "--scheduler",
+                       "--host-kv-gb", "--port", "--host", "--max-message-mb",
+                       "--max-request-bytes", "--max-concurrent-requests", "--drain-timeout",
+                       "--max-model-len", "--max-num-seqs", "--kv-cache-gb", "127.0.0.1"]),
+    ("jaxpipe.batch", ["INPUT.jsonl", "--output", "--server", "--max-in-flight",
+                       "--max-line-bytes", "--model", "--dtype", "--mesh", "resume"]),
+])
+def test_help_is_complete(module, flags):
+    out = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True,
+                         env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=120)
+    assert out.returncode == 0
+    missing = [f for f in flags if f not in out.stdout]
+    assert not missing, out.stdout
+
+
+def test_layout_flags_need_their_engine_config_fields(capsys):
+    import dataclasses
+
+    from jaxpipe import EngineConfig
+
+    if "host_kv_gb" in {f.name for f in dataclasses.fields(EngineConfig)}:
+        pytest.skip("EngineConfig.host_kv_gb exists: the flag is passed through")
+    with pytest.raises(SystemExit) as info:
+        batch_main(["in.jsonl", "-o", "out.jsonl", "--host-kv-gb", "4"])
+    assert info.value.code == 2
+    assert "EngineConfig.host_kv_gb" in capsys.readouterr().err
