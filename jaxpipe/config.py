@@ -120,7 +120,8 @@ class EngineConfig:
         fit raises, saying which knob to change.
     mesh: a device-topology preset from `meshes/` ("cpu-1", "cpu-8", ...). A cpu-N preset asks
         JAX for N virtual CPU devices when the engine starts.
-    prefill, decode: layouts like "pp=4,tp=2" (default: the mesh preset's). pp*tp*dp must
+    prefill, decode: layouts like "pp=4,tp=2" (default: the mesh preset's), or "auto": the
+        planner's choice for this model and mesh (jaxpipe.planner.choose_layouts). pp*tp*dp must
         equal the mesh's device count. Prefill runs on one, decode on the other; the weights
         and KV store are re-sharded between them at each phase change.
     attention: decode attention implementation: "auto" (the C++ CPU kernel where it builds,
@@ -175,6 +176,8 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.mesh: {err}") from None
         for phase in ("prefill", "decode"):
             value = getattr(self, phase)
+            if value == "auto":  # resolved by the planner once the model is known (engine.py)
+                continue
             try:
                 layout = getattr(preset, phase) if value is None else Layout.parse(value)
                 layout.check_devices(preset.num_devices, f"{phase} layout")

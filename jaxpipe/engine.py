@@ -389,9 +389,21 @@ def _make_runner(config: EngineConfig, cfg: ModelConfig, model: Llama | Path,
         return Runner(model, buckets, num_slots, max_len, dtype, attention=config.attention)
     weights = model if isinstance(model, Path) else {
         name: getattr(model, name)[...] for name in param_decls(cfg)}
-    layouts = {"prefill": config.prefill, "decode": config.decode}
+    layouts = _resolve_layouts(config, cfg)
     return LayoutRunner(cfg, weights, buckets, num_slots, max_len, dtype, layouts, devices,
                         attention=config.attention)
+
+
+def _resolve_layouts(config: EngineConfig, cfg: ModelConfig) -> dict:
+    """The two layouts, with "auto" replaced by the planner's choice (cost model, sharegpt)."""
+    layouts = {"prefill": config.prefill, "decode": config.decode}
+    if "auto" in layouts.values():
+        from jaxpipe.planner import choose_layouts
+
+        chosen = dict(zip(("prefill", "decode"),
+                          choose_layouts(cfg, load_mesh(config.mesh), "sharegpt"), strict=True))
+        layouts = {k: chosen[k] if v == "auto" else v for k, v in layouts.items()}
+    return layouts
 
 
 def _load(config: EngineConfig, dtype, sharded: bool,

@@ -10,6 +10,7 @@ import pytest
 
 from jaxpipe import Engine, EngineConfig
 from jaxpipe.config import ModelConfig, RopeScaling
+from jaxpipe.layout import Layout
 
 FAST = dict(warmup=False, show_progress=False)
 
@@ -130,3 +131,17 @@ def test_group_size_and_kv_bytes():
     cfg = ModelConfig(**SMALL)
     assert cfg.group_size == 3
     assert cfg.kv_bytes_per_token(2) == 2 * 2 * 2 * 8 * 2  # K and V x layers x heads x dim x B
+
+
+def test_auto_layouts_are_the_planners_choice():
+    from jaxpipe.engine import _resolve_layouts
+    from jaxpipe.meshes import load_mesh
+    from jaxpipe.planner import choose_layouts
+
+    smol = ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
+                       num_heads=9, num_kv_heads=3, head_dim=64)
+    c_p, c_d = choose_layouts(smol, load_mesh("cpu-8"), "sharegpt")
+    both = _resolve_layouts(EngineConfig(mesh="cpu-8", prefill="auto", decode="auto"), smol)
+    assert both == {"prefill": c_p, "decode": c_d}
+    one = _resolve_layouts(EngineConfig(mesh="cpu-8", prefill="auto", decode="tp=8"), smol)
+    assert one == {"prefill": c_p, "decode": Layout(tp=8)}
