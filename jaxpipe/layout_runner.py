@@ -34,6 +34,7 @@ from jaxpipe.runner import (
     _reset_penalty_rows,
     _sample,
     _use_kernel,
+    pack_prompts,
 )
 
 PHASES = ("prefill", "decode")
@@ -119,12 +120,7 @@ class LayoutRunner(Runner):
     def prefill(self, prompts: list[list[int]], slots: list[int], plan: SamplingPlan,
                 shape: tuple[int, int]) -> StepOutput:
         """Run `prompts` (written into `slots`) padded to `shape`, pipelined over pp."""
-        b, t = shape
-        tokens = np.zeros((b, t), np.int32)
-        lengths = np.ones(b, np.int32)
-        slot_arr = np.full(b, self.num_slots, np.int32)  # padding rows: out of range, dropped
-        for i, (ids, slot) in enumerate(zip(prompts, slots, strict=True)):
-            tokens[i, : len(ids)], lengths[i], slot_arr[i] = ids, len(ids), slot
+        tokens, lengths, slot_arr = pack_prompts(prompts, slots, shape, self.num_slots)
         logits = self.prefill_logits(tokens, lengths, slot_arr)
         if plan.penalties:
             self.prompt_mask, self.out_counts = self._reset(

@@ -140,11 +140,7 @@ class Runner:
                 shape: tuple[int, int]) -> StepOutput:
         """Run `prompts` (written into `slots`) padded to `shape` = (batch, length) bucket."""
         b, t = shape
-        tokens = np.zeros((b, t), np.int32)
-        lengths = np.ones(b, np.int32)
-        slot_arr = np.full(b, self.num_slots, np.int32)  # padding rows: out of range, dropped
-        for i, (ids, slot) in enumerate(zip(prompts, slots, strict=True)):
-            tokens[i, : len(ids)], lengths[i], slot_arr[i] = ids, len(ids), slot
+        tokens, lengths, slot_arr = pack_prompts(prompts, slots, shape, self.num_slots)
         key = ("prefill", b, t)
         x = self._embed(self.head, tokens)
         for i, p in enumerate(self.layers):
@@ -217,6 +213,19 @@ class Runner:
         self.compiled.add(key)
         self.compile_seconds += time.perf_counter() - start
         return out
+
+
+def pack_prompts(prompts: list[list[int]], slots: list[int], shape: tuple[int, int],
+                 num_slots: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Host inputs of a prefill padded to `shape` = (b, T): tokens [b, T], lengths [b] and
+    slots [b]; padding rows get slot `num_slots` (out of range: their KV writes are dropped)."""
+    b, t = shape
+    tokens = np.zeros((b, t), np.int32)
+    lengths = np.ones(b, np.int32)
+    slot_arr = np.full(b, num_slots, np.int32)
+    for i, (ids, slot) in enumerate(zip(prompts, slots, strict=True)):
+        tokens[i, : len(ids)], lengths[i], slot_arr[i] = ids, len(ids), slot
+    return tokens, lengths, slot_arr
 
 
 def _use_kernel(attention: str) -> bool:
