@@ -21,17 +21,6 @@ TINY = ModelConfig(vocab_size=251, hidden_size=37, intermediate_size=53, num_lay
                    num_heads=14, num_kv_heads=7, head_dim=6)
 
 
-def numpy_values(cfg: ModelConfig, seed: int) -> dict[str, np.ndarray]:
-    """Random weights drawn with numpy (eager jax.random would compile once per shape)."""
-    rng = np.random.default_rng(seed)
-    out = {}
-    for name, d in llama.param_decls(cfg).items():
-        scale = 0.02 if d.init == "normal" else d.fan_in ** -0.5
-        base = 1.0 if d.init == "ones" else 0.0
-        out[name] = (base + scale * rng.standard_normal(d.shape)).astype(np.float32)
-    return out
-
-
 def check_heads(plan: sharding.PaddingPlan, cfg: ModelConfig, tp: int) -> None:
     """Every query head appears once; each padded query head uses (through its padded KV head)
     the KV head it used before; each TP shard holds whole groups."""
@@ -78,7 +67,7 @@ def test_padded_model_gives_the_unpadded_logits(layouts):
     """Head padding, KV-head replication, identity layers, mlp and vocab padding together:
     the padded model on one device equals the unpadded one (prefill and a decode step)."""
     plan = sharding.plan_padding(TINY, [Layout.parse(lo) for lo in layouts])
-    values = numpy_values(TINY, seed=5)
+    values = llama.numpy_random_values(TINY, seed=5)
     model = llama.Llama(TINY, values=values)
     sizes = plan.padded_config(TINY)
     assert sizes["num_layers"] > TINY.num_layers and sizes["num_kv_heads"] > TINY.num_kv_heads

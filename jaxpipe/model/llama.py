@@ -18,6 +18,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jaxpipe.config import ModelConfig
@@ -316,3 +317,15 @@ def decode_attention(q, k, v, positions):
 def init_random(cfg: ModelConfig, seed: int, dtype=jnp.float32) -> Llama:
     """Seeded random weights, for tests and benchmarks of architecture-only presets."""
     return Llama(cfg, dtype=dtype, rngs=nnx.Rngs(params=seed))
+
+
+def numpy_random_values(cfg: ModelConfig, seed: int) -> dict[str, np.ndarray]:
+    """Seeded random f32 weights by parameter name, drawn on the host with NumPy (eager
+    jax.random compiles once per shape, slow for tests that build many small models)."""
+    rng = np.random.default_rng(seed)
+    out = {}
+    for name, d in param_decls(cfg).items():
+        scale = 0.02 if d.init == "normal" else d.fan_in ** -0.5
+        base = 1.0 if d.init == "ones" else 0.0
+        out[name] = (base + scale * rng.standard_normal(d.shape)).astype(np.float32)
+    return out

@@ -24,17 +24,6 @@ PAIRS = [("pp=8", "tp=8"), ("pp=4,tp=2", "tp=4,pp=2"), ("pp=2,tp=4", "tp=8"),
          ("pp=8", "pp=2,tp=4")]
 
 
-def numpy_values(cfg: ModelConfig, seed: int) -> dict[str, np.ndarray]:
-    """Random weights drawn with numpy (eager jax.random would compile once per shape)."""
-    rng = np.random.default_rng(seed)
-    out = {}
-    for name, d in llama.param_decls(cfg).items():
-        scale = 0.02 if d.init == "normal" else d.fan_in ** -0.5
-        base = 1.0 if d.init == "ones" else 0.0
-        out[name] = (base + scale * rng.standard_normal(d.shape)).astype(np.float32)
-    return out
-
-
 @pytest.fixture(scope="session", autouse=True)
 def eight_devices():
     if len(jax.devices()) < 8:
@@ -43,7 +32,7 @@ def eight_devices():
 
 @pytest.fixture(scope="session")
 def tiny_values() -> dict[str, np.ndarray]:
-    return numpy_values(TINY, seed=3)
+    return llama.numpy_random_values(TINY, seed=3)
 
 
 @pytest.fixture(scope="session")

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import PAIRS, TINY, numpy_values
+from conftest import PAIRS, TINY
 
 from jaxpipe import sharding
 from jaxpipe.buckets import Buckets
@@ -100,7 +100,7 @@ def test_orbax_restores_into_the_layout(tiny_orbax, tiny_values):
 def test_orbax_restore_lands_in_final_shardings_when_nothing_pads(tmp_path):
     cfg = ModelConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_layers=4,
                       num_heads=8, num_kv_heads=4, head_dim=4)
-    values = numpy_values(cfg, seed=1)
+    values = llama.numpy_random_values(cfg, seed=1)
     loading.save_orbax(tmp_path / "ckpt", cfg, values, "float32")
     layout = Layout(pp=2, tp=4)
     plan = sharding.plan_padding(cfg, [layout])
