@@ -157,7 +157,9 @@ class Runner:
         False are padding: their outputs are garbage and are ignored by the caller."""
         x = self._embed(self.head, tokens)
         if self.use_kernel:
-            lengths = np.where(active, positions + 1, 0).astype(np.int32)
+            # On the device once per step, not once per layer call (30 transfers each).
+            lengths = jnp.asarray(np.where(active, positions + 1, 0).astype(np.int32))
+            positions = jnp.asarray(positions)
             for i, p in enumerate(self.layers):
                 x, self.cache[i] = self._once(("decode", len(tokens)), self._decode_layer, p, x,
                                               positions, lengths, self.cache[i])

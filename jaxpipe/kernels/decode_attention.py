@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxpipe.kernels.build import KernelBuildError, build
+from jaxpipe.kv.device_cache import from_storage
 from jaxpipe.model import llama
 
 SOURCE = Path(__file__).with_name("decode_attention.cc")
@@ -53,7 +54,6 @@ def decode_attention(q, k, v, lengths):
 
 def reference(q, k, v, lengths):
     """The same contract in plain jnp (the XLA path), for tests and the fallback."""
-    from jaxpipe.kv.device_cache import from_storage
     b = q.shape[0]
     kk, vv = from_storage(k[:b]), from_storage(v[:b])
     out = llama.decode_attention(q, kk, vv, lengths - 1)
