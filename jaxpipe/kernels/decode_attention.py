@@ -47,6 +47,8 @@ def available() -> bool:
 def decode_attention(q, k, v, lengths):
     """q [B, H, D] f32; k, v [N >= B, Hkv, S, D] (f32, or bf16 stored as u16); lengths [B] i32
     (positions attended per row; 0 = idle row, output zeros) -> [B, H, D] f32."""
+    if not available():  # builds and registers the kernel on first use
+        raise RuntimeError("the decode attention kernel cannot be built here; use reference()")
     out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
     return jax.ffi.ffi_call(TARGET, out)(q.astype(jnp.float32), k, v,
                                          lengths.astype(jnp.int32))
