@@ -51,8 +51,8 @@ class PrefillFirst(Policy):
         """Decode all running sequences and prefill chunks within the token budget."""
         victims = growth_victims(state)
         if victims:
-            fits = self.preempt_mode == "swap" and sum(s.computed for s in victims) <= \
-                state.host_free
+            host = sum(state.host_size(s.computed) for s in victims)
+            fits = self.preempt_mode == "swap" and host <= state.host_free
             return Preempt(victims, "swap" if fits else "recompute")
         decode = [s for s in state.device.values() if not s.in_prefill]
         budget = self.max_prefill_tokens - len(decode)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from jaxpipe.scheduler.actions import Action, Preempt, Run, SwapIn, Switch
 from jaxpipe.scheduler.policy import Policy, preempt_or_decode, swap_in_batch
-from jaxpipe.scheduler.state import Phase, SchedulerState, SeqInfo
+from jaxpipe.scheduler.state import Phase, SchedulerState
 
 
 class Seesaw(Policy):
@@ -41,7 +41,7 @@ class Seesaw(Policy):
 
     def _prefill_phase(self, state: SchedulerState) -> Action | None:
         room = min(state.host_free, state.device_free)
-        batch = self._admit(state, room, _prompt_kv)
+        batch = self._admit(state, room, lambda seq: state.host_size(seq.to_prefill))
         if batch:
             return Run(prefill=batch, prefill_to_host=True)
         if state.host or state.device:
@@ -57,16 +57,12 @@ class Seesaw(Policy):
             self._parked = False
             return Switch(Phase.PREFILL.value)
         limit = min(state.host_free, self.park_fraction * state.host_kv_tokens)
+        parked = sum(state.host_size(s.computed) for s in state.device.values())
         if state.waiting and not state.host and \
-                state.device_used + state.waiting[0].to_prefill <= limit:
+                parked + state.host_size(state.waiting[0].to_prefill) <= limit:
             self._parked = True  # park the running batch (leaving room for a prompt), switch
             return Preempt(list(state.device.values()), "swap")
         swap = swap_in_batch(state, self._device_room(state))
         if swap:
             return SwapIn(swap)
         return preempt_or_decode(state, swap=True)
-
-
-def _prompt_kv(seq: SeqInfo) -> int:
-    """Host tier tokens a completed prefill occupies."""
-    return seq.to_prefill

@@ -79,11 +79,15 @@ class SchedulerState:
     """Queues (waiting FIFO, device, host FIFO) and the KV budgets of both tiers, in tokens."""
 
     def __init__(self, device_kv_tokens: int, max_device_seqs: int, host_kv_tokens: int = 0,
-                 phase: Phase = Phase.PREFILL):
-        if device_kv_tokens < 1 or max_device_seqs < 1 or host_kv_tokens < 0:
+                 phase: Phase = Phase.PREFILL, host_unit: int = 1):
+        """`host_unit`: the host tier stores each sequence's KV rounded up to a multiple of
+        this many tokens (its copy programs compile per rounded length), and is charged so."""
+        if device_kv_tokens < 1 or max_device_seqs < 1 or host_kv_tokens < 0 or host_unit < 1:
             raise ValueError(f"need device_kv_tokens >= 1 (got {device_kv_tokens}), "
-                             f"max_device_seqs >= 1 (got {max_device_seqs}) and "
-                             f"host_kv_tokens >= 0 (got {host_kv_tokens})")
+                             f"max_device_seqs >= 1 (got {max_device_seqs}), "
+                             f"host_kv_tokens >= 0 (got {host_kv_tokens}) and "
+                             f"host_unit >= 1 (got {host_unit})")
+        self.host_unit = host_unit
         self.device_kv_tokens = device_kv_tokens
         self.max_device_seqs = max_device_seqs
         self.host_kv_tokens = host_kv_tokens
@@ -107,6 +111,10 @@ class SchedulerState:
     @property
     def host_free(self) -> int:
         return self.host_kv_tokens - self.host_used
+
+    def host_size(self, tokens: int) -> int:
+        """Host tier tokens that `tokens` tokens of KV occupy (rounded up to `host_unit`)."""
+        return -(-tokens // self.host_unit) * self.host_unit
 
     @property
     def free_slots(self) -> int:
@@ -192,7 +200,7 @@ class SchedulerState:
         del src[seq.seq_id]
         dst[seq.seq_id] = seq
         sign = 1 if to is Location.HOST else -1
-        self.host_used += sign * seq.computed
+        self.host_used += sign * self.host_size(seq.computed)
         self.device_used -= sign * seq.computed
         seq.location = to
 
@@ -201,11 +209,26 @@ class SchedulerState:
         if seq is None:
             raise RuntimeError(f"finished sequence {seq_id!r} is not running")
         if seq.location is Location.HOST:
-            self.host_used -= seq.computed
+            self.host_used -= self.host_size(seq.computed)
         else:
             self.device_used -= seq.computed
         seq.location = Location.FINISHED
         self.finished.append(seq)
+
+    def abort(self, seq_id: Hashable) -> SeqInfo | None:
+        """Drop a sequence wherever it is (its KV budget is returned); None if unknown or
+        already finished. For requests cancelled by their caller."""
+        for seq in list(self.waiting):
+            if seq.seq_id == seq_id:
+                self.waiting.remove(seq)
+                seq.location = Location.FINISHED
+                self.finished.append(seq)
+                return seq
+        if seq_id in self.device or seq_id in self.host:
+            seq = self.device.get(seq_id) or self.host.get(seq_id)
+            self._finish(seq_id)
+            return seq
+        return None
 
     def _check_capacity(self) -> None:
         if self.device_used > self.device_kv_tokens or len(self.device) > self.max_device_seqs:
