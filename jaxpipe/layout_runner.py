@@ -23,6 +23,7 @@ from jax.sharding import PartitionSpec as P
 from jaxpipe import pipeline, sharding
 from jaxpipe.buckets import Buckets, round_up
 from jaxpipe.config import ModelConfig
+from jaxpipe.kv import device_cache
 from jaxpipe.kv.device_cache import KVCache, storage_dtype
 from jaxpipe.layout import Layout
 from jaxpipe.model import loading
@@ -159,6 +160,23 @@ class LayoutRunner(Runner):
         logits, self.cache = self._once((self.phase, "decode", rows, kv_len), fn, self.params,
                                         self.cache, tokens, positions, lengths, kv_len=kv_len)
         return logits
+
+    def kv_extract(self, slot: int, length: int) -> list[jax.Array]:
+        """Positions 0..length-1 of `slot`: K and V, each [L', Hkv', length, D], in the current
+        layout's shards (layers over pp, heads over tp)."""
+        return list(device_cache.read_slot(self.cache, slot, length=length, slot_axis=1))
+
+    def kv_staging(self, length: int) -> list:
+        """The current layout's shardings for `kv_extract`'s arrays: a sequence swapped in
+        lands directly in the shards that will read it."""
+        place = self.placements[self.phase]
+        spec = sharding.spec(("layers", "kv_heads", "seq", "head_dim"), place.layout)
+        return [NamedSharding(place.mesh, spec)] * 2
+
+    def kv_insert(self, slot: int, arrays: list[jax.Array]) -> None:
+        """Write arrays from `kv_extract` (of any slot, any layout) into `slot`."""
+        staged = KVCache(*jax.device_put(arrays, self.kv_staging(arrays[0].shape[2])))
+        self.cache = device_cache.write_slot(self.cache, slot, staged, slot_axis=1)
 
     def decode_shapes(self) -> list[tuple[int, int]]:
         """(batch, KV length) shapes a decode step compiles for: the pipeline's attention

@@ -169,6 +169,19 @@ class Runner:
         return self._sample_host(logits, np.arange(len(tokens), dtype=np.int32), plan,
                                  len(tokens))
 
+    def kv_extract(self, slot: int, length: int) -> list[jax.Array]:
+        """Positions 0..length-1 of `slot`: per layer K, V, each [Hkv, length, D]."""
+        return jax.tree.leaves(device_cache.read_slot(self.cache, slot, length=length))
+
+    def kv_staging(self, length: int) -> list | None:
+        """Where `kv_extract`'s arrays go to be inserted (None: this runner's one device)."""
+        return None
+
+    def kv_insert(self, slot: int, arrays: list[jax.Array]) -> None:
+        """Write arrays from `kv_extract` (of any slot) into `slot`."""
+        values = jax.tree.unflatten(jax.tree.structure(self.cache), arrays)
+        self.cache = device_cache.write_slot(self.cache, slot, values)
+
     def decode_shapes(self) -> list[tuple[int, int | None]]:
         """(batch, KV length) shapes a decode step compiles for; KV length None with the
         kernel, which serves every length with one program."""

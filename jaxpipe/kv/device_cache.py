@@ -13,6 +13,7 @@ the whole cache (measured: 84 ms per layer write at 64 slots x 2048 tokens, vs 0
 
 from __future__ import annotations
 
+from functools import partial
 from typing import NamedTuple
 
 import jax
@@ -60,3 +61,29 @@ def allocate(cfg: ModelConfig, num_slots: int, max_len: int, dtype) -> tuple[KVC
 
 def cache_bytes(cfg: ModelConfig, num_slots: int, max_len: int, dtype_bytes: int) -> int:
     return num_slots * max_len * cfg.kv_bytes_per_token(dtype_bytes)
+
+
+# ---- one slot in and out (the host KV tier's copies) --------------------------------------------
+
+
+@partial(jax.jit, static_argnames=("length", "slot_axis"))
+def read_slot(caches, slot, *, length: int, slot_axis: int = 0):
+    """Positions 0..length-1 of one slot: every array of `caches` (a pytree of
+    [..., N, Hkv, S, D], the slot axis at `slot_axis`) -> [..., Hkv, length, D]."""
+    def one(x):
+        x = jax.lax.dynamic_index_in_dim(x, slot, slot_axis, keepdims=False)
+        return jax.lax.dynamic_slice_in_dim(x, 0, length, axis=x.ndim - 2)
+
+    return jax.tree.map(one, caches)
+
+
+@partial(jax.jit, static_argnames="slot_axis", donate_argnames="caches")
+def write_slot(caches, slot, values, *, slot_axis: int = 0):
+    """`caches` (donated) with `values` (as `read_slot` gives them) written at positions
+    0..length-1 of `slot`."""
+    def one(x, value):
+        start = [0] * x.ndim
+        start[slot_axis] = slot
+        return jax.lax.dynamic_update_slice(x, jnp.expand_dims(value, slot_axis), start)
+
+    return jax.tree.map(one, caches, values)

@@ -4,19 +4,22 @@ Finished prefills park their KV here until the engine switches to decode (Seesaw
 buffering); preempted sequences park here until a slot frees. One small object owned by the
 engine, with explicit operations:
 
-  swap_out(seq, caches, slot, length)  device slot -> host, asynchronous (JAX dispatches the
-                                       copies and returns; the next prefill overlaps them)
-  Prefetcher.request(seq)              host -> device on a background thread, into staging
-                                       buffers in the *decode* layout's shardings
-  insert(caches, slot, staged)         staged KV -> a free device slot (a small donated update)
+  put(id, arrays, tokens, padded)   one sequence's KV, just read out of its device slot by the
+                                    runner (`Runner.kv_extract`), copied to host memory
+                                    asynchronously (JAX dispatches the copies and returns; the
+                                    next prefill overlaps them)
+  Prefetcher.request(id, shardings) host -> device on a background thread, straight into the
+                                    shardings of the layout that will read it (decode)
+  Runner.kv_insert(slot, staged)    staged KV -> a free device slot (a small donated update)
 
-Per sequence and layer the host keeps `[kv_heads, tokens, head_dim]` for K and V (HND: each
-(sequence, head) contiguous, and a TP shard of heads is a contiguous block), in the
-`pinned_host` memory kind where the backend has it. KV is written in the shardings of the
-layout that produced it (prefill) and read back in the shardings of the layout that consumes
-it (decode): the re-shard happens on the way through the host. Lengths are rounded up to a
-bucket so that the extract/insert programs compile once per bucket; capacity is counted in
-those bucketed tokens, which is what the host memory really holds.
+Per sequence the host keeps K and V as `[layer, kv_head, token, head_dim]` (HND: each
+(sequence, head) contiguous, and a TP shard of heads is a contiguous block; the single-device
+runner gives one `[kv_head, token, head_dim]` pair per layer), in the `pinned_host` memory kind
+where the backend has it. KV is written in the shardings of the layout that produced it
+(prefill) and read back in the shardings of the layout that consumes it (decode): the re-shard
+happens on the way through the host. Lengths are rounded up (`padded`) so that the copy
+programs compile once per rounded length; capacity is counted in those rounded tokens, which
+is what the host memory really holds.
 """
 
 from __future__ import annotations
@@ -25,74 +28,52 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from functools import partial
 
 import jax
-
-from jaxpipe.kv.device_cache import KVCache
 
 HOST_KINDS = ("pinned_host", "unpinned_host")
 
 
 @dataclass
 class HostEntry:
-    """One sequence's KV on the host: per layer (k, v), each [Hkv, T, D], T = bucketed."""
+    """One sequence's KV on the host, as the runner extracted it (see the module docstring)."""
 
     tokens: int  # real KV positions
-    padded: int  # bucketed positions held (what capacity counts)
-    layers: list[tuple[jax.Array, jax.Array]] = field(default_factory=list)
-
-
-@partial(jax.jit, static_argnames="length")
-def _extract(cache: KVCache, slot, *, length: int):
-    """cache [N, Hkv, S, D] -> (k, v) [Hkv, length, D] of slot `slot`."""
-    k = jax.lax.dynamic_slice_in_dim(cache.k[slot], 0, length, axis=1)
-    v = jax.lax.dynamic_slice_in_dim(cache.v[slot], 0, length, axis=1)
-    return k, v
-
-
-@partial(jax.jit, donate_argnames="cache")
-def _insert(cache: KVCache, slot, k, v):
-    """Write (k, v) [Hkv, T, D] into positions 0..T-1 of `slot` (cache donated)."""
-    return KVCache(jax.lax.dynamic_update_slice(cache.k, k[None], (slot, 0, 0, 0)),
-                   jax.lax.dynamic_update_slice(cache.v, v[None], (slot, 0, 0, 0)))
+    padded: int  # rounded positions held (what capacity counts)
+    arrays: list[jax.Array] = field(default_factory=list)
 
 
 class HostKVBuffer:
     """Capacity-bounded host store of sequences' KV, keyed by request id."""
 
-    def __init__(self, capacity_tokens: int, bucket, memory_kind: str | None = None):
-        """`bucket(n)` rounds a length up to its stored size (<= the cache's seq length)."""
+    def __init__(self, capacity_tokens: int, memory_kind: str | None = None):
         if capacity_tokens < 0:
             raise ValueError(f"host KV capacity must be >= 0 tokens, got {capacity_tokens}")
         self.capacity = capacity_tokens
-        self.bucket = bucket
         self.memory_kind = memory_kind or host_memory_kind()
         self.entries: dict[str, HostEntry] = {}
-        self.used = 0  # bucketed tokens held
+        self.used = 0  # rounded tokens held
+        self.peak = 0  # the most `used` has been
         self.events: list[tuple[float, str, str]] = []  # (time, "out"|"in"|"drop", id)
         self.bytes_out = self.bytes_in = 0
         self._lock = threading.Lock()
 
-    def fits(self, tokens: int) -> bool:
-        return self.used + self.bucket(tokens) <= self.capacity
+    def fits(self, padded: int) -> bool:
+        return self.used + padded <= self.capacity
 
-    def swap_out(self, seq_id: str, caches, slot: int, tokens: int) -> None:
-        """Copy positions 0..tokens-1 of `slot` from every layer's cache to the host."""
-        padded = self.bucket(tokens)
+    def put(self, seq_id: str, arrays: list[jax.Array], tokens: int, padded: int) -> None:
+        """Keep a sequence's extracted KV (`padded` rounded positions, `tokens` real)."""
         if seq_id in self.entries:
             raise KeyError(f"{seq_id} is already in the host KV tier")
-        if self.used + padded > self.capacity:
+        if not self.fits(padded):
             raise MemoryError(f"host KV tier full: {self.used} + {padded} > {self.capacity} "
-                              f"tokens")
-        entry = HostEntry(tokens, padded)
-        for cache in caches:
-            k, v = _extract(cache, slot, length=padded)
-            entry.layers.append((self._to_host(k), self._to_host(v)))
-            self.bytes_out += k.nbytes + v.nbytes
+                              "tokens")
+        entry = HostEntry(tokens, padded, [self._to_host(a) for a in arrays])
         with self._lock:
             self.entries[seq_id] = entry
             self.used += padded
+            self.peak = max(self.peak, self.used)
+            self.bytes_out += sum(a.nbytes for a in arrays)
             self.events.append((time.perf_counter(), "out", seq_id))
 
     def pop(self, seq_id: str) -> HostEntry:
@@ -119,19 +100,14 @@ def host_memory_kind() -> str | None:
     return next((k for k in HOST_KINDS if k in kinds), None)
 
 
-def insert(caches: list, slot: int, staged: list[tuple[jax.Array, jax.Array]]) -> None:
-    """Write a staged sequence's per-layer (k, v) into `slot` of `caches` (a list, in place)."""
-    for i, (k, v) in enumerate(staged):
-        caches[i] = _insert(caches[i], slot, k, v)
-
-
 class Prefetcher:
     """A thread that moves requested sequences host -> device while decode runs.
 
     `request(id, shardings)` queues a sequence; the thread pops its host entry, device_puts each
-    layer's (k, v) to `shardings[layer]` (the decode layout) and waits for the copy, then the
-    sequence shows up in `ready()`. The caller inserts ready sequences into free slots between
-    decode steps (device buffers are only ever mutated by the caller's thread)."""
+    array to the matching sharding (the decode layout's, from `Runner.kv_staging`) and waits for
+    the copy, then the sequence shows up in `ready()`. The caller inserts ready sequences into
+    free slots between decode steps (device buffers are only ever mutated by the caller's
+    thread)."""
 
     def __init__(self, host: HostKVBuffer):
         self.host = host
@@ -147,7 +123,8 @@ class Prefetcher:
         self._todo.put((seq_id, shardings))
 
     def ready(self, block: bool = False) -> list[tuple[str, int, list]]:
-        """(id, tokens, per-layer staged (k, v)) of every sequence delivered so far."""
+        """(id, tokens, staged arrays) of every sequence delivered so far; `block`: wait for
+        at least one if any is pending."""
         out = []
         if block and self.pending:
             out.append(self._ready.get())
@@ -175,12 +152,15 @@ class Prefetcher:
 
     def _fetch(self, seq_id: str, shardings):
         start = time.perf_counter()
-        entry = self.host.pop(seq_id)
+        try:
+            entry = self.host.pop(seq_id)
+        except KeyError:  # dropped (aborted) before its turn
+            return seq_id, 0, None
         staged = []
-        for i, (k, v) in enumerate(entry.layers):
-            dst = shardings[i] if shardings else k.sharding.with_memory_kind("device")
-            staged.append((jax.device_put(k, dst), jax.device_put(v, dst)))
-            self.host.bytes_in += k.nbytes + v.nbytes
+        for i, a in enumerate(entry.arrays):
+            dst = shardings[i] if shardings else a.sharding.with_memory_kind("device")
+            staged.append(jax.device_put(a, dst))
+            self.host.bytes_in += a.nbytes
         jax.block_until_ready(staged)
         self.seconds += time.perf_counter() - start
         self.host.events.append((time.perf_counter(), "in", seq_id))

@@ -12,7 +12,7 @@ import pytest
 from jaxpipe.buckets import pow2_buckets, round_up
 from jaxpipe.config import ModelConfig
 from jaxpipe.kv import device_cache
-from jaxpipe.kv.host_buffer import HostKVBuffer, Prefetcher, host_memory_kind, insert
+from jaxpipe.kv.host_buffer import HostKVBuffer, Prefetcher, host_memory_kind
 
 CFG = ModelConfig(vocab_size=97, hidden_size=40, intermediate_size=56, num_layers=3,
                   num_heads=6, num_kv_heads=2, head_dim=8)
@@ -22,6 +22,18 @@ BUCKETS = pow2_buckets(4, SEQ)
 
 def bucket(n: int) -> int:
     return round_up(n, BUCKETS)
+
+
+def swap_out(host: HostKVBuffer, seq_id: str, caches, slot: int, tokens: int) -> None:
+    """What the engine does: read the slot's (bucketed) positions, keep them on the host."""
+    padded = bucket(tokens)
+    arrays = jax.tree.leaves(device_cache.read_slot(caches, slot, length=padded))
+    host.put(seq_id, arrays, tokens, padded)
+
+
+def insert(caches, slot: int, staged):
+    values = jax.tree.unflatten(jax.tree.structure(caches), staged)
+    return device_cache.write_slot(caches, slot, values)
 
 
 def filled_caches(dtype=jnp.float32, seed=0) -> list:
@@ -38,17 +50,17 @@ def filled_caches(dtype=jnp.float32, seed=0) -> list:
 def test_swap_out_then_in_to_another_slot_is_exact(dtype):
     caches = filled_caches(dtype)
     before = [(np.asarray(c.k), np.asarray(c.v)) for c in caches]
-    host = HostKVBuffer(capacity_tokens=64, bucket=bucket)
-    host.swap_out("a", caches, slot=1, tokens=11)
-    assert host.used == 16 and host.entries["a"].layers[0][0].shape == (2, 16, 8)
+    host = HostKVBuffer(capacity_tokens=64)
+    swap_out(host, "a", caches, slot=1, tokens=11)
+    assert host.used == 16 and host.entries["a"].arrays[0].shape == (2, 16, 8)
     if host.memory_kind:
-        assert host.entries["a"].layers[0][0].sharding.memory_kind == host.memory_kind
+        assert host.entries["a"].arrays[0].sharding.memory_kind == host.memory_kind
     prefetch = Prefetcher(host)
     prefetch.request("a")
     [(seq_id, tokens, staged)] = prefetch.ready(block=True)
     prefetch.close()
     assert (seq_id, tokens, host.used) == ("a", 11, 0)
-    insert(caches, 3, staged)
+    caches = insert(caches, 3, staged)
     for (k0, v0), c in zip(before, caches, strict=True):
         np.testing.assert_array_equal(np.asarray(c.k)[3, :, :11], k0[1, :, :11])
         np.testing.assert_array_equal(np.asarray(c.v)[3, :, :11], v0[1, :, :11])
@@ -57,21 +69,21 @@ def test_swap_out_then_in_to_another_slot_is_exact(dtype):
 
 def test_capacity_is_never_exceeded():
     caches = filled_caches()
-    host = HostKVBuffer(capacity_tokens=40, bucket=bucket)
-    host.swap_out("a", caches, 0, 30)  # bucketed to 32
-    assert host.fits(5) and not host.fits(9)  # 5 -> 8: 32 + 8 <= 40; 9 -> 16: 48 > 40
+    host = HostKVBuffer(capacity_tokens=40)
+    swap_out(host, "a", caches, 0, 30)  # bucketed to 32
+    assert host.fits(bucket(5)) and not host.fits(bucket(9))  # 8: 32 + 8 <= 40; 16: 48 > 40
     with pytest.raises(MemoryError, match="host KV tier full"):
-        host.swap_out("b", caches, 1, 9)
-    assert set(host.entries) == {"a"} and host.used == 32
+        swap_out(host, "b", caches, 1, 9)
+    assert set(host.entries) == {"a"} and host.used == 32 and host.peak == 32
     host.drop("a")
     assert host.used == 0 and host.fits(30)
 
 
 def test_the_prefetcher_delivers_while_the_caller_keeps_working():
     caches = filled_caches()
-    host = HostKVBuffer(capacity_tokens=1000, bucket=bucket)
+    host = HostKVBuffer(capacity_tokens=1000)
     for i in range(4):
-        host.swap_out(f"s{i}", caches, i, 20)
+        swap_out(host, f"s{i}", caches, i, 20)
     prefetch = Prefetcher(host)
     gate = threading.Event()
     real_fetch = prefetch._fetch
@@ -95,3 +107,14 @@ def test_the_prefetcher_delivers_while_the_caller_keeps_working():
 
 def test_host_memory_kind_on_cpu():
     assert host_memory_kind() in ("pinned_host", "unpinned_host")
+
+
+def test_a_sequence_dropped_before_its_fetch_is_delivered_empty():
+    host = HostKVBuffer(capacity_tokens=100)
+    swap_out(host, "a", filled_caches(), 0, 8)
+    host.drop("a")
+    prefetch = Prefetcher(host)
+    prefetch.request("a")
+    [(seq_id, tokens, staged)] = prefetch.ready(block=True)
+    prefetch.close()
+    assert (seq_id, tokens, staged, host.used) == ("a", 0, None, 0)

@@ -1,0 +1,112 @@
+"""Where each sequence's KV is: a device slot, the host tier, or on its way between them.
+
+The scheduler decides *that* a sequence moves (`SchedulerState` counts tokens); this object
+does the moving for the engine and keeps the physical side: which device slot each running
+sequence owns (lowest free first, so a decode batch of slots 0..B-1 stays small), the host
+KV tier (`HostKVBuffer`) and the prefetcher thread that brings sequences back.
+
+  swap_out(seq)        slot -> host, dispatched asynchronously; the slot is free at once
+  swap_in(seq)         reserve a slot and ask the prefetcher for the KV (returns at once)
+  deliver(block)       insert whatever the prefetcher has staged; the ids now decodable
+  drop(seq)            forget its KV wherever it is (finished, aborted, recompute)
+
+A sequence swapped in is not decodable until `deliver` has inserted it: the engine decodes the
+ready ones and lets the rest catch up, which is how swap-in overlaps decode.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+
+from jaxpipe.kv.host_buffer import HostKVBuffer, Prefetcher
+from jaxpipe.scheduler import Sequence
+
+
+class KVManager:
+    """Device slots, the host tier and transfers between them, for one runner."""
+
+    def __init__(self, runner, num_slots: int, host_tokens: int, host_size):
+        """`host_size(tokens)`: the rounded length a sequence is kept at in the host tier
+        (`SchedulerState.host_size`, so both count the same tokens)."""
+        self.runner = runner
+        self.max_len = runner.max_len
+        self.host = HostKVBuffer(host_tokens)
+        self.host_size = host_size
+        self.prefetcher = Prefetcher(self.host) if host_tokens else None
+        self._free = list(range(num_slots))  # a heap: lowest slot first
+        self._incoming: dict[str, Sequence] = {}  # swap-in requested, not inserted yet
+        self.swap_seconds = 0.0  # this thread's time in swap dispatch, inserts and waits
+
+    # ---- slots ---------------------------------------------------------------------------
+
+    def allocate(self, seq: Sequence) -> int:
+        if not self._free:
+            raise RuntimeError(f"no free device KV slot for {seq.request_id}: the scheduler "
+                               "admitted more sequences than there are slots")
+        seq.slot = heapq.heappop(self._free)
+        return seq.slot
+
+    def release(self, seq: Sequence) -> None:
+        """Free `seq`'s slot if it holds one."""
+        if seq.slot is not None:
+            heapq.heappush(self._free, seq.slot)
+            seq.slot = None
+
+    def decodable(self, seq: Sequence) -> bool:
+        return seq.slot is not None and seq.request_id not in self._incoming
+
+    # ---- moving ----------------------------------------------------------------------------
+
+    def swap_out(self, seq: Sequence, tokens: int) -> None:
+        """KV positions 0..tokens-1 of `seq`'s slot -> the host tier; frees the slot."""
+        start = time.perf_counter()
+        self._settle(seq)
+        padded = self.host_size(tokens)
+        arrays = self.runner.kv_extract(seq.slot, min(padded, self.max_len))
+        self.host.put(seq.request_id, arrays, tokens, padded)
+        self.release(seq)
+        self.swap_seconds += time.perf_counter() - start
+
+    def swap_in(self, seq: Sequence) -> None:
+        """Reserve a slot for `seq` and have the prefetcher bring its KV into the current
+        layout's shards; `deliver` inserts it."""
+        self.allocate(seq)
+        entry = self.host.entries[seq.request_id]
+        self._incoming[seq.request_id] = seq
+        self.prefetcher.request(seq.request_id,
+                                self.runner.kv_staging(min(entry.padded, self.max_len)))
+
+    def deliver(self, block: bool = False) -> list[str]:
+        """Insert every staged swap-in into its slot (`block`: wait for at least one)."""
+        if self.prefetcher is None or not self._incoming:
+            return []
+        start = time.perf_counter()
+        done = []
+        for seq_id, _, staged in self.prefetcher.ready(block=block):
+            seq = self._incoming.pop(seq_id, None)
+            if staged is not None and seq is not None and seq.slot is not None:  # else aborted
+                self.runner.kv_insert(seq.slot, staged)
+                done.append(seq_id)
+        self.swap_seconds += time.perf_counter() - start
+        return done
+
+    def drop(self, seq: Sequence) -> None:
+        """Forget `seq`'s KV wherever it is and free its slot."""
+        self._incoming.pop(seq.request_id, None)  # a late delivery is then discarded
+        self.host.drop(seq.request_id)
+        self.release(seq)
+
+    @property
+    def pending(self) -> int:
+        """Swap-ins requested and not inserted yet."""
+        return len(self._incoming)
+
+    def close(self) -> None:
+        if self.prefetcher is not None:
+            self.prefetcher.close()
+
+    def _settle(self, seq: Sequence) -> None:
+        """Wait until `seq`'s own swap-in (if any) has landed in its slot."""
+        while seq.request_id in self._incoming:
+            self.deliver(block=True)
