@@ -98,6 +98,7 @@ class ModelConfig:
 
 
 ATTENTION = ("auto", "kernel", "xla")
+SCHEDULERS = ("seesaw", "prefill_first", "decode_first")  # jaxpipe.scheduler.POLICIES
 
 
 def _default_cache_dir() -> str:
@@ -126,6 +127,13 @@ class EngineConfig:
         and KV store are re-sharded between them at each phase change.
     attention: decode attention implementation: "auto" (the C++ CPU kernel where it builds,
         else XLA), "kernel" (the kernel or an error) or "xla".
+    scheduler: the scheduling policy (jaxpipe.scheduler): "seesaw" (prefill into the host KV
+        tier until it is full, then decode out of it until it is empty: few layout switches),
+        "prefill_first" (vLLM-like: prefill whenever a slot is free) or "decode_first" (fill a
+        batch, decode it to the end).
+    host_kv_gb: size of the host KV tier (finished prefills and preempted sequences wait there,
+        in host memory, for a device slot). host_kv_tokens, when given, sets it in tokens
+        instead. seesaw needs it > 0; 0 turns the tier off (preemption then recomputes).
     """
 
     model: str = "smollm2-135m"
@@ -143,6 +151,9 @@ class EngineConfig:
     mesh: str = "cpu-1"
     prefill: str | Layout | None = None
     decode: str | Layout | None = None
+    scheduler: str = "seesaw"
+    host_kv_gb: float = 4.0
+    host_kv_tokens: int | None = None
 
     def __post_init__(self):
         if not isinstance(self.model, (str, os.PathLike)) or not str(self.model):
@@ -164,6 +175,20 @@ class EngineConfig:
         if self.attention not in ATTENTION:
             raise ValueError(f"EngineConfig.attention must be one of {ATTENTION}, "
                              f"got {self.attention!r}")
+        if self.scheduler not in SCHEDULERS:
+            raise ValueError(f"EngineConfig.scheduler must be one of {SCHEDULERS}, "
+                             f"got {self.scheduler!r}")
+        if isinstance(self.host_kv_gb, bool) or not (
+                isinstance(self.host_kv_gb, (int, float)) and self.host_kv_gb >= 0):
+            raise ValueError(f"EngineConfig.host_kv_gb must be a number >= 0, "
+                             f"got {self.host_kv_gb!r}")
+        if self.host_kv_tokens is not None:
+            _check_int("host_kv_tokens", self.host_kv_tokens, 0, 1 << 40)
+        if self.scheduler == "seesaw" and (self.host_kv_tokens == 0 or (
+                self.host_kv_tokens is None and self.host_kv_gb == 0)):
+            raise ValueError("EngineConfig.scheduler='seesaw' buffers finished prefills in the "
+                             "host KV tier, which is off (host_kv_gb=0 / host_kv_tokens=0); "
+                             "give it room or use scheduler='prefill_first'")
         if self.compilation_cache_dir is not None:
             self.compilation_cache_dir = str(Path(self.compilation_cache_dir).expanduser())
         self._check_layouts()

@@ -1,15 +1,21 @@
 """The engine: requests in, tokens out. `step()` is the whole architecture:
 
-    batch = scheduler.schedule()      # prefill the next prompts, or decode all running
-    output = runner.run(batch)        # one jitted, static-shape device step
-    postprocess(batch, output)        # append tokens, stop checks, free finished slots
+    action = policy.schedule(state)   # Run (prefill | decode) | Switch | SwapIn | Preempt
+    execute(action)                   # a jitted static-shape step, a re-shard or a KV move;
+                                      # tokens appended, stop checks, finished slots freed
+    state.apply(action, finished)     # the scheduler's bookkeeping (jaxpipe.scheduler)
+
+The policy (`EngineConfig.scheduler`) sees only token counts; `KVManager` (jaxpipe/kv/) owns
+the physical side: device slots, the host KV tier and the prefetcher.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
+from collections import deque
 from collections.abc import Iterator
 from collections.abc import Sequence as Seq
 from pathlib import Path
@@ -22,6 +28,7 @@ from jaxpipe import sampling, sharding
 from jaxpipe.buckets import Buckets, round_up
 from jaxpipe.config import EngineConfig, ModelConfig
 from jaxpipe.kv import device_cache
+from jaxpipe.kv.manager import KVManager
 from jaxpipe.layout_runner import LayoutRunner
 from jaxpipe.meshes import MeshPreset, load_mesh
 from jaxpipe.model import loading
@@ -30,7 +37,17 @@ from jaxpipe.model.presets import resolve_model
 from jaxpipe.outputs import CompletionOutput, RequestOutput, StreamDelta
 from jaxpipe.runner import Runner, SamplingPlan, StepOutput
 from jaxpipe.sampling import SamplingParams
-from jaxpipe.scheduler import Batch, Scheduler, Sequence
+from jaxpipe.scheduler import (
+    Action,
+    Kind,
+    Preempt,
+    Run,
+    SchedulerState,
+    SeqInfo,
+    Sequence,
+    SequenceStatus,
+    make_policy,
+)
 from jaxpipe.stopping import StopChecker
 from jaxpipe.tokenizer import Tokenizer
 
@@ -55,13 +72,16 @@ class Engine:
                                           max(config.max_num_batched_tokens, self.max_model_len))
         self.runner = _make_runner(config, self.model_config, model, self.buckets,
                                    self.max_num_seqs, self.max_model_len, self.dtype, devices)
-        self.scheduler = Scheduler(self.max_num_seqs, self.buckets.prefill_fits,
-                                   length_bucket=self.buckets.prefill_length)
+        self.state, self.policy, self.kv = _scheduling(config, self.runner, self.buckets,
+                                                       self.max_num_seqs, self.max_model_len)
+        self.kv.on_insert = self._landed
         self._eos = frozenset(self.model_config.eos_token_ids)
         self._seeds = np.random.default_rng(config.seed)
         self._ids = itertools.count()
         self._requests: dict[str, Sequence] = {}
-        self._stats = _new_stats()
+        # (time, "decode_start" | "decode_end", rows): with `kv.host.events`, what overlapped.
+        self.step_events: deque = deque(maxlen=100_000)
+        self.reset_stats()
         if config.warmup:
             self.warmup()
 
@@ -84,15 +104,17 @@ class Engine:
         seq = Sequence(request_id, ids, params, seed, max_tokens, arrival=time.perf_counter())
         seq.extra["prompt"] = prompt
         seq.extra["stop"] = StopChecker(self.tokenizer, ids, params, self._eos)
+        self.state.add(SeqInfo(request_id, len(ids), max_tokens))
         self._requests[request_id] = seq
-        self.scheduler.add(seq)
         return request_id
 
     def abort(self, request_id: str) -> None:
         """Stop a request; it finishes with finish_reason "abort"."""
         seq = self._requests.get(request_id)
         if seq is not None and not seq.is_finished:
+            self.state.abort(request_id)
             self._finish(seq, "abort")
+            self._note_host()
 
     def release(self, request_id: str) -> None:
         """Forget a finished (or aborted) request so its memory is freed. For callers that drive
@@ -102,15 +124,16 @@ class Engine:
             del self._requests[request_id]
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        return self.state.has_work()
 
     def step(self) -> list[Sequence]:
-        """Run one scheduled batch; returns the sequences that got a token."""
-        batch = self.scheduler.schedule()
-        if batch is None:
+        """Run the policy's next action; returns the sequences that got a token."""
+        action = self.policy.schedule(self.state)
+        if action is None:
             return []
-        output = self._run(batch)
-        return self._postprocess(batch, output)
+        stepped = self._execute(action)
+        self._note_host()
+        return stepped
 
     def generate(self, prompts: str | Seq[str] | None = None,
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None, *,
@@ -156,17 +179,56 @@ class Engine:
             self.abort(rid)
             self._requests.pop(rid, None)
 
+    def set_scheduler(self, name: str) -> None:
+        """Switch the scheduling policy ("seesaw", "prefill_first", "decode_first") of an idle
+        engine, e.g. to compare policies on the same loaded model."""
+        if self.has_unfinished():
+            raise RuntimeError("set_scheduler needs an idle engine: requests are in flight")
+        dataclasses.replace(self.config, scheduler=name)  # validates name against the tier
+        self.policy = _policy(name, self.config, self.runner, self.buckets)
+        self.config.scheduler = name
+
     def stats(self) -> dict:
-        """Counters over the engine's lifetime (JSON-serialisable)."""
+        """Counters since the engine started or `reset_stats()` (JSON-serialisable).
+
+        transitions: layout phase switches (prefill->decode plus decode->prefill); reshards /
+        reshard_seconds: the ones that moved weights; swap_*: the host KV tier (swap_seconds is
+        the engine thread's time in swap dispatch, inserts and waits; prefetch_seconds the
+        prefetcher thread's, which overlaps decode); padding_waste: the fraction of computed
+        prefill tokens and decode rows that were padding; host_timeline: [seconds, host tier
+        tokens] at each change."""
         s = dict(self._stats)
+        host = self.kv.host
         s["compile_seconds"] = self.runner.compile_seconds
         s["compiled_shapes"] = len(self.runner.compiled)
         steps = s["decode_steps"]
         s["mean_decode_batch"] = s["decode_rows_active"] / steps if steps else 0.0
+        real = s["prefill_tokens"] + s["decode_rows_active"]
+        padded = s["prefill_padded_tokens"] + s["decode_rows_padded"]
+        s["padding_waste"] = 1 - real / padded if padded else 0.0
+        s["swap_out_bytes"] = host.bytes_out - self._base["out"]
+        s["swap_in_bytes"] = host.bytes_in - self._base["in"]
+        s["swap_seconds"] = self.kv.swap_seconds - self._base["swap"]
+        prefetch = self.kv.prefetcher.seconds if self.kv.prefetcher else 0.0
+        s["prefetch_seconds"] = prefetch - self._base["prefetch"]
+        s["host_kv_capacity"] = host.capacity
+        s["host_kv_peak"] = host.peak
+        s["host_timeline"] = [list(p) for p in self._timeline]
         return s
 
     def reset_stats(self) -> None:
+        """Zero every counter of `stats()` (the compile counters are the runner's own)."""
         self._stats = _new_stats()
+        host = self.kv.host
+        self._base = {"out": host.bytes_out, "in": host.bytes_in, "swap": self.kv.swap_seconds,
+                      "prefetch": self.kv.prefetcher.seconds if self.kv.prefetcher else 0.0}
+        host.peak = host.used
+        self._t0 = time.perf_counter()
+        self._timeline: deque = deque([(0.0, host.used)], maxlen=100_000)
+
+    def close(self) -> None:
+        """Stop the prefetcher thread (also done at interpreter exit: it is a daemon)."""
+        self.kv.close()
 
     def warmup(self) -> None:
         """Compile every decode and prefill shape bucket, so that the hot loop never stops to
@@ -174,7 +236,7 @@ class Engine:
         from tqdm.auto import tqdm
 
         decode, prefill = self.runner.decode_shapes(), self.buckets.prefill_shapes()
-        self._enter_phase("decode")
+        self.runner.set_phase("decode")
         with tqdm(total=len(decode) + len(prefill), desc="jaxpipe: compiling", unit="shape",
                   disable=not self.config.show_progress) as bar:
             for b, kv in decode:
@@ -183,44 +245,130 @@ class Engine:
                 self.runner.decode(np.zeros(b, np.int32), positions, np.ones(b, bool),
                                    _neutral_plan(b))
                 bar.update()
-            self._enter_phase("prefill")
+            self.runner.set_phase("prefill")
             for b, t in prefill:
                 # Slot num_slots is out of range: the warm-up writes no KV.
                 self.runner.prefill([[0] * t] * b, [self.max_num_seqs] * b, _neutral_plan(b),
                                     (b, t))
                 bar.update()
+        self.runner.set_phase(self.state.phase.value)
 
     # ---- one step -----------------------------------------------------------------------------
 
-    def _run(self, batch: Batch) -> StepOutput:
-        self._enter_phase(batch.kind)
-        start = time.perf_counter()
-        if batch.kind == "prefill":
-            out = self._run_prefill(batch.seqs)
+    def _execute(self, action: Action) -> list[Sequence]:
+        """Do `action` and tell the scheduler state what was done."""
+        if action.kind is Kind.RUN:
+            return self._run_prefill(action) if action.prefill else self._run_decode(action)
+        if action.kind is Kind.SWITCH:
+            self._switch(action.phase)
+        elif action.kind is Kind.SWAP_IN:
+            for info in action.seqs:
+                self.kv.swap_in(self._requests[info.seq_id])
         else:
-            out = self._run_decode(batch.seqs)
-        self._stats[f"{batch.kind}_seconds"] += time.perf_counter() - start
-        self._stats[f"{batch.kind}_steps"] += 1
-        return out
+            self._preempt(action)
+        self.state.apply(action)
+        return []
 
-    def _enter_phase(self, kind: str) -> None:
-        """Move weights and KV into the layout of `kind` ("prefill" | "decode") if they are not
-        there yet: the simple policy of re-sharding at every phase change."""
-        seconds = self.runner.set_phase(kind)
+    def _switch(self, phase: str) -> None:
+        """Move weights and KV into the layout of `phase` ("prefill" | "decode")."""
+        if phase != self.state.phase.value:
+            self._stats["transitions"] += 1
+            self._stats[f"to_{phase}"] += 1
+        seconds = self.runner.set_phase(phase)
         if seconds is not None:
             self._stats["reshards"] += 1
             self._stats["reshard_seconds"] += seconds
 
-    def _run_prefill(self, seqs: list[Sequence]) -> StepOutput:
-        shape = self.buckets.prefill_shape(len(seqs), max(s.prompt_len for s in seqs))
-        self._stats["prefill_tokens"] += sum(s.prompt_len for s in seqs)
+    def _preempt(self, action: Preempt) -> None:
+        """Evict device sequences: KV to the host tier ("swap") or dropped ("recompute": the
+        prompt and outputs so far are prefilled again later)."""
+        for info in action.seqs:
+            seq = self._requests[info.seq_id]
+            if action.mode == "swap":
+                self.kv.swap_out(seq, info.computed)
+            else:
+                self.kv.drop(seq)
+                seq.status = SequenceStatus.WAITING
+        self._stats["preemptions"] += len(action.seqs)
+
+    def _run_prefill(self, action: Run) -> list[Sequence]:
+        """Prefill whole contexts (prompt, plus outputs after a recompute) into free slots;
+        with `prefill_to_host` each one's KV then goes to the host tier (asynchronously: the
+        next prefill overlaps the copies) and its slot is free again."""
+        seqs = []
+        for info, tokens in action.prefill:
+            if tokens != info.to_prefill:
+                raise RuntimeError(f"chunked prefill ({tokens} of {info.to_prefill} tokens of "
+                                   f"{info.seq_id!r}) is not supported by the engine")
+            seqs.append(self._requests[info.seq_id])
+        for seq in seqs:
+            self.kv.allocate(seq)
+            seq.status = SequenceStatus.RUNNING
+        for group in self._prefill_groups(seqs):
+            self._postprocess(group, self._timed("prefill", self._prefill, group))
+        if action.prefill_to_host:
+            for seq in seqs:
+                if not seq.is_finished:
+                    self.kv.swap_out(seq, seq.num_tokens - 1)  # all but the token just sampled
+        self.state.apply(action, [s.request_id for s in seqs if s.is_finished])
+        return seqs
+
+    def _run_decode(self, action: Run) -> list[Sequence]:
+        """One token for every sequence whose KV is in its slot; sequences still being swapped
+        in join a later step (the prefetcher keeps working meanwhile)."""
+        self.kv.deliver()
+        seqs = self._decodable(action.decode)
+        if not seqs and self.kv.pending:
+            self.kv.deliver(block=True)
+            seqs = self._decodable(action.decode)
+        if not seqs:
+            raise RuntimeError(f"decode of {len(action.decode)} sequences, none of them in a "
+                               "device slot")
+        self.step_events.append((time.perf_counter(), "decode_start", len(seqs)))
+        out = self._timed("decode", self._decode, seqs)
+        self.step_events.append((time.perf_counter(), "decode_end", len(seqs)))
+        self._postprocess(seqs, out)
+        ran = Run(decode=[self.state.device[s.request_id] for s in seqs])
+        self.state.apply(ran, [s.request_id for s in seqs if s.is_finished])
+        return seqs
+
+    def _landed(self, seq: Sequence) -> None:
+        """A sequence was swapped (back) into a slot: its penalty state follows it."""
+        if sampling.uses_penalties([seq.params]):
+            self.runner.restore_penalties(seq.slot, seq.prompt_token_ids, seq.output_token_ids)
+
+    def _decodable(self, infos: list[SeqInfo]) -> list[Sequence]:
+        seqs = [self._requests[info.seq_id] for info in infos]
+        return [s for s in seqs if self.kv.decodable(s)]
+
+    def _timed(self, kind: str, fn, seqs: list[Sequence]) -> StepOutput:
+        start = time.perf_counter()
+        out = fn(seqs)
+        self._stats[f"{kind}_seconds"] += time.perf_counter() - start
+        self._stats[f"{kind}_steps"] += 1
+        return out
+
+    def _prefill_groups(self, seqs: list[Sequence]) -> list[list[Sequence]]:
+        """`seqs` by context length in batches that fit a compiled prefill shape."""
+        groups: list[list[Sequence]] = []
+        for seq in sorted(seqs, key=lambda s: s.num_tokens):
+            if groups and self.buckets.prefill_fits(len(groups[-1]) + 1, seq.num_tokens):
+                groups[-1].append(seq)
+            else:
+                groups.append([seq])
+        return groups
+
+    def _prefill(self, seqs: list[Sequence]) -> StepOutput:
+        contexts = [s.prompt_token_ids + s.output_token_ids for s in seqs]
+        shape = self.buckets.prefill_shape(len(seqs), max(len(c) for c in contexts))
+        self._stats["prefill_tokens"] += sum(len(c) for c in contexts)
         self._stats["prefill_padded_tokens"] += shape[0] * shape[1]
         plan = self._sampling_plan(seqs, shape[0])
-        return self.runner.prefill([s.prompt_token_ids for s in seqs], [s.slot for s in seqs],
-                                   plan, shape)
+        return self.runner.prefill(contexts, [s.slot for s in seqs], plan, shape,
+                                   [s.prompt_len for s in seqs])
 
-    def _run_decode(self, seqs: list[Sequence]) -> StepOutput:
-        rows = round_up(self.scheduler.decode_rows(), self.buckets.decode_batch)
+    def _decode(self, seqs: list[Sequence]) -> StepOutput:
+        rows = round_up(max(s.slot for s in seqs) + 1, self.buckets.decode_batch)
         tokens = np.zeros(rows, np.int32)
         positions = np.zeros(rows, np.int32)
         by_row: list[Sequence | None] = [None] * rows
@@ -231,6 +379,11 @@ class Engine:
         self._stats["decode_rows_padded"] += rows
         out = self.runner.decode(tokens, positions, active, self._row_plan(by_row))
         return _select_rows(out, [s.slot for s in seqs])
+
+    def _note_host(self) -> None:
+        used = self.kv.host.used
+        if self._timeline[-1][1] != used:
+            self._timeline.append((round(time.perf_counter() - self._t0, 6), used))
 
     def _sampling_plan(self, seqs: list[Sequence], rows: int) -> SamplingPlan:
         return self._row_plan(seqs + [None] * (rows - len(seqs)))
@@ -249,9 +402,9 @@ class Engine:
         num = max(wanted) if wanted else None
         return SamplingPlan(tensors, mode, penalties, num)
 
-    def _postprocess(self, batch: Batch, out: StepOutput) -> list[Sequence]:
+    def _postprocess(self, seqs: list[Sequence], out: StepOutput) -> None:
         now = time.perf_counter()
-        for i, seq in enumerate(batch.seqs):
+        for i, seq in enumerate(seqs):
             token = int(out.tokens[i])
             seq.output_token_ids.append(token)
             if seq.first_token_time is None:
@@ -261,11 +414,13 @@ class Engine:
             reason = seq.extra["stop"].check(seq, self.max_model_len)
             if reason is not None:
                 self._finish(seq, reason)
-        self._stats["generated_tokens"] += len(batch.seqs)
-        return batch.seqs
+        self._stats["generated_tokens"] += len(seqs)
 
     def _finish(self, seq: Sequence, reason: str) -> None:
-        self.scheduler.finish(seq, reason)
+        """End `seq` (the scheduler state is told by the caller) and free its KV."""
+        self.kv.drop(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
         seq.finish_time = time.perf_counter()
         self._stats["finished_requests"] += 1
 
@@ -294,7 +449,7 @@ class Engine:
         bar = tqdm(total=len(ids), desc="jaxpipe: generating", unit="req", disable=not progress)
         try:
             while pending:
-                if not self.scheduler.has_work():
+                if not self.state.has_work():
                     raise RuntimeError(f"requests {sorted(pending)[:5]} were lost by the scheduler")
                 for seq in self.step():
                     if seq.is_finished and seq.request_id in pending:
@@ -502,8 +657,33 @@ def _record_logprobs(seq: Sequence, out: StepOutput, i: int, token: int) -> None
     seq.logprobs.append(entry)
 
 
+def _scheduling(config: EngineConfig, runner: Runner, buckets: Buckets, num_slots: int,
+                max_len: int) -> tuple[SchedulerState, object, KVManager]:
+    """The scheduler state and policy, and the KV manager with its host tier."""
+    per_token = sum(x.nbytes for x in jax.tree.leaves(runner.cache)) // (num_slots * max_len)
+    host_tokens = config.host_kv_tokens
+    if host_tokens is None:
+        host_tokens = int(config.host_kv_gb * 2**30 // per_token)
+    # The host tier keeps each sequence rounded up to 1/16 of max_model_len (>= 16 tokens),
+    # so its copy programs compile for at most 16 lengths.
+    unit = -(-max(16, -(-max_len // 16)) // 16) * 16
+    state = SchedulerState(num_slots * max_len, num_slots, host_tokens, host_unit=unit)
+    policy = _policy(config.scheduler, config, runner, buckets)
+    return state, policy, KVManager(runner, num_slots, host_tokens, state.host_size)
+
+
+def _policy(name: str, config: EngineConfig, runner: Runner, buckets: Buckets):
+    """A policy that switches layouts if the runner's two differ and whose prefill batches
+    fit the compiled shapes, grouped by padded length."""
+    layouts = getattr(runner, "layouts", {})
+    return make_policy(name, two_layouts=layouts.get("prefill") != layouts.get("decode"),
+                       max_prefill_tokens=config.max_num_batched_tokens,
+                       batch_fits=buckets.prefill_fits, length_bucket=buckets.prefill_length)
+
+
 def _new_stats() -> dict:
     keys = ("prefill_seconds", "decode_seconds", "prefill_steps", "decode_steps",
             "prefill_tokens", "prefill_padded_tokens", "decode_rows_active", "decode_rows_padded",
-            "generated_tokens", "finished_requests", "reshards", "reshard_seconds")
+            "generated_tokens", "finished_requests", "transitions", "to_decode", "to_prefill",
+            "reshards", "reshard_seconds", "preemptions")
     return {k: 0 if not k.endswith("seconds") else 0.0 for k in keys}

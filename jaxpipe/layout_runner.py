@@ -34,6 +34,7 @@ from jaxpipe.runner import (
     StepOutput,
     _reset_penalty_rows,
     _sample,
+    _set_penalty_row,
     _use_kernel,
     pack_prompts,
 )
@@ -88,6 +89,8 @@ class LayoutRunner(Runner):
         self._sample = jax.jit(_sample, static_argnames=_STATIC,
                                donate_argnames=("prompt_mask", "out_counts"))
         self._reset = jax.jit(_reset_penalty_rows, donate_argnames=("prompt_mask", "out_counts"))
+        self._set_penalties = jax.jit(_set_penalty_row,
+                                      donate_argnames=("prompt_mask", "out_counts"))
         self._programs: dict[tuple, object] = {}
         self.compiled: set[tuple] = set()
         self.compile_seconds = 0.0
@@ -119,13 +122,13 @@ class LayoutRunner(Runner):
         return None if moved is state else seconds
 
     def prefill(self, prompts: list[list[int]], slots: list[int], plan: SamplingPlan,
-                shape: tuple[int, int]) -> StepOutput:
-        """Run `prompts` (written into `slots`) padded to `shape`, pipelined over pp."""
+                shape: tuple[int, int], prompt_lens: list[int] | None = None) -> StepOutput:
+        """Run `prompts` (written into `slots`) padded to `shape`, pipelined over pp
+        (`prompt_lens`: as `Runner.prefill`)."""
         tokens, lengths, slot_arr = pack_prompts(prompts, slots, shape, self.num_slots)
         logits = self.prefill_logits(tokens, lengths, slot_arr)
         if plan.penalties:
-            self.prompt_mask, self.out_counts = self._reset(
-                self.prompt_mask, self.out_counts, tokens, lengths, slot_arr)
+            self._reset_penalties(tokens, lengths, slot_arr, prompt_lens)
         return self._sample_host(logits, slot_arr, plan, len(prompts))
 
     def prefill_logits(self, tokens: np.ndarray, lengths: np.ndarray, slots: np.ndarray,

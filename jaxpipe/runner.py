@@ -91,14 +91,24 @@ def _sample(logits, prompt_mask, out_counts, rows, tensors, *, mode, penalties, 
     return tokens, lp, prompt_mask, out_counts
 
 
-def _reset_penalty_rows(prompt_mask, out_counts, tokens, lengths, slots):
-    """A new request's penalty state: its prompt's tokens, no output yet."""
+def _set_penalty_row(prompt_mask, out_counts, slot, mask_row, count_row):
+    """One slot's penalty state: which tokens its prompt has, how often each was output."""
+    return prompt_mask.at[slot].set(mask_row), out_counts.at[slot].set(count_row)
+
+
+def _reset_penalty_rows(prompt_mask, out_counts, tokens, lengths, prompt_lens, slots):
+    """The penalty state of sequences just prefilled: tokens [b, T] hold each one's prompt
+    (the first `prompt_lens`) and, after a recompute, its outputs so far (up to `lengths`)."""
     vocab = prompt_mask.shape[1]
-    valid = jnp.arange(tokens.shape[1])[None, :] < lengths[:, None]  # [b, T]
-    ids = jnp.where(valid, tokens, vocab)  # padding -> out of range -> dropped
+    position = jnp.arange(tokens.shape[1])[None, :]  # [1, T]
+    in_prompt = position < prompt_lens[:, None]
+    in_output = (position < lengths[:, None]) & ~in_prompt
+    prompt_ids = jnp.where(in_prompt, tokens, vocab)  # padding -> out of range -> dropped
+    output_ids = jnp.where(in_output, tokens, vocab)
     prompt_mask = prompt_mask.at[slots].set(False, mode="drop")
-    prompt_mask = prompt_mask.at[slots[:, None], ids].set(True, mode="drop")
-    return prompt_mask, out_counts.at[slots].set(0, mode="drop")
+    prompt_mask = prompt_mask.at[slots[:, None], prompt_ids].set(True, mode="drop")
+    out_counts = out_counts.at[slots].set(0, mode="drop")
+    return prompt_mask, out_counts.at[slots[:, None], output_ids].add(1, mode="drop")
 
 
 class Runner:
@@ -129,6 +139,8 @@ class Runner:
         self._sample = jax.jit(_sample, static_argnames=_STATIC,
                                donate_argnames=("prompt_mask", "out_counts"))
         self._reset = jax.jit(_reset_penalty_rows, donate_argnames=("prompt_mask", "out_counts"))
+        self._set_penalties = jax.jit(_set_penalty_row,
+                                      donate_argnames=("prompt_mask", "out_counts"))
         self.compiled: set[tuple] = set()
         self.compile_seconds = 0.0
 
@@ -137,8 +149,9 @@ class Runner:
         return None
 
     def prefill(self, prompts: list[list[int]], slots: list[int], plan: SamplingPlan,
-                shape: tuple[int, int]) -> StepOutput:
-        """Run `prompts` (written into `slots`) padded to `shape` = (batch, length) bucket."""
+                shape: tuple[int, int], prompt_lens: list[int] | None = None) -> StepOutput:
+        """Run `prompts` (written into `slots`) padded to `shape` = (batch, length) bucket.
+        `prompt_lens`: where each prompt ends, when it is followed by outputs to recompute."""
         b, t = shape
         tokens, lengths, slot_arr = pack_prompts(prompts, slots, shape, self.num_slots)
         key = ("prefill", b, t)
@@ -147,8 +160,7 @@ class Runner:
             x, self.cache[i] = self._once(key, self._prefill_layer, p, x, self.cache[i], slot_arr)
         logits = self._once(key + ("logits",), self._prefill_logits, self.head, x, lengths)
         if plan.penalties:
-            self.prompt_mask, self.out_counts = self._reset(
-                self.prompt_mask, self.out_counts, tokens, lengths, slot_arr)
+            self._reset_penalties(tokens, lengths, slot_arr, prompt_lens)
         return self._sample_host(logits, slot_arr, plan, len(prompts))
 
     def decode(self, tokens: np.ndarray, positions: np.ndarray, active: np.ndarray,
@@ -168,6 +180,24 @@ class Runner:
         logits = self._once(("logits", len(tokens)), self._logits, self.head, x)
         return self._sample_host(logits, np.arange(len(tokens), dtype=np.int32), plan,
                                  len(tokens))
+
+    def _reset_penalties(self, tokens, lengths, slots, prompt_lens: list[int] | None) -> None:
+        ends = lengths.copy()
+        if prompt_lens is not None:
+            ends[: len(prompt_lens)] = prompt_lens
+        self.prompt_mask, self.out_counts = self._reset(
+            self.prompt_mask, self.out_counts, tokens, lengths, ends, slots)
+
+    def restore_penalties(self, slot: int, prompt: list[int], output: list[int]) -> None:
+        """Rebuild `slot`'s penalty state for a sequence that moved there (swapped in, or
+        prefilled again with its outputs after a recompute): the state is per slot and does
+        not travel with the KV."""
+        vocab = self.prompt_mask.shape[1]
+        mask = np.zeros(vocab, bool)
+        mask[prompt] = True
+        counts = np.bincount(np.asarray(output, np.int64), minlength=vocab).astype(np.int32)
+        self.prompt_mask, self.out_counts = self._set_penalties(
+            self.prompt_mask, self.out_counts, slot, mask, counts)
 
     def kv_extract(self, slot: int, length: int) -> list[jax.Array]:
         """Positions 0..length-1 of `slot`: per layer K, V, each [Hkv, length, D]."""

@@ -26,10 +26,13 @@ from jaxpipe.scheduler import Sequence
 class KVManager:
     """Device slots, the host tier and transfers between them, for one runner."""
 
-    def __init__(self, runner, num_slots: int, host_tokens: int, host_size):
+    def __init__(self, runner, num_slots: int, host_tokens: int, host_size,
+                 on_insert=lambda seq: None):
         """`host_size(tokens)`: the rounded length a sequence is kept at in the host tier
-        (`SchedulerState.host_size`, so both count the same tokens)."""
+        (`SchedulerState.host_size`, so both count the same tokens). `on_insert(seq)` runs
+        after a swapped-in sequence's KV is in its slot (per-slot state to rebuild)."""
         self.runner = runner
+        self.on_insert = on_insert
         self.max_len = runner.max_len
         self.host = HostKVBuffer(host_tokens)
         self.host_size = host_size
@@ -77,8 +80,9 @@ class KVManager:
         self.prefetcher.request(seq.request_id,
                                 self.runner.kv_staging(min(entry.padded, self.max_len)))
 
-    def deliver(self, block: bool = False) -> list[str]:
-        """Insert every staged swap-in into its slot (`block`: wait for at least one)."""
+    def deliver(self, block: bool = False) -> list[Sequence]:
+        """Insert every staged swap-in into its slot (`block`: wait for at least one);
+        returns the sequences inserted (each also passed to `on_insert`)."""
         if self.prefetcher is None or not self._incoming:
             return []
         start = time.perf_counter()
@@ -87,7 +91,8 @@ class KVManager:
             seq = self._incoming.pop(seq_id, None)
             if staged is not None and seq is not None and seq.slot is not None:  # else aborted
                 self.runner.kv_insert(seq.slot, staged)
-                done.append(seq_id)
+                self.on_insert(seq)
+                done.append(seq)
         self.swap_seconds += time.perf_counter() - start
         return done
 

@@ -9,8 +9,8 @@ import dataclasses
 
 from jaxpipe.config import DTYPES, EngineConfig
 
-# flag dest -> (EngineConfig field, help). Fields that a jaxpipe version lacks are refused
-# with a clear message when the flag is used (the layouts and scheduler work adds them).
+# flag dest -> (EngineConfig field, help). A field this EngineConfig lacks is refused with a
+# clear message when its flag is used.
 ENGINE_FLAGS = {
     "model": ("model", "model preset in models/ (e.g. smollm2-135m), a .gguf file, an HF "
                        "directory or an orbax checkpoint (default: smollm2-135m)"),
@@ -28,11 +28,13 @@ ENGINE_FLAGS = {
     "mesh": ("mesh", "device mesh preset in meshes/ (e.g. cpu-8)"),
     "prefill": ("prefill", "prefill layout, e.g. 'pp=8'"),
     "decode": ("decode", "decode layout, e.g. 'tp=4,pp=2'"),
-    "scheduler": ("scheduler", "scheduling policy, e.g. seesaw, prefill_first, decode_first"),
-    "host_kv_gb": ("host_kv_gb", "host KV tier size in GiB"),
+    "scheduler": ("scheduler", "scheduling policy: seesaw (default), prefill_first or "
+                               "decode_first"),
+    "host_kv_gb": ("host_kv_gb", "host KV tier size in GiB (default: 4)"),
+    "host_kv_tokens": ("host_kv_tokens", "host KV tier size in tokens (overrides --host-kv-gb)"),
 }
 _TYPES = {"max_model_len": int, "max_num_seqs": int, "max_num_batched_tokens": int,
-          "kv_cache_gb": float, "seed": int, "host_kv_gb": float}
+          "kv_cache_gb": float, "seed": int, "host_kv_gb": float, "host_kv_tokens": int}
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:

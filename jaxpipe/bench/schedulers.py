@@ -1,0 +1,79 @@
+"""Scheduling policies end to end on one mesh: the same seeded workload through `Engine` once
+per (policy, prefill layout, decode layout), with the engine's stats for each run.
+
+Entry point: `scripts/bench_schedulers.py`. Each run builds its own engine (weights, warm-up
+compile), runs a few warm-up requests, resets the stats and times one `generate` over the
+workload; outputs are checked (every request, exactly its output_len tokens).
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from jaxpipe.bench import _generate, check_outputs, default_max_model_len, warmup_requests
+from jaxpipe.bench.report import throughput
+from jaxpipe.bench.workload import Request
+
+STAT_KEYS = ("transitions", "reshard_seconds", "prefill_seconds", "decode_seconds",
+             "swap_out_bytes", "swap_in_bytes", "swap_seconds", "prefetch_seconds",
+             "mean_decode_batch", "preemptions", "padding_waste", "host_kv_peak",
+             "compile_seconds")
+COLUMNS = (("policy", "{}"), ("prefill", "{}"), ("decode", "{}"), ("output_tok_s", "{:.1f}"),
+           ("elapsed_s", "{:.1f}"), ("transitions", "{}"), ("reshard_seconds", "{:.1f}"),
+           ("prefill_seconds", "{:.1f}"), ("decode_seconds", "{:.1f}"),
+           ("swap_out_mib", "{:.0f}"), ("swap_seconds", "{:.1f}"),
+           ("mean_decode_batch", "{:.1f}"), ("preemptions", "{}"), ("padding_waste", "{:.2f}"))
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    policy: str
+    prefill: str
+    decode: str
+
+
+def run_one(spec: RunSpec, workload: Sequence[Request], engine_kwargs: dict,
+            warmup_prompts: int = 4, log=print) -> dict:
+    """Throughput and stats of one (policy, layouts) run over `workload`."""
+    from jaxpipe import Engine, EngineConfig
+
+    kwargs = dict(engine_kwargs, scheduler=spec.policy, prefill=spec.prefill,
+                  decode=spec.decode)
+    kwargs.setdefault("max_model_len", default_max_model_len(workload))
+    start = time.perf_counter()
+    engine = Engine(EngineConfig(**kwargs))
+    startup = time.perf_counter() - start
+    warm = warmup_requests(workload, warmup_prompts)
+    if warm:
+        check_outputs(_generate(engine, warm), warm)
+    engine.reset_stats()
+    compiled = engine.stats()["compile_seconds"]
+    start = time.perf_counter()
+    outs = _generate(engine, workload)
+    elapsed = time.perf_counter() - start
+    check_outputs(outs, workload)
+    stats = engine.stats()
+    engine.close()
+    row = dict(policy=spec.policy, prefill=spec.prefill, decode=spec.decode,
+               startup_s=startup, **throughput(workload, elapsed))
+    row.update({k: stats[k] for k in STAT_KEYS})
+    row["compile_seconds"] -= compiled  # compilation inside the timed run (0: warm-up did all)
+    row["swap_out_mib"] = stats["swap_out_bytes"] / 2**20
+    row["host_timeline"] = stats["host_timeline"]
+    log(f"[{spec.policy} {spec.prefill} -> {spec.decode}] {row['output_tok_s']:.1f} output "
+        f"tok/s in {elapsed:.1f} s, {stats['transitions']} transitions")
+    del engine
+    gc.collect()
+    return row
+
+
+def format_table(rows: Sequence[dict]) -> str:
+    names = [name for name, _ in COLUMNS]
+    cells = [[fmt.format(row[name]) for name, fmt in COLUMNS] for row in rows]
+    widths = [max(len(n), *(len(c[i]) for c in cells)) for i, n in enumerate(names)]
+    lines = ["  ".join(n.rjust(w) for n, w in zip(names, widths, strict=True))]
+    lines += ["  ".join(c.rjust(w) for c, w in zip(cell, widths, strict=True)) for cell in cells]
+    return "\n".join(lines)

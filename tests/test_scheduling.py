@@ -1,0 +1,152 @@
+"""The engine driven by each scheduling policy on one device, with a host KV tier small enough
+that sequences really move: out to the host after prefill, back into *other* slots, parked,
+recomputed, aborted mid-way. Tokens must equal a reference run in which every request keeps its
+own slot from start to end (greedy, penalties and seeded sampling: all must follow a sequence
+wherever it goes)."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import ENGINE_KWARGS
+
+from jaxpipe import Engine, EngineConfig, SamplingParams
+from jaxpipe.scheduler import Kind, Preempt, make_policy
+
+PROMPTS = [f"{s} (case {i}):" for i, s in enumerate([
+    "The capital of France is", "Water boils at", "A list of fruits: apple, banana,",
+    "In 1492, Columbus", "The opposite of hot is", "def add(a, b):",
+    "Roses are red, violets are", "The largest planet in our solar system is", "Once upon a time",
+    "My favourite colour is"])]
+KWARGS = {**ENGINE_KWARGS, "max_model_len": 128}
+
+
+def params() -> list[SamplingParams]:
+    """Greedy, penalised and seeded-sampled requests of different lengths."""
+    out = []
+    for i in range(len(PROMPTS)):
+        n = 6 + (i * 5) % 9
+        if i % 3 == 0:
+            out.append(SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+        elif i % 3 == 1:
+            out.append(SamplingParams(temperature=0.0, max_tokens=n, repetition_penalty=1.4,
+                                      presence_penalty=0.6, frequency_penalty=0.4,
+                                      ignore_eos=True))
+        else:
+            out.append(SamplingParams(temperature=0.9, top_p=0.9, seed=100 + i, max_tokens=n,
+                                      ignore_eos=True))
+    return out
+
+
+def tokens(outputs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+@pytest.fixture(scope="module")
+def engine():
+    """3 slots for 10 requests; the host tier holds about three prompts. Shared: each test
+    sets its policy (the engine is idle between tests)."""
+    return Engine(EngineConfig(**{**KWARGS, "max_num_seqs": 3}, scheduler="prefill_first",
+                               host_kv_tokens=64))
+
+
+@pytest.fixture(scope="module")
+def reference(engine):
+    """prefill_first: every request keeps one slot from prefill to its last token (a slot
+    holds max_model_len tokens, so nothing is ever preempted or moved)."""
+    engine.set_scheduler("prefill_first")
+    engine.reset_stats()
+    out = tokens(engine.generate(PROMPTS, params()))
+    stats = engine.stats()
+    assert stats["swap_out_bytes"] == 0 == stats["preemptions"]
+    return out
+
+
+@pytest.mark.parametrize("policy", ["seesaw", "prefill_first", "decode_first"])
+def test_every_policy_gives_the_reference_tokens(engine, reference, policy):
+    engine.set_scheduler(policy)
+    engine.reset_stats()
+    assert tokens(engine.generate(PROMPTS, params())) == reference
+    stats = engine.stats()
+    assert stats["finished_requests"] == len(PROMPTS)
+    assert stats["host_kv_peak"] <= 64 and engine.kv.host.used == 0
+    if policy == "seesaw":
+        assert stats["swap_in_bytes"] == stats["swap_out_bytes"] > 0
+        assert stats["to_decode"] >= 3  # the tier holds ~3 prompts: several refills
+
+
+class RecomputeOnce:
+    """seesaw, except that at its `at`-th decode step it preempts the oldest running
+    sequence by recompute (its KV dropped; prompt + outputs prefilled again later)."""
+
+    def __init__(self, at: int):
+        self.inner, self.at, self.decodes, self.victims = make_policy("seesaw"), at, 0, []
+
+    def schedule(self, state):
+        action = self.inner.schedule(state)
+        if action is not None and action.kind is Kind.RUN and action.decode:
+            self.decodes += 1
+            if self.decodes == self.at:
+                self.victims.append(action.decode[0].seq_id)
+                return Preempt([action.decode[0]], "recompute")
+        return action
+
+
+def test_recompute_preemption_gives_the_reference_tokens(engine, reference):
+    engine.reset_stats()
+    engine.policy = policy = RecomputeOnce(at=4)
+    try:
+        assert tokens(engine.generate(PROMPTS, params())) == reference
+    finally:
+        engine.set_scheduler("seesaw")
+    assert len(policy.victims) == 1 and engine.stats()["preemptions"] >= 1
+    # The victim's outputs so far were prefilled again with its prompt.
+    assert engine.stats()["prefill_tokens"] > sum(len(engine.tokenizer.encode(p))
+                                                  for p in PROMPTS)
+
+
+def test_abort_in_the_host_tier_frees_it_and_spares_the_others(engine, reference):
+    engine.set_scheduler("seesaw")
+    ids = [engine.add_request(p, sp) for p, sp in zip(PROMPTS, params(), strict=True)]
+    while not engine.state.host:
+        engine.step()
+    victim = next(iter(engine.state.host))
+    engine.abort(victim)
+    assert victim not in engine.kv.host.entries
+    while engine.has_unfinished():
+        engine.step()
+    outs = [engine._pop_output(i) for i in ids]
+    for i, out in zip(ids, outs, strict=True):
+        if i == victim:
+            assert out.outputs[0].finish_reason == "abort"
+        else:
+            assert out.outputs[0].token_ids == reference[ids.index(i)]
+    assert engine.kv.host.used == 0 == engine.state.host_used
+
+
+def test_reset_stats_zeroes_the_counters(engine):
+    engine.set_scheduler("seesaw")
+    engine.generate(PROMPTS[:4], params()[:4])
+    assert engine.stats()["transitions"] > 0
+    engine.reset_stats()
+    stats = engine.stats()
+    zero = ("transitions", "swap_out_bytes", "swap_in_bytes", "preemptions", "decode_steps",
+            "prefill_seconds", "swap_seconds", "generated_tokens")
+    assert all(stats[k] == 0 for k in zero), {k: stats[k] for k in zero}
+    assert stats["host_timeline"] == [[0.0, 0]]
+
+
+def test_set_scheduler_needs_an_idle_engine(engine):
+    rid = engine.add_request(PROMPTS[0], params()[0])
+    with pytest.raises(RuntimeError, match="idle"):
+        engine.set_scheduler("decode_first")
+    engine.abort(rid)
+    engine.release(rid)
+    engine.set_scheduler("decode_first")
+    assert engine.policy.name == "decode_first" == engine.config.scheduler
+
+
+def test_seesaw_without_a_host_tier_is_refused():
+    with pytest.raises(ValueError, match="host KV tier.*prefill_first"):
+        EngineConfig(scheduler="seesaw", host_kv_gb=0)
+    with pytest.raises(ValueError, match="scheduler must be one of"):
+        EngineConfig(scheduler="fcfs")
