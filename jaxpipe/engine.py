@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import math
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -66,12 +67,14 @@ class Engine:
         self.dtype = jnp.dtype(config.dtype)
         self.model_config, model, self.tokenizer = _load(config, self.dtype, len(devices) > 1)
         self.max_model_len = _max_model_len(config, self.model_config)
+        self.layouts = _resolve_layouts(config, self.model_config) if len(devices) > 1 else {}
         self.max_num_seqs = _max_num_seqs(config, self.model_config, self.max_model_len,
-                                          self.dtype)
+                                          self.dtype, self.layouts)
         self.buckets = Buckets.for_engine(self.max_num_seqs, self.max_model_len,
                                           max(config.max_num_batched_tokens, self.max_model_len))
         self.runner = _make_runner(config, self.model_config, model, self.buckets,
-                                   self.max_num_seqs, self.max_model_len, self.dtype, devices)
+                                   self.max_num_seqs, self.max_model_len, self.dtype, devices,
+                                   self.layouts)
         self.state, self.policy, self.kv = _scheduling(config, self.runner, self.buckets,
                                                        self.max_num_seqs, self.max_model_len)
         self.kv.on_insert = self._landed
@@ -537,14 +540,14 @@ def _mesh_devices(mesh: MeshPreset) -> list:
 
 
 def _make_runner(config: EngineConfig, cfg: ModelConfig, model: Llama | Path,
-                 buckets: Buckets, num_slots: int, max_len: int, dtype, devices: list) -> Runner:
+                 buckets: Buckets, num_slots: int, max_len: int, dtype, devices: list,
+                 layouts: dict) -> Runner:
     """One device: per-layer dispatch (the fast single-device path). More: pipelined layouts.
     `model` is a path when an orbax checkpoint is to be restored straight into shardings."""
     if len(devices) == 1:
         return Runner(model, buckets, num_slots, max_len, dtype, attention=config.attention)
     weights = model if isinstance(model, Path) else {
         name: getattr(model, name)[...] for name in param_decls(cfg)}
-    layouts = _resolve_layouts(config, cfg)
     return LayoutRunner(cfg, weights, buckets, num_slots, max_len, dtype, layouts, devices,
                         attention=config.attention)
 
@@ -589,9 +592,15 @@ def _max_model_len(config: EngineConfig, cfg: ModelConfig) -> int:
     return config.max_model_len
 
 
-def _max_num_seqs(config: EngineConfig, cfg: ModelConfig, max_len: int, dtype) -> int:
-    """KV slots: the configured number, or as many as fit in kv_cache_gb (multiple of 32)."""
+def _max_num_seqs(config: EngineConfig, cfg: ModelConfig, max_len: int, dtype,
+                  layouts: dict) -> int:
+    """KV slots: the configured number, or as many as fit in kv_cache_gb (multiple of 32).
+    On a mesh a slot is counted as stored: with the layers and KV heads the layouts pad to
+    (SmolLM2 on tp=8: 8 KV heads for 3, 32 layers for 30 — 2.8x the unpadded bytes)."""
     per_slot = device_cache.cache_bytes(cfg, 1, max_len, dtype.itemsize)
+    if layouts:
+        shape = sharding.kv_shape(cfg, sharding.plan_padding(cfg, layouts.values()), 1, max_len)
+        per_slot = 2 * math.prod(shape) * dtype.itemsize
     budget = config.kv_cache_gb * 2**30
     if config.max_num_seqs is None:
         fit = int(budget // per_slot)
