@@ -1,0 +1,131 @@
+"""The model's head inside a `shard_map` (manual over `pp` and `tp`): logits, sampling and
+the embedding of the sampled token, for the multi-step pipelined decode (`pipeline.py`).
+
+The embedding and LM head are split over `tp` along the vocab axis, so inside the map each
+device holds V'/tp vocab rows (V' = padded vocab). Logits: this device's columns, then an
+`all_gather` over tp, so every tp device of the last stage samples the same full row and
+draws the same token. Embedding: a lookup in the local rows (zeros for ids another device
+holds) summed over tp. Collectives run on every device in every tick (a device whose stage
+has nothing to sample gathers zeros); the matmul and the sampler run only where `live`.
+
+The sampling plan's static switches (mode, penalties, logprobs) become runtime values
+(`SamplerSwitch`): one compiled decode program serves every plan, and each branch is
+`sampling.sample` with those static arguments, so tokens equal the one-step path's.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jaxpipe import sampling
+from jaxpipe.config import ModelConfig
+from jaxpipe.model import llama
+from jaxpipe.model.llama import HeadParams
+from jaxpipe.sampling import SamplingTensors
+
+# (mode, penalties) of each branch of the in-program sampler.
+SAMPLERS = tuple((mode, pen) for mode in sampling.MODES for pen in (False, True))
+
+
+class SamplerSwitch(NamedTuple):
+    """A sampling plan's static choices as device scalars."""
+
+    branch: jax.Array  # [] i32: index into SAMPLERS
+    penalties: jax.Array  # [] bool: repetition / frequency / presence penalties on
+    logprobs: jax.Array  # [] bool: compute logprobs (the top `top_logprobs` of them)
+
+
+class Sampled(NamedTuple):
+    """One micro-batch's sampling results (b rows)."""
+
+    tokens: jax.Array  # [b] i32
+    logprob: jax.Array  # [b] f32: logprob of each token (0 when logprobs are off)
+    top_ids: jax.Array  # [b, NL] i32
+    top_logprobs: jax.Array  # [b, NL] f32
+
+
+def sampler_switch(mode: str, penalties: bool, num_logprobs: int | None) -> SamplerSwitch:
+    """Host values of the switch for a plan's (mode, penalties, num_logprobs)."""
+    return SamplerSwitch(np.int32(SAMPLERS.index((mode, bool(penalties)))),
+                         np.bool_(penalties), np.bool_(num_logprobs is not None))
+
+
+def top_logprobs(vocab: int) -> int:
+    """NL: how many top logprobs the program always returns (callers slice what they asked)."""
+    return min(sampling.MAX_LOGPROBS, vocab)
+
+
+def embed_shard(table, tokens, tp: int):
+    """tokens [b] i32 (global ids) -> [b, E] f32, from this device's vocab rows table
+    [V'/tp, E], summed over tp (exactly one device holds each id)."""
+    rows = table.shape[0]
+    local = tokens - lax.axis_index("tp") * rows
+    mine = (local >= 0) & (local < rows)
+    x = jnp.take(table, jnp.clip(local, 0, rows - 1), axis=0).astype(jnp.float32)
+    x = jnp.where(mine[:, None], x, 0.0)
+    return lax.psum(x, "tp") if tp > 1 else x
+
+
+def vocab_logits(cfg: ModelConfig, head: HeadParams, x, live, tp: int, vocab: int):
+    """Logits [b, vocab] f32 of the residual x [b, E]: the local vocab columns (computed only
+    where `live`, zeros elsewhere), gathered over tp and cut to the real vocab."""
+    cols = head.embed.shape[0] if head.lm_head is None else head.lm_head.shape[1]
+    local = lax.cond(live, lambda: llama.logits(cfg, head, x),
+                     lambda: jnp.zeros((x.shape[0], cols), jnp.float32))  # [b, V'/tp]
+    full = lax.all_gather(local, "tp", axis=1, tiled=True) if tp > 1 else local
+    return full[:, :vocab]
+
+
+def next_token(cfg: ModelConfig, head: HeadParams, y, live, t: SamplingTensors, prompt_mask,
+               out_counts, switch: SamplerSwitch, *, tp: int, vocab: int):
+    """The last stage's work on one micro-batch: its residual y [b, E] -> the embedding of
+    the sampled tokens [b, E] f32 (the micro-batch's next input), what was sampled
+    (`Sampled`) and out_counts [b, V] with the tokens counted. Every device calls it (the
+    collectives); logits and sampling are computed only where `live`."""
+    logits = vocab_logits(cfg, head, y, live, tp, vocab)
+    sampled, out_counts = lax.cond(
+        live, lambda: sample(logits, t, prompt_mask, out_counts, switch, top_logprobs(vocab)),
+        lambda: (idle(y.shape[0], vocab), out_counts))
+    return embed_shard(head.embed, sampled.tokens, tp), sampled, out_counts
+
+
+def _branch(mode: str, penalties: bool):
+    def sample(logits, t, prompt_mask, out_counts):
+        tokens = sampling.sample(logits, t, prompt_mask, out_counts, mode=mode,
+                                 penalties=penalties)
+        if penalties:
+            out_counts = out_counts.at[jnp.arange(tokens.shape[0]), tokens].add(1)
+        return tokens, out_counts
+
+    return sample
+
+
+def sample(logits, t: SamplingTensors, prompt_mask, out_counts, switch: SamplerSwitch,
+           num_top: int):
+    """Tokens for logits [b, V] as `sampling.sample` with the switch's mode and penalties,
+    plus logprobs when switched on. prompt_mask [b, V] bool, out_counts [b, V] i32 (this
+    micro-batch's rows; the counts come back with the new tokens added when penalties are
+    on). Returns (Sampled, out_counts)."""
+    branches = [_branch(mode, pen) for mode, pen in SAMPLERS]
+    tokens, out_counts = lax.switch(switch.branch, branches, logits, t, prompt_mask, out_counts)
+    b = tokens.shape[0]
+
+    def none():
+        return (jnp.zeros(b, jnp.float32), jnp.zeros((b, num_top), jnp.int32),
+                jnp.zeros((b, num_top), jnp.float32))
+
+    lp = lax.cond(switch.logprobs,
+                  lambda: sampling.compute_logprobs(logits, tokens, num_top), none)
+    return Sampled(tokens, *lp), out_counts
+
+
+def idle(b: int, vocab: int) -> Sampled:
+    """Zeros in the shapes of `sample`'s result: what a device with nothing to sample keeps."""
+    nl = top_logprobs(vocab)
+    return Sampled(jnp.zeros(b, jnp.int32), jnp.zeros(b, jnp.float32),
+                   jnp.zeros((b, nl), jnp.int32), jnp.zeros((b, nl), jnp.float32))
