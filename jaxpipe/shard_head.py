@@ -5,8 +5,9 @@ The embedding and LM head are split over `tp` along the vocab axis, so inside th
 device holds V'/tp vocab rows (V' = padded vocab). Logits: this device's columns, then an
 `all_gather` over tp, so every tp device of the last stage samples the same full row and
 draws the same token. Embedding: a lookup in the local rows (zeros for ids another device
-holds) summed over tp. Collectives run on every device in every tick (a device whose stage
-has nothing to sample gathers zeros); the matmul and the sampler run only where `live`.
+holds) summed over tp, exact since one device holds each id. Collectives run on every device
+in every tick (a device whose stage has nothing to sample gathers zeros); the matmul, the
+sampler and the lookup run only where `live`.
 
 The sampling plan's static switches (mode, penalties, logprobs) become runtime values
 (`SamplerSwitch`): one compiled decode program serves every plan, and each branch is
@@ -60,15 +61,19 @@ def top_logprobs(vocab: int) -> int:
     return min(sampling.MAX_LOGPROBS, vocab)
 
 
-def embed_shard(table, tokens, tp: int):
-    """tokens [b] i32 (global ids) -> [b, E] f32, from this device's vocab rows table
-    [V'/tp, E], summed over tp (exactly one device holds each id)."""
+def embed_local(table, tokens):
+    """tokens [b] i32 (global ids) -> [b, E] f32: the rows of this device's vocab shard
+    table [V'/tp, E], zeros for ids another tp device holds (a psum over tp completes it).
+
+    Call it inside a `lax.cond` branch of the decode loop: there XLA fuses the f32 convert
+    that its CPU backend puts before a bf16 gather into the gather. At the loop's top level
+    it hoists that convert out of the loop instead, converting the whole table once per call
+    (SmolLM2, tp=4: a 28 MB f32 copy per device, ~90 ms each)."""
     rows = table.shape[0]
     local = tokens - lax.axis_index("tp") * rows
     mine = (local >= 0) & (local < rows)
     x = jnp.take(table, jnp.clip(local, 0, rows - 1), axis=0).astype(jnp.float32)
-    x = jnp.where(mine[:, None], x, 0.0)
-    return lax.psum(x, "tp") if tp > 1 else x
+    return jnp.where(mine[:, None], x, 0.0)
 
 
 def vocab_logits(cfg: ModelConfig, head: HeadParams, x, live, tp: int, vocab: int):
@@ -88,10 +93,17 @@ def next_token(cfg: ModelConfig, head: HeadParams, y, live, t: SamplingTensors, 
     (`Sampled`) and out_counts [b, V] with the tokens counted. Every device calls it (the
     collectives); logits and sampling are computed only where `live`."""
     logits = vocab_logits(cfg, head, y, live, tp, vocab)
-    sampled, out_counts = lax.cond(
-        live, lambda: sample(logits, t, prompt_mask, out_counts, switch, top_logprobs(vocab)),
-        lambda: (idle(y.shape[0], vocab), out_counts))
-    return embed_shard(head.embed, sampled.tokens, tp), sampled, out_counts
+
+    def work():
+        sampled, counts = sample(logits, t, prompt_mask, out_counts, switch,
+                                 top_logprobs(vocab))
+        return embed_local(head.embed, sampled.tokens), sampled, counts
+
+    def rest():
+        return jnp.zeros(y.shape, jnp.float32), idle(y.shape[0], vocab), out_counts
+
+    x, sampled, out_counts = lax.cond(live, work, rest)
+    return (lax.psum(x, "tp") if tp > 1 else x), sampled, out_counts
 
 
 def _branch(mode: str, penalties: bool):
