@@ -230,6 +230,27 @@ def test_row_reaching_the_cache_end_leaves_other_rows_alone(runners, prompts):
     assert got[0][3, :, MAX_LEN - 2:].any()  # the two in-range writes happened
 
 
+def test_fewer_micro_batches_than_stages(runners, prompts):
+    """4 rows on 8 stages: M = 4 < pp leaves a gap in each step's round (ticks
+    (K - 1) * pp + M + pp - 1), and the tokens still equal one-step calls."""
+    layout, steps, rows = "pp=8", 3, 4
+    r, state = prefilled(runners, layout, prompts, PLAIN, steps)
+    params = PLAIN[:rows]
+    t = sampling.build_sampling_tensors(params, list(range(rows)), [0] * rows, [[]] * rows,
+                                        rows)
+    plan = SamplingPlan(t, "plain", False, None)
+    tokens, positions = state["first"][:rows], LENGTHS[:rows]
+    out = r.decode(tokens, positions, np.ones(rows, bool), plan, steps=steps)
+    assert r.decode_ticks == (steps - 1) * 8 + rows + 8 - 1
+    assert np.asarray(r.decode_busy).tolist() == [steps * rows] * 8
+    restore(r, state)
+    for k in range(steps):
+        plan = SamplingPlan(t._replace(step=t.step + k), "plain", False, None)
+        one = r.decode(tokens, positions + k, np.ones(rows, bool), plan, steps=1)
+        assert np.array_equal(one.tokens, out.tokens[:, k]), k
+        tokens = one.tokens.astype(np.int32)
+
+
 def test_decode_steps_per_call(tiny_values):
     def runner(decode: str, **kw) -> LayoutRunner:
         layouts = {"prefill": Layout.parse("pp=8"), "decode": Layout.parse(decode)}
