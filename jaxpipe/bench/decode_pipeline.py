@@ -18,6 +18,7 @@ Call `run()` in a process whose JAX backend has the devices (scripts/bench_decod
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -53,10 +54,16 @@ def _timed(fn) -> float:
     return time.perf_counter() - start
 
 
-def _measure(fn, repeats: int) -> tuple[float, float]:
-    """(seconds of the first call, compile included; median seconds of `repeats` more)."""
-    first = _timed(fn)
-    return first, statistics.median(_timed(fn) for _ in range(repeats))
+def _measure(calls: dict, repeats: int) -> dict[str, tuple[float, float]]:
+    """name -> (seconds of the first call, compile included; median of `repeats` more).
+    The repeats go round-robin over the calls, so that load from other processes on the
+    machine falls on every variant alike."""
+    first = {name: _timed(fn) for name, fn in calls.items()}
+    times = {name: [] for name in calls}
+    for _ in range(repeats):
+        for name, fn in calls.items():
+            times[name].append(_timed(fn))
+    return {name: (first[name], statistics.median(times[name])) for name in calls}
 
 
 def _greedy_plan(rows: int) -> SamplingPlan:
@@ -89,14 +96,20 @@ def layout_rows(cfg: ModelConfig, values: dict, layout: str, bench: DecodeBenchC
         logits = r.decode_logits(tokens, positions, positions + 1, kv_len)
         return r._sample_host(logits, np.arange(b, dtype=np.int32), plan, b)
 
-    rows = [_row(layout, lo, m, "1 (gpipe)", 1, _measure(today, bench.repeats), b)]
+    def steps(k: int):
+        def call():
+            r.decode(tokens, positions, active, plan, k)
+            busy[k] = (np.asarray(r.decode_busy).tolist(), r.decode_ticks)
+
+        return call
+
+    busy = {}
+    calls = {"1 (gpipe)": today, **{str(k): steps(k) for k in bench.steps}}
+    times = _measure(calls, bench.repeats)
+    rows = [_row(layout, lo, m, "1 (gpipe)", 1, times["1 (gpipe)"], b)]
     for k in bench.steps:
-        times = _measure(lambda k=k: r.decode(tokens, positions, active, plan, k),
-                         bench.repeats)
-        row = _row(layout, lo, m, str(k), k, times, b)
-        row["busy"] = np.asarray(r.decode_busy).tolist()
-        row["ticks"] = r.decode_ticks
-        rows.append(row)
+        rows.append(_row(layout, lo, m, str(k), k, times[str(k)], b))
+        rows[-1]["busy"], rows[-1]["ticks"] = busy[k]
     for row in rows:
         row["speedup"] = rows[0]["step_s"] / row["step_s"]
     return rows
@@ -114,16 +127,21 @@ def _row(layout: str, lo: Layout, m: int, variant: str, steps: int,
 
 def run(cfg: ModelConfig, values: dict, bench: DecodeBenchConfig) -> dict:
     """Every measurement, as one JSON-serialisable record."""
+    load = os.getloadavg()[0]
+    rows = [row for lo in bench.layouts for row in layout_rows(cfg, values, lo, bench)]
     return {"config": asdict(bench), "model": cfg.to_dict(),
-            "devices": [str(d) for d in jax.devices()],
-            "rows": [row for lo in bench.layouts for row in layout_rows(cfg, values, lo, bench)]}
+            "devices": [str(d) for d in jax.devices()], "cpus": os.cpu_count(),
+            "load_1min": [load, os.getloadavg()[0]],  # before, after: others' work counts
+            "rows": rows}
 
 
 def format_table(record: dict) -> str:
     """The table printed by scripts/bench_decode_pipeline.py."""
     c = record["config"]
+    load = ", ".join(f"{x:.1f}" for x in record["load_1min"])
     lines = [f"pipelined decode, {c['batch']} rows at position {c['position']}, {c['dtype']}, "
-             f"median of {c['repeats']}; steps = tokens per row per call",
+             f"median of {c['repeats']}; steps = tokens per row per call; {record['cpus']} "
+             f"cores, load average {load} (before, after)",
              f"{'layout':>10} {'M':>2} {'steps':>9} {'s/call':>7} {'s/step':>7} {'tok/s':>6} "
              f"{'speedup':>7} {'ideal':>5} {'1st call s':>10}"]
     for r in record["rows"]:
