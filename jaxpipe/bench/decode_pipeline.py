@@ -6,7 +6,9 @@ position decode greedily:
   - "1 (gpipe)": today's step, the one-step program then the separate sampler, once per token;
   - "K": one call of `LayoutRunner.decode(steps=K)` (K = 1 too: the new program, one pass).
 Seconds per step (one token for every row) are the call's median seconds / K; the first
-call's seconds include compiling (steps 1, 4, 8 share one program: the first K only).
+call's seconds include compiling (steps 1, 4, 8 share one program: the first K only). CPU
+seconds (this process, all threads) are the work done, less sensitive than wall time to
+other processes on a shared machine.
 
 The ideal tick ratio is today's ticks per step over the interleaved program's:
 (M + pp - 1) / ((K*M + pp - 1) / K). On virtual devices that share the machine's cores
@@ -48,22 +50,24 @@ class DecodeBenchConfig:
     repeats: int = 3
 
 
-def _timed(fn) -> float:
-    start = time.perf_counter()
+def _timed(fn) -> tuple[float, float]:
+    """(wall seconds, CPU seconds of this process) of one call."""
+    wall, cpu = time.perf_counter(), time.process_time()
     fn()
-    return time.perf_counter() - start
+    return time.perf_counter() - wall, time.process_time() - cpu
 
 
-def _measure(calls: dict, repeats: int) -> dict[str, tuple[float, float]]:
-    """name -> (seconds of the first call, compile included; median of `repeats` more).
-    The repeats go round-robin over the calls, so that load from other processes on the
-    machine falls on every variant alike."""
-    first = {name: _timed(fn) for name, fn in calls.items()}
+def _measure(calls: dict, repeats: int) -> dict[str, tuple[float, float, float]]:
+    """name -> (wall seconds of the first call, compile included; median wall seconds and
+    median CPU seconds of `repeats` more). The repeats go round-robin over the calls, so
+    that load from other processes on the machine falls on every variant alike."""
+    first = {name: _timed(fn)[0] for name, fn in calls.items()}
     times = {name: [] for name in calls}
     for _ in range(repeats):
         for name, fn in calls.items():
             times[name].append(_timed(fn))
-    return {name: (first[name], statistics.median(times[name])) for name in calls}
+    return {name: (first[name], statistics.median(w for w, _ in t),
+                   statistics.median(c for _, c in t)) for name, t in times.items()}
 
 
 def _greedy_plan(rows: int) -> SamplingPlan:
@@ -112,17 +116,18 @@ def layout_rows(cfg: ModelConfig, values: dict, layout: str, bench: DecodeBenchC
         rows[-1]["busy"], rows[-1]["ticks"] = busy[k]
     for row in rows:
         row["speedup"] = rows[0]["step_s"] / row["step_s"]
+        row["cpu_speedup"] = rows[0]["step_cpu_s"] / row["step_cpu_s"]
     return rows
 
 
 def _row(layout: str, lo: Layout, m: int, variant: str, steps: int,
-         times: tuple[float, float], batch: int) -> dict:
-    first, seconds = times
+         times: tuple[float, float, float], batch: int) -> dict:
+    first, seconds, cpu = times
     ideal = 1.0 if variant.endswith("(gpipe)") else ideal_ratio(steps, m, lo.pp)
     return {"layout": layout, "pp": lo.pp, "tp": lo.tp, "microbatches": m,
             "variant": variant, "steps": steps, "first_call_s": first, "call_s": seconds,
-            "step_s": seconds / steps, "tokens_per_s": batch * steps / seconds,
-            "ideal_ratio": ideal}
+            "step_s": seconds / steps, "step_cpu_s": cpu / steps,
+            "tokens_per_s": batch * steps / seconds, "ideal_ratio": ideal}
 
 
 def run(cfg: ModelConfig, values: dict, bench: DecodeBenchConfig) -> dict:
@@ -143,10 +148,12 @@ def format_table(record: dict) -> str:
              f"median of {c['repeats']}; steps = tokens per row per call; {record['cpus']} "
              f"cores, load average {load} (before, after)",
              f"{'layout':>10} {'M':>2} {'steps':>9} {'s/call':>7} {'s/step':>7} {'tok/s':>6} "
-             f"{'speedup':>7} {'ideal':>5} {'1st call s':>10}"]
+             f"{'speedup':>7} {'ideal':>5} {'cpu-s/step':>10} {'cpu speedup':>11} "
+             f"{'1st call s':>10}"]
     for r in record["rows"]:
         lines.append(f"{r['layout']:>10} {r['microbatches']:>2} {r['variant']:>9} "
                      f"{r['call_s']:>7.3f} {r['step_s']:>7.3f} {r['tokens_per_s']:>6.1f} "
                      f"{r['speedup']:>7.2f} {r['ideal_ratio']:>5.2f} "
+                     f"{r['step_cpu_s']:>10.3f} {r['cpu_speedup']:>11.2f} "
                      f"{r['first_call_s']:>10.1f}")
     return "\n".join(lines)
