@@ -294,7 +294,7 @@ def multistep_decode_program(cfg: ModelConfig, layout: Layout, mesh, vocab: int,
         outs, busy, cache = staged(layers, head, xs, split(positions), split(lengths), steps,
                                    jax.tree.map(split, tensors), switch, *rows, cache)
         outs = jax.tree.map(lambda o: o.reshape(max_steps, b, *o.shape[3:]), outs)
-        out_counts = _count_tokens(out_counts, outs.tokens, steps, switch.penalties)
+        out_counts = _add_counts(out_counts, outs.tokens, steps, switch.penalties)
         return DecodeSteps(*outs, busy), cache, out_counts
 
     return jax.jit(decode, static_argnames="kv_len", donate_argnames=("cache", "out_counts"))
@@ -305,13 +305,13 @@ def _split_rows(m: int, a):
     return a.reshape(m, a.shape[0] // m, *a.shape[1:])
 
 
-def _count_tokens(out_counts, tokens, steps, on):
-    """out_counts [N, V] plus one for each token of tokens [S, B] (rows 0..B-1) in steps
-    0..steps-1, when `on`."""
+def _add_counts(counts, tokens, steps, on=True):
+    """counts [N >= b, V] i32 plus one for each token of tokens [S, b] (rows 0..b-1) in
+    steps 0..steps-1, when `on`: the penalty counts after those steps."""
     s, b = tokens.shape
     add = ((jnp.arange(s) < steps)[:, None] & on).astype(jnp.int32)  # [S, 1]
-    return out_counts.at[jnp.arange(b)[None, :], tokens].add(jnp.broadcast_to(add, (s, b)),
-                                                               mode="drop")
+    return counts.at[jnp.arange(b)[None, :], tokens].add(jnp.broadcast_to(add, (s, b)),
+                                                           mode="drop")
 
 
 def _multistep_staged(cfg: ModelConfig, layout: Layout, mesh, vocab: int, max_steps: int,
@@ -335,16 +335,22 @@ def _multistep_staged(cfg: ModelConfig, layout: Layout, mesh, vocab: int, max_st
             return decode_stage(cfg, layers, x, pos, keys, m * b, rows, cache, kv_len,
                                 reduce, kernel)
 
-        def head_fn(y, m, k, live, out_counts):
+        def head_fn(y, m, k, live, history):
             t = jax.tree.map(lambda a: a[m], tensors)
-            x_next, sampled, counts = shard_head.next_token(
-                cfg, head, y, live, t._replace(step=t.step + k), prompt_mask[m],
-                out_counts[m], switch, tp=layout.tp, vocab=vocab)
-            return x_next, sampled, out_counts.at[m].set(counts)
+
+            def penalty_state():  # the counts as the one-step path has them at step k
+                return prompt_mask[m], _add_counts(out_counts[m], history[:, m], k)
+
+            x_next, sampled = shard_head.next_token(
+                cfg, head, y, live, t._replace(step=t.step + k), penalty_state, switch,
+                tp=layout.tp, vocab=vocab)
+            tokens = jnp.where(live, sampled.tokens, history[k, m])
+            return x_next, sampled, history.at[k, m].set(tokens)
 
         outs = jax.tree.map(lambda a: jnp.zeros((max_steps, *xs.shape[:2], *a.shape[1:]),
                                                 a.dtype), shard_head.idle(b, vocab))
-        outs, cache, _, busy = interleave(stage_fn, head_fn, xs, cache, out_counts, outs,
+        history = jnp.zeros((max_steps, *xs.shape[:2]), jnp.int32)  # [S, M, b] tokens
+        outs, cache, _, busy = interleave(stage_fn, head_fn, xs, cache, history, outs,
                                           num_stages=layout.pp, steps=steps)
         return outs, busy[None], cache
 

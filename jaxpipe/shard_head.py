@@ -86,45 +86,41 @@ def vocab_logits(cfg: ModelConfig, head: HeadParams, x, live, tp: int, vocab: in
     return full[:, :vocab]
 
 
-def next_token(cfg: ModelConfig, head: HeadParams, y, live, t: SamplingTensors, prompt_mask,
-               out_counts, switch: SamplerSwitch, *, tp: int, vocab: int):
-    """The last stage's work on one micro-batch: its residual y [b, E] -> the embedding of
-    the sampled tokens [b, E] f32 (the micro-batch's next input), what was sampled
-    (`Sampled`) and out_counts [b, V] with the tokens counted. Every device calls it (the
-    collectives); logits and sampling are computed only where `live`."""
+def next_token(cfg: ModelConfig, head: HeadParams, y, live, t: SamplingTensors,
+               penalty_state, switch: SamplerSwitch, *, tp: int, vocab: int):
+    """The last stage's work on one micro-batch: its residual y [b, E] -> (the embedding of
+    the sampled tokens [b, E] f32, the micro-batch's next input; `Sampled`). Every device
+    calls it (the collectives); logits, sampling and the lookup run only where `live`.
+    penalty_state: see `sample`."""
     logits = vocab_logits(cfg, head, y, live, tp, vocab)
 
     def work():
-        sampled, counts = sample(logits, t, prompt_mask, out_counts, switch,
-                                 top_logprobs(vocab))
-        return embed_local(head.embed, sampled.tokens), sampled, counts
+        sampled = sample(logits, t, penalty_state, switch, top_logprobs(vocab))
+        return embed_local(head.embed, sampled.tokens), sampled
 
     def rest():
-        return jnp.zeros(y.shape, jnp.float32), idle(y.shape[0], vocab), out_counts
+        return jnp.zeros(y.shape, jnp.float32), idle(y.shape[0], vocab)
 
-    x, sampled, out_counts = lax.cond(live, work, rest)
-    return (lax.psum(x, "tp") if tp > 1 else x), sampled, out_counts
-
-
-def _branch(mode: str, penalties: bool):
-    def sample(logits, t, prompt_mask, out_counts):
-        tokens = sampling.sample(logits, t, prompt_mask, out_counts, mode=mode,
-                                 penalties=penalties)
-        if penalties:
-            out_counts = out_counts.at[jnp.arange(tokens.shape[0]), tokens].add(1)
-        return tokens, out_counts
-
-    return sample
+    x, sampled = lax.cond(live, work, rest)
+    return (lax.psum(x, "tp") if tp > 1 else x), sampled
 
 
-def sample(logits, t: SamplingTensors, prompt_mask, out_counts, switch: SamplerSwitch,
-           num_top: int):
+def _branch(mode: str, penalties: bool, penalty_state):
+    def branch(logits, t):
+        state = penalty_state() if penalties else (None, None)
+        return sampling.sample(logits, t, *state, mode=mode, penalties=penalties)
+
+    return branch
+
+
+def sample(logits, t: SamplingTensors, penalty_state, switch: SamplerSwitch,
+           num_top: int) -> Sampled:
     """Tokens for logits [b, V] as `sampling.sample` with the switch's mode and penalties,
-    plus logprobs when switched on. prompt_mask [b, V] bool, out_counts [b, V] i32 (this
-    micro-batch's rows; the counts come back with the new tokens added when penalties are
-    on). Returns (Sampled, out_counts)."""
-    branches = [_branch(mode, pen) for mode, pen in SAMPLERS]
-    tokens, out_counts = lax.switch(switch.branch, branches, logits, t, prompt_mask, out_counts)
+    plus logprobs when switched on. penalty_state() -> (prompt_mask [b, V] bool,
+    out_counts [b, V] i32) of these rows, called only in the branches with penalties (so
+    that nothing of size [b, V] is read or built when they are off)."""
+    branches = [_branch(mode, pen, penalty_state) for mode, pen in SAMPLERS]
+    tokens = lax.switch(switch.branch, branches, logits, t)
     b = tokens.shape[0]
 
     def none():
@@ -133,7 +129,7 @@ def sample(logits, t: SamplingTensors, prompt_mask, out_counts, switch: SamplerS
 
     lp = lax.cond(switch.logprobs,
                   lambda: sampling.compute_logprobs(logits, tokens, num_top), none)
-    return Sampled(tokens, *lp), out_counts
+    return Sampled(tokens, *lp)
 
 
 def idle(b: int, vocab: int) -> Sampled:
