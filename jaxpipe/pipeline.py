@@ -290,9 +290,10 @@ def multistep_decode_program(cfg: ModelConfig, layout: Layout, mesh, vocab: int,
         split = partial(_split_rows, microbatches)
         staged = _multistep_staged(cfg, layout, mesh, vocab, max_steps, kv_len, kernel)
         xs = split(llama.embed(head, tokens))  # [M, B/M, E]
-        rows = (split(prompt_mask[:b]), split(out_counts[:b]))  # [M, B/M, V] each
+        penalty_rows = (split(prompt_mask[:b]), split(out_counts[:b]))  # [M, B/M, V] each
         outs, busy, cache = staged(layers, head, xs, split(positions), split(lengths), steps,
-                                   jax.tree.map(split, tensors), switch, *rows, cache)
+                                   jax.tree.map(split, tensors), switch, *penalty_rows,
+                                   cache)
         outs = jax.tree.map(lambda o: o.reshape(max_steps, b, *o.shape[3:]), outs)
         out_counts = _add_counts(out_counts, outs.tokens, steps, switch.penalties)
         return DecodeSteps(*outs, busy), cache, out_counts
@@ -325,28 +326,10 @@ def _multistep_staged(cfg: ModelConfig, layout: Layout, mesh, vocab: int, max_st
 
     def body(layers, head, xs, positions, lengths, steps, tensors, switch, prompt_mask,
              out_counts, cache):
-        n, b = cache.k.shape[1], xs.shape[1]
-
-        def stage_fn(x, m, k, valid, cache):
-            # Idle rows (lengths 0) write no KV: their slots are left exactly as they were.
-            rows = jnp.where(valid & (lengths[m] > 0), m * b + jnp.arange(b), n)
-            pos = positions[m] + k
-            keys = jnp.where(lengths[m] > 0, jnp.minimum(pos + 1, kv_len), 0)
-            return decode_stage(cfg, layers, x, pos, keys, m * b, rows, cache, kv_len,
-                                reduce, kernel)
-
-        def head_fn(y, m, k, live, history):
-            t = jax.tree.map(lambda a: a[m], tensors)
-
-            def penalty_state():  # the counts as the one-step path has them at step k
-                return prompt_mask[m], _add_counts(out_counts[m], history[:, m], k)
-
-            x_next, sampled = shard_head.next_token(
-                cfg, head, y, live, t._replace(step=t.step + k), penalty_state, switch,
-                tp=layout.tp, vocab=vocab)
-            tokens = jnp.where(live, sampled.tokens, history[k, m])
-            return x_next, sampled, history.at[k, m].set(tokens)
-
+        stage_fn = _decode_stage_fn(cfg, layers, positions, lengths, kv_len, reduce, kernel)
+        head_fn = _sample_head_fn(cfg, layout, vocab, head, tensors, switch, prompt_mask,
+                                  out_counts)
+        b = xs.shape[1]
         outs = jax.tree.map(lambda a: jnp.zeros((max_steps, *xs.shape[:2], *a.shape[1:]),
                                                 a.dtype), shard_head.idle(b, vocab))
         history = jnp.zeros((max_steps, *xs.shape[:2]), jnp.int32)  # [S, M, b] tokens
@@ -357,6 +340,42 @@ def _multistep_staged(cfg: ModelConfig, layout: Layout, mesh, vocab: int, max_st
     return jax.shard_map(body, mesh=mesh, check_vma=False,
                          in_specs=(layer_specs, head_specs, *[P()] * 8, cache_specs),
                          out_specs=(P(), P("pp"), cache_specs))
+
+
+def _decode_stage_fn(cfg: ModelConfig, layers: LayerParams, positions, lengths, kv_len: int,
+                     reduce, kernel: bool):
+    """`interleave`'s stage_fn: this stage's layers on micro-batch m at step k. positions,
+    lengths [M, b] at the call's start; the cache is the state."""
+    def stage_fn(x, m, k, valid, cache):
+        n, b = cache.k.shape[1], x.shape[0]
+        # Idle rows (lengths 0) write no KV: their slots are left exactly as they were.
+        rows = jnp.where(valid & (lengths[m] > 0), m * b + jnp.arange(b), n)
+        pos = positions[m] + k
+        keys = jnp.where(lengths[m] > 0, jnp.minimum(pos + 1, kv_len), 0)
+        return decode_stage(cfg, layers, x, pos, keys, m * b, rows, cache, kv_len, reduce,
+                            kernel)
+
+    return stage_fn
+
+
+def _sample_head_fn(cfg: ModelConfig, layout: Layout, vocab: int, head: HeadParams, tensors,
+                    switch, prompt_mask, out_counts):
+    """`interleave`'s head_fn: logits, sampling (RNG step tensors.step + k) and embedding of
+    micro-batch m's next token. tensors, prompt_mask, out_counts: [M, b, ...] at the call's
+    start; the state is the tokens sampled so far [S, M, b] (for the penalty counts)."""
+    def head_fn(y, m, k, live, history):
+        t = jax.tree.map(lambda a: a[m], tensors)
+
+        def penalty_state():  # the counts as the one-step path has them at step k
+            return prompt_mask[m], _add_counts(out_counts[m], history[:, m], k)
+
+        x_next, sampled = shard_head.next_token(
+            cfg, head, y, live, t._replace(step=t.step + k), penalty_state, switch,
+            tp=layout.tp, vocab=vocab)
+        tokens = jnp.where(live, sampled.tokens, history[k, m])
+        return x_next, sampled, history.at[k, m].set(tokens)
+
+    return head_fn
 
 
 def microbatches(rows: int, most: int) -> int:
