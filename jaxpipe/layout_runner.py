@@ -8,6 +8,10 @@ program per layer on one device. The weights and the KV store are padded once (s
 
 The KV store here is stacked, `[L', N, Hkv', S, D]` for K and for V, so that the `layers` axis
 can be split over pipeline stages (each stage holds and writes its own layers' KV).
+
+On a pipelined decode layout (pp > 1) a decode call runs up to `decode_steps` steps in one
+program with the micro-batches kept in flight from step to step, sampling included, so that
+the stages stay busy (`pipeline.multistep_decode_program`); the engine reads `decode_steps`.
 """
 
 from __future__ import annotations
