@@ -8,6 +8,10 @@ program per layer on one device. The weights and the KV store are padded once (s
 
 The KV store here is stacked, `[L', N, Hkv', S, D]` for K and for V, so that the `layers` axis
 can be split over pipeline stages (each stage holds and writes its own layers' KV).
+
+On a pipelined decode layout (pp > 1) a decode call runs up to `decode_steps` steps in one
+program with the micro-batches kept in flight from step to step, sampling included, so that
+the stages stay busy (`pipeline.multistep_decode_program`); the engine reads `decode_steps`.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxpipe import pipeline, sharding
+from jaxpipe import pipeline, shard_head, sharding
 from jaxpipe.buckets import Buckets, round_up
 from jaxpipe.config import ModelConfig
 from jaxpipe.kv import device_cache
@@ -40,6 +44,7 @@ from jaxpipe.runner import (
 )
 
 PHASES = ("prefill", "decode")
+DEFAULT_DECODE_STEPS = 4  # decode steps per call on a pipelined decode layout
 
 
 class Placement:
@@ -61,13 +66,17 @@ class LayoutRunner(Runner):
 
     def __init__(self, cfg: ModelConfig, weights: dict | Path, buckets: Buckets, num_slots: int,
                  max_len: int, dtype, layouts: dict[str, Layout], devices,
-                 attention: str = "auto", prefill_microbatches_per_stage: int = 2):
+                 attention: str = "auto", prefill_microbatches_per_stage: int = 2,
+                 decode_steps_per_call: int | None = None):
         """`weights`: unpadded weights (name -> host or device array, as `param_decls`), or
-        the path of an orbax checkpoint to restore straight into the prefill layout."""
+        the path of an orbax checkpoint to restore straight into the prefill layout.
+        `decode_steps_per_call`: the `decode_steps` the engine asks for (default 1 when the
+        decode layout has pp = 1, else DEFAULT_DECODE_STEPS)."""
         for phase, layout in layouts.items():
             if layout.dp > 1:
                 raise ValueError(f"{phase} layout {layout}: dp > 1 is not supported yet; "
                                  "use pp*tp = the mesh's device count")
+        self.decode_steps = _decode_steps(decode_steps_per_call, layouts["decode"])
         self.config, self.buckets = cfg, buckets
         self.use_kernel = _use_kernel(attention)
         self.num_slots, self.max_len = num_slots, max_len
@@ -92,6 +101,8 @@ class LayoutRunner(Runner):
         self._set_penalties = jax.jit(_set_penalty_row,
                                       donate_argnames=("prompt_mask", "out_counts"))
         self._programs: dict[tuple, object] = {}
+        self.decode_busy: jax.Array | None = None  # [pp] i32, see decode_multistep
+        self.decode_ticks = 0
         self.compiled: set[tuple] = set()
         self.compile_seconds = 0.0
 
@@ -145,14 +156,51 @@ class LayoutRunner(Runner):
         return logits
 
     def decode(self, tokens: np.ndarray, positions: np.ndarray, active: np.ndarray,
-               plan: SamplingPlan) -> StepOutput:
-        """One token for slots 0..B-1; with pp > 1 the rows flow as pp micro-batches."""
+               plan: SamplingPlan, steps: int = 1) -> StepOutput:
+        """`steps` tokens for slots 0..B-1 (B = len(tokens)): row i continues from tokens[i]
+        at positions[i]; rows where `active` is False are padding (garbage out).
+
+        steps == 1: tokens [B] (logprob [B], top_ids / top_logprobs [B, num]), as `Runner`.
+        steps > 1: a steps axis after the row axis: tokens [B, steps], logprob [B, steps],
+        top_ids / top_logprobs [B, steps, num]; token j of row i was sampled with RNG step
+        plan.tensors.step[i] + j and `plan`'s banned ids. A row that passes the cache's end
+        (max_len) within the call gets garbage from there on; other rows are unaffected.
+
+        With pp > 1 (or steps > 1) the rows flow as pp micro-batches kept in flight over all
+        steps, sampled inside the program (`pipeline.multistep_decode_program`); with pp = 1
+        and steps = 1 it is the one-step program and the separate sampler."""
+        if isinstance(steps, bool) or not isinstance(steps, int | np.integer) or steps < 1:
+            raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
         rows = len(tokens)
-        longest = int(positions[active].max()) + 1 if active.any() else 1
+        positions = positions.astype(np.int32)
         lengths = np.where(active, positions + 1, 0).astype(np.int32)
-        logits = self.decode_logits(tokens, positions.astype(np.int32), lengths,
-                                    round_up(longest, self.buckets.kv_len))
-        return self._sample_host(logits, np.arange(rows, dtype=np.int32), plan, rows)
+        longest = int(lengths.max()) if active.any() else 1
+        kv_len = round_up(min(longest + steps - 1, self.max_len), self.buckets.kv_len)
+        if steps == 1 and self.layout.pp == 1:
+            logits = self.decode_logits(tokens, positions, lengths, kv_len)
+            return self._sample_host(logits, np.arange(rows, dtype=np.int32), plan, rows)
+        out = self.decode_multistep(tokens, positions, lengths, steps, plan, kv_len)
+        return _steps_to_host(out, plan.num_logprobs, rows, steps)
+
+    def decode_multistep(self, tokens: np.ndarray, positions: np.ndarray,
+                            lengths: np.ndarray, steps: int, plan: SamplingPlan,
+                            kv_len: int) -> pipeline.DecodeSteps:
+        """`steps` decode steps of slots 0..B-1 as one program (device results, leading axis
+        max(steps, decode_steps)); lengths [B] = positions + 1, 0 for idle rows. Records the
+        ticks in which each stage worked on a real micro-batch in `decode_busy` (left on the
+        device) and the program's ticks in `decode_ticks`."""
+        rows, pp = len(tokens), self.layout.pp
+        m = pipeline.microbatches(rows, pp)
+        max_steps = max(steps, self.decode_steps)
+        fn = self._program("decode_steps", m, max_steps)
+        switch = shard_head.sampler_switch(plan.mode, plan.penalties, plan.num_logprobs)
+        key = (self.phase, "decode_steps", rows, kv_len, max_steps, plan.tensors.banned.shape)
+        out, self.cache, self.out_counts = self._once(
+            key, fn, self.params, self.cache, self.prompt_mask, self.out_counts, tokens,
+            positions, lengths, np.int32(steps), plan.tensors, switch, kv_len=kv_len)
+        self.decode_busy = out.busy
+        self.decode_ticks = pipeline.interleaved_ticks(steps, m, pp)
+        return out
 
     def decode_logits(self, tokens: np.ndarray, positions: np.ndarray, lengths: np.ndarray,
                       kv_len: int) -> jax.Array:
@@ -183,7 +231,9 @@ class LayoutRunner(Runner):
 
     def decode_shapes(self) -> list[tuple[int, int]]:
         """(batch, KV length) shapes a decode step compiles for: the pipeline's attention
-        reads a window of each KV-length bucket, with or without the kernel."""
+        reads a window of each KV-length bucket, with or without the kernel. One program per
+        shape serves every steps <= decode_steps (steps is not static), so a warm-up call
+        `decode(..., steps=1)` with rows at position kv - 1 compiles what the hot loop runs."""
         return [(b, n) for b in self.buckets.decode_batch for n in self.buckets.kv_len]
 
     @property
@@ -191,16 +241,45 @@ class LayoutRunner(Runner):
         """The layout weights and KV are in now."""
         return self.placements[self.phase].layout
 
-    def _program(self, kind: str, microbatches: int):
-        """The jitted step of `kind` on the current phase's layout (built once per key)."""
-        key = (self.phase, kind, microbatches)
+    def _program(self, kind: str, *args):
+        """The jitted step of `kind` ("prefill", "decode", "decode_steps") on the current
+        phase's layout for `args` (micro-batches[, max steps]); built once per key."""
+        key = (self.phase, kind, *args)
         if key not in self._programs:
             place = self.placements[self.phase]
-            build = pipeline.prefill_program if kind == "prefill" else pipeline.decode_program
+            build = {"prefill": pipeline.prefill_program, "decode": pipeline.decode_program,
+                     "decode_steps": pipeline.multistep_decode_program}[kind]
             options = {} if kind == "prefill" else {"kernel": self.use_kernel}
             self._programs[key] = build(self.config, place.layout, place.mesh,
-                                        self.config.vocab_size, microbatches, **options)
+                                        self.config.vocab_size, *args, **options)
         return self._programs[key]
+
+
+def _decode_steps(requested: int | None, decode: Layout) -> int:
+    """Decode steps per call: as requested, else 1 without a pipeline, DEFAULT_DECODE_STEPS
+    with one (the pipeline is full for all but pp - 1 of steps * pp + pp - 1 ticks)."""
+    if requested is None:
+        return 1 if decode.pp == 1 else DEFAULT_DECODE_STEPS
+    if isinstance(requested, bool) or not isinstance(requested, int) or requested < 1:
+        raise ValueError(f"decode_steps_per_call must be an integer >= 1 or None, "
+                         f"got {requested!r}")
+    return requested
+
+
+def _steps_to_host(out: pipeline.DecodeSteps, num_logprobs: int | None, rows: int,
+                   steps: int) -> StepOutput:
+    """Device results [S, B, ...] -> StepOutput rows first: [B, steps, ...], or [B, ...]
+    when steps == 1 (the one-step contract)."""
+    def host(a, num=None):
+        a = np.asarray(a[:steps, :rows] if num is None else a[:steps, :rows, :num])
+        return a[0] if steps == 1 else np.moveaxis(a, 0, 1)
+
+    result = StepOutput(host(out.tokens))
+    if num_logprobs is not None:
+        result.logprob = host(out.logprob)
+        result.top_ids = host(out.top_ids, num_logprobs)
+        result.top_logprobs = host(out.top_logprobs, num_logprobs)
+    return result
 
 
 def _zeros_cache(shape, dtype, shardings: KVCache) -> KVCache:

@@ -10,18 +10,26 @@ With pp = 1 and M = 1 this is the plain forward (one tick).
 
 Prefill and decode differ only in the stage function; embedding and logits run outside the
 pipeline, partitioned by XLA from the weights' shardings (vocab split over tp).
+
+Multi-step decode (`multistep_decode_program`) closes the per-step bubble: the last stage turns
+each micro-batch's output into its next token (logits, sampling, embedding: `shard_head.py`)
+inside the same `shard_map`, and the ring carries that token's embedding back to stage 0, which
+starts the micro-batch's next step in the very next tick. K steps of M = pp micro-batches take
+K*M + pp - 1 ticks instead of K*(M + pp - 1) (`interleave`); once the pipeline is full every
+stage works on a real micro-batch in every tick.
 """
 
 from __future__ import annotations
 
 from functools import partial
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from jaxpipe import sharding
+from jaxpipe import shard_head, sharding
 from jaxpipe.config import ModelConfig
 from jaxpipe.kernels import decode_attention as attention_kernel
 from jaxpipe.kv.device_cache import KVCache, from_storage, to_storage
@@ -72,6 +80,63 @@ def gpipe(stage_fn, xs, state, *, num_stages: int, readout):
     _, outs, state = lax.fori_loop(0, m_count + num_stages - 1, tick, carry)
     # Only the last stage recorded anything: the sum over stages is a broadcast of its results.
     return (lax.psum(outs, "pp") if num_stages > 1 else outs), state
+
+
+def interleave(stage_fn, head_fn, xs, state, head_state, outs, *, num_stages: int, steps):
+    """Run `steps` decode steps of micro-batches xs [M, ...] (M <= num_stages) through the
+    stages, each step's output turned into the micro-batch's next input (call inside
+    `shard_map`).
+
+    Stage s works in tick t on micro-batch (t - s) mod P of step (t - s) div P, P =
+    num_stages: the last stage finishes (m, k) in the tick before stage 0 starts (m, k + 1),
+    and the ring's last hop (last stage -> stage 0) carries the new input. With M = P every
+    stage is busy in every tick but the pp - 1 of fill and drain: (K - 1) * P + M + P - 1
+    ticks for K steps (`interleaved_ticks`); M < P leaves gaps.
+
+    stage_fn(x, m, k, valid, state) -> (y, state): this device's layers on micro-batch m at
+        step k; `valid` is False in idle ticks (state must then be unchanged in effect).
+    head_fn(y, m, k, live, head_state) -> (x_next, record, head_state): the last stage's
+        output -> the next step's input. Called on every device every tick (it may hold
+        collectives); `live` is True only on the last stage in a valid tick.
+    outs: zero buffers [max_steps, M, ...] of the records; `steps` may be traced (<= max_steps).
+    Returns (outs, the same on every device; state; head_state; busy [] i32: this device's
+    number of valid ticks)."""
+    stage = lax.axis_index("pp")
+    m_count, period = xs.shape[0], num_stages
+    if m_count > period:
+        raise ValueError(f"interleave: {m_count} micro-batches > {period} stages")
+    max_steps = jax.tree.leaves(outs)[0].shape[0]
+    last = stage == num_stages - 1
+    shift = [(i, (i + 1) % num_stages) for i in range(num_stages)]
+
+    def tick(t, carry):
+        act, outs, state, head_state, busy = carry
+        f = t - stage
+        m, k = f % period, f // period
+        valid = (f >= 0) & (m < m_count) & (k < steps)
+        m, k = jnp.minimum(m, m_count - 1), jnp.clip(k, 0, max_steps - 1)
+        x = jnp.where((stage == 0) & (k == 0), xs[m], act)
+        y, state = stage_fn(x, m, k, valid, state)
+        live = valid & last
+        x_next, record, head_state = head_fn(y, m, k, live, head_state)
+        outs = jax.tree.map(lambda o, r: o.at[k, m].set(jnp.where(live, r, o[k, m])),
+                            outs, record)
+        act = jnp.where(last, x_next, y)
+        act = lax.ppermute(act, "pp", shift) if num_stages > 1 else act
+        return act, outs, state, head_state, busy + valid.astype(jnp.int32)
+
+    ticks = (steps - 1) * period + m_count + num_stages - 1
+    carry = (jnp.zeros_like(xs[0]), outs, state, head_state, jnp.int32(0))
+    _, outs, state, head_state, busy = lax.fori_loop(0, ticks, tick, carry)
+    # Only the last stage recorded anything: the sum over stages is a broadcast of its records.
+    if num_stages > 1:
+        outs = jax.tree.map(partial(lax.psum, axis_name="pp"), outs)
+    return outs, state, head_state, busy
+
+
+def interleaved_ticks(steps: int, microbatches: int, num_stages: int) -> int:
+    """Ticks `interleave` takes for `steps` steps (GPipe per step: steps * (M + pp - 1))."""
+    return (steps - 1) * num_stages + microbatches + num_stages - 1
 
 
 def prefill_stage(cfg: ModelConfig, layers: LayerParams, x, slots, cache: KVCache, reduce):
@@ -192,6 +257,125 @@ def decode_program(cfg: ModelConfig, layout: Layout, mesh, vocab: int, microbatc
         return llama.logits(cfg, head, out.reshape(tokens.shape[0], -1))[:, :vocab], cache
 
     return jax.jit(decode, static_argnames="kv_len", donate_argnames="cache")
+
+
+class DecodeSteps(NamedTuple):
+    """What a multi-step decode returns. Steps past the call's `steps` hold zeros."""
+
+    tokens: jax.Array  # [S, B] i32, S = max_steps
+    logprob: jax.Array  # [S, B] f32: logprob of each token (zeros when logprobs are off)
+    top_ids: jax.Array  # [S, B, NL] i32 (NL = shard_head.top_logprobs(vocab))
+    top_logprobs: jax.Array  # [S, B, NL] f32
+    busy: jax.Array  # [pp] i32: ticks in which each stage worked on a real micro-batch
+
+
+def multistep_decode_program(cfg: ModelConfig, layout: Layout, mesh, vocab: int,
+                             microbatches: int, max_steps: int, kernel: bool = False):
+    """jit(params, cache, prompt_mask [N, V], out_counts [N, V], tokens [B], positions [B],
+    lengths [B], steps [] i32, tensors: SamplingTensors [B], switch: SamplerSwitch,
+    kv_len=static) -> (DecodeSteps, cache, out_counts).
+
+    `steps` (1..max_steps) decode steps for slots 0..B-1 in one program, as `microbatches`
+    (<= pp) contiguous micro-batches kept in flight (`interleave`). Step k of a row is at
+    position positions + k and attends over min(that + 1, kv_len) keys; idle rows (lengths
+    0) attend over none and write no KV. KV writes past the cache's end are dropped (such a
+    row's tokens are garbage from there on, other rows are unaffected). Sampling equals
+    `steps` calls of `runner._sample`: each row's RNG step is tensors.step + k and the
+    penalty counts grow with every token; `banned` holds for the whole call. out_counts
+    (donated) gets the sampled tokens when penalties are on."""
+    def decode(params, cache, prompt_mask, out_counts, tokens, positions, lengths, steps,
+               tensors, switch, kv_len):
+        layers, head = _split(params)
+        b = tokens.shape[0]
+        split = partial(_split_rows, microbatches)
+        staged = _multistep_staged(cfg, layout, mesh, vocab, max_steps, kv_len, kernel)
+        xs = split(llama.embed(head, tokens))  # [M, B/M, E]
+        penalty_rows = (split(prompt_mask[:b]), split(out_counts[:b]))  # [M, B/M, V] each
+        outs, busy, cache = staged(layers, head, xs, split(positions), split(lengths), steps,
+                                   jax.tree.map(split, tensors), switch, *penalty_rows,
+                                   cache)
+        outs = jax.tree.map(lambda o: o.reshape(max_steps, b, *o.shape[3:]), outs)
+        out_counts = _add_counts(out_counts, outs.tokens, steps, switch.penalties)
+        return DecodeSteps(*outs, busy), cache, out_counts
+
+    return jax.jit(decode, static_argnames="kv_len", donate_argnames=("cache", "out_counts"))
+
+
+def _split_rows(m: int, a):
+    """[B, ...] -> [M, B/M, ...]: contiguous micro-batches."""
+    return a.reshape(m, a.shape[0] // m, *a.shape[1:])
+
+
+def _add_counts(counts, tokens, steps, on=True):
+    """counts [N >= b, V] i32 plus one for each token of tokens [S, b] (rows 0..b-1) in
+    steps 0..steps-1, when `on`: the penalty counts after those steps."""
+    s, b = tokens.shape
+    add = ((jnp.arange(s) < steps)[:, None] & on).astype(jnp.int32)  # [S, 1]
+    return counts.at[jnp.arange(b)[None, :], tokens].add(jnp.broadcast_to(add, (s, b)),
+                                                           mode="drop")
+
+
+def _multistep_staged(cfg: ModelConfig, layout: Layout, mesh, vocab: int, max_steps: int,
+                      kv_len: int, kernel: bool):
+    """The shard_map of `multistep_decode_program` for one kv_len."""
+    layer_specs, cache_specs = _specs(cfg, layout)
+    decls = param_decls(cfg)
+    head_specs = HeadParams(*(sharding.spec(decls[n].axes, layout) if n in decls else None
+                              for n in ("embed", "final_norm", "lm_head")))
+    reduce = partial(lax.psum, axis_name="tp") if layout.tp > 1 else None
+
+    def body(layers, head, xs, positions, lengths, steps, tensors, switch, prompt_mask,
+             out_counts, cache):
+        stage_fn = _decode_stage_fn(cfg, layers, positions, lengths, kv_len, reduce, kernel)
+        head_fn = _sample_head_fn(cfg, layout, vocab, head, tensors, switch, prompt_mask,
+                                  out_counts)
+        b = xs.shape[1]
+        outs = jax.tree.map(lambda a: jnp.zeros((max_steps, *xs.shape[:2], *a.shape[1:]),
+                                                a.dtype), shard_head.idle(b, vocab))
+        history = jnp.zeros((max_steps, *xs.shape[:2]), jnp.int32)  # [S, M, b] tokens
+        outs, cache, _, busy = interleave(stage_fn, head_fn, xs, cache, history, outs,
+                                          num_stages=layout.pp, steps=steps)
+        return outs, busy[None], cache
+
+    return jax.shard_map(body, mesh=mesh, check_vma=False,
+                         in_specs=(layer_specs, head_specs, *[P()] * 8, cache_specs),
+                         out_specs=(P(), P("pp"), cache_specs))
+
+
+def _decode_stage_fn(cfg: ModelConfig, layers: LayerParams, positions, lengths, kv_len: int,
+                     reduce, kernel: bool):
+    """`interleave`'s stage_fn: this stage's layers on micro-batch m at step k. positions,
+    lengths [M, b] at the call's start; the cache is the state."""
+    def stage_fn(x, m, k, valid, cache):
+        n, b = cache.k.shape[1], x.shape[0]
+        # Idle rows (lengths 0) write no KV: their slots are left exactly as they were.
+        rows = jnp.where(valid & (lengths[m] > 0), m * b + jnp.arange(b), n)
+        pos = positions[m] + k
+        keys = jnp.where(lengths[m] > 0, jnp.minimum(pos + 1, kv_len), 0)
+        return decode_stage(cfg, layers, x, pos, keys, m * b, rows, cache, kv_len, reduce,
+                            kernel)
+
+    return stage_fn
+
+
+def _sample_head_fn(cfg: ModelConfig, layout: Layout, vocab: int, head: HeadParams, tensors,
+                    switch, prompt_mask, out_counts):
+    """`interleave`'s head_fn: logits, sampling (RNG step tensors.step + k) and embedding of
+    micro-batch m's next token. tensors, prompt_mask, out_counts: [M, b, ...] at the call's
+    start; the state is the tokens sampled so far [S, M, b] (for the penalty counts)."""
+    def head_fn(y, m, k, live, history):
+        t = jax.tree.map(lambda a: a[m], tensors)
+
+        def penalty_state():  # the counts as the one-step path has them at step k
+            return prompt_mask[m], _add_counts(out_counts[m], history[:, m], k)
+
+        x_next, sampled = shard_head.next_token(
+            cfg, head, y, live, t._replace(step=t.step + k), penalty_state, switch,
+            tp=layout.tp, vocab=vocab)
+        tokens = jnp.where(live, sampled.tokens, history[k, m])
+        return x_next, sampled, history.at[k, m].set(tokens)
+
+    return head_fn
 
 
 def microbatches(rows: int, most: int) -> int:

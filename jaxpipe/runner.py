@@ -143,6 +143,7 @@ class Runner:
                                       donate_argnames=("prompt_mask", "out_counts"))
         self.compiled: set[tuple] = set()
         self.compile_seconds = 0.0
+        self.decode_steps = 1  # steps per decode call the engine should ask for
 
     def set_phase(self, phase: str) -> float | None:
         """One device has one layout: nothing ever moves (see `LayoutRunner.set_phase`)."""
@@ -164,9 +165,13 @@ class Runner:
         return self._sample_host(logits, slot_arr, plan, len(prompts))
 
     def decode(self, tokens: np.ndarray, positions: np.ndarray, active: np.ndarray,
-               plan: SamplingPlan) -> StepOutput:
+               plan: SamplingPlan, steps: int = 1) -> StepOutput:
         """One token for slots 0..B-1 (B = len(tokens), a bucket). Rows where `active` is
-        False are padding: their outputs are garbage and are ignored by the caller."""
+        False are padding: their outputs are garbage and are ignored by the caller.
+        `steps` must be 1 (`decode_steps`): one device has no pipeline to keep full."""
+        if steps != 1:
+            raise ValueError(f"the single-device runner decodes one step per call "
+                             f"(decode_steps = 1), got steps={steps}")
         x = self._embed(self.head, tokens)
         if self.use_kernel:
             # On the device once per step, not once per layer call (30 transfers each).
