@@ -317,8 +317,9 @@ class Engine:
         return seqs
 
     def _run_decode(self, action: Run) -> list[Sequence]:
-        """One token for every sequence whose KV is in its slot; sequences still being swapped
-        in join a later step (the prefetcher keeps working meanwhile)."""
+        """Tokens for every sequence whose KV is in its slot — one, or several per call on a
+        pipelined decode layout (`runner.decode_steps`); sequences still being swapped in join
+        a later call (the prefetcher keeps working meanwhile)."""
         self.kv.deliver()
         seqs = self._decodable(action.decode)
         if not seqs and self.kv.pending:
@@ -327,13 +328,34 @@ class Engine:
         if not seqs:
             raise RuntimeError(f"decode of {len(action.decode)} sequences, none of them in a "
                                "device slot")
+        steps = self._decode_steps(seqs)
         self.step_events.append((time.perf_counter(), "decode_start", len(seqs)))
-        out = self._timed("decode", self._decode, seqs)
+        out = self._timed("decode", lambda group: self._decode(group, steps), seqs)
         self.step_events.append((time.perf_counter(), "decode_end", len(seqs)))
-        self._postprocess(seqs, out)
-        ran = Run(decode=[self.state.device[s.request_id] for s in seqs])
-        self.state.apply(ran, [s.request_id for s in seqs if s.is_finished])
+        for j in range(steps):  # tokens past a sequence's end are dropped
+            live = [i for i, s in enumerate(seqs) if not s.is_finished]
+            if not live:
+                break
+            group = [seqs[i] for i in live]
+            ran = Run(decode=[self.state.device[s.request_id] for s in group])
+            self._postprocess(group, _step_rows(out, j, live, steps))
+            self._stats["decode_rows_active"] += len(group)
+            self.state.apply(ran, [s.request_id for s in group if s.is_finished])
+        self._stats["decode_steps"] += steps - 1  # _timed counted one: count tokens
+        self._stats["decode_calls"] += 1
         return seqs
+
+    def _decode_steps(self, seqs: list[Sequence]) -> int:
+        """Tokens per decode call: the runner's `decode_steps`, no more than any sequence can
+        still use, and fewer if a ban (min_tokens) would lift inside the call (the banned ids
+        are fixed for a call)."""
+        steps = min(self.runner.decode_steps,
+                    max(s.max_tokens - len(s.output_token_ids) for s in seqs))
+        for s in seqs:
+            left = s.params.min_tokens - len(s.output_token_ids)
+            if left > 0 and s.extra["stop"].banned(len(s.output_token_ids)):
+                steps = min(steps, left)
+        return max(steps, 1)
 
     def _landed(self, seq: Sequence) -> None:
         """A sequence was swapped (back) into a slot: its penalty state follows it."""
@@ -370,7 +392,7 @@ class Engine:
         return self.runner.prefill(contexts, [s.slot for s in seqs], plan, shape,
                                    [s.prompt_len for s in seqs])
 
-    def _decode(self, seqs: list[Sequence]) -> StepOutput:
+    def _decode(self, seqs: list[Sequence], steps: int) -> StepOutput:
         rows = round_up(max(s.slot for s in seqs) + 1, self.buckets.decode_batch)
         tokens = np.zeros(rows, np.int32)
         positions = np.zeros(rows, np.int32)
@@ -378,9 +400,8 @@ class Engine:
         for s in seqs:
             tokens[s.slot], positions[s.slot], by_row[s.slot] = s.last_token, s.num_tokens - 1, s
         active = np.array([s is not None for s in by_row])
-        self._stats["decode_rows_active"] += len(seqs)
-        self._stats["decode_rows_padded"] += rows
-        out = self.runner.decode(tokens, positions, active, self._row_plan(by_row))
+        self._stats["decode_rows_padded"] += rows * steps
+        out = self.runner.decode(tokens, positions, active, self._row_plan(by_row), steps)
         return _select_rows(out, [s.slot for s in seqs])
 
     def _note_host(self) -> None:
@@ -656,6 +677,17 @@ def _select_rows(out: StepOutput, rows: list[int]) -> StepOutput:
                       take(out.top_logprobs))
 
 
+def _step_rows(out: StepOutput, step: int, rows: list[int], steps: int) -> StepOutput:
+    """Rows `rows` of step `step` of a decode call's output ([n] per field for one step,
+    [n, steps] with several)."""
+    if steps > 1:
+        def take(a):
+            return None if a is None else a[:, step]
+        out = StepOutput(out.tokens[:, step], take(out.logprob), take(out.top_ids),
+                         take(out.top_logprobs))
+    return _select_rows(out, rows)
+
+
 def _record_logprobs(seq: Sequence, out: StepOutput, i: int, token: int) -> None:
     entry = {token: float(out.logprob[i])}
     n = seq.params.logprobs
@@ -691,7 +723,7 @@ def _policy(name: str, config: EngineConfig, runner: Runner, buckets: Buckets):
 
 
 def _new_stats() -> dict:
-    keys = ("prefill_seconds", "decode_seconds", "prefill_steps", "decode_steps",
+    keys = ("prefill_seconds", "decode_seconds", "prefill_steps", "decode_steps", "decode_calls",
             "prefill_tokens", "prefill_padded_tokens", "decode_rows_active", "decode_rows_padded",
             "generated_tokens", "finished_requests", "transitions", "to_decode", "to_prefill",
             "reshards", "reshard_seconds", "preemptions")

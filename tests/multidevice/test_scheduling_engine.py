@@ -24,8 +24,9 @@ def workload():
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, TINY.vocab_size - 1, rng.integers(3, 40)).tolist()
                for _ in range(12)]
-    params = [SamplingParams(temperature=0.0, max_tokens=int(rng.integers(4, 20)),
-                             ignore_eos=True) for _ in prompts]
+    lengths = rng.integers(4, 20, len(prompts))
+    params = [SamplingParams(temperature=0.0, max_tokens=int(n), min_tokens=min(int(n), 3 * i % 7),
+                             ignore_eos=i % 2 == 0) for i, n in enumerate(lengths)]
     return prompts, params
 
 
@@ -83,7 +84,7 @@ def test_host_tier_never_overfills_and_every_request_ends_once(runs, workload, p
     assert stats["host_timeline"][-1][1] == 0 and not engine.kv.host.entries
     finished = [s.seq_id for s in engine.state.finished]
     assert sorted(finished) == sorted(o.request_id for o in outputs)  # each exactly once
-    assert all(o.finished and o.outputs[0].finish_reason == "length" for o in outputs)
+    assert all(o.finished and o.outputs[0].finish_reason in ("length", "stop") for o in outputs)
     assert not engine.has_unfinished() and engine.kv.pending == 0
 
 
@@ -104,3 +105,15 @@ def test_swap_ins_overlap_decode_steps(runs):
     during = [t for t in arrivals if any(a < t < b for a, b in spans)]
     assert len(during) >= 1, (len(arrivals), len(spans))
 
+
+
+def test_pipelined_decode_runs_several_steps_per_call(tiny_orbax, workload, reference):
+    """seesaw into a decode layout with pp=2: the stages stay busy over several decode steps
+    per call (min_tokens bans lifting inside a call cut a call short), same tokens."""
+    prompts, params = workload
+    engine = Engine(EngineConfig(model=str(tiny_orbax), host_kv_tokens=HOST_KV,
+                                 **{**LAYOUTS, "decode": "pp=2,tp=4"}, **FAST))
+    assert engine.runner.decode_steps == 4
+    assert tokens(engine.generate(prompt_token_ids=prompts, sampling_params=params)) == reference
+    stats = engine.stats()
+    assert stats["decode_steps"] > 2 * stats["decode_calls"]
