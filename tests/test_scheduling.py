@@ -68,7 +68,7 @@ def test_every_policy_gives_the_reference_tokens(engine, reference, policy):
     assert tokens(engine.generate(PROMPTS, params())) == reference
     stats = engine.stats()
     assert stats["finished_requests"] == len(PROMPTS)
-    assert stats["host_kv_peak"] <= 64 and engine.kv.host.used == 0
+    assert stats["host_kv_peak"] <= 64 and engine.executor.kv.host.used == 0
     if policy == "seesaw":
         assert stats["swap_in_bytes"] == stats["swap_out_bytes"] > 0
         assert stats["to_decode"] >= 3  # the tier holds ~3 prompts: several refills
@@ -93,7 +93,7 @@ class RecomputeOnce:
 
 def test_recompute_preemption_gives_the_reference_tokens(engine, reference):
     engine.reset_stats()
-    engine.policy = policy = RecomputeOnce(at=4)
+    engine.executor.policy = policy = RecomputeOnce(at=4)
     try:
         assert tokens(engine.generate(PROMPTS, params())) == reference
     finally:
@@ -107,11 +107,11 @@ def test_recompute_preemption_gives_the_reference_tokens(engine, reference):
 def test_abort_in_the_host_tier_frees_it_and_spares_the_others(engine, reference):
     engine.set_scheduler("seesaw")
     ids = [engine.add_request(p, sp) for p, sp in zip(PROMPTS, params(), strict=True)]
-    while not engine.state.host:
+    while not engine.executor.state.host:
         engine.step()
-    victim = next(iter(engine.state.host))
+    victim = next(iter(engine.executor.state.host))
     engine.abort(victim)
-    assert victim not in engine.kv.host.entries
+    assert victim not in engine.executor.kv.host.entries
     while engine.has_unfinished():
         engine.step()
     outs = [engine._pop_output(i) for i in ids]
@@ -120,7 +120,7 @@ def test_abort_in_the_host_tier_frees_it_and_spares_the_others(engine, reference
             assert out.outputs[0].finish_reason == "abort"
         else:
             assert out.outputs[0].token_ids == reference[ids.index(i)]
-    assert engine.kv.host.used == 0 == engine.state.host_used
+    assert engine.executor.kv.host.used == 0 == engine.executor.state.host_used
 
 
 def test_reset_stats_zeroes_the_counters(engine):
@@ -142,7 +142,7 @@ def test_set_scheduler_needs_an_idle_engine(engine):
     engine.abort(rid)
     engine.release(rid)
     engine.set_scheduler("decode_first")
-    assert engine.policy.name == "decode_first" == engine.config.scheduler
+    assert engine.executor.policy.name == "decode_first" == engine.config.scheduler
 
 
 def test_seesaw_without_a_host_tier_is_refused():

@@ -69,7 +69,8 @@ def test_seesaw_swaps_through_the_host_and_preempts(runs, workload):
     stats = engine.stats()
     prompts, _ = workload
     # Every prompt's KV went out to the host tier (rounded per sequence) and came back.
-    per_token = stats["swap_out_bytes"] / sum(engine.state.host_size(len(p)) for p in prompts)
+    rounded = sum(engine.executor.state.host_size(len(p)) for p in prompts)
+    per_token = stats["swap_out_bytes"] / rounded
     assert per_token >= 2 * TINY.num_layers * TINY.num_kv_heads * TINY.head_dim * 4
     assert stats["swap_in_bytes"] == stats["swap_out_bytes"]
     assert stats["preemptions"] >= 1  # a running batch parked in the host to refill
@@ -81,17 +82,17 @@ def test_host_tier_never_overfills_and_every_request_ends_once(runs, workload, p
     stats = engine.stats()
     assert stats["host_kv_peak"] <= HOST_KV == stats["host_kv_capacity"]
     assert all(used <= HOST_KV for _, used in stats["host_timeline"])
-    assert stats["host_timeline"][-1][1] == 0 and not engine.kv.host.entries
-    finished = [s.seq_id for s in engine.state.finished]
+    assert stats["host_timeline"][-1][1] == 0 and not engine.executor.kv.host.entries
+    finished = [s.seq_id for s in engine.executor.state.finished]
     assert sorted(finished) == sorted(o.request_id for o in outputs)  # each exactly once
     assert all(o.finished and o.outputs[0].finish_reason in ("length", "stop") for o in outputs)
-    assert not engine.has_unfinished() and engine.kv.pending == 0
+    assert not engine.has_unfinished() and engine.executor.kv.pending == 0
 
 
 def test_seesaw_switches_rarely(runs, workload):
     prompts, _ = workload
     seesaw = runs["seesaw"][0].stats()
-    state = runs["seesaw"][0].state
+    state = runs["seesaw"][0].executor.state
     prompt_kv = sum(state.host_size(len(p)) for p in prompts)
     assert seesaw["to_decode"] <= math.ceil(prompt_kv / HOST_KV) + 1
     assert seesaw["transitions"] < runs["prefill_first"][0].stats()["transitions"]
@@ -99,9 +100,10 @@ def test_seesaw_switches_rarely(runs, workload):
 
 def test_swap_ins_overlap_decode_steps(runs):
     engine, _ = runs["seesaw"]
-    steps = [t for t, kind, _ in engine.step_events if kind in ("decode_start", "decode_end")]
+    events = engine.executor.step_events
+    steps = [t for t, kind, _ in events if kind in ("decode_start", "decode_end")]
     spans = list(zip(steps[::2], steps[1::2], strict=True))
-    arrivals = [t for t, kind, _ in engine.kv.host.events if kind == "in"]
+    arrivals = [t for t, kind, _ in engine.executor.kv.host.events if kind == "in"]
     during = [t for t in arrivals if any(a < t < b for a, b in spans)]
     assert len(during) >= 1, (len(arrivals), len(spans))
 
