@@ -186,14 +186,19 @@ def test_help_is_complete(module, flags):
     assert not missing, out.stdout
 
 
-def test_layout_flags_need_their_engine_config_fields(capsys):
-    import dataclasses
+def test_scheduler_flags_reach_engine_config(capsys):
+    import argparse
 
-    from jaxpipe import EngineConfig
+    from jaxpipe.serve.cli import add_engine_args, engine_kwargs
 
-    if "host_kv_gb" in {f.name for f in dataclasses.fields(EngineConfig)}:
-        pytest.skip("EngineConfig.host_kv_gb exists: the flag is passed through")
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    args = parser.parse_args(["--scheduler", "decode_first", "--host-kv-gb", "2.5",
+                              "--host-kv-tokens", "1000"])
+    kwargs = engine_kwargs(args, parser)
+    assert (kwargs["scheduler"], kwargs["host_kv_gb"], kwargs["host_kv_tokens"]) == \
+        ("decode_first", 2.5, 1000)
     with pytest.raises(SystemExit) as info:
-        batch_main(["in.jsonl", "-o", "out.jsonl", "--host-kv-gb", "4"])
+        engine_kwargs(parser.parse_args(["--scheduler", "fcfs"]), parser)
     assert info.value.code == 2
-    assert "EngineConfig.host_kv_gb" in capsys.readouterr().err
+    assert "scheduler must be one of" in capsys.readouterr().err
