@@ -70,7 +70,7 @@ def main() -> None:
     vocab, special = gguf_vocab(default_gguf_path())
     workload = make_workload(args.num_prompts, args.seed, vocab, None, args.output_len, special)
     kwargs = dict(model=args.model, dtype=args.dtype, mesh="cpu-8",
-                  max_num_seqs=args.max_num_seqs, show_progress=False)
+                  max_num_seqs=args.max_num_seqs, show_progress=True)
     if args.host_kv_tokens is not None:
         kwargs["host_kv_tokens"] = args.host_kv_tokens
     print(f"[workload] {describe_workload(workload)}", flush=True)
