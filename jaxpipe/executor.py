@@ -355,7 +355,7 @@ def _scheduling(config: EngineConfig, runner: Runner, buckets: Buckets, num_slot
 def _policy(name: str, config: EngineConfig, runner: Runner, buckets: Buckets):
     """A policy that switches layouts if the runner's two differ and whose prefill batches
     fit the compiled shapes, grouped by padded length."""
-    layouts = getattr(runner, "layouts", {})
+    layouts = runner.layouts
     return make_policy(name, two_layouts=layouts.get("prefill") != layouts.get("decode"),
                        max_prefill_tokens=config.max_num_batched_tokens,
                        batch_fits=buckets.prefill_fits, length_bucket=buckets.prefill_length)

@@ -144,6 +144,7 @@ class Runner:
         self.compiled: set[tuple] = set()
         self.compile_seconds = 0.0
         self.decode_steps = 1  # steps per decode call the engine should ask for
+        self.layouts: dict = {}  # phase -> Layout; one device has none, both phases run here
 
     def set_phase(self, phase: str) -> float | None:
         """One device has one layout: nothing ever moves (see `LayoutRunner.set_phase`)."""
