@@ -85,6 +85,7 @@ class Executor:
         tokens] at each change."""
         s = dict(self._stats)
         host = self.kv.host
+        s["transitions"] = s["to_decode"] + s["to_prefill"]
         s["compile_seconds"] = self.runner.compile_seconds
         s["compiled_shapes"] = len(self.runner.compiled)
         steps = s["decode_steps"]
@@ -131,7 +132,6 @@ class Executor:
     def _switch(self, phase: str) -> None:
         """Move weights and KV into the layout of `phase` ("prefill" | "decode")."""
         if phase != self.state.phase.value:
-            self._stats["transitions"] += 1
             self._stats[f"to_{phase}"] += 1
         seconds = self.runner.set_phase(phase)
         if seconds is not None:
@@ -364,6 +364,6 @@ def _policy(name: str, config: EngineConfig, runner: Runner, buckets: Buckets):
 def _new_stats() -> dict:
     keys = ("prefill_seconds", "decode_seconds", "prefill_steps", "decode_steps", "decode_calls",
             "prefill_tokens", "prefill_padded_tokens", "decode_rows_active", "decode_rows_padded",
-            "generated_tokens", "finished_requests", "transitions", "to_decode", "to_prefill",
+            "generated_tokens", "finished_requests", "to_decode", "to_prefill",
             "reshards", "reshard_seconds", "preemptions")
     return {k: 0 if not k.endswith("seconds") else 0.0 for k in keys}
