@@ -175,23 +175,27 @@ class EngineConfig:
         if self.attention not in ATTENTION:
             raise ValueError(f"EngineConfig.attention must be one of {ATTENTION}, "
                              f"got {self.attention!r}")
-        if self.scheduler not in SCHEDULERS:
-            raise ValueError(f"EngineConfig.scheduler must be one of {SCHEDULERS}, "
-                             f"got {self.scheduler!r}")
         if isinstance(self.host_kv_gb, bool) or not (
                 isinstance(self.host_kv_gb, (int, float)) and self.host_kv_gb >= 0):
             raise ValueError(f"EngineConfig.host_kv_gb must be a number >= 0, "
                              f"got {self.host_kv_gb!r}")
         if self.host_kv_tokens is not None:
             _check_int("host_kv_tokens", self.host_kv_tokens, 0, 1 << 40)
-        if self.scheduler == "seesaw" and (self.host_kv_tokens == 0 or (
+        self.check_scheduler(self.scheduler)
+        if self.compilation_cache_dir is not None:
+            self.compilation_cache_dir = str(Path(self.compilation_cache_dir).expanduser())
+        self._check_layouts()
+
+    def check_scheduler(self, name: str) -> None:
+        """Refuse a policy name this config cannot run (unknown, or seesaw with no host tier)."""
+        if name not in SCHEDULERS:
+            raise ValueError(f"EngineConfig.scheduler must be one of {SCHEDULERS}, "
+                             f"got {name!r}")
+        if name == "seesaw" and (self.host_kv_tokens == 0 or (
                 self.host_kv_tokens is None and self.host_kv_gb == 0)):
             raise ValueError("EngineConfig.scheduler='seesaw' buffers finished prefills in the "
                              "host KV tier, which is off (host_kv_gb=0 / host_kv_tokens=0); "
                              "give it room or use scheduler='prefill_first'")
-        if self.compilation_cache_dir is not None:
-            self.compilation_cache_dir = str(Path(self.compilation_cache_dir).expanduser())
-        self._check_layouts()
 
     def _check_layouts(self) -> None:
         """Resolve `prefill` / `decode` to `Layout`s (preset defaults) that fit the mesh."""

@@ -8,7 +8,6 @@ chat / stream and outputs live here; `step()` is the executor's (executor.py):
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import math
@@ -166,7 +165,7 @@ class Engine:
         engine, e.g. to compare policies on the same loaded model."""
         if self.has_unfinished():
             raise RuntimeError("set_scheduler needs an idle engine: requests are in flight")
-        dataclasses.replace(self.config, scheduler=name)  # validates name against the tier
+        self.config.check_scheduler(name)
         self.config.scheduler = name
         self.executor.set_policy(name)
 
