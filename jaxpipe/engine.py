@@ -220,7 +220,7 @@ class Engine:
                 self._requests.pop(rid, None)
             raise
         self._drain(ids, self.config.show_progress if use_tqdm is None else use_tqdm)
-        return [self._pop_output(i) for i in ids]
+        return [self.pop_output(i) for i in ids]
 
     def _drain(self, ids: list[str], progress: bool) -> None:
         """Step until every request in `ids` has finished, with an optional progress bar."""
@@ -245,8 +245,16 @@ class Engine:
         finally:
             bar.close()
 
-    def _pop_output(self, request_id: str) -> RequestOutput:
-        seq = self._requests.pop(request_id)
+    def pop_output(self, request_id: str) -> RequestOutput:
+        """The output of a finished request, which the engine then forgets (as `release`).
+        For callers that drive `add_request` / `step` themselves."""
+        seq = self._requests.get(request_id)
+        if seq is None:
+            raise KeyError(f"no request {request_id!r} in the engine (never added, or its "
+                           "output was already taken)")
+        if not seq.is_finished:
+            raise RuntimeError(f"request {request_id!r} has not finished; step() until it has")
+        del self._requests[request_id]
         stop = seq.extra["stop"]
         text = stop.final_text(seq)
         completion = CompletionOutput(0, text, list(seq.output_token_ids), seq.finish_reason,

@@ -114,7 +114,7 @@ def test_abort_in_the_host_tier_frees_it_and_spares_the_others(engine, reference
     assert victim not in engine.executor.kv.host.entries
     while engine.has_unfinished():
         engine.step()
-    outs = [engine._pop_output(i) for i in ids]
+    outs = [engine.pop_output(i) for i in ids]
     for i, out in zip(ids, outs, strict=True):
         if i == victim:
             assert out.outputs[0].finish_reason == "abort"
