@@ -114,11 +114,14 @@ class EngineConfig:
         directory (config.json + *.safetensors) or an orbax checkpoint made by scripts/convert.py.
     dtype: "bfloat16" (fast on CPU with f32 accumulation) or "float32".
     max_model_len: longest prompt + output, in tokens (default: min(model limit, 2048)).
-    max_num_seqs: sequences decoded together (device KV slots). Default: as many as fit in
-        kv_cache_gb at max_model_len tokens each (a multiple of 32, at most 256).
+    max_num_seqs: sequences on the device at once (decode batch rows). Default: as many as
+        kv_cache_gb holds at max_model_len tokens each (a multiple of 32, at most 256).
     max_num_batched_tokens: token budget of one prefill batch (padded tokens count).
-    kv_cache_gb: size of the device KV store. An explicit max_num_seqs whose slots would not
-        fit raises, saying which knob to change.
+    kv_cache_gb: size of the device KV store, a pool of 16-token blocks shared by the running
+        sequences (each holds the blocks its tokens need). kv_cache_tokens, when given, sets
+        it in tokens instead. When the running sequences grow past it, the scheduler preempts
+        the newest (to the host tier, or to be recomputed). It must hold one max_model_len
+        sequence.
     mesh: a device-topology preset from `meshes/` ("cpu-1", "cpu-8", ...). A cpu-N preset asks
         JAX for N virtual CPU devices when the engine starts.
     prefill, decode: layouts like "pp=4,tp=2" (default: the mesh preset's), or "auto": the
@@ -142,6 +145,7 @@ class EngineConfig:
     max_num_seqs: int | None = None
     max_num_batched_tokens: int = 4096
     kv_cache_gb: float = 8.0
+    kv_cache_tokens: int | None = None
     seed: int = 0
     random_weights: bool = False
     compilation_cache_dir: str | None = field(default_factory=_default_cache_dir)
@@ -175,23 +179,29 @@ class EngineConfig:
         if self.attention not in ATTENTION:
             raise ValueError(f"EngineConfig.attention must be one of {ATTENTION}, "
                              f"got {self.attention!r}")
-        if self.scheduler not in SCHEDULERS:
-            raise ValueError(f"EngineConfig.scheduler must be one of {SCHEDULERS}, "
-                             f"got {self.scheduler!r}")
         if isinstance(self.host_kv_gb, bool) or not (
                 isinstance(self.host_kv_gb, (int, float)) and self.host_kv_gb >= 0):
             raise ValueError(f"EngineConfig.host_kv_gb must be a number >= 0, "
                              f"got {self.host_kv_gb!r}")
         if self.host_kv_tokens is not None:
             _check_int("host_kv_tokens", self.host_kv_tokens, 0, 1 << 40)
-        if self.scheduler == "seesaw" and (self.host_kv_tokens == 0 or (
+        if self.kv_cache_tokens is not None:
+            _check_int("kv_cache_tokens", self.kv_cache_tokens, 1, 1 << 40)
+        self.check_scheduler(self.scheduler)
+        if self.compilation_cache_dir is not None:
+            self.compilation_cache_dir = str(Path(self.compilation_cache_dir).expanduser())
+        self._check_layouts()
+
+    def check_scheduler(self, name: str) -> None:
+        """Refuse a policy name this config cannot run (unknown, or seesaw with no host tier)."""
+        if name not in SCHEDULERS:
+            raise ValueError(f"EngineConfig.scheduler must be one of {SCHEDULERS}, "
+                             f"got {name!r}")
+        if name == "seesaw" and (self.host_kv_tokens == 0 or (
                 self.host_kv_tokens is None and self.host_kv_gb == 0)):
             raise ValueError("EngineConfig.scheduler='seesaw' buffers finished prefills in the "
                              "host KV tier, which is off (host_kv_gb=0 / host_kv_tokens=0); "
                              "give it room or use scheduler='prefill_first'")
-        if self.compilation_cache_dir is not None:
-            self.compilation_cache_dir = str(Path(self.compilation_cache_dir).expanduser())
-        self._check_layouts()
 
     def _check_layouts(self) -> None:
         """Resolve `prefill` / `decode` to `Layout`s (preset defaults) that fit the mesh."""

@@ -8,7 +8,6 @@ chat / stream and outputs live here; `step()` is the executor's (executor.py):
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import math
@@ -57,13 +56,15 @@ class Engine:
         self.model_config, model, self.tokenizer = _load(config, self.dtype, len(devices) > 1)
         self.max_model_len = _max_model_len(config, self.model_config)
         self.layouts = _resolve_layouts(config, self.model_config) if len(devices) > 1 else {}
-        self.max_num_seqs = _max_num_seqs(config, self.model_config, self.max_model_len,
-                                          self.dtype, self.layouts)
+        block_bytes = _block_bytes(self.model_config, self.dtype, self.layouts)
+        self.max_num_seqs = _max_num_seqs(config, self.max_model_len, block_bytes)
+        self.num_blocks = _num_blocks(config, self.max_num_seqs, self.max_model_len,
+                                      block_bytes)
         self.buckets = Buckets.for_engine(self.max_num_seqs, self.max_model_len,
                                           max(config.max_num_batched_tokens, self.max_model_len))
         self.runner = _make_runner(config, self.model_config, model, self.buckets,
                                    self.max_num_seqs, self.max_model_len, self.dtype, devices,
-                                   self.layouts)
+                                   self.layouts, self.num_blocks)
         self._eos = frozenset(self.model_config.eos_token_ids)
         self._seeds = np.random.default_rng(config.seed)
         self._ids = itertools.count()
@@ -166,7 +167,7 @@ class Engine:
         engine, e.g. to compare policies on the same loaded model."""
         if self.has_unfinished():
             raise RuntimeError("set_scheduler needs an idle engine: requests are in flight")
-        dataclasses.replace(self.config, scheduler=name)  # validates name against the tier
+        self.config.check_scheduler(name)
         self.config.scheduler = name
         self.executor.set_policy(name)
 
@@ -221,7 +222,7 @@ class Engine:
                 self._requests.pop(rid, None)
             raise
         self._drain(ids, self.config.show_progress if use_tqdm is None else use_tqdm)
-        return [self._pop_output(i) for i in ids]
+        return [self.pop_output(i) for i in ids]
 
     def _drain(self, ids: list[str], progress: bool) -> None:
         """Step until every request in `ids` has finished, with an optional progress bar."""
@@ -246,8 +247,16 @@ class Engine:
         finally:
             bar.close()
 
-    def _pop_output(self, request_id: str) -> RequestOutput:
-        seq = self._requests.pop(request_id)
+    def pop_output(self, request_id: str) -> RequestOutput:
+        """The output of a finished request, which the engine then forgets (as `release`).
+        For callers that drive `add_request` / `step` themselves."""
+        seq = self._requests.get(request_id)
+        if seq is None:
+            raise KeyError(f"no request {request_id!r} in the engine (never added, or its "
+                           "output was already taken)")
+        if not seq.is_finished:
+            raise RuntimeError(f"request {request_id!r} has not finished; step() until it has")
+        del self._requests[request_id]
         stop = seq.extra["stop"]
         text = stop.final_text(seq)
         completion = CompletionOutput(0, text, list(seq.output_token_ids), seq.finish_reason,
@@ -320,15 +329,16 @@ def _mesh_devices(mesh: MeshPreset) -> list:
 
 def _make_runner(config: EngineConfig, cfg: ModelConfig, model: Llama | Path,
                  buckets: Buckets, num_slots: int, max_len: int, dtype, devices: list,
-                 layouts: dict) -> Runner:
+                 layouts: dict, num_blocks: int) -> Runner:
     """One device: per-layer dispatch (the fast single-device path). More: pipelined layouts.
     `model` is a path when an orbax checkpoint is to be restored straight into shardings."""
     if len(devices) == 1:
-        return Runner(model, buckets, num_slots, max_len, dtype, attention=config.attention)
+        return Runner(model, buckets, num_slots, max_len, dtype, attention=config.attention,
+                      num_blocks=num_blocks)
     weights = model if isinstance(model, Path) else {
         name: getattr(model, name)[...] for name in param_decls(cfg)}
     return LayoutRunner(cfg, weights, buckets, num_slots, max_len, dtype, layouts, devices,
-                        attention=config.attention)
+                        attention=config.attention, num_blocks=num_blocks)
 
 
 def _resolve_layouts(config: EngineConfig, cfg: ModelConfig) -> dict:
@@ -371,29 +381,46 @@ def _max_model_len(config: EngineConfig, cfg: ModelConfig) -> int:
     return config.max_model_len
 
 
-def _max_num_seqs(config: EngineConfig, cfg: ModelConfig, max_len: int, dtype,
-                  layouts: dict) -> int:
-    """KV slots: the configured number, or as many as fit in kv_cache_gb (multiple of 32).
-    On a mesh a slot is counted as stored: with the layers and KV heads the layouts pad to
-    (SmolLM2 on tp=8: 8 KV heads for 3, 32 layers for 30 — 2.8x the unpadded bytes)."""
-    per_slot = device_cache.cache_bytes(cfg, 1, max_len, dtype.itemsize)
+def _block_bytes(cfg: ModelConfig, dtype, layouts: dict) -> int:
+    """Bytes of one KV block (K and V, every layer). On a mesh a block is counted as stored:
+    with the layers and KV heads the layouts pad to (SmolLM2 on tp=8: 8 KV heads for 3, 32
+    layers for 30 — 2.8x the unpadded bytes)."""
     if layouts:
-        shape = sharding.kv_shape(cfg, sharding.plan_padding(cfg, layouts.values()), 1, max_len)
-        per_slot = 2 * math.prod(shape) * dtype.itemsize
-    budget = config.kv_cache_gb * 2**30
-    if config.max_num_seqs is None:
-        fit = int(budget // per_slot)
-        if fit < 1:
-            raise ValueError(f"one sequence of max_model_len={max_len} needs "
-                             f"{per_slot / 2**30:.2f} GiB of KV; raise kv_cache_gb "
-                             f"({config.kv_cache_gb}) or lower max_model_len")
-        return min(256, fit if fit < 32 else fit // 32 * 32)
-    if config.max_num_seqs * per_slot > budget:
-        raise ValueError(
-            f"the device KV store needs {config.max_num_seqs * per_slot / 2**30:.2f} GiB "
-            f"(max_num_seqs={config.max_num_seqs} x max_model_len={max_len}) but kv_cache_gb="
-            f"{config.kv_cache_gb}; lower max_num_seqs or max_model_len, or raise kv_cache_gb")
-    return config.max_num_seqs
+        shape = sharding.kv_shape(cfg, sharding.plan_padding(cfg, layouts.values()), 1)
+        return 2 * math.prod(shape) * dtype.itemsize
+    return device_cache.cache_bytes(cfg, 1, device_cache.BLOCK, dtype.itemsize)
+
+
+def _max_num_seqs(config: EngineConfig, max_len: int, block_bytes: int) -> int:
+    """Sequences on the device at once: the configured number, or as many as the KV store
+    holds at max_model_len tokens each (a multiple of 32, at most 256)."""
+    if config.max_num_seqs is not None:
+        return config.max_num_seqs
+    per_seq = device_cache.blocks_for(max_len) * block_bytes
+    budget = _kv_budget_bytes(config, block_bytes)
+    fit = int(budget // per_seq)
+    return max(1, min(256, fit if fit < 32 else fit // 32 * 32))
+
+
+def _num_blocks(config: EngineConfig, num_seqs: int, max_len: int, block_bytes: int) -> int:
+    """Blocks in the device KV pool: the budget (kv_cache_tokens or kv_cache_gb), at most
+    what num_seqs sequences of max_len could use, at least one max_len sequence."""
+    per_seq = device_cache.blocks_for(max_len)
+    blocks = int(_kv_budget_bytes(config, block_bytes) // block_bytes)
+    if blocks < per_seq:
+        size = (f"kv_cache_tokens={config.kv_cache_tokens}" if config.kv_cache_tokens
+                else f"kv_cache_gb={config.kv_cache_gb}")
+        raise ValueError(f"the device KV store ({size}: {blocks * device_cache.BLOCK} tokens) "
+                         f"cannot hold one sequence of max_model_len={max_len} "
+                         f"({per_seq * block_bytes / 2**30:.2f} GiB); raise it or lower "
+                         "max_model_len")
+    return min(blocks, num_seqs * per_seq)
+
+
+def _kv_budget_bytes(config: EngineConfig, block_bytes: int) -> float:
+    if config.kv_cache_tokens is not None:
+        return device_cache.blocks_for(config.kv_cache_tokens) * block_bytes
+    return config.kv_cache_gb * 2**30
 
 
 def _normalise_prompts(prompts, prompt_token_ids):

@@ -21,6 +21,7 @@ import numpy as np
 from jaxpipe import sampling
 from jaxpipe.buckets import Buckets, round_up
 from jaxpipe.config import EngineConfig
+from jaxpipe.kv.device_cache import BLOCK
 from jaxpipe.kv.manager import KVManager
 from jaxpipe.runner import Runner, SamplingPlan, StepOutput
 from jaxpipe.sampling import SamplingParams
@@ -82,9 +83,12 @@ class Executor:
         the engine thread's time in swap dispatch, inserts and waits; prefetch_seconds the
         prefetcher thread's, which overlaps decode); padding_waste: the fraction of computed
         prefill tokens and decode rows that were padding; host_timeline: [seconds, host tier
-        tokens] at each change."""
+        tokens] at each change; device_kv_peak / device_kv_capacity: tokens of the device KV
+        pool (whole blocks) in use at most / in all; preemptions: sequences evicted from the
+        device (parked, or outgrowing the pool)."""
         s = dict(self._stats)
         host = self.kv.host
+        s["transitions"] = s["to_decode"] + s["to_prefill"]
         s["compile_seconds"] = self.runner.compile_seconds
         s["compiled_shapes"] = len(self.runner.compiled)
         steps = s["decode_steps"]
@@ -97,6 +101,8 @@ class Executor:
         s["swap_seconds"] = self.kv.swap_seconds - self._base["swap"]
         prefetch = self.kv.prefetcher.seconds if self.kv.prefetcher else 0.0
         s["prefetch_seconds"] = prefetch - self._base["prefetch"]
+        s["device_kv_capacity"] = self.runner.num_blocks * BLOCK
+        s["device_kv_peak"] = self.kv.peak_blocks * BLOCK
         s["host_kv_capacity"] = host.capacity
         s["host_kv_peak"] = host.peak
         s["host_timeline"] = [list(p) for p in self._timeline]
@@ -109,6 +115,7 @@ class Executor:
         self._base = {"out": host.bytes_out, "in": host.bytes_in, "swap": self.kv.swap_seconds,
                       "prefetch": self.kv.prefetcher.seconds if self.kv.prefetcher else 0.0}
         host.peak = host.used
+        self.kv.peak_blocks = self.kv.runner.num_blocks - self.kv.free_blocks
         self._t0 = time.perf_counter()
         self._timeline: deque = deque([(0.0, host.used)], maxlen=100_000)
 
@@ -131,7 +138,6 @@ class Executor:
     def _switch(self, phase: str) -> None:
         """Move weights and KV into the layout of `phase` ("prefill" | "decode")."""
         if phase != self.state.phase.value:
-            self._stats["transitions"] += 1
             self._stats[f"to_{phase}"] += 1
         seconds = self.runner.set_phase(phase)
         if seconds is not None:
@@ -161,7 +167,7 @@ class Executor:
                                    f"{info.seq_id!r}) is not supported by the engine")
             seqs.append(self._requests[info.seq_id])
         for seq in seqs:
-            self.kv.allocate(seq)
+            self.kv.allocate(seq, seq.num_tokens)
             seq.status = SequenceStatus.RUNNING
         for group in self._prefill_groups(seqs):
             self._postprocess(group, self._timed("prefill", self._prefill, group))
@@ -185,6 +191,8 @@ class Executor:
             raise RuntimeError(f"decode of {len(action.decode)} sequences, none of them in a "
                                "device slot")
         steps = self._decode_steps(seqs)
+        for seq in seqs:  # blocks for the positions this call writes (num_tokens - 1 on)
+            self.kv.grow(seq, seq.num_tokens - 1 + steps)
         self.step_events.append((time.perf_counter(), "decode_start", len(seqs)))
         out = self._timed("decode", lambda group: self._decode(group, steps), seqs)
         self.step_events.append((time.perf_counter(), "decode_end", len(seqs)))
@@ -203,15 +211,21 @@ class Executor:
 
     def _decode_steps(self, seqs: list[Sequence]) -> int:
         """Tokens per decode call: the runner's `decode_steps`, no more than any sequence can
-        still use, and fewer if a ban (min_tokens) would lift inside the call (the banned ids
-        are fixed for a call)."""
+        still use, fewer if a ban (min_tokens) would lift inside the call (the banned ids
+        are fixed for a call), and no more than the free KV blocks let every sequence write
+        (the scheduler leaves room for one)."""
         steps = min(self.runner.decode_steps,
                     max(s.max_tokens - len(s.output_token_ids) for s in seqs))
         for s in seqs:
             left = s.params.min_tokens - len(s.output_token_ids)
             if left > 0 and s.extra["stop"].banned(len(s.output_token_ids)):
                 steps = min(steps, left)
+        while steps > 1 and self._blocks_needed(seqs, steps) > self.kv.free_blocks:
+            steps -= 1
         return max(steps, 1)
+
+    def _blocks_needed(self, seqs: list[Sequence], steps: int) -> int:
+        return sum(self.kv.blocks_needed(s, s.num_tokens - 1 + steps) for s in seqs)
 
     def _landed(self, seq: Sequence) -> None:
         """A sequence was swapped (back) into a slot: its penalty state follows it."""
@@ -340,14 +354,16 @@ def _record_logprobs(seq: Sequence, out: StepOutput, i: int, token: int) -> None
 def _scheduling(config: EngineConfig, runner: Runner, buckets: Buckets, num_slots: int,
                 max_len: int) -> tuple[SchedulerState, object, KVManager]:
     """The scheduler state and policy, and the KV manager with its host tier."""
-    per_token = sum(x.nbytes for x in jax.tree.leaves(runner.cache)) // (num_slots * max_len)
+    pool_tokens = runner.num_blocks * BLOCK
+    per_token = sum(x.nbytes for x in jax.tree.leaves(runner.cache)) // pool_tokens
     host_tokens = config.host_kv_tokens
     if host_tokens is None:
         host_tokens = int(config.host_kv_gb * 2**30 // per_token)
     # The host tier keeps each sequence rounded up to 1/16 of max_model_len (>= 16 tokens),
     # so its copy programs compile for at most 16 lengths.
     unit = -(-max(16, -(-max_len // 16)) // 16) * 16
-    state = SchedulerState(num_slots * max_len, num_slots, host_tokens, host_unit=unit)
+    state = SchedulerState(pool_tokens, num_slots, host_tokens, host_unit=unit,
+                           device_unit=BLOCK)
     policy = _policy(config.scheduler, config, runner, buckets)
     return state, policy, KVManager(runner, num_slots, host_tokens, state.host_size)
 
@@ -355,7 +371,7 @@ def _scheduling(config: EngineConfig, runner: Runner, buckets: Buckets, num_slot
 def _policy(name: str, config: EngineConfig, runner: Runner, buckets: Buckets):
     """A policy that switches layouts if the runner's two differ and whose prefill batches
     fit the compiled shapes, grouped by padded length."""
-    layouts = getattr(runner, "layouts", {})
+    layouts = runner.layouts
     return make_policy(name, two_layouts=layouts.get("prefill") != layouts.get("decode"),
                        max_prefill_tokens=config.max_num_batched_tokens,
                        batch_fits=buckets.prefill_fits, length_bucket=buckets.prefill_length)
@@ -364,6 +380,6 @@ def _policy(name: str, config: EngineConfig, runner: Runner, buckets: Buckets):
 def _new_stats() -> dict:
     keys = ("prefill_seconds", "decode_seconds", "prefill_steps", "decode_steps", "decode_calls",
             "prefill_tokens", "prefill_padded_tokens", "decode_rows_active", "decode_rows_padded",
-            "generated_tokens", "finished_requests", "transitions", "to_decode", "to_prefill",
+            "generated_tokens", "finished_requests", "to_decode", "to_prefill",
             "reshards", "reshard_seconds", "preemptions")
     return {k: 0 if not k.endswith("seconds") else 0.0 for k in keys}

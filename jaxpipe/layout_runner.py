@@ -6,8 +6,9 @@ program per layer on one device. The weights and the KV store are padded once (s
 `sharding.py`) and live in the current phase's layout; `set_phase` moves both with
 `sharding.reshard` when the phase's layout differs from the one they are in.
 
-The KV store here is stacked, `[L', N, Hkv', S, D]` for K and for V, so that the `layers` axis
-can be split over pipeline stages (each stage holds and writes its own layers' KV).
+The KV block pool here is stacked, `[L', NB, Hkv', BLOCK, D]` for K and for V, so that the
+`layers` axis can be split over pipeline stages (each stage holds and writes its own layers'
+KV); the block table is `Runner`'s, sent with each step.
 
 On a pipelined decode layout (pp > 1) a decode call runs up to `decode_steps` steps in one
 program with the micro-batches kept in flight from step to step, sampling included, so that
@@ -36,6 +37,7 @@ from jaxpipe.runner import (
     Runner,
     SamplingPlan,
     StepOutput,
+    _block_table,
     _reset_penalty_rows,
     _sample,
     _set_penalty_row,
@@ -51,11 +53,11 @@ class Placement:
     """One layout's mesh and the shardings of everything that moves between layouts."""
 
     def __init__(self, cfg: ModelConfig, plan: sharding.PaddingPlan, layout: Layout, devices,
-                 num_slots: int, max_len: int):
+                 num_blocks: int):
         self.layout = layout
         self.mesh = sharding.make_mesh(layout, devices)
         self.params = sharding.param_shardings(cfg, plan, layout, self.mesh)
-        kv = sharding.kv_sharding(cfg, plan, layout, self.mesh, num_slots, max_len)
+        kv = sharding.kv_sharding(cfg, plan, layout, self.mesh, num_blocks)
         self.cache = KVCache(kv, kv)
 
 
@@ -67,11 +69,11 @@ class LayoutRunner(Runner):
     def __init__(self, cfg: ModelConfig, weights: dict | Path, buckets: Buckets, num_slots: int,
                  max_len: int, dtype, layouts: dict[str, Layout], devices,
                  attention: str = "auto", prefill_microbatches_per_stage: int = 2,
-                 decode_steps_per_call: int | None = None):
+                 decode_steps_per_call: int | None = None, num_blocks: int | None = None):
         """`weights`: unpadded weights (name -> host or device array, as `param_decls`), or
         the path of an orbax checkpoint to restore straight into the prefill layout.
         `decode_steps_per_call`: the `decode_steps` the engine asks for (default 1 when the
-        decode layout has pp = 1, else DEFAULT_DECODE_STEPS)."""
+        decode layout has pp = 1, else DEFAULT_DECODE_STEPS). `num_blocks`: as `Runner`."""
         for phase, layout in layouts.items():
             if layout.dp > 1:
                 raise ValueError(f"{phase} layout {layout}: dp > 1 is not supported yet; "
@@ -80,15 +82,16 @@ class LayoutRunner(Runner):
         self.config, self.buckets = cfg, buckets
         self.use_kernel = _use_kernel(attention)
         self.num_slots, self.max_len = num_slots, max_len
+        self.table, self.num_blocks = _block_table(num_slots, max_len, num_blocks)
         self.layouts = dict(layouts)
         self.prefill_microbatches_per_stage = prefill_microbatches_per_stage
         self.plan = sharding.plan_padding(cfg, self.layouts.values())
-        self.placements = {p: Placement(cfg, self.plan, self.layouts[p], devices, num_slots,
-                                        max_len) for p in PHASES}
+        self.placements = {p: Placement(cfg, self.plan, self.layouts[p], devices,
+                                        self.num_blocks) for p in PHASES}
         self.phase = "prefill"
         place = self.placements[self.phase]
         self.params = self._place_weights(weights, dtype)
-        self.cache = _zeros_cache(sharding.kv_shape(cfg, self.plan, num_slots, max_len),
+        self.cache = _zeros_cache(sharding.kv_shape(cfg, self.plan, self.num_blocks),
                                   storage_dtype(dtype), place.cache)
         replicated = NamedSharding(place.mesh, P())
         self.prompt_mask = jax.device_put(np.zeros((num_slots, cfg.vocab_size), bool),
@@ -137,22 +140,23 @@ class LayoutRunner(Runner):
         """Run `prompts` (written into `slots`) padded to `shape`, pipelined over pp
         (`prompt_lens`: as `Runner.prefill`)."""
         tokens, lengths, slot_arr = pack_prompts(prompts, slots, shape, self.num_slots)
-        logits = self.prefill_logits(tokens, lengths, slot_arr)
+        logits = self.prefill_logits(tokens, lengths, self.table_rows(slot_arr))
         if plan.penalties:
             self._reset_penalties(tokens, lengths, slot_arr, prompt_lens)
         return self._sample_host(logits, slot_arr, plan, len(prompts))
 
-    def prefill_logits(self, tokens: np.ndarray, lengths: np.ndarray, slots: np.ndarray,
+    def prefill_logits(self, tokens: np.ndarray, lengths: np.ndarray, table: np.ndarray,
                        microbatches: int | None = None) -> jax.Array:
         """Last-token logits [b, V] of prompts tokens [b, T] (valid up to lengths [b]), their
-        K/V written into slots [b]. Default micro-batches: up to 2 per stage (pp > 1)."""
+        K/V written into the blocks of table [b, MB] (`table_rows`). Default micro-batches:
+        up to 2 per stage (pp > 1)."""
         b, t = tokens.shape
         pp = self.layout.pp
         most = pp * self.prefill_microbatches_per_stage if pp > 1 else 1
         m = microbatches or pipeline.microbatches(b, most)
         fn = self._program("prefill", m)
         logits, self.cache = self._once((self.phase, "prefill", b, t, m), fn, self.params,
-                                        self.cache, tokens, lengths, slots)
+                                        self.cache, tokens, lengths, table)
         return logits
 
     def decode(self, tokens: np.ndarray, positions: np.ndarray, active: np.ndarray,
@@ -176,17 +180,19 @@ class LayoutRunner(Runner):
         lengths = np.where(active, positions + 1, 0).astype(np.int32)
         longest = int(lengths.max()) if active.any() else 1
         kv_len = round_up(min(longest + steps - 1, self.max_len), self.buckets.kv_len)
+        table = self.table_rows(np.arange(rows))
         if steps == 1 and self.layout.pp == 1:
-            logits = self.decode_logits(tokens, positions, lengths, kv_len)
+            logits = self.decode_logits(tokens, positions, lengths, kv_len, table)
             return self._sample_host(logits, np.arange(rows, dtype=np.int32), plan, rows)
-        out = self.decode_multistep(tokens, positions, lengths, steps, plan, kv_len)
+        out = self.decode_multistep(tokens, positions, lengths, steps, plan, kv_len, table)
         return _steps_to_host(out, plan.num_logprobs, rows, steps)
 
     def decode_multistep(self, tokens: np.ndarray, positions: np.ndarray,
                             lengths: np.ndarray, steps: int, plan: SamplingPlan,
-                            kv_len: int) -> pipeline.DecodeSteps:
+                            kv_len: int, table: np.ndarray) -> pipeline.DecodeSteps:
         """`steps` decode steps of slots 0..B-1 as one program (device results, leading axis
-        max(steps, decode_steps)); lengths [B] = positions + 1, 0 for idle rows. Records the
+        max(steps, decode_steps)); lengths [B] = positions + 1, 0 for idle rows (they write
+        no KV); table [B, MB] their blocks (`table_rows`). Records the
         ticks in which each stage worked on a real micro-batch in `decode_busy` (left on the
         device) and the program's ticks in `decode_ticks`."""
         rows, pp = len(tokens), self.layout.pp
@@ -197,25 +203,27 @@ class LayoutRunner(Runner):
         key = (self.phase, "decode_steps", rows, kv_len, max_steps, plan.tensors.banned.shape)
         out, self.cache, self.out_counts = self._once(
             key, fn, self.params, self.cache, self.prompt_mask, self.out_counts, tokens,
-            positions, lengths, np.int32(steps), plan.tensors, switch, kv_len=kv_len)
+            positions, lengths, table, np.int32(steps), plan.tensors, switch, kv_len=kv_len)
         self.decode_busy = out.busy
         self.decode_ticks = pipeline.interleaved_ticks(steps, m, pp)
         return out
 
     def decode_logits(self, tokens: np.ndarray, positions: np.ndarray, lengths: np.ndarray,
-                      kv_len: int) -> jax.Array:
-        """Logits [B, V] of one decode step for slots 0..B-1 (lengths 0: idle rows), attending
-        over the first kv_len cache positions."""
+                      kv_len: int, table: np.ndarray) -> jax.Array:
+        """Logits [B, V] of one decode step for the rows of table [B, MB] (lengths 0: idle
+        rows, which write no KV), attending over their first kv_len positions."""
         rows = len(tokens)
         fn = self._program("decode", pipeline.microbatches(rows, self.layout.pp))
         logits, self.cache = self._once((self.phase, "decode", rows, kv_len), fn, self.params,
-                                        self.cache, tokens, positions, lengths, kv_len=kv_len)
+                                        self.cache, tokens, positions, lengths, table,
+                                        kv_len=kv_len)
         return logits
 
     def kv_extract(self, slot: int, length: int) -> list[jax.Array]:
         """Positions 0..length-1 of `slot`: K and V, each [L', Hkv', length, D], in the current
         layout's shards (layers over pp, heads over tp)."""
-        return list(device_cache.read_slot(self.cache, slot, length=length, slot_axis=1))
+        return list(device_cache.read_blocks(self.cache, self.table[slot], length=length,
+                                             block_axis=1))
 
     def kv_staging(self, length: int) -> list:
         """The current layout's shardings for `kv_extract`'s arrays: a sequence swapped in
@@ -227,7 +235,8 @@ class LayoutRunner(Runner):
     def kv_insert(self, slot: int, arrays: list[jax.Array]) -> None:
         """Write arrays from `kv_extract` (of any slot, any layout) into `slot`."""
         staged = KVCache(*jax.device_put(arrays, self.kv_staging(arrays[0].shape[2])))
-        self.cache = device_cache.write_slot(self.cache, slot, staged, slot_axis=1)
+        self.cache = device_cache.write_blocks(self.cache, self.table[slot], staged,
+                                               block_axis=1)
 
     def decode_shapes(self) -> list[tuple[int, int]]:
         """(batch, KV length) shapes a decode step compiles for: the pipeline's attention

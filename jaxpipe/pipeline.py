@@ -5,11 +5,13 @@ is spelled out: each device holds its stage's layers (`layers` split over pp) an
 heads / mlp columns (split over tp). M micro-batches pass through pp stages in M + pp - 1
 ticks; after each tick the activations move one stage on with `lax.ppermute`. A stage with no
 micro-batch in a tick (pipeline fill and drain: the bubble) computes on garbage and writes its
-KV to an out-of-range slot, which the scatter drops. Each stage writes only its own layers' KV.
+KV to an out-of-range block, which the scatter drops. Each stage writes only its own layers' KV.
 With pp = 1 and M = 1 this is the plain forward (one tick).
 
 Prefill and decode differ only in the stage function; embedding and logits run outside the
-pipeline, partitioned by XLA from the weights' shardings (vocab split over tp).
+pipeline, partitioned by XLA from the weights' shardings (vocab split over tp). The KV store
+is a stacked block pool `[layers, blocks, kv_heads, BLOCK, head_dim]` addressed through block
+tables (`kv/device_cache.py`); a row with no block at a position writes nothing there.
 
 Multi-step decode (`multistep_decode_program`) closes the per-step bubble: the last stage turns
 each micro-batch's output into its next token (logits, sampling, embedding: `shard_head.py`)
@@ -32,22 +34,33 @@ from jax.sharding import PartitionSpec as P
 from jaxpipe import shard_head, sharding
 from jaxpipe.config import ModelConfig
 from jaxpipe.kernels import decode_attention as attention_kernel
-from jaxpipe.kv.device_cache import KVCache, from_storage, to_storage
+from jaxpipe.kv.device_cache import (
+    OUT_OF_RANGE,
+    KVCache,
+    from_storage,
+    gather,
+    locate,
+    locate_span,
+    to_storage,
+)
 from jaxpipe.layout import Layout
 from jaxpipe.model import llama
 from jaxpipe.model.llama import LAYER_PARAMS, HeadParams, LayerParams, param_decls
 
 
-def attend_decode(q, k, v, lengths, kernel: bool = False):
+def attend_decode(q, k, v, lengths, table, layer, kv_len: int, kernel: bool = False):
     """Decode attention, called inside `shard_map` (every array is this device's shard: its
-    heads and its rows), so the C++ kernel (a custom call XLA cannot partition) works here.
+    heads, its layers), so the C++ kernel (a custom call XLA cannot partition) works here.
 
-    q [B, H, D] f32; k, v [B, Hkv, S, D] in the cache's storage dtype (uint16 for bf16);
-    lengths [B] i32: keys 0..length-1 are attended, 0 marks an idle row (output zeros).
-    Returns [B, H, D] f32. H is a multiple of Hkv (GQA). `kernel`: use the C++ kernel."""
+    q [B, H, D] f32; k, v [Ls, NB, Hkv, BLOCK, D] block pools in the cache's storage dtype
+    (uint16 for bf16), read at layer `layer` (traced); table [B, MB]; lengths [B] i32: keys
+    0..length-1 (<= kv_len) are attended, 0 marks an idle row (output zeros). Returns
+    [B, H, D] f32. H is a multiple of Hkv (GQA). `kernel`: the C++ kernel, which reads the
+    pool in place; else each row's first kv_len positions are gathered."""
     if kernel:
-        return attention_kernel.decode_attention(q, k, v, lengths)
-    out = llama.decode_attention(q, from_storage(k), from_storage(v), lengths - 1)
+        return attention_kernel.decode_attention(q, k, v, lengths, table, layer)
+    kr, vr = gather(k[layer], table, kv_len), gather(v[layer], table, kv_len)
+    out = llama.decode_attention(q, from_storage(kr), from_storage(vr), lengths - 1)
     return jnp.where((lengths > 0)[:, None, None], out, 0.0)
 
 
@@ -139,18 +152,20 @@ def interleaved_ticks(steps: int, microbatches: int, num_stages: int) -> int:
     return (steps - 1) * num_stages + microbatches + num_stages - 1
 
 
-def prefill_stage(cfg: ModelConfig, layers: LayerParams, x, slots, cache: KVCache, reduce):
+def prefill_stage(cfg: ModelConfig, layers: LayerParams, x, table, cache: KVCache, reduce):
     """This stage's layers over whole prompts x [b, T, E]; K/V of positions 0..T-1 go into
-    `slots` [b] (out-of-range slots are dropped). cache: [Ls, N, Hkv, S, D] each."""
+    the blocks of table [b, MB] (out-of-range blocks are dropped). cache: [Ls, NB, Hkv,
+    BLOCK, D] each."""
     t = x.shape[1]
     positions = jnp.arange(t, dtype=jnp.int32)[None, :]  # [1, T]
+    blocks, offsets = locate_span(table, t)  # [b, T], [T]
 
     def layer(carry, inputs):
         x, k, v = carry
         p, j = inputs
         q, kn, vn = llama.qkv(cfg, p, x, positions)  # [b, T, H|Hkv, D]
-        k = k.at[j, slots, :, :t].set(to_storage(kn.transpose(0, 2, 1, 3), k), mode="drop")
-        v = v.at[j, slots, :, :t].set(to_storage(vn.transpose(0, 2, 1, 3), v), mode="drop")
+        k = k.at[j, blocks, :, offsets].set(to_storage(kn, k), mode="drop")
+        v = v.at[j, blocks, :, offsets].set(to_storage(vn, v), mode="drop")
         x = llama.attn_out_mlp(cfg, p, x, llama.causal_attention(q, kn, vn), reduce)
         return (x, k, v), None
 
@@ -160,24 +175,22 @@ def prefill_stage(cfg: ModelConfig, layers: LayerParams, x, slots, cache: KVCach
     return x, KVCache(k, v)
 
 
-def decode_stage(cfg: ModelConfig, layers: LayerParams, x, positions, lengths, start, rows,
+def decode_stage(cfg: ModelConfig, layers: LayerParams, x, positions, lengths, table, writes,
                  cache: KVCache, kv_len: int, reduce, kernel: bool = False):
-    """This stage's layers for one token of rows start..start+b-1: x [b, E], positions [b],
-    lengths [b] (0: idle row). K/V are written at `rows` [b] (out of range: dropped) and
-    attention reads the first kv_len positions of rows start.."""
-    b = x.shape[0]
-    _, _, hkv, _, d = cache.k.shape
+    """This stage's layers for one token of the rows of table [b, MB]: x [b, E], positions
+    [b], lengths [b] (0: idle row; attention reads each row's first `lengths` <= kv_len
+    positions). K/V are written at `positions` through `writes` [b, MB], the table with the
+    rows that must write nothing (idle, bubble) out of range."""
+    blocks, offsets = locate(writes, positions)
 
     def layer(carry, inputs):
         x, k, v = carry
         p, j = inputs
         q, kn, vn = llama.qkv(cfg, p, x, positions)  # [b, H|Hkv, D]
-        k = k.at[j, rows, :, positions].set(to_storage(kn, k), mode="drop")
-        v = v.at[j, rows, :, positions].set(to_storage(vn, v), mode="drop")
-        window = (1, b, hkv, kv_len, d)
-        kr = lax.dynamic_slice(k, (j, start, 0, 0, 0), window)[0]  # [b, Hkv, kv_len, D]
-        vr = lax.dynamic_slice(v, (j, start, 0, 0, 0), window)[0]
-        x = llama.attn_out_mlp(cfg, p, x, attend_decode(q, kr, vr, lengths, kernel), reduce)
+        k = k.at[j, blocks, :, offsets].set(to_storage(kn, k), mode="drop")
+        v = v.at[j, blocks, :, offsets].set(to_storage(vn, v), mode="drop")
+        attn = attend_decode(q, k, v, lengths, table, j, kv_len, kernel)
+        x = llama.attn_out_mlp(cfg, p, x, attn, reduce)
         return (x, k, v), None
 
     # Unrolled: XLA CPU runs the rolled decode loop 2-4x slower (SmolLM2 bf16, 16 rows,
@@ -199,35 +212,36 @@ def _split(params: dict) -> tuple[LayerParams, HeadParams]:
     return LayerParams(*(params[n] for n in LAYER_PARAMS)), head
 
 
-def _staged(cfg: ModelConfig, layout: Layout, mesh, body):
+def _staged(cfg: ModelConfig, layout: Layout, mesh, body, num_inputs: int):
+    """shard_map of body(reduce, layers, *inputs (replicated), cache) over the mesh."""
     layer_specs, cache_specs = _specs(cfg, layout)
     reduce = partial(lax.psum, axis_name="tp") if layout.tp > 1 else None
     return jax.shard_map(partial(body, reduce), mesh=mesh, check_vma=False,
-                         in_specs=(layer_specs, P(), P(), P(), cache_specs),
+                         in_specs=(layer_specs, *[P()] * num_inputs, cache_specs),
                          out_specs=(P(), cache_specs))
 
 
 def prefill_program(cfg: ModelConfig, layout: Layout, mesh, vocab: int, microbatches: int):
-    """jit(params, cache, tokens [b, T], lengths [b], slots [b]) -> (logits [b, vocab], cache).
+    """jit(params, cache, tokens [b, T], lengths [b], table [b, MB]) -> (logits [b, vocab],
+    cache).
 
     The b prompts flow as `microbatches` micro-batches; `vocab` cuts off padded logits."""
-    def body(reduce, layers, xs, slots, lengths, cache):
-        n = cache.k.shape[1]
-
+    def body(reduce, layers, xs, table, lengths, cache):
         def stage_fn(x, m, valid, cache):
-            return prefill_stage(cfg, layers, x, jnp.where(valid, slots[m], n), cache, reduce)
+            return prefill_stage(cfg, layers, x, jnp.where(valid, table[m], OUT_OF_RANGE),
+                                 cache, reduce)
 
         return gpipe(stage_fn, xs, cache, num_stages=layout.pp,
                      readout=lambda y, m: llama.last_positions(y, lengths[m]))
 
-    staged = _staged(cfg, layout, mesh, body)
+    staged = _staged(cfg, layout, mesh, body, 3)
 
-    def prefill(params, cache, tokens, lengths, slots):
+    def prefill(params, cache, tokens, lengths, table):
         layers, head = _split(params)
         b, t = tokens.shape
         mb = (microbatches, b // microbatches)
         xs = llama.embed(head, tokens).reshape(*mb, t, -1)  # [M, b/M, T, E]
-        last, cache = staged(layers, xs, slots.reshape(mb), lengths.reshape(mb), cache)
+        last, cache = staged(layers, xs, table.reshape(*mb, -1), lengths.reshape(mb), cache)
         return llama.logits(cfg, head, last.reshape(b, -1))[:, :vocab], cache
 
     return jax.jit(prefill, donate_argnames="cache")
@@ -235,25 +249,25 @@ def prefill_program(cfg: ModelConfig, layout: Layout, mesh, vocab: int, microbat
 
 def decode_program(cfg: ModelConfig, layout: Layout, mesh, vocab: int, microbatches: int,
                    kernel: bool = False):
-    """jit(params, cache, tokens [B], positions [B], lengths [B], kv_len=static)
-    -> (logits [B, vocab], cache). Rows are slots 0..B-1, split into `microbatches`
-    contiguous micro-batches that flow through the stages. `kernel`: C++ decode attention."""
-    def body(kv_len, reduce, layers, xs, positions, lengths, cache):
-        n, b = cache.k.shape[1], xs.shape[1]
-
+    """jit(params, cache, tokens [B], positions [B], lengths [B], table [B, MB],
+    kv_len=static) -> (logits [B, vocab], cache). The rows (of `table`; idle rows: lengths 0,
+    they write no KV) are split into `microbatches` contiguous micro-batches that flow
+    through the stages. `kernel`: C++ decode attention."""
+    def body(kv_len, reduce, layers, xs, positions, lengths, table, cache):
         def stage_fn(x, m, valid, cache):
-            rows = jnp.where(valid, m * b + jnp.arange(b), n)
-            return decode_stage(cfg, layers, x, positions[m], lengths[m], m * b, rows, cache,
-                                kv_len, reduce, kernel)
+            writes = jnp.where((valid & (lengths[m] > 0))[:, None], table[m], OUT_OF_RANGE)
+            return decode_stage(cfg, layers, x, positions[m], lengths[m], table[m], writes,
+                                cache, kv_len, reduce, kernel)
 
         return gpipe(stage_fn, xs, cache, num_stages=layout.pp, readout=lambda y, m: y)
 
-    def decode(params, cache, tokens, positions, lengths, kv_len):
+    def decode(params, cache, tokens, positions, lengths, table, kv_len):
         layers, head = _split(params)
         mb = (microbatches, tokens.shape[0] // microbatches)
-        staged = _staged(cfg, layout, mesh, partial(body, kv_len))
+        staged = _staged(cfg, layout, mesh, partial(body, kv_len), 4)
         xs = llama.embed(head, tokens).reshape(*mb, -1)  # [M, B/M, E]
-        out, cache = staged(layers, xs, positions.reshape(mb), lengths.reshape(mb), cache)
+        out, cache = staged(layers, xs, positions.reshape(mb), lengths.reshape(mb),
+                            table.reshape(*mb, -1), cache)
         return llama.logits(cfg, head, out.reshape(tokens.shape[0], -1))[:, :vocab], cache
 
     return jax.jit(decode, static_argnames="kv_len", donate_argnames="cache")
@@ -272,10 +286,11 @@ class DecodeSteps(NamedTuple):
 def multistep_decode_program(cfg: ModelConfig, layout: Layout, mesh, vocab: int,
                              microbatches: int, max_steps: int, kernel: bool = False):
     """jit(params, cache, prompt_mask [N, V], out_counts [N, V], tokens [B], positions [B],
-    lengths [B], steps [] i32, tensors: SamplingTensors [B], switch: SamplerSwitch,
-    kv_len=static) -> (DecodeSteps, cache, out_counts).
+    lengths [B], table [B, MB], steps [] i32, tensors: SamplingTensors [B],
+    switch: SamplerSwitch, kv_len=static) -> (DecodeSteps, cache, out_counts).
 
-    `steps` (1..max_steps) decode steps for slots 0..B-1 in one program, as `microbatches`
+    `steps` (1..max_steps) decode steps for slots 0..B-1 (their KV in the blocks of `table`)
+    in one program, as `microbatches`
     (<= pp) contiguous micro-batches kept in flight (`interleave`). Step k of a row is at
     position positions + k and attends over min(that + 1, kv_len) keys; idle rows (lengths
     0) attend over none and write no KV. KV writes past the cache's end are dropped (such a
@@ -283,7 +298,7 @@ def multistep_decode_program(cfg: ModelConfig, layout: Layout, mesh, vocab: int,
     `steps` calls of `runner._sample`: each row's RNG step is tensors.step + k and the
     penalty counts grow with every token; `banned` holds for the whole call. out_counts
     (donated) gets the sampled tokens when penalties are on."""
-    def decode(params, cache, prompt_mask, out_counts, tokens, positions, lengths, steps,
+    def decode(params, cache, prompt_mask, out_counts, tokens, positions, lengths, table, steps,
                tensors, switch, kv_len):
         layers, head = _split(params)
         b = tokens.shape[0]
@@ -291,9 +306,9 @@ def multistep_decode_program(cfg: ModelConfig, layout: Layout, mesh, vocab: int,
         staged = _multistep_staged(cfg, layout, mesh, vocab, max_steps, kv_len, kernel)
         xs = split(llama.embed(head, tokens))  # [M, B/M, E]
         penalty_rows = (split(prompt_mask[:b]), split(out_counts[:b]))  # [M, B/M, V] each
-        outs, busy, cache = staged(layers, head, xs, split(positions), split(lengths), steps,
-                                   jax.tree.map(split, tensors), switch, *penalty_rows,
-                                   cache)
+        outs, busy, cache = staged(layers, head, xs, split(positions), split(lengths),
+                                   split(table), steps, jax.tree.map(split, tensors), switch,
+                                   *penalty_rows, cache)
         outs = jax.tree.map(lambda o: o.reshape(max_steps, b, *o.shape[3:]), outs)
         out_counts = _add_counts(out_counts, outs.tokens, steps, switch.penalties)
         return DecodeSteps(*outs, busy), cache, out_counts
@@ -324,9 +339,10 @@ def _multistep_staged(cfg: ModelConfig, layout: Layout, mesh, vocab: int, max_st
                               for n in ("embed", "final_norm", "lm_head")))
     reduce = partial(lax.psum, axis_name="tp") if layout.tp > 1 else None
 
-    def body(layers, head, xs, positions, lengths, steps, tensors, switch, prompt_mask,
+    def body(layers, head, xs, positions, lengths, table, steps, tensors, switch, prompt_mask,
              out_counts, cache):
-        stage_fn = _decode_stage_fn(cfg, layers, positions, lengths, kv_len, reduce, kernel)
+        stage_fn = _decode_stage_fn(cfg, layers, positions, lengths, table, kv_len, reduce,
+                                    kernel)
         head_fn = _sample_head_fn(cfg, layout, vocab, head, tensors, switch, prompt_mask,
                                   out_counts)
         b = xs.shape[1]
@@ -338,22 +354,21 @@ def _multistep_staged(cfg: ModelConfig, layout: Layout, mesh, vocab: int, max_st
         return outs, busy[None], cache
 
     return jax.shard_map(body, mesh=mesh, check_vma=False,
-                         in_specs=(layer_specs, head_specs, *[P()] * 8, cache_specs),
+                         in_specs=(layer_specs, head_specs, *[P()] * 9, cache_specs),
                          out_specs=(P(), P("pp"), cache_specs))
 
 
-def _decode_stage_fn(cfg: ModelConfig, layers: LayerParams, positions, lengths, kv_len: int,
-                     reduce, kernel: bool):
+def _decode_stage_fn(cfg: ModelConfig, layers: LayerParams, positions, lengths, table,
+                     kv_len: int, reduce, kernel: bool):
     """`interleave`'s stage_fn: this stage's layers on micro-batch m at step k. positions,
-    lengths [M, b] at the call's start; the cache is the state."""
+    lengths [M, b], table [M, b, MB] at the call's start; the cache is the state."""
     def stage_fn(x, m, k, valid, cache):
-        n, b = cache.k.shape[1], x.shape[0]
-        # Idle rows (lengths 0) write no KV: their slots are left exactly as they were.
-        rows = jnp.where(valid & (lengths[m] > 0), m * b + jnp.arange(b), n)
+        # Idle rows (lengths 0) write no KV: their blocks are left exactly as they were.
+        writes = jnp.where((valid & (lengths[m] > 0))[:, None], table[m], OUT_OF_RANGE)
         pos = positions[m] + k
         keys = jnp.where(lengths[m] > 0, jnp.minimum(pos + 1, kv_len), 0)
-        return decode_stage(cfg, layers, x, pos, keys, m * b, rows, cache, kv_len, reduce,
-                            kernel)
+        return decode_stage(cfg, layers, x, pos, keys, table[m], writes, cache, kv_len,
+                            reduce, kernel)
 
     return stage_fn
 

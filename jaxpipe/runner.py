@@ -2,12 +2,15 @@
 
 A step is dispatched one layer at a time, each piece a small jitted program compiled once per
 static shape (see `buckets.py`):
-  prefill: embed [b, T] -> per layer: attention + MLP, K/V written into the slots -> logits
+  prefill: embed [b, T] -> per layer: attention + MLP, K/V written into the rows' KV blocks
+           -> logits
   decode:  embed [B] -> per layer: qkv + K/V write, attention, out + MLP -> logits -> sample
-Decode attention is the C++ kernel of `kernels/decode_attention.py` where it builds (CPU): each
-row reads only its own positions, so one program per batch bucket serves every KV length. The
-XLA fallback (other backends, no compiler) attends per block of `attn_block` rows over *that
-block's* KV-length bucket and skips empty blocks. Per layer, because compiling a one-layer
+The KV store is a block pool addressed through the runner's block table (one row per slot;
+`kv/device_cache.py`); each step sends the table rows of its batch. Decode attention is the
+C++ kernel of `kernels/decode_attention.py` where it builds (CPU): each row reads only its own
+positions, block by block, so one program per batch bucket serves every KV length. The XLA
+fallback (other backends, no compiler) gathers each group of `attn_block` rows' blocks up to
+*that group's* KV-length bucket and skips empty groups. Per layer, because compiling a one-layer
 program costs ~1/30 of a whole-model one. Dispatch costs ~0.1 ms per program, small next to a
 step (~100s of ms). Each layer's KV buffer and the penalty state are donated (updated in place).
 """
@@ -53,23 +56,22 @@ class SamplingPlan:
     num_logprobs: int | None  # None: no logprobs this step
 
 
-def _attend_into(out, q, cache, positions, *, start: int, kv_len: int, rows: int):
-    """Attention for rows start..start+rows-1, written into out [B, H, D] (donated).
-
-    `start` is static: a static slice of the cache feeds the attention dots directly, where a
-    dynamic one is first copied out (19.1 vs 10.1 ms for 32 rows x 512 positions, measured)."""
+def _attend_into(out, q, cache, positions, table, *, start: int, kv_len: int, rows: int):
+    """Attention for rows start..start+rows-1 (table [B, MB]), written into out [B, H, D]
+    (donated)."""
     qb = jax.lax.dynamic_slice_in_dim(q, start, rows)  # [R, H, D]
     pb = jax.lax.dynamic_slice_in_dim(positions, start, rows)  # [R]
-    attn = llama.attend_rows(qb, cache, pb, start, kv_len)
+    tb = jax.lax.dynamic_slice_in_dim(table, start, rows)  # [R, MB]
+    attn = llama.attend_rows(qb, cache, pb, tb, kv_len)
     return jax.lax.dynamic_update_slice_in_dim(out, attn, start, 0)
 
 
-def _decode_layer(cfg, p, x, positions, lengths, cache):
+def _decode_layer(cfg, p, x, positions, lengths, table, cache):
     """One layer of a decode step with the attention kernel: x [B, E] -> x [B, E]; the
-    layer's cache (donated) gets each row's new K/V at `positions`, then rows attend over
-    their first `lengths` positions (0 for idle rows)."""
-    q, cache = llama.decode_qkv(cfg, p, x, positions, cache)
-    attn = attention_kernel.decode_attention(q, cache.k, cache.v, lengths)
+    layer's cache (donated) gets each row's new K/V at `positions` in its blocks (table
+    [B, MB]), then rows attend over their first `lengths` positions (0 for idle rows)."""
+    q, cache = llama.decode_qkv(cfg, p, x, positions, table, cache)
+    attn = attention_kernel.decode_attention(q, cache.k, cache.v, lengths, table)
     return llama.attn_out_mlp(cfg, p, x, attn), cache
 
 
@@ -112,10 +114,16 @@ def _reset_penalty_rows(prompt_mask, out_counts, tokens, lengths, prompt_lens, s
 
 
 class Runner:
-    """Device state (weights, KV slots, penalty counts) and the compiled pieces of a step."""
+    """Device state (weights, the KV block pool and its block table, penalty counts) and the
+    compiled pieces of a step.
+
+    A slot is a batch row: sequence state kept per row (penalty counts, the block-table row).
+    The KV itself is in blocks of the pool (`kv/device_cache.py`). Until someone assigns
+    blocks with `set_blocks`, slot s owns blocks s*MB..s*MB+MB-1 (the dense layout)."""
 
     def __init__(self, model: Llama, buckets: Buckets, num_slots: int, max_len: int, dtype,
-                 attention: str = "auto", attn_block: int = 32):
+                 attention: str = "auto", attn_block: int = 32, num_blocks: int | None = None):
+        """`num_blocks`: the pool's size (default: num_slots * MB, MB = blocks of max_len)."""
         cfg = self.config = model.config
         self.use_kernel = _use_kernel(attention)
         self.buckets = buckets
@@ -123,7 +131,8 @@ class Runner:
         self.attn_block = attn_block
         self.head = model.head()
         self.layers = [model.layer(i) for i in range(cfg.num_layers)]
-        self.cache = list(device_cache.allocate(cfg, num_slots, max_len, dtype))
+        self.table, self.num_blocks = _block_table(num_slots, max_len, num_blocks)
+        self.cache = list(device_cache.allocate(cfg, self.num_blocks, dtype))
         vocab = cfg.vocab_size
         self.prompt_mask = jnp.zeros((num_slots, vocab), bool)  # [N, V]
         self.out_counts = jnp.zeros((num_slots, vocab), jnp.int32)  # [N, V]
@@ -144,6 +153,7 @@ class Runner:
         self.compiled: set[tuple] = set()
         self.compile_seconds = 0.0
         self.decode_steps = 1  # steps per decode call the engine should ask for
+        self.layouts: dict = {}  # phase -> Layout; one device has none, both phases run here
 
     def set_phase(self, phase: str) -> float | None:
         """One device has one layout: nothing ever moves (see `LayoutRunner.set_phase`)."""
@@ -157,8 +167,9 @@ class Runner:
         tokens, lengths, slot_arr = pack_prompts(prompts, slots, shape, self.num_slots)
         key = ("prefill", b, t)
         x = self._embed(self.head, tokens)
+        table = jnp.asarray(self.table_rows(slot_arr))
         for i, p in enumerate(self.layers):
-            x, self.cache[i] = self._once(key, self._prefill_layer, p, x, self.cache[i], slot_arr)
+            x, self.cache[i] = self._once(key, self._prefill_layer, p, x, self.cache[i], table)
         logits = self._once(key + ("logits",), self._prefill_logits, self.head, x, lengths)
         if plan.penalties:
             self._reset_penalties(tokens, lengths, slot_arr, prompt_lens)
@@ -173,15 +184,18 @@ class Runner:
             raise ValueError(f"the single-device runner decodes one step per call "
                              f"(decode_steps = 1), got steps={steps}")
         x = self._embed(self.head, tokens)
+        # Idle rows get no blocks: they write no KV. On the device once per step, not once
+        # per layer call (30 transfers each).
+        table = jnp.asarray(self.table_rows(np.where(active, np.arange(len(tokens)),
+                                                     self.num_slots)))
         if self.use_kernel:
-            # On the device once per step, not once per layer call (30 transfers each).
             lengths = jnp.asarray(np.where(active, positions + 1, 0).astype(np.int32))
             positions = jnp.asarray(positions)
             for i, p in enumerate(self.layers):
                 x, self.cache[i] = self._once(("decode", len(tokens)), self._decode_layer, p, x,
-                                              positions, lengths, self.cache[i])
+                                              positions, lengths, table, self.cache[i])
         else:
-            x = self._decode_layers_xla(x, positions, active)
+            x = self._decode_layers_xla(x, positions, active, table)
         logits = self._once(("logits", len(tokens)), self._logits, self.head, x)
         return self._sample_host(logits, np.arange(len(tokens), dtype=np.int32), plan,
                                  len(tokens))
@@ -204,9 +218,28 @@ class Runner:
         self.prompt_mask, self.out_counts = self._set_penalties(
             self.prompt_mask, self.out_counts, slot, mask, counts)
 
+    def set_blocks(self, slot: int, blocks: list[int]) -> None:
+        """Give `slot`'s sequence these pool blocks, in position order (the rest of its
+        table row: none)."""
+        if len(blocks) > self.table.shape[1]:
+            raise ValueError(f"{len(blocks)} blocks for slot {slot}, at most "
+                             f"{self.table.shape[1]} fit max_len {self.max_len}")
+        # A new table, never the old one changed in place: arrays given to a dispatched step
+        # (or views of them) may still be read after this returns (zero-copy on CPU).
+        table = self.table.copy()
+        table[slot] = device_cache.OUT_OF_RANGE
+        table[slot, :len(blocks)] = blocks
+        self.table = table
+
+    def table_rows(self, slots: np.ndarray) -> np.ndarray:
+        """Block-table rows of `slots` [b] (an out-of-range slot: a row of no blocks)."""
+        none = np.full((1, self.table.shape[1]), device_cache.OUT_OF_RANGE, np.int32)
+        return np.concatenate([self.table, none])[np.minimum(slots, self.num_slots)]
+
     def kv_extract(self, slot: int, length: int) -> list[jax.Array]:
         """Positions 0..length-1 of `slot`: per layer K, V, each [Hkv, length, D]."""
-        return jax.tree.leaves(device_cache.read_slot(self.cache, slot, length=length))
+        return jax.tree.leaves(device_cache.read_blocks(self.cache, self.table[slot],
+                                                        length=length))
 
     def kv_staging(self, length: int) -> list | None:
         """Where `kv_extract`'s arrays go to be inserted (None: this runner's one device)."""
@@ -215,7 +248,7 @@ class Runner:
     def kv_insert(self, slot: int, arrays: list[jax.Array]) -> None:
         """Write arrays from `kv_extract` (of any slot) into `slot`."""
         values = jax.tree.unflatten(jax.tree.structure(self.cache), arrays)
-        self.cache = device_cache.write_slot(self.cache, slot, values)
+        self.cache = device_cache.write_blocks(self.cache, self.table[slot], values)
 
     def decode_shapes(self) -> list[tuple[int, int | None]]:
         """(batch, KV length) shapes a decode step compiles for; KV length None with the
@@ -223,15 +256,15 @@ class Runner:
         kv = [None] if self.use_kernel else list(self.buckets.kv_len)
         return [(b, n) for b in self.buckets.decode_batch for n in kv]
 
-    def _decode_layers_xla(self, x, positions, active):
+    def _decode_layers_xla(self, x, positions, active, table):
         blocks = self.attention_blocks(positions, active)
         for i, p in enumerate(self.layers):
             q, self.cache[i] = self._once(("qkv", len(positions)), self._decode_qkv, p, x,
-                                          positions, self.cache[i])
+                                          positions, table, self.cache[i])
             attn = jnp.zeros_like(q)
             for start, rows, kv_len in blocks:
                 attn = self._once(("attend", start, rows, kv_len), self._attend, attn, q,
-                                  self.cache[i], positions, start=start, kv_len=kv_len,
+                                  self.cache[i], positions, table, start=start, kv_len=kv_len,
                                   rows=rows)
             x = self._once(("out_mlp", len(positions)), self._out_mlp, p, x, attn)
         return x
@@ -276,6 +309,18 @@ def pack_prompts(prompts: list[list[int]], slots: list[int], shape: tuple[int, i
     for i, (ids, slot) in enumerate(zip(prompts, slots, strict=True)):
         tokens[i, : len(ids)], lengths[i], slot_arr[i] = ids, len(ids), slot
     return tokens, lengths, slot_arr
+
+
+def _block_table(num_slots: int, max_len: int, num_blocks: int | None
+                 ) -> tuple[np.ndarray, int]:
+    """The starting block table and pool size: the dense layout when `num_blocks` is None,
+    else rows of no blocks (a KV manager assigns them)."""
+    dense = device_cache.identity_table(num_slots, max_len)
+    if num_blocks is None:
+        return dense, dense.size
+    if num_blocks < 1:
+        raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+    return np.full_like(dense, device_cache.OUT_OF_RANGE), num_blocks
 
 
 def _use_kernel(attention: str) -> bool:

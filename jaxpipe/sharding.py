@@ -29,6 +29,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxpipe.config import ModelConfig
+from jaxpipe.kv.device_cache import BLOCK
 from jaxpipe.layout import Layout
 from jaxpipe.model.llama import param_decls
 
@@ -39,7 +40,7 @@ MESH_AXES = ("dp", "pp", "tp")
 RULES = {"layers": "pp", "heads": "tp", "kv_heads": "tp", "mlp": "tp", "vocab": "tp",
          "batch": "dp"}
 # Logical axes of the stacked KV store (one array for K, one for V).
-KV_AXES = ("layers", "batch", "kv_heads", "seq", "head_dim")
+KV_AXES = ("layers", "kv_blocks", "kv_heads", "seq", "head_dim")
 
 
 # ---- padding -----------------------------------------------------------------------------------
@@ -216,16 +217,15 @@ def param_shardings(cfg: ModelConfig, plan: PaddingPlan, layout: Layout,
             for name, d in param_decls(cfg).items()}
 
 
-def kv_shape(cfg: ModelConfig, plan: PaddingPlan, num_slots: int, max_len: int):
-    """Shape of the stacked KV store, K or V: [L', N, Hkv', S, D]."""
-    return (plan.size("layers", cfg.num_layers), num_slots,
-            plan.size("kv_heads", cfg.num_kv_heads), max_len, cfg.head_dim)
+def kv_shape(cfg: ModelConfig, plan: PaddingPlan, num_blocks: int):
+    """Shape of the stacked KV block pool, K or V: [L', NB, Hkv', BLOCK, D]."""
+    return (plan.size("layers", cfg.num_layers), num_blocks,
+            plan.size("kv_heads", cfg.num_kv_heads), BLOCK, cfg.head_dim)
 
 
 def kv_sharding(cfg: ModelConfig, plan: PaddingPlan, layout: Layout, mesh: Mesh,
-                num_slots: int, max_len: int) -> NamedSharding:
-    return named_sharding(mesh, layout, KV_AXES, kv_shape(cfg, plan, num_slots, max_len),
-                          "KV store")
+                num_blocks: int) -> NamedSharding:
+    return named_sharding(mesh, layout, KV_AXES, kv_shape(cfg, plan, num_blocks), "KV store")
 
 
 # ---- moving between layouts ----------------------------------------------------------------------

@@ -194,10 +194,10 @@ def test_scheduler_flags_reach_engine_config(capsys):
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
     args = parser.parse_args(["--scheduler", "decode_first", "--host-kv-gb", "2.5",
-                              "--host-kv-tokens", "1000"])
+                              "--host-kv-tokens", "1000", "--kv-cache-tokens", "4096"])
     kwargs = engine_kwargs(args, parser)
-    assert (kwargs["scheduler"], kwargs["host_kv_gb"], kwargs["host_kv_tokens"]) == \
-        ("decode_first", 2.5, 1000)
+    assert (kwargs["scheduler"], kwargs["host_kv_gb"], kwargs["host_kv_tokens"],
+            kwargs["kv_cache_tokens"]) == ("decode_first", 2.5, 1000, 4096)
     with pytest.raises(SystemExit) as info:
         engine_kwargs(parser.parse_args(["--scheduler", "fcfs"]), parser)
     assert info.value.code == 2

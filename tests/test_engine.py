@@ -73,6 +73,22 @@ def eos_index(plain) -> int:
     return len(tokens) - 1
 
 
+# ---- driving the engine step by step ---------------------------------------------------------
+
+
+def test_pop_output_of_a_stepped_request(engine, prompts, plain):
+    rid = engine.add_request(prompt_token_ids=prompts["poem"], params=greedy(6))
+    with pytest.raises(RuntimeError, match="not finished"):
+        engine.pop_output(rid)
+    while engine.has_unfinished():
+        engine.step()
+    out = engine.pop_output(rid)
+    assert out.request_id == rid and out.finished
+    assert out.outputs[0].token_ids == plain["poem"].token_ids[:6]
+    with pytest.raises(KeyError, match=rid):
+        engine.pop_output(rid)
+
+
 # ---- lengths and stop conditions --------------------------------------------------------------
 
 

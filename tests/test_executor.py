@@ -114,7 +114,7 @@ def test_abort_in_the_host_tier_frees_it_and_spares_the_others(engine, reference
     assert victim not in engine.executor.kv.host.entries
     while engine.has_unfinished():
         engine.step()
-    outs = [engine._pop_output(i) for i in ids]
+    outs = [engine.pop_output(i) for i in ids]
     for i, out in zip(ids, outs, strict=True):
         if i == victim:
             assert out.outputs[0].finish_reason == "abort"
@@ -150,3 +150,28 @@ def test_seesaw_without_a_host_tier_is_refused():
         EngineConfig(scheduler="seesaw", host_kv_gb=0)
     with pytest.raises(ValueError, match="scheduler must be one of"):
         EngineConfig(scheduler="fcfs")
+
+
+@pytest.fixture(scope="module")
+def tight():
+    """6 rows on a device KV pool of 128 tokens (8 blocks): the 10 requests need 2 blocks
+    each by their end, so running sequences outgrow the pool."""
+    return Engine(EngineConfig(**{**KWARGS, "max_num_seqs": 6}, kv_cache_tokens=128,
+                               scheduler="prefill_first", host_kv_tokens=64))
+
+
+@pytest.mark.parametrize("policy", ["prefill_first", "seesaw", "decode_first"])
+def test_a_pool_smaller_than_the_running_sequences(tight, reference, policy):
+    tight.set_scheduler(policy)
+    tight.reset_stats()
+    assert tokens(tight.generate(PROMPTS, params())) == reference
+    stats = tight.stats()
+    assert stats["device_kv_capacity"] == 128 and 0 < stats["device_kv_peak"] <= 128
+    assert tight.executor.kv.free_blocks == 8  # every block back in the pool
+    if policy == "prefill_first":  # admits while prompts fit, then the sequences grow
+        assert stats["preemptions"] >= 1
+
+
+def test_a_pool_that_cannot_hold_one_sequence_is_refused():
+    with pytest.raises(ValueError, match="kv_cache_tokens=64.*max_model_len=128"):
+        Engine(EngineConfig(**KWARGS, kv_cache_tokens=64))

@@ -78,9 +78,10 @@ def test_padded_model_gives_the_unpadded_logits(layouts):
     lengths, slots = np.array([8, 5], np.int32), np.arange(2, dtype=np.int32)
     outs = []
     for cfg, m in ((TINY, model), (padded_cfg, padded)):
-        cache = device_cache.allocate(cfg, 2, 16, jnp.float32)
-        first, cache = m.prefill(tokens, lengths, slots, cache)
-        nxt, _ = m.decode(jnp.argmax(first[:, :TINY.vocab_size], -1), lengths, cache, 16)
+        cache = device_cache.allocate(cfg, 4, jnp.float32)
+        table = jnp.asarray(device_cache.identity_table(4, 16)[slots])
+        first, cache = m.prefill(tokens, lengths, table, cache)
+        nxt, _ = m.decode(jnp.argmax(first[:, :TINY.vocab_size], -1), lengths, table, cache, 16)
         outs.append((np.asarray(first), np.asarray(nxt)))
     for want, got in zip(outs[0], outs[1], strict=True):
         np.testing.assert_allclose(got[:, :TINY.vocab_size], want, atol=1e-5, rtol=0)

@@ -1,8 +1,11 @@
 """Decode attention: the C++ kernel against the XLA path, on SmolLM2's head shapes.
 
-Both read one layer's bf16 (stored as u16) cache for B rows of random lengths. The XLA path
-attends over the static length bucket of the longest row (as the fallback runner does per
-block); the kernel reads each row's own length. Medians of repeated calls, same process.
+Both read one layer's bf16 (stored as u16) keys and values for B rows of random lengths. The
+kernel reads them from a paged pool of BS-token blocks through a block table (`identity`: row
+b's blocks are b*MB..(b+1)*MB-1, a dense cache; `shuffled`: scattered over the pool), each row
+over its own length. The XLA path attends over the same data laid out dense [B, Hkv, S, D],
+up to the static length bucket of the longest row (as the fallback runner does per block).
+Medians of repeated calls, same process.
 """
 
 from __future__ import annotations
@@ -27,8 +30,10 @@ def _median_seconds(fn, args, repeats: int) -> float:
     return statistics.median(times)
 
 
-def measure(rows: int, mean_len: int, seq: int = 2048, repeats: int = 5, seed: int = 0) -> dict:
-    """One (rows, mean length) point: milliseconds per layer for each path and their ratio."""
+def measure(rows: int, mean_len: int, seq: int = 2048, block_size: int = 16,
+            table: str = "identity", repeats: int = 5, seed: int = 0) -> dict:
+    """One (rows, mean length) point: milliseconds per layer for each path and their ratio.
+    `table`: "identity" or "shuffled" (how the rows' blocks lie in the kernel's pool)."""
     import jax
     import jax.numpy as jnp
 
@@ -38,30 +43,53 @@ def measure(rows: int, mean_len: int, seq: int = 2048, repeats: int = 5, seed: i
 
     rng = np.random.default_rng(seed)
     lengths = np.clip(rng.integers(mean_len // 2, mean_len * 3 // 2 + 1, rows), 1, seq)
-    k = jnp.asarray(rng.integers(0x3c00, 0x3f80, (rows, KV_HEADS, seq, HEAD_DIM)), jnp.uint16)
-    v = jnp.asarray(rng.integers(0x3c00, 0x3f80, (rows, KV_HEADS, seq, HEAD_DIM)), jnp.uint16)
+    blocks = block_table(rows, -(-seq // block_size), table, rng)  # [B, MB]
+    pool = (blocks.size, KV_HEADS, block_size, HEAD_DIM)  # [NB, Hkv, BS, D]
+    k = jnp.asarray(rng.integers(0x3c00, 0x3f80, pool), jnp.uint16)
+    v = jnp.asarray(rng.integers(0x3c00, 0x3f80, pool), jnp.uint16)
     q = jnp.asarray(rng.normal(size=(rows, HEADS, HEAD_DIM)), jnp.float32)
     bucket = min(seq, 1 << int(np.ceil(np.log2(lengths.max()))))
+    dense_k, dense_v = (dense(x, blocks) for x in (k, v))  # [B, Hkv, S, D], built once
 
     def xla(q, k, v, pos):
         kk, vv = from_storage(k[:, :, :bucket]), from_storage(v[:, :, :bucket])
         return llama.decode_attention(q, kk, vv, pos)
 
     lens = jnp.asarray(lengths, jnp.int32)
-    t_xla = _median_seconds(jax.jit(xla), (q, k, v, lens - 1), repeats)
-    t_kernel = _median_seconds(jax.jit(da.decode_attention), (q, k, v, lens), repeats)
+    t_xla = _median_seconds(jax.jit(xla), (q, dense_k, dense_v, lens - 1), repeats)
+    t_kernel = _median_seconds(jax.jit(da.decode_attention),
+                               (q, k, v, lens, jnp.asarray(blocks)), repeats)
     tokens = int(lengths.sum())
-    return {"rows": rows, "mean_len": float(lengths.mean()), "xla_bucket": bucket,
-            "xla_ms": t_xla * 1e3, "kernel_ms": t_kernel * 1e3, "speedup": t_xla / t_kernel,
+    return {"rows": rows, "mean_len": float(lengths.mean()), "table": table,
+            "block_size": block_size, "xla_bucket": bucket, "xla_ms": t_xla * 1e3,
+            "kernel_ms": t_kernel * 1e3, "speedup": t_xla / t_kernel,
             "kernel_gb_per_s": tokens * KV_HEADS * HEAD_DIM * 2 * 2 / t_kernel / 1e9}
 
 
+def block_table(rows: int, max_blocks: int, kind: str, rng) -> np.ndarray:
+    """[rows, max_blocks] i32 over a pool of rows * max_blocks blocks: "identity" gives row b
+    blocks b*MB..(b+1)*MB-1 in order, "shuffled" a random permutation of the pool."""
+    ids = np.arange(rows * max_blocks, dtype=np.int32)
+    if kind == "shuffled":
+        ids = rng.permutation(ids).astype(np.int32)
+    elif kind != "identity":
+        raise ValueError(f"table must be 'identity' or 'shuffled', got {kind!r}")
+    return ids.reshape(rows, max_blocks)
+
+
+def dense(pool, table: np.ndarray):
+    """A pool [NB, Hkv, BS, D] read through table [B, MB] -> [B, Hkv, MB * BS, D] (a copy)."""
+    x = pool[table]  # [B, MB, Hkv, BS, D]
+    b, mb, hkv, bs, d = x.shape
+    return x.transpose(0, 2, 1, 3, 4).reshape(b, hkv, mb * bs, d)
+
+
 def format_table(points: list[dict]) -> str:
-    head = (f"{'rows':>5} {'mean len':>9} {'XLA bucket':>10} {'XLA ms':>8} {'kernel ms':>10} "
-            f"{'speedup':>8} {'kernel GB/s':>12}")
+    head = (f"{'rows':>5} {'mean len':>9} {'table':>9} {'XLA bucket':>10} {'XLA ms':>8} "
+            f"{'kernel ms':>10} {'speedup':>8} {'kernel GB/s':>12}")
     lines = [head, "-" * len(head)]
     for p in points:
-        lines.append(f"{p['rows']:>5} {p['mean_len']:>9.0f} {p['xla_bucket']:>10} "
+        lines.append(f"{p['rows']:>5} {p['mean_len']:>9.0f} {p['table']:>9} {p['xla_bucket']:>10} "
                      f"{p['xla_ms']:>8.1f} {p['kernel_ms']:>10.2f} {p['speedup']:>7.1f}x "
                      f"{p['kernel_gb_per_s']:>12.1f}")
     return "\n".join(lines)

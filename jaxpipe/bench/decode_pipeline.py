@@ -97,7 +97,8 @@ def layout_rows(cfg: ModelConfig, values: dict, layout: str, bench: DecodeBenchC
     kv_len = r.buckets.kv_len[0]
 
     def today():
-        logits = r.decode_logits(tokens, positions, positions + 1, kv_len)
+        logits = r.decode_logits(tokens, positions, positions + 1, kv_len,
+                                 r.table_rows(np.arange(len(tokens))))
         return r._sample_host(logits, np.arange(b, dtype=np.int32), plan, b)
 
     def steps(k: int):

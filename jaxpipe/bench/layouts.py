@@ -84,7 +84,8 @@ def reshard_row(cfg: ModelConfig, values: dict, prefill: str, decode: str,
     positions = np.full(b, bench.context - 1, np.int32)
 
     def step():
-        return r.decode_logits(tokens, positions, positions + 1, bench.context)
+        return r.decode_logits(tokens, positions, positions + 1, bench.context,
+                               r.table_rows(np.arange(len(tokens))))
 
     step()  # compile
     param_bytes = sum(a.nbytes for a in r.params.values())
@@ -102,15 +103,15 @@ def bubble_rows(cfg: ModelConfig, values: dict, bench: LayoutBenchConfig) -> lis
     b, t = bench.prefill_batch, bench.prompt_len
     tokens = rng.integers(0, cfg.vocab_size, (b, t)).astype(np.int32)
     lengths = np.full(b, t, np.int32)
-    slots = np.arange(b, dtype=np.int32)
     rows, base = [], None
     for pp in bench.stages:
         layout = f"pp={pp}" if pp > 1 else "pp=1,tp=1"
         r = _runner(cfg, values, layout, layout, bench, jax.devices()[:pp])
+        slots = r.table_rows(np.arange(b))  # the block-table rows of slots 0..b-1
         for m in sorted({1 if pp == 1 else pp, b} if pp > 1 else {1}):
             r.prefill_logits(tokens, lengths, slots, microbatches=m)  # compile
             seconds = _median_seconds(
-                lambda r=r, m=m: r.prefill_logits(tokens, lengths, slots, microbatches=m),
+                lambda r=r, m=m, s=slots: r.prefill_logits(tokens, lengths, s, microbatches=m),
                 bench.repeats)
             base = seconds if pp == 1 else base
             rows.append({"pp": pp, "microbatches": m, "prefill_s": seconds,

@@ -19,7 +19,7 @@ from jaxpipe.bench.workload import Request
 
 STAT_KEYS = ("transitions", "reshard_seconds", "prefill_seconds", "decode_seconds",
              "swap_out_bytes", "swap_in_bytes", "swap_seconds", "prefetch_seconds",
-             "mean_decode_batch", "preemptions", "padding_waste", "host_kv_peak",
+             "mean_decode_batch", "preemptions", "padding_waste", "host_kv_peak", "device_kv_peak",
              "compile_seconds")
 COLUMNS = (("policy", "{}"), ("prefill", "{}"), ("decode", "{}"), ("output_tok_s", "{:.1f}"),
            ("elapsed_s", "{:.1f}"), ("transitions", "{}"), ("reshard_seconds", "{:.1f}"),

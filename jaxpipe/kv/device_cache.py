@@ -1,9 +1,16 @@
-"""The device KV store: one slot per running sequence, HND layout per slot.
+"""The device KV store: a pool of fixed-size blocks, HND layout per block, and block tables.
 
-The store is a tuple of per-layer caches, each `[slots, kv_heads, seq, head_dim]`, so each
-layer's buffer is donated and updated on its own (and can live on its pipeline stage). HND keeps
-each (sequence, head) contiguous over tokens, which is what attention over the cache reads
-(DESIGN.md: HND is 4x faster than NHD here).
+The store is a pool of `num_blocks` blocks of `BLOCK` tokens; per layer K and V are
+`[blocks, kv_heads, BLOCK, head_dim]` (the multi-device store stacks layers in front). A
+sequence holds as many blocks as its KV needs, wherever they are in the pool; its row of a
+*block table* `[rows, max_blocks]` lists them in order: position t of table row r is at
+block `table[r, t // BLOCK]`, offset `t % BLOCK`. So the store's capacity is counted in tokens
+(blocks), not in sequences of the longest length, and a sequence grows one block at a time.
+Entries past a sequence's blocks hold `num_blocks` (out of range): writes there are dropped.
+
+HND inside a block keeps each (block, head) contiguous over tokens, which is what attention
+reads (DESIGN.md: HND is 4x faster than NHD here). Each layer's buffer is donated and updated
+on its own (and can live on its pipeline stage).
 
 bf16 caches are *stored* as their uint16 bit patterns: XLA's CPU backend upcasts bf16 buffers
 to f32 around a dynamic-update-slice or scatter, turning each one-token write into a copy of
@@ -18,18 +25,21 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxpipe.config import ModelConfig
 
+BLOCK = 16  # tokens per KV block
+
 # Logical axes of each cache array; the sharding rules map them to mesh axes.
-KV_AXES = ("batch", "kv_heads", "seq", "head_dim")
+KV_AXES = ("kv_blocks", "kv_heads", "seq", "head_dim")
 
 
 class KVCache(NamedTuple):
-    """Keys and values of every slot for one layer. Donated through each step."""
+    """Keys and values of the block pool for one layer. Donated through each step."""
 
-    k: jax.Array  # [N, Hkv, S, D]
-    v: jax.Array  # [N, Hkv, S, D]
+    k: jax.Array  # [NB, Hkv, BLOCK, D]
+    v: jax.Array  # [NB, Hkv, BLOCK, D]
 
 
 def storage_dtype(dtype) -> jnp.dtype:
@@ -51,39 +61,99 @@ def from_storage(x: jax.Array) -> jax.Array:
     return x
 
 
-def allocate(cfg: ModelConfig, num_slots: int, max_len: int, dtype) -> tuple[KVCache, ...]:
-    """Zeroed per-layer caches for `num_slots` sequences of up to `max_len` tokens."""
-    shape = (num_slots, cfg.num_kv_heads, max_len, cfg.head_dim)
+def blocks_for(tokens: int) -> int:
+    """Blocks that hold `tokens` positions."""
+    return -(-tokens // BLOCK)
+
+
+def allocate(cfg: ModelConfig, num_blocks: int, dtype) -> tuple[KVCache, ...]:
+    """Zeroed per-layer block pools of `num_blocks` blocks."""
+    shape = (num_blocks, cfg.num_kv_heads, BLOCK, cfg.head_dim)
     store = storage_dtype(dtype)
     return tuple(KVCache(jnp.zeros(shape, store), jnp.zeros(shape, store))
                  for _ in range(cfg.num_layers))
+
+
+def identity_table(num_rows: int, max_len: int) -> np.ndarray:
+    """A block table giving row r the blocks r*MB .. r*MB+MB-1 (MB = blocks_for(max_len)):
+    the dense layout, one max_len slot per row, in a pool of num_rows * MB blocks."""
+    mb = blocks_for(max_len)
+    return np.arange(num_rows * mb, dtype=np.int32).reshape(num_rows, mb)
 
 
 def cache_bytes(cfg: ModelConfig, num_slots: int, max_len: int, dtype_bytes: int) -> int:
     return num_slots * max_len * cfg.kv_bytes_per_token(dtype_bytes)
 
 
-# ---- one slot in and out (the host KV tier's copies) --------------------------------------------
+# ---- addressing tokens through a block table ---------------------------------------------------
 
 
-@partial(jax.jit, static_argnames=("length", "slot_axis"))
-def read_slot(caches, slot, *, length: int, slot_axis: int = 0):
-    """Positions 0..length-1 of one slot: every array of `caches` (a pytree of
-    [..., N, Hkv, S, D], the slot axis at `slot_axis`) -> [..., Hkv, length, D]."""
+OUT_OF_RANGE = np.iinfo(np.int32).max  # a block id past every pool: writes there are dropped
+
+
+def locate(table, positions):
+    """Where each row's token at positions [b] is: (blocks [b], offsets [b]) in the rows of
+    table [b, MB]. Positions past the table get an out-of-range block."""
+    index = positions // BLOCK
+    safe = jnp.minimum(index, table.shape[1] - 1)
+    blocks = jnp.take_along_axis(table, safe[:, None], axis=1)[:, 0]
+    return jnp.where(index < table.shape[1], blocks, OUT_OF_RANGE), positions % BLOCK
+
+
+def locate_span(table, length: int):
+    """Where positions 0..length-1 of every row are: (blocks [b, T], offsets [T])."""
+    positions = jnp.arange(length, dtype=jnp.int32)
+    index = positions // BLOCK
+    blocks = table[:, jnp.minimum(index, table.shape[1] - 1)]
+    return jnp.where(index < table.shape[1], blocks, OUT_OF_RANGE), positions % BLOCK
+
+
+def gather(x, table, length: int):
+    """Positions 0..length-1 of each table row: x [NB, Hkv, BLOCK, D], table [b, MB]
+    -> [b, Hkv, length, D]. Blocks past the table, or out of range, read clipped garbage
+    (callers mask positions past each row's length)."""
+    nb = blocks_for(length)
+    cols = jnp.minimum(jnp.arange(nb), table.shape[1] - 1)
+    blocks = jnp.take(x, table[:, cols], axis=0, mode="clip")  # [b, nb, Hkv, BLOCK, D]
+    b, _, hkv, _, d = blocks.shape
+    out = blocks.transpose(0, 2, 1, 3, 4).reshape(b, hkv, nb * BLOCK, d)
+    return out[:, :, :length]
+
+
+# ---- one sequence in and out (the host KV tier's copies) -----------------------------------------
+
+
+@partial(jax.jit, static_argnames=("length", "block_axis"))
+def read_blocks(caches, blocks, *, length: int, block_axis: int = 0):
+    """Positions 0..length-1 of the sequence held in `blocks` [>= blocks_for(length)] (in
+    order): every array of `caches` (a pytree of [..., NB, Hkv, BLOCK, D], the block axis at
+    `block_axis`) -> [..., Hkv, length, D]."""
+    nb = blocks_for(length)
+
     def one(x):
-        x = jax.lax.dynamic_index_in_dim(x, slot, slot_axis, keepdims=False)
-        return jax.lax.dynamic_slice_in_dim(x, 0, length, axis=x.ndim - 2)
+        picked = jnp.take(x, blocks[:nb], axis=block_axis, mode="clip")  # [.., nb, Hkv, BLK, D]
+        picked = jnp.moveaxis(picked, block_axis, -3)  # [..., Hkv, nb, BLOCK, D]
+        shape = picked.shape[:-3] + (nb * BLOCK, picked.shape[-1])
+        return picked.reshape(shape)[..., :length, :]
 
     return jax.tree.map(one, caches)
 
 
-@partial(jax.jit, static_argnames="slot_axis", donate_argnames="caches")
-def write_slot(caches, slot, values, *, slot_axis: int = 0):
-    """`caches` (donated) with `values` (as `read_slot` gives them) written at positions
-    0..length-1 of `slot`."""
+@partial(jax.jit, static_argnames="block_axis", donate_argnames="caches")
+def write_blocks(caches, blocks, values, *, block_axis: int = 0):
+    """`caches` (donated) with `values` (as `read_blocks` gives them, [..., Hkv, length, D])
+    written at positions 0..length-1 of the sequence in `blocks` (entries out of range:
+    dropped)."""
     def one(x, value):
-        start = [0] * x.ndim
-        start[slot_axis] = slot
-        return jax.lax.dynamic_update_slice(x, jnp.expand_dims(value, slot_axis), start)
+        length = value.shape[-2]
+        nb = blocks_for(length)
+        pad = [(0, 0)] * value.ndim
+        pad[-2] = (0, nb * BLOCK - length)
+        value = jnp.pad(value, pad)
+        value = value.reshape(value.shape[:-2] + (nb, BLOCK, value.shape[-1]))
+        value = jnp.moveaxis(value, -3, block_axis)  # the blocks axis where the pool has it
+        index = [slice(None)] * x.ndim
+        index[block_axis] = blocks[:nb]
+        return x.at[tuple(index)].set(value, mode="drop")
 
     return jax.tree.map(one, caches, values)

@@ -83,6 +83,12 @@ class HostKVBuffer:
             self.used -= entry.padded
             return entry
 
+    def landed(self, seq_id: str, nbytes: int) -> None:
+        """Count a popped entry's `nbytes` as swapped in (called by the prefetcher thread)."""
+        with self._lock:
+            self.bytes_in += nbytes
+            self.events.append((time.perf_counter(), "in", seq_id))
+
     def drop(self, seq_id: str) -> None:
         if seq_id in self.entries:
             self.pop(seq_id)
@@ -160,8 +166,7 @@ class Prefetcher:
         for i, a in enumerate(entry.arrays):
             dst = shardings[i] if shardings else a.sharding.with_memory_kind("device")
             staged.append(jax.device_put(a, dst))
-            self.host.bytes_in += a.nbytes
         jax.block_until_ready(staged)
         self.seconds += time.perf_counter() - start
-        self.host.events.append((time.perf_counter(), "in", seq_id))
+        self.host.landed(seq_id, sum(a.nbytes for a in entry.arrays))
         return seq_id, entry.tokens, staged

@@ -1,12 +1,15 @@
-"""Where each sequence's KV is: a device slot, the host tier, or on its way between them.
+"""Where each sequence's KV is: device blocks, the host tier, or on its way between them.
 
 The scheduler decides *that* a sequence moves (`SchedulerState` counts tokens); this object
-does the moving for the engine and keeps the physical side: which device slot each running
-sequence owns (lowest free first, so a decode batch of slots 0..B-1 stays small), the host
+does the moving for the engine and keeps the physical side: which device slot (batch row)
+each running sequence owns (lowest free first, so a decode batch of slots 0..B-1 stays small)
+and which blocks of the device KV pool hold its tokens (the runner's block table), the host
 KV tier (`HostKVBuffer`) and the prefetcher thread that brings sequences back.
 
-  swap_out(seq)        slot -> host, dispatched asynchronously; the slot is free at once
-  swap_in(seq)         reserve a slot and ask the prefetcher for the KV (returns at once)
+  allocate(seq, n)     a slot and blocks for n tokens
+  grow(seq, n)         more blocks, so that n tokens fit
+  swap_out(seq)        blocks -> host, dispatched asynchronously; slot and blocks free at once
+  swap_in(seq)         reserve a slot and blocks, ask the prefetcher for the KV (returns at once)
   deliver(block)       insert whatever the prefetcher has staged; the ids now decodable
   drop(seq)            forget its KV wherever it is (finished, aborted, recompute)
 
@@ -19,12 +22,13 @@ from __future__ import annotations
 import heapq
 import time
 
+from jaxpipe.kv.device_cache import blocks_for
 from jaxpipe.kv.host_buffer import HostKVBuffer, Prefetcher
 from jaxpipe.scheduler import Sequence
 
 
 class KVManager:
-    """Device slots, the host tier and transfers between them, for one runner."""
+    """Device slots and blocks, the host tier and transfers between them, for one runner."""
 
     def __init__(self, runner, num_slots: int, host_tokens: int, host_size,
                  on_insert=lambda seq: None):
@@ -38,21 +42,53 @@ class KVManager:
         self.host_size = host_size
         self.prefetcher = Prefetcher(self.host) if host_tokens else None
         self._free = list(range(num_slots))  # a heap: lowest slot first
+        self._free_blocks = list(range(runner.num_blocks - 1, -1, -1))  # a stack
+        self._blocks: dict[int, list[int]] = {}  # slot -> its blocks in position order
+        self.peak_blocks = 0  # the most blocks in use at once
+        for slot in range(num_slots):
+            runner.set_blocks(slot, [])
         self._incoming: dict[str, Sequence] = {}  # swap-in requested, not inserted yet
         self.swap_seconds = 0.0  # this thread's time in swap dispatch, inserts and waits
 
     # ---- slots ---------------------------------------------------------------------------
 
-    def allocate(self, seq: Sequence) -> int:
+    @property
+    def free_blocks(self) -> int:
+        return len(self._free_blocks)
+
+    def allocate(self, seq: Sequence, tokens: int) -> int:
+        """A slot for `seq` and blocks for its first `tokens` positions; returns the slot."""
         if not self._free:
             raise RuntimeError(f"no free device KV slot for {seq.request_id}: the scheduler "
                                "admitted more sequences than there are slots")
         seq.slot = heapq.heappop(self._free)
+        self._blocks[seq.slot] = []
+        self.grow(seq, tokens)
         return seq.slot
 
+    def blocks_needed(self, seq: Sequence, tokens: int) -> int:
+        """More blocks `seq` needs for its first `tokens` positions to fit."""
+        return max(0, blocks_for(tokens) - len(self._blocks[seq.slot]))
+
+    def grow(self, seq: Sequence, tokens: int) -> None:
+        """Give `seq` blocks until its first `tokens` positions fit."""
+        owned = self._blocks[seq.slot]
+        need = blocks_for(tokens) - len(owned)
+        if need <= 0:
+            return
+        if need > len(self._free_blocks):
+            raise RuntimeError(f"device KV pool exhausted: {seq.request_id} needs {need} more "
+                               f"blocks, {len(self._free_blocks)} are free (the scheduler "
+                               "should have preempted)")
+        owned.extend(self._free_blocks.pop() for _ in range(need))
+        self.runner.set_blocks(seq.slot, owned)
+        self.peak_blocks = max(self.peak_blocks, self.runner.num_blocks - self.free_blocks)
+
     def release(self, seq: Sequence) -> None:
-        """Free `seq`'s slot if it holds one."""
+        """Free `seq`'s slot and blocks if it holds them."""
         if seq.slot is not None:
+            self._free_blocks.extend(reversed(self._blocks.pop(seq.slot)))
+            self.runner.set_blocks(seq.slot, [])
             heapq.heappush(self._free, seq.slot)
             seq.slot = None
 
@@ -62,7 +98,7 @@ class KVManager:
     # ---- moving ----------------------------------------------------------------------------
 
     def swap_out(self, seq: Sequence, tokens: int) -> None:
-        """KV positions 0..tokens-1 of `seq`'s slot -> the host tier; frees the slot."""
+        """KV positions 0..tokens-1 of `seq` -> the host tier; frees its slot and blocks."""
         start = time.perf_counter()
         self._settle(seq)
         padded = self.host_size(tokens)
@@ -72,10 +108,10 @@ class KVManager:
         self.swap_seconds += time.perf_counter() - start
 
     def swap_in(self, seq: Sequence) -> None:
-        """Reserve a slot for `seq` and have the prefetcher bring its KV into the current
-        layout's shards; `deliver` inserts it."""
-        self.allocate(seq)
+        """Reserve a slot and blocks for `seq` and have the prefetcher bring its KV into the
+        current layout's shards; `deliver` inserts it."""
         entry = self.host.entries[seq.request_id]
+        self.allocate(seq, entry.tokens)
         self._incoming[seq.request_id] = seq
         self.prefetcher.request(seq.request_id,
                                 self.runner.kv_staging(min(entry.padded, self.max_len)))

@@ -6,9 +6,10 @@ pytree. Every parameter carries logical axis names (never a physical mesh axis).
 
 The math lives in pure per-layer functions over plain arrays (`LayerParams`), so that the runner
 can dispatch a layer at a time and the whole-model methods below are just loops over them:
-  prefill(tokens [b, T], lengths [b], slots [b], cache) -> (last-token logits [b, V], cache)
-  decode(tokens [B], positions [B], cache, kv_len)       -> (logits [B, V], cache)
-`cache` is a tuple of per-layer `KVCache`s; decode reads slots 0..B-1 up to `kv_len` positions.
+  prefill(tokens [b, T], lengths [b], table [b, MB], cache) -> (last-token logits [b, V], cache)
+  decode(tokens [B], positions [B], table [B, MB], cache, kv_len) -> (logits [B, V], cache)
+`cache` is a tuple of per-layer `KVCache` block pools and `table` the block-table rows of the
+batch (see `kv/device_cache.py`); decode reads each row's first `kv_len` positions.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import numpy as np
 from flax import nnx
 
 from jaxpipe.config import ModelConfig
-from jaxpipe.kv.device_cache import KVCache, from_storage, to_storage
+from jaxpipe.kv.device_cache import KVCache, from_storage, gather, locate, locate_span, to_storage
 
 LAYER_PARAMS = ("attn_norm", "wq", "wkv", "wo", "mlp_norm", "w_gate_up", "w_down")
 
@@ -118,27 +119,27 @@ class Llama(nnx.Module):
         lm_head = None if self.config.tie_embeddings else self.lm_head[...]
         return HeadParams(self.embed[...], self.final_norm[...], lm_head)
 
-    def prefill(self, tokens, lengths, slots, cache: tuple[KVCache, ...]):
+    def prefill(self, tokens, lengths, table, cache: tuple[KVCache, ...]):
         """Whole prompts through every layer (one program); see module docstring."""
         cfg, head = self.config, self.head()
         x = embed(head, tokens)
         new_cache = []
         for i, layer_cache in enumerate(cache):
             with jax.named_scope(f"layer{i}"):
-                x, layer_cache = prefill_layer(cfg, self.layer(i), x, layer_cache, slots)
+                x, layer_cache = prefill_layer(cfg, self.layer(i), x, layer_cache, table)
             new_cache.append(layer_cache)
         return logits(cfg, head, last_positions(x, lengths)), tuple(new_cache)
 
-    def decode(self, tokens, positions, cache: tuple[KVCache, ...], kv_len: int):
-        """One token for slots 0..B-1 through every layer (one program)."""
+    def decode(self, tokens, positions, table, cache: tuple[KVCache, ...], kv_len: int):
+        """One token for the rows of `table` through every layer (one program)."""
         cfg, head = self.config, self.head()
         x = embed(head, tokens)
         new_cache = []
         for i, layer_cache in enumerate(cache):
             with jax.named_scope(f"layer{i}"):
                 p = self.layer(i)
-                q, layer_cache = decode_qkv(cfg, p, x, positions, layer_cache)
-                attn = attend_rows(q, layer_cache, positions, 0, kv_len)
+                q, layer_cache = decode_qkv(cfg, p, x, positions, table, layer_cache)
+                attn = attend_rows(q, layer_cache, positions, table, kv_len)
                 x = attn_out_mlp(cfg, p, x, attn)
             new_cache.append(layer_cache)
         return logits(cfg, head, x), tuple(new_cache)
@@ -188,35 +189,34 @@ def attn_out_mlp(cfg: ModelConfig, p: LayerParams, x, attn, reduce=None):
     return x + reduce(_matmul(act, p.w_down))
 
 
-def prefill_layer(cfg: ModelConfig, p: LayerParams, x, cache: KVCache, slots):
-    """One layer over whole prompts. x [b, T, E]; writes K/V of positions 0..T-1 into `slots`
-    (rows whose slot is out of range — batch padding — are dropped)."""
+def prefill_layer(cfg: ModelConfig, p: LayerParams, x, cache: KVCache, table):
+    """One layer over whole prompts. x [b, T, E]; writes K/V of positions 0..T-1 into the
+    blocks of table [b, MB] (out-of-range blocks — batch padding, or positions past a
+    row's blocks — are dropped)."""
     t = x.shape[1]
     positions = jnp.arange(t, dtype=jnp.int32)[None, :]  # [1, T]
     q, k, v = qkv(cfg, p, x, positions)  # [b, T, H|Hkv, D]
-    cache = KVCache(
-        cache.k.at[slots, :, :t].set(to_storage(k.transpose(0, 2, 1, 3), cache.k), mode="drop"),
-        cache.v.at[slots, :, :t].set(to_storage(v.transpose(0, 2, 1, 3), cache.v), mode="drop"))
+    blocks, offsets = locate_span(table, t)  # [b, T], [T]
+    cache = KVCache(cache.k.at[blocks, :, offsets].set(to_storage(k, cache.k), mode="drop"),
+                    cache.v.at[blocks, :, offsets].set(to_storage(v, cache.v), mode="drop"))
     return attn_out_mlp(cfg, p, x, causal_attention(q, k, v)), cache
 
 
-def decode_qkv(cfg: ModelConfig, p: LayerParams, x, positions, cache: KVCache):
-    """Project one token per row (x [B, E]) and write its K/V at `positions` of slots 0..B-1.
+def decode_qkv(cfg: ModelConfig, p: LayerParams, x, positions, table, cache: KVCache):
+    """Project one token per row (x [B, E]) and write its K/V at `positions` of the rows of
+    table [B, MB] (rows without a block there — idle rows — write nothing).
     Returns q [B, H, D] and the updated cache."""
     q, k, v = qkv(cfg, p, x, positions)
-    rows = jnp.arange(x.shape[0])
-    cache = KVCache(cache.k.at[rows, :, positions].set(to_storage(k, cache.k)),
-                    cache.v.at[rows, :, positions].set(to_storage(v, cache.v)))
+    blocks, offsets = locate(table, positions)
+    cache = KVCache(cache.k.at[blocks, :, offsets].set(to_storage(k, cache.k), mode="drop"),
+                    cache.v.at[blocks, :, offsets].set(to_storage(v, cache.v), mode="drop"))
     return q, cache
 
 
-def attend_rows(q, cache: KVCache, positions, start, kv_len: int):
-    """Attention of rows start..start+R-1 (R = q.shape[0]) over their first kv_len positions.
-    q [R, H, D] f32, positions [R]; `start` may be traced."""
-    r = q.shape[0]
-    _, hkv, _, d = cache.k.shape
-    k = jax.lax.dynamic_slice(cache.k, (start, 0, 0, 0), (r, hkv, kv_len, d))
-    v = jax.lax.dynamic_slice(cache.v, (start, 0, 0, 0), (r, hkv, kv_len, d))
+def attend_rows(q, cache: KVCache, positions, table, kv_len: int):
+    """Attention of the rows of table [R, MB] over their first kv_len positions.
+    q [R, H, D] f32, positions [R]: keys 0..positions are valid."""
+    k, v = gather(cache.k, table, kv_len), gather(cache.v, table, kv_len)
     return decode_attention(q, from_storage(k), from_storage(v), positions)
 
 

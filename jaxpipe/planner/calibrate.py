@@ -218,6 +218,18 @@ def step_call(runner, shape: Shape) -> Callable[[], Any]:
     return lambda: runner.decode(tokens, positions, active, plan)
 
 
+def _dense_blocks(runner) -> None:
+    """Slot s gets blocks s*MB..s*MB+MB-1 of the KV pool (the table of a full store)."""
+    from jaxpipe.kv import device_cache
+
+    table = device_cache.identity_table(runner.num_slots, runner.max_len)
+    if table.size > runner.num_blocks:
+        raise ValueError(f"calibration needs {table.size} KV blocks (every slot at max_len), "
+                         f"the engine has {runner.num_blocks}")
+    for slot, blocks in enumerate(table):
+        runner.set_blocks(slot, list(blocks))
+
+
 def make_engine(shapes: Iterable[Shape], model: str = "smollm2-135m", **overrides):
     """An engine (bf16, one CPU device, no warm-up) with room for every shape."""
     from jaxpipe import Engine, EngineConfig
@@ -230,7 +242,9 @@ def make_engine(shapes: Iterable[Shape], model: str = "smollm2-135m", **override
 
 
 def measure_steps(engine, shapes: Sequence[Shape], repeats: int = 5) -> list[float]:
-    """Median seconds of each shape's step on the engine's runner, compilation excluded."""
+    """Median seconds of each shape's step on the engine's runner, compilation excluded.
+    Every slot is given its max_len blocks first, so that attention reads real KV."""
+    _dense_blocks(engine.runner)
     return [_median_seconds(step_call(engine.runner, s), repeats) for s in shapes]
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from jaxpipe.scheduler.actions import Action, Run, SwapIn
 from jaxpipe.scheduler.policy import Policy, preempt_or_decode, swap_in_batch
-from jaxpipe.scheduler.state import Phase, SchedulerState, SeqInfo
+from jaxpipe.scheduler.state import Phase, SchedulerState
 
 
 class DecodeFirst(Policy):
@@ -25,8 +25,9 @@ class DecodeFirst(Policy):
         if not state.device and not state.host:
             self._closed = False
         if not self._closed:
-            reserved = sum(s.expected_total for s in state.device.values())
-            batch = self._admit(state, state.device_kv_tokens - reserved, _whole_length)
+            reserved = sum(state.device_size(s.expected_total) for s in state.device.values())
+            batch = self._admit(state, state.device_kv_tokens - reserved,
+                                lambda seq: state.device_size(seq.expected_total))
             if batch:
                 return self._in_phase(state, Phase.PREFILL, Run(prefill=batch))
         swap = swap_in_batch(state, self._device_room(state))
@@ -37,7 +38,3 @@ class DecodeFirst(Policy):
             self._closed = True
             return self._in_phase(state, Phase.DECODE, action)
         return action
-
-
-def _whole_length(seq: SeqInfo) -> int:
-    return seq.expected_total

@@ -102,23 +102,23 @@ class Policy:
         return [head] + [s for s in window if self.length_bucket(s.to_prefill) == bucket]
 
     def _device_room(self, state: SchedulerState) -> int:
-        """Device KV tokens new admissions may take: what is free, less a watermark and one
-        token of growth per running sequence (an empty store is all room)."""
+        """Device KV tokens new admissions may take: what is free, less a watermark and the
+        next token's growth of every running sequence (an empty store is all room)."""
         if not state.device:
             return state.device_free
-        margin = int(self.watermark * state.device_kv_tokens) + len(state.device)
-        return state.device_free - margin
+        growth = sum(state.growth(s) for s in state.device.values())
+        return state.device_free - int(self.watermark * state.device_kv_tokens) - growth
 
 
 def growth_victims(state: SchedulerState) -> list[SeqInfo]:
     """Newest device sequences to evict so every remaining one can write one more KV token."""
-    need = state.device_used + len(state.device) - state.device_kv_tokens
+    need = sum(state.growth(s) for s in state.device.values()) - state.device_free
     victims: list[SeqInfo] = []
     for seq in reversed(list(state.device.values())):
         if need <= 0:
             break
         victims.append(seq)
-        need -= seq.computed + 1
+        need -= state.device_size(seq.computed) + state.growth(seq)
     return victims
 
 
@@ -127,10 +127,11 @@ def swap_in_batch(state: SchedulerState, room: int) -> list[SeqInfo]:
     batch: list[SeqInfo] = []
     slots = state.free_slots
     for seq in state.host.values():
-        if len(batch) >= slots or seq.computed + 1 > room:
+        need = state.device_size(seq.computed + 1)
+        if len(batch) >= slots or need > room:
             break
         batch.append(seq)
-        room -= seq.computed + 1
+        room -= need
     return batch
 
 

@@ -39,7 +39,8 @@ class PrefillFirst(Policy):
             return SwapIn(swap)
         if self.chunked:
             return self._mixed_step(state)
-        batch = self._admit(state, self._device_room(state), _prefill_need)
+        batch = self._admit(state, self._device_room(state),
+                            lambda seq: state.device_size(seq.to_prefill + 1))
         if batch:
             return self._in_phase(state, Phase.PREFILL, Run(prefill=batch))
         action = preempt_or_decode(state, swap=self.preempt_mode == "swap")
@@ -79,8 +80,3 @@ class PrefillFirst(Policy):
         if n > 0:
             chunks.append((seq, n))
         return budget - max(n, 0), room - max(n, 0)
-
-
-def _prefill_need(seq: SeqInfo) -> int:
-    """Device KV a whole prefill takes: the context plus the token it samples."""
-    return seq.to_prefill + 1

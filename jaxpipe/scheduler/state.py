@@ -9,6 +9,8 @@ invariants on every move, so no executor can silently overfill a tier.
 Token accounting. `computed` is how many tokens of a sequence have KV (in whichever tier holds
 it); `context_len` = prompt + generated. After a whole prefill `computed == context_len` and the
 sampled token raises `generated` by one, so a decode step writes one more KV row (computed + 1).
+Each tier charges a sequence its tokens rounded up to the tier's unit: the device store holds
+KV in blocks (`device_unit` tokens each), the host tier in rounded lengths (`host_unit`).
 """
 
 from __future__ import annotations
@@ -79,15 +81,19 @@ class SchedulerState:
     """Queues (waiting FIFO, device, host FIFO) and the KV budgets of both tiers, in tokens."""
 
     def __init__(self, device_kv_tokens: int, max_device_seqs: int, host_kv_tokens: int = 0,
-                 phase: Phase = Phase.PREFILL, host_unit: int = 1):
+                 phase: Phase = Phase.PREFILL, host_unit: int = 1, device_unit: int = 1):
         """`host_unit`: the host tier stores each sequence's KV rounded up to a multiple of
-        this many tokens (its copy programs compile per rounded length), and is charged so."""
-        if device_kv_tokens < 1 or max_device_seqs < 1 or host_kv_tokens < 0 or host_unit < 1:
+        this many tokens (its copy programs compile per rounded length), and is charged so.
+        `device_unit`: the device store's block size; a sequence holds whole blocks."""
+        if (device_kv_tokens < 1 or max_device_seqs < 1 or host_kv_tokens < 0 or host_unit < 1
+                or device_unit < 1):
             raise ValueError(f"need device_kv_tokens >= 1 (got {device_kv_tokens}), "
                              f"max_device_seqs >= 1 (got {max_device_seqs}), "
-                             f"host_kv_tokens >= 0 (got {host_kv_tokens}) and "
-                             f"host_unit >= 1 (got {host_unit})")
+                             f"host_kv_tokens >= 0 (got {host_kv_tokens}), "
+                             f"host_unit >= 1 (got {host_unit}) and "
+                             f"device_unit >= 1 (got {device_unit})")
         self.host_unit = host_unit
+        self.device_unit = device_unit
         self.device_kv_tokens = device_kv_tokens
         self.max_device_seqs = max_device_seqs
         self.host_kv_tokens = host_kv_tokens
@@ -96,7 +102,7 @@ class SchedulerState:
         self.device: dict[Hashable, SeqInfo] = {}  # insertion order = admission order
         self.host: dict[Hashable, SeqInfo] = {}  # insertion order = swap-out order (FIFO)
         self.finished: list[SeqInfo] = []
-        self.device_used = 0  # tokens of KV in the device store
+        self.device_used = 0  # tokens of KV in the device store (whole blocks)
         self.host_used = 0  # tokens of KV in the host tier
         self._arrivals = 0
 
@@ -116,6 +122,14 @@ class SchedulerState:
         """Host tier tokens that `tokens` tokens of KV occupy (rounded up to `host_unit`)."""
         return -(-tokens // self.host_unit) * self.host_unit
 
+    def device_size(self, tokens: int) -> int:
+        """Device store tokens that `tokens` tokens of KV occupy (whole blocks)."""
+        return -(-tokens // self.device_unit) * self.device_unit
+
+    def growth(self, seq: SeqInfo) -> int:
+        """Device tokens a device sequence takes on when it writes one more KV token."""
+        return self.device_size(seq.computed + 1) - self.device_size(seq.computed)
+
     @property
     def free_slots(self) -> int:
         return self.max_device_seqs - len(self.device)
@@ -123,7 +137,7 @@ class SchedulerState:
     # ---- writing -------------------------------------------------------------------------
     def add(self, seq: SeqInfo) -> None:
         """Queue a new request; refuse one that could never fit the device store."""
-        if seq.prompt_len + seq.max_output_len > self.device_kv_tokens:
+        if self.device_size(seq.prompt_len + seq.max_output_len) > self.device_kv_tokens:
             raise ValueError(
                 f"sequence {seq.seq_id!r} needs up to {seq.prompt_len + seq.max_output_len} "
                 f"tokens of KV but the device store holds {self.device_kv_tokens}")
@@ -152,9 +166,9 @@ class SchedulerState:
             if seq.location is not Location.DEVICE or seq.in_prefill:
                 raise RuntimeError(f"decode of {seq.seq_id!r} which is {seq.location.value}"
                                    f"{' and still prefilling' if seq.in_prefill else ''}")
+            self.device_used += self.growth(seq)
             seq.computed += 1
             seq.generated += 1
-            self.device_used += 1
         self._check_capacity()
 
     def _prefill(self, seq: SeqInfo, num_tokens: int, to_host: bool) -> None:
@@ -167,8 +181,9 @@ class SchedulerState:
         if not 1 <= num_tokens <= seq.to_prefill:
             raise RuntimeError(f"prefill chunk of {num_tokens} tokens for {seq.seq_id!r} "
                                f"which has {seq.to_prefill} left")
+        self.device_used += (self.device_size(seq.computed + num_tokens)
+                             - self.device_size(seq.computed))
         seq.computed += num_tokens
-        self.device_used += num_tokens
         if seq.to_prefill == 0:
             seq.generated += 1
             if to_host:
@@ -189,7 +204,7 @@ class SchedulerState:
                 self._move(seq, Location.HOST)
             else:  # recompute: drop the KV, prefill prompt + outputs again later (first in line)
                 del self.device[seq.seq_id]
-                self.device_used -= seq.computed
+                self.device_used -= self.device_size(seq.computed)
                 seq.computed, seq.location = 0, Location.WAITING
                 self.waiting.appendleft(seq)
         self._check_capacity()
@@ -201,7 +216,7 @@ class SchedulerState:
         dst[seq.seq_id] = seq
         sign = 1 if to is Location.HOST else -1
         self.host_used += sign * self.host_size(seq.computed)
-        self.device_used -= sign * seq.computed
+        self.device_used -= sign * self.device_size(seq.computed)
         seq.location = to
 
     def _finish(self, seq_id: Hashable) -> None:
@@ -211,7 +226,7 @@ class SchedulerState:
         if seq.location is Location.HOST:
             self.host_used -= self.host_size(seq.computed)
         else:
-            self.device_used -= seq.computed
+            self.device_used -= self.device_size(seq.computed)
         seq.location = Location.FINISHED
         self.finished.append(seq)
 

@@ -17,11 +17,13 @@ ENGINE_FLAGS = {
     "dtype": ("dtype", f"weights dtype, one of {', '.join(DTYPES)} (default: bfloat16)"),
     "max_model_len": ("max_model_len", "longest prompt + output in tokens "
                                        "(default: min(model limit, 2048))"),
-    "max_num_seqs": ("max_num_seqs", "sequences decoded together (default: as many as fit in "
-                                     "--kv-cache-gb)"),
+    "max_num_seqs": ("max_num_seqs", "sequences on the device at once (default: as many as "
+                                     "fit in --kv-cache-gb at --max-model-len each)"),
     "max_num_batched_tokens": ("max_num_batched_tokens", "token budget of one prefill batch "
                                                          "(default: 4096)"),
     "kv_cache_gb": ("kv_cache_gb", "device KV store size in GiB (default: 8)"),
+    "kv_cache_tokens": ("kv_cache_tokens", "device KV store size in tokens (overrides "
+                                           "--kv-cache-gb)"),
     "seed": ("seed", "seed for requests that give none (default: 0)"),
     "compilation_cache_dir": ("compilation_cache_dir", "JAX persistent compilation cache "
                                                        "(default: ~/.cache/jaxpipe/xla)"),
@@ -34,7 +36,8 @@ ENGINE_FLAGS = {
     "host_kv_tokens": ("host_kv_tokens", "host KV tier size in tokens (overrides --host-kv-gb)"),
 }
 _TYPES = {"max_model_len": int, "max_num_seqs": int, "max_num_batched_tokens": int,
-          "kv_cache_gb": float, "seed": int, "host_kv_gb": float, "host_kv_tokens": int}
+          "kv_cache_gb": float, "kv_cache_tokens": int, "seed": int, "host_kv_gb": float,
+          "host_kv_tokens": int}
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:

@@ -175,16 +175,22 @@ def _padded(prompts: list[list[int]], length: int) -> tuple[jnp.ndarray, jnp.nda
     return jnp.asarray(tokens), jnp.asarray([len(p) for p in prompts], jnp.int32)
 
 
-def _prefill(model, prompts, slots, length: int, num_slots: int = 4, max_len: int = 64):
+# A block table of 4 sequences x 64 positions (4 blocks of 16) scattered over a pool of 21
+# blocks, out of order: the KV of each sequence is paged, not contiguous.
+TABLE = np.random.default_rng(5).permutation(21)[:16].reshape(4, 4).astype(np.int32)
+POOL = 21
+
+
+def _prefill(model, prompts, slots, length: int):
     from jaxpipe.kv import device_cache
 
-    cache = device_cache.allocate(model.config, num_slots, max_len, jnp.float32)
+    cache = device_cache.allocate(model.config, POOL, jnp.float32)
     tokens, lengths = _padded(prompts, length)
-    logits, cache = model.prefill(tokens, lengths, jnp.asarray(slots, jnp.int32), cache)
+    logits, cache = model.prefill(tokens, lengths, jnp.asarray(TABLE[slots]), cache)
     return np.asarray(logits), cache
 
 
-SLOTS = [2, 0, 1]  # prompt i is written to cache slot SLOTS[i]
+SLOTS = [2, 0, 1]  # prompt i is written to the blocks of table row SLOTS[i]
 
 
 @pytest.fixture(scope="module")
@@ -207,12 +213,13 @@ def test_prefill_logits_padded_batch_match_hf(prefilled, hf_last):
 
 
 def test_decode_after_prefill_matches_hf(model, hf_model, prefilled, plain_ids, hf_last):
-    # Decode row r reads cache slot r, which holds prompt SLOTS.index(r).
+    # Decode row r reads table row r, which holds prompt SLOTS.index(r).
     _, cache = prefilled
     order = [SLOTS.index(r) for r in range(len(SLOTS))]
     nxt = [int(np.argmax(hf_last[i])) for i in order]
     positions = jnp.asarray([len(plain_ids[i]) for i in order], jnp.int32)
-    logits, _ = model.decode(jnp.asarray(nxt, jnp.int32), positions, cache, 64)
+    logits, _ = model.decode(jnp.asarray(nxt, jnp.int32), positions, jnp.asarray(TABLE[:3]),
+                             cache, 64)
     for row, (i, token) in enumerate(zip(order, nxt, strict=True)):
         np.testing.assert_allclose(np.asarray(logits[row]),
                                    _hf_last_logits(hf_model, plain_ids[i] + [token]), rtol=0,

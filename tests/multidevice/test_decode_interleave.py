@@ -25,6 +25,9 @@ LENGTHS = np.array([16, 9, 3, 12, 1, 16, 7, 10], np.int32)
 ACTIVE = np.array([1, 1, 0, 1, 1, 1, 0, 1], bool)  # rows 2 and 6 idle
 # (decode layout, steps per call): the hybrid and deep pipelines of the issue.
 CASES = [("pp=2,tp=4", 3), ("pp=4,tp=2", 4), ("pp=8", 3)]
+# The runners' KV is paged: each slot's 4 blocks scattered over a pool of 35.
+POOL = 35
+TABLE = np.random.default_rng(2).permutation(POOL)[:SLOTS * 4].reshape(SLOTS, 4).astype(np.int32)
 
 
 @pytest.fixture(scope="module")
@@ -36,18 +39,25 @@ def prompts():
 
 @pytest.fixture(scope="module")
 def reference(tiny_values, prompts):
-    """Single device, greedy: tokens [N, 1 + K] (the prefill's, then K decode steps) and the
-    per-layer K cache [N, Hkv, S, D] after them, for the largest K of CASES."""
+    """Single device (contiguous blocks), greedy: tokens [N, 1 + K] (the prefill's, then K
+    decode steps) and the per-layer K [N, Hkv, S, D] after them, for the largest K of CASES."""
     steps = max(k for _, k in CASES)
     model = Llama(TINY, values=tiny_values)
-    cache = device_cache.allocate(TINY, SLOTS, MAX_LEN, jnp.float32)
+    table = device_cache.identity_table(SLOTS, MAX_LEN)
+    cache = device_cache.allocate(TINY, table.size, jnp.float32)
     padded = np.array([p + [0] * (PROMPT - len(p)) for p in prompts], np.int32)
-    logits, cache = model.prefill(jnp.asarray(padded), LENGTHS, np.arange(SLOTS), cache)
+    logits, cache = model.prefill(jnp.asarray(padded), LENGTHS, table, cache)
     tokens = [np.asarray(jnp.argmax(logits, -1), np.int32)]
     for k in range(steps):
-        logits, cache = model.decode(jnp.asarray(tokens[-1]), LENGTHS + k, cache, MAX_LEN)
+        logits, cache = model.decode(jnp.asarray(tokens[-1]), LENGTHS + k, table, cache,
+                                     MAX_LEN)
         tokens.append(np.asarray(jnp.argmax(logits, -1), np.int32))
-    return np.stack(tokens, 1), [np.asarray(c.k) for c in cache]
+    return np.stack(tokens, 1), [dense(c.k, table) for c in cache]
+
+
+def dense(pool, table) -> np.ndarray:
+    """One layer's block pool [NB, Hkv, 16, D] seen per table row: [N, Hkv, MAX_LEN, D]."""
+    return np.asarray(device_cache.gather(jnp.asarray(pool), jnp.asarray(table), MAX_LEN))
 
 
 def plan_for(params: list[SamplingParams], step: int = 0, banned=None) -> SamplingPlan:
@@ -83,7 +93,10 @@ def runners(tiny_values):
             layouts = {"prefill": Layout.parse(layout), "decode": Layout.parse(layout)}
             made[layout] = LayoutRunner(
                 TINY, tiny_values, Buckets.for_engine(SLOTS, MAX_LEN, 256), SLOTS, MAX_LEN,
-                jnp.float32, layouts, jax.devices()[:8], decode_steps_per_call=steps)
+                jnp.float32, layouts, jax.devices()[:8], decode_steps_per_call=steps,
+                num_blocks=POOL)
+            for slot, blocks in enumerate(TABLE):
+                made[layout].set_blocks(slot, list(blocks))
         assert made[layout].decode_steps == steps
         return made[layout]
 
@@ -119,7 +132,7 @@ def one_step_calls(r: LayoutRunner, state: dict, params, steps: int, positions=N
     for k in range(steps):
         pos = (positions + k).astype(np.int32)
         lengths = np.where(active, np.minimum(pos + 1, MAX_LEN), 0).astype(np.int32)
-        logits = r.decode_logits(tokens, pos, lengths, MAX_LEN)
+        logits = r.decode_logits(tokens, pos, lengths, MAX_LEN, TABLE)
         out = r._sample_host(logits, np.arange(SLOTS, dtype=np.int32), plan_for(params, k),
                              SLOTS)
         outs.append(out)
@@ -136,11 +149,12 @@ def multi_step(r: LayoutRunner, state: dict, params, steps: int, positions=None)
 
 
 def layer_k(r: LayoutRunner, cache_k) -> list[np.ndarray]:
-    """The padded stacked K store [L', N, Hkv', S, D] -> per real layer [N, Hkv, S, D]."""
+    """The padded stacked K pool [L', NB, Hkv', 16, D] -> per real layer and slot
+    [N, Hkv, S, D]."""
     k = np.asarray(cache_k)
     layers, heads = r.plan.index["layers"], r.plan.index["kv_heads"]
     first_rep = [heads.index(h) for h in range(TINY.num_kv_heads)]
-    return [k[layers.index(i)][:, first_rep] for i in range(TINY.num_layers)]
+    return [dense(k[layers.index(i)][:, first_rep], TABLE) for i in range(TINY.num_layers)]
 
 
 @pytest.mark.parametrize("layout, steps", CASES)

@@ -39,9 +39,9 @@ def smollm2_prefill_logits(smollm2):
     tokenizer = loading.load_tokenizer(loading_source())
     ids = [tokenizer.encode(p) for p in PROMPTS]
     tokens, lengths = pack(ids)
-    cache = device_cache.allocate(cfg, len(lengths), tokens.shape[1], jnp.float32)
-    logits, _ = Llama(cfg, values=values).prefill(jnp.asarray(tokens), lengths,
-                                                  np.arange(len(lengths), dtype=np.int32), cache)
+    table = device_cache.identity_table(len(lengths), tokens.shape[1])
+    cache = device_cache.allocate(cfg, table.size, jnp.float32)
+    logits, _ = Llama(cfg, values=values).prefill(jnp.asarray(tokens), lengths, table, cache)
     return tokens, lengths, np.asarray(logits)[: len(ids)]
 
 
@@ -78,7 +78,8 @@ def test_smollm2_layout_pair_matches_one_device(smollm2_orbax, smollm2_reference
     runner.set_phase("prefill")
     tokens, lengths, want = smollm2_prefill_logits
     slots = np.array([0, 1, 2, runner.num_slots], np.int32)  # the last row is padding
-    got = np.asarray(runner.prefill_logits(tokens, lengths, slots))[: len(want)]
+    got = np.asarray(runner.prefill_logits(tokens, lengths, runner.table_rows(slots)))
+    got = got[: len(want)]
     assert got.shape == want.shape
     assert np.abs(got - want).max() <= 1e-4
 

@@ -1,7 +1,8 @@
 """Scheduling policies and the host KV tier in the real engine on 8 devices: prefill on
-pp=4,tp=2, decode on tp=8, more work than the device KV store holds (4 slots for 12 requests of
-mixed lengths). Every policy must give the single-device engine's greedy tokens; the host tier
-must never overfill; seesaw must switch layouts rarely; swap-ins must overlap decode steps."""
+pp=4,tp=2, decode on tp=8, more work than the device KV store holds (12 requests of mixed
+lengths, up to 58 tokens each, on 8 rows and a pool of 96 tokens: the running sequences
+outgrow it). Every policy must give the single-device engine's greedy tokens; neither tier may
+overfill; seesaw must switch layouts rarely; swap-ins must overlap decode steps."""
 
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ from conftest import TINY
 from jaxpipe import Engine, EngineConfig, SamplingParams
 
 FAST = dict(dtype="float32", max_model_len=64, warmup=False, show_progress=False)
-LAYOUTS = dict(mesh="cpu-8", prefill="pp=4,tp=2", decode="tp=8", max_num_seqs=4)
+DEVICE_KV = 96  # tokens (6 blocks of 16): 1/4 of the KV the 12 requests end with
+LAYOUTS = dict(mesh="cpu-8", prefill="pp=4,tp=2", decode="tp=8", max_num_seqs=8,
+               kv_cache_tokens=DEVICE_KV)
 HOST_KV = 192  # tokens: about a fifth of the workload's prompt KV, so seesaw refills often
 POLICIES = ["seesaw", "prefill_first", "decode_first"]
 
@@ -76,10 +79,22 @@ def test_seesaw_swaps_through_the_host_and_preempts(runs, workload):
     assert stats["preemptions"] >= 1  # a running batch parked in the host to refill
 
 
+def test_growing_sequences_are_preempted(runs, workload):
+    """prefill_first fills the device pool with prompts; as they grow past it the newest are
+    preempted (recomputed) and still give the reference tokens (checked above)."""
+    final_kv = sum(len(p) + q.max_tokens for p, q in zip(*workload, strict=True))
+    assert final_kv > 4 * DEVICE_KV
+    stats = runs["prefill_first"][0].stats()
+    assert stats["preemptions"] >= 1
+    assert stats["device_kv_capacity"] == DEVICE_KV
+
+
 @pytest.mark.parametrize("policy", POLICIES)
-def test_host_tier_never_overfills_and_every_request_ends_once(runs, workload, policy):
+def test_tiers_never_overfill_and_every_request_ends_once(runs, workload, policy):
     engine, outputs = runs[policy]
     stats = engine.stats()
+    assert 0 < stats["device_kv_peak"] <= DEVICE_KV
+    assert engine.executor.kv.free_blocks == DEVICE_KV // 16  # every block back in the pool
     assert stats["host_kv_peak"] <= HOST_KV == stats["host_kv_capacity"]
     assert all(used <= HOST_KV for _, used in stats["host_timeline"])
     assert stats["host_timeline"][-1][1] == 0 and not engine.executor.kv.host.entries

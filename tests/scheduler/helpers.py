@@ -27,9 +27,10 @@ def make_seqs(n: int, seed: int, prompt=(4, 60), output=(1, 40)) -> list[SeqInfo
 
 
 def run_policy(policy: Policy, seqs: list[SeqInfo], device_kv: int, slots: int,
-               host_kv: int = 0) -> tuple[SchedulerState, Trace]:
-    """Drive `policy` until every sequence ran to its `max_output_len`."""
-    state = SchedulerState(device_kv, slots, host_kv)
+               host_kv: int = 0, unit: int = 1) -> tuple[SchedulerState, Trace]:
+    """Drive `policy` until every sequence ran to its `max_output_len`; both tiers charge
+    whole `unit`s of tokens (the engine's KV blocks)."""
+    state = SchedulerState(device_kv, slots, host_kv, host_unit=unit, device_unit=unit)
     state.add_all(seqs)
     trace = Trace()
 
@@ -53,6 +54,9 @@ def run_policy(policy: Policy, seqs: list[SeqInfo], device_kv: int, slots: int,
         original_apply(action, finished)
         trace.max_host_used = max(trace.max_host_used, state.host_used)
         trace.max_device_used = max(trace.max_device_used, state.device_used)
+        # Each device sequence is charged its KV rounded up to whole blocks, no more.
+        assert state.device_used == sum(state.device_size(s.computed)
+                                        for s in state.device.values())
 
     state.apply = apply
     drive(policy, state, execute)

@@ -55,6 +55,21 @@ def test_every_request_finishes_once_with_all_its_tokens(config, seed):
     assert trace.max_host_used <= HOST_KV and trace.max_device_used <= DEVICE_KV
 
 
+@pytest.mark.parametrize("config", sorted(c for c in CONFIGS if "chunked" not in c))
+def test_block_accounting_charges_whole_blocks_and_preempts_growth(config):
+    """Tiers in 16-token blocks, a device store of 12 blocks for 8 slots: sequences that
+    cross a block boundary need a new block, so growth preempts; nothing overfills (the
+    helper checks every step that each sequence is charged whole blocks)."""
+    name, options = CONFIGS[config]
+    seqs = make_seqs(30, seed=3, prompt=(10, 40), output=(10, 50))
+    _, trace = run_policy(make_policy(name, **options), seqs, 192, SLOTS, HOST_KV, unit=16)
+    assert sorted(trace.finished) == list(range(30))
+    assert all(s.generated == s.max_output_len for s in seqs)
+    assert trace.max_device_used <= 192 and trace.max_host_used <= HOST_KV
+    if name == "prefill_first":
+        assert trace.preempted > 0
+
+
 def test_tight_device_memory_forces_preemption_and_loses_nothing():
     seqs = make_seqs(30, seed=7, prompt=(20, 40), output=(30, 60))
     for mode in ("recompute", "swap"):
