@@ -74,13 +74,15 @@ def main() -> None:
     if args.host_kv_tokens is not None:
         kwargs["host_kv_tokens"] = args.host_kv_tokens
     print(f"[workload] {describe_workload(workload)}", flush=True)
-    rows = [run_one(spec, workload, kwargs) for spec in parse_runs(args.runs)]
-    print(format_table(rows))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"args": vars(args), "machine": machine_info(),
-                               "workload": describe_workload(workload), "runs": rows},
-                              indent=1))
+    rows = []
+    for spec in parse_runs(args.runs):  # the JSON is rewritten after every run: a run that
+        rows.append(run_one(spec, workload, kwargs))  # is stopped keeps the ones before it
+        out.write_text(json.dumps({"args": vars(args), "machine": machine_info(),
+                                   "workload": describe_workload(workload), "runs": rows},
+                                  indent=1))
+        print(format_table(rows), flush=True)
     print(f"wrote {out}")
 
 

@@ -90,8 +90,9 @@ def check_outputs(outs: Sequence[Any], workload: Sequence[Request]) -> None:
             raise RuntimeError(f"request {i}: output is for a different prompt (order mixed up?)")
 
 
-def _generate(engine: Any, requests: Sequence[Request]) -> list[Any]:
-    """Greedy, ignore_eos generation of `requests` through the public Engine API."""
+def _generate(engine: Any, requests: Sequence[Request], progress: bool = False) -> list[Any]:
+    """Greedy, ignore_eos generation of `requests` through the public Engine API
+    (`progress`: the engine's progress bar, for runs that take many minutes)."""
     from jaxpipe import SamplingParams
 
     params = [
@@ -100,7 +101,7 @@ def _generate(engine: Any, requests: Sequence[Request]) -> list[Any]:
     return engine.generate(
         prompt_token_ids=[list(r.prompt_token_ids) for r in requests],
         sampling_params=params,
-        use_tqdm=False,
+        use_tqdm=progress,
     )
 
 

@@ -52,7 +52,7 @@ def run_one(spec: RunSpec, workload: Sequence[Request], engine_kwargs: dict,
     engine.reset_stats()
     compiled = engine.stats()["compile_seconds"]
     start = time.perf_counter()
-    outs = _generate(engine, workload)
+    outs = _generate(engine, workload, progress=True)  # an hour per run on cpu-8 here
     elapsed = time.perf_counter() - start
     check_outputs(outs, workload)
     stats = engine.stats()
