@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxpipe.kernels.build import KernelBuildError, build
-from jaxpipe.kv.device_cache import from_storage
+from jaxpipe.kv.device_cache import from_storage, gather
 from jaxpipe.model import llama
 
 SOURCE = Path(__file__).with_name("decode_attention.cc")
@@ -84,9 +84,8 @@ def reference(q, k, v, lengths, table, layer=0):
     blocks = jnp.clip(table, 0, num_blocks - 1)  # entries past a row's usable length are masked
 
     def rows(pool):  # [L, NB, Hkv, BS, D] -> [B, Hkv, MB * BS, D]
-        x = jax.lax.dynamic_index_in_dim(pool, layer, keepdims=False)[blocks]  # [B, MB, Hkv, BS, D]
-        b, mb, hkv, bs, d = x.shape
-        return from_storage(x.transpose(0, 2, 1, 3, 4).reshape(b, hkv, mb * bs, d))
+        x = jax.lax.dynamic_index_in_dim(pool, layer, keepdims=False)
+        return from_storage(gather(x, blocks, table.shape[1] * block_size))
 
     out = llama.decode_attention(q, rows(k), rows(v), lengths - 1)
     return jnp.where((lengths > 0)[:, None, None], out, 0.0)

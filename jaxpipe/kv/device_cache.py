@@ -109,14 +109,15 @@ def locate_span(table, length: int):
 
 
 def gather(x, table, length: int):
-    """Positions 0..length-1 of each table row: x [NB, Hkv, BLOCK, D], table [b, MB]
-    -> [b, Hkv, length, D]. Blocks past the table, or out of range, read clipped garbage
-    (callers mask positions past each row's length)."""
-    nb = blocks_for(length)
+    """Positions 0..length-1 of each table row: x [NB, Hkv, BS, D] (BS: the pool's block
+    size, BLOCK in the engine), table [b, MB] -> [b, Hkv, length, D]. Blocks past the table,
+    or out of range, read clipped garbage (callers mask positions past each row's length)."""
+    bs = x.shape[2]
+    nb = -(-length // bs)
     cols = jnp.minimum(jnp.arange(nb), table.shape[1] - 1)
-    blocks = jnp.take(x, table[:, cols], axis=0, mode="clip")  # [b, nb, Hkv, BLOCK, D]
+    blocks = jnp.take(x, table[:, cols], axis=0, mode="clip")  # [b, nb, Hkv, BS, D]
     b, _, hkv, _, d = blocks.shape
-    out = blocks.transpose(0, 2, 1, 3, 4).reshape(b, hkv, nb * BLOCK, d)
+    out = blocks.transpose(0, 2, 1, 3, 4).reshape(b, hkv, nb * bs, d)
     return out[:, :, :length]
 
 
