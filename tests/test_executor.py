@@ -61,12 +61,17 @@ def reference(engine):
     return out
 
 
-@pytest.mark.parametrize("policy", ["seesaw", "prefill_first", "decode_first"])
-def test_every_policy_gives_the_reference_tokens(engine, reference, policy):
+def run_with(engine, policy: str) -> tuple[list, dict]:
+    """(tokens, stats) of all requests under `policy`, stats reset first."""
     engine.set_scheduler(policy)
     engine.reset_stats()
-    assert tokens(engine.generate(PROMPTS, params())) == reference
-    stats = engine.stats()
+    return tokens(engine.generate(PROMPTS, params())), engine.stats()
+
+
+@pytest.mark.parametrize("policy", ["seesaw", "prefill_first", "decode_first"])
+def test_every_policy_gives_the_reference_tokens(engine, reference, policy):
+    got, stats = run_with(engine, policy)
+    assert got == reference
     assert stats["finished_requests"] == len(PROMPTS)
     assert stats["host_kv_peak"] <= 64 and engine.executor.kv.host.used == 0
     if policy == "seesaw":
@@ -162,10 +167,8 @@ def tight():
 
 @pytest.mark.parametrize("policy", ["prefill_first", "seesaw", "decode_first"])
 def test_a_pool_smaller_than_the_running_sequences(tight, reference, policy):
-    tight.set_scheduler(policy)
-    tight.reset_stats()
-    assert tokens(tight.generate(PROMPTS, params())) == reference
-    stats = tight.stats()
+    got, stats = run_with(tight, policy)
+    assert got == reference
     assert stats["device_kv_capacity"] == 128 and 0 < stats["device_kv_peak"] <= 128
     assert tight.executor.kv.free_blocks == 8  # every block back in the pool
     if policy == "prefill_first":  # admits while prompts fit, then the sequences grow
