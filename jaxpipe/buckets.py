@@ -1,9 +1,11 @@
-"""Static shapes: the bucket sizes jitted steps are compiled for (pure Python, no jax).
+"""Static shapes: the bucket sizes the jitted step is compiled for (pure Python, no jax).
 
-A step's real size is rounded up to the next bucket so that a handful of compiled programs
-serve every batch. Buckets are powers of two: each one is a compile (seconds on a loaded
-2-core machine), and the decode padding they cost is limited because each block of rows
-attends over its own KV-length bucket (see runner.py).
+A step is a flat batch of tokens (`step_inputs.py`); its real token count is rounded up to the
+next bucket, so a handful of compiled programs serve every step and only the tail of the
+bucket is padding. Token buckets grow by 1.5x and 2x alternately (16, 24, 32, 48, 64, ...):
+at most a third of a step is padding, and one compile per bucket. The rows of a step (one per
+sequence in it) are at most min(tokens, max_num_seqs); the LM head and sampler run on the
+sampled rows, rounded up to a power of two.
 """
 
 from __future__ import annotations
@@ -22,6 +24,19 @@ def pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
     return tuple(out)
 
 
+def token_buckets(lo: int, hi: int) -> tuple[int, ...]:
+    """lo, 1.5·lo, 2·lo, 3·lo, 4·lo, ... (multiples of 8) ending exactly at hi."""
+    out, b = [], lo
+    while b < hi:
+        out.append(b)
+        half = -(-b // 2 // 8) * 8
+        if b + half < hi:
+            out.append(b + half)
+        b *= 2
+    out.append(hi)
+    return tuple(sorted(set(out)))
+
+
 def round_up(value: int, buckets: tuple[int, ...]) -> int:
     """Smallest bucket >= value."""
     i = bisect.bisect_left(buckets, value)
@@ -34,36 +49,32 @@ def round_up(value: int, buckets: tuple[int, ...]) -> int:
 class Buckets:
     """Every static shape the runner compiles for one engine configuration."""
 
-    decode_batch: tuple[int, ...]
-    kv_len: tuple[int, ...]
-    prefill_len: tuple[int, ...]
-    prefill_batch: tuple[int, ...]
-    prefill_tokens: int  # budget: padded prefill batch × length
+    step_tokens: tuple[int, ...]  # tokens of one step
+    kv_len: tuple[int, ...]  # the XLA attention's key bound (the C++ kernel needs none)
+    max_rows: int  # sequences in one step at most (max_num_seqs)
 
     @classmethod
-    def for_engine(cls, max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int,
-                   min_decode_batch: int = 16) -> Buckets:
-        lo = min(min_decode_batch, max_num_seqs)
-        return cls(
-            decode_batch=pow2_buckets(lo, max_num_seqs),
-            kv_len=pow2_buckets(min(128, max_model_len), max_model_len),
-            prefill_len=pow2_buckets(min(32, max_model_len), max_model_len),
-            prefill_batch=pow2_buckets(1, max_num_seqs),
-            prefill_tokens=max_num_batched_tokens)
+    def for_engine(cls, max_num_seqs: int, max_model_len: int,
+                   max_num_batched_tokens: int) -> Buckets:
+        """Steps of up to max(max_num_batched_tokens, max_num_seqs) tokens: a decode step of
+        every running sequence always fits."""
+        most = max(max_num_batched_tokens, max_num_seqs)
+        return cls(step_tokens=token_buckets(min(16, most), most),
+                   kv_len=pow2_buckets(min(128, max_model_len), max_model_len),
+                   max_rows=max_num_seqs)
 
-    def prefill_shape(self, count: int, longest: int) -> tuple[int, int]:
-        """(batch, length) bucket for `count` prompts whose longest has `longest` tokens."""
-        return round_up(count, self.prefill_batch), round_up(longest, self.prefill_len)
+    @property
+    def max_tokens(self) -> int:
+        return self.step_tokens[-1]
 
-    def prefill_shapes(self) -> list[tuple[int, int]]:
-        """Every (batch, length) bucket a prefill batch can take."""
-        return [(b, t) for t in self.prefill_len for b in self.prefill_batch
-                if b * t <= self.prefill_tokens or b == 1]
+    def tokens(self, count: int) -> int:
+        """The token bucket of a step of `count` real tokens."""
+        return round_up(count, self.step_tokens)
 
-    def prefill_length(self, length: int) -> int:
-        """The padded length a prompt of `length` tokens is prefilled at."""
-        return round_up(length, self.prefill_len)
+    def rows(self, tokens: int) -> int:
+        """Rows of a step of `tokens` (a bucket) tokens: one per sequence in it at most."""
+        return min(tokens, self.max_rows)
 
-    def prefill_fits(self, count: int, longest: int) -> bool:
-        b, t = self.prefill_shape(count, longest)
-        return b * t <= self.prefill_tokens or count == 1
+    def sample_rows(self, count: int, rows: int) -> int:
+        """Rows the LM head and sampler run on for `count` sampled rows (<= rows)."""
+        return min(1 << max(count - 1, 0).bit_length(), rows)

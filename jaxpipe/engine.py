@@ -20,18 +20,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpipe import sampling, sharding
+from jaxpipe import sharding, step_inputs
 from jaxpipe.buckets import Buckets
 from jaxpipe.config import EngineConfig, ModelConfig
 from jaxpipe.executor import Executor
 from jaxpipe.kv import device_cache
-from jaxpipe.layout_runner import LayoutRunner
+from jaxpipe.layout import Layout
 from jaxpipe.meshes import MeshPreset, load_mesh
 from jaxpipe.model import loading
 from jaxpipe.model.llama import Llama, init_random, param_decls
 from jaxpipe.model.presets import resolve_model
 from jaxpipe.outputs import CompletionOutput, RequestOutput, StreamDelta
-from jaxpipe.runner import Runner, SamplingPlan
+from jaxpipe.runner import Runner
 from jaxpipe.sampling import SamplingParams
 from jaxpipe.scheduler import (
     SeqInfo,
@@ -53,15 +53,15 @@ class Engine:
         devices = _mesh_devices(self.mesh)  # before any other JAX use: may add CPU devices
         _enable_compilation_cache(config.compilation_cache_dir)
         self.dtype = jnp.dtype(config.dtype)
-        self.model_config, model, self.tokenizer = _load(config, self.dtype, len(devices) > 1)
+        self.model_config, model, self.tokenizer = _load(config, self.dtype)
         self.max_model_len = _max_model_len(config, self.model_config)
-        self.layouts = _resolve_layouts(config, self.model_config) if len(devices) > 1 else {}
+        self.layouts = _resolve_layouts(config, self.model_config, len(devices))
         block_bytes = _block_bytes(self.model_config, self.dtype, self.layouts)
         self.max_num_seqs = _max_num_seqs(config, self.max_model_len, block_bytes)
         self.num_blocks = _num_blocks(config, self.max_num_seqs, self.max_model_len,
                                       block_bytes)
         self.buckets = Buckets.for_engine(self.max_num_seqs, self.max_model_len,
-                                          max(config.max_num_batched_tokens, self.max_model_len))
+                                          config.max_num_batched_tokens)
         self.runner = _make_runner(config, self.model_config, model, self.buckets,
                                    self.max_num_seqs, self.max_model_len, self.dtype, devices,
                                    self.layouts, self.num_blocks)
@@ -185,27 +185,19 @@ class Engine:
         self.executor.kv.close()
 
     def warmup(self) -> None:
-        """Compile every decode and prefill shape bucket, so that the hot loop never stops to
-        compile (JAX's persistent cache makes this seconds after the first run)."""
+        """Compile the step for every token bucket in the current phase's layout, so that the
+        hot loop never stops to compile (JAX's persistent cache makes this seconds after the
+        first run). A warm-up step is all padding: it writes no KV."""
         from tqdm.auto import tqdm
 
-        decode, prefill = self.runner.decode_shapes(), self.buckets.prefill_shapes()
-        self.runner.set_phase("decode")
-        with tqdm(total=len(decode) + len(prefill), desc="jaxpipe: compiling", unit="shape",
+        buckets = self.buckets.step_tokens
+        with tqdm(total=len(buckets), desc="jaxpipe: compiling", unit="shape",
                   disable=not self.config.show_progress) as bar:
-            for b, kv in decode:
-                # Every row live at position kv - 1: each attention block compiles for kv.
-                positions = np.full(b, (kv or 1) - 1, np.int32)
-                self.runner.decode(np.zeros(b, np.int32), positions, np.ones(b, bool),
-                                   _neutral_plan(b))
+            for tokens in buckets:
+                inputs = step_inputs.build([], tokens, self.runner.microbatches(tokens),
+                                           self.buckets.rows(tokens), self.runner.max_blocks)
+                self.runner.hidden(inputs)
                 bar.update()
-            self.runner.set_phase("prefill")
-            for b, t in prefill:
-                # Slot num_slots is out of range: the warm-up writes no KV.
-                self.runner.prefill([[0] * t] * b, [self.max_num_seqs] * b, _neutral_plan(b),
-                                    (b, t))
-                bar.update()
-        self.runner.set_phase(self.executor.state.phase.value)
 
     # ---- helpers ------------------------------------------------------------------------------
 
@@ -330,19 +322,19 @@ def _mesh_devices(mesh: MeshPreset) -> list:
 def _make_runner(config: EngineConfig, cfg: ModelConfig, model: Llama | Path,
                  buckets: Buckets, num_slots: int, max_len: int, dtype, devices: list,
                  layouts: dict, num_blocks: int) -> Runner:
-    """One device: per-layer dispatch (the fast single-device path). More: pipelined layouts.
+    """The runner over `layouts` of `devices` (one device: pp=1,tp=1 for both phases).
     `model` is a path when an orbax checkpoint is to be restored straight into shardings."""
-    if len(devices) == 1:
-        return Runner(model, buckets, num_slots, max_len, dtype, attention=config.attention,
-                      num_blocks=num_blocks)
     weights = model if isinstance(model, Path) else {
         name: getattr(model, name)[...] for name in param_decls(cfg)}
-    return LayoutRunner(cfg, weights, buckets, num_slots, max_len, dtype, layouts, devices,
-                        attention=config.attention, num_blocks=num_blocks)
+    return Runner(cfg, weights, buckets, num_slots, max_len, dtype, layouts, devices,
+                  num_blocks, attention=config.attention)
 
 
-def _resolve_layouts(config: EngineConfig, cfg: ModelConfig) -> dict:
-    """The two layouts, with "auto" replaced by the planner's choice (cost model, sharegpt)."""
+def _resolve_layouts(config: EngineConfig, cfg: ModelConfig, num_devices: int) -> dict:
+    """The two layouts, with "auto" replaced by the planner's choice (cost model, sharegpt);
+    one device runs both phases on pp=1,tp=1."""
+    if num_devices == 1:
+        return {"prefill": Layout(), "decode": Layout()}
     layouts = {"prefill": config.prefill, "decode": config.decode}
     if "auto" in layouts.values():
         from jaxpipe.planner import choose_layouts
@@ -350,19 +342,18 @@ def _resolve_layouts(config: EngineConfig, cfg: ModelConfig) -> dict:
         chosen = dict(zip(("prefill", "decode"),
                           choose_layouts(cfg, load_mesh(config.mesh), "sharegpt"), strict=True))
         layouts = {k: chosen[k] if v == "auto" else v for k, v in layouts.items()}
-    return layouts
+    return {k: Layout.parse(v) for k, v in layouts.items()}
 
 
-def _load(config: EngineConfig, dtype, sharded: bool,
-          ) -> tuple[ModelConfig, Llama | Path, Tokenizer | None]:
-    """Architecture, weights and tokenizer. With `sharded` (a multi-device mesh) an orbax
-    checkpoint is not read here: its path is returned, for the runner to restore in place."""
+def _load(config: EngineConfig, dtype) -> tuple[ModelConfig, Llama | Path, Tokenizer | None]:
+    """Architecture, weights and tokenizer. An orbax checkpoint is not read here: its path is
+    returned, for the runner to restore straight into the layout's shardings."""
     source = resolve_model(config.model)
     tokenizer = loading.load_tokenizer(source)
     if config.random_weights:
         cfg = source.config or loading.load_weights(source)[0]
         return cfg, init_random(cfg, config.seed, dtype), tokenizer
-    if sharded and source.kind == "orbax":
+    if source.kind == "orbax":
         return loading.orbax_config(source.path), source.path, tokenizer
     start = time.perf_counter()
     cfg, values = loading.load_weights(source)
@@ -382,13 +373,11 @@ def _max_model_len(config: EngineConfig, cfg: ModelConfig) -> int:
 
 
 def _block_bytes(cfg: ModelConfig, dtype, layouts: dict) -> int:
-    """Bytes of one KV block (K and V, every layer). On a mesh a block is counted as stored:
-    with the layers and KV heads the layouts pad to (SmolLM2 on tp=8: 8 KV heads for 3, 32
-    layers for 30 — 2.8x the unpadded bytes)."""
-    if layouts:
-        shape = sharding.kv_shape(cfg, sharding.plan_padding(cfg, layouts.values()), 1)
-        return 2 * math.prod(shape) * dtype.itemsize
-    return device_cache.cache_bytes(cfg, 1, device_cache.BLOCK, dtype.itemsize)
+    """Bytes of one KV block (K and V, every layer), as stored: with the layers and KV heads
+    the layouts pad to (SmolLM2 on tp=8: 8 KV heads for 3, 32 layers for 30 — 2.8x the
+    unpadded bytes)."""
+    shape = sharding.kv_shape(cfg, sharding.plan_padding(cfg, layouts.values()), 1)
+    return 2 * math.prod(shape) * dtype.itemsize
 
 
 def _max_num_seqs(config: EngineConfig, max_len: int, block_bytes: int) -> int:
@@ -442,13 +431,3 @@ def _per_request(params, n: int) -> list[SamplingParams]:
         raise ValueError(f"got {len(params)} sampling params for {n} prompts; give one, or one "
                          "per prompt")
     return params
-
-
-def _plan(params, seeds, steps, banned, rows: int) -> SamplingPlan:
-    tensors = sampling.build_sampling_tensors(params, seeds, steps, banned, rows)
-    return SamplingPlan(tensors, sampling.sampling_mode(params), False, None)
-
-
-def _neutral_plan(rows: int) -> SamplingPlan:
-    neutral = SamplingParams(temperature=0.0)
-    return _plan([neutral] * rows, [0] * rows, [0] * rows, [[]] * rows, rows)

@@ -1,8 +1,9 @@
 """Doing what the scheduling policy asks: one action per engine step.
 
-    action = policy.schedule(state)   # Run (prefill | decode) | Switch | SwapIn | Preempt
-    execute(action)                   # a jitted static-shape step, a re-shard or a KV move;
-                                      # tokens appended, stop checks, finished slots freed
+    action = policy.schedule(state)   # Run (prompt chunks + decode tokens) | Switch | SwapIn
+                                      # | Preempt
+    execute(action)                   # one ragged step, a re-shard or a KV move; tokens
+                                      # appended, stop checks, finished slots freed
     state.apply(action, finished)     # the scheduler's bookkeeping (jaxpipe.scheduler)
 
 The policy sees only token counts (`SchedulerState`); `KVManager` (jaxpipe/kv/) owns the
@@ -18,8 +19,8 @@ from collections import deque
 import jax
 import numpy as np
 
-from jaxpipe import sampling
-from jaxpipe.buckets import Buckets, round_up
+from jaxpipe import sampling, step_inputs
+from jaxpipe.buckets import Buckets
 from jaxpipe.config import EngineConfig
 from jaxpipe.kv.device_cache import BLOCK
 from jaxpipe.kv.manager import KVManager
@@ -36,6 +37,7 @@ from jaxpipe.scheduler import (
     SequenceStatus,
     make_policy,
 )
+from jaxpipe.step_inputs import Piece
 
 
 class Executor:
@@ -50,7 +52,7 @@ class Executor:
         self.state, self.policy, self.kv = _scheduling(config, runner, buckets, num_slots,
                                                        max_model_len)
         self.kv.on_insert = self._landed
-        # (time, "decode_start" | "decode_end", rows): with `kv.host.events`, what overlapped.
+        # (time, "step_start" | "step_end", decode rows): with `kv.host.events`, what overlapped.
         self.step_events: deque = deque(maxlen=100_000)
         self.reset_stats()
 
@@ -81,21 +83,23 @@ class Executor:
         transitions: layout phase switches (prefill->decode plus decode->prefill); reshards /
         reshard_seconds: the ones that moved weights; swap_*: the host KV tier (swap_seconds is
         the engine thread's time in swap dispatch, inserts and waits; prefetch_seconds the
-        prefetcher thread's, which overlaps decode); padding_waste: the fraction of computed
-        prefill tokens and decode rows that were padding; host_timeline: [seconds, host tier
-        tokens] at each change; device_kv_peak / device_kv_capacity: tokens of the device KV
-        pool (whole blocks) in use at most / in all; preemptions: sequences evicted from the
-        device (parked, or outgrowing the pool)."""
+        prefetcher thread's, which overlaps decode); padding_waste: the fraction of the steps'
+        tokens that were bucket padding; max_step_tokens: the most real tokens one step
+        carried; prefill_chunks: prompt pieces prefilled (a prompt split over k steps counts
+        k); prefill_seconds / decode_seconds: step time split by each kind's share of the
+        step's tokens; mean_decode_batch: decode tokens per step that had any; host_timeline:
+        [seconds, host tier tokens] at each change; device_kv_peak / device_kv_capacity:
+        tokens of the device KV pool (whole blocks) in use at most / in all; preemptions:
+        sequences evicted from the device (parked, or outgrowing the pool)."""
         s = dict(self._stats)
         host = self.kv.host
         s["transitions"] = s["to_decode"] + s["to_prefill"]
         s["compile_seconds"] = self.runner.compile_seconds
         s["compiled_shapes"] = len(self.runner.compiled)
         steps = s["decode_steps"]
-        s["mean_decode_batch"] = s["decode_rows_active"] / steps if steps else 0.0
-        real = s["prefill_tokens"] + s["decode_rows_active"]
-        padded = s["prefill_padded_tokens"] + s["decode_rows_padded"]
-        s["padding_waste"] = 1 - real / padded if padded else 0.0
+        s["mean_decode_batch"] = s["decode_tokens"] / steps if steps else 0.0
+        padded = s["step_tokens_padded"]
+        s["padding_waste"] = 1 - s["step_tokens"] / padded if padded else 0.0
         s["swap_out_bytes"] = host.bytes_out - self._base["out"]
         s["swap_in_bytes"] = host.bytes_in - self._base["in"]
         s["swap_seconds"] = self.kv.swap_seconds - self._base["swap"]
@@ -124,7 +128,7 @@ class Executor:
     def _execute(self, action: Action) -> list[Sequence]:
         """Do `action` and tell the scheduler state what was done."""
         if action.kind is Kind.RUN:
-            return self._run_prefill(action) if action.prefill else self._run_decode(action)
+            return self._run(action)
         if action.kind is Kind.SWITCH:
             self._switch(action.phase)
         elif action.kind is Kind.SWAP_IN:
@@ -156,145 +160,115 @@ class Executor:
                 seq.status = SequenceStatus.WAITING
         self._stats["preemptions"] += len(action.seqs)
 
-    def _run_prefill(self, action: Run) -> list[Sequence]:
-        """Prefill whole contexts (prompt, plus outputs after a recompute) into free slots;
-        with `prefill_to_host` each one's KV then goes to the host tier (asynchronously: the
-        next prefill overlaps the copies) and its slot is free again."""
-        seqs = []
-        for info, tokens in action.prefill:
-            if tokens != info.to_prefill:
-                raise RuntimeError(f"chunked prefill ({tokens} of {info.to_prefill} tokens of "
-                                   f"{info.seq_id!r}) is not supported by the engine")
-            seqs.append(self._requests[info.seq_id])
-        for seq in seqs:
-            self.kv.allocate(seq, seq.num_tokens)
-            seq.status = SequenceStatus.RUNNING
-        for group in self._prefill_groups(seqs):
-            self._postprocess(group, self._timed("prefill", self._prefill, group))
+    def _run(self, action: Run) -> list[Sequence]:
+        """One ragged step: every prompt chunk and decode token of `action` in one batch
+        (`step_inputs.py`). Sequences still being swapped in join a later step (the
+        prefetcher keeps working meanwhile). With `prefill_to_host` each completed prefill's
+        KV then goes to the host tier (asynchronously: the next step overlaps the copies)."""
+        decode = self._ready_decodes(action.decode)
+        prefill = [self._prefill_piece(info, n) for info, n in action.prefill]
+        completed = [seq for seq, _, done in prefill if done]
+        pieces = [p for p in prefill if p[2]]
+        pieces += [self._decode_piece(self._requests[info.seq_id]) for info in decode]
+        pieces += [p for p in prefill if not p[2]]  # sampled rows first
+        sampled = [seq for seq, _, samples in pieces if samples]
+        start = time.perf_counter()
+        out = self._step([piece for _, piece, _ in pieces], sampled)
+        self._count_step(action, len(decode), time.perf_counter() - start)
+        self._postprocess(sampled, out)
         if action.prefill_to_host:
-            for seq in seqs:
+            for seq in completed:
                 if not seq.is_finished:
                     self.kv.swap_out(seq, seq.num_tokens - 1)  # all but the token just sampled
-        self.state.apply(action, [s.request_id for s in seqs if s.is_finished])
-        return seqs
+        ran = Run(prefill=action.prefill, decode=decode, prefill_to_host=action.prefill_to_host)
+        self.state.apply(ran, [s.request_id for s in sampled if s.is_finished])
+        return sampled
 
-    def _run_decode(self, action: Run) -> list[Sequence]:
-        """Tokens for every sequence whose KV is in its slot — one, or several per call on a
-        pipelined decode layout (`runner.decode_steps`); sequences still being swapped in join
-        a later call (the prefetcher keeps working meanwhile)."""
+    def _ready_decodes(self, infos: list[SeqInfo]) -> list[SeqInfo]:
+        """The decode sequences whose KV is in the device pool (waits for a swap-in only
+        when none is)."""
+        if not infos:
+            return []
         self.kv.deliver()
-        seqs = self._decodable(action.decode)
-        if not seqs and self.kv.pending:
+        ready = [i for i in infos if self.kv.decodable(self._requests[i.seq_id])]
+        if not ready and self.kv.pending:
             self.kv.deliver(block=True)
-            seqs = self._decodable(action.decode)
-        if not seqs:
-            raise RuntimeError(f"decode of {len(action.decode)} sequences, none of them in a "
-                               "device slot")
-        steps = self._decode_steps(seqs)
-        for seq in seqs:  # blocks for the positions this call writes (num_tokens - 1 on)
-            self.kv.grow(seq, seq.num_tokens - 1 + steps)
-        self.step_events.append((time.perf_counter(), "decode_start", len(seqs)))
-        out = self._timed("decode", lambda group: self._decode(group, steps), seqs)
-        self.step_events.append((time.perf_counter(), "decode_end", len(seqs)))
-        for j in range(steps):  # tokens past a sequence's end are dropped
-            live = [i for i, s in enumerate(seqs) if not s.is_finished]
-            if not live:
-                break
-            group = [seqs[i] for i in live]
-            ran = Run(decode=[self.state.device[s.request_id] for s in group])
-            self._postprocess(group, _step_rows(out, j, live, steps))
-            self._stats["decode_rows_active"] += len(group)
-            self.state.apply(ran, [s.request_id for s in group if s.is_finished])
-        self._stats["decode_steps"] += steps - 1  # _timed counted one: count tokens
-        self._stats["decode_calls"] += 1
-        return seqs
+            ready = [i for i in infos if self.kv.decodable(self._requests[i.seq_id])]
+        if not ready:
+            raise RuntimeError(f"decode of {len(infos)} sequences, none of them on the device")
+        return ready
 
-    def _decode_steps(self, seqs: list[Sequence]) -> int:
-        """Tokens per decode call: the runner's `decode_steps`, no more than any sequence can
-        still use, fewer if a ban (min_tokens) would lift inside the call (the banned ids
-        are fixed for a call), and no more than the free KV blocks let every sequence write
-        (the scheduler leaves room for one)."""
-        steps = min(self.runner.decode_steps,
-                    max(s.max_tokens - len(s.output_token_ids) for s in seqs))
-        for s in seqs:
-            left = s.params.min_tokens - len(s.output_token_ids)
-            if left > 0 and s.extra["stop"].banned(len(s.output_token_ids)):
-                steps = min(steps, left)
-        while steps > 1 and self._blocks_needed(seqs, steps) > self.kv.free_blocks:
-            steps -= 1
-        return max(steps, 1)
+    def _prefill_piece(self, info: SeqInfo, n: int):
+        """(seq, piece, samples) for the next `n` context tokens of `info`'s prefill (a new
+        sequence gets a slot, and its penalty state when it uses penalties)."""
+        seq = self._requests[info.seq_id]
+        if info.computed == 0:
+            self.kv.allocate(seq, 0)
+            seq.status = SequenceStatus.RUNNING
+            self._landed(seq)
+        context = seq.prompt_token_ids + seq.output_token_ids
+        start = info.computed
+        self.kv.grow(seq, start + n)
+        self._stats["prefill_chunks"] += 1
+        piece = Piece(context[start:start + n], start, self.kv.blocks(seq))
+        return seq, piece, start + n == len(context)
 
-    def _blocks_needed(self, seqs: list[Sequence], steps: int) -> int:
-        return sum(self.kv.blocks_needed(s, s.num_tokens - 1 + steps) for s in seqs)
+    def _decode_piece(self, seq: Sequence):
+        """(seq, piece, True): the last sampled token of `seq`, at its position."""
+        self.kv.grow(seq, seq.num_tokens)
+        return seq, Piece([seq.last_token], seq.num_tokens - 1, self.kv.blocks(seq)), True
+
+    def _step(self, pieces: list[Piece], sampled: list[Sequence]) -> StepOutput:
+        """Build the step's inputs for `pieces` (sampled rows first) and run it."""
+        real = sum(len(p.tokens) for p in pieces)
+        tokens = self.buckets.tokens(real)
+        rows = self.buckets.rows(tokens)
+        inputs = step_inputs.build(pieces, tokens, self.runner.microbatches(tokens), rows,
+                                   self.runner.max_blocks)
+        plan = self._row_plan(sampled, self.buckets.sample_rows(len(sampled), rows))
+        self._stats["step_tokens"] += real
+        self._stats["step_tokens_padded"] += tokens
+        self._stats["max_step_tokens"] = max(self._stats["max_step_tokens"], real)
+        return self.runner.step(inputs, np.array([s.slot for s in sampled], np.int32), plan)
+
+    def _count_step(self, action: Run, decoded: int, seconds: float) -> None:
+        """Step counters; a mixed step's seconds are split between prefill and decode by
+        their share of its tokens."""
+        prefill = action.prefill_tokens
+        share = prefill / (prefill + decoded) if prefill + decoded else 0.0
+        self._stats["steps"] += 1
+        self._stats["prefill_tokens"] += prefill
+        self._stats["prefill_seconds"] += seconds * share
+        self._stats["decode_seconds"] += seconds * (1 - share)
+        self._stats["decode_tokens"] += decoded
+        self._stats["decode_steps"] += decoded > 0
+        self.step_events.append((time.perf_counter() - seconds, "step_start", decoded))
+        self.step_events.append((time.perf_counter(), "step_end", decoded))
 
     def _landed(self, seq: Sequence) -> None:
-        """A sequence was swapped (back) into a slot: its penalty state follows it."""
+        """A sequence moved into a slot (prefill start, or swapped in): its penalty state
+        follows it."""
         if sampling.uses_penalties([seq.params]):
             self.runner.restore_penalties(seq.slot, seq.prompt_token_ids, seq.output_token_ids)
-
-    def _decodable(self, infos: list[SeqInfo]) -> list[Sequence]:
-        seqs = [self._requests[info.seq_id] for info in infos]
-        return [s for s in seqs if self.kv.decodable(s)]
-
-    def _timed(self, kind: str, fn, seqs: list[Sequence]) -> StepOutput:
-        start = time.perf_counter()
-        out = fn(seqs)
-        self._stats[f"{kind}_seconds"] += time.perf_counter() - start
-        self._stats[f"{kind}_steps"] += 1
-        return out
-
-    def _prefill_groups(self, seqs: list[Sequence]) -> list[list[Sequence]]:
-        """`seqs` by context length in batches that fit a compiled prefill shape."""
-        groups: list[list[Sequence]] = []
-        for seq in sorted(seqs, key=lambda s: s.num_tokens):
-            if groups and self.buckets.prefill_fits(len(groups[-1]) + 1, seq.num_tokens):
-                groups[-1].append(seq)
-            else:
-                groups.append([seq])
-        return groups
-
-    def _prefill(self, seqs: list[Sequence]) -> StepOutput:
-        contexts = [s.prompt_token_ids + s.output_token_ids for s in seqs]
-        shape = self.buckets.prefill_shape(len(seqs), max(len(c) for c in contexts))
-        self._stats["prefill_tokens"] += sum(len(c) for c in contexts)
-        self._stats["prefill_padded_tokens"] += shape[0] * shape[1]
-        plan = self._sampling_plan(seqs, shape[0])
-        return self.runner.prefill(contexts, [s.slot for s in seqs], plan, shape,
-                                   [s.prompt_len for s in seqs])
-
-    def _decode(self, seqs: list[Sequence], steps: int) -> StepOutput:
-        rows = round_up(max(s.slot for s in seqs) + 1, self.buckets.decode_batch)
-        tokens = np.zeros(rows, np.int32)
-        positions = np.zeros(rows, np.int32)
-        by_row: list[Sequence | None] = [None] * rows
-        for s in seqs:
-            tokens[s.slot], positions[s.slot], by_row[s.slot] = s.last_token, s.num_tokens - 1, s
-        active = np.array([s is not None for s in by_row])
-        self._stats["decode_rows_padded"] += rows * steps
-        out = self.runner.decode(tokens, positions, active, self._row_plan(by_row), steps)
-        return _select_rows(out, [s.slot for s in seqs])
 
     def _note_host(self) -> None:
         used = self.kv.host.used
         if self._timeline[-1][1] != used:
             self._timeline.append((round(time.perf_counter() - self._t0, 6), used))
 
-    def _sampling_plan(self, seqs: list[Sequence], rows: int) -> SamplingPlan:
-        return self._row_plan(seqs + [None] * (rows - len(seqs)))
-
-    def _row_plan(self, by_row: list[Sequence | None]) -> SamplingPlan:
-        active = [s for s in by_row if s is not None]
+    def _row_plan(self, seqs: list[Sequence], rows: int) -> SamplingPlan:
+        """Sampling inputs of `seqs`, padded with neutral rows to `rows`."""
         neutral = SamplingParams(temperature=0.0)
-        params = [s.params if s else neutral for s in by_row]
-        seeds = [s.seed if s else 0 for s in by_row]
-        steps = [len(s.output_token_ids) if s else 0 for s in by_row]
-        banned = [s.extra["stop"].banned(len(s.output_token_ids)) if s else [] for s in by_row]
-        tensors = sampling.build_sampling_tensors(params, seeds, steps, banned, len(by_row))
-        mode = sampling.sampling_mode(s.params for s in active)
-        penalties = sampling.uses_penalties(s.params for s in active)
-        wanted = [s.params.logprobs for s in active if s.params.logprobs is not None]
-        num = max(wanted) if wanted else None
-        return SamplingPlan(tensors, mode, penalties, num)
+        pad = rows - len(seqs)
+        params = [s.params for s in seqs] + [neutral] * pad
+        seeds = [s.seed for s in seqs] + [0] * pad
+        steps = [len(s.output_token_ids) for s in seqs] + [0] * pad
+        banned = [s.extra["stop"].banned(len(s.output_token_ids)) for s in seqs] + [[]] * pad
+        tensors = sampling.build_sampling_tensors(params, seeds, steps, banned, rows)
+        mode = sampling.sampling_mode(s.params for s in seqs)
+        penalties = sampling.uses_penalties(s.params for s in seqs)
+        wanted = [s.params.logprobs for s in seqs if s.params.logprobs is not None]
+        return SamplingPlan(tensors, mode, penalties, max(wanted) if wanted else None)
 
     def _postprocess(self, seqs: list[Sequence], out: StepOutput) -> None:
         now = time.perf_counter()
@@ -320,25 +294,6 @@ class Executor:
 
 
 # ---- module helpers ---------------------------------------------------------------------------
-
-
-def _select_rows(out: StepOutput, rows: list[int]) -> StepOutput:
-    pick = np.asarray(rows)
-    def take(a):
-        return (None if a is None else a[pick])
-    return StepOutput(out.tokens[pick], take(out.logprob), take(out.top_ids),
-                      take(out.top_logprobs))
-
-
-def _step_rows(out: StepOutput, step: int, rows: list[int], steps: int) -> StepOutput:
-    """Rows `rows` of step `step` of a decode call's output ([n] per field for one step,
-    [n, steps] with several)."""
-    if steps > 1:
-        def take(a):
-            return None if a is None else a[:, step]
-        out = StepOutput(out.tokens[:, step], take(out.logprob), take(out.top_ids),
-                         take(out.top_logprobs))
-    return _select_rows(out, rows)
 
 
 def _record_logprobs(seq: Sequence, out: StepOutput, i: int, token: int) -> None:
@@ -369,17 +324,17 @@ def _scheduling(config: EngineConfig, runner: Runner, buckets: Buckets, num_slot
 
 
 def _policy(name: str, config: EngineConfig, runner: Runner, buckets: Buckets):
-    """A policy that switches layouts if the runner's two differ and whose prefill batches
-    fit the compiled shapes, grouped by padded length."""
+    """A policy that switches layouts if the runner's two differ, with the step's token
+    budget for prompt chunks."""
     layouts = runner.layouts
-    return make_policy(name, two_layouts=layouts.get("prefill") != layouts.get("decode"),
-                       max_prefill_tokens=config.max_num_batched_tokens,
-                       batch_fits=buckets.prefill_fits, length_bucket=buckets.prefill_length)
+    return make_policy(name, two_layouts=layouts["prefill"] != layouts["decode"],
+                       max_prefill_tokens=min(config.max_num_batched_tokens,
+                                              buckets.max_tokens))
 
 
 def _new_stats() -> dict:
-    keys = ("prefill_seconds", "decode_seconds", "prefill_steps", "decode_steps", "decode_calls",
-            "prefill_tokens", "prefill_padded_tokens", "decode_rows_active", "decode_rows_padded",
-            "generated_tokens", "finished_requests", "to_decode", "to_prefill",
-            "reshards", "reshard_seconds", "preemptions")
+    keys = ("prefill_seconds", "decode_seconds", "steps", "decode_steps", "prefill_tokens",
+            "prefill_chunks", "decode_tokens", "step_tokens", "step_tokens_padded",
+            "max_step_tokens", "generated_tokens", "finished_requests", "to_decode",
+            "to_prefill", "reshards", "reshard_seconds", "preemptions")
     return {k: 0 if not k.endswith("seconds") else 0.0 for k in keys}

@@ -2,9 +2,9 @@
 
 The scheduler decides *that* a sequence moves (`SchedulerState` counts tokens); this object
 does the moving for the engine and keeps the physical side: which device slot (batch row)
-each running sequence owns (lowest free first, so a decode batch of slots 0..B-1 stays small)
-and which blocks of the device KV pool hold its tokens (the runner's block table), the host
-KV tier (`HostKVBuffer`) and the prefetcher thread that brings sequences back.
+each running sequence owns (its row of per-slot state such as penalty counts) and which
+blocks of the device KV pool hold its tokens (each step sends them as block-table rows), the
+host KV tier (`HostKVBuffer`) and the prefetcher thread that brings sequences back.
 
   allocate(seq, n)     a slot and blocks for n tokens
   grow(seq, n)         more blocks, so that n tokens fit
@@ -45,8 +45,6 @@ class KVManager:
         self._free_blocks = list(range(runner.num_blocks - 1, -1, -1))  # a stack
         self._blocks: dict[int, list[int]] = {}  # slot -> its blocks in position order
         self.peak_blocks = 0  # the most blocks in use at once
-        for slot in range(num_slots):
-            runner.set_blocks(slot, [])
         self._incoming: dict[str, Sequence] = {}  # swap-in requested, not inserted yet
         self.swap_seconds = 0.0  # this thread's time in swap dispatch, inserts and waits
 
@@ -66,9 +64,9 @@ class KVManager:
         self.grow(seq, tokens)
         return seq.slot
 
-    def blocks_needed(self, seq: Sequence, tokens: int) -> int:
-        """More blocks `seq` needs for its first `tokens` positions to fit."""
-        return max(0, blocks_for(tokens) - len(self._blocks[seq.slot]))
+    def blocks(self, seq: Sequence) -> list[int]:
+        """`seq`'s blocks in position order (a copy)."""
+        return list(self._blocks[seq.slot])
 
     def grow(self, seq: Sequence, tokens: int) -> None:
         """Give `seq` blocks until its first `tokens` positions fit."""
@@ -81,14 +79,12 @@ class KVManager:
                                f"blocks, {len(self._free_blocks)} are free (the scheduler "
                                "should have preempted)")
         owned.extend(self._free_blocks.pop() for _ in range(need))
-        self.runner.set_blocks(seq.slot, owned)
         self.peak_blocks = max(self.peak_blocks, self.runner.num_blocks - self.free_blocks)
 
     def release(self, seq: Sequence) -> None:
         """Free `seq`'s slot and blocks if it holds them."""
         if seq.slot is not None:
             self._free_blocks.extend(reversed(self._blocks.pop(seq.slot)))
-            self.runner.set_blocks(seq.slot, [])
             heapq.heappush(self._free, seq.slot)
             seq.slot = None
 
@@ -102,7 +98,7 @@ class KVManager:
         start = time.perf_counter()
         self._settle(seq)
         padded = self.host_size(tokens)
-        arrays = self.runner.kv_extract(seq.slot, min(padded, self.max_len))
+        arrays = self.runner.kv_extract(self._blocks[seq.slot], min(padded, self.max_len))
         self.host.put(seq.request_id, arrays, tokens, padded)
         self.release(seq)
         self.swap_seconds += time.perf_counter() - start
@@ -126,7 +122,7 @@ class KVManager:
         for seq_id, _, staged in self.prefetcher.ready(block=block):
             seq = self._incoming.pop(seq_id, None)
             if staged is not None and seq is not None and seq.slot is not None:  # else aborted
-                self.runner.kv_insert(seq.slot, staged)
+                self.runner.kv_insert(self._blocks[seq.slot], staged)
                 self.on_insert(seq)
                 done.append(seq)
         self.swap_seconds += time.perf_counter() - start

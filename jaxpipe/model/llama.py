@@ -4,12 +4,9 @@ Layers are stacked along a leading "layers" axis so a pipeline layout can shard 
 tensor-parallel layout can shard heads / mlp: switching layouts is a `device_put` of the same
 pytree. Every parameter carries logical axis names (never a physical mesh axis).
 
-The math lives in pure per-layer functions over plain arrays (`LayerParams`), so that the runner
-can dispatch a layer at a time and the whole-model methods below are just loops over them:
-  prefill(tokens [b, T], lengths [b], table [b, MB], cache) -> (last-token logits [b, V], cache)
-  decode(tokens [B], positions [B], table [B, MB], cache, kv_len) -> (logits [B, V], cache)
-`cache` is a tuple of per-layer `KVCache` block pools and `table` the block-table rows of the
-batch (see `kv/device_cache.py`); decode reads each row's first `kv_len` positions.
+The math lives in pure per-layer functions over plain arrays (`LayerParams`); the engine's step
+(`pipeline.py`) runs them over a ragged token batch with a paged KV pool. `Llama.forward` is
+the plain whole-sequence forward pass (no cache), the reference the step is tested against.
 """
 
 from __future__ import annotations
@@ -23,7 +20,6 @@ import numpy as np
 from flax import nnx
 
 from jaxpipe.config import ModelConfig
-from jaxpipe.kv.device_cache import KVCache, from_storage, gather, locate, locate_span, to_storage
 
 LAYER_PARAMS = ("attn_norm", "wq", "wkv", "wo", "mlp_norm", "w_gate_up", "w_down")
 
@@ -119,30 +115,18 @@ class Llama(nnx.Module):
         lm_head = None if self.config.tie_embeddings else self.lm_head[...]
         return HeadParams(self.embed[...], self.final_norm[...], lm_head)
 
-    def prefill(self, tokens, lengths, table, cache: tuple[KVCache, ...]):
-        """Whole prompts through every layer (one program); see module docstring."""
+    def forward(self, tokens):
+        """Logits [b, T, V] of whole sequences tokens [b, T] (causal, no cache, no padding)."""
         cfg, head = self.config, self.head()
         x = embed(head, tokens)
-        new_cache = []
-        for i, layer_cache in enumerate(cache):
-            with jax.named_scope(f"layer{i}"):
-                x, layer_cache = prefill_layer(cfg, self.layer(i), x, layer_cache, table)
-            new_cache.append(layer_cache)
-        return logits(cfg, head, last_positions(x, lengths)), tuple(new_cache)
-
-    def decode(self, tokens, positions, table, cache: tuple[KVCache, ...], kv_len: int):
-        """One token for the rows of `table` through every layer (one program)."""
-        cfg, head = self.config, self.head()
-        x = embed(head, tokens)
-        new_cache = []
-        for i, layer_cache in enumerate(cache):
+        positions = jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
+        for i in range(cfg.num_layers):
             with jax.named_scope(f"layer{i}"):
                 p = self.layer(i)
-                q, layer_cache = decode_qkv(cfg, p, x, positions, table, layer_cache)
-                attn = attend_rows(q, layer_cache, positions, table, kv_len)
-                x = attn_out_mlp(cfg, p, x, attn)
-            new_cache.append(layer_cache)
-        return logits(cfg, head, x), tuple(new_cache)
+                q, k, v = qkv(cfg, p, x, positions)
+                x = attn_out_mlp(cfg, p, x, causal_attention(q, k, v))
+        b, t, e = x.shape
+        return logits(cfg, head, x.reshape(b * t, e)).reshape(b, t, -1)
 
 
 # ---- per-layer functions (pure, over arrays) ---------------------------------------------------
@@ -187,42 +171,6 @@ def attn_out_mlp(cfg: ModelConfig, p: LayerParams, x, attn, reduce=None):
     gate_up = _matmul(h, p.w_gate_up)  # [..., 2, F]
     act = jax.nn.silu(gate_up[..., 0, :]) * gate_up[..., 1, :]
     return x + reduce(_matmul(act, p.w_down))
-
-
-def prefill_layer(cfg: ModelConfig, p: LayerParams, x, cache: KVCache, table):
-    """One layer over whole prompts. x [b, T, E]; writes K/V of positions 0..T-1 into the
-    blocks of table [b, MB] (out-of-range blocks — batch padding, or positions past a
-    row's blocks — are dropped)."""
-    t = x.shape[1]
-    positions = jnp.arange(t, dtype=jnp.int32)[None, :]  # [1, T]
-    q, k, v = qkv(cfg, p, x, positions)  # [b, T, H|Hkv, D]
-    blocks, offsets = locate_span(table, t)  # [b, T], [T]
-    cache = KVCache(cache.k.at[blocks, :, offsets].set(to_storage(k, cache.k), mode="drop"),
-                    cache.v.at[blocks, :, offsets].set(to_storage(v, cache.v), mode="drop"))
-    return attn_out_mlp(cfg, p, x, causal_attention(q, k, v)), cache
-
-
-def decode_qkv(cfg: ModelConfig, p: LayerParams, x, positions, table, cache: KVCache):
-    """Project one token per row (x [B, E]) and write its K/V at `positions` of the rows of
-    table [B, MB] (rows without a block there — idle rows — write nothing).
-    Returns q [B, H, D] and the updated cache."""
-    q, k, v = qkv(cfg, p, x, positions)
-    blocks, offsets = locate(table, positions)
-    cache = KVCache(cache.k.at[blocks, :, offsets].set(to_storage(k, cache.k), mode="drop"),
-                    cache.v.at[blocks, :, offsets].set(to_storage(v, cache.v), mode="drop"))
-    return q, cache
-
-
-def attend_rows(q, cache: KVCache, positions, table, kv_len: int):
-    """Attention of the rows of table [R, MB] over their first kv_len positions.
-    q [R, H, D] f32, positions [R]: keys 0..positions are valid."""
-    k, v = gather(cache.k, table, kv_len), gather(cache.v, table, kv_len)
-    return decode_attention(q, from_storage(k), from_storage(v), positions)
-
-
-def last_positions(x, lengths):
-    """x [b, T, E] -> the residual at each prompt's last token [b, E]."""
-    return x[jnp.arange(x.shape[0]), lengths - 1]
 
 
 def logits(cfg: ModelConfig, head: HeadParams, x):

@@ -23,7 +23,6 @@ onto the host KV tier, and pass the ids that hit EOS/stop/length to `apply`.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable, Hashable, Iterable
 
 from jaxpipe.scheduler.actions import Action, Preempt, Run, Switch
@@ -43,15 +42,9 @@ class Policy:
     name = "policy"
 
     def __init__(self, two_layouts: bool = False, max_prefill_tokens: int = DEFAULT_PREFILL_TOKENS,
-                 watermark: float = DEFAULT_WATERMARK,
-                 batch_fits: Callable[[int, int], bool] | None = None,
-                 length_bucket: Callable[[int], int] | None = None, window: int = 256):
-        """`batch_fits(count, longest)`: whether a prefill batch of `count` prompts, the
-        longest `longest` tokens, fits the executor's compiled shapes (None: any does).
-        `length_bucket(tokens)`: the padded length a prompt is prefilled at; with it a prefill
-        batch is the oldest waiting prompt plus the next ones *of its bucket* among the first
-        `window` waiting (FIFO mixing padded 2.1x the real tokens on the ShareGPT-like
-        benchmark). The oldest prompt always goes first, so nothing starves."""
+                 watermark: float = DEFAULT_WATERMARK):
+        """`max_prefill_tokens`: the step's token budget for prompt chunks (a prompt longer
+        than what is left of it is prefilled in chunks over several steps)."""
         if max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be >= 1, got {max_prefill_tokens}")
         if not 0.0 <= watermark < 1.0:
@@ -59,9 +52,6 @@ class Policy:
         self.two_layouts = two_layouts
         self.max_prefill_tokens = max_prefill_tokens
         self.watermark = watermark
-        self.batch_fits = batch_fits
-        self.length_bucket = length_bucket
-        self.window = window
 
     def schedule(self, state: SchedulerState) -> Action | None:
         raise NotImplementedError
@@ -74,32 +64,27 @@ class Policy:
 
     def _admit(self, state: SchedulerState, room: int, reserve: Callable[[SeqInfo], int]
                ) -> list[tuple[SeqInfo, int]]:
-        """Waiting sequences (see `_candidates`) whose whole prefill fits the token budget, a
-        free device slot and `room` tokens, each charged `reserve(seq)` tokens of room."""
+        """Prompt chunks for one step within the token budget: first the device sequences
+        part-way through a prefill (their reservation is taken from `room`), then waiting
+        ones (FIFO) while a device slot is free and their whole prefill's `reserve(seq)` fits
+        what is left of `room`. A prompt longer than the budget left gets a chunk of it."""
         batch: list[tuple[SeqInfo, int]] = []
-        tokens = longest = 0
+        budget = self.max_prefill_tokens
+        for seq in state.device.values():
+            if seq.in_prefill and budget > 0:
+                batch.append((seq, min(seq.to_prefill, budget)))
+                budget -= batch[-1][1]
+                room -= reserve(seq)
         slots = state.free_slots
-        for seq in self._candidates(state):
+        for seq in state.waiting:
             need = reserve(seq)
-            over_budget = batch and tokens + seq.to_prefill > self.max_prefill_tokens
-            if over_budget or len(batch) >= slots or need > room:
+            if budget <= 0 or slots <= 0 or need > room:
                 break
-            longest = max(longest, seq.to_prefill)
-            if batch and self.batch_fits and not self.batch_fits(len(batch) + 1, longest):
-                break
-            batch.append((seq, seq.to_prefill))
-            tokens += seq.to_prefill
+            batch.append((seq, min(seq.to_prefill, budget)))
+            budget -= batch[-1][1]
             room -= need
+            slots -= 1
         return batch
-
-    def _candidates(self, state: SchedulerState) -> list[SeqInfo]:
-        """Waiting sequences in the order a prefill batch takes them (see __init__)."""
-        if self.length_bucket is None or not state.waiting:
-            return list(state.waiting)
-        head = state.waiting[0]
-        bucket = self.length_bucket(head.to_prefill)
-        window = itertools.islice(state.waiting, 1, self.window)
-        return [head] + [s for s in window if self.length_bucket(s.to_prefill) == bucket]
 
     def _device_room(self, state: SchedulerState) -> int:
         """Device KV tokens new admissions may take: what is free, less a watermark and the

@@ -5,8 +5,11 @@ prefilled whenever the device KV store has room (less a small watermark and one 
 per running sequence); otherwise every running sequence decodes one token. When the running
 sequences outgrow the store the newest are preempted (recomputed, or swapped to the host tier).
 
-`chunked=True` is vLLM's chunked prefill: each step decodes every running sequence and fills
-the rest of a `max_prefill_tokens` budget with prompt chunks (a mixed batch, one layout only).
+`chunked=True` (the default) is continuous batching with chunked prefill, as in vLLM V1 and
+Sarathi-Serve: each step decodes every running sequence and fills the rest of the
+`max_prefill_tokens` budget with prompt chunks (a mixed batch). With two layouts its mixed
+steps run on the decode layout (most of their tokens are decode tokens); `chunked=False`
+alternates whole-prefill steps (prefill layout) and decode steps (decode layout).
 """
 
 from __future__ import annotations
@@ -23,13 +26,10 @@ class PrefillFirst(Policy):
 
     name = "prefill_first"
 
-    def __init__(self, chunked: bool = False, preempt_mode: str = "recompute", **kwargs):
+    def __init__(self, chunked: bool = True, preempt_mode: str = "recompute", **kwargs):
         super().__init__(**kwargs)
         if preempt_mode not in PREEMPT_MODES:
             raise ValueError(f"preempt_mode {preempt_mode!r}; accepted: {PREEMPT_MODES}")
-        if chunked and self.two_layouts:
-            raise ValueError("chunked prefill mixes prefill and decode in one step, so it runs "
-                             "on one layout: use chunked=False with two_layouts=True")
         self.chunked = chunked
         self.preempt_mode = preempt_mode
 
@@ -38,9 +38,12 @@ class PrefillFirst(Policy):
         if swap:
             return SwapIn(swap)
         if self.chunked:
-            return self._mixed_step(state)
+            action = self._mixed_step(state)
+            return self._in_phase(state, Phase.DECODE, action) if isinstance(action, Run) \
+                else action
         batch = self._admit(state, self._device_room(state),
-                            lambda seq: state.device_size(seq.to_prefill + 1))
+                            lambda seq: state.device_size(seq.context_len + 1)
+                            - state.device_size(seq.computed))
         if batch:
             return self._in_phase(state, Phase.PREFILL, Run(prefill=batch))
         action = preempt_or_decode(state, swap=self.preempt_mode == "swap")
@@ -57,16 +60,16 @@ class PrefillFirst(Policy):
             return Preempt(victims, "swap" if fits else "recompute")
         decode = [s for s in state.device.values() if not s.in_prefill]
         budget = self.max_prefill_tokens - len(decode)
-        free = state.device_free - len(decode)  # after this step's decode tokens
+        free = state.device_free - sum(state.growth(s) for s in decode)
         chunks: list[tuple[SeqInfo, int]] = []
         for seq in [s for s in state.device.values() if s.in_prefill]:
-            budget, free = self._add_chunk(chunks, seq, budget, free)
+            budget, free = self._add_chunk(state, chunks, seq, budget, free)
         room = min(free, self._device_room(state))
         slots = state.free_slots
         for seq in state.waiting:
-            if budget <= 0 or slots <= 0 or seq.to_prefill + 1 > room:
+            if budget <= 0 or slots <= 0 or state.device_size(seq.to_prefill + 1) > room:
                 break  # vLLM admits a prompt only if all of its KV fits
-            budget, room = self._add_chunk(chunks, seq, budget, room)
+            budget, room = self._add_chunk(state, chunks, seq, budget, room)
             slots -= 1
         if chunks or decode:
             return Run(prefill=chunks, decode=decode)
@@ -75,8 +78,14 @@ class PrefillFirst(Policy):
         return None
 
     @staticmethod
-    def _add_chunk(chunks: list, seq: SeqInfo, budget: int, room: int) -> tuple[int, int]:
-        n = min(seq.to_prefill, budget, room)
-        if n > 0:
-            chunks.append((seq, n))
-        return budget - max(n, 0), room - max(n, 0)
+    def _add_chunk(state: SchedulerState, chunks: list, seq: SeqInfo, budget: int,
+                   room: int) -> tuple[int, int]:
+        """Add the longest chunk of `seq` within `budget` tokens whose whole blocks fit
+        `room` device tokens; returns what is left of both."""
+        held = state.device_size(seq.computed)
+        fits = held - seq.computed + max(room, 0) // state.device_unit * state.device_unit
+        n = min(seq.to_prefill, budget, fits)
+        if n <= 0:
+            return budget, room
+        chunks.append((seq, n))
+        return budget - n, room - (state.device_size(seq.computed + n) - held)

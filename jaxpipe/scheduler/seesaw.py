@@ -41,8 +41,9 @@ class Seesaw(Policy):
 
     def _prefill_phase(self, state: SchedulerState) -> Action | None:
         room = min(state.host_free, state.device_free)
-        batch = self._admit(state, room, lambda seq: max(state.host_size(seq.to_prefill),
-                                                          state.device_size(seq.to_prefill)))
+        batch = self._admit(state, room, lambda seq: max(
+            state.host_size(seq.context_len),
+            state.device_size(seq.context_len) - state.device_size(seq.computed)))
         if batch:
             return Run(prefill=batch, prefill_to_host=True)
         if state.host or state.device:
