@@ -156,16 +156,22 @@ class Runner:
         """Run one ragged step; sample a token for the first len(slots) rows (their penalty
         state is that of `slots`). `plan` has one entry per sampled row, padded to
         `buckets.sample_rows`."""
-        hidden = self.hidden(inputs)
         n = len(slots)
-        if n == 0:
+        if n == 0:  # only prompt chunks that do not end their prompt: nothing to sample
+            self.hidden(inputs)
             return StepOutput(np.zeros(0, np.int32))
         rows = plan.tensors.temperature.shape[0]
-        logits = self._once(("logits", self.phase, rows), self._logits, self.params, hidden,
-                            rows=rows)
+        logits = self.logits(inputs, rows)
         padded = np.full(rows, self.num_slots, np.int32)
         padded[:n] = slots
         return self._sample_host(logits, padded, plan, n)
+
+    def logits(self, inputs: StepInputs, rows: int) -> jax.Array:
+        """Run the step's model part; logits [rows, V] f32 of the last token of rows
+        0..rows-1 (the LM head runs on those rows only)."""
+        hidden = self.hidden(inputs)
+        return self._once(("logits", self.phase, rows), self._logits, self.params, hidden,
+                          rows=rows)
 
     def hidden(self, inputs: StepInputs) -> jax.Array:
         """The step's model part: the residual [R, E] of each row's last token (KV written)."""

@@ -144,15 +144,22 @@ def test_repetition_penalty_matches_hf(engine, hf_model, prompt_ids):
     assert outs[2].outputs[0].token_ids != want[0]  # the penalty made a difference
 
 
-# ---- model-level API: prefill and decode logits -------------------------------------------------
+# ---- the ragged step (runner level) against HF logits -------------------------------------------
 
 
 @pytest.fixture(scope="module")
-def model(gguf_weights):
-    from jaxpipe.model.llama import Llama
+def runner(gguf_weights):
+    """A one-device runner (f32, XLA attention: the reference path) over a 21-block pool."""
+    import jax
+
+    from jaxpipe.buckets import Buckets
+    from jaxpipe.layout import Layout
+    from jaxpipe.runner import Runner
 
     cfg, values = gguf_weights
-    return Llama(cfg, dtype=jnp.float32, values=values)
+    one = {"prefill": Layout(), "decode": Layout()}
+    return Runner(cfg, values, Buckets.for_engine(4, 64, 64), 4, 64, jnp.float32, one,
+                  jax.devices()[:1], num_blocks=POOL, attention="xla")
 
 
 @pytest.fixture(scope="module")
@@ -168,59 +175,76 @@ def hf_last(hf_model, plain_ids) -> list[np.ndarray]:
     return [_hf_last_logits(hf_model, ids) for ids in plain_ids]
 
 
-def _padded(prompts: list[list[int]], length: int) -> tuple[jnp.ndarray, jnp.ndarray]:
-    tokens = np.zeros((len(prompts), length), np.int32)
-    for row, ids in enumerate(prompts):
-        tokens[row, :len(ids)] = ids
-    return jnp.asarray(tokens), jnp.asarray([len(p) for p in prompts], jnp.int32)
-
-
-# A block table of 4 sequences x 64 positions (4 blocks of 16) scattered over a pool of 21
+# Block tables of 4 sequences x 64 positions (4 blocks of 16) scattered over a pool of 21
 # blocks, out of order: the KV of each sequence is paged, not contiguous.
 TABLE = np.random.default_rng(5).permutation(21)[:16].reshape(4, 4).astype(np.int32)
 POOL = 21
 
 
-def _prefill(model, prompts, slots, length: int):
-    from jaxpipe.kv import device_cache
+def run_step(runner, pieces) -> np.ndarray:
+    """Logits [len(pieces), V] of each piece's last token, all pieces in one ragged step."""
+    from jaxpipe import step_inputs
 
-    cache = device_cache.allocate(model.config, POOL, jnp.float32)
-    tokens, lengths = _padded(prompts, length)
-    logits, cache = model.prefill(tokens, lengths, jnp.asarray(TABLE[slots]), cache)
-    return np.asarray(logits), cache
-
-
-SLOTS = [2, 0, 1]  # prompt i is written to the blocks of table row SLOTS[i]
+    tokens = runner.buckets.tokens(sum(len(p.tokens) for p in pieces))
+    inputs = step_inputs.build(pieces, tokens, 1, runner.buckets.rows(tokens),
+                               runner.max_blocks)
+    return np.asarray(runner.logits(inputs, len(pieces)))
 
 
-@pytest.fixture(scope="module")
-def prefilled(model, plain_ids):
-    """(logits [3, V], cache) of the plain prompts as one right-padded batch."""
-    return _prefill(model, plain_ids, SLOTS, length=max(map(len, plain_ids)) + 7)
+def piece(ids, start: int, row: int):
+    from jaxpipe.step_inputs import Piece
+
+    return Piece(list(ids), start, list(TABLE[row]))
 
 
-def test_prefill_logits_single_prompt_match_hf(model, plain_ids, hf_last):
-    logits, _ = _prefill(model, plain_ids[:1], [0], length=len(plain_ids[0]))
-    assert logits.shape == (1, model.config.vocab_size)
-    np.testing.assert_allclose(logits[0], hf_last[0], rtol=0, atol=LOGITS_ATOL)
-
-
-def test_prefill_logits_padded_batch_match_hf(prefilled, hf_last):
-    logits, _ = prefilled
+def test_ragged_prefill_logits_match_hf(runner, plain_ids, hf_last):
+    logits = run_step(runner, [piece(ids, 0, row) for row, ids in enumerate(plain_ids)])
+    assert logits.shape == (3, runner.config.vocab_size)
     for row, ref in enumerate(hf_last):
         np.testing.assert_allclose(logits[row], ref, rtol=0, atol=LOGITS_ATOL,
                                    err_msg=f"row {row}")
 
 
-def test_decode_after_prefill_matches_hf(model, hf_model, prefilled, plain_ids, hf_last):
-    # Decode row r reads table row r, which holds prompt SLOTS.index(r).
-    _, cache = prefilled
-    order = [SLOTS.index(r) for r in range(len(SLOTS))]
-    nxt = [int(np.argmax(hf_last[i])) for i in order]
-    positions = jnp.asarray([len(plain_ids[i]) for i in order], jnp.int32)
-    logits, _ = model.decode(jnp.asarray(nxt, jnp.int32), positions, jnp.asarray(TABLE[:3]),
-                             cache, 64)
-    for row, (i, token) in enumerate(zip(order, nxt, strict=True)):
-        np.testing.assert_allclose(np.asarray(logits[row]),
-                                   _hf_last_logits(hf_model, plain_ids[i] + [token]), rtol=0,
-                                   atol=LOGITS_ATOL, err_msg=f"row {row} (prompt {i})")
+def test_decode_after_prefill_matches_hf(runner, hf_model, plain_ids, hf_last):
+    run_step(runner, [piece(ids, 0, row) for row, ids in enumerate(plain_ids)])
+    nxt = [int(np.argmax(h)) for h in hf_last]
+    # Decode tokens in another order than the prefill's rows: rows follow the pieces.
+    order = [2, 0, 1]
+    logits = run_step(runner, [piece([nxt[i]], len(plain_ids[i]), i) for i in order])
+    for row, i in enumerate(order):
+        np.testing.assert_allclose(logits[row], _hf_last_logits(hf_model, plain_ids[i] + [nxt[i]]),
+                                   rtol=0, atol=LOGITS_ATOL, err_msg=f"prompt {i}")
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 64])
+def test_chunked_prefill_logits_equal_unchunked(runner, plain_ids, chunk):
+    """A prompt prefilled in chunks over several steps ends with the logits (f32, 1e-4) of
+    the whole prompt in one step."""
+    ids = plain_ids[1]
+    whole = run_step(runner, [piece(ids, 0, 0)])[0]
+    for start in range(0, len(ids), chunk):
+        logits = run_step(runner, [piece(ids[start:start + chunk], start, 1)])[0]
+    np.testing.assert_allclose(logits, whole, rtol=0, atol=1e-4)
+
+
+def test_mixed_step_equals_separate_steps(runner, plain_ids):
+    """One step carrying a prompt chunk of one sequence and a decode token of another gives
+    the logits of running them in separate steps."""
+    a, b = plain_ids[1], plain_ids[0]
+    run_step(runner, [piece(a[:20], 0, 0), piece(b, 0, 1)])  # a part-way, b prefilled
+    separate = [run_step(runner, [piece(a[20:], 20, 0)])[0],
+                run_step(runner, [piece([7], len(b), 1)])[0]]
+    run_step(runner, [piece(a[:20], 0, 2), piece(b, 0, 3)])
+    mixed = run_step(runner, [piece([7], len(b), 3), piece(a[20:], 20, 2)])
+    np.testing.assert_allclose(mixed[0], separate[1], rtol=0, atol=1e-4)
+    np.testing.assert_allclose(mixed[1], separate[0], rtol=0, atol=1e-4)
+
+
+def test_whole_sequence_forward_matches_hf(gguf_weights, hf_model, plain_ids, hf_last):
+    """`Llama.forward`, the cache-free reference other tests compare the step with."""
+    from jaxpipe.model.llama import Llama
+
+    cfg, values = gguf_weights
+    model = Llama(cfg, dtype=jnp.float32, values=values)
+    logits = np.asarray(model.forward(jnp.asarray([plain_ids[1]])))[0, -1]
+    np.testing.assert_allclose(logits, hf_last[1], rtol=0, atol=LOGITS_ATOL)

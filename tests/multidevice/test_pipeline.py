@@ -1,6 +1,8 @@
-"""The SPMD pipeline against the single-device model, on a tiny model with prime-sized
-dimensions (so every layout pads: identity layers, replicated KV heads, zero query heads, mlp
-and vocab columns): prefill logits, the KV each stage writes, and decode steps after it."""
+"""The ragged step on every layout against the single-device whole-sequence forward pass, on a
+tiny model with prime-sized dimensions (so every layout pads: identity layers, replicated KV
+heads, zero query heads, mlp and vocab columns). Prompts are prefilled in ragged chunks that
+straddle the pipeline's micro-batches, then decoded greedily; every sampled row's logits must
+equal the reference's."""
 
 from __future__ import annotations
 
@@ -10,112 +12,97 @@ import numpy as np
 import pytest
 from conftest import TINY
 
-from jaxpipe import pipeline, sharding
-from jaxpipe.kv import device_cache
+from jaxpipe import pipeline, step_inputs
+from jaxpipe.buckets import Buckets
 from jaxpipe.layout import Layout
 from jaxpipe.model.llama import Llama
+from jaxpipe.runner import Runner
+from jaxpipe.step_inputs import Piece
 
-SLOTS, MAX_LEN = 8, 64
-LENGTHS = np.array([16, 9, 3, 12, 1, 16, 7, 10], np.int32)
-# The layouts' KV is paged: each row's 4 blocks of 16 scattered over a pool of 37 (the
-# single-device reference keeps contiguous blocks).
-POOL = 37
-TABLE = np.random.default_rng(4).permutation(POOL)[:SLOTS * 4].reshape(SLOTS, 4).astype(np.int32)
-IDENTITY = device_cache.identity_table(SLOTS, MAX_LEN)
-
-
-def dense(pool, table) -> np.ndarray:
-    """One layer's block pool [NB, Hkv, 16, D] seen per table row: [N, Hkv, MAX_LEN, D]."""
-    return np.asarray(device_cache.gather(jnp.asarray(pool), jnp.asarray(table), MAX_LEN))
-# (layout, micro-batches): deep pipelines with few and many micro-batches, hybrids, pure TP and
-# the one-device plain forward.
-CASES = [("pp=8", 1), ("pp=8", 8), ("pp=4,tp=2", 2), ("pp=2,tp=4", 4), ("tp=8", 1),
-         ("pp=1,tp=1", 1)]
+LENGTHS = [16, 9, 3, 12, 1, 17, 7, 10]
+POOL, MAX_LEN = 37, 64
+# Each sequence's 4 blocks of 16, scattered over the pool.
+TABLE = np.random.default_rng(4).permutation(POOL)[:32].reshape(8, 4).astype(np.int32)
+LAYOUTS = ["pp=8", "pp=4,tp=2", "pp=2,tp=4", "tp=8", "tp=4,pp=2", "pp=1,tp=1"]
+DECODE_STEPS = 3
 
 
 @pytest.fixture(scope="module")
-def prompts():
+def prompts() -> list[list[int]]:
     rng = np.random.default_rng(7)
-    tokens = rng.integers(0, TINY.vocab_size, (len(LENGTHS), 16)).astype(np.int32)
-    return tokens * (np.arange(16)[None, :] < LENGTHS[:, None])
+    return [rng.integers(0, TINY.vocab_size, n).tolist() for n in LENGTHS]
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_values, prompts):
-    """Single-device logits: prefill, then three greedy decode steps."""
+def forward(tiny_values):
+    """Last-position logits of a whole sequence, on one device with the unpadded model."""
     model = Llama(TINY, values=tiny_values)
-    cache = device_cache.allocate(TINY, IDENTITY.size, jnp.float32)
-    logits, cache = model.prefill(jnp.asarray(prompts), LENGTHS, IDENTITY, cache)
-    prefill_k = [dense(c.k, IDENTITY) for c in cache]  # per layer [N, Hkv, S, D]
-    steps, positions = [np.asarray(logits)], LENGTHS.copy()
-    for _ in range(3):
-        tokens = np.asarray(jnp.argmax(steps[-1], -1), np.int32)
-        logits, cache = model.decode(jnp.asarray(tokens), positions, IDENTITY, cache, MAX_LEN)
-        steps.append(np.asarray(logits))
-        positions = positions + 1
-    return steps, prefill_k
+    return lambda ids: np.asarray(model.forward(jnp.asarray([ids])))[0, -1]
 
 
-def place(values, layout: Layout):
-    plan = sharding.plan_padding(TINY, [layout])
-    mesh = sharding.make_mesh(layout)
-    params = jax.device_put(sharding.pad_values(TINY, values, plan),
-                            sharding.param_shardings(TINY, plan, layout, mesh))
-    kv = sharding.kv_sharding(TINY, plan, layout, mesh, POOL)
-    shape = sharding.kv_shape(TINY, plan, POOL)
-    cache = device_cache.KVCache(*(jax.device_put(np.zeros(shape, np.float32), kv)
-                                   for _ in range(2)))
-    return plan, mesh, params, cache
+def make_runner(values, layout: str, attention: str) -> Runner:
+    parsed = Layout.parse(layout)
+    devices = jax.devices()[: parsed.num_devices]
+    return Runner(TINY, values, Buckets.for_engine(8, MAX_LEN, 64), 8, MAX_LEN, jnp.float32,
+                  {"prefill": parsed, "decode": parsed}, devices, POOL, attention=attention)
 
 
-@pytest.mark.parametrize("layout_text, microbatches", CASES)
-def test_prefill_and_decode_match_one_device(tiny_values, prompts, reference, layout_text,
-                                             microbatches):
-    layout = Layout.parse(layout_text)
-    plan, mesh, params, cache = place(tiny_values, layout)
-    prefill = pipeline.prefill_program(TINY, layout, mesh, TINY.vocab_size, microbatches)
-    logits, cache = prefill(params, cache, prompts, LENGTHS, TABLE)
-    steps, ref_k = reference
-    assert logits.shape == steps[0].shape
-    assert np.abs(np.asarray(logits) - steps[0]).max() <= 1e-4
-
-    # Every stage wrote its own layers' K (each KV-head replica a copy of its source head);
-    # identity layers wrote zeros.
-    k = np.asarray(cache.k)  # [L', NB, Hkv', 16, D]
-    for j, src in enumerate(plan.index["layers"]):
-        want = ref_k[src] if src >= 0 else np.zeros_like(ref_k[0])
-        got = dense(k[j], TABLE)  # [N, Hkv', S, D]
-        for rep, head in enumerate(plan.index["kv_heads"]):
-            assert np.abs(got[:, rep] - want[:, head]).max() <= 1e-4, (j, rep)
-
-    decode = pipeline.decode_program(TINY, layout, mesh, TINY.vocab_size,
-                                     pipeline.microbatches(SLOTS, layout.pp))
-    positions = LENGTHS.copy()
-    for step in steps[1:]:
-        tokens = np.asarray(jnp.argmax(jnp.asarray(logits), -1), np.int32)
-        logits, cache = decode(params, cache, tokens, positions, positions + 1, TABLE,
-                               kv_len=MAX_LEN)
-        assert np.abs(np.asarray(logits) - step).max() <= 1e-4
-        positions = positions + 1
+def run(runner: Runner, pieces: list[Piece], sampled: int) -> np.ndarray:
+    """Logits of the first `sampled` pieces' last tokens, every piece in one step."""
+    tokens = runner.buckets.tokens(sum(len(p.tokens) for p in pieces))
+    inputs = step_inputs.build(pieces, tokens, runner.microbatches(tokens),
+                               runner.buckets.rows(tokens), runner.max_blocks)
+    return np.asarray(runner.logits(inputs, sampled))
 
 
-@pytest.mark.parametrize("kernel", [False, True], ids=["xla", "kernel"])
-def test_attend_decode_zeroes_idle_rows(kernel):
-    rng = np.random.default_rng(0)
-    q = jnp.asarray(rng.standard_normal((3, 4, 8)), jnp.float32)
-    kv = jnp.asarray(rng.standard_normal((2, 4, 2, 16, 8)), jnp.float32)  # [L, NB, Hkv, 16, D]
-    table = jnp.array([[2, 0], [1, 3], [3, 1]], jnp.int32)
-    out = pipeline.attend_decode(q, kv, kv, jnp.array([20, 0, 1], jnp.int32), table, 1, 32,
-                                 kernel)
-    assert np.all(np.asarray(out[1]) == 0) and np.isfinite(np.asarray(out)).all()
-    # One valid key: attention returns that key's value for every query head of its group
-    # (row 2's position 0: layer 1, block 3, offset 0).
-    np.testing.assert_allclose(out[2].reshape(2, 2, 8), np.broadcast_to(
-        kv[1, 3, :, 0][:, None], (2, 2, 8)), rtol=1e-6)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("attention", ["xla", "auto"])
+def test_ragged_steps_match_the_single_device_forward(tiny_values, prompts, forward, layout,
+                                                      attention):
+    runner = make_runner(tiny_values, layout, attention)
+    half = [(n + 1) // 2 for n in LENGTHS]
+    # Step 1: the first half of every prompt (ragged; the 1-token prompt ends here).
+    first = [Piece(p[:h], 0, list(TABLE[i])) for i, (p, h) in enumerate(zip(prompts, half))]
+    order = sorted(range(8), key=lambda i: half[i] != LENGTHS[i])  # finished prompts first
+    logits = run(runner, [first[i] for i in order], sum(h == n for h, n in zip(half, LENGTHS)))
+    seqs = [list(p) for p in prompts]
+    for row, i in enumerate(o for o in order if half[o] == LENGTHS[o]):
+        np.testing.assert_allclose(logits[row], forward(seqs[i]), atol=2e-5, err_msg=f"seq {i}")
+    # Step 2: the rest of each prompt, mixed with the decode token of the finished one.
+    done = [i for i in range(8) if half[i] == LENGTHS[i]]
+    for i in done:
+        seqs[i].append(int(np.argmax(forward(seqs[i]))))
+    pieces = [Piece([seqs[i][-1]], len(seqs[i]) - 1, list(TABLE[i])) for i in done]
+    rest = [i for i in range(8) if i not in done]
+    pieces += [Piece(prompts[i][half[i]:], half[i], list(TABLE[i])) for i in rest]
+    logits = run(runner, pieces, 8)
+    for row, i in enumerate(done + rest):
+        np.testing.assert_allclose(logits[row], forward(seqs[i]), atol=2e-5, err_msg=f"seq {i}")
+    # Decode steps: one token per sequence, greedy.
+    for _ in range(DECODE_STEPS):
+        for s in seqs:
+            s.append(int(np.argmax(forward(s))))
+        logits = run(runner, [Piece([s[-1]], len(s) - 1, list(TABLE[i]))
+                              for i, s in enumerate(seqs)], 8)
+        for i, s in enumerate(seqs):
+            np.testing.assert_allclose(logits[i], forward(s), atol=2e-5, err_msg=f"seq {i}")
 
 
-def test_microbatches_divide_the_rows():
-    assert pipeline.microbatches(16, 8) == 8
+def test_microbatches_split_tokens_evenly():
+    assert pipeline.microbatches(64, 8) == 8
+    assert pipeline.microbatches(24, 8) == 8
     assert pipeline.microbatches(12, 8) == 6
-    assert pipeline.microbatches(1, 8) == 1
     assert pipeline.microbatches(7, 4) == 1
+
+
+def test_spans_straddling_microbatches():
+    """A piece cut by a micro-batch boundary becomes one span in each, with kv_len counting
+    the keys up to each part's end."""
+    table = [3, 5]
+    inputs = step_inputs.build([Piece([1] * 5, 0, table), Piece([2] * 6, 10, table)], 16, 2,
+                               4, 4)
+    assert inputs.q_start.tolist() == [[0, 5, 0, 0], [0, 0, 0, 0]]
+    assert inputs.q_len.tolist() == [[5, 3, 0, 0], [0, 3, 0, 0]]
+    assert inputs.kv_len.tolist() == [[5, 13, 0, 0], [0, 16, 0, 0]]
+    assert inputs.last.tolist() == [4, 10, 0, 0]
+    assert inputs.rows.reshape(-1).tolist() == [0] * 5 + [1] * 6 + [4] * 5
