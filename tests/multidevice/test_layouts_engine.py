@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 from conftest import PAIRS, TINY
 
-from jaxpipe import Engine, EngineConfig, SamplingParams
-from jaxpipe.kv import device_cache
+from jaxpipe import Engine, EngineConfig, SamplingParams, step_inputs
 from jaxpipe.model import loading
 from jaxpipe.model.llama import Llama
+from jaxpipe.step_inputs import Piece
 
 FAST = dict(dtype="float32", max_model_len=128, max_num_seqs=8, warmup=False,
             show_progress=False)
@@ -34,31 +34,18 @@ def smollm2_reference(smollm2_orbax):
 
 @pytest.fixture(scope="module")
 def smollm2_prefill_logits(smollm2):
-    """Last-token logits of PROMPTS from the unpadded single-device model."""
+    """Last-token logits of PROMPTS from the unpadded single-device whole-sequence forward."""
     cfg, values = smollm2
     tokenizer = loading.load_tokenizer(loading_source())
     ids = [tokenizer.encode(p) for p in PROMPTS]
-    tokens, lengths = pack(ids)
-    table = device_cache.identity_table(len(lengths), tokens.shape[1])
-    cache = device_cache.allocate(cfg, table.size, jnp.float32)
-    logits, _ = Llama(cfg, values=values).prefill(jnp.asarray(tokens), lengths, table, cache)
-    return tokens, lengths, np.asarray(logits)[: len(ids)]
+    model = Llama(cfg, values=values)
+    return ids, np.stack([np.asarray(model.forward(jnp.asarray([i])))[0, -1] for i in ids])
 
 
 def loading_source():
     from jaxpipe.model.presets import resolve_model
 
     return resolve_model("smollm2-135m")
-
-
-def pack(ids: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
-    """Prompts padded to the engine's prefill bucket for them (4 x 32), so that the engine's
-    compiled prefill program is reused; the padding row has length 1."""
-    tokens = np.zeros((4, 32), np.int32)
-    lengths = np.ones(4, np.int32)
-    for i, row in enumerate(ids):
-        tokens[i, : len(row)], lengths[i] = row, len(row)
-    return tokens, lengths
 
 
 @pytest.mark.parametrize("prefill, decode", PAIRS)
@@ -76,10 +63,13 @@ def test_smollm2_layout_pair_matches_one_device(smollm2_orbax, smollm2_reference
                                              arr.ndim), name
 
     runner.set_phase("prefill")
-    tokens, lengths, want = smollm2_prefill_logits
-    slots = np.array([0, 1, 2, runner.num_slots], np.int32)  # the last row is padding
-    got = np.asarray(runner.prefill_logits(tokens, lengths, runner.table_rows(slots)))
-    got = got[: len(want)]
+    ids, want = smollm2_prefill_logits
+    blocks = np.arange(3 * runner.max_blocks).reshape(3, -1)  # a free pool: any blocks do
+    pieces = [Piece(p, 0, list(b)) for p, b in zip(ids, blocks, strict=True)]
+    tokens = engine.buckets.tokens(sum(map(len, ids)))
+    inputs = step_inputs.build(pieces, tokens, runner.microbatches(tokens),
+                               engine.buckets.rows(tokens), runner.max_blocks)
+    got = np.asarray(runner.logits(inputs, len(ids)))
     assert got.shape == want.shape
     assert np.abs(got - want).max() <= 1e-4
 

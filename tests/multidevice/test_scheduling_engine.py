@@ -110,27 +110,15 @@ def test_seesaw_switches_rarely(runs, workload):
     state = runs["seesaw"][0].executor.state
     prompt_kv = sum(state.host_size(len(p)) for p in prompts)
     assert seesaw["to_decode"] <= math.ceil(prompt_kv / HOST_KV) + 1
-    assert seesaw["transitions"] < runs["prefill_first"][0].stats()["transitions"]
+    # prefill_first's mixed steps all run on the decode layout: one switch, at the start.
+    assert runs["prefill_first"][0].stats()["transitions"] == 1
 
 
 def test_swap_ins_overlap_decode_steps(runs):
     engine, _ = runs["seesaw"]
     events = engine.executor.step_events
-    steps = [t for t, kind, _ in events if kind in ("decode_start", "decode_end")]
+    steps = [t for t, kind, rows in events if kind in ("step_start", "step_end") and rows]
     spans = list(zip(steps[::2], steps[1::2], strict=True))
     arrivals = [t for t, kind, _ in engine.executor.kv.host.events if kind == "in"]
     during = [t for t in arrivals if any(a < t < b for a, b in spans)]
     assert len(during) >= 1, (len(arrivals), len(spans))
-
-
-
-def test_pipelined_decode_runs_several_steps_per_call(tiny_orbax, workload, reference):
-    """seesaw into a decode layout with pp=2: the stages stay busy over several decode steps
-    per call (min_tokens bans lifting inside a call cut a call short), same tokens."""
-    prompts, params = workload
-    engine = Engine(EngineConfig(model=str(tiny_orbax), host_kv_tokens=HOST_KV,
-                                 **{**LAYOUTS, "decode": "pp=2,tp=4"}, **FAST))
-    assert engine.runner.decode_steps == 4
-    assert tokens(engine.generate(prompt_token_ids=prompts, sampling_params=params)) == reference
-    stats = engine.stats()
-    assert stats["decode_steps"] > 2 * stats["decode_calls"]

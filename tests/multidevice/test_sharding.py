@@ -16,17 +16,17 @@ from jaxpipe import sharding
 from jaxpipe.buckets import Buckets
 from jaxpipe.config import ModelConfig
 from jaxpipe.layout import Layout
-from jaxpipe.layout_runner import LayoutRunner
+from jaxpipe.runner import Runner
 from jaxpipe.model import llama, loading
 from jaxpipe.sharding import RULES
 
 DEVICES = 8
 
 
-def runner(weights, prefill: str, decode: str, cfg: ModelConfig = TINY) -> LayoutRunner:
+def runner(weights, prefill: str, decode: str, cfg: ModelConfig = TINY) -> Runner:
     layouts = {"prefill": Layout.parse(prefill), "decode": Layout.parse(decode)}
-    return LayoutRunner(cfg, weights, Buckets.for_engine(8, 64, 256), 8, 64, jnp.float32,
-                        layouts, jax.devices()[:DEVICES])
+    return Runner(cfg, weights, Buckets.for_engine(8, 64, 256), 8, 64, jnp.float32,
+                  layouts, jax.devices()[:DEVICES], num_blocks=32)
 
 
 def expected_shard_shape(shape, axes, layout: Layout):
@@ -35,7 +35,7 @@ def expected_shard_shape(shape, axes, layout: Layout):
                  for n, a in zip(shape, axes, strict=True))
 
 
-def assert_on_layout(r: LayoutRunner, phase: str):
+def assert_on_layout(r: Runner, phase: str):
     place = r.placements[phase]
     decls = llama.param_decls(TINY)
     for name, arr in r.params.items():
