@@ -112,6 +112,27 @@ def test_one_at_a_time_greedy_matches_hf(engine, prompt_ids, hf_reference):
         _assert_same_as_hf(out, ref, f"prompt {i}")
 
 
+def test_a_32_token_budget_chunks_prompts_and_keeps_hf_tokens(prompt_ids, hf_reference):
+    """max_num_batched_tokens=32 with prompts of 60+ tokens: no step carries more than 32
+    tokens, prompts are prefilled in several chunks mixed with decode tokens, and the greedy
+    tokens are still HF's."""
+    from jaxpipe import Engine, EngineConfig
+    from conftest import ENGINE_KWARGS
+
+    long = [i for i, ids in enumerate(prompt_ids) if len(ids) >= 60]
+    assert len(long) >= 2
+    engine = Engine(EngineConfig(**{**ENGINE_KWARGS, "max_num_batched_tokens": 32},
+                                 scheduler="prefill_first"))
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)
+    outs = engine.generate(prompt_token_ids=[prompt_ids[i] for i in long], sampling_params=params)
+    for i, out in zip(long, outs, strict=True):
+        _assert_same_as_hf(out, hf_reference[i][0], f"prompt {i}")
+    stats = engine.stats()
+    assert stats["max_step_tokens"] <= 32
+    assert stats["prefill_chunks"] >= sum(-(-len(prompt_ids[i]) // 32) for i in long)
+    assert stats["padding_waste"] < 0.5
+
+
 def test_logprobs_match_hf(batched, hf_reference):
     for out, (_, ref_lp) in zip(batched, hf_reference, strict=True):
         got = out.outputs[0]

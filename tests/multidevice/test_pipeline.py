@@ -62,9 +62,11 @@ def test_ragged_steps_match_the_single_device_forward(tiny_values, prompts, forw
     runner = make_runner(tiny_values, layout, attention)
     half = [(n + 1) // 2 for n in LENGTHS]
     # Step 1: the first half of every prompt (ragged; the 1-token prompt ends here).
-    first = [Piece(p[:h], 0, list(TABLE[i])) for i, (p, h) in enumerate(zip(prompts, half))]
+    first = [Piece(p[:h], 0, list(TABLE[i]))
+             for i, (p, h) in enumerate(zip(prompts, half, strict=True))]
     order = sorted(range(8), key=lambda i: half[i] != LENGTHS[i])  # finished prompts first
-    logits = run(runner, [first[i] for i in order], sum(h == n for h, n in zip(half, LENGTHS)))
+    ended = sum(h == n for h, n in zip(half, LENGTHS, strict=True))
+    logits = run(runner, [first[i] for i in order], ended)
     seqs = [list(p) for p in prompts]
     for row, i in enumerate(o for o in order if half[o] == LENGTHS[o]):
         np.testing.assert_allclose(logits[row], forward(seqs[i]), atol=2e-5, err_msg=f"seq {i}")

@@ -16,8 +16,8 @@ from jaxpipe import sharding
 from jaxpipe.buckets import Buckets
 from jaxpipe.config import ModelConfig
 from jaxpipe.layout import Layout
-from jaxpipe.runner import Runner
 from jaxpipe.model import llama, loading
+from jaxpipe.runner import Runner
 from jaxpipe.sharding import RULES
 
 DEVICES = 8

@@ -1,6 +1,7 @@
-"""What the engine asks of every policy beyond token counts: prefill batches that fit compiled
-shapes and group by padded length, the host tier charged in rounded tokens, and cancellation
-from any queue. Also: the package stays pure Python."""
+"""What the engine asks of every policy beyond token counts: prompt chunks within the step's
+token budget (a long prompt split over steps, part-way prompts continued first), the host tier
+charged in rounded tokens, and cancellation from any queue. Also: the package stays pure
+Python."""
 
 from __future__ import annotations
 
@@ -32,28 +33,30 @@ def waiting(state: SchedulerState, lengths: list[int]) -> list[SeqInfo]:
     return seqs
 
 
-@pytest.mark.parametrize("name", ["seesaw", "prefill_first", "decode_first"])
-def test_length_buckets_group_prompts_behind_the_oldest(name):
-    bucket = {3: 4, 4: 4, 5: 8, 8: 8}.__getitem__
+@pytest.mark.parametrize("name", ["seesaw", "decode_first"])
+def test_prompts_are_chunked_to_the_token_budget(name):
+    """A 25-token budget over prompts of 10, 30 and 8 tokens: step 1 takes r0 whole and 15
+    of r1; step 2 continues r1 first (its last 15), then r2 whole."""
     state = SchedulerState(1000, 8, 1000)
-    waiting(state, [5, 3, 8, 4, 5])
-    action = make_policy(name, length_bucket=bucket).schedule(state)
-    assert [s.seq_id for s, _ in action.prefill] == ["r0", "r2", "r4"]  # r0's bucket (8) only
+    r0, r1, r2 = waiting(state, [10, 30, 8])
+    policy = make_policy(name, max_prefill_tokens=25)
+    action = policy.schedule(state)
+    assert [(s.seq_id, n) for s, n in action.prefill] == [("r0", 10), ("r1", 15)]
+    state.apply(action)
+    assert r1.in_prefill and r1.computed == 15
+    action = policy.schedule(state)
+    assert [(s.seq_id, n) for s, n in action.prefill] == [("r1", 15), ("r2", 8)]
 
 
-def test_length_buckets_never_skip_the_oldest_prompt():
-    state = SchedulerState(1000, 2, 1000)
-    waiting(state, [100, 3, 3, 3])
-    policy = make_policy("prefill_first", length_bucket=lambda n: 1 << (n - 1).bit_length())
-    assert [s.seq_id for s, _ in policy.schedule(state).prefill] == ["r0"]
-
-
-def test_prefill_batches_fit_the_executors_shapes():
-    state = SchedulerState(1000, 8, 1000)
-    waiting(state, [10, 10, 10, 10, 10])
-    fits = lambda count, longest: count * longest <= 30  # noqa: E731
-    action = make_policy("prefill_first", batch_fits=fits).schedule(state)
-    assert [s.seq_id for s, _ in action.prefill] == ["r0", "r1", "r2"]
+def test_chunked_prefill_first_fills_the_budget_after_decode_tokens():
+    state = SchedulerState(1000, 8, 0)
+    a, b = waiting(state, [6, 40])
+    policy = make_policy("prefill_first", max_prefill_tokens=16)
+    action = policy.schedule(state)
+    assert [(s.seq_id, n) for s, n in action.prefill] == [("r0", 6), ("r1", 10)]
+    state.apply(action)
+    action = policy.schedule(state)  # r0 decodes one token, r1 gets the other 15
+    assert action.decode == [a] and [(s.seq_id, n) for s, n in action.prefill] == [("r1", 15)]
 
 
 def test_host_tier_is_charged_in_rounded_tokens():

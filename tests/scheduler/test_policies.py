@@ -15,10 +15,11 @@ DEVICE_KV, SLOTS, HOST_KV = 200, 8, 300
 
 CONFIGS = {
     "seesaw": ("seesaw", {}),
-    "prefill_first": ("prefill_first", {}),
-    "prefill_first_swap": ("prefill_first", {"preempt_mode": "swap"}),
-    "prefill_first_chunked": ("prefill_first", {"chunked": True, "max_prefill_tokens": 48}),
-    "prefill_first_two_layouts": ("prefill_first", {"two_layouts": True}),
+    "prefill_first": ("prefill_first", {"chunked": False}),
+    "prefill_first_swap": ("prefill_first", {"chunked": False, "preempt_mode": "swap"}),
+    "prefill_first_chunked": ("prefill_first", {"max_prefill_tokens": 48}),
+    "prefill_first_chunked_two_layouts": ("prefill_first", {"two_layouts": True}),
+    "prefill_first_two_layouts": ("prefill_first", {"chunked": False, "two_layouts": True}),
     "decode_first": ("decode_first", {}),
     "decode_first_two_layouts": ("decode_first", {"two_layouts": True}),
 }
@@ -32,8 +33,6 @@ def test_make_policy_names_the_accepted_policies():
 def test_bad_options_are_refused():
     with pytest.raises(ValueError, match="preempt_mode"):
         make_policy("prefill_first", preempt_mode="drop")
-    with pytest.raises(ValueError, match="one layout"):
-        make_policy("prefill_first", chunked=True, two_layouts=True)
 
 
 def test_state_refuses_a_sequence_longer_than_the_device_store():
@@ -91,7 +90,7 @@ def test_seesaw_switches_rarely(seed):
     _, trace = run_policy(make_policy("seesaw"), seqs, DEVICE_KV, SLOTS, host_kv)
     bound = math.ceil(sum(s.prompt_len for s in seqs) / host_kv) + 1
     assert 2 <= prefill_to_decode(trace) <= bound
-    baseline = make_policy("prefill_first", two_layouts=True)
+    baseline = make_policy("prefill_first", chunked=False, two_layouts=True)
     _, base_trace = run_policy(baseline, make_seqs(200, seed), DEVICE_KV, SLOTS, host_kv)
     assert len(trace.switches) < len(base_trace.switches)
 
