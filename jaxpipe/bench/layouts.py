@@ -2,10 +2,11 @@
 
 - Re-shard: for each (prefill, decode) layout pair, the seconds to move the padded weights
   prefill -> decode and back (and the KV store), next to one decode step on the decode layout.
-- Bubble: a fixed prefill batch on pp in {1, 2, 4, 8} stages (pp devices, tp = 1) with M
-  micro-batches. Every stage computes in every tick (SPMD: bubble ticks run on garbage), and
-  the virtual devices share the machine's cores, so the time relative to pp = 1 measures the
-  pipeline's total work, whose ideal is (M + pp - 1) / M; the bubble fraction is
+- Bubble: a fixed prefill step on pp in {1, 2, 4, 8} stages (pp devices, tp = 1) with M
+  micro-batches of its tokens. Every stage computes in every tick (SPMD: bubble ticks run on
+  garbage), and the virtual devices share the machine's cores, so the time relative to
+  pp = 1 measures the pipeline's total work, whose ideal is (M + pp - 1) / M; the bubble
+  fraction is
   (pp - 1) / (M + pp - 1).
 
 Call `run()` in a process whose JAX backend has the devices (scripts/bench_reshard.py).
@@ -19,12 +20,13 @@ from dataclasses import asdict, dataclass
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
+from jaxpipe.bench.steps import step_call
 from jaxpipe.buckets import Buckets
 from jaxpipe.config import ModelConfig
+from jaxpipe.kv.device_cache import blocks_for
 from jaxpipe.layout import Layout
-from jaxpipe.layout_runner import LayoutRunner
+from jaxpipe.runner import Runner
 from jaxpipe.sharding import timed_reshard
 
 PAIRS = (("pp=8", "tp=8"), ("pp=4,tp=2", "tp=4,pp=2"), ("pp=2,tp=4", "tp=8"),
@@ -55,13 +57,13 @@ def _median_seconds(fn, repeats: int) -> float:
 
 
 def _runner(cfg: ModelConfig, values: dict, prefill: str, decode: str, bench: LayoutBenchConfig,
-            devices) -> LayoutRunner:
+            devices) -> Runner:
     slots = max(bench.decode_batch, bench.prefill_batch)
     max_len = max(bench.context, bench.prompt_len)
     buckets = Buckets.for_engine(slots, max_len, slots * max_len)
     layouts = {"prefill": Layout.parse(prefill), "decode": Layout.parse(decode)}
-    return LayoutRunner(cfg, values, buckets, slots, max_len, jnp.dtype(bench.dtype), layouts,
-                        devices)
+    return Runner(cfg, values, buckets, slots, max_len, jnp.dtype(bench.dtype), layouts,
+                  devices, num_blocks=slots * blocks_for(max_len))
 
 
 def reshard_row(cfg: ModelConfig, values: dict, prefill: str, decode: str,
@@ -79,14 +81,7 @@ def reshard_row(cfg: ModelConfig, values: dict, prefill: str, decode: str,
             kv.append(seconds)
     del params, cache
     r.set_phase("decode")
-    b = bench.decode_batch
-    tokens = np.zeros(b, np.int32)
-    positions = np.full(b, bench.context - 1, np.int32)
-
-    def step():
-        return r.decode_logits(tokens, positions, positions + 1, bench.context,
-                               r.table_rows(np.arange(len(tokens))))
-
+    step = step_call(r, bench.decode_batch, 1, bench.context - 1)
     step()  # compile
     param_bytes = sum(a.nbytes for a in r.params.values())
     return {"prefill": prefill, "decode": decode,
@@ -99,20 +94,15 @@ def reshard_row(cfg: ModelConfig, values: dict, prefill: str, decode: str,
 
 def bubble_rows(cfg: ModelConfig, values: dict, bench: LayoutBenchConfig) -> list[dict]:
     """Prefill seconds on pp stages with M micro-batches, against the ideal (M+pp-1)/M."""
-    rng = np.random.default_rng(0)
     b, t = bench.prefill_batch, bench.prompt_len
-    tokens = rng.integers(0, cfg.vocab_size, (b, t)).astype(np.int32)
-    lengths = np.full(b, t, np.int32)
     rows, base = [], None
     for pp in bench.stages:
         layout = f"pp={pp}" if pp > 1 else "pp=1,tp=1"
         r = _runner(cfg, values, layout, layout, bench, jax.devices()[:pp])
-        slots = r.table_rows(np.arange(b))  # the block-table rows of slots 0..b-1
-        for m in sorted({1 if pp == 1 else pp, b} if pp > 1 else {1}):
-            r.prefill_logits(tokens, lengths, slots, microbatches=m)  # compile
-            seconds = _median_seconds(
-                lambda r=r, m=m, s=slots: r.prefill_logits(tokens, lengths, s, microbatches=m),
-                bench.repeats)
+        for m in sorted({pp, 2 * pp}):
+            step = step_call(r, b, t, microbatches=m)
+            step()  # compile
+            seconds = _median_seconds(step, bench.repeats)
             base = seconds if pp == 1 else base
             rows.append({"pp": pp, "microbatches": m, "prefill_s": seconds,
                          "ratio": seconds / base, "ideal_ratio": (m + pp - 1) / m,

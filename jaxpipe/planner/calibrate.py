@@ -192,42 +192,24 @@ def write_preset(values: dict, name: str = "cpu-1", mesh_dir: Path = MESH_DIR) -
 # ---- the real engine ------------------------------------------------------------------------
 
 
-def _greedy_plan(rows: int):
-    """A greedy sampling plan for `rows` rows (the cheapest sampler: argmax)."""
-    from jaxpipe import sampling
-    from jaxpipe.runner import SamplingPlan
-    from jaxpipe.sampling import SamplingParams
+def step_inputs(runner, shape: Shape):
+    """The ragged step of `shape`: b prompts of t tokens (prefill), or b decode tokens at
+    position t - 1 attending over t positions (decode); sequence r in blocks r*n..r*n+n-1."""
+    from jaxpipe.bench.steps import uniform_inputs
 
-    params = [SamplingParams(temperature=0.0)] * rows
-    tensors = sampling.build_sampling_tensors(params, [0] * rows, [0] * rows, [[]] * rows, rows)
-    return SamplingPlan(tensors, sampling.sampling_mode(params), False, None)
+    b, t = shape.batch, shape.tokens
+    if shape.phase == "prefill":
+        return uniform_inputs(runner, b, t)
+    return uniform_inputs(runner, b, 1, t - 1)
 
 
 def step_call(runner, shape: Shape) -> Callable[[], Any]:
-    """One real step of `shape` on `runner` (blocks: the tokens come back to the host).
-    Prefill writes the prompts' KV into slots 0..b-1; decode rows sit at position tokens-1."""
-    import numpy as np
+    """One real step of `shape` on `runner`, its LM head over every sequence (blocks until
+    the logits are there)."""
+    import jax
 
-    b, t = shape.batch, shape.tokens
-    plan = _greedy_plan(b)
-    if shape.phase == "prefill":
-        prompts, slots = [[1] * t] * b, list(range(b))
-        return lambda: runner.prefill(prompts, slots, plan, (b, t))
-    tokens, positions = np.ones(b, np.int32), np.full(b, t - 1, np.int32)
-    active = np.ones(b, bool)
-    return lambda: runner.decode(tokens, positions, active, plan)
-
-
-def _dense_blocks(runner) -> None:
-    """Slot s gets blocks s*MB..s*MB+MB-1 of the KV pool (the table of a full store)."""
-    from jaxpipe.kv import device_cache
-
-    table = device_cache.identity_table(runner.num_slots, runner.max_len)
-    if table.size > runner.num_blocks:
-        raise ValueError(f"calibration needs {table.size} KV blocks (every slot at max_len), "
-                         f"the engine has {runner.num_blocks}")
-    for slot, blocks in enumerate(table):
-        runner.set_blocks(slot, list(blocks))
+    inputs = step_inputs(runner, shape)
+    return lambda: jax.block_until_ready(runner.logits(inputs, shape.batch))
 
 
 def make_engine(shapes: Iterable[Shape], model: str = "smollm2-135m", **overrides):
@@ -236,15 +218,15 @@ def make_engine(shapes: Iterable[Shape], model: str = "smollm2-135m", **override
 
     shapes = list(shapes)
     longest = max(s.tokens for s in shapes)
-    config = dict(model=model, dtype="bfloat16", max_model_len=2 * longest,
-                  max_num_seqs=max(s.batch for s in shapes), warmup=False, show_progress=False)
+    most = max(s.batch for s in shapes)
+    config = dict(model=model, dtype="bfloat16", max_model_len=2 * longest, max_num_seqs=most,
+                  max_num_batched_tokens=max(s.batch * s.tokens for s in shapes),
+                  kv_cache_tokens=most * 2 * longest, warmup=False, show_progress=False)
     return Engine(EngineConfig(**(config | overrides)))
 
 
 def measure_steps(engine, shapes: Sequence[Shape], repeats: int = 5) -> list[float]:
-    """Median seconds of each shape's step on the engine's runner, compilation excluded.
-    Every slot is given its max_len blocks first, so that attention reads real KV."""
-    _dense_blocks(engine.runner)
+    """Median seconds of each shape's step on the engine's runner, compilation excluded."""
     return [_median_seconds(step_call(engine.runner, s), repeats) for s in shapes]
 
 

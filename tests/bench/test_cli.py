@@ -3,23 +3,19 @@
 import pytest
 
 from jaxpipe.bench import cli
-from jaxpipe.bench.decode_pipeline import DecodeBenchConfig
 from jaxpipe.bench.layouts import LayoutBenchConfig
 
 
-@pytest.mark.parametrize("config_cls", [DecodeBenchConfig, LayoutBenchConfig])
-def test_no_flags_give_the_config_defaults(config_cls):
-    args = cli.parser("", config_cls, "out/x.json").parse_args([])
-    assert cli.config_from(args, config_cls) == config_cls()
+def test_no_flags_give_the_config_defaults():
+    args = cli.parser("", LayoutBenchConfig, "out/x.json").parse_args([])
+    assert cli.config_from(args, LayoutBenchConfig) == LayoutBenchConfig()
 
 
 def test_flags_reach_the_config():
-    p = cli.parser("", DecodeBenchConfig, "out/x.json")
-    args = p.parse_args(["--steps", "1", "2", "--layouts", "pp=8", "--max-len", "512",
-                         "--dtype", "float32"])
-    cfg = cli.config_from(args, DecodeBenchConfig)
-    assert cfg.steps == (1, 2) and cfg.layouts == ("pp=8",)
-    assert cfg.max_len == 512 and cfg.dtype == "float32"
+    p = cli.parser("", LayoutBenchConfig, "out/x.json")
+    args = p.parse_args(["--stages", "1", "2", "--context", "512", "--dtype", "float32"])
+    cfg = cli.config_from(args, LayoutBenchConfig)
+    assert cfg.stages == (1, 2) and cfg.context == 512 and cfg.dtype == "float32"
 
 
 def test_nested_tuple_fields_are_not_flags():
@@ -31,4 +27,4 @@ def test_nested_tuple_fields_are_not_flags():
 
 def test_dtype_is_checked():
     with pytest.raises(SystemExit):
-        cli.parser("", DecodeBenchConfig, "out/x.json").parse_args(["--dtype", "int8"])
+        cli.parser("", LayoutBenchConfig, "out/x.json").parse_args(["--dtype", "int8"])

@@ -116,8 +116,9 @@ def test_a_32_token_budget_chunks_prompts_and_keeps_hf_tokens(prompt_ids, hf_ref
     """max_num_batched_tokens=32 with prompts of 60+ tokens: no step carries more than 32
     tokens, prompts are prefilled in several chunks mixed with decode tokens, and the greedy
     tokens are still HF's."""
-    from jaxpipe import Engine, EngineConfig
     from conftest import ENGINE_KWARGS
+
+    from jaxpipe import Engine, EngineConfig
 
     long = [i for i, ids in enumerate(prompt_ids) if len(ids) >= 60]
     assert len(long) >= 2

@@ -56,29 +56,23 @@ def test_predict_asks_the_cost_model_for_the_calibrated_shapes():
         + [("decode", b) for b in calibrate.DECODE_BATCHES])
 
 
-class FakeRunner:
-    """Records what a step asks the runner to run."""
-
-    def __init__(self):
-        self.calls = []
-
-    def prefill(self, prompts, slots, plan, shape):
-        self.calls.append(("prefill", [len(p) for p in prompts], list(slots), shape,
-                           len(plan.tensors.temperature)))
-
-    def decode(self, tokens, positions, active, plan):
-        self.calls.append(("decode", len(tokens), set(positions.tolist()), bool(active.all()),
-                           len(plan.tensors.temperature)))
-
 
 def test_steps_timed_are_the_shapes_predicted():
-    runner = FakeRunner()
-    calibrate.step_call(runner, Shape("prefill", 4, 128))()
-    calibrate.step_call(runner, Shape("decode", 16, 256))()
-    # 4 prompts of 128 tokens in slots 0..3 at bucket (4, 128); decode: 16 live rows whose
-    # kernel lengths (position + 1) are the 256 positions the cost model's decode attends over
-    assert runner.calls == [("prefill", [128] * 4, [0, 1, 2, 3], (4, 128), 4),
-                            ("decode", 16, {255}, True, 16)]
+    """4 prompts of 128 tokens (each row a 128-token span attending over 128 keys); decode:
+    16 rows of one token attending over the 256 positions the cost model's decode reads."""
+    from types import SimpleNamespace
+
+    from jaxpipe.buckets import Buckets
+
+    runner = SimpleNamespace(buckets=Buckets.for_engine(16, 512, 512), num_blocks=256,
+                             max_blocks=32, microbatches=lambda tokens: 1)
+    prefill = calibrate.step_inputs(runner, Shape("prefill", 4, 128))
+    assert prefill.q_len[0, :4].tolist() == [128] * 4 == prefill.kv_len[0, :4].tolist()
+    assert (prefill.rows < 4).sum() == 4 * 128
+    decode = calibrate.step_inputs(runner, Shape("decode", 16, 256))
+    assert decode.q_len[0, :16].tolist() == [1] * 16
+    assert decode.kv_len[0, :16].tolist() == [256] * 16
+    assert decode.positions.reshape(-1)[:16].tolist() == [255] * 16
 
 
 def test_update_hardware_keeps_comments_and_order():
