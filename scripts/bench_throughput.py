@@ -1,8 +1,9 @@
 #!/usr/bin/env python
-"""Offline throughput: jaxpipe vs HF transformers on a seeded ShareGPT-like workload.
+"""Offline throughput: jaxpipe vs its peers on a seeded ShareGPT-like workload.
 
 Examples:
-  python scripts/bench_throughput.py                              # the full default comparison
+  python scripts/bench_throughput.py                              # jaxpipe vs HF
+  python scripts/bench_throughput.py --peers openvino,hf          # + OpenVINO GenAI (bench extra)
   python scripts/bench_throughput.py --num-prompts 16 --hf-batch-sizes 8,16
   python scripts/bench_throughput.py --input-len 128 --output-len 128 --skip-hf
 The logic lives in `jaxpipe.bench`; this file only parses flags.
@@ -17,7 +18,12 @@ from pathlib import Path
 # Run from a checkout without installing: make `jaxpipe` importable.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from jaxpipe.bench import BenchConfig, run_benchmark  # noqa: E402
+from jaxpipe.bench import (  # noqa: E402
+    PEER_NAMES,
+    BenchConfig,
+    parse_peers,
+    run_benchmark,
+)
 
 
 def _int_list(text: str) -> tuple[int, ...]:
@@ -29,6 +35,14 @@ def _int_list(text: str) -> tuple[int, ...]:
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError(f"expected positive ints, got {text!r}")
     return values
+
+
+def _peers(text: str) -> tuple[str, ...]:
+    """Parse 'openvino,hf' for argparse."""
+    try:
+        return parse_peers(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -51,7 +65,13 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--hf-batch-sizes", type=_int_list, default=d.hf_batch_sizes)
     e.add_argument("--hf-num-prompts", type=int, help="run HF on only the first N prompts")
     e.add_argument("--hf-max-seconds", type=float, help="stop each HF sweep point after ~N s")
-    e.add_argument("--skip-hf", action="store_true")
+    e.add_argument("--peers", type=_peers, default=d.peers,
+                   help=f"comma list from {{{','.join(PEER_NAMES)}}}; '' for none (default: hf)")
+    e.add_argument("--ov-batched-tokens", type=_int_list, default=d.ov_batched_tokens,
+                   help="OpenVINO max_num_batched_tokens sweep (best point kept)")
+    e.add_argument("--ov-kv-cache-precision", choices=("bf16", "f32", "u8"),
+                   help="OpenVINO KV cache precision (default: same as --dtype)")
+    e.add_argument("--skip-hf", action="store_true", help="no hf, whatever --peers says")
     e.add_argument("--skip-jaxpipe", action="store_true")
     e.add_argument("--skip-matmul", action="store_true", help="no matmul peak / FLOP/s line")
     e.add_argument("--matmul-repeats", type=int, default=d.matmul_repeats)
@@ -61,11 +81,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Parse flags and run the benchmark."""
-    args = build_parser().parse_args(argv)
-    if args.skip_hf and args.skip_jaxpipe:
-        build_parser().error("--skip-hf and --skip-jaxpipe together leave nothing to measure")
-    run_benchmark(BenchConfig(**vars(args)))
+    cfg = parse_config(argv)
+    run_benchmark(cfg)
     return 0
+
+
+def parse_config(argv: list[str] | None = None) -> BenchConfig:
+    """The BenchConfig the flags describe; exits with a usage error when nothing would run."""
+    parser = build_parser()
+    cfg = BenchConfig(**vars(parser.parse_args(argv)))
+    if cfg.skip_jaxpipe and not cfg.active_peers:
+        parser.error("--skip-jaxpipe with no peers (--peers '' or --skip-hf) measures nothing")
+    return cfg
 
 
 if __name__ == "__main__":

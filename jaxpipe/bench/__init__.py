@@ -1,12 +1,14 @@
-"""Offline throughput benchmark: jaxpipe vs HF transformers on one seeded workload.
+"""Offline throughput benchmark: jaxpipe vs its peers (OpenVINO GenAI, HF transformers) on one
+seeded workload.
 
 Entry point: `scripts/bench_throughput.py`. The pieces:
   * `workload`    -- the seeded request set (`make_workload`, `Request`);
+  * `openvino_baseline` -- OpenVINO GenAI continuous batching and its token-budget sweep;
   * `hf_baseline` -- HF static-batch generation and its batch-size sweep;
   * `matmul`      -- measured JAX matmul GFLOP/s and the model FLOP count;
   * `report`      -- throughput arithmetic, the table, the JSON.
 This module runs jaxpipe through its public `Engine` API and ties the pieces together.
-torch/transformers are imported only when the HF side runs.
+torch/transformers/openvino are imported only when a peer that needs them runs.
 """
 
 from __future__ import annotations
@@ -29,6 +31,18 @@ from jaxpipe.bench.workload import (
 
 Log = Callable[[str], None]
 
+PEER_NAMES = ("openvino", "hf")
+OV_MAX_NUM_SEQS = 256  # OpenVINO's own default; --max-num-seqs overrides it for every engine
+
+
+def parse_peers(text: str) -> tuple[str, ...]:
+    """Parse `--peers` ('openvino,hf', '' for none) into peer names in PEER_NAMES order."""
+    names = {n.strip() for n in text.split(",") if n.strip()}
+    unknown = sorted(names - set(PEER_NAMES))
+    if unknown:
+        raise ValueError(f"unknown peer(s) {unknown}; choose from {', '.join(PEER_NAMES)}")
+    return tuple(n for n in PEER_NAMES if n in names)
+
 
 @dataclass
 class BenchConfig:
@@ -48,11 +62,28 @@ class BenchConfig:
     hf_batch_sizes: tuple[int, ...] = (16, 32, 64)
     hf_num_prompts: int | None = None  # None: the whole workload
     hf_max_seconds: float | None = None
-    skip_hf: bool = False
+    peers: tuple[str, ...] = ("hf",)
+    ov_batched_tokens: tuple[int, ...] = (256, 512, 2048)
+    ov_kv_cache_precision: str | None = None  # None: the compute dtype, as jaxpipe keeps KV
+    skip_hf: bool = False  # the old spelling of "no hf in peers"; wins over --peers
     skip_jaxpipe: bool = False
     skip_matmul: bool = False
     matmul_repeats: int = 10
     json_path: str = "out/bench_throughput.json"
+
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.peers) - set(PEER_NAMES))
+        if unknown:
+            raise ValueError(f"unknown peer(s) {unknown}; choose from {', '.join(PEER_NAMES)}")
+        if self.ov_kv_cache_precision not in (None, "bf16", "f32", "u8"):
+            raise ValueError(
+                f"ov_kv_cache_precision must be bf16, f32 or u8, got {self.ov_kv_cache_precision!r}"
+            )
+
+    @property
+    def active_peers(self) -> tuple[str, ...]:
+        """The peers this run measures: `peers`, less hf under `skip_hf`."""
+        return tuple(p for p in self.peers if not (p == "hf" and self.skip_hf))
 
 
 def default_max_model_len(workload: Sequence[Request], multiple: int = 128) -> int:
@@ -128,6 +159,7 @@ def run_jaxpipe(
     elapsed, stats = _timed_generate(engine, workload, log)
     result = throughput(workload, elapsed)
     result.update(engine="jaxpipe", dtype=cfg.dtype, batch_size=engine.max_num_seqs)
+    result.update(max_num_batched_tokens=vars(engine_cfg).get("max_num_batched_tokens"))
     result.update(engine_config=dict(vars(engine_cfg)), startup_s=startup_s, warmup_s=warmup_s)
     result.update(stats)
     log(f"[jaxpipe] {result['output_tok_s']:.1f} output tok/s in {elapsed:.1f}s")
@@ -217,6 +249,24 @@ def _run_hf_side(cfg: BenchConfig, workload: Sequence[Request], gguf_path: Path,
     return sweep
 
 
+def _run_openvino_side(
+    cfg: BenchConfig, workload: Sequence[Request], gguf_path: Path, log: Log
+) -> dict:
+    """The OpenVINO GenAI token-budget sweep on the whole workload."""
+    from jaxpipe.bench.openvino_baseline import sweep_openvino
+
+    return sweep_openvino(
+        gguf_path,
+        workload,
+        warmup_requests(workload, cfg.warmup_prompts),
+        cfg.ov_batched_tokens,
+        dtype=cfg.dtype,
+        max_num_seqs=cfg.max_num_seqs or OV_MAX_NUM_SEQS,
+        kv_precision=cfg.ov_kv_cache_precision,
+        log=log,
+    )
+
+
 def _measure_matmul(cfg: BenchConfig, log: Log) -> dict:
     """JAX matmul peak (the FLOP/s denominator), plus torch's on the same shapes for context
     when the HF side runs anyway (torch is then installed and about to be imported)."""
@@ -224,7 +274,7 @@ def _measure_matmul(cfg: BenchConfig, log: Log) -> dict:
 
     matmul = measure_peak_gflops(cfg.dtype, repeats=cfg.matmul_repeats)
     log(f"[matmul] jax {cfg.dtype} peak {matmul['peak_gflops']:.1f} GFLOP/s")
-    if not cfg.skip_hf:
+    if "hf" in cfg.active_peers:
         ref = measure_peak_gflops(cfg.dtype, repeats=cfg.matmul_repeats, backend="torch")
         matmul["torch_reference"] = ref
         log(f"[matmul] torch {cfg.dtype} peak {ref['peak_gflops']:.1f} GFLOP/s (reference)")
@@ -250,7 +300,10 @@ def run_benchmark(cfg: BenchConfig, log: Log = print) -> dict:
             result["flops"] = _flops_summary(
                 cfg, model_config, result["jaxpipe"], result["matmul"], workload
             )
-    if not cfg.skip_hf:
+    if "openvino" in cfg.active_peers:
+        result["openvino"] = _run_openvino_side(cfg, workload, gguf_path, log)
+        gc.collect()
+    if "hf" in cfg.active_peers:
         result["hf"] = _run_hf_side(cfg, workload, gguf_path, log)
     log(render(result))
     log(f"wrote {write_json(result, cfg.json_path)}")

@@ -13,7 +13,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from jaxpipe.bench.report import throughput
+from jaxpipe.bench.report import best_point, throughput
 from jaxpipe.bench.workload import Request
 
 _TORCH_DTYPES = ("bfloat16", "float32")
@@ -169,5 +169,4 @@ def sweep_hf(
             f"{point['num_requests']} requests in {point['elapsed_s']:.1f}s"
         )
         points.append(point)
-    best = max(points, key=lambda p: p["output_tok_s"])
-    return {"points": points, "best": best}
+    return {"points": points, "best": best_point(points)}

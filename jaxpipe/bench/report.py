@@ -12,11 +12,25 @@ from typing import Any
 
 from jaxpipe.bench.workload import Request
 
+# Distributions whose versions every result records (a missing one is recorded as None).
+_VERSIONED = (
+    "jax",
+    "jaxlib",
+    "torch",
+    "transformers",
+    "openvino",
+    "openvino-genai",
+    "optimum-intel",
+)
+# Peers in the order the table and the ratio lines show them: (result key, display name).
+PEERS = (("openvino", "OpenVINO"), ("hf", "HF"))
+
 _COLUMNS = (
     # (header, width, row key, format)
     ("engine", 8, "engine", "{}"),
     ("dtype", 9, "dtype", "{}"),
     ("batch", 6, "batch_size", "{}"),
+    ("tok budget", 11, "max_num_batched_tokens", "{}"),
     ("requests", 9, "num_requests", "{}"),
     ("req/s", 8, "requests_per_s", "{:.3f}"),
     ("total tok/s", 12, "total_tok_s", "{:.1f}"),
@@ -68,7 +82,7 @@ def machine_info() -> dict:
         "cpu_model": _cpu_model(),
         "platform": platform.platform(),
         "python": platform.python_version(),
-        "versions": {d: _version(d) for d in ("jax", "jaxlib", "torch", "transformers")},
+        "versions": {d: _version(d) for d in _VERSIONED},
         "loadavg_at_start": list(os.getloadavg()),
     }
 
@@ -90,10 +104,24 @@ def format_table(rows: Sequence[dict]) -> str:
     return "\n".join(lines)
 
 
-def ratio_line(jaxpipe: dict, hf_best: dict) -> str:
-    """The jaxpipe / best-HF ratio for each throughput metric."""
+def best_point(points: Sequence[dict]) -> dict:
+    """The sweep point with the highest output tok/s (the first such on a tie)."""
+    if not points:
+        raise ValueError("a sweep needs at least one point")
+    return max(points, key=lambda p: p["output_tok_s"])
+
+
+def _setting(row: dict) -> str:
+    """The swept knob of a peer's best row, for the ratio line."""
+    if row.get("engine") == "openvino":
+        return f"batched tokens {row['max_num_batched_tokens']}"
+    return f"batch {row['batch_size']}"
+
+
+def ratio_line(jaxpipe: dict, best: dict, name: str = "HF") -> str:
+    """The jaxpipe / best-of-peer `name` ratio for each throughput metric."""
     parts = [
-        f"{label} {jaxpipe[key] / hf_best[key]:.2f}x"
+        f"{label} {jaxpipe[key] / best[key]:.2f}x"
         for label, key in (
             ("requests/s", "requests_per_s"),
             ("total tok/s", "total_tok_s"),
@@ -101,9 +129,10 @@ def ratio_line(jaxpipe: dict, hf_best: dict) -> str:
         )
     ]
     note = ""
-    if hf_best["num_requests"] != jaxpipe["num_requests"]:
-        note = f"  (HF measured on {hf_best['num_requests']} of {jaxpipe['num_requests']} requests)"
-    return f"jaxpipe / HF (batch {hf_best['batch_size']}): " + ", ".join(parts) + note
+    if best["num_requests"] != jaxpipe["num_requests"]:
+        done, total = best["num_requests"], jaxpipe["num_requests"]
+        note = f"  ({name} measured on {done} of {total} requests)"
+    return f"jaxpipe / {name} ({_setting(best)}): " + ", ".join(parts) + note
 
 
 def flops_line(flops: dict) -> str:
@@ -116,13 +145,14 @@ def flops_line(flops: dict) -> str:
 
 
 def render(result: dict) -> str:
-    """The human-readable report: table, ratio line, FLOP/s line."""
-    rows = list(result.get("hf", {}).get("points", []))
-    if result.get("jaxpipe"):
-        rows.insert(0, result["jaxpipe"])
+    """The human-readable report: table, one ratio line per peer, FLOP/s line."""
+    rows = [result["jaxpipe"]] if result.get("jaxpipe") else []
+    for key, _ in PEERS:
+        rows.extend(result.get(key, {}).get("points", []))
     lines = [format_table(rows)] if rows else []
-    if result.get("jaxpipe") and result.get("hf"):
-        lines.append(ratio_line(result["jaxpipe"], result["hf"]["best"]))
+    for key, name in PEERS:
+        if result.get("jaxpipe") and result.get(key):
+            lines.append(ratio_line(result["jaxpipe"], result[key]["best"], name))
     if result.get("flops"):
         lines.append(flops_line(result["flops"]))
     elif result.get("matmul"):

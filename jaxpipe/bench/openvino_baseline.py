@@ -1,0 +1,266 @@
+"""OpenVINO GenAI peer: continuous batching with paged attention over the benchmark workload.
+
+The strongest CPU serving engine we know of, run on the same weights as jaxpipe and HF: the
+workload's GGUF is dequantized by transformers to a float32 HF checkpoint, then exported by
+optimum-intel to an fp16 OpenVINO IR (plus the OpenVINO tokenizer/detokenizer the pipeline
+loads). Both are cached under `~/.cache/jaxpipe/peers/` keyed by the GGUF's name and size.
+
+Requests go in as the workload's own token ids (`ContinuousBatchingPipeline.generate` on
+`ov.Tensor`s, one GenerationConfig per request), greedy, ignore_eos, exactly output_len new
+tokens each. `LLMPipeline(..., scheduler_config=...)` wraps the same engine but takes one
+GenerationConfig per call, which cannot express per-request output lengths.
+
+openvino, openvino_genai, transformers and torch are imported only inside the functions here.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from jaxpipe.bench.report import best_point, throughput
+from jaxpipe.bench.workload import Request
+
+Log = Callable[[str], None]
+
+DEFAULT_BATCHED_TOKENS = (256, 512, 2048)
+_INSTALL_HINT = 'pip install -e ".[bench]"'
+# --dtype -> OpenVINO's INFERENCE_PRECISION_HINT / KV_CACHE_PRECISION spelling.
+_OV_PRECISION = {"bfloat16": "bf16", "float32": "f32"}
+KV_CACHE_PRECISIONS = ("bf16", "f32", "u8")
+_CACHE_GB_BOUNDS = (1, 8)  # the KV pool never below 1 GB nor above 8 GB of this 24 GB machine
+
+
+def require(module: str) -> Any:
+    """Import `module`, or fail with a message naming the `bench` extra that provides it."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise RuntimeError(
+            f"the OpenVINO peer needs {module!r}, which is not importable ({exc}); "
+            f"install the bench extra: {_INSTALL_HINT}"
+        ) from exc
+
+
+def peer_cache_dir(gguf_path: Path, root: Path | None = None) -> Path:
+    """Where the converted checkpoints of `gguf_path` live: `<root>/<gguf stem>-<size bytes>`.
+
+    The size is in the key so that a different file under the same name is converted afresh.
+    """
+    root = root or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "jaxpipe/peers"
+    return root / f"{gguf_path.stem}-{gguf_path.stat().st_size}"
+
+
+def clear_gguf_quantization(model: Any) -> None:
+    """Drop the GGUF quantizer and its config from a dequantized HF model, so that
+    `save_pretrained` writes a plain dense checkpoint that exporters load as such."""
+    for obj in (model, model.config):
+        if hasattr(obj, "quantization_config"):
+            delattr(obj, "quantization_config")
+    if getattr(model, "hf_quantizer", None) is not None:
+        model.hf_quantizer = None
+
+
+def _export_hf(gguf_path: Path, hf_dir: Path, log: Log) -> None:
+    """GGUF -> float32 HF checkpoint + tokenizer in `hf_dir` (written aside, then renamed)."""
+    torch = require("torch")
+    transformers = require("transformers")
+    log(f"[openvino] dequantizing {gguf_path.name} to a float32 HF checkpoint in {hf_dir}")
+    kwargs = dict(gguf_file=gguf_path.name, dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), **kwargs)
+    clear_gguf_quantization(model)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(
+        str(gguf_path.parent), gguf_file=gguf_path.name
+    )
+    tmp = hf_dir.with_name(hf_dir.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    tmp.rename(hf_dir)
+
+
+def _export_ir(hf_dir: Path, ir_dir: Path, log: Log) -> None:
+    """HF checkpoint -> fp16 OpenVINO IR with tokenizer/detokenizer, via `optimum-cli export
+    openvino` in a child process (its tracing memory is gone before anything is timed)."""
+    require("optimum.exporters.openvino")
+    require("openvino_tokenizers")
+    tmp = ir_dir.with_name(ir_dir.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "optimum.commands.optimum_cli",
+        "export",
+        "openvino",
+        "--weight-format",
+        "fp16",
+        "--task",
+        "text-generation-with-past",
+        "--model",
+        str(hf_dir),
+        str(tmp),
+    ]
+    log(f"[openvino] exporting the IR: {' '.join(cmd[2:])}")
+    subprocess.run(cmd, check=True)
+    for name in ("openvino_model.xml", "openvino_tokenizer.xml", "openvino_detokenizer.xml"):
+        if not (tmp / name).exists():
+            raise RuntimeError(f"optimum-cli wrote no {name} in {tmp}; see its output above")
+    tmp.rename(ir_dir)
+
+
+def ensure_ir(gguf_path: Path, log: Log = print, root: Path | None = None) -> Path:
+    """The cached OpenVINO IR directory for `gguf_path`, converting what is missing."""
+    base = peer_cache_dir(gguf_path, root)
+    hf_dir, ir_dir = base / "hf-float32", base / "openvino-fp16"
+    if (ir_dir / "openvino_model.xml").exists():
+        log(f"[openvino] reusing the cached IR in {ir_dir}")
+        return ir_dir
+    base.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    if not (hf_dir / "config.json").exists():
+        _export_hf(gguf_path, hf_dir, log)
+    _export_ir(hf_dir, ir_dir, log)
+    log(f"[openvino] converted in {time.perf_counter() - start:.1f}s")
+    return ir_dir
+
+
+def kv_bytes_per_token(hf_config: dict, kv_precision: str) -> int:
+    """Bytes of K and V one token occupies across all layers (u8 counted as 1 byte per value)."""
+    heads = hf_config.get("num_key_value_heads") or hf_config["num_attention_heads"]
+    head_dim = (
+        hf_config.get("head_dim") or hf_config["hidden_size"] // hf_config["num_attention_heads"]
+    )
+    width = {"bf16": 2, "f32": 4, "u8": 1}[kv_precision]
+    return 2 * hf_config["num_hidden_layers"] * heads * head_dim * width
+
+
+def cache_size_gb(workload: Sequence[Request], bytes_per_token: int, max_num_seqs: int) -> int:
+    """KV pool size in whole GB: room for the `max_num_seqs` longest requests at full length
+    with 25% slack for block rounding, clamped to `_CACHE_GB_BOUNDS`."""
+    lengths = sorted((r.prompt_len + r.output_len for r in workload), reverse=True)
+    need = 1.25 * sum(lengths[:max_num_seqs]) * bytes_per_token / 2**30
+    return int(min(max(-(-need // 1), _CACHE_GB_BOUNDS[0]), _CACHE_GB_BOUNDS[1]))
+
+
+def _generation_config(genai: Any, output_len: int) -> Any:
+    """Greedy, never stopping early: exactly `output_len` new tokens."""
+    cfg = genai.GenerationConfig()
+    cfg.do_sample = False
+    cfg.ignore_eos = True
+    cfg.max_new_tokens = output_len
+    cfg.min_new_tokens = output_len
+    return cfg
+
+
+def _generate(pipe: Any, requests: Sequence[Request]) -> None:
+    """Generate `requests` from their token ids; raise unless each got exactly output_len."""
+    import numpy as np
+
+    ov, genai = require("openvino"), require("openvino_genai")
+    ids = [ov.Tensor(np.asarray([r.prompt_token_ids], dtype=np.int64)) for r in requests]
+    configs = [_generation_config(genai, r.output_len) for r in requests]
+    results = pipe.generate(ids, configs)
+    if len(results) != len(requests):
+        raise RuntimeError(f"OpenVINO returned {len(results)} results for {len(requests)}")
+    for i, (res, req) in enumerate(zip(results, requests, strict=True)):
+        got = len(res.m_generation_ids[0])
+        if got != req.output_len:
+            raise RuntimeError(f"OpenVINO request {i}: {got} tokens, expected {req.output_len}")
+
+
+def build_pipeline(
+    ir_dir: Path, scheduler: dict[str, Any], dtype: str, kv_precision: str
+) -> tuple[Any, dict[str, Any]]:
+    """A CPU ContinuousBatchingPipeline on `ir_dir`; returns (pipeline, its properties)."""
+    genai = require("openvino_genai")
+    sc = genai.SchedulerConfig()
+    for key, value in scheduler.items():
+        setattr(sc, key, value)
+    props = {"INFERENCE_PRECISION_HINT": _OV_PRECISION[dtype], "KV_CACHE_PRECISION": kv_precision}
+    return genai.ContinuousBatchingPipeline(str(ir_dir), sc, "CPU", props), props
+
+
+def scheduler_settings(
+    workload: Sequence[Request], batched_tokens: int, max_num_seqs: int, kv_bytes: int
+) -> dict[str, Any]:
+    """SchedulerConfig fields for one sweep point (dynamic split-fuse: prefill chunks and
+    decodes share each step's `batched_tokens` budget, as in vLLM's chunked prefill)."""
+    return {
+        "max_num_batched_tokens": batched_tokens,
+        "max_num_seqs": max_num_seqs,
+        "dynamic_split_fuse": True,
+        "cache_size": cache_size_gb(workload, kv_bytes, max_num_seqs),
+    }
+
+
+def run_openvino(
+    ir_dir: Path,
+    workload: Sequence[Request],
+    warmup: Sequence[Request],
+    scheduler: dict[str, Any],
+    dtype: str,
+    kv_precision: str,
+) -> dict:
+    """Build a pipeline for one scheduler setting, warm it up on `warmup`, time the workload.
+
+    Construction (model compile) and warm-up are timed separately and excluded from throughput.
+    """
+    start = time.perf_counter()
+    pipe, props = build_pipeline(ir_dir, scheduler, dtype, kv_precision)
+    startup_s = time.perf_counter() - start
+    start = time.perf_counter()
+    if warmup:
+        _generate(pipe, warmup)
+    warmup_s = time.perf_counter() - start
+    start = time.perf_counter()
+    _generate(pipe, workload)
+    elapsed = time.perf_counter() - start
+    result = throughput(workload, elapsed)
+    result.update(engine="openvino", dtype=dtype, batch_size=scheduler["max_num_seqs"])
+    result.update(scheduler_config=dict(scheduler), properties=props)
+    result.update(max_num_batched_tokens=scheduler["max_num_batched_tokens"])
+    result.update(startup_s=startup_s, warmup_s=warmup_s)
+    return result
+
+
+def sweep_openvino(
+    gguf_path: Path,
+    workload: Sequence[Request],
+    warmup: Sequence[Request],
+    batched_tokens: Sequence[int],
+    *,
+    dtype: str,
+    max_num_seqs: int,
+    kv_precision: str | None = None,
+    log: Log = print,
+) -> dict:
+    """Convert (or reuse) the IR, run `run_openvino` at each token budget; all points + best.
+
+    `kv_precision` None: the KV cache in the compute dtype, as jaxpipe keeps it (OpenVINO's
+    CPU default would be u8).
+    """
+    import json
+
+    ir_dir = ensure_ir(gguf_path, log)
+    kv_precision = kv_precision or _OV_PRECISION[dtype]
+    hf_config = json.loads((ir_dir / "config.json").read_text())
+    kv_bytes = kv_bytes_per_token(hf_config, kv_precision)
+    points = []
+    for tokens in batched_tokens:
+        scheduler = scheduler_settings(workload, tokens, max_num_seqs, kv_bytes)
+        point = run_openvino(ir_dir, workload, warmup, scheduler, dtype, kv_precision)
+        log(
+            f"[openvino] batched tokens {tokens}: {point['output_tok_s']:.1f} output tok/s over "
+            f"{point['num_requests']} requests in {point['elapsed_s']:.1f}s "
+            f"(compile {point['startup_s']:.1f}s, KV pool {scheduler['cache_size']} GB)"
+        )
+        points.append(point)
+    return {"points": points, "best": best_point(points), "ir_dir": str(ir_dir)}

@@ -1,0 +1,101 @@
+"""Peers of the throughput benchmark: --peers parsing, best-of-sweep, the OpenVINO peer's pure
+helpers and the report with three engines. Nothing here imports openvino."""
+
+import importlib.util
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from jaxpipe.bench import BenchConfig, parse_peers
+from jaxpipe.bench import openvino_baseline as ov
+from jaxpipe.bench.report import best_point, render
+from jaxpipe.bench.workload import Request
+
+_SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_throughput.py"
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("bench_throughput", _SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_parse_peers_orders_and_checks_names():
+    assert parse_peers("hf, openvino") == ("openvino", "hf")
+    assert parse_peers("hf") == ("hf",)
+    assert parse_peers("") == ()
+    with pytest.raises(ValueError, match="vllm"):
+        parse_peers("openvino,vllm")
+
+
+def test_flags_choose_the_peers():
+    parse = _script().parse_config
+    assert parse([]).active_peers == ("hf",)  # today's default
+    assert parse(["--peers", "openvino,hf"]).active_peers == ("openvino", "hf")
+    assert parse(["--peers", "openvino,hf", "--skip-hf"]).active_peers == ("openvino",)
+    assert parse(["--ov-batched-tokens", "256,2048"]).ov_batched_tokens == (256, 2048)
+    with pytest.raises(SystemExit):
+        parse(["--peers", "tgi"])
+    with pytest.raises(SystemExit):
+        parse(["--skip-jaxpipe", "--skip-hf"])
+
+
+def test_config_rejects_unknown_peer():
+    with pytest.raises(ValueError, match="choose from"):
+        BenchConfig(peers=("openvino", "llamacpp"))
+
+
+def test_best_point_is_highest_output_rate():
+    points = [{"output_tok_s": 5.0, "k": 1}, {"output_tok_s": 9.0, "k": 2},
+              {"output_tok_s": 9.0, "k": 3}]
+    assert best_point(points)["k"] == 2
+    with pytest.raises(ValueError):
+        best_point([])
+
+
+def test_clear_gguf_quantization_leaves_a_dense_model():
+    config = SimpleNamespace(quantization_config={"quant_method": "gguf"}, hidden_size=7)
+    model = SimpleNamespace(config=config, hf_quantizer=object(), quantization_config=1)
+    ov.clear_gguf_quantization(model)
+    assert model.hf_quantizer is None
+    assert not hasattr(model, "quantization_config")
+    assert not hasattr(config, "quantization_config") and config.hidden_size == 7
+
+
+def test_cache_dir_is_keyed_by_name_and_size(tmp_path):
+    gguf = tmp_path / "m.Q4_1.gguf"
+    gguf.write_bytes(b"x" * 13)
+    assert ov.peer_cache_dir(gguf, tmp_path / "peers") == tmp_path / "peers" / "m.Q4_1-13"
+
+
+def test_kv_pool_size():
+    smollm2 = {"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
+               "hidden_size": 576}
+    per_token = ov.kv_bytes_per_token(smollm2, "bf16")
+    assert per_token == 2 * 30 * 3 * 64 * 2
+    assert ov.kv_bytes_per_token(smollm2, "u8") * 2 == per_token
+    small = [Request((1,) * 100, 100)] * 8
+    assert ov.cache_size_gb(small, per_token, 256) == 1  # clamped up
+    big = [Request((1,) * 1000, 500)] * 300  # 256 x 1500 x 23040 B x 1.25 = 10.3 GiB
+    assert ov.cache_size_gb(big, per_token, 256) == 8  # clamped down
+    assert ov.cache_size_gb(big, per_token, 64) == 3  # only max_num_seqs run at once
+
+
+def test_report_shows_every_engine_and_a_ratio_per_peer():
+    def row(engine, rate, **extra):
+        return {"engine": engine, "dtype": "bfloat16", "batch_size": 8, "num_requests": 8,
+                "requests_per_s": rate / 10, "total_tok_s": rate * 3, "output_tok_s": rate,
+                "elapsed_s": 1.0, **extra}
+
+    ov_points = [row("openvino", 40.0, max_num_batched_tokens=256),
+                 row("openvino", 50.0, max_num_batched_tokens=512)]
+    result = {"jaxpipe": row("jaxpipe", 25.0, max_num_batched_tokens=4096),
+              "openvino": {"points": ov_points, "best": ov_points[1]},
+              "hf": {"points": [row("hf", 10.0)], "best": row("hf", 10.0)}}
+    text = render(result)
+    assert [line.split()[0] for line in text.splitlines()[2:6]] == [
+        "jaxpipe", "openvino", "openvino", "hf"]
+    assert "jaxpipe / OpenVINO (batched tokens 512): requests/s 0.50x" in text
+    assert "jaxpipe / HF (batch 8): requests/s 2.50x" in text
