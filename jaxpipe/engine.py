@@ -34,7 +34,6 @@ from jaxpipe.outputs import CompletionOutput, RequestOutput, StreamDelta
 from jaxpipe.runner import Runner
 from jaxpipe.sampling import SamplingParams
 from jaxpipe.scheduler import (
-    SeqInfo,
     Sequence,
 )
 from jaxpipe.stopping import StopChecker
@@ -70,7 +69,7 @@ class Engine:
         self._ids = itertools.count()
         self._requests: dict[str, Sequence] = {}
         self.executor = Executor(config, self.runner, self.buckets, self.max_num_seqs,
-                                 self.max_model_len, self._requests)
+                                 self.max_model_len)
         if config.warmup:
             self.warmup()
 
@@ -90,10 +89,10 @@ class Engine:
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         seed = params.seed if params.seed is not None else int(self._seeds.integers(2**32))
-        seq = Sequence(request_id, ids, params, seed, max_tokens, arrival=time.perf_counter())
-        seq.extra["prompt"] = prompt
-        seq.extra["stop"] = StopChecker(self.tokenizer, ids, params, self._eos)
-        self.executor.state.add(SeqInfo(request_id, len(ids), max_tokens))
+        seq = Sequence.create(request_id, ids, params, seed, max_tokens, prompt=prompt,
+                              stop=StopChecker(self.tokenizer, ids, params, self._eos),
+                              arrival_time=time.perf_counter())
+        self.executor.state.add(seq)
         self._requests[request_id] = seq
         return request_id
 
@@ -148,7 +147,7 @@ class Engine:
         text, token_ids = (prompt, None) if isinstance(prompt, str) else (None, list(prompt))
         rid = self.add_request(text, params, prompt_token_ids=token_ids)
         seq = self._requests[rid]
-        stop = seq.extra["stop"]
+        stop = seq.stop
         stop.enable_streaming()
         sent = 0
         try:
@@ -249,13 +248,13 @@ class Engine:
         if not seq.is_finished:
             raise RuntimeError(f"request {request_id!r} has not finished; step() until it has")
         del self._requests[request_id]
-        stop = seq.extra["stop"]
+        stop = seq.stop
         text = stop.final_text(seq)
         completion = CompletionOutput(0, text, list(seq.output_token_ids), seq.finish_reason,
                                       seq.stop_reason, seq.logprobs)
-        metrics = {"arrival": seq.arrival, "first_token": seq.first_token_time,
+        metrics = {"arrival": seq.arrival_time, "first_token": seq.first_token_time,
                    "finished": seq.finish_time}
-        return RequestOutput(seq.request_id, seq.extra["prompt"], list(seq.prompt_token_ids),
+        return RequestOutput(seq.request_id, seq.prompt, list(seq.prompt_token_ids),
                              [completion], seq.is_finished, metrics)
 
     def _prompt_ids(self, prompt, prompt_token_ids) -> list[int]:

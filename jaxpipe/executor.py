@@ -32,9 +32,7 @@ from jaxpipe.scheduler import (
     Preempt,
     Run,
     SchedulerState,
-    SeqInfo,
     Sequence,
-    SequenceStatus,
     make_policy,
 )
 from jaxpipe.step_inputs import Piece
@@ -44,11 +42,10 @@ class Executor:
     """The scheduler state, its policy, the KV manager and the counters, over one runner."""
 
     def __init__(self, config: EngineConfig, runner: Runner, buckets: Buckets, num_slots: int,
-                 max_model_len: int, requests: dict[str, Sequence]):
-        """`requests`: the engine's id -> Sequence map (shared, read here)."""
+                 max_model_len: int):
+        """The policy's actions carry the engine's `Sequence` records themselves."""
         self.config, self.runner, self.buckets = config, runner, buckets
         self.max_model_len = max_model_len
-        self._requests = requests
         self.state, self.policy, self.kv = _scheduling(config, runner, buckets, num_slots,
                                                        max_model_len)
         self.kv.on_insert = self._landed
@@ -133,7 +130,7 @@ class Executor:
             self._switch(action.phase)
         elif action.kind is Kind.SWAP_IN:
             for info in action.seqs:
-                self.kv.swap_in(self._requests[info.seq_id])
+                self.kv.swap_in(info)
         else:
             self._preempt(action)
         self.state.apply(action)
@@ -151,13 +148,11 @@ class Executor:
     def _preempt(self, action: Preempt) -> None:
         """Evict device sequences: KV to the host tier ("swap") or dropped ("recompute": the
         prompt and outputs so far are prefilled again later)."""
-        for info in action.seqs:
-            seq = self._requests[info.seq_id]
+        for seq in action.seqs:
             if action.mode == "swap":
-                self.kv.swap_out(seq, info.computed)
+                self.kv.swap_out(seq, seq.computed)
             else:
                 self.kv.drop(seq)
-                seq.status = SequenceStatus.WAITING
         self._stats["preemptions"] += len(action.seqs)
 
     def _run(self, action: Run) -> list[Sequence]:
@@ -169,7 +164,7 @@ class Executor:
         prefill = [self._prefill_piece(info, n) for info, n in action.prefill]
         completed = [seq for seq, _, done in prefill if done]
         pieces = [p for p in prefill if p[2]]
-        pieces += [self._decode_piece(self._requests[info.seq_id]) for info in decode]
+        pieces += [self._decode_piece(seq) for seq in decode]
         pieces += [p for p in prefill if not p[2]]  # sampled rows first
         sampled = [seq for seq, _, samples in pieces if samples]
         start = time.perf_counter()
@@ -184,30 +179,28 @@ class Executor:
         self.state.apply(ran, [s.request_id for s in sampled if s.is_finished])
         return sampled
 
-    def _ready_decodes(self, infos: list[SeqInfo]) -> list[SeqInfo]:
+    def _ready_decodes(self, infos: list[Sequence]) -> list[Sequence]:
         """The decode sequences whose KV is in the device pool (waits for a swap-in only
         when none is)."""
         if not infos:
             return []
         self.kv.deliver()
-        ready = [i for i in infos if self.kv.decodable(self._requests[i.seq_id])]
+        ready = [s for s in infos if self.kv.decodable(s)]
         if not ready and self.kv.pending:
             self.kv.deliver(block=True)
-            ready = [i for i in infos if self.kv.decodable(self._requests[i.seq_id])]
+            ready = [s for s in infos if self.kv.decodable(s)]
         if not ready:
             raise RuntimeError(f"decode of {len(infos)} sequences, none of them on the device")
         return ready
 
-    def _prefill_piece(self, info: SeqInfo, n: int):
-        """(seq, piece, samples) for the next `n` context tokens of `info`'s prefill (a new
+    def _prefill_piece(self, seq: Sequence, n: int):
+        """(seq, piece, samples) for the next `n` context tokens of `seq`'s prefill (a new
         sequence gets a slot, and its penalty state when it uses penalties)."""
-        seq = self._requests[info.seq_id]
-        if info.computed == 0:
+        if seq.computed == 0:
             self.kv.allocate(seq, 0)
-            seq.status = SequenceStatus.RUNNING
             self._landed(seq)
         context = seq.prompt_token_ids + seq.output_token_ids
-        start = info.computed
+        start = seq.computed
         self.kv.grow(seq, start + n)
         self._stats["prefill_chunks"] += 1
         piece = Piece(context[start:start + n], start, self.kv.blocks(seq))
@@ -263,7 +256,7 @@ class Executor:
         params = [s.params for s in seqs] + [neutral] * pad
         seeds = [s.seed for s in seqs] + [0] * pad
         steps = [len(s.output_token_ids) for s in seqs] + [0] * pad
-        banned = [s.extra["stop"].banned(len(s.output_token_ids)) for s in seqs] + [[]] * pad
+        banned = [s.stop.banned(len(s.output_token_ids)) for s in seqs] + [[]] * pad
         tensors = sampling.build_sampling_tensors(params, seeds, steps, banned, rows)
         mode = sampling.sampling_mode(s.params for s in seqs)
         penalties = sampling.uses_penalties(s.params for s in seqs)
@@ -279,7 +272,7 @@ class Executor:
                 seq.first_token_time = now
             if seq.params.logprobs is not None:
                 _record_logprobs(seq, out, i, token)
-            reason = seq.extra["stop"].check(seq, self.max_model_len)
+            reason = seq.stop.check(seq, self.max_model_len)
             if reason is not None:
                 self._finish(seq, reason)
         self._stats["generated_tokens"] += len(seqs)
@@ -287,7 +280,6 @@ class Executor:
     def _finish(self, seq: Sequence, reason: str) -> None:
         """End `seq` (the scheduler state is told by the caller) and free its KV."""
         self.kv.drop(seq)
-        seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.finish_time = time.perf_counter()
         self._stats["finished_requests"] += 1

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from jaxpipe import SamplingParams
-from jaxpipe.scheduler import Sequence, SequenceStatus
+from jaxpipe.scheduler import Sequence
 from jaxpipe.stopping import StopChecker
 from jaxpipe.tokenizer import Tokenizer
 
@@ -32,14 +32,13 @@ def feed(tok, prompt_ids, output_ids, stream: bool = False, max_tokens: int = 10
     checker = StopChecker(tok, prompt_ids, p, EOS_IDS)
     if stream:
         checker.enable_streaming()
-    seq = Sequence("r", list(prompt_ids), p, 0, max_tokens)
+    seq = Sequence.create("r", list(prompt_ids), p, 0, max_tokens)
     reason, deltas = None, []
     for token in output_ids:
         seq.output_token_ids.append(token)
         reason = checker.check(seq, MAX_LEN)
         if reason is not None:
             seq.finish_reason = reason
-            seq.status = SequenceStatus.FINISHED
         if stream:
             deltas.append(checker.stream_delta(seq))
         if reason is not None:
@@ -74,7 +73,7 @@ def test_max_tokens_and_max_model_len_give_length(tok, prompt_ids):
     assert reason == "length" and len(seq.output_token_ids) == 3
     p = SamplingParams(max_tokens=None)
     checker = StopChecker(tok, prompt_ids, p, EOS_IDS)
-    seq = Sequence("r", list(prompt_ids), p, 0, MAX_LEN)
+    seq = Sequence.create("r", list(prompt_ids), p, 0, MAX_LEN)
     seq.output_token_ids.append(ids[0])
     assert checker.check(seq, len(prompt_ids) + 2) is None
     seq.output_token_ids.append(ids[1])

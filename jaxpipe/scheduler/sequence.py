@@ -1,41 +1,51 @@
-"""One request's life in the engine: ids, tokens so far, its KV slot and why it ended."""
+"""One request's record: the scheduler's token counts (`SeqInfo`) plus what the engine needs
+to serve it (its tokens, sampling parameters, stop checker, slot, outcome and timings).
+
+The engine puts its `Sequence` objects straight into the `SchedulerState`, so the policies,
+the executor and the KV manager all read the same record; the simulator uses plain
+`SeqInfo`s, which carry only lengths.
+"""
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-
-class SequenceStatus(enum.Enum):
-    WAITING = "waiting"
-    RUNNING = "running"
-    FINISHED = "finished"
+from jaxpipe.scheduler.state import SeqInfo
 
 
 @dataclass(eq=False)
-class Sequence:
-    """A request being served. `params` is its SamplingParams (opaque to the scheduler)."""
+class Sequence(SeqInfo):
+    """A request being served. `seq_id` is its request id; `max_output_len` its resolved
+    max_tokens (params.max_tokens, or what fits in max_model_len)."""
 
-    request_id: str
-    prompt_token_ids: list[int]
-    params: Any
-    seed: int
-    max_tokens: int  # resolved: params.max_tokens or what fits in max_model_len
+    prompt_token_ids: list[int] = field(default_factory=list)
+    params: Any = None  # SamplingParams (opaque to the scheduler)
+    seed: int = 0
+    prompt: str | None = None  # the prompt's text, when it was given as text
+    stop: Any = None  # its StopChecker: stop ids / strings, min and max tokens, detokenizer
     output_token_ids: list[int] = field(default_factory=list)
-    status: SequenceStatus = SequenceStatus.WAITING
-    slot: int | None = None
+    slot: int | None = None  # its row of per-slot device state while its KV is on the device
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     logprobs: list[dict[int, float]] | None = None
-    arrival: float = 0.0
+    arrival_time: float = 0.0
     first_token_time: float | None = None
     finish_time: float | None = None
-    extra: dict = field(default_factory=dict)  # the engine's per-request host state
+
+    @classmethod
+    def create(cls, request_id: str, prompt_token_ids: list[int], params: Any, seed: int,
+               max_tokens: int, **fields) -> Sequence:
+        return cls(request_id, len(prompt_token_ids), max_tokens,
+                   prompt_token_ids=list(prompt_token_ids), params=params, seed=seed, **fields)
 
     @property
-    def prompt_len(self) -> int:
-        return len(self.prompt_token_ids)
+    def request_id(self) -> str:
+        return self.seq_id
+
+    @property
+    def max_tokens(self) -> int:
+        return self.max_output_len
 
     @property
     def num_tokens(self) -> int:
@@ -48,4 +58,4 @@ class Sequence:
 
     @property
     def is_finished(self) -> bool:
-        return self.status is SequenceStatus.FINISHED
+        return self.finish_reason is not None
