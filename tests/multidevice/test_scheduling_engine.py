@@ -64,7 +64,9 @@ def test_every_policy_matches_one_device(runs, reference, workload, policy):
     assert tokens(outputs) == reference
     stats = engine.stats()
     assert stats["finished_requests"] == len(reference)
-    assert stats["to_decode"] >= 2 and stats["reshards"] == stats["transitions"]
+    # prefill_first's mixed steps stay on the decode layout: it switches there once.
+    assert stats["to_decode"] >= (1 if policy == "prefill_first" else 2)
+    assert stats["reshards"] == stats["transitions"]
 
 
 def test_seesaw_swaps_through_the_host_and_preempts(runs, workload):
