@@ -81,7 +81,7 @@ struct Span {
 
 // A task's queries: span indices lo .. hi - 1 of row `row` (all inside [0, T)).
 struct Tile {
-  int64_t row, lo, hi, work;  // work: keys read by the last query, for ordering
+  int64_t row, lo, hi, keys;  // keys: those its last query sees (what the task reads)
 };
 
 // One (row, kv head)'s keys or values in the pool: position t is block(t / BS)[t % BS].
@@ -122,61 +122,53 @@ inline void prefetch_row(const T* next, int64_t t, int64_t d) {
   for (int64_t i = 0; i < d * int64_t{sizeof(T)}; i += 64) __builtin_prefetch(p + i);
 }
 
-// The queries of a tile: keys[qi] keys each (nondecreasing in qi), G heads per query, so
-// query vector m = qi * G + g. `first` is the first query that sees the key being read.
-struct Queries {
-  const int64_t* keys;
-  int64_t count, g_count;
-  int64_t first = 0;
-  // Advances `first` past the queries that do not see key t; returns the first vector m.
-  int64_t from(int64_t t) {
-    while (first < count && keys[first] <= t) ++first;
-    return first * g_count;
-  }
-};
-
-// scores[m * stride + t0 + t] = q_m . k_t * scale for one block's n keys k [n, D] (positions
-// t0..t0+n-1), for the queries that see each key. __restrict lets the compiler keep `row` in
-// registers across the dots.
+// scores[m * stride + t] = q_m . k_t * scale for one block's n keys k [n, D] and the M query
+// vectors of a tile (a query's G heads are G consecutive vectors). Keys past a query's own
+// range are scored too (at most a tile's length of them) and dropped by the softmax: no
+// per-key bookkeeping in the inner loop. __restrict lets the compiler keep `row` in registers
+// across the M dots (measured: 15% faster in the decode kernel).
 template <int DIM, typename T>
-void block_scores(const float* __restrict q, const T* __restrict k, const T* next, int64_t t0,
-                  int64_t n, Queries& qs, int64_t dyn_d, float scale, float* __restrict scores,
+void block_scores(const float* __restrict q, const T* __restrict k, const T* next, int64_t n,
+                  int64_t m_count, int64_t dyn_d, float scale, float* __restrict scores,
                   int64_t stride, float* __restrict row) {
-  const int64_t d = DIM > 0 ? DIM : dyn_d, m_count = qs.count * qs.g_count;
+  const int64_t d = DIM > 0 ? DIM : dyn_d;
   for (int64_t t = 0; t < n; ++t) {
     prefetch_row(next, t, d);
     load_row(k + t * d, row, d);
-    for (int64_t m = qs.from(t0 + t); m < m_count; ++m) {
+    for (int64_t m = 0; m < m_count; ++m) {
       const float* qq = q + m * d;
       float acc = 0.f;
 #pragma omp simd reduction(+ : acc)
       for (int64_t i = 0; i < d; ++i) acc += qq[i] * row[i];
-      scores[m * stride + t0 + t] = acc * scale;
+      scores[m * stride + t] = acc * scale;
     }
   }
 }
 
-// out_m += sum_t probs[m * stride + t0 + t] * v_t for one block's n values v [n, D], for the
-// queries that see each value; out_m = out + qi * out_stride + g * D.
+// out[m] += sum_t probs[m * stride + t] * v_t for one block's n values v [n, D] and the M
+// query vectors of a tile (probabilities past a query's range are 0).
 template <int DIM, typename T>
 void block_values(const float* __restrict probs, const T* __restrict v, const T* next,
-                  int64_t t0, int64_t n, Queries& qs, int64_t dyn_d, int64_t stride,
-                  float* __restrict out, int64_t out_stride, float* __restrict row) {
-  const int64_t d = DIM > 0 ? DIM : dyn_d, m_count = qs.count * qs.g_count;
+                  int64_t n, int64_t m_count, int64_t dyn_d, int64_t stride,
+                  float* __restrict out, float* __restrict row) {
+  const int64_t d = DIM > 0 ? DIM : dyn_d;
   for (int64_t t = 0; t < n; ++t) {
     prefetch_row(next, t, d);
     load_row(v + t * d, row, d);
-    for (int64_t m = qs.from(t0 + t); m < m_count; ++m) {
-      const float p = probs[m * stride + t0 + t];
-      float* o = out + (m / qs.g_count) * out_stride + (m % qs.g_count) * d;
+    for (int64_t m = 0; m < m_count; ++m) {
+      const float p = probs[m * stride + t];
+      float* o = out + m * d;
 #pragma omp simd
       for (int64_t i = 0; i < d; ++i) o[i] += p * row[i];
     }
   }
 }
 
-// In place: scores -> probabilities (rounded to bf16 when `round` is set).
-void softmax(float* s, int64_t len, bool round) {
+// In place: s[0..len) -> probabilities (rounded to bf16 when `round` is set), s[len..stride)
+// -> 0 (keys the query does not see).
+void softmax(float* s, int64_t len, int64_t stride, bool round) {
+  std::fill(s + len, s + stride, 0.f);
+  if (len == 0) return;
   float m = -INFINITY;
   for (int64_t t = 0; t < len; ++t) m = std::max(m, s[t]);
   float sum = 0.f;
@@ -203,20 +195,29 @@ struct Inputs {
 
 // A worker's buffers, reused across its tasks.
 struct Scratch {
-  std::vector<int64_t> keys;  // [count]
-  std::vector<float> q;       // [count * G, D]
-  std::vector<float> scores;  // [count * G, keys of the last query]
+  std::vector<float> q;       // [M, D]: the tile's M = count * G query vectors
+  std::vector<float> scores;  // [M, keys of the last query]
+  std::vector<float> out;     // [M, D]
   std::vector<float> row;     // [D]
 };
 
-// Scratch q [count * G, D] <- the tile's queries for kv head h (rounded to bf16 if `round`).
-void load_queries(const float* q, const Shape& s, int64_t token, int64_t h, int64_t count,
-                  bool round, float* dst) {
+// q [M, D] <- the tile's queries for kv head h (rounded to bf16 if `round`).
+void load_queries(const float* src, const Shape& s, int64_t token, int64_t h, int64_t count,
+                  bool round, float* q) {
   const int64_t g_count = s.heads / s.kv_heads, width = g_count * s.dim;
   for (int64_t qi = 0; qi < count; ++qi) {
-    const float* src = q + ((token + qi) * s.heads + h * g_count) * s.dim;
-    for (int64_t i = 0; i < width; ++i) dst[qi * width + i] = round ? round_bf16(src[i]) : src[i];
+    const float* x = src + ((token + qi) * s.heads + h * g_count) * s.dim;
+    for (int64_t i = 0; i < width; ++i) q[qi * width + i] = round ? round_bf16(x[i]) : x[i];
   }
+}
+
+// out [T, H, D] <- acc [M, D], the tile's outputs for kv head h.
+void store_outputs(const float* acc, const Shape& s, int64_t token, int64_t h, int64_t count,
+                   float* out) {
+  const int64_t g_count = s.heads / s.kv_heads, width = g_count * s.dim;
+  for (int64_t qi = 0; qi < count; ++qi)
+    std::copy(acc + qi * width, acc + (qi + 1) * width,
+              out + ((token + qi) * s.heads + h * g_count) * s.dim);
 }
 
 // One task: a tile of one span, kv head h. DIM > 0 fixes the head dim at compile time.
@@ -224,18 +225,12 @@ template <int DIM, typename T>
 void attend_tile(const Inputs<T>& in, const Shape& s, const Span& span, const Tile& tile,
                  int64_t h, Scratch& w) {
   const int64_t g_count = s.heads / s.kv_heads, d = s.dim, count = tile.hi - tile.lo;
-  const int64_t token = span.start + tile.lo, out_stride = s.heads * d;
-  float* out = in.out + (token * s.heads + h * g_count) * d;  // query qi, head g: + qi * H * D
-  for (int64_t qi = 0; qi < count; ++qi)
-    std::fill(out + qi * out_stride, out + qi * out_stride + g_count * d, 0.f);
-  w.keys.resize(count);
-  for (int64_t qi = 0; qi < count; ++qi)
-    w.keys[qi] = std::min(span.first + tile.lo + qi + 1, span.usable);
-  const int64_t len = w.keys[count - 1], m_count = count * g_count;
-  if (len <= 0) return;
+  const int64_t token = span.start + tile.lo, m_count = count * g_count;
+  const int64_t len = tile.keys;
   const bool bf16 = sizeof(T) == 2;
   w.q.resize(m_count * d);
   w.scores.resize(m_count * len);
+  w.out.assign(m_count * d, 0.f);
   w.row.resize(d);
   load_queries(in.q, s, token, h, count, bf16, w.q.data());
   const int32_t* table = in.table + tile.row * s.max_blocks;
@@ -243,16 +238,18 @@ void attend_tile(const Inputs<T>& in, const Shape& s, const Span& span, const Ti
   const Paged<T> k{in.k + head, table, stride, s.block_size};
   const Paged<T> v{in.v + head, table, stride, s.block_size};
   const float scale = 1.f / std::sqrt(float(d));
-  Queries qs{w.keys.data(), count, g_count};
   for (int64_t j = 0, t = 0; t < len; ++j, t += s.block_size)
-    block_scores<DIM>(w.q.data(), k.block(j), k.after(j, len), t, std::min(s.block_size, len - t),
-                      qs, d, scale, w.scores.data(), len, w.row.data());
-  for (int64_t m = 0; m < m_count; ++m)
-    if (w.keys[m / g_count] > 0) softmax(w.scores.data() + m * len, w.keys[m / g_count], bf16);
-  qs.first = 0;
+    block_scores<DIM>(w.q.data(), k.block(j), k.after(j, len), std::min(s.block_size, len - t),
+                      m_count, d, scale, w.scores.data() + t, len, w.row.data());
+  for (int64_t m = 0; m < m_count; ++m) {  // query lo + m / G sees keys 0..its position
+    const int64_t keys = std::min(span.first + tile.lo + m / g_count + 1, span.usable);
+    softmax(w.scores.data() + m * len, std::max<int64_t>(keys, 0), len, bf16);
+  }
   for (int64_t j = 0, t = 0; t < len; ++j, t += s.block_size)
-    block_values<DIM>(w.scores.data(), v.block(j), v.after(j, len), t,
-                      std::min(s.block_size, len - t), qs, d, len, out, out_stride, w.row.data());
+    block_values<DIM>(w.scores.data() + t, v.block(j), v.after(j, len),
+                      std::min(s.block_size, len - t), m_count, d, len, w.out.data(),
+                      w.row.data());
+  store_outputs(w.out.data(), s, token, h, count, in.out);
 }
 
 // Shares tasks 0..n-1 between the calling thread and the pool; returns when all are done.
@@ -292,7 +289,7 @@ std::vector<Tile> tiles_of(const std::vector<Span>& spans, const Shape& s) {
     }
   }
   std::stable_sort(tiles.begin(), tiles.end(),
-                   [](const Tile& a, const Tile& b) { return a.work > b.work; });
+                   [](const Tile& a, const Tile& b) { return a.keys > b.keys; });
   return tiles;
 }
 
