@@ -20,11 +20,12 @@
 //
 // A task is (query tile, kv head): up to kTile consecutive queries of one span and the G = H /
 // Hkv query heads of one kv head, so each K/V block is read once for G * kTile queries. Two
-// passes over the tile's keys (scores, then the probability-weighted sum of values), block by
-// block, each query only over its own causal range: blocks past the tile's last query are never
-// read. Tasks, heaviest first, are shared out over XLA's intra-op thread pool. With a bf16
-// cache, q and the probabilities are rounded to bf16 before their dots, as the XLA reference
-// (`llama.decode_attention`) does; accumulation is float32.
+// passes over the keys of the tile's last query (scores, then the probability-weighted sum of
+// values), block by block: blocks past them are never read; the keys of a query's causal
+// future inside the tile are scored and then get probability 0. Decode (a one-query tile) does
+// exactly what decode_attention does. Tasks, heaviest first, are shared out over XLA's
+// intra-op thread pool. With a bf16 cache, q and the probabilities are rounded to bf16 before
+// their dots, as the XLA reference (`llama.decode_attention`) does; accumulation is float32.
 #include <algorithm>
 #include <atomic>
 #include <cmath>
