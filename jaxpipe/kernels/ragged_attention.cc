@@ -194,7 +194,8 @@ struct Inputs {
   float* out;
 };
 
-// A worker's buffers, reused across its tasks.
+// A worker's buffers, reused across its tasks (kept per XLA thread between calls: at most
+// kTile * G * (MB * BS + 2 * D) floats).
 struct Scratch {
   std::vector<float> q;       // [M, D]: the tile's M = count * G query vectors
   std::vector<float> scores;  // [M, keys of the last query]
@@ -289,8 +290,9 @@ std::vector<Tile> tiles_of(const std::vector<Span>& spans, const Shape& s) {
       tiles.push_back(Tile{r, i, end, std::min(sp.first + end, sp.usable)});
     }
   }
+  auto work = [](const Tile& t) { return (t.hi - t.lo) * t.keys; };  // dots per query head
   std::stable_sort(tiles.begin(), tiles.end(),
-                   [](const Tile& a, const Tile& b) { return a.keys > b.keys; });
+                   [&](const Tile& a, const Tile& b) { return work(a) > work(b); });
   return tiles;
 }
 
