@@ -125,6 +125,15 @@ def test_reference_matches_numpy():
     close(short, np.delete(want(q, k, v, table), np.s_[33:73], 0))
 
 
+def test_token_rows_places_each_token():
+    rows, pos = (np.asarray(x) for x in ra.token_rows(*i32(Q_START, Q_LEN, KV_LEN), T, CAP))
+    assert (rows[UNCOVERED] == -1).all() and (pos[UNCOVERED] == -1).all()
+    for r, (start, n, kv) in enumerate(zip(Q_START, Q_LEN, KV_LEN, strict=True)):
+        np.testing.assert_array_equal(rows[start:start + n], r)
+        np.testing.assert_array_equal(pos[start:start + n], np.arange(kv - n, kv))
+    assert (rows >= 0).sum() == sum(Q_LEN)
+
+
 def test_decode_is_a_span_of_one():
     """One query per row at position kv_len - 1 (decode), rows in reverse token order."""
     q, k, v = inputs(jnp.float32, seed=2, tokens=R)
