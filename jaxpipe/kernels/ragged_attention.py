@@ -92,6 +92,8 @@ def reference(q, k, v, table, q_start, q_len, kv_len, layer=0,
     Memory: [T, Hkv, max_kv, D] per k and v."""
     k, v = _as_pool(k), _as_pool(v)
     num_layers, num_blocks, _, block_size, _ = k.shape
+    if 0 in table.shape:  # no rows, or no positions: every token is idle
+        return jnp.zeros(q.shape, jnp.float32)
     max_kv = table.shape[1] * block_size if max_kv is None else max_kv
     layer = jnp.clip(jnp.asarray(layer, jnp.int32), 0, num_layers - 1)
     rows, keys = token_keys(table, q_start, q_len, kv_len, q.shape[0], num_blocks, block_size)

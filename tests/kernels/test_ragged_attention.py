@@ -249,6 +249,16 @@ def test_scan_over_layers_reads_the_stacked_pool():
         close(got[i], np.asarray(ra.reference(q, k, v, *spans, i)), tol=1e-4)
 
 
+@pytest.mark.parametrize("tokens,rows,max_blocks", [(0, R, MB), (T, 0, MB), (T, R, 0)])
+def test_empty_steps(tokens, rows, max_blocks):
+    """No tokens, no rows, or tables with no blocks: zeros of the right shape, no crash."""
+    q, k, v = inputs(jnp.float32, seed=11, tokens=tokens)
+    table = shuffled_table(seed=11)[:rows, :max_blocks]
+    spans = [x[:rows] for x in (Q_START, Q_LEN, KV_LEN)]
+    for got in (run(q, k, v, table, *spans), xla(q, k, v, table, *spans)):
+        assert got.shape == (tokens, H, D) and not got.any()
+
+
 def test_bad_shapes_are_named():
     q, k, v = inputs(jnp.float32)
     table, q_start, q_len, kv_len = i32(shuffled_table(), Q_START, Q_LEN, KV_LEN)
