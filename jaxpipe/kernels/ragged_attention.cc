@@ -23,7 +23,10 @@
 // passes over the keys of the tile's last query (scores, then the probability-weighted sum of
 // values), block by block: blocks past them are never read; the keys of a query's causal
 // future inside the tile are scored and then get probability 0. Decode (a one-query tile) does
-// exactly what decode_attention does. Tasks, heaviest first, are shared out over XLA's
+// exactly what decode_attention does: G dots per key. A tile of several queries scores 16
+// keys at a time against a transposed copy (vector accumulators, no horizontal sums) and,
+// for a compile-time D, sums values with its outputs held in registers. Tasks, heaviest
+// first, are shared out over XLA's
 // intra-op thread pool. With a bf16 cache, q and the probabilities are rounded to bf16 before
 // their dots, as the XLA reference (`llama.decode_attention`) does; accumulation is float32.
 #include <algorithm>
@@ -146,6 +149,55 @@ void block_scores(const float* __restrict q, const T* __restrict k, const T* nex
   }
 }
 
+constexpr int64_t kKeys = 16;  // keys per chunk in the multi-query score path
+
+inline float to_f32(float x) { return x; }
+inline float to_f32(uint16_t x) { return bf16_to_f32(x); }
+
+// kt [D, kKeys] <- keys k [n, D] (n <= kKeys) as float32, transposed, zero-padded past n.
+template <int DIM, typename T>
+void load_transposed(const T* __restrict k, int64_t n, int64_t dyn_d, float* __restrict kt) {
+  const int64_t d = DIM > 0 ? DIM : dyn_d;
+  for (int64_t t = 0; t < kKeys; ++t)
+    for (int64_t i = 0; i < d; ++i) kt[i * kKeys + t] = t < n ? to_f32(k[t * d + i]) : 0.f;
+}
+
+// scores[r * stride + t] = q_r . k_t * scale for ROWS query vectors q [ROWS, D] and c <= kKeys
+// keys kt [D, kKeys]: one vector accumulator per query, ROWS independent FMA chains.
+template <int ROWS, int DIM>
+inline void chunk_dots(const float* __restrict q, const float* __restrict kt, int64_t c,
+                       int64_t dyn_d, float scale, float* __restrict scores, int64_t stride) {
+  const int64_t d = DIM > 0 ? DIM : dyn_d;
+  float acc[ROWS][kKeys] = {};
+  for (int64_t i = 0; i < d; ++i)
+    for (int r = 0; r < ROWS; ++r) {
+      const float qi = q[r * d + i];
+#pragma omp simd
+      for (int64_t t = 0; t < kKeys; ++t) acc[r][t] += qi * kt[i * kKeys + t];
+    }
+  for (int r = 0; r < ROWS; ++r)
+    for (int64_t t = 0; t < c; ++t) scores[r * stride + t] = acc[r][t] * scale;
+}
+
+// block_scores for tiles of several queries: keys kKeys at a time, transposed so that each
+// query's scores are a vector accumulator (no horizontal sum per dot), 8 queries at a time.
+template <int DIM, typename T>
+void block_scores_tiled(const float* __restrict q, const T* __restrict k, int64_t n,
+                        int64_t m_count, int64_t dyn_d, float scale, float* __restrict scores,
+                        int64_t stride, float* __restrict kt) {
+  constexpr int kRows = 8;
+  const int64_t d = DIM > 0 ? DIM : dyn_d;
+  for (int64_t t0 = 0; t0 < n; t0 += kKeys) {
+    const int64_t c = std::min(kKeys, n - t0);
+    load_transposed<DIM>(k + t0 * d, c, d, kt);
+    int64_t m = 0;
+    for (; m + kRows <= m_count; m += kRows)
+      chunk_dots<kRows, DIM>(q + m * d, kt, c, d, scale, scores + m * stride + t0, stride);
+    for (; m < m_count; ++m)
+      chunk_dots<1, DIM>(q + m * d, kt, c, d, scale, scores + m * stride + t0, stride);
+  }
+}
+
 // out[m] += sum_t probs[m * stride + t] * v_t for one block's n values v [n, D] and the M
 // query vectors of a tile (probabilities past a query's range are 0).
 template <int DIM, typename T>
@@ -162,6 +214,41 @@ void block_values(const float* __restrict probs, const T* __restrict v, const T*
 #pragma omp simd
       for (int64_t i = 0; i < d; ++i) o[i] += p * row[i];
     }
+  }
+}
+
+// out[r] += sum_t probs[r * stride + t] * v_t for ROWS query vectors and c values vf [c, D]
+// (float32), the ROWS outputs held in registers across the c values.
+template <int ROWS, int DIM>
+inline void chunk_values(const float* __restrict probs, const float* __restrict vf, int64_t c,
+                         int64_t stride, float* __restrict out) {
+  float acc[ROWS][DIM];
+  for (int r = 0; r < ROWS; ++r)
+    for (int i = 0; i < DIM; ++i) acc[r][i] = out[r * DIM + i];
+  for (int64_t t = 0; t < c; ++t)
+    for (int r = 0; r < ROWS; ++r) {
+      const float p = probs[r * stride + t];
+#pragma omp simd
+      for (int i = 0; i < DIM; ++i) acc[r][i] += p * vf[t * DIM + i];
+    }
+  for (int r = 0; r < ROWS; ++r)
+    for (int i = 0; i < DIM; ++i) out[r * DIM + i] = acc[r][i];
+}
+
+// block_values for tiles of several queries and a compile-time D: values kKeys at a time,
+// converted once into vf [kKeys, D], then 2 queries at a time.
+template <int DIM, typename T>
+void block_values_tiled(const float* __restrict probs, const T* __restrict v, int64_t n,
+                        int64_t m_count, int64_t stride, float* __restrict out,
+                        float* __restrict vf) {
+  for (int64_t t0 = 0; t0 < n; t0 += kKeys) {
+    const int64_t c = std::min(kKeys, n - t0);
+    for (int64_t t = 0; t < c; ++t) load_row(v + (t0 + t) * DIM, vf + t * DIM, DIM);
+    int64_t m = 0;
+    for (; m + 2 <= m_count; m += 2)
+      chunk_values<2, DIM>(probs + m * stride + t0, vf, c, stride, out + m * DIM);
+    for (; m < m_count; ++m)
+      chunk_values<1, DIM>(probs + m * stride + t0, vf, c, stride, out + m * DIM);
   }
 }
 
@@ -200,7 +287,7 @@ struct Scratch {
   std::vector<float> q;       // [M, D]: the tile's M = count * G query vectors
   std::vector<float> scores;  // [M, keys of the last query]
   std::vector<float> out;     // [M, D]
-  std::vector<float> row;     // [D]
+  std::vector<float> row;     // [D], or [D, kKeys] for the multi-query score path
 };
 
 // q [M, D] <- the tile's queries for kv head h (rounded to bf16 if `round`).
@@ -233,24 +320,37 @@ void attend_tile(const Inputs<T>& in, const Shape& s, const Span& span, const Ti
   w.q.resize(m_count * d);
   w.scores.resize(m_count * len);
   w.out.assign(m_count * d, 0.f);
-  w.row.resize(d);
+  w.row.resize(d * kKeys);
   load_queries(in.q, s, token, h, count, bf16, w.q.data());
   const int32_t* table = in.table + tile.row * s.max_blocks;
   const int64_t head = h * s.block_size * d, stride = s.kv_heads * s.block_size * d;
   const Paged<T> k{in.k + head, table, stride, s.block_size};
   const Paged<T> v{in.v + head, table, stride, s.block_size};
   const float scale = 1.f / std::sqrt(float(d));
-  for (int64_t j = 0, t = 0; t < len; ++j, t += s.block_size)
-    block_scores<DIM>(w.q.data(), k.block(j), k.after(j, len), std::min(s.block_size, len - t),
-                      m_count, d, scale, w.scores.data() + t, len, w.row.data());
+  for (int64_t j = 0, t = 0; t < len; ++j, t += s.block_size) {
+    const int64_t n = std::min(s.block_size, len - t);
+    if (count == 1)  // decode: G dots per key, exactly as decode_attention
+      block_scores<DIM>(w.q.data(), k.block(j), k.after(j, len), n, m_count, d, scale,
+                        w.scores.data() + t, len, w.row.data());
+    else
+      block_scores_tiled<DIM>(w.q.data(), k.block(j), n, m_count, d, scale,
+                              w.scores.data() + t, len, w.row.data());
+  }
   for (int64_t m = 0; m < m_count; ++m) {  // query lo + m / G sees keys 0..its position
     const int64_t keys = std::min(span.first + tile.lo + m / g_count + 1, span.usable);
     softmax(w.scores.data() + m * len, std::max<int64_t>(keys, 0), len, bf16);
   }
-  for (int64_t j = 0, t = 0; t < len; ++j, t += s.block_size)
-    block_values<DIM>(w.scores.data() + t, v.block(j), v.after(j, len),
-                      std::min(s.block_size, len - t), m_count, d, len, w.out.data(),
-                      w.row.data());
+  for (int64_t j = 0, t = 0; t < len; ++j, t += s.block_size) {
+    const int64_t n = std::min(s.block_size, len - t);
+    if constexpr (DIM > 0)
+      if (count > 1) {
+        block_values_tiled<DIM>(w.scores.data() + t, v.block(j), n, m_count, len, w.out.data(),
+                                w.row.data());
+        continue;
+      }
+    block_values<DIM>(w.scores.data() + t, v.block(j), v.after(j, len), n, m_count, d, len,
+                      w.out.data(), w.row.data());
+  }
   store_outputs(w.out.data(), s, token, h, count, in.out);
 }
 
