@@ -5,7 +5,7 @@
 //   q       [T, H, D]             float32: the step's query tokens
 //   k,v     [L, NB, Hkv, BS, D]   float32, or bfloat16 (or its bits, uint16): L layers of a pool
 //                                 of NB blocks of BS tokens
-//   table   [R, MB]               int32: row r's position t is k[layer, table[r, t / BS], h, t % BS]
+//   table   [R, MB]               int32: row r's position t: k[layer, table[r, t / BS], h, t % BS]
 //   q_start [R]                   int32: row r's queries are tokens q_start[r] .. + q_len[r] - 1
 //   q_len   [R]                   int32: its span's length (0 = idle row)
 //   kv_len  [R]                   int32: its keys, span included (written by the caller before)
@@ -181,10 +181,13 @@ inline void chunk_dots(const float* __restrict q, const float* __restrict kt, in
 
 // block_scores for tiles of several queries: keys kKeys at a time, transposed so that each
 // query's scores are a vector accumulator (no horizontal sum per dot), 8 queries at a time.
+// Not inlined, here and in block_values_tiled: inlined, they made the decode loops spill.
 template <int DIM, typename T>
-void block_scores_tiled(const float* __restrict q, const T* __restrict k, int64_t n,
-                        int64_t m_count, int64_t dyn_d, float scale, float* __restrict scores,
-                        int64_t stride, float* __restrict kt) {
+__attribute__((noinline)) void block_scores_tiled(const float* __restrict q,
+                                                  const T* __restrict k, int64_t n,
+                                                  int64_t m_count, int64_t dyn_d, float scale,
+                                                  float* __restrict scores, int64_t stride,
+                                                  float* __restrict kt) {
   constexpr int kRows = 8;
   const int64_t d = DIM > 0 ? DIM : dyn_d;
   for (int64_t t0 = 0; t0 < n; t0 += kKeys) {
@@ -238,9 +241,10 @@ inline void chunk_values(const float* __restrict probs, const float* __restrict 
 // block_values for tiles of several queries and a compile-time D: values kKeys at a time,
 // converted once into vf [kKeys, D], then 2 queries at a time.
 template <int DIM, typename T>
-void block_values_tiled(const float* __restrict probs, const T* __restrict v, int64_t n,
-                        int64_t m_count, int64_t stride, float* __restrict out,
-                        float* __restrict vf) {
+__attribute__((noinline)) void block_values_tiled(const float* __restrict probs,
+                                                  const T* __restrict v, int64_t n,
+                                                  int64_t m_count, int64_t stride,
+                                                  float* __restrict out, float* __restrict vf) {
   for (int64_t t0 = 0; t0 < n; t0 += kKeys) {
     const int64_t c = std::min(kKeys, n - t0);
     for (int64_t t = 0; t < c; ++t) load_row(v + (t0 + t) * DIM, vf + t * DIM, DIM);
@@ -309,13 +313,43 @@ void store_outputs(const float* acc, const Shape& s, int64_t token, int64_t h, i
               out + ((token + qi) * s.heads + h * g_count) * s.dim);
 }
 
+// scores [M, len] = q_m . k_t / sqrt(D) over the keys 0..len-1, block by block; `decode`
+// (one query, G vectors): G dots per key, exactly as decode_attention.
+template <int DIM, typename T>
+void scores_of(const float* q, const Paged<T>& k, int64_t len, int64_t m_count, bool decode,
+               int64_t d, float* scores, float* buf) {
+  const float scale = 1.f / std::sqrt(float(d));
+  for (int64_t j = 0, t = 0; t < len; ++j, t += k.block_size) {
+    const int64_t n = std::min(k.block_size, len - t);
+    if (decode)
+      block_scores<DIM>(q, k.block(j), k.after(j, len), n, m_count, d, scale, scores + t, len,
+                        buf);
+    else
+      block_scores_tiled<DIM>(q, k.block(j), n, m_count, d, scale, scores + t, len, buf);
+  }
+}
+
+// out [M, D] += sum_t probs[m * len + t] * v_t over the values 0..len-1, block by block.
+template <int DIM, typename T>
+void weighted_values(const float* probs, const Paged<T>& v, int64_t len, int64_t m_count,
+                     bool decode, int64_t d, float* out, float* buf) {
+  for (int64_t j = 0, t = 0; t < len; ++j, t += v.block_size) {
+    const int64_t n = std::min(v.block_size, len - t);
+    if constexpr (DIM > 0)
+      if (!decode) {
+        block_values_tiled<DIM>(probs + t, v.block(j), n, m_count, len, out, buf);
+        continue;
+      }
+    block_values<DIM>(probs + t, v.block(j), v.after(j, len), n, m_count, d, len, out, buf);
+  }
+}
+
 // One task: a tile of one span, kv head h. DIM > 0 fixes the head dim at compile time.
 template <int DIM, typename T>
 void attend_tile(const Inputs<T>& in, const Shape& s, const Span& span, const Tile& tile,
                  int64_t h, Scratch& w) {
   const int64_t g_count = s.heads / s.kv_heads, d = s.dim, count = tile.hi - tile.lo;
-  const int64_t token = span.start + tile.lo, m_count = count * g_count;
-  const int64_t len = tile.keys;
+  const int64_t token = span.start + tile.lo, m_count = count * g_count, len = tile.keys;
   const bool bf16 = sizeof(T) == 2;
   w.q.resize(m_count * d);
   w.scores.resize(m_count * len);
@@ -326,31 +360,13 @@ void attend_tile(const Inputs<T>& in, const Shape& s, const Span& span, const Ti
   const int64_t head = h * s.block_size * d, stride = s.kv_heads * s.block_size * d;
   const Paged<T> k{in.k + head, table, stride, s.block_size};
   const Paged<T> v{in.v + head, table, stride, s.block_size};
-  const float scale = 1.f / std::sqrt(float(d));
-  for (int64_t j = 0, t = 0; t < len; ++j, t += s.block_size) {
-    const int64_t n = std::min(s.block_size, len - t);
-    if (count == 1)  // decode: G dots per key, exactly as decode_attention
-      block_scores<DIM>(w.q.data(), k.block(j), k.after(j, len), n, m_count, d, scale,
-                        w.scores.data() + t, len, w.row.data());
-    else
-      block_scores_tiled<DIM>(w.q.data(), k.block(j), n, m_count, d, scale,
-                              w.scores.data() + t, len, w.row.data());
-  }
+  scores_of<DIM>(w.q.data(), k, len, m_count, count == 1, d, w.scores.data(), w.row.data());
   for (int64_t m = 0; m < m_count; ++m) {  // query lo + m / G sees keys 0..its position
     const int64_t keys = std::min(span.first + tile.lo + m / g_count + 1, span.usable);
     softmax(w.scores.data() + m * len, std::max<int64_t>(keys, 0), len, bf16);
   }
-  for (int64_t j = 0, t = 0; t < len; ++j, t += s.block_size) {
-    const int64_t n = std::min(s.block_size, len - t);
-    if constexpr (DIM > 0)
-      if (count > 1) {
-        block_values_tiled<DIM>(w.scores.data() + t, v.block(j), n, m_count, len, w.out.data(),
-                                w.row.data());
-        continue;
-      }
-    block_values<DIM>(w.scores.data() + t, v.block(j), v.after(j, len), n, m_count, d, len,
-                      w.out.data(), w.row.data());
-  }
+  weighted_values<DIM>(w.scores.data(), v, len, m_count, count == 1, d, w.out.data(),
+                       w.row.data());
   store_outputs(w.out.data(), s, token, h, count, in.out);
 }
 
