@@ -106,7 +106,7 @@ def close(got, expected, tol=2e-5):
     np.testing.assert_allclose(got, expected, atol=tol, rtol=tol)
 
 
-@pytest.mark.parametrize("head_dim", [D, 64])  # 64: the compile-time specialised path
+@pytest.mark.parametrize("head_dim", [D, 64, 128])  # 64, 128: compile-time specialised
 @pytest.mark.parametrize("heads,kv_heads", [(H, HKV), (5, 5)])  # GQA and one head per kv head
 def test_f32_matches_numpy(head_dim, heads, kv_heads):
     q, k, v = inputs(jnp.float32, head_dim=head_dim, heads=heads, kv_heads=kv_heads)
