@@ -1,41 +1,165 @@
-"""Placeholder until the kernel branch lands: the XLA reference of ragged-span attention."""
+"""Attention of ragged query spans over a paged KV pool: a C++ CPU kernel called through
+`jax.ffi`, and the same contract in plain jnp (`reference`, the XLA path).
+
+A step is a flat batch of T query tokens. Each row (sequence) contributes a span of consecutive
+tokens of it: a prefill chunk of any length, or one token for decode. Row r's queries are
+tokens q_start[r] .. q_start[r] + q_len[r] - 1 (spans do not overlap and may come in any
+order); they sit at positions kv_len[r] - q_len[r] .. kv_len[r] - 1 of the row, and query i of
+the span (0-based) attends, causally, over keys 0 .. kv_len[r] - q_len[r] + i. The span's own
+keys and values are already in the pool: the caller writes them before the call. Decode is
+q_len = 1, kv_len = position + 1.
+
+The pool is [L, NB, Hkv, BS, D]: L layers (a pipeline stage's whole stack, so that a `lax.scan`
+over layers passes it unsliced and names the layer with a traced index), NB blocks of BS tokens.
+Position t of row r is k[layer, table[r, t // BS], :, t % BS].
+
+Out-of-range inputs are defined, never read out of bounds:
+  - kv_len is clamped to [0, MB * BS] (MB = table.shape[1]), then q_len to [0, kv_len];
+  - a span's tokens outside [0, T) are skipped; tokens in no span get zeros;
+  - if a block a query needs has a table entry outside [0, NB), the query attends only to the
+    keys before that block (zeros if that is block 0): `usable_lengths`, applied per query;
+    entries of blocks no query needs are never looked at;
+  - layer is clamped to [0, L).
+
+The kernel's task is a tile of up to 16 queries of one span and the G = H / Hkv query heads of
+one kv head: each K/V block is read once for all of them, and blocks past the tile's last query
+are never read, so a decode row reads its own kv_len positions and a prefill chunk reads each
+block once per tile (figures in scripts/bench_attention.py). A custom call cannot be
+partitioned by the SPMD partitioner: on a sharded layout call it inside `jax.shard_map`, heads
+split over the tensor-parallel axis.
+"""
 
 from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
+from jaxpipe.kernels.build import KernelBuildError, build
 from jaxpipe.kv.device_cache import from_storage, gather
 from jaxpipe.model import llama
 
+SOURCE = Path(__file__).with_name("ragged_attention.cc")
+TARGET = "jaxpipe_ragged_attention"
+log = logging.getLogger(__name__)
 
+
+@functools.cache
 def available() -> bool:
-    return False
+    """Build (once per machine) and register the kernel; False, with a warning, if it cannot."""
+    if jax.default_backend() != "cpu":
+        return False
+    try:
+        lib = ctypes.cdll.LoadLibrary(str(build(SOURCE)))
+    except (KernelBuildError, OSError) as e:
+        log.warning("ragged attention kernel unavailable, using XLA attention: %s", e)
+        return False
+    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.JaxpipeRaggedAttention),
+                                platform="cpu")
+    return True
 
 
-def ragged_attention(q, k, v, table, q_start, q_len, kv_len, layer=0):
-    raise RuntimeError("the ragged attention kernel is not built")
+def ragged_attention(q, k, v, table, q_start, q_len, kv_len, layer=0) -> jax.Array:
+    """Causal attention of each row's span of query tokens over its paged keys and values.
+
+    q [T, H, D] f32: the step's query tokens; k, v [L, NB, Hkv, BS, D] (f32, bf16, or bf16
+    stored as u16), or [NB, Hkv, BS, D] for L = 1; table [R, MB] i32: row r's position t is
+    k[layer, table[r, t // BS], :, t % BS]; q_start, q_len, kv_len [R] i32: row r's queries
+    are tokens q_start[r] .. q_start[r] + q_len[r] - 1 at positions kv_len[r] - q_len[r] ..
+    kv_len[r] - 1, query i attending over keys 0 .. kv_len[r] - q_len[r] + i (q_len 0: idle
+    row); layer: python int or traced i32 scalar. Returns [T, H, D] f32, zeros for tokens in
+    no span. Out-of-range inputs: see the module docstring."""
+    if not available():  # builds and registers the kernel on first use
+        raise RuntimeError("the ragged attention kernel cannot be built here; use reference()")
+    k, v = _as_pool(k), _as_pool(v)
+    _check_shapes(q, k, v, table, q_start, q_len, kv_len)
+    out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
+    i32 = functools.partial(jnp.asarray, dtype=jnp.int32)
+    return jax.ffi.ffi_call(TARGET, out)(q.astype(jnp.float32), k, v, i32(table), i32(q_start),
+                                         i32(q_len), i32(kv_len), i32(layer))
 
 
-def reference(q, k, v, table, q_start, q_len, kv_len, layer=0, max_kv: int | None = None):
-    """Each span's queries over its row's first `max_kv` paged positions, causal."""
-    k, v = (k[None] if k.ndim == 4 else k), (v[None] if v.ndim == 4 else v)
-    t = q.shape[0]
-    r = table.shape[0]
-    bs = k.shape[3]
-    max_kv = max_kv or table.shape[1] * bs
-    idx = jnp.arange(t)[:, None]
-    inside = (idx >= q_start[None, :]) & (idx < (q_start + q_len)[None, :])  # [T, R]
-    has = inside.any(axis=1)
-    row = jnp.argmax(inside, axis=1)
-    pos = kv_len[row] - q_len[row] + (jnp.arange(t) - q_start[row])
-    layer = jnp.clip(jnp.asarray(layer, jnp.int32), 0, k.shape[0] - 1)
-    rows_table = jnp.clip(table, 0, k.shape[1] - 1)[jnp.where(has, row, 0)]  # [T, MB]
-    del r
+def reference(q, k, v, table, q_start, q_len, kv_len, layer=0,
+              max_kv: int | None = None) -> jax.Array:
+    """`ragged_attention` in plain jnp (the XLA path; jit-able with traced spans and layer):
+    each token gathers its row's first `max_kv` positions (static, default MB * BS; it must
+    cover the longest kv_len) and attends with `llama.decode_attention`'s math (q cast to the
+    cache dtype, probabilities to the value dtype, softmax in f32) up to its own position.
+    Memory: [T, Hkv, max_kv, D] per k and v."""
+    k, v = _as_pool(k), _as_pool(v)
+    num_layers, num_blocks, _, block_size, _ = k.shape
+    if 0 in table.shape:  # no rows, or no positions: every token is idle
+        return jnp.zeros(q.shape, jnp.float32)
+    max_kv = table.shape[1] * block_size if max_kv is None else max_kv
+    layer = jnp.clip(jnp.asarray(layer, jnp.int32), 0, num_layers - 1)
+    rows, keys = token_keys(table, q_start, q_len, kv_len, q.shape[0], num_blocks, block_size)
+    blocks = jnp.clip(table, 0, num_blocks - 1)[jnp.maximum(rows, 0)]  # [T, MB]
 
-    def keys(pool):
+    def tokens(pool):  # [L, NB, Hkv, BS, D] -> [T, Hkv, max_kv, D]
         x = jax.lax.dynamic_index_in_dim(pool, layer, keepdims=False)
-        return from_storage(gather(x, rows_table, max_kv))
+        return from_storage(gather(x, blocks, max_kv))
 
-    out = llama.decode_attention(q, keys(k), keys(v), pos)
-    return jnp.where(has[:, None, None], out, 0.0)
+    out = llama.decode_attention(q.astype(jnp.float32), tokens(k), tokens(v), keys - 1)
+    return jnp.where((keys > 0)[:, None, None], out, 0.0)
+
+
+def token_rows(q_start, q_len, kv_len, num_tokens: int, max_len: int):
+    """Where each of a step's tokens sits: (rows [T] i32, positions [T] i32), -1 for tokens in
+    no span. kv_len [R] is clamped to [0, max_len] and q_len [R] to [0, kv_len] first."""
+    kv = jnp.clip(jnp.asarray(kv_len, jnp.int32), 0, max_len)  # [R]
+    ql = jnp.clip(jnp.asarray(q_len, jnp.int32), 0, kv)
+    start = jnp.asarray(q_start, jnp.int32)
+    offset = jnp.arange(num_tokens, dtype=jnp.int32)[:, None] - start[None, :]  # [T, R]
+    inside = (offset >= 0) & (offset < ql[None, :])
+    row = jnp.argmax(inside, axis=1).astype(jnp.int32)  # [T]
+    pos = kv[row] - ql[row] + jnp.take_along_axis(offset, row[:, None], axis=1)[:, 0]
+    covered = inside.any(axis=1)
+    return jnp.where(covered, row, -1), jnp.where(covered, pos, -1)
+
+
+def token_keys(table, q_start, q_len, kv_len, num_tokens: int, num_blocks: int,
+               block_size: int):
+    """(rows [T] i32, keys [T] i32): each token's row (-1: no span) and how many of the row's
+    positions it attends over (0: none): its position + 1, cut at its row's usable length."""
+    rows, pos = token_rows(q_start, q_len, kv_len, num_tokens, table.shape[1] * block_size)
+    usable = usable_lengths(kv_len, table, num_blocks, block_size)  # [R]
+    keys = jnp.minimum(pos + 1, usable[jnp.maximum(rows, 0)])
+    return rows, jnp.where(rows >= 0, keys, 0)
+
+
+def usable_lengths(lengths, table, num_blocks: int, block_size: int):
+    """lengths [R] clamped to [0, MB * BS] and cut before the first block a row needs whose
+    table [R, MB] entry is outside [0, num_blocks) -> [R] i32."""
+    max_blocks = table.shape[1]
+    bad = (table < 0) | (table >= num_blocks)  # [R, MB]
+    first_bad = jnp.where(bad.any(axis=1), jnp.argmax(bad, axis=1), max_blocks)
+    lengths = jnp.clip(jnp.asarray(lengths, jnp.int32), 0, max_blocks * block_size)
+    return jnp.minimum(lengths, first_bad * block_size).astype(jnp.int32)
+
+
+def _as_pool(x):
+    """A rank-4 pool [NB, Hkv, BS, D] -> [1, NB, Hkv, BS, D] (a free reshape); rank 5 as is."""
+    return x[None] if x.ndim == 4 else x
+
+
+def _check_shapes(q, k, v, table, q_start, q_len, kv_len) -> None:
+    if q.ndim != 3 or k.ndim != 5 or k.shape != v.shape or k.shape[-1] != q.shape[-1]:
+        raise ValueError(f"ragged_attention: q must be [T, H, D] and k, v [L, NB, Hkv, BS, D] "
+                         f"or [NB, Hkv, BS, D] with the same D; got q {q.shape}, k {k.shape}, "
+                         f"v {v.shape}")
+    if q.shape[1] % k.shape[2]:
+        raise ValueError(f"ragged_attention: {q.shape[1]} query heads is not a multiple of "
+                         f"{k.shape[2]} kv heads")
+    r = table.shape[0] if table.ndim == 2 else None
+    spans = {"q_start": q_start.shape, "q_len": q_len.shape, "kv_len": kv_len.shape}
+    if r is None or any(s != (r,) for s in spans.values()):
+        raise ValueError(f"ragged_attention: table must be [R, MB] and q_start, q_len, kv_len "
+                         f"[R]; got table {table.shape}, "
+                         + ", ".join(f"{n} {s}" for n, s in spans.items()))
+    if k.dtype != v.dtype or k.dtype not in (jnp.float32, jnp.bfloat16, jnp.uint16):
+        raise ValueError(f"ragged_attention: k and v must both be float32, bfloat16 or uint16 "
+                         f"(bf16 bits); got {k.dtype} and {v.dtype}")
