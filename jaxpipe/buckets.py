@@ -2,10 +2,11 @@
 
 A step is a flat batch of tokens (`step_inputs.py`); its real token count is rounded up to the
 next bucket, so a handful of compiled programs serve every step and only the tail of the
-bucket is padding. Token buckets grow by 1.5x and 2x alternately (16, 24, 32, 48, 64, ...):
-at most a third of a step is padding, and one compile per bucket. The rows of a step (one per
-sequence in it) are at most min(tokens, max_num_seqs); the LM head and sampler run on the
-sampled rows, rounded up to a power of two.
+bucket is padding: token buckets are multiples of 16 up to 256 (decode-only steps, whose size
+is the running batch's), then grow by 1.5x and 2x alternately (384, 512, 768, ...: steps of
+prompt chunks fill the budget, so those are mostly full). One compile per bucket. The rows of
+a step (one per sequence in it) are at most min(tokens, max_num_seqs); the LM head and
+sampler run on the sampled rows, rounded up to a power of two.
 """
 
 from __future__ import annotations
@@ -24,17 +25,15 @@ def pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
     return tuple(out)
 
 
-def token_buckets(lo: int, hi: int) -> tuple[int, ...]:
-    """lo, 1.5·lo, 2·lo, 3·lo, 4·lo, ... (multiples of 8) ending exactly at hi."""
-    out, b = [], lo
+def token_buckets(lo: int, hi: int, fine: int = 256) -> tuple[int, ...]:
+    """Multiples of lo up to `fine` (decode steps of any batch pad at most lo - 1 tokens),
+    then 1.5x and 2x alternately (384, 512, 768, ...), ending exactly at hi."""
+    out = list(range(lo, min(fine, hi) + 1, lo))
+    b = out[-1]
     while b < hi:
-        out.append(b)
-        half = -(-b // 2 // 8) * 8
-        if b + half < hi:
-            out.append(b + half)
+        out += [b + b // 2, 2 * b]
         b *= 2
-    out.append(hi)
-    return tuple(sorted(set(out)))
+    return tuple(sorted({x for x in out if x < hi} | {hi}))
 
 
 def round_up(value: int, buckets: tuple[int, ...]) -> int:
@@ -75,6 +74,10 @@ class Buckets:
         """Rows of a step of `tokens` (a bucket) tokens: one per sequence in it at most."""
         return min(tokens, self.max_rows)
 
-    def sample_rows(self, count: int, rows: int) -> int:
-        """Rows the LM head and sampler run on for `count` sampled rows (<= rows)."""
-        return min(1 << max(count - 1, 0).bit_length(), rows)
+    def sample_rows(self, count: int) -> int:
+        """Rows the LM head and sampler run on for `count` sampled rows."""
+        return min(1 << max(count - 1, 0).bit_length(), self.max_rows)
+
+    def sample_row_buckets(self) -> list[int]:
+        """Every value `sample_rows` takes."""
+        return sorted({self.sample_rows(n) for n in range(1, self.max_rows + 1)})

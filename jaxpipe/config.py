@@ -98,7 +98,7 @@ class ModelConfig:
 
 
 ATTENTION = ("auto", "kernel", "xla")
-SCHEDULERS = ("seesaw", "prefill_first", "decode_first")  # jaxpipe.scheduler.POLICIES
+SCHEDULERS = ("auto", "seesaw", "prefill_first", "decode_first")  # + jaxpipe.scheduler
 
 
 def _default_cache_dir() -> str:
@@ -116,7 +116,9 @@ class EngineConfig:
     max_model_len: longest prompt + output, in tokens (default: min(model limit, 2048)).
     max_num_seqs: sequences on the device at once (decode batch rows). Default: as many as
         kv_cache_gb holds at max_model_len tokens each (a multiple of 32, at most 256).
-    max_num_batched_tokens: token budget of one prefill batch (padded tokens count).
+    max_num_batched_tokens: the token budget of one step: prompt chunks plus decode tokens (a
+        step may carry up to max(this, max_num_seqs) tokens, so that every running sequence
+        can decode in one step).
     kv_cache_gb: size of the device KV store, a pool of 16-token blocks shared by the running
         sequences (each holds the blocks its tokens need). kv_cache_tokens, when given, sets
         it in tokens instead. When the running sequences grow past it, the scheduler preempts
@@ -128,12 +130,14 @@ class EngineConfig:
         planner's choice for this model and mesh (jaxpipe.planner.choose_layouts). pp*tp*dp must
         equal the mesh's device count. Prefill runs on one, decode on the other; the weights
         and KV store are re-sharded between them at each phase change.
-    attention: decode attention implementation: "auto" (the C++ CPU kernel where it builds,
-        else XLA), "kernel" (the kernel or an error) or "xla".
+    attention: attention over the paged KV: "auto" (the C++ CPU kernel where it builds, else
+        XLA), "kernel" (the kernel or an error) or "xla".
     scheduler: the scheduling policy (jaxpipe.scheduler): "seesaw" (prefill into the host KV
         tier until it is full, then decode out of it until it is empty: few layout switches),
-        "prefill_first" (vLLM-like: prefill whenever a slot is free) or "decode_first" (fill a
-        batch, decode it to the end).
+        "prefill_first" (continuous batching with chunked prefill: decode tokens first, the
+        rest of each step's budget to prompt chunks) or "decode_first" (fill a batch, decode
+        it to the end). "auto" (the default): seesaw when the prefill and decode layouts
+        differ and the host tier is on, else prefill_first.
     host_kv_gb: size of the host KV tier (finished prefills and preempted sequences wait there,
         in host memory, for a device slot). host_kv_tokens, when given, sets it in tokens
         instead. seesaw needs it > 0; 0 turns the tier off (preemption then recomputes).
@@ -155,7 +159,7 @@ class EngineConfig:
     mesh: str = "cpu-1"
     prefill: str | Layout | None = None
     decode: str | Layout | None = None
-    scheduler: str = "seesaw"
+    scheduler: str = "auto"
     host_kv_gb: float = 4.0
     host_kv_tokens: int | None = None
 

@@ -184,19 +184,27 @@ class Engine:
         self.executor.kv.close()
 
     def warmup(self) -> None:
-        """Compile the step for every token bucket in the current phase's layout, so that the
-        hot loop never stops to compile (JAX's persistent cache makes this seconds after the
-        first run). A warm-up step is all padding: it writes no KV."""
+        """Compile the step for every token bucket in the current phase's layout, and the LM
+        head and greedy sampler for every number of sampled rows, so that the hot loop never
+        stops to compile (JAX's persistent cache makes this seconds after the first run).
+        A warm-up step is all padding: it writes no KV and no penalty state."""
         from tqdm.auto import tqdm
 
-        buckets = self.buckets.step_tokens
-        with tqdm(total=len(buckets), desc="jaxpipe: compiling", unit="shape",
+        tokens, rows = self.buckets.step_tokens, self.buckets.sample_row_buckets()
+        with tqdm(total=len(tokens) + len(rows), desc="jaxpipe: compiling", unit="shape",
                   disable=not self.config.show_progress) as bar:
-            for tokens in buckets:
-                inputs = step_inputs.build([], tokens, self.runner.microbatches(tokens),
-                                           self.buckets.rows(tokens), self.runner.max_blocks)
-                self.runner.hidden(inputs)
+            for t in tokens:
+                self.runner.hidden(self._padding_step(t))
                 bar.update()
+            for n in rows:
+                plan = self.executor.row_plan([], n)
+                self.runner.step(self._padding_step(tokens[-1]),
+                                 np.full(n, self.max_num_seqs, np.int32), plan)
+                bar.update()
+
+    def _padding_step(self, tokens: int):
+        return step_inputs.build([], tokens, self.runner.microbatches(tokens),
+                                 self.buckets.rows(tokens), self.runner.max_blocks)
 
     # ---- helpers ------------------------------------------------------------------------------
 

@@ -63,7 +63,8 @@ class Executor:
         return stepped
 
     def set_policy(self, name: str) -> None:
-        self.policy = _policy(name, self.config, self.runner, self.buckets)
+        self.policy = _policy(name, self.config, self.runner, self.buckets,
+                              self.state.host_kv_tokens)
 
     @property
     def generated_tokens(self) -> int:
@@ -218,7 +219,7 @@ class Executor:
         rows = self.buckets.rows(tokens)
         inputs = step_inputs.build(pieces, tokens, self.runner.microbatches(tokens), rows,
                                    self.runner.max_blocks)
-        plan = self._row_plan(sampled, self.buckets.sample_rows(len(sampled), rows))
+        plan = self.row_plan(sampled, self.buckets.sample_rows(len(sampled)))
         self._stats["step_tokens"] += real
         self._stats["step_tokens_padded"] += tokens
         self._stats["max_step_tokens"] = max(self._stats["max_step_tokens"], real)
@@ -249,7 +250,7 @@ class Executor:
         if self._timeline[-1][1] != used:
             self._timeline.append((round(time.perf_counter() - self._t0, 6), used))
 
-    def _row_plan(self, seqs: list[Sequence], rows: int) -> SamplingPlan:
+    def row_plan(self, seqs: list[Sequence], rows: int) -> SamplingPlan:
         """Sampling inputs of `seqs`, padded with neutral rows to `rows`."""
         neutral = SamplingParams(temperature=0.0)
         pad = rows - len(seqs)
@@ -311,15 +312,20 @@ def _scheduling(config: EngineConfig, runner: Runner, buckets: Buckets, num_slot
     unit = -(-max(16, -(-max_len // 16)) // 16) * 16
     state = SchedulerState(pool_tokens, num_slots, host_tokens, host_unit=unit,
                            device_unit=BLOCK)
-    policy = _policy(config.scheduler, config, runner, buckets)
+    policy = _policy(config.scheduler, config, runner, buckets, host_tokens)
     return state, policy, KVManager(runner, num_slots, host_tokens, state.host_size)
 
 
-def _policy(name: str, config: EngineConfig, runner: Runner, buckets: Buckets):
+def _policy(name: str, config: EngineConfig, runner: Runner, buckets: Buckets,
+            host_tokens: int):
     """A policy that switches layouts if the runner's two differ, with the step's token
-    budget for prompt chunks."""
+    budget for prompt chunks. "auto": seesaw over two layouts and a host tier, else
+    prefill_first (continuous batching: nothing to gain from phases on one layout)."""
     layouts = runner.layouts
-    return make_policy(name, two_layouts=layouts["prefill"] != layouts["decode"],
+    two = layouts["prefill"] != layouts["decode"]
+    if name == "auto":
+        name = "seesaw" if two and host_tokens > 0 else "prefill_first"
+    return make_policy(name, two_layouts=two,
                        max_prefill_tokens=min(config.max_num_batched_tokens,
                                               buckets.max_tokens))
 

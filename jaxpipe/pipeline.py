@@ -128,10 +128,12 @@ def _micro(inputs: dict, m, valid):
 
 
 def step_program(cfg: ModelConfig, layout: Layout, mesh, *, kernel: bool, max_kv: int,
-                 unroll: bool = True):
-    """jit(params, cache, inputs: StepInputs) -> (hidden [R, E] f32: the residual of each
-    row's last token, cache (donated)). `max_kv`: the XLA attention's static key bound
-    (ignored by the kernel, which reads each row's own length)."""
+                 out_rows: int, unroll: bool = True):
+    """jit(params, cache, inputs: StepInputs) -> (hidden [out_rows, E] f32: the residual of
+    each row's last token, zeros past the step's R rows; cache (donated)). `max_kv`: the XLA
+    attention's static key bound (ignored by the kernel, which reads each row's own length).
+    `out_rows` (>= R) is fixed for every token bucket, so the LM head compiles once per
+    number of sampled rows, whatever the step's size."""
     layer_specs, cache_specs = _specs(cfg, layout)
     reduce = partial(lax.psum, axis_name="tp") if layout.tp > 1 else None
     keys = ("rows", "positions", "table", "q_start", "q_len", "kv_len", "last")
@@ -157,7 +159,8 @@ def step_program(cfg: ModelConfig, layout: Layout, mesh, *, kernel: bool, max_kv
     def step(params, cache, inputs: StepInputs):
         layers, head = split_params(params)
         xs = llama.embed(head, inputs.tokens)  # [M, Tm, E]
-        return staged(layers, xs, {k: getattr(inputs, k) for k in keys}, cache)
+        hidden, cache = staged(layers, xs, {k: getattr(inputs, k) for k in keys}, cache)
+        return jnp.pad(hidden, ((0, out_rows - hidden.shape[0]), (0, 0))), cache
 
     return jax.jit(step, donate_argnames="cache")
 

@@ -174,7 +174,8 @@ class Runner:
                           rows=rows)
 
     def hidden(self, inputs: StepInputs) -> jax.Array:
-        """The step's model part: the residual [R, E] of each row's last token (KV written)."""
+        """The step's model part: the residual [max_rows, E] of each row's last token (KV
+        written)."""
         m, tm = inputs.tokens.shape
         max_kv = 0 if self.use_kernel else round_up(
             min(int(inputs.kv_len.max()), self.max_len), self.buckets.kv_len)
@@ -188,7 +189,8 @@ class Runner:
         if key not in self._programs:
             place = self.placements[self.phase]
             self._programs[key] = pipeline.step_program(
-                self.config, place.layout, place.mesh, kernel=self.use_kernel, max_kv=max_kv)
+                self.config, place.layout, place.mesh, kernel=self.use_kernel, max_kv=max_kv,
+                out_rows=self.buckets.max_rows)
         return self._programs[key]
 
     def _sample_host(self, logits, slots, plan: SamplingPlan, n: int) -> StepOutput:
