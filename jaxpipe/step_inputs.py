@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from jaxpipe.kv.device_cache import BLOCK, OUT_OF_RANGE
+from jaxpipe.kv.device_cache import OUT_OF_RANGE
 
 
 class Piece(NamedTuple):
@@ -83,7 +83,3 @@ def _spans(starts, ends, first_pos, microbatches: int, tm: int):
     kv_len = np.where(q_len > 0, first_pos[None, :] + (e - starts[None, :]), 0)
     return ((s - lo).astype(np.int32), q_len.astype(np.int32), kv_len.astype(np.int32))
 
-
-def blocks_needed(start: int, count: int) -> int:
-    """Blocks a sequence needs to hold positions 0..start+count-1."""
-    return -(-(start + count) // BLOCK)

@@ -1,16 +1,17 @@
 """The device KV store: a pool of fixed-size blocks, HND layout per block, and block tables.
 
-The store is a pool of `num_blocks` blocks of `BLOCK` tokens; per layer K and V are
-`[blocks, kv_heads, BLOCK, head_dim]` (the multi-device store stacks layers in front). A
+The store is a pool of `num_blocks` blocks of `BLOCK` tokens; K and V are each
+`[layers, blocks, kv_heads, BLOCK, head_dim]` (layers split over a layout's pp, KV heads over
+its tp). A
 sequence holds as many blocks as its KV needs, wherever they are in the pool; its row of a
 *block table* `[rows, max_blocks]` lists them in order: position t of table row r is at
 block `table[r, t // BLOCK]`, offset `t % BLOCK`. So the store's capacity is counted in tokens
 (blocks), not in sequences of the longest length, and a sequence grows one block at a time.
-Entries past a sequence's blocks hold `num_blocks` (out of range): writes there are dropped.
+Entries past a sequence's blocks hold `OUT_OF_RANGE`: writes there are dropped.
 
 HND inside a block keeps each (block, head) contiguous over tokens, which is what attention
-reads (DESIGN.md: HND is 4x faster than NHD here). Each layer's buffer is donated and updated
-on its own (and can live on its pipeline stage).
+reads (DESIGN.md: HND is 4x faster than NHD here). The pool is donated to each step and
+updated in place.
 
 bf16 caches are *stored* as their uint16 bit patterns: XLA's CPU backend upcasts bf16 buffers
 to f32 around a dynamic-update-slice or scatter, turning each one-token write into a copy of
@@ -74,38 +75,10 @@ def allocate(cfg: ModelConfig, num_blocks: int, dtype) -> tuple[KVCache, ...]:
                  for _ in range(cfg.num_layers))
 
 
-def identity_table(num_rows: int, max_len: int) -> np.ndarray:
-    """A block table giving row r the blocks r*MB .. r*MB+MB-1 (MB = blocks_for(max_len)):
-    the dense layout, one max_len slot per row, in a pool of num_rows * MB blocks."""
-    mb = blocks_for(max_len)
-    return np.arange(num_rows * mb, dtype=np.int32).reshape(num_rows, mb)
-
-
-def cache_bytes(cfg: ModelConfig, num_slots: int, max_len: int, dtype_bytes: int) -> int:
-    return num_slots * max_len * cfg.kv_bytes_per_token(dtype_bytes)
-
-
 # ---- addressing tokens through a block table ---------------------------------------------------
 
 
 OUT_OF_RANGE = np.iinfo(np.int32).max  # a block id past every pool: writes there are dropped
-
-
-def locate(table, positions):
-    """Where each row's token at positions [b] is: (blocks [b], offsets [b]) in the rows of
-    table [b, MB]. Positions past the table get an out-of-range block."""
-    index = positions // BLOCK
-    safe = jnp.minimum(index, table.shape[1] - 1)
-    blocks = jnp.take_along_axis(table, safe[:, None], axis=1)[:, 0]
-    return jnp.where(index < table.shape[1], blocks, OUT_OF_RANGE), positions % BLOCK
-
-
-def locate_span(table, length: int):
-    """Where positions 0..length-1 of every row are: (blocks [b, T], offsets [T])."""
-    positions = jnp.arange(length, dtype=jnp.int32)
-    index = positions // BLOCK
-    blocks = table[:, jnp.minimum(index, table.shape[1] - 1)]
-    return jnp.where(index < table.shape[1], blocks, OUT_OF_RANGE), positions % BLOCK
 
 
 def gather(x, table, length: int):
