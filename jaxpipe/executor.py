@@ -104,7 +104,7 @@ class Executor:
         prefetch = self.kv.prefetcher.seconds if self.kv.prefetcher else 0.0
         s["prefetch_seconds"] = prefetch - self._base["prefetch"]
         s["device_kv_capacity"] = self.runner.num_blocks * BLOCK
-        s["device_kv_peak"] = self.kv.peak_blocks * BLOCK
+        s["device_kv_peak"] = self.state.peak_blocks * BLOCK
         s["host_kv_capacity"] = host.capacity
         s["host_kv_peak"] = host.peak
         s["host_timeline"] = [list(p) for p in self._timeline]
@@ -117,7 +117,7 @@ class Executor:
         self._base = {"out": host.bytes_out, "in": host.bytes_in, "swap": self.kv.swap_seconds,
                       "prefetch": self.kv.prefetcher.seconds if self.kv.prefetcher else 0.0}
         host.peak = host.used
-        self.kv.peak_blocks = self.kv.runner.num_blocks - self.kv.free_blocks
+        self.state.peak_blocks = self.state.num_blocks - self.state.free_blocks
         self._t0 = time.perf_counter()
         self._timeline: deque = deque([(0.0, host.used)], maxlen=100_000)
 
@@ -198,19 +198,19 @@ class Executor:
         """(seq, piece, samples) for the next `n` context tokens of `seq`'s prefill (a new
         sequence gets a slot, and its penalty state when it uses penalties)."""
         if seq.computed == 0:
-            self.kv.allocate(seq, 0)
+            self.kv.allocate(seq)
             self._landed(seq)
         context = seq.prompt_token_ids + seq.output_token_ids
         start = seq.computed
-        self.kv.grow(seq, start + n)
+        blocks = self.state.reserve(seq, start + n)
         self._stats["prefill_chunks"] += 1
-        piece = Piece(context[start:start + n], start, self.kv.blocks(seq))
+        piece = Piece(context[start:start + n], start, list(blocks))
         return seq, piece, start + n == len(context)
 
     def _decode_piece(self, seq: Sequence):
         """(seq, piece, True): the last sampled token of `seq`, at its position."""
-        self.kv.grow(seq, seq.num_tokens)
-        return seq, Piece([seq.last_token], seq.num_tokens - 1, self.kv.blocks(seq)), True
+        blocks = self.state.reserve(seq, seq.num_tokens)
+        return seq, Piece([seq.last_token], seq.num_tokens - 1, list(blocks)), True
 
     def _step(self, pieces: list[Piece], sampled: list[Sequence]) -> StepOutput:
         """Build the step's inputs for `pieces` (sampled rows first) and run it."""
@@ -313,7 +313,7 @@ def _scheduling(config: EngineConfig, runner: Runner, buckets: Buckets, num_slot
     state = SchedulerState(pool_tokens, num_slots, host_tokens, host_unit=unit,
                            device_unit=BLOCK)
     policy = _policy(config.scheduler, config, runner, buckets, host_tokens)
-    return state, policy, KVManager(runner, num_slots, host_tokens, state.host_size)
+    return state, policy, KVManager(runner, state, num_slots, host_tokens)
 
 
 def _policy(name: str, config: EngineConfig, runner: Runner, buckets: Buckets,

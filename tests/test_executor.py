@@ -170,7 +170,7 @@ def test_a_pool_smaller_than_the_running_sequences(tight, reference, policy):
     got, stats = run_with(tight, policy)
     assert got == reference
     assert stats["device_kv_capacity"] == 128 and 0 < stats["device_kv_peak"] <= 128
-    assert tight.executor.kv.free_blocks == 8  # every block back in the pool
+    assert tight.executor.state.free_blocks == 8  # every block back in the pool
     if policy == "prefill_first":  # admits while prompts fit, then the sequences grow
         assert stats["preemptions"] >= 1
 

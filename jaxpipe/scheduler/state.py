@@ -9,8 +9,14 @@ invariants on every move, so no executor can silently overfill a tier.
 Token accounting. `computed` is how many tokens of a sequence have KV (in whichever tier holds
 it); `context_len` = prompt + generated. After a whole prefill `computed == context_len` and the
 sampled token raises `generated` by one, so a decode step writes one more KV row (computed + 1).
-Each tier charges a sequence its tokens rounded up to the tier's unit: the device store holds
-KV in blocks (`device_unit` tokens each), the host tier in rounded lengths (`host_unit`).
+Each tier charges a sequence its tokens rounded up to the tier's unit: the host tier in rounded
+lengths (`host_unit`), the device store in blocks of `device_unit` tokens.
+
+The device store's blocks are this state's own ledger, the only one: each device sequence holds
+the ids of its blocks (`SeqInfo.blocks`, in position order) from a free list of plain ints, so
+the engine sends a step exactly the blocks the scheduler charged. An executor takes a
+sequence's blocks for the positions a step writes *before* running it (`reserve`); `apply`
+then charges nothing more.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ from __future__ import annotations
 import enum
 from collections import deque
 from collections.abc import Hashable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from jaxpipe.scheduler.actions import Action, Kind, Preempt, Run, SwapIn, Switch
 
@@ -49,6 +55,7 @@ class SeqInfo:
     computed: int = 0  # tokens whose KV exists (prefill progress, then one per decode step)
     location: Location = Location.WAITING
     arrival: int = 0  # admission order, set by SchedulerState.add (preemption picks the newest)
+    blocks: list[int] = field(default_factory=list)  # device KV blocks held, in position order
 
     def __post_init__(self):
         if self.prompt_len < 1 or self.max_output_len < 1:
@@ -102,7 +109,9 @@ class SchedulerState:
         self.device: dict[Hashable, SeqInfo] = {}  # insertion order = admission order
         self.host: dict[Hashable, SeqInfo] = {}  # insertion order = swap-out order (FIFO)
         self.finished: list[SeqInfo] = []
-        self.device_used = 0  # tokens of KV in the device store (whole blocks)
+        self.num_blocks = device_kv_tokens // device_unit
+        self._free = list(range(self.num_blocks - 1, -1, -1))  # a stack: block 0 first
+        self.peak_blocks = 0  # the most blocks held at once
         self.host_used = 0  # tokens of KV in the host tier
         self._arrivals = 0
 
@@ -111,8 +120,18 @@ class SchedulerState:
         return bool(self.waiting or self.device or self.host)
 
     @property
+    def device_used(self) -> int:
+        """Tokens of KV the device store holds (whole blocks)."""
+        return (self.num_blocks - len(self._free)) * self.device_unit
+
+    @property
+    def free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
     def device_free(self) -> int:
-        return self.device_kv_tokens - self.device_used
+        """Tokens of KV the device store can still take (its free blocks)."""
+        return len(self._free) * self.device_unit
 
     @property
     def host_free(self) -> int:
@@ -135,6 +154,22 @@ class SchedulerState:
         return self.max_device_seqs - len(self.device)
 
     # ---- writing -------------------------------------------------------------------------
+    def reserve(self, seq: SeqInfo, tokens: int) -> list[int]:
+        """Give `seq` device blocks until its first `tokens` positions fit; its blocks."""
+        need = -(-tokens // self.device_unit) - len(seq.blocks)
+        if need > len(self._free):
+            raise RuntimeError(
+                f"device KV overfilled: {seq.seq_id!r} needs {need} more blocks of "
+                f"{self.device_unit} tokens, {len(self._free)} of {self.num_blocks} are free")
+        seq.blocks.extend(self._free.pop() for _ in range(max(need, 0)))
+        self.peak_blocks = max(self.peak_blocks, self.num_blocks - len(self._free))
+        return seq.blocks
+
+    def _release(self, seq: SeqInfo) -> None:
+        """Return `seq`'s device blocks to the free list."""
+        self._free.extend(reversed(seq.blocks))
+        seq.blocks = []
+
     def add(self, seq: SeqInfo) -> None:
         """Queue a new request; refuse one that could never fit the device store."""
         if self.device_size(seq.prompt_len + seq.max_output_len) > self.device_kv_tokens:
@@ -166,7 +201,7 @@ class SchedulerState:
             if seq.location is not Location.DEVICE or seq.in_prefill:
                 raise RuntimeError(f"decode of {seq.seq_id!r} which is {seq.location.value}"
                                    f"{' and still prefilling' if seq.in_prefill else ''}")
-            self.device_used += self.growth(seq)
+            self.reserve(seq, seq.computed + 1)
             seq.computed += 1
             seq.generated += 1
         self._check_capacity()
@@ -181,8 +216,7 @@ class SchedulerState:
         if not 1 <= num_tokens <= seq.to_prefill:
             raise RuntimeError(f"prefill chunk of {num_tokens} tokens for {seq.seq_id!r} "
                                f"which has {seq.to_prefill} left")
-        self.device_used += (self.device_size(seq.computed + num_tokens)
-                             - self.device_size(seq.computed))
+        self.reserve(seq, seq.computed + num_tokens)
         seq.computed += num_tokens
         if seq.to_prefill == 0:
             seq.generated += 1
@@ -204,7 +238,7 @@ class SchedulerState:
                 self._move(seq, Location.HOST)
             else:  # recompute: drop the KV, prefill prompt + outputs again later (first in line)
                 del self.device[seq.seq_id]
-                self.device_used -= self.device_size(seq.computed)
+                self._release(seq)
                 seq.computed, seq.location = 0, Location.WAITING
                 self.waiting.appendleft(seq)
         self._check_capacity()
@@ -214,9 +248,12 @@ class SchedulerState:
         src, dst = (self.device, self.host) if to is Location.HOST else (self.host, self.device)
         del src[seq.seq_id]
         dst[seq.seq_id] = seq
-        sign = 1 if to is Location.HOST else -1
-        self.host_used += sign * self.host_size(seq.computed)
-        self.device_used -= sign * self.device_size(seq.computed)
+        if to is Location.HOST:
+            self.host_used += self.host_size(seq.computed)
+            self._release(seq)
+        else:
+            self.host_used -= self.host_size(seq.computed)
+            self.reserve(seq, seq.computed)
         seq.location = to
 
     def _finish(self, seq_id: Hashable) -> None:
@@ -226,7 +263,7 @@ class SchedulerState:
         if seq.location is Location.HOST:
             self.host_used -= self.host_size(seq.computed)
         else:
-            self.device_used -= self.device_size(seq.computed)
+            self._release(seq)
         seq.location = Location.FINISHED
         self.finished.append(seq)
 

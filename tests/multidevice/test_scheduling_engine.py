@@ -96,7 +96,7 @@ def test_tiers_never_overfill_and_every_request_ends_once(runs, workload, policy
     engine, outputs = runs[policy]
     stats = engine.stats()
     assert 0 < stats["device_kv_peak"] <= DEVICE_KV
-    assert engine.executor.kv.free_blocks == DEVICE_KV // 16  # every block back in the pool
+    assert engine.executor.state.free_blocks == DEVICE_KV // 16  # every block back in the pool
     assert stats["host_kv_peak"] <= HOST_KV == stats["host_kv_capacity"]
     assert all(used <= HOST_KV for _, used in stats["host_timeline"])
     assert stats["host_timeline"][-1][1] == 0 and not engine.executor.kv.host.entries

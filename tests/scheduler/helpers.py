@@ -54,9 +54,15 @@ def run_policy(policy: Policy, seqs: list[SeqInfo], device_kv: int, slots: int,
         original_apply(action, finished)
         trace.max_host_used = max(trace.max_host_used, state.host_used)
         trace.max_device_used = max(trace.max_device_used, state.device_used)
-        # Each device sequence is charged its KV rounded up to whole blocks, no more.
+        # Each device sequence is charged its KV rounded up to whole blocks, no more, and the
+        # ledger's blocks are distinct: held by one sequence each, or free.
         assert state.device_used == sum(state.device_size(s.computed)
                                         for s in state.device.values())
+        held = [b for s in state.device.values() for b in s.blocks]
+        assert all(len(s.blocks) * state.device_unit == state.device_size(s.computed)
+                   for s in state.device.values())
+        assert len(set(held)) == len(held) == state.num_blocks - state.free_blocks
+        assert not any(s.blocks for s in [*state.waiting, *state.host.values()])
 
     state.apply = apply
     drive(policy, state, execute)
