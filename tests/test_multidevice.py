@@ -4,6 +4,7 @@ device count when its backend starts, and this process runs on one device)."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -19,3 +20,7 @@ def test_multidevice_suite():
                            str(TESTS / "multidevice")], cwd=TESTS.parent, env=env,
                           capture_output=True, text=True, timeout=1800)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    # A child that skipped its tests (too few devices, no weights) must not pass for a run.
+    summary = proc.stdout.strip().splitlines()[-1]
+    passed = re.search(r"(\d+) passed", summary)
+    assert passed and int(passed[1]) > 0 and "skipped" not in summary, summary
