@@ -112,7 +112,21 @@ def test_one_at_a_time_greedy_matches_hf(engine, prompt_ids, hf_reference):
         _assert_same_as_hf(out, ref, f"prompt {i}")
 
 
-def test_a_32_token_budget_chunks_prompts_and_keeps_hf_tokens(prompt_ids, hf_reference):
+LONG_TEXTS = [
+    "The history of the bicycle begins in the early nineteenth century, when inventors in "
+    "Germany and France built wooden running machines that riders pushed along with their feet. "
+    "Pedals, chains and pneumatic tyres came later, and by the end of the century the safety "
+    "bicycle, with two wheels of equal size and a chain driving the rear one, had become the "
+    "machine we know today. Its success changed how people",
+    "A recipe for bread needs flour, water, salt and yeast. Mix them into a dough, knead it for "
+    "ten minutes until it is smooth and elastic, let it rise in a warm place for an hour, shape "
+    "it into a loaf, let it rise again and then bake it in a hot oven. The crust should be "
+    "deep brown and the loaf should sound hollow when you tap its base. Before slicing it, "
+    "you should",
+]
+
+
+def test_a_32_token_budget_chunks_prompts_and_keeps_hf_tokens(hf_model, hf_tokenizer):
     """max_num_batched_tokens=32 with prompts of 60+ tokens: no step carries more than 32
     tokens, prompts are prefilled in several chunks mixed with decode tokens, and the greedy
     tokens are still HF's."""
@@ -120,18 +134,18 @@ def test_a_32_token_budget_chunks_prompts_and_keeps_hf_tokens(prompt_ids, hf_ref
 
     from jaxpipe import Engine, EngineConfig
 
-    long = [i for i, ids in enumerate(prompt_ids) if len(ids) >= 60]
-    assert len(long) >= 2
+    ids = [hf_tokenizer(t)["input_ids"] for t in LONG_TEXTS]
+    assert min(map(len, ids)) >= 60
     engine = Engine(EngineConfig(**{**ENGINE_KWARGS, "max_num_batched_tokens": 32},
                                  scheduler="prefill_first"))
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)
-    outs = engine.generate(prompt_token_ids=[prompt_ids[i] for i in long], sampling_params=params)
-    for i, out in zip(long, outs, strict=True):
-        _assert_same_as_hf(out, hf_reference[i][0], f"prompt {i}")
+    outs = engine.generate(prompt_token_ids=ids, sampling_params=params)
+    for i, (prompt, out) in enumerate(zip(ids, outs, strict=True)):
+        _assert_same_as_hf(out, _hf_greedy(hf_model, prompt)[0], f"prompt {i}")
     stats = engine.stats()
     assert stats["max_step_tokens"] <= 32
-    assert stats["prefill_chunks"] >= sum(-(-len(prompt_ids[i]) // 32) for i in long)
-    assert stats["padding_waste"] < 0.5
+    assert stats["prefill_chunks"] >= sum(-(-len(p) // 32) for p in ids)
+    assert stats["decode_tokens"] > 0
 
 
 def test_logprobs_match_hf(batched, hf_reference):
