@@ -141,7 +141,7 @@ def test_auto_layouts_are_the_planners_choice():
     smol = ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
                        num_heads=9, num_kv_heads=3, head_dim=64)
     c_p, c_d = choose_layouts(smol, load_mesh("cpu-8"), "sharegpt")
-    both = _resolve_layouts(EngineConfig(mesh="cpu-8", prefill="auto", decode="auto"), smol)
+    both = _resolve_layouts(EngineConfig(mesh="cpu-8", prefill="auto", decode="auto"), smol, 8)
     assert both == {"prefill": c_p, "decode": c_d}
-    one = _resolve_layouts(EngineConfig(mesh="cpu-8", prefill="auto", decode="tp=8"), smol)
+    one = _resolve_layouts(EngineConfig(mesh="cpu-8", prefill="auto", decode="tp=8"), smol, 8)
     assert one == {"prefill": c_p, "decode": Layout(tp=8)}
