@@ -54,6 +54,7 @@ inline float round_bf16(float f) {  // round to nearest even, as a float32; NaN 
 
 struct Problem {
   const float* x;     // [M, K], already rounded to bf16
+  const uint32_t* xp;  // [M, KP = (K + 1) / 2]: bf16 bits of x[m, 2j] (low), x[m, 2j + 1] (high)
   const uint16_t* w;  // [K, N]
   float* y;           // [M, N]
   int64_t m, k, n;
@@ -77,6 +78,77 @@ __attribute__((always_inline)) inline void unroll(F&& f) {
   unroll(f, std::make_integer_sequence<int, N>{});
 }
 
+#ifdef __AVX512BF16__
+// y's columns 32q .. 32q + 31 from the sums of dpbf16 over the unpacklo (lo) and unpackhi (hi)
+// of two weight rows: lane 4l + j of lo holds column 8l + j, of hi column 8l + 4 + j.
+inline __m512 columns_of(__m512 lo, __m512 hi, int half) {
+  alignas(64) int32_t idx[16];
+  for (int c = 0; c < 16; ++c) {
+    const int l = 2 * half + c / 8, j = c % 8;
+    idx[c] = j < 4 ? 4 * l + j : 16 + 4 * l + j - 4;
+  }
+  return _mm512_permutex2var_ps(lo, _mm512_load_si512(idx), hi);
+}
+
+// Rows m0 .. m0 + R - 1, columns n0 .. n0 + cols - 1 (cols <= 16 * NV, NV even) of y, over
+// all of K, with avx512_bf16 dot products of pairs along K: weight rows 2j and 2j + 1 are
+// interleaved in registers (unpacklo/hi), so each instruction does 32 multiply-adds.
+template <int R, int NV>
+void tile(const Problem& p, int64_t m0, int64_t n0, int64_t cols) {
+  static_assert(NV % 2 == 0, "pairs of 16-column vectors");
+  constexpr int P = NV / 2;  // 32-column weight vectors per row
+  __mmask32 mask[P];
+  __m512 acc[R][NV];
+  unroll<P>([&](auto q) {
+    const int64_t left = std::clamp<int64_t>(cols - 32 * q, 0, 32);
+    mask[q] = static_cast<__mmask32>(left == 32 ? ~uint32_t{0} : (uint32_t{1} << left) - 1);
+  });
+  unroll<R>([&](auto r) { unroll<NV>([&](auto v) { acc[r][v] = _mm512_setzero_ps(); }); });
+  const int64_t n = p.n, pairs = p.k / 2, kp = (p.k + 1) / 2;
+  const uint16_t* w = p.w + n0;
+  const uint32_t* x = p.xp + m0 * kp;
+  auto dot = [&](int64_t j, auto next) __attribute__((always_inline)) {
+    __m512i lo[P], hi[P];
+    unroll<P>([&](auto q) {
+      const __m512i a = _mm512_maskz_loadu_epi16(mask[q], w + 2 * j * n + 32 * q);
+      const __m512i b = next(q);
+      lo[q] = _mm512_unpacklo_epi16(a, b);
+      hi[q] = _mm512_unpackhi_epi16(a, b);
+    });
+    unroll<R>([&](auto r) {
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(x[r * kp + j]);
+      unroll<P>([&](auto q) {
+        acc[r][2 * q] = _mm512_dpbf16_ps(acc[r][2 * q], (__m512bh)lo[q], xv);
+        acc[r][2 * q + 1] = _mm512_dpbf16_ps(acc[r][2 * q + 1], (__m512bh)hi[q], xv);
+      });
+    });
+  };
+  auto step = [&](int64_t j) __attribute__((always_inline)) {
+    dot(j, [&](int q) { return _mm512_maskz_loadu_epi16(mask[q], w + (2 * j + 1) * n + 32 * q); });
+  };
+  int64_t j = 0;
+  for (; 2 * j + kPrefetch + 1 < p.k; ++j) {  // and the chunk's rows kPrefetch ahead
+    unroll<P>([&](auto q) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + (2 * j + kPrefetch) * n + 32 * q),
+                   _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(w + (2 * j + kPrefetch + 1) * n + 32 * q),
+                   _MM_HINT_T0);
+    });
+    step(j);
+  }
+  for (; j < pairs; ++j) step(j);
+  if (p.k % 2) dot(pairs, [](int) { return _mm512_setzero_si512(); });  // row K: zeros
+  unroll<R>([&](auto r) {
+    unroll<P>([&](auto q) {
+      float* y = p.y + (m0 + r) * n + n0 + 32 * q;
+      const __m512 lo = acc[r][2 * q], hi = acc[r][2 * q + 1];
+      _mm512_mask_storeu_ps(y, static_cast<__mmask16>(mask[q]), columns_of(lo, hi, 0));
+      _mm512_mask_storeu_ps(y + 16, static_cast<__mmask16>(mask[q] >> 16),
+                            columns_of(lo, hi, 1));
+    });
+  });
+}
+#else
 // Rows m0 .. m0 + R - 1, columns n0 .. n0 + cols - 1 (cols <= 16 * NV) of y, over all of K.
 template <int R, int NV>
 void tile(const Problem& p, int64_t m0, int64_t n0, int64_t cols) {
@@ -113,6 +185,7 @@ void tile(const Problem& p, int64_t m0, int64_t n0, int64_t cols) {
     });
   });
 }
+#endif  // __AVX512BF16__
 #else
 template <int R, int NV>
 void tile(const Problem& p, int64_t m0, int64_t n0, int64_t cols) {
@@ -191,9 +264,16 @@ void parallel_for(ffi::ThreadPool& pool, int64_t n, F&& fn) {
 void matmul(ffi::ThreadPool& pool, const float* x, const uint16_t* w, float* y, int64_t m,
             int64_t k, int64_t n) {
   if (m == 0 || n == 0) return;
+  const int64_t kp = (k + 1) / 2;
   std::vector<float> xb(x, x + m * k);  // [M, K]
-  for (float& v : xb) v = round_bf16(v);
-  const Problem p{xb.data(), w, y, m, k, n};
+  std::vector<uint32_t> xp(m * kp, 0);  // [M, KP]
+  for (int64_t i = 0; i < m * k; ++i) {
+    xb[i] = round_bf16(xb[i]);
+    uint32_t bits;
+    std::memcpy(&bits, &xb[i], sizeof bits);
+    xp[i / k * kp + i % k / 2] |= (bits >> 16) << (16 * (i % k % 2));
+  }
+  const Problem p{xb.data(), xp.data(), w, y, m, k, n};
   const int64_t groups = (n + 15) / 16;
   const int64_t tasks = k * n < kSerialWork ? 1 : std::min<int64_t>(pool.num_threads(), groups);
   parallel_for(pool, std::max<int64_t>(tasks, 1), [&](int64_t t) {
