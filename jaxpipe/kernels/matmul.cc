@@ -31,7 +31,8 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int64_t kPrefetch = 16;              // weight rows to prefetch ahead in K
+constexpr int64_t kPrefetch = 16;  // weight rows to prefetch ahead in K
+constexpr int64_t kBlock = 256;    // weight rows per K block (even)
 constexpr int64_t kSerialWork = int64_t{1} << 16;  // below this many weights: no helpers
 
 inline float bf16_to_f32(uint16_t x) {
@@ -52,6 +53,12 @@ inline float round_bf16(float f) {  // round to nearest even, as a float32; NaN 
   return f;
 }
 
+// Weight rows k0 .. k1 - 1 of a K block (k0 even); add: y already holds the blocks before.
+struct Rows {
+  int64_t k0, k1;
+  bool add;
+};
+
 struct Problem {
   const float* x;     // [M, K], already rounded to bf16
   const uint32_t* xp;  // [M, KP = (K + 1) / 2]: bf16 bits of x[m, 2j] (low), x[m, 2j + 1] (high)
@@ -65,6 +72,12 @@ struct Problem {
 inline __m512 load_bf16(const uint16_t* p, __mmask16 mask) {
   const __m256i h = _mm256_maskz_loadu_epi16(mask, p);
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// y[lanes in mask] = v, or += v if add.
+inline void store(float* y, __mmask16 mask, __m512 v, bool add) {
+  if (add) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, y));
+  _mm512_mask_storeu_ps(y, mask, v);
 }
 
 // f(0), f(1), .., f(N - 1) with compile-time indices, so that GCC keeps arrays of vectors
@@ -94,7 +107,7 @@ inline __m512 columns_of(__m512 lo, __m512 hi, int half) {
 // all of K, with avx512_bf16 dot products of pairs along K: weight rows 2j and 2j + 1 are
 // interleaved in registers (unpacklo/hi), so each instruction does 32 multiply-adds.
 template <int R, int NV>
-void tile(const Problem& p, int64_t m0, int64_t n0, int64_t cols) {
+void tile(const Problem& p, int64_t m0, int64_t n0, int64_t cols, const Rows& kr) {
   static_assert(NV % 2 == 0, "pairs of 16-column vectors");
   constexpr int P = NV / 2;  // 32-column weight vectors per row
   __mmask32 mask[P];
@@ -104,7 +117,7 @@ void tile(const Problem& p, int64_t m0, int64_t n0, int64_t cols) {
     mask[q] = static_cast<__mmask32>(left == 32 ? ~uint32_t{0} : (uint32_t{1} << left) - 1);
   });
   unroll<R>([&](auto r) { unroll<NV>([&](auto v) { acc[r][v] = _mm512_setzero_ps(); }); });
-  const int64_t n = p.n, pairs = p.k / 2, kp = (p.k + 1) / 2;
+  const int64_t n = p.n, pairs = kr.k1 / 2, kp = (p.k + 1) / 2;
   const uint16_t* w = p.w + n0;
   const uint32_t* x = p.xp + m0 * kp;
   auto dot = [&](int64_t j, auto next) __attribute__((always_inline)) {
@@ -126,8 +139,8 @@ void tile(const Problem& p, int64_t m0, int64_t n0, int64_t cols) {
   auto step = [&](int64_t j) __attribute__((always_inline)) {
     dot(j, [&](int q) { return _mm512_maskz_loadu_epi16(mask[q], w + (2 * j + 1) * n + 32 * q); });
   };
-  int64_t j = 0;
-  for (; 2 * j + kPrefetch + 1 < p.k; ++j) {  // and the chunk's rows kPrefetch ahead
+  int64_t j = kr.k0 / 2;
+  for (; 2 * j + kPrefetch + 1 < kr.k1; ++j) {  // and the chunk's rows kPrefetch ahead
     unroll<P>([&](auto q) {
       _mm_prefetch(reinterpret_cast<const char*>(w + (2 * j + kPrefetch) * n + 32 * q),
                    _MM_HINT_T0);
@@ -137,21 +150,20 @@ void tile(const Problem& p, int64_t m0, int64_t n0, int64_t cols) {
     step(j);
   }
   for (; j < pairs; ++j) step(j);
-  if (p.k % 2) dot(pairs, [](int) { return _mm512_setzero_si512(); });  // row K: zeros
+  if (kr.k1 % 2) dot(pairs, [](int) { return _mm512_setzero_si512(); });  // row K: zeros
   unroll<R>([&](auto r) {
     unroll<P>([&](auto q) {
       float* y = p.y + (m0 + r) * n + n0 + 32 * q;
       const __m512 lo = acc[r][2 * q], hi = acc[r][2 * q + 1];
-      _mm512_mask_storeu_ps(y, static_cast<__mmask16>(mask[q]), columns_of(lo, hi, 0));
-      _mm512_mask_storeu_ps(y + 16, static_cast<__mmask16>(mask[q] >> 16),
-                            columns_of(lo, hi, 1));
+      store(y, static_cast<__mmask16>(mask[q]), columns_of(lo, hi, 0), kr.add);
+      store(y + 16, static_cast<__mmask16>(mask[q] >> 16), columns_of(lo, hi, 1), kr.add);
     });
   });
 }
 #else
 // Rows m0 .. m0 + R - 1, columns n0 .. n0 + cols - 1 (cols <= 16 * NV) of y, over all of K.
 template <int R, int NV>
-void tile(const Problem& p, int64_t m0, int64_t n0, int64_t cols) {
+void tile(const Problem& p, int64_t m0, int64_t n0, int64_t cols, const Rows& kr) {
   __mmask16 mask[NV];
   __m512 acc[R][NV];
   unroll<NV>([&](auto v) {
@@ -159,18 +171,18 @@ void tile(const Problem& p, int64_t m0, int64_t n0, int64_t cols) {
     mask[v] = static_cast<__mmask16>((uint32_t{1} << left) - 1);
     unroll<R>([&](auto r) { acc[r][v] = _mm512_setzero_ps(); });
   });
-  const int64_t n = p.n, k_end = p.k;
+  const int64_t n = p.n, k_end = kr.k1, ldx = p.k;
   const uint16_t* w = p.w + n0;
-  const float* x = p.x + m0 * k_end;
+  const float* x = p.x + m0 * ldx;
   auto step = [&](int64_t k) __attribute__((always_inline)) {
     __m512 wv[NV];
     unroll<NV>([&](auto v) { wv[v] = load_bf16(w + k * n + 16 * v, mask[v]); });
     unroll<R>([&](auto r) {
-      const __m512 xv = _mm512_set1_ps(x[r * k_end + k]);
+      const __m512 xv = _mm512_set1_ps(x[r * ldx + k]);
       unroll<NV>([&](auto v) { acc[r][v] = _mm512_fmadd_ps(xv, wv[v], acc[r][v]); });
     });
   };
-  int64_t k = 0;
+  int64_t k = kr.k0;
   for (; k + kPrefetch < k_end; ++k) {  // and the chunk's row kPrefetch ahead: 32 * NV bytes
     unroll<(NV + 1) / 2>([&](auto v) {
       _mm_prefetch(reinterpret_cast<const char*>(w + (k + kPrefetch) * n + 32 * v),
@@ -181,17 +193,17 @@ void tile(const Problem& p, int64_t m0, int64_t n0, int64_t cols) {
   for (; k < k_end; ++k) step(k);
   unroll<R>([&](auto r) {
     unroll<NV>([&](auto v) {
-      _mm512_mask_storeu_ps(p.y + (m0 + r) * n + n0 + 16 * v, mask[v], acc[r][v]);
+      store(p.y + (m0 + r) * n + n0 + 16 * v, mask[v], acc[r][v], kr.add);
     });
   });
 }
 #endif  // __AVX512BF16__
 #else
 template <int R, int NV>
-void tile(const Problem& p, int64_t m0, int64_t n0, int64_t cols) {
+void tile(const Problem& p, int64_t m0, int64_t n0, int64_t cols, const Rows& kr) {
   constexpr int C = 16 * NV;
   float acc[R][C] = {};
-  for (int64_t k = 0; k < p.k; ++k) {
+  for (int64_t k = kr.k0; k < kr.k1; ++k) {
     float wv[C] = {};
     for (int64_t c = 0; c < cols; ++c) wv[c] = bf16_to_f32(p.w[k * p.n + n0 + c]);
     for (int r = 0; r < R; ++r) {
@@ -201,27 +213,34 @@ void tile(const Problem& p, int64_t m0, int64_t n0, int64_t cols) {
     }
   }
   for (int r = 0; r < R; ++r)
-    std::memcpy(p.y + (m0 + r) * p.n + n0, acc[r], cols * sizeof(float));
+    for (int64_t c = 0; c < cols; ++c) {
+      float& y = p.y[(m0 + r) * p.n + n0 + c];
+      y = kr.add ? y + acc[r][c] : acc[r][c];
+    }
 }
 #endif
 
 // Rows m0 .. m0 + rows - 1 (1 <= rows <= R) of one column chunk.
 template <int R, int NV>
-void tile_rows(const Problem& p, int64_t m0, int64_t rows, int64_t n0, int64_t cols) {
+void tile_rows(const Problem& p, int64_t m0, int64_t rows, int64_t n0, int64_t cols,
+               const Rows& kr) {
   if constexpr (R > 1) {
-    if (rows < R) return tile_rows<R - 1, NV>(p, m0, rows, n0, cols);
+    if (rows < R) return tile_rows<R - 1, NV>(p, m0, rows, n0, cols, kr);
   }
-  tile<R, NV>(p, m0, n0, cols);
+  tile<R, NV>(p, m0, n0, cols, kr);
 }
 
 // Columns n0 .. n1 - 1 of y for all M rows, a chunk of 16 * NV columns at a time, R rows per
 // tile (R * NV accumulators + NV weight vectors fit the 32 vector registers).
 template <int R, int NV>
 void columns(const Problem& p, int64_t n0, int64_t n1) {
-  for (int64_t n = n0; n < n1; n += 16 * NV) {
-    const int64_t cols = std::min<int64_t>(16 * NV, n1 - n);
-    for (int64_t m = 0; m < p.m; m += R)
-      tile_rows<R, NV>(p, m, std::min<int64_t>(R, p.m - m), n, cols);
+  for (int64_t k = 0; k < p.k; k += kBlock) {
+    const Rows kr{k, std::min(k + kBlock, p.k), k > 0};
+    for (int64_t n = n0; n < n1; n += 16 * NV) {
+      const int64_t cols = std::min<int64_t>(16 * NV, n1 - n);
+      for (int64_t m = 0; m < p.m; m += R)
+        tile_rows<R, NV>(p, m, std::min<int64_t>(R, p.m - m), n, cols, kr);
+    }
   }
 }
 
@@ -264,6 +283,7 @@ void parallel_for(ffi::ThreadPool& pool, int64_t n, F&& fn) {
 void matmul(ffi::ThreadPool& pool, const float* x, const uint16_t* w, float* y, int64_t m,
             int64_t k, int64_t n) {
   if (m == 0 || n == 0) return;
+  if (k == 0) return std::fill(y, y + m * n, 0.f);
   const int64_t kp = (k + 1) / 2;
   std::vector<float> xb(x, x + m * k);  // [M, K]
   std::vector<uint32_t> xp(m * kp, 0);  // [M, KP]
