@@ -6,12 +6,15 @@
 //   y  [M, N]  float32: sum over k of bf16(x[m, k]) * w[k, n], products exact, sums in f32
 //
 // Columns are split into one contiguous range per worker of XLA's intra-op thread pool, so each
-// worker streams its own part of every weight row. Inside a range, a chunk of C = 16 * NV
-// columns is done for all M rows before the next chunk: a tile of up to R rows keeps its R x C
-// sums in vector registers over the whole K loop, so the chunk's K x C weights come from memory
-// once (software-prefetched kPrefetch rows ahead) and, for M > R, again from L2 for the next
-// row tile. Weights are widened bf16 -> f32 by a 16-bit shift and multiplied with f32 FMAs.
-// AVX-512 when the build has it (-march=native), otherwise a portable loop.
+// worker streams its own part of every weight row. A worker goes over K in blocks of kBlock
+// rows (partial sums added into y), and inside a block a chunk of C = 16 * NV columns at a time
+// for all M rows: a tile of up to R rows keeps its R x C sums in vector registers over the
+// block's rows, so each weight comes from memory once per call (software-prefetched kPrefetch
+// rows ahead) and, for M > R, again from L1/L2 for the next row tile. With avx512_bf16 two
+// weight rows are interleaved in registers and multiplied by pairs of x (vdpbf16ps: 32
+// multiply-adds per instruction; like XLA it rounds x to bf16 first, but it treats bf16
+// denormals as zero); with plain AVX-512 weights are widened bf16 -> f32 by a 16-bit shift for
+// f32 FMAs; otherwise a portable loop. The build's -march=native picks the path.
 #include <algorithm>
 #include <atomic>
 #include <cstdint>

@@ -1,11 +1,13 @@
 """x @ w with bf16 weights for few rows (decode): a C++ CPU kernel called through `jax.ffi`,
 and the same contract in plain jnp (`reference`, the XLA path).
 
-XLA's CPU dot of a few f32-from-bf16 rows against a bf16 weight runs at 1.5-2.5 GB/s of weights
-(30 [576, 3072] weights: 71 ms at M = 1); the kernel streams each weight once per call at close
-to memory bandwidth. Its loads are shared by up to 6 rows, so past some M XLA's blocked dot wins
-again: `use_kernel(m)` says which to call for a static row count (figures in
-scripts/bench_matmul_kernel.py).
+XLA's CPU dot of a few f32-from-bf16 rows against a bf16 weight is slow (inside one jit, 29
+[576, 3072] weights take 75 ms at M = 1, 1.4 GB/s); the kernel streams each weight once per
+call (6 ms, 17 GB/s there). Each weight load is shared by at most 6 rows, so as M grows the
+kernel becomes compute-bound and XLA's blocked dot wins again: `use_kernel(m)` says which to
+call for a static row count (figures in scripts/bench_matmul_kernel.py). With avx512_bf16 the
+kernel treats bf16 denormals (below 1.2e-38) as zero; otherwise it matches `reference` up to
+f32 summation order.
 
 Inputs are row-major contiguous (what XLA hands a custom call). A custom call cannot be
 partitioned by the SPMD partitioner: on a sharded layout call it inside `jax.shard_map`.
