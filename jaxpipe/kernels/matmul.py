@@ -28,7 +28,13 @@ from jaxpipe.kernels.build import KernelBuildError, build
 
 SOURCE = Path(__file__).with_name("matmul.cc")
 TARGET = "jaxpipe_bf16_matmul"
-MAX_ROWS = 64  # the kernel beats XLA's dot up to this many rows (bench_matmul_kernel.py)
+# Up to how many rows the kernel is at least as fast as XLA's dot (scripts/bench_matmul_kernel.py,
+# 2 shared cores): 10x at M = 1 (XLA's one-row dot is pathological), 1.2-1.4x at M = 2-4, then
+# memory- turns compute-bound and it is 0.8-1.3x of XLA up to M = 64 on the [576, 3072] and
+# [1536, 576] projections, 0.85-1.0x from M = 8 on the [576, 49152] LM head, and loses from 128.
+MAX_ROWS = 64
+WIDE_N = 4096  # weights wider than this (the LM head) use the kernel up to MAX_ROWS_WIDE rows
+MAX_ROWS_WIDE = 4
 log = logging.getLogger(__name__)
 
 
@@ -47,9 +53,10 @@ def available() -> bool:
     return True
 
 
-def use_kernel(m: int) -> bool:
-    """Whether `bf16_matmul` beats `reference` for m rows (a static shape) on this backend."""
-    return 0 < m <= MAX_ROWS and available()
+def use_kernel(m: int, n: int = 0) -> bool:
+    """Whether `bf16_matmul` is the faster choice for m rows (static) against a weight with n
+    columns (0: unknown, taken as narrow) on this backend."""
+    return 0 < m <= (MAX_ROWS_WIDE if n > WIDE_N else MAX_ROWS) and available()
 
 
 def bf16_matmul(x, w) -> jax.Array:
@@ -67,7 +74,8 @@ def bf16_matmul(x, w) -> jax.Array:
 
 def matmul(x, w) -> jax.Array:
     """`bf16_matmul` where it is faster (few rows, kernel built), else `reference`."""
-    return bf16_matmul(x, w) if use_kernel(math.prod(x.shape[:-1])) else reference(x, w)
+    rows = math.prod(x.shape[:-1])
+    return bf16_matmul(x, w) if use_kernel(rows, w.shape[-1]) else reference(x, w)
 
 
 def reference(x, w) -> jax.Array:

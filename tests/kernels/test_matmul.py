@@ -98,12 +98,16 @@ def test_inside_shard_map():
 
 
 def test_matmul_picks_by_rows():
-    """`matmul` equals the kernel up to MAX_ROWS and XLA's dot past it."""
-    for m in (1, mm.MAX_ROWS + 1):
-        x, w = inputs(m, 67, 129, seed=m)
-        want = mm.bf16_matmul if mm.use_kernel(m) else mm.reference
+    """`matmul` equals the kernel up to MAX_ROWS (MAX_ROWS_WIDE for wide weights) and XLA's
+    dot past it."""
+    for m, n in [(1, 129), (mm.MAX_ROWS + 1, 129), (mm.MAX_ROWS_WIDE + 1, mm.WIDE_N + 1)]:
+        x, w = inputs(m, 67, n, seed=m)
+        want = mm.bf16_matmul if mm.use_kernel(m, n) else mm.reference
         np.testing.assert_array_equal(np.asarray(mm.matmul(x, w)), np.asarray(want(x, w)))
-    assert mm.use_kernel(1) and not mm.use_kernel(mm.MAX_ROWS + 1) and not mm.use_kernel(0)
+    assert mm.use_kernel(1) and mm.use_kernel(mm.MAX_ROWS) and not mm.use_kernel(0)
+    assert not mm.use_kernel(mm.MAX_ROWS + 1)
+    assert mm.use_kernel(mm.MAX_ROWS_WIDE, mm.WIDE_N + 1)
+    assert not mm.use_kernel(mm.MAX_ROWS_WIDE + 1, mm.WIDE_N + 1)
 
 
 def test_bad_shapes_are_named():
