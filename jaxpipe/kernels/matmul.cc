@@ -106,8 +106,24 @@ inline __m512 columns_of(__m512 lo, __m512 hi, int half) {
   return _mm512_permutex2var_ps(lo, _mm512_load_si512(idx), hi);
 }
 
+// Tile sums acc [R][2P] (lo, hi per 32 columns) into (add: onto) y's rows 0 .. R - 1, ldy
+// apart, the lanes in each 32-column mask.
+template <int R, int P>
+__attribute__((always_inline)) inline void store_pairs(const __m512 (&acc)[R][2 * P],
+                                                       const __mmask32 (&mask)[P], float* y,
+                                                       int64_t ldy, bool add) {
+  unroll<R>([&](auto r) {
+    unroll<P>([&](auto q) {
+      float* out = y + r * ldy + 32 * q;
+      const __m512 lo = acc[r][2 * q], hi = acc[r][2 * q + 1];
+      store(out, static_cast<__mmask16>(mask[q]), columns_of(lo, hi, 0), add);
+      store(out + 16, static_cast<__mmask16>(mask[q] >> 16), columns_of(lo, hi, 1), add);
+    });
+  });
+}
+
 // Rows m0 .. m0 + R - 1, columns n0 .. n0 + cols - 1 (cols <= 16 * NV, NV even) of y, over
-// all of K, with avx512_bf16 dot products of pairs along K: weight rows 2j and 2j + 1 are
+// the K block's rows, with avx512_bf16 dot products of pairs along K: weight rows 2j and 2j + 1 are
 // interleaved in registers (unpacklo/hi), so each instruction does 32 multiply-adds.
 template <int R, int NV>
 void tile(const Problem& p, int64_t m0, int64_t n0, int64_t cols, const Rows& kr) {
@@ -144,27 +160,19 @@ void tile(const Problem& p, int64_t m0, int64_t n0, int64_t cols, const Rows& kr
   };
   int64_t j = kr.k0 / 2;
   for (; 2 * j + kPrefetch + 1 < kr.k1; ++j) {  // and the chunk's rows kPrefetch ahead
-    unroll<P>([&](auto q) {
-      _mm_prefetch(reinterpret_cast<const char*>(w + (2 * j + kPrefetch) * n + 32 * q),
-                   _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(w + (2 * j + kPrefetch + 1) * n + 32 * q),
-                   _MM_HINT_T0);
+    unroll<2 * P>([&](auto i) {  // row 2j + kPrefetch + i % 2, 64 bytes i / 2
+      const uint16_t* row = w + (2 * j + kPrefetch + i % 2) * n;
+      _mm_prefetch(reinterpret_cast<const char*>(row + 32 * (i / 2)), _MM_HINT_T0);
     });
     step(j);
   }
   for (; j < pairs; ++j) step(j);
   if (kr.k1 % 2) dot(pairs, [](int) { return _mm512_setzero_si512(); });  // row K: zeros
-  unroll<R>([&](auto r) {
-    unroll<P>([&](auto q) {
-      float* y = p.y + (m0 + r) * n + n0 + 32 * q;
-      const __m512 lo = acc[r][2 * q], hi = acc[r][2 * q + 1];
-      store(y, static_cast<__mmask16>(mask[q]), columns_of(lo, hi, 0), kr.add);
-      store(y + 16, static_cast<__mmask16>(mask[q] >> 16), columns_of(lo, hi, 1), kr.add);
-    });
-  });
+  store_pairs<R, P>(acc, mask, p.y + m0 * n + n0, n, kr.add);
 }
 #else
-// Rows m0 .. m0 + R - 1, columns n0 .. n0 + cols - 1 (cols <= 16 * NV) of y, over all of K.
+// Rows m0 .. m0 + R - 1, columns n0 .. n0 + cols - 1 (cols <= 16 * NV) of y, over the K
+// block's rows.
 template <int R, int NV>
 void tile(const Problem& p, int64_t m0, int64_t n0, int64_t cols, const Rows& kr) {
   __mmask16 mask[NV];
