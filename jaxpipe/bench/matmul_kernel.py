@@ -2,7 +2,7 @@
 
 Each point calls the jitted matmul on `copies` distinct weights of one shape (so
 that together they overflow the L3 cache, as a model's layers do) and reports the time per
-stack, and the kernel's weight bandwidth: bytes of weights read per second.
+call over all of them, and the kernel's weight bandwidth: bytes of weights read per second.
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@ and the same contract in plain jnp (`reference`, the XLA path).
 XLA's CPU dot of a few f32-from-bf16 rows against a bf16 weight is slow (inside one jit, 29
 [576, 3072] weights take 75 ms at M = 1, 1.4 GB/s); the kernel streams each weight once per
 call (6 ms, 17 GB/s there). Each weight load is shared by at most 6 rows, so as M grows the
-kernel becomes compute-bound and XLA's blocked dot wins again: `use_kernel(m)` says which to
-call for a static row count (figures in scripts/bench_matmul_kernel.py). With avx512_bf16 the
+kernel becomes compute-bound and XLA's blocked dot wins again: `use_kernel(m, n)` says which
+to call for a static row count (figures in scripts/bench_matmul_kernel.py). With avx512_bf16 the
 kernel treats bf16 denormals (below 1.2e-38) as zero; otherwise it matches `reference` up to
 f32 summation order.
 
@@ -28,10 +28,11 @@ from jaxpipe.kernels.build import KernelBuildError, build
 
 SOURCE = Path(__file__).with_name("matmul.cc")
 TARGET = "jaxpipe_bf16_matmul"
-# Up to how many rows the kernel is at least as fast as XLA's dot (scripts/bench_matmul_kernel.py,
-# 2 shared cores): 10x at M = 1 (XLA's one-row dot is pathological), 1.2-1.4x at M = 2-4, then
-# memory- turns compute-bound and it is 0.8-1.3x of XLA up to M = 64 on the [576, 3072] and
-# [1536, 576] projections, 0.85-1.0x from M = 8 on the [576, 49152] LM head, and loses from 128.
+# Up to how many rows the kernel is about as fast as XLA's dot or faster (bench_matmul_kernel.py
+# on 2 cores shared with other jobs, so +-20%): 10-13x at M = 1 (XLA's one-row dot is
+# pathological), 1.1-1.4x at M = 2-8; then it turns compute-bound: 0.95-1.3x of XLA up to M = 64
+# on the [576, 3072] and [1536, 576] projections, 0.8-1.05x from M = 8 on the [576, 49152] LM
+# head; from M = 128 it loses (0.65-0.95x) on all three.
 MAX_ROWS = 64
 WIDE_N = 4096  # weights wider than this (the LM head) use the kernel up to MAX_ROWS_WIDE rows
 MAX_ROWS_WIDE = 4
