@@ -1,0 +1,69 @@
+"""The C++ bf16 matmul kernel against XLA's dot, over row counts M and model weight shapes.
+
+Each point calls the jitted matmul on `copies` distinct weights of one shape (so
+that together they overflow the L3 cache, as a model's layers do) and reports the time per
+call over all of them, and the kernel's weight bandwidth: bytes of weights read per second.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxpipe.kernels import matmul as mm
+
+# (K, N): SmolLM2-135M's fused q/k/v/o-sized and MLP weights, and its LM head.
+SHAPES: tuple[tuple[int, int], ...] = ((576, 3072), (1536, 576), (576, 49152))
+ROWS: tuple[int, ...] = (1, 8, 16, 32, 64, 128, 256)
+STACK_BYTES = 100 * 2**20  # weights per timed call: well past the 32 MiB L3
+
+
+def _stack(fn):
+    """jit(x [M, K], ws: a tuple of [K, N]) -> the sum of fn(x, w) over ws [M, N]. Separate
+    arguments, not one stacked array: slicing a stack would copy each weight first."""
+
+    @jax.jit
+    def run(x, ws):
+        return sum(fn(x, w) for w in ws)
+
+    return run
+
+
+def _seconds(call, repeats: int) -> float:
+    """Median wall time of `call()` (blocked until ready) over `repeats` runs, after a warmup."""
+    call().block_until_ready()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        call().block_until_ready()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure(k: int, n: int, m: int, repeats: int = 5, seed: int = 0) -> dict:
+    """One point: XLA and kernel ms per stack of weights [K, N], and the kernel's GB/s."""
+    copies = max(1, STACK_BYTES // (2 * k * n))
+    rng = np.random.default_rng(seed)
+    ws = tuple(jnp.asarray(rng.normal(size=(k, n)), jnp.bfloat16) for _ in range(copies))
+    x = jnp.asarray(rng.normal(size=(m, k)), jnp.float32)  # [M, K]
+    xla_fn, kernel_fn = _stack(mm.reference), _stack(mm.bf16_matmul)
+    xla = _seconds(lambda: xla_fn(x, ws), repeats)
+    kernel = _seconds(lambda: kernel_fn(x, ws), repeats)
+    return {"k": k, "n": n, "m": m, "copies": copies, "xla_ms": xla * 1e3,
+            "kernel_ms": kernel * 1e3, "kernel_gbps": 2 * k * n * copies / kernel / 1e9,
+            "speedup": xla / kernel}
+
+
+def format_table(points: list[dict]) -> str:
+    """A fixed-width table, one line per point."""
+    lines = [f"{'weight [K, N] x copies':>24} {'M':>4} {'XLA ms':>8} {'kernel ms':>9} "
+             f"{'GB/s':>6} {'speedup':>7}"]
+    for p in points:
+        shape = f"[{p['k']}, {p['n']}] x {p['copies']}"
+        lines.append(f"{shape:>24} {p['m']:>4} {p['xla_ms']:>8.2f} {p['kernel_ms']:>9.2f} "
+                     f"{p['kernel_gbps']:>6.1f} {p['speedup']:>7.2f}")
+    return "\n".join(lines)
