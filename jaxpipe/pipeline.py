@@ -28,7 +28,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpipe import sharding
 from jaxpipe.config import ModelConfig
-from jaxpipe.kernels import ragged_attention
+from jaxpipe.kernels import matmul, ragged_attention
 from jaxpipe.kv.device_cache import BLOCK, OUT_OF_RANGE, KVCache, to_storage
 from jaxpipe.layout import Layout
 from jaxpipe.model import llama
@@ -83,21 +83,31 @@ def attend(q, k, v, mb: dict, layer, *, kernel: bool, max_kv: int):
     return fn(q, k, v, mb["table"], mb["q_start"], mb["q_len"], mb["kv_len"], layer)
 
 
+def kernel_dot(x, w):
+    """`llama._matmul`'s dot with the C++ bf16 kernel where it beats XLA's (bf16 weights, a
+    few rows: decode steps; `kernels/matmul.py`), else XLA's. Call inside `shard_map`."""
+    if w.dtype == jnp.bfloat16 and matmul.use_kernel(x.shape[0], w.shape[1]):
+        return matmul.bf16_matmul(x, w)
+    return llama.xla_dot(x, w)
+
+
 def stage_layers(cfg: ModelConfig, layers: LayerParams, x, mb: dict, cache: KVCache, reduce,
                  *, kernel: bool, max_kv: int, unroll: bool):
     """This stage's layers over one micro-batch x [Tm, E] (mb: see `attend`); each token's
-    K/V is written into its blocks (`token_slots`) before the spans attend."""
+    K/V is written into its blocks (`token_slots`) before the spans attend. `kernel`: the
+    C++ CPU kernels (attention, and small-row bf16 matmuls)."""
     positions = mb["positions"]
     blocks, offsets = token_slots(mb["table"], mb["rows"], positions)
+    dot = kernel_dot if kernel else None
 
     def layer(carry, inputs):
         x, k, v = carry
         p, j = inputs
-        q, kn, vn = llama.qkv(cfg, p, x, positions)  # [Tm, H|Hkv, D]
+        q, kn, vn = llama.qkv(cfg, p, x, positions, dot)  # [Tm, H|Hkv, D]
         k = k.at[j, blocks, :, offsets].set(to_storage(kn, k), mode="drop")
         v = v.at[j, blocks, :, offsets].set(to_storage(vn, v), mode="drop")
         attn = attend(q, k, v, mb, j, kernel=kernel, max_kv=max_kv)
-        x = llama.attn_out_mlp(cfg, p, x, attn, reduce)
+        x = llama.attn_out_mlp(cfg, p, x, attn, reduce, dot)
         return (x, k, v), None
 
     count = layers.wq.shape[0]

@@ -137,8 +137,14 @@ def embed(head: HeadParams, tokens):
     return jnp.take(head.embed, tokens, axis=0).astype(jnp.float32)
 
 
-def _matmul(x, w, n: int = 1):
-    """Contract the last `n` axes of x with the first `n` axes of w, as one 2-D matmul.
+def xla_dot(x, w):
+    """x [M, K] @ w [K, N] -> [M, N] f32, x cast to w's dtype, accumulated in f32."""
+    return jnp.dot(x.astype(w.dtype), w, preferred_element_type=jnp.float32)
+
+
+def _matmul(x, w, n: int = 1, dot=None):
+    """Contract the last `n` axes of x with the first `n` axes of w, as one 2-D matmul
+    (`dot`, default `xla_dot`: the caller may pass a kernel with the same contract).
 
     Activations are cast to the weight dtype and accumulate in f32: with bf16 weights this is
     the native bf16 path on CPU (DESIGN.md); the residual stream stays f32. A 2-D dot, not a
@@ -146,31 +152,32 @@ def _matmul(x, w, n: int = 1):
     for the decode layer shapes, measured here)."""
     k = math.prod(w.shape[:n])
     lead, out = x.shape[: x.ndim - n], w.shape[n:]
-    y = jnp.dot(x.reshape(-1, k).astype(w.dtype), w.reshape(k, -1),
-                preferred_element_type=jnp.float32)
+    y = (dot or xla_dot)(x.reshape(-1, k), w.reshape(k, -1))
     return y.reshape(*lead, *out)
 
 
-def qkv(cfg: ModelConfig, p: LayerParams, x, positions):
-    """x [..., E], positions [...] -> roped q [..., H, D], roped k and v [..., Hkv, D] (f32)."""
+def qkv(cfg: ModelConfig, p: LayerParams, x, positions, dot=None):
+    """x [..., E], positions [...] -> roped q [..., H, D], roped k and v [..., Hkv, D] (f32).
+    `dot`: see `_matmul`."""
     h = rms_norm(x, p.attn_norm, cfg.rms_norm_eps)
-    q = _matmul(h, p.wq)  # [..., H, D]
-    kv = _matmul(h, p.wkv)  # [..., 2, Hkv, D]
+    q = _matmul(h, p.wq, dot=dot)  # [..., H, D]
+    kv = _matmul(h, p.wkv, dot=dot)  # [..., 2, Hkv, D]
     cos, sin = rope_tables(cfg, positions)  # [..., 1, D]
     return apply_rope(q, cos, sin), apply_rope(kv[..., 0, :, :], cos, sin), kv[..., 1, :, :]
 
 
-def attn_out_mlp(cfg: ModelConfig, p: LayerParams, x, attn, reduce=None):
+def attn_out_mlp(cfg: ModelConfig, p: LayerParams, x, attn, reduce=None, dot=None):
     """Residual updates after attention: x [..., E], attn [..., H, D] -> x [..., E].
 
     `reduce` sums the partial products of the two row-split matmuls (`wo`, `w_down`) across
-    tensor-parallel shards (a `psum` inside `shard_map`); None on one shard."""
+    tensor-parallel shards (a `psum` inside `shard_map`); None on one shard. `dot`: see
+    `_matmul`."""
     reduce = reduce or (lambda y: y)
-    x = x + reduce(_matmul(attn, p.wo, 2))
+    x = x + reduce(_matmul(attn, p.wo, 2, dot))
     h = rms_norm(x, p.mlp_norm, cfg.rms_norm_eps)
-    gate_up = _matmul(h, p.w_gate_up)  # [..., 2, F]
+    gate_up = _matmul(h, p.w_gate_up, dot=dot)  # [..., 2, F]
     act = jax.nn.silu(gate_up[..., 0, :]) * gate_up[..., 1, :]
-    return x + reduce(_matmul(act, p.w_down))
+    return x + reduce(_matmul(act, p.w_down, dot=dot))
 
 
 def logits(cfg: ModelConfig, head: HeadParams, x):

@@ -108,3 +108,21 @@ def test_spans_straddling_microbatches():
     assert inputs.kv_len.tolist() == [[5, 13, 0, 0], [0, 16, 0, 0]]
     assert inputs.last.tolist() == [4, 10, 0, 0]
     assert inputs.rows.reshape(-1).tolist() == [0] * 5 + [1] * 6 + [4] * 5
+
+
+@pytest.mark.parametrize("layout", ["pp=1,tp=1", "pp=2,tp=4"])
+def test_bf16_step_with_the_cpu_kernels_matches_xla(tiny_values, prompts, layout):
+    """bf16 weights: the C++ kernels (ragged attention, small-row matmuls) give the XLA path's
+    logits within bf16 rounding, prefill and decode."""
+    parsed = Layout.parse(layout)
+    runners = [Runner(TINY, tiny_values, Buckets.for_engine(8, MAX_LEN, 128), 8, MAX_LEN,
+                      jnp.bfloat16, {"prefill": parsed, "decode": parsed},
+                      jax.devices()[: parsed.num_devices], POOL, attention=a)
+               for a in ("auto", "xla")]
+    if not runners[0].use_kernel:
+        pytest.skip("the C++ kernels cannot be built here")
+    prefill = [Piece(p, 0, list(TABLE[i])) for i, p in enumerate(prompts)]
+    decode = [Piece([5], len(p), list(TABLE[i])) for i, p in enumerate(prompts)]
+    for pieces in (prefill, decode):
+        got, want = (run(r, pieces, 8) for r in runners)
+        np.testing.assert_allclose(got, want, atol=3e-2, rtol=3e-2)
