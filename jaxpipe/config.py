@@ -130,8 +130,8 @@ class EngineConfig:
         planner's choice for this model and mesh (jaxpipe.planner.choose_layouts). pp*tp*dp must
         equal the mesh's device count. Prefill runs on one, decode on the other; the weights
         and KV store are re-sharded between them at each phase change.
-    attention: attention over the paged KV: "auto" (the C++ CPU kernel where it builds, else
-        XLA), "kernel" (the kernel or an error) or "xla".
+    attention: the C++ CPU kernels (ragged attention over the paged KV, few-row bf16
+        matmuls): "auto" (where they build, else XLA), "kernel" (them or an error) or "xla".
     scheduler: the scheduling policy (jaxpipe.scheduler): "seesaw" (prefill into the host KV
         tier until it is full, then decode out of it until it is empty: few layout switches),
         "prefill_first" (continuous batching with chunked prefill: decode tokens first, the
