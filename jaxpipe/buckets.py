@@ -2,11 +2,11 @@
 
 A step is a flat batch of tokens (`step_inputs.py`); its real token count is rounded up to the
 next bucket, so a handful of compiled programs serve every step and only the tail of the
-bucket is padding: token buckets are multiples of 16 up to 256 (decode-only steps, whose size
-is the running batch's), then grow by 1.5x and 2x alternately (384, 512, 768, ...: steps of
-prompt chunks fill the budget, so those are mostly full). One compile per bucket. The rows of
-a step (one per sequence in it) are at most min(tokens, max_num_seqs); the LM head and
-sampler run on the sampled rows, rounded up to a power of two.
+bucket is padding. Token buckets are multiples of 8 up to 64 and of 16 up to 256 (decode-only
+steps, whose size is the running batch's), then grow by 1.5x and 2x alternately (384, 512,
+768, ...: steps of prompt chunks fill the budget, so those are mostly full). One compile per
+bucket. The rows of a step (one per sequence in it) are at most min(tokens, max_num_seqs);
+the LM head and sampler run on the sampled rows, rounded up to a power of two.
 """
 
 from __future__ import annotations
@@ -26,9 +26,12 @@ def pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
 
 
 def token_buckets(lo: int, hi: int, fine: int = 256) -> tuple[int, ...]:
-    """Multiples of lo up to `fine` (decode steps of any batch pad at most lo - 1 tokens),
-    then 1.5x and 2x alternately (384, 512, 768, ...), ending exactly at hi."""
-    out = list(range(lo, min(fine, hi) + 1, lo))
+    """Multiples of lo/2 up to 4*lo (the few-row steps of a workload's tail), multiples of lo
+    up to `fine` (decode steps of any batch pad at most lo - 1 tokens), then 1.5x and 2x
+    alternately (384, 512, 768, ...), ending exactly at hi."""
+    small = max(lo // 2, 1)
+    out = list(range(small, min(4 * lo, hi) + 1, small))
+    out += list(range(4 * lo + lo, min(fine, hi) + 1, lo))
     b = out[-1]
     while b < hi:
         out += [b + b // 2, 2 * b]
