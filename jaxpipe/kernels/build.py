@@ -9,7 +9,9 @@ file and renames it into place.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
+import logging
 import os
 import platform
 import shutil
@@ -19,6 +21,8 @@ from pathlib import Path
 
 import jax
 import jaxlib
+
+log = logging.getLogger(__name__)
 
 FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-std=c++17", "-shared",
          "-fPIC", "-w")
@@ -76,3 +80,17 @@ def _cpu_flags() -> str:
     except OSError:
         pass
     return platform.processor()
+
+
+def register(source: Path, symbol: str, target: str, what: str) -> bool:
+    """Build `source` (once per machine), register its FFI handler `symbol` as `target` on
+    the CPU; False, with a warning naming `what` falls back to XLA, if it cannot be built."""
+    if jax.default_backend() != "cpu":
+        return False
+    try:
+        lib = ctypes.cdll.LoadLibrary(str(build(source)))
+    except (KernelBuildError, OSError) as e:
+        log.warning("%s unavailable, using XLA: %s", what, e)
+        return False
+    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+    return True

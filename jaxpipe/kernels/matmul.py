@@ -15,16 +15,14 @@ partitioned by the SPMD partitioner: on a sharded layout call it inside `jax.sha
 
 from __future__ import annotations
 
-import ctypes
 import functools
-import logging
 import math
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
-from jaxpipe.kernels.build import KernelBuildError, build
+from jaxpipe.kernels.build import register
 
 SOURCE = Path(__file__).with_name("matmul.cc")
 TARGET = "jaxpipe_bf16_matmul"
@@ -36,22 +34,12 @@ TARGET = "jaxpipe_bf16_matmul"
 MAX_ROWS = 64
 WIDE_N = 4096  # weights wider than this (the LM head) use the kernel up to MAX_ROWS_WIDE rows
 MAX_ROWS_WIDE = 4
-log = logging.getLogger(__name__)
 
 
 @functools.cache
 def available() -> bool:
     """Build (once per machine) and register the kernel; False, with a warning, if it cannot."""
-    if jax.default_backend() != "cpu":
-        return False
-    try:
-        lib = ctypes.cdll.LoadLibrary(str(build(SOURCE)))
-    except (KernelBuildError, OSError) as e:
-        log.warning("bf16 matmul kernel unavailable, using XLA's dot: %s", e)
-        return False
-    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.JaxpipeBf16Matmul),
-                                platform="cpu")
-    return True
+    return register(SOURCE, "JaxpipeBf16Matmul", TARGET, "the bf16 matmul kernel")
 
 
 def use_kernel(m: int, n: int = 0) -> bool:

@@ -31,36 +31,24 @@ split over the tensor-parallel axis.
 
 from __future__ import annotations
 
-import ctypes
 import functools
-import logging
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
-from jaxpipe.kernels.build import KernelBuildError, build
+from jaxpipe.kernels.build import register
 from jaxpipe.kv.device_cache import from_storage, gather
 from jaxpipe.model import llama
 
 SOURCE = Path(__file__).with_name("ragged_attention.cc")
 TARGET = "jaxpipe_ragged_attention"
-log = logging.getLogger(__name__)
 
 
 @functools.cache
 def available() -> bool:
     """Build (once per machine) and register the kernel; False, with a warning, if it cannot."""
-    if jax.default_backend() != "cpu":
-        return False
-    try:
-        lib = ctypes.cdll.LoadLibrary(str(build(SOURCE)))
-    except (KernelBuildError, OSError) as e:
-        log.warning("ragged attention kernel unavailable, using XLA attention: %s", e)
-        return False
-    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.JaxpipeRaggedAttention),
-                                platform="cpu")
-    return True
+    return register(SOURCE, "JaxpipeRaggedAttention", TARGET, "the ragged attention kernel")
 
 
 def ragged_attention(q, k, v, table, q_start, q_len, kv_len, layer=0) -> jax.Array:
