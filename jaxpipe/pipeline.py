@@ -83,12 +83,42 @@ def attend(q, k, v, mb: dict, layer, *, kernel: bool, max_kv: int):
     return fn(q, k, v, mb["table"], mb["q_start"], mb["q_len"], mb["kv_len"], layer)
 
 
-def kernel_dot(x, w):
+class StackedWeight:
+    """Layer `layer` (traced i32) of a stacked weight [L, ...], for `kernel_dot` to read in
+    place: slicing it out before a custom call makes XLA copy the weight on every call (on
+    SmolLM2 decode steps those copies took more time than the matmuls). Has what
+    `llama._matmul` uses of a weight: shape, dtype, reshape."""
+
+    def __init__(self, stack: jax.Array, layer: jax.Array):
+        self.stack, self.layer = stack, layer
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.stack.shape[1:]
+
+    @property
+    def dtype(self):
+        return self.stack.dtype
+
+    def reshape(self, *shape: int) -> StackedWeight:
+        return StackedWeight(self.stack.reshape(self.stack.shape[0], *shape), self.layer)
+
+
+def kernel_dot(x, w: StackedWeight):
     """`llama._matmul`'s dot with the C++ bf16 kernel where it beats XLA's (bf16 weights, a
     few rows: decode steps; `kernels/matmul.py`), else XLA's. Call inside `shard_map`."""
     if w.dtype == jnp.bfloat16 and matmul.use_kernel(x.shape[0], w.shape[1]):
-        return matmul.bf16_matmul(x, w)
-    return llama.xla_dot(x, w)
+        return matmul.bf16_matmul(x, w.stack, w.layer)
+    return llama.xla_dot(x, w.stack[w.layer])
+
+
+MATMUL_PARAMS = frozenset({"wq", "wkv", "wo", "w_gate_up", "w_down"})
+
+
+def layer_params(layers: LayerParams, j, kernel: bool) -> LayerParams:
+    """Layer j's weights: slices, or with `kernel` the matmul weights as `StackedWeight`s."""
+    return LayerParams(*(StackedWeight(a, j) if kernel and name in MATMUL_PARAMS else a[j]
+                         for name, a in zip(LAYER_PARAMS, layers)))
 
 
 def stage_layers(cfg: ModelConfig, layers: LayerParams, x, mb: dict, cache: KVCache, reduce,
@@ -100,9 +130,9 @@ def stage_layers(cfg: ModelConfig, layers: LayerParams, x, mb: dict, cache: KVCa
     blocks, offsets = token_slots(mb["table"], mb["rows"], positions)
     dot = kernel_dot if kernel else None
 
-    def layer(carry, inputs):
+    def layer(carry, j):
         x, k, v = carry
-        p, j = inputs
+        p = layer_params(layers, j, kernel)
         q, kn, vn = llama.qkv(cfg, p, x, positions, dot)  # [Tm, H|Hkv, D]
         k = k.at[j, blocks, :, offsets].set(to_storage(kn, k), mode="drop")
         v = v.at[j, blocks, :, offsets].set(to_storage(vn, v), mode="drop")
@@ -111,7 +141,7 @@ def stage_layers(cfg: ModelConfig, layers: LayerParams, x, mb: dict, cache: KVCa
         return (x, k, v), None
 
     count = layers.wq.shape[0]
-    (x, k, v), _ = lax.scan(layer, (x, *cache), (layers, jnp.arange(count)), unroll=unroll)
+    (x, k, v), _ = lax.scan(layer, (x, *cache), jnp.arange(count), unroll=unroll)
     return x, KVCache(k, v)
 
 

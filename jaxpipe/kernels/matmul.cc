@@ -2,8 +2,9 @@
 // bandwidth:
 //
 //   x  [M, K]  float32, row-major contiguous; rounded to bf16 (nearest even) before the dot
-//   w  [K, N]  bfloat16 (or its bits, uint16), row-major contiguous
-//   y  [M, N]  float32: sum over k of bf16(x[m, k]) * w[k, n], products exact, sums in f32
+//   w  [L, K, N]  bfloat16 (or its bits, uint16), row-major contiguous: a stack of L weights
+//   layer  [] int32: which of them (clamped to [0, L)), read in place
+//   y  [M, N]  float32: sum over k of bf16(x[m, k]) * w[layer, k, n], products exact, f32 sums
 //
 // Columns are split into one contiguous range per worker of XLA's intra-op thread pool, so each
 // worker streams its own part of every weight row. A worker goes over K in blocks of kBlock
@@ -314,15 +315,19 @@ void matmul(ffi::ThreadPool& pool, const float* x, const uint16_t* w, float* y, 
 }
 
 ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
-                      ffi::ResultBuffer<ffi::F32> y) {
+                      ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y) {
   auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
-  if (xd.size() != 2 || wd.size() != 2 || yd.size() != 2 || xd[1] != wd[0] ||
-      yd[0] != xd[0] || yd[1] != wd[1])
-    return ffi::Error::InvalidArgument("bf16_matmul: need x [M,K], w [K,N], y [M,N]");
+  if (xd.size() != 2 || wd.size() != 3 || yd.size() != 2 || xd[1] != wd[1] ||
+      yd[0] != xd[0] || yd[1] != wd[2] || layer.element_count() != 1)
+    return ffi::Error::InvalidArgument(
+        "bf16_matmul: need x [M,K], w [L,K,N], layer [] and y [M,N]");
   if (w.element_type() != ffi::BF16 && w.element_type() != ffi::U16)
     return ffi::Error::InvalidArgument("bf16_matmul: w must be bf16 or u16 (bf16 bits)");
-  matmul(pool, x.typed_data(), static_cast<const uint16_t*>(w.untyped_data()), y->typed_data(),
-         xd[0], xd[1], wd[1]);
+  // Layer l's weight, read in place: slicing a stacked weight before a custom call costs XLA
+  // a copy of it per call (a write and a second read of every weight).
+  const int64_t l = std::clamp<int64_t>(layer.typed_data()[0], 0, wd[0] - 1);
+  const auto* base = static_cast<const uint16_t*>(w.untyped_data()) + l * wd[1] * wd[2];
+  matmul(pool, x.typed_data(), base, y->typed_data(), xd[0], xd[1], wd[2]);
   return ffi::Error::Success();
 }
 
@@ -333,4 +338,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpipeBf16Matmul, MatmulImpl,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());

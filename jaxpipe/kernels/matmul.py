@@ -48,17 +48,22 @@ def use_kernel(m: int, n: int = 0) -> bool:
     return 0 < m <= (MAX_ROWS_WIDE if n > WIDE_N else MAX_ROWS) and available()
 
 
-def bf16_matmul(x, w) -> jax.Array:
+def bf16_matmul(x, w, layer=None) -> jax.Array:
     """y [..., N] f32 = bf16(x) @ w: x [..., K] (any float dtype; rounded to bf16, nearest
-    even), w [K, N] bfloat16 (or uint16 holding bf16 bits). Products are exact in f32 and sums
-    are f32, so it equals `reference` up to summation order."""
+    even), w [K, N] bfloat16 (or uint16 holding bf16 bits), or a stack [L, K, N] of which
+    `layer` (python int or traced i32 scalar, clamped to [0, L)) is used, read in place: a
+    layer sliced from a stacked weight before the call would be copied by XLA on every call.
+    Products are exact in f32 and sums are f32, so it equals `reference` up to summation
+    order."""
     if not available():  # builds and registers the kernel on first use
         raise RuntimeError("the bf16 matmul kernel cannot be built here; use reference()")
-    _check_shapes(x, w)
+    _check_shapes(x, w, layer)
+    stack = w if w.ndim == 3 else w[None]
     rows = x.reshape(math.prod(x.shape[:-1]), x.shape[-1]).astype(jnp.float32)  # [M, K]
-    out = jax.ShapeDtypeStruct((rows.shape[0], w.shape[1]), jnp.float32)
-    y = jax.ffi.ffi_call(TARGET, out)(rows, w)  # [M, N]
-    return y.reshape(*x.shape[:-1], w.shape[1])
+    out = jax.ShapeDtypeStruct((rows.shape[0], stack.shape[2]), jnp.float32)
+    index = jnp.asarray(0 if layer is None else layer, jnp.int32)
+    y = jax.ffi.ffi_call(TARGET, out)(rows, stack, index)  # [M, N]
+    return y.reshape(*x.shape[:-1], stack.shape[2])
 
 
 def matmul(x, w) -> jax.Array:
@@ -74,9 +79,12 @@ def reference(x, w) -> jax.Array:
     return jnp.dot(x.astype(jnp.bfloat16), w, preferred_element_type=jnp.float32)
 
 
-def _check_shapes(x, w) -> None:
-    if x.ndim < 1 or w.ndim != 2 or x.shape[-1] != w.shape[0]:
-        raise ValueError(f"bf16_matmul: x must be [..., K] and w [K, N]; got x {x.shape}, "
-                         f"w {w.shape}")
+def _check_shapes(x, w, layer) -> None:
+    if x.ndim < 1 or w.ndim not in (2, 3) or x.shape[-1] != w.shape[-2]:
+        raise ValueError(f"bf16_matmul: x must be [..., K] and w [K, N] or [L, K, N]; got x "
+                         f"{x.shape}, w {w.shape}")
+    if (w.ndim == 3) != (layer is not None):
+        raise ValueError(f"bf16_matmul: a layer index goes with a stacked w [L, K, N] and only "
+                         f"with it; got w {w.shape}, layer {layer!r}")
     if w.dtype not in (jnp.bfloat16, jnp.uint16):
         raise ValueError(f"bf16_matmul: w must be bfloat16 or uint16 (bf16 bits); got {w.dtype}")

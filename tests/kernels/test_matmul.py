@@ -87,6 +87,17 @@ def test_under_jit():
     close(got, numpy_matmul(x * 2, w), x * 2, w)
 
 
+def test_stacked_weight_picks_its_layer_in_place():
+    """w [L, K, N] with a traced layer index reads that layer (clamped to [0, L)), as the
+    step's unrolled layer loop calls it on the stacked weights."""
+    x, w = inputs(5, 67, 129, seed=3)
+    stack = jnp.stack([w * 0.5, w, w * 2.0])
+    fn = jax.jit(mm.bf16_matmul)
+    for layer, want_w in [(1, w), (2, w * 2.0), (7, w * 2.0), (-3, w * 0.5)]:
+        got = np.asarray(fn(x, stack, jnp.int32(layer)))
+        close(got, numpy_matmul(x, want_w), x, want_w)
+
+
 def test_inside_shard_map():
     """The engine calls it inside `jax.shard_map` (a custom call cannot be partitioned)."""
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))  # as jaxpipe.sharding
@@ -116,4 +127,8 @@ def test_bad_shapes_are_named():
         mm.bf16_matmul(x[:, :5], w)
     with pytest.raises(ValueError, match="bfloat16 or uint16"):
         mm.bf16_matmul(x, w.astype(jnp.float32))
+    with pytest.raises(ValueError, match="layer index goes with a stacked w"):
+        mm.bf16_matmul(x, w, 0)
+    with pytest.raises(ValueError, match="layer index goes with a stacked w"):
+        mm.bf16_matmul(x, w[None])
 
