@@ -19,6 +19,7 @@ go through the LM head (`logits_program`, partitioned by XLA from the vocab-spli
 
 from __future__ import annotations
 
+import math
 from functools import partial
 
 import jax
@@ -87,29 +88,38 @@ class StackedWeight:
     """Layer `layer` (traced i32) of a stacked weight [L, ...], for `kernel_dot` to read in
     place: slicing it out before a custom call makes XLA copy the weight on every call (on
     SmolLM2 decode steps those copies took more time than the matmuls). Has what
-    `llama._matmul` uses of a weight: shape, dtype, reshape."""
+    `llama._matmul` uses of a weight: shape, dtype, reshape (recorded, applied on use)."""
 
-    def __init__(self, stack: jax.Array, layer: jax.Array):
+    def __init__(self, stack: jax.Array, layer: jax.Array, shape: tuple[int, ...] | None = None):
         self.stack, self.layer = stack, layer
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return self.stack.shape[1:]
+        self.shape = shape or stack.shape[1:]
 
     @property
     def dtype(self):
         return self.stack.dtype
 
     def reshape(self, *shape: int) -> StackedWeight:
-        return StackedWeight(self.stack.reshape(self.stack.shape[0], *shape), self.layer)
+        if -1 in shape:  # as numpy: the one -1 takes what the others leave
+            known = math.prod(d for d in shape if d != -1)
+            shape = tuple(math.prod(self.shape) // known if d == -1 else d for d in shape)
+        return StackedWeight(self.stack, self.layer, shape)
+
+    def sliced(self) -> jax.Array:
+        """The layer's weight as an array, sliced before the reshape: XLA fuses that slice
+        into its dot (reshaping the stack first costs prefill steps ~20%)."""
+        return self.stack[self.layer].reshape(self.shape)
+
+    def stacked(self) -> jax.Array:
+        """The stack as [L, K, N] (a bitcast) for the kernel."""
+        return self.stack.reshape(self.stack.shape[0], *self.shape)
 
 
 def kernel_dot(x, w: StackedWeight):
     """`llama._matmul`'s dot with the C++ bf16 kernel where it beats XLA's (bf16 weights, a
     few rows: decode steps; `kernels/matmul.py`), else XLA's. Call inside `shard_map`."""
     if w.dtype == jnp.bfloat16 and matmul.use_kernel(x.shape[0], w.shape[1]):
-        return matmul.bf16_matmul(x, w.stack, w.layer)
-    return llama.xla_dot(x, w.stack[w.layer])
+        return matmul.bf16_matmul(x, w.stacked(), w.layer)
+    return llama.xla_dot(x, w.sliced())
 
 
 MATMUL_PARAMS = frozenset({"wq", "wkv", "wo", "w_gate_up", "w_down"})
@@ -118,7 +128,7 @@ MATMUL_PARAMS = frozenset({"wq", "wkv", "wo", "w_gate_up", "w_down"})
 def layer_params(layers: LayerParams, j, kernel: bool) -> LayerParams:
     """Layer j's weights: slices, or with `kernel` the matmul weights as `StackedWeight`s."""
     return LayerParams(*(StackedWeight(a, j) if kernel and name in MATMUL_PARAMS else a[j]
-                         for name, a in zip(LAYER_PARAMS, layers)))
+                         for name, a in zip(LAYER_PARAMS, layers, strict=True)))
 
 
 def stage_layers(cfg: ModelConfig, layers: LayerParams, x, mb: dict, cache: KVCache, reduce,
