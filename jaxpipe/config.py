@@ -98,7 +98,8 @@ class ModelConfig:
 
 
 ATTENTION = ("auto", "kernel", "xla")
-SCHEDULERS = ("auto", "seesaw", "prefill_first", "decode_first")  # + jaxpipe.scheduler
+SCHEDULERS = ("auto", "seesaw", "prefill_first", "decode_first", "tdpipe", "throttle")
+PREDICTORS = ("learned", "oracle")  # jaxpipe.scheduler.predictor
 
 
 def _default_cache_dir() -> str:
@@ -136,8 +137,20 @@ class EngineConfig:
         tier until it is full, then decode out of it until it is empty: few layout switches),
         "prefill_first" (continuous batching with chunked prefill: decode tokens first, the
         rest of each step's budget to prompt chunks) or "decode_first" (fill a batch, decode
-        it to the end). "auto" (the default): seesaw when the prefill and decode layouts
-        differ and the host tier is on, else prefill_first.
+        it to the end), "tdpipe" (TD-Pipe: long prefill and decode phases on one pp-heavy
+        layout; greedy prefill up to the KV its predicted output lengths will need, decode in
+        pp balanced batches, back to prefill when decode efficiency drops below the switch's
+        cost) or "throttle" (gLLM: each micro-batch throttles its prompt tokens by the waiting
+        tokens and free KV, and carries 1/pp of the decode tokens). "auto" (the default):
+        seesaw when the prefill and decode layouts differ and the host tier is on, else
+        prefill_first. tdpipe and throttle run on the prefill layout, pp micro-batches a step.
+    throttle_iterations, throttle_max_prefill, throttle_min_prefill, throttle_kv_thresh:
+        gLLM's #T, #MaxP, #MinP and KV_thresh (the paper's defaults 8, 2048, 32, 0.05).
+    tdpipe_predictor: TD-Pipe's output-length predictor, "learned" (online, from finished
+        requests) or "oracle" (each request's max_tokens). tdpipe_finish_ratio: None switches
+        decode -> prefill by TD-Pipe's intensity comparison (from step times the engine
+        measures once per model and layout and caches), a fraction in (0, 1] once that
+        fraction of the decode phase's requests finished.
     host_kv_gb: size of the host KV tier (finished prefills and preempted sequences wait there,
         in host memory, for a device slot). host_kv_tokens, when given, sets it in tokens
         instead. seesaw needs it > 0; 0 turns the tier off (preemption then recomputes).
@@ -162,6 +175,12 @@ class EngineConfig:
     scheduler: str = "auto"
     host_kv_gb: float = 4.0
     host_kv_tokens: int | None = None
+    throttle_iterations: int = 8
+    throttle_max_prefill: int = 2048
+    throttle_min_prefill: int = 32
+    throttle_kv_thresh: float = 0.05
+    tdpipe_predictor: str = "learned"
+    tdpipe_finish_ratio: float | None = None
 
     def __post_init__(self):
         if not isinstance(self.model, (str, os.PathLike)) or not str(self.model):
@@ -192,6 +211,7 @@ class EngineConfig:
         if self.kv_cache_tokens is not None:
             _check_int("kv_cache_tokens", self.kv_cache_tokens, 1, 1 << 40)
         self.check_scheduler(self.scheduler)
+        self._check_policy_knobs()
         if self.compilation_cache_dir is not None:
             self.compilation_cache_dir = str(Path(self.compilation_cache_dir).expanduser())
         self._check_layouts()
@@ -206,6 +226,25 @@ class EngineConfig:
             raise ValueError("EngineConfig.scheduler='seesaw' buffers finished prefills in the "
                              "host KV tier, which is off (host_kv_gb=0 / host_kv_tokens=0); "
                              "give it room or use scheduler='prefill_first'")
+
+    def _check_policy_knobs(self) -> None:
+        _check_int("throttle_iterations", self.throttle_iterations, 1, 1 << 20)
+        _check_int("throttle_min_prefill", self.throttle_min_prefill, 0, 1 << 20)
+        _check_int("throttle_max_prefill", self.throttle_max_prefill,
+                   max(1, self.throttle_min_prefill), 1 << 20)
+        if isinstance(self.throttle_kv_thresh, bool) or not (
+                isinstance(self.throttle_kv_thresh, (int, float))
+                and 0 <= self.throttle_kv_thresh < 1):
+            raise ValueError(f"EngineConfig.throttle_kv_thresh must be in [0, 1), "
+                             f"got {self.throttle_kv_thresh!r}")
+        if self.tdpipe_predictor not in PREDICTORS:
+            raise ValueError(f"EngineConfig.tdpipe_predictor must be one of {PREDICTORS}, "
+                             f"got {self.tdpipe_predictor!r}")
+        ratio = self.tdpipe_finish_ratio
+        if ratio is not None and (isinstance(ratio, bool) or not (
+                isinstance(ratio, (int, float)) and 0 < ratio <= 1)):
+            raise ValueError(f"EngineConfig.tdpipe_finish_ratio must be None or in (0, 1], "
+                             f"got {ratio!r}")
 
     def _check_layouts(self) -> None:
         """Resolve `prefill` / `decode` to `Layout`s (preset defaults) that fit the mesh."""

@@ -19,7 +19,7 @@ from collections import deque
 import jax
 import numpy as np
 
-from jaxpipe import sampling, step_inputs
+from jaxpipe import sampling, step_inputs, step_timing
 from jaxpipe.buckets import Buckets
 from jaxpipe.config import EngineConfig
 from jaxpipe.kv.device_cache import BLOCK
@@ -35,7 +35,10 @@ from jaxpipe.scheduler import (
     Sequence,
     make_policy,
 )
+from jaxpipe.scheduler.throttle import ThrottleKnobs
 from jaxpipe.step_inputs import Piece
+
+PIPELINED = ("tdpipe", "throttle")  # policies that form one micro-batch per schedule call
 
 
 class Executor:
@@ -55,12 +58,36 @@ class Executor:
 
     def step(self) -> list[Sequence]:
         """Run the policy's next action; returns the sequences that got a token."""
+        if getattr(self.policy, "depth", 1) > 1:
+            return self._microbatch_step()
         action = self.policy.schedule(self.state)
         if action is None:
             return []
         stepped = self._execute(action)
         self._note_host()
         return stepped
+
+    def _microbatch_step(self) -> list[Sequence]:
+        """For the policies that form one micro-batch per call (tdpipe, throttle): up to
+        `policy.depth` of them, launched one after another as a pipelined executor would,
+        run as one step (the step's own micro-batches even out their tokens). A micro-batch
+        that would overflow the step's token budget is dropped unlaunched; the policy forms
+        it again next step."""
+        runs: list[Run] = []
+        action = None
+        while len(runs) < self.policy.depth:
+            action = self.policy.schedule(self.state)
+            if not isinstance(action, Run):
+                break
+            if runs and _tokens(runs + [action]) > self.buckets.max_tokens:
+                break
+            self.state.launch(action)
+            runs.append(action)
+        if runs:
+            return self._run(_merge(runs), runs)
+        if action is None:
+            return []
+        return self._execute(action)
 
     def set_policy(self, name: str) -> None:
         self.policy = _policy(name, self.config, self.runner, self.buckets,
@@ -156,12 +183,15 @@ class Executor:
                 self.kv.drop(seq)
         self._stats["preemptions"] += len(action.seqs)
 
-    def _run(self, action: Run) -> list[Sequence]:
+    def _run(self, action: Run, runs: list[Run] | None = None) -> list[Sequence]:
         """One ragged step: every prompt chunk and decode token of `action` in one batch
         (`step_inputs.py`). Sequences still being swapped in join a later step (the
         prefetcher keeps working meanwhile). With `prefill_to_host` each completed prefill's
-        KV then goes to the host tier (asynchronously: the next step overlaps the copies)."""
+        KV then goes to the host tier (asynchronously: the next step overlaps the copies).
+        `runs`: the launched micro-batches `action` merges, applied one by one."""
         decode = self._ready_decodes(action.decode)
+        if runs and len(decode) < len(action.decode):  # launched runs cannot wait for KV
+            raise RuntimeError("a micro-batch decodes sequences whose KV is not on the device")
         prefill = [self._prefill_piece(info, n) for info, n in action.prefill]
         completed = [seq for seq, _, done in prefill if done]
         pieces = [p for p in prefill if p[2]]
@@ -176,8 +206,12 @@ class Executor:
             for seq in completed:
                 if not seq.is_finished:
                     self.kv.swap_out(seq, seq.num_tokens - 1)  # all but the token just sampled
+        finished = {s.request_id for s in sampled if s.is_finished}
         ran = Run(prefill=action.prefill, decode=decode, prefill_to_host=action.prefill_to_host)
-        self.state.apply(ran, [s.request_id for s in sampled if s.is_finished])
+        for run in runs or [ran]:
+            ended = {s.request_id for s in run.seqs} & finished
+            self.state.apply(run, ended)
+            self.policy.landed(run, ended, self.state)
         return sampled
 
     def _ready_decodes(self, infos: list[Sequence]) -> list[Sequence]:
@@ -320,14 +354,37 @@ def _policy(name: str, config: EngineConfig, runner: Runner, buckets: Buckets,
             host_tokens: int):
     """A policy that switches layouts if the runner's two differ, with the step's token
     budget for prompt chunks. "auto": seesaw over two layouts and a host tier, else
-    prefill_first (continuous batching: nothing to gain from phases on one layout)."""
+    prefill_first (continuous batching: nothing to gain from phases on one layout).
+    tdpipe and throttle form pp micro-batches per step on the prefill layout."""
     layouts = runner.layouts
     two = layouts["prefill"] != layouts["decode"]
     if name == "auto":
         name = "seesaw" if two and host_tokens > 0 else "prefill_first"
-    return make_policy(name, two_layouts=two,
-                       max_prefill_tokens=min(config.max_num_batched_tokens,
-                                              buckets.max_tokens))
+    budget = min(config.max_num_batched_tokens, buckets.max_tokens)
+    if name not in PIPELINED:
+        return make_policy(name, two_layouts=two, max_prefill_tokens=budget)
+    depth = layouts["prefill"].pp
+    opts = {"pipeline_depth": depth, "max_prefill_tokens": max(1, budget // depth)}
+    if name == "throttle":
+        opts["knobs"] = ThrottleKnobs(config.throttle_iterations, config.throttle_max_prefill,
+                                      config.throttle_min_prefill, config.throttle_kv_thresh)
+    else:
+        opts["predictor"] = config.tdpipe_predictor
+        opts["finish_ratio"] = config.tdpipe_finish_ratio
+        if config.tdpipe_finish_ratio is None:
+            opts["timing"] = step_timing.load_or_measure(runner, buckets, depth,
+                                                         config.model, config.dtype)
+    return make_policy(name, **opts)
+
+
+def _tokens(runs: list[Run]) -> int:
+    return sum(r.prefill_tokens + len(r.decode) for r in runs)
+
+
+def _merge(runs: list[Run]) -> Run:
+    """One step's worth of micro-batches as one Run."""
+    return Run(prefill=[p for r in runs for p in r.prefill],
+               decode=[s for r in runs for s in r.decode])
 
 
 def _new_stats() -> dict:

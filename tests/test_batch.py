@@ -202,3 +202,16 @@ def test_scheduler_flags_reach_engine_config(capsys):
         engine_kwargs(parser.parse_args(["--scheduler", "fcfs"]), parser)
     assert info.value.code == 2
     assert "scheduler must be one of" in capsys.readouterr().err
+    args = parser.parse_args(["--scheduler", "throttle", "--throttle-iterations", "4",
+                              "--throttle-max-prefill", "512", "--throttle-min-prefill", "16",
+                              "--throttle-kv-thresh", "0.1"])
+    kwargs = engine_kwargs(args, parser)
+    assert (kwargs["throttle_iterations"], kwargs["throttle_max_prefill"],
+            kwargs["throttle_min_prefill"], kwargs["throttle_kv_thresh"]) == (4, 512, 16, 0.1)
+    args = parser.parse_args(["--scheduler", "tdpipe", "--tdpipe-predictor", "oracle",
+                              "--tdpipe-finish-ratio", "0.5"])
+    kwargs = engine_kwargs(args, parser)
+    assert (kwargs["tdpipe_predictor"], kwargs["tdpipe_finish_ratio"]) == ("oracle", 0.5)
+    with pytest.raises(SystemExit):
+        engine_kwargs(parser.parse_args(["--throttle-kv-thresh", "1.5"]), parser)
+    assert "throttle_kv_thresh must be in [0, 1)" in capsys.readouterr().err

@@ -35,6 +35,14 @@ BAD_ENGINE_CONFIGS = [
     (dict(mesh="cpu-8", decode="tp=4"), "decode"),
     (dict(mesh="cpu-8", prefill="xx=8"), "prefill"),
     (dict(mesh="cpu-1", decode="tp=2"), "decode"),
+    (dict(scheduler="gllm"), "scheduler"),
+    (dict(throttle_iterations=0), "throttle_iterations"),
+    (dict(throttle_min_prefill=-1), "throttle_min_prefill"),
+    (dict(throttle_max_prefill=16, throttle_min_prefill=32), "throttle_max_prefill"),
+    (dict(throttle_kv_thresh=1.0), "throttle_kv_thresh"),
+    (dict(tdpipe_predictor="bert"), "tdpipe_predictor"),
+    (dict(tdpipe_finish_ratio=0.0), "tdpipe_finish_ratio"),
+    (dict(tdpipe_finish_ratio=True), "tdpipe_finish_ratio"),
 ]
 
 

@@ -43,9 +43,11 @@ from jaxpipe.scheduler import (
     SwapIn,
     Switch,
     drive,
+    drive_pipelined,
     make_policy,
 )
 
+PIPELINED_POLICIES = ("tdpipe", "throttle")  # policies that form one micro-batch per call
 CHUNK_TOKENS_PER_MICROBATCH = 2048  # vLLM's max_num_batched_tokens for chunked prefill
 TIMELINE_POINTS = 200  # host-occupancy samples kept in the result
 
@@ -157,6 +159,62 @@ class SimExecutor:
             timeline.append((self.clock, state.host_used))
 
 
+class PipelinedSimExecutor(SimExecutor):
+    """Micro-batches through `pp` stages with host-driven ticks (`drive_pipelined`): a
+    micro-batch enters stage s when it left stage s-1 and stage s is free; each stage takes
+    the cost model's `stage_time` for the micro-batch's tokens. The clock is the scheduler's:
+    it advances to a micro-batch's exit when that micro-batch lands."""
+
+    def __init__(self, cost: CostModel):
+        super().__init__(cost, cost)
+        self.stages = [0.0] * cost.layout.pp  # when each stage is next free
+        self.busy_seconds = 0.0  # stage-seconds of work (for the pipeline utilisation)
+
+    def launch(self, run: Run, state: SchedulerState) -> float:
+        cm = self.cost[state.phase]
+        tokens = run.prefill_tokens + len(run.decode)
+        pairs = sum(n * s.computed + n * (n + 1) / 2 for s, n in run.prefill)
+        pairs += sum(s.computed + 1 for s in run.decode)
+        kv = sum(s.computed + n for s, n in run.prefill) + sum(s.computed + 1 for s in run.decode)
+        dt = cm.stage_time(tokens, pairs, kv, len(run.sampling()))
+        t = max([self.clock] + [self.ready.pop(s.seq_id, 0.0) for s in run.decode])
+        for i, free in enumerate(self.stages):
+            t = max(t, free) + dt
+            self.stages[i] = t
+        self.busy_seconds += dt * len(self.stages)
+        if run.decode and len(run.decode) >= run.prefill_tokens:
+            self.stats.decode_seconds += dt
+            self.stats.decode_steps += 1
+            self.stats.decode_rows += len(run.decode)
+        else:
+            self.stats.prefill_seconds += dt
+        return t
+
+    def land(self, run: Run, done: float, state: SchedulerState) -> list[Hashable]:
+        self.clock = max(self.clock, done)
+        sampling = run.sampling()
+        self.stats.tokens_generated += len(sampling)
+        return [s.seq_id for s in sampling if s.generated + 1 >= s.max_output_len]
+
+
+@dataclass(frozen=True)
+class CostTiming:
+    """TD-Pipe's `PhaseTiming` from the cost model: one micro-batch through one stage, decode
+    sequences at `context` tokens, prefill prompts of `prompt` tokens."""
+
+    cost: CostModel
+    context: float
+    prompt: float
+    peak_batch: int = MAX_NUM_SEQS
+
+    def decode_seconds(self, batch: int) -> float:
+        return self.cost.stage_time(batch, batch * self.context, batch * self.context, batch)
+
+    def prefill_seconds(self, tokens: int) -> float:
+        rows = max(1.0, tokens / self.prompt)
+        return self.cost.stage_time(tokens, tokens * (self.prompt + 1) / 2, tokens, rows)
+
+
 @dataclass
 class SimResult:
     """End-to-end outcome of one simulated run."""
@@ -169,6 +227,8 @@ class SimResult:
     output_tokens: int
     finished: int
     stats: SimStats
+    utilisation: float | None = None  # pipelined runs: stage busy time / (pp x makespan)
+    policy_object: object = None  # the policy after the run (its counters, predictions)
 
     @property
     def throughput(self) -> float:
@@ -190,7 +250,7 @@ class SimResult:
             "swap_out_bytes": st.swap_out_bytes, "swap_in_bytes": st.swap_in_bytes,
             "swap_seconds": st.swap_seconds, "mean_decode_batch": st.mean_decode_batch,
             "preemptions": st.preemptions, "padding_waste": st.padding_waste,
-            "tokens_generated": st.tokens_generated,
+            "tokens_generated": st.tokens_generated, "utilisation": self.utilisation,
             "host_timeline": _downsample(st.host_timeline),
         }
 
@@ -202,29 +262,48 @@ def _downsample(timeline: list, points: int = TIMELINE_POINTS) -> list:
 
 def simulate(model: ModelConfig, mesh: MeshPreset, workload: Workload, policy: str,
              prefill: Layout, decode: Layout | None = None, host_kv_gb: float = HOST_KV_GB,
-             **policy_options) -> SimResult:
+             pipelined: bool = False, **policy_options) -> SimResult:
     """Serve `workload` with `policy` on `prefill` (and `decode`, default the same) layouts.
 
+    `pipelined`: micro-batches with host-driven ticks on one layout (`PipelinedSimExecutor`,
+    `drive_pipelined`: up to pp in flight, each formed by the policy as one leaves), as TD-Pipe
+    and gLLM run; `tdpipe` and `throttle` always run so. Otherwise a step is all pp
+    micro-batches at once (`CostModel.step_time`), as the engine's in-program ticks run.
     `prefill_first` on a single layout defaults to chunked prefill (the paper's vLLM baseline).
     Raises ValueError if a layout cannot hold the weights plus the longest request."""
     from jaxpipe.planner.planner import layout_name
 
     decode = decode or prefill
+    pipelined = pipelined or policy in PIPELINED_POLICIES
+    if pipelined and prefill != decode:
+        raise ValueError(f"a pipelined run uses one layout; got {prefill} and {decode}")
     cost_p, cost_d = (CostModel(model, mesh.hardware, x) for x in (prefill, decode))
     state = _make_state(model, workload, cost_p, cost_d, host_kv_gb)
-    pol = make_policy(policy, **_policy_options(policy, prefill, decode, policy_options))
-    executor = SimExecutor(cost_p, cost_d)
+    opts = _policy_options(policy, prefill, decode, policy_options, pipelined)
+    if policy == "tdpipe" and opts.get("finish_ratio") is None:
+        opts.setdefault("timing", CostTiming(cost_p, workload.mean_prompt
+                                             + workload.mean_output / 2, workload.mean_prompt))
+    pol = make_policy(policy, **opts)
+    if pipelined:
+        executor = PipelinedSimExecutor(cost_p)
+        drive_pipelined(pol, state, executor, depth=prefill.pp)
+    else:
+        executor = SimExecutor(cost_p, cost_d)
 
-    def execute(action, st):
-        executor.record_host(st)
-        return executor.execute(action, st)
+        def execute(action, st):
+            executor.record_host(st)
+            return executor.execute(action, st)
 
-    drive(pol, state, execute)
+        drive(pol, state, execute)
     executor.record_host(state)
     seconds = max(executor.clock, executor.link)
-    return SimResult(policy, layout_name(prefill), layout_name(decode), seconds,
-                     workload.total_prompt, workload.total_output, len(state.finished),
-                     executor.stats)
+    result = SimResult(policy, layout_name(prefill), layout_name(decode), seconds,
+                       workload.total_prompt, workload.total_output, len(state.finished),
+                       executor.stats)
+    if pipelined:
+        result.utilisation = executor.busy_seconds / (prefill.pp * seconds)
+    result.policy_object = pol
+    return result
 
 
 def _make_state(model: ModelConfig, w: Workload, cost_p: CostModel, cost_d: CostModel,
@@ -239,14 +318,19 @@ def _make_state(model: ModelConfig, w: Workload, cost_p: CostModel, cost_d: Cost
     return state
 
 
-def _policy_options(policy: str, prefill: Layout, decode: Layout, options: dict) -> dict:
-    """Token budgets scaled by pipeline depth (one budget per micro-batch, as vLLM's virtual
-    engines do) and the chunked-prefill default of the vLLM baseline."""
+def _policy_options(policy: str, prefill: Layout, decode: Layout, options: dict,
+                    pipelined: bool) -> dict:
+    """Token budgets: per micro-batch when pipelined (each `schedule` forms one), else scaled
+    by pipeline depth (one budget per micro-batch, as vLLM's virtual engines do); the
+    chunked-prefill default of the vLLM baseline; the pipeline depth of the two
+    micro-batch policies."""
     opts = dict(options)
     if policy != "seesaw":
         opts.setdefault("two_layouts", prefill != decode)
     if policy == "prefill_first":
         opts.setdefault("chunked", not opts["two_layouts"])
+    if policy in PIPELINED_POLICIES:
+        opts.setdefault("pipeline_depth", prefill.pp)
     per_mb = CHUNK_TOKENS_PER_MICROBATCH if opts.get("chunked") else PREFILL_TOKENS_PER_MICROBATCH
-    opts.setdefault("max_prefill_tokens", per_mb * prefill.pp)
+    opts.setdefault("max_prefill_tokens", per_mb * (1 if pipelined else prefill.pp))
     return opts

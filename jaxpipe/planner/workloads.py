@@ -9,6 +9,7 @@ stand-ins for the datasets (no text is involved, only lengths):
 - `arxiv`: arxiv-summarization (Cohan et al. 2018: articles ~4.9k words, abstracts ~220 words
   ≈ 290 tokens). Articles are far longer than the context, so prompts are truncated to 3584
   tokens (most requests sit at the cap) and outputs capped at 512: long prompts, short outputs.
+- `sharegpt-1k`: `sharegpt` with prompts capped below 1024 tokens (TD-Pipe's filter).
 - `constant:IN:OUT`: every request has IN prompt and OUT output tokens (Fig. 13's setup).
 """
 
@@ -22,7 +23,9 @@ from dataclasses import dataclass
 # (median, sigma, lo, hi) of each lognormal; mean = median * exp(sigma^2 / 2) before clipping.
 SHAREGPT = {"prompt": (98, 1.0, 4, 2048), "output": (245, 0.8, 4, 2048)}
 ARXIV = {"prompt": (6000, 0.6, 512, 3584), "output": (270, 0.4, 32, 512)}
-DISTRIBUTIONS = {"sharegpt": SHAREGPT, "arxiv": ARXIV}
+# TD-Pipe's filter (§4.1): ShareGPT prompts shorter than 1024 tokens.
+SHAREGPT_1K = {"prompt": (98, 1.0, 4, 1023), "output": SHAREGPT["output"]}
+DISTRIBUTIONS = {"sharegpt": SHAREGPT, "arxiv": ARXIV, "sharegpt-1k": SHAREGPT_1K}
 DEFAULT_NUM_REQUESTS = 1000
 
 

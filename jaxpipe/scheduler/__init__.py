@@ -1,13 +1,14 @@
 """Request queues, phases and policies. Pure Python: imports neither jax nor numpy.
 
 The policy interface — `SchedulerState`, four actions, `make_policy(...)` with `seesaw`,
-`prefill_first`, `decode_first` — is what the engine (jaxpipe/engine.py) and the simulator in
-`jaxpipe.planner` both drive; `policy.py`'s docstring shows the loop an executor runs.
+`prefill_first`, `decode_first`, `tdpipe` (TD-Pipe) and `throttle` (gLLM) — is what the
+engine (jaxpipe/engine.py) and the simulator in `jaxpipe.planner` both drive; `policy.py`'s
+docstring shows the loop an executor runs.
 `Sequence` is the engine's record of one request: a `SeqInfo` with its tokens.
 """
 
 from jaxpipe.scheduler.actions import Action, Kind, Preempt, Run, SwapIn, Switch
-from jaxpipe.scheduler.policy import Policy, drive
+from jaxpipe.scheduler.policy import Policy, drive, drive_pipelined
 from jaxpipe.scheduler.registry import POLICIES, make_policy
 from jaxpipe.scheduler.sequence import Sequence
 from jaxpipe.scheduler.state import Location, Phase, SchedulerState, SeqInfo
@@ -15,5 +16,5 @@ from jaxpipe.scheduler.state import Location, Phase, SchedulerState, SeqInfo
 __all__ = [
     "Action", "Kind", "Location", "POLICIES", "Phase", "Policy", "Preempt", "Run",
     "SchedulerState", "SeqInfo", "Sequence", "SwapIn", "Switch",
-    "drive", "make_policy",
+    "drive", "drive_pipelined", "make_policy",
 ]

@@ -23,7 +23,9 @@ onto the host KV tier, and pass the ids that hit EOS/stop/length to `apply`.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Hashable, Iterable
+from typing import Protocol
 
 from jaxpipe.scheduler.actions import Action, Preempt, Run, Switch
 from jaxpipe.scheduler.state import Phase, SchedulerState, SeqInfo
@@ -56,6 +58,10 @@ class Policy:
     def schedule(self, state: SchedulerState) -> Action | None:
         raise NotImplementedError
 
+    def landed(self, run: Run, finished: set[Hashable], state: SchedulerState) -> None:
+        """`run` was applied to `state` (its micro-batch returned); `finished` ended in it.
+        Policies that learn from outcomes or regroup returning batches override this."""
+
     def _in_phase(self, state: SchedulerState, phase: Phase, action: Action) -> Action:
         """`action` if the weights are in `phase`'s layout, else the switch to it first."""
         if self.two_layouts and state.phase is not phase:
@@ -70,7 +76,7 @@ class Policy:
         what is left of `room`. A prompt longer than the budget left gets a chunk of it."""
         batch: list[tuple[SeqInfo, int]] = []
         budget = self.max_prefill_tokens
-        for seq in state.device.values():
+        for seq in state.idle():
             if seq.in_prefill and budget > 0:
                 batch.append((seq, min(seq.to_prefill, budget)))
                 budget -= batch[-1][1]
@@ -128,9 +134,8 @@ def preempt_or_decode(state: SchedulerState, swap: bool) -> Action | None:
     if victims:
         fits_host = sum(state.host_size(s.computed) for s in victims) <= state.host_free
         return Preempt(victims, "swap" if swap and fits_host else "recompute")
-    if state.device:
-        return Run(decode=list(state.device.values()))
-    return None
+    idle = state.idle()
+    return Run(decode=idle) if idle else None
 
 
 def drive(policy: Policy, state: SchedulerState,
@@ -143,8 +148,57 @@ def drive(policy: Policy, state: SchedulerState,
             return count
         action = policy.schedule(state)
         if action is None:
-            raise RuntimeError(f"policy {policy.name!r} returned no action with "
-                               f"{len(state.waiting)} waiting, {len(state.device)} on device, "
-                               f"{len(state.host)} in the host tier")
-        state.apply(action, execute(action, state))
+            raise _stalled(policy, state)
+        finished = set(execute(action, state))
+        state.apply(action, finished)
+        if isinstance(action, Run):
+            policy.landed(action, finished, state)
     raise RuntimeError(f"policy {policy.name!r} did not finish within {max_actions} actions")
+
+
+class PipelineExecutor(Protocol):
+    """What `drive_pipelined` needs of an executor."""
+
+    def launch(self, run: Run, state: SchedulerState) -> object:
+        """Start `run`'s micro-batch; returns a handle for `land`."""
+
+    def land(self, run: Run, handle: object, state: SchedulerState) -> Iterable[Hashable]:
+        """Wait for `run`'s micro-batch to leave the last stage; the ids that finished."""
+
+    def execute(self, action: Action, state: SchedulerState) -> Iterable[Hashable]:
+        """Do a Switch / SwapIn / Preempt (nothing is in flight then)."""
+
+
+def drive_pipelined(policy: Policy, state: SchedulerState, executor: PipelineExecutor,
+                    depth: int, max_actions: int = 10_000_000) -> int:
+    """`drive` with up to `depth` micro-batches in flight (host-driven pipeline ticks, as in
+    TD-Pipe and gLLM): while fewer are in flight the policy forms the next micro-batch from
+    the idle sequences (`state.launch`); when the pipeline is full, or the policy has nothing
+    to start, or asks for anything but a `Run` (done only once the pipeline is drained), the
+    oldest micro-batch lands and is applied. Returns the number of actions."""
+    if depth < 1:
+        raise ValueError(f"pipeline depth must be >= 1, got {depth}")
+    in_flight: deque[tuple[Run, object]] = deque()
+    for count in range(max_actions):
+        if not state.has_work():
+            return count
+        action = policy.schedule(state) if len(in_flight) < depth else None
+        if isinstance(action, Run):
+            state.launch(action)
+            in_flight.append((action, executor.launch(action, state)))
+        elif in_flight:
+            run, handle = in_flight.popleft()
+            finished = set(executor.land(run, handle, state))
+            state.apply(run, finished)
+            policy.landed(run, finished, state)
+        elif action is None:
+            raise _stalled(policy, state)
+        else:
+            state.apply(action, executor.execute(action, state))
+    raise RuntimeError(f"policy {policy.name!r} did not finish within {max_actions} actions")
+
+
+def _stalled(policy: Policy, state: SchedulerState) -> RuntimeError:
+    return RuntimeError(f"policy {policy.name!r} returned no action with "
+                        f"{len(state.waiting)} waiting, {len(state.device)} on device, "
+                        f"{len(state.host)} in the host tier")

@@ -58,11 +58,12 @@ class PrefillFirst(Policy):
             host = sum(state.host_size(s.computed) for s in victims)
             fits = self.preempt_mode == "swap" and host <= state.host_free
             return Preempt(victims, "swap" if fits else "recompute")
-        decode = [s for s in state.device.values() if not s.in_prefill]
+        idle = state.idle()
+        decode = [s for s in idle if not s.in_prefill]
         budget = self.max_prefill_tokens - len(decode)
         free = state.device_free - sum(state.growth(s) for s in decode)
         chunks: list[tuple[SeqInfo, int]] = []
-        for seq in [s for s in state.device.values() if s.in_prefill]:
+        for seq in [s for s in idle if s.in_prefill]:
             budget, free = self._add_chunk(state, chunks, seq, budget, free)
         room = min(free, self._device_room(state))
         slots = state.free_slots
@@ -73,6 +74,8 @@ class PrefillFirst(Policy):
             slots -= 1
         if chunks or decode:
             return Run(prefill=chunks, decode=decode)
+        if state.busy:  # the micro-batches in flight return first
+            return None
         if state.device:  # half-prefilled prompts filled the store: restart the newest later
             return Preempt([list(state.device.values())[-1]], "recompute")
         return None

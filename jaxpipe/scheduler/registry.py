@@ -1,4 +1,5 @@
-"""Policies by name: `make_policy("seesaw" | "prefill_first" | "decode_first", **options)`."""
+"""Policies by name: `make_policy("seesaw" | "prefill_first" | "decode_first" |
+"tdpipe" | "throttle", **options)`."""
 
 from __future__ import annotations
 
@@ -6,9 +7,12 @@ from jaxpipe.scheduler.decode_first import DecodeFirst
 from jaxpipe.scheduler.policy import Policy
 from jaxpipe.scheduler.prefill_first import PrefillFirst
 from jaxpipe.scheduler.seesaw import Seesaw
+from jaxpipe.scheduler.tdpipe import TDPipe
+from jaxpipe.scheduler.throttle import Throttle
 
 POLICIES: dict[str, type[Policy]] = {
-    "seesaw": Seesaw, "prefill_first": PrefillFirst, "decode_first": DecodeFirst}
+    "seesaw": Seesaw, "prefill_first": PrefillFirst, "decode_first": DecodeFirst,
+    "tdpipe": TDPipe, "throttle": Throttle}
 
 
 def make_policy(name: str, **options) -> Policy:

@@ -17,6 +17,11 @@ the ids of its blocks (`SeqInfo.blocks`, in position order) from a free list of 
 the engine sends a step exactly the blocks the scheduler charged. An executor takes a
 sequence's blocks for the positions a step writes *before* running it (`reserve`); `apply`
 then charges nothing more.
+
+Micro-batches in flight. A pipelined executor may start a `Run` before the previous ones
+returned (`launch`): its sequences take their blocks and leave the waiting queue at once, and
+are `busy` until `apply` records the run (when its micro-batch leaves the last stage). A busy
+sequence is in no other micro-batch: its next token depends on this one.
 """
 
 from __future__ import annotations
@@ -113,6 +118,7 @@ class SchedulerState:
         self._free = list(range(self.num_blocks - 1, -1, -1))  # a stack: block 0 first
         self.peak_blocks = 0  # the most blocks held at once
         self.host_used = 0  # tokens of KV in the host tier
+        self.busy: set[Hashable] = set()  # sequences in a launched, not yet applied, Run
         self._arrivals = 0
 
     # ---- reading -------------------------------------------------------------------------
@@ -153,6 +159,10 @@ class SchedulerState:
     def free_slots(self) -> int:
         return self.max_device_seqs - len(self.device)
 
+    def idle(self) -> list[SeqInfo]:
+        """Device sequences in no micro-batch in flight (admission order)."""
+        return [s for s in self.device.values() if s.seq_id not in self.busy]
+
     # ---- writing -------------------------------------------------------------------------
     def reserve(self, seq: SeqInfo, tokens: int) -> list[int]:
         """Give `seq` device blocks until its first `tokens` positions fit; its blocks."""
@@ -183,6 +193,23 @@ class SchedulerState:
         for seq in seqs:
             self.add(seq)
 
+    def launch(self, run: Run) -> None:
+        """`run` starts before earlier runs returned: its prompts leave the waiting queue, every
+        sequence takes the blocks the run writes and is busy until `apply(run)`."""
+        for seq in run.seqs:
+            if seq.seq_id in self.busy:
+                raise RuntimeError(f"{seq.seq_id!r} is already in a micro-batch in flight")
+        for seq, num_tokens in run.prefill:
+            if seq.location is Location.WAITING:
+                self.waiting.remove(seq)
+                seq.location = Location.DEVICE
+                self.device[seq.seq_id] = seq
+            self.reserve(seq, seq.computed + num_tokens)
+        for seq in run.decode:
+            self.reserve(seq, seq.computed + 1)
+        self.busy.update(s.seq_id for s in run.seqs)
+        self._check_capacity()
+
     def apply(self, action: Action, finished: Iterable[Hashable] = ()) -> None:
         """Record that `action` ran; `finished` names the sequences that ended in it."""
         handler = {Kind.RUN: self._apply_run, Kind.SWITCH: self._apply_switch,
@@ -195,6 +222,7 @@ class SchedulerState:
         self.phase = Phase(action.phase)
 
     def _apply_run(self, action: Run) -> None:
+        self.busy.difference_update(s.seq_id for s in action.seqs)
         for seq, num_tokens in action.prefill:
             self._prefill(seq, num_tokens, action.prefill_to_host)
         for seq in action.decode:

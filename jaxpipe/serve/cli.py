@@ -30,14 +30,26 @@ ENGINE_FLAGS = {
     "mesh": ("mesh", "device mesh preset in meshes/ (e.g. cpu-8)"),
     "prefill": ("prefill", "prefill layout, e.g. 'pp=8'"),
     "decode": ("decode", "decode layout, e.g. 'tp=4,pp=2'"),
-    "scheduler": ("scheduler", "scheduling policy: seesaw (default), prefill_first or "
-                               "decode_first"),
+    "scheduler": ("scheduler", "scheduling policy: auto (default: seesaw over two layouts, "
+                               "else prefill_first), seesaw, prefill_first, decode_first, "
+                               "tdpipe (TD-Pipe) or throttle (gLLM)"),
+    "throttle_iterations": ("throttle_iterations", "throttle: gLLM's #T (default: 8)"),
+    "throttle_max_prefill": ("throttle_max_prefill", "throttle: gLLM's #MaxP (default: 2048)"),
+    "throttle_min_prefill": ("throttle_min_prefill", "throttle: gLLM's #MinP (default: 32)"),
+    "throttle_kv_thresh": ("throttle_kv_thresh", "throttle: gLLM's KV_thresh (default: 0.05)"),
+    "tdpipe_predictor": ("tdpipe_predictor", "tdpipe: output-length predictor, learned "
+                                             "(default) or oracle"),
+    "tdpipe_finish_ratio": ("tdpipe_finish_ratio", "tdpipe: switch decode -> prefill once this "
+                                                   "fraction finished (default: by TD-Pipe's "
+                                                   "intensity comparison)"),
     "host_kv_gb": ("host_kv_gb", "host KV tier size in GiB (default: 4)"),
     "host_kv_tokens": ("host_kv_tokens", "host KV tier size in tokens (overrides --host-kv-gb)"),
 }
 _TYPES = {"max_model_len": int, "max_num_seqs": int, "max_num_batched_tokens": int,
           "kv_cache_gb": float, "kv_cache_tokens": int, "seed": int, "host_kv_gb": float,
-          "host_kv_tokens": int}
+          "host_kv_tokens": int, "throttle_iterations": int, "throttle_max_prefill": int,
+          "throttle_min_prefill": int, "throttle_kv_thresh": float,
+          "tdpipe_finish_ratio": float}
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:

@@ -7,6 +7,8 @@ overfill; seesaw must switch layouts rarely; swap-ins must overlap decode steps.
 from __future__ import annotations
 
 import math
+import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -124,3 +126,49 @@ def test_swap_ins_overlap_decode_steps(runs):
     arrivals = [t for t, kind, _ in engine.executor.kv.host.events if kind == "in"]
     during = [t for t in arrivals if any(a < t < b for a, b in spans)]
     assert len(during) >= 1, (len(arrivals), len(spans))
+
+
+# TD-Pipe and gLLM: pp micro-batches per step on the prefill layout (pp=4,tp=2), the same
+# small device KV. "tdpipe" measures its step-time table (cached in a temporary directory).
+PIPELINED = {"throttle": dict(scheduler="throttle", throttle_max_prefill=48),
+             "tdpipe": dict(scheduler="tdpipe"),
+             "tdpipe_ratio": dict(scheduler="tdpipe", tdpipe_predictor="oracle",
+                                  tdpipe_finish_ratio=0.5)}
+
+
+@pytest.fixture(scope="module")
+def pipelined_runs(tiny_orbax, workload, tmp_path_factory):
+    prompts, params = workload
+    cache, old = str(tmp_path_factory.mktemp("cache")), os.environ.get("XDG_CACHE_HOME")
+    os.environ["XDG_CACHE_HOME"] = cache
+    try:
+        out = {}
+        for name, options in PIPELINED.items():
+            engine = Engine(EngineConfig(model=str(tiny_orbax), host_kv_tokens=HOST_KV,
+                                         **options, **LAYOUTS, **FAST))
+            outputs = engine.generate(prompt_token_ids=prompts, sampling_params=params)
+            out[name] = engine, outputs
+    finally:
+        if old is None:
+            del os.environ["XDG_CACHE_HOME"]
+        else:
+            os.environ["XDG_CACHE_HOME"] = old
+    return out, cache
+
+
+@pytest.mark.parametrize("name", sorted(PIPELINED))
+def test_pipelined_policies_match_one_device(pipelined_runs, reference, name):
+    runs, cache = pipelined_runs
+    engine, outputs = runs[name]
+    assert tokens(outputs) == reference
+    stats = engine.stats()
+    assert 0 < stats["device_kv_peak"] <= DEVICE_KV == stats["device_kv_capacity"]
+    assert engine.executor.state.free_blocks == DEVICE_KV // 16 and not engine.executor.state.busy
+    finished = [s.seq_id for s in engine.executor.state.finished]
+    assert sorted(finished) == sorted(o.request_id for o in outputs)  # each exactly once
+    assert stats["transitions"] == 0  # one layout: the prefill one
+    policy = engine.executor.policy
+    assert policy.depth == 4
+    if name.startswith("tdpipe"):
+        assert policy.switches >= 2
+        assert list(Path(cache, "jaxpipe", "timing").glob("*.json"))  # measured once, cached

@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
-from jaxpipe.scheduler import Kind, Policy, SchedulerState, SeqInfo, drive
+from jaxpipe.scheduler import Kind, Policy, SchedulerState, SeqInfo, drive, drive_pipelined
 
 
 @dataclass
@@ -19,6 +19,8 @@ class Trace:
     max_host_used: int = 0
     max_device_used: int = 0
     finished: list = field(default_factory=list)
+    max_in_flight: int = 0
+    launched: list = field(default_factory=list)  # (decode ids, prefill ids) per micro-batch
 
 
 def make_seqs(n: int, seed: int, prompt=(4, 60), output=(1, 40)) -> list[SeqInfo]:
@@ -71,3 +73,41 @@ def run_policy(policy: Policy, seqs: list[SeqInfo], device_kv: int, slots: int,
 
 def prefill_to_decode(trace: Trace) -> int:
     return trace.switches.count("decode")
+
+
+def run_pipelined(policy: Policy, seqs: list[SeqInfo], device_kv: int, slots: int,
+                  depth: int, unit: int = 1, finishes=None) -> tuple[SchedulerState, Trace]:
+    """`drive_pipelined` with up to `depth` micro-batches in flight; every sequence runs to
+    its `max_output_len` unless `finishes(run, state)` names the ids that end in it."""
+    state = SchedulerState(device_kv, slots, 0, host_unit=unit, device_unit=unit)
+    state.add_all(seqs)
+    trace = Trace()
+    in_flight = []
+
+    class Executor:
+        def launch(self, run, st):
+            in_flight.append(run)
+            trace.max_in_flight = max(trace.max_in_flight, len(in_flight))
+            trace.max_device_used = max(trace.max_device_used, st.device_used)
+            trace.launched.append(([s.seq_id for s in run.decode],
+                                   [s.seq_id for s, _ in run.prefill]))
+            return None
+
+        def land(self, run, handle, st):
+            in_flight.remove(run)
+            if finishes is not None:
+                ended = list(finishes(run, st))
+            else:
+                ended = [s.seq_id for s in run.sampling() if s.generated + 1 >= s.max_output_len]
+            trace.finished += ended
+            return ended
+
+        def execute(self, action, st):
+            assert not in_flight, "a non-run action while micro-batches are in flight"
+            trace.actions.append(action.kind.value)
+            if action.kind is Kind.PREEMPT:
+                trace.preempted += len(action.seqs)
+            return []
+
+    drive_pipelined(policy, state, Executor(), depth)
+    return state, trace

@@ -1,0 +1,257 @@
+"""`tdpipe`: TD-Pipe's temporally disaggregated pipeline (Zhang et al., "TD-Pipe", §3.3-3.5).
+
+One pp-heavy layout alternates long phases. Each `schedule` call forms one micro-batch from
+the idle sequences; `drive_pipelined` keeps up to pp of them in flight.
+
+- **Prefill phase**: micro-batches of whole waiting prompts (up to `max_prefill_tokens` each).
+  *AI-based greedy prefill* (Algorithm 1): every running sequence and every prompt admitted so
+  far adds `context + p` tokens of KV at each future decode step p in `future_points` while
+  p <= its predicted output length; a prompt is admitted only while the largest of those future
+  usages stays within the device KV store, so prefill runs ahead of decode as far as the
+  predicted completions allow. The phase ends when the next prompt would not fit (or none
+  waits). Ablation: `predictor=None` stops at a fixed KV occupancy ratio instead (§4.4.1).
+- **Decode phase**: the decodable sequences go out as pp batches. *Inter-batch work stealing*:
+  when a batch returns, its finished sequences leave; the target size is the average batch:
+  the sliding window of the last pp batches' sizes less the ones that finished, plus the
+  withheld ones, over pp (= the live decode sequences over pp, rounded up); a batch above it
+  leaves its excess withheld, a batch below it is topped up from the withheld ones. The
+  paper's window counts only submitted batches; counted that way the withheld ones are never
+  in the average and batches shrink while they pile up, so we count them.
+- **Decode -> prefill** (*spatial-temporal intensity*, §3.5): with prompts waiting, switch when
+  spatial intensity, achieved/peak decode throughput at the current batch size, falls below
+  temporal intensity, 1 - bubble/total of the next cycle (bubble: the longest pending prefill
+  micro-batch minus the current decode micro-batch; total: the pending prefills, one decode
+  step per batch and the bubble). Times come from a `PhaseTiming` (the cost model in the
+  simulator, a table measured once per model and layout on the engine). Ablation:
+  `finish_ratio` switches once that fraction of the phase's requests finished (§4.4.3).
+
+Running sequences that outgrow the KV store (a prediction too short) are preempted and
+recomputed, as in the paper's setup.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Hashable, Sequence
+from typing import Protocol
+
+from jaxpipe.scheduler.actions import Action, Preempt, Run
+from jaxpipe.scheduler.policy import Policy, growth_victims
+from jaxpipe.scheduler.predictor import make_predictor
+from jaxpipe.scheduler.state import Location, SchedulerState, SeqInfo
+
+FUTURE_POINTS = tuple(range(32, 1025, 32))  # the paper's decision points (decode steps ahead)
+DEFAULT_OCCUPANCY = 0.9  # prefill-stop KV ratio without a predictor (ablation)
+
+
+class PhaseTiming(Protocol):
+    """Step times of one micro-batch (seconds) on the policy's layout."""
+
+    peak_batch: int  # a decode batch large enough to be at peak efficiency
+
+    def decode_seconds(self, batch: int) -> float:
+        """One decode micro-batch of `batch` sequences."""
+
+    def prefill_seconds(self, tokens: int) -> float:
+        """One prefill micro-batch of `tokens` prompt tokens."""
+
+
+def future_usage(state: SchedulerState, seqs: Sequence[tuple[SeqInfo, int]],
+                 points: Sequence[int]) -> list[int]:
+    """Algorithm 1's UpdateUsage over `seqs` = [(seq, predicted output length)]: device KV
+    tokens at each future decode step p, each sequence holding context + p while p <= the
+    tokens it is predicted still to generate."""
+    usage = [0] * len(points)
+    for seq, predicted in seqs:
+        add_usage(state, usage, seq, predicted, points)
+    return usage
+
+
+def add_usage(state: SchedulerState, usage: list[int], seq: SeqInfo, predicted: int,
+              points: Sequence[int]) -> None:
+    left = predicted - seq.generated
+    for i, p in enumerate(points):
+        if p > left:
+            break
+        usage[i] += state.device_size(seq.context_len + p)
+
+
+class TDPipe(Policy):
+    """Temporally disaggregated prefill and decode phases over pp micro-batches."""
+
+    name = "tdpipe"
+
+    def __init__(self, pipeline_depth: int = 1, predictor="learned",
+                 occupancy: float = DEFAULT_OCCUPANCY, work_stealing: bool = True,
+                 finish_ratio: float | None = None, timing: PhaseTiming | None = None,
+                 future_points: Sequence[int] = FUTURE_POINTS, **kwargs):
+        """`predictor`: "learned" | "oracle" | an object with predict/observe | None (stop
+        prefill at `occupancy` of the KV store). `finish_ratio`: None switches back to
+        prefill by intensity comparison (needs `timing`), else once this fraction of the
+        decode phase's requests finished."""
+        super().__init__(**kwargs)
+        if pipeline_depth < 1:
+            raise ValueError(f"pipeline_depth must be >= 1, got {pipeline_depth}")
+        if not 0.0 < occupancy <= 1.0:
+            raise ValueError(f"occupancy must be in (0, 1], got {occupancy}")
+        if finish_ratio is None and timing is None:
+            raise ValueError("tdpipe's intensity switch needs a PhaseTiming (timing=...); "
+                             "or give finish_ratio for the fixed-ratio switch")
+        if finish_ratio is not None and not 0.0 < finish_ratio <= 1.0:
+            raise ValueError(f"finish_ratio must be in (0, 1], got {finish_ratio}")
+        self.depth = pipeline_depth
+        self.predictor = make_predictor(predictor) if isinstance(predictor, str) else predictor
+        self.occupancy, self.work_stealing = occupancy, work_stealing
+        self.finish_ratio, self.timing = finish_ratio, timing
+        self.points = tuple(future_points)
+        self.phase = "prefill"
+        self.switches = 0  # phase changes, both ways
+        self.predictions: list[tuple[int, int]] = []  # (predicted, actual) of finished ones
+        self._usage: list[int] | None = None  # Algorithm 1's kvUsage for this prefill phase
+        self._returned: deque[tuple[list[SeqInfo], int]] = deque()  # (survivors, finished)
+        self._partway: dict[Hashable, SeqInfo] = {}  # a long prompt between its chunks
+        self._phase_start = 0  # decode requests when the decode phase began
+        self._phase_done = 0  # of them, finished since
+
+    # ---- the two phases -----------------------------------------------------------------------
+    def schedule(self, state: SchedulerState) -> Action | None:
+        if self.phase == "prefill":
+            run, over = self._prefill(state)
+            if not over:
+                return run
+            self._enter("decode", state)
+        elif self._should_prefill(state):
+            self._enter("prefill", state)
+            return self.schedule(state)
+        victims = growth_victims(state)  # decoding outgrew the store (a prediction too short)
+        if victims:
+            return Preempt(victims, "recompute")
+        return self._decode(state)
+
+    def _enter(self, phase: str, state: SchedulerState) -> None:
+        self.phase, self.switches = phase, self.switches + 1
+        self._usage = None
+        self._returned.clear()
+        self._phase_start = sum(not s.in_prefill for s in state.device.values())
+        self._phase_done = 0
+
+    def _prefill(self, state: SchedulerState) -> tuple[Run | None, bool]:
+        """(the next prefill micro-batch, whether the phase is over). Whole prompts, a prompt
+        longer than the budget in chunks; while one is part-way no other is admitted (its
+        remaining KV is not reserved yet)."""
+        if self._usage is None and self.predictor is not None:
+            running = [(s, self._predict(s)) for s in state.device.values()]
+            self._usage = future_usage(state, running, self.points)
+        for seq in list(self._partway.values()):
+            if seq.seq_id in state.busy:
+                return None, False  # its next chunk waits for the one in flight
+            del self._partway[seq.seq_id]
+            if seq.location is Location.DEVICE and seq.in_prefill:
+                return self._chunk(seq, self.max_prefill_tokens), False
+        budget, room, slots = self.max_prefill_tokens, state.device_free, state.free_slots
+        chunks: list[tuple[SeqInfo, int]] = []
+        for seq in state.waiting:
+            need = state.device_size(seq.to_prefill + 1)
+            if (slots <= 0 or need > room or (chunks and seq.to_prefill > budget)
+                    or not self._fits(state, seq, room)):
+                break
+            if seq.to_prefill > budget:  # a long prompt: alone, in chunks
+                return self._chunk(seq, budget), False
+            chunks.append((seq, seq.to_prefill))
+            budget, room, slots = budget - seq.to_prefill, room - need, slots - 1
+        return (Run(prefill=chunks), False) if chunks else (None, True)
+
+    def _chunk(self, seq: SeqInfo, budget: int) -> Run:
+        if seq.to_prefill > budget:
+            self._partway[seq.seq_id] = seq
+        return Run(prefill=[(seq, min(seq.to_prefill, budget))])
+
+    def _fits(self, state: SchedulerState, seq: SeqInfo, room: int) -> bool:
+        """Algorithm 1's check for one more prompt (admitting it if so), or the occupancy
+        ratio without a predictor."""
+        if self.predictor is None:
+            used = state.device_kv_tokens - room
+            return used + state.device_size(seq.prompt_len) <= \
+                self.occupancy * state.device_kv_tokens
+        usage = list(self._usage)
+        add_usage(state, usage, seq, self._predict(seq), self.points)
+        if max(usage, default=0) > state.device_kv_tokens:
+            return False
+        self._usage = usage
+        return True
+
+    def _predict(self, seq: SeqInfo) -> int:
+        if seq.predicted_output_len is None:
+            seq.predicted_output_len = self.predictor.predict(seq)
+        return seq.predicted_output_len
+
+    def _decode(self, state: SchedulerState) -> Run | None:
+        """The next decode micro-batch: the oldest returned batch rebalanced (an emptied one
+        is skipped), or a new one from the withheld sequences."""
+        live = [s for s in state.device.values() if not s.in_prefill]
+        target = max(1, math.ceil(len(live) / self.depth))
+        while True:
+            sent = {s.seq_id for batch, _ in self._returned for s in batch} | state.busy
+            pool = [s for s in state.idle() if not s.in_prefill and s.seq_id not in sent]
+            if not self._returned:
+                return Run(decode=pool[:target]) if pool else None
+            batch, _ = self._returned.popleft()
+            batch = [s for s in batch if s.seq_id in state.device]
+            if self.work_stealing:
+                batch = batch[:target] + pool[:max(0, target - len(batch))]
+            else:
+                batch = batch + pool
+            if batch:
+                return Run(decode=batch)
+
+    def landed(self, run: Run, finished: set[Hashable], state: SchedulerState) -> None:
+        for seq in state.finished[len(state.finished) - len(finished):]:
+            if self.predictor is not None:
+                self.predictions.append((self._predict(seq), seq.generated))
+                self.predictor.observe(seq)
+        if run.decode and self.phase == "decode":
+            self._phase_done += len(finished)
+            self._returned.append(([s for s in run.decode if s.seq_id not in finished],
+                                   len(finished)))
+
+    # ---- decode -> prefill ----------------------------------------------------------------
+    def _should_prefill(self, state: SchedulerState) -> bool:
+        if not state.waiting and not self._partway:
+            return False
+        live = [s for s in state.device.values() if not s.in_prefill]
+        if not live:
+            return True
+        if self.finish_ratio is not None:
+            return self._phase_done >= self.finish_ratio * max(self._phase_start, 1)
+        return self.spatial_intensity(len(live)) < self.temporal_intensity(state, len(live))
+
+    def spatial_intensity(self, live: int) -> float:
+        """Achieved / peak decode throughput (sequences per second) at live/pp per batch."""
+        t = self.timing
+        batch = max(1, math.ceil(live / self.depth))
+        achieved = batch / t.decode_seconds(batch)
+        return achieved / (t.peak_batch / t.decode_seconds(t.peak_batch))
+
+    def temporal_intensity(self, state: SchedulerState, live: int) -> float:
+        """1 - bubble / total of switching now (§3.5): the pending prefills are the waiting
+        prompts in micro-batches of `max_prefill_tokens`, as many as the free KV holds."""
+        t = self.timing
+        batches, tokens, room = [], 0, state.device_free
+        for seq in state.waiting:
+            need = state.device_size(seq.prompt_len + 1)
+            if need > room:
+                break
+            room -= need
+            if tokens and tokens + seq.prompt_len > self.max_prefill_tokens:
+                batches.append(tokens)
+                tokens = 0
+            tokens += seq.prompt_len
+        batches += [tokens] if tokens else []
+        if not batches:
+            return 0.0  # nothing would fit: switching gains nothing
+        decode = t.decode_seconds(max(1, math.ceil(live / self.depth)))
+        prefills = [t.prefill_seconds(n) for n in batches]
+        bubble = max(0.0, max(prefills) - decode)
+        total = sum(prefills) + self.depth * decode + bubble
+        return 1.0 - bubble / total

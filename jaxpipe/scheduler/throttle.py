@@ -1,0 +1,115 @@
+"""`throttle`: gLLM's token throttling (Guo et al., "gLLM", §3.1-3.2) for pipelined micro-batches.
+
+Every micro-batch mixes prompt chunks and decode tokens, and throttles both so that the pp
+micro-batches in flight carry even loads:
+
+    #P = max(min(#WP / #T, #MaxP * (KV_free - KV_thresh) / (1 - KV_thresh)), #MinP)   (eq. 3)
+    #D = #RD / pp                                                                     (eq. 4)
+
+#WP is the prompt tokens still to prefill, #T the iterations over which to spread them, KV_free
+the idle fraction of the device KV store, #RD the sequences in their decode phase (running,
+whether in flight or not). Prefill is suspended while KV_free < KV_thresh, leaving headroom for
+the running sequences to grow. Defaults are the paper's (§4.1): #T = 8, #MaxP = 2048,
+#MinP = 32, KV_thresh = 0.05. Each `schedule` call forms one micro-batch from the idle
+sequences (`SchedulerState.idle`); `drive_pipelined` keeps up to pp of them in flight.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from jaxpipe.scheduler.actions import Action, Preempt, Run
+from jaxpipe.scheduler.policy import Policy, growth_victims
+from jaxpipe.scheduler.prefill_first import PrefillFirst
+from jaxpipe.scheduler.state import Phase, SchedulerState, SeqInfo
+
+
+@dataclass(frozen=True)
+class ThrottleKnobs:
+    """gLLM's hyperparameters (paper §4.1 defaults)."""
+
+    iterations: int = 8  # #T
+    max_prefill: int = 2048  # #MaxP
+    min_prefill: int = 32  # #MinP
+    kv_thresh: float = 0.05  # KV_thresh
+    by_kv: bool = True  # False: eq. 1, no KV-utilisation term (the paper's "w/o UT" ablation)
+
+    def __post_init__(self):
+        if self.iterations < 1 or self.min_prefill < 0 or self.max_prefill < self.min_prefill:
+            raise ValueError(f"throttle knobs need iterations >= 1 (got {self.iterations}) and "
+                             f"0 <= min_prefill ({self.min_prefill}) <= max_prefill "
+                             f"({self.max_prefill})")
+        if not 0.0 <= self.kv_thresh < 1.0:
+            raise ValueError(f"kv_thresh must be in [0, 1), got {self.kv_thresh}")
+
+
+def prefill_budget(waiting_tokens: int, kv_free: float, knobs: ThrottleKnobs) -> int:
+    """#P (eq. 3; eq. 1 without `by_kv`): prompt tokens for the next micro-batch; 0 below the
+    KV threshold or with nothing to prefill, and never more than what waits."""
+    if waiting_tokens <= 0 or (knobs.by_kv and kv_free < knobs.kv_thresh):
+        return 0
+    if knobs.by_kv:
+        by_kv = knobs.max_prefill * (kv_free - knobs.kv_thresh) / (1 - knobs.kv_thresh)
+        p = max(min(waiting_tokens / knobs.iterations, by_kv), knobs.min_prefill)
+    else:
+        p = min(max(waiting_tokens / knobs.iterations, knobs.min_prefill), knobs.max_prefill)
+    return min(math.ceil(p), waiting_tokens)
+
+
+def decode_budget(running: int, depth: int) -> int:
+    """#D (eq. 4): decode tokens per micro-batch, the running ones spread over pp batches."""
+    return math.ceil(running / depth) if running else 0
+
+
+class Throttle(Policy):
+    """One throttled mixed micro-batch per call: #D decode tokens, then #P prompt tokens."""
+
+    name = "throttle"
+
+    def __init__(self, pipeline_depth: int = 1, knobs: ThrottleKnobs | None = None, **kwargs):
+        """`pipeline_depth`: micro-batches in flight at most (the layout's pp)."""
+        super().__init__(**kwargs)
+        if pipeline_depth < 1:
+            raise ValueError(f"pipeline_depth must be >= 1, got {pipeline_depth}")
+        self.depth = pipeline_depth
+        self.knobs = knobs or ThrottleKnobs()
+
+    def budgets(self, state: SchedulerState) -> tuple[int, int]:
+        """(#P, #D) for the next micro-batch in `state`."""
+        idle = state.idle()
+        waiting = sum(s.to_prefill for s in state.waiting)
+        waiting += sum(s.to_prefill for s in idle if s.in_prefill)
+        running = sum(not s.in_prefill for s in state.device.values())
+        kv_free = state.device_free / state.device_kv_tokens
+        return prefill_budget(waiting, kv_free, self.knobs), decode_budget(running, self.depth)
+
+    def schedule(self, state: SchedulerState) -> Action | None:
+        victims = growth_victims(state)
+        if victims:
+            return Preempt(victims, "recompute")
+        p, d = self.budgets(state)
+        idle = state.idle()
+        decode = [s for s in idle if not s.in_prefill][:d]
+        room = state.device_free - sum(state.growth(s) for s in decode)
+        chunks = self._chunks(state, idle, p, room)
+        if chunks or decode:
+            return self._in_phase(state, Phase.DECODE, Run(prefill=chunks, decode=decode))
+        if state.busy or not state.device:
+            return None  # wait for the micro-batches in flight (or for nothing: done)
+        return Preempt([list(state.device.values())[-1]], "recompute")
+
+    def _chunks(self, state: SchedulerState, idle: list[SeqInfo], budget: int, room: int
+                ) -> list[tuple[SeqInfo, int]]:
+        """Prompt chunks within `budget` tokens and `room` device tokens: part-way prompts
+        first, then waiting ones (FIFO) while device slots are free."""
+        chunks: list[tuple[SeqInfo, int]] = []
+        for seq in [s for s in idle if s.in_prefill]:
+            budget, room = PrefillFirst._add_chunk(state, chunks, seq, budget, room)
+        slots = state.free_slots
+        for seq in state.waiting:
+            if budget <= 0 or slots <= 0 or room < state.device_unit:
+                break
+            budget, room = PrefillFirst._add_chunk(state, chunks, seq, budget, room)
+            slots -= 1
+        return chunks

@@ -1,0 +1,182 @@
+"""TD-Pipe's mechanisms on hand-made traces: Algorithm 1's stop point, work stealing after
+skewed completions, the intensity switch where the formula says, the learned predictor and
+its accumulated error; and the policy over a pipelined executor."""
+
+from __future__ import annotations
+
+import pytest
+
+from jaxpipe.scheduler import Location, Run, SchedulerState, SeqInfo, make_policy
+from jaxpipe.scheduler.predictor import Learned, accumulated_error
+from jaxpipe.scheduler.tdpipe import future_usage
+from scheduler.helpers import make_seqs, run_pipelined
+
+
+class LinearTiming:
+    """decode: 1 + 0.01 b seconds per micro-batch of b; prefill: 0.01 s per token."""
+
+    peak_batch = 256
+
+    def decode_seconds(self, batch):
+        return 1.0 + 0.01 * batch
+
+    def prefill_seconds(self, tokens):
+        return 0.01 * tokens
+
+
+def decoding_state(n: int, capacity: int = 100_000, prompt: int = 10, output: int = 50):
+    """n sequences on the device past their prefill (prompt tokens of KV each)."""
+    state = SchedulerState(device_kv_tokens=capacity, max_device_seqs=1024)
+    seqs = [SeqInfo(i, prompt, output) for i in range(n)]
+    state.add_all(seqs)
+    state.apply(Run(prefill=[(s, prompt) for s in seqs]))
+    return state, seqs
+
+
+def test_algorithm_1_stops_where_future_usage_would_exceed_capacity():
+    """Prompts of 100 tokens predicted (oracle) to generate 64: each holds 132 tokens at
+    decode step 32 and 164 at step 64, so 1000 tokens of KV take 6 (984), not 7 (1148),
+    although 9 prompts fit the store right now (9 x 101 = 909)."""
+    state = SchedulerState(device_kv_tokens=1000, max_device_seqs=64)
+    state.add_all(SeqInfo(i, 100, 64) for i in range(10))
+    assert future_usage(state, [(s, 64) for s in list(state.waiting)[:6]], (32, 64, 96)) == \
+        [6 * 132, 6 * 164, 0]
+    policy = make_policy("tdpipe", pipeline_depth=2, predictor="oracle", finish_ratio=0.5,
+                         max_prefill_tokens=10_000)
+    run = policy.schedule(state)
+    assert [s.seq_id for s, _ in run.prefill] == list(range(6))
+    state.launch(run)
+    assert policy.schedule(state) is None  # the 7th does not fit: the phase ends
+    assert policy.phase == "decode" and policy.switches == 1
+
+
+def test_algorithm_1_counts_the_running_sequences():
+    """Two running sequences predicted to go on for 64 more tokens (context 10 + p) take
+    2 x 74 at step 64, leaving room for 5 prompts (5 x 164 + 148 = 968 <= 1000)."""
+    state, _ = decoding_state(2, capacity=1000, prompt=10, output=65)
+    state.add_all(SeqInfo(f"w{i}", 100, 64) for i in range(10))
+    policy = make_policy("tdpipe", pipeline_depth=2, predictor="oracle", finish_ratio=0.5,
+                         max_prefill_tokens=10_000)
+    run = policy.schedule(state)
+    assert [s.seq_id for s, _ in run.prefill] == [f"w{i}" for i in range(5)]
+
+
+def test_occupancy_ratio_without_a_predictor():
+    state = SchedulerState(device_kv_tokens=1000, max_device_seqs=64)
+    state.add_all(SeqInfo(i, 100, 500) for i in range(10))
+    policy = make_policy("tdpipe", pipeline_depth=2, predictor=None, occupancy=0.5,
+                         finish_ratio=0.5, max_prefill_tokens=10_000)
+    run = policy.schedule(state)
+    assert len(run.prefill) == 4  # 4 x 101 + 100 > 500
+
+
+def launch_round(policy, state, depth):
+    runs = []
+    for _ in range(depth):
+        run = policy.schedule(state)
+        state.launch(run)
+        runs.append(run)
+    return runs
+
+
+def land(policy, state, run, finish: int):
+    """Land `run` with its first `finish` sequences finished."""
+    ended = {s.seq_id for s in run.decode[:finish]}
+    state.apply(run, ended)
+    policy.landed(run, ended, state)
+
+
+@pytest.mark.parametrize("stealing,sizes", [(True, [1, 1, 3, 3, 3]), (False, [1, 1, 4, 4, 1])])
+def test_work_stealing_evens_out_skewed_completions(stealing, sizes):
+    """16 decoding sequences in 4 batches of 4; batches 0 and 1 lose 3 each (10 left, target
+    ceil(10/4) = 3). With stealing, batches 2 and 3 give up one each, which refill batch 0
+    when it comes round again; without, the batches keep their sizes."""
+    state, _ = decoding_state(16)
+    policy = make_policy("tdpipe", pipeline_depth=4, finish_ratio=1.0,
+                         work_stealing=stealing)
+    policy.phase = "decode"
+    runs = launch_round(policy, state, 4)
+    assert [len(r.decode) for r in runs] == [4, 4, 4, 4]
+    got = []
+    for i, finish in enumerate([3, 3, 0, 0]):
+        land(policy, state, runs[i], finish)
+        runs.append(policy.schedule(state))
+        state.launch(runs[-1])
+        got.append(len(runs[-1].decode))
+    land(policy, state, runs[4], 0)  # batch 0 comes round again
+    got.append(len(policy.schedule(state).decode))
+    expected = [sizes[0], sizes[1], sizes[2], sizes[3], 3 if stealing else 1]
+    assert got == expected
+    if stealing:
+        assert max(got[-4:]) - min(got[-4:]) < 4 - 1  # the spread without stealing
+
+
+def test_intensity_switch_fires_where_the_formula_says():
+    """Spatial: (b / (1 + 0.01 b)) / (256 / 3.56) at b per batch; temporal with two waiting
+    prompts of 1000 tokens (one 20 s prefill micro-batch), depth 4: 1 - bubble / (20 + 4 d +
+    bubble), d = 1 + 0.01 b, bubble = 20 - d. Spatial overtakes temporal at b = 76."""
+    timing = LinearTiming()
+    peak = 256 / (1 + 0.01 * 256)
+
+    def expected(b):
+        d = 1 + 0.01 * b
+        bubble = max(0.0, 20.0 - d)
+        return b / d / peak, 1 - bubble / (20.0 + 4 * d + bubble)
+
+    for b in (10, 75, 76, 100, 256):
+        state, _ = decoding_state(4 * b)
+        state.add_all([SeqInfo("a", 1000, 5), SeqInfo("b", 1000, 5)])
+        policy = make_policy("tdpipe", pipeline_depth=4, timing=timing,
+                             max_prefill_tokens=4096)
+        policy.phase = "decode"
+        spatial, temporal = expected(b)
+        assert policy.spatial_intensity(4 * b) == pytest.approx(spatial)
+        assert policy.temporal_intensity(state, 4 * b) == pytest.approx(temporal)
+        run = policy.schedule(state)
+        switched = policy.phase == "prefill"
+        assert switched == (spatial < temporal) == (b < 76)
+        assert bool(run.prefill) == switched and bool(run.decode) != switched
+
+
+def test_tdpipe_needs_timing_or_a_finish_ratio():
+    with pytest.raises(ValueError, match="PhaseTiming"):
+        make_policy("tdpipe")
+    with pytest.raises(ValueError, match="unknown output-length predictor"):
+        make_policy("tdpipe", predictor="bert", finish_ratio=0.5)
+
+
+def test_learned_predictor_uses_buckets_then_global_mean():
+    pred = Learned(prior=100, min_count=2)
+    assert pred.predict(SeqInfo("x", 10, 1000)) == 100
+    for prompt, out in [(10, 40), (12, 60), (300, 500)]:
+        seq = SeqInfo("done", prompt, 1000)
+        seq.generated = out
+        pred.observe(seq)
+    assert pred.predict(SeqInfo("a", 9, 1000)) == 50  # bucket of 8-15: (40 + 60) / 2
+    assert pred.predict(SeqInfo("b", 400, 1000)) == 200  # 1 in its bucket: global mean
+    assert pred.predict(SeqInfo("c", 9, 30)) == 30  # never past max_output_len
+
+
+def test_accumulated_error_is_the_relative_error_of_group_sums():
+    pairs = [(10, 20), (30, 20), (10, 10), (10, 30)]
+    assert accumulated_error(pairs, 1) == pytest.approx((0.5 + 0.5 + 0 + 2 / 3) / 4)
+    assert accumulated_error(pairs, 2) == pytest.approx((0 + 0.5) / 2)
+
+
+@pytest.mark.parametrize("options", [
+    {"predictor": "learned", "timing": LinearTiming()},
+    {"predictor": "oracle", "finish_ratio": 0.5},
+    {"predictor": None, "finish_ratio": 0.3, "work_stealing": False},
+])
+@pytest.mark.parametrize("seed", range(3))
+def test_every_request_finishes_once_under_pipelining(options, seed):
+    seqs = make_seqs(40, seed)
+    policy = make_policy("tdpipe", pipeline_depth=4, max_prefill_tokens=64, **options)
+    state, trace = run_pipelined(policy, seqs, device_kv=240, slots=16, depth=4, unit=4)
+    assert sorted(trace.finished) == list(range(40))
+    assert all(s.location is Location.FINISHED and s.generated == s.max_output_len
+               for s in seqs)
+    assert trace.max_device_used <= 240 and state.device_used == 0
+    assert policy.switches >= 2  # prefill -> decode -> prefill at least once
+    # Temporal disaggregation: no micro-batch mixes prompts and decode tokens.
+    assert not any(decode and prefill for decode, prefill in trace.launched)

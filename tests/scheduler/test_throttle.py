@@ -1,0 +1,92 @@
+"""gLLM's token throttling: #P and #D against hand-computed values (paper eqs. 3-4), and the
+policy over a pipelined executor (every request once, KV never overfilled)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from jaxpipe.scheduler import Location, Run, SchedulerState, SeqInfo, make_policy
+from jaxpipe.scheduler.throttle import ThrottleKnobs, decode_budget, prefill_budget
+from scheduler.helpers import make_seqs, run_pipelined
+
+KNOBS = ThrottleKnobs()  # #T 8, #MaxP 2048, #MinP 32, KV_thresh 0.05
+
+
+@pytest.mark.parametrize("waiting,kv_free,expected", [
+    (1000, 0.5, 125),  # #WP/#T = 125 < 2048 * 0.45/0.95 = 970.1
+    (100_000, 0.5, 971),  # the KV term binds: ceil(970.1)
+    (100_000, 1.0, 2048),  # all KV free: #MaxP
+    (100, 0.5, 32),  # 12.5 < #MinP: 32
+    (10, 0.5, 10),  # #MinP, but no more than what waits
+    (100_000, 0.04, 0),  # below KV_thresh: suspended
+    (0, 0.9, 0),  # nothing waits
+])
+def test_prefill_budget_is_equation_3(waiting, kv_free, expected):
+    assert prefill_budget(waiting, kv_free, KNOBS) == expected
+
+
+def test_prefill_budget_with_other_knobs():
+    knobs = ThrottleKnobs(iterations=4, max_prefill=512, min_prefill=0, kv_thresh=0.2)
+    # min(800 / 4, 512 * (0.6 - 0.2) / 0.8) = min(200, 256) = 200
+    assert prefill_budget(800, 0.6, knobs) == 200
+    # min(4000 / 4, 256) = 256
+    assert prefill_budget(4000, 0.6, knobs) == 256
+
+
+def test_prefill_budget_without_the_kv_term_is_equation_1():
+    knobs = ThrottleKnobs(by_kv=False)
+    assert prefill_budget(100_000, 0.01, knobs) == 2048  # min(max(12500, 32), 2048)
+    assert prefill_budget(1000, 0.01, knobs) == 125  # never suspended
+
+
+@pytest.mark.parametrize("running,depth,expected", [(10, 4, 3), (8, 4, 2), (0, 4, 0),
+                                                     (5, 1, 5), (1, 8, 1)])
+def test_decode_budget_is_equation_4(running, depth, expected):
+    assert decode_budget(running, depth) == expected
+
+
+def test_knobs_are_checked():
+    with pytest.raises(ValueError, match="iterations"):
+        ThrottleKnobs(iterations=0)
+    with pytest.raises(ValueError, match="kv_thresh"):
+        ThrottleKnobs(kv_thresh=1.0)
+    with pytest.raises(ValueError, match="pipeline_depth"):
+        make_policy("throttle", pipeline_depth=0)
+
+
+def test_one_micro_batch_carries_the_throttled_tokens():
+    """10 decoding sequences over depth 4: 3 decode tokens; 2000 waiting prompt tokens with
+    KV 80% free: #P = min(2000/8, 2048*0.75/0.95) = 250 prompt tokens."""
+    state = SchedulerState(device_kv_tokens=10_000, max_device_seqs=64)
+    running = [SeqInfo(f"r{i}", 100, 50) for i in range(10)]
+    state.add_all(running)
+    state.apply(Run(prefill=[(s, 100) for s in running]))  # now decoding, 1010 tokens held
+    state.add_all(SeqInfo(f"w{i}", 200, 10) for i in range(10))
+    policy = make_policy("throttle", pipeline_depth=4)
+    kv_free = state.device_free / state.device_kv_tokens
+    assert kv_free == pytest.approx(0.9)
+    p = math.ceil(min(2000 / 8, 2048 * (kv_free - 0.05) / 0.95))
+    assert policy.budgets(state) == (p, 3)
+    run = policy.schedule(state)
+    assert [s.seq_id for s in run.decode] == ["r0", "r1", "r2"]
+    assert run.prefill_tokens == p and [s.seq_id for s, _ in run.prefill] == ["w0", "w1"]
+    state.launch(run)
+    run2 = policy.schedule(state)  # the next micro-batch takes the next idle ones
+    assert [s.seq_id for s in run2.decode] == ["r3", "r4", "r5"]
+    assert run2.prefill[0][0].seq_id == "w2"  # w1 is in flight with its first chunk
+
+
+@pytest.mark.parametrize("depth", [1, 2, 4])
+@pytest.mark.parametrize("seed", range(3))
+def test_every_request_finishes_once_under_pipelining(depth, seed):
+    seqs = make_seqs(40, seed)
+    policy = make_policy("throttle", pipeline_depth=depth,
+                         knobs=ThrottleKnobs(iterations=2, max_prefill=64, min_prefill=8))
+    state, trace = run_pipelined(policy, seqs, device_kv=240, slots=16, depth=depth, unit=4)
+    assert sorted(trace.finished) == list(range(40))
+    assert all(s.location is Location.FINISHED and s.generated == s.max_output_len
+               for s in seqs)
+    assert trace.max_device_used <= 240 and state.device_used == 0
+    assert trace.max_in_flight == depth or depth == 1
