@@ -95,6 +95,9 @@ class RecomputeOnce:
                 return Preempt([action.decode[0]], "recompute")
         return action
 
+    def landed(self, run, finished, state):
+        self.inner.landed(run, finished, state)
+
 
 def test_recompute_preemption_gives_the_reference_tokens(engine, reference):
     engine.reset_stats()

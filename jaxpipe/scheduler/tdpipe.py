@@ -5,8 +5,8 @@ the idle sequences; `drive_pipelined` keeps up to pp of them in flight.
 
 - **Prefill phase**: micro-batches of whole waiting prompts (up to `max_prefill_tokens` each).
   *AI-based greedy prefill* (Algorithm 1): every running sequence and every prompt admitted so
-  far adds `context + p` tokens of KV at each future decode step p in `future_points` while
-  p <= its predicted output length; a prompt is admitted only while the largest of those future
+  far adds `context + p` tokens of KV at each future decode step p in `future_points` (the
+  paper's 32, 64, ..., 1024, plus 1-16) while p <= its predicted output length; a prompt is admitted only while the largest of those future
   usages stays within the device KV store, so prefill runs ahead of decode as far as the
   predicted completions allow. The phase ends when the next prompt would not fit (or none
   waits). Ablation: `predictor=None` stops at a fixed KV occupancy ratio instead (§4.4.1).
@@ -41,7 +41,10 @@ from jaxpipe.scheduler.policy import Policy, growth_victims
 from jaxpipe.scheduler.predictor import make_predictor
 from jaxpipe.scheduler.state import Location, SchedulerState, SeqInfo
 
-FUTURE_POINTS = tuple(range(32, 1025, 32))  # the paper's decision points (decode steps ahead)
+# Decision points (decode steps ahead): the paper's 32, 64, ..., 1024, and 1, 2, 4, 8, 16 before
+# them: usage peaks early (every sequence grows, few finish), and a sequence finishing within 32
+# steps is counted at no paper point although it holds its KV until then.
+FUTURE_POINTS = (1, 2, 4, 8, 16) + tuple(range(32, 1025, 32))
 DEFAULT_OCCUPANCY = 0.9  # prefill-stop KV ratio without a predictor (ablation)
 
 
@@ -107,7 +110,8 @@ class TDPipe(Policy):
         self.points = tuple(future_points)
         self.phase = "prefill"
         self.switches = 0  # phase changes, both ways
-        self.predictions: list[tuple[int, int]] = []  # (predicted, actual) of finished ones
+        self.predictions: list[tuple[int, int]] = []  # (first prediction, actual), finished
+        self._first: dict[Hashable, int] = {}  # each sequence's first prediction
         self._usage: list[int] | None = None  # Algorithm 1's kvUsage for this prefill phase
         self._returned: deque[tuple[list[SeqInfo], int]] = deque()  # (survivors, finished)
         self._partway: dict[Hashable, SeqInfo] = {}  # a long prompt between its chunks
@@ -182,8 +186,14 @@ class TDPipe(Policy):
         return True
 
     def _predict(self, seq: SeqInfo) -> int:
+        """The predictor's length, made once per sequence; one that outlived it is taken to
+        go on as long again (else it would count for nothing in Algorithm 1 and be admitted
+        straight back after each preemption)."""
         if seq.predicted_output_len is None:
             seq.predicted_output_len = self.predictor.predict(seq)
+            self._first[seq.seq_id] = seq.predicted_output_len
+        if seq.generated >= seq.predicted_output_len:
+            seq.predicted_output_len = min(2 * seq.generated, seq.max_output_len)
         return seq.predicted_output_len
 
     def _decode(self, state: SchedulerState) -> Run | None:
@@ -208,7 +218,9 @@ class TDPipe(Policy):
     def landed(self, run: Run, finished: set[Hashable], state: SchedulerState) -> None:
         for seq in state.finished[len(state.finished) - len(finished):]:
             if self.predictor is not None:
-                self.predictions.append((self._predict(seq), seq.generated))
+                first = self._first.pop(seq.seq_id, None)
+                if first is not None:
+                    self.predictions.append((first, seq.generated))
                 self.predictor.observe(seq)
         if run.decode and self.phase == "decode":
             self._phase_done += len(finished)
