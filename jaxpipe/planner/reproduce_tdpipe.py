@@ -45,7 +45,7 @@ PAPER_NOTES = ("L20 + 32B: TD-Pipe 1.37x TP+SB; A100 + 32B: 1.90x TP+SB (§4.2).
                "beats every fixed KV occupancy ratio (Fig. 13), the intensity switch every "
                "fixed finish ratio (Fig. 16); accumulated prediction error for 256 requests "
                "3.25% / 6.18% / 2.84% (13B / 32B / 70B, Fig. 14).")
-ABLATION_SCENARIOS = ("L20 + 32B", "A100 + 70B")
+ABLATION_SCENARIOS = ("L20 + 13B", "L20 + 32B", "A100 + 70B")  # 13B: KV-bound
 ABLATIONS = {  # name -> tdpipe options
     "TD-Pipe (learned, stealing, intensity)": {},
     "predictor: oracle": {"predictor": "oracle"},
