@@ -6,10 +6,11 @@ the idle sequences; `drive_pipelined` keeps up to pp of them in flight.
 - **Prefill phase**: micro-batches of whole waiting prompts (up to `max_prefill_tokens` each).
   *AI-based greedy prefill* (Algorithm 1): every running sequence and every prompt admitted so
   far adds `context + p` tokens of KV at each future decode step p in `future_points` (the
-  paper's 32, 64, ..., 1024, plus 1-16) while p <= its predicted output length; a prompt is admitted only while the largest of those future
-  usages stays within the device KV store, so prefill runs ahead of decode as far as the
-  predicted completions allow. The phase ends when the next prompt would not fit (or none
-  waits). Ablation: `predictor=None` stops at a fixed KV occupancy ratio instead (§4.4.1).
+  paper's 32, 64, ..., 1024, plus 1-16) while p <= its predicted output length; a prompt is
+  admitted only while the largest of those future usages stays within the device KV store, so
+  prefill runs ahead of decode as far as the predicted completions allow. The phase ends when the
+  next prompt would not fit (or none waits). Ablation: `predictor=None` stops at a fixed KV
+  occupancy ratio instead (§4.4.1).
 - **Decode phase**: the decodable sequences go out as pp batches. *Inter-batch work stealing*:
   when a batch returns, its finished sequences leave; the target size is the average batch:
   the sliding window of the last pp batches' sizes less the ones that finished, plus the
