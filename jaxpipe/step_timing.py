@@ -98,8 +98,8 @@ def measure(runner, buckets, depth: int) -> MeasuredTiming:
 
 def _seconds(runner, batch: int, length: int, start: int) -> float:
     """Median seconds of a step of `batch` sequences of `length` tokens after `start` (less
-    if the KV pool cannot hold that much for all of them)."""
-    fits = runner.num_blocks // batch * BLOCK - length
+    if the KV pool cannot hold that much for all of them, or it passes max_model_len)."""
+    fits = min(runner.num_blocks // batch * BLOCK, runner.max_len) - length
     call = step_call(runner, batch, length, max(0, min(start, fits)))
     call()
     times = []
