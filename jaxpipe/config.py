@@ -151,6 +151,10 @@ class EngineConfig:
         decode -> prefill by TD-Pipe's intensity comparison (from step times the engine
         measures once per model and layout and caches), a fraction in (0, 1] once that
         fraction of the decode phase's requests finished.
+    overlap: dispatch each step before the previous step's tokens reach the host (decode
+        tokens are fed from the device), so the host's scheduling, input building and stop
+        checks run while the device computes; outputs are the same either way. A request that
+        stops is then in one more step, whose token for it is discarded.
     host_kv_gb: size of the host KV tier (finished prefills and preempted sequences wait there,
         in host memory, for a device slot). host_kv_tokens, when given, sets it in tokens
         instead. seesaw needs it > 0; 0 turns the tier off (preemption then recomputes).
@@ -181,6 +185,7 @@ class EngineConfig:
     throttle_kv_thresh: float = 0.05
     tdpipe_predictor: str = "learned"
     tdpipe_finish_ratio: float | None = None
+    overlap: bool = True
 
     def __post_init__(self):
         if not isinstance(self.model, (str, os.PathLike)) or not str(self.model):
@@ -210,6 +215,8 @@ class EngineConfig:
             _check_int("host_kv_tokens", self.host_kv_tokens, 0, 1 << 40)
         if self.kv_cache_tokens is not None:
             _check_int("kv_cache_tokens", self.kv_cache_tokens, 1, 1 << 40)
+        if not isinstance(self.overlap, bool):
+            raise ValueError(f"EngineConfig.overlap must be a bool, got {self.overlap!r}")
         self.check_scheduler(self.scheduler)
         self._check_policy_knobs()
         if self.compilation_cache_dir is not None:

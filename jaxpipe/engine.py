@@ -110,7 +110,7 @@ class Engine:
             del self._requests[request_id]
 
     def has_unfinished(self) -> bool:
-        return self.executor.state.has_work()
+        return self.executor.has_work()
 
     def step(self) -> list[Sequence]:
         """Do the scheduling policy's next action (see executor.py); returns the sequences

@@ -13,8 +13,10 @@ engine's counters (`stats()`).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import deque
+from dataclasses import dataclass
 
 import jax
 import numpy as np
@@ -24,7 +26,7 @@ from jaxpipe.buckets import Buckets
 from jaxpipe.config import EngineConfig
 from jaxpipe.kv.device_cache import BLOCK
 from jaxpipe.kv.manager import KVManager
-from jaxpipe.runner import Runner, SamplingPlan, StepOutput
+from jaxpipe.runner import Dispatched, Runner, SamplingPlan, StepOutput
 from jaxpipe.sampling import SamplingParams
 from jaxpipe.scheduler import (
     Action,
@@ -37,6 +39,7 @@ from jaxpipe.scheduler import (
 )
 from jaxpipe.scheduler.throttle import ThrottleKnobs
 from jaxpipe.step_inputs import Piece
+from jaxpipe.timeline import StepRecord, Timeline
 
 PIPELINED = ("tdpipe", "throttle")  # policies that form one micro-batch per schedule call
 
@@ -52,20 +55,38 @@ class Executor:
         self.state, self.policy, self.kv = _scheduling(config, runner, buckets, num_slots,
                                                        max_model_len)
         self.kv.on_insert = self._landed
-        # (time, "step_start" | "step_end", decode rows): with `kv.host.events`, what overlapped.
-        self.step_events: deque = deque(maxlen=100_000)
+        self._flight: Flight | None = None  # the step dispatched and not yet landed
         self.reset_stats()
 
+    @property
+    def overlap(self) -> bool:
+        """Whether a step is dispatched before the previous one's tokens are on the host
+        (`EngineConfig.overlap`; the pipelined policies already keep pp micro-batches in
+        each step and land every step before scheduling the next)."""
+        return self.config.overlap and self.policy.depth == 1
+
+    def has_work(self) -> bool:
+        """Whether a request is unfinished: in the scheduler state, or (already freed: its
+        last token) in the step in flight."""
+        flight = self._flight
+        return self.state.has_work() or (
+            flight is not None and any(not s.is_finished for s in flight.sampled))
+
     def step(self) -> list[Sequence]:
-        """Run the policy's next action; returns the sequences that got a token."""
-        if getattr(self.policy, "depth", 1) > 1:
+        """Run the policy's next action; returns the sequences that got a token (with
+        overlap, those of the step before the one this call dispatched)."""
+        if self.policy.depth > 1:
             return self._microbatch_step()
+        start = time.perf_counter()
         action = self.policy.schedule(self.state)
-        if action is None:
-            return []
-        stepped = self._execute(action)
+        self.timeline.part("schedule", start)
+        if action is not None and action.kind is Kind.RUN:
+            return self._run(action)
+        landed = self._land()  # everything else waits for the step in flight
+        if action is not None:
+            self._execute(_without_finished(action))
         self._note_host()
-        return stepped
+        return landed
 
     def _microbatch_step(self) -> list[Sequence]:
         """For the policies that form one micro-batch per call (tdpipe, throttle): up to
@@ -115,7 +136,9 @@ class Executor:
         step's tokens; mean_decode_batch: decode tokens per step that had any; host_timeline:
         [seconds, host tier tokens] at each change; device_kv_peak / device_kv_capacity:
         tokens of the device KV pool (whole blocks) in use at most / in all; preemptions:
-        sequences evicted from the device (parked, or outgrowing the pool)."""
+        sequences evicted from the device (parked, or outgrowing the pool);
+        device_idle_fraction, decode_wall_seconds, decode_idle_seconds, host_seconds,
+        host_ms_per_step: the step timeline's (`timeline.py`)."""
         s = dict(self._stats)
         host = self.kv.host
         s["transitions"] = s["to_decode"] + s["to_prefill"]
@@ -134,7 +157,8 @@ class Executor:
         s["device_kv_peak"] = self.state.peak_blocks * BLOCK
         s["host_kv_capacity"] = host.capacity
         s["host_kv_peak"] = host.peak
-        s["host_timeline"] = [list(p) for p in self._timeline]
+        s["host_timeline"] = [list(p) for p in self._host_timeline]
+        s.update(self.timeline.stats())
         return s
 
     def reset_stats(self) -> None:
@@ -145,8 +169,9 @@ class Executor:
                       "prefetch": self.kv.prefetcher.seconds if self.kv.prefetcher else 0.0}
         host.peak = host.used
         self.state.peak_blocks = self.state.num_blocks - self.state.free_blocks
-        self._t0 = time.perf_counter()
-        self._timeline: deque = deque([(0.0, host.used)], maxlen=100_000)
+        self._t0 = self._last_fetch = time.perf_counter()
+        self.timeline = Timeline()
+        self._host_timeline: deque = deque([(0.0, host.used)], maxlen=100_000)
 
     # ---- one step -----------------------------------------------------------------------------
 
@@ -154,6 +179,7 @@ class Executor:
         """Do `action` and tell the scheduler state what was done."""
         if action.kind is Kind.RUN:
             return self._run(action)
+        record = self.timeline.dispatch(action.kind.value, time.perf_counter())
         if action.kind is Kind.SWITCH:
             self._switch(action.phase)
         elif action.kind is Kind.SWAP_IN:
@@ -161,6 +187,7 @@ class Executor:
                 self.kv.swap_in(info)
         else:
             self._preempt(action)
+        self.timeline.done(record)
         self.state.apply(action)
         return []
 
@@ -184,35 +211,93 @@ class Executor:
         self._stats["preemptions"] += len(action.seqs)
 
     def _run(self, action: Run, runs: list[Run] | None = None) -> list[Sequence]:
-        """One ragged step: every prompt chunk and decode token of `action` in one batch
-        (`step_inputs.py`). Sequences still being swapped in join a later step (the
-        prefetcher keeps working meanwhile). With `prefill_to_host` each completed prefill's
-        KV then goes to the host tier (asynchronously: the next step overlaps the copies).
+        """Dispatch one ragged step (`_launch`), then land the step before it (overlap) or
+        this one (no overlap). Returns the sequences that got a token in the landed step."""
+        flight = self._launch(action, runs)
+        landed = self._land()
+        self._flight = flight
+        if not self.overlap:
+            landed += self._land()
+        self._note_host()
+        return landed
+
+    def _launch(self, action: Run, runs: list[Run] | None) -> Flight | None:
+        """Build and dispatch one ragged step: every prompt chunk and decode token of
+        `action` in one batch (`step_inputs.py`), and apply it to the scheduler state at
+        once (a sequence's next token is then in flight; its stop is learnt when it lands).
+        Decode tokens not yet on the host are fed from the step in flight, on the device.
+        Sequences still being swapped in join a later step (the prefetcher keeps working
+        meanwhile). With `prefill_to_host` each completed prefill's
+        KV then goes to the host tier (asynchronously: later steps overlap the copies).
+        A sequence whose token in this step is certainly its last is freed at once.
         `runs`: the launched micro-batches `action` merges, applied one by one."""
+        start = time.perf_counter()
         decode = self._ready_decodes(action.decode)
         if runs and len(decode) < len(action.decode):  # launched runs cannot wait for KV
             raise RuntimeError("a micro-batch decodes sequences whose KV is not on the device")
         prefill = [self._prefill_piece(info, n) for info, n in action.prefill]
-        completed = [seq for seq, _, done in prefill if done]
         pieces = [p for p in prefill if p[2]]
         pieces += [self._decode_piece(seq) for seq in decode]
         pieces += [p for p in prefill if not p[2]]  # sampled rows first
+        if not pieces:
+            return None
         sampled = [seq for seq, _, samples in pieces if samples]
-        start = time.perf_counter()
-        out = self._step([piece for _, piece, _ in pieces], sampled)
-        self._count_step(action, len(decode), time.perf_counter() - start)
-        self._postprocess(sampled, out)
+        inputs = self._inputs([piece for _, piece, _ in pieces])
+        start = self.timeline.part("build", start)
+        plan = self.row_plan(sampled, self.buckets.sample_rows(len(sampled)))
+        start = self.timeline.part("sample", start)
+        prev = self._flight.out if self._flight is not None else None
+        out = self.runner.dispatch(inputs, np.array([s.slot for s in sampled], np.int32), plan,
+                                   prev)
+        record = self.timeline.dispatch("step", start, len(decode), action.prefill_tokens, out)
+        self.timeline.part("dispatch", start, record)
         if action.prefill_to_host:
-            for seq in completed:
-                if not seq.is_finished:
-                    self.kv.swap_out(seq, seq.num_tokens - 1)  # all but the token just sampled
-        finished = {s.request_id for s in sampled if s.is_finished}
+            for seq, piece, done in prefill:
+                if done:  # all but the token being sampled
+                    self.kv.swap_out(seq, piece.start + len(piece.tokens))
         ran = Run(prefill=action.prefill, decode=decode, prefill_to_host=action.prefill_to_host)
         for run in runs or [ran]:
-            ended = {s.request_id for s in run.seqs} & finished
-            self.state.apply(run, ended)
-            self.policy.landed(run, ended, self.state)
-        return sampled
+            self.state.apply(run)
+        last = [s for s in sampled if self._at_end(s)]
+        self._release(last)
+        self._count_step(ran)
+        return Flight(runs or [ran], sampled, out, record, {s.request_id for s in last})
+
+    def _land(self) -> list[Sequence]:
+        """Bring the step in flight's tokens to the host: append them, stop checks, free what
+        finished (a sequence that finished or was aborted meanwhile gets no token from it).
+        Returns the sequences that got a token."""
+        flight, self._flight = self._flight, None
+        if flight is None:
+            return []
+        record = flight.record
+        start = time.perf_counter()
+        out = flight.out.fetch()
+        self.timeline.waited(record, start)
+        start = time.perf_counter()
+        live = [(i, s) for i, s in enumerate(flight.sampled) if not s.is_finished]
+        self._postprocess(live, out)
+        ended = {s.request_id for _, s in live if s.is_finished}
+        self.state.finish(ended - flight.released)
+        for run in flight.runs:
+            self.policy.landed(run, {s.seq_id for s in run.seqs} & ended, self.state)
+        self._count_seconds(flight.runs, record.fetched - max(record.dispatch, self._last_fetch))
+        self._last_fetch = record.fetched
+        self.timeline.part("postprocess", start, record)
+        return [s for _, s in live]
+
+    def _at_end(self, seq: Sequence) -> bool:
+        """Whether the token `seq` has in flight is certainly its last (by length)."""
+        return seq.generated >= seq.max_output_len or seq.context_len >= self.max_model_len
+
+    def _release(self, seqs: list[Sequence]) -> None:
+        """Free the slots and KV of sequences whose token in flight is their last, at once:
+        the next step may admit others in their place, as it would had the token landed
+        (device work runs in dispatch order, so the step in flight still reads their KV).
+        They finish, with that token, when it lands."""
+        self.state.finish(s.request_id for s in seqs)
+        for seq in seqs:
+            self.kv.drop(seq)
 
     def _ready_decodes(self, infos: list[Sequence]) -> list[Sequence]:
         """The decode sequences whose KV is in the device pool (waits for a swap-in only
@@ -242,36 +327,43 @@ class Executor:
         return seq, piece, start + n == len(context)
 
     def _decode_piece(self, seq: Sequence):
-        """(seq, piece, True): the last sampled token of `seq`, at its position."""
-        blocks = self.state.reserve(seq, seq.num_tokens)
-        return seq, Piece([seq.last_token], seq.num_tokens - 1, list(blocks)), True
+        """(seq, piece, True): `seq`'s newest token at its position: from the host, or (its
+        token still in flight) from the step in flight's sampled row on the device."""
+        position = seq.context_len - 1
+        blocks = list(self.state.reserve(seq, position + 1))
+        if len(seq.output_token_ids) == seq.generated:
+            return seq, Piece([seq.last_token], position, blocks), True
+        row = self._flight.sampled.index(seq) if self._flight is not None else -1
+        if row < 0:
+            raise RuntimeError(f"{seq.request_id!r}'s newest token is in no step in flight")
+        return seq, Piece([0], position, blocks, feed=row), True
 
-    def _step(self, pieces: list[Piece], sampled: list[Sequence]) -> StepOutput:
-        """Build the step's inputs for `pieces` (sampled rows first) and run it."""
+    def _inputs(self, pieces: list[Piece]):
+        """The step's inputs for `pieces` (sampled rows first), in a token bucket."""
         real = sum(len(p.tokens) for p in pieces)
         tokens = self.buckets.tokens(real)
-        rows = self.buckets.rows(tokens)
-        inputs = step_inputs.build(pieces, tokens, self.runner.microbatches(tokens), rows,
-                                   self.runner.max_blocks)
-        plan = self.row_plan(sampled, self.buckets.sample_rows(len(sampled)))
         self._stats["step_tokens"] += real
         self._stats["step_tokens_padded"] += tokens
         self._stats["max_step_tokens"] = max(self._stats["max_step_tokens"], real)
-        return self.runner.step(inputs, np.array([s.slot for s in sampled], np.int32), plan)
+        return step_inputs.build(pieces, tokens, self.runner.microbatches(tokens),
+                                 self.buckets.rows(tokens), self.runner.max_blocks)
 
-    def _count_step(self, action: Run, decoded: int, seconds: float) -> None:
-        """Step counters; a mixed step's seconds are split between prefill and decode by
-        their share of its tokens."""
-        prefill = action.prefill_tokens
+    def _count_seconds(self, runs: list[Run], seconds: float) -> None:
+        """A landed step's seconds (since it started or the step before landed, whichever
+        is later), split between prefill and decode by their share of its tokens."""
+        prefill = sum(r.prefill_tokens for r in runs)
+        decoded = sum(len(r.decode) for r in runs)
         share = prefill / (prefill + decoded) if prefill + decoded else 0.0
-        self._stats["steps"] += 1
-        self._stats["prefill_tokens"] += prefill
         self._stats["prefill_seconds"] += seconds * share
         self._stats["decode_seconds"] += seconds * (1 - share)
+
+    def _count_step(self, ran: Run) -> None:
+        """Step counters (the step's seconds are counted when it lands)."""
+        decoded = len(ran.decode)
+        self._stats["steps"] += 1
+        self._stats["prefill_tokens"] += ran.prefill_tokens
         self._stats["decode_tokens"] += decoded
         self._stats["decode_steps"] += decoded > 0
-        self.step_events.append((time.perf_counter() - seconds, "step_start", decoded))
-        self.step_events.append((time.perf_counter(), "step_end", decoded))
 
     def _landed(self, seq: Sequence) -> None:
         """A sequence moved into a slot (prefill start, or swapped in): its penalty state
@@ -281,8 +373,8 @@ class Executor:
 
     def _note_host(self) -> None:
         used = self.kv.host.used
-        if self._timeline[-1][1] != used:
-            self._timeline.append((round(time.perf_counter() - self._t0, 6), used))
+        if self._host_timeline[-1][1] != used:
+            self._host_timeline.append((round(time.perf_counter() - self._t0, 6), used))
 
     def row_plan(self, seqs: list[Sequence], rows: int) -> SamplingPlan:
         """Sampling inputs of `seqs`, padded with neutral rows to `rows`."""
@@ -290,17 +382,18 @@ class Executor:
         pad = rows - len(seqs)
         params = [s.params for s in seqs] + [neutral] * pad
         seeds = [s.seed for s in seqs] + [0] * pad
-        steps = [len(s.output_token_ids) for s in seqs] + [0] * pad
-        banned = [s.stop.banned(len(s.output_token_ids)) for s in seqs] + [[]] * pad
+        steps = [s.generated for s in seqs] + [0] * pad  # tokens sampled before (in flight too)
+        banned = [s.stop.banned(s.generated) for s in seqs] + [[]] * pad
         tensors = sampling.build_sampling_tensors(params, seeds, steps, banned, rows)
         mode = sampling.sampling_mode(s.params for s in seqs)
         penalties = sampling.uses_penalties(s.params for s in seqs)
         wanted = [s.params.logprobs for s in seqs if s.params.logprobs is not None]
         return SamplingPlan(tensors, mode, penalties, max(wanted) if wanted else None)
 
-    def _postprocess(self, seqs: list[Sequence], out: StepOutput) -> None:
+    def _postprocess(self, rows: list[tuple[int, Sequence]], out: StepOutput) -> None:
+        """Append row i's token to its sequence for each (i, seq); logprobs, stop checks."""
         now = time.perf_counter()
-        for i, seq in enumerate(seqs):
+        for i, seq in rows:
             token = int(out.tokens[i])
             seq.output_token_ids.append(token)
             if seq.first_token_time is None:
@@ -310,7 +403,7 @@ class Executor:
             reason = seq.stop.check(seq, self.max_model_len)
             if reason is not None:
                 self._finish(seq, reason)
-        self._stats["generated_tokens"] += len(seqs)
+        self._stats["generated_tokens"] += len(rows)
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         """End `seq` (the scheduler state is told by the caller) and free its KV."""
@@ -375,6 +468,26 @@ def _policy(name: str, config: EngineConfig, runner: Runner, buckets: Buckets,
             opts["timing"] = step_timing.load_or_measure(runner, buckets, depth,
                                                          config.model, config.dtype)
     return make_policy(name, **opts)
+
+
+@dataclass
+class Flight:
+    """A dispatched step on its way: the runs it applied, its sampled sequences (row order),
+    the runner's handle and its timeline record."""
+
+    runs: list[Run]
+    sampled: list[Sequence]
+    out: Dispatched
+    record: StepRecord
+    released: set[str]  # sampled sequences already freed: this token is their last
+
+
+def _without_finished(action: Action) -> Action:
+    """`action` decided before the step in flight landed, less the sequences that ended in
+    it (a swap-in or preemption of a finished sequence is void)."""
+    if action.kind in (Kind.SWAP_IN, Kind.PREEMPT):
+        return dataclasses.replace(action, seqs=[s for s in action.seqs if not s.is_finished])
+    return action
 
 
 def _tokens(runs: list[Run]) -> int:

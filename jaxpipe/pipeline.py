@@ -179,7 +179,8 @@ def _micro(inputs: dict, m, valid):
 
 def step_program(cfg: ModelConfig, layout: Layout, mesh, *, kernel: bool, max_kv: int,
                  out_rows: int, unroll: bool = True):
-    """jit(params, cache, inputs: StepInputs) -> (hidden [out_rows, E] f32: the residual of
+    """jit(params, cache, inputs: StepInputs, prev [out_rows] i32: the previous step's sampled
+    tokens, for `inputs.feed`) -> (hidden [out_rows, E] f32: the residual of
     each row's last token, zeros past the step's R rows; cache (donated)). `max_kv`: the XLA
     attention's static key bound (ignored by the kernel, which reads each row's own length).
     `out_rows` (>= R) is fixed for every token bucket, so the LM head compiles once per
@@ -206,13 +207,20 @@ def step_program(cfg: ModelConfig, layout: Layout, mesh, *, kernel: bool, max_kv
                            in_specs=(layer_specs, P(), {k: P() for k in keys}, cache_specs),
                            out_specs=(P(), cache_specs))
 
-    def step(params, cache, inputs: StepInputs):
+    def step(params, cache, inputs: StepInputs, prev):
         layers, head = split_params(params)
-        xs = llama.embed(head, inputs.tokens)  # [M, Tm, E]
+        xs = llama.embed(head, fed_tokens(inputs, prev))  # [M, Tm, E]
         hidden, cache = staged(layers, xs, {k: getattr(inputs, k) for k in keys}, cache)
         return jnp.pad(hidden, ((0, out_rows - hidden.shape[0]), (0, 0))), cache
 
     return jax.jit(step, donate_argnames="cache")
+
+
+def fed_tokens(inputs: StepInputs, prev):
+    """The step's token ids: `inputs.tokens`, except where `inputs.feed` names a row of the
+    previous step's sampled tokens `prev` (still on the device) to take instead."""
+    fed = jnp.take(prev, jnp.maximum(inputs.feed, 0), mode="clip")
+    return jnp.where(inputs.feed >= 0, fed, inputs.tokens)
 
 
 def logits_program(cfg: ModelConfig, vocab: int):

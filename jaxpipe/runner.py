@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import jax
@@ -58,16 +59,36 @@ class SamplingPlan:
     num_logprobs: int | None  # None: no logprobs this step
 
 
-def _sample(logits, prompt_mask, out_counts, slots, tensors, *, mode, penalties, num_logprobs):
-    """Tokens for logits [n, V] of slots [n] (out of range: padding); updates the penalty
-    counts of those slots."""
+class Dispatched:
+    """A dispatched step: its sampled tokens (padded to the runner's `max_rows`, for the next
+    step's `prev`) and logprobs on the device, on their way to the host."""
+
+    def __init__(self, done: jax.Array, n: int, tokens: jax.Array | None = None, lp=None):
+        self.done, self.n, self.tokens, self.lp = done, n, tokens, lp
+
+    def ready(self) -> bool:
+        """Whether the device has finished the step (never blocks)."""
+        return self.done.is_ready()
+
+    def fetch(self) -> StepOutput:
+        """The step's results on the host (waits for the device)."""
+        if self.tokens is None:
+            jax.block_until_ready(self.done)
+            return StepOutput(np.zeros(0, np.int32))
+        return _to_host(self.tokens, self.lp, self.n)
+
+
+def _sample(logits, prompt_mask, out_counts, slots, tensors, *, mode, penalties, num_logprobs,
+            out_rows):
+    """Tokens for logits [n, V] of slots [n] (out of range: padding), zero-padded to
+    `out_rows`; updates the penalty counts of those slots."""
     pm = jnp.take(prompt_mask, slots, axis=0, mode="clip") if penalties else None
     oc = jnp.take(out_counts, slots, axis=0, mode="clip") if penalties else None
     tokens = sampling.sample(logits, tensors, pm, oc, mode=mode, penalties=penalties)
     if penalties:
         out_counts = out_counts.at[slots, tokens].add(1, mode="drop")
     lp = None if num_logprobs is None else sampling.compute_logprobs(logits, tokens, num_logprobs)
-    return tokens, lp, prompt_mask, out_counts
+    return jnp.pad(tokens, (0, out_rows - tokens.shape[0])), lp, prompt_mask, out_counts
 
 
 def _set_penalty_row(prompt_mask, out_counts, slot, mask_row, count_row):
@@ -120,8 +141,10 @@ class Runner:
         vocab = cfg.vocab_size
         self.prompt_mask = jax.device_put(np.zeros((num_slots, vocab), bool), replicated)
         self.out_counts = jax.device_put(np.zeros((num_slots, vocab), np.int32), replicated)
-        self._sample = jax.jit(_sample, static_argnames=_STATIC,
+        self._sample = jax.jit(partial(_sample, out_rows=buckets.max_rows),
+                               static_argnames=_STATIC,
                                donate_argnames=("prompt_mask", "out_counts"))
+        self._no_prev: dict[str, jax.Array] = {}  # per phase: `prev` of a step with no feed
         self._set_penalties = jax.jit(_set_penalty_row,
                                       donate_argnames=("prompt_mask", "out_counts"))
         self._logits = pipeline.logits_program(cfg, vocab)
@@ -153,27 +176,36 @@ class Runner:
         return pipeline.microbatches(tokens, self.layout.pp)
 
     def step(self, inputs: StepInputs, slots: np.ndarray, plan: SamplingPlan) -> StepOutput:
-        """Run one ragged step; sample a token for the first len(slots) rows (their penalty
-        state is that of `slots`). `plan` has one entry per sampled row, padded to
-        `buckets.sample_rows`."""
+        """Run one ragged step and wait for its tokens (see `dispatch`)."""
+        return self.dispatch(inputs, slots, plan).fetch()
+
+    def dispatch(self, inputs: StepInputs, slots: np.ndarray, plan: SamplingPlan,
+                 prev: Dispatched | None = None) -> Dispatched:
+        """Start one ragged step (returns at once); sample a token for the first len(slots)
+        rows (their penalty state is that of `slots`). `plan` has one entry per sampled row,
+        padded to `buckets.sample_rows`. `prev`: the step before, whose sampled tokens
+        `inputs.feed` refers to (it may still be running)."""
         n = len(slots)
         if n == 0:  # only prompt chunks that do not end their prompt: nothing to sample
-            self.hidden(inputs)
-            return StepOutput(np.zeros(0, np.int32))
+            return Dispatched(self.hidden(inputs, prev), 0)
         rows = plan.tensors.temperature.shape[0]
-        logits = self.logits(inputs, rows)
+        logits = self.logits(inputs, rows, prev)
         padded = np.full(rows, self.num_slots, np.int32)
         padded[:n] = slots
-        return self._sample_host(logits, padded, plan, n)
+        tokens, lp, self.prompt_mask, self.out_counts = self._sample(
+            logits, self.prompt_mask, self.out_counts, padded, plan.tensors, mode=plan.mode,
+            penalties=plan.penalties, num_logprobs=plan.num_logprobs)
+        return Dispatched(tokens, n, tokens, lp)
 
-    def logits(self, inputs: StepInputs, rows: int) -> jax.Array:
+    def logits(self, inputs: StepInputs, rows: int, prev: Dispatched | None = None
+               ) -> jax.Array:
         """Run the step's model part; logits [rows, V] f32 of the last token of rows
         0..rows-1 (the LM head runs on those rows only)."""
-        hidden = self.hidden(inputs)
+        hidden = self.hidden(inputs, prev)
         return self._once(("logits", self.phase, rows), self._logits, self.params, hidden,
                           rows=rows)
 
-    def hidden(self, inputs: StepInputs) -> jax.Array:
+    def hidden(self, inputs: StepInputs, prev: Dispatched | None = None) -> jax.Array:
         """The step's model part: the residual [max_rows, E] of each row's last token (KV
         written)."""
         m, tm = inputs.tokens.shape
@@ -181,8 +213,17 @@ class Runner:
             min(int(inputs.kv_len.max()), self.max_len), self.buckets.kv_len)
         key = (self.phase, m * tm, m, inputs.table.shape[0], max_kv)
         fn = self._program(max_kv)
-        hidden, self.cache = self._once(key, fn, self.params, self.cache, inputs)
+        fed = prev.tokens if prev is not None and prev.tokens is not None else self._zeros()
+        hidden, self.cache = self._once(key, fn, self.params, self.cache, inputs, fed)
         return hidden
+
+    def _zeros(self) -> jax.Array:
+        """`prev` tokens for a step that feeds none (one replicated array per phase)."""
+        if self.phase not in self._no_prev:
+            place = self.placements[self.phase]
+            self._no_prev[self.phase] = jax.device_put(
+                np.zeros(self.buckets.max_rows, np.int32), NamedSharding(place.mesh, P()))
+        return self._no_prev[self.phase]
 
     def _program(self, max_kv: int):
         key = (self.phase, max_kv)
@@ -192,12 +233,6 @@ class Runner:
                 self.config, place.layout, place.mesh, kernel=self.use_kernel, max_kv=max_kv,
                 out_rows=self.buckets.max_rows)
         return self._programs[key]
-
-    def _sample_host(self, logits, slots, plan: SamplingPlan, n: int) -> StepOutput:
-        tokens, lp, self.prompt_mask, self.out_counts = self._sample(
-            logits, self.prompt_mask, self.out_counts, slots, plan.tensors, mode=plan.mode,
-            penalties=plan.penalties, num_logprobs=plan.num_logprobs)
-        return _to_host(tokens, lp, n)
 
     def _once(self, key: tuple, fn, *args, **kwargs):
         """Call a compiled piece; the first call of each shape is timed as its compilation."""

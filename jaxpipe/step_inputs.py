@@ -10,6 +10,10 @@ micro-batch m, so its attention already sees the KV the first part wrote.
 Row r of the step is piece r: its block-table row, and one span per micro-batch (q_start,
 q_len, kv_len: the kernel's contract in `kernels/ragged_attention.py`). Rows are ordered so
 that the pieces that sample a token come first (`last[:n_sample]`).
+
+A decode piece may take its token from the previous step's sampled tokens on the device
+(`Piece.feed`): that is how a step is dispatched before the host has seen the last one's
+tokens (overlap, `executor.py`).
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ class Piece(NamedTuple):
     tokens: list[int]  # the token ids fed in (a context chunk, or the last sampled token)
     start: int  # position of tokens[0]
     blocks: list[int]  # the sequence's KV blocks, in position order (enough for its end)
+    feed: int = -1  # >= 0: the (one) token is row `feed` of the previous step's sampled
+    # tokens, still on the device (an overlapped step: the host has not seen it yet)
 
 
 class StepInputs(NamedTuple):
@@ -40,6 +46,8 @@ class StepInputs(NamedTuple):
     q_len: np.ndarray  # [M, R] i32: its length (0: the row has no token in m)
     kv_len: np.ndarray  # [M, R] i32: keys the span's last token attends to (its position + 1)
     last: np.ndarray  # [R] i32: flat index (m * Tm + i) of each row's last token
+    feed: np.ndarray  # [M, Tm] i32: row of the previous step's sampled tokens to take each
+    # token from (-1: use `tokens`)
 
 
 def build(pieces: list[Piece], num_tokens: int, microbatches: int, num_rows: int,
@@ -51,6 +59,7 @@ def build(pieces: list[Piece], num_tokens: int, microbatches: int, num_rows: int
         raise ValueError(f"{len(pieces)} pieces of {total} tokens do not fit a step of "
                          f"{num_tokens} tokens, {num_rows} rows, {microbatches} micro-batches")
     tokens = np.zeros(num_tokens, np.int32)
+    feed = np.full(num_tokens, -1, np.int32)
     positions = np.zeros(num_tokens, np.int32)
     rows = np.full(num_tokens, num_rows, np.int32)
     table = np.full((num_rows, max_blocks), OUT_OF_RANGE, np.int32)
@@ -61,6 +70,7 @@ def build(pieces: list[Piece], num_tokens: int, microbatches: int, num_rows: int
     for r, piece in enumerate(pieces):
         n = len(piece.tokens)
         tokens[at:at + n] = piece.tokens
+        feed[at] = piece.feed
         positions[at:at + n] = np.arange(piece.start, piece.start + n)
         rows[at:at + n] = r
         table[r, :len(piece.blocks)] = piece.blocks
@@ -71,7 +81,7 @@ def build(pieces: list[Piece], num_tokens: int, microbatches: int, num_rows: int
     last = np.where(ends > starts, ends - 1, 0).astype(np.int32)
     shape = (microbatches, tm)
     return StepInputs(tokens.reshape(shape), positions.reshape(shape), rows.reshape(shape),
-                      table, *spans, last)
+                      table, *spans, last, feed.reshape(shape))
 
 
 def _spans(starts, ends, first_pos, microbatches: int, tm: int):

@@ -437,3 +437,30 @@ def test_xla_attention_fallback_gives_the_same_tokens(engine, prompts, plain):
     assert not fallback.runner.use_kernel
     outs = fallback.generate(prompt_token_ids=list(prompts.values()), sampling_params=greedy())
     assert [o.outputs[0].token_ids for o in outs] == [plain[n].token_ids for n in prompts]
+
+
+# ---- overlap on and off -------------------------------------------------------------------------
+
+
+def test_overlap_on_and_off_give_the_same_outputs(engine, prompts, plain):
+    """Every output field, for every kind of request in one batch, with the engine's steps
+    overlapped (the default) and landed one by one."""
+    ids = list(prompts.values())
+    params = [greedy(), greedy(20, stop=["sea"]), sampled(7, logprobs=2),
+              greedy(16, repetition_penalty=1.3, frequency_penalty=0.5),
+              sampled(11, min_tokens=4, presence_penalty=0.7),
+              greedy(12, stop_token_ids=[plain["poem"].token_ids[5]], logprobs=1)]
+    prompt_ids = [ids[i % len(ids)] for i in range(len(params))]
+
+    def outputs(overlap: bool):
+        engine.config.overlap = overlap
+        try:
+            outs = engine.generate(prompt_token_ids=prompt_ids, sampling_params=params)
+        finally:
+            engine.config.overlap = True
+        return [(o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason,
+                 o.outputs[0].stop_reason, o.outputs[0].logprobs) for o in outs]
+
+    on, off = outputs(True), outputs(False)
+    assert on == off
+    assert {o[2] for o in on} == {"stop", "length"}

@@ -55,22 +55,31 @@ def reference(engine):
     holds max_model_len tokens, so nothing is ever preempted or moved)."""
     engine.set_scheduler("prefill_first")
     engine.reset_stats()
-    out = tokens(engine.generate(PROMPTS, params()))
+    engine.config.overlap = False  # the synchronous loop: each step lands before the next
+    try:
+        out = tokens(engine.generate(PROMPTS, params()))
+    finally:
+        engine.config.overlap = True
     stats = engine.stats()
     assert stats["swap_out_bytes"] == 0 == stats["preemptions"]
     return out
 
 
-def run_with(engine, policy: str) -> tuple[list, dict]:
+def run_with(engine, policy: str, overlap: bool = True) -> tuple[list, dict]:
     """(tokens, stats) of all requests under `policy`, stats reset first."""
     engine.set_scheduler(policy)
     engine.reset_stats()
-    return tokens(engine.generate(PROMPTS, params())), engine.stats()
+    engine.config.overlap = overlap
+    try:
+        return tokens(engine.generate(PROMPTS, params())), engine.stats()
+    finally:
+        engine.config.overlap = True
 
 
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sync"])
 @pytest.mark.parametrize("policy", ["seesaw", "prefill_first", "decode_first"])
-def test_every_policy_gives_the_reference_tokens(engine, reference, policy):
-    got, stats = run_with(engine, policy)
+def test_every_policy_gives_the_reference_tokens(engine, reference, policy, overlap):
+    got, stats = run_with(engine, policy, overlap)
     assert got == reference
     assert stats["finished_requests"] == len(PROMPTS)
     assert stats["host_kv_peak"] <= 64 and engine.executor.kv.host.used == 0
@@ -82,6 +91,8 @@ def test_every_policy_gives_the_reference_tokens(engine, reference, policy):
 class RecomputeOnce:
     """seesaw, except that at its `at`-th decode step it preempts the oldest running
     sequence by recompute (its KV dropped; prompt + outputs prefilled again later)."""
+
+    depth = 1
 
     def __init__(self, at: int):
         self.inner, self.at, self.decodes, self.victims = make_policy("seesaw"), at, 0, []
@@ -181,3 +192,67 @@ def test_a_pool_smaller_than_the_running_sequences(tight, reference, policy):
 def test_a_pool_that_cannot_hold_one_sequence_is_refused():
     with pytest.raises(ValueError, match="kv_cache_tokens=64.*max_model_len=128"):
         Engine(EngineConfig(**KWARGS, kv_cache_tokens=64))
+
+
+# ---- overlap: step n + 1 is dispatched before step n's tokens reach the host -----------------
+
+
+def step_all(engine) -> list[str]:
+    """Step until idle; the request id of every token handed back, in order."""
+    seen = []
+    while engine.has_unfinished():
+        seen += [s.request_id for s in engine.step()]
+    return seen
+
+
+def test_a_stop_token_ends_the_request_before_the_step_in_flight(engine, reference):
+    """Request 0's stop token arrives in step n while step n + 1, already dispatched,
+    decodes it again: that token must be discarded, and nothing else may move."""
+    engine.set_scheduler("prefill_first")
+    ref = reference[0]
+    k = next(i for i in range(2, len(ref)) if ref[i] not in ref[:i])
+    sp = params()
+    sp[0] = SamplingParams(temperature=0.0, max_tokens=len(ref), stop_token_ids=[ref[k]],
+                           ignore_eos=True)
+    engine.reset_stats()
+    ids = [engine.add_request(p, q) for p, q in zip(PROMPTS, sp, strict=True)]
+    seq = engine.executor.state.waiting[0]
+    in_flight_at_stop = None
+    seen = []
+    while engine.has_unfinished():
+        seen += [s.request_id for s in engine.step()]
+        if seq.is_finished and in_flight_at_stop is None:
+            flight = engine.executor._flight
+            in_flight_at_stop = flight is not None and seq in flight.sampled
+    outs = [engine.pop_output(i) for i in ids]
+    assert in_flight_at_stop  # the overlap really had the next step under way
+    assert outs[0].outputs[0].token_ids == ref[:k + 1]
+    assert outs[0].outputs[0].finish_reason == "stop"
+    assert seen.count(ids[0]) == k + 1
+    assert [o.outputs[0].token_ids for o in outs[1:]] == reference[1:]
+    assert engine.stats()["generated_tokens"] == len(seen) == sum(
+        len(o.outputs[0].token_ids) for o in outs)
+
+
+def test_aborting_a_request_with_a_token_in_flight_frees_it_once(engine, reference):
+    engine.set_scheduler("prefill_first")
+    ids = [engine.add_request(p, q) for p, q in zip(PROMPTS, params(), strict=True)]
+    victim = engine.executor.state.waiting[1]
+    while True:
+        engine.step()
+        flight = engine.executor._flight
+        if flight is not None and victim in flight.sampled and victim.output_token_ids:
+            break
+    had = list(victim.output_token_ids)
+    engine.abort(victim.request_id)
+    engine.abort(victim.request_id)  # a second abort is a no-op
+    seen = step_all(engine)
+    assert victim.request_id not in seen
+    outs = {i: engine.pop_output(i) for i in ids}
+    assert outs[victim.request_id].outputs[0].token_ids == had
+    assert outs[victim.request_id].outputs[0].finish_reason == "abort"
+    assert [outs[i].outputs[0].token_ids for i in ids if i != victim.request_id] == [
+        r for i, r in zip(ids, reference, strict=True) if i != victim.request_id]
+    kv, state = engine.executor.kv, engine.executor.state
+    assert sorted(kv._free) == list(range(engine.max_num_seqs))  # every slot, each once
+    assert state.free_blocks == state.num_blocks

@@ -42,6 +42,7 @@ class Policy:
     """
 
     name = "policy"
+    depth = 1  # micro-batches one schedule call forms per step (pipelined policies: pp)
 
     def __init__(self, two_layouts: bool = False, max_prefill_tokens: int = DEFAULT_PREFILL_TOKENS,
                  watermark: float = DEFAULT_WATERMARK):

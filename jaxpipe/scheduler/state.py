@@ -284,6 +284,12 @@ class SchedulerState:
             self.reserve(seq, seq.computed)
         seq.location = to
 
+    def finish(self, seq_ids: Iterable[Hashable]) -> None:
+        """Record that these sequences ended after their run was applied (an executor that
+        applies a run at dispatch learns its stops when the tokens reach the host)."""
+        for seq_id in seq_ids:
+            self._finish(seq_id)
+
     def _finish(self, seq_id: Hashable) -> None:
         seq = self.device.pop(seq_id, None) or self.host.pop(seq_id, None)
         if seq is None:

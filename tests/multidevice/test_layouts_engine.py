@@ -107,3 +107,29 @@ def test_equal_layouts_never_reshard(tiny_orbax, tiny_reference):
                           sampling_params=SamplingParams(temperature=0.0, max_tokens=12))
     assert token_ids(got) == tiny_reference
     assert engine.stats()["reshards"] == 0 and engine.stats()["reshard_seconds"] == 0.0
+
+
+def mixed_params() -> list[SamplingParams]:
+    """Greedy, seeded sampling with logprobs, and penalties (one per tiny prompt)."""
+    return [SamplingParams(temperature=0.0, max_tokens=12),
+            SamplingParams(temperature=0.8, top_k=20, seed=5, max_tokens=10, logprobs=2),
+            SamplingParams(temperature=0.0, max_tokens=9, repetition_penalty=1.5,
+                           frequency_penalty=0.3)]
+
+
+def mixed_outputs(engine: Engine, overlap: bool) -> list:
+    engine.config.overlap = overlap
+    outs = engine.generate(prompt_token_ids=tiny_prompts(), sampling_params=mixed_params())
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+
+
+@pytest.mark.parametrize("mesh, layout", [("cpu-1", None), ("cpu-8", "pp=2,tp=4")])
+def test_overlap_changes_no_output(tiny_orbax, tiny_reference, mesh, layout):
+    """Steps dispatched before the previous one's tokens are on the host (decode tokens fed
+    on the device, through the pp stages) give the synchronous loop's outputs, on one
+    device and on a pp layout."""
+    layouts = {"prefill": layout, "decode": layout} if layout else {}
+    engine = Engine(EngineConfig(model=str(tiny_orbax), mesh=mesh, **layouts, **FAST))
+    sync, overlapped = mixed_outputs(engine, False), mixed_outputs(engine, True)
+    assert overlapped == sync
+    assert sync[0][0] == tiny_reference[0]

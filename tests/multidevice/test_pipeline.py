@@ -126,3 +126,30 @@ def test_bf16_step_with_the_cpu_kernels_matches_xla(tiny_values, prompts, layout
     for pieces in (prefill, decode):
         got, want = (run(r, pieces, 8) for r in runners)
         np.testing.assert_allclose(got, want, atol=3e-2, rtol=3e-2)
+
+
+# ---- static inter-stage transfers (SiPipe's structure-aware transmission) ---------------------
+
+
+@pytest.mark.parametrize("layout", ["pp=2,tp=4", "pp=8", "pp=4,tp=2"])
+@pytest.mark.parametrize("tokens", [16, 64])
+def test_stages_exchange_only_fixed_shape_activations(tiny_values, layout, tokens):
+    """Between stages a step moves one [Tm, E] activation per tick and nothing else: no
+    per-step metadata (tables, spans, lengths enter once, replicated, as program inputs), no
+    host round trip (send / recv / infeed / outfeed / callbacks). Its shape depends only on
+    the token bucket, so the receiver never waits for a description of what comes."""
+    import re
+
+    runner = make_runner(tiny_values, layout, "auto")
+    pieces = [Piece([1, 2, 3], 0, [0]), Piece([4], 5, [1])]
+    inputs = step_inputs.build(pieces, tokens, runner.microbatches(tokens),
+                               runner.buckets.rows(tokens), runner.max_blocks)
+    fn = runner._program(0 if runner.use_kernel else MAX_LEN)
+    text = fn.lower(runner.params, runner.cache, inputs, runner._zeros()).as_text()
+    moves = re.findall(r"stablehlo\.collective_permute.*:\s*\((tensor<[^>]*>)\)", text)
+    tm = tokens // runner.microbatches(tokens)
+    assert moves == [f"tensor<{tm}x{TINY.hidden_size}xf32>"]
+    assert not re.search(r"\b(send|recv|infeed|outfeed)\b", text)
+    calls = set(re.findall(r"custom_call @(\w+)", text))
+    assert all(c.startswith("jaxpipe_") or c in ("Sharding", "SPMDFullToShardShape",
+                                                 "SPMDShardToFullShape") for c in calls), calls

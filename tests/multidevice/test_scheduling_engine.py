@@ -120,9 +120,8 @@ def test_seesaw_switches_rarely(runs, workload):
 
 def test_swap_ins_overlap_decode_steps(runs):
     engine, _ = runs["seesaw"]
-    events = engine.executor.step_events
-    steps = [t for t, kind, rows in events if kind in ("step_start", "step_end") and rows]
-    spans = list(zip(steps[::2], steps[1::2], strict=True))
+    records = engine.executor.timeline.records
+    spans = [(r.dispatch, r.fetched) for r in records if r.name == "step" and r.decode]
     arrivals = [t for t, kind, _ in engine.executor.kv.host.events if kind == "in"]
     during = [t for t in arrivals if any(a < t < b for a, b in spans)]
     assert len(during) >= 1, (len(arrivals), len(spans))

@@ -1,0 +1,92 @@
+"""Where the engine's decode time goes: the step timeline with each host-side technique off
+and on (scripts/bench_timeline.py).
+
+One engine per run; the variants take turns on the same requests (greedy, ignore_eos, the
+seeded ShareGPT-like workload), `repeats` times each, interleaved so that drift in this
+machine's speed hits every variant alike; each figure is the median over the repeats. Every
+variant must produce the same tokens as the first (the techniques may not change outputs).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from jaxpipe.bench.workload import Request
+
+# name -> EngineConfig fields it sets (each adds one technique to the one before)
+VARIANTS: dict[str, dict[str, Any]] = {
+    "baseline": {"overlap": False},
+    "+overlap": {"overlap": True},
+}
+
+
+def run_variants(engine, workload: Sequence[Request], variants: Sequence[str], repeats: int,
+                 trace_dir: str | None = None, log: Callable[[str], None] = print) -> dict:
+    """Run `workload` under each variant `repeats` times; per variant the median output
+    tok/s, device idle fraction during decode and host ms per step by part."""
+    from jaxpipe.bench import _generate, check_outputs
+
+    rows: dict[str, list[dict]] = {v: [] for v in variants}
+    reference = None
+    for rep in range(repeats):
+        for name in variants:
+            for key, value in VARIANTS[name].items():
+                setattr(engine.config, key, value)  # read by the executor at every step
+            engine.reset_stats()
+            start = time.perf_counter()
+            outs = _generate(engine, workload)
+            elapsed = time.perf_counter() - start
+            check_outputs(outs, workload)
+            tokens = [o.outputs[0].token_ids for o in outs]
+            reference = reference or tokens
+            stats = engine.stats()
+            row = _row(stats, workload, elapsed, tokens == reference)
+            rows[name].append(row)
+            log(f"[{name} #{rep + 1}] {row['output_tok_s']:.1f} tok/s, device idle "
+                f"{row['device_idle_fraction']:.3f}, same tokens: {row['same_tokens']}")
+            if trace_dir:
+                path = Path(trace_dir) / f"timeline_{name.strip('+')}_{rep + 1}.json"
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text(json.dumps(engine.executor.timeline.chrome_trace()))
+    return {name: _median(runs) for name, runs in rows.items()}
+
+
+def _row(stats: dict, workload: Sequence[Request], elapsed: float, same: bool) -> dict:
+    return {"output_tok_s": sum(r.output_len for r in workload) / elapsed,
+            "elapsed_s": elapsed,
+            "device_idle_fraction": stats["device_idle_fraction"],
+            "decode_wall_s": stats["decode_wall_seconds"],
+            "host_ms_per_step": stats["host_ms_per_step"],
+            "steps": stats["steps"],
+            "same_tokens": same}
+
+
+def _median(runs: list[dict]) -> dict:
+    out = {k: statistics.median(r[k] for r in runs)
+           for k in ("output_tok_s", "elapsed_s", "device_idle_fraction", "decode_wall_s")}
+    parts = runs[0]["host_ms_per_step"]
+    out["host_ms_per_step"] = {p: statistics.median(r["host_ms_per_step"][p] for r in runs)
+                               for p in parts}
+    out["steps"] = runs[0]["steps"]
+    out["same_tokens"] = all(r["same_tokens"] for r in runs)
+    out["runs"] = runs
+    return out
+
+
+def render(title: str, results: dict) -> str:
+    """One table: a row per variant."""
+    parts = list(next(iter(results.values()))["host_ms_per_step"])
+    head = (f"{'variant':<12} {'out tok/s':>9} {'idle':>6} "
+            + " ".join(f"{p[:9]:>9}" for p in parts) + "  same tokens")
+    lines = [title, head, "-" * len(head)]
+    for name, r in results.items():
+        host = " ".join(f"{r['host_ms_per_step'][p]:>9.2f}" for p in parts)
+        lines.append(f"{name:<12} {r['output_tok_s']:>9.1f} {r['device_idle_fraction']:>6.3f} "
+                     f"{host}  {r['same_tokens']}")
+    lines.append("idle: device idle fraction during decode; host columns: ms per step")
+    return "\n".join(lines)
