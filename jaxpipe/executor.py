@@ -8,7 +8,12 @@
 
 The policy sees only token counts (`SchedulerState`); `KVManager` (jaxpipe/kv/) owns the
 physical side: device slots, the host KV tier and the prefetcher. The executor also keeps the
-engine's counters (`stats()`).
+engine's counters (`stats()`) and the step timeline (`timeline.py`).
+
+Overlap (`EngineConfig.overlap`): a Run is applied to the state when its step is dispatched,
+and the step before it lands (tokens appended, stop checks) only after that, so the host's
+work runs while the device computes; decode tokens not yet on the host are fed from the step
+in flight on the device. Any other action waits for the step in flight to land first.
 """
 
 from __future__ import annotations

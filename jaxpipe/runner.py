@@ -9,6 +9,8 @@ A step (`step`) takes a ragged token batch built by the caller (`step_inputs.bui
 positions, block-table rows, spans), runs every layer over it, then the LM head and the
 sampler on the rows that sample a token. Sampling is a separate small program so that its
 variants (greedy, top-k/p, penalties, logprobs) do not multiply the model's compilations.
+`dispatch` returns at once (`Dispatched`: the tokens on their way to the host); the next step
+may take its input tokens from them on the device.
 """
 
 from __future__ import annotations

@@ -62,6 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--max-num-batched-tokens", type=int, help="jaxpipe prefill token budget")
     e.add_argument("--max-model-len", type=int, help="default: longest request, rounded to 128")
     e.add_argument("--warmup-prompts", type=int, default=d.warmup_prompts)
+    e.add_argument("--no-overlap", action="store_true",
+                   help="jaxpipe lands each step before dispatching the next (ablation)")
     e.add_argument("--hf-batch-sizes", type=_int_list, default=d.hf_batch_sizes)
     e.add_argument("--hf-num-prompts", type=int, help="run HF on only the first N prompts")
     e.add_argument("--hf-max-seconds", type=float, help="stop each HF sweep point after ~N s")

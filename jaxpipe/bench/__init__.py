@@ -58,6 +58,7 @@ class BenchConfig:
     max_num_seqs: int | None = None  # None: the engine's default
     max_num_batched_tokens: int | None = None  # None: the engine's default
     max_model_len: int | None = None  # None: longest request, rounded up to 128
+    no_overlap: bool = False  # EngineConfig.overlap=False: each step lands before the next
     warmup_prompts: int = 4
     hf_batch_sizes: tuple[int, ...] = (16, 32, 64)
     hf_num_prompts: int | None = None  # None: the whole workload
@@ -200,6 +201,8 @@ def _engine_kwargs(cfg: BenchConfig, workload: Sequence[Request]) -> dict[str, A
         kwargs["max_num_seqs"] = cfg.max_num_seqs
     if cfg.max_num_batched_tokens is not None:
         kwargs["max_num_batched_tokens"] = cfg.max_num_batched_tokens
+    if cfg.no_overlap:
+        kwargs["overlap"] = False
     return kwargs
 
 
