@@ -155,6 +155,8 @@ class EngineConfig:
         tokens are fed from the device), so the host's scheduling, input building and stop
         checks run while the device computes; outputs are the same either way. A request that
         stops is then in one more step, whose token for it is discarded.
+    detok_worker: detokenize (for stop strings and streaming) and search stop strings on a
+        worker thread, off the engine loop; outputs are the same either way.
     host_kv_gb: size of the host KV tier (finished prefills and preempted sequences wait there,
         in host memory, for a device slot). host_kv_tokens, when given, sets it in tokens
         instead. seesaw needs it > 0; 0 turns the tier off (preemption then recomputes).
@@ -186,6 +188,7 @@ class EngineConfig:
     tdpipe_predictor: str = "learned"
     tdpipe_finish_ratio: float | None = None
     overlap: bool = True
+    detok_worker: bool = True
 
     def __post_init__(self):
         if not isinstance(self.model, (str, os.PathLike)) or not str(self.model):
@@ -215,8 +218,10 @@ class EngineConfig:
             _check_int("host_kv_tokens", self.host_kv_tokens, 0, 1 << 40)
         if self.kv_cache_tokens is not None:
             _check_int("kv_cache_tokens", self.kv_cache_tokens, 1, 1 << 40)
-        if not isinstance(self.overlap, bool):
-            raise ValueError(f"EngineConfig.overlap must be a bool, got {self.overlap!r}")
+        for name in ("overlap", "detok_worker"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"EngineConfig.{name} must be a bool, "
+                                 f"got {getattr(self, name)!r}")
         self.check_scheduler(self.scheduler)
         self._check_policy_knobs()
         if self.compilation_cache_dir is not None:

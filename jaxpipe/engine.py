@@ -90,7 +90,8 @@ class Engine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         seed = params.seed if params.seed is not None else int(self._seeds.integers(2**32))
         seq = Sequence.create(request_id, ids, params, seed, max_tokens, prompt=prompt,
-                              stop=StopChecker(self.tokenizer, ids, params, self._eos),
+                              stop=StopChecker(self.tokenizer, ids, params, self._eos,
+                                               self._detok_worker()),
                               arrival_time=time.perf_counter())
         self.executor.state.add(seq)
         self._requests[request_id] = seq
@@ -153,7 +154,7 @@ class Engine:
         try:
             while not seq.is_finished:
                 self.step()
-                new = seq.output_token_ids[sent:]
+                new = seq.output_token_ids[sent:stop.final_tokens(seq)]
                 sent += len(new)
                 if new or seq.is_finished:
                     yield StreamDelta(rid, new, stop.stream_delta(seq), seq.finish_reason)
@@ -180,8 +181,8 @@ class Engine:
         self.executor.reset_stats()
 
     def close(self) -> None:
-        """Stop the prefetcher thread (also done at interpreter exit: it is a daemon)."""
-        self.executor.kv.close()
+        """Stop the prefetcher and detokenizer threads."""
+        self.executor.close()
 
     def warmup(self) -> None:
         """Compile the step for every token bucket in the current phase's layout, and the LM
@@ -297,6 +298,9 @@ class Engine:
             raise ValueError(f"max_tokens={params.max_tokens} with a {len(ids)}-token prompt "
                              f"exceeds max_model_len={self.max_model_len}; at most {room}")
         return params.max_tokens
+
+    def _detok_worker(self):
+        return self.executor.detok if self.config.detok_worker else None
 
     def _need_tokenizer(self, what: str) -> None:
         if self.tokenizer is None:

@@ -44,6 +44,7 @@ from jaxpipe.scheduler import (
 )
 from jaxpipe.scheduler.throttle import ThrottleKnobs
 from jaxpipe.step_inputs import Piece
+from jaxpipe.stopping import DetokWorker
 from jaxpipe.timeline import StepRecord, Timeline
 
 PIPELINED = ("tdpipe", "throttle")  # policies that form one micro-batch per schedule call
@@ -60,6 +61,7 @@ class Executor:
         self.state, self.policy, self.kv = _scheduling(config, runner, buckets, num_slots,
                                                        max_model_len)
         self.kv.on_insert = self._landed
+        self.detok = DetokWorker()  # used by the requests added while config.detok_worker
         self._flight: Flight | None = None  # the step dispatched and not yet landed
         self.reset_stats()
 
@@ -114,6 +116,10 @@ class Executor:
         if action is None:
             return []
         return self._execute(action)
+
+    def close(self) -> None:
+        self.kv.close()
+        self.detok.close()
 
     def set_policy(self, name: str) -> None:
         self.policy = _policy(name, self.config, self.runner, self.buckets,
@@ -284,6 +290,7 @@ class Executor:
         self._postprocess(live, out)
         ended = {s.request_id for _, s in live if s.is_finished}
         self.state.finish(ended - flight.released)
+        self._stop_string_matches()
         for run in flight.runs:
             self.policy.landed(run, {s.seq_id for s in run.seqs} & ended, self.state)
         self._count_seconds(flight.runs, record.fetched - max(record.dispatch, self._last_fetch))
@@ -410,8 +417,20 @@ class Executor:
                 self._finish(seq, reason)
         self._stats["generated_tokens"] += len(rows)
 
-    def _finish(self, seq: Sequence, reason: str) -> None:
-        """End `seq` (the scheduler state is told by the caller) and free its KV."""
+    def _stop_string_matches(self) -> None:
+        """End the running requests whose stop string the detokenizer worker found (cut back
+        to the token that completed it), wherever the scheduler has them."""
+        for seq in self.detok.drain():
+            if not seq.is_finished:
+                self._finish(seq, None)
+                self.state.abort(seq.request_id)
+
+    def _finish(self, seq: Sequence, reason: str | None) -> None:
+        """End `seq` (the scheduler state is told by the caller) and free its KV. A stop
+        string the worker found on an earlier token ends it there instead (`settle`)."""
+        had = len(seq.output_token_ids)
+        reason = seq.stop.settle(seq, reason)
+        self._stats["generated_tokens"] -= had - len(seq.output_token_ids)
         self.kv.drop(seq)
         seq.finish_reason = reason
         seq.finish_time = time.perf_counter()

@@ -2,19 +2,54 @@
 
 One `StopChecker` per request, host side. Text is detokenized incrementally only for requests
 that need it (stop strings or streaming); everyone else is decoded once, at the end.
+
+With a `DetokWorker` (`EngineConfig.detok_worker`, the default) that detokenization and the
+stop-string search run on the worker's thread, off the engine loop: token-level stops (EOS,
+stop ids, lengths) are decided at once, a stop string when the worker has seen its token. A
+request that matched is then cut back to the token that completed the match (the engine
+discards what it generated meanwhile), and a request ending for another reason first waits
+for the worker to catch up with it, so every outcome is the one the inline check gives.
 """
 
 from __future__ import annotations
 
+import queue
+from concurrent.futures import Future, ThreadPoolExecutor
+
 from jaxpipe.sampling import SamplingParams
 from jaxpipe.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+class DetokWorker:
+    """One thread that detokenizes for the requests that need text while they run; requests
+    whose stop string matched are queued in `matched`."""
+
+    def __init__(self):
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="jaxpipe-detok")
+        self.matched: queue.SimpleQueue = queue.SimpleQueue()
+
+    def submit(self, fn, *args) -> Future:
+        return self._pool.submit(fn, *args)
+
+    def drain(self) -> list:
+        """The sequences whose stop string matched since the last call."""
+        out = []
+        while True:
+            try:
+                out.append(self.matched.get_nowait())
+            except queue.Empty:
+                return out
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
 
 
 class StopChecker:
     """Stop conditions and text of one request."""
 
     def __init__(self, tokenizer: Tokenizer | None, prompt_ids: list[int],
-                 params: SamplingParams, eos_ids: frozenset[int]):
+                 params: SamplingParams, eos_ids: frozenset[int],
+                 worker: DetokWorker | None = None):
         if params.stop and tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this model has none "
                              "(use stop_token_ids)")
@@ -28,27 +63,66 @@ class StopChecker:
         self._cut: str | None = None  # the text, truncated where a stop string matched
         self._hold = max((len(s) for s in params.stop), default=1) - 1
         self._emitted = 0  # characters already streamed
+        self._worker = worker
+        self._last: Future | None = None  # the worker's newest job for this request
+        self.match: int | None = None  # output index whose token completed a stop string
+        self._stop_string: str | None = None
 
     def banned(self, generated: int) -> list[int]:
         """Token ids the sampler must not pick next: stop ids until min_tokens is reached."""
         return sorted(self.stop_ids) if generated < self.params.min_tokens else []
 
     def check(self, seq, max_model_len: int) -> str | None:
-        """Reason the sequence ends after its newest token ("stop" / "length"), or None."""
+        """Reason the sequence ends after its newest token ("stop" / "length"), or None.
+        With a worker, a stop string is found later (`settle`, `DetokWorker.matched`)."""
         n, token = len(seq.output_token_ids), seq.output_token_ids[-1]
-        self._feed(seq)
-        if n >= self.params.min_tokens:
-            if token in self.stop_ids:
-                seq.stop_reason = token if token in self.params.stop_token_ids else None
-                return "stop"
-            if self._match_stop_string(seq):
-                return "stop"
+        counts = n >= self.params.min_tokens
+        if self._worker is not None and self._detok is not None:
+            self._last = self._worker.submit(self._push_one, seq, n - 1, token)
+        elif counts and token not in self.stop_ids and self._inline_match(seq):
+            return "stop"
+        if counts and token in self.stop_ids:  # before a stop string on the same token
+            seq.stop_reason = token if token in self.params.stop_token_ids else None
+            return "stop"
         if n >= seq.max_tokens or seq.num_tokens >= max_model_len:
             return "length"
         return None
 
+    def settle(self, seq, reason: str | None) -> str | None:
+        """Wait for the worker's view of `seq`; if a stop string matched on an earlier token
+        than the one `reason` ends it on (or on the same one, for a length stop), cut the
+        outputs back to that token and return "stop". Returns the reason it ends with."""
+        self.wait()
+        k = self.match
+        if k is None or k >= len(seq.output_token_ids):
+            return reason
+        last = len(seq.output_token_ids) - 1
+        if k == last and reason == "stop" and seq.output_token_ids[k] in self.stop_ids:
+            self._cut = None
+            return reason  # the stop id on the same token wins, as inline
+        if reason == "abort" and k == last:
+            return reason
+        del seq.output_token_ids[k + 1:]
+        if seq.logprobs is not None:
+            del seq.logprobs[k + 1:]
+        seq.stop_reason = self._stop_string
+        return "stop"
+
+    def final_tokens(self, seq) -> int:
+        """How many of `seq`'s output tokens are final so far (a stop string the worker found
+        ends the output at its token, though the engine may not have cut it back yet)."""
+        self.wait()
+        n = len(seq.output_token_ids)
+        return n if self.match is None else min(n, self.match + 1)
+
+    def wait(self) -> None:
+        """Until the worker has handled every token submitted for this request."""
+        if self._last is not None:
+            self._last.result()
+
     def final_text(self, seq) -> str:
         """The completion's text: decoded output, cut before a matched stop string."""
+        self.wait()
         if self._cut is not None:
             return self._cut
         if self.tokenizer is None:
@@ -64,8 +138,11 @@ class StopChecker:
         to be the start of a stop string is held back."""
         if self._detok is None:
             return ""
-        self._feed(seq)
-        if seq.is_finished:
+        if self._worker is not None:
+            self.wait()
+        else:
+            self._feed(seq)
+        if seq.is_finished or self.match is not None:  # a match found: its cut is final
             text = self.final_text(seq)
             end = len(text)
         else:
@@ -84,16 +161,36 @@ class StopChecker:
             self._detok.push(seq.output_token_ids[self._fed:])
             self._fed = len(seq.output_token_ids)
 
-    def _match_stop_string(self, seq) -> bool:
-        if not self.params.stop or self._cut is not None:
+    def _inline_match(self, seq) -> bool:
+        """Feed the new tokens and look for a stop string (on the engine's thread)."""
+        self._feed(seq)
+        if self._find() is None:
             return False
+        seq.stop_reason = self._stop_string
+        return True
+
+    def _push_one(self, seq, index: int, token: int) -> None:
+        """The worker's job: output `index` is `token`; a first stop-string match is recorded
+        and `seq` queued in the worker's `matched`."""
+        self._detok.push([token])
+        self._fed = index + 1
+        if self.match is None and index + 1 >= self.params.min_tokens and \
+                self._find() is not None:
+            self.match = index
+            self._worker.matched.put(seq)
+
+    def _find(self) -> str | None:
+        """The first stop string in the text so far (then `_cut` holds the text before it)."""
+        if not self.params.stop:
+            return None
+        if self._cut is not None:
+            return self._stop_string
         text = self._detok.text
         for stop in self.params.stop:
             # A new match can only start within the last len(stop) + new characters; searching
             # the whole text is cheap enough at these lengths and avoids an off-by-one window.
             idx = text.find(stop)
             if idx >= 0:
-                self._cut = text[:idx]
-                seq.stop_reason = stop
-                return True
-        return False
+                self._cut, self._stop_string = text[:idx], stop
+                return stop
+        return None

@@ -33,6 +33,8 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--variants", nargs="+", default=list(timeline.VARIANTS),
                    choices=list(timeline.VARIANTS))
+    p.add_argument("--stop", help="a stop string for every request (one that never matches, "
+                   "e.g. '<<never>>', makes every request detokenize as it runs)")
     p.add_argument("--trace", help="write a Chrome/Perfetto trace JSON per run into this folder")
     p.add_argument("--json", default="out/bench_timeline.json")
     args = p.parse_args()
@@ -48,8 +50,10 @@ def main() -> int:
                                  max_model_len=default_max_model_len(workload),
                                  show_progress=False, **layouts))
     title = (f"{args.model} {args.dtype} on {args.mesh} ({engine.runner.layouts['decode']}), "
-             f"{args.num_prompts} requests, median of {args.repeats}")
-    results = timeline.run_variants(engine, workload, args.variants, args.repeats, args.trace)
+             f"{args.num_prompts} requests, median of {args.repeats}"
+             + (f", stop={args.stop!r}" if args.stop else ""))
+    results = timeline.run_variants(engine, workload, args.variants, args.repeats, args.trace,
+                                    args.stop)
     print(timeline.render(title, results))
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)

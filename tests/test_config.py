@@ -43,6 +43,8 @@ BAD_ENGINE_CONFIGS = [
     (dict(tdpipe_predictor="bert"), "tdpipe_predictor"),
     (dict(tdpipe_finish_ratio=0.0), "tdpipe_finish_ratio"),
     (dict(tdpipe_finish_ratio=True), "tdpipe_finish_ratio"),
+    (dict(overlap="yes"), "overlap"),
+    (dict(detok_worker=1), "detok_worker"),
 ]
 
 

@@ -464,3 +464,45 @@ def test_overlap_on_and_off_give_the_same_outputs(engine, prompts, plain):
     on, off = outputs(True), outputs(False)
     assert on == off
     assert {o[2] for o in on} == {"stop", "length"}
+
+
+# ---- stop strings on the detokenizer worker -----------------------------------------------------
+
+
+def test_a_stop_string_the_worker_finds_late_cuts_the_request_back(engine, prompts, plain,
+                                                                 monkeypatch):
+    """The worker lags (slowed down here): the engine generates past the token that completed
+    the stop string, then cuts back to it. Same output as the check on the engine's thread."""
+    import time
+
+    from jaxpipe import stopping
+
+    word = plain["poem"].text.split()[6]
+    params = greedy(PLAIN_TOKENS, stop=[word], logprobs=1)
+    engine.config.detok_worker = False  # checked inline, on the engine's thread
+    try:
+        inline = run(engine, prompts["poem"], params)
+    finally:
+        engine.config.detok_worker = True
+    push, settle, cuts = stopping.StopChecker._push_one, stopping.StopChecker.settle, []
+
+    def slow_push(self, *args):
+        time.sleep(0.05)
+        return push(self, *args)
+
+    def recording_settle(self, seq, reason):
+        had = len(seq.output_token_ids)
+        out = settle(self, seq, reason)
+        cuts.append(had - len(seq.output_token_ids))
+        return out
+
+    monkeypatch.setattr(stopping.StopChecker, "_push_one", slow_push)
+    monkeypatch.setattr(stopping.StopChecker, "settle", recording_settle)
+    engine.reset_stats()
+    late = run(engine, prompts["poem"], params)
+    assert inline.finish_reason == "stop" and inline.stop_reason == word
+    assert (late.token_ids, late.text, late.finish_reason, late.stop_reason, late.logprobs) == (
+        inline.token_ids, inline.text, inline.finish_reason, inline.stop_reason,
+        inline.logprobs)
+    assert cuts and cuts[0] > 0  # it really ran ahead and was cut back
+    assert engine.stats()["generated_tokens"] == len(late.token_ids)

@@ -122,13 +122,16 @@ def check_outputs(outs: Sequence[Any], workload: Sequence[Request]) -> None:
             raise RuntimeError(f"request {i}: output is for a different prompt (order mixed up?)")
 
 
-def _generate(engine: Any, requests: Sequence[Request], progress: bool = False) -> list[Any]:
+def _generate(engine: Any, requests: Sequence[Request], progress: bool = False,
+              stop: str | None = None) -> list[Any]:
     """Greedy, ignore_eos generation of `requests` through the public Engine API
-    (`progress`: the engine's progress bar, for runs that take many minutes)."""
+    (`progress`: the engine's progress bar, for runs that take many minutes; `stop`: a stop
+    string for every request)."""
     from jaxpipe import SamplingParams
 
     params = [
-        SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True) for r in requests
+        SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True, stop=stop)
+        for r in requests
     ]
     return engine.generate(
         prompt_token_ids=[list(r.prompt_token_ids) for r in requests],

@@ -20,15 +20,19 @@ from jaxpipe.bench.workload import Request
 
 # name -> EngineConfig fields it sets (each adds one technique to the one before)
 VARIANTS: dict[str, dict[str, Any]] = {
-    "baseline": {"overlap": False},
-    "+overlap": {"overlap": True},
+    "baseline": {"overlap": False, "detok_worker": False},
+    "+overlap": {"overlap": True, "detok_worker": False},
+    "+detok": {"overlap": True, "detok_worker": True},
 }
 
 
 def run_variants(engine, workload: Sequence[Request], variants: Sequence[str], repeats: int,
-                 trace_dir: str | None = None, log: Callable[[str], None] = print) -> dict:
+                 trace_dir: str | None = None, stop: str | None = None,
+                 log: Callable[[str], None] = print) -> dict:
     """Run `workload` under each variant `repeats` times; per variant the median output
-    tok/s, device idle fraction during decode and host ms per step by part."""
+    tok/s, device idle fraction during decode and host ms per step by part. `stop`: a stop
+    string every request carries (one that never matches makes every request detokenize
+    as it runs, the work the detokenizer worker takes off the loop)."""
     from jaxpipe.bench import _generate, check_outputs
 
     rows: dict[str, list[dict]] = {v: [] for v in variants}
@@ -39,7 +43,7 @@ def run_variants(engine, workload: Sequence[Request], variants: Sequence[str], r
                 setattr(engine.config, key, value)  # read by the executor at every step
             engine.reset_stats()
             start = time.perf_counter()
-            outs = _generate(engine, workload)
+            outs = _generate(engine, workload, stop=stop)
             elapsed = time.perf_counter() - start
             check_outputs(outs, workload)
             tokens = [o.outputs[0].token_ids for o in outs]
