@@ -78,7 +78,12 @@ class Engine:
     def add_request(self, prompt: str | None = None, params: SamplingParams | None = None, *,
                     prompt_token_ids: Seq[int] | None = None, request_id: str | None = None,
                     ) -> str:
-        """Queue one request; returns its id. Raises ValueError on bad input (nothing queued)."""
+        """Queue one request; returns its id. Raises ValueError on bad input (nothing queued).
+        Its stop strings are checked on the engine's thread, so every token `step` hands
+        back is final (`generate` and `stream` use the detokenizer worker instead)."""
+        return self._add(prompt, params, prompt_token_ids, request_id, None)
+
+    def _add(self, prompt, params, prompt_token_ids, request_id, worker) -> str:
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(
@@ -91,7 +96,7 @@ class Engine:
         seed = params.seed if params.seed is not None else int(self._seeds.integers(2**32))
         seq = Sequence.create(request_id, ids, params, seed, max_tokens, prompt=prompt,
                               stop=StopChecker(self.tokenizer, ids, params, self._eos,
-                                               self._detok_worker()),
+                                               worker),
                               arrival_time=time.perf_counter())
         self.executor.state.add(seq)
         self._requests[request_id] = seq
@@ -146,7 +151,7 @@ class Engine:
                ) -> Iterator[StreamDelta]:
         """Yield the new tokens and text of one request as they are generated."""
         text, token_ids = (prompt, None) if isinstance(prompt, str) else (None, list(prompt))
-        rid = self.add_request(text, params, prompt_token_ids=token_ids)
+        rid = self._add(text, params, token_ids, None, self._detok_worker())
         seq = self._requests[rid]
         stop = seq.stop
         stop.enable_streaming()
@@ -215,7 +220,7 @@ class Engine:
         ids: list[str] = []
         try:
             for prompt, tokens, sp in zip(prompts, token_lists, params, strict=True):
-                ids.append(self.add_request(prompt, sp, prompt_token_ids=tokens))
+                ids.append(self._add(prompt, sp, tokens, None, self._detok_worker()))
         except BaseException:
             for rid in ids:
                 self.abort(rid)

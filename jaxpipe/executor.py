@@ -288,15 +288,16 @@ class Executor:
         start = time.perf_counter()
         live = [(i, s) for i, s in enumerate(flight.sampled) if not s.is_finished]
         self._postprocess(live, out)
+        self.detok.commit()
         ended = {s.request_id for _, s in live if s.is_finished}
         self.state.finish(ended - flight.released)
-        self._stop_string_matches()
+        matched = [s for s in self._stop_string_matches() if s.request_id not in ended]
         for run in flight.runs:
             self.policy.landed(run, {s.seq_id for s in run.seqs} & ended, self.state)
         self._count_seconds(flight.runs, record.fetched - max(record.dispatch, self._last_fetch))
         self._last_fetch = record.fetched
         self.timeline.part("postprocess", start, record)
-        return [s for _, s in live]
+        return [s for _, s in live] + [s for s in matched if s not in flight.sampled]
 
     def _at_end(self, seq: Sequence) -> bool:
         """Whether the token `seq` has in flight is certainly its last (by length)."""
@@ -417,13 +418,14 @@ class Executor:
                 self._finish(seq, reason)
         self._stats["generated_tokens"] += len(rows)
 
-    def _stop_string_matches(self) -> None:
+    def _stop_string_matches(self) -> list[Sequence]:
         """End the running requests whose stop string the detokenizer worker found (cut back
-        to the token that completed it), wherever the scheduler has them."""
-        for seq in self.detok.drain():
-            if not seq.is_finished:
-                self._finish(seq, None)
-                self.state.abort(seq.request_id)
+        to the token that completed it), wherever the scheduler has them; returns them."""
+        ended = [seq for seq in self.detok.drain() if not seq.is_finished]
+        for seq in ended:
+            self._finish(seq, None)
+            self.state.abort(seq.request_id)
+        return ended
 
     def _finish(self, seq: Sequence, reason: str | None) -> None:
         """End `seq` (the scheduler state is told by the caller) and free its KV. A stop

@@ -21,15 +21,34 @@ from jaxpipe.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
 class DetokWorker:
-    """One thread that detokenizes for the requests that need text while they run; requests
-    whose stop string matched are queued in `matched`."""
+    """One thread that detokenizes for the requests that need text while they run. The
+    engine `add`s a job per new token and `commit`s them once per step, as one batch;
+    requests whose stop string matched are queued in `matched`."""
 
     def __init__(self):
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="jaxpipe-detok")
         self.matched: queue.SimpleQueue = queue.SimpleQueue()
+        self._jobs: list = []
+        self._open: Future = Future()  # done when the batch being collected has run
 
-    def submit(self, fn, *args) -> Future:
-        return self._pool.submit(fn, *args)
+    def add(self, fn, *args) -> Future:
+        """Queue `fn(*args)` in the next batch; the future of that batch."""
+        self._jobs.append((fn, args))
+        return self._open
+
+    def commit(self) -> None:
+        """Send the queued jobs to the thread, as one batch."""
+        if not self._jobs:
+            return
+        jobs, done = self._jobs, self._open
+        self._jobs, self._open = [], Future()
+        self._pool.submit(_run_batch, jobs, done)
+
+    def wait(self, batch: Future) -> None:
+        """Until `batch` (an `add` result) has run (committing it if it is still open)."""
+        if batch is self._open:
+            self.commit()
+        batch.result()
 
     def drain(self) -> list:
         """The sequences whose stop string matched since the last call."""
@@ -41,7 +60,18 @@ class DetokWorker:
                 return out
 
     def close(self) -> None:
+        self.commit()
         self._pool.shutdown(wait=True)
+
+
+def _run_batch(jobs: list, done: Future) -> None:
+    try:
+        for fn, args in jobs:
+            fn(*args)
+    except BaseException as err:  # surfaced to whoever waits on the batch
+        done.set_exception(err)
+    else:
+        done.set_result(None)
 
 
 class StopChecker:
@@ -78,7 +108,7 @@ class StopChecker:
         n, token = len(seq.output_token_ids), seq.output_token_ids[-1]
         counts = n >= self.params.min_tokens
         if self._worker is not None and self._detok is not None:
-            self._last = self._worker.submit(self._push_one, seq, n - 1, token)
+            self._last = self._worker.add(self._push_one, seq, n - 1, token)
         elif counts and token not in self.stop_ids and self._inline_match(seq):
             return "stop"
         if counts and token in self.stop_ids:  # before a stop string on the same token
@@ -118,7 +148,7 @@ class StopChecker:
     def wait(self) -> None:
         """Until the worker has handled every token submitted for this request."""
         if self._last is not None:
-            self._last.result()
+            self._worker.wait(self._last)
 
     def final_text(self, seq) -> str:
         """The completion's text: decoded output, cut before a matched stop string."""
