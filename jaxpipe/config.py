@@ -100,6 +100,7 @@ class ModelConfig:
 ATTENTION = ("auto", "kernel", "xla")
 SCHEDULERS = ("auto", "seesaw", "prefill_first", "decode_first", "tdpipe", "throttle")
 PREDICTORS = ("learned", "oracle")  # jaxpipe.scheduler.predictor
+SAMPLERS = ("device", "host")
 
 
 def _default_cache_dir() -> str:
@@ -157,6 +158,12 @@ class EngineConfig:
         stops is then in one more step, whose token for it is discarded.
     detok_worker: detokenize (for stop strings and streaming) and search stop strings on a
         worker thread, off the engine loop; outputs are the same either way.
+    sampler: where the next token is chosen: "device" (a small program after the LM head) or
+        "host" (SiPipe's CPU sampling: the sampled rows' logits come to the host and
+        `sampler_threads` worker threads sample them in NumPy, penalties kept per slot and
+        updated with each token). The same tokens either way (up to float32 summation order
+        at a token's boundary). A host-sampled step cannot feed the next step's tokens on the
+        device, so "host" turns overlap off. "device" is faster on CPU (see the README).
     host_kv_gb: size of the host KV tier (finished prefills and preempted sequences wait there,
         in host memory, for a device slot). host_kv_tokens, when given, sets it in tokens
         instead. seesaw needs it > 0; 0 turns the tier off (preemption then recomputes).
@@ -189,6 +196,8 @@ class EngineConfig:
     tdpipe_finish_ratio: float | None = None
     overlap: bool = True
     detok_worker: bool = True
+    sampler: str = "device"
+    sampler_threads: int = 2
 
     def __post_init__(self):
         if not isinstance(self.model, (str, os.PathLike)) or not str(self.model):
@@ -222,6 +231,10 @@ class EngineConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"EngineConfig.{name} must be a bool, "
                                  f"got {getattr(self, name)!r}")
+        if self.sampler not in SAMPLERS:
+            raise ValueError(f"EngineConfig.sampler must be one of {SAMPLERS}, "
+                             f"got {self.sampler!r}")
+        _check_int("sampler_threads", self.sampler_threads, 1, 256)
         self.check_scheduler(self.scheduler)
         self._check_policy_knobs()
         if self.compilation_cache_dir is not None:

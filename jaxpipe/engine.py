@@ -343,7 +343,8 @@ def _make_runner(config: EngineConfig, cfg: ModelConfig, model: Llama | Path,
     weights = model if isinstance(model, Path) else {
         name: getattr(model, name)[...] for name in param_decls(cfg)}
     return Runner(cfg, weights, buckets, num_slots, max_len, dtype, layouts, devices,
-                  num_blocks, attention=config.attention)
+                  num_blocks, attention=config.attention, sampler=config.sampler,
+                  sampler_threads=config.sampler_threads)
 
 
 def _resolve_layouts(config: EngineConfig, cfg: ModelConfig, num_devices: int) -> dict:

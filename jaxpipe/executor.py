@@ -31,7 +31,7 @@ from jaxpipe.buckets import Buckets
 from jaxpipe.config import EngineConfig
 from jaxpipe.kv.device_cache import BLOCK
 from jaxpipe.kv.manager import KVManager
-from jaxpipe.runner import Dispatched, Runner, SamplingPlan, StepOutput
+from jaxpipe.runner import Dispatched, HostSampled, Runner, SamplingPlan, StepOutput
 from jaxpipe.sampling import SamplingParams
 from jaxpipe.scheduler import (
     Action,
@@ -69,8 +69,10 @@ class Executor:
     def overlap(self) -> bool:
         """Whether a step is dispatched before the previous one's tokens are on the host
         (`EngineConfig.overlap`; the pipelined policies already keep pp micro-batches in
-        each step and land every step before scheduling the next)."""
-        return self.config.overlap and self.policy.depth == 1
+        each step and land every step before scheduling the next; a host sampler's tokens
+        cannot be fed on the device)."""
+        return (self.config.overlap and self.policy.depth == 1
+                and self.runner.host_sampler is None)
 
     def has_work(self) -> bool:
         """Whether a request is unfinished: in the scheduler state, or (already freed: its
@@ -120,6 +122,7 @@ class Executor:
     def close(self) -> None:
         self.kv.close()
         self.detok.close()
+        self.runner.close()
 
     def set_policy(self, name: str) -> None:
         self.policy = _policy(name, self.config, self.runner, self.buckets,
@@ -149,7 +152,8 @@ class Executor:
         tokens of the device KV pool (whole blocks) in use at most / in all; preemptions:
         sequences evicted from the device (parked, or outgrowing the pool);
         device_idle_fraction, decode_wall_seconds, decode_idle_seconds, host_seconds,
-        host_ms_per_step: the step timeline's (`timeline.py`)."""
+        host_ms_per_step: the step timeline's (`timeline.py`); fed_steps: steps that took
+        some input token from the step before on the device (overlap)."""
         s = dict(self._stats)
         host = self.kv.host
         s["transitions"] = s["to_decode"] + s["to_prefill"]
@@ -272,6 +276,7 @@ class Executor:
         last = [s for s in sampled if self._at_end(s)]
         self._release(last)
         self._count_step(ran)
+        self._stats["fed_steps"] += any(p.feed >= 0 for _, p, _ in pieces)
         return Flight(runs or [ran], sampled, out, record, {s.request_id for s in last})
 
     def _land(self) -> list[Sequence]:
@@ -503,7 +508,7 @@ class Flight:
 
     runs: list[Run]
     sampled: list[Sequence]
-    out: Dispatched
+    out: Dispatched | HostSampled
     record: StepRecord
     released: set[str]  # sampled sequences already freed: this token is their last
 
@@ -529,6 +534,6 @@ def _merge(runs: list[Run]) -> Run:
 def _new_stats() -> dict:
     keys = ("prefill_seconds", "decode_seconds", "steps", "decode_steps", "prefill_tokens",
             "prefill_chunks", "decode_tokens", "step_tokens", "step_tokens_padded",
-            "max_step_tokens", "generated_tokens", "finished_requests", "to_decode",
+            "max_step_tokens", "generated_tokens", "fed_steps", "finished_requests", "to_decode",
             "to_prefill", "reshards", "reshard_seconds", "preemptions")
     return {k: 0 if not k.endswith("seconds") else 0.0 for k in keys}

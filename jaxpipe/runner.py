@@ -10,7 +10,9 @@ positions, block-table rows, spans), runs every layer over it, then the LM head 
 sampler on the rows that sample a token. Sampling is a separate small program so that its
 variants (greedy, top-k/p, penalties, logprobs) do not multiply the model's compilations.
 `dispatch` returns at once (`Dispatched`: the tokens on their way to the host); the next step
-may take its input tokens from them on the device.
+may take its input tokens from them on the device. With a host sampler (`sampler="host"`)
+the step ends at the LM head instead and `HostSampled.fetch` samples on the host's worker
+threads; the penalty state then lives on the host.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from jax.sharding import PartitionSpec as P
 from jaxpipe import pipeline, sampling, sharding
 from jaxpipe.buckets import Buckets, round_up
 from jaxpipe.config import ModelConfig
+from jaxpipe.host_sampler import HostSampler, host_logprobs
 from jaxpipe.kernels import ragged_attention
 from jaxpipe.kv import device_cache
 from jaxpipe.kv.device_cache import KVCache, storage_dtype
@@ -80,6 +83,30 @@ class Dispatched:
         return _to_host(self.tokens, self.lp, self.n)
 
 
+class HostSampled:
+    """A dispatched step whose logits the host samples (`host_sampler.py`) when they land.
+    It has no device tokens, so the next step cannot take its input tokens from it."""
+
+    tokens = None
+
+    def __init__(self, logits: jax.Array, lp, slots: np.ndarray, plan: SamplingPlan,
+                 sampler: HostSampler):
+        self.logits, self.lp, self.slots, self.plan, self.sampler = logits, lp, slots, plan, sampler
+
+    def ready(self) -> bool:
+        return self.logits.is_ready()
+
+    def fetch(self) -> StepOutput:
+        n = len(self.slots)
+        x = np.asarray(self.logits)[:n]
+        plan = self.plan
+        tokens = self.sampler.sample(x, self.slots, plan.tensors, plan.mode, plan.penalties)
+        if self.lp is None:
+            return StepOutput(tokens)
+        lse, top_ids, top_lp = (np.asarray(a)[:n] for a in self.lp)
+        return StepOutput(tokens, host_logprobs(x, tokens, lse), top_ids, top_lp)
+
+
 def _sample(logits, prompt_mask, out_counts, slots, tensors, *, mode, penalties, num_logprobs,
             out_rows):
     """Tokens for logits [n, V] of slots [n] (out of range: padding), zero-padded to
@@ -117,9 +144,12 @@ class Runner:
 
     def __init__(self, cfg: ModelConfig, weights: dict | Path, buckets: Buckets,
                  num_slots: int, max_len: int, dtype, layouts: dict[str, Layout], devices,
-                 num_blocks: int, attention: str = "auto"):
+                 num_blocks: int, attention: str = "auto", sampler: str = "device",
+                 sampler_threads: int = 2):
         """`weights`: unpadded weights (name -> host or device array, as `param_decls`), or
-        the path of an orbax checkpoint to restore straight into the prefill layout."""
+        the path of an orbax checkpoint to restore straight into the prefill layout.
+        `sampler`: "device" (the sampling program) or "host" (`host_sampler.py` on
+        `sampler_threads` worker threads)."""
         for phase, layout in layouts.items():
             if layout.dp > 1:
                 raise ValueError(f"{phase} layout {layout}: dp > 1 is not supported yet; "
@@ -139,20 +169,39 @@ class Runner:
         place = self.placements[self.phase]
         self.cache = _zeros_cache(sharding.kv_shape(cfg, self.plan, num_blocks),
                                   storage_dtype(dtype), place.cache)
-        replicated = NamedSharding(place.mesh, P())
-        vocab = cfg.vocab_size
-        self.prompt_mask = jax.device_put(np.zeros((num_slots, vocab), bool), replicated)
-        self.out_counts = jax.device_put(np.zeros((num_slots, vocab), np.int32), replicated)
+        self.host_sampler: HostSampler | None = None
+        self.sampler_threads = sampler_threads
+        self.out_counts = self.prompt_mask = None
+        self.set_sampler(sampler)
+        self._logprob_parts = jax.jit(sampling.logprob_parts, static_argnames=("num",))
         self._sample = jax.jit(partial(_sample, out_rows=buckets.max_rows),
                                static_argnames=_STATIC,
                                donate_argnames=("prompt_mask", "out_counts"))
         self._no_prev: dict[str, jax.Array] = {}  # per phase: `prev` of a step with no feed
         self._set_penalties = jax.jit(_set_penalty_row,
                                       donate_argnames=("prompt_mask", "out_counts"))
-        self._logits = pipeline.logits_program(cfg, vocab)
+        self._logits = pipeline.logits_program(cfg, cfg.vocab_size)
         self._programs: dict[tuple, object] = {}
         self.compiled: set[tuple] = set()
         self.compile_seconds = 0.0
+
+    def set_sampler(self, sampler: str) -> None:
+        """Sample on the device ("device") or on the host ("host"). Penalty state is not
+        carried over: call it only while no slot is in use (each sequence's state is set
+        when it enters a slot)."""
+        if sampler not in ("device", "host"):
+            raise ValueError(f"sampler must be 'device' or 'host', got {sampler!r}")
+        if self.out_counts is not None and (sampler == "host") == (self.host_sampler is not None):
+            return
+        if self.host_sampler is not None:
+            self.host_sampler.close()
+        self.host_sampler = HostSampler(self.num_slots, self.sampler_threads) if (
+            sampler == "host") else None
+        rows = 0 if self.host_sampler else self.num_slots  # the host sampler keeps its own
+        replicated = NamedSharding(self.placements[self.phase].mesh, P())
+        zeros = np.zeros((rows, self.config.vocab_size), np.int32)
+        self.prompt_mask = jax.device_put(zeros.astype(bool), replicated)
+        self.out_counts = jax.device_put(zeros, replicated)
 
     @property
     def layout(self) -> Layout:
@@ -182,7 +231,7 @@ class Runner:
         return self.dispatch(inputs, slots, plan).fetch()
 
     def dispatch(self, inputs: StepInputs, slots: np.ndarray, plan: SamplingPlan,
-                 prev: Dispatched | None = None) -> Dispatched:
+                 prev: Dispatched | None = None) -> Dispatched | HostSampled:
         """Start one ragged step (returns at once); sample a token for the first len(slots)
         rows (their penalty state is that of `slots`). `plan` has one entry per sampled row,
         padded to `buckets.sample_rows`. `prev`: the step before, whose sampled tokens
@@ -192,6 +241,10 @@ class Runner:
             return Dispatched(self.hidden(inputs, prev), 0)
         rows = plan.tensors.temperature.shape[0]
         logits = self.logits(inputs, rows, prev)
+        if self.host_sampler is not None:
+            lp = None if plan.num_logprobs is None else self._logprob_parts(
+                logits, num=plan.num_logprobs)
+            return HostSampled(logits, lp, np.asarray(slots), plan, self.host_sampler)
         padded = np.full(rows, self.num_slots, np.int32)
         padded[:n] = slots
         tokens, lp, self.prompt_mask, self.out_counts = self._sample(
@@ -246,11 +299,19 @@ class Runner:
         self.compile_seconds += time.perf_counter() - start
         return out
 
+    def close(self) -> None:
+        """Stop the host sampler's threads (if any)."""
+        if self.host_sampler is not None:
+            self.host_sampler.close()
+
     # ---- per-slot state and KV moves ----------------------------------------------------------
 
     def restore_penalties(self, slot: int, prompt: list[int], output: list[int]) -> None:
         """Set `slot`'s penalty state for a sequence that moved there (prefilled, swapped in,
         or recomputed): the state is per slot and does not travel with the KV."""
+        if self.host_sampler is not None:
+            self.host_sampler.restore(slot, prompt, output)
+            return
         vocab = self.prompt_mask.shape[1]
         mask = np.zeros(vocab, bool)
         mask[prompt] = True

@@ -583,16 +583,26 @@ def processed_logprobs(logits, t: SamplingTensors, prompt_mask, output_counts, *
     return jnp.where((t.temperature < GREEDY_EPS)[:, None], one_hot, lp)
 
 
+def logprob_parts(logits, num: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """What the logprobs of a step need besides the sampled token, from the RAW logits [B, V]:
+    (log-sum-exp [B] f32, top ids [B, num] i32, top logprobs [B, num] f32); `num` is static
+    and may be 0. The host sampler takes these from the device and the token's logprob is
+    logits[token] - lse, as in `compute_logprobs`."""
+    logits = logits.astype(jnp.float32)
+    lse = jax.nn.logsumexp(logits, axis=-1)  # [B]
+    if num == 0:
+        b = logits.shape[0]
+        return lse, jnp.zeros((b, 0), jnp.int32), jnp.zeros((b, 0), jnp.float32)
+    vals, ids = jax.lax.top_k(logits, num)  # [B, num]
+    return lse, ids.astype(jnp.int32), vals - lse[:, None]
+
+
 def compute_logprobs(logits, tokens, num: int) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Log-probs under log_softmax of the RAW logits [B, V] (vLLM's default "raw_logprobs").
 
     Returns (logprob of tokens [B] f32, top ids [B, num] i32, top logprobs [B, num] f32);
     `num` is static and may be 0."""
-    logits = logits.astype(jnp.float32)
-    lse = jax.nn.logsumexp(logits, axis=-1)  # [B]
-    tok = jnp.take_along_axis(logits, tokens.astype(jnp.int32)[:, None], axis=-1)[:, 0] - lse
-    if num == 0:
-        b = logits.shape[0]
-        return tok, jnp.zeros((b, 0), jnp.int32), jnp.zeros((b, 0), jnp.float32)
-    vals, ids = jax.lax.top_k(logits, num)  # [B, num]
-    return tok, ids.astype(jnp.int32), vals - lse[:, None]
+    lse, top_ids, top_lp = logprob_parts(logits, num)
+    tok = jnp.take_along_axis(logits.astype(jnp.float32), tokens.astype(jnp.int32)[:, None],
+                              axis=-1)[:, 0] - lse
+    return tok, top_ids, top_lp

@@ -64,6 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--warmup-prompts", type=int, default=d.warmup_prompts)
     e.add_argument("--no-overlap", action="store_true",
                    help="jaxpipe lands each step before dispatching the next (ablation)")
+    e.add_argument("--sampler", choices=("device", "host"), default=d.sampler,
+                   help="jaxpipe's sampler: the device program or NumPy on host threads")
+    e.add_argument("--mesh", default=d.mesh, help="jaxpipe's mesh preset, e.g. cpu-8")
+    e.add_argument("--layout", help="jaxpipe's layout for prefill and decode, e.g. pp=2,tp=4")
     e.add_argument("--hf-batch-sizes", type=_int_list, default=d.hf_batch_sizes)
     e.add_argument("--hf-num-prompts", type=int, help="run HF on only the first N prompts")
     e.add_argument("--hf-max-seconds", type=float, help="stop each HF sweep point after ~N s")

@@ -31,7 +31,7 @@ def main() -> int:
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--variants", nargs="+", default=list(timeline.VARIANTS),
+    p.add_argument("--variants", nargs="+", default=list(timeline.DEFAULT_VARIANTS),
                    choices=list(timeline.VARIANTS))
     p.add_argument("--stop", help="a stop string for every request (one that never matches, "
                    "e.g. '<<never>>', makes every request detokenize as it runs)")

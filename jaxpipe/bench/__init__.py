@@ -59,6 +59,9 @@ class BenchConfig:
     max_num_batched_tokens: int | None = None  # None: the engine's default
     max_model_len: int | None = None  # None: longest request, rounded up to 128
     no_overlap: bool = False  # EngineConfig.overlap=False: each step lands before the next
+    sampler: str = "device"  # EngineConfig.sampler
+    mesh: str = "cpu-1"  # EngineConfig.mesh (jaxpipe only)
+    layout: str | None = None  # one layout for prefill and decode, e.g. "pp=2,tp=4"
     warmup_prompts: int = 4
     hf_batch_sizes: tuple[int, ...] = (16, 32, 64)
     hf_num_prompts: int | None = None  # None: the whole workload
@@ -206,6 +209,12 @@ def _engine_kwargs(cfg: BenchConfig, workload: Sequence[Request]) -> dict[str, A
         kwargs["max_num_batched_tokens"] = cfg.max_num_batched_tokens
     if cfg.no_overlap:
         kwargs["overlap"] = False
+    if cfg.sampler != "device":
+        kwargs["sampler"] = cfg.sampler
+    if cfg.mesh != "cpu-1":
+        kwargs["mesh"] = cfg.mesh
+    if cfg.layout is not None:
+        kwargs["prefill"] = kwargs["decode"] = cfg.layout
     return kwargs
 
 

@@ -19,11 +19,14 @@ from typing import Any
 from jaxpipe.bench.workload import Request
 
 # name -> EngineConfig fields it sets (each adds one technique to the one before)
+# ("host-sampler" replaces the device sampler: overlap is then off, see EngineConfig.sampler)
 VARIANTS: dict[str, dict[str, Any]] = {
-    "baseline": {"overlap": False, "detok_worker": False},
-    "+overlap": {"overlap": True, "detok_worker": False},
-    "+detok": {"overlap": True, "detok_worker": True},
+    "baseline": {"overlap": False, "detok_worker": False, "sampler": "device"},
+    "+overlap": {"overlap": True, "detok_worker": False, "sampler": "device"},
+    "+detok": {"overlap": True, "detok_worker": True, "sampler": "device"},
+    "host-sampler": {"overlap": True, "detok_worker": True, "sampler": "host"},
 }
+DEFAULT_VARIANTS = ("baseline", "+overlap", "+detok")
 
 
 def run_variants(engine, workload: Sequence[Request], variants: Sequence[str], repeats: int,
@@ -41,6 +44,7 @@ def run_variants(engine, workload: Sequence[Request], variants: Sequence[str], r
         for name in variants:
             for key, value in VARIANTS[name].items():
                 setattr(engine.config, key, value)  # read by the executor at every step
+            engine.runner.set_sampler(engine.config.sampler)  # between runs: no slot in use
             engine.reset_stats()
             start = time.perf_counter()
             outs = _generate(engine, workload, stop=stop)

@@ -119,17 +119,27 @@ def mixed_params() -> list[SamplingParams]:
 
 def mixed_outputs(engine: Engine, overlap: bool) -> list:
     engine.config.overlap = overlap
+    engine.executor.reset_stats()
     outs = engine.generate(prompt_token_ids=tiny_prompts(), sampling_params=mixed_params())
     return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
 
 
 @pytest.mark.parametrize("mesh, layout", [("cpu-1", None), ("cpu-8", "pp=2,tp=4")])
-def test_overlap_changes_no_output(tiny_orbax, tiny_reference, mesh, layout):
+def test_overlap_and_the_host_sampler_change_no_output(tiny_orbax, tiny_reference, mesh,
+                                                       layout):
     """Steps dispatched before the previous one's tokens are on the host (decode tokens fed
-    on the device, through the pp stages) give the synchronous loop's outputs, on one
-    device and on a pp layout."""
+    on the device, through the pp stages), and tokens sampled on the host, give the
+    synchronous loop's outputs, on one device and on a pp layout."""
     layouts = {"prefill": layout, "decode": layout} if layout else {}
     engine = Engine(EngineConfig(model=str(tiny_orbax), mesh=mesh, **layouts, **FAST))
-    sync, overlapped = mixed_outputs(engine, False), mixed_outputs(engine, True)
+    sync = mixed_outputs(engine, False)
+    assert engine.stats()["fed_steps"] == 0
+    overlapped = mixed_outputs(engine, True)
+    assert engine.stats()["fed_steps"] > 0  # the overlap really fed tokens on the device
+    host = Engine(EngineConfig(model=str(tiny_orbax), mesh=mesh, **layouts, **FAST,
+                               sampler="host"))
+    assert mixed_outputs(host, True) == sync  # overlap is off with a host sampler
+    assert host.stats()["fed_steps"] == 0 and host.runner.out_counts.shape[0] == 0
+    host.close()
     assert overlapped == sync
     assert sync[0][0] == tiny_reference[0]
