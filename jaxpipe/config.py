@@ -162,8 +162,9 @@ class EngineConfig:
         "host" (SiPipe's CPU sampling: the sampled rows' logits come to the host and
         `sampler_threads` worker threads sample them in NumPy, penalties kept per slot and
         updated with each token). The same tokens either way (up to float32 summation order
-        at a token's boundary). A host-sampled step cannot feed the next step's tokens on the
-        device, so "host" turns overlap off. "device" is faster on CPU (see the README).
+        at a token's boundary). With overlap, a host-sampled step is sampled just before the
+        step that takes its tokens is dispatched; the device waits for that, not for the rest
+        of the host's work. "device" is the default (see the README's measurements).
     host_kv_gb: size of the host KV tier (finished prefills and preempted sequences wait there,
         in host memory, for a device slot). host_kv_tokens, when given, sets it in tokens
         instead. seesaw needs it > 0; 0 turns the tier off (preemption then recomputes).

@@ -69,17 +69,15 @@ class Executor:
     def overlap(self) -> bool:
         """Whether a step is dispatched before the previous one's tokens are on the host
         (`EngineConfig.overlap`; the pipelined policies already keep pp micro-batches in
-        each step and land every step before scheduling the next; a host sampler's tokens
-        cannot be fed on the device)."""
-        return (self.config.overlap and self.policy.depth == 1
-                and self.runner.host_sampler is None)
+        each step and land every step before scheduling the next)."""
+        return self.config.overlap and self.policy.depth == 1
 
     def has_work(self) -> bool:
         """Whether a request is unfinished: in the scheduler state, or (already freed: its
         last token) in the step in flight."""
         flight = self._flight
         return self.state.has_work() or (
-            flight is not None and any(not s.is_finished for s in flight.sampled))
+            flight is not None and any(not s.is_finished for s in flight.released))
 
     def step(self) -> list[Sequence]:
         """Run the policy's next action; returns the sequences that got a token (with
@@ -262,6 +260,8 @@ class Executor:
         plan = self.row_plan(sampled, self.buckets.sample_rows(len(sampled)))
         start = self.timeline.part("sample", start)
         prev = self._flight.out if self._flight is not None else None
+        if isinstance(prev, HostSampled) and any(p.feed >= 0 for _, p, _ in pieces):
+            start = self._host_sample(self._flight)
         out = self.runner.dispatch(inputs, np.array([s.slot for s in sampled], np.int32), plan,
                                    prev)
         record = self.timeline.dispatch("step", start, len(decode), action.prefill_tokens, out)
@@ -273,11 +273,11 @@ class Executor:
         ran = Run(prefill=action.prefill, decode=decode, prefill_to_host=action.prefill_to_host)
         for run in runs or [ran]:
             self.state.apply(run)
-        last = [s for s in sampled if self._at_end(s)]
-        self._release(last)
+        last = [s for s in sampled if s.at_length(s.generated, self.max_model_len)]
+        self._release(last)  # their token in flight is certainly their last
         self._count_step(ran)
         self._stats["fed_steps"] += any(p.feed >= 0 for _, p, _ in pieces)
-        return Flight(runs or [ran], sampled, out, record, {s.request_id for s in last})
+        return Flight(runs or [ran], sampled, out, record, last)
 
     def _land(self) -> list[Sequence]:
         """Bring the step in flight's tokens to the host: append them, stop checks, free what
@@ -288,25 +288,23 @@ class Executor:
             return []
         record = flight.record
         start = time.perf_counter()
-        out = flight.out.fetch()
+        flight.out.wait()
         self.timeline.waited(record, start)
         start = time.perf_counter()
+        out = flight.out.fetch()  # the host sampler samples here
+        start = self.timeline.part("sample", start, record)
         live = [(i, s) for i, s in enumerate(flight.sampled) if not s.is_finished]
         self._postprocess(live, out)
         self.detok.commit()
         ended = {s.request_id for _, s in live if s.is_finished}
-        self.state.finish(ended - flight.released)
+        self.state.finish(ended - {s.request_id for s in flight.released})
         matched = [s for s in self._stop_string_matches() if s.request_id not in ended]
         for run in flight.runs:
             self.policy.landed(run, {s.seq_id for s in run.seqs} & ended, self.state)
         self._count_seconds(flight.runs, record.fetched - max(record.dispatch, self._last_fetch))
         self._last_fetch = record.fetched
         self.timeline.part("postprocess", start, record)
-        return [s for _, s in live] + [s for s in matched if s not in flight.sampled]
-
-    def _at_end(self, seq: Sequence) -> bool:
-        """Whether the token `seq` has in flight is certainly its last (by length)."""
-        return seq.generated >= seq.max_output_len or seq.context_len >= self.max_model_len
+        return [s for _, s in live] + [s for s in matched if s not in flight.rows]
 
     def _release(self, seqs: list[Sequence]) -> None:
         """Free the slots and KV of sequences whose token in flight is their last, at once:
@@ -316,6 +314,17 @@ class Executor:
         self.state.finish(s.request_id for s in seqs)
         for seq in seqs:
             self.kv.drop(seq)
+
+    def _host_sample(self, flight: Flight) -> float:
+        """Sample the step in flight on the host before dispatching the step that takes its
+        tokens (the device waits meanwhile: with sampler="host" the sampling is on the
+        critical path, the rest of the host's work still overlaps). Returns now."""
+        start = time.perf_counter()
+        flight.out.wait()
+        self.timeline.waited(flight.record, start)
+        start = time.perf_counter()
+        flight.out.sample()
+        return self.timeline.part("sample", start, flight.record)
 
     def _ready_decodes(self, infos: list[Sequence]) -> list[Sequence]:
         """The decode sequences whose KV is in the device pool (waits for a swap-in only
@@ -351,7 +360,7 @@ class Executor:
         blocks = list(self.state.reserve(seq, position + 1))
         if len(seq.output_token_ids) == seq.generated:
             return seq, Piece([seq.last_token], position, blocks), True
-        row = self._flight.sampled.index(seq) if self._flight is not None else -1
+        row = self._flight.rows.get(seq, -1) if self._flight is not None else -1
         if row < 0:
             raise RuntimeError(f"{seq.request_id!r}'s newest token is in no step in flight")
         return seq, Piece([0], position, blocks, feed=row), True
@@ -510,7 +519,10 @@ class Flight:
     sampled: list[Sequence]
     out: Dispatched | HostSampled
     record: StepRecord
-    released: set[str]  # sampled sequences already freed: this token is their last
+    released: list[Sequence]  # sampled sequences already freed: this token is their last
+
+    def __post_init__(self):
+        self.rows = {seq: i for i, seq in enumerate(self.sampled)}  # seq -> its sampled row
 
 
 def _without_finished(action: Action) -> Action:

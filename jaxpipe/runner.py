@@ -75,36 +75,56 @@ class Dispatched:
         """Whether the device has finished the step (never blocks)."""
         return self.done.is_ready()
 
+    def wait(self) -> None:
+        """Block until the device has finished the step."""
+        jax.block_until_ready(self.done)
+
     def fetch(self) -> StepOutput:
         """The step's results on the host (waits for the device)."""
         if self.tokens is None:
-            jax.block_until_ready(self.done)
+            self.wait()
             return StepOutput(np.zeros(0, np.int32))
         return _to_host(self.tokens, self.lp, self.n)
 
 
 class HostSampled:
-    """A dispatched step whose logits the host samples (`host_sampler.py`) when they land.
-    It has no device tokens, so the next step cannot take its input tokens from it."""
-
-    tokens = None
+    """A dispatched step whose logits the host samples (`host_sampler.py`). `sample()` runs
+    the host sampler once (when the next step needs its tokens, or when it lands) and puts
+    the tokens on the device too, for the next step to take its inputs from."""
 
     def __init__(self, logits: jax.Array, lp, slots: np.ndarray, plan: SamplingPlan,
-                 sampler: HostSampler):
-        self.logits, self.lp, self.slots, self.plan, self.sampler = logits, lp, slots, plan, sampler
+                 sampler: HostSampler, put):
+        self.logits, self.lp, self.slots, self.plan = logits, lp, slots, plan
+        self._sampler, self._put = sampler, put  # put: host tokens -> padded device tokens
+        self._out: StepOutput | None = None
+        self.tokens: jax.Array | None = None  # on the device once sampled
 
     def ready(self) -> bool:
         return self.logits.is_ready()
 
-    def fetch(self) -> StepOutput:
-        n = len(self.slots)
-        x = np.asarray(self.logits)[:n]
-        plan = self.plan
-        tokens = self.sampler.sample(x, self.slots, plan.tensors, plan.mode, plan.penalties)
-        if self.lp is None:
-            return StepOutput(tokens)
-        lse, top_ids, top_lp = (np.asarray(a)[:n] for a in self.lp)
-        return StepOutput(tokens, host_logprobs(x, tokens, lse), top_ids, top_lp)
+    def wait(self) -> None:
+        jax.block_until_ready(self.logits)
+
+    @property
+    def sampled(self) -> bool:
+        return self._out is not None
+
+    def sample(self) -> StepOutput:
+        """Sample the step's rows on the host (once; waits for the logits)."""
+        if self._out is None:
+            n, plan = len(self.slots), self.plan
+            x = np.asarray(self.logits)[:n]
+            tokens = self._sampler.sample(x, self.slots, plan.tensors, plan.mode,
+                                          plan.penalties)
+            self.tokens = self._put(tokens)
+            self._out = StepOutput(tokens)
+            if self.lp is not None:
+                lse, top_ids, top_lp = (np.asarray(a)[:n] for a in self.lp)
+                self._out.logprob = host_logprobs(x, tokens, lse)
+                self._out.top_ids, self._out.top_logprobs = top_ids, top_lp
+        return self._out
+
+    fetch = sample
 
 
 def _sample(logits, prompt_mask, out_counts, slots, tensors, *, mode, penalties, num_logprobs,
@@ -171,6 +191,7 @@ class Runner:
                                   storage_dtype(dtype), place.cache)
         self.host_sampler: HostSampler | None = None
         self.sampler_threads = sampler_threads
+        self._unsampled: list[HostSampled] = []  # dispatched, not yet host-sampled
         self.out_counts = self.prompt_mask = None
         self.set_sampler(sampler)
         self._logprob_parts = jax.jit(sampling.logprob_parts, static_argnames=("num",))
@@ -244,7 +265,10 @@ class Runner:
         if self.host_sampler is not None:
             lp = None if plan.num_logprobs is None else self._logprob_parts(
                 logits, num=plan.num_logprobs)
-            return HostSampled(logits, lp, np.asarray(slots), plan, self.host_sampler)
+            out = HostSampled(logits, lp, np.asarray(slots), plan, self.host_sampler,
+                              self._put_tokens)
+            self._unsampled = [h for h in self._unsampled if not h.sampled] + [out]
+            return out
         padded = np.full(rows, self.num_slots, np.int32)
         padded[:n] = slots
         tokens, lp, self.prompt_mask, self.out_counts = self._sample(
@@ -269,8 +293,16 @@ class Runner:
         key = (self.phase, m * tm, m, inputs.table.shape[0], max_kv)
         fn = self._program(max_kv)
         fed = prev.tokens if prev is not None and prev.tokens is not None else self._zeros()
+        # (a host-sampled step not yet sampled feeds nothing: the executor samples it first
+        # when this step takes tokens from it)
         hidden, self.cache = self._once(key, fn, self.params, self.cache, inputs, fed)
         return hidden
+
+    def _put_tokens(self, tokens: np.ndarray) -> jax.Array:
+        """Host-sampled tokens as a `prev` for the next step (padded to max_rows)."""
+        padded = np.zeros(self.buckets.max_rows, np.int32)
+        padded[:len(tokens)] = tokens
+        return jax.device_put(padded, self._zeros().sharding)
 
     def _zeros(self) -> jax.Array:
         """`prev` tokens for a step that feeds none (one replicated array per phase)."""
@@ -310,6 +342,9 @@ class Runner:
         """Set `slot`'s penalty state for a sequence that moved there (prefilled, swapped in,
         or recomputed): the state is per slot and does not travel with the KV."""
         if self.host_sampler is not None:
+            for pending in self._unsampled:  # sampled with their slots' state before this
+                pending.sample()
+            self._unsampled = []
             self.host_sampler.restore(slot, prompt, output)
             return
         vocab = self.prompt_mask.shape[1]

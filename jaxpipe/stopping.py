@@ -114,7 +114,7 @@ class StopChecker:
         if counts and token in self.stop_ids:  # before a stop string on the same token
             seq.stop_reason = token if token in self.params.stop_token_ids else None
             return "stop"
-        if n >= seq.max_tokens or seq.num_tokens >= max_model_len:
+        if seq.at_length(n, max_model_len):
             return "length"
         return None
 

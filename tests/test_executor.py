@@ -88,6 +88,21 @@ def test_every_policy_gives_the_reference_tokens(engine, reference, policy, over
         assert stats["to_decode"] >= 3  # the tier holds ~3 prompts: several refills
 
 
+@pytest.mark.parametrize("policy", ["seesaw", "prefill_first"])
+def test_the_host_sampler_gives_the_reference_tokens(engine, reference, policy):
+    """Sampled on the host (penalty state kept per slot on the host, following sequences
+    through swaps into other slots), with overlap: the host-sampled tokens are fed."""
+    engine.runner.set_sampler("host")
+    try:
+        got, stats = run_with(engine, policy)
+    finally:
+        engine.runner.set_sampler("device")
+    assert got == reference
+    assert stats["fed_steps"] > 0
+    if policy == "seesaw":
+        assert stats["swap_in_bytes"] > 0
+
+
 class RecomputeOnce:
     """seesaw, except that at its `at`-th decode step it preempts the oldest running
     sequence by recompute (its KV dropped; prompt + outputs prefilled again later)."""

@@ -52,6 +52,11 @@ class Sequence(SeqInfo):
         """Prompt plus generated tokens: the KV positions this sequence will occupy."""
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
+    def at_length(self, outputs: int, max_model_len: int) -> bool:
+        """Whether `outputs` output tokens end the request by length (max_tokens reached, or
+        the context fills max_model_len)."""
+        return outputs >= self.max_output_len or self.prompt_len + outputs >= max_model_len
+
     @property
     def last_token(self) -> int:
         return self.output_token_ids[-1]

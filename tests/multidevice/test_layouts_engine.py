@@ -138,8 +138,8 @@ def test_overlap_and_the_host_sampler_change_no_output(tiny_orbax, tiny_referenc
     assert engine.stats()["fed_steps"] > 0  # the overlap really fed tokens on the device
     host = Engine(EngineConfig(model=str(tiny_orbax), mesh=mesh, **layouts, **FAST,
                                sampler="host"))
-    assert mixed_outputs(host, True) == sync  # overlap is off with a host sampler
-    assert host.stats()["fed_steps"] == 0 and host.runner.out_counts.shape[0] == 0
+    assert mixed_outputs(host, True) == sync
+    assert host.stats()["fed_steps"] > 0 and host.runner.out_counts.shape[0] == 0
     host.close()
     assert overlapped == sync
     assert sync[0][0] == tiny_reference[0]
