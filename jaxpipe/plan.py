@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 from jaxpipe.meshes import load_mesh
+from jaxpipe.model.loading import source_config
 from jaxpipe.model.presets import resolve_model
 from jaxpipe.planner.planner import HOST_KV_GB, format_plan, plan
 from jaxpipe.planner.workloads import DEFAULT_NUM_REQUESTS, make_workload
@@ -13,7 +14,9 @@ from jaxpipe.planner.workloads import DEFAULT_NUM_REQUESTS, make_workload
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m jaxpipe.plan", description=__doc__)
-    ap.add_argument("--model", default="llama2-70b", help="a preset in models/")
+    ap.add_argument("--model", default="llama2-70b",
+                    help="what EngineConfig.model accepts: a preset in models/, a .gguf file, "
+                         "an HF directory or an orbax checkpoint (only its metadata is read)")
     ap.add_argument("--mesh", default="a10x8-pcie", help="a preset in meshes/")
     ap.add_argument("--workload", default="sharegpt",
                     help="sharegpt | arxiv | constant:IN:OUT")
@@ -21,12 +24,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--host-kv-gb", type=float, default=HOST_KV_GB)
     args = ap.parse_args(argv)
-    source = resolve_model(args.model)
-    if source.config is None:
-        raise SystemExit(f"model {args.model!r} has no architecture table to plan with")
+    try:
+        config = source_config(resolve_model(args.model))
+    except (ValueError, FileNotFoundError) as err:
+        raise SystemExit(f"python -m jaxpipe.plan: {err}") from None
     mesh = load_mesh(args.mesh)
     w = make_workload(args.workload, args.num_requests, args.seed)
-    print(format_plan(plan(source.config, mesh, w, args.host_kv_gb), args.model, args.mesh))
+    print(format_plan(plan(config, mesh, w, args.host_kv_gb), args.model, args.mesh))
 
 
 if __name__ == "__main__":

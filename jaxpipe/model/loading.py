@@ -204,6 +204,22 @@ def load_weights(source) -> tuple[ModelConfig, dict]:
     return loaders[source.kind](source.path)
 
 
+def source_config(source) -> ModelConfig:
+    """A resolved `ModelSource`'s architecture from its metadata alone (the preset's table,
+    the GGUF header, config.json, or the orbax checkpoint's description): no weights read."""
+    if source.config is not None:
+        return source.config
+    if source.kind == "gguf":
+        from gguf import GGUFReader
+
+        return gguf_config(GGUFReader(str(source.path)))
+    if source.kind == "hf":
+        return hf_config(json.loads((source.path / "config.json").read_text()))
+    if source.kind == "orbax":
+        return orbax_config(source.path)
+    raise ValueError(f"model {source.name!r} ({source.kind}) has no architecture to read")
+
+
 def load_tokenizer(source):
     """The tokenizer that goes with a resolved `ModelSource`, or None (architecture-only)."""
     from jaxpipe.tokenizer import Tokenizer

@@ -69,3 +69,20 @@ def test_cli_prints_the_table_and_the_choice(capsys):
     out = capsys.readouterr().out
     for name in ("pp8", "tp2pp4", "tp4pp2", "tp8", "chosen: prefill", "best static"):
         assert name in out
+
+
+def test_cli_plans_a_model_given_by_its_weights(capsys):
+    """The default model has no architecture table: the CLI reads the GGUF header, the same
+    architecture the engine loads."""
+    from jaxpipe.model import loading
+    from jaxpipe.model.presets import resolve_model
+
+    try:
+        source = resolve_model("smollm2-135m")
+    except (ValueError, FileNotFoundError) as err:
+        pytest.skip(f"SmolLM2 weights unavailable: {err}")
+    assert source.config is None and loading.source_config(source).num_layers == 30
+    plan_cli.main(["--model", "smollm2-135m", "--mesh", "cpu-8", "--num-requests", "50"])
+    assert "chosen: prefill" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="'no-such-model' is neither an existing path"):
+        plan_cli.main(["--model", "no-such-model", "--mesh", "cpu-8"])
