@@ -68,6 +68,7 @@ class Engine:
         self._seeds = np.random.default_rng(config.seed)
         self._ids = itertools.count()
         self._requests: dict[str, Sequence] = {}
+        self.closed = False
         self.executor = Executor(config, self.runner, self.buckets, self.max_num_seqs,
                                  self.max_model_len)
         if config.warmup:
@@ -84,6 +85,7 @@ class Engine:
         return self._add(prompt, params, prompt_token_ids, request_id, None)
 
     def _add(self, prompt, params, prompt_token_ids, request_id, worker) -> str:
+        self._check_open()
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(
@@ -121,6 +123,7 @@ class Engine:
     def step(self) -> list[Sequence]:
         """Do the scheduling policy's next action (see executor.py); returns the sequences
         that got a token."""
+        self._check_open()
         return self.executor.step()
 
     def generate(self, prompts: str | Seq[str] | None = None,
@@ -186,8 +189,26 @@ class Engine:
         self.executor.reset_stats()
 
     def close(self) -> None:
-        """Stop the prefetcher and detokenizer threads."""
+        """Stop the engine's threads and free its memory: the weights, the device KV pool
+        and the host KV tier. Unfinished requests are aborted. A closed engine refuses new
+        work; closing twice is harmless. `with Engine(...) as engine:` closes on exit."""
+        if self.closed:
+            return
+        for seq in list(self._requests.values()):
+            if not seq.is_finished:
+                self.executor.abort(seq)
         self.executor.close()
+        self.closed = True
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError("this Engine is closed (Engine.close()); create a new one")
 
     def warmup(self) -> None:
         """Compile the step for every token bucket in the current phase's layout, and the LM

@@ -118,6 +118,10 @@ class Executor:
         return self._execute(action)
 
     def close(self) -> None:
+        """Wait for the step in flight, stop the threads and free the device and host KV."""
+        if self._flight is not None:
+            self._flight.out.wait()
+            self._flight = None
         self.kv.close()
         self.detok.close()
         self.runner.close()

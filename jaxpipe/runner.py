@@ -332,9 +332,16 @@ class Runner:
         return out
 
     def close(self) -> None:
-        """Stop the host sampler's threads (if any)."""
+        """Free every device array (weights, KV pool, penalty state) and stop the host
+        sampler's threads; the runner cannot step afterwards."""
         if self.host_sampler is not None:
             self.host_sampler.close()
+            self.host_sampler = None
+        state = (self.params, self.cache, self.prompt_mask, self.out_counts, self._no_prev)
+        for array in jax.tree.leaves(state):
+            if not array.is_deleted():
+                array.delete()
+        self._unsampled = []
 
     # ---- per-slot state and KV moves ----------------------------------------------------------
 

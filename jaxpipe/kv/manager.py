@@ -113,8 +113,11 @@ class KVManager:
         return len(self._incoming)
 
     def close(self) -> None:
+        """Stop the prefetcher and free the host tier's entries."""
         if self.prefetcher is not None:
             self.prefetcher.close()
+        for seq_id in list(self.host.entries):
+            self.host.drop(seq_id)
 
     def _settle(self, seq: Sequence) -> None:
         """Wait until `seq`'s own swap-in (if any) has landed in its slot."""

@@ -143,3 +143,24 @@ def test_overlap_and_the_host_sampler_change_no_output(tiny_orbax, tiny_referenc
     host.close()
     assert overlapped == sync
     assert sync[0][0] == tiny_reference[0]
+
+
+def test_close_frees_the_engine_and_refuses_new_work(tiny_orbax):
+    """`with Engine(...)`: on exit the unfinished request is aborted, every device array is
+    freed (weights, KV pool) and the engine refuses new work; closing again is harmless."""
+    import jax
+
+    with Engine(EngineConfig(model=str(tiny_orbax), **FAST)) as engine:
+        rid = engine.add_request(prompt_token_ids=tiny_prompts()[1],
+                                 params=SamplingParams(temperature=0.0, max_tokens=60))
+        engine.step()
+        engine.step()  # prefilled, a decode step in flight
+        seq = engine._requests[rid]
+        arrays = jax.tree.leaves((engine.runner.params, engine.runner.cache))
+        assert not seq.is_finished and not any(a.is_deleted() for a in arrays)
+    assert engine.closed and seq.finish_reason == "abort"
+    assert all(a.is_deleted() for a in arrays)
+    assert not engine.executor.kv.host.entries
+    with pytest.raises(RuntimeError, match="Engine is closed"):
+        engine.generate(prompt_token_ids=tiny_prompts(), sampling_params=GREEDY)
+    engine.close()
