@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpipe import sharding, step_inputs
+from jaxpipe import memory, sharding, step_inputs
 from jaxpipe.buckets import Buckets
 from jaxpipe.config import EngineConfig, ModelConfig
 from jaxpipe.executor import Executor
@@ -59,6 +59,8 @@ class Engine:
         self.max_num_seqs = _max_num_seqs(config, self.max_model_len, block_bytes)
         self.num_blocks = _num_blocks(config, self.max_num_seqs, self.max_model_len,
                                       block_bytes)
+        _check_fits(config, self.num_blocks * block_bytes, model_bytes(self.model_config,
+                                                                  self.dtype), devices)
         self.buckets = Buckets.for_engine(self.max_num_seqs, self.max_model_len,
                                           config.max_num_batched_tokens)
         self.runner = _make_runner(config, self.model_config, model, self.buckets,
@@ -442,6 +444,24 @@ def _num_blocks(config: EngineConfig, num_seqs: int, max_len: int, block_bytes: 
                          f"({per_seq * block_bytes / 2**30:.2f} GiB); raise it or lower "
                          "max_model_len")
     return min(blocks, num_seqs * per_seq)
+
+
+def model_bytes(cfg: ModelConfig, dtype) -> int:
+    """Bytes of the weights in `dtype` (unpadded)."""
+    return cfg.num_params() * dtype.itemsize
+
+
+def _check_fits(config: EngineConfig, pool_bytes: int, weight_bytes: int, devices) -> None:
+    """Fail at construction, naming the setting, when the device KV pool and the weights do
+    not fit in the memory the devices have free."""
+    free = memory.free_bytes(devices)
+    if free is None or pool_bytes + weight_bytes <= free:
+        return
+    size = (f"kv_cache_tokens={config.kv_cache_tokens}" if config.kv_cache_tokens is not None
+            else f"kv_cache_gb={config.kv_cache_gb}")
+    raise ValueError(f"EngineConfig.{size}: the device KV pool needs {pool_bytes:,} bytes "
+                     f"and the weights {weight_bytes:,}, but only {free:,} bytes are free "
+                     f"on {devices[0].platform} ({memory.describe(devices)}); lower it")
 
 
 def _kv_budget_bytes(config: EngineConfig, block_bytes: int) -> float:

@@ -164,3 +164,16 @@ def test_close_frees_the_engine_and_refuses_new_work(tiny_orbax):
     with pytest.raises(RuntimeError, match="Engine is closed"):
         engine.generate(prompt_token_ids=tiny_prompts(), sampling_params=GREEDY)
     engine.close()
+
+
+def test_a_kv_pool_larger_than_free_memory_fails_at_construction(tiny_orbax, monkeypatch):
+    """The budget is checked against the memory the devices have free (CPU: MemAvailable,
+    pretended small here) before the pool is allocated, naming the setting and the bytes."""
+    from jaxpipe import memory
+
+    assert memory.host_available_bytes() > 2**20  # this machine's real figure is read
+    monkeypatch.setattr(memory, "host_available_bytes", lambda: 4096)
+    with pytest.raises(ValueError, match=r"EngineConfig.kv_cache_tokens=512: the device KV "
+                                         r"pool needs [\d,]+ bytes and the weights [\d,]+, "
+                                         r"but only 4,096 bytes are free on cpu"):
+        Engine(EngineConfig(model=str(tiny_orbax), **FAST, kv_cache_tokens=512))
