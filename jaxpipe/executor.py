@@ -264,8 +264,9 @@ class Executor:
         plan = self.row_plan(sampled, self.buckets.sample_rows(len(sampled)))
         start = self.timeline.part("sample", start)
         prev = self._flight.out if self._flight is not None else None
-        if isinstance(prev, HostSampled) and any(p.feed >= 0 for _, p, _ in pieces):
-            start = self._host_sample(self._flight)
+        feeds = any(p.feed >= 0 for _, p, _ in pieces)
+        if feeds and isinstance(prev, HostSampled):  # its tokens are needed on the device:
+            _, start = self._bring(self._flight)  # the device waits for the host sampler
         out = self.runner.dispatch(inputs, np.array([s.slot for s in sampled], np.int32), plan,
                                    prev)
         record = self.timeline.dispatch("step", start, len(decode), action.prefill_tokens, out)
@@ -280,7 +281,7 @@ class Executor:
         last = [s for s in sampled if s.at_length(s.generated, self.max_model_len)]
         self._release(last)  # their token in flight is certainly their last
         self._count_step(ran)
-        self._stats["fed_steps"] += any(p.feed >= 0 for _, p, _ in pieces)
+        self._stats["fed_steps"] += feeds
         return Flight(runs or [ran], sampled, out, record, last)
 
     def _land(self) -> list[Sequence]:
@@ -291,12 +292,7 @@ class Executor:
         if flight is None:
             return []
         record = flight.record
-        start = time.perf_counter()
-        flight.out.wait()
-        self.timeline.waited(record, start)
-        start = time.perf_counter()
-        out = flight.out.fetch()  # the host sampler samples here
-        start = self.timeline.part("sample", start, record)
+        out, start = self._bring(flight)
         live = [(i, s) for i, s in enumerate(flight.sampled) if not s.is_finished]
         self._postprocess(live, out)
         self.detok.commit()
@@ -319,16 +315,15 @@ class Executor:
         for seq in seqs:
             self.kv.drop(seq)
 
-    def _host_sample(self, flight: Flight) -> float:
-        """Sample the step in flight on the host before dispatching the step that takes its
-        tokens (the device waits meanwhile: with sampler="host" the sampling is on the
-        critical path, the rest of the host's work still overlaps). Returns now."""
+    def _bring(self, flight: Flight) -> tuple[StepOutput, float]:
+        """Wait for the step in flight and bring its results to the host (a host-sampled
+        step is sampled here, once). Returns (results, now)."""
         start = time.perf_counter()
         flight.out.wait()
         self.timeline.waited(flight.record, start)
         start = time.perf_counter()
-        flight.out.sample()
-        return self.timeline.part("sample", start, flight.record)
+        out = flight.out.fetch()
+        return out, self.timeline.part("sample", start, flight.record)
 
     def _ready_decodes(self, infos: list[Sequence]) -> list[Sequence]:
         """The decode sequences whose KV is in the device pool (waits for a swap-in only

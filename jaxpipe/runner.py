@@ -97,7 +97,7 @@ class HostSampled:
         self.logits, self.lp, self.slots, self.plan = logits, lp, slots, plan
         self._sampler, self._put = sampler, put  # put: host tokens -> padded device tokens
         self._out: StepOutput | None = None
-        self.tokens: jax.Array | None = None  # on the device once sampled
+        self._tokens: jax.Array | None = None
 
     def ready(self) -> bool:
         return self.logits.is_ready()
@@ -109,6 +109,14 @@ class HostSampled:
     def sampled(self) -> bool:
         return self._out is not None
 
+    @property
+    def tokens(self) -> jax.Array | None:
+        """The sampled tokens on the device, for the next step's `prev` (None until sampled;
+        put there only when a step asks for them)."""
+        if self._out is not None and self._tokens is None:
+            self._tokens = self._put(self._out.tokens)
+        return self._tokens
+
     def sample(self) -> StepOutput:
         """Sample the step's rows on the host (once; waits for the logits)."""
         if self._out is None:
@@ -116,7 +124,6 @@ class HostSampled:
             x = np.asarray(self.logits)[:n]
             tokens = self._sampler.sample(x, self.slots, plan.tensors, plan.mode,
                                           plan.penalties)
-            self.tokens = self._put(tokens)
             self._out = StepOutput(tokens)
             if self.lp is not None:
                 lse, top_ids, top_lp = (np.asarray(a)[:n] for a in self.lp)
@@ -190,9 +197,9 @@ class Runner:
         self.cache = _zeros_cache(sharding.kv_shape(cfg, self.plan, num_blocks),
                                   storage_dtype(dtype), place.cache)
         self.host_sampler: HostSampler | None = None
+        self.sampler: str | None = None
         self.sampler_threads = sampler_threads
         self._unsampled: list[HostSampled] = []  # dispatched, not yet host-sampled
-        self.out_counts = self.prompt_mask = None
         self.set_sampler(sampler)
         self._logprob_parts = jax.jit(sampling.logprob_parts, static_argnames=("num",))
         self._sample = jax.jit(partial(_sample, out_rows=buckets.max_rows),
@@ -212,8 +219,9 @@ class Runner:
         when it enters a slot)."""
         if sampler not in ("device", "host"):
             raise ValueError(f"sampler must be 'device' or 'host', got {sampler!r}")
-        if self.out_counts is not None and (sampler == "host") == (self.host_sampler is not None):
+        if sampler == self.sampler:
             return
+        self.sampler = sampler
         if self.host_sampler is not None:
             self.host_sampler.close()
         self.host_sampler = HostSampler(self.num_slots, self.sampler_threads) if (

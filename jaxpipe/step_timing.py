@@ -15,7 +15,6 @@ import hashlib
 import json
 import logging
 import os
-import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +23,7 @@ import jax
 
 from jaxpipe.bench.steps import step_call
 from jaxpipe.kv.device_cache import BLOCK
+from jaxpipe.planner.calibrate import median_seconds
 
 CONTEXT = 256  # tokens of context behind each measured decode row
 PREFILL_LENGTH = 64  # tokens per prompt in the measured prefill steps
@@ -100,14 +100,7 @@ def _seconds(runner, batch: int, length: int, start: int) -> float:
     """Median seconds of a step of `batch` sequences of `length` tokens after `start` (less
     if the KV pool cannot hold that much for all of them, or it passes max_model_len)."""
     fits = min(runner.num_blocks // batch * BLOCK, runner.max_len) - length
-    call = step_call(runner, batch, length, max(0, min(start, fits)))
-    call()
-    times = []
-    for _ in range(REPEATS):
-        t = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+    return median_seconds(step_call(runner, batch, length, max(0, min(start, fits))), REPEATS)
 
 
 def _cache_path(runner, model: str, dtype: str) -> Path:

@@ -8,8 +8,6 @@ the [rows, V] f32 logits copied to host memory). Vocabulary 49152 (SmolLM2).
 
 from __future__ import annotations
 
-import statistics
-import time
 from functools import partial
 
 import jax
@@ -18,6 +16,7 @@ import numpy as np
 
 from jaxpipe import runner, sampling
 from jaxpipe.host_sampler import HostSampler
+from jaxpipe.planner.calibrate import median_seconds
 
 VOCAB = 49152
 CASES = {
@@ -29,13 +28,7 @@ CASES = {
 
 
 def _median_ms(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times)
+    return 1e3 * median_seconds(fn, repeats)
 
 
 def measure(rows: list[int], threads: int, repeats: int, seed: int = 0) -> list[dict]:

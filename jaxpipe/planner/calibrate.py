@@ -79,7 +79,7 @@ def predict(cost: CostModel, shape: Shape) -> float:
 # ---- machine constants ----------------------------------------------------------------------
 
 
-def _median_seconds(call: Callable[[], Any], repeats: int) -> float:
+def median_seconds(call: Callable[[], Any], repeats: int) -> float:
     """Median wall time of `call()` (which must block until its result is ready), after one
     untimed call that compiles it."""
     call()
@@ -100,7 +100,7 @@ def measure_bandwidth(nbytes: int = BANDWIDTH_BYTES, repeats: int = 7) -> dict:
     n = nbytes // 4
     x = jnp.ones((1024, n // 1024), jnp.float32)
     row_sum = jax.jit(lambda a: jnp.sum(a, axis=1))
-    read = _median_seconds(lambda: row_sum(x).block_until_ready(), repeats)
+    read = median_seconds(lambda: row_sum(x).block_until_ready(), repeats)
     scale = jax.jit(lambda a: a * 1.0001, donate_argnums=0)
     state = [x]
 
@@ -108,7 +108,7 @@ def measure_bandwidth(nbytes: int = BANDWIDTH_BYTES, repeats: int = 7) -> dict:
         state[0] = scale(state[0])
         state[0].block_until_ready()
 
-    copy = _median_seconds(step, repeats)
+    copy = median_seconds(step, repeats)
     return {"bytes": 4 * x.size, "read_gbps": 4 * x.size / read / 1e9,
             "copy_gbps": 2 * 4 * x.size / copy / 1e9}
 
@@ -227,7 +227,7 @@ def make_engine(shapes: Iterable[Shape], model: str = "smollm2-135m", **override
 
 def measure_steps(engine, shapes: Sequence[Shape], repeats: int = 5) -> list[float]:
     """Median seconds of each shape's step on the engine's runner, compilation excluded."""
-    return [_median_seconds(step_call(engine.runner, s), repeats) for s in shapes]
+    return [median_seconds(step_call(engine.runner, s), repeats) for s in shapes]
 
 
 # ---- the comparison -------------------------------------------------------------------------
