@@ -2,11 +2,13 @@
 
 A step is a flat batch of tokens (`step_inputs.py`); its real token count is rounded up to the
 next bucket, so a handful of compiled programs serve every step and only the tail of the
-bucket is padding. Token buckets are multiples of 8 up to 64 and of 16 up to 256 (decode-only
-steps, whose size is the running batch's), then grow by 1.5x and 2x alternately (384, 512,
-768, ...: steps of prompt chunks fill the budget, so those are mostly full). One compile per
-bucket. The rows of a step (one per sequence in it) are at most min(tokens, max_num_seqs);
-the LM head and sampler run on the sampled rows, rounded up to a power of two.
+bucket is padding. Token buckets are multiples of 8 up to 64 and of 16 up to max_num_seqs (at
+most 256: decode-only steps, whose size is the running batch's, never exceed it), then grow
+by 1.5x and 2x alternately (steps of prompt chunks fill the budget, so those are mostly full).
+One compile per bucket, and each compiled program is resident (~30 MB of code for the default
+model on CPU), so no bucket exists that no step can use. The rows of a step (one per sequence
+in it) are at most min(tokens, max_num_seqs); the LM head and sampler run on the sampled
+rows, rounded up to a power of two.
 """
 
 from __future__ import annotations
@@ -27,10 +29,10 @@ def pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
 
 def token_buckets(lo: int, hi: int, fine: int = 256) -> tuple[int, ...]:
     """Multiples of lo/2 up to 4*lo (the few-row steps of a workload's tail), multiples of lo
-    up to `fine` (decode steps of any batch pad at most lo - 1 tokens), then 1.5x and 2x
-    alternately (384, 512, 768, ...), ending exactly at hi."""
+    up to `fine` (decode steps of any batch pad at most lo - 1 tokens), both ending at `fine`
+    at most, then 1.5x and 2x alternately (384, 512, 768, ...), ending exactly at hi."""
     small = max(lo // 2, 1)
-    out = list(range(small, min(4 * lo, hi) + 1, small))
+    out = list(range(small, min(4 * lo, fine, hi) + 1, small))
     out += list(range(4 * lo + lo, min(fine, hi) + 1, lo))
     b = out[-1]
     while b < hi:
@@ -61,7 +63,9 @@ class Buckets:
         """Steps of up to max(max_num_batched_tokens, max_num_seqs) tokens: a decode step of
         every running sequence always fits."""
         most = max(max_num_batched_tokens, max_num_seqs)
-        return cls(step_tokens=token_buckets(min(16, most), most),
+        lo = min(16, most)
+        fine = min(256, -(-max_num_seqs // lo) * lo)
+        return cls(step_tokens=token_buckets(lo, most, fine),
                    kv_len=pow2_buckets(min(128, max_model_len), max_model_len),
                    max_rows=max_num_seqs)
 

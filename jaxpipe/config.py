@@ -117,7 +117,8 @@ class EngineConfig:
     dtype: "bfloat16" (fast on CPU with f32 accumulation) or "float32".
     max_model_len: longest prompt + output, in tokens (default: min(model limit, 2048)).
     max_num_seqs: sequences on the device at once (decode batch rows). Default: as many as
-        kv_cache_gb holds at max_model_len tokens each (a multiple of 32, at most 256).
+        the device KV pool's budget holds at max_model_len tokens each (a multiple of 32, at
+        most 256).
     max_num_batched_tokens: the token budget of one step: prompt chunks plus decode tokens (a
         step may carry up to max(this, max_num_seqs) tokens, so that every running sequence
         can decode in one step).
@@ -125,7 +126,21 @@ class EngineConfig:
         sequences (each holds the blocks its tokens need). kv_cache_tokens, when given, sets
         it in tokens instead. When the running sequences grow past it, the scheduler preempts
         the newest (to the host tier, or to be recomputed). It must hold one max_model_len
-        sequence.
+        sequence. Default (both None): sized from the free memory, see memory_utilization.
+    kv_cache_tokens: the device KV store in tokens (wins over kv_cache_gb).
+    memory_utilization: the fraction of the devices' free memory (accelerators: memory_stats;
+        CPU devices: the host's available RAM), once the weights and the activations of the
+        largest step are taken from it, that the device KV pool gets when kv_cache_gb /
+        kv_cache_tokens are not given. None: 0.9 on accelerators (vLLM's
+        gpu_memory_utilization), 0.1 on CPU, whose RAM the host tier, the compiled programs
+        and the rest of the machine share (there the pool takes memory only as its blocks
+        are first written).
+    seed: the seed of the requests that give none (each draws one from this stream).
+    random_weights: seeded random weights instead of the model's (architecture-only presets,
+        benchmarks).
+    compilation_cache_dir: JAX's persistent compilation cache (None turns it off).
+    warmup: compile every step shape at construction, so that no request waits for a compile.
+    show_progress: progress bars (compilation, generate).
     mesh: a device-topology preset from `meshes/` ("cpu-1", "cpu-8", ...). A cpu-N preset asks
         JAX for N virtual CPU devices when the engine starts.
     prefill, decode: layouts like "pp=4,tp=2" (default: the mesh preset's), or "auto": the
@@ -148,10 +163,10 @@ class EngineConfig:
     throttle_iterations, throttle_max_prefill, throttle_min_prefill, throttle_kv_thresh:
         gLLM's #T, #MaxP, #MinP and KV_thresh (the paper's defaults 8, 2048, 32, 0.05).
     tdpipe_predictor: TD-Pipe's output-length predictor, "learned" (online, from finished
-        requests) or "oracle" (each request's max_tokens). tdpipe_finish_ratio: None switches
-        decode -> prefill by TD-Pipe's intensity comparison (from step times the engine
-        measures once per model and layout and caches), a fraction in (0, 1] once that
-        fraction of the decode phase's requests finished.
+        requests) or "oracle" (each request's max_tokens).
+    tdpipe_finish_ratio: None switches decode -> prefill by TD-Pipe's intensity comparison
+        (from step times the engine measures once per model and layout and caches), a
+        fraction in (0, 1] once that fraction of the decode phase's requests finished.
     overlap: dispatch each step before the previous step's tokens reach the host (decode
         tokens are fed from the device), so the host's scheduling, input building and stop
         checks run while the device computes; outputs are the same either way. A request that
@@ -165,9 +180,13 @@ class EngineConfig:
         at a token's boundary). With overlap, a host-sampled step is sampled just before the
         step that takes its tokens is dispatched; the device waits for that, not for the rest
         of the host's work. "device" is the default (see the README's measurements).
+    sampler_threads: the host sampler's worker threads.
     host_kv_gb: size of the host KV tier (finished prefills and preempted sequences wait there,
         in host memory, for a device slot). host_kv_tokens, when given, sets it in tokens
         instead. seesaw needs it > 0; 0 turns the tier off (preemption then recomputes).
+        Default (both None): 0.1 of the host's available RAM (less the device pool on CPU).
+        The tier takes memory only for the sequences it holds.
+    host_kv_tokens: the host KV tier in tokens (wins over host_kv_gb).
     """
 
     model: str = "smollm2-135m"
@@ -175,7 +194,7 @@ class EngineConfig:
     max_model_len: int | None = None
     max_num_seqs: int | None = None
     max_num_batched_tokens: int = 4096
-    kv_cache_gb: float = 8.0
+    kv_cache_gb: float | None = None
     kv_cache_tokens: int | None = None
     seed: int = 0
     random_weights: bool = False
@@ -187,7 +206,7 @@ class EngineConfig:
     prefill: str | Layout | None = None
     decode: str | Layout | None = None
     scheduler: str = "auto"
-    host_kv_gb: float = 4.0
+    host_kv_gb: float | None = None
     host_kv_tokens: int | None = None
     throttle_iterations: int = 8
     throttle_max_prefill: int = 2048
@@ -199,6 +218,7 @@ class EngineConfig:
     detok_worker: bool = True
     sampler: str = "device"
     sampler_threads: int = 2
+    memory_utilization: float | None = None
 
     def __post_init__(self):
         if not isinstance(self.model, (str, os.PathLike)) or not str(self.model):
@@ -213,17 +233,14 @@ class EngineConfig:
         if self.max_model_len is not None:
             _check_int("max_model_len", self.max_model_len, 2, 1 << 20)
         _check_int("seed", self.seed, 0, 2**32 - 1)
-        if isinstance(self.kv_cache_gb, bool) or not (
-                isinstance(self.kv_cache_gb, (int, float)) and self.kv_cache_gb > 0):
-            raise ValueError(f"EngineConfig.kv_cache_gb must be a positive number, "
-                             f"got {self.kv_cache_gb!r}")
+        _check_number("kv_cache_gb", self.kv_cache_gb, "a positive number or None",
+                      lambda x: x > 0)
+        _check_number("memory_utilization", self.memory_utilization, "a number in (0, 1] or None",
+                      lambda x: 0 < x <= 1)
         if self.attention not in ATTENTION:
             raise ValueError(f"EngineConfig.attention must be one of {ATTENTION}, "
                              f"got {self.attention!r}")
-        if isinstance(self.host_kv_gb, bool) or not (
-                isinstance(self.host_kv_gb, (int, float)) and self.host_kv_gb >= 0):
-            raise ValueError(f"EngineConfig.host_kv_gb must be a number >= 0, "
-                             f"got {self.host_kv_gb!r}")
+        _check_number("host_kv_gb", self.host_kv_gb, "a number >= 0 or None", lambda x: x >= 0)
         if self.host_kv_tokens is not None:
             _check_int("host_kv_tokens", self.host_kv_tokens, 0, 1 << 40)
         if self.kv_cache_tokens is not None:
@@ -289,6 +306,14 @@ class EngineConfig:
                 raise ValueError(f"EngineConfig.{phase}={value!r} on mesh {self.mesh!r}: "
                                  f"{err}") from None
             setattr(self, phase, layout)
+
+
+def _check_number(name: str, value, accepted: str, ok) -> None:
+    """None, or a number (not a bool) for which ok(value) holds."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(value):
+        raise ValueError(f"EngineConfig.{name} must be {accepted}, got {value!r}")
 
 
 def _check_int(name: str, value, lo: int, hi: int) -> None:

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpipe import memory, sharding, step_inputs
+from jaxpipe import memory, requests, sharding, step_inputs
 from jaxpipe.buckets import Buckets
 from jaxpipe.config import EngineConfig, ModelConfig
 from jaxpipe.executor import Executor
@@ -54,13 +54,18 @@ class Engine:
         self.dtype = jnp.dtype(config.dtype)
         self.model_config, model, self.tokenizer = _load(config, self.dtype)
         self.max_model_len = _max_model_len(config, self.model_config)
+        self.limits = requests.Limits(self.max_model_len, self.model_config.vocab_size)
         self.layouts = _resolve_layouts(config, self.model_config, len(devices))
         block_bytes = _block_bytes(self.model_config, self.dtype, self.layouts)
-        self.max_num_seqs = _max_num_seqs(config, self.max_model_len, block_bytes)
-        self.num_blocks = _num_blocks(config, self.max_num_seqs, self.max_model_len,
+        weight_bytes = model_bytes(self.model_config, self.dtype)
+        reserve = memory.activation_bytes(
+            self.model_config, max(config.max_num_batched_tokens, config.max_num_seqs or 0),
+            config.max_num_seqs or 256)
+        self.budget = memory.plan(config, devices, weight_bytes, reserve, block_bytes)
+        self.max_num_seqs = _max_num_seqs(config, self.budget, self.max_model_len, block_bytes)
+        self.num_blocks = _num_blocks(self.budget, self.max_num_seqs, self.max_model_len,
                                       block_bytes)
-        _check_fits(config, self.num_blocks * block_bytes, model_bytes(self.model_config,
-                                                                  self.dtype), devices)
+        _check_fits(self.budget, self.num_blocks * block_bytes, weight_bytes, devices)
         self.buckets = Buckets.for_engine(self.max_num_seqs, self.max_model_len,
                                           config.max_num_batched_tokens)
         self.runner = _make_runner(config, self.model_config, model, self.buckets,
@@ -72,7 +77,7 @@ class Engine:
         self._requests: dict[str, Sequence] = {}
         self.closed = False
         self.executor = Executor(config, self.runner, self.buckets, self.max_num_seqs,
-                                 self.max_model_len)
+                                 self.max_model_len, self.budget.host_bytes or 0.0)
         if config.warmup:
             self.warmup()
 
@@ -93,7 +98,7 @@ class Engine:
             raise TypeError(
                 f"sampling params must be a SamplingParams, got {type(params).__name__}")
         ids = self._prompt_ids(prompt, prompt_token_ids)
-        max_tokens = self._max_tokens(ids, params)
+        max_tokens = requests.max_tokens(ids, params, self.limits)
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -102,7 +107,7 @@ class Engine:
                               stop=StopChecker(self.tokenizer, ids, params, self._eos,
                                                worker),
                               arrival_time=time.perf_counter())
-        self.executor.state.add(seq)
+        self.executor.add(seq)
         self._requests[request_id] = seq
         return request_id
 
@@ -295,37 +300,15 @@ class Engine:
                              [completion], seq.is_finished, metrics)
 
     def _prompt_ids(self, prompt, prompt_token_ids) -> list[int]:
-        """Token ids win when both are given (chat passes its rendered text for the output)."""
+        """Token ids win when both are given (chat passes its rendered text for the output).
+        Checked by `requests.py`, the validator the server and batch jobs use too."""
         if prompt_token_ids is not None:
-            return self._check_ids(prompt_token_ids)
-        if prompt is None:
+            kind, value = "token_ids", prompt_token_ids
+        elif prompt is None:
             raise ValueError("give a prompt (text) or prompt_token_ids")
-        if not isinstance(prompt, str):
-            raise TypeError(f"prompt must be a str, got {type(prompt).__name__}")
-        self._need_tokenizer("text prompts")
-        return self._check_ids(self.tokenizer.encode(prompt))
-
-    def _check_ids(self, ids) -> list[int]:
-        ids = [int(i) for i in ids]
-        vocab = self.model_config.vocab_size
-        if not ids:
-            raise ValueError("the prompt is empty: give at least one token")
-        bad = [i for i in ids if not 0 <= i < vocab]
-        if bad:
-            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(ids)} tokens; max_model_len is "
-                             f"{self.max_model_len}, which must leave room for one new token")
-        return ids
-
-    def _max_tokens(self, ids: list[int], params: SamplingParams) -> int:
-        room = self.max_model_len - len(ids)
-        if params.max_tokens is None:
-            return room
-        if params.max_tokens > room:
-            raise ValueError(f"max_tokens={params.max_tokens} with a {len(ids)}-token prompt "
-                             f"exceeds max_model_len={self.max_model_len}; at most {room}")
-        return params.max_tokens
+        else:
+            kind, value = "text", prompt
+        return requests.prompt_token_ids(kind, value, self.tokenizer, self.limits)
 
     def _detok_worker(self):
         return self.executor.detok if self.config.detok_worker else None
@@ -420,29 +403,26 @@ def _block_bytes(cfg: ModelConfig, dtype, layouts: dict) -> int:
     return 2 * math.prod(shape) * dtype.itemsize
 
 
-def _max_num_seqs(config: EngineConfig, max_len: int, block_bytes: int) -> int:
-    """Sequences on the device at once: the configured number, or as many as the KV store
-    holds at max_model_len tokens each (a multiple of 32, at most 256)."""
+def _max_num_seqs(config: EngineConfig, budget: memory.Budget, max_len: int,
+                  block_bytes: int) -> int:
+    """Sequences on the device at once: the configured number, or as many as the KV pool's
+    budget holds at max_model_len tokens each (a multiple of 32, at most 256)."""
     if config.max_num_seqs is not None:
         return config.max_num_seqs
-    per_seq = device_cache.blocks_for(max_len) * block_bytes
-    budget = _kv_budget_bytes(config, block_bytes)
-    fit = int(budget // per_seq)
+    fit = int(budget.pool_bytes // (device_cache.blocks_for(max_len) * block_bytes))
     return max(1, min(256, fit if fit < 32 else fit // 32 * 32))
 
 
-def _num_blocks(config: EngineConfig, num_seqs: int, max_len: int, block_bytes: int) -> int:
-    """Blocks in the device KV pool: the budget (kv_cache_tokens or kv_cache_gb), at most
-    what num_seqs sequences of max_len could use, at least one max_len sequence."""
+def _num_blocks(budget: memory.Budget, num_seqs: int, max_len: int, block_bytes: int) -> int:
+    """Blocks in the device KV pool: the budget, at most what num_seqs sequences of max_len
+    could use, at least one max_len sequence."""
     per_seq = device_cache.blocks_for(max_len)
-    blocks = int(_kv_budget_bytes(config, block_bytes) // block_bytes)
+    blocks = int(budget.pool_bytes // block_bytes)
     if blocks < per_seq:
-        size = (f"kv_cache_tokens={config.kv_cache_tokens}" if config.kv_cache_tokens
-                else f"kv_cache_gb={config.kv_cache_gb}")
-        raise ValueError(f"the device KV store ({size}: {blocks * device_cache.BLOCK} tokens) "
-                         f"cannot hold one sequence of max_model_len={max_len} "
-                         f"({per_seq * block_bytes / 2**30:.2f} GiB); raise it or lower "
-                         "max_model_len")
+        raise ValueError(f"the device KV store ({budget.pool_setting}: "
+                         f"{blocks * device_cache.BLOCK} tokens) cannot hold one sequence of "
+                         f"max_model_len={max_len} ({per_seq * block_bytes / 2**30:.2f} GiB); "
+                         "raise it or lower max_model_len")
     return min(blocks, num_seqs * per_seq)
 
 
@@ -451,23 +431,16 @@ def model_bytes(cfg: ModelConfig, dtype) -> int:
     return cfg.num_params() * dtype.itemsize
 
 
-def _check_fits(config: EngineConfig, pool_bytes: int, weight_bytes: int, devices) -> None:
+def _check_fits(budget: memory.Budget, pool_bytes: int, weight_bytes: int, devices) -> None:
     """Fail at construction, naming the setting, when the device KV pool and the weights do
     not fit in the memory the devices have free."""
     free = memory.free_bytes(devices)
     if free is None or pool_bytes + weight_bytes <= free:
         return
-    size = (f"kv_cache_tokens={config.kv_cache_tokens}" if config.kv_cache_tokens is not None
-            else f"kv_cache_gb={config.kv_cache_gb}")
-    raise ValueError(f"EngineConfig.{size}: the device KV pool needs {pool_bytes:,} bytes "
-                     f"and the weights {weight_bytes:,}, but only {free:,} bytes are free "
-                     f"on {devices[0].platform} ({memory.describe(devices)}); lower it")
-
-
-def _kv_budget_bytes(config: EngineConfig, block_bytes: int) -> float:
-    if config.kv_cache_tokens is not None:
-        return device_cache.blocks_for(config.kv_cache_tokens) * block_bytes
-    return config.kv_cache_gb * 2**30
+    raise ValueError(f"EngineConfig.{budget.pool_setting}: the device KV pool needs "
+                     f"{pool_bytes:,} bytes and the weights {weight_bytes:,}, but only "
+                     f"{free:,} bytes are free on {devices[0].platform} "
+                     f"({memory.describe(devices)}); lower it")
 
 
 def _normalise_prompts(prompts, prompt_token_ids):

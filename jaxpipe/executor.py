@@ -54,12 +54,13 @@ class Executor:
     """The scheduler state, its policy, the KV manager and the counters, over one runner."""
 
     def __init__(self, config: EngineConfig, runner: Runner, buckets: Buckets, num_slots: int,
-                 max_model_len: int):
-        """The policy's actions carry the engine's `Sequence` records themselves."""
+                 max_model_len: int, host_bytes: float):
+        """The policy's actions carry the engine's `Sequence` records themselves.
+        host_bytes: the host KV tier's budget (memory.plan; host_kv_tokens wins)."""
         self.config, self.runner, self.buckets = config, runner, buckets
         self.max_model_len = max_model_len
         self.state, self.policy, self.kv = _scheduling(config, runner, buckets, num_slots,
-                                                       max_model_len)
+                                                       max_model_len, host_bytes)
         self.kv.on_insert = self._landed
         self.detok = DetokWorker()  # used by the requests added while config.detok_worker
         self._flight: Flight | None = None  # the step dispatched and not yet landed
@@ -143,19 +144,27 @@ class Executor:
         """Counters since the engine started or `reset_stats()` (JSON-serialisable).
 
         transitions: layout phase switches (prefill->decode plus decode->prefill); reshards /
-        reshard_seconds: the ones that moved weights; swap_*: the host KV tier (swap_seconds is
-        the engine thread's time in swap dispatch, inserts and waits; prefetch_seconds the
+        reshard_seconds: the ones that moved something, split into reshard_weights_seconds and
+        reshard_kv_seconds (the blocks live sequences hold, reshard_kv_blocks of them: the rest
+        of the pool is created empty in the new layout); swap_*: the host KV tier (swap_seconds
+        is the engine thread's time in swap dispatch, inserts and waits; prefetch_seconds the
         prefetcher thread's, which overlaps decode); padding_waste: the fraction of the steps'
-        tokens that were bucket padding; max_step_tokens: the most real tokens one step
-        carried; prefill_chunks: prompt pieces prefilled (a prompt split over k steps counts
-        k); prefill_seconds / decode_seconds: step time split by each kind's share of the
-        step's tokens; mean_decode_batch: decode tokens per step that had any; host_timeline:
-        [seconds, host tier tokens] at each change; device_kv_peak / device_kv_capacity:
-        tokens of the device KV pool (whole blocks) in use at most / in all; preemptions:
-        sequences evicted from the device (parked, or outgrowing the pool);
-        device_idle_fraction, decode_wall_seconds, decode_idle_seconds, host_seconds,
-        host_ms_per_step: the step timeline's (`timeline.py`); fed_steps: steps that took
-        some input token from the step before on the device (overlap)."""
+        tokens that were bucket padding; max_step_tokens: the most real tokens one step carried;
+        prefill_chunks: prompt pieces prefilled (a prompt split over k steps counts k);
+        prefill_seconds / decode_seconds: step time split by each kind's share of the step's
+        tokens; mean_decode_batch: decode tokens per step that had any; host_timeline: [seconds,
+        host tier tokens] at each change; device_kv_peak / device_kv_capacity: tokens of the
+        device KV pool (whole blocks) in use at most / in all; preemptions: sequences evicted
+        from the device (parked, or outgrowing the pool); device_idle_fraction,
+        decode_wall_seconds, decode_idle_seconds, host_seconds, host_ms_per_step: the step
+        timeline's (`timeline.py`); fed_steps: steps that took some input token from the step
+        before on the device (overlap); added_requests / prompt_tokens: requests queued and
+        their prompts' tokens; finish_reasons: finished requests by reason ("stop",
+        "length", "abort"); step_latency: each step's dispatch-to-tokens-on-host seconds as
+        histogram counts by kind ("prefill", "decode", "mixed") over step_latency_bounds.
+        Gauges of the moment (not reset): waiting_requests, device_requests, host_requests
+        (sequences queued, on the device, parked in the host tier), device_kv_used and
+        host_kv_used (tokens)."""
         s = dict(self._stats)
         host = self.kv.host
         s["transitions"] = s["to_decode"] + s["to_prefill"]
@@ -175,12 +184,28 @@ class Executor:
         s["host_kv_capacity"] = host.capacity
         s["host_kv_peak"] = host.peak
         s["host_timeline"] = [list(p) for p in self._host_timeline]
+        s["finish_reasons"] = dict(self._finish_reasons)
+        s.update(self._gauges())
         s.update(self.timeline.stats())
         return s
+
+    def _gauges(self) -> dict:
+        """What the engine holds now (not counters: `reset_stats` leaves them)."""
+        st = self.state
+        return {"waiting_requests": len(st.waiting), "device_requests": len(st.device),
+                "host_requests": len(st.host), "device_kv_used": st.device_used,
+                "host_kv_used": self.kv.host.used}
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new request's sequence."""
+        self.state.add(seq)
+        self._stats["added_requests"] += 1
+        self._stats["prompt_tokens"] += len(seq.prompt_token_ids)
 
     def reset_stats(self) -> None:
         """Zero every counter of `stats()` (the compile counters are the runner's own)."""
         self._stats = _new_stats()
+        self._finish_reasons: dict[str, int] = {}
         host = self.kv.host
         self._base = {"out": host.bytes_out, "in": host.bytes_in, "swap": self.kv.swap_seconds,
                       "prefetch": self.kv.prefetcher.seconds if self.kv.prefetcher else 0.0}
@@ -212,10 +237,13 @@ class Executor:
         """Move weights and KV into the layout of `phase` ("prefill" | "decode")."""
         if phase != self.state.phase.value:
             self._stats[f"to_{phase}"] += 1
-        seconds = self.runner.set_phase(phase)
-        if seconds is not None:
+        moved = self.runner.set_phase(phase, self.state.held_blocks())
+        if moved is not None:
             self._stats["reshards"] += 1
-            self._stats["reshard_seconds"] += seconds
+            self._stats["reshard_seconds"] += moved.seconds
+            self._stats["reshard_weights_seconds"] += moved.weights_seconds
+            self._stats["reshard_kv_seconds"] += moved.kv_seconds
+            self._stats["reshard_kv_blocks"] += moved.kv_blocks
 
     def _preempt(self, action: Preempt) -> None:
         """Evict device sequences: KV to the host tier ("swap") or dropped ("recompute": the
@@ -450,6 +478,7 @@ class Executor:
         seq.finish_reason = reason
         seq.finish_time = time.perf_counter()
         self._stats["finished_requests"] += 1
+        self._finish_reasons[reason] = self._finish_reasons.get(reason, 0) + 1
 
 
 # ---- module helpers ---------------------------------------------------------------------------
@@ -466,13 +495,13 @@ def _record_logprobs(seq: Sequence, out: StepOutput, i: int, token: int) -> None
 
 
 def _scheduling(config: EngineConfig, runner: Runner, buckets: Buckets, num_slots: int,
-                max_len: int) -> tuple[SchedulerState, object, KVManager]:
+                max_len: int, host_bytes: float) -> tuple[SchedulerState, object, KVManager]:
     """The scheduler state and policy, and the KV manager with its host tier."""
     pool_tokens = runner.num_blocks * BLOCK
     per_token = sum(x.nbytes for x in jax.tree.leaves(runner.cache)) // pool_tokens
     host_tokens = config.host_kv_tokens
     if host_tokens is None:
-        host_tokens = int(config.host_kv_gb * 2**30 // per_token)
+        host_tokens = int(host_bytes // per_token)
     # The host tier keeps each sequence rounded up to 1/16 of max_model_len (>= 16 tokens),
     # so its copy programs compile for at most 16 lengths.
     unit = -(-max(16, -(-max_len // 16)) // 16) * 16
@@ -546,5 +575,7 @@ def _new_stats() -> dict:
     keys = ("prefill_seconds", "decode_seconds", "steps", "decode_steps", "prefill_tokens",
             "prefill_chunks", "decode_tokens", "step_tokens", "step_tokens_padded",
             "max_step_tokens", "generated_tokens", "fed_steps", "finished_requests", "to_decode",
-            "to_prefill", "reshards", "reshard_seconds", "preemptions")
+            "to_prefill", "reshards", "reshard_seconds", "reshard_weights_seconds",
+            "reshard_kv_seconds", "reshard_kv_blocks", "preemptions", "added_requests",
+            "prompt_tokens")
     return {k: 0 if not k.endswith("seconds") else 0.0 for k in keys}

@@ -1,4 +1,4 @@
-"""Free memory of the engine's devices, for budget checks at construction.
+"""Free memory of the engine's devices, and the budgets the engine sizes from it.
 
 CPU devices (virtual ones included) share the host's RAM: `MemAvailable` of /proc/meminfo.
 An accelerator reports its own: `bytes_limit - bytes_in_use` of `Device.memory_stats()`,
@@ -7,6 +7,9 @@ summed over the devices. None where neither is known (the check is then skipped)
 
 from __future__ import annotations
 
+import ctypes
+import mmap
+from dataclasses import dataclass
 from pathlib import Path
 
 MEMINFO = Path("/proc/meminfo")
@@ -21,6 +24,42 @@ def host_available_bytes() -> int | None:
     except OSError:
         return None
     return None
+
+
+def release_pages(array) -> int:
+    """Give a zero-filled CPU array's whole pages back to the OS (madvise MADV_DONTNEED):
+    they read as zeros again and take memory only once written. The device KV pool is
+    created this way on CPU, so an engine's RSS grows with the KV its sequences write, not
+    with the pool's budget. The array must hold zeros and no computation may be using it.
+    Returns the bytes released (0 off CPU or off Linux)."""
+    madvise = _madvise()
+    if madvise is None:
+        return 0
+    released = 0
+    for shard in array.addressable_shards:
+        if shard.device.platform != "cpu":
+            return 0
+        start = shard.data.unsafe_buffer_pointer()
+        first = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE
+        last = (start + shard.data.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
+        if last > first and madvise(first, last - first, MADV_DONTNEED) == 0:
+            released += last - first
+    return released
+
+
+MADV_DONTNEED = 4
+_MADVISE = []
+
+
+def _madvise():
+    if not _MADVISE:
+        try:
+            fn = ctypes.CDLL(None, use_errno=True).madvise
+            fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+        except (OSError, AttributeError):
+            fn = None
+        _MADVISE.append(fn)
+    return _MADVISE[0]
 
 
 def free_bytes(devices) -> int | None:
@@ -41,3 +80,90 @@ def describe(devices) -> str:
     if devices[0].platform == "cpu":
         return "host RAM, MemAvailable"
     return f"{len(devices)} device(s), memory_stats"
+
+
+# ---- budgets ----------------------------------------------------------------------------------
+
+ACCELERATOR_UTILIZATION = 0.9
+CPU_UTILIZATION = 0.1
+HOST_TIER_FRACTION = 0.1
+ASSUMED_FREE = 4 * 2**30  # where a backend reports nothing
+ACTIVATION_FACTOR = 3
+
+
+@dataclass(frozen=True)
+class Budget:
+    """Bytes the engine may give its device KV pool and its host KV tier, and what set them
+    (for messages): an explicit setting, or a fraction of the free memory."""
+
+    pool_bytes: float
+    pool_setting: str
+    host_bytes: float
+    host_setting: str
+
+
+def utilization(config, devices) -> float:
+    """`memory_utilization`, or its default for the platform: 0.9 of an accelerator's free
+    memory after the weights (vLLM's `gpu_memory_utilization`); 0.1 of the host's available
+    RAM for CPU devices, which share it with the host KV tier, the compiled programs, the OS
+    and other programs (the pool's pages are taken only as blocks are written,
+    `release_pages`, but creating it writes one of its two arrays whole)."""
+    if config.memory_utilization is not None:
+        return config.memory_utilization
+    return CPU_UTILIZATION if devices[0].platform == "cpu" else ACCELERATOR_UTILIZATION
+
+
+def activation_bytes(model, tokens: int, rows: int) -> int:
+    """An upper bound of the memory one step of `tokens` tokens and `rows` sampled rows
+    needs besides its arguments: f32 activations of one layer (residual, q/k/v, attention
+    output, the MLP's gate, up and product) times ACTIVATION_FACTOR for XLA's temporaries,
+    the rows' logits, and one f32 [V, E] buffer (the temporaries of the steps of 1024 tokens
+    and more hold about that much more than their activations on CPU). Checked against
+    XLA's `memory_analysis` in the tests."""
+    e, f, d, v = model.hidden_size, model.intermediate_size, model.head_dim, model.vocab_size
+    per_token = 3 * e + (2 * model.num_heads + 2 * model.num_kv_heads) * d + 3 * f
+    return 4 * (ACTIVATION_FACTOR * tokens * per_token + 3 * rows * v + v * e)
+
+
+def plan(config, devices, weight_bytes: int, reserve_bytes: int, block_bytes: int) -> Budget:
+    """The device pool's and the host tier's budgets. Explicit settings win (kv_cache_tokens,
+    then kv_cache_gb; host_kv_tokens, then host_kv_gb). Otherwise the pool gets
+    `utilization` of the devices' free memory after the weights and `reserve_bytes`, and the
+    host tier HOST_TIER_FRACTION of the host's available RAM (less the pool's share on CPU,
+    where the pool lives in the same RAM). The host tier only takes memory for the
+    sequences it holds; its budget is a cap."""
+    if config.kv_cache_tokens is not None:
+        blocks = -(-config.kv_cache_tokens // 16)
+        pool = float(blocks * block_bytes)
+        pool_setting = f"kv_cache_tokens={config.kv_cache_tokens}"
+    elif config.kv_cache_gb is not None:
+        pool, pool_setting = config.kv_cache_gb * 2**30, f"kv_cache_gb={config.kv_cache_gb}"
+    else:
+        pool, pool_setting = _pool_from_free(config, devices, weight_bytes, reserve_bytes)
+    if config.host_kv_tokens is not None:
+        host, host_setting = None, f"host_kv_tokens={config.host_kv_tokens}"
+    elif config.host_kv_gb is not None:
+        host, host_setting = config.host_kv_gb * 2**30, f"host_kv_gb={config.host_kv_gb}"
+    else:
+        ram = host_available_bytes() or ASSUMED_FREE
+        if devices[0].platform == "cpu":
+            ram = max(0, ram - pool - weight_bytes)
+        host = HOST_TIER_FRACTION * ram
+        host_setting = (f"{HOST_TIER_FRACTION} of {ram / 2**30:.1f} GiB of available host "
+                        "RAM")
+    return Budget(pool, pool_setting, host, host_setting)
+
+
+def _pool_from_free(config, devices, weight_bytes: int, reserve_bytes: int):
+    """`utilization` of what the devices have free once the weights and the activation
+    reserve are taken (so a busy machine gets a smaller pool, not a failure, while the
+    weights fit)."""
+    free = free_bytes(devices)
+    where = describe(devices) if free is not None else "not reported; assumed"
+    free = ASSUMED_FREE if free is None else free
+    share = utilization(config, devices)
+    pool = share * (free - weight_bytes - reserve_bytes)
+    setting = (f"memory_utilization={share} of the {free / 2**30:.1f} GiB free ({where}) "
+               f"less {weight_bytes / 2**30:.2f} GiB of weights and "
+               f"{reserve_bytes / 2**30:.2f} GiB of activations")
+    return max(0.0, pool), setting

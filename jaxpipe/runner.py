@@ -28,13 +28,13 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxpipe import pipeline, sampling, sharding
+from jaxpipe import memory, pipeline, sampling, sharding
 from jaxpipe.buckets import Buckets, round_up
 from jaxpipe.config import ModelConfig
 from jaxpipe.host_sampler import HostSampler, host_logprobs
 from jaxpipe.kernels import ragged_attention
 from jaxpipe.kv import device_cache
-from jaxpipe.kv.device_cache import KVCache, storage_dtype
+from jaxpipe.kv.device_cache import BLOCK, KVCache, storage_dtype
 from jaxpipe.layout import Layout
 from jaxpipe.model import loading
 from jaxpipe.sampling import SamplingTensors
@@ -42,6 +42,19 @@ from jaxpipe.step_inputs import StepInputs
 
 PHASES = ("prefill", "decode")
 _STATIC = ("mode", "penalties", "num_logprobs")
+
+
+@dataclass(frozen=True)
+class Moved:
+    """What a layout switch moved: seconds for the weights and for the KV pool's blocks."""
+
+    weights_seconds: float
+    kv_seconds: float
+    kv_blocks: int
+
+    @property
+    def seconds(self) -> float:
+        return self.weights_seconds + self.kv_seconds
 
 
 @dataclass
@@ -156,12 +169,26 @@ class Placement:
     """One layout's mesh and the shardings of everything that moves between layouts."""
 
     def __init__(self, cfg: ModelConfig, plan: sharding.PaddingPlan, layout: Layout, devices,
-                 num_blocks: int):
+                 num_blocks: int, kv_dtype):
         self.layout = layout
         self.mesh = sharding.make_mesh(layout, devices)
         self.params = sharding.param_shardings(cfg, plan, layout, self.mesh)
         kv = sharding.kv_sharding(cfg, plan, layout, self.mesh, num_blocks)
         self.cache = KVCache(kv, kv)
+        shape = sharding.kv_shape(cfg, plan, num_blocks)
+        self._zeros = jax.jit(lambda: jnp.zeros(shape, kv_dtype), out_shardings=kv)
+        spec = sharding.spec(("layers", "kv_heads", "seq", "head_dim"), layout)
+        self.staging = [NamedSharding(self.mesh, spec)] * 2  # one sequence's K, V
+
+    def empty_cache(self) -> KVCache:
+        """A zeroed KV pool created directly in this layout's sharding (never whole on one
+        device). On CPU its pages go back to the OS until blocks are written
+        (`memory.release_pages`)."""
+        arrays = []
+        for _ in range(2):  # one at a time: at most one array's pages are held at once
+            arrays.append(jax.block_until_ready(self._zeros()))
+            memory.release_pages(arrays[-1])
+        return KVCache(*arrays)
 
 
 class Runner:
@@ -189,13 +216,11 @@ class Runner:
         self.max_blocks = device_cache.blocks_for(max_len)
         self.layouts = dict(layouts)
         self.plan = sharding.plan_padding(cfg, self.layouts.values())
-        self.placements = {p: Placement(cfg, self.plan, self.layouts[p], devices, num_blocks)
-                           for p in PHASES}
+        self.placements = {p: Placement(cfg, self.plan, self.layouts[p], devices, num_blocks,
+                                        storage_dtype(dtype)) for p in PHASES}
         self.phase = "prefill"
         self.params = self._place_weights(weights, dtype)
-        place = self.placements[self.phase]
-        self.cache = _zeros_cache(sharding.kv_shape(cfg, self.plan, num_blocks),
-                                  storage_dtype(dtype), place.cache)
+        self.cache = self.placements[self.phase].empty_cache()
         self.host_sampler: HostSampler | None = None
         self.sampler: str | None = None
         self.sampler_threads = sampler_threads
@@ -237,17 +262,49 @@ class Runner:
         """The layout weights and KV are in now."""
         return self.placements[self.phase].layout
 
-    def set_phase(self, phase: str) -> float | None:
-        """Put weights and KV in `phase`'s layout. Returns the seconds spent moving them, or
-        None when nothing moved (same phase, or both phases share one layout)."""
+    def set_phase(self, phase: str, live_blocks: list[int] | None = None) -> Moved | None:
+        """Put weights and KV in `phase`'s layout; None when nothing moved (same phase, or
+        both phases share one layout). `live_blocks`: the pool's blocks that hold data (the
+        live sequences'); only those move and the rest of the pool is created empty in the
+        new layout. None moves the whole pool."""
         if phase == self.phase:
             return None
-        self.phase = phase
+        old, self.phase = self.placements[self.phase], phase
         place = self.placements[phase]
-        state = (self.params, self.cache)
-        moved, seconds = sharding.timed_reshard(state, (place.params, place.cache))
-        self.params, self.cache = moved
-        return None if moved is state else seconds
+        params, weights_seconds = sharding.timed_reshard(self.params, place.params)
+        start = time.perf_counter()
+        cache, blocks = self._move_kv(old, place, live_blocks)
+        jax.block_until_ready(cache)
+        kv_seconds = time.perf_counter() - start
+        if params is self.params and cache is self.cache:
+            return None
+        self.params, self.cache = params, cache
+        return Moved(weights_seconds, kv_seconds if blocks else 0.0, blocks)
+
+    def _move_kv(self, old: Placement, new: Placement, live_blocks: list[int] | None
+                 ) -> tuple[KVCache, int]:
+        """The pool in `new`'s layout, and how many blocks moved: all (live_blocks None), the
+        live ones gathered in `old`'s layout, moved and scattered into an empty pool, or
+        none when the layouts shard the pool alike."""
+        if sharding.reshard(self.cache, new.cache) is self.cache:
+            return self.cache, 0
+        if live_blocks is None:
+            return sharding.reshard(self.cache, new.cache), self.num_blocks
+        count = len(live_blocks)
+        if count:  # padded to a power of two: one gather / scatter program per size
+            width = 1 << (count - 1).bit_length()
+            ids = np.full(width, device_cache.OUT_OF_RANGE, np.int32)
+            ids[:count] = live_blocks
+            live = device_cache.read_blocks(self.cache, ids, length=width * BLOCK,
+                                            block_axis=1)
+            live = jax.block_until_ready(live)
+        for array in self.cache:
+            array.delete()
+        cache = new.empty_cache()
+        if count:
+            staged = KVCache(*jax.device_put(list(live), new.staging))
+            cache = device_cache.write_blocks(cache, ids, staged, block_axis=1)
+        return cache, count
 
     # ---- the step ---------------------------------------------------------------------------
 
@@ -379,9 +436,7 @@ class Runner:
     def kv_staging(self, length: int) -> list:
         """The current layout's shardings for `kv_extract`'s arrays: a sequence swapped in
         lands directly in the shards that will read it."""
-        place = self.placements[self.phase]
-        spec = sharding.spec(("layers", "kv_heads", "seq", "head_dim"), place.layout)
-        return [NamedSharding(place.mesh, spec)] * 2
+        return self.placements[self.phase].staging
 
     def kv_insert(self, blocks: list[int], arrays: list[jax.Array]) -> None:
         """Write arrays from `kv_extract` (of any layout) into the sequence's `blocks`."""
@@ -421,9 +476,3 @@ def _to_host(tokens, lp, n: int) -> StepOutput:
         tok_lp, top_ids, top_lp = (np.asarray(a)[:n] for a in lp)
         result.logprob, result.top_ids, result.top_logprobs = tok_lp, top_ids, top_lp
     return result
-
-
-def _zeros_cache(shape, dtype, shardings: KVCache) -> KVCache:
-    """A zeroed KV store created directly in its sharding (never whole on one device)."""
-    make = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=shardings.k)
-    return KVCache(make(), make())

@@ -1,5 +1,8 @@
 """When a request ends, and its text: EOS, stop token ids, stop strings, min/max tokens.
 
+The one home of stop strings and incremental detokenization, for the engine, the server's
+front end and batch jobs: `final_text` (a completion's text, cut before its stop string) and
+`TextStream` (streamed text deltas that hold back a tail that may still become a stop string).
 One `StopChecker` per request, host side. Text is detokenized incrementally only for requests
 that need it (stop strings or streaming); everyone else is decoded once, at the end.
 
@@ -14,10 +17,66 @@ for the worker to catch up with it, so every outcome is the one the inline check
 from __future__ import annotations
 
 import queue
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from jaxpipe.sampling import SamplingParams
 from jaxpipe.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+def final_text(tokenizer: Tokenizer, token_ids: Sequence[int], skip_special_tokens: bool,
+               stop_reason: int | str | None) -> str:
+    """A completion's whole text: its ids decoded, cut before the stop string that ended it
+    (`stop_reason` as a string)."""
+    text = tokenizer.decode(list(token_ids), skip_special_tokens)
+    if isinstance(stop_reason, str):
+        idx = text.find(stop_reason)
+        if idx >= 0:
+            return text[:idx]
+    return text
+
+
+class TextStream:
+    """The text of one request as it grows: ids in (`feed`), text deltas out (`take`), whose
+    concatenation is the final text. While the request runs, the last len(longest stop) - 1
+    characters are held back: they may still become the start of a stop string."""
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int],
+                 skip_special_tokens: bool, stop: Sequence[str]):
+        self.tokenizer, self.skip_special_tokens = tokenizer, skip_special_tokens
+        self._detok = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens)
+        self._hold = max((len(x) for x in stop), default=1) - 1
+        self.ids: list[int] = []
+        self._emitted = 0  # characters already taken
+
+    @property
+    def text(self) -> str:
+        """The text of every id fed so far (uncut)."""
+        return self._detok.text
+
+    def feed(self, token_ids: Sequence[int]) -> None:
+        self.ids.extend(token_ids)
+        self._detok.push(token_ids)
+
+    def take(self, final: str | None = None) -> str:
+        """The text not taken yet: up to the held-back tail, or, given the request's `final`
+        text (it ended, or its stop string matched), all the rest of that."""
+        text, end = (final, len(final)) if final is not None else (
+            self.text, max(self._emitted, len(self.text) - self._hold))
+        delta = text[self._emitted:end]
+        self._emitted = max(self._emitted, end)
+        return delta
+
+    def push(self, token_ids: Sequence[int]) -> str:
+        """Feed the new ids of a running request; the text now safe to send."""
+        self.feed(token_ids)
+        return self.take()
+
+    def finish(self, token_ids: Sequence[int], stop_reason: int | str | None) -> str:
+        """Feed the last ids; the rest of the final text."""
+        self.ids.extend(token_ids)
+        return self.take(final_text(self.tokenizer, self.ids, self.skip_special_tokens,
+                                    stop_reason))
 
 
 class DetokWorker:
@@ -88,11 +147,8 @@ class StopChecker:
         self._prompt_ids = prompt_ids
         self.stop_ids = frozenset(params.stop_token_ids) | (
             frozenset() if params.ignore_eos else eos_ids)
-        self._detok = self._new_detok() if params.stop else None
-        self._fed = 0  # output tokens pushed into the detokenizer
+        self._text = self._new_text() if params.stop else None
         self._cut: str | None = None  # the text, truncated where a stop string matched
-        self._hold = max((len(s) for s in params.stop), default=1) - 1
-        self._emitted = 0  # characters already streamed
         self._worker = worker
         self._last: Future | None = None  # the worker's newest job for this request
         self.match: int | None = None  # output index whose token completed a stop string
@@ -107,7 +163,7 @@ class StopChecker:
         With a worker, a stop string is found later (`settle`, `DetokWorker.matched`)."""
         n, token = len(seq.output_token_ids), seq.output_token_ids[-1]
         counts = n >= self.params.min_tokens
-        if self._worker is not None and self._detok is not None:
+        if self._worker is not None and self._text is not None:
             self._last = self._worker.add(self._push_one, seq, n - 1, token)
         elif counts and token not in self.stop_ids and self._inline_match(seq):
             return "stop"
@@ -160,36 +216,29 @@ class StopChecker:
         return self.tokenizer.decode(seq.output_token_ids, self.params.skip_special_tokens)
 
     def enable_streaming(self) -> None:
-        if self._detok is None and self.tokenizer is not None:
-            self._detok = self._new_detok()
+        if self._text is None and self.tokenizer is not None:
+            self._text = self._new_text()
 
     def stream_delta(self, seq) -> str:
         """Text added since the last call. While running, the tail that could still turn out
         to be the start of a stop string is held back."""
-        if self._detok is None:
+        if self._text is None:
             return ""
         if self._worker is not None:
             self.wait()
         else:
             self._feed(seq)
-        if seq.is_finished or self.match is not None:  # a match found: its cut is final
-            text = self.final_text(seq)
-            end = len(text)
-        else:
-            text = self._detok.text
-            end = max(self._emitted, len(text) - self._hold)
-        delta = text[self._emitted:end]
-        self._emitted = end
-        return delta
+        final = seq.is_finished or self.match is not None  # a match found: its cut is final
+        return self._text.take(self.final_text(seq) if final else None)
 
-    def _new_detok(self) -> IncrementalDetokenizer:
-        return IncrementalDetokenizer(self.tokenizer, self._prompt_ids,
-                                      self.params.skip_special_tokens)
+    def _new_text(self) -> TextStream:
+        return TextStream(self.tokenizer, self._prompt_ids, self.params.skip_special_tokens,
+                          self.params.stop)
 
     def _feed(self, seq) -> None:
-        if self._detok is not None and self._fed < len(seq.output_token_ids):
-            self._detok.push(seq.output_token_ids[self._fed:])
-            self._fed = len(seq.output_token_ids)
+        fed = len(self._text.ids) if self._text is not None else len(seq.output_token_ids)
+        if fed < len(seq.output_token_ids):
+            self._text.feed(seq.output_token_ids[fed:])
 
     def _inline_match(self, seq) -> bool:
         """Feed the new tokens and look for a stop string (on the engine's thread)."""
@@ -202,8 +251,7 @@ class StopChecker:
     def _push_one(self, seq, index: int, token: int) -> None:
         """The worker's job: output `index` is `token`; a first stop-string match is recorded
         and `seq` queued in the worker's `matched`."""
-        self._detok.push([token])
-        self._fed = index + 1
+        self._text.feed([token])
         if self.match is None and index + 1 >= self.params.min_tokens and \
                 self._find() is not None:
             self.match = index
@@ -215,7 +263,7 @@ class StopChecker:
             return None
         if self._cut is not None:
             return self._stop_string
-        text = self._detok.text
+        text = self._text.text
         for stop in self.params.stop:
             # A new match can only start within the last len(stop) + new characters; searching
             # the whole text is cheap enough at these lengths and avoids an off-by-one window.

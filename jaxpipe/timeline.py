@@ -18,11 +18,15 @@ idle time is counted from there: `device_idle_fraction` is an upper bound, never
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections import deque
 from dataclasses import dataclass, field
 
 PARTS = ("schedule", "build", "sample", "dispatch", "postprocess")
+STEP_KINDS = ("prefill", "decode", "mixed")
+# step latency histogram bounds, seconds (Prometheus' default buckets, 2.5 ms .. 10 s)
+LATENCY_BOUNDS = (0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 _KEEP = 100_000  # records kept for the trace (the totals cover everything)
 
 
@@ -50,6 +54,9 @@ class Timeline:
         self.host = dict.fromkeys(PARTS, 0.0)
         self.steps = 0
         self.decode_wall = self.decode_idle = 0.0
+        # kind -> counts per LATENCY_BOUNDS bucket (the last: above them all), and the sum
+        self.latency = {k: [0] * (len(LATENCY_BOUNDS) + 1) for k in STEP_KINDS}
+        self.latency_sum = dict.fromkeys(STEP_KINDS, 0.0)
         self._last: StepRecord | None = None  # the newest device work
         self._last_handle = None  # its `ready()`-able handle, while it may be running
 
@@ -102,6 +109,15 @@ class Timeline:
             record.ready = end if end - start > 50e-6 else max(record.busy_until, start)
             record.busy_until = record.ready
         record.fetched = end
+        if record.name == "step":
+            self._count_latency(record)
+
+    def _count_latency(self, record: StepRecord) -> None:
+        kind = ("mixed" if record.decode and record.prefill
+                else "decode" if record.decode else "prefill")
+        seconds = record.fetched - record.dispatch
+        self.latency[kind][bisect.bisect_left(LATENCY_BOUNDS, seconds)] += 1
+        self.latency_sum[kind] += seconds
 
     def done(self, record: StepRecord) -> None:
         """Synchronous device work (a re-shard, a swap dispatch) has finished."""
@@ -118,7 +134,10 @@ class Timeline:
                 "decode_wall_seconds": self.decode_wall,
                 "decode_idle_seconds": self.decode_idle,
                 "host_seconds": dict(self.host),
-                "host_ms_per_step": {k: 1e3 * v / steps for k, v in self.host.items()}}
+                "host_ms_per_step": {k: 1e3 * v / steps for k, v in self.host.items()},
+                "step_latency": {k: {"counts": list(self.latency[k]),
+                                     "sum": self.latency_sum[k]} for k in STEP_KINDS},
+                "step_latency_bounds": list(LATENCY_BOUNDS)}
 
     def chrome_trace(self) -> dict:
         """The kept records as Chrome trace events (open in ui.perfetto.dev or

@@ -48,7 +48,7 @@ def main() -> int:
     layouts = {"prefill": args.layout, "decode": args.layout} if args.layout else {}
     engine = Engine(EngineConfig(model=args.model, dtype=args.dtype, mesh=args.mesh,
                                  max_model_len=default_max_model_len(workload),
-                                 show_progress=False, **layouts))
+                                 kv_cache_gb=8.0, show_progress=False, **layouts))
     title = (f"{args.model} {args.dtype} on {args.mesh} ({engine.runner.layouts['decode']}), "
              f"{args.num_prompts} requests, median of {args.repeats}"
              + (f", stop={args.stop!r}" if args.stop else ""))

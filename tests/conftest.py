@@ -75,25 +75,31 @@ SERVE_ARGS = ["--model", "smollm2-135m", "--dtype", "float32", "--max-model-len"
               "--max-num-seqs", "8", "--no-warmup"]
 
 
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 class ServerProcess:
     """A `python -m jaxpipe.serve` subprocess on a free loopback port (tests only)."""
 
     def __init__(self, *extra: str, log_path: Path):
         import os
-        import socket
         import subprocess
         import sys
 
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+        self.port, self.metrics_port = free_port(), free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.log_path = log_path
         env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
         self._log = open(log_path, "wb")  # noqa: SIM115 (closed in stop())
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "jaxpipe.serve", *SERVE_ARGS, "--port", str(self.port),
-             *extra], stdout=self._log, stderr=subprocess.STDOUT, env=env)
+             "--metrics-port", str(self.metrics_port), *extra],
+            stdout=self._log, stderr=subprocess.STDOUT, env=env)
 
     def wait_serving(self, timeout: float = 240.0) -> None:
         """Block until health reports SERVING (fail with the server's log otherwise)."""

@@ -184,34 +184,3 @@ def test_help_is_complete(module, flags):
     assert out.returncode == 0
     missing = [f for f in flags if f not in out.stdout]
     assert not missing, out.stdout
-
-
-def test_scheduler_flags_reach_engine_config(capsys):
-    import argparse
-
-    from jaxpipe.serve.cli import add_engine_args, engine_kwargs
-
-    parser = argparse.ArgumentParser()
-    add_engine_args(parser)
-    args = parser.parse_args(["--scheduler", "decode_first", "--host-kv-gb", "2.5",
-                              "--host-kv-tokens", "1000", "--kv-cache-tokens", "4096"])
-    kwargs = engine_kwargs(args, parser)
-    assert (kwargs["scheduler"], kwargs["host_kv_gb"], kwargs["host_kv_tokens"],
-            kwargs["kv_cache_tokens"]) == ("decode_first", 2.5, 1000, 4096)
-    with pytest.raises(SystemExit) as info:
-        engine_kwargs(parser.parse_args(["--scheduler", "fcfs"]), parser)
-    assert info.value.code == 2
-    assert "scheduler must be one of" in capsys.readouterr().err
-    args = parser.parse_args(["--scheduler", "throttle", "--throttle-iterations", "4",
-                              "--throttle-max-prefill", "512", "--throttle-min-prefill", "16",
-                              "--throttle-kv-thresh", "0.1"])
-    kwargs = engine_kwargs(args, parser)
-    assert (kwargs["throttle_iterations"], kwargs["throttle_max_prefill"],
-            kwargs["throttle_min_prefill"], kwargs["throttle_kv_thresh"]) == (4, 512, 16, 0.1)
-    args = parser.parse_args(["--scheduler", "tdpipe", "--tdpipe-predictor", "oracle",
-                              "--tdpipe-finish-ratio", "0.5"])
-    kwargs = engine_kwargs(args, parser)
-    assert (kwargs["tdpipe_predictor"], kwargs["tdpipe_finish_ratio"]) == ("oracle", 0.5)
-    with pytest.raises(SystemExit):
-        engine_kwargs(parser.parse_args(["--throttle-kv-thresh", "1.5"]), parser)
-    assert "throttle_kv_thresh must be in [0, 1)" in capsys.readouterr().err

@@ -7,7 +7,7 @@ import pytest
 
 from jaxpipe import SamplingParams
 from jaxpipe.scheduler import Sequence
-from jaxpipe.stopping import StopChecker
+from jaxpipe.stopping import StopChecker, TextStream, final_text
 from jaxpipe.tokenizer import Tokenizer
 
 EOS = 2
@@ -146,3 +146,23 @@ def test_streaming_without_stop_strings_matches_decode(tok, prompt_ids):
 def test_stop_strings_need_a_tokenizer(prompt_ids):
     with pytest.raises(ValueError, match="tokenizer"):
         StopChecker(None, prompt_ids, SamplingParams(stop=["x"]), EOS_IDS)
+
+
+def test_stream_deltas_concatenate_to_the_final_text_and_hold_back_stop_strings(tok):
+    ids = tok.encode("Roses are red. Violets are blue. Sugar is sweet.",
+                           add_special_tokens=False)
+    # The engine stops at the token that completes "blue"; stream everything before it.
+    k = next(k for k in range(1, len(ids) + 1) if "blue" in tok.decode(ids[:k]))
+    stream = TextStream(tok, [1], True, stop=["blue"])
+    shown = "".join(stream.push([t]) for t in ids[:k - 1])
+    assert shown.startswith("Roses are red.")
+    assert len(shown) <= len(tok.decode(ids[:k - 1])) - 3  # "blu" could start "blue"
+    full = shown + stream.finish(ids[k - 1:k], "blue")
+    assert full == "Roses are red. Violets are "  # the stop string is cut
+    assert full == final_text(tok, ids[:k], True, "blue")
+
+
+def test_final_text_without_a_stop_string_is_the_decoded_text(tok):
+    ids = tok.encode("Hello there", add_special_tokens=False) + [2]
+    assert final_text(tok, ids, True, 2) == "Hello there"
+    assert final_text(tok, ids, False, None).endswith("<|im_end|>")

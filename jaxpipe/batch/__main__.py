@@ -7,7 +7,7 @@ import argparse
 import logging
 import sys
 
-from jaxpipe.serve.cli import add_engine_args, engine_kwargs
+from jaxpipe.engine_flags import add_engine_args, engine_kwargs
 
 EPILOG = """\
 Input lines: {"custom_id": "...", "method": "POST", "url": "/v1/chat/completions" or

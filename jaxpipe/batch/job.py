@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from jaxpipe.batch import jobfile
 from jaxpipe.batch.openai import BatchLine, Failed, Finished, error_record, parse_line
 from jaxpipe.batch.openai import success_record as ok_record
-from jaxpipe.serve.requests import RequestError
+from jaxpipe.requests import RequestError
 
 
 @dataclass

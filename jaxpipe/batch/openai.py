@@ -15,7 +15,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from jaxpipe.serve.requests import RequestError
+from jaxpipe.requests import RequestError
 
 CHAT_URL, COMPLETIONS_URL = "/v1/chat/completions", "/v1/completions"
 LINE_KEYS = {"custom_id", "method", "url", "body"}

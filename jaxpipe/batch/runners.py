@@ -11,8 +11,8 @@ import threading
 from collections.abc import Callable, Iterator
 
 from jaxpipe.batch.openai import BatchLine, Failed, Finished
-from jaxpipe.serve.requests import Limits, RequestError, prepare, sampling_params
-from jaxpipe.serve.text import final_text
+from jaxpipe.requests import Limits, RequestError, prepare, sampling_params
+from jaxpipe.stopping import final_text
 
 Emit = Callable[[BatchLine, Finished | Failed], None]
 

@@ -57,6 +57,9 @@ class BenchConfig:
     gguf: str | None = None  # None: the bundled SmolLM2-135M-Instruct GGUF
     max_num_seqs: int | None = None  # None: the engine's default
     max_num_batched_tokens: int | None = None  # None: the engine's default
+    # EngineConfig.kv_cache_gb: 8 GB as OpenVINO's pool's bound and every earlier figure;
+    # None or 0: the engine's default (a fraction of the free RAM)
+    kv_cache_gb: float | None = 8.0
     max_model_len: int | None = None  # None: longest request, rounded up to 128
     no_overlap: bool = False  # EngineConfig.overlap=False: each step lands before the next
     sampler: str = "device"  # EngineConfig.sampler
@@ -207,6 +210,8 @@ def _engine_kwargs(cfg: BenchConfig, workload: Sequence[Request]) -> dict[str, A
         kwargs["max_num_seqs"] = cfg.max_num_seqs
     if cfg.max_num_batched_tokens is not None:
         kwargs["max_num_batched_tokens"] = cfg.max_num_batched_tokens
+    if cfg.kv_cache_gb:
+        kwargs["kv_cache_gb"] = cfg.kv_cache_gb
     if cfg.no_overlap:
         kwargs["overlap"] = False
     if cfg.sampler != "device":

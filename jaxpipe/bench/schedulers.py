@@ -17,12 +17,15 @@ from jaxpipe.bench import _generate, check_outputs, default_max_model_len, warmu
 from jaxpipe.bench.report import throughput
 from jaxpipe.bench.workload import Request
 
-STAT_KEYS = ("transitions", "reshard_seconds", "prefill_seconds", "decode_seconds",
+STAT_KEYS = ("transitions", "reshards", "reshard_seconds", "reshard_weights_seconds",
+             "reshard_kv_seconds", "reshard_kv_blocks", "prefill_seconds", "decode_seconds",
              "swap_out_bytes", "swap_in_bytes", "swap_seconds", "prefetch_seconds",
              "mean_decode_batch", "preemptions", "padding_waste", "host_kv_peak", "device_kv_peak",
              "compile_seconds")
 COLUMNS = (("policy", "{}"), ("prefill", "{}"), ("decode", "{}"), ("output_tok_s", "{:.1f}"),
            ("elapsed_s", "{:.1f}"), ("transitions", "{}"), ("reshard_seconds", "{:.1f}"),
+           ("reshard_weights_seconds", "{:.1f}"), ("reshard_kv_seconds", "{:.1f}"),
+           ("move_share", "{:.1%}"),
            ("prefill_seconds", "{:.1f}"), ("decode_seconds", "{:.1f}"),
            ("swap_out_mib", "{:.0f}"), ("swap_seconds", "{:.1f}"),
            ("mean_decode_batch", "{:.1f}"), ("preemptions", "{}"), ("padding_waste", "{:.2f}"))
@@ -62,6 +65,8 @@ def run_one(spec: RunSpec, workload: Sequence[Request], engine_kwargs: dict,
     row.update({k: stats[k] for k in STAT_KEYS})
     row["compile_seconds"] -= compiled  # compilation inside the timed run (0: warm-up did all)
     row["swap_out_mib"] = stats["swap_out_bytes"] / 2**20
+    # the share of the wall time spent moving KV and weights (re-shards and swaps)
+    row["move_share"] = (stats["reshard_seconds"] + stats["swap_seconds"]) / elapsed
     row["host_timeline"] = stats["host_timeline"]
     log(f"[{spec.policy} {spec.prefill} -> {spec.decode}] {row['output_tok_s']:.1f} output "
         f"tok/s in {elapsed:.1f} s, {stats['transitions']} transitions")

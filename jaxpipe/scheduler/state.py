@@ -134,6 +134,11 @@ class SchedulerState:
     def free_blocks(self) -> int:
         return len(self._free)
 
+    def held_blocks(self) -> list[int]:
+        """The device store's blocks some sequence holds (the pool's live data), ascending."""
+        free = set(self._free)
+        return [b for b in range(self.num_blocks) if b not in free]
+
     @property
     def device_free(self) -> int:
         """Tokens of KV the device store can still take (its free blocks)."""

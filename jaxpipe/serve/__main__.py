@@ -6,7 +6,7 @@ import argparse
 import logging
 import sys
 
-from jaxpipe.serve.cli import add_engine_args, engine_kwargs
+from jaxpipe.engine_flags import add_engine_args, engine_kwargs
 from jaxpipe.serve.config import ServerConfig
 
 EPILOG = """\
@@ -42,6 +42,17 @@ def parse_args(argv=None) -> tuple[ServerConfig, str]:
     net.add_argument("--drain-timeout", type=float, default=d.drain_timeout,
                      help="seconds in-flight calls get to finish after SIGTERM / SIGINT "
                           f"(default: {d.drain_timeout:g})")
+    net.add_argument("--engine-restarts", type=int, default=d.engine_restarts,
+                     help="restarts of an engine process that died while serving, in a row; "
+                          f"the server exits when they run out (default: {d.engine_restarts})")
+    net.add_argument("--restart-backoff", type=float, default=d.restart_backoff,
+                     help="seconds before the first restart, doubled for each one in a row "
+                          f"(default: {d.restart_backoff:g})")
+    net.add_argument("--metrics-port", type=int, default=None,
+                     help="serve Prometheus metrics on this port at /metrics (default: off; "
+                          "0 picks a free one)")
+    net.add_argument("--metrics-host", default=d.metrics_host,
+                     help=f"address the metrics endpoint listens on (default: {d.metrics_host})")
     net.add_argument("--log-level", default="INFO",
                      choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                      help="INFO logs one line per request (default: INFO)")
@@ -51,7 +62,10 @@ def parse_args(argv=None) -> tuple[ServerConfig, str]:
         config = ServerConfig(host=args.host, port=args.port, max_message_mb=args.max_message_mb,
                               max_request_bytes=args.max_request_bytes,
                               max_concurrent_requests=args.max_concurrent_requests,
-                              drain_timeout=args.drain_timeout, engine=engine_kwargs(args, p))
+                              drain_timeout=args.drain_timeout, metrics_port=args.metrics_port,
+                              engine_restarts=args.engine_restarts,
+                              restart_backoff=args.restart_backoff,
+                              metrics_host=args.metrics_host, engine=engine_kwargs(args, p))
     except ValueError as e:
         p.error(str(e))
     return config, args.log_level

@@ -15,6 +15,11 @@ class ServerConfig:
         one gets INVALID_ARGUMENT and the rest of its batch still runs.
     max_concurrent_requests: concurrent calls; more are refused with RESOURCE_EXHAUSTED.
     drain_timeout: seconds in-flight calls get to finish after SIGTERM / SIGINT.
+    engine_restarts: restarts of an engine process that died after it had served, in a row
+        (an engine up for a minute resets the count); the server exits when they run out.
+        restart_backoff: seconds before the first restart, doubled for each one in a row.
+    metrics_port: serve Prometheus metrics at http://metrics_host:metrics_port/metrics (None:
+        off; 0 picks a free port). metrics_host: loopback by default.
     """
 
     host: str = "127.0.0.1"
@@ -23,7 +28,11 @@ class ServerConfig:
     max_request_bytes: int = 1 << 20
     max_concurrent_requests: int = 256
     drain_timeout: float = 600.0
-    engine: dict = field(default_factory=lambda: {"model": "smollm2-135m"})
+    engine_restarts: int = 5
+    restart_backoff: float = 1.0
+    metrics_port: int | None = None
+    metrics_host: str = "127.0.0.1"
+    engine: dict = field(default_factory=dict)  # EngineConfig fields (its defaults apply)
 
     def __post_init__(self):
         if not isinstance(self.host, str) or not self.host:
@@ -33,6 +42,10 @@ class ServerConfig:
         _check_int("max_concurrent_requests", self.max_concurrent_requests, 1, 100_000)
         _check_number("max_message_mb", self.max_message_mb, 2047)
         _check_number("drain_timeout", self.drain_timeout, 1e9)
+        _check_int("engine_restarts", self.engine_restarts, 0, 1000)
+        _check_number("restart_backoff", self.restart_backoff, 3600)
+        if self.metrics_port is not None:
+            _check_int("metrics_port", self.metrics_port, 0, 65535)
         if self.max_request_bytes > self.max_message_bytes:
             raise ValueError(f"ServerConfig.max_request_bytes ({self.max_request_bytes}) must not "
                              f"exceed max_message_mb ({self.max_message_mb} MiB)")

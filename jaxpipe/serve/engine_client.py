@@ -2,7 +2,11 @@
 
 One receiver thread reads the engine's output socket and puts each message on the queue of the
 request it belongs to. If the engine process exits, every pending request gets an `EngineLost`
-item and later submissions raise `EngineUnavailable`, so no caller ever waits forever.
+item and submissions raise `EngineUnavailable` until it is back, so no caller ever waits
+forever. An engine that had been serving is restarted (up to `max_restarts` times in a row,
+waiting `backoff` seconds doubled each time; a run of STABLE_SECONDS resets the count); one that
+dies while starting is not (its configuration or weights are bad: restarting would fail again),
+and the client gives up (`given_up`).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -26,6 +31,7 @@ from jaxpipe.serve import messages as m
 log = logging.getLogger("jaxpipe.serve")
 
 POLL_MS = 100
+STABLE_SECONDS = 60.0  # an engine up this long has its restart count reset
 
 
 class EngineUnavailable(RuntimeError):
@@ -45,8 +51,16 @@ class EngineClient:
 
     `on_health(serving)` is called when the engine becomes ready (True) or dies (False)."""
 
-    def __init__(self, engine_kwargs: dict, on_health: Callable[[bool], None] = lambda s: None):
+    def __init__(self, engine_kwargs: dict, on_health: Callable[[bool], None] = lambda s: None,
+                 max_restarts: int = 5, backoff: float = 1.0):
         self._on_health = on_health
+        self._engine_kwargs = engine_kwargs
+        self.max_restarts, self.backoff = max_restarts, backoff
+        self.restarts = 0  # restarts in a row (reset once an engine has been up STABLE_SECONDS)
+        self.total_restarts = 0
+        self.given_up = threading.Event()
+        self._ready_at: float | None = None
+        self.last_exit: int | None = None  # the exit code of the engine process that died
         self._dir = tempfile.mkdtemp(prefix="jaxpipe-serve-")
         self._ctx = zmq.Context()
         self._requests = self._bind(zmq.PUSH, "requests")
@@ -144,8 +158,11 @@ class EngineClient:
 
     def unavailable_reason(self) -> str:
         """Why requests cannot be taken now (the engine is starting, or has exited)."""
-        if self.dead.is_set():
-            return f"the engine process has exited (code {self.proc.returncode})"
+        if self.given_up.is_set():
+            return f"the engine process has exited (code {self.last_exit})"
+        if self.dead.is_set() or self.total_restarts:
+            return (f"the engine process exited (code {self.last_exit}) and is being "
+                    "restarted; retry when health reports SERVING")
         return "the engine is still starting; retry when health reports SERVING"
 
     def _send(self, msg, quiet: bool = False) -> bool:
@@ -166,7 +183,38 @@ class EngineClient:
                 self._drain()
             elif self.proc.poll() is not None:
                 self._engine_died()
-                return
+                if self._closing or not self._restart():
+                    return
+
+    def _restart(self) -> bool:
+        """Start a new engine process after one that died; False when giving up."""
+        served = self._ready_at is not None
+        if served and time.monotonic() - self._ready_at >= STABLE_SECONDS:
+            self.restarts = 0
+        if not served or self.restarts >= self.max_restarts:
+            why = ("it died while starting" if not served
+                   else f"{self.restarts} restarts in a row")
+            log.error("not restarting the engine process: %s", why)
+            self.given_up.set()
+            return False
+        delay = self.backoff * 2 ** self.restarts
+        self.restarts += 1
+        self.total_restarts += 1
+        log.warning("restarting the engine process in %.1f s (restart %d of at most %d in a "
+                    "row)", delay, self.restarts, self.max_restarts)
+        end = time.monotonic() + delay
+        while time.monotonic() < end:
+            if self._closing:
+                return False
+            time.sleep(min(POLL_MS / 1000, max(end - time.monotonic(), 0)))
+        while not self._stats.empty():  # answers of the dead engine
+            self._stats.get_nowait()
+        with self._lock:
+            self.info, self._ready_at = None, None
+            self.ready.clear()
+            self.proc = self._spawn(self._engine_kwargs)
+            self.dead.clear()
+        return True
 
     def _drain(self) -> None:
         while True:
@@ -189,6 +237,7 @@ class EngineClient:
             self._stats.put(msg)
         elif isinstance(msg, m.Ready):
             self.info = msg
+            self._ready_at = time.monotonic()
             self.ready.set()
             log.info("engine ready: pid %d, model %s, max_model_len %d, max_num_seqs %d",
                      msg.pid, msg.model, msg.max_model_len, msg.max_num_seqs)
@@ -201,7 +250,7 @@ class EngineClient:
             out.put(item)
 
     def _engine_died(self) -> None:
-        code = self.proc.returncode
+        code = self.last_exit = self.proc.returncode
         with self._lock:
             self.dead.set()
             pending, self._queues = self._queues, {}

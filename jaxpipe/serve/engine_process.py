@@ -135,7 +135,9 @@ class EngineLoop:
                        engine_has_unfinished=self.engine.has_unfinished(),
                        finished_requests=self.counts["finished"],
                        aborted_requests=self.counts["aborted"],
-                       generated_tokens=self.counts["generated"])
+                       generated_tokens=self.counts["generated"],
+                       engine={k: v for k, v in self.engine.stats().items()
+                               if k != "host_timeline"})
 
     def _send(self, msg) -> None:
         self.outbox.send(m.encode(msg))

@@ -98,6 +98,7 @@ class Stats:
     finished_requests: int
     aborted_requests: int
     generated_tokens: int
+    engine: dict = field(default_factory=dict)  # Engine.stats() less host_timeline
 
 
 MESSAGE_TYPES = {cls.__name__: cls for cls in (

@@ -17,6 +17,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from jaxpipe.config import EngineConfig
 from jaxpipe.serve import jaxpipe_pb2 as pb
 from jaxpipe.serve import jaxpipe_pb2_grpc as pb_grpc
 from jaxpipe.serve.config import ServerConfig
@@ -86,17 +87,35 @@ def _wait_for_engine(client: EngineClient, stop: threading.Event) -> bool:
     return False
 
 
+def _start_metrics(config: ServerConfig, client: EngineClient, service: GenerationService):
+    """The Prometheus endpoint (metrics.py), when asked for; its HTTP server or None."""
+    if config.metrics_port is None:
+        return None
+    from jaxpipe.serve.metrics import SCRAPE_TIMEOUT, serve_metrics
+
+    def engine_stats():
+        stats = client.stats(timeout=SCRAPE_TIMEOUT)
+        return None if stats is None else stats.engine
+
+    http, port = serve_metrics(config.metrics_port, config.metrics_host, engine_stats,
+                               service.outcomes)
+    log.info("metrics on http://%s:%d/metrics", config.metrics_host, port)
+    return http
+
+
 def serve(config: ServerConfig) -> int:
     """Run the server until SIGTERM / SIGINT; returns the process exit code."""
     stop = threading.Event()
     _install_signal_handlers(stop)
     health_servicer = health.HealthServicer()
     _set_health(health_servicer, False)
-    client = EngineClient(config.engine, on_health=lambda ok: _set_health(health_servicer, ok))
+    client = EngineClient(config.engine, on_health=lambda ok: _set_health(health_servicer, ok),
+                          max_restarts=config.engine_restarts, backoff=config.restart_backoff)
     try:
-        service = GenerationService(client, _load_tokenizer(config.engine["model"]),
-                                    config.max_request_bytes)
+        model = config.engine.get("model", EngineConfig.model)
+        service = GenerationService(client, _load_tokenizer(model), config.max_request_bytes)
         server, port = _grpc_server(config, service, health_servicer)
+        metrics = _start_metrics(config, client, service)
     except BaseException:
         client.close(timeout=5)
         raise
@@ -105,10 +124,14 @@ def serve(config: ServerConfig) -> int:
              config.host, port)
     ok = _wait_for_engine(client, stop)
     while ok and not stop.wait(0.5):
-        pass
+        if client.given_up.is_set():
+            log.error("the engine process is gone for good; the server stops")
+            break
     health_servicer.enter_graceful_shutdown()  # NOT_SERVING from now on
     server.stop(grace=config.drain_timeout).wait()
-    failed = client.dead.is_set()
+    if metrics is not None:
+        metrics.shutdown()
+    failed = client.given_up.is_set()
     log.info("drained; stopping the engine")
     client.close()
     return 1 if failed else 0

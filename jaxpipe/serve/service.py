@@ -16,13 +16,14 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from jaxpipe.requests import Limits, Prepared, RequestError, prepare
 from jaxpipe.serve import jaxpipe_pb2 as pb
 from jaxpipe.serve import jaxpipe_pb2_grpc as pb_grpc
 from jaxpipe.serve import messages as m
 from jaxpipe.serve import protos
 from jaxpipe.serve.engine_client import EngineClient, EngineLost, EngineUnavailable
-from jaxpipe.serve.requests import Limits, Prepared, RequestError, prepare
-from jaxpipe.serve.text import TextStream, final_text
+from jaxpipe.serve.metrics import Outcomes
+from jaxpipe.stopping import TextStream, final_text
 
 log = logging.getLogger("jaxpipe.serve")
 
@@ -46,6 +47,7 @@ class GenerationService(pb_grpc.GenerationServicer):
         self.tokenizer = tokenizer
         self.max_request_bytes = max_request_bytes
         self._ids = itertools.count()
+        self.outcomes = Outcomes()  # refusals only the front end sees (metrics.py)
 
     # ---- Generate -----------------------------------------------------------------------------
 
@@ -57,6 +59,7 @@ class GenerationService(pb_grpc.GenerationServicer):
             prep = self._prepare(request, "request")
         except RequestError as e:
             log.info("Generate %s rejected: %s", rid, e)
+            self.outcomes.add("invalid")
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         out: queue.Queue = queue.Queue()
         self._submit(rid, prep, out, context)
@@ -91,8 +94,10 @@ class GenerationService(pb_grpc.GenerationServicer):
         """The next delta of a Generate call; aborts the call on rejection or engine loss."""
         item = out.get()
         if isinstance(item, EngineLost):
+            self.outcomes.add("unavailable")
             context.abort(grpc.StatusCode.UNAVAILABLE, item.message)
         if isinstance(item, m.Rejected):
+            self.outcomes.add("invalid")
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request: {item.message}")
         return item
 
@@ -128,6 +133,7 @@ class GenerationService(pb_grpc.GenerationServicer):
             prep = self._prepare(item, f"items[{i}]")
         except RequestError as e:
             log.info("GenerateBatch item %r rejected: %s", cid, e)
+            self.outcomes.add("invalid")
             return protos.error_result(cid, "INVALID_ARGUMENT", e.field, e.message)
         rid = f"b{next(self._ids)}"
         pending[rid] = _Pending(cid, prep, time.perf_counter())
@@ -137,11 +143,14 @@ class GenerationService(pb_grpc.GenerationServicer):
     def _batch_step(self, item, pending: dict, context) -> pb.BatchResult | None:
         """Fold one engine message into its request; return a result when it finishes."""
         if isinstance(item, EngineLost):
+            for _ in pending:
+                self.outcomes.add("unavailable")
             context.abort(grpc.StatusCode.UNAVAILABLE,
                           f"{item.message}; {len(pending)} items of this batch did not finish")
         p = pending[item.request_id]
         if isinstance(item, m.Rejected):
             del pending[item.request_id]
+            self.outcomes.add("invalid")
             return protos.error_result(p.custom_id, "INVALID_ARGUMENT", "request", item.message)
         p.token_ids.extend(item.token_ids)
         p.logprobs.extend(item.logprobs or [])
@@ -171,6 +180,7 @@ class GenerationService(pb_grpc.GenerationServicer):
     def _check_engine(self, context) -> None:
         """UNAVAILABLE unless the engine process is loaded and alive."""
         if self.client.info is None or self.client.dead.is_set():
+            self.outcomes.add("unavailable")
             context.abort(grpc.StatusCode.UNAVAILABLE, self.client.unavailable_reason())
 
     def _prepare(self, msg, path: str) -> Prepared:
@@ -188,6 +198,7 @@ class GenerationService(pb_grpc.GenerationServicer):
         try:
             self.client.submit(rid, prep.prompt_token_ids, prep.params_dict, out)
         except EngineUnavailable as e:
+            self.outcomes.add("unavailable")
             context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         if not context.add_callback(lambda: self.client.abort(rid)):
             self.client.abort(rid)  # the call had already ended (client gone)

@@ -23,7 +23,7 @@ LONG = pb.SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True)
 @pytest.fixture
 def server(tmp_path):
     gguf_dir()
-    s = ServerProcess(log_path=tmp_path / "server.log")
+    s = ServerProcess("--restart-backoff", "3", log_path=tmp_path / "server.log")
     s.wait_serving()
     yield s
     s.stop()
@@ -36,26 +36,51 @@ def started_stream(stub, sampling):
     return call, [next(call)]
 
 
-def test_engine_killed_gives_unavailable_and_not_serving(server):
+def health_status(health) -> list:
+    return [health.Check(health_pb2.HealthCheckRequest(service=service), timeout=10).status
+            for service in ("", "jaxpipe.v1.Generation")]
+
+
+def test_engine_killed_gives_unavailable_then_is_restarted(server):
+    """In-flight calls fail UNAVAILABLE, new ones too while the engine is down (health
+    NOT_SERVING); the front end starts a new engine process and serves again."""
     with grpc.insecure_channel(server.address) as ch:
         stub, health = pb_grpc.GenerationStub(ch), health_pb2_grpc.HealthStub(ch)
         call, _ = started_stream(stub, LONG)
         batch = stub.GenerateBatch(pb.BatchRequest(items=[
             pb.BatchItem(custom_id=f"b{i}", text=f"Story {i}:", sampling=LONG) for i in range(3)]),
             timeout=120)
-        os.kill(server.engine_pid(), signal.SIGKILL)
+        first_pid = server.engine_pid()
+        os.kill(first_pid, signal.SIGKILL)
         for pending in (call, batch):
             with pytest.raises(grpc.RpcError) as info:
                 list(pending)
             assert info.value.code() == grpc.StatusCode.UNAVAILABLE, info.value.details()
             assert "engine process exited" in info.value.details()
-        with pytest.raises(grpc.RpcError) as info:
+        with pytest.raises(grpc.RpcError) as info:  # within the 3 s before the restart
             list(stub.Generate(pb.GenerateRequest(text="Hi"), timeout=30))
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE
-        for service in ("", "jaxpipe.v1.Generation"):
-            reply = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=10)
-            assert reply.status == health_pb2.HealthCheckResponse.NOT_SERVING
-    assert server.proc.poll() is None  # the front end stays up to report it
+        assert "restarted" in info.value.details()
+        assert set(health_status(health)) == {health_pb2.HealthCheckResponse.NOT_SERVING}
+        server.wait_serving()
+        assert server.engine_pid() != first_pid
+        out = list(stub.Generate(pb.GenerateRequest(
+            text="Hi", sampling=pb.SamplingParams(temperature=0.0, max_tokens=3)), timeout=120))
+        assert out[-1].finish_reason in ("length", "stop")
+    assert not psutil.pid_exists(first_pid) or psutil.Process(first_pid).status() == "zombie"
+
+
+def test_the_server_exits_when_restarts_run_out(tmp_path):
+    """--engine-restarts 0: the first engine death is final: the server stops, exit code 1."""
+    gguf_dir()
+    s = ServerProcess("--engine-restarts", "0", log_path=tmp_path / "server.log")
+    try:
+        s.wait_serving()
+        os.kill(s.engine_pid(), signal.SIGKILL)
+        assert s.proc.wait(timeout=60) == 1
+        assert "gone for good" in s.log()
+    finally:
+        s.stop()
 
 
 def test_sigterm_drains_in_flight_requests_then_exits(server):

@@ -1,11 +1,10 @@
-"""Request validation shared by the gRPC front end and batch jobs, and front-end text."""
+"""Request validation shared by the gRPC front end and batch jobs."""
 
 from __future__ import annotations
 
 import pytest
 
-from jaxpipe.serve.requests import Limits, RequestError, prepare
-from jaxpipe.serve.text import TextStream, final_text
+from jaxpipe.requests import Limits, RequestError, prepare
 
 LIMITS = Limits(max_model_len=64, vocab_size=49152)
 GOOD = {"temperature": 0.0, "max_tokens": 4}
@@ -66,23 +65,3 @@ def test_bad_request_names_the_field(tokenizer, kind, value, sampling, field):
 def test_max_tokens_filling_the_context_exactly_is_accepted(tokenizer):
     assert prepare("token_ids", [1, 2], {"max_tokens": 62}, tokenizer, LIMITS).params.max_tokens \
         == 62
-
-
-def test_stream_deltas_concatenate_to_the_final_text_and_hold_back_stop_strings(tokenizer):
-    ids = tokenizer.encode("Roses are red. Violets are blue. Sugar is sweet.",
-                           add_special_tokens=False)
-    # The engine stops at the token that completes "blue"; stream everything before it.
-    k = next(k for k in range(1, len(ids) + 1) if "blue" in tokenizer.decode(ids[:k]))
-    stream = TextStream(tokenizer, [1], True, stop=["blue"])
-    shown = "".join(stream.push([t]) for t in ids[:k - 1])
-    assert shown.startswith("Roses are red.")
-    assert len(shown) <= len(tokenizer.decode(ids[:k - 1])) - 3  # "blu" could start "blue"
-    full = shown + stream.finish(ids[k - 1:k], "blue")
-    assert full == "Roses are red. Violets are "  # the stop string is cut
-    assert full == final_text(tokenizer, ids[:k], True, "blue")
-
-
-def test_final_text_without_a_stop_string_is_the_decoded_text(tokenizer):
-    ids = tokenizer.encode("Hello there", add_special_tokens=False) + [2]
-    assert final_text(tokenizer, ids, True, 2) == "Hello there"
-    assert final_text(tokenizer, ids, False, None).endswith("<|im_end|>")

@@ -1,7 +1,8 @@
 """Turning a client's request into what the engine accepts, or a `RequestError` naming the field.
 
-Shared by the gRPC front end and the JSONL batch jobs, so both refuse exactly the same inputs
-with the same messages. A prompt is given as one of three kinds:
+The one validator of requests: `Engine` (add_request, generate, chat, stream), the gRPC front
+end and the JSONL batch jobs all refuse exactly the same inputs with the same messages.
+A prompt is given as one of three kinds:
 
     "text"       a string, tokenized with the model's tokenizer (special tokens added)
     "chat"       [{"role", "content"}, ...], rendered with the model's chat template
@@ -12,6 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+
+import numpy as np
 
 from jaxpipe.sampling import SamplingParams
 
@@ -53,14 +56,23 @@ def prepare(kind: str | None, value, sampling: dict, tokenizer, limits: Limits) 
         raise RequestError("sampling.stop", "stop strings need a tokenizer; this model has none "
                            "(use stop_token_ids)")
     ids = prompt_token_ids(kind, value, tokenizer, limits)
-    room = limits.max_model_len - len(ids)
-    if params.max_tokens is not None and params.max_tokens > room:
-        raise RequestError("sampling.max_tokens", f"max_tokens={params.max_tokens} with a "
-                           f"{len(ids)}-token prompt exceeds max_model_len="
-                           f"{limits.max_model_len}; at most {room}")
+    max_tokens(ids, params, limits)
     as_dict = {k: list(v) if isinstance(v, tuple) else v
                for k, v in dataclasses.asdict(params).items()}
     return Prepared(ids, params, as_dict)
+
+
+def max_tokens(ids: list[int], params: SamplingParams, limits: Limits) -> int:
+    """The tokens the request may generate: its max_tokens, or all the room max_model_len
+    leaves after the prompt; RequestError when max_tokens asks for more than that."""
+    room = limits.max_model_len - len(ids)
+    if params.max_tokens is None:
+        return room
+    if params.max_tokens > room:
+        raise RequestError("sampling.max_tokens", f"max_tokens={params.max_tokens} with a "
+                           f"{len(ids)}-token prompt exceeds max_model_len="
+                           f"{limits.max_model_len}; at most {room}")
+    return params.max_tokens
 
 
 def sampling_params(fields: dict) -> SamplingParams:
@@ -121,10 +133,16 @@ def _chat_ids(messages, tokenizer) -> list[int]:
 
 
 def _checked_ids(ids, vocab_size: int) -> list[int]:
-    if not isinstance(ids, list) or not ids:
+    """A list of ints (numpy integers and arrays welcome) inside the vocabulary."""
+    if isinstance(ids, (str, bytes, dict)) or not hasattr(ids, "__len__"):
         raise RequestError("token_ids", "give a non-empty list of token ids")
+    if not len(ids):
+        raise RequestError("token_ids", "the prompt is empty: give at least one token id")
+    out = []
     for i, tok in enumerate(ids):
-        if isinstance(tok, bool) or not isinstance(tok, int) or not 0 <= tok < vocab_size:
+        if isinstance(tok, (bool, np.bool_)) or not isinstance(tok, (int, np.integer)) \
+                or not 0 <= tok < vocab_size:
             raise RequestError(f"token_ids[{i}]", f"token id {tok!r} is outside the vocabulary "
                                f"[0, {vocab_size})")
-    return ids
+        out.append(int(tok))
+    return out
