@@ -259,7 +259,7 @@ class Executor:
         """Dispatch one ragged step (`_launch`), then land the step before it (overlap) or
         this one (no overlap). Returns the sequences that got a token in the landed step."""
         flight = self._launch(action, runs)
-        landed = self._land()
+        landed = self._land(after=flight)
         self._flight = flight
         if not self.overlap:
             landed += self._land()
@@ -312,10 +312,12 @@ class Executor:
         self._stats["fed_steps"] += feeds
         return Flight(runs or [ran], sampled, out, record, last)
 
-    def _land(self) -> list[Sequence]:
+    def _land(self, after: Flight | None = None) -> list[Sequence]:
         """Bring the step in flight's tokens to the host: append them, stop checks, free what
         finished (a sequence that finished or was aborted meanwhile gets no token from it).
-        Returns the sequences that got a token."""
+        `after`: the step just dispatched, whose released sequences the state has freed
+        already (one may end here, a step early, by EOS or a stop). Returns the sequences
+        that got a token."""
         flight, self._flight = self._flight, None
         if flight is None:
             return []
@@ -325,7 +327,8 @@ class Executor:
         self._postprocess(live, out)
         self.detok.commit()
         ended = {s.request_id for _, s in live if s.is_finished}
-        self.state.finish(ended - {s.request_id for s in flight.released})
+        freed = flight.released + (after.released if after is not None else [])
+        self.state.finish(ended - {s.request_id for s in freed})
         matched = [s for s in self._stop_string_matches() if s.request_id not in ended]
         for run in flight.runs:
             self.policy.landed(run, {s.seq_id for s in run.seqs} & ended, self.state)

@@ -506,3 +506,21 @@ def test_a_stop_string_the_worker_finds_late_cuts_the_request_back(engine, promp
         inline.logprobs)
     assert cuts and cuts[0] > 0  # it really ran ahead and was cut back
     assert engine.stats()["generated_tokens"] == len(late.token_ids)
+
+
+def test_a_stop_on_the_token_before_the_last_does_not_free_the_sequence_twice(engine):
+    """With overlap, a sequence whose next token is certainly its last (max_tokens) is freed
+    when that step is dispatched; if the token before it (still in flight then) turns out to
+    be a stop id, the sequence ends there, and must not be freed again (the soak found this:
+    "finished sequence ... is not running" took the engine process down)."""
+    prompt = "List the first ten prime numbers:"
+    ref = engine.generate([prompt], greedy(8), use_tqdm=False)[0].outputs[0].token_ids
+    stop_at = next(i for i in range(3, 7) if ref[i] not in ref[:i])
+    params = SamplingParams(temperature=0.0, max_tokens=stop_at + 2,
+                            stop_token_ids=[ref[stop_at]])
+    for _ in range(3):  # alone, and beside other requests
+        outs = engine.generate([prompt, "Hello", "One two three"], [params, greedy(5), greedy(9)],
+                               use_tqdm=False)
+        first = outs[0].outputs[0]
+        assert first.token_ids == ref[:stop_at + 1] and first.finish_reason == "stop"
+    assert not engine.has_unfinished()
