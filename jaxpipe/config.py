@@ -146,7 +146,7 @@ class EngineConfig:
     prefill, decode: layouts like "pp=4,tp=2" (default: the mesh preset's), or "auto": the
         planner's choice for this model and mesh (jaxpipe.planner.choose_layouts). pp*tp*dp must
         equal the mesh's device count. Prefill runs on one, decode on the other; the weights
-        and KV store are re-sharded between them at each phase change.
+        and the KV store's live blocks are re-sharded between them at each phase change.
     attention: the C++ CPU kernels (ragged attention over the paged KV, few-row bf16
         matmuls): "auto" (where they build, else XLA), "kernel" (them or an error) or "xla".
     scheduler: the scheduling policy (jaxpipe.scheduler): "seesaw" (prefill into the host KV

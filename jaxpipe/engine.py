@@ -66,6 +66,8 @@ class Engine:
         self.num_blocks = _num_blocks(self.budget, self.max_num_seqs, self.max_model_len,
                                       block_bytes)
         _check_fits(self.budget, self.num_blocks * block_bytes, weight_bytes, devices)
+        self.budget = memory.with_host_tier(self.budget, config, devices,
+                                            self.num_blocks * block_bytes, weight_bytes)
         self.buckets = Buckets.for_engine(self.max_num_seqs, self.max_model_len,
                                           config.max_num_batched_tokens)
         self.runner = _make_runner(config, self.model_config, model, self.buckets,

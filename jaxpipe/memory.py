@@ -8,6 +8,7 @@ summed over the devices. None where neither is known (the check is then skipped)
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import mmap
 from dataclasses import dataclass
 from pathlib import Path
@@ -126,12 +127,9 @@ def activation_bytes(model, tokens: int, rows: int) -> int:
 
 
 def plan(config, devices, weight_bytes: int, reserve_bytes: int, block_bytes: int) -> Budget:
-    """The device pool's and the host tier's budgets. Explicit settings win (kv_cache_tokens,
-    then kv_cache_gb; host_kv_tokens, then host_kv_gb). Otherwise the pool gets
-    `utilization` of the devices' free memory after the weights and `reserve_bytes`, and the
-    host tier HOST_TIER_FRACTION of the host's available RAM (less the pool's share on CPU,
-    where the pool lives in the same RAM). The host tier only takes memory for the
-    sequences it holds; its budget is a cap."""
+    """The device pool's budget: kv_cache_tokens, then kv_cache_gb, else `utilization` of
+    the devices' free memory after the weights and `reserve_bytes`. The host tier's is filled
+    in by `with_host_tier` once the pool's real size is known."""
     if config.kv_cache_tokens is not None:
         blocks = -(-config.kv_cache_tokens // 16)
         pool = float(blocks * block_bytes)
@@ -140,18 +138,26 @@ def plan(config, devices, weight_bytes: int, reserve_bytes: int, block_bytes: in
         pool, pool_setting = config.kv_cache_gb * 2**30, f"kv_cache_gb={config.kv_cache_gb}"
     else:
         pool, pool_setting = _pool_from_free(config, devices, weight_bytes, reserve_bytes)
+    return Budget(pool, pool_setting, 0.0, "")
+
+
+def with_host_tier(budget: Budget, config, devices, pool_bytes: int,
+                   weight_bytes: int) -> Budget:
+    """`budget` with the host tier's: host_kv_tokens (the executor converts it), then
+    host_kv_gb, else HOST_TIER_FRACTION of the host's available RAM (less the device pool of
+    `pool_bytes` and the weights on CPU, where they live in the same RAM). The tier only
+    takes memory for the sequences it holds; its budget is a cap."""
     if config.host_kv_tokens is not None:
-        host, host_setting = None, f"host_kv_tokens={config.host_kv_tokens}"
+        host, setting = 0.0, f"host_kv_tokens={config.host_kv_tokens}"
     elif config.host_kv_gb is not None:
-        host, host_setting = config.host_kv_gb * 2**30, f"host_kv_gb={config.host_kv_gb}"
+        host, setting = config.host_kv_gb * 2**30, f"host_kv_gb={config.host_kv_gb}"
     else:
         ram = host_available_bytes() or ASSUMED_FREE
         if devices[0].platform == "cpu":
-            ram = max(0, ram - pool - weight_bytes)
+            ram = max(0, ram - pool_bytes - weight_bytes)
         host = HOST_TIER_FRACTION * ram
-        host_setting = (f"{HOST_TIER_FRACTION} of {ram / 2**30:.1f} GiB of available host "
-                        "RAM")
-    return Budget(pool, pool_setting, host, host_setting)
+        setting = f"{HOST_TIER_FRACTION} of {ram / 2**30:.1f} GiB of available host RAM"
+    return dataclasses.replace(budget, host_bytes=host, host_setting=setting)
 
 
 def _pool_from_free(config, devices, weight_bytes: int, reserve_bytes: int):

@@ -23,7 +23,9 @@ def gpu(limit: int, used: int):
 
 def test_explicit_sizes_win(monkeypatch):
     monkeypatch.setattr(memory, "host_available_bytes", lambda: 100 * GIB)
-    b = memory.plan(EngineConfig(kv_cache_gb=2.0, host_kv_gb=0.5), CPU, GIB, GIB, BLOCK_BYTES)
+    config = EngineConfig(kv_cache_gb=2.0, host_kv_gb=0.5)
+    b = memory.plan(config, CPU, GIB, GIB, BLOCK_BYTES)
+    b = memory.with_host_tier(b, config, CPU, GIB, GIB)
     assert (b.pool_bytes, b.host_bytes) == (2 * GIB, 0.5 * GIB)
     assert b.pool_setting == "kv_cache_gb=2.0"
     b = memory.plan(EngineConfig(kv_cache_tokens=20, kv_cache_gb=9.0), CPU, 0, 0, BLOCK_BYTES)
@@ -36,7 +38,9 @@ def test_cpu_defaults_take_a_tenth_of_available_ram(monkeypatch):
     monkeypatch.setattr(memory, "host_available_bytes", lambda: 41.5 * GIB)
     b = memory.plan(EngineConfig(), CPU, GIB, GIB // 2, BLOCK_BYTES)
     assert b.pool_bytes == pytest.approx(4 * GIB)
-    assert b.host_bytes == pytest.approx(0.1 * (41.5 - 4 - 1) * GIB)
+    # the host tier counts the pool the engine really made (capped by max_num_seqs)
+    b = memory.with_host_tier(b, EngineConfig(), CPU, 3 * GIB, GIB)
+    assert b.host_bytes == pytest.approx(0.1 * (41.5 - 3 - 1) * GIB)
     assert "memory_utilization=0.1 of the 41.5 GiB free (host RAM, MemAvailable)" in \
         b.pool_setting
     b = memory.plan(EngineConfig(memory_utilization=0.5), CPU, GIB, 0, BLOCK_BYTES)
@@ -48,6 +52,7 @@ def test_accelerator_defaults_take_nine_tenths_of_free_device_memory(monkeypatch
     devices = [gpu(80 * GIB, 10 * GIB), gpu(80 * GIB, 10 * GIB)]
     b = memory.plan(EngineConfig(), devices, 2 * GIB, GIB, BLOCK_BYTES)
     assert b.pool_bytes == pytest.approx(0.9 * (140 - 3) * GIB)
+    b = memory.with_host_tier(b, EngineConfig(), devices, b.pool_bytes, 2 * GIB)
     assert b.host_bytes == pytest.approx(6.4 * GIB)  # the pool is not in host RAM
 
 
@@ -108,3 +113,18 @@ def test_released_pool_pages_read_as_zeros_and_cost_memory_only_once_written():
     y = jax.block_until_ready(write(x))
     assert rss_bytes() - after < 0.1 * y.nbytes  # one row of 256 was committed, not all
     assert int(y[7, 0, 0]) == 3 and not np.asarray(y[:7]).any() and not np.asarray(y[8:]).any()
+
+
+def test_a_pool_budget_beyond_what_the_sequences_can_use_is_capped_and_leaves_the_host_tier():
+    """kv_cache_gb=64 with 8 sequences of 256 tokens: the pool is what they can use, and the
+    host tier's default share is computed from that pool, not from the 64 GiB asked."""
+    from jaxpipe.engine import Engine
+
+    engine = Engine(random_weights=True, kv_cache_gb=64.0, max_model_len=256, max_num_seqs=8,
+                    warmup=False, show_progress=False)
+    try:
+        assert engine.num_blocks == 8 * 256 // 16
+        assert engine.budget.host_bytes > 0
+        assert engine.stats()["host_kv_capacity"] > 0
+    finally:
+        engine.close()
