@@ -222,6 +222,7 @@ class Executor:
         if action.kind is Kind.RUN:
             return self._run(action)
         record = self.timeline.dispatch(action.kind.value, time.perf_counter())
+        self.kv.flush()  # a switch moves only held blocks; swaps and preemptions reuse them
         if action.kind is Kind.SWITCH:
             self._switch(action.phase)
         elif action.kind is Kind.SWAP_IN:
@@ -295,6 +296,7 @@ class Executor:
         feeds = any(p.feed >= 0 for _, p, _ in pieces)
         if feeds and isinstance(prev, HostSampled):  # its tokens are needed on the device:
             _, start = self._bring(self._flight)  # the device waits for the host sampler
+        start = self._flush_swaps(start)
         out = self.runner.dispatch(inputs, np.array([s.slot for s in sampled], np.int32), plan,
                                    prev)
         record = self.timeline.dispatch("step", start, len(decode), action.prefill_tokens, out)
@@ -311,6 +313,18 @@ class Executor:
         self._count_step(ran)
         self._stats["fed_steps"] += feeds
         return Flight(runs or [ran], sampled, out, record, last)
+
+    def _flush_swaps(self, start: float) -> float:
+        """Read queued swap-outs out of the pool before this step reuses their blocks, once
+        the step in flight (which wrote them) is done: the wait is the device's, timed as
+        the timeline's, and swap_seconds only the reads. Returns now."""
+        if not self.kv.outgoing:
+            return start
+        if self._flight is not None and self._flight.out is not None:
+            self._flight.out.wait()
+            self.timeline.finished(self._flight.record, start)
+        self.kv.flush()
+        return time.perf_counter()
 
     def _land(self, after: Flight | None = None) -> list[Sequence]:
         """Bring the step in flight's tokens to the host: append them, stop checks, free what
@@ -505,10 +519,8 @@ def _scheduling(config: EngineConfig, runner: Runner, buckets: Buckets, num_slot
     host_tokens = config.host_kv_tokens
     if host_tokens is None:
         host_tokens = int(host_bytes // per_token)
-    # The host tier keeps each sequence rounded up to 1/16 of max_model_len (>= 16 tokens),
-    # so its copy programs compile for at most 16 lengths.
-    unit = -(-max(16, -(-max_len // 16)) // 16) * 16
-    state = SchedulerState(pool_tokens, num_slots, host_tokens, host_unit=unit,
+    # The host tier keeps each sequence in whole swap chunks (`Runner.kv_chunk`).
+    state = SchedulerState(pool_tokens, num_slots, host_tokens, host_unit=runner.kv_chunk,
                            device_unit=BLOCK)
     policy = _policy(config.scheduler, config, runner, buckets, host_tokens)
     return state, policy, KVManager(runner, state, num_slots, host_tokens)

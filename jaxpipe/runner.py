@@ -214,6 +214,7 @@ class Runner:
         self.use_kernel = _use_kernel(attention)
         self.num_slots, self.max_len, self.num_blocks = num_slots, max_len, num_blocks
         self.max_blocks = device_cache.blocks_for(max_len)
+        self.kv_chunk = kv_chunk_tokens(max_len)
         self.layouts = dict(layouts)
         self.plan = sharding.plan_padding(cfg, self.layouts.values())
         self.placements = {p: Placement(cfg, self.plan, self.layouts[p], devices, num_blocks,
@@ -237,6 +238,8 @@ class Runner:
         self._programs: dict[tuple, object] = {}
         self.compiled: set[tuple] = set()
         self.compile_seconds = 0.0
+        self._swaps_warm: set[str] = set()
+        self._warm_swaps()
 
     def set_sampler(self, sampler: str) -> None:
         """Sample on the device ("device") or on the host ("host"). Penalty state is not
@@ -279,6 +282,7 @@ class Runner:
         if params is self.params and cache is self.cache:
             return None
         self.params, self.cache = params, cache
+        self._warm_swaps()
         return Moved(weights_seconds, kv_seconds if blocks else 0.0, blocks)
 
     def _move_kv(self, old: Placement, new: Placement, live_blocks: list[int] | None
@@ -302,7 +306,7 @@ class Runner:
             array.delete()
         cache = new.empty_cache()
         if count:
-            staged = KVCache(*jax.device_put(list(live), new.staging))
+            staged = KVCache(*sharding.put(list(live), new.staging))
             cache = device_cache.write_blocks(cache, ids, staged, block_axis=1)
         return cache, count
 
@@ -426,24 +430,49 @@ class Runner:
         self.prompt_mask, self.out_counts = self._set_penalties(
             self.prompt_mask, self.out_counts, slot, mask, counts)
 
-    def kv_extract(self, blocks: list[int], length: int) -> list[jax.Array]:
-        """Positions 0..length-1 of the sequence in `blocks`: K and V, each [L', Hkv',
-        length, D], in the current layout's shards (layers over pp, heads over tp)."""
-        table = np.full(self.max_blocks, device_cache.OUT_OF_RANGE, np.int32)
-        table[:len(blocks)] = blocks
-        return list(device_cache.read_blocks(self.cache, table, length=length, block_axis=1))
+    def kv_extract(self, blocks: list[int], tokens: int) -> list[jax.Array]:
+        """Positions 0..tokens-1 of the sequence in `blocks`, in chunks of `kv_chunk`
+        positions: [K0, V0, K1, V1, ...], each [L', Hkv', kv_chunk, D] in the current
+        layout's shards (layers over pp, heads over tp); the last chunk's tail is garbage.
+        Fixed-size chunks: one extract program per layout whatever the length."""
+        out = []
+        for ids in self._chunks(blocks, tokens):
+            out += device_cache.read_blocks(self.cache, ids, length=self.kv_chunk, block_axis=1)
+        return out
 
-    def kv_staging(self, length: int) -> list:
-        """The current layout's shardings for `kv_extract`'s arrays: a sequence swapped in
-        lands directly in the shards that will read it."""
+    def kv_staging(self) -> list:
+        """The current layout's shardings for `kv_extract`'s arrays (K, V of one chunk): a
+        sequence swapped in lands directly in the shards that will read it."""
         return self.placements[self.phase].staging
 
     def kv_insert(self, blocks: list[int], arrays: list[jax.Array]) -> None:
-        """Write arrays from `kv_extract` (of any layout) into the sequence's `blocks`."""
-        table = np.full(self.max_blocks, device_cache.OUT_OF_RANGE, np.int32)
-        table[:len(blocks)] = blocks
-        staged = KVCache(*jax.device_put(arrays, self.kv_staging(arrays[0].shape[2])))
-        self.cache = device_cache.write_blocks(self.cache, table, staged, block_axis=1)
+        """Write chunks from `kv_extract` (of any layout) into the sequence's `blocks`."""
+        for i, ids in enumerate(self._chunks(blocks, len(arrays) // 2 * self.kv_chunk)):
+            staged = KVCache(*jax.device_put(arrays[2 * i:2 * i + 2], self.kv_staging()))
+            self.cache = device_cache.write_blocks(self.cache, ids, staged, block_axis=1)
+
+    def _chunks(self, blocks: list[int], tokens: int) -> list[np.ndarray]:
+        """`blocks` in `kv_chunk`-token pieces covering `tokens` positions, the last one
+        padded with out-of-range ids (reads there are garbage, writes dropped)."""
+        per = self.kv_chunk // BLOCK
+        count = -(-tokens // self.kv_chunk)
+        ids = np.full(count * per, device_cache.OUT_OF_RANGE, np.int32)
+        n = min(len(blocks), len(ids))
+        ids[:n] = blocks[:n]
+        return [ids[i * per:(i + 1) * per] for i in range(count)]
+
+    def _warm_swaps(self) -> None:
+        """Compile the current layout's chunk extract and insert (a chunk of out-of-range
+        ids: nothing is written), timed as compilation, so no swap stops to compile."""
+        if self.phase in self._swaps_warm:
+            return
+        start = time.perf_counter()
+        ids = np.full(self.kv_chunk // BLOCK, device_cache.OUT_OF_RANGE, np.int32)
+        chunk = device_cache.read_blocks(self.cache, ids, length=self.kv_chunk, block_axis=1)
+        self.cache = jax.block_until_ready(
+            device_cache.write_blocks(self.cache, ids, KVCache(*chunk), block_axis=1))
+        self._swaps_warm.add(self.phase)
+        self.compile_seconds += time.perf_counter() - start
 
     def _place_weights(self, weights: dict | Path, dtype) -> dict:
         """Padded weights in the current layout: from host/device arrays (padded on the host),
@@ -458,6 +487,12 @@ class Runner:
         if cfg != self.config:
             raise ValueError(f"orbax checkpoint {weights} holds {cfg}, expected {self.config}")
         return sharding.pad_on_device(self.config, values, self.plan, place.params)
+
+
+def kv_chunk_tokens(max_len: int) -> int:
+    """Tokens per swap chunk: 1/16 of `max_len` in whole blocks (at least one block); the
+    host tier rounds each sequence up to it."""
+    return BLOCK * max(1, -(-max_len // (16 * BLOCK)))
 
 
 def _use_kernel(attention: str) -> bool:

@@ -242,10 +242,24 @@ def reshard(tree, shardings):
               if not _same(x.sharding, s, x.ndim)]
     if not moving:
         return tree
-    moved = jax.device_put([leaves[i] for i in moving], [targets[i] for i in moving])
+    moved = put([leaves[i] for i in moving], [targets[i] for i in moving])
     for i, x in zip(moving, moved, strict=True):
         leaves[i] = x
     return jax.tree.unflatten(treedef, leaves)
+
+
+def put(arrays: list[jax.Array], shardings: list) -> list[jax.Array]:
+    """`jax.device_put(arrays, shardings)`, across shardings. On the CPU backend every device's
+    memory is the host's, so each array is assembled on the host and split into its new
+    shards (two memcpys): XLA's cross-sharding transfer took 47-1325 ms (median 142 ms) per
+    pp=8 <-> tp=8 move of SmolLM2's 324 MiB of weights on cpu-8 here, the host path 46-72 ms."""
+    if all(_on_host_cpu(x) for x in arrays):
+        return [jax.device_put(np.asarray(x), s) for x, s in zip(arrays, shardings, strict=True)]
+    return jax.device_put(arrays, shardings)
+
+
+def _on_host_cpu(x: jax.Array) -> bool:
+    return x.is_fully_addressable and all(d.platform == "cpu" for d in x.sharding.device_set)
 
 
 def _same(a, b, ndim: int) -> bool:

@@ -100,15 +100,19 @@ class Timeline:
         self._last, self._last_handle = record, handle
         return record
 
-    def waited(self, record: StepRecord, start: float) -> None:
-        """The host waited from `start` until now for `record` (now on the host)."""
+    def finished(self, record: StepRecord, start: float) -> float:
+        """The host waited from `start` until now for `record` to finish; now."""
         end = time.perf_counter()
         if record.ready is None:
             # A wait that returned at once says only that the step finished after the last
             # look that found it running; one that blocked saw it finish.
             record.ready = end if end - start > 50e-6 else max(record.busy_until, start)
             record.busy_until = record.ready
-        record.fetched = end
+        return end
+
+    def waited(self, record: StepRecord, start: float) -> None:
+        """The host waited from `start` until now for `record` (now on the host)."""
+        record.fetched = self.finished(record, start)
         if record.name == "step":
             self._count_latency(record)
 

@@ -12,13 +12,13 @@ engine, with explicit operations:
                                     shardings of the layout that will read it (decode)
   Runner.kv_insert(slot, staged)    staged KV -> a free device slot (a small donated update)
 
-Per sequence the host keeps K and V as `[layer, kv_head, token, head_dim]` (HND: each
-(sequence, head) contiguous, and a TP shard of heads is a contiguous block; the single-device
-runner gives one `[kv_head, token, head_dim]` pair per layer), in the `pinned_host` memory kind
+Per sequence the host keeps K and V in fixed-size chunks of positions (`Runner.kv_chunk`),
+`[K0, V0, K1, V1, ...]`, each `[layer, kv_head, token, head_dim]` (HND: each (sequence, head)
+contiguous, and a TP shard of heads is a contiguous block), in the `pinned_host` memory kind
 where the backend has it. KV is written in the shardings of the layout that produced it
 (prefill) and read back in the shardings of the layout that consumes it (decode): the re-shard
-happens on the way through the host. Lengths are rounded up (`padded`) so that the copy
-programs compile once per rounded length; capacity is counted in those rounded tokens, which
+happens on the way through the host. Lengths are rounded up to whole chunks (`padded`), so
+the copy programs compile once per layout; capacity is counted in those rounded tokens, which
 is what the host memory really holds.
 """
 
@@ -110,10 +110,10 @@ class Prefetcher:
     """A thread that moves requested sequences host -> device while decode runs.
 
     `request(id, shardings)` queues a sequence; the thread pops its host entry, device_puts each
-    array to the matching sharding (the decode layout's, from `Runner.kv_staging`) and waits for
-    the copy, then the sequence shows up in `ready()`. The caller inserts ready sequences into
-    free slots between decode steps (device buffers are only ever mutated by the caller's
-    thread)."""
+    chunk's K and V to the pair of shardings given (the decode layout's, from
+    `Runner.kv_staging`) and waits for the copy, then the sequence shows up in `ready()`. The
+    caller inserts ready sequences into free slots between decode steps (device buffers are
+    only ever mutated by the caller's thread)."""
 
     def __init__(self, host: HostKVBuffer):
         self.host = host
@@ -164,7 +164,7 @@ class Prefetcher:
             return seq_id, 0, None
         staged = []
         for i, a in enumerate(entry.arrays):
-            dst = shardings[i] if shardings else a.sharding.with_memory_kind("device")
+            dst = shardings[i % 2] if shardings else a.sharding.with_memory_kind("device")
             staged.append(jax.device_put(a, dst))
         jax.block_until_ready(staged)
         self.seconds += time.perf_counter() - start

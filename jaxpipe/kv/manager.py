@@ -7,7 +7,9 @@ penalty counts), the host KV tier (`HostKVBuffer`) and the prefetcher thread tha
 sequences back.
 
   allocate(seq)        a slot
-  swap_out(seq)        its blocks -> host, dispatched asynchronously; the slot is free at once
+  swap_out(seq)        its blocks -> host: queued, the slot is free at once
+  flush()              read every queued swap-out out of the pool (copies dispatched
+                       asynchronously); before anything else touches the pool
   swap_in(seq)         a slot and blocks, ask the prefetcher for the KV (returns at once)
   deliver(block)       insert whatever the prefetcher has staged; the ids now decodable
   drop(seq)            forget its KV wherever it is (finished, aborted, recompute)
@@ -35,11 +37,11 @@ class KVManager:
         state to rebuild)."""
         self.runner, self.state = runner, state
         self.on_insert = on_insert
-        self.max_len = runner.max_len
         self.host = HostKVBuffer(host_tokens)
         self.prefetcher = Prefetcher(self.host) if host_tokens else None
         self._free = list(range(num_slots))  # a heap: lowest slot first
         self._incoming: dict[str, Sequence] = {}  # swap-in requested, not inserted yet
+        self._outgoing: dict[str, tuple[list[int], int]] = {}  # swap-out queued: blocks, tokens
         self.swap_seconds = 0.0  # this thread's time in swap dispatch, inserts and waits
 
     # ---- slots ---------------------------------------------------------------------------
@@ -64,31 +66,48 @@ class KVManager:
     # ---- moving ----------------------------------------------------------------------------
 
     def swap_out(self, seq: Sequence, tokens: int) -> None:
-        """KV positions 0..tokens-1 of `seq` -> the host tier; frees its slot (the state frees
-        its blocks when it records the move)."""
-        start = time.perf_counter()
+        """Queue KV positions 0..tokens-1 of `seq` for the host tier and free its slot. The
+        state frees its blocks when it records the move; `flush` reads them before anything
+        writes the pool again. Queued, because the step that writes a finished prefill's KV
+        has only just been dispatched: the engine flushes when that step is done, right
+        before the next one."""
         self._settle(seq)
-        padded = self.state.host_size(tokens)
-        arrays = self.runner.kv_extract(seq.blocks, min(padded, self.max_len))
-        self.host.put(seq.request_id, arrays, tokens, padded)
+        self._outgoing[seq.request_id] = (list(seq.blocks), tokens)
         self.release(seq)
+
+    @property
+    def outgoing(self) -> int:
+        """Swap-outs queued and not read out yet."""
+        return len(self._outgoing)
+
+    def flush(self) -> None:
+        """Read every queued swap-out out of the pool into the host tier (the copies are
+        dispatched; they run while the next steps do)."""
+        if not self._outgoing:
+            return
+        start = time.perf_counter()
+        for seq_id, (blocks, tokens) in self._outgoing.items():
+            arrays = self.runner.kv_extract(blocks, tokens)
+            self.host.put(seq_id, arrays, tokens, self.state.host_size(tokens))
+        self._outgoing.clear()
         self.swap_seconds += time.perf_counter() - start
 
     def swap_in(self, seq: Sequence) -> None:
         """A slot and blocks for `seq`, and the prefetcher bringing its KV into the current
         layout's shards; `deliver` inserts it."""
+        self.flush()
         entry = self.host.entries[seq.request_id]
         self.allocate(seq)
         self.state.reserve(seq, entry.tokens)
         self._incoming[seq.request_id] = seq
-        self.prefetcher.request(seq.request_id,
-                                self.runner.kv_staging(min(entry.padded, self.max_len)))
+        self.prefetcher.request(seq.request_id, self.runner.kv_staging())
 
     def deliver(self, block: bool = False) -> list[Sequence]:
         """Insert every staged swap-in into its slot (`block`: wait for at least one);
         returns the sequences inserted (each also passed to `on_insert`)."""
         if self.prefetcher is None or not self._incoming:
             return []
+        self.flush()  # queued reads of freed blocks come before writes into them
         start = time.perf_counter()
         done = []
         for seq_id, _, staged in self.prefetcher.ready(block=block):
@@ -104,6 +123,7 @@ class KVManager:
         """Forget `seq`'s host KV and pending swap-in and free its slot (the state frees its
         blocks when it records the finish or preemption)."""
         self._incoming.pop(seq.request_id, None)  # a late delivery is then discarded
+        self._outgoing.pop(seq.request_id, None)
         self.host.drop(seq.request_id)
         self.release(seq)
 
@@ -114,6 +134,7 @@ class KVManager:
 
     def close(self) -> None:
         """Stop the prefetcher and free the host tier's entries."""
+        self._outgoing.clear()
         if self.prefetcher is not None:
             self.prefetcher.close()
         for seq_id in list(self.host.entries):

@@ -144,3 +144,37 @@ def test_orbax_restore_lands_in_final_shardings_when_nothing_pads(tmp_path):
 def test_data_parallel_layouts_are_refused_clearly(tiny_values):
     with pytest.raises(ValueError, match=r"decode layout tp=4,dp=2: dp > 1 is not supported"):
         runner(tiny_values, "pp=8", "tp=4,dp=2")
+
+
+@pytest.mark.parametrize("prefill,decode", [PAIRS[0], PAIRS[1]])
+def test_swap_chunks_carry_kv_from_one_layout_into_another(tiny_values, prefill, decode):
+    """A sequence's KV read out of the pool in one layout (`kv_extract`, in chunks of several
+    blocks) and written into other blocks in the other layout (`kv_insert`) is the same KV,
+    for lengths around the chunk and block sizes; NumPy indexing of the pool is the
+    reference."""
+    layouts = {"prefill": Layout.parse(prefill), "decode": Layout.parse(decode)}
+    r = Runner(TINY, tiny_values, Buckets.for_engine(8, 600, 256), 8, 600, jnp.float32,
+               layouts, jax.devices()[:DEVICES], num_blocks=64)
+    assert r.kv_chunk == 48  # three blocks per chunk
+    rng = np.random.default_rng(0)
+    pool = [rng.normal(size=a.shape).astype(np.float32) for a in r.cache]
+    r.cache = type(r.cache)(*(jax.device_put(p, a.sharding)
+                              for p, a in zip(pool, r.cache, strict=True)))
+    cases, free = [], list(rng.permutation(64))
+    for tokens in (1, 16, 47, 48, 49, 97):
+        n = -(-tokens // 16)
+        src = [int(b) for b in rng.choice(64, n, replace=False)]
+        cases.append((tokens, src, [int(free.pop()) for _ in range(n)],
+                      r.kv_extract(src, tokens)))
+        assert len(cases[-1][3]) == 2 * -(-tokens // 48)
+    r.set_phase("decode", live_blocks=[])  # an empty pool in the decode layout
+    for _, _, dst, arrays in cases:
+        r.kv_insert(dst, arrays)
+    got = [np.asarray(a) for a in r.cache]
+    for tokens, src, dst, _ in cases:
+        for before, after in zip(pool, got, strict=True):  # [L, NB, Hkv, 16, D]
+            want = before[:, src].transpose(0, 2, 1, 3, 4).reshape(*before.shape[:1],
+                                                                    before.shape[2], -1,
+                                                                    before.shape[4])
+            have = after[:, dst].transpose(0, 2, 1, 3, 4).reshape(want.shape)
+            np.testing.assert_array_equal(have[:, :, :tokens], want[:, :, :tokens])

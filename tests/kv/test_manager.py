@@ -1,0 +1,80 @@
+"""KVManager's queued swap-outs: read out of the pool only when flushed, before anything that
+writes the pool (a swap-in's insert) or needs the host entry (its swap-in), and never for a
+sequence dropped meanwhile. A fake runner records the order of pool reads and writes."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from jaxpipe.kv.manager import KVManager
+from jaxpipe.scheduler import Sequence
+from jaxpipe.scheduler.state import SchedulerState
+
+
+class FakeRunner:
+    kv_chunk = 16
+
+    def __init__(self):
+        self.log: list[tuple] = []
+
+    def kv_extract(self, blocks, tokens):
+        self.log.append(("extract", tuple(blocks), tokens))
+        return [jnp.zeros((1, 1, 16, 2), jnp.float32)] * 2 * -(-tokens // 16)
+
+    def kv_staging(self):
+        return None
+
+    def kv_insert(self, blocks, arrays):
+        self.log.append(("insert", tuple(blocks)))
+
+
+def manager():
+    runner = FakeRunner()
+    state = SchedulerState(256, 4, 256, host_unit=16, device_unit=16)
+    return runner, KVManager(runner, state, num_slots=4, host_tokens=256)
+
+
+def seq(request_id: str, blocks: list[int]) -> Sequence:
+    s = Sequence.create(request_id, [1] * 20, None, 0, 8)
+    s.blocks = list(blocks)
+    return s
+
+
+def test_swap_out_is_read_at_flush_with_the_blocks_it_had():
+    runner, kv = manager()
+    a = seq("a", [3, 5])
+    kv.allocate(a)
+    kv.swap_out(a, 20)
+    a.blocks = []  # the state frees them when it records the move
+    assert runner.log == [] and kv.outgoing == 1 and a.slot is None
+    kv.flush()
+    assert runner.log == [("extract", (3, 5), 20)] and kv.outgoing == 0
+    assert kv.host.entries["a"].tokens == 20 and kv.host.used == 32
+    kv.close()
+
+
+def test_a_dropped_sequence_is_never_read_out():
+    runner, kv = manager()
+    a = seq("a", [1])
+    kv.allocate(a)
+    kv.swap_out(a, 5)
+    kv.drop(a)
+    kv.flush()
+    assert runner.log == [] and "a" not in kv.host.entries
+    kv.close()
+
+
+def test_a_swap_in_reads_queued_swap_outs_before_it_writes_blocks():
+    """A sequence swapped in right after its own (queued) swap-out: its host entry is there
+    (flushed first), and every queued read comes before the insert into the blocks."""
+    runner, kv = manager()
+    a, b = seq("a", [0, 1]), seq("b", [2])
+    for s in (a, b):
+        kv.allocate(s)
+        kv.swap_out(s, 20 if s is a else 10)
+        s.blocks = []
+    kv.swap_in(a)  # new blocks from the state, the prefetcher asked for a's KV
+    assert kv.outgoing == 0 and [e[0] for e in runner.log] == ["extract", "extract"]
+    assert kv.deliver(block=True) == [a]
+    assert runner.log[-1] == ("insert", tuple(a.blocks)) and kv.decodable(a)
+    kv.close()
