@@ -73,6 +73,7 @@ class Engine:
         self.runner = _make_runner(config, self.model_config, model, self.buckets,
                                    self.max_num_seqs, self.max_model_len, self.dtype, devices,
                                    self.layouts, self.num_blocks)
+        del model  # its arrays are the runner's now (padded, in the layout): free these
         self._eos = frozenset(self.model_config.eos_token_ids)
         self._seeds = np.random.default_rng(config.seed)
         self._ids = itertools.count()
