@@ -97,7 +97,7 @@ class ModelConfig:
         return dataclasses.asdict(self)
 
 
-ATTENTION = ("auto", "kernel", "xla")
+ATTENTION = ("auto", "kernel", "pallas", "pallas-interpret", "xla")
 SCHEDULERS = ("auto", "seesaw", "prefill_first", "decode_first", "tdpipe", "throttle")
 PREDICTORS = ("learned", "oracle")  # jaxpipe.scheduler.predictor
 SAMPLERS = ("device", "host")
@@ -147,8 +147,11 @@ class EngineConfig:
         planner's choice for this model and mesh (jaxpipe.planner.choose_layouts). pp*tp*dp must
         equal the mesh's device count. Prefill runs on one, decode on the other; the weights
         and the KV store's live blocks are re-sharded between them at each phase change.
-    attention: the C++ CPU kernels (ragged attention over the paged KV, few-row bf16
-        matmuls): "auto" (where they build, else XLA), "kernel" (them or an error) or "xla".
+    attention: the step's attention over the paged KV: "auto" (the Pallas kernel on GPU; on
+        CPU the C++ kernels, ragged attention and few-row bf16 matmuls, where they build, else
+        XLA), "kernel" (the C++ kernels or an error), "pallas" (the Pallas kernel, GPU only),
+        "pallas-interpret" (it in Pallas' interpreter: any backend, slow; for tests) or
+        "xla".
     scheduler: the scheduling policy (jaxpipe.scheduler): "seesaw" (prefill into the host KV
         tier until it is full, then decode out of it until it is empty: few layout switches),
         "prefill_first" (continuous batching with chunked prefill: decode tokens first, the

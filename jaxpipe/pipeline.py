@@ -29,7 +29,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpipe import sharding
 from jaxpipe.config import ModelConfig
-from jaxpipe.kernels import matmul, ragged_attention
+from jaxpipe.kernels import matmul, pallas_attention, ragged_attention
 from jaxpipe.kv.device_cache import BLOCK, OUT_OF_RANGE, KVCache, to_storage
 from jaxpipe.layout import Layout
 from jaxpipe.model import llama
@@ -75,12 +75,18 @@ def token_slots(table, rows, positions):
     return jnp.where(index < table.shape[1], blocks, OUT_OF_RANGE), positions % BLOCK
 
 
-def attend(q, k, v, mb: dict, layer, *, kernel: bool, max_kv: int):
+def attend(q, k, v, mb: dict, layer, *, attention: str, max_kv: int):
     """Each span's queries q [Tm, H, D] over its row's paged KV (k, v [Ls, NB, Hkv, BLOCK,
     D], read at `layer`); mb: this micro-batch's table, spans, rows and positions.
-    `kernel`: the C++ kernel; else the XLA reference, keys bounded by static `max_kv`."""
-    fn = ragged_attention.ragged_attention if kernel else partial(
-        ragged_attention.reference, max_kv=max_kv)
+    `attention`: "cpu" (the C++ kernel), "pallas" (the Pallas kernel), "pallas-interpret"
+    (it, in Pallas' interpreter) or "xla" (the reference, keys bounded by static `max_kv`)."""
+    if attention == "cpu":
+        fn = ragged_attention.ragged_attention
+    elif attention.startswith("pallas"):
+        fn = partial(pallas_attention.pallas_attention,
+                     interpret=attention == "pallas-interpret")
+    else:
+        fn = partial(ragged_attention.reference, max_kv=max_kv)
     return fn(q, k, v, mb["table"], mb["q_start"], mb["q_len"], mb["kv_len"], layer)
 
 
@@ -132,10 +138,11 @@ def layer_params(layers: LayerParams, j, kernel: bool) -> LayerParams:
 
 
 def stage_layers(cfg: ModelConfig, layers: LayerParams, x, mb: dict, cache: KVCache, reduce,
-                 *, kernel: bool, max_kv: int, unroll: bool):
+                 *, attention: str, max_kv: int, unroll: bool):
     """This stage's layers over one micro-batch x [Tm, E] (mb: see `attend`); each token's
-    K/V is written into its blocks (`token_slots`) before the spans attend. `kernel`: the
-    C++ CPU kernels (attention, and small-row bf16 matmuls)."""
+    K/V is written into its blocks (`token_slots`) before the spans attend. `attention`: see
+    `attend`; "cpu" also takes the C++ small-row bf16 matmuls."""
+    kernel = attention == "cpu"
     positions = mb["positions"]
     blocks, offsets = token_slots(mb["table"], mb["rows"], positions)
     dot = kernel_dot if kernel else None
@@ -146,7 +153,7 @@ def stage_layers(cfg: ModelConfig, layers: LayerParams, x, mb: dict, cache: KVCa
         q, kn, vn = llama.qkv(cfg, p, x, positions, dot)  # [Tm, H|Hkv, D]
         k = k.at[j, blocks, :, offsets].set(to_storage(kn, k), mode="drop")
         v = v.at[j, blocks, :, offsets].set(to_storage(vn, v), mode="drop")
-        attn = attend(q, k, v, mb, j, kernel=kernel, max_kv=max_kv)
+        attn = attend(q, k, v, mb, j, attention=attention, max_kv=max_kv)
         x = llama.attn_out_mlp(cfg, p, x, attn, reduce, dot)
         return (x, k, v), None
 
@@ -177,12 +184,12 @@ def _micro(inputs: dict, m, valid):
             "kv_len": inputs["kv_len"][m]}
 
 
-def step_program(cfg: ModelConfig, layout: Layout, mesh, *, kernel: bool, max_kv: int,
+def step_program(cfg: ModelConfig, layout: Layout, mesh, *, attention: str, max_kv: int,
                  out_rows: int, unroll: bool = True):
     """jit(params, cache, inputs: StepInputs, prev [out_rows] i32: the previous step's sampled
     tokens, for `inputs.feed`) -> (hidden [out_rows, E] f32: the residual of
     each row's last token, zeros past the step's R rows; cache (donated)). `max_kv`: the XLA
-    attention's static key bound (ignored by the kernel, which reads each row's own length).
+    attention's static key bound (ignored by the kernels, which read each row's own length).
     `out_rows` (>= R) is fixed for every token bucket, so the LM head compiles once per
     number of sampled rows, whatever the step's size."""
     layer_specs, cache_specs = _specs(cfg, layout)
@@ -194,7 +201,7 @@ def step_program(cfg: ModelConfig, layout: Layout, mesh, *, kernel: bool, max_kv
 
         def stage_fn(x, m, valid, cache):
             return stage_layers(cfg, layers, x, _micro(inputs, m, valid), cache, reduce,
-                                kernel=kernel, max_kv=max_kv, unroll=unroll)
+                                attention=attention, max_kv=max_kv, unroll=unroll)
 
         def collect(acc, y, m):  # rows whose last token is in micro-batch m
             last = inputs["last"]

@@ -211,14 +211,15 @@ class Runner:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.config, self.buckets = cfg, buckets
-        self.use_kernel = _use_kernel(attention)
+        self.attention = attention_impl(attention, devices)
         self.num_slots, self.max_len, self.num_blocks = num_slots, max_len, num_blocks
         self.max_blocks = device_cache.blocks_for(max_len)
         self.kv_chunk = kv_chunk_tokens(max_len)
         self.layouts = dict(layouts)
         self.plan = sharding.plan_padding(cfg, self.layouts.values())
         self.placements = {p: Placement(cfg, self.plan, self.layouts[p], devices, num_blocks,
-                                        storage_dtype(dtype)) for p in PHASES}
+                                        storage_dtype(dtype, devices[0].platform))
+                           for p in PHASES}
         self.phase = "prefill"
         self.params = self._place_weights(weights, dtype)
         self.cache = self.placements[self.phase].empty_cache()
@@ -357,7 +358,7 @@ class Runner:
         """The step's model part: the residual [max_rows, E] of each row's last token (KV
         written)."""
         m, tm = inputs.tokens.shape
-        max_kv = 0 if self.use_kernel else round_up(
+        max_kv = 0 if self.attention != "xla" else round_up(
             min(int(inputs.kv_len.max()), self.max_len), self.buckets.kv_len)
         key = (self.phase, m * tm, m, inputs.table.shape[0], max_kv)
         fn = self._program(max_kv)
@@ -386,7 +387,7 @@ class Runner:
         if key not in self._programs:
             place = self.placements[self.phase]
             self._programs[key] = pipeline.step_program(
-                self.config, place.layout, place.mesh, kernel=self.use_kernel, max_kv=max_kv,
+                self.config, place.layout, place.mesh, attention=self.attention, max_kv=max_kv,
                 out_rows=self.buckets.max_rows)
         return self._programs[key]
 
@@ -495,14 +496,28 @@ def kv_chunk_tokens(max_len: int) -> int:
     return BLOCK * max(1, -(-max_len // (16 * BLOCK)))
 
 
-def _use_kernel(attention: str) -> bool:
-    """"auto": the kernel where it builds; "kernel": it or an error; "xla": never."""
-    if attention == "xla":
-        return False
+def attention_impl(attention: str, devices) -> str:
+    """The step's attention for `EngineConfig.attention` on `devices`: "cpu" (the C++
+    kernels), "pallas" (the Pallas kernel, GPU), "pallas-interpret" (it, interpreted: any
+    backend, slow, for tests) or "xla". "auto": Pallas on GPU, the C++ kernels on CPU where
+    they build, else XLA; "kernel": the C++ kernels or an error."""
+    platform = devices[0].platform
+    if attention in ("xla", "pallas-interpret"):
+        return attention
+    if attention == "pallas" or (attention == "auto" and platform == "gpu"):
+        if platform != "gpu":
+            raise ValueError(f"attention='pallas' needs a GPU (devices are {platform}); use "
+                             "'pallas-interpret' to run the kernel interpreted")
+        return "pallas"
+    if platform != "cpu":
+        if attention == "kernel":
+            raise ValueError(f"attention='kernel' is the C++ CPU kernel; devices are "
+                             f"{platform}")
+        return "xla"
     if attention == "kernel" and not ragged_attention.available():
         raise RuntimeError("attention='kernel' but the ragged attention kernel cannot be built "
                            "here (see the warning above); use attention='auto' or 'xla'")
-    return ragged_attention.available()
+    return "cpu" if ragged_attention.available() else "xla"
 
 
 def _to_host(tokens, lp, n: int) -> StepOutput:

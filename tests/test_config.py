@@ -15,7 +15,7 @@ from jaxpipe.layout import Layout
 FAST = dict(warmup=False, show_progress=False)
 
 BAD_ENGINE_CONFIGS = [
-    (dict(attention="pallas"), "attention"),  # (kwargs, the field the message must name)
+    (dict(attention="triton"), "attention"),  # (kwargs, the field the message must name)
     (dict(dtype="float16"), "dtype"),
     (dict(dtype="f32"), "dtype"),
     (dict(max_num_seqs=0), "max_num_seqs"),

@@ -432,9 +432,9 @@ def test_xla_attention_fallback_gives_the_same_tokens(engine, prompts, plain):
 
     from jaxpipe import Engine, EngineConfig
 
-    assert engine.runner.use_kernel, "the shared engine should use the kernel on CPU"
+    assert engine.runner.attention == "cpu", "the shared engine should use the kernel on CPU"
     fallback = Engine(EngineConfig(**{**ENGINE_KWARGS, "attention": "xla"}))
-    assert not fallback.runner.use_kernel
+    assert fallback.runner.attention == "xla"
     outs = fallback.generate(prompt_token_ids=list(prompts.values()), sampling_params=greedy())
     assert [o.outputs[0].token_ids for o in outs] == [plain[n].token_ids for n in prompts]
 

@@ -13,7 +13,7 @@ HND inside a block keeps each (block, head) contiguous over tokens, which is wha
 reads (DESIGN.md: HND is 4x faster than NHD here). The pool is donated to each step and
 updated in place.
 
-bf16 caches are *stored* as their uint16 bit patterns: XLA's CPU backend upcasts bf16 buffers
+bf16 caches are *stored* on CPU as their uint16 bit patterns: XLA's CPU backend upcasts bf16 buffers
 to f32 around a dynamic-update-slice or scatter, turning each one-token write into a copy of
 the whole cache (measured: 84 ms per layer write at 64 slots x 2048 tokens, vs 0.01 ms as u16).
 `to_storage` / `from_storage` are the only places that know this.
@@ -43,9 +43,11 @@ class KVCache(NamedTuple):
     v: jax.Array  # [NB, Hkv, BLOCK, D]
 
 
-def storage_dtype(dtype) -> jnp.dtype:
-    """The dtype cache buffers are kept in for a compute dtype."""
-    return jnp.dtype(jnp.uint16) if jnp.dtype(dtype) == jnp.bfloat16 else jnp.dtype(dtype)
+def storage_dtype(dtype, platform: str = "cpu") -> jnp.dtype:
+    """The dtype cache buffers are kept in for a compute dtype on `platform`: bf16 as its u16
+    bits on CPU (the module docstring), as itself elsewhere."""
+    bf16 = jnp.dtype(dtype) == jnp.bfloat16
+    return jnp.dtype(jnp.uint16) if bf16 and platform == "cpu" else jnp.dtype(dtype)
 
 
 def to_storage(x: jax.Array, cache: jax.Array) -> jax.Array:

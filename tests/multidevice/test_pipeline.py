@@ -55,8 +55,12 @@ def run(runner: Runner, pieces: list[Piece], sampled: int) -> np.ndarray:
     return np.asarray(runner.logits(inputs, sampled))
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("attention", ["xla", "auto"])
+# The Pallas kernel (interpreted: slow) on the layouts that split heads over tp in shard_map.
+CASES = ([(layout, a) for a in ("xla", "auto") for layout in LAYOUTS]
+         + [(layout, "pallas-interpret") for layout in ("tp=8", "pp=2,tp=4", "pp=1,tp=1")])
+
+
+@pytest.mark.parametrize("layout,attention", CASES)
 def test_ragged_steps_match_the_single_device_forward(tiny_values, prompts, forward, layout,
                                                       attention):
     runner = make_runner(tiny_values, layout, attention)
@@ -119,7 +123,7 @@ def test_bf16_step_with_the_cpu_kernels_matches_xla(tiny_values, prompts, layout
                       jnp.bfloat16, {"prefill": parsed, "decode": parsed},
                       jax.devices()[: parsed.num_devices], POOL, attention=a)
                for a in ("auto", "xla")]
-    if not runners[0].use_kernel:
+    if runners[0].attention != "cpu":
         pytest.skip("the C++ kernels cannot be built here")
     prefill = [Piece(p, 0, list(TABLE[i])) for i, p in enumerate(prompts)]
     decode = [Piece([5], len(p), list(TABLE[i])) for i, p in enumerate(prompts)]
@@ -144,7 +148,7 @@ def test_stages_exchange_only_fixed_shape_activations(tiny_values, layout, token
     pieces = [Piece([1, 2, 3], 0, [0]), Piece([4], 5, [1])]
     inputs = step_inputs.build(pieces, tokens, runner.microbatches(tokens),
                                runner.buckets.rows(tokens), runner.max_blocks)
-    fn = runner._program(0 if runner.use_kernel else MAX_LEN)
+    fn = runner._program(0 if runner.attention != "xla" else MAX_LEN)
     text = fn.lower(runner.params, runner.cache, inputs, runner._zeros()).as_text()
     moves = re.findall(r"stablehlo\.collective_permute.*:\s*\((tensor<[^>]*>)\)", text)
     tm = tokens // runner.microbatches(tokens)

@@ -1,0 +1,162 @@
+"""Paged ragged-span attention in Pallas, for accelerators: the contract of
+`ragged_attention.ragged_attention` (its module docstring: spans, causal positions, the
+paged pool, out-of-range rules), lowered by Pallas' Triton backend on GPU and tested on CPU
+in Pallas' interpret mode against the float64 NumPy reference the C++ kernel is tested with.
+
+Work is cut into *tiles* of up to TQ queries of one row's span (a decode row is one tile of
+one query). The grid is (tile, kv head): a program reads the K/V blocks its tile needs, once
+for its TQ queries and the G = H / Hkv query heads of its kv head, with an online softmax
+over blocks, and stops at the block of its last query (a decode row reads its own kv_len
+positions). The tiles are laid out by a few small XLA ops around the kernel: a static count
+bounds them (each row gives ceil(q_len / TQ) tiles, so R + ceil(T / TQ) suffice), the step's
+queries are gathered into [tiles, Hkv, M, D] (M = TQ * G rounded up to a power of two, as
+Triton's blocks must be) and the tiles' outputs are put back in token order. Every load and
+store in the kernel is then a whole block, without masks.
+
+Numerics follow the XLA path (`llama.decode_attention`): q cast to the cache dtype, scores
+and the softmax in f32, probabilities cast to the value dtype for P @ V, accumulation in f32.
+The probabilities are rounded before normalisation (online softmax), so a bf16 pool agrees
+with the XLA path to bf16 rounding, not bit for bit.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from jaxpipe.kernels.ragged_attention import _as_pool, _check_shapes, usable_lengths
+
+TQ = 16  # queries per tile
+
+
+def pallas_attention(q, k, v, table, q_start, q_len, kv_len, layer=0, *,
+                     interpret: bool = False) -> jax.Array:
+    """Causal attention of each row's span of query tokens over its paged keys and values;
+    arguments and result as `ragged_attention.ragged_attention` (q [T, H, D]; k, v
+    [L, NB, Hkv, BS, D] or [NB, Hkv, BS, D], f32, bf16 or bf16 bits as u16; table [R, MB];
+    q_start, q_len, kv_len [R]; layer an int or traced i32). `interpret`: run the kernel in
+    Pallas' interpreter (any backend; for tests)."""
+    k, v = _as_pool(k), _as_pool(v)
+    _check_shapes(q, k, v, table, q_start, q_len, kv_len)
+    num_tokens, heads, d = q.shape
+    num_layers, num_blocks, kv_heads, block, _ = k.shape
+    if 0 in table.shape or num_tokens == 0:
+        return jnp.zeros(q.shape, jnp.float32)
+    g = heads // kv_heads
+    tiles = _tiles(table, q_start, q_len, kv_len, num_tokens, num_blocks, block)
+    q_tiles = _gather_queries(q.astype(jnp.float32), tiles, kv_heads)
+    n, m = q_tiles.shape[0], q_tiles.shape[2]
+    layer = jnp.clip(jnp.asarray(layer, jnp.int32), 0, num_layers - 1).reshape(1)
+    kernel = functools.partial(_kernel, block=block, g=g, scale=1 / math.sqrt(d))
+    whole = pl.no_block_spec  # the whole array: the kernel indexes it (pool, table, scalars)
+    out = pl.pallas_call(
+        kernel,
+        grid=(n, kv_heads),
+        in_specs=[whole, whole, whole,
+                  pl.BlockSpec((1, 1, m, d), lambda i, h: (i, h, 0, 0)),
+                  whole, whole],
+        out_specs=pl.BlockSpec((1, 1, m, d), lambda i, h: (i, h, 0, 0)),
+        out_shape=jax.ShapeDtypeStruct((n, kv_heads, m, d), jnp.float32),
+        interpret=interpret,
+    )(tiles["meta"], layer, jnp.asarray(table, jnp.int32), q_tiles, k, v)
+    return _scatter_outputs(out, tiles, num_tokens, heads, g)
+
+
+def _tiles(table, q_start, q_len, kv_len, num_tokens: int, num_blocks: int, block: int):
+    """Each tile's row, first query position, query count and key limit ("meta" [n, 4]) and
+    first token ("token0" [n]), for a static n = R + ceil(T / TQ) tiles (unused ones: 0
+    queries). Spans are clamped as the contract says."""
+    rows = table.shape[0]
+    cap = table.shape[1] * block
+    kv = jnp.clip(jnp.asarray(kv_len, jnp.int32), 0, cap)
+    ql = jnp.clip(jnp.asarray(q_len, jnp.int32), 0, kv)
+    per_row = -(-ql // TQ)
+    ends = jnp.cumsum(per_row)  # [R] one past each row's last tile
+    n = rows + -(-num_tokens // TQ)
+    tile = jnp.arange(n, dtype=jnp.int32)
+    row = jnp.clip(jnp.searchsorted(ends, tile, side="right"), 0, rows - 1).astype(jnp.int32)
+    offset = (tile - (ends[row] - per_row[row])) * TQ  # the tile's first query in its span
+    count = jnp.where(tile < ends[-1], jnp.minimum(TQ, ql[row] - offset), 0)
+    pos0 = kv[row] - ql[row] + offset
+    limit = usable_lengths(kv_len, table, num_blocks, block)[row]
+    token0 = jnp.asarray(q_start, jnp.int32)[row] + offset
+    meta = jnp.stack([row, pos0, count, limit], axis=1).astype(jnp.int32)
+    return {"meta": meta, "token0": token0, "count": count}
+
+
+def _token_index(tiles, num_tokens: int):
+    """[n, TQ] token of each tile query, and whether it is one (in the tile and in [0, T))."""
+    idx = tiles["token0"][:, None] + jnp.arange(TQ, dtype=jnp.int32)[None, :]
+    ok = (jnp.arange(TQ)[None, :] < tiles["count"][:, None]) & (idx >= 0) & (idx < num_tokens)
+    return jnp.clip(idx, 0, num_tokens - 1), ok
+
+
+def _gather_queries(q, tiles, kv_heads: int):
+    """q [T, H, D] -> [n, Hkv, M, D]: tile i, kv head h, row j * G + gi = query j's head
+    h * G + gi; rows past TQ * G (padding to M) and queries not in the tile are zeros."""
+    num_tokens, heads, d = q.shape
+    g = heads // kv_heads
+    idx, ok = _token_index(tiles, num_tokens)
+    x = jnp.where(ok[:, :, None, None], q[idx], 0.0)  # [n, TQ, H, D]
+    x = x.reshape(-1, TQ, kv_heads, g, d).transpose(0, 2, 1, 3, 4).reshape(-1, kv_heads,
+                                                                            TQ * g, d)
+    m = pl.next_power_of_2(TQ * g)
+    return jnp.pad(x, ((0, 0), (0, 0), (0, m - TQ * g), (0, 0)))
+
+
+def _scatter_outputs(out, tiles, num_tokens: int, heads: int, g: int):
+    """The kernel's [n, Hkv, M, D] back to [T, H, D] in token order (zeros: no span)."""
+    n, kv_heads, _, d = out.shape
+    x = out[:, :, :TQ * g].reshape(n, kv_heads, TQ, g, d).transpose(0, 2, 1, 3, 4)
+    x = x.reshape(n * TQ, heads, d)
+    idx, ok = _token_index(tiles, num_tokens)
+    target = jnp.where(ok, idx, num_tokens).reshape(-1)  # num_tokens: dropped
+    return jnp.zeros((num_tokens, heads, d), jnp.float32).at[target].set(x, mode="drop")
+
+
+def _kernel(meta_ref, layer_ref, table_ref, q_ref, k_ref, v_ref, o_ref, *, block: int, g: int,
+            scale: float):
+    """One tile's queries (q_ref [1, 1, M, D]) of kv head program_id(1) over their row's
+    blocks, online softmax; o_ref [1, 1, M, D]."""
+    i, h = pl.program_id(0), pl.program_id(1)
+    row, pos0, count, limit = (meta_ref[i, c] for c in range(4))
+    layer = layer_ref[0]
+    q = q_ref[0, 0]  # [M, D] f32
+    m_rows = q.shape[0]
+    query = jnp.arange(m_rows, dtype=jnp.int32) // g  # each row's query in the tile
+    q_pos = pos0 + query
+    live = query < count
+    end = jnp.minimum(limit, pos0 + count)  # keys needed: positions < end
+    num = jnp.where(count > 0, (end + block - 1) // block, 0)
+
+    def step(j, carry):
+        m_prev, l_prev, acc = carry
+        b = table_ref[row, j]
+        kb, vb = _values(k_ref[layer, b, h]), _values(v_ref[layer, b, h])  # [BS, D]
+        s = jax.lax.dot_general(q.astype(kb.dtype), kb, (((1,), (1,)), ((), ())),
+                                preferred_element_type=jnp.float32) * scale  # [M, BS]
+        k_pos = j * block + jnp.arange(block, dtype=jnp.int32)
+        ok = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] < limit) & live[:, None]
+        s = jnp.where(ok, s, -jnp.inf)
+        m_new = jnp.maximum(m_prev, s.max(axis=1))
+        base = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        p = jnp.exp(s - base[:, None])
+        alpha = jnp.exp(m_prev - base)
+        pv = jax.lax.dot_general(p.astype(vb.dtype), vb, (((1,), (0,)), ((), ())),
+                                 preferred_element_type=jnp.float32)
+        return m_new, alpha * l_prev + p.sum(axis=1), alpha[:, None] * acc + pv
+
+    init = (jnp.full((m_rows,), -jnp.inf, jnp.float32), jnp.zeros((m_rows,), jnp.float32),
+            jnp.zeros(q.shape, jnp.float32))
+    _, l_sum, acc = jax.lax.fori_loop(0, num, step, init)
+    o_ref[0, 0] = jnp.where(l_sum[:, None] > 0, acc / jnp.where(l_sum > 0, l_sum, 1.0)[:, None],
+                            0.0)
+
+
+def _values(x):
+    """A block read from the pool -> its compute dtype (u16 holds bf16 bits)."""
+    return jax.lax.bitcast_convert_type(x, jnp.bfloat16) if x.dtype == jnp.uint16 else x
