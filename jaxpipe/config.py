@@ -190,6 +190,15 @@ class EngineConfig:
         Default (both None): 0.1 of the host's available RAM (less the device pool on CPU).
         The tier takes memory only for the sequences it holds.
     host_kv_tokens: the host KV tier in tokens (wins over host_kv_gb).
+    coordinator: "HOST:PORT" of process 0 when the engine spans several processes (one per
+        host; jaxpipe.distributed): JAX's coordinator listens there and the leader's control
+        channel on PORT+1. Default: $JAX_COORDINATOR_ADDRESS, else one process. The mesh's
+        devices are split evenly over the processes, process 0's first, so a layout's
+        outermost split axis (pp) crosses the host boundary and tp stays within a host when
+        tp divides the devices per host.
+    num_processes: processes in the cluster (default: $JAX_NUM_PROCESSES).
+    process_id: this process's index, 0 the leader (scheduler and front ends), the others
+        followers that run the leader's steps (default: $JAX_PROCESS_ID).
     """
 
     model: str = "smollm2-135m"
@@ -222,6 +231,9 @@ class EngineConfig:
     sampler: str = "device"
     sampler_threads: int = 2
     memory_utilization: float | None = None
+    coordinator: str | None = None
+    num_processes: int | None = None
+    process_id: int | None = None
 
     def __post_init__(self):
         if not isinstance(self.model, (str, os.PathLike)) or not str(self.model):
@@ -261,6 +273,16 @@ class EngineConfig:
         if self.compilation_cache_dir is not None:
             self.compilation_cache_dir = str(Path(self.compilation_cache_dir).expanduser())
         self._check_layouts()
+        self._check_cluster()
+
+    def _check_cluster(self) -> None:
+        """Fill the cluster settings from JAX's environment variables and check them."""
+        from jaxpipe import distributed
+
+        self.coordinator, self.num_processes, self.process_id = distributed.settings(
+            self.coordinator, self.num_processes, self.process_id)
+        distributed.check(self.coordinator, self.num_processes, self.process_id,
+                          load_mesh(self.mesh).num_devices, self.sampler)
 
     def check_scheduler(self, name: str) -> None:
         """Refuse a policy name this config cannot run (unknown, or seesaw with no host tier)."""

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpipe import memory, requests, sharding, step_inputs
+from jaxpipe import distributed, memory, requests, sharding, step_inputs
 from jaxpipe.buckets import Buckets
 from jaxpipe.config import EngineConfig, ModelConfig
 from jaxpipe.executor import Executor
@@ -49,13 +49,39 @@ class Engine:
         """Load the model, allocate the KV store and compile the steps (warm-up)."""
         self.config = config = config or EngineConfig(**overrides)
         self.mesh = load_mesh(config.mesh)
-        devices = _mesh_devices(self.mesh)  # before any other JAX use: may add CPU devices
-        _enable_compilation_cache(config.compilation_cache_dir)
-        self.dtype = jnp.dtype(config.dtype)
-        self.model_config, model, self.tokenizer = _load(config, self.dtype)
-        self.max_model_len = _max_model_len(config, self.model_config)
+        self.cluster = distributed.cluster(config)
+        if self.cluster is not None and not self.cluster.is_leader:
+            raise ValueError(f"EngineConfig.process_id={config.process_id} is a follower: it "
+                             "takes no requests; run jaxpipe.engine.follow(config) there (the "
+                             "CLIs do, given --process-id)")
+        devices = _mesh_devices(self.mesh, self.cluster)  # before any other JAX use
+        leader = distributed.Leader(self.cluster) if self.cluster is not None else None
+        try:
+            model = self._build(config, devices, leader)
+        except BaseException as e:
+            if leader is not None:  # the followers are waiting for the runner's sizes
+                leader.send("abort", f"{type(e).__name__}: {e}")
+                leader.close()
+            raise
+        del model  # its arrays are the runner's now (padded, in the layout): free these
+        if leader is not None:
+            self.runner = distributed.MirroredRunner(self.runner, leader)
+        self._eos = frozenset(self.model_config.eos_token_ids)
+        self._seeds = np.random.default_rng(config.seed)
+        self._ids = itertools.count()
+        self._requests: dict[str, Sequence] = {}
+        self.closed = False
+        self.executor = Executor(config, self.runner, self.buckets, self.max_num_seqs,
+                                 self.max_model_len, self.budget.host_bytes or 0.0)
+        if config.warmup:
+            self.warmup()
+
+    def _build(self, config: EngineConfig, devices: list, leader) -> Llama | Path:
+        """Load the model, size the KV pool and make the runner (the leader tells the
+        followers the sizes first). Returns the loaded model, for the caller to drop."""
+        self.dtype, self.model_config, model, self.tokenizer, self.max_model_len, \
+            self.layouts = _prepare(config, len(devices))
         self.limits = requests.Limits(self.max_model_len, self.model_config.vocab_size)
-        self.layouts = _resolve_layouts(config, self.model_config, len(devices))
         block_bytes = _block_bytes(self.model_config, self.dtype, self.layouts)
         weight_bytes = model_bytes(self.model_config, self.dtype)
         reserve = memory.activation_bytes(
@@ -68,21 +94,16 @@ class Engine:
         _check_fits(self.budget, self.num_blocks * block_bytes, weight_bytes, devices)
         self.budget = memory.with_host_tier(self.budget, config, devices,
                                             self.num_blocks * block_bytes, weight_bytes)
+        if leader is not None:
+            leader.send("setup", {"max_num_seqs": self.max_num_seqs,
+                                  "num_blocks": self.num_blocks,
+                                  "config": distributed.shared_fields(config)})
         self.buckets = Buckets.for_engine(self.max_num_seqs, self.max_model_len,
                                           config.max_num_batched_tokens)
         self.runner = _make_runner(config, self.model_config, model, self.buckets,
                                    self.max_num_seqs, self.max_model_len, self.dtype, devices,
                                    self.layouts, self.num_blocks)
-        del model  # its arrays are the runner's now (padded, in the layout): free these
-        self._eos = frozenset(self.model_config.eos_token_ids)
-        self._seeds = np.random.default_rng(config.seed)
-        self._ids = itertools.count()
-        self._requests: dict[str, Sequence] = {}
-        self.closed = False
-        self.executor = Executor(config, self.runner, self.buckets, self.max_num_seqs,
-                                 self.max_model_len, self.budget.host_bytes or 0.0)
-        if config.warmup:
-            self.warmup()
+        return model
 
     # ---- public API ---------------------------------------------------------------------------
 
@@ -331,10 +352,49 @@ def _enable_compilation_cache(path: str | None) -> None:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 
 
-def _mesh_devices(mesh: MeshPreset) -> list:
-    """The devices of a mesh preset; a cpu-N preset adds virtual CPU devices if JAX has not
-    started yet (a clear error if it has, with fewer)."""
-    if mesh.platform == "cpu" and mesh.num_devices > 1:
+def follow(config: EngineConfig) -> None:
+    """Be a follower of a multi-process engine (process_id > 0; see distributed.py): join the
+    cluster, load the same model, make the runner with the sizes the leader chose, then run
+    the leader's calls until it closes."""
+    cluster = distributed.cluster(config)
+    if cluster is None or cluster.is_leader:
+        raise ValueError("follow() runs a follower: give EngineConfig a coordinator, "
+                         "num_processes > 1 and process_id > 0")
+    devices = _mesh_devices(load_mesh(config.mesh), cluster)
+    channel = distributed.FollowerChannel(cluster)
+    dtype, model_config, model, _, max_len, layouts = _prepare(config, len(devices))
+    name, sizes = channel.recv()
+    if name != "setup":
+        channel.close()
+        raise RuntimeError(f"the leader (process 0) failed to start: {sizes}")
+    distributed.check_same(sizes["config"], distributed.shared_fields(config))
+    buckets = Buckets.for_engine(sizes["max_num_seqs"], max_len, config.max_num_batched_tokens)
+    runner = _make_runner(config, model_config, model, buckets, sizes["max_num_seqs"], max_len,
+                          dtype, devices, layouts, sizes["num_blocks"])
+    del model
+    log.info("process %d follows the leader at %s", cluster.process_id, cluster.coordinator)
+    distributed.Follower(runner, channel).serve()
+
+
+def _prepare(config: EngineConfig, num_devices: int):
+    """What every process derives alike from the config: dtype, architecture, the loaded
+    model, tokenizer, max_model_len and the two layouts."""
+    _enable_compilation_cache(config.compilation_cache_dir)
+    dtype = jnp.dtype(config.dtype)
+    model_config, model, tokenizer = _load(config, dtype)
+    max_len = _max_model_len(config, model_config)
+    layouts = _resolve_layouts(config, model_config, num_devices)
+    return dtype, model_config, model, tokenizer, max_len, layouts
+
+
+def _mesh_devices(mesh: MeshPreset, cluster: distributed.Cluster | None = None) -> list:
+    """The devices of a mesh preset, over every process of `cluster` (joined here); a cpu-N
+    preset adds virtual CPU devices if JAX has not started yet (a clear error if it has, with
+    fewer)."""
+    if cluster is not None:
+        distributed.initialize(cluster, mesh.num_devices // cluster.num_processes,
+                               mesh.platform)
+    elif mesh.platform == "cpu" and mesh.num_devices > 1:
         sharding.ensure_cpu_devices(mesh.num_devices)
     devices = jax.devices("cpu" if mesh.platform == "cpu" else None)
     if len(devices) < mesh.num_devices or (mesh.platform != "cpu"

@@ -29,6 +29,7 @@ import numpy as np
 from jaxpipe import sampling, step_inputs, step_timing
 from jaxpipe.buckets import Buckets
 from jaxpipe.config import EngineConfig
+from jaxpipe.distributed import MirroredRunner
 from jaxpipe.kv.device_cache import BLOCK
 from jaxpipe.kv.manager import KVManager
 from jaxpipe.runner import Dispatched, HostSampled, Runner, SamplingPlan, StepOutput
@@ -161,7 +162,9 @@ class Executor:
         before on the device (overlap); added_requests / prompt_tokens: requests queued and
         their prompts' tokens; finish_reasons: finished requests by reason ("stop",
         "length", "abort"); step_latency: each step's dispatch-to-tokens-on-host seconds as
-        histogram counts by kind ("prefill", "decode", "mixed") over step_latency_bounds.
+        histogram counts by kind ("prefill", "decode", "mixed") over step_latency_bounds;
+        control_messages, control_bytes, control_seconds (several processes only): the
+        leader's calls sent to each follower, their pickled bytes and the seconds sending.
         Gauges of the moment (not reset): waiting_requests, device_requests, host_requests
         (sequences queued, on the device, parked in the host tier), device_kv_used and
         host_kv_used (tokens)."""
@@ -187,6 +190,8 @@ class Executor:
         s["finish_reasons"] = dict(self._finish_reasons)
         s.update(self._gauges())
         s.update(self.timeline.stats())
+        if isinstance(self.runner, MirroredRunner):
+            s.update({k: v - self._base[k] for k, v in self.runner.leader.stats().items()})
         return s
 
     def _gauges(self) -> dict:
@@ -209,6 +214,8 @@ class Executor:
         host = self.kv.host
         self._base = {"out": host.bytes_out, "in": host.bytes_in, "swap": self.kv.swap_seconds,
                       "prefetch": self.kv.prefetcher.seconds if self.kv.prefetcher else 0.0}
+        if isinstance(self.runner, MirroredRunner):
+            self._base.update(self.runner.leader.stats())
         host.peak = host.used
         self.state.peak_blocks = self.state.num_blocks - self.state.free_blocks
         self._t0 = self._last_fetch = time.perf_counter()
@@ -523,7 +530,8 @@ def _scheduling(config: EngineConfig, runner: Runner, buckets: Buckets, num_slot
     state = SchedulerState(pool_tokens, num_slots, host_tokens, host_unit=runner.kv_chunk,
                            device_unit=BLOCK)
     policy = _policy(config.scheduler, config, runner, buckets, host_tokens)
-    return state, policy, KVManager(runner, state, num_slots, host_tokens)
+    mirror = runner.leader.send if isinstance(runner, MirroredRunner) else None
+    return state, policy, KVManager(runner, state, num_slots, host_tokens, mirror=mirror)
 
 
 def _policy(name: str, config: EngineConfig, runner: Runner, buckets: Buckets,

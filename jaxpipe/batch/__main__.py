@@ -19,6 +19,8 @@ interruption (Ctrl-C, kill -9) skips every custom_id already in the output.
 examples:
   python -m jaxpipe.batch requests.jsonl -o results.jsonl --dtype float32
   python -m jaxpipe.batch requests.jsonl -o results.jsonl --server 127.0.0.1:50051
+  two processes (README "Several hosts"): the same command on each, plus
+    --mesh cpu-8 --coordinator 127.0.0.1:9876 --num-processes 2 --process-id 0   (or 1)
 """
 
 
@@ -49,6 +51,12 @@ def _runner(args, parser):
     return LocalRunner.from_config(engine_kwargs(args, parser), args.max_in_flight)
 
 
+def _is_follower(kwargs: dict) -> bool:
+    from jaxpipe import EngineConfig
+
+    return bool(EngineConfig(**kwargs).process_id)
+
+
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -56,13 +64,19 @@ def main(argv=None) -> int:
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
+    kwargs = engine_kwargs(args, parser)
+    if not args.server and _is_follower(kwargs):
+        from jaxpipe import follower
+
+        return follower.run(kwargs, restarts=0)  # the leader's job reads and writes the files
     from jaxpipe.batch.job import Job
     from jaxpipe.batch.runners import ServerError
+    from jaxpipe.distributed import FollowerLost
 
     job = Job(args.input, args.output, args.max_line_bytes, progress=not args.no_progress)
     try:
         job.run(_runner(args, parser))
-    except ServerError as e:
+    except (ServerError, FollowerLost) as e:
         print(f"jaxpipe.batch: {e}\njaxpipe.batch: stopped; re-run the same command to resume",
               file=sys.stderr)
         return 1

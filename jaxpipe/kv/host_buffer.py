@@ -159,14 +159,22 @@ class Prefetcher:
     def _fetch(self, seq_id: str, shardings):
         start = time.perf_counter()
         try:
-            entry = self.host.pop(seq_id)
+            tokens, staged = stage(self.host, seq_id, shardings)
         except KeyError:  # dropped (aborted) before its turn
             return seq_id, 0, None
-        staged = []
-        for i, a in enumerate(entry.arrays):
-            dst = shardings[i % 2] if shardings else a.sharding.with_memory_kind("device")
-            staged.append(jax.device_put(a, dst))
-        jax.block_until_ready(staged)
         self.seconds += time.perf_counter() - start
-        self.host.landed(seq_id, sum(a.nbytes for a in entry.arrays))
-        return seq_id, entry.tokens, staged
+        return seq_id, tokens, staged
+
+
+def stage(host: HostKVBuffer, seq_id: str, shardings: list | None) -> tuple[int, list]:
+    """Pop `seq_id`'s entry (KeyError if the tier does not hold it) and put its chunks on the
+    device, K's in shardings[0] and V's in shardings[1] (None: the shardings they were read
+    in); waits for the copies. Returns (real tokens, staged arrays)."""
+    entry = host.pop(seq_id)
+    staged = []
+    for i, a in enumerate(entry.arrays):
+        dst = shardings[i % 2] if shardings else a.sharding.with_memory_kind("device")
+        staged.append(jax.device_put(a, dst))
+    jax.block_until_ready(staged)
+    host.landed(seq_id, sum(a.nbytes for a in entry.arrays))
+    return entry.tokens, staged

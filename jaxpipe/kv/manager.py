@@ -23,7 +23,7 @@ from __future__ import annotations
 import heapq
 import time
 
-from jaxpipe.kv.host_buffer import HostKVBuffer, Prefetcher
+from jaxpipe.kv.host_buffer import HostKVBuffer, Prefetcher, stage
 from jaxpipe.scheduler import Sequence
 
 
@@ -31,14 +31,17 @@ class KVManager:
     """Device slots and blocks, the host tier and transfers between them, for one runner."""
 
     def __init__(self, runner, state, num_slots: int, host_tokens: int,
-                 on_insert=lambda seq: None):
+                 on_insert=lambda seq: None, mirror=None):
         """`state`: the `SchedulerState` whose block ledger this engine's KV lives in.
         `on_insert(seq)` runs after a swapped-in sequence's KV is in its blocks (per-slot
-        state to rebuild)."""
+        state to rebuild). `mirror(name, *args)`: several processes (distributed.py): each
+        move is sent to the followers first ("swap_out", "swap_in", "drop"), and swap-ins
+        run on this thread (every process must issue its transfers in the same order)."""
         self.runner, self.state = runner, state
         self.on_insert = on_insert
+        self.mirror = mirror
         self.host = HostKVBuffer(host_tokens)
-        self.prefetcher = Prefetcher(self.host) if host_tokens else None
+        self.prefetcher = Prefetcher(self.host) if host_tokens and mirror is None else None
         self._free = list(range(num_slots))  # a heap: lowest slot first
         self._incoming: dict[str, Sequence] = {}  # swap-in requested, not inserted yet
         self._outgoing: dict[str, tuple[list[int], int]] = {}  # swap-out queued: blocks, tokens
@@ -87,6 +90,8 @@ class KVManager:
             return
         start = time.perf_counter()
         for seq_id, (blocks, tokens) in self._outgoing.items():
+            if self.mirror is not None:
+                self.mirror("swap_out", seq_id, blocks, tokens)
             arrays = self.runner.kv_extract(blocks, tokens)
             self.host.put(seq_id, arrays, tokens, self.state.host_size(tokens))
         self._outgoing.clear()
@@ -99,8 +104,20 @@ class KVManager:
         entry = self.host.entries[seq.request_id]
         self.allocate(seq)
         self.state.reserve(seq, entry.tokens)
+        if self.mirror is not None:
+            self._swap_in_here(seq)
+            return
         self._incoming[seq.request_id] = seq
         self.prefetcher.request(seq.request_id, self.runner.kv_staging())
+
+    def _swap_in_here(self, seq: Sequence) -> None:
+        """Swap `seq` in on this thread (several processes: no prefetcher)."""
+        start = time.perf_counter()
+        self.mirror("swap_in", seq.request_id, list(seq.blocks))
+        _, staged = stage(self.host, seq.request_id, self.runner.kv_staging())
+        self.runner.kv_insert(seq.blocks, staged)
+        self.swap_seconds += time.perf_counter() - start
+        self.on_insert(seq)
 
     def deliver(self, block: bool = False) -> list[Sequence]:
         """Insert every staged swap-in into its slot (`block`: wait for at least one);
@@ -124,6 +141,8 @@ class KVManager:
         blocks when it records the finish or preemption)."""
         self._incoming.pop(seq.request_id, None)  # a late delivery is then discarded
         self._outgoing.pop(seq.request_id, None)
+        if self.mirror is not None and seq.request_id in self.host.entries:
+            self.mirror("drop", seq.request_id)
         self.host.drop(seq.request_id)
         self.release(seq)
 

@@ -74,6 +74,12 @@ def parse_args(argv=None) -> tuple[ServerConfig, str]:
 def main(argv=None) -> int:
     config, level = parse_args(argv)
     logging.basicConfig(level=level, format="%(asctime)s serve %(levelname)s %(message)s")
+    from jaxpipe import EngineConfig
+
+    if EngineConfig(**config.engine).process_id:  # a follower: no gRPC, the leader's steps
+        from jaxpipe import follower
+
+        return follower.run(config.engine, config.engine_restarts, config.restart_backoff)
     from jaxpipe.serve.server import serve
 
     return serve(config)

@@ -1,0 +1,85 @@
+"""One process of the multi-process tests (tests/distributed/test_cluster.py): the leader
+(process 0, or the only process) generates a fixed greedy workload and writes its tokens and
+stats as JSON; a follower runs the leader's calls. Run as a script:
+
+    python tests/distributed/child.py MODEL OUT.json --prefill pp=8 --decode tp=8 \
+        --schedulers seesaw,prefill_first \
+        [--coordinator 127.0.0.1:PORT --num-processes 2 --process-id I]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import numpy as np
+
+# Prime sizes (as tests/multidevice's TINY): a mis-split axis fails loudly.
+TINY = dict(vocab_size=251, hidden_size=37, intermediate_size=53, num_layers=5, num_heads=14,
+            num_kv_heads=7, head_dim=6, tie_embeddings=False, max_position_embeddings=512,
+            eos_token_ids=(250,))
+VOCAB = TINY["vocab_size"]
+# Small device KV (96 tokens for 8 rows) and host tier: sequences are swapped and preempted.
+SIZES = dict(mesh="cpu-8", max_num_seqs=8, kv_cache_tokens=96, host_kv_tokens=192,
+             dtype="float32", max_model_len=64, warmup=False, show_progress=False,
+             compilation_cache_dir=None)
+
+
+def workload():
+    from jaxpipe import SamplingParams
+
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, VOCAB - 1, rng.integers(3, 40)).tolist() for _ in range(12)]
+    lengths = rng.integers(4, 20, len(prompts))
+    params = [SamplingParams(temperature=0.0, max_tokens=int(n), ignore_eos=i % 2 == 0)
+              for i, n in enumerate(lengths)]
+    return prompts, params
+
+
+def save_tiny(path) -> None:
+    """The tiny model with seeded random weights as an orbax checkpoint at `path`."""
+    from jaxpipe.config import ModelConfig
+    from jaxpipe.model import llama, loading
+
+    cfg = ModelConfig(**TINY)
+    loading.save_orbax(path, cfg, llama.numpy_random_values(cfg, seed=3), "float32")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("model")
+    p.add_argument("out")
+    p.add_argument("--prefill", required=True)
+    p.add_argument("--decode", required=True)
+    p.add_argument("--schedulers", required=True, help="comma-separated; one run each")
+    p.add_argument("--coordinator")
+    p.add_argument("--num-processes", type=int)
+    p.add_argument("--process-id", type=int)
+    a = p.parse_args(argv)
+    from jaxpipe import Engine, EngineConfig
+    from jaxpipe.engine import follow
+
+    schedulers = a.schedulers.split(",")
+    config = EngineConfig(model=a.model, prefill=a.prefill, decode=a.decode,
+                          scheduler=schedulers[0], coordinator=a.coordinator,
+                          num_processes=a.num_processes, process_id=a.process_id, **SIZES)
+    if a.process_id:
+        follow(config)
+        return 0
+    prompts, params = workload()
+    runs = {}
+    with Engine(config) as engine:
+        for name in schedulers:
+            engine.set_scheduler(name)
+            engine.reset_stats()
+            outs = engine.generate(prompt_token_ids=prompts, sampling_params=params)
+            runs[name] = {"tokens": [o.outputs[0].token_ids for o in outs],
+                          "stats": engine.stats()}
+    with open(a.out, "w") as f:
+        json.dump(runs, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

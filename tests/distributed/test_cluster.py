@@ -1,0 +1,181 @@
+"""One engine over two processes of 4 virtual CPU devices each (gloo on 127.0.0.1), against
+one process of 8 (`cpu-8`): the same greedy tokens on layouts whose pp (prefill) or tp
+(decode) crosses the process boundary, under seesaw and prefill_first, with a device KV pool
+small enough that sequences are preempted and swapped through the host tier. Then the server:
+a follower killed mid-generation fails the leader's calls UNAVAILABLE (the call's deadline
+would turn a hang into DEADLINE_EXCEEDED) and the rejoined cluster serves again. Every
+process is started here and killed at the end, whatever happens."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import psutil
+import pytest
+from child import save_tiny, workload
+from conftest import SERVE_ARGS, ServerProcess
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from jaxpipe.serve import jaxpipe_pb2 as pb
+from jaxpipe.serve import jaxpipe_pb2_grpc as pb_grpc
+
+CHILD = Path(__file__).with_name("child.py")
+ROOT = Path(__file__).resolve().parents[2]
+SCHEDULERS = ("prefill_first", "seesaw")  # prefill_first on the prefill layout, then seesaw
+# pp crossing the process boundary in prefill; tp=8 (crossing it) in decode.
+PAIRS = [("pp=2,tp=4", "tp=8"), ("pp=8", "tp=8")]
+TIMEOUT = 600  # seconds a run may take before the test fails (and kills its processes)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("tiny") / "ckpt"
+    save_tiny(path)
+    return str(path)
+
+
+def cluster_port() -> int:
+    """A free port P with P+1 free too (JAX's coordinator and the control channel)."""
+    for _ in range(50):
+        with socket.socket() as a:
+            a.bind(("127.0.0.1", 0))
+            port = a.getsockname()[1]
+            with socket.socket() as b:
+                try:
+                    b.bind(("127.0.0.1", port + 1))
+                except OSError:
+                    continue
+                return port
+    raise RuntimeError("no two consecutive free ports")
+
+
+def child_env() -> dict:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("JAX_") and k != "XLA_FLAGS"}
+    return dict(env, PYTHONPATH=str(ROOT))
+
+
+def cluster_args(port: int, process: int) -> list[str]:
+    return ["--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
+            "--process-id", str(process)]
+
+
+def run(model: str, tmp: Path, prefill: str, decode: str, processes: int) -> dict:
+    """The child's runs (scheduler -> tokens, stats) on one process or two."""
+    out, port = tmp / f"out{processes}.json", cluster_port()
+    base = [sys.executable, str(CHILD), model, str(out), "--prefill", prefill, "--decode",
+            decode, "--schedulers", ",".join(SCHEDULERS)]
+    logs = [tmp / f"p{processes}-{i}.log" for i in range(processes)]
+    procs = []
+    try:
+        for i, log in enumerate(logs):
+            extra = cluster_args(port, i) if processes > 1 else []
+            with open(log, "wb") as f:
+                procs.append(subprocess.Popen(base + extra, stdout=f, stderr=subprocess.STDOUT,
+                                              env=child_env()))
+        codes = [p.wait(TIMEOUT) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    tails = "\n".join(f"--- {log.name}\n{log.read_text(errors='replace')[-3000:]}"
+                      for log in logs)
+    assert codes == [0] * processes, tails
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize(("prefill", "decode"), PAIRS)
+def test_two_processes_give_the_tokens_of_one(tiny, tmp_path, prefill, decode):
+    one = run(tiny, tmp_path, prefill, decode, 1)
+    two = run(tiny, tmp_path, prefill, decode, 2)
+    prompts, _ = workload()
+    for name in SCHEDULERS:
+        assert two[name]["tokens"] == one[name]["tokens"], name
+        assert len(two[name]["tokens"]) == len(prompts)
+        stats = two[name]["stats"]
+        assert stats["preemptions"] > 0, name
+        if name == "seesaw":  # both layouts, the host tier both ways
+            assert stats["transitions"] > 0 and stats["swap_out_bytes"] > 0
+            assert stats["swap_in_bytes"] == stats["swap_out_bytes"]
+        assert stats["control_messages"] >= stats["steps"] > 0, name
+        assert "control_messages" not in one[name]["stats"]
+
+
+# ---- the server, and a follower that dies ------------------------------------------------------
+
+LONG = pb.SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+SERVE = ["--model", "{model}", "--mesh", "cpu-8", "--prefill", "pp=2,tp=4", "--decode", "tp=8",
+         "--max-model-len", "512", "--max-num-seqs", "4", "--kv-cache-tokens", "2048",
+         "--host-kv-tokens", "2048"]
+
+
+def serve_args(model: str) -> list[str]:
+    return [a.format(model=model) for a in SERVE]
+
+
+def health(address: str) -> int:
+    with grpc.insecure_channel(address) as ch:
+        return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(),
+                                                    timeout=10).status
+
+
+def follower_process(model: str, port: int, log: Path) -> subprocess.Popen:
+    with open(log, "ab") as f:
+        return subprocess.Popen(
+            [sys.executable, "-m", "jaxpipe.serve", *SERVE_ARGS, *serve_args(model),
+             *cluster_args(port, 1), "--engine-restarts", "3", "--restart-backoff", "1"],
+            stdout=f, stderr=subprocess.STDOUT, env=child_env(), start_new_session=True)
+
+
+def follower_child(proc: subprocess.Popen) -> int:
+    """The pid of the follower CLI's JAX process (its child)."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        children = psutil.Process(proc.pid).children()
+        if children:
+            return children[0].pid
+        time.sleep(0.2)
+    raise AssertionError("the follower CLI started no follower process")
+
+
+def test_a_dead_follower_fails_calls_unavailable_and_the_cluster_serves_again(tiny, tmp_path):
+    port = cluster_port()
+    leader = ServerProcess(*serve_args(tiny), *cluster_args(port, 0), "--engine-restarts", "3",
+                           "--restart-backoff", "1", log_path=tmp_path / "leader.log")
+    follower = follower_process(tiny, port, tmp_path / "follower.log")
+    everyone = []
+    try:
+        leader.wait_serving(timeout=TIMEOUT)
+        everyone = [leader.proc.pid, follower.pid, *(c.pid for c in psutil.Process(
+            leader.proc.pid).children(recursive=True)), follower_child(follower)]
+        with grpc.insecure_channel(leader.address) as ch:
+            stub = pb_grpc.GenerationStub(ch)
+            call = stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5, 6, 7]),
+                                                    sampling=LONG), timeout=120)
+            assert not next(call).finish_reason  # generating
+            os.kill(follower_child(follower), signal.SIGKILL)
+            with pytest.raises(grpc.RpcError) as info:
+                list(call)
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE, info.value.details()
+            assert health(leader.address) == health_pb2.HealthCheckResponse.NOT_SERVING
+            leader.wait_serving(timeout=TIMEOUT)  # the follower CLI rejoined; a new leader
+            out = list(stub.Generate(pb.GenerateRequest(
+                token_ids=pb.TokenIds(ids=[5, 6, 7]),
+                sampling=pb.SamplingParams(temperature=0.0, max_tokens=4)), timeout=120))
+            assert out[-1].finish_reason == "length"
+            assert health(leader.address) == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        leader.stop()
+        os.killpg(follower.pid, signal.SIGKILL)
+        follower.wait()
+    for pid in everyone:
+        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == "zombie", pid
