@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from jaxpipe.engine_flags import add_engine_args, engine_kwargs
@@ -79,6 +80,9 @@ def main(argv=None) -> int:
     except (ServerError, FollowerLost) as e:
         print(f"jaxpipe.batch: {e}\njaxpipe.batch: stopped; re-run the same command to resume",
               file=sys.stderr)
+        if isinstance(e, FollowerLost):  # JAX's exit barrier would wait for the lost process
+            print(job.summary.text(args.output), file=sys.stderr, flush=True)
+            os._exit(1)
         return 1
     except KeyboardInterrupt:
         print("\njaxpipe.batch: interrupted; re-run the same command to resume", file=sys.stderr)
