@@ -257,7 +257,7 @@ class EngineClient:
         if not self._closing:
             log.error("the engine process exited with code %s; %d requests fail UNAVAILABLE",
                       code, len(pending))
+        self._on_health(False)  # before the callers hear of it: health is never behind them
         for rid, out in pending.items():
             out.put(EngineLost(rid, f"the engine process exited (code {code}) before this "
                                     "request finished"))
-        self._on_health(False)

@@ -179,3 +179,63 @@ def test_a_dead_follower_fails_calls_unavailable_and_the_cluster_serves_again(ti
         follower.wait()
     for pid in everyone:
         assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == "zombie", pid
+
+
+# ---- a batch job over two processes, and a follower that dies ------------------------------------
+
+
+def batch_processes(model: str, tmp: Path, port: int, tag: str) -> list[subprocess.Popen]:
+    """The leader's and the follower's `python -m jaxpipe.batch` (same command and flags)."""
+    procs = []
+    for i in (1, 0):
+        with open(tmp / f"batch-{tag}-{i}.log", "wb") as f:
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "jaxpipe.batch", str(tmp / "in.jsonl"), "-o",
+                 str(tmp / "out.jsonl"), "--no-progress", *SERVE_ARGS, *serve_args(model),
+                 *cluster_args(port, i)],
+                stdout=f, stderr=subprocess.STDOUT, env=child_env(), start_new_session=True))
+    return procs
+
+
+def results(tmp: Path) -> list[dict]:
+    path = tmp / "out.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
+
+
+def test_a_batch_job_resumes_exactly_once_after_a_follower_dies(tiny, tmp_path):
+    with open(tmp_path / "in.jsonl", "w") as f:
+        for i in range(16):
+            body = {"prompt": [5 + i, 6, 7], "max_tokens": 200, "temperature": 0,
+                    "ignore_eos": True}
+            f.write(json.dumps({"custom_id": f"c{i}", "method": "POST",
+                                "url": "/v1/completions", "body": body}) + "\n")
+    follower, leader = batch_processes(tiny, tmp_path, cluster_port(), "first")
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        while not results(tmp_path) and leader.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        os.kill(follower_child(follower), signal.SIGKILL)
+        assert leader.wait(TIMEOUT) != 0  # stopped: the job was not done
+        follower.wait(TIMEOUT)
+    finally:
+        for p in (follower, leader):
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+    before = len(results(tmp_path))
+    assert 0 < before < 16
+    follower, leader = batch_processes(tiny, tmp_path, cluster_port(), "again")
+    try:
+        assert leader.wait(TIMEOUT) == 0, (tmp_path / "batch-again-0.log").read_text()[-3000:]
+        assert follower.wait(TIMEOUT) == 0
+    finally:
+        for p in (follower, leader):
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+    rows = results(tmp_path)
+    assert sorted(r["custom_id"] for r in rows) == sorted(f"c{i}" for i in range(16))
+    assert all(r["error"] is None for r in rows)
+    assert all(r["response"]["body"]["usage"]["completion_tokens"] == 200 for r in rows)
