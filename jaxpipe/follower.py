@@ -13,9 +13,9 @@ import subprocess
 import sys
 import time
 
-log = logging.getLogger("jaxpipe.follower")
+from jaxpipe.serve.engine_client import STABLE_SECONDS  # the server's restart policy, too
 
-STABLE_SECONDS = 60.0  # a follower up this long has its restart count reset
+log = logging.getLogger("jaxpipe.follower")
 
 
 def run(engine_kwargs: dict, restarts: int = 5, backoff: float = 1.0) -> int:

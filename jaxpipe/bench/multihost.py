@@ -85,11 +85,17 @@ def cluster_port() -> int:
     raise RuntimeError("found no two consecutive free ports")
 
 
+def clean_env() -> dict:
+    """This process's environment less JAX's cluster variables and XLA_FLAGS (a child sets
+    its own devices and cluster)."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("JAX_") and k != "XLA_FLAGS"}
+
+
 def run(cfg: MultihostConfig, processes: int, workdir: Path, log=print) -> dict:
     """One run on `processes` processes; the leader's figures."""
     out = workdir / f"run{processes}.json"
     port = cluster_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_") and k != "XLA_FLAGS"}
+    env = clean_env()
     procs = []
     for i in range(processes):
         cluster = [] if processes == 1 else [

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +23,7 @@ from child import save_tiny, workload
 from conftest import SERVE_ARGS, ServerProcess
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from jaxpipe.bench.multihost import clean_env, cluster_port
 from jaxpipe.serve import jaxpipe_pb2 as pb
 from jaxpipe.serve import jaxpipe_pb2_grpc as pb_grpc
 
@@ -42,25 +42,8 @@ def tiny(tmp_path_factory) -> str:
     return str(path)
 
 
-def cluster_port() -> int:
-    """A free port P with P+1 free too (JAX's coordinator and the control channel)."""
-    for _ in range(50):
-        with socket.socket() as a:
-            a.bind(("127.0.0.1", 0))
-            port = a.getsockname()[1]
-            with socket.socket() as b:
-                try:
-                    b.bind(("127.0.0.1", port + 1))
-                except OSError:
-                    continue
-                return port
-    raise RuntimeError("no two consecutive free ports")
-
-
 def child_env() -> dict:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith("JAX_") and k != "XLA_FLAGS"}
-    return dict(env, PYTHONPATH=str(ROOT))
+    return dict(clean_env(), PYTHONPATH=str(ROOT))
 
 
 def cluster_args(port: int, process: int) -> list[str]:
