@@ -93,6 +93,7 @@ def main() -> int:
             "items": dict(result.items), "violations": result.violations,
             "killed_at": result.killed_at, "restart_seconds": result.restart_seconds,
             "rss_before": result.rss_before, "rss_after": result.rss_after,
+            "front_end_rss": list(result.front_end_rss),
             "seconds": result.seconds}, indent=1))
     return 1 if result.violations else 0
 

@@ -5,8 +5,11 @@ What must hold (`SoakResult.violations` lists every breach): each call ends exac
 a result (a stream's one final message, a batch's one result per item) or one error of the
 kind its request earns (UNAVAILABLE while the engine is down, INVALID_ARGUMENT for a malformed
 request, CANCELLED for one the client cancelled); no call hangs (each has a deadline); the
-server serves again after the kill; and its RSS (front end + engine) after the run is within
-`rss_tolerance` of its RSS once warm (taken `warmup_at` into the run, before the kill).
+server serves again after the kill; and its RSS (front end + engine) at the end of the run is
+within `rss_tolerance` of its RSS once warm. RSS is sampled every second; "before" is the median
+over the `rss_window` of the run from `warmup_at` (before the kill), "after" the median over the
+run's last `rss_window`. Medians, because a busy engine's RSS swings by 15% within seconds as XLA
+allocates and frees step buffers: one sample each side made a leak of nothing fail.
 Entry points: `scripts/soak.py`, tests/bench/test_soak.py.
 """
 
@@ -15,6 +18,7 @@ from __future__ import annotations
 import os
 import random
 import signal
+import statistics
 import threading
 import time
 from collections import Counter
@@ -37,6 +41,7 @@ class SoakConfig:
     seconds: float = 120.0
     kill_at: float | None = 0.4  # fraction of `seconds` at which the engine is killed (None: no)
     warmup_at: float = 0.2  # fraction of `seconds` after which the "before" RSS is taken
+    rss_window: float = 0.2  # fraction of `seconds` over which each side's median RSS is taken
     max_tokens: tuple[int, int] = (2, 12)
     seed: int = 0
     rss_tolerance: float = 0.10
@@ -49,8 +54,9 @@ class SoakResult:
     violations: list[str] = field(default_factory=list)
     killed_at: float | None = None
     restart_seconds: float | None = None
-    rss_before: int = 0
-    rss_after: int = 0
+    rss_before: int = 0  # front end + engine, median over the warm window before the kill
+    rss_after: int = 0  # the same over the run's last window
+    front_end_rss: tuple[int, int] = (0, 0)  # the front end's part of both (it outlives kills)
     serves_after: bool = False
     seconds: float = 0.0
 
@@ -58,10 +64,11 @@ class SoakResult:
         rows = [f"{'kind':<10}{'outcome':<14}{'calls':>8}"]
         rows += [f"{k:<10}{o:<14}{n:>8}" for (k, o), n in sorted(self.calls.items())]
         rows += [f"{'batch item':<10}{o:<14}{n:>8}" for o, n in sorted(self.items.items())]
+        gib = [x / 2**30 for x in (self.rss_before, self.rss_after, *self.front_end_rss)]
         rows.append(f"{self.seconds:.0f} s; engine killed at {_fmt(self.killed_at)} s, serving "
-                    f"again {_fmt(self.restart_seconds)} s later; RSS {self.rss_before / 2**30:.2f}"
-                    f" -> {self.rss_after / 2**30:.2f} GiB; serves after: {self.serves_after}; "
-                    f"violations: {len(self.violations)}")
+                    f"again {_fmt(self.restart_seconds)} s later; RSS {gib[0]:.2f} -> {gib[1]:.2f}"
+                    f" GiB (front end {gib[2]:.2f} -> {gib[3]:.2f}); serves after: "
+                    f"{self.serves_after}; violations: {len(self.violations)}")
         return "\n".join(rows + self.violations[:20])
 
 
@@ -86,11 +93,12 @@ class Soak:
         stop_at = start + cfg.seconds
         threads = [threading.Thread(target=self._client, args=(i, stop_at), daemon=True)
                    for i in range(cfg.clients)]
-        for t in threads:
+        samples: list[tuple[float, int, int]] = []  # (seconds into the run, front end, total)
+        done = threading.Event()
+        sampler = threading.Thread(target=self._sample_rss, args=(start, samples, done),
+                                   daemon=True)
+        for t in [*threads, sampler]:
             t.start()
-        # the "before" RSS is the warm server's (shapes compiled, pool pages in use)
-        time.sleep(max(start + cfg.warmup_at * cfg.seconds - time.monotonic(), 0))
-        res.rss_before = self.rss()
         if cfg.kill_at is not None:
             self._kill_and_wait(start + cfg.kill_at * cfg.seconds, start)
         for t in threads:
@@ -98,21 +106,56 @@ class Soak:
             if t.is_alive():
                 self._violation(f"client thread {t.name} still running after its deadline")
         res.seconds = time.monotonic() - start
+        done.set()
+        sampler.join()
         res.serves_after = self._serves()
         if not res.serves_after:
             self._violation("the server does not serve after the run")
-        res.rss_after = self.rss()
+        self._compare_rss(samples)
+        return res
+
+    def _sample_rss(self, start: float, samples: list, done: threading.Event) -> None:
+        import psutil
+
+        while not done.wait(1.0):
+            try:
+                front, total = self.rss()
+            except psutil.NoSuchProcess:  # the front end is gone: the run reports it
+                return
+            samples.append((time.monotonic() - start, front, total))
+
+    def _compare_rss(self, samples: list[tuple[float, int, int]]) -> None:
+        cfg, res = self.config, self.result
+        lo = cfg.warmup_at * cfg.seconds
+        hi = lo + cfg.rss_window * cfg.seconds
+        if cfg.kill_at is not None:
+            hi = min(hi, cfg.kill_at * cfg.seconds)
+        before = [s for s in samples if lo <= s[0] < hi]
+        after = [s for s in samples if s[0] >= (1 - cfg.rss_window) * cfg.seconds]
+        if not before or not after:
+            self._violation(f"too few RSS samples ({len(before)} before, {len(after)} after)")
+            return
+        res.rss_before, res.rss_after = (int(statistics.median(s[2] for s in side))
+                                         for side in (before, after))
+        res.front_end_rss = tuple(int(statistics.median(s[1] for s in side))
+                                  for side in (before, after))
         if res.rss_after > res.rss_before * (1 + cfg.rss_tolerance):
             self._violation(f"RSS grew from {res.rss_before:,} to {res.rss_after:,} bytes "
                             f"(> {cfg.rss_tolerance:.0%})")
-        return res
 
-    def rss(self) -> int:
-        """RSS of the front end and its children (the engine process), bytes."""
+    def rss(self) -> tuple[int, int]:
+        """RSS of the front end, and of it with its children (the engine process), bytes."""
         import psutil
 
         proc = psutil.Process(self.server_pid)
-        return sum(p.memory_info().rss for p in [proc, *proc.children(recursive=True)])
+        front = proc.memory_info().rss
+        children = 0
+        for child in proc.children(recursive=True):
+            try:
+                children += child.memory_info().rss
+            except psutil.NoSuchProcess:  # the engine, killed or restarting
+                pass
+        return front, front + children
 
     def _kill_and_wait(self, when: float, start: float) -> None:
         time.sleep(max(when - time.monotonic(), 0))
