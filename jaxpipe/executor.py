@@ -146,17 +146,18 @@ class Executor:
 
         transitions: layout phase switches (prefill->decode plus decode->prefill); reshards /
         reshard_seconds: the ones that moved something, split into reshard_weights_seconds and
-        reshard_kv_seconds (the blocks live sequences hold, reshard_kv_blocks of them: the rest
-        of the pool is created empty in the new layout); swap_*: the host KV tier (swap_seconds
-        is the engine thread's time in swap dispatch, inserts and waits; prefetch_seconds the
-        prefetcher thread's, which overlaps decode); padding_waste: the fraction of the steps'
-        tokens that were bucket padding; max_step_tokens: the most real tokens one step carried;
-        prefill_chunks: prompt pieces prefilled (a prompt split over k steps counts k);
-        prefill_seconds / decode_seconds: step time split by each kind's share of the step's
-        tokens; mean_decode_batch: decode tokens per step that had any; host_timeline: [seconds,
-        host tier tokens] at each change; device_kv_peak / device_kv_capacity: tokens of the
-        device KV pool (whole blocks) in use at most / in all; preemptions: sequences evicted
-        from the device (parked, or outgrowing the pool); device_idle_fraction,
+        reshard_kv_seconds (the blocks live sequences hold, reshard_kv_blocks of them, moved
+        into the new layout's empty pool, whose making is counted too); swap_*: the host KV tier
+        (swap_seconds is the engine thread's time in swap dispatch, inserts and waits;
+        prefetch_seconds the prefetcher thread's, which overlaps decode); padding_waste: the
+        fraction of the steps' tokens that were bucket padding; max_step_tokens: the most real
+        tokens one step carried; prefill_chunks: prompt pieces prefilled (a prompt split over k
+        steps counts k); prefill_seconds / decode_seconds: step time split by each kind's share
+        of the step's tokens; mean_decode_batch: decode tokens per step that had any;
+        host_timeline: [seconds, host tier tokens] at each change; device_kv_peak /
+        device_kv_capacity: tokens of the device KV pool (whole blocks) in use at most / in all;
+        preemptions: sequences evicted from the device (parked, or outgrowing the pool);
+        device_idle_fraction,
         decode_wall_seconds, decode_idle_seconds, host_seconds, host_ms_per_step: the step
         timeline's (`timeline.py`); fed_steps: steps that took some input token from the step
         before on the device (overlap); added_requests / prompt_tokens: requests queued and

@@ -236,8 +236,7 @@ def reshard(tree, shardings):
 
     Pure: returns the new tree. Leaves already on their target are returned as they are, so
     identical layouts cost nothing (no copy, no device work)."""
-    leaves, treedef = jax.tree.flatten(tree)
-    targets = treedef.flatten_up_to(shardings)
+    leaves, targets, treedef = _pairs(tree, shardings)
     moving = [i for i, (x, s) in enumerate(zip(leaves, targets, strict=True))
               if not _same(x.sharding, s, x.ndim)]
     if not moving:
@@ -246,6 +245,18 @@ def reshard(tree, shardings):
     for i, x in zip(moving, moved, strict=True):
         leaves[i] = x
     return jax.tree.unflatten(treedef, leaves)
+
+
+def placed(tree, shardings) -> bool:
+    """Whether every leaf of `tree` is already on its sharding in `shardings` (`reshard`
+    would return `tree` itself), found without moving anything."""
+    leaves, targets, _ = _pairs(tree, shardings)
+    return all(_same(x.sharding, s, x.ndim) for x, s in zip(leaves, targets, strict=True))
+
+
+def _pairs(tree, shardings) -> tuple[list, list, object]:
+    leaves, treedef = jax.tree.flatten(tree)
+    return leaves, treedef.flatten_up_to(shardings), treedef
 
 
 def put(arrays: list[jax.Array], shardings: list) -> list[jax.Array]:
