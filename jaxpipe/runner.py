@@ -180,42 +180,16 @@ class Placement:
         self._zeros = jax.jit(lambda: jnp.zeros(shape, kv_dtype), out_shardings=kv)
         spec = sharding.spec(("layers", "kv_heads", "seq", "head_dim"), layout)
         self.staging = [NamedSharding(self.mesh, spec)] * 2  # one sequence's K, V
-        self.spare: KVCache | None = None  # this layout's zeroed pool, kept by `keep`
 
     def empty_cache(self) -> KVCache:
-        """A zeroed KV pool in this layout's sharding: the one `keep` kept, else one created
-        directly in the sharding (never whole on one device). On CPU its pages go back to the
-        OS until blocks are written (`memory.clear`)."""
-        if self.spare is not None:
-            cache, self.spare = self.spare, None
-            return cache
+        """A zeroed KV pool created directly in this layout's sharding (never whole on one
+        device). On CPU its pages go back to the OS until blocks are written
+        (`memory.release_pages`)."""
         arrays = []
         for _ in range(2):  # one at a time: at most one array's pages are held at once
             arrays.append(jax.block_until_ready(self._zeros()))
-            memory.clear(arrays[-1])
+            memory.release_pages(arrays[-1])
         return KVCache(*arrays)
-
-    def keep(self, cache: KVCache) -> None:
-        """Zero `cache` (this layout's pool, which the runner leaves) and keep it for the next
-        `empty_cache`: on CPU, creating a zeroed pool writes every byte of it (0.5 s for
-        2.2 GiB here), while `memory.clear` gives its pages back to the OS, so a kept pool
-        costs neither time nor memory until blocks are written. Off CPU it is freed. Its
-        buffers must be its own, as the runner's programs make them."""
-        jax.block_until_ready(cache)
-        if all(memory.clear(array) for array in cache):
-            # New arrays over the same buffers: the old ones may hold a cached NumPy copy of
-            # what was there before.
-            self.spare = KVCache(*(jax.make_array_from_single_device_arrays(
-                a.shape, a.sharding, [s.data for s in a.addressable_shards]) for a in cache))
-            return
-        for array in cache:
-            array.delete()
-
-    def close(self) -> None:
-        if self.spare is not None:
-            for array in self.spare:
-                array.delete()
-            self.spare = None
 
 
 class Runner:
@@ -296,8 +270,8 @@ class Runner:
     def set_phase(self, phase: str, live_blocks: list[int] | None = None) -> Moved | None:
         """Put weights and KV in `phase`'s layout; None when nothing moved (same phase, or
         both phases share one layout). `live_blocks`: the pool's blocks that hold data (the
-        live sequences'); only those move, into the new layout's empty pool (`Placement.keep`
-        keeps the pool a layout had, zeroed, where that is free). None moves the whole pool."""
+        live sequences'); only those move and the rest of the pool is created empty in the
+        new layout. None moves the whole pool."""
         if phase == self.phase:
             return None
         old, self.phase = self.placements[self.phase], phase
@@ -330,7 +304,8 @@ class Runner:
             live = device_cache.read_blocks(self.cache, ids, length=width * BLOCK,
                                             block_axis=1)
             live = jax.block_until_ready(live)
-        old.keep(self.cache)
+        for array in self.cache:
+            array.delete()
         cache = new.empty_cache()
         if count:
             staged = KVCache(*sharding.put(list(live), new.staging))
@@ -437,8 +412,6 @@ class Runner:
         for array in jax.tree.leaves(state):
             if not array.is_deleted():
                 array.delete()
-        for place in self.placements.values():
-            place.close()
         self._unsampled = []
 
     # ---- per-slot state and KV moves ----------------------------------------------------------

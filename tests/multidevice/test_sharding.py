@@ -83,13 +83,6 @@ def test_same_layout_costs_nothing(tiny_values):
     assert sharding.reshard(tree, (place.params, place.cache)) is tree
 
 
-def owned(values: list[np.ndarray], shardings) -> list[jax.Array]:
-    """`values` as device arrays made by a program, as the runner's own pools are: a
-    device_put of a NumPy array may alias its memory, and a switch clears the pool it leaves
-    in place (`Placement.keep`)."""
-    return [jax.jit(jnp.copy, out_shardings=s)(v) for v, s in zip(values, shardings, strict=True)]
-
-
 @pytest.mark.parametrize("prefill, decode", [("pp=4,tp=2", "tp=8"), ("pp=8", "tp=4,pp=2")])
 def test_a_switch_moves_only_the_live_blocks_and_keeps_them_exact(tiny_values, prefill, decode,
                                                                   monkeypatch):
@@ -104,11 +97,11 @@ def test_a_switch_moves_only_the_live_blocks_and_keeps_them_exact(tiny_values, p
     rng = np.random.default_rng(0)
     k_shape = r.cache.k.shape  # [L', NB, Hkv', BLOCK, D]
     pool = [rng.standard_normal(k_shape).astype(np.float32) for _ in range(2)]
-    r.cache = type(r.cache)(*owned(pool, r.placements["prefill"].cache))
+    r.cache = type(r.cache)(*(jax.device_put(a, s) for a, s in
+                              zip(pool, r.placements["prefill"].cache, strict=True)))
     live = [0, 3, 4, 17, 31]
     moved = r.set_phase("decode", live)
     assert moved.kv_blocks == len(live) and moved.kv_seconds > 0
-    assert r.placements["prefill"].spare is not None  # cleared and kept, on CPU
     assert r.cache.k.sharding == r.placements["decode"].cache.k
     dead = sorted(set(range(k_shape[1])) - set(live))
     for got, want in zip(r.cache, pool, strict=True):
@@ -118,7 +111,7 @@ def test_a_switch_moves_only_the_live_blocks_and_keeps_them_exact(tiny_values, p
     assert r.set_phase("prefill", live).kv_blocks == len(live)
     for got, want in zip(r.cache, pool, strict=True):
         np.testing.assert_array_equal(np.asarray(got)[:, live], want[:, live])
-    assert r.set_phase("decode", []).kv_blocks == 0  # nothing live: the kept pool, cleared
+    assert r.set_phase("decode", []).kv_blocks == 0  # nothing live: an empty pool
     assert not np.asarray(r.cache.v).any()
     assert shapes and k_shape not in shapes  # the weights and live blocks moved, no pool
 
@@ -173,7 +166,8 @@ def test_swap_chunks_carry_kv_from_one_layout_into_another(tiny_values, prefill,
     assert r.kv_chunk == 48  # three blocks per chunk
     rng = np.random.default_rng(0)
     pool = [rng.normal(size=a.shape).astype(np.float32) for a in r.cache]
-    r.cache = type(r.cache)(*owned(pool, [a.sharding for a in r.cache]))
+    r.cache = type(r.cache)(*(jax.device_put(p, a.sharding)
+                              for p, a in zip(pool, r.cache, strict=True)))
     cases, free = [], list(rng.permutation(64))
     for tokens in (1, 16, 47, 48, 49, 97):
         n = -(-tokens // 16)
