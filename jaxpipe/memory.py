@@ -27,25 +27,25 @@ def host_available_bytes() -> int | None:
     return None
 
 
-def release_pages(array) -> int:
-    """Give a zero-filled CPU array's whole pages back to the OS (madvise MADV_DONTNEED):
-    they read as zeros again and take memory only once written. The device KV pool is
-    created this way on CPU, so an engine's RSS grows with the KV its sequences write, not
-    with the pool's budget. The array must hold zeros and no computation may be using it.
-    Returns the bytes released (0 off CPU or off Linux)."""
+def clear(array) -> bool:
+    """Zero a CPU array in place, cheaply: its whole pages go back to the OS (they read as
+    zeros and take memory again only once written) and the partial pages at either end of
+    each shard are written with zeros. No computation may be using the array, and its
+    buffers must be its own (a `device_put` of a NumPy array may alias the NumPy array's
+    memory). False, with nothing done, off CPU or off Linux."""
     madvise = _madvise()
-    if madvise is None:
-        return 0
-    released = 0
+    if madvise is None or any(s.device.platform != "cpu" for s in array.addressable_shards):
+        return False
     for shard in array.addressable_shards:
-        if shard.device.platform != "cpu":
-            return 0
         start = shard.data.unsafe_buffer_pointer()
-        first = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE
-        last = (start + shard.data.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
-        if last > first and madvise(first, last - first, MADV_DONTNEED) == 0:
-            released += last - first
-    return released
+        end = start + shard.data.nbytes
+        first = min(-(-start // mmap.PAGESIZE) * mmap.PAGESIZE, end)
+        last = max(end // mmap.PAGESIZE * mmap.PAGESIZE, first)
+        if last > first and madvise(first, last - first, MADV_DONTNEED) != 0:
+            ctypes.memset(first, 0, last - first)
+        ctypes.memset(start, 0, first - start)
+        ctypes.memset(last, 0, end - last)
+    return True
 
 
 MADV_DONTNEED = 4
@@ -108,7 +108,7 @@ def utilization(config, devices) -> float:
     memory after the weights (vLLM's `gpu_memory_utilization`); 0.1 of the host's available
     RAM for CPU devices, which share it with the host KV tier, the compiled programs, the OS
     and other programs (the pool's pages are taken only as blocks are written,
-    `release_pages`, but creating it writes one of its two arrays whole)."""
+    `clear`, but creating it writes one of its two arrays whole)."""
     if config.memory_utilization is not None:
         return config.memory_utilization
     return CPU_UTILIZATION if devices[0].platform == "cpu" else ACCELERATOR_UTILIZATION

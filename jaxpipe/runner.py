@@ -180,16 +180,44 @@ class Placement:
         self._zeros = jax.jit(lambda: jnp.zeros(shape, kv_dtype), out_shardings=kv)
         spec = sharding.spec(("layers", "kv_heads", "seq", "head_dim"), layout)
         self.staging = [NamedSharding(self.mesh, spec)] * 2  # one sequence's K, V
+        self.spare: KVCache | None = None  # this layout's zeroed pool, kept by `keep`
 
     def empty_cache(self) -> KVCache:
-        """A zeroed KV pool created directly in this layout's sharding (never whole on one
-        device). On CPU its pages go back to the OS until blocks are written
-        (`memory.release_pages`)."""
+        """A zeroed KV pool in this layout's sharding: the one `keep` kept, else one created
+        directly in the sharding (never whole on one device). On CPU its pages go back to the
+        OS until blocks are written (`memory.clear`)."""
+        if self.spare is not None:
+            cache, self.spare = self.spare, None
+            return cache
         arrays = []
         for _ in range(2):  # one at a time: at most one array's pages are held at once
             arrays.append(jax.block_until_ready(self._zeros()))
-            memory.release_pages(arrays[-1])
+            memory.clear(arrays[-1])
         return KVCache(*arrays)
+
+    def keep(self, cache: KVCache, readers: list[jax.Array]) -> None:
+        """Zero `cache` (this layout's pool, which the runner leaves) and keep it for the next
+        `empty_cache`: on CPU, creating a zeroed pool writes every byte of it (0.5 s for
+        2.2 GiB here), while `memory.clear` gives its pages back to the OS, so a kept pool
+        costs neither time nor memory until blocks are written. Off CPU it is freed. Its
+        buffers must be its own, as the runner's programs make them. `readers`: outputs of
+        programs that may still be reading the pool (swap-outs the host tier dispatched);
+        the pool is cleared only once they are done."""
+        jax.block_until_ready((cache, [a for a in readers if not a.is_deleted()]))
+        if all(memory.clear(array) for array in cache):
+            # New arrays over the same buffers: the old ones may hold a cached NumPy copy of
+            # what was there before.
+            self.spare = KVCache(*(jax.make_array_from_single_device_arrays(
+                a.shape, a.sharding, [s.data for s in a.addressable_shards]) for a in cache))
+            return
+        for array in cache:
+            array.delete()
+
+    def close(self) -> None:
+        if self.spare is not None:
+            for array in self.spare:
+                array.delete()
+            self.spare = None
 
 
 class Runner:
@@ -223,11 +251,14 @@ class Runner:
                            for p in PHASES}
         self.phase = "prefill"
         self.params = self._place_weights(weights, dtype)
+        self.keep_weights = weight_copies(self.layouts, devices) > 1
+        self._kept_weights: dict[str, dict] = {}  # phase -> its layout's weights, not in use
         self.cache = self.placements[self.phase].empty_cache()
         self.host_sampler: HostSampler | None = None
         self.sampler: str | None = None
         self.sampler_threads = sampler_threads
         self._unsampled: list[HostSampled] = []  # dispatched, not yet host-sampled
+        self._reading: list[jax.Array] = []  # `kv_extract` outputs maybe still being read
         self.set_sampler(sampler)
         self._logprob_parts = jax.jit(sampling.logprob_parts, static_argnames=("num",))
         self._sample = jax.jit(partial(_sample, out_rows=buckets.max_rows),
@@ -270,13 +301,13 @@ class Runner:
     def set_phase(self, phase: str, live_blocks: list[int] | None = None) -> Moved | None:
         """Put weights and KV in `phase`'s layout; None when nothing moved (same phase, or
         both phases share one layout). `live_blocks`: the pool's blocks that hold data (the
-        live sequences'); only those move and the rest of the pool is created empty in the
-        new layout. None moves the whole pool."""
+        live sequences'); only those move, into the new layout's empty pool (`Placement.keep`
+        keeps the pool a layout had, zeroed, where that is free). None moves the whole pool."""
         if phase == self.phase:
             return None
-        old, self.phase = self.placements[self.phase], phase
+        left, old, self.phase = self.phase, self.placements[self.phase], phase
         place = self.placements[phase]
-        params, weights_seconds = sharding.timed_reshard(self.params, place.params)
+        params, weights_seconds = self._weights_in(place, phase, left)
         start = time.perf_counter()
         cache, blocks = self._move_kv(old, place, live_blocks)
         jax.block_until_ready(cache)
@@ -286,6 +317,18 @@ class Runner:
         self.params, self.cache = params, cache
         self._warm_swaps()
         return Moved(weights_seconds, kv_seconds, blocks)
+
+    def _weights_in(self, place: Placement, phase: str, left: str) -> tuple[dict, float]:
+        """The weights in `place`'s layout and the seconds it took to put them there: the
+        copy kept from the last time `phase` ran (`keep_weights`), else a re-shard. With
+        `keep_weights` the weights of the layout left (`left`'s) are kept."""
+        params = self._kept_weights.pop(phase, None)
+        seconds = 0.0
+        if params is None:
+            params, seconds = sharding.timed_reshard(self.params, place.params)
+        if self.keep_weights and params is not self.params:
+            self._kept_weights[left] = self.params
+        return params, seconds
 
     def _move_kv(self, old: Placement, new: Placement, live_blocks: list[int] | None
                  ) -> tuple[KVCache, int]:
@@ -304,8 +347,8 @@ class Runner:
             live = device_cache.read_blocks(self.cache, ids, length=width * BLOCK,
                                             block_axis=1)
             live = jax.block_until_ready(live)
-        for array in self.cache:
-            array.delete()
+        old.keep(self.cache, self._reading)
+        self._reading = []
         cache = new.empty_cache()
         if count:
             staged = KVCache(*sharding.put(list(live), new.staging))
@@ -408,11 +451,14 @@ class Runner:
         if self.host_sampler is not None:
             self.host_sampler.close()
             self.host_sampler = None
-        state = (self.params, self.cache, self.prompt_mask, self.out_counts, self._no_prev)
+        state = (self.params, self._kept_weights, self.cache, self.prompt_mask,
+                 self.out_counts, self._no_prev)
         for array in jax.tree.leaves(state):
             if not array.is_deleted():
                 array.delete()
-        self._unsampled = []
+        for place in self.placements.values():
+            place.close()
+        self._unsampled, self._reading = [], []
 
     # ---- per-slot state and KV moves ----------------------------------------------------------
 
@@ -440,6 +486,7 @@ class Runner:
         out = []
         for ids in self._chunks(blocks, tokens):
             out += device_cache.read_blocks(self.cache, ids, length=self.kv_chunk, block_axis=1)
+        self._reading = [a for a in self._reading if not (a.is_deleted() or a.is_ready())] + out
         return out
 
     def kv_staging(self) -> list:
@@ -489,6 +536,14 @@ class Runner:
         if cfg != self.config:
             raise ValueError(f"orbax checkpoint {weights} holds {cfg}, expected {self.config}")
         return sharding.pad_on_device(self.config, values, self.plan, place.params)
+
+
+def weight_copies(layouts: dict[str, Layout], devices) -> int:
+    """Copies of the weights a runner holds: on CPU one per distinct layout, since a switch
+    back to a layout then reuses the weights it had instead of re-sharding them (device
+    memory is host memory there: Seesaw reloads a switch's weight shards from a host copy,
+    and the layout left is that copy); one elsewhere, where device memory is the KV pool's."""
+    return len(set(layouts.values())) if devices[0].platform == "cpu" else 1
 
 
 def kv_chunk_tokens(max_len: int) -> int:

@@ -17,7 +17,7 @@ from jaxpipe.buckets import Buckets
 from jaxpipe.config import ModelConfig
 from jaxpipe.layout import Layout
 from jaxpipe.model import llama, loading
-from jaxpipe.runner import Runner
+from jaxpipe.runner import Runner, weight_copies
 from jaxpipe.sharding import RULES
 
 DEVICES = 8
@@ -83,6 +83,13 @@ def test_same_layout_costs_nothing(tiny_values):
     assert sharding.reshard(tree, (place.params, place.cache)) is tree
 
 
+def owned(values: list[np.ndarray], shardings) -> list[jax.Array]:
+    """`values` as device arrays made by a program, as the runner's own pools are: a
+    device_put of a NumPy array may alias its memory, and a switch clears the pool it leaves
+    in place (`Placement.keep`)."""
+    return [jax.jit(jnp.copy, out_shardings=s)(v) for v, s in zip(values, shardings, strict=True)]
+
+
 @pytest.mark.parametrize("prefill, decode", [("pp=4,tp=2", "tp=8"), ("pp=8", "tp=4,pp=2")])
 def test_a_switch_moves_only_the_live_blocks_and_keeps_them_exact(tiny_values, prefill, decode,
                                                                   monkeypatch):
@@ -97,11 +104,11 @@ def test_a_switch_moves_only_the_live_blocks_and_keeps_them_exact(tiny_values, p
     rng = np.random.default_rng(0)
     k_shape = r.cache.k.shape  # [L', NB, Hkv', BLOCK, D]
     pool = [rng.standard_normal(k_shape).astype(np.float32) for _ in range(2)]
-    r.cache = type(r.cache)(*(jax.device_put(a, s) for a, s in
-                              zip(pool, r.placements["prefill"].cache, strict=True)))
+    r.cache = type(r.cache)(*owned(pool, r.placements["prefill"].cache))
     live = [0, 3, 4, 17, 31]
     moved = r.set_phase("decode", live)
     assert moved.kv_blocks == len(live) and moved.kv_seconds > 0
+    assert r.placements["prefill"].spare is not None  # cleared and kept, on CPU
     assert r.cache.k.sharding == r.placements["decode"].cache.k
     dead = sorted(set(range(k_shape[1])) - set(live))
     for got, want in zip(r.cache, pool, strict=True):
@@ -111,9 +118,32 @@ def test_a_switch_moves_only_the_live_blocks_and_keeps_them_exact(tiny_values, p
     assert r.set_phase("prefill", live).kv_blocks == len(live)
     for got, want in zip(r.cache, pool, strict=True):
         np.testing.assert_array_equal(np.asarray(got)[:, live], want[:, live])
-    assert r.set_phase("decode", []).kv_blocks == 0  # nothing live: an empty pool
+    assert r.set_phase("decode", []).kv_blocks == 0  # nothing live: the kept pool, cleared
     assert not np.asarray(r.cache.v).any()
     assert shapes and k_shape not in shapes  # the weights and live blocks moved, no pool
+
+
+def test_a_switch_back_reuses_the_weights_the_layout_had(tiny_values, monkeypatch):
+    """On CPU each layout keeps its weights once made: a switch back moves none of them
+    (nothing is put) and the weights are those the layout had, on its shardings."""
+    r = runner(tiny_values, "pp=8", "tp=8")
+    assert weight_copies(r.layouts, jax.devices()) == 2 and r.keep_weights
+    first, want = r.params, jax.tree.map(np.asarray, r.params)
+    assert r.set_phase("decode", []).weights_seconds > 0
+    second = r.params
+    put, shapes = sharding.put, []
+    monkeypatch.setattr(sharding, "put", lambda xs, ss: shapes.extend(x.shape for x in xs)
+                        or put(xs, ss))
+    assert r.set_phase("prefill", []).weights_seconds == 0
+    assert r.params is first
+    assert_on_layout(r, "prefill")
+    assert r.set_phase("decode", []).weights_seconds == 0
+    assert r.params is second
+    assert_on_layout(r, "decode")
+    assert not shapes
+    assert all(np.array_equal(want[k], np.asarray(v)) for k, v in r.params.items())
+    same = {"prefill": Layout.parse("tp=8"), "decode": Layout.parse("tp=8")}
+    assert weight_copies(same, jax.devices()) == 1
 
 
 def test_indivisible_split_raises_instead_of_replicating():
@@ -166,8 +196,7 @@ def test_swap_chunks_carry_kv_from_one_layout_into_another(tiny_values, prefill,
     assert r.kv_chunk == 48  # three blocks per chunk
     rng = np.random.default_rng(0)
     pool = [rng.normal(size=a.shape).astype(np.float32) for a in r.cache]
-    r.cache = type(r.cache)(*(jax.device_put(p, a.sharding)
-                              for p, a in zip(pool, r.cache, strict=True)))
+    r.cache = type(r.cache)(*owned(pool, [a.sharding for a in r.cache]))
     cases, free = [], list(rng.permutation(64))
     for tokens in (1, 16, 47, 48, 49, 97):
         n = -(-tokens // 16)
