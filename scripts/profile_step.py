@@ -1,0 +1,47 @@
+#!/usr/bin/env python
+"""Where jaxpipe's time goes on a benchmark workload, per op family: the step's matmuls,
+attention and other ops, the LM head, sampling, KV swaps, and the host's work (the logic and
+what each family holds: `jaxpipe.bench.profile`).
+
+  python scripts/profile_step.py                                  # the default workload
+  python scripts/profile_step.py --input-len 1024 --output-len 128
+Takes bench_throughput.py's workload and engine flags; prints a table and writes JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from jaxpipe.bench import profile  # noqa: E402  (imports no JAX)
+
+DUMP = tempfile.TemporaryDirectory(prefix="jaxpipe-hlo-")
+profile.enable_dump(DUMP.name)  # before JAX's backend starts
+
+
+def main() -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_throughput import build_parser
+
+    from jaxpipe.bench import BenchConfig
+    from jaxpipe.bench.report import machine_info
+
+    parser = build_parser()
+    parser.description = __doc__
+    parser.set_defaults(json_path="out/profile_step.json")
+    cfg = BenchConfig(**vars(parser.parse_args()))
+    result = profile.profile_workload(cfg, Path(DUMP.name))
+    print(profile.format_table(result))
+    out = Path(cfg.json_path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"machine": machine_info(), "config": vars(cfg),
+                               "profile": result}, indent=2, default=str))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
