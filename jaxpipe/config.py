@@ -148,7 +148,7 @@ class EngineConfig:
         equal the mesh's device count. Prefill runs on one, decode on the other; the weights
         and the KV store's live blocks are re-sharded between them at each phase change.
     attention: the step's attention over the paged KV: "auto" (the Pallas kernel on GPU; on
-        CPU the C++ kernels, ragged attention and few-row bf16 matmuls, where they build, else
+        CPU the C++ kernels, ragged attention and bf16 matmuls, where they build, else
         XLA), "kernel" (the C++ kernels or an error), "pallas" (the Pallas kernel, GPU only),
         "pallas-interpret" (it in Pallas' interpreter: any backend, slow; for tests) or
         "xla".

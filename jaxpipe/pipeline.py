@@ -91,10 +91,10 @@ def attend(q, k, v, mb: dict, layer, *, attention: str, max_kv: int):
 
 
 class StackedWeight:
-    """Layer `layer` (traced i32) of a stacked weight [L, ...], for `kernel_dot` to read in
-    place: slicing it out before a custom call makes XLA copy the weight on every call (on
-    SmolLM2 decode steps those copies took more time than the matmuls). Has what
-    `llama._matmul` uses of a weight: shape, dtype, reshape (recorded, applied on use)."""
+    """Layer `layer` (traced i32) of a stacked weight [L, ...] in panel order, for
+    `kernel_dot` to read in place: slicing it out before a custom call makes XLA copy the
+    weight on every call. Has what `llama._matmul` uses of a weight: shape, dtype, reshape
+    (recorded, applied on use)."""
 
     def __init__(self, stack: jax.Array, layer: jax.Array, shape: tuple[int, ...] | None = None):
         self.stack, self.layer = stack, layer
@@ -110,46 +110,80 @@ class StackedWeight:
             shape = tuple(math.prod(self.shape) // known if d == -1 else d for d in shape)
         return StackedWeight(self.stack, self.layer, shape)
 
-    def sliced(self) -> jax.Array:
-        """The layer's weight as an array, sliced before the reshape: XLA fuses that slice
-        into its dot (reshaping the stack first costs prefill steps ~20%)."""
-        return self.stack[self.layer].reshape(self.shape)
-
     def stacked(self) -> jax.Array:
         """The stack as [L, K, N] (a bitcast) for the kernel."""
         return self.stack.reshape(self.stack.shape[0], *self.shape)
 
 
 def kernel_dot(x, w: StackedWeight):
-    """`llama._matmul`'s dot with the C++ bf16 kernel where it beats XLA's (bf16 weights, a
-    few rows: decode steps; `kernels/matmul.py`), else XLA's. Call inside `shard_map`."""
-    if w.dtype == jnp.bfloat16 and matmul.use_kernel(x.shape[0], w.shape[1]):
-        return matmul.bf16_matmul(x, w.stacked(), w.layer)
-    return llama.xla_dot(x, w.sliced())
+    """`llama._matmul`'s dot with the C++ bf16 kernel on a weight in panel order
+    (`kernels/matmul.py`). Call inside `shard_map`."""
+    return matmul.bf16_matmul(x, w.stacked(), w.layer)
 
 
-MATMUL_PARAMS = frozenset({"wq", "wkv", "wo", "w_gate_up", "w_down"})
+# The layer weights the step multiplies by, and how many of their axes after "layers" are
+# contracted (llama.py's `_matmul` calls): with `packed`, those axes are K and the rest N.
+MATMUL_PARAMS = {"wq": 1, "wkv": 1, "wo": 2, "w_gate_up": 1, "w_down": 1}
 
 
-def layer_params(layers: LayerParams, j, kernel: bool) -> LayerParams:
-    """Layer j's weights: slices, or with `kernel` the matmul weights as `StackedWeight`s."""
-    return LayerParams(*(StackedWeight(a, j) if kernel and name in MATMUL_PARAMS else a[j]
+def layer_params(layers: LayerParams, j, packed: frozenset[str]) -> LayerParams:
+    """Layer j's weights: slices, and the `packed` ones as `StackedWeight`s."""
+    return LayerParams(*(StackedWeight(a, j) if name in packed else a[j]
                          for name, a in zip(LAYER_PARAMS, layers, strict=True)))
 
 
+def packable(shardings: dict) -> frozenset[str]:
+    """The matmul weights whose every shard has an even K (what panel order pairs), from
+    their `NamedSharding`s and padded shapes: name -> (sharding, shape)."""
+    def even_k(name: str) -> bool:
+        place, shape = shardings[name]
+        local = place.shard_shape(shape)
+        return math.prod(local[1:1 + MATMUL_PARAMS[name]]) % 2 == 0
+
+    return frozenset(n for n in MATMUL_PARAMS if even_k(n))
+
+
+def reorder_local(layers: dict, fn) -> dict:
+    """`fn` (`matmul.pack` or `unpack`) on each weight of `layers` (name -> this device's
+    stacked block of a matmul weight, [L', ...]) as [L', K', N'], shape kept. Call inside
+    `shard_map`."""
+    out = {}
+    for name, w in layers.items():
+        k = math.prod(w.shape[1:1 + MATMUL_PARAMS[name]])
+        out[name] = fn(w.reshape(w.shape[0], k, -1)).reshape(w.shape)
+    return out
+
+
+def reorder_program(cfg: ModelConfig, layout: Layout, mesh, names: frozenset[str], fn,
+                    donate: bool):
+    """jit(params) -> params with each device's shards of the matmul weights `names`
+    reordered by `fn` (`matmul.pack` / `unpack`), shapes and shardings kept; `donate`:
+    params donated."""
+    decls = param_decls(cfg)
+    specs = {n: sharding.spec(decls[n].axes, layout) for n in names}
+    local = jax.shard_map(lambda ws: reorder_local(ws, fn), mesh=mesh, in_specs=(specs,),
+                          out_specs=specs, check_vma=False)
+
+    def run(params):
+        return params | local({n: params[n] for n in names})
+
+    return jax.jit(run, donate_argnums=0 if donate else ())
+
+
 def stage_layers(cfg: ModelConfig, layers: LayerParams, x, mb: dict, cache: KVCache, reduce,
-                 *, attention: str, max_kv: int, unroll: bool):
+                 *, attention: str, max_kv: int, unroll: bool, packed: frozenset[str]):
     """This stage's layers over one micro-batch x [Tm, E] (mb: see `attend`); each token's
     K/V is written into its blocks (`token_slots`) before the spans attend. `attention`: see
-    `attend`; "cpu" also takes the C++ small-row bf16 matmuls."""
-    kernel = attention == "cpu"
+    `attend`; `packed`: the matmul weights in panel order, for the C++ bf16 kernel."""
     positions = mb["positions"]
     blocks, offsets = token_slots(mb["table"], mb["rows"], positions)
-    dot = kernel_dot if kernel else None
+
+    def dot(x, w):
+        return kernel_dot(x, w) if isinstance(w, StackedWeight) else llama.xla_dot(x, w)
 
     def layer(carry, j):
         x, k, v = carry
-        p = layer_params(layers, j, kernel)
+        p = layer_params(layers, j, packed)
         q, kn, vn = llama.qkv(cfg, p, x, positions, dot)  # [Tm, H|Hkv, D]
         k = k.at[j, blocks, :, offsets].set(to_storage(kn, k), mode="drop")
         v = v.at[j, blocks, :, offsets].set(to_storage(vn, v), mode="drop")
@@ -185,13 +219,13 @@ def _micro(inputs: dict, m, valid):
 
 
 def step_program(cfg: ModelConfig, layout: Layout, mesh, *, attention: str, max_kv: int,
-                 out_rows: int, unroll: bool = True):
+                 out_rows: int, packed: frozenset[str] = frozenset(), unroll: bool = True):
     """jit(params, cache, inputs: StepInputs, prev [out_rows] i32: the previous step's sampled
     tokens, for `inputs.feed`) -> (hidden [out_rows, E] f32: the residual of
     each row's last token, zeros past the step's R rows; cache (donated)). `max_kv`: the XLA
     attention's static key bound (ignored by the kernels, which read each row's own length).
     `out_rows` (>= R) is fixed for every token bucket, so the LM head compiles once per
-    number of sampled rows, whatever the step's size."""
+    number of sampled rows, whatever the step's size. `packed`: see `stage_layers`."""
     layer_specs, cache_specs = _specs(cfg, layout)
     reduce = partial(lax.psum, axis_name="tp") if layout.tp > 1 else None
     keys = ("rows", "positions", "table", "q_start", "q_len", "kv_len", "last")
@@ -201,7 +235,8 @@ def step_program(cfg: ModelConfig, layout: Layout, mesh, *, attention: str, max_
 
         def stage_fn(x, m, valid, cache):
             return stage_layers(cfg, layers, x, _micro(inputs, m, valid), cache, reduce,
-                                attention=attention, max_kv=max_kv, unroll=unroll)
+                                attention=attention, max_kv=max_kv, unroll=unroll,
+                                packed=packed)
 
         def collect(acc, y, m):  # rows whose last token is in micro-batch m
             last = inputs["last"]

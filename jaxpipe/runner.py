@@ -32,7 +32,7 @@ from jaxpipe import memory, pipeline, sampling, sharding
 from jaxpipe.buckets import Buckets, round_up
 from jaxpipe.config import ModelConfig
 from jaxpipe.host_sampler import HostSampler, host_logprobs
-from jaxpipe.kernels import ragged_attention
+from jaxpipe.kernels import matmul, ragged_attention
 from jaxpipe.kv import device_cache
 from jaxpipe.kv.device_cache import BLOCK, KVCache, storage_dtype
 from jaxpipe.layout import Layout
@@ -170,10 +170,21 @@ class Placement:
     """One layout's mesh and the shardings of everything that moves between layouts."""
 
     def __init__(self, cfg: ModelConfig, plan: sharding.PaddingPlan, layout: Layout, devices,
-                 num_blocks: int, kv_dtype):
+                 num_blocks: int, kv_dtype, packed: bool = False):
+        """`packed`: the runner's weights in this layout keep the matmul weights whose shards
+        allow it (`self.packed`) in the bf16 kernel's panel order (`kernels/matmul.py`), each
+        device's shards reordered."""
         self.layout = layout
         self.mesh = sharding.make_mesh(layout, devices)
         self.params = sharding.param_shardings(cfg, plan, layout, self.mesh)
+        shapes = sharding.padded_shapes(cfg, plan)
+        self.packed = pipeline.packable({n: (self.params[n], shapes[n])
+                                         for n in pipeline.MATMUL_PARAMS}) if packed else (
+            frozenset())
+        if self.packed:
+            self._pack, self._unpack = (
+                pipeline.reorder_program(cfg, layout, self.mesh, self.packed, fn, donate)
+                for fn, donate in ((matmul.pack, True), (matmul.unpack, False)))
         kv = sharding.kv_sharding(cfg, plan, layout, self.mesh, num_blocks)
         self.cache = KVCache(kv, kv)
         shape = sharding.kv_shape(cfg, plan, num_blocks)
@@ -181,6 +192,15 @@ class Placement:
         spec = sharding.spec(("layers", "kv_heads", "seq", "head_dim"), layout)
         self.staging = [NamedSharding(self.mesh, spec)] * 2  # one sequence's K, V
         self.spare: KVCache | None = None  # this layout's zeroed pool, kept by `keep`
+
+    def pack(self, params: dict) -> dict:
+        """Weights placed in this layout (natural order; donated) as the step reads them."""
+        return self._pack(params) if self.packed else params
+
+    def unpack(self, params: dict) -> dict:
+        """The step's weights in this layout back in natural order (a new tree), for a
+        re-shard."""
+        return self._unpack(params) if self.packed else params
 
     def empty_cache(self) -> KVCache:
         """A zeroed KV pool in this layout's sharding: the one `keep` kept, else one created
@@ -240,14 +260,17 @@ class Runner:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.config, self.buckets = cfg, buckets
+        if devices[0].platform == "cpu":
+            memory.keep_freed_memory()
         self.attention = attention_impl(attention, devices)
         self.num_slots, self.max_len, self.num_blocks = num_slots, max_len, num_blocks
         self.max_blocks = device_cache.blocks_for(max_len)
         self.kv_chunk = kv_chunk_tokens(max_len)
         self.layouts = dict(layouts)
         self.plan = sharding.plan_padding(cfg, self.layouts.values())
+        packed = packed_weights(self.attention, dtype)
         self.placements = {p: Placement(cfg, self.plan, self.layouts[p], devices, num_blocks,
-                                        storage_dtype(dtype, devices[0].platform))
+                                        storage_dtype(dtype, devices[0].platform), packed)
                            for p in PHASES}
         self.phase = "prefill"
         self.params = self._place_weights(weights, dtype)
@@ -320,12 +343,18 @@ class Runner:
 
     def _weights_in(self, place: Placement, phase: str, left: str) -> tuple[dict, float]:
         """The weights in `place`'s layout and the seconds it took to put them there: the
-        copy kept from the last time `phase` ran (`keep_weights`), else a re-shard. With
-        `keep_weights` the weights of the layout left (`left`'s) are kept."""
+        copy kept from the last time `phase` ran (`keep_weights`), else a re-shard (in
+        natural order: each layout packs its own shards). With `keep_weights` the weights of
+        the layout left (`left`'s) are kept."""
         params = self._kept_weights.pop(phase, None)
         seconds = 0.0
-        if params is None:
-            params, seconds = sharding.timed_reshard(self.params, place.params)
+        if params is None and sharding.placed(self.params, place.params):
+            params = self.params
+        elif params is None:
+            start = time.perf_counter()
+            natural = self.placements[left].unpack(self.params)
+            params = jax.block_until_ready(place.pack(sharding.reshard(natural, place.params)))
+            seconds = time.perf_counter() - start
         if self.keep_weights and params is not self.params:
             self._kept_weights[left] = self.params
         return params, seconds
@@ -432,7 +461,7 @@ class Runner:
             place = self.placements[self.phase]
             self._programs[key] = pipeline.step_program(
                 self.config, place.layout, place.mesh, attention=self.attention, max_kv=max_kv,
-                out_rows=self.buckets.max_rows)
+                out_rows=self.buckets.max_rows, packed=place.packed)
         return self._programs[key]
 
     def _once(self, key: tuple, fn, *args, **kwargs):
@@ -459,6 +488,7 @@ class Runner:
         for place in self.placements.values():
             place.close()
         self._unsampled, self._reading = [], []
+        memory.release_freed_memory()
 
     # ---- per-slot state and KV moves ----------------------------------------------------------
 
@@ -530,12 +560,13 @@ class Runner:
         if isinstance(weights, dict):
             padded = sharding.pad_values(self.config, {k: np.asarray(v)
                                                        for k, v in weights.items()}, self.plan)
-            return jax.device_put({k: v.astype(dtype) for k, v in padded.items()}, place.params)
+            return place.pack(jax.device_put({k: v.astype(dtype) for k, v in padded.items()},
+                                             place.params))
         target = sharding.restore_target(self.config, self.plan, place.layout, place.mesh, dtype)
         cfg, values = loading.load_orbax(weights, target)
         if cfg != self.config:
             raise ValueError(f"orbax checkpoint {weights} holds {cfg}, expected {self.config}")
-        return sharding.pad_on_device(self.config, values, self.plan, place.params)
+        return place.pack(sharding.pad_on_device(self.config, values, self.plan, place.params))
 
 
 def weight_copies(layouts: dict[str, Layout], devices) -> int:
@@ -544,6 +575,13 @@ def weight_copies(layouts: dict[str, Layout], devices) -> int:
     memory is host memory there: Seesaw reloads a switch's weight shards from a host copy,
     and the layout left is that copy); one elsewhere, where device memory is the KV pool's."""
     return len(set(layouts.values())) if devices[0].platform == "cpu" else 1
+
+
+def packed_weights(attention: str, dtype) -> bool:
+    """Whether the step multiplies with the C++ bf16 kernel, on weights in its panel order:
+    with the CPU kernels (`attention_impl` "cpu"), bf16 weights, and avx512_bf16 to run it
+    natively (XLA's dot, on weights in natural order, otherwise)."""
+    return attention == "cpu" and jnp.dtype(dtype) == jnp.bfloat16 and matmul.native()
 
 
 def kv_chunk_tokens(max_len: int) -> int:

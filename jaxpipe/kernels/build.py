@@ -67,12 +67,13 @@ def build(source: Path) -> Path:
 
 def _key(source: Path, cxx: str) -> str:
     h = hashlib.sha256(source.read_bytes())
-    for part in (cxx, *FLAGS, *LIBS, jaxlib.__version__, platform.machine(), _cpu_flags()):
+    for part in (cxx, *FLAGS, *LIBS, jaxlib.__version__, platform.machine(), cpu_flags()):
         h.update(part.encode())
     return h.hexdigest()[:16]
 
 
-def _cpu_flags() -> str:
+def cpu_flags() -> str:
+    """The CPU feature flags line of /proc/cpuinfo (what -march=native builds for)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith(("flags", "Features")):

@@ -1,21 +1,23 @@
-// y = bf16(x) @ w on the CPU, for the few-row (decode) case where XLA's dot is far below memory
-// bandwidth:
+// y = bf16(x) @ w on the CPU for any number of rows, with w in "panel order" (matmul.py: pack):
 //
-//   x  [M, K]  float32, row-major contiguous; rounded to bf16 (nearest even) before the dot
-//   w  [L, K, N]  bfloat16 (or its bits, uint16), row-major contiguous: a stack of L weights
-//   layer  [] int32: which of them (clamped to [0, L)), read in place
-//   y  [M, N]  float32: sum over k of bf16(x[m, k]) * w[layer, k, n], products exact, f32 sums
+//   x      [M, K]     float32, row-major contiguous; rounded to bf16 (nearest even)
+//   w      [L, K, N]  bfloat16 (or its bits, uint16): a stack of L weights, each in panel order
+//   layer  []         int32: which of them (clamped to [0, L)), read in place
+//   y      [M, N]     float32: sum over k of bf16(x[m, k]) * w[layer, k, n], f32 sums
 //
-// Columns are split into one contiguous range per worker of XLA's intra-op thread pool, so each
-// worker streams its own part of every weight row. A worker goes over K in blocks of kBlock
-// rows (partial sums added into y), and inside a block a chunk of C = 16 * NV columns at a time
-// for all M rows: a tile of up to R rows keeps its R x C sums in vector registers over the
-// block's rows, so each weight comes from memory once per call (software-prefetched kPrefetch
-// rows ahead) and, for M > R, again from L1/L2 for the next row tile. With avx512_bf16 two
-// weight rows are interleaved in registers and multiplied by pairs of x (vdpbf16ps: 32
-// multiply-adds per instruction; like XLA it rounds x to bf16 first, but it treats bf16
-// denormals as zero); with plain AVX-512 weights are widened bf16 -> f32 by a 16-bit shift for
-// f32 FMAs; otherwise a portable loop. The build's -march=native picks the path.
+// Panel order (K even): columns go in panels of kPanel = 64 (the last one w_p = N % 64 wide
+// if 64 does not divide N); panel p holds its columns for every k, K / 2 pair rows of w_p
+// (bf16 of k = 2j, bf16 of k = 2j + 1) pairs, so one 64-byte load is 16 columns x 2 k's:
+// exactly the operand of vdpbf16ps, which multiplies them by a broadcast pair of x values
+// (32 multiply-adds an instruction). A panel is one contiguous stream (73 KB for K = 576),
+// read sequentially: no cache-set conflicts from a row stride, nothing to shuffle.
+//
+// A task is (panel, chunk of kChunk rows): a tile of up to kRows rows keeps its kRows x 64
+// sums in 24 vector registers over all of K, and the panel is read from L2 for the next tile
+// of the chunk. Tasks are shared out over XLA's intra-op thread pool. Few rows (decode) stream
+// each panel from memory once; many rows (prefill) are compute-bound. Like XLA, x is rounded
+// to bf16 before the dot; vdpbf16ps treats bf16 denormals (below 1.2e-38) as zero. Without
+// avx512_bf16 a portable loop computes the same (exact products, f32 sums).
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
@@ -25,7 +27,7 @@
 #include <utility>
 #include <vector>
 
-#ifdef __AVX512F__
+#ifdef __AVX512BF16__
 #include <immintrin.h>
 #endif
 
@@ -35,9 +37,16 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int64_t kPrefetch = 16;  // weight rows to prefetch ahead in K
-constexpr int64_t kBlock = 256;    // weight rows per K block (even)
-constexpr int64_t kSerialWork = int64_t{1} << 16;  // below this many weights: no helpers
+constexpr int64_t kPanel = 64;  // columns per panel: 4 vectors of 16
+constexpr int kRows = 6;        // rows per register tile: 6 x 4 accumulators
+constexpr int64_t kChunk = 8 * kRows;  // rows per task
+
+inline uint16_t bf16_bits(float f) {  // round to nearest even; NaN stays NaN
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof bits);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40u);
+  return static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
 
 inline float bf16_to_f32(uint16_t x) {
   uint32_t bits = static_cast<uint32_t>(x) << 16;
@@ -46,46 +55,28 @@ inline float bf16_to_f32(uint16_t x) {
   return f;
 }
 
-inline float round_bf16(float f) {  // round to nearest even, as a float32; NaN stays NaN
-  uint32_t bits;
-  std::memcpy(&bits, &f, sizeof bits);
-  if ((bits & 0x7fffffffu) > 0x7f800000u)
-    bits = (bits | 0x00400000u) & 0xffff0000u;
-  else
-    bits = (bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
+// x [M, K] f32 -> xp [M, K / 2] of bf16 pairs (k = 2j low half, 2j + 1 high half).
+void pairs_of(const float* x, int64_t count, uint32_t* xp) {
+  int64_t i = 0;
+#ifdef __AVX512BF16__
+  for (; i + 32 <= count; i += 32) {
+    const __m512bh b = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + i + 16), _mm512_loadu_ps(x + i));
+    _mm512_storeu_si512(xp + i / 2, (__m512i)b);
+  }
+#endif
+  for (; i < count; i += 2)
+    xp[i / 2] = bf16_bits(x[i]) | (static_cast<uint32_t>(bf16_bits(x[i + 1])) << 16);
 }
 
-// Weight rows k0 .. k1 - 1 of a K block (k0 even); add: y already holds the blocks before.
-struct Rows {
-  int64_t k0, k1;
-  bool add;
+// One panel: `width` columns, pair rows `2 * width` bf16 apart.
+struct Panel {
+  const uint16_t* w;
+  int64_t width;
 };
 
-struct Problem {
-  const float* x;     // [M, K], already rounded to bf16
-  const uint32_t* xp;  // [M, KP = (K + 1) / 2]: bf16 bits of x[m, 2j] (low), x[m, 2j + 1] (high)
-  const uint16_t* w;  // [K, N]
-  float* y;           // [M, N]
-  int64_t m, k, n;
-};
-
-#ifdef __AVX512F__
-// 16 bf16 -> 16 f32 (only the lanes in `mask` are read).
-inline __m512 load_bf16(const uint16_t* p, __mmask16 mask) {
-  const __m256i h = _mm256_maskz_loadu_epi16(mask, p);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
-// y[lanes in mask] = v, or += v if add.
-inline void store(float* y, __mmask16 mask, __m512 v, bool add) {
-  if (add) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, y));
-  _mm512_mask_storeu_ps(y, mask, v);
-}
-
-// f(0), f(1), .., f(N - 1) with compile-time indices, so that GCC keeps arrays of vectors
-// indexed by them in registers (it spills them when loops index them).
+#ifdef __AVX512BF16__
+// f(0), .., f(N - 1) with compile-time indices, so GCC keeps arrays of vectors indexed by them
+// in registers (it spills them when loops index them).
 template <typename F, int... I>
 __attribute__((always_inline)) inline void unroll(F&& f, std::integer_sequence<int, I...>) {
   (f(std::integral_constant<int, I>{}), ...);
@@ -95,177 +86,83 @@ __attribute__((always_inline)) inline void unroll(F&& f) {
   unroll(f, std::make_integer_sequence<int, N>{});
 }
 
-#ifdef __AVX512BF16__
-// y's columns 32q .. 32q + 31 from the sums of dpbf16 over the unpacklo (lo) and unpackhi (hi)
-// of two weight rows: lane 4l + j of lo holds column 8l + j, of hi column 8l + 4 + j.
-inline __m512 columns_of(__m512 lo, __m512 hi, int half) {
-  alignas(64) int32_t idx[16];
-  for (int c = 0; c < 16; ++c) {
-    const int l = 2 * half + c / 8, j = c % 8;
-    idx[c] = j < 4 ? 4 * l + j : 16 + 4 * l + j - 4;
-  }
-  return _mm512_permutex2var_ps(lo, _mm512_load_si512(idx), hi);
-}
-
-// Tile sums acc [R][2P] (lo, hi per 32 columns) into (add: onto) y's rows 0 .. R - 1, ldy
-// apart, the lanes in each 32-column mask.
-template <int R, int P>
-__attribute__((always_inline)) inline void store_pairs(const __m512 (&acc)[R][2 * P],
-                                                       const __mmask32 (&mask)[P], float* y,
-                                                       int64_t ldy, bool add) {
-  unroll<R>([&](auto r) {
-    unroll<P>([&](auto q) {
-      float* out = y + r * ldy + 32 * q;
-      const __m512 lo = acc[r][2 * q], hi = acc[r][2 * q + 1];
-      store(out, static_cast<__mmask16>(mask[q]), columns_of(lo, hi, 0), add);
-      store(out + 16, static_cast<__mmask16>(mask[q] >> 16), columns_of(lo, hi, 1), add);
-    });
-  });
-}
-
-// Rows m0 .. m0 + R - 1, columns n0 .. n0 + cols - 1 (cols <= 16 * NV, NV even) of y, over
-// the K block's rows, with avx512_bf16 dot products of pairs along K: weight rows 2j and 2j + 1 are
-// interleaved in registers (unpacklo/hi), so each instruction does 32 multiply-adds.
+// y's rows 0 .. R - 1 (ldy apart) x the panel's columns, over all kp pair rows. NV vectors of
+// 16 columns; the last one masked when the panel is narrower than 16 * NV.
 template <int R, int NV>
-void tile(const Problem& p, int64_t m0, int64_t n0, int64_t cols, const Rows& kr) {
-  static_assert(NV % 2 == 0, "pairs of 16-column vectors");
-  constexpr int P = NV / 2;  // 32-column weight vectors per row
-  __mmask32 mask[P];
+void tile(const uint32_t* __restrict x, int64_t kp, const Panel& pn, float* y, int64_t ldy) {
+  const int64_t last = pn.width - 16 * (NV - 1);  // columns of the last vector, 1..16
+  const __mmask32 wmask = static_cast<__mmask32>(last == 16 ? ~0u : (1u << (2 * last)) - 1);
+  const __mmask16 ymask = static_cast<__mmask16>((1u << last) - 1);
+  const int64_t stride = 2 * pn.width;  // bf16 per pair row
   __m512 acc[R][NV];
-  unroll<P>([&](auto q) {
-    const int64_t left = std::clamp<int64_t>(cols - 32 * q, 0, 32);
-    mask[q] = static_cast<__mmask32>(left == 32 ? ~uint32_t{0} : (uint32_t{1} << left) - 1);
-  });
   unroll<R>([&](auto r) { unroll<NV>([&](auto v) { acc[r][v] = _mm512_setzero_ps(); }); });
-  const int64_t n = p.n, pairs = kr.k1 / 2, kp = (p.k + 1) / 2;
-  const uint16_t* w = p.w + n0;
-  const uint32_t* x = p.xp + m0 * kp;
-  auto dot = [&](int64_t j, auto next) __attribute__((always_inline)) {
-    __m512i lo[P], hi[P];
-    unroll<P>([&](auto q) {
-      const __m512i a = _mm512_maskz_loadu_epi16(mask[q], w + 2 * j * n + 32 * q);
-      const __m512i b = next(q);
-      lo[q] = _mm512_unpacklo_epi16(a, b);
-      hi[q] = _mm512_unpackhi_epi16(a, b);
+  const uint16_t* w = pn.w;
+  for (int64_t j = 0; j < kp; ++j, w += stride) {
+    __m512i wv[NV];
+    unroll<NV>([&](auto v) {
+      wv[v] = v + 1 < NV ? _mm512_loadu_si512(w + 32 * v)
+                         : _mm512_maskz_loadu_epi16(wmask, w + 32 * v);
     });
     unroll<R>([&](auto r) {
-      const __m512bh xv = (__m512bh)_mm512_set1_epi32(x[r * kp + j]);
-      unroll<P>([&](auto q) {
-        acc[r][2 * q] = _mm512_dpbf16_ps(acc[r][2 * q], (__m512bh)lo[q], xv);
-        acc[r][2 * q + 1] = _mm512_dpbf16_ps(acc[r][2 * q + 1], (__m512bh)hi[q], xv);
-      });
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[r * kp + j]));
+      unroll<NV>([&](auto v) { acc[r][v] = _mm512_dpbf16_ps(acc[r][v], (__m512bh)wv[v], xv); });
     });
-  };
-  auto step = [&](int64_t j) __attribute__((always_inline)) {
-    dot(j, [&](int q) { return _mm512_maskz_loadu_epi16(mask[q], w + (2 * j + 1) * n + 32 * q); });
-  };
-  int64_t j = kr.k0 / 2;
-  for (; 2 * j + kPrefetch + 1 < kr.k1; ++j) {  // and the chunk's rows kPrefetch ahead
-    unroll<2 * P>([&](auto i) {  // row 2j + kPrefetch + i % 2, 64 bytes i / 2
-      const uint16_t* row = w + (2 * j + kPrefetch + i % 2) * n;
-      _mm_prefetch(reinterpret_cast<const char*>(row + 32 * (i / 2)), _MM_HINT_T0);
-    });
-    step(j);
   }
-  for (; j < pairs; ++j) step(j);
-  if (kr.k1 % 2) dot(pairs, [](int) { return _mm512_setzero_si512(); });  // row K: zeros
-  store_pairs<R, P>(acc, mask, p.y + m0 * n + n0, n, kr.add);
-}
-#else
-// Rows m0 .. m0 + R - 1, columns n0 .. n0 + cols - 1 (cols <= 16 * NV) of y, over the K
-// block's rows.
-template <int R, int NV>
-void tile(const Problem& p, int64_t m0, int64_t n0, int64_t cols, const Rows& kr) {
-  __mmask16 mask[NV];
-  __m512 acc[R][NV];
-  unroll<NV>([&](auto v) {
-    const int64_t left = std::clamp<int64_t>(cols - 16 * v, 0, 16);
-    mask[v] = static_cast<__mmask16>((uint32_t{1} << left) - 1);
-    unroll<R>([&](auto r) { acc[r][v] = _mm512_setzero_ps(); });
-  });
-  const int64_t n = p.n, k_end = kr.k1, ldx = p.k;
-  const uint16_t* w = p.w + n0;
-  const float* x = p.x + m0 * ldx;
-  auto step = [&](int64_t k) __attribute__((always_inline)) {
-    __m512 wv[NV];
-    unroll<NV>([&](auto v) { wv[v] = load_bf16(w + k * n + 16 * v, mask[v]); });
-    unroll<R>([&](auto r) {
-      const __m512 xv = _mm512_set1_ps(x[r * ldx + k]);
-      unroll<NV>([&](auto v) { acc[r][v] = _mm512_fmadd_ps(xv, wv[v], acc[r][v]); });
-    });
-  };
-  int64_t k = kr.k0;
-  for (; k + kPrefetch < k_end; ++k) {  // and the chunk's row kPrefetch ahead: 32 * NV bytes
-    unroll<(NV + 1) / 2>([&](auto v) {
-      _mm_prefetch(reinterpret_cast<const char*>(w + (k + kPrefetch) * n + 32 * v),
-                   _MM_HINT_T0);
-    });
-    step(k);
-  }
-  for (; k < k_end; ++k) step(k);
   unroll<R>([&](auto r) {
     unroll<NV>([&](auto v) {
-      store(p.y + (m0 + r) * n + n0 + 16 * v, mask[v], acc[r][v], kr.add);
+      if (v + 1 < NV)
+        _mm512_storeu_ps(y + r * ldy + 16 * v, acc[r][v]);
+      else
+        _mm512_mask_storeu_ps(y + r * ldy + 16 * v, ymask, acc[r][v]);
     });
   });
 }
-#endif  // __AVX512BF16__
-#else
+
+// Rows m0 .. m0 + rows - 1 (1 <= rows <= R) of one panel.
 template <int R, int NV>
-void tile(const Problem& p, int64_t m0, int64_t n0, int64_t cols, const Rows& kr) {
-  constexpr int C = 16 * NV;
-  float acc[R][C] = {};
-  for (int64_t k = kr.k0; k < kr.k1; ++k) {
-    float wv[C] = {};
-    for (int64_t c = 0; c < cols; ++c) wv[c] = bf16_to_f32(p.w[k * p.n + n0 + c]);
-    for (int r = 0; r < R; ++r) {
-      const float xv = p.x[(m0 + r) * p.k + k];
-#pragma omp simd
-      for (int c = 0; c < C; ++c) acc[r][c] += xv * wv[c];
-    }
+void tile_rows(const uint32_t* x, int64_t kp, const Panel& pn, float* y, int64_t ldy,
+               int64_t rows) {
+  if constexpr (R > 1) {
+    if (rows < R) return tile_rows<R - 1, NV>(x, kp, pn, y, ldy, rows);
   }
-  for (int r = 0; r < R; ++r)
-    for (int64_t c = 0; c < cols; ++c) {
-      float& y = p.y[(m0 + r) * p.n + n0 + c];
-      y = kr.add ? y + acc[r][c] : acc[r][c];
+  tile<R, NV>(x, kp, pn, y, ldy);
+}
+
+template <int NV>
+void panel_rows(const uint32_t* x, int64_t kp, const Panel& pn, float* y, int64_t ldy,
+                int64_t rows) {
+  for (int64_t m = 0; m < rows; m += kRows)
+    tile_rows<kRows, NV>(x + m * kp, kp, pn, y + m * ldy, ldy, std::min<int64_t>(kRows, rows - m));
+}
+
+// y[rows, panel columns] for `rows` rows of xp starting at x (kp pairs each).
+void panel_task(const uint32_t* x, int64_t kp, const Panel& pn, float* y, int64_t ldy,
+                int64_t rows) {
+  switch ((pn.width + 15) / 16) {
+    case 4: return panel_rows<4>(x, kp, pn, y, ldy, rows);
+    case 3: return panel_rows<3>(x, kp, pn, y, ldy, rows);
+    case 2: return panel_rows<2>(x, kp, pn, y, ldy, rows);
+    default: return panel_rows<1>(x, kp, pn, y, ldy, rows);
+  }
+}
+#else
+void panel_task(const uint32_t* x, int64_t kp, const Panel& pn, float* y, int64_t ldy,
+                int64_t rows) {
+  std::vector<float> acc(pn.width);
+  for (int64_t m = 0; m < rows; ++m) {
+    std::fill(acc.begin(), acc.end(), 0.f);
+    for (int64_t j = 0; j < kp; ++j) {
+      const uint32_t pair = x[m * kp + j];
+      const float lo = bf16_to_f32(pair & 0xffffu), hi = bf16_to_f32(pair >> 16);
+      const uint16_t* w = pn.w + 2 * pn.width * j;
+#pragma omp simd
+      for (int64_t c = 0; c < pn.width; ++c)
+        acc[c] += lo * bf16_to_f32(w[2 * c]) + hi * bf16_to_f32(w[2 * c + 1]);
     }
+    std::copy(acc.begin(), acc.end(), y + m * ldy);
+  }
 }
 #endif
-
-// Rows m0 .. m0 + rows - 1 (1 <= rows <= R) of one column chunk.
-template <int R, int NV>
-void tile_rows(const Problem& p, int64_t m0, int64_t rows, int64_t n0, int64_t cols,
-               const Rows& kr) {
-  if constexpr (R > 1) {
-    if (rows < R) return tile_rows<R - 1, NV>(p, m0, rows, n0, cols, kr);
-  }
-  tile<R, NV>(p, m0, n0, cols, kr);
-}
-
-// Columns n0 .. n1 - 1 of y for all M rows, a chunk of 16 * NV columns at a time, R rows per
-// tile (R * NV accumulators + NV weight vectors fit the 32 vector registers).
-template <int R, int NV>
-void columns(const Problem& p, int64_t n0, int64_t n1) {
-  for (int64_t k = 0; k < p.k; k += kBlock) {
-    const Rows kr{k, std::min(k + kBlock, p.k), k > 0};
-    for (int64_t n = n0; n < n1; n += 16 * NV) {
-      const int64_t cols = std::min<int64_t>(16 * NV, n1 - n);
-      for (int64_t m = 0; m < p.m; m += R)
-        tile_rows<R, NV>(p, m, std::min<int64_t>(R, p.m - m), n, cols, kr);
-    }
-  }
-}
-
-// The chunk shape for M rows: wide chunks for one or two rows (longer contiguous reads of
-// each weight row), taller tiles when there are more rows to share each weight load.
-void columns_for(const Problem& p, int64_t n0, int64_t n1) {
-  if (p.m <= 2)
-    columns<2, 8>(p, n0, n1);
-  else if (p.m == 3)
-    columns<3, 6>(p, n0, n1);
-  else
-    columns<6, 4>(p, n0, n1);
-}
 
 // Shares tasks 0..n-1 between the calling thread and the pool; returns when all are done.
 template <typename F>
@@ -291,26 +188,20 @@ void parallel_for(ffi::ThreadPool& pool, int64_t n, F&& fn) {
   while (state->done.load() < n) std::this_thread::yield();
 }
 
-// y = bf16(x) @ w, columns split into one contiguous range (a multiple of 16 wide) per worker.
+// y = bf16(x) @ w, w [K, N] in panel order; tasks are (panel, chunk of rows), panel-major so
+// that a thread's consecutive tasks read the same panel.
 void matmul(ffi::ThreadPool& pool, const float* x, const uint16_t* w, float* y, int64_t m,
             int64_t k, int64_t n) {
   if (m == 0 || n == 0) return;
-  if (k == 0) return std::fill(y, y + m * n, 0.f);
-  const int64_t kp = (k + 1) / 2;
-  std::vector<float> xb(x, x + m * k);  // [M, K]
-  std::vector<uint32_t> xp(m * kp, 0);  // [M, KP]
-  for (int64_t i = 0; i < m * k; ++i) {
-    xb[i] = round_bf16(xb[i]);
-    uint32_t bits;
-    std::memcpy(&bits, &xb[i], sizeof bits);
-    xp[i / k * kp + i % k / 2] |= (bits >> 16) << (16 * (i % k % 2));
-  }
-  const Problem p{xb.data(), xp.data(), w, y, m, k, n};
-  const int64_t groups = (n + 15) / 16;
-  const int64_t tasks = k * n < kSerialWork ? 1 : std::min<int64_t>(pool.num_threads(), groups);
-  parallel_for(pool, std::max<int64_t>(tasks, 1), [&](int64_t t) {
-    const int64_t g0 = groups * t / tasks, g1 = groups * (t + 1) / tasks;
-    columns_for(p, g0 * 16, std::min(g1 * 16, n));
+  const int64_t kp = k / 2;
+  std::vector<uint32_t> xp(m * kp);
+  pairs_of(x, m * k, xp.data());
+  const int64_t panels = (n + kPanel - 1) / kPanel, chunks = (m + kChunk - 1) / kChunk;
+  parallel_for(pool, panels * chunks, [&](int64_t t) {
+    const int64_t p = t / chunks, m0 = t % chunks * kChunk;
+    const Panel pn{w + p * kPanel * k, std::min(kPanel, n - p * kPanel)};
+    panel_task(xp.data() + m0 * kp, kp, pn, y + m0 * n + p * kPanel, n,
+               std::min(kChunk, m - m0));
   });
 }
 
@@ -321,6 +212,8 @@ ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuf
       yd[0] != xd[0] || yd[1] != wd[2] || layer.element_count() != 1)
     return ffi::Error::InvalidArgument(
         "bf16_matmul: need x [M,K], w [L,K,N], layer [] and y [M,N]");
+  if (wd[1] % 2 != 0)
+    return ffi::Error::InvalidArgument("bf16_matmul: K must be even (panel order pairs k's)");
   if (w.element_type() != ffi::BF16 && w.element_type() != ffi::U16)
     return ffi::Error::InvalidArgument("bf16_matmul: w must be bf16 or u16 (bf16 bits)");
   // Layer l's weight, read in place: slicing a stacked weight before a custom call costs XLA

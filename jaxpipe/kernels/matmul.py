@@ -1,16 +1,23 @@
-"""x @ w with bf16 weights for few rows (decode): a C++ CPU kernel called through `jax.ffi`,
-and the same contract in plain jnp (`reference`, the XLA path).
+"""x @ w with bf16 weights on the CPU: a C++ kernel called through `jax.ffi` that reads weights
+kept in "panel order", and the same contract in plain jnp (`reference`, XLA's dot on weights
+in their natural order).
 
-XLA's CPU dot of a few f32-from-bf16 rows against a bf16 weight is slow (inside one jit, 29
-[576, 3072] weights take 75 ms at M = 1, 1.4 GB/s); the kernel streams each weight once per
-call (6 ms, 17 GB/s there). Each weight load is shared by at most 6 rows, so as M grows the
-kernel becomes compute-bound and XLA's blocked dot wins again: `use_kernel(m, n)` says which
-to call for a static row count (figures in scripts/bench_matmul_kernel.py). With avx512_bf16 the
-kernel treats bf16 denormals (below 1.2e-38) as zero; otherwise it matches `reference` up to
-f32 summation order.
+Why a kernel and an order of its own (default workload, SmolLM2-135M bf16, one CPU device;
+`scripts/profile_step.py` and `scripts/bench_matmul_kernel.py`): XLA's dot of a layer's
+weight sliced from the stacked [L, K, N] parameter first copies the slice (46 of 135 s of the
+workload went to those copies), and its dot then runs at ~450 GFLOP/s on the decoder's
+shapes. The kernel reads layer l of the stack in place, and `pack` stores each weight so that
+the kernel's inner loop is one 64-byte load per 16 columns x 2 rows of K feeding one
+vdpbf16ps (avx512_bf16): 750-880 GFLOP/s from 256 rows, memory speed at one row.
 
-Inputs are row-major contiguous (what XLA hands a custom call). A custom call cannot be
-partitioned by the SPMD partitioner: on a sharded layout call it inside `jax.shard_map`.
+`pack`/`unpack` reorder the trailing [K, N] of a weight (K even) and keep its shape, so a
+packed weight has the shape and sharding of the original; only its bytes are in another
+order. Inside `shard_map` each device packs its own shard, which is what its kernel calls
+read. The runner packs when it places weights in a layout and unpacks before re-sharding.
+
+With avx512_bf16 the kernel treats bf16 denormals (below 1.2e-38) as zero; otherwise it
+matches `reference` up to f32 summation order. A custom call cannot be partitioned by the
+SPMD partitioner: on a sharded layout call it inside `jax.shard_map`.
 """
 
 from __future__ import annotations
@@ -22,18 +29,11 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from jaxpipe.kernels.build import register
+from jaxpipe.kernels.build import cpu_flags, register
 
 SOURCE = Path(__file__).with_name("matmul.cc")
 TARGET = "jaxpipe_bf16_matmul"
-# Up to how many rows the kernel is about as fast as XLA's dot or faster (bench_matmul_kernel.py
-# on 2 cores shared with other jobs, so +-20%): 10-13x at M = 1 (XLA's one-row dot is
-# pathological), 1.1-1.4x at M = 2-8; then it turns compute-bound: 0.95-1.3x of XLA up to M = 64
-# on the [576, 3072] and [1536, 576] projections, 0.8-1.05x from M = 8 on the [576, 49152] LM
-# head; from M = 128 it loses (0.65-0.95x) on all three.
-MAX_ROWS = 64
-WIDE_N = 4096  # weights wider than this (the LM head) use the kernel up to MAX_ROWS_WIDE rows
-MAX_ROWS_WIDE = 4
+PANEL = 64  # columns per panel (matmul.cc: kPanel)
 
 
 @functools.cache
@@ -42,19 +42,20 @@ def available() -> bool:
     return register(SOURCE, "JaxpipeBf16Matmul", TARGET, "the bf16 matmul kernel")
 
 
-def use_kernel(m: int, n: int = 0) -> bool:
-    """Whether `bf16_matmul` is the faster choice for m rows (static) against a weight with n
-    columns (0: unknown, taken as narrow) on this backend."""
-    return 0 < m <= (MAX_ROWS_WIDE if n > WIDE_N else MAX_ROWS) and available()
+@functools.cache
+def native() -> bool:
+    """Whether the kernel is built and runs on avx512_bf16 here: then it beats XLA's dot at
+    every row count and the runner packs weights for it. Elsewhere its portable loop is
+    correct but slower than XLA's dot."""
+    return available() and "avx512_bf16" in cpu_flags().split()
 
 
 def bf16_matmul(x, w, layer=None) -> jax.Array:
     """y [..., N] f32 = bf16(x) @ w: x [..., K] (any float dtype; rounded to bf16, nearest
-    even), w [K, N] bfloat16 (or uint16 holding bf16 bits), or a stack [L, K, N] of which
-    `layer` (python int or traced i32 scalar, clamped to [0, L)) is used, read in place: a
-    layer sliced from a stacked weight before the call would be copied by XLA on every call.
-    Products are exact in f32 and sums are f32, so it equals `reference` up to summation
-    order."""
+    even), w [K, N] bfloat16 (or uint16 holding bf16 bits) in panel order (`pack`), or a
+    stack [L, K, N] of them of which `layer` (python int or traced i32 scalar, clamped to
+    [0, L)) is used, read in place. K must be even. Products are exact in f32 and sums are
+    f32, so it equals `reference` on the unpacked weight up to summation order."""
     if not available():  # builds and registers the kernel on first use
         raise RuntimeError("the bf16 matmul kernel cannot be built here; use reference()")
     _check_shapes(x, w, layer)
@@ -66,23 +67,63 @@ def bf16_matmul(x, w, layer=None) -> jax.Array:
     return y.reshape(*x.shape[:-1], stack.shape[2])
 
 
-def matmul(x, w) -> jax.Array:
-    """`bf16_matmul` where it is faster (few rows, kernel built), else `reference`."""
-    rows = math.prod(x.shape[:-1])
-    return bf16_matmul(x, w) if use_kernel(rows, w.shape[-1]) else reference(x, w)
-
-
 def reference(x, w) -> jax.Array:
-    """XLA's dot: bf16(x) [..., K] @ w [K, N] bf16, accumulated in f32 -> [..., N] f32."""
+    """XLA's dot: bf16(x) [..., K] @ w [K, N] bf16 (natural order), f32 sums -> [..., N]."""
     if w.dtype == jnp.uint16:
         w = jax.lax.bitcast_convert_type(w, jnp.bfloat16)
     return jnp.dot(x.astype(jnp.bfloat16), w, preferred_element_type=jnp.float32)
+
+
+def pack(w) -> jax.Array:
+    """w [..., K, N] (K even) in panel order, same shape: columns in panels of PANEL (the
+    last one narrower when PANEL does not divide N), each panel its K/2 rows of (k = 2j,
+    k = 2j + 1) pairs for each of its columns."""
+    *lead, k, n = w.shape
+    if k % 2:
+        raise ValueError(f"pack: K must be even, got w of shape {w.shape}")
+    if w.size == 0:
+        return w
+    full = n // PANEL * PANEL
+    parts = []
+    if full:  # [..., K/2, 2, P, PANEL] -> [..., P, K/2, PANEL, 2]
+        a = w[..., :full].reshape(*lead, k // 2, 2, full // PANEL, PANEL)
+        parts.append(_swap_last4(a, (2, 0, 3, 1)).reshape(*lead, -1))
+    if n > full:  # [..., K/2, 2, rest] -> [..., K/2, rest, 2]
+        b = w[..., full:].reshape(*lead, k // 2, 2, n - full)
+        parts.append(jnp.swapaxes(b, -1, -2).reshape(*lead, -1))
+    return jnp.concatenate(parts, axis=-1).reshape(w.shape)
+
+
+def unpack(w) -> jax.Array:
+    """The inverse of `pack`: w [..., K, N] from panel order back to natural order."""
+    *lead, k, n = w.shape
+    if w.size == 0:
+        return w
+    full = n // PANEL * PANEL
+    flat = w.reshape(*lead, k * n)
+    parts = []
+    if full:  # [..., P, K/2, PANEL, 2] -> [..., K/2, 2, P, PANEL]
+        a = flat[..., :k * full].reshape(*lead, full // PANEL, k // 2, PANEL, 2)
+        parts.append(_swap_last4(a, (1, 3, 0, 2)).reshape(*lead, k, full))
+    if n > full:
+        b = flat[..., k * full:].reshape(*lead, k // 2, n - full, 2)
+        parts.append(jnp.swapaxes(b, -1, -2).reshape(*lead, k, n - full))
+    return jnp.concatenate(parts, axis=-1)
+
+
+def _swap_last4(a, order: tuple[int, ...]):
+    """Permute the last four axes of `a` by `order` (indices among those four)."""
+    lead = a.ndim - 4
+    return a.transpose(*range(lead), *(lead + i for i in order))
 
 
 def _check_shapes(x, w, layer) -> None:
     if x.ndim < 1 or w.ndim not in (2, 3) or x.shape[-1] != w.shape[-2]:
         raise ValueError(f"bf16_matmul: x must be [..., K] and w [K, N] or [L, K, N]; got x "
                          f"{x.shape}, w {w.shape}")
+    if w.shape[-2] % 2:
+        raise ValueError(f"bf16_matmul: K must be even (panel order pairs rows of K); got w "
+                         f"{w.shape}")
     if (w.ndim == 3) != (layer is not None):
         raise ValueError(f"bf16_matmul: a layer index goes with a stacked w [L, K, N] and only "
                          f"with it; got w {w.shape}, layer {layer!r}")
