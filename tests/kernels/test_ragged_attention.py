@@ -58,14 +58,21 @@ def test_token_rows_places_each_token():
 
 
 @pytest.mark.parametrize("storage", [jnp.uint16, jnp.bfloat16])
-def test_bf16_pool_matches_the_xla_path(storage):
-    q, k, v = inputs(storage, seed=1, head_dim=64)
+@pytest.mark.parametrize("head_dim,heads,kv_heads", [(64, 9, 3), (64, 8, 1), (64, 6, 6),
+                                                     (128, 8, 2), (128, 9, 3), (16, 6, 2)])
+def test_bf16_pool_matches_the_xla_path(storage, head_dim, heads, kv_heads):
+    """bf16 pools: the avx512_bf16 path (head dims 64 and 128; decode spans and tiles of up to
+    16 queries, 48 query vectors at a time) and the generic one (16). Both round q and the
+    probabilities to bf16 as the XLA path does, so they differ from it by summation order
+    and by a probability that lands on the other side of a bf16 rounding boundary (2^-8 of
+    it: up to ~1e-3 on these values); from the exact result by bf16 rounding itself."""
+    q, k, v = inputs(storage, seed=1, head_dim=head_dim, heads=heads, kv_heads=kv_heads)
     assert k.dtype == storage
     table = shuffled_table(seed=1)
     got = run(q, k, v, table)
-    # Same roundings (q and probabilities to bf16), different summation order.
-    close(got, xla(q, k, v, table), tol=1e-4)
+    close(got, xla(q, k, v, table), tol=2e-3)
     np.testing.assert_allclose(got, want(q, k, v, table), atol=3e-2)  # bf16 vs exact
+    assert not got[UNCOVERED].any()
 
 
 def test_each_layer_is_read_by_python_int():
