@@ -8,7 +8,7 @@ by 1.5x and 2x alternately (steps of prompt chunks fill the budget, so those are
 One compile per bucket, and each compiled program is resident (~30 MB of code for the default
 model on CPU), so no bucket exists that no step can use. The rows of a step (one per sequence
 in it) are at most min(tokens, max_num_seqs); the LM head and sampler run on the sampled
-rows, rounded up to a power of two.
+rows, rounded up to a power of two (multiples of 32 past 32).
 """
 
 from __future__ import annotations
@@ -39,6 +39,14 @@ def token_buckets(lo: int, hi: int, fine: int = 256) -> tuple[int, ...]:
         out += [b + b // 2, 2 * b]
         b *= 2
     return tuple(sorted({x for x in out if x < hi} | {hi}))
+
+
+SAMPLE_STEP = 32  # sampled-row buckets are multiples of this past it
+
+
+def round_up_to(value: int, multiple: int) -> int:
+    """Smallest multiple of `multiple` >= value."""
+    return -(-value // multiple) * multiple
 
 
 def round_up(value: int, buckets: tuple[int, ...]) -> int:
@@ -82,7 +90,11 @@ class Buckets:
         return min(tokens, self.max_rows)
 
     def sample_rows(self, count: int) -> int:
-        """Rows the LM head and sampler run on for `count` sampled rows."""
+        """Rows the LM head and sampler run on for `count` sampled rows: a power of two up to
+        SAMPLE_STEP, then a multiple of it (powers of two padded the default workload's
+        LM head rows by about a quarter)."""
+        if count > SAMPLE_STEP:
+            return min(round_up_to(count, SAMPLE_STEP), self.max_rows)
         return min(1 << max(count - 1, 0).bit_length(), self.max_rows)
 
     def sample_row_buckets(self) -> list[int]:

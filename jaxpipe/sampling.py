@@ -207,8 +207,10 @@ class SamplingTensors(NamedTuple):
 
 
 def banned_bucket(longest: int) -> int:
-    """Static width K of `SamplingTensors.banned`: a power of two >= max(longest, 8)."""
-    return max(8, 1 << max(0, longest - 1).bit_length())
+    """Static width K of `SamplingTensors.banned`: 0 when no row bans an id (the sampler then
+    skips the scatter, which copies the whole [B, V] logits), else a power of two >=
+    max(longest, 8)."""
+    return 0 if longest == 0 else max(8, 1 << (longest - 1).bit_length())
 
 
 def _check_batch(params, seeds, steps, banned, batch_size: int):
@@ -290,6 +292,8 @@ def uses_penalties(params: Iterable[SamplingParams]) -> bool:
 
 def _apply_banned(x, banned):
     """x [B, V] with the ids in banned [B, K] (-1 = none) set to -inf."""
+    if banned.shape[1] == 0:
+        return x
     b, v = x.shape
     ids = jnp.where(banned >= 0, banned, v)  # [B, K]; out-of-range ids are dropped
     return x.at[jnp.arange(b)[:, None], ids].set(_NEG_INF, mode="drop")

@@ -203,7 +203,8 @@ def test_build_sampling_tensors_pads_and_buckets():
     assert st.banned.shape == (4, 16) and st.banned.dtype == np.int32
     np.testing.assert_array_equal(st.banned[0, :3], [1, 2, -1])
     assert (st.banned[2:] == -1).all()
-    assert build_sampling_tensors([], [], [], [], 2).banned.shape == (2, 8)
+    assert build_sampling_tensors([], [], [], [], 2).banned.shape == (2, 0)  # none banned
+    assert build_sampling_tensors([SamplingParams()], [0], [0], [[5]], 2).banned.shape == (2, 8)
     with pytest.raises(ValueError, match="batch_size"):
         build_sampling_tensors(params, [0, 0], [0, 0], [[], []], 1)
     with pytest.raises(ValueError, match="seeds"):
