@@ -29,9 +29,11 @@
 // Two implementations of a task. With a bf16 (u16) pool, D = 64 or 128 and avx512_bf16
 // (`fast::`): vdpbf16ps products of bf16 pairs, keys in vector lanes for a decode task, the
 // tile's query vectors in lanes for a tile of several queries (see there); `bench_attention.py`
-// on SmolLM2's heads: decode 32 rows x 512 keys 1.11 -> 0.94 ms (timed in turns with the XLA
+// on SmolLM2's heads: decode 32 rows x 512 keys 1.11 -> 0.79 ms (timed in turns with the XLA
 // path; 0.27 ms back to back, K and V in L3), a 4 x 256-query prefill after 256 keys
-// 8.05 -> 2.41 ms. Out of cache a decode call reads K and V at ~15 GB/s. Otherwise (f32 pools,
+// 8.05 -> 2.36 ms. Out of cache a decode call reads K and V at 23-27 GB/s (the f32 path
+// 17-18): rows are prefetched 32 positions ahead, a row's lines at a time as rows are used
+// (whole blocks prefetched at once two blocks ahead ran at 14-15 GB/s). Otherwise (f32 pools,
 // other head dims, no avx512_bf16) f32 code: a decode task does G dots per key; a tile of
 // several queries scores 16 keys at a time against a transposed copy and, for a compile-time
 // D, sums values with its outputs held in registers.
@@ -491,13 +493,6 @@ __attribute__((always_inline)) inline void unroll(F&& f) {
   unroll(f, std::make_integer_sequence<int, N>{});
 }
 
-// Every 64-byte line of the block holding key t (if t < len) into the cache.
-inline void prefetch_block(const Paged<uint16_t>& p, int64_t t, int64_t len, int64_t d) {
-  if (t >= len) return;
-  const char* b = reinterpret_cast<const char*>(p.block(t / p.block_size));
-  for (int64_t i = 0; i < p.block_size * d * 2; i += 64) _mm_prefetch(b + i, _MM_HINT_T0);
-}
-
 inline uint32_t bf16_pair(float lo, float hi) {
   const auto bits = [](float f) {
     uint32_t b;
@@ -624,9 +619,10 @@ void value_pairs(const Paged<uint16_t>& v, int64_t len, int64_t d_stride, uint32
                                       40, 8, 39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1,
                                       32, 0);
   const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
-  Cursor<uint16_t> rows{v, d_stride};
+  Cursor<uint16_t> rows{v, d_stride}, ahead{v, d_stride};  // ahead: 32 positions on
+  for (int64_t i = 0; i < 32 && i < len; ++i) ahead.next();
   for (int64_t t = 0; t < len; t += 2) {
-    if (t % 16 == 0) prefetch_block(v, t + 32, len, D);
+    for (int64_t i = t + 32; i < t + 34 && i < len; ++i) prefetch_row(ahead.next(), 0, D);
     const uint16_t* a = rows.next();
     const uint16_t* b = t + 1 < len ? rows.next() : nullptr;
     unroll<D / 32>([&](auto c) {
@@ -731,12 +727,14 @@ void decode_scores(const Paged<uint16_t>& k, int64_t len, const __m512i* qv, int
                    int64_t ls, float* st) {
   constexpr int NP = D / 32;  // vectors of 32 bf16 per row
   const __m512 scale = _mm512_set1_ps(1.f / std::sqrt(float(D)));
-  Cursor<uint16_t> cursor{k, D};
+  Cursor<uint16_t> cursor{k, D}, ahead{k, D};  // ahead: 32 positions on, prefetched
+  for (int64_t i = 0; i < 32 && i < len; ++i) ahead.next();
   for (int64_t t0 = 0; t0 < len; t0 += 16) {
-    prefetch_block(k, t0 + 32, len, D);
     const int64_t n = std::min<int64_t>(16, len - t0);
     const uint16_t* rows[16];
     for (int64_t i = 0; i < 16; ++i) rows[i] = i < n ? cursor.next() : rows[n - 1];
+    for (int64_t i = 0; i < 16 && t0 + 32 + i < len; ++i)  // a row's lines at a time
+      prefetch_row(ahead.next(), 0, D);
     for (int64_t g = 0; g < g_count; ++g) {
       __m512 part[16];
       unroll<16>([&](auto i) {
@@ -793,9 +791,10 @@ void decode_values(const Paged<uint16_t>& v, int64_t len, const uint32_t* pp, in
   const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
   __m512 acc[GS][NC];
   unroll<GS>([&](auto g) { unroll<NC>([&](auto c) { acc[g][c] = _mm512_setzero_ps(); }); });
-  Cursor<uint16_t> rows{v, D};
+  Cursor<uint16_t> rows{v, D}, ahead{v, D};  // ahead: 32 positions on, prefetched
+  for (int64_t i = 0; i < 32 && i < len; ++i) ahead.next();
   for (int64_t t = 0; t < len; t += 2) {
-    if (t % 16 == 0) prefetch_block(v, t + 32, len, D);
+    for (int64_t i = t + 32; i < t + 34 && i < len; ++i) prefetch_row(ahead.next(), 0, D);
     const uint16_t* a = rows.next();
     const uint16_t* b = t + 1 < len ? rows.next() : nullptr;
     __m512i w[NC];
@@ -845,7 +844,6 @@ void decode(const Inputs<uint16_t>& in, const Shape& s, const Span& span, const 
   const int64_t head = h * s.block_size * D, stride = s.kv_heads * s.block_size * D;
   const Paged<uint16_t> k{in.k + head, table, stride, s.block_size};
   const Paged<uint16_t> v{in.v + head, table, stride, s.block_size};
-  for (int64_t t : {0, 16}) prefetch_block(k, t, len, D), prefetch_block(v, t, len, D);
   const int64_t ls = (len + 31) / 32 * 32, lp = ls / 2;  // whole vectors of keys and pairs
   w.st.assign(g_count * ls, 0.f);
   w.pp.resize(g_count * lp);
