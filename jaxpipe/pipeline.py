@@ -78,11 +78,10 @@ def token_slots(table, rows, positions):
 def attend(q, k, v, mb: dict, layer, *, attention: str, max_kv: int):
     """Each span's queries q [Tm, H, D] over its row's paged KV (k, v [Ls, NB, Hkv, BLOCK,
     D], read at `layer`); mb: this micro-batch's table, spans, rows and positions.
-    `attention`: "cpu" (the C++ kernel), "pallas" (the Pallas kernel), "pallas-interpret"
-    (it, in Pallas' interpreter) or "xla" (the reference, keys bounded by static `max_kv`)."""
-    if attention == "cpu":
-        fn = ragged_attention.ragged_attention
-    elif attention.startswith("pallas"):
+    `attention`: "pallas" (the Pallas kernel), "pallas-interpret" (it, in Pallas'
+    interpreter) or "xla" (the reference, keys bounded by static `max_kv`). ("cpu": see
+    `stage_layers`.)"""
+    if attention.startswith("pallas"):
         fn = partial(pallas_attention.pallas_attention,
                      interpret=attention == "pallas-interpret")
     else:
@@ -174,20 +173,34 @@ def stage_layers(cfg: ModelConfig, layers: LayerParams, x, mb: dict, cache: KVCa
                  *, attention: str, max_kv: int, unroll: bool, packed: frozenset[str]):
     """This stage's layers over one micro-batch x [Tm, E] (mb: see `attend`); each token's
     K/V is written into its blocks (`token_slots`) before the spans attend. `attention`: see
-    `attend`; `packed`: the matmul weights in panel order, for the C++ bf16 kernel."""
+    `attend` ("cpu": the C++ kernel also rotates q and k and writes k and v itself,
+    `ragged_attention.write_and_attend`); `packed`: the matmul weights in panel order, for
+    the C++ bf16 kernel."""
     positions = mb["positions"]
-    blocks, offsets = token_slots(mb["table"], mb["rows"], positions)
 
     def dot(x, w):
         return kernel_dot(x, w) if isinstance(w, StackedWeight) else llama.xla_dot(x, w)
 
+    if attention == "cpu":
+        cos, sin = llama.rope_angles(cfg, positions)  # [Tm, D/2], once for every layer
+
+        def attend_layer(p, x, k, v, j):
+            q, kv = llama.projections(cfg, p, x, dot)
+            return ragged_attention.write_and_attend(
+                q, kv, cos, sin, k, v, mb["table"], mb["q_start"], mb["q_len"], mb["kv_len"], j)
+    else:
+        blocks, offsets = token_slots(mb["table"], mb["rows"], positions)
+
+        def attend_layer(p, x, k, v, j):
+            q, kn, vn = llama.qkv(cfg, p, x, positions, dot)  # [Tm, H|Hkv, D]
+            k = k.at[j, blocks, :, offsets].set(to_storage(kn, k), mode="drop")
+            v = v.at[j, blocks, :, offsets].set(to_storage(vn, v), mode="drop")
+            return attend(q, k, v, mb, j, attention=attention, max_kv=max_kv), k, v
+
     def layer(carry, j):
         x, k, v = carry
         p = layer_params(layers, j, packed)
-        q, kn, vn = llama.qkv(cfg, p, x, positions, dot)  # [Tm, H|Hkv, D]
-        k = k.at[j, blocks, :, offsets].set(to_storage(kn, k), mode="drop")
-        v = v.at[j, blocks, :, offsets].set(to_storage(vn, v), mode="drop")
-        attn = attend(q, k, v, mb, j, attention=attention, max_kv=max_kv)
+        attn, k, v = attend_layer(p, x, k, v, j)
         x = llama.attn_out_mlp(cfg, p, x, attn, reduce, dot)
         return (x, k, v), None
 

@@ -38,6 +38,7 @@
 // several queries scores 16 keys at a time against a transposed copy and, for a compile-time
 // D, sums values with its outputs held in registers.
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
@@ -932,28 +933,132 @@ const char* shape_of(ffi::Buffer<ffi::F32>& q, ffi::AnyBuffer& k, ffi::AnyBuffer
   return nullptr;
 }
 
-// The call's arguments, as the handler receives them.
+// Each clamped span's tokens inside [0, T): (token, row, position).
+struct Placed {
+  int64_t token, row, position;
+};
+
+std::vector<Placed> placed_tokens(const std::vector<Span>& spans, const Shape& s) {
+  std::vector<Placed> out;
+  for (int64_t r = 0; r < int64_t(spans.size()); ++r) {
+    const Span& sp = spans[r];
+    for (int64_t i = std::max<int64_t>(0, -sp.start); i < sp.len && sp.start + i < s.tokens; ++i)
+      out.push_back(Placed{sp.start + i, r, sp.first + i});
+  }
+  return out;
+}
+
+// y = x rotated by its position (HF's rotate-half RoPE): c, s the cos and sin of the D / 2
+// angles.
+inline void rope(const float* x, const float* c, const float* sn, int64_t d, float* y) {
+  const int64_t h = d / 2;
+#pragma omp simd
+  for (int64_t i = 0; i < h; ++i) {
+    y[i] = x[i] * c[i] - x[i + h] * sn[i];
+    y[i + h] = x[i + h] * c[i] + x[i] * sn[i];
+  }
+}
+
+inline void store_row(const float* x, int64_t d, float* y) { std::copy(x, x + d, y); }
+inline void store_row(const float* x, int64_t d, uint16_t* y) {
+  for (int64_t i = 0; i < d; ++i) {
+    const float r = round_bf16(x[i]);
+    uint32_t bits;
+    std::memcpy(&bits, &r, sizeof bits);
+    y[i] = static_cast<uint16_t>(bits >> 16);
+  }
+}
+
+// The new tokens of `write_and_attend`, before it attends: each span token's query heads
+// rotated into `q_out`, its key heads rotated and its value heads written into the layer's
+// pool (in its storage type) at the token's position; a position whose block's table entry is
+// outside [0, NB) is not written (the attention never reads it either).
+template <typename T>
+void rope_and_write(ffi::ThreadPool& pool, const float* q, const float* kv, const float* cos,
+                    const float* sin, const int32_t* table, const std::vector<Span>& spans,
+                    const Shape& s, float* q_out, T* k, T* v) {
+  const std::vector<Placed> tokens = placed_tokens(spans, s);
+  const int64_t d = s.dim, h = s.dim / 2, chunk = 32;
+  parallel_for(pool, (int64_t(tokens.size()) + chunk - 1) / chunk, [&](int64_t c) {
+    std::vector<float> rotated(d);
+    const int64_t end = std::min<int64_t>(int64_t(tokens.size()), (c + 1) * chunk);
+    for (int64_t i = c * chunk; i < end; ++i) {
+      const Placed& t = tokens[i];
+      const float *cs = cos + t.token * h, *sn = sin + t.token * h;
+      for (int64_t head = 0; head < s.heads; ++head)
+        rope(q + (t.token * s.heads + head) * d, cs, sn, d, q_out + (t.token * s.heads + head) * d);
+      const int32_t block = table[t.row * s.max_blocks + t.position / s.block_size];
+      if (block < 0 || block >= s.blocks) continue;
+      for (int64_t head = 0; head < s.kv_heads; ++head) {
+        const int64_t at = ((block * s.kv_heads + head) * s.block_size +
+                             t.position % s.block_size) * d;
+        const float* key = kv + ((t.token * 2) * s.kv_heads + head) * d;
+        rope(key, cs, sn, d, rotated.data());
+        store_row(rotated.data(), d, k + at);
+        store_row(kv + ((t.token * 2 + 1) * s.kv_heads + head) * d, d, v + at);
+      }
+    }
+  });
+}
+
+// The call's arguments, as the handler receives them (k, v: the pool to read, already holding
+// the step's keys and values).
 struct Args {
-  ffi::Buffer<ffi::F32> q;
-  ffi::AnyBuffer k, v;
-  ffi::Buffer<ffi::S32> table, q_start, q_len, kv_len;
+  const float* q;
+  void *k, *v;
+  const int32_t *table, *q_start, *q_len, *kv_len;
   int32_t layer;
   float* out;
 };
 
-// Runs the kernel on the pool's layer `layer` (clamped to [0, L)), k/v's elements of type T.
-template <typename T>
-void run_layer(ffi::ThreadPool& pool, const Args& a, const Shape& s) {
-  const int64_t l = std::clamp<int64_t>(a.layer, 0, s.layers - 1);
-  const int64_t offset = l * s.blocks * s.kv_heads * s.block_size * s.dim;
-  const int32_t* table = a.table.typed_data();
-  const Inputs<T> in{a.q.typed_data(), static_cast<const T*>(a.k.untyped_data()) + offset,
-                     static_cast<const T*>(a.v.untyped_data()) + offset, table, a.out};
+// The spans of a call, clamped as the contract says.
+std::vector<Span> spans_of(const Args& a, const Shape& s) {
   std::vector<Span> spans(s.rows);
   for (int64_t r = 0; r < s.rows; ++r)
-    spans[r] = span_of(table + r * s.max_blocks, a.q_start.typed_data()[r],
-                       a.q_len.typed_data()[r], a.kv_len.typed_data()[r], s);
-  run<T>(pool, in, spans, s);
+    spans[r] = span_of(a.table + r * s.max_blocks, a.q_start[r], a.q_len[r], a.kv_len[r], s);
+  return spans;
+}
+
+// Runs the kernel on the pool's layer `layer` (clamped to [0, L)), k/v's elements of type T.
+// With `fresh` (q, kv [T, 2, Hkv, D], cos, sin [T, D / 2]: write_and_attend), the step's
+// tokens are rotated and written first (a.q then points at a.out, where their queries land).
+template <typename T>
+void run_layer(ffi::ThreadPool& pool, Args a, const Shape& s,
+               const std::array<const float*, 4>* fresh = nullptr) {
+  const int64_t l = std::clamp<int64_t>(a.layer, 0, s.layers - 1);
+  const int64_t offset = l * s.blocks * s.kv_heads * s.block_size * s.dim;
+  T* k = static_cast<T*>(a.k) + offset;
+  T* v = static_cast<T*>(a.v) + offset;
+  const std::vector<Span> spans = spans_of(a, s);
+  if (fresh != nullptr) {
+    const auto [q, kv, cos, sin] = *fresh;
+    rope_and_write<T>(pool, q, kv, cos, sin, a.table, spans, s, a.out, k, v);
+    a.q = a.out;  // each task reads its queries before it writes their outputs
+  }
+  run<T>(pool, Inputs<T>{a.q, k, v, a.table, a.out}, spans, s);
+}
+
+template <typename... Fresh>
+ffi::Error dispatch(ffi::ThreadPool& pool, ffi::DataType type, const Args& a, const Shape& s,
+                    const Fresh*... fresh) {
+  switch (type) {
+    case ffi::F32:
+      run_layer<float>(pool, a, s, fresh...);
+      return ffi::Error::Success();
+    case ffi::U16:
+    case ffi::BF16:
+      run_layer<uint16_t>(pool, a, s, fresh...);
+      return ffi::Error::Success();
+    default:
+      return ffi::Error::InvalidArgument("ragged_attention: k/v must be f32, bf16 or u16");
+  }
+}
+
+Args args_of(ffi::Buffer<ffi::F32>& q, void* k, void* v, ffi::Buffer<ffi::S32>& table,
+             ffi::Buffer<ffi::S32>& q_start, ffi::Buffer<ffi::S32>& q_len,
+             ffi::Buffer<ffi::S32>& kv_len, ffi::BufferR0<ffi::S32>& layer, float* out) {
+  return Args{q.typed_data(), k, v, table.typed_data(), q_start.typed_data(),
+              q_len.typed_data(), kv_len.typed_data(), *layer.typed_data(), out};
 }
 
 ffi::Error RaggedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k,
@@ -964,18 +1069,37 @@ ffi::Error RaggedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ff
   Shape s;
   if (const char* error = shape_of(q, k, v, table, q_start, q_len, kv_len, s))
     return ffi::Error::InvalidArgument(error);
-  const Args a{q, k, v, table, q_start, q_len, kv_len, *layer.typed_data(), out->typed_data()};
-  switch (k.element_type()) {
-    case ffi::F32:
-      run_layer<float>(pool, a, s);
-      return ffi::Error::Success();
-    case ffi::U16:
-    case ffi::BF16:
-      run_layer<uint16_t>(pool, a, s);
-      return ffi::Error::Success();
-    default:
-      return ffi::Error::InvalidArgument("ragged_attention: k/v must be f32, bf16 or u16");
-  }
+  return dispatch(pool, k.element_type(),
+                  args_of(q, k.untyped_data(), v.untyped_data(), table, q_start, q_len, kv_len,
+                          layer, out->typed_data()),
+                  s);
+}
+
+// write_and_attend: the pool comes back as outputs 1 and 2, aliased to inputs 4 and 5 (the
+// same memory), so the step's keys and values are written in place.
+ffi::Error RaggedAttentionWriteImpl(
+    ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> kv,
+    ffi::Buffer<ffi::F32> cos, ffi::Buffer<ffi::F32> sin, ffi::AnyBuffer k, ffi::AnyBuffer v,
+    ffi::Buffer<ffi::S32> table, ffi::Buffer<ffi::S32> q_start, ffi::Buffer<ffi::S32> q_len,
+    ffi::Buffer<ffi::S32> kv_len, ffi::BufferR0<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> out,
+    ffi::Result<ffi::AnyBuffer> k_out, ffi::Result<ffi::AnyBuffer> v_out) {
+  Shape s;
+  if (const char* error = shape_of(q, k, v, table, q_start, q_len, kv_len, s))
+    return ffi::Error::InvalidArgument(error);
+  auto kd = kv.dimensions(), cd = cos.dimensions(), sd = sin.dimensions();
+  if (kd.size() != 4 || kd[0] != s.tokens || kd[1] != 2 || kd[2] != s.kv_heads ||
+      kd[3] != s.dim || cd.size() != 2 || cd[0] != s.tokens || cd[1] != s.dim / 2 ||
+      !std::equal(cd.begin(), cd.end(), sd.begin(), sd.end()) || s.dim % 2 != 0)
+    return ffi::Error::InvalidArgument(
+        "write_and_attend: kv must be [T,2,Hkv,D] and cos, sin [T,D/2] (D even)");
+  if (k_out->untyped_data() != k.untyped_data() || v_out->untyped_data() != v.untyped_data())
+    return ffi::Error::InvalidArgument("write_and_attend: the pool outputs must alias k, v");
+  const std::array<const float*, 4> fresh{q.typed_data(), kv.typed_data(), cos.typed_data(),
+                                          sin.typed_data()};
+  return dispatch(pool, k.element_type(),
+                  args_of(q, k_out->untyped_data(), v_out->untyped_data(), table, q_start,
+                          q_len, kv_len, layer, out->typed_data()),
+                  s, &fresh);
 }
 
 }  // namespace
@@ -992,3 +1116,21 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpipeRaggedAttention, RaggedAttentionImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::BufferR0<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpipeRaggedAttentionWrite, RaggedAttentionWriteImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::BufferR0<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>());

@@ -38,17 +38,21 @@ import jax
 import jax.numpy as jnp
 
 from jaxpipe.kernels.build import register
-from jaxpipe.kv.device_cache import from_storage, gather
+from jaxpipe.kv.device_cache import OUT_OF_RANGE, from_storage, gather, to_storage
 from jaxpipe.model import llama
 
 SOURCE = Path(__file__).with_name("ragged_attention.cc")
 TARGET = "jaxpipe_ragged_attention"
+WRITE_TARGET = "jaxpipe_ragged_attention_write"
 
 
 @functools.cache
 def available() -> bool:
-    """Build (once per machine) and register the kernel; False, with a warning, if it cannot."""
-    return register(SOURCE, "JaxpipeRaggedAttention", TARGET, "the ragged attention kernel")
+    """Build (once per machine) and register the kernels; False, with a warning, if they
+    cannot be built."""
+    what = "the ragged attention kernel"
+    return (register(SOURCE, "JaxpipeRaggedAttention", TARGET, what)
+            and register(SOURCE, "JaxpipeRaggedAttentionWrite", WRITE_TARGET, what))
 
 
 def ragged_attention(q, k, v, table, q_start, q_len, kv_len, layer=0) -> jax.Array:
@@ -69,6 +73,55 @@ def ragged_attention(q, k, v, table, q_start, q_len, kv_len, layer=0) -> jax.Arr
     i32 = functools.partial(jnp.asarray, dtype=jnp.int32)
     return jax.ffi.ffi_call(TARGET, out)(q.astype(jnp.float32), k, v, i32(table), i32(q_start),
                                          i32(q_len), i32(kv_len), i32(layer))
+
+
+def write_and_attend(q, kv, cos, sin, k, v, table, q_start, q_len, kv_len, layer=0):
+    """The step's own keys and values written into the pool, then `ragged_attention`, in one
+    kernel call: q [T, H, D] and kv [T, 2, Hkv, D] (k, v) f32 are the step's projections
+    before RoPE; cos, sin [T, D/2] f32 the rotation of each token's position. Each span token
+    (as `ragged_attention`'s spans say) gets its q and k rotated (HF's rotate-half) and its
+    k and v written at its position of layer `layer` (in the pool's storage dtype; a position
+    whose block's table entry is out of range is not written), then the spans attend.
+    Returns (out [T, H, D] f32, k, v): the pool updated in place (donate it: the call aliases
+    its outputs to the pool). `write_and_attend_reference` is the same in plain jnp."""
+    if not available():
+        raise RuntimeError("the ragged attention kernel cannot be built here; use "
+                           "write_and_attend_reference()")
+    k5, v5 = _as_pool(k), _as_pool(v)
+    _check_shapes(q, k5, v5, table, q_start, q_len, kv_len)
+    t, _, d = q.shape
+    if kv.shape != (t, 2, k5.shape[2], d) or cos.shape != (t, d // 2) or sin.shape != cos.shape:
+        raise ValueError(f"write_and_attend: need kv [T, 2, Hkv, D] and cos, sin [T, D/2] for q "
+                         f"{q.shape} and a pool of {k5.shape[2]} kv heads; got kv {kv.shape}, "
+                         f"cos {cos.shape}, sin {sin.shape}")
+    shapes = (jax.ShapeDtypeStruct(q.shape, jnp.float32),
+              jax.ShapeDtypeStruct(k5.shape, k5.dtype), jax.ShapeDtypeStruct(v5.shape, v5.dtype))
+    i32 = functools.partial(jnp.asarray, dtype=jnp.int32)
+    f32 = functools.partial(jnp.asarray, dtype=jnp.float32)
+    out, k5, v5 = jax.ffi.ffi_call(WRITE_TARGET, shapes, input_output_aliases={4: 1, 5: 2})(
+        f32(q), f32(kv), f32(cos), f32(sin), k5, v5, i32(table), i32(q_start), i32(q_len),
+        i32(kv_len), i32(layer))
+    return out, k5.reshape(k.shape), v5.reshape(v.shape)
+
+
+def write_and_attend_reference(q, kv, cos, sin, k, v, table, q_start, q_len, kv_len, layer=0,
+                               max_kv: int | None = None):
+    """`write_and_attend` in plain jnp: `llama.apply_rope`, a scatter of each span token's
+    k and v at its position (`token_rows`), then `reference`."""
+    k5, v5 = _as_pool(k), _as_pool(v)
+    num_layers, num_blocks, _, block_size, _ = k5.shape
+    full = (jnp.concatenate([cos, cos], -1)[:, None], jnp.concatenate([sin, sin], -1)[:, None])
+    q = llama.apply_rope(q.astype(jnp.float32), *full)
+    new_k, new_v = llama.apply_rope(kv[:, 0].astype(jnp.float32), *full), kv[:, 1]
+    rows, pos = token_rows(q_start, q_len, kv_len, q.shape[0], table.shape[1] * block_size)
+    block = jnp.asarray(table)[jnp.maximum(rows, 0), jnp.maximum(pos, 0) // block_size]
+    bad = (rows < 0) | (block < 0) | (block >= num_blocks)
+    block = jnp.where(bad, OUT_OF_RANGE, block)
+    layer = jnp.clip(jnp.asarray(layer, jnp.int32), 0, num_layers - 1)
+    k5 = k5.at[layer, block, :, pos % block_size].set(to_storage(new_k, k5), mode="drop")
+    v5 = v5.at[layer, block, :, pos % block_size].set(to_storage(new_v, v5), mode="drop")
+    out = reference(q, k5, v5, table, q_start, q_len, kv_len, layer, max_kv)
+    return out, k5.reshape(k.shape), v5.reshape(v.shape)
 
 
 def reference(q, k, v, table, q_start, q_len, kv_len, layer=0,

@@ -159,11 +159,16 @@ def _matmul(x, w, n: int = 1, dot=None):
 def qkv(cfg: ModelConfig, p: LayerParams, x, positions, dot=None):
     """x [..., E], positions [...] -> roped q [..., H, D], roped k and v [..., Hkv, D] (f32).
     `dot`: see `_matmul`."""
-    h = rms_norm(x, p.attn_norm, cfg.rms_norm_eps)
-    q = _matmul(h, p.wq, dot=dot)  # [..., H, D]
-    kv = _matmul(h, p.wkv, dot=dot)  # [..., 2, Hkv, D]
+    q, kv = projections(cfg, p, x, dot)
     cos, sin = rope_tables(cfg, positions)  # [..., 1, D]
     return apply_rope(q, cos, sin), apply_rope(kv[..., 0, :, :], cos, sin), kv[..., 1, :, :]
+
+
+def projections(cfg: ModelConfig, p: LayerParams, x, dot=None):
+    """x [..., E] -> q [..., H, D] and kv [..., 2, Hkv, D] (f32) before RoPE. `dot`: see
+    `_matmul`."""
+    h = rms_norm(x, p.attn_norm, cfg.rms_norm_eps)
+    return _matmul(h, p.wq, dot=dot), _matmul(h, p.wkv, dot=dot)
 
 
 def attn_out_mlp(cfg: ModelConfig, p: LayerParams, x, attn, reduce=None, dot=None):
@@ -213,11 +218,17 @@ def rope_inv_freq(cfg: ModelConfig) -> jax.Array:
     return jnp.where(is_mid, mid, out)
 
 
+def rope_angles(cfg: ModelConfig, positions):
+    """positions [...] i32 -> cos, sin [..., D/2] f32 of each position's D/2 angles."""
+    angles = positions[..., None].astype(jnp.float32) * rope_inv_freq(cfg)  # [..., D/2]
+    return jnp.cos(angles), jnp.sin(angles)
+
+
 def rope_tables(cfg: ModelConfig, positions):
     """positions [...] i32 -> cos, sin [..., 1, D] (broadcast over heads), f32."""
-    angles = positions[..., None].astype(jnp.float32) * rope_inv_freq(cfg)  # [..., D/2]
-    angles = jnp.concatenate([angles, angles], axis=-1)[..., None, :]
-    return jnp.cos(angles), jnp.sin(angles)
+    cos, sin = rope_angles(cfg, positions)
+    return (jnp.concatenate([cos, cos], axis=-1)[..., None, :],
+            jnp.concatenate([sin, sin], axis=-1)[..., None, :])
 
 
 def apply_rope(x, cos, sin):

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from attention_cases import (
+    BS,
     CAP,
     KV_LEN,
     NB,
@@ -17,8 +18,10 @@ from attention_cases import (
     UNCOVERED,
     T,
     close,
+    f64,
     i32,
     inputs,
+    numpy_attention,
     shuffled_table,
     want,
     xla,
@@ -159,3 +162,66 @@ def test_bad_shapes_are_named():
         ra.ragged_attention(q[:, :5], k, v, table, q_start, q_len, kv_len)
     with pytest.raises(ValueError, match="float32, bfloat16 or uint16"):
         ra.ragged_attention(q, k, v.astype(jnp.float16), table, q_start, q_len, kv_len)
+
+
+# ---- write_and_attend: the step's keys and values written, then the spans attend --------------
+
+
+def fresh_tokens(seed, heads=6, kv_heads=2, head_dim=16, tokens=T):
+    """The step's projections before RoPE (q [T, H, D], kv [T, 2, Hkv, D]) and cos, sin
+    [T, D/2] of arbitrary angles."""
+    rng = np.random.default_rng(seed)
+    q = rng.normal(size=(tokens, heads, head_dim)).astype(np.float32)
+    kv = rng.normal(size=(tokens, 2, kv_heads, head_dim)).astype(np.float32)
+    angles = rng.uniform(-7, 7, size=(tokens, head_dim // 2)).astype(np.float32)
+    return [jnp.asarray(a) for a in (q, kv, np.cos(angles), np.sin(angles))]
+
+
+def numpy_rope(x, cos, sin):
+    """x [T, n, D] rotated per token: the rotate-half convention, in float64."""
+    x, c, s = (np.asarray(a, np.float64) for a in (x, cos, sin))
+    h = x.shape[-1] // 2
+    c, s = c[:, None], s[:, None]
+    return np.concatenate([x[..., :h] * c - x[..., h:] * s, x[..., h:] * c + x[..., :h] * s], -1)
+
+
+@pytest.mark.parametrize("storage,head_dim,heads,kv_heads", [
+    (jnp.float32, 16, 6, 2), (jnp.uint16, 16, 6, 2), (jnp.uint16, 64, 9, 3),
+    (jnp.bfloat16, 128, 8, 2)])
+def test_write_and_attend_writes_rotated_keys_then_attends(storage, head_dim, heads, kv_heads):
+    """Against float64 NumPy: every span token's key (rotated) and value land at its position
+    (nothing else in the pool changes; out-of-range blocks are skipped), and the output is
+    the attention of the rotated queries over the updated pool; and against the jnp path."""
+    _, k, v = inputs(storage, seed=11, head_dim=head_dim, heads=heads, kv_heads=kv_heads,
+                     layers=2)
+    q, kv, cos, sin = fresh_tokens(11, heads, kv_heads, head_dim)
+    table = shuffled_table(seed=11)
+    table[4, 3] = NB + 5  # row 4: positions 15..19 have no block (not written, not read)
+    args = (q, kv, cos, sin, k, v, *i32(table, Q_START, Q_LEN, KV_LEN))
+    out, k2, v2 = jax.jit(ra.write_and_attend)(*args, jnp.int32(1))
+    want_out, want_k, want_v = jax.jit(ra.write_and_attend_reference)(*args, jnp.int32(1))
+    bf16 = storage != jnp.float32
+    # The pool: exactly the reference's writes (one bf16 rounding of the same f32 value, or
+    # f32 up to the rotation's rounding).
+    for got, expected in ((k2, want_k), (v2, want_v)):
+        np.testing.assert_allclose(*f64(got, expected), rtol=2**-7 if bf16 else 1e-6,
+                                   atol=1e-6)
+    rows, pos = (np.asarray(a) for a in ra.token_rows(Q_START, Q_LEN, KV_LEN, T, CAP))
+    rot_k = numpy_rope(kv[:, 0], cos, sin)
+    written = np.zeros(np.asarray(k).shape[:4], bool)  # [L, NB, Hkv, BS]
+    for token in np.flatnonzero(rows >= 0):
+        block = table[rows[token], pos[token] // BS]
+        if not 0 <= block < NB:
+            continue
+        written[1, block, :, pos[token] % BS] = True
+        np.testing.assert_allclose(f64(k2)[0][1, block, :, pos[token] % BS], rot_k[token],
+                                   rtol=2**-7 if bf16 else 1e-5, atol=1e-5)
+    untouched = ~written
+    np.testing.assert_array_equal(np.asarray(k2)[untouched], np.asarray(k)[untouched])
+    np.testing.assert_array_equal(np.asarray(v2)[untouched], np.asarray(v)[untouched])
+    # The output: rotated queries over the updated pool.
+    rot_q = jnp.asarray(numpy_rope(q, cos, sin), jnp.float32)
+    exact = numpy_attention(*f64(rot_q, k2, v2), table, Q_START, Q_LEN, KV_LEN, layer=1)
+    np.testing.assert_allclose(np.asarray(out), exact, atol=3e-2 if bf16 else 2e-5)
+    close(np.asarray(out), np.asarray(want_out), tol=2e-3 if bf16 else 2e-5)
+    assert not np.asarray(out)[UNCOVERED].any()
