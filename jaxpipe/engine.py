@@ -31,7 +31,7 @@ from jaxpipe.model import loading
 from jaxpipe.model.llama import Llama, init_random, param_decls
 from jaxpipe.model.presets import resolve_model
 from jaxpipe.outputs import CompletionOutput, RequestOutput, StreamDelta
-from jaxpipe.runner import Runner, weight_copies
+from jaxpipe.runner import Runner, packed_head_bytes, weight_copies
 from jaxpipe.sampling import SamplingParams
 from jaxpipe.scheduler import (
     Sequence,
@@ -83,7 +83,8 @@ class Engine:
             self.layouts = _prepare(config, len(devices))
         self.limits = requests.Limits(self.max_model_len, self.model_config.vocab_size)
         block_bytes = _block_bytes(self.model_config, self.dtype, self.layouts)
-        weight_bytes = model_bytes(self.model_config, self.dtype) * weight_copies(
+        weight_bytes = (model_bytes(self.model_config, self.dtype) + packed_head_bytes(
+            self.model_config, config.attention, devices, self.dtype)) * weight_copies(
             self.layouts, devices)
         reserve = memory.activation_bytes(
             self.model_config, max(config.max_num_batched_tokens, config.max_num_seqs or 0),

@@ -14,7 +14,8 @@ The step is one `jax.shard_map` over the whole mesh, manual over every axis, so 
 collective is spelled out: each device holds its stage's layers (`layers` over pp) and its
 share of heads / mlp columns (over tp), whose partial products are summed with `psum`. The
 last stage keeps the residual of each sequence's last token in the step ([R, E]); only those
-go through the LM head (`logits_program`, partitioned by XLA from the vocab-split weights).
+go through the LM head (`logits_program`: the bf16 kernel on each device's vocab shard, or
+XLA's dot partitioned from the vocab-split weights).
 """
 
 from __future__ import annotations
@@ -153,20 +154,56 @@ def reorder_local(layers: dict, fn) -> dict:
     return out
 
 
-def reorder_program(cfg: ModelConfig, layout: Layout, mesh, names: frozenset[str], fn,
-                    donate: bool):
-    """jit(params) -> params with each device's shards of the matmul weights `names`
-    reordered by `fn` (`matmul.pack` / `unpack`), shapes and shardings kept; `donate`:
-    params donated."""
+HEAD_AXES = ("embed", "vocab")  # the LM head as the kernel reads it: [E, V]
+
+
+def pack_program(cfg: ModelConfig, layout: Layout, mesh, names: frozenset[str], head: bool):
+    """jit(params in natural order, donated) -> params as the step reads them: each device's
+    shards of the matmul weights `names` in panel order (`matmul.pack`); with `head`, the LM
+    head [E, V] in panel order too, as "lm_head" (tied embeddings: a copy of the embedding's
+    transpose; the lookup keeps reading "embed")."""
     decls = param_decls(cfg)
     specs = {n: sharding.spec(decls[n].axes, layout) for n in names}
-    local = jax.shard_map(lambda ws: reorder_local(ws, fn), mesh=mesh, in_specs=(specs,),
-                          out_specs=specs, check_vma=False)
+    head_in = sharding.spec(decls["lm_head" if "lm_head" in decls else "embed"].axes, layout)
+    head_out = sharding.spec(HEAD_AXES, layout)
+
+    def local_head(w):  # this device's [V', E] (tied) or [E, V'] -> [E, V'] in panel order
+        return matmul.pack(w if "lm_head" in decls else w.T)
+
+    layers = jax.shard_map(lambda ws: reorder_local(ws, matmul.pack), mesh=mesh,
+                           in_specs=(specs,), out_specs=specs, check_vma=False)
+    lm_head = jax.shard_map(local_head, mesh=mesh, in_specs=(head_in,), out_specs=head_out,
+                            check_vma=False)
 
     def run(params):
-        return params | local({n: params[n] for n in names})
+        out = params | layers({n: params[n] for n in names})
+        if head:
+            out["lm_head"] = lm_head(params.get("lm_head", params["embed"]))
+        return out
 
-    return jax.jit(run, donate_argnums=0 if donate else ())
+    return jax.jit(run, donate_argnums=0)
+
+
+def unpack_program(cfg: ModelConfig, layout: Layout, mesh, names: frozenset[str], head: bool):
+    """The inverse of `pack_program` (a new tree; params not donated): natural order, and no
+    "lm_head" for tied embeddings."""
+    decls = param_decls(cfg)
+    specs = {n: sharding.spec(decls[n].axes, layout) for n in names}
+    head_spec = sharding.spec(HEAD_AXES, layout)
+    layers = jax.shard_map(lambda ws: reorder_local(ws, matmul.unpack), mesh=mesh,
+                           in_specs=(specs,), out_specs=specs, check_vma=False)
+    lm_head = jax.shard_map(matmul.unpack, mesh=mesh, in_specs=(head_spec,),
+                            out_specs=head_spec, check_vma=False)
+
+    def run(params):
+        out = params | layers({n: params[n] for n in names})
+        if head and "lm_head" in decls:
+            out["lm_head"] = lm_head(params["lm_head"])
+        elif head:
+            del out["lm_head"]
+        return out
+
+    return jax.jit(run)
 
 
 def stage_layers(cfg: ModelConfig, layers: LayerParams, x, mb: dict, cache: KVCache, reduce,
@@ -283,15 +320,27 @@ def fed_tokens(inputs: StepInputs, prev):
 HEAD_MIN_ROWS = 2
 
 
-def logits_program(cfg: ModelConfig, vocab: int):
+def logits_program(cfg: ModelConfig, vocab: int, layout: Layout | None = None, mesh=None,
+                   packed: bool = False):
     """jit(params, hidden [R, E], rows=static n) -> logits [n, vocab] f32 of the first n rows
-    (the sampled ones): the LM head only where a token is sampled."""
+    (the sampled ones): the LM head only where a token is sampled. `packed`: params hold the
+    head as the bf16 kernel reads it ("lm_head" [E, V] in panel order, `pack_program`), and
+    each device multiplies its vocab shard on `mesh` (`layout`'s); otherwise XLA partitions
+    the head's dot from the vocab-split weights."""
+    if packed:
+        head = jax.shard_map(matmul.bf16_matmul, mesh=mesh,
+                             in_specs=(P(), sharding.spec(HEAD_AXES, layout)),
+                             out_specs=sharding.spec((None, "vocab"), layout), check_vma=False)
+
     def logits(params, hidden, rows: int):
-        _, head = split_params(params)
+        _, params_head = split_params(params)
+        if packed:
+            h = llama.rms_norm(hidden[:rows], params_head.final_norm, cfg.rms_norm_eps)
+            return head(h, params["lm_head"])[:, :vocab]
         n = max(rows, HEAD_MIN_ROWS)
         if hidden.shape[0] < n:
             hidden = jnp.pad(hidden, ((0, n - hidden.shape[0]), (0, 0)))
-        return llama.logits(cfg, head, hidden[:n])[:rows, :vocab]
+        return llama.logits(cfg, params_head, hidden[:n])[:rows, :vocab]
 
     return jax.jit(logits, static_argnames="rows")
 

@@ -181,10 +181,13 @@ class Placement:
         self.packed = pipeline.packable({n: (self.params[n], shapes[n])
                                          for n in pipeline.MATMUL_PARAMS}) if packed else (
             frozenset())
-        if self.packed:
-            self._pack, self._unpack = (
-                pipeline.reorder_program(cfg, layout, self.mesh, self.packed, fn, donate)
-                for fn, donate in ((matmul.pack, True), (matmul.unpack, False)))
+        self.packed_head = packed and cfg.hidden_size % 2 == 0
+        if self.packed or self.packed_head:
+            args = (cfg, layout, self.mesh, self.packed, self.packed_head)
+            self._pack, self._unpack = (pipeline.pack_program(*args),
+                                        pipeline.unpack_program(*args))
+        self.logits = pipeline.logits_program(cfg, cfg.vocab_size, layout, self.mesh,
+                                              self.packed_head)
         kv = sharding.kv_sharding(cfg, plan, layout, self.mesh, num_blocks)
         self.cache = KVCache(kv, kv)
         shape = sharding.kv_shape(cfg, plan, num_blocks)
@@ -195,12 +198,12 @@ class Placement:
 
     def pack(self, params: dict) -> dict:
         """Weights placed in this layout (natural order; donated) as the step reads them."""
-        return self._pack(params) if self.packed else params
+        return self._pack(params) if self.packed or self.packed_head else params
 
     def unpack(self, params: dict) -> dict:
         """The step's weights in this layout back in natural order (a new tree), for a
         re-shard."""
-        return self._unpack(params) if self.packed else params
+        return self._unpack(params) if self.packed or self.packed_head else params
 
     def empty_cache(self) -> KVCache:
         """A zeroed KV pool in this layout's sharding: the one `keep` kept, else one created
@@ -290,7 +293,6 @@ class Runner:
         self._no_prev: dict[str, jax.Array] = {}  # per phase: `prev` of a step with no feed
         self._set_penalties = jax.jit(_set_penalty_row,
                                       donate_argnames=("prompt_mask", "out_counts"))
-        self._logits = pipeline.logits_program(cfg, cfg.vocab_size)
         self._programs: dict[tuple, object] = {}
         self.compiled: set[tuple] = set()
         self.compile_seconds = 0.0
@@ -348,8 +350,9 @@ class Runner:
         the layout left (`left`'s) are kept."""
         params = self._kept_weights.pop(phase, None)
         seconds = 0.0
-        if params is None and sharding.placed(self.params, place.params):
-            params = self.params
+        if params is None and sharding.placed({k: self.params[k] for k in place.params},
+                                               place.params):
+            params = self.params  # the same shards: packed alike too
         elif params is None:
             start = time.perf_counter()
             natural = self.placements[left].unpack(self.params)
@@ -424,8 +427,8 @@ class Runner:
         """Run the step's model part; logits [rows, V] f32 of the last token of rows
         0..rows-1 (the LM head runs on those rows only)."""
         hidden = self.hidden(inputs, prev)
-        return self._once(("logits", self.phase, rows), self._logits, self.params, hidden,
-                          rows=rows)
+        return self._once(("logits", self.phase, rows), self.placements[self.phase].logits,
+                          self.params, hidden, rows=rows)
 
     def hidden(self, inputs: StepInputs, prev: Dispatched | None = None) -> jax.Array:
         """The step's model part: the residual [max_rows, E] of each row's last token (KV
@@ -582,6 +585,14 @@ def packed_weights(attention: str, dtype) -> bool:
     with the CPU kernels (`attention_impl` "cpu"), bf16 weights, and avx512_bf16 to run it
     natively (XLA's dot, on weights in natural order, otherwise)."""
     return attention == "cpu" and jnp.dtype(dtype) == jnp.bfloat16 and matmul.native()
+
+
+def packed_head_bytes(cfg: ModelConfig, attention: str, devices, dtype) -> int:
+    """Bytes a runner adds to the weights: the LM head's copy in panel order when the head is
+    tied to the embedding and the step multiplies with the bf16 kernel."""
+    if not cfg.tie_embeddings or not packed_weights(attention_impl(attention, devices), dtype):
+        return 0
+    return cfg.hidden_size * cfg.vocab_size * jnp.dtype(dtype).itemsize
 
 
 def kv_chunk_tokens(max_len: int) -> int:

@@ -58,9 +58,9 @@ def test_smollm2_layout_pair_matches_one_device(smollm2_orbax, smollm2_reference
     assert stats["reshards"] >= 1 and stats["reshard_seconds"] > 0
     runner = engine.runner
     assert runner.phase == "decode"
-    for name, arr in runner.params.items():
-        assert arr.sharding.is_equivalent_to(runner.placements["decode"].params[name],
-                                             arr.ndim), name
+    for name, place in runner.placements["decode"].params.items():
+        arr = runner.params[name]
+        assert arr.sharding.is_equivalent_to(place, arr.ndim), name
 
     runner.set_phase("prefill")
     ids, want = smollm2_prefill_logits
