@@ -194,13 +194,14 @@ void matmul(ffi::ThreadPool& pool, const float* x, const uint16_t* w, float* y, 
             int64_t k, int64_t n) {
   if (m == 0 || n == 0) return;
   const int64_t kp = k / 2;
-  std::vector<uint32_t> xp(m * kp);
-  pairs_of(x, m * k, xp.data());
+  // Not value-initialised: zeroing it first cost a memset of the whole [M, K / 2] per call.
+  const std::unique_ptr<uint32_t[]> xp(new uint32_t[m * kp]);
+  pairs_of(x, m * k, xp.get());
   const int64_t panels = (n + kPanel - 1) / kPanel, chunks = (m + kChunk - 1) / kChunk;
   parallel_for(pool, panels * chunks, [&](int64_t t) {
     const int64_t p = t / chunks, m0 = t % chunks * kChunk;
     const Panel pn{w + p * kPanel * k, std::min(kPanel, n - p * kPanel)};
-    panel_task(xp.data() + m0 * kp, kp, pn, y + m0 * n + p * kPanel, n,
+    panel_task(xp.get() + m0 * kp, kp, pn, y + m0 * n + p * kPanel, n,
                std::min(kChunk, m - m0));
   });
 }
