@@ -121,6 +121,12 @@ def kernel_dot(x, w: StackedWeight):
     return matmul.bf16_matmul(x, w.stacked(), w.layer)
 
 
+def kernel_gated(x, w: StackedWeight):
+    """`llama.gated_mlp`'s fused gate: the kernel's `gated` mode (the [M, 2F] product is never
+    written). Call inside `shard_map`."""
+    return matmul.bf16_matmul(x, w.stacked(), w.layer, gated=True)
+
+
 # The layer weights the step multiplies by, and how many of their axes after "layers" are
 # contracted (llama.py's `_matmul` calls): with `packed`, those axes are K and the rest N.
 MATMUL_PARAMS = {"wq": 1, "wkv": 1, "wo": 2, "w_gate_up": 1, "w_down": 1}
@@ -234,11 +240,15 @@ def stage_layers(cfg: ModelConfig, layers: LayerParams, x, mb: dict, cache: KVCa
             v = v.at[j, blocks, :, offsets].set(to_storage(vn, v), mode="drop")
             return attend(q, k, v, mb, j, attention=attention, max_kv=max_kv), k, v
 
+    # The fused gate needs this device's gate and up halves in whole panel pairs.
+    gated = (kernel_gated if "w_gate_up" in packed
+             and layers.w_gate_up.shape[-1] % matmul.PANEL == 0 else None)
+
     def layer(carry, j):
         x, k, v = carry
         p = layer_params(layers, j, packed)
         attn, k, v = attend_layer(p, x, k, v, j)
-        x = llama.attn_out_mlp(cfg, p, x, attn, reduce, dot)
+        x = llama.attn_out_mlp(cfg, p, x, attn, reduce, dot, gated)
         return (x, k, v), None
 
     count = layers.wq.shape[0]

@@ -57,7 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     e = p.add_argument_group("engines")
     e.add_argument("--dtype", choices=("bfloat16", "float32"), default=d.dtype)
     e.add_argument("--model", default=d.model, help="jaxpipe model name")
-    e.add_argument("--gguf", help="GGUF file for HF and the workload vocab (default: SmolLM2)")
+    e.add_argument("--peer-model", "--gguf", dest="peer_model",
+                   help="the peers' model and the workload's vocabulary: a GGUF file or an HF "
+                        "directory (default: SmolLM2's GGUF; pass the same to --model)")
     e.add_argument("--max-num-seqs", type=int, help="jaxpipe batch limit (default: engine's)")
     e.add_argument("--max-num-batched-tokens", type=int, help="jaxpipe prefill token budget")
     e.add_argument("--max-model-len", type=int, help="default: longest request, rounded to 128")

@@ -25,8 +25,8 @@ from jaxpipe.bench.workload import (
     Request,
     default_gguf_path,
     describe_workload,
-    gguf_vocab,
     make_workload,
+    peer_vocab,
 )
 
 Log = Callable[[str], None]
@@ -54,7 +54,9 @@ class BenchConfig:
     output_len: int | None = None
     dtype: str = "bfloat16"
     model: str = "smollm2-135m"
-    gguf: str | None = None  # None: the bundled SmolLM2-135M-Instruct GGUF
+    # The peers' weights and the workload's vocabulary: a GGUF file or an HF directory
+    # (config.json + safetensors + tokenizer). None: the bundled SmolLM2-135M-Instruct GGUF.
+    peer_model: str | None = None
     max_num_seqs: int | None = None  # None: the engine's default
     max_num_batched_tokens: int | None = None  # None: the engine's default
     # EngineConfig.kv_cache_gb: 8 GB as OpenVINO's pool's bound and every earlier figure;
@@ -91,6 +93,11 @@ class BenchConfig:
     def active_peers(self) -> tuple[str, ...]:
         """The peers this run measures: `peers`, less hf under `skip_hf`."""
         return tuple(p for p in self.peers if not (p == "hf" and self.skip_hf))
+
+
+def peer_model_path(cfg: BenchConfig) -> Path:
+    """The peers' model: `cfg.peer_model`, else the bundled SmolLM2 GGUF."""
+    return Path(cfg.peer_model) if cfg.peer_model else default_gguf_path()
 
 
 def default_max_model_len(workload: Sequence[Request], multiple: int = 128) -> int:
@@ -250,7 +257,7 @@ def _flops_summary(
     }
 
 
-def _run_hf_side(cfg: BenchConfig, workload: Sequence[Request], gguf_path: Path, log: Log) -> dict:
+def _run_hf_side(cfg: BenchConfig, workload: Sequence[Request], model: Path, log: Log) -> dict:
     """The HF batch-size sweep on the (possibly capped) workload."""
     from jaxpipe.bench.hf_baseline import sweep_hf
 
@@ -259,8 +266,8 @@ def _run_hf_side(cfg: BenchConfig, workload: Sequence[Request], gguf_path: Path,
         hf_workload,
         cfg.hf_batch_sizes,
         cfg.dtype,
-        str(gguf_path.parent),
-        gguf_path.name,
+        str(model if model.is_dir() else model.parent),
+        None if model.is_dir() else model.name,
         max_seconds=cfg.hf_max_seconds,
         log=log,
     )
@@ -270,13 +277,13 @@ def _run_hf_side(cfg: BenchConfig, workload: Sequence[Request], gguf_path: Path,
 
 
 def _run_openvino_side(
-    cfg: BenchConfig, workload: Sequence[Request], gguf_path: Path, log: Log
+    cfg: BenchConfig, workload: Sequence[Request], model: Path, log: Log
 ) -> dict:
     """The OpenVINO GenAI token-budget sweep on the whole workload."""
     from jaxpipe.bench.openvino_baseline import sweep_openvino
 
     return sweep_openvino(
-        gguf_path,
+        model,
         workload,
         warmup_requests(workload, cfg.warmup_prompts),
         cfg.ov_batched_tokens,
@@ -303,8 +310,8 @@ def _measure_matmul(cfg: BenchConfig, log: Log) -> dict:
 
 def run_benchmark(cfg: BenchConfig, log: Log = print) -> dict:
     """Run the whole benchmark, print the report, write the JSON; return the result dict."""
-    gguf_path = Path(cfg.gguf) if cfg.gguf else default_gguf_path()
-    vocab_size, special_ids = gguf_vocab(gguf_path)
+    model = peer_model_path(cfg)
+    vocab_size, special_ids = peer_vocab(model)
     workload = make_workload(
         cfg.num_prompts, cfg.seed, vocab_size, cfg.input_len, cfg.output_len, special_ids
     )
@@ -321,10 +328,10 @@ def run_benchmark(cfg: BenchConfig, log: Log = print) -> dict:
                 cfg, model_config, result["jaxpipe"], result["matmul"], workload
             )
     if "openvino" in cfg.active_peers:
-        result["openvino"] = _run_openvino_side(cfg, workload, gguf_path, log)
+        result["openvino"] = _run_openvino_side(cfg, workload, model, log)
         gc.collect()
     if "hf" in cfg.active_peers:
-        result["hf"] = _run_hf_side(cfg, workload, gguf_path, log)
+        result["hf"] = _run_hf_side(cfg, workload, model, log)
     log(render(result))
     log(f"wrote {write_json(result, cfg.json_path)}")
     return result

@@ -19,10 +19,10 @@ from jaxpipe.bench.workload import Request
 _TORCH_DTYPES = ("bfloat16", "float32")
 
 
-def load_hf_model(model_dir: str, gguf_file: str, dtype: str,
+def load_hf_model(model_dir: str, gguf_file: str | None, dtype: str,
                   device: str = "cpu") -> tuple[Any, int]:
-    """Load the GGUF as a dense HF causal LM in `dtype` on torch `device`; return (model, pad
-    token id).
+    """Load the GGUF `gguf_file` in `model_dir` (None: the HF checkpoint `model_dir`) as a
+    dense HF causal LM in `dtype` on torch `device`; return (model, pad token id).
 
     The GGUF is dequantized at load time (`GgufConfig(dequantize=True)`) so HF runs plain
     `dtype` matmuls, the same arithmetic jaxpipe does, rather than a packed-weight kernel.
@@ -36,7 +36,8 @@ def load_hf_model(model_dir: str, gguf_file: str, dtype: str,
     try:  # transformers >= 5 keeps GGUF weights packed unless told otherwise
         from transformers import GgufConfig
 
-        kwargs["quantization_config"] = GgufConfig(dequantize=True)
+        if gguf_file is not None:
+            kwargs["quantization_config"] = GgufConfig(dequantize=True)
     except ImportError:  # older releases always dequantize
         pass
     model = AutoModelForCausalLM.from_pretrained(
@@ -96,7 +97,7 @@ def run_hf(
     batch_size: int,
     dtype: str,
     model_dir: str,
-    gguf_file: str,
+    gguf_file: str | None,
     *,
     model: Any = None,
     pad_id: int | None = None,
@@ -142,7 +143,7 @@ def sweep_hf(
     batch_sizes: Sequence[int],
     dtype: str,
     model_dir: str,
-    gguf_file: str,
+    gguf_file: str | None,
     max_seconds: float | None = None,
     log: Any = print,
     device: str = "cpu",

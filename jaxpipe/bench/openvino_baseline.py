@@ -5,6 +5,9 @@ workload's GGUF is dequantized by transformers to a float32 HF checkpoint, then 
 optimum-intel to an fp16 OpenVINO IR (plus the OpenVINO tokenizer/detokenizer the pipeline
 loads). Both are cached under `~/.cache/jaxpipe/peers/` keyed by the GGUF's name and size.
 
+An HF directory (config.json + safetensors + tokenizer; `scripts/make_checkpoint.py`) is
+exported as it is, with no dequantizing step.
+
 Requests go in as the workload's own token ids (`ContinuousBatchingPipeline.generate` on
 `ov.Tensor`s, one GenerationConfig per request), greedy, ignore_eos, exactly output_len new
 tokens each. `LLMPipeline(..., scheduler_config=...)` wraps the same engine but takes one
@@ -50,13 +53,16 @@ def require(module: str) -> Any:
         ) from exc
 
 
-def peer_cache_dir(gguf_path: Path, root: Path | None = None) -> Path:
-    """Where the converted checkpoints of `gguf_path` live: `<root>/<gguf stem>-<size bytes>`.
+def peer_cache_dir(model: Path, root: Path | None = None) -> Path:
+    """Where the converted checkpoints of `model` (a GGUF file or an HF directory) live:
+    `<root>/<stem>-<size bytes>` (an HF directory: the size of its files).
 
-    The size is in the key so that a different file under the same name is converted afresh.
+    The size is in the key so that a different model under the same name is converted afresh.
     """
     root = root or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "jaxpipe/peers"
-    return root / f"{gguf_path.stem}-{gguf_path.stat().st_size}"
+    size = (sum(f.stat().st_size for f in model.iterdir() if f.is_file()) if model.is_dir()
+            else model.stat().st_size)
+    return root / f"{model.stem}-{size}"
 
 
 def clear_gguf_quantization(model: Any) -> None:
@@ -116,17 +122,19 @@ def _export_ir(hf_dir: Path, ir_dir: Path, log: Log) -> None:
     tmp.rename(ir_dir)
 
 
-def ensure_ir(gguf_path: Path, log: Log = print, root: Path | None = None) -> Path:
-    """The cached OpenVINO IR directory for `gguf_path`, converting what is missing."""
-    base = peer_cache_dir(gguf_path, root)
-    hf_dir, ir_dir = base / "hf-float32", base / "openvino-fp16"
+def ensure_ir(model: Path, log: Log = print, root: Path | None = None) -> Path:
+    """The cached OpenVINO IR directory for `model` (a GGUF file, dequantized to an HF
+    checkpoint first, or an HF directory), converting what is missing."""
+    base = peer_cache_dir(model, root)
+    ir_dir = base / "openvino-fp16"
+    hf_dir = model if model.is_dir() else base / "hf-float32"
     if (ir_dir / "openvino_model.xml").exists():
         log(f"[openvino] reusing the cached IR in {ir_dir}")
         return ir_dir
     base.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     if not (hf_dir / "config.json").exists():
-        _export_hf(gguf_path, hf_dir, log)
+        _export_hf(model, hf_dir, log)
     _export_ir(hf_dir, ir_dir, log)
     log(f"[openvino] converted in {time.perf_counter() - start:.1f}s")
     return ir_dir
@@ -232,7 +240,7 @@ def run_openvino(
 
 
 def sweep_openvino(
-    gguf_path: Path,
+    model: Path,
     workload: Sequence[Request],
     warmup: Sequence[Request],
     batched_tokens: Sequence[int],
@@ -249,7 +257,7 @@ def sweep_openvino(
     """
     import json
 
-    ir_dir = ensure_ir(gguf_path, log)
+    ir_dir = ensure_ir(model, log)
     kv_precision = kv_precision or _OV_PRECISION[dtype]
     hf_config = json.loads((ir_dir / "config.json").read_text())
     kv_bytes = kv_bytes_per_token(hf_config, kv_precision)

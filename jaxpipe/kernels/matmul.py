@@ -50,21 +50,29 @@ def native() -> bool:
     return available() and "avx512_bf16" in cpu_flags().split()
 
 
-def bf16_matmul(x, w, layer=None) -> jax.Array:
+def bf16_matmul(x, w, layer=None, *, gated: bool = False) -> jax.Array:
     """y [..., N] f32 = bf16(x) @ w: x [..., K] (any float dtype; rounded to bf16, nearest
     even), w [K, N] bfloat16 (or uint16 holding bf16 bits) in panel order (`pack`), or a
     stack [L, K, N] of them of which `layer` (python int or traced i32 scalar, clamped to
     [0, L)) is used, read in place. K must be even. Products are exact in f32 and sums are
-    f32, so it equals `reference` on the unpacked weight up to summation order."""
+    f32, so it equals `reference` on the unpacked weight up to summation order.
+
+    `gated`: y [..., N/2] = silu(y's first N/2 columns) * its last N/2 (a gated MLP's gate
+    and up projections, `gated_reference`), computed panel by panel without writing the
+    [..., N] product; N must be a multiple of 2 * PANEL."""
     if not available():  # builds and registers the kernel on first use
         raise RuntimeError("the bf16 matmul kernel cannot be built here; use reference()")
     _check_shapes(x, w, layer)
     stack = w if w.ndim == 3 else w[None]
+    n = stack.shape[2] // 2 if gated else stack.shape[2]
+    if gated and stack.shape[2] % (2 * PANEL):
+        raise ValueError(f"bf16_matmul: gated needs N a multiple of {2 * PANEL}; got w "
+                         f"{w.shape}")
     rows = x.reshape(math.prod(x.shape[:-1]), x.shape[-1]).astype(jnp.float32)  # [M, K]
-    out = jax.ShapeDtypeStruct((rows.shape[0], stack.shape[2]), jnp.float32)
+    out = jax.ShapeDtypeStruct((rows.shape[0], n), jnp.float32)
     index = jnp.asarray(0 if layer is None else layer, jnp.int32)
-    y = jax.ffi.ffi_call(TARGET, out)(rows, stack, index)  # [M, N]
-    return y.reshape(*x.shape[:-1], stack.shape[2])
+    y = jax.ffi.ffi_call(TARGET, out)(rows, stack, index, gated=gated)  # [M, N or N/2]
+    return y.reshape(*x.shape[:-1], n)
 
 
 def reference(x, w) -> jax.Array:
@@ -72,6 +80,13 @@ def reference(x, w) -> jax.Array:
     if w.dtype == jnp.uint16:
         w = jax.lax.bitcast_convert_type(w, jnp.bfloat16)
     return jnp.dot(x.astype(jnp.bfloat16), w, preferred_element_type=jnp.float32)
+
+
+def gated_reference(x, w) -> jax.Array:
+    """XLA's `reference` then silu(first half of the columns) * second half -> [..., N/2]."""
+    y = reference(x, w)
+    half = y.shape[-1] // 2
+    return jax.nn.silu(y[..., :half]) * y[..., half:]
 
 
 def pack(w) -> jax.Array:

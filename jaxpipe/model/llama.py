@@ -171,18 +171,29 @@ def projections(cfg: ModelConfig, p: LayerParams, x, dot=None):
     return _matmul(h, p.wq, dot=dot), _matmul(h, p.wkv, dot=dot)
 
 
-def attn_out_mlp(cfg: ModelConfig, p: LayerParams, x, attn, reduce=None, dot=None):
+def attn_out_mlp(cfg: ModelConfig, p: LayerParams, x, attn, reduce=None, dot=None,
+                 gated=None):
     """Residual updates after attention: x [..., E], attn [..., H, D] -> x [..., E].
 
     `reduce` sums the partial products of the two row-split matmuls (`wo`, `w_down`) across
-    tensor-parallel shards (a `psum` inside `shard_map`); None on one shard. `dot`: see
-    `_matmul`."""
+    tensor-parallel shards (a `psum` inside `shard_map`); None on one shard. `dot`, `gated`:
+    see `_matmul` and `gated_mlp`."""
     reduce = reduce or (lambda y: y)
     x = x + reduce(_matmul(attn, p.wo, 2, dot))
     h = rms_norm(x, p.mlp_norm, cfg.rms_norm_eps)
-    gate_up = _matmul(h, p.w_gate_up, dot=dot)  # [..., 2, F]
-    act = jax.nn.silu(gate_up[..., 0, :]) * gate_up[..., 1, :]
+    act = gated_mlp(h, p.w_gate_up, dot, gated)  # [..., F]
     return x + reduce(_matmul(act, p.w_down, dot=dot))
+
+
+def gated_mlp(h, w, dot=None, gated=None):
+    """silu(h @ gate) * (h @ up): h [..., E], w [E, 2, F] (gate, up) -> [..., F] f32.
+    `gated(h2, w2)` ([M, E] and w as [E, 2F] -> [M, F]) may compute it in one kernel; None:
+    `_matmul` with `dot`, then the activation."""
+    if gated is not None:
+        e = w.shape[0]
+        return gated(h.reshape(-1, e), w.reshape(e, -1)).reshape(*h.shape[:-1], -1)
+    gate_up = _matmul(h, w, dot=dot)  # [..., 2, F]
+    return jax.nn.silu(gate_up[..., 0, :]) * gate_up[..., 1, :]
 
 
 def logits(cfg: ModelConfig, head: HeadParams, x):

@@ -166,3 +166,29 @@ def test_bad_shapes_are_named():
         mm.bf16_matmul(x, w, 0)
     with pytest.raises(ValueError, match="layer index goes with a stacked w"):
         mm.bf16_matmul(x, w[None])
+
+
+@pytest.mark.parametrize("m", [1, 7, 53, 300])
+@pytest.mark.parametrize("k,f", [(576, 1536), (66, 128), (1536, 64 * 3)])
+def test_gated_matches_silu_of_gate_times_up(m, k, f):
+    """`gated`: silu(x @ gate) * (x @ up) for w = [gate | up] [K, 2F], against float64 NumPy
+    (silu on the float64 products) and XLA's path; outputs with large negative gates are 0."""
+    x, w = inputs(m, k, 2 * f, seed=m + k)
+    x = x.at[0, :].multiply(40.0)  # gates far past exp's range in row 0
+    got = np.asarray(mm.bf16_matmul(x, mm.pack(w), gated=True))
+    y = numpy_matmul(x, w)
+    g, u = y[:, :f], y[:, f:]
+    want = g / (1 + np.exp(-np.clip(g, -700, 700))) * u
+    # f32 sums err by up to ~1e-4 of sum |terms| (S); silu' is within [-0.1, 1.1]
+    s = np.abs(np.asarray(x.astype(jnp.bfloat16), np.float64)) @ np.abs(np.asarray(w, float))
+    bound = 1e-4 * (s[:, :f] * (np.abs(u) + 1) + s[:, f:] * (np.abs(g) + 1))
+    assert got.shape == (m, f) and np.isfinite(got).all()
+    np.testing.assert_array_less(np.abs(got - want), bound)
+    np.testing.assert_allclose(got, np.asarray(jax.jit(mm.gated_reference)(x, w)),
+                               rtol=1e-3, atol=1e-3)
+
+
+def test_gated_refuses_widths_it_cannot_pair():
+    x, w = inputs(3, 66, 2 * 96)
+    with pytest.raises(ValueError, match="gated needs N a multiple of 128"):
+        mm.bf16_matmul(x, mm.pack(w), gated=True)

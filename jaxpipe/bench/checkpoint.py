@@ -1,0 +1,104 @@
+"""A Llama checkpoint of seeded random weights in HF's format (config.json, bf16 safetensors,
+tokenizer files), for benchmarks on a model larger than the default one that every engine
+loads from the same files (`scripts/make_checkpoint.py`).
+
+The architecture is a dict of `models/*.toml`'s [architecture] fields; the tokenizer is
+SmolLM2's (its vocabulary sets the checkpoint's), written by transformers from the bundled
+GGUF. Weights are N(0, 0.02) (norms 1), drawn layer by layer from `seed` with NumPy and written
+as bf16 bits straight into the safetensors file (no torch, no whole-model copy in memory).
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import numpy as np
+
+# TinyLlama-1.1B's layer shape (22 layers of 2048 wide, 4 KV heads), SmolLM2's vocabulary.
+LLAMA_1B = {
+    "hidden_size": 2048, "intermediate_size": 5632, "num_layers": 22, "num_heads": 32,
+    "num_kv_heads": 4, "head_dim": 64, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+    "max_position_embeddings": 4096, "tie_embeddings": False,
+}
+
+
+def hf_config(arch: dict, vocab_size: int, bos: int, eos: int) -> dict:
+    """config.json of a LlamaForCausalLM with `arch`'s dimensions."""
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+        "hidden_size": arch["hidden_size"], "intermediate_size": arch["intermediate_size"],
+        "num_hidden_layers": arch["num_layers"], "num_attention_heads": arch["num_heads"],
+        "num_key_value_heads": arch["num_kv_heads"], "head_dim": arch["head_dim"],
+        "rms_norm_eps": arch["rms_norm_eps"], "rope_theta": arch["rope_theta"],
+        "max_position_embeddings": arch["max_position_embeddings"],
+        "tie_word_embeddings": arch["tie_embeddings"], "vocab_size": vocab_size,
+        "attention_bias": False, "mlp_bias": False, "bos_token_id": bos, "eos_token_id": eos,
+        "torch_dtype": "bfloat16",
+    }
+
+
+def tensor_shapes(arch: dict, vocab_size: int) -> dict[str, tuple[int, ...]]:
+    """HF name -> shape ([out, in] for linear layers) of every weight, in file order."""
+    e, f, d = arch["hidden_size"], arch["intermediate_size"], arch["head_dim"]
+    q, kv = arch["num_heads"] * d, arch["num_kv_heads"] * d
+    shapes = {"model.embed_tokens.weight": (vocab_size, e)}
+    for i in range(arch["num_layers"]):
+        pre = f"model.layers.{i}."
+        shapes |= {pre + "input_layernorm.weight": (e,),
+                   pre + "self_attn.q_proj.weight": (q, e),
+                   pre + "self_attn.k_proj.weight": (kv, e),
+                   pre + "self_attn.v_proj.weight": (kv, e),
+                   pre + "self_attn.o_proj.weight": (e, q),
+                   pre + "post_attention_layernorm.weight": (e,),
+                   pre + "mlp.gate_proj.weight": (f, e),
+                   pre + "mlp.up_proj.weight": (f, e),
+                   pre + "mlp.down_proj.weight": (e, f)}
+    shapes["model.norm.weight"] = (e,)
+    if not arch["tie_embeddings"]:
+        shapes["lm_head.weight"] = (vocab_size, e)
+    return shapes
+
+
+def bf16_bits(x: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 bits (uint16), rounded to nearest even."""
+    bits = x.astype(np.float32).view(np.uint32)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def write_safetensors(path: Path, shapes: dict[str, tuple[int, ...]], seed: int) -> None:
+    """The weights of `shapes` as bf16: norms 1, the rest N(0, 0.02) from `seed`, one tensor
+    at a time."""
+    header, offset = {}, 0
+    for name, shape in shapes.items():
+        size = 2 * int(np.prod(shape))
+        header[name] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [offset,
+                                                                                offset + size]}
+        offset += size
+    blob = json.dumps(header).encode()
+    blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned
+    rng = np.random.default_rng(seed)
+    with path.open("wb") as out:
+        out.write(struct.pack("<Q", len(blob)) + blob)
+        for name, shape in shapes.items():
+            norm = name.endswith("norm.weight")
+            values = np.ones(shape, np.float32) if norm else (
+                0.02 * rng.standard_normal(shape, dtype=np.float32))
+            out.write(bf16_bits(values).tobytes())
+
+
+def write_checkpoint(out: Path, arch: dict, seed: int, tokenizer_gguf: Path) -> Path:
+    """config.json, model.safetensors and the tokenizer (from `tokenizer_gguf`, through
+    transformers) in `out`; returns `out`."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_gguf.parent),
+                                              gguf_file=tokenizer_gguf.name)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer.save_pretrained(out)
+    vocab = len(tokenizer)
+    config = hf_config(arch, vocab, tokenizer.bos_token_id, tokenizer.eos_token_id)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    write_safetensors(out / "model.safetensors", tensor_shapes(arch, vocab), seed)
+    return out

@@ -1,0 +1,42 @@
+"""The random Llama checkpoint writer: safetensors that the safetensors library and jaxpipe's
+HF loader read back, with the seeded values."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+from jaxpipe.bench.checkpoint import bf16_bits, hf_config, tensor_shapes, write_safetensors
+from jaxpipe.model.loading import load_hf_dir
+
+TINY = {"hidden_size": 12, "intermediate_size": 20, "num_layers": 3, "num_heads": 3,
+        "num_kv_heads": 1, "head_dim": 4, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+        "max_position_embeddings": 64, "tie_embeddings": False}
+
+
+def test_bf16_bits_round_to_nearest_even():
+    x = np.array([1.0, 1 + 2**-8, 1 + 3 * 2**-8, -2.5, 0.0], np.float32)
+    np.testing.assert_array_equal(bf16_bits(x), [0x3F80, 0x3F80, 0x3F82, 0xC020, 0])
+
+
+def test_written_checkpoint_loads_with_the_seeded_values(tmp_path):
+    from safetensors import safe_open
+
+    vocab = 17
+    shapes = tensor_shapes(TINY, vocab)
+    (tmp_path / "config.json").write_text(json.dumps(hf_config(TINY, vocab, 1, 2)))
+    write_safetensors(tmp_path / "model.safetensors", shapes, seed=5)
+    rng = np.random.default_rng(5)
+    with safe_open(str(tmp_path / "model.safetensors"), framework="flax") as f:
+        assert list(f.keys()) == sorted(shapes)
+        for name, shape in shapes.items():  # drawn in file order
+            want = np.ones(shape, np.float32) if name.endswith("norm.weight") else (
+                0.02 * rng.standard_normal(shape, dtype=np.float32))
+            got = np.asarray(f.get_tensor(name), np.float32)
+            assert got.shape == shape
+            np.testing.assert_allclose(got, want, rtol=2**-8, atol=0)
+    cfg, values = load_hf_dir(tmp_path)
+    assert (cfg.hidden_size, cfg.num_layers, cfg.num_kv_heads, cfg.vocab_size) == (12, 3, 1, 17)
+    assert values["wq"].shape == (3, 12, 3, 4) and values["lm_head"].shape == (12, 17)
+    assert (values["attn_norm"] == 1).all() and 0.01 < values["w_down"].std() < 0.03
