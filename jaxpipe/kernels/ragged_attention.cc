@@ -892,17 +892,30 @@ void run(ffi::ThreadPool& pool, const Inputs<T>& in, const std::vector<Span>& sp
   zero_uncovered(spans, tiles, s, in.out);
   auto each = [&](auto dim) {
     constexpr int kDim = decltype(dim)::value;
+#ifdef __AVX512BF16__
+    if constexpr (std::is_same_v<T, uint16_t> && kDim > 0) {
+      // A decode row's kv heads in one task, one after the other: they share each block's
+      // record (kv heads are adjacent in the pool), so a row's reads stay close together.
+      std::vector<std::pair<int64_t, int64_t>> tasks;  // (tile, kv head; -1: all of them)
+      for (int64_t i = 0; i < int64_t(tiles.size()); ++i) {
+        if (tiles[i].hi - tiles[i].lo == 1)
+          tasks.emplace_back(i, -1);
+        else
+          for (int64_t h = 0; h < s.kv_heads; ++h) tasks.emplace_back(i, h);
+      }
+      return parallel_for(pool, int64_t(tasks.size()), [&](int64_t t) {
+        thread_local fast::Work work;
+        const auto [i, h] = tasks[t];
+        const Tile& tile = tiles[i];
+        for (int64_t head = std::max<int64_t>(h, 0); head < (h < 0 ? s.kv_heads : h + 1); ++head)
+          fast::attend_tile<kDim>(in, s, spans[tile.row], tile, head, work);
+      });
+    }
+#endif
     parallel_for(pool, int64_t(tiles.size()) * s.kv_heads, [&](int64_t task) {
       const Tile& tile = tiles[task / s.kv_heads];
-      const int64_t h = task % s.kv_heads;
-#ifdef __AVX512BF16__
-      if constexpr (std::is_same_v<T, uint16_t> && kDim > 0) {
-        thread_local fast::Work work;
-        return fast::attend_tile<kDim>(in, s, spans[tile.row], tile, h, work);
-      }
-#endif
       thread_local Scratch scratch;
-      attend_tile<kDim, T>(in, s, spans[tile.row], tile, h, scratch);
+      attend_tile<kDim, T>(in, s, spans[tile.row], tile, task % s.kv_heads, scratch);
     });
   };
   if (s.dim == 64)
