@@ -43,6 +43,9 @@ namespace {
 constexpr int64_t kPanel = 64;  // columns per panel: 4 vectors of 16
 constexpr int kRows = 6;        // rows per register tile: 6 x 4 accumulators
 constexpr int64_t kChunk = 8 * kRows;  // rows per task
+// The next panel is prefetched only when two fit in a 1 MB L2 beside the x tiles (K <= 2560):
+// a larger one evicts the panel the task's later tiles still read (K = 5632: 1.1x slower).
+constexpr int64_t kAheadMaxBytes = 320 << 10;
 
 inline uint16_t bf16_bits(float f) {  // round to nearest even; NaN stays NaN
   uint32_t bits;
@@ -77,6 +80,28 @@ struct Panel {
   int64_t width;
 };
 
+// Bytes to bring into L2 while a task computes (the panel its thread multiplies next): tile i
+// of the task's rows prefetches its share of the lines, `per_j` lines per pair row j, so the
+// next panel's stream from memory overlaps this one's compute instead of following it.
+struct Ahead {
+  const char* bytes = nullptr;
+  int64_t size = 0;
+};
+
+struct AheadTile {
+  const char* p = nullptr;
+  int64_t per_j = 0, iters = 0;  // lines per pair row; pair rows that prefetch
+};
+
+// Tile `i` of `tiles` over `kp` pair rows: its contiguous share of a's lines.
+inline AheadTile ahead_tile(const Ahead& a, int64_t i, int64_t tiles, int64_t kp) {
+  const int64_t lines = (a.size + 63) / 64, share = (lines + tiles - 1) / tiles;
+  const int64_t mine = std::max<int64_t>(0, std::min(share, lines - i * share));
+  if (a.bytes == nullptr || mine == 0 || kp == 0) return {};
+  const int64_t per_j = (share + kp - 1) / kp;
+  return {a.bytes + 64 * i * share, per_j, (mine + per_j - 1) / per_j};
+}
+
 #ifdef __AVX512BF16__
 // f(0), .., f(N - 1) with compile-time indices, so GCC keeps arrays of vectors indexed by them
 // in registers (it spills them when loops index them).
@@ -92,7 +117,8 @@ __attribute__((always_inline)) inline void unroll(F&& f) {
 // y's rows 0 .. R - 1 (ldy apart) x the panel's columns, over all kp pair rows. NV vectors of
 // 16 columns; the last one masked when the panel is narrower than 16 * NV.
 template <int R, int NV>
-void tile(const uint32_t* __restrict x, int64_t kp, const Panel& pn, float* y, int64_t ldy) {
+void tile(const uint32_t* __restrict x, int64_t kp, const Panel& pn, float* y, int64_t ldy,
+          const AheadTile& ahead) {
   const int64_t last = pn.width - 16 * (NV - 1);  // columns of the last vector, 1..16
   const __mmask32 wmask = static_cast<__mmask32>(last == 16 ? ~0u : (1u << (2 * last)) - 1);
   const __mmask16 ymask = static_cast<__mmask16>((1u << last) - 1);
@@ -101,6 +127,9 @@ void tile(const uint32_t* __restrict x, int64_t kp, const Panel& pn, float* y, i
   unroll<R>([&](auto r) { unroll<NV>([&](auto v) { acc[r][v] = _mm512_setzero_ps(); }); });
   const uint16_t* w = pn.w;
   for (int64_t j = 0; j < kp; ++j, w += stride) {
+    if (j < ahead.iters)
+      for (int64_t i = 0; i < ahead.per_j; ++i)
+        _mm_prefetch(ahead.p + 64 * (j * ahead.per_j + i), _MM_HINT_T1);
     __m512i wv[NV];
     unroll<NV>([&](auto v) {
       wv[v] = v + 1 < NV ? _mm512_loadu_si512(w + 32 * v)
@@ -124,33 +153,36 @@ void tile(const uint32_t* __restrict x, int64_t kp, const Panel& pn, float* y, i
 // Rows m0 .. m0 + rows - 1 (1 <= rows <= R) of one panel.
 template <int R, int NV>
 void tile_rows(const uint32_t* x, int64_t kp, const Panel& pn, float* y, int64_t ldy,
-               int64_t rows) {
+               int64_t rows, const AheadTile& ahead) {
   if constexpr (R > 1) {
-    if (rows < R) return tile_rows<R - 1, NV>(x, kp, pn, y, ldy, rows);
+    if (rows < R) return tile_rows<R - 1, NV>(x, kp, pn, y, ldy, rows, ahead);
   }
-  tile<R, NV>(x, kp, pn, y, ldy);
+  tile<R, NV>(x, kp, pn, y, ldy, ahead);
 }
 
 template <int NV>
 void panel_rows(const uint32_t* x, int64_t kp, const Panel& pn, float* y, int64_t ldy,
-                int64_t rows) {
-  for (int64_t m = 0; m < rows; m += kRows)
-    tile_rows<kRows, NV>(x + m * kp, kp, pn, y + m * ldy, ldy, std::min<int64_t>(kRows, rows - m));
+                int64_t rows, const Ahead& ahead) {
+  const int64_t tiles = (rows + kRows - 1) / kRows;
+  for (int64_t i = 0, m = 0; m < rows; ++i, m += kRows)
+    tile_rows<kRows, NV>(x + m * kp, kp, pn, y + m * ldy, ldy, std::min<int64_t>(kRows, rows - m),
+                         ahead_tile(ahead, i, tiles, kp));
 }
 
-// y[rows, panel columns] for `rows` rows of xp starting at x (kp pairs each).
+// y[rows, panel columns] for `rows` rows of xp starting at x (kp pairs each), prefetching
+// `ahead` into L2 meanwhile.
 void panel_task(const uint32_t* x, int64_t kp, const Panel& pn, float* y, int64_t ldy,
-                int64_t rows) {
+                int64_t rows, const Ahead& ahead) {
   switch ((pn.width + 15) / 16) {
-    case 4: return panel_rows<4>(x, kp, pn, y, ldy, rows);
-    case 3: return panel_rows<3>(x, kp, pn, y, ldy, rows);
-    case 2: return panel_rows<2>(x, kp, pn, y, ldy, rows);
-    default: return panel_rows<1>(x, kp, pn, y, ldy, rows);
+    case 4: return panel_rows<4>(x, kp, pn, y, ldy, rows, ahead);
+    case 3: return panel_rows<3>(x, kp, pn, y, ldy, rows, ahead);
+    case 2: return panel_rows<2>(x, kp, pn, y, ldy, rows, ahead);
+    default: return panel_rows<1>(x, kp, pn, y, ldy, rows, ahead);
   }
 }
 #else
 void panel_task(const uint32_t* x, int64_t kp, const Panel& pn, float* y, int64_t ldy,
-                int64_t rows) {
+                int64_t rows, const Ahead&) {
   std::vector<float> acc(pn.width);
   for (int64_t m = 0; m < rows; ++m) {
     std::fill(acc.begin(), acc.end(), 0.f);
@@ -175,6 +207,8 @@ void gate(const float* g, const float* u, int64_t n, float* y) {
 }
 
 // Shares tasks 0..n-1 between the calling thread and the pool; returns when all are done.
+// A thread claims its next task before it runs one: fn(i, next) with next = -1 when none is
+// left, so it can prefetch what next reads.
 template <typename F>
 void parallel_for(ffi::ThreadPool& pool, int64_t n, F&& fn) {
   struct State {
@@ -182,9 +216,11 @@ void parallel_for(ffi::ThreadPool& pool, int64_t n, F&& fn) {
   };
   auto state = std::make_shared<State>();
   auto work = [state, n, &fn]() {
-    for (int64_t i; (i = state->next.fetch_add(1)) < n;) {
-      fn(i);
+    for (int64_t i = state->next.fetch_add(1); i < n;) {
+      const int64_t next = state->next.fetch_add(1);
+      fn(i, next < n ? next : -1);
       state->done.fetch_add(1);
+      i = next;
     }
   };
   const int64_t helpers = std::min<int64_t>(pool.num_threads(), n) - 1;
@@ -212,13 +248,21 @@ void matmul(ffi::ThreadPool& pool, const float* x, const uint16_t* w, float* y, 
   const int64_t out_n = gated ? n / 2 : n;
   const int64_t panels = (out_n + kPanel - 1) / kPanel, chunks = (m + kChunk - 1) / kChunk;
   auto panel = [&](int64_t p) { return Panel{w + p * kPanel * k, std::min(kPanel, n - p * kPanel)}; };
-  parallel_for(pool, panels * chunks, [&](int64_t t) {
+  // The thread's next task's panel, unless it is this one (another chunk of its rows).
+  auto ahead = [&](int64_t p, int64_t next) {
+    if (next < 0 || next / chunks == p || 2 * kPanel * k > kAheadMaxBytes) return Ahead{};
+    const Panel pn = panel(next / chunks);
+    return Ahead{reinterpret_cast<const char*>(pn.w), 2 * pn.width * k};
+  };
+  parallel_for(pool, panels * chunks, [&](int64_t t, int64_t next) {
     const int64_t p = t / chunks, m0 = t % chunks * kChunk, rows = std::min(kChunk, m - m0);
     const uint32_t* xs = xp.get() + m0 * kp;
-    if (!gated) return panel_task(xs, kp, panel(p), y + m0 * n + p * kPanel, n, rows);
+    const Ahead a = ahead(p, next);
+    if (!gated) return panel_task(xs, kp, panel(p), y + m0 * n + p * kPanel, n, rows, a);
     thread_local std::vector<float> g(kChunk * kPanel), u(kChunk * kPanel);
-    panel_task(xs, kp, panel(p), g.data(), kPanel, rows);
-    panel_task(xs, kp, panel(p + panels), u.data(), kPanel, rows);
+    const Ahead up = a.bytes ? ahead(p + panels, next + panels * chunks) : Ahead{};
+    panel_task(xs, kp, panel(p), g.data(), kPanel, rows, a);
+    panel_task(xs, kp, panel(p + panels), u.data(), kPanel, rows, up);
     for (int64_t r = 0; r < rows; ++r)
       gate(g.data() + r * kPanel, u.data() + r * kPanel, kPanel, y + (m0 + r) * out_n + p * kPanel);
   });
