@@ -17,7 +17,10 @@
 // A task is (panel, chunk of kChunk rows): a tile of up to kRows rows keeps its kRows x 64
 // sums in 24 vector registers over all of K, and the panel is read from L2 for the next tile
 // of the chunk. Tasks are shared out over XLA's intra-op thread pool. Few rows (decode) stream
-// each panel from memory once; many rows (prefill) are compute-bound. Like XLA, x is rounded
+// each panel from memory once; many rows (prefill) are compute-bound. In between (decode of
+// 16-96 rows), a thread claims its next task first and prefetches that task's panel into L2
+// over this task's tiles, so a panel's stream from memory overlaps the compute on the one
+// before it instead of stalling the task's first tile. Like XLA, x is rounded
 // to bf16 before the dot; vdpbf16ps treats bf16 denormals (below 1.2e-38) as zero. Without
 // avx512_bf16 a portable loop computes the same (exact products, f32 sums).
 #include <algorithm>
