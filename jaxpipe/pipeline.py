@@ -163,21 +163,28 @@ def reorder_local(layers: dict, fn) -> dict:
 HEAD_AXES = ("embed", "vocab")  # the LM head as the kernel reads it: [E, V]
 
 
+def _layers_program(cfg: ModelConfig, layout: Layout, mesh, names: frozenset[str], fn):
+    """shard_map(layers) -> layers with each device's shards of the matmul weights `names`
+    reordered by `fn` (`matmul.pack` / `unpack`), shapes and shardings kept."""
+    decls = param_decls(cfg)
+    specs = {n: sharding.spec(decls[n].axes, layout) for n in names}
+    return jax.shard_map(lambda ws: reorder_local(ws, fn), mesh=mesh, in_specs=(specs,),
+                         out_specs=specs, check_vma=False)
+
+
 def pack_program(cfg: ModelConfig, layout: Layout, mesh, names: frozenset[str], head: bool):
     """jit(params in natural order, donated) -> params as the step reads them: each device's
     shards of the matmul weights `names` in panel order (`matmul.pack`); with `head`, the LM
     head [E, V] in panel order too, as "lm_head" (tied embeddings: a copy of the embedding's
     transpose; the lookup keeps reading "embed")."""
     decls = param_decls(cfg)
-    specs = {n: sharding.spec(decls[n].axes, layout) for n in names}
     head_in = sharding.spec(decls["lm_head" if "lm_head" in decls else "embed"].axes, layout)
     head_out = sharding.spec(HEAD_AXES, layout)
 
     def local_head(w):  # this device's [V', E] (tied) or [E, V'] -> [E, V'] in panel order
         return matmul.pack(w if "lm_head" in decls else w.T)
 
-    layers = jax.shard_map(lambda ws: reorder_local(ws, matmul.pack), mesh=mesh,
-                           in_specs=(specs,), out_specs=specs, check_vma=False)
+    layers = _layers_program(cfg, layout, mesh, names, matmul.pack)
     lm_head = jax.shard_map(local_head, mesh=mesh, in_specs=(head_in,), out_specs=head_out,
                             check_vma=False)
 
@@ -194,10 +201,8 @@ def unpack_program(cfg: ModelConfig, layout: Layout, mesh, names: frozenset[str]
     """The inverse of `pack_program` (a new tree; params not donated): natural order, and no
     "lm_head" for tied embeddings."""
     decls = param_decls(cfg)
-    specs = {n: sharding.spec(decls[n].axes, layout) for n in names}
     head_spec = sharding.spec(HEAD_AXES, layout)
-    layers = jax.shard_map(lambda ws: reorder_local(ws, matmul.unpack), mesh=mesh,
-                           in_specs=(specs,), out_specs=specs, check_vma=False)
+    layers = _layers_program(cfg, layout, mesh, names, matmul.unpack)
     lm_head = jax.shard_map(matmul.unpack, mesh=mesh, in_specs=(head_spec,),
                             out_specs=head_spec, check_vma=False)
 

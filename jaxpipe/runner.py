@@ -182,6 +182,7 @@ class Placement:
                                          for n in pipeline.MATMUL_PARAMS}) if packed else (
             frozenset())
         self.packed_head = packed and cfg.hidden_size % 2 == 0
+        self._pack = self._unpack = None  # None: the step reads the natural order
         if self.packed or self.packed_head:
             args = (cfg, layout, self.mesh, self.packed, self.packed_head)
             self._pack, self._unpack = (pipeline.pack_program(*args),
@@ -198,12 +199,12 @@ class Placement:
 
     def pack(self, params: dict) -> dict:
         """Weights placed in this layout (natural order; donated) as the step reads them."""
-        return self._pack(params) if self.packed or self.packed_head else params
+        return self._pack(params) if self._pack else params
 
     def unpack(self, params: dict) -> dict:
         """The step's weights in this layout back in natural order (a new tree), for a
         re-shard."""
-        return self._unpack(params) if self.packed or self.packed_head else params
+        return self._unpack(params) if self._unpack else params
 
     def empty_cache(self) -> KVCache:
         """A zeroed KV pool in this layout's sharding: the one `keep` kept, else one created
