@@ -256,9 +256,9 @@ class Engine:
             for t in tokens:
                 self.runner.hidden(self._padding_step(t))
                 bar.update()
-            for n in rows:
+            for n in rows:  # the head and sampler read [max_rows, E]: any step feeds them
                 plan = self.executor.row_plan([], n)
-                self.runner.step(self._padding_step(tokens[-1]),
+                self.runner.step(self._padding_step(tokens[0]),
                                  np.full(n, self.max_num_seqs, np.int32), plan)
                 bar.update()
 

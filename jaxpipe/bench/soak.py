@@ -5,11 +5,17 @@ What must hold (`SoakResult.violations` lists every breach): each call ends exac
 a result (a stream's one final message, a batch's one result per item) or one error of the
 kind its request earns (UNAVAILABLE while the engine is down, INVALID_ARGUMENT for a malformed
 request, CANCELLED for one the client cancelled); no call hangs (each has a deadline); the
-server serves again after the kill; and its RSS (front end + engine) at the end of the run is
-within `rss_tolerance` of its RSS once warm. RSS is sampled every second; "before" is the median
-over the `rss_window` of the run from `warmup_at` (before the kill), "after" the median over the
-run's last `rss_window`. Medians, because a busy engine's RSS swings by 15% within seconds as XLA
-allocates and frees step buffers: one sample each side made a leak of nothing fail.
+server serves again after the kill; and its RSS (front end + engine) once the restarted engine
+has served a while is within `rss_tolerance` of its RSS just before the kill. RSS is sampled
+every second; "before" is the median over the `rss_window` seconds that end at the kill, "after"
+the median over the run's last `rss_window` seconds, counting only samples taken at least
+`settle` seconds after the engine serves again (too few such samples is a breach: the run was
+too short for its restart). The windows compare two warm engines at the same stage: an engine
+that still compiles, or a restarted one still loading, is not at its working size, and a
+busy engine's RSS swings by 15% within seconds as XLA allocates and frees step buffers (one
+sample each side made a leak of nothing fail; so did a "before" window taken while the first
+engine still compiled its shapes, 1.92 -> 2.23 GiB). With no kill, "before" starts at
+`warmup_at` of the run.
 Entry points: `scripts/soak.py`, tests/bench/test_soak.py.
 """
 
@@ -40,8 +46,10 @@ class SoakConfig:
     clients: int = 64
     seconds: float = 120.0
     kill_at: float | None = 0.4  # fraction of `seconds` at which the engine is killed (None: no)
-    warmup_at: float = 0.2  # fraction of `seconds` after which the "before" RSS is taken
+    warmup_at: float = 0.2  # with no kill: fraction of `seconds` where the "before" RSS starts
     rss_window: float = 0.2  # fraction of `seconds` over which each side's median RSS is taken
+    settle: float = 10.0  # seconds after the restart before an "after" RSS sample counts
+    min_samples: int = 5  # RSS samples each side needs (one a second)
     max_tokens: tuple[int, int] = (2, 12)
     seed: int = 0
     rss_tolerance: float = 0.10
@@ -126,14 +134,18 @@ class Soak:
 
     def _compare_rss(self, samples: list[tuple[float, int, int]]) -> None:
         cfg, res = self.config, self.result
-        lo = cfg.warmup_at * cfg.seconds
-        hi = lo + cfg.rss_window * cfg.seconds
-        if cfg.kill_at is not None:
-            hi = min(hi, cfg.kill_at * cfg.seconds)
-        before = [s for s in samples if lo <= s[0] < hi]
-        after = [s for s in samples if s[0] >= (1 - cfg.rss_window) * cfg.seconds]
-        if not before or not after:
-            self._violation(f"too few RSS samples ({len(before)} before, {len(after)} after)")
+        window = cfg.rss_window * cfg.seconds
+        if res.killed_at is not None:
+            before = [s for s in samples if res.killed_at - window <= s[0] < res.killed_at]
+        else:
+            lo = cfg.warmup_at * cfg.seconds
+            before = [s for s in samples if lo <= s[0] < lo + window]
+        serving = (res.killed_at or 0.0) + (res.restart_seconds or 0.0) + cfg.settle
+        after = [s for s in samples if s[0] >= max(cfg.seconds - window, serving)]
+        if len(before) < cfg.min_samples or len(after) < cfg.min_samples:
+            self._violation(f"too few RSS samples to compare ({len(before)} before the kill, "
+                            f"{len(after)} after the restart settled at {serving:.0f} s of "
+                            f"{cfg.seconds:.0f}): run longer")
             return
         res.rss_before, res.rss_after = (int(statistics.median(s[2] for s in side))
                                          for side in (before, after))
