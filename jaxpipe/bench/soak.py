@@ -44,7 +44,7 @@ UNAVAILABLE_PAUSE = 0.25  # seconds a client waits after UNAVAILABLE
 @dataclass
 class SoakConfig:
     clients: int = 64
-    seconds: float = 120.0
+    seconds: float = 180.0  # CI's soak; scripts/soak.py --minutes sets it
     kill_at: float | None = 0.4  # fraction of `seconds` at which the engine is killed (None: no)
     warmup_at: float = 0.2  # with no kill: fraction of `seconds` where the "before" RSS starts
     rss_window: float = 0.2  # fraction of `seconds` over which each side's median RSS is taken
@@ -135,17 +135,14 @@ class Soak:
     def _compare_rss(self, samples: list[tuple[float, int, int]]) -> None:
         cfg, res = self.config, self.result
         window = cfg.rss_window * cfg.seconds
-        if res.killed_at is not None:
-            before = [s for s in samples if res.killed_at - window <= s[0] < res.killed_at]
-        else:
-            lo = cfg.warmup_at * cfg.seconds
-            before = [s for s in samples if lo <= s[0] < lo + window]
+        end = res.killed_at if res.killed_at is not None else cfg.warmup_at * cfg.seconds + window
+        before = [s for s in samples if end - window <= s[0] < end]
         serving = (res.killed_at or 0.0) + (res.restart_seconds or 0.0) + cfg.settle
         after = [s for s in samples if s[0] >= max(cfg.seconds - window, serving)]
         if len(before) < cfg.min_samples or len(after) < cfg.min_samples:
-            self._violation(f"too few RSS samples to compare ({len(before)} before the kill, "
-                            f"{len(after)} after the restart settled at {serving:.0f} s of "
-                            f"{cfg.seconds:.0f}): run longer")
+            self._violation(f"too few RSS samples to compare ({len(before)} before {end:.0f} s, "
+                            f"{len(after)} after {serving:.0f} s of {cfg.seconds:.0f}): "
+                            "run longer")
             return
         res.rss_before, res.rss_after = (int(statistics.median(s[2] for s in side))
                                          for side in (before, after))
