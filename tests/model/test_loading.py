@@ -12,6 +12,7 @@ import pytest
 from jaxpipe import Engine, EngineConfig, SamplingParams
 from jaxpipe.model import loading
 from jaxpipe.model.presets import resolve_model
+from jaxpipe.tokenizer import Tokenizer
 
 pytest.importorskip("torch")
 
@@ -19,17 +20,19 @@ PROMPTS = ["The capital of France is", "def fib(n):"]
 
 
 @pytest.fixture(scope="module")
-def hf_dir(hf_model, hf_tokenizer, tmp_path_factory):
-    """The HF reference model saved with `save_pretrained` (+ its tokenizer)."""
+def hf_dir(hf_model, gguf_path, tmp_path_factory):
+    """The HF reference model saved with `save_pretrained`, and the GGUF's tokenizer written
+    by jaxpipe (as its metadata says, whichever transformers release is installed: 5.5 reads
+    SmolLM2's GGUF as a CodeLlama tokenizer)."""
     path = tmp_path_factory.mktemp("hf_smollm2")
-    # A GGUF-loaded model is flagged as quantized and refuses to save: copy its (already
-    # dequantized) weights into a plain model of the same config.
+    # A GGUF-loaded model is flagged as quantized (transformers >= 5.6) and refuses to save:
+    # copy its (already dequantized) weights into a plain model of the same config.
     config = copy.deepcopy(hf_model.config)
-    del config.quantization_config
+    config.__dict__.pop("quantization_config", None)
     plain = type(hf_model)(config)
     plain.load_state_dict(hf_model.state_dict())
     plain.save_pretrained(path)
-    hf_tokenizer.save_pretrained(path)
+    Tokenizer.from_gguf(gguf_path).save(path)
     return path
 
 

@@ -13,6 +13,10 @@ Requests go in as the workload's own token ids (`ContinuousBatchingPipeline.gene
 tokens each. `LLMPipeline(..., scheduler_config=...)` wraps the same engine but takes one
 GenerationConfig per call, which cannot express per-request output lengths.
 
+The KV cache is kept in the compute dtype, as jaxpipe keeps it, unless OpenVINO's CPU plugin
+says it has no bf16 (`OPTIMIZATION_CAPABILITIES`; its AVX2 paged-attention executor refuses a
+bf16 cache with "expect kvcache type f32"): then f32, and the result says so.
+
 openvino, openvino_genai, transformers and torch are imported only inside the functions here.
 """
 
@@ -27,13 +31,12 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from jaxpipe.bench.report import best_point, throughput
-from jaxpipe.bench.workload import Request
+from jaxpipe_peers.protocol import Request, best_point, throughput
 
 Log = Callable[[str], None]
 
 DEFAULT_BATCHED_TOKENS = (256, 512, 2048)
-_INSTALL_HINT = 'pip install -e ".[bench]"'
+_INSTALL_HINT = "make bench-env (the peers' environment, from requirements/peers.lock)"
 # --dtype -> OpenVINO's INFERENCE_PRECISION_HINT / KV_CACHE_PRECISION spelling.
 _OV_PRECISION = {"bfloat16": "bf16", "float32": "f32"}
 KV_CACHE_PRECISIONS = ("bf16", "f32", "u8")
@@ -49,7 +52,7 @@ def require(module: str) -> Any:
     except ImportError as exc:
         raise RuntimeError(
             f"the OpenVINO peer needs {module!r}, which is not importable ({exc}); "
-            f"install the bench extra: {_INSTALL_HINT}"
+            f"it lives in the peers' environment: {_INSTALL_HINT}"
         ) from exc
 
 
@@ -239,6 +242,19 @@ def run_openvino(
     return result
 
 
+def default_kv_precision(dtype: str, capabilities: Sequence[str]) -> str:
+    """The KV cache's precision when none is asked for: the compute dtype, as jaxpipe keeps
+    its KV, unless the CPU plugin lists no BF16 among its `capabilities` (then f32: its
+    executor on such CPUs refuses a bf16 cache)."""
+    wanted = _OV_PRECISION[dtype]
+    return "f32" if wanted == "bf16" and "BF16" not in capabilities else wanted
+
+
+def cpu_capabilities() -> list[str]:
+    """OpenVINO's CPU plugin's OPTIMIZATION_CAPABILITIES (e.g. FP32, BF16, INT8)."""
+    return list(require("openvino").Core().get_property("CPU", "OPTIMIZATION_CAPABILITIES"))
+
+
 def sweep_openvino(
     model: Path,
     workload: Sequence[Request],
@@ -252,23 +268,36 @@ def sweep_openvino(
 ) -> dict:
     """Convert (or reuse) the IR, run `run_openvino` at each token budget; all points + best.
 
-    `kv_precision` None: the KV cache in the compute dtype, as jaxpipe keeps it (OpenVINO's
-    CPU default would be u8).
+    `kv_precision` None: `default_kv_precision` for this CPU (OpenVINO's own CPU default
+    would be u8).
     """
     import json
 
     ir_dir = ensure_ir(model, log)
-    kv_precision = kv_precision or _OV_PRECISION[dtype]
+    capabilities = cpu_capabilities()
+    chosen = kv_precision or default_kv_precision(dtype, capabilities)
+    if chosen != _OV_PRECISION[dtype] and kv_precision is None:
+        log(f"[openvino] the CPU plugin has no BF16 ({', '.join(capabilities)}): KV cache f32")
     hf_config = json.loads((ir_dir / "config.json").read_text())
-    kv_bytes = kv_bytes_per_token(hf_config, kv_precision)
+    kv_bytes = kv_bytes_per_token(hf_config, chosen)
     points = []
     for tokens in batched_tokens:
         scheduler = scheduler_settings(workload, tokens, max_num_seqs, kv_bytes)
-        point = run_openvino(ir_dir, workload, warmup, scheduler, dtype, kv_precision)
+        point = run_openvino(ir_dir, workload, warmup, scheduler, dtype, chosen)
         log(
             f"[openvino] batched tokens {tokens}: {point['output_tok_s']:.1f} output tok/s over "
             f"{point['num_requests']} requests in {point['elapsed_s']:.1f}s "
             f"(compile {point['startup_s']:.1f}s, KV pool {scheduler['cache_size']} GB)"
         )
         points.append(point)
-    return {"points": points, "best": best_point(points), "ir_dir": str(ir_dir)}
+    return {"points": points, "best": best_point(points), "ir_dir": str(ir_dir),
+            "kv_cache_precision": chosen, "cpu_capabilities": capabilities}
+
+
+def run_job(job: dict, requests: Sequence[Request], warmup: Sequence[Request]) -> dict:
+    """A job file's OpenVINO sweep (`jaxpipe_peers.__main__`)."""
+    return sweep_openvino(
+        Path(job["model"]), requests, warmup, job["batched_tokens"], dtype=job["dtype"],
+        max_num_seqs=job["max_num_seqs"], kv_precision=job.get("kv_precision"),
+        log=lambda line: print(line, flush=True),
+    )

@@ -13,8 +13,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from jaxpipe.bench.report import best_point, throughput
-from jaxpipe.bench.workload import Request
+from jaxpipe_peers.protocol import Request, best_point, seconds_per_call, throughput
 
 _TORCH_DTYPES = ("bfloat16", "float32")
 
@@ -174,3 +173,43 @@ def sweep_hf(
         )
         points.append(point)
     return {"points": points, "best": best_point(points)}
+
+
+def torch_matmul_gflops(dtype: str, shapes: Sequence[Sequence[int]], repeats: int = 10,
+                        min_seconds: float = 0.05) -> dict:
+    """torch's (oneDNN's) GFLOP/s on the benchmark's matmul shapes, f32 accumulation inside:
+    beside jax's peak it says whether the ceiling jaxpipe is measured against is XLA's dot or
+    the hardware. Informational only."""
+    import torch
+
+    if dtype not in _TORCH_DTYPES:
+        raise ValueError(f"dtype must be one of {_TORCH_DTYPES}, got {dtype!r}")
+    torch.set_num_threads(os.cpu_count() or 1)
+    gen = torch.Generator().manual_seed(0)
+    per_shape = []
+    for m, k, n in shapes:
+        a = torch.randn(m, k, generator=gen).to(getattr(torch, dtype))
+        b = torch.randn(k, n, generator=gen).to(getattr(torch, dtype))
+        with torch.inference_mode():
+            seconds = seconds_per_call(lambda a=a, b=b: a @ b, lambda out: None, repeats,
+                                       min_seconds)
+        per_shape.append({"m": m, "k": k, "n": n, "gflops": 2.0 * m * k * n / seconds / 1e9})
+    return {"backend": "torch", "dtype": dtype, "shapes": per_shape,
+            "peak_gflops": max(s["gflops"] for s in per_shape)}
+
+
+def run_job(job: dict, requests: Sequence[Request], warmup: Sequence[Request]) -> dict:
+    """A job file's HF sweep (`jaxpipe_peers.__main__`), plus torch's matmul GFLOP/s on the
+    job's `matmul_shapes` when it names any."""
+    from pathlib import Path
+
+    model = Path(job["model"])
+    model_dir, gguf_file = (str(model), None) if model.is_dir() else (str(model.parent),
+                                                                      model.name)
+    result = sweep_hf(requests, job["batch_sizes"], job["dtype"], model_dir, gguf_file,
+                      max_seconds=job.get("max_seconds"),
+                      log=lambda line: print(line, flush=True))
+    if job.get("matmul_shapes"):
+        result["torch_matmul"] = torch_matmul_gflops(job["dtype"], job["matmul_shapes"],
+                                                     job.get("matmul_repeats", 10))
+    return result

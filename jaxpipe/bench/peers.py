@@ -1,0 +1,89 @@
+"""The peers' environment and the call into it.
+
+The OpenVINO and HF peers (`jaxpipe_peers`) run in `.venv-peers` beside the checkout's
+`.venv`, built from `requirements/peers.lock` the first time a benchmark needs it (or by
+`make bench-env`) and rebuilt when the lock changes; `JAXPIPE_PEERS_VENV` puts it
+elsewhere. A peer is one child process: the benchmark writes a job file (the workload's
+token ids and the peer's sweep), the child writes a result file. The child's output goes
+straight to this process's terminal, so its progress and errors read as before.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import jaxpipe_peers
+from jaxpipe_peers.protocol import read_json, write_json
+
+Log = Callable[[str], None]
+
+ROOT = Path(jaxpipe_peers.__file__).resolve().parents[1]  # the checkout holding both packages
+LOCK = ROOT / "requirements" / "peers.lock"
+_STAMP = ".jaxpipe-peers-lock"  # in the venv: the hash of the lock it was built from
+
+
+def env_dir() -> Path:
+    """Where the peers' environment lives: $JAXPIPE_PEERS_VENV, else `.venv-peers` in the
+    checkout."""
+    return Path(os.environ.get("JAXPIPE_PEERS_VENV") or ROOT / ".venv-peers")
+
+
+def lock_hash(lock: Path = LOCK) -> str:
+    """What the environment's stamp must say for it to be current."""
+    if not lock.is_file():
+        raise FileNotFoundError(
+            f"the peers' lock {lock} is missing: the peers run from a jaxpipe checkout "
+            "(requirements/peers.lock; `make lock` writes it)")
+    return hashlib.sha256(lock.read_bytes()).hexdigest()
+
+
+def ensure_env(log: Log = print, venv: Path | None = None, lock: Path = LOCK) -> Path:
+    """The peers' Python, building (or rebuilding, when the lock changed) its environment
+    first: `python -m venv`, then `pip install -r` the lock (a few minutes, once)."""
+    venv = venv or env_dir()
+    python = venv / "bin" / "python"
+    want = lock_hash(lock)
+    stamp = venv / _STAMP
+    if python.is_file() and stamp.is_file() and stamp.read_text().strip() == want:
+        return python
+    log(f"[peers] building the peers' environment in {venv} from {lock.name} (once; a few "
+        "minutes)")
+    if not python.is_file():
+        _check([sys.executable, "-m", "venv", str(venv)], "creating the peers' venv")
+    _check([str(python), "-m", "pip", "install", "-q", "-r", str(lock)],
+           f"installing {lock.name} into {venv}")
+    stamp.write_text(want + "\n")
+    return python
+
+
+def _check(cmd: list[str], what: str) -> None:
+    proc = subprocess.run(cmd)
+    if proc.returncode:
+        raise RuntimeError(f"{what} failed (exit {proc.returncode}): {' '.join(cmd)}")
+
+
+def run_peer(job: dict, log: Log = print, python: Path | None = None) -> dict:
+    """Run one peer's `job` (`jaxpipe_peers.__main__`) in the peers' environment (or under
+    `python`) and return its result."""
+    python = python or ensure_env(log)
+    with tempfile.TemporaryDirectory(prefix="jaxpipe-peer-") as tmp:
+        job_file, result_file = Path(tmp) / "job.json", Path(tmp) / "result.json"
+        write_json(job, job_file)
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        cmd = [str(python), "-m", "jaxpipe_peers", str(job_file), str(result_file)]
+        log(f"[peers] {job['peer']}: {len(job['requests'])} requests in {python.parent.parent}")
+        proc = subprocess.run(cmd, env=env)
+        if proc.returncode or not result_file.is_file():
+            raise RuntimeError(f"the {job['peer']} peer failed (exit {proc.returncode}); its "
+                               "output is above")
+        return read_json(result_file)
+
+
+if __name__ == "__main__":  # `make bench-env`
+    print(f"the peers' Python: {ensure_env()}")
