@@ -98,6 +98,8 @@ class ModelConfig:
 
 
 ATTENTION = ("auto", "kernel", "pallas", "pallas-interpret", "xla")
+# "auto", "xla" and the bf16 kernel's paths (jaxpipe.kernels.matmul.PATHS).
+MATMULS = ("auto", "xla", "portable", "avx2", "avx512_bf16")
 SCHEDULERS = ("auto", "seesaw", "prefill_first", "decode_first", "tdpipe", "throttle")
 PREDICTORS = ("learned", "oracle")  # jaxpipe.scheduler.predictor
 SAMPLERS = ("device", "host")
@@ -116,9 +118,9 @@ class EngineConfig:
         directory (config.json + *.safetensors) or an orbax checkpoint made by scripts/convert.py.
     dtype: "bfloat16" (fast on CPU with f32 accumulation) or "float32".
     max_model_len: longest prompt + output, in tokens (default: min(model limit, 2048)).
-    max_num_seqs: sequences on the device at once (decode batch rows). Default: as many as
-        the device KV pool's budget holds at max_model_len tokens each (a multiple of 32, at
-        most 256).
+    max_num_seqs: sequences on the device at once (decode batch rows). Default: 256 (fewer
+        only if the device KV pool has fewer blocks). Each sequence takes blocks as it grows;
+        when the pool fills, the scheduler preempts the newest.
     max_num_batched_tokens: the token budget of one step: prompt chunks plus decode tokens (a
         step may carry up to max(this, max_num_seqs) tokens, so that every running sequence
         can decode in one step).
@@ -132,7 +134,7 @@ class EngineConfig:
         CPU devices: the host's available RAM), once the weights and the activations of the
         largest step are taken from it, that the device KV pool gets when kv_cache_gb /
         kv_cache_tokens are not given. None: 0.9 on accelerators (vLLM's
-        gpu_memory_utilization), 0.1 on CPU, whose RAM the host tier, the compiled programs
+        gpu_memory_utilization), 0.4 on CPU, whose RAM the host tier, the compiled programs
         and the rest of the machine share (there the pool takes memory only as its blocks
         are first written).
     seed: the seed of the requests that give none (each draws one from this stream).
@@ -151,7 +153,13 @@ class EngineConfig:
         CPU the C++ kernels, ragged attention and bf16 matmuls, where they build, else
         XLA), "kernel" (the C++ kernels or an error), "pallas" (the Pallas kernel, GPU only),
         "pallas-interpret" (it in Pallas' interpreter: any backend, slow; for tests) or
-        "xla".
+        "xla". On CPU "auto" times the C++ kernel and XLA on the model's heads once per
+        machine and takes the faster (jaxpipe.kernels.dispatch).
+    matmul: which implementation multiplies bf16 weights on CPU: "auto" (each weight and row
+        count timed once per machine, the fastest used: XLA's dot or a path of the bf16
+        kernel; jaxpipe.kernels.dispatch), "xla", or one kernel path for every matmul:
+        "portable", "avx2", "avx512_bf16" (an error where this machine's build has no such
+        path).
     scheduler: the scheduling policy (jaxpipe.scheduler): "seesaw" (prefill into the host KV
         tier until it is full, then decode out of it until it is empty: few layout switches),
         "prefill_first" (continuous batching with chunked prefill: decode tokens first, the
@@ -214,6 +222,7 @@ class EngineConfig:
     warmup: bool = True
     show_progress: bool = True
     attention: str = "auto"
+    matmul: str = "auto"
     mesh: str = "cpu-1"
     prefill: str | Layout | None = None
     decode: str | Layout | None = None
@@ -255,6 +264,9 @@ class EngineConfig:
         if self.attention not in ATTENTION:
             raise ValueError(f"EngineConfig.attention must be one of {ATTENTION}, "
                              f"got {self.attention!r}")
+        if self.matmul not in MATMULS:
+            raise ValueError(f"EngineConfig.matmul must be one of {MATMULS}, "
+                             f"got {self.matmul!r}")
         _check_number("host_kv_gb", self.host_kv_gb, "a number >= 0 or None", lambda x: x >= 0)
         if self.host_kv_tokens is not None:
             _check_int("host_kv_tokens", self.host_kv_tokens, 0, 1 << 40)

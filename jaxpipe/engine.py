@@ -14,6 +14,7 @@ import math
 import time
 from collections.abc import Iterator
 from collections.abc import Sequence as Seq
+from functools import partial
 from pathlib import Path
 
 import jax
@@ -24,14 +25,23 @@ from jaxpipe import distributed, memory, requests, sharding, step_inputs
 from jaxpipe.buckets import Buckets
 from jaxpipe.config import EngineConfig, ModelConfig
 from jaxpipe.executor import Executor
+from jaxpipe.kernels import dispatch
+from jaxpipe.kernels.dispatch import Dispatch
 from jaxpipe.kv import device_cache
+from jaxpipe.kv.device_cache import storage_dtype
 from jaxpipe.layout import Layout
 from jaxpipe.meshes import MeshPreset, load_mesh
 from jaxpipe.model import loading
 from jaxpipe.model.llama import Llama, init_random, param_decls
 from jaxpipe.model.presets import resolve_model
 from jaxpipe.outputs import CompletionOutput, RequestOutput, StreamDelta
-from jaxpipe.runner import Runner, packed_head_bytes, weight_copies
+from jaxpipe.runner import (
+    Runner,
+    attention_cases,
+    attention_impl,
+    packed_head_bytes,
+    weight_copies,
+)
 from jaxpipe.sampling import SamplingParams
 from jaxpipe.scheduler import (
     Sequence,
@@ -83,14 +93,15 @@ class Engine:
             self.layouts = _prepare(config, len(devices))
         self.limits = requests.Limits(self.max_model_len, self.model_config.vocab_size)
         block_bytes = _block_bytes(self.model_config, self.dtype, self.layouts)
+        self.dispatch = _dispatch(config, self.model_config, self.dtype, devices)
         weight_bytes = (model_bytes(self.model_config, self.dtype) + packed_head_bytes(
-            self.model_config, config.attention, devices, self.dtype)) * weight_copies(
-            self.layouts, devices)
+            self.model_config, self.dtype, self.layouts, devices, self.dispatch)
+            ) * weight_copies(self.layouts, devices)
         reserve = memory.activation_bytes(
             self.model_config, max(config.max_num_batched_tokens, config.max_num_seqs or 0),
             config.max_num_seqs or 256)
         self.budget = memory.plan(config, devices, weight_bytes, reserve, block_bytes)
-        self.max_num_seqs = _max_num_seqs(config, self.budget, self.max_model_len, block_bytes)
+        self.max_num_seqs = _max_num_seqs(config, self.budget, block_bytes)
         self.num_blocks = _num_blocks(self.budget, self.max_num_seqs, self.max_model_len,
                                       block_bytes)
         _check_fits(self.budget, self.num_blocks * block_bytes, weight_bytes, devices)
@@ -99,12 +110,13 @@ class Engine:
         if leader is not None:
             leader.send("setup", {"max_num_seqs": self.max_num_seqs,
                                   "num_blocks": self.num_blocks,
+                                  "dispatch": self.dispatch and self.dispatch.timings,
                                   "config": distributed.shared_fields(config)})
         self.buckets = Buckets.for_engine(self.max_num_seqs, self.max_model_len,
                                           config.max_num_batched_tokens)
         self.runner = _make_runner(config, self.model_config, model, self.buckets,
                                    self.max_num_seqs, self.max_model_len, self.dtype, devices,
-                                   self.layouts, self.num_blocks)
+                                   self.layouts, self.num_blocks, self.dispatch)
         return model
 
     # ---- public API ---------------------------------------------------------------------------
@@ -371,8 +383,11 @@ def follow(config: EngineConfig) -> None:
         raise RuntimeError(f"the leader (process 0) failed to start: {sizes}")
     distributed.check_same(sizes["config"], distributed.shared_fields(config))
     buckets = Buckets.for_engine(sizes["max_num_seqs"], max_len, config.max_num_batched_tokens)
+    # The leader's measured choices, so that every process compiles the same programs.
+    timings = sizes["dispatch"]
+    chosen = None if timings is None else Dispatch(_forced(config), timings=timings)
     runner = _make_runner(config, model_config, model, buckets, sizes["max_num_seqs"], max_len,
-                          dtype, devices, layouts, sizes["num_blocks"])
+                          dtype, devices, layouts, sizes["num_blocks"], chosen)
     del model
     log.info("process %d follows the leader at %s", cluster.process_id, cluster.coordinator)
     distributed.Follower(runner, channel).serve()
@@ -408,14 +423,32 @@ def _mesh_devices(mesh: MeshPreset, cluster: distributed.Cluster | None = None) 
 
 def _make_runner(config: EngineConfig, cfg: ModelConfig, model: Llama | Path,
                  buckets: Buckets, num_slots: int, max_len: int, dtype, devices: list,
-                 layouts: dict, num_blocks: int) -> Runner:
+                 layouts: dict, num_blocks: int, chosen: Dispatch | None) -> Runner:
     """The runner over `layouts` of `devices` (one device: pp=1,tp=1 for both phases).
     `model` is a path when an orbax checkpoint is to be restored straight into shardings."""
     weights = model if isinstance(model, Path) else {
         name: getattr(model, name)[...] for name in param_decls(cfg)}
     return Runner(cfg, weights, buckets, num_slots, max_len, dtype, layouts, devices,
                   num_blocks, attention=config.attention, sampler=config.sampler,
-                  sampler_threads=config.sampler_threads)
+                  sampler_threads=config.sampler_threads, dispatch=chosen)
+
+
+def _forced(config: EngineConfig) -> str | None:
+    """The matmul implementation the config names, or None to measure."""
+    return None if config.matmul == "auto" else config.matmul
+
+
+def _dispatch(config: EngineConfig, cfg: ModelConfig, dtype, devices: list) -> Dispatch | None:
+    """This machine's measured kernel choices on CPU (None elsewhere), with the attention
+    measured now if the config leaves it to the machine: every process of a cluster then
+    gets the same timings from the leader."""
+    if devices[0].platform != "cpu":
+        return None
+    chosen = dispatch.for_machine(_forced(config))
+    if config.attention == "auto":
+        attention_impl("auto", devices, partial(chosen.attention, attention_cases(cfg),
+                                                storage_dtype(dtype, "cpu")))
+    return chosen
 
 
 def _resolve_layouts(config: EngineConfig, cfg: ModelConfig, num_devices: int) -> dict:
@@ -468,14 +501,16 @@ def _block_bytes(cfg: ModelConfig, dtype, layouts: dict) -> int:
     return 2 * math.prod(shape) * dtype.itemsize
 
 
-def _max_num_seqs(config: EngineConfig, budget: memory.Budget, max_len: int,
-                  block_bytes: int) -> int:
-    """Sequences on the device at once: the configured number, or as many as the KV pool's
-    budget holds at max_model_len tokens each (a multiple of 32, at most 256)."""
+DEFAULT_MAX_NUM_SEQS = 256
+
+
+def _max_num_seqs(config: EngineConfig, budget: memory.Budget, block_bytes: int) -> int:
+    """Sequences on the device at once: the configured number, or 256 (vLLM's default), as
+    long as the pool has a block for each. Not sized by max_model_len per sequence: each
+    takes blocks as it grows, and the scheduler preempts when the pool fills."""
     if config.max_num_seqs is not None:
         return config.max_num_seqs
-    fit = int(budget.pool_bytes // (device_cache.blocks_for(max_len) * block_bytes))
-    return max(1, min(256, fit if fit < 32 else fit // 32 * 32))
+    return max(1, min(DEFAULT_MAX_NUM_SEQS, int(budget.pool_bytes // block_bytes)))
 
 
 def _num_blocks(budget: memory.Budget, num_seqs: int, max_len: int, block_bytes: int) -> int:

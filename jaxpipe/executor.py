@@ -164,6 +164,8 @@ class Executor:
         their prompts' tokens; finish_reasons: finished requests by reason ("stop",
         "length", "abort"); step_latency: each step's dispatch-to-tokens-on-host seconds as
         histogram counts by kind ("prefill", "decode", "mixed") over step_latency_bounds;
+        kernels: what runs the step (`Runner.kernel_choices`: the attention and each matmul's
+        implementation by row count, as measured on this machine);
         control_messages, control_bytes, control_seconds (several processes only): the
         leader's calls sent to each follower, their pickled bytes and the seconds sending.
         Gauges of the moment (not reset): waiting_requests, device_requests, host_requests
@@ -174,6 +176,7 @@ class Executor:
         s["transitions"] = s["to_decode"] + s["to_prefill"]
         s["compile_seconds"] = self.runner.compile_seconds
         s["compiled_shapes"] = len(self.runner.compiled)
+        s["kernels"] = self.runner.kernel_choices()
         steps = s["decode_steps"]
         s["mean_decode_batch"] = s["decode_tokens"] / steps if steps else 0.0
         padded = s["step_tokens_padded"]

@@ -121,7 +121,10 @@ def describe(devices) -> str:
 # ---- budgets ----------------------------------------------------------------------------------
 
 ACCELERATOR_UTILIZATION = 0.9
-CPU_UTILIZATION = 0.1
+# CPU: the pool's pages are taken only as blocks are written (`clear`), so a pool sized for
+# a full batch (256 rows of a few hundred tokens: ~8 GiB of SmolLM2 bf16 KV on a 24 GiB
+# machine) costs memory only as the batch fills it.
+CPU_UTILIZATION = 0.4
 HOST_TIER_FRACTION = 0.1
 ASSUMED_FREE = 4 * 2**30  # where a backend reports nothing
 ACTIVATION_FACTOR = 3
@@ -140,10 +143,9 @@ class Budget:
 
 def utilization(config, devices) -> float:
     """`memory_utilization`, or its default for the platform: 0.9 of an accelerator's free
-    memory after the weights (vLLM's `gpu_memory_utilization`); 0.1 of the host's available
+    memory after the weights (vLLM's `gpu_memory_utilization`); 0.4 of the host's available
     RAM for CPU devices, which share it with the host KV tier, the compiled programs, the OS
-    and other programs (the pool's pages are taken only as blocks are written,
-    `clear`, but creating it writes one of its two arrays whole)."""
+    and other programs (the pool's pages are taken only as blocks are written, `clear`)."""
     if config.memory_utilization is not None:
         return config.memory_utilization
     return CPU_UTILIZATION if devices[0].platform == "cpu" else ACCELERATOR_UTILIZATION

@@ -21,6 +21,7 @@ XLA's dot partitioned from the vocab-split weights).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterable, Mapping
 from functools import partial
 
 import jax
@@ -31,11 +32,16 @@ from jax.sharding import PartitionSpec as P
 from jaxpipe import sharding
 from jaxpipe.config import ModelConfig
 from jaxpipe.kernels import matmul, pallas_attention, ragged_attention
+from jaxpipe.kernels.dispatch import Matmul
 from jaxpipe.kv.device_cache import BLOCK, OUT_OF_RANGE, KVCache, to_storage
 from jaxpipe.layout import Layout
 from jaxpipe.model import llama
 from jaxpipe.model.llama import LAYER_PARAMS, HeadParams, LayerParams, param_decls
 from jaxpipe.step_inputs import StepInputs
+
+# The weights the step reads in panel order, each with its kernel path for a number of rows
+# (`kernels/dispatch.py`); the others are XLA's.
+KernelPaths = Mapping[str, Callable[[int], str]]
 
 
 def gpipe(stage_fn, xs, state, acc, *, num_stages: int, collect):
@@ -94,10 +100,12 @@ class StackedWeight:
     """Layer `layer` (traced i32) of a stacked weight [L, ...] in panel order, for
     `kernel_dot` to read in place: slicing it out before a custom call makes XLA copy the
     weight on every call. Has what `llama._matmul` uses of a weight: shape, dtype, reshape
-    (recorded, applied on use)."""
+    (recorded, applied on use); `path(rows)` names the kernel path a call of `rows` rows runs
+    (`kernels/dispatch.py`)."""
 
-    def __init__(self, stack: jax.Array, layer: jax.Array, shape: tuple[int, ...] | None = None):
-        self.stack, self.layer = stack, layer
+    def __init__(self, stack: jax.Array, layer: jax.Array, path: Callable[[int], str],
+                 shape: tuple[int, ...] | None = None):
+        self.stack, self.layer, self.path = stack, layer, path
         self.shape = shape or stack.shape[1:]
 
     @property
@@ -108,7 +116,7 @@ class StackedWeight:
         if -1 in shape:  # as numpy: the one -1 takes what the others leave
             known = math.prod(d for d in shape if d != -1)
             shape = tuple(math.prod(self.shape) // known if d == -1 else d for d in shape)
-        return StackedWeight(self.stack, self.layer, shape)
+        return StackedWeight(self.stack, self.layer, self.path, shape)
 
     def stacked(self) -> jax.Array:
         """The stack as [L, K, N] (a bitcast) for the kernel."""
@@ -117,14 +125,15 @@ class StackedWeight:
 
 def kernel_dot(x, w: StackedWeight):
     """`llama._matmul`'s dot with the C++ bf16 kernel on a weight in panel order
-    (`kernels/matmul.py`). Call inside `shard_map`."""
-    return matmul.bf16_matmul(x, w.stacked(), w.layer)
+    (`kernels/matmul.py`), on the path measured fastest for x's rows. Call inside
+    `shard_map`."""
+    return matmul.bf16_matmul(x, w.stacked(), w.layer, path=w.path(x.shape[0]))
 
 
 def kernel_gated(x, w: StackedWeight):
     """`llama.gated_mlp`'s fused gate: the kernel's `gated` mode (the [M, 2F] product is never
     written). Call inside `shard_map`."""
-    return matmul.bf16_matmul(x, w.stacked(), w.layer, gated=True)
+    return matmul.bf16_matmul(x, w.stacked(), w.layer, gated=True, path=w.path(x.shape[0]))
 
 
 # The layer weights the step multiplies by, and how many of their axes after "layers" are
@@ -132,21 +141,26 @@ def kernel_gated(x, w: StackedWeight):
 MATMUL_PARAMS = {"wq": 1, "wkv": 1, "wo": 2, "w_gate_up": 1, "w_down": 1}
 
 
-def layer_params(layers: LayerParams, j, packed: frozenset[str]) -> LayerParams:
+def layer_params(layers: LayerParams, j, packed: KernelPaths) -> LayerParams:
     """Layer j's weights: slices, and the `packed` ones as `StackedWeight`s."""
-    return LayerParams(*(StackedWeight(a, j) if name in packed else a[j]
+    return LayerParams(*(StackedWeight(a, j, packed[name]) if name in packed else a[j]
                          for name, a in zip(LAYER_PARAMS, layers, strict=True)))
 
 
-def packable(shardings: dict) -> frozenset[str]:
-    """The matmul weights whose every shard has an even K (what panel order pairs), from
-    their `NamedSharding`s and padded shapes: name -> (sharding, shape)."""
-    def even_k(name: str) -> bool:
+def local_matmuls(shardings: dict) -> dict[str, Matmul]:
+    """Each matmul weight's multiplication on one device (its shard as [K, N]; the fused
+    gate where its halves are whole panel pairs), from the weights' `NamedSharding`s and
+    padded shapes: name -> (sharding, shape). Only weights whose shard has an even K, what
+    panel order pairs."""
+    out = {}
+    for name, contracted in MATMUL_PARAMS.items():
         place, shape = shardings[name]
         local = place.shard_shape(shape)
-        return math.prod(local[1:1 + MATMUL_PARAMS[name]]) % 2 == 0
-
-    return frozenset(n for n in MATMUL_PARAMS if even_k(n))
+        k, n = math.prod(local[1:1 + contracted]), math.prod(local[1 + contracted:])
+        if k % 2 == 0:
+            out[name] = Matmul(name, k, n, gated=name == "w_gate_up"
+                               and local[-1] % matmul.PANEL == 0)
+    return out
 
 
 def reorder_local(layers: dict, fn) -> dict:
@@ -163,7 +177,17 @@ def reorder_local(layers: dict, fn) -> dict:
 HEAD_AXES = ("embed", "vocab")  # the LM head as the kernel reads it: [E, V]
 
 
-def _layers_program(cfg: ModelConfig, layout: Layout, mesh, names: frozenset[str], fn):
+def local_head(shardings: dict, shapes: dict) -> Matmul | None:
+    """The LM head's multiplication on one device, [E, V'] (tied: the embedding's shard
+    transposed), from the weights' `NamedSharding`s and padded shapes; None for an odd E,
+    which panel order cannot pair."""
+    name = "lm_head" if "lm_head" in shardings else "embed"
+    local = shardings[name].shard_shape(shapes[name])
+    e, v = local if name == "lm_head" else local[::-1]
+    return Matmul("lm_head", e, v) if e % 2 == 0 else None
+
+
+def _layers_program(cfg: ModelConfig, layout: Layout, mesh, names: Iterable[str], fn):
     """shard_map(layers) -> layers with each device's shards of the matmul weights `names`
     reordered by `fn` (`matmul.pack` / `unpack`), shapes and shardings kept."""
     decls = param_decls(cfg)
@@ -172,7 +196,7 @@ def _layers_program(cfg: ModelConfig, layout: Layout, mesh, names: frozenset[str
                          out_specs=specs, check_vma=False)
 
 
-def pack_program(cfg: ModelConfig, layout: Layout, mesh, names: frozenset[str], head: bool):
+def pack_program(cfg: ModelConfig, layout: Layout, mesh, names: Iterable[str], head: bool):
     """jit(params in natural order, donated) -> params as the step reads them: each device's
     shards of the matmul weights `names` in panel order (`matmul.pack`); with `head`, the LM
     head [E, V] in panel order too, as "lm_head" (tied embeddings: a copy of the embedding's
@@ -197,7 +221,7 @@ def pack_program(cfg: ModelConfig, layout: Layout, mesh, names: frozenset[str], 
     return jax.jit(run, donate_argnums=0)
 
 
-def unpack_program(cfg: ModelConfig, layout: Layout, mesh, names: frozenset[str], head: bool):
+def unpack_program(cfg: ModelConfig, layout: Layout, mesh, names: Iterable[str], head: bool):
     """The inverse of `pack_program` (a new tree; params not donated): natural order, and no
     "lm_head" for tied embeddings."""
     decls = param_decls(cfg)
@@ -218,12 +242,12 @@ def unpack_program(cfg: ModelConfig, layout: Layout, mesh, names: frozenset[str]
 
 
 def stage_layers(cfg: ModelConfig, layers: LayerParams, x, mb: dict, cache: KVCache, reduce,
-                 *, attention: str, max_kv: int, unroll: bool, packed: frozenset[str]):
+                 *, attention: str, max_kv: int, unroll: bool, packed: KernelPaths):
     """This stage's layers over one micro-batch x [Tm, E] (mb: see `attend`); each token's
     K/V is written into its blocks (`token_slots`) before the spans attend. `attention`: see
     `attend` ("cpu": the C++ kernel also rotates q and k and writes k and v itself,
     `ragged_attention.write_and_attend`); `packed`: the matmul weights in panel order, for
-    the C++ bf16 kernel."""
+    the C++ bf16 kernel, each with the kernel path for a number of rows."""
     positions = mb["positions"]
 
     def dot(x, w):
@@ -284,13 +308,14 @@ def _micro(inputs: dict, m, valid):
 
 
 def step_program(cfg: ModelConfig, layout: Layout, mesh, *, attention: str, max_kv: int,
-                 out_rows: int, packed: frozenset[str] = frozenset(), unroll: bool = True):
+                 out_rows: int, packed: KernelPaths | None = None, unroll: bool = True):
     """jit(params, cache, inputs: StepInputs, prev [out_rows] i32: the previous step's sampled
     tokens, for `inputs.feed`) -> (hidden [out_rows, E] f32: the residual of
     each row's last token, zeros past the step's R rows; cache (donated)). `max_kv`: the XLA
     attention's static key bound (ignored by the kernels, which read each row's own length).
     `out_rows` (>= R) is fixed for every token bucket, so the LM head compiles once per
     number of sampled rows, whatever the step's size. `packed`: see `stage_layers`."""
+    packed = packed or {}
     layer_specs, cache_specs = _specs(cfg, layout)
     reduce = partial(lax.psum, axis_name="tp") if layout.tp > 1 else None
     keys = ("rows", "positions", "table", "q_start", "q_len", "kv_len", "last")
@@ -336,16 +361,18 @@ HEAD_MIN_ROWS = 2
 
 
 def logits_program(cfg: ModelConfig, vocab: int, layout: Layout | None = None, mesh=None,
-                   packed: bool = False):
+                   packed: Callable[[int], str] | None = None):
     """jit(params, hidden [R, E], rows=static n) -> logits [n, vocab] f32 of the first n rows
     (the sampled ones): the LM head only where a token is sampled. `packed`: params hold the
-    head as the bf16 kernel reads it ("lm_head" [E, V] in panel order, `pack_program`), and
-    each device multiplies its vocab shard on `mesh` (`layout`'s); otherwise XLA partitions
-    the head's dot from the vocab-split weights."""
-    if packed:
-        head = jax.shard_map(matmul.bf16_matmul, mesh=mesh,
+    head as the bf16 kernel reads it ("lm_head" [E, V] in panel order, `pack_program`), each
+    device multiplies its vocab shard on `mesh` (`layout`'s) on the kernel path
+    `packed(rows)`; otherwise XLA partitions the head's dot from the vocab-split weights."""
+
+    def head(h, w):
+        return jax.shard_map(partial(matmul.bf16_matmul, path=packed(h.shape[0])), mesh=mesh,
                              in_specs=(P(), sharding.spec(HEAD_AXES, layout)),
-                             out_specs=sharding.spec((None, "vocab"), layout), check_vma=False)
+                             out_specs=sharding.spec((None, "vocab"), layout),
+                             check_vma=False)(h, w)
 
     def logits(params, hidden, rows: int):
         _, params_head = split_params(params)

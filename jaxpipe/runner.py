@@ -32,7 +32,15 @@ from jaxpipe import memory, pipeline, sampling, sharding
 from jaxpipe.buckets import Buckets, round_up
 from jaxpipe.config import ModelConfig
 from jaxpipe.host_sampler import HostSampler, host_logprobs
-from jaxpipe.kernels import matmul, ragged_attention
+from jaxpipe.kernels import ragged_attention
+from jaxpipe.kernels.dispatch import (
+    HEAD_ROWS,
+    PANEL_ORDER,
+    ROWS,
+    AttentionCase,
+    Dispatch,
+    Matmul,
+)
 from jaxpipe.kv import device_cache
 from jaxpipe.kv.device_cache import BLOCK, KVCache, storage_dtype
 from jaxpipe.layout import Layout
@@ -170,25 +178,24 @@ class Placement:
     """One layout's mesh and the shardings of everything that moves between layouts."""
 
     def __init__(self, cfg: ModelConfig, plan: sharding.PaddingPlan, layout: Layout, devices,
-                 num_blocks: int, kv_dtype, packed: bool = False):
-        """`packed`: the runner's weights in this layout keep the matmul weights whose shards
-        allow it (`self.packed`) in the bf16 kernel's panel order (`kernels/matmul.py`), each
-        device's shards reordered."""
+                 num_blocks: int, kv_dtype, dispatch: Dispatch | None = None):
+        """`dispatch`: the bf16 weights' measured choices; the matmul weights whose chosen
+        implementation is the bf16 kernel (`self.packed`, and the LM head: `self.head_path`)
+        are kept in its panel order (`kernels/matmul.py`), each device's shards reordered.
+        None: XLA's dot on natural order (f32 weights, or no kernels)."""
         self.layout = layout
         self.mesh = sharding.make_mesh(layout, devices)
         self.params = sharding.param_shardings(cfg, plan, layout, self.mesh)
-        shapes = sharding.padded_shapes(cfg, plan)
-        self.packed = pipeline.packable({n: (self.params[n], shapes[n])
-                                         for n in pipeline.MATMUL_PARAMS}) if packed else (
-            frozenset())
-        self.packed_head = packed and cfg.hidden_size % 2 == 0
+        layers, head = kernel_matmuls(cfg, plan, self.params, dispatch)
+        self.packed = {n: partial(dispatch.impl, mm) for n, mm in layers.items()}
+        self.head_path = None if head is None else partial(dispatch.impl, head)
         self._pack = self._unpack = None  # None: the step reads the natural order
-        if self.packed or self.packed_head:
-            args = (cfg, layout, self.mesh, self.packed, self.packed_head)
+        if self.packed or self.head_path:
+            args = (cfg, layout, self.mesh, tuple(self.packed), self.head_path is not None)
             self._pack, self._unpack = (pipeline.pack_program(*args),
                                         pipeline.unpack_program(*args))
         self.logits = pipeline.logits_program(cfg, cfg.vocab_size, layout, self.mesh,
-                                              self.packed_head)
+                                              self.head_path)
         kv = sharding.kv_sharding(cfg, plan, layout, self.mesh, num_blocks)
         self.cache = KVCache(kv, kv)
         shape = sharding.kv_shape(cfg, plan, num_blocks)
@@ -252,11 +259,13 @@ class Runner:
     def __init__(self, cfg: ModelConfig, weights: dict | Path, buckets: Buckets,
                  num_slots: int, max_len: int, dtype, layouts: dict[str, Layout], devices,
                  num_blocks: int, attention: str = "auto", sampler: str = "device",
-                 sampler_threads: int = 2):
+                 sampler_threads: int = 2, dispatch: Dispatch | None = None):
         """`weights`: unpadded weights (name -> host or device array, as `param_decls`), or
         the path of an orbax checkpoint to restore straight into the prefill layout.
         `sampler`: "device" (the sampling program) or "host" (`host_sampler.py` on
-        `sampler_threads` worker threads)."""
+        `sampler_threads` worker threads). `dispatch`: which implementation runs each
+        matmul and the attention, measured on this machine (None: XLA's dot, and the C++
+        attention kernel where it builds)."""
         for phase, layout in layouts.items():
             if layout.dp > 1:
                 raise ValueError(f"{phase} layout {layout}: dp > 1 is not supported yet; "
@@ -266,15 +275,17 @@ class Runner:
         self.config, self.buckets = cfg, buckets
         if devices[0].platform == "cpu":
             memory.keep_freed_memory()
-        self.attention = attention_impl(attention, devices)
+        kv_dtype = storage_dtype(dtype, devices[0].platform)
+        self.attention = attention_impl(attention, devices, dispatch and partial(
+            dispatch.attention, attention_cases(cfg), kv_dtype))
         self.num_slots, self.max_len, self.num_blocks = num_slots, max_len, num_blocks
         self.max_blocks = device_cache.blocks_for(max_len)
         self.kv_chunk = kv_chunk_tokens(max_len)
         self.layouts = dict(layouts)
         self.plan = sharding.plan_padding(cfg, self.layouts.values())
-        packed = packed_weights(self.attention, dtype)
+        weights_dispatch = dispatch if jnp.dtype(dtype) == jnp.bfloat16 else None
         self.placements = {p: Placement(cfg, self.plan, self.layouts[p], devices, num_blocks,
-                                        storage_dtype(dtype, devices[0].platform), packed)
+                                        kv_dtype, weights_dispatch)
                            for p in PHASES}
         self.phase = "prefill"
         self.params = self._place_weights(weights, dtype)
@@ -478,6 +489,20 @@ class Runner:
         self.compile_seconds += time.perf_counter() - start
         return out
 
+    def kernel_choices(self) -> dict:
+        """What runs the step in the current layout: the attention ("kernel": the C++ one),
+        and each matmul weight's implementation at the dispatcher's measured row counts
+        ("xla": XLA's dot on natural order; else a bf16 kernel path)."""
+        place = self.placements[self.phase]
+
+        def by_rows(path, rows) -> dict[str, str]:
+            return {str(m): path(m) if path else "xla" for m in rows}
+
+        matmuls = {n: by_rows(place.packed.get(n), ROWS) for n in pipeline.MATMUL_PARAMS}
+        matmuls["lm_head"] = by_rows(place.head_path, HEAD_ROWS)
+        return {"attention": "kernel" if self.attention == "cpu" else self.attention,
+                "matmul": matmuls}
+
     def close(self) -> None:
         """Free every device array (weights, KV pool, penalty state) and stop the host
         sampler's threads; the runner cannot step afterwards."""
@@ -581,17 +606,34 @@ def weight_copies(layouts: dict[str, Layout], devices) -> int:
     return len(set(layouts.values())) if devices[0].platform == "cpu" else 1
 
 
-def packed_weights(attention: str, dtype) -> bool:
-    """Whether the step multiplies with the C++ bf16 kernel, on weights in its panel order:
-    with the CPU kernels (`attention_impl` "cpu"), bf16 weights, and avx512_bf16 to run it
-    natively (XLA's dot, on weights in natural order, otherwise)."""
-    return attention == "cpu" and jnp.dtype(dtype) == jnp.bfloat16 and matmul.native()
+def kernel_matmuls(cfg: ModelConfig, plan: sharding.PaddingPlan, shardings: dict,
+                   dispatch: Dispatch | None) -> tuple[dict[str, Matmul], Matmul | None]:
+    """The matmuls of a layout (its weights' `shardings`) that `dispatch` gives to the bf16
+    kernel, measuring them first if they are new: the layer weights (name -> the local
+    multiplication) and the LM head (None: XLA's)."""
+    if dispatch is None:
+        return {}, None
+    shapes = sharding.padded_shapes(cfg, plan)
+    local = pipeline.local_matmuls({n: (shardings[n], shapes[n]) for n in pipeline.MATMUL_PARAMS})
+    layers = {n: mm for n, mm in local.items() if dispatch.order(mm) == PANEL_ORDER}
+    head = pipeline.local_head(shardings, shapes)
+    if head is None or dispatch.order(head) != PANEL_ORDER:
+        head = None
+    return layers, head
 
 
-def packed_head_bytes(cfg: ModelConfig, attention: str, devices, dtype) -> int:
+def packed_head_bytes(cfg: ModelConfig, dtype, layouts: dict[str, Layout], devices,
+                      dispatch: Dispatch | None) -> int:
     """Bytes a runner adds to the weights: the LM head's copy in panel order when the head is
-    tied to the embedding and the step multiplies with the bf16 kernel."""
-    if not cfg.tie_embeddings or not packed_weights(attention_impl(attention, devices), dtype):
+    tied to the embedding and the kernel multiplies it in some layout. Measures (through
+    `dispatch`) every matmul of every layout it has not seen, so that a runner made next
+    finds them measured."""
+    dispatch = dispatch if jnp.dtype(dtype) == jnp.bfloat16 else None
+    plan = sharding.plan_padding(cfg, layouts.values())
+    heads = [kernel_matmuls(cfg, plan, sharding.param_shardings(
+        cfg, plan, layout, sharding.make_mesh(layout, devices)), dispatch)[1]
+        for layout in set(layouts.values())]
+    if not cfg.tie_embeddings or not any(heads):
         return 0
     return cfg.hidden_size * cfg.vocab_size * jnp.dtype(dtype).itemsize
 
@@ -602,11 +644,12 @@ def kv_chunk_tokens(max_len: int) -> int:
     return BLOCK * max(1, -(-max_len // (16 * BLOCK)))
 
 
-def attention_impl(attention: str, devices) -> str:
+def attention_impl(attention: str, devices, choose=None) -> str:
     """The step's attention for `EngineConfig.attention` on `devices`: "cpu" (the C++
     kernels), "pallas" (the Pallas kernel, GPU), "pallas-interpret" (it, interpreted: any
-    backend, slow, for tests) or "xla". "auto": Pallas on GPU, the C++ kernels on CPU where
-    they build, else XLA; "kernel": the C++ kernels or an error."""
+    backend, slow, for tests) or "xla". "auto": Pallas on GPU; on CPU, where the C++ kernels
+    build, `choose()` ("kernel" or "xla": the dispatcher's measurement; None: the kernels),
+    else XLA; "kernel": the C++ kernels or an error."""
     platform = devices[0].platform
     if attention in ("xla", "pallas-interpret"):
         return attention
@@ -623,7 +666,17 @@ def attention_impl(attention: str, devices) -> str:
     if attention == "kernel" and not ragged_attention.available():
         raise RuntimeError("attention='kernel' but the ragged attention kernel cannot be built "
                            "here (see the warning above); use attention='auto' or 'xla'")
-    return "cpu" if ragged_attention.available() else "xla"
+    if not ragged_attention.available():
+        return "xla"
+    return "cpu" if attention == "kernel" or choose is None or choose() == "kernel" else "xla"
+
+
+def attention_cases(cfg: ModelConfig) -> list[AttentionCase]:
+    """The steps the attention dispatch is timed on: 64 decode rows after 512 tokens, and a
+    256-token prompt chunk."""
+    heads = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+    return [AttentionCase(*heads, rows=64, q_len=1, context=512),
+            AttentionCase(*heads, rows=1, q_len=256, context=0)]
 
 
 def _to_host(tokens, lp, n: int) -> StepOutput:

@@ -64,8 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--max-num-batched-tokens", type=int, help="jaxpipe prefill token budget")
     e.add_argument("--max-model-len", type=int, help="default: longest request, rounded to 128")
     e.add_argument("--kv-cache-gb", type=float, default=d.kv_cache_gb,
-                   help="jaxpipe's device KV pool (default: %(default)s GB; 0: the engine's "
-                        "default, sized from the free RAM)")
+                   help="jaxpipe's device KV pool in GB (default: the engine's own, sized "
+                        "from the free RAM, as a user's Engine() gets)")
     e.add_argument("--warmup-prompts", type=int, default=d.warmup_prompts)
     e.add_argument("--no-overlap", action="store_true",
                    help="jaxpipe lands each step before dispatching the next (ablation)")

@@ -157,3 +157,13 @@ def test_auto_layouts_are_the_planners_choice():
     assert both == {"prefill": c_p, "decode": c_d}
     one = _resolve_layouts(EngineConfig(mesh="cpu-8", prefill="auto", decode="tp=8"), smol, 8)
     assert one == {"prefill": c_p, "decode": Layout(tp=8)}
+
+
+def test_matmul_names_xla_or_a_kernel_path():
+    from jaxpipe.config import MATMULS
+    from jaxpipe.kernels.matmul import PATHS
+
+    assert MATMULS == ("auto", "xla", *PATHS)
+    with pytest.raises(ValueError, match=r"EngineConfig.matmul must be one of \('auto', 'xla', "
+                                         r"'portable', 'avx2', 'avx512_bf16'\), got 'amx2'"):
+        EngineConfig(matmul="amx2")

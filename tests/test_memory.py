@@ -32,16 +32,16 @@ def test_explicit_sizes_win(monkeypatch):
     assert b.pool_bytes == 2 * BLOCK_BYTES  # whole blocks; tokens win over GiB
 
 
-def test_cpu_defaults_take_a_tenth_of_available_ram(monkeypatch):
-    """CPU: pool = 0.1 of (MemAvailable - weights - reserve); the host tier 0.1 of what is
+def test_cpu_defaults_take_four_tenths_of_available_ram(monkeypatch):
+    """CPU: pool = 0.4 of (MemAvailable - weights - reserve); the host tier 0.1 of what is
     left after the pool and the weights."""
     monkeypatch.setattr(memory, "host_available_bytes", lambda: 41.5 * GIB)
     b = memory.plan(EngineConfig(), CPU, GIB, GIB // 2, BLOCK_BYTES)
-    assert b.pool_bytes == pytest.approx(4 * GIB)
+    assert b.pool_bytes == pytest.approx(16 * GIB)
     # the host tier counts the pool the engine really made (capped by max_num_seqs)
     b = memory.with_host_tier(b, EngineConfig(), CPU, 3 * GIB, GIB)
     assert b.host_bytes == pytest.approx(0.1 * (41.5 - 3 - 1) * GIB)
-    assert "memory_utilization=0.1 of the 41.5 GiB free (host RAM, MemAvailable)" in \
+    assert "memory_utilization=0.4 of the 41.5 GiB free (host RAM, MemAvailable)" in \
         b.pool_setting
     b = memory.plan(EngineConfig(memory_utilization=0.5), CPU, GIB, 0, BLOCK_BYTES)
     assert b.pool_bytes == pytest.approx(20.25 * GIB)
@@ -69,22 +69,22 @@ def test_memory_utilization_is_validated(value):
 
 
 @pytest.mark.parametrize("packed", [True, False])
-def test_activation_reserve_bounds_xla_temporaries_of_the_largest_steps(packed, monkeypatch):
+def test_activation_reserve_bounds_xla_temporaries_of_the_largest_steps(packed):
     """XLA's own figure (memory_analysis().temp_size_in_bytes) of the default model's step
     programs at 1024 and 4096 tokens is below the reserve the budget subtracts, with the bf16
     kernel's packed weights and with XLA's dots, and not wildly below the latter (the reserve
     is not a blanket; the kernel's steps need less)."""
-    from jaxpipe import runner as runner_module
     from jaxpipe.engine import Engine
+    from jaxpipe.kernels import matmul
 
-    if not packed:
-        monkeypatch.setattr(runner_module, "packed_weights", lambda *args: False)
+    if packed and not matmul.paths():
+        pytest.skip("the bf16 kernel does not build here")
     engine = Engine(random_weights=True, kv_cache_tokens=4096, max_model_len=256,
-                    max_num_seqs=64, warmup=False, show_progress=False)
+                    max_num_seqs=64, warmup=False, show_progress=False,
+                    matmul=matmul.paths()[-1] if packed else "xla")
     runner = engine.runner
     try:
-        assert bool(runner.placements["prefill"].packed) == (
-            packed and runner_module.matmul.native())
+        assert bool(runner.placements["prefill"].packed) == packed
         for tokens in (1024, 4096):
             fn = runner._program(0)
             step = engine._padding_step(tokens)

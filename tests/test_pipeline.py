@@ -31,19 +31,27 @@ def test_lm_head_gives_the_reference_logits_for_any_row_count(gguf_weights, hidd
     np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-3 * np.abs(want).max())
 
 
+def kernel_paths() -> list[str]:
+    from jaxpipe.kernels import matmul
+
+    return list(matmul.PATHS)
+
+
+@pytest.mark.parametrize("path", kernel_paths())
 @pytest.mark.parametrize("rows", [1, 3, 40])
-def test_packed_lm_head_gives_the_reference_logits(gguf_weights, rows):
+def test_packed_lm_head_gives_the_reference_logits(gguf_weights, rows, path):
     """The bf16 kernel's head: `pack_program` adds the tied head's transpose in panel order,
-    `logits_program(packed=True)` multiplies by it; bf16 weights against float64 NumPy on the
-    same bf16 values; `unpack_program` gives back the natural tree."""
+    `logits_program(packed=...)` multiplies by it on each kernel path; bf16 weights against
+    float64 NumPy on the same bf16 values; `unpack_program` gives back the natural tree."""
     import jax
 
     from jaxpipe.kernels import matmul
     from jaxpipe.layout import Layout
     from jaxpipe.sharding import make_mesh
 
-    if not matmul.native():
-        pytest.skip("the bf16 kernel does not run natively here")
+    if path not in matmul.paths():
+        pytest.skip(f"this machine's kernel build has no {path} path (it has "
+                    f"{', '.join(matmul.paths()) or 'none'})")
     cfg, values = gguf_weights
     bf16 = {k: np.asarray(jnp.asarray(v, jnp.bfloat16), np.float32) for k, v in values.items()}
     layout = Layout.parse("pp=1,tp=1")
@@ -52,7 +60,7 @@ def test_packed_lm_head_gives_the_reference_logits(gguf_weights, rows):
     packed = pipeline.pack_program(cfg, layout, mesh, frozenset(), True)(dict(params))
     assert packed["lm_head"].shape == (cfg.hidden_size, cfg.vocab_size)
     hidden = np.random.default_rng(rows).standard_normal((rows + 2, cfg.hidden_size))
-    fn = pipeline.logits_program(cfg, cfg.vocab_size, layout, mesh, packed=True)
+    fn = pipeline.logits_program(cfg, cfg.vocab_size, layout, mesh, packed=lambda rows: path)
     got = np.asarray(fn(packed, jnp.asarray(hidden, jnp.float32), rows=rows))
     want = reference_logits(cfg, bf16, hidden[:rows])
     np.testing.assert_allclose(got, want, rtol=1e-2, atol=1e-2 * np.abs(want).max())

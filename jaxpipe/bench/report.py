@@ -52,11 +52,16 @@ def _cpu_model() -> str:
 
 
 def machine_info() -> dict:
-    """CPU and library versions, plus the load average: other work on a shared machine skews
-    every number here, and the JSON should say so when it happened."""
+    """CPU (model, the ISA extensions that matter to its kernels, the bf16 kernel's paths
+    built for it) and library versions, plus the load average: other work on a shared
+    machine skews every number here, and the JSON should say so when it happened."""
+    from jaxpipe.kernels import dispatch, matmul
+
     return {
         "cpu_count": os.cpu_count(),
         "cpu_model": _cpu_model(),
+        "isa": dispatch.isa(),
+        "kernel_paths": list(matmul.paths()),
         "platform": platform.platform(),
         "python": platform.python_version(),
         "versions": {d: _version(d) for d in _VERSIONED},
@@ -114,12 +119,28 @@ def flops_line(flops: dict) -> str:
     )
 
 
+def machine_line(machine: dict, kernels: dict | None) -> str:
+    """Where the run ran: the CPU, its ISA, the kernel paths it has and the ones jaxpipe's
+    step ran (`engine.stats()["kernels"]`)."""
+    line = (f"CPU: {machine.get('cpu_model')} x {machine.get('cpu_count')} "
+            f"({', '.join(machine.get('isa') or []) or 'no avx2'}); bf16 kernel paths: "
+            f"{', '.join(machine.get('kernel_paths') or []) or 'none'}")
+    if kernels:
+        used = {impl for by_rows in kernels["matmul"].values() for impl in by_rows.values()}
+        line += (f"; jaxpipe ran matmuls on {', '.join(sorted(used))}, attention on "
+                 f"{kernels['attention']}")
+    return line
+
+
 def render(result: dict) -> str:
-    """The human-readable report: table, one ratio line per peer, FLOP/s line."""
+    """The human-readable report: where it ran, the table, one ratio line per peer, the
+    FLOP/s line."""
     rows = [result["jaxpipe"]] if result.get("jaxpipe") else []
     for key, _ in PEERS:
         rows.extend(result.get(key, {}).get("points", []))
-    lines = [format_table(rows)] if rows else []
+    kernels = (result.get("jaxpipe") or {}).get("engine_stats", {}).get("kernels")
+    lines = [machine_line(result.get("machine", {}), kernels)]
+    lines += [format_table(rows)] if rows else []
     for key, name in PEERS:
         if result.get("jaxpipe") and result.get(key):
             lines.append(ratio_line(result["jaxpipe"], result[key]["best"], name))

@@ -83,15 +83,16 @@ def cpu_flags() -> str:
     return platform.processor()
 
 
-def register(source: Path, symbol: str, target: str, what: str) -> bool:
+def register(source: Path, symbol: str, target: str, what: str) -> ctypes.CDLL | None:
     """Build `source` (once per machine), register its FFI handler `symbol` as `target` on
-    the CPU; False, with a warning naming `what` falls back to XLA, if it cannot be built."""
+    the CPU and return the loaded library; None, with a warning naming `what` falls back to
+    XLA, if it cannot be built."""
     if jax.default_backend() != "cpu":
-        return False
+        return None
     try:
         lib = ctypes.cdll.LoadLibrary(str(build(source)))
     except (KernelBuildError, OSError) as e:
         log.warning("%s unavailable, using XLA: %s", what, e)
-        return False
+        return None
     jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
-    return True
+    return lib

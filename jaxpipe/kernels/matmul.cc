@@ -21,19 +21,29 @@
 // 16-96 rows), a thread claims its next task first and prefetches that task's panel into L2
 // over this task's tiles, so a panel's stream from memory overlaps the compute on the one
 // before it instead of stalling the task's first tile. Like XLA, x is rounded
-// to bf16 before the dot; vdpbf16ps treats bf16 denormals (below 1.2e-38) as zero. Without
-// avx512_bf16 a portable loop computes the same (exact products, f32 sums).
+// to bf16 before the dot; vdpbf16ps treats bf16 denormals (below 1.2e-38) as zero.
+//
+// Paths (the `path` attribute; `jaxpipe_matmul_paths` says which this build has, and
+// matmul.py's dispatcher picks among them by timing them here):
+//   0 portable     plain loops, exact products and f32 sums, any CPU
+//   1 avx2         AVX2 + FMA: a 32-byte load is 8 columns x 2 k's of bf16 pairs, widened
+//                  to f32 in registers (the low half by a shift, the high half by a mask) and
+//                  multiplied by broadcast f32 x values (x rounded to bf16 first): the same
+//                  products and sums as the portable loop, at FMA speed
+//   2 avx512_bf16  vdpbf16ps on the pairs as they are (above)
 #include <algorithm>
 #include <cmath>
 #include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <string>
+#include <type_traits>
 #include <thread>
 #include <utility>
 #include <vector>
 
-#ifdef __AVX512BF16__
+#if defined(__AVX512BF16__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
 
@@ -45,10 +55,21 @@ namespace {
 
 constexpr int64_t kPanel = 64;  // columns per panel: 4 vectors of 16
 constexpr int kRows = 6;        // rows per register tile: 6 x 4 accumulators
-constexpr int64_t kChunk = 8 * kRows;  // rows per task
+constexpr int64_t kChunk = 8 * kRows;  // rows per task (at most: a path may take fewer)
 // The next panel is prefetched only when two fit in a 1 MB L2 beside the x tiles (K <= 2560):
 // a larger one evicts the panel the task's later tiles still read (K = 5632: 1.1x slower).
 constexpr int64_t kAheadMaxBytes = 320 << 10;
+
+enum Path : int64_t { kPortable = 0, kAvx2 = 1, kAvx512Bf16 = 2, kNumPaths = 3 };
+
+constexpr uint32_t kBuiltPaths = (1u << kPortable)
+#if defined(__AVX2__) && defined(__FMA__)
+                                 | (1u << kAvx2)
+#endif
+#ifdef __AVX512BF16__
+                                 | (1u << kAvx512Bf16)
+#endif
+    ;
 
 inline uint16_t bf16_bits(float f) {  // round to nearest even; NaN stays NaN
   uint32_t bits;
@@ -105,7 +126,6 @@ inline AheadTile ahead_tile(const Ahead& a, int64_t i, int64_t tiles, int64_t kp
   return {a.bytes + 64 * i * share, per_j, (mine + per_j - 1) / per_j};
 }
 
-#ifdef __AVX512BF16__
 // f(0), .., f(N - 1) with compile-time indices, so GCC keeps arrays of vectors indexed by them
 // in registers (it spills them when loops index them).
 template <typename F, int... I>
@@ -116,6 +136,15 @@ template <int N, typename F>
 __attribute__((always_inline)) inline void unroll(F&& f) {
   unroll(f, std::make_integer_sequence<int, N>{});
 }
+
+// Each path: `panel_task(x, kp, panel, y, ldy, rows, ahead)` computes y[rows, panel columns]
+// for `rows` rows of its x (`X` per row: `x_stride(kp)` elements), prefetching `ahead`.
+
+#ifdef __AVX512BF16__
+namespace bf16dp {
+
+using X = uint32_t;  // x as bf16 pairs (pairs_of)
+inline int64_t x_stride(int64_t kp) { return kp; }
 
 // y's rows 0 .. R - 1 (ldy apart) x the panel's columns, over all kp pair rows. NV vectors of
 // 16 columns; the last one masked when the panel is narrower than 16 * NV.
@@ -172,8 +201,6 @@ void panel_rows(const uint32_t* x, int64_t kp, const Panel& pn, float* y, int64_
                          ahead_tile(ahead, i, tiles, kp));
 }
 
-// y[rows, panel columns] for `rows` rows of xp starting at x (kp pairs each), prefetching
-// `ahead` into L2 meanwhile.
 void panel_task(const uint32_t* x, int64_t kp, const Panel& pn, float* y, int64_t ldy,
                 int64_t rows, const Ahead& ahead) {
   switch ((pn.width + 15) / 16) {
@@ -183,7 +210,108 @@ void panel_task(const uint32_t* x, int64_t kp, const Panel& pn, float* y, int64_
     default: return panel_rows<1>(x, kp, pn, y, ldy, rows, ahead);
   }
 }
-#else
+
+}  // namespace bf16dp
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__)
+namespace avx2 {
+
+using X = float;  // x rounded to bf16, kept as f32 (rounded_of): broadcast straight from memory
+inline int64_t x_stride(int64_t kp) { return 2 * kp; }
+
+// A tile: 5 rows x 16 columns, 10 accumulators + 4 widened weights + 2 broadcasts = 16 ymm
+// registers. Its inner loop ran at 91 GFLOP/s on one Zen 3 core (95% of 2 FMAs x 8 lanes x
+// 3.0 GHz; 4 rows: 77-83, 6 rows spill: 56-67; /tmp harness over panel_task, best of 30).
+constexpr int kRowsAvx2 = 5;
+constexpr int kVecs = 2;  // vectors of 8 columns per tile
+
+// Lanes 0 .. n - 1 set (n in 1..8): the mask of a partial vector's loads and stores.
+inline __m256i lanes(int64_t n) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)),
+                            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+// y's rows 0 .. R - 1 (ldy apart) x `cols` (1 .. 8 * NV) columns of the panel starting at
+// column c0, over all kp pair rows. A pair row's 32-byte load is 8 columns x (k = 2j, 2j + 1)
+// as bf16 pairs: the shift left by 16 is k = 2j's f32, the high half masked is k = 2j + 1's.
+template <int R, int NV>
+void tile(const float* __restrict x, int64_t kp, const Panel& pn, int64_t c0, int64_t cols,
+          float* y, int64_t ldy, const AheadTile& ahead) {
+  const int64_t last = cols - 8 * (NV - 1);  // columns of the last vector, 1..8
+  const __m256i mask = lanes(last), high = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
+  const int64_t stride = 2 * pn.width, k = 2 * kp;
+  __m256 acc[R][NV];
+  unroll<R>([&](auto r) { unroll<NV>([&](auto v) { acc[r][v] = _mm256_setzero_ps(); }); });
+  const uint16_t* w = pn.w + 2 * c0;
+  for (int64_t j = 0; j < kp; ++j, w += stride) {
+    if (j < ahead.iters)
+      for (int64_t i = 0; i < ahead.per_j; ++i)
+        _mm_prefetch(ahead.p + 64 * (j * ahead.per_j + i), _MM_HINT_T1);
+    __m256 lo[NV], hi[NV];
+    unroll<NV>([&](auto v) {
+      const auto* src = reinterpret_cast<const __m256i*>(w + 16 * v);
+      const __m256i pair = v + 1 < NV || last == 8
+          ? _mm256_loadu_si256(src)
+          : _mm256_maskload_epi32(reinterpret_cast<const int*>(src), mask);
+      lo[v] = _mm256_castsi256_ps(_mm256_slli_epi32(pair, 16));
+      hi[v] = _mm256_castsi256_ps(_mm256_and_si256(pair, high));
+    });
+    unroll<R>([&](auto r) {
+      const __m256 x0 = _mm256_broadcast_ss(x + r * k + 2 * j);
+      const __m256 x1 = _mm256_broadcast_ss(x + r * k + 2 * j + 1);
+      unroll<NV>([&](auto v) {
+        acc[r][v] = _mm256_fmadd_ps(lo[v], x0, acc[r][v]);
+        acc[r][v] = _mm256_fmadd_ps(hi[v], x1, acc[r][v]);
+      });
+    });
+  }
+  unroll<R>([&](auto r) {
+    unroll<NV>([&](auto v) {
+      if (v + 1 < NV || last == 8)
+        _mm256_storeu_ps(y + r * ldy + 8 * v, acc[r][v]);
+      else
+        _mm256_maskstore_ps(y + r * ldy + 8 * v, mask, acc[r][v]);
+    });
+  });
+}
+
+template <int R>
+void tile_rows(const float* x, int64_t kp, const Panel& pn, int64_t c0, int64_t cols, float* y,
+               int64_t ldy, int64_t rows, const AheadTile& ahead) {
+  if constexpr (R > 1) {
+    if (rows < R) return tile_rows<R - 1>(x, kp, pn, c0, cols, y, ldy, rows, ahead);
+  }
+  if (cols > 8)
+    tile<R, kVecs>(x, kp, pn, c0, cols, y, ldy, ahead);
+  else
+    tile<R, 1>(x, kp, pn, c0, cols, y, ldy, ahead);
+}
+
+// The panel in column groups of 8 * kVecs, each over all the rows (a group's weights stay in
+// L1/L2 while its row tiles read them).
+void panel_task(const float* x, int64_t kp, const Panel& pn, float* y, int64_t ldy,
+                int64_t rows, const Ahead& ahead) {
+  constexpr int64_t group = 8 * kVecs;
+  const int64_t groups = (pn.width + group - 1) / group;
+  const int64_t row_tiles = (rows + kRowsAvx2 - 1) / kRowsAvx2, tiles = groups * row_tiles;
+  for (int64_t g = 0, i = 0; g < groups; ++g) {
+    const int64_t c0 = g * group, cols = std::min(group, pn.width - c0);
+    for (int64_t m = 0; m < rows; m += kRowsAvx2, ++i)
+      tile_rows<kRowsAvx2>(x + m * 2 * kp, kp, pn, c0, cols, y + m * ldy + c0, ldy,
+                           std::min<int64_t>(kRowsAvx2, rows - m),
+                           ahead_tile(ahead, i, tiles, kp));
+  }
+}
+
+}  // namespace avx2
+#endif
+
+namespace portable {
+
+using X = uint32_t;  // x as bf16 pairs (pairs_of)
+inline int64_t x_stride(int64_t kp) { return kp; }
+
 void panel_task(const uint32_t* x, int64_t kp, const Panel& pn, float* y, int64_t ldy,
                 int64_t rows, const Ahead&) {
   std::vector<float> acc(pn.width);
@@ -200,7 +328,8 @@ void panel_task(const uint32_t* x, int64_t kp, const Panel& pn, float* y, int64_
     std::copy(acc.begin(), acc.end(), y + m * ldy);
   }
 }
-#endif
+
+}  // namespace portable
 
 // y = silu(g) * u = g / (1 + exp(-g)) * u, n values (exp's argument capped at 88: below
 // g = -88 the product is 0 to float precision either way).
@@ -237,17 +366,51 @@ void parallel_for(ffi::ThreadPool& pool, int64_t n, F&& fn) {
   while (state->done.load() < n) std::this_thread::yield();
 }
 
-// y = bf16(x) @ w, w [K, N] in panel order; tasks are (panel, chunk of rows), panel-major so
-// that a thread's consecutive tasks read the same panel. `gated`: y [M, N / 2] = silu(x @ w's
-// first N / 2 columns) * (x @ its last N / 2), (N / 2) % kPanel == 0: a task multiplies a gate
-// panel and its up panel into two buffers (L1-sized) and writes their product.
+// x [M, K] f32 -> xr [M, K] rounded to bf16 (nearest even), kept as f32 (the avx2 path's x).
+void rounded_of(const float* x, int64_t count, float* xr) {
+  int64_t i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  // bits + 0x7fff + (bit 16), high half kept; NaN (exponent all ones, mantissa set) keeps a
+  // quiet NaN's bits instead, as bf16_bits does.
+  const __m256i one = _mm256_set1_epi32(1), bias = _mm256_set1_epi32(0x7fff);
+  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
+  const __m256i abs = _mm256_set1_epi32(0x7fffffff), inf = _mm256_set1_epi32(0x7f800000);
+  const __m256i quiet = _mm256_set1_epi32(0x00400000);
+  for (; i + 8 <= count; i += 8) {
+    const __m256i b = _mm256_castps_si256(_mm256_loadu_ps(x + i));
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(b, 16), one);
+    const __m256i r = _mm256_and_si256(_mm256_add_epi32(_mm256_add_epi32(b, bias), odd), high);
+    const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(b, abs), inf);
+    const __m256i q = _mm256_and_si256(_mm256_or_si256(b, quiet), high);
+    _mm256_storeu_ps(xr + i, _mm256_castsi256_ps(_mm256_blendv_epi8(r, q, nan)));
+  }
+#endif
+  for (; i < count; ++i) xr[i] = bf16_to_f32(bf16_bits(x[i]));
+}
+
+// x as path `P` reads it: bf16 pairs [M, K / 2], or rounded f32 [M, K] (not value-initialised:
+// zeroing it first cost a memset of the whole buffer per call).
+template <typename P>
+std::unique_ptr<typename P::X[]> x_of(const float* x, int64_t m, int64_t k) {
+  std::unique_ptr<typename P::X[]> xp(new typename P::X[m * P::x_stride(k / 2)]);
+  if constexpr (std::is_same_v<typename P::X, float>)
+    rounded_of(x, m * k, xp.get());
+  else
+    pairs_of(x, m * k, xp.get());
+  return xp;
+}
+
+// y = bf16(x) @ w, w [K, N] in panel order, on path `P`; tasks are (panel, chunk of rows),
+// panel-major so that a thread's consecutive tasks read the same panel. `gated`: y [M, N / 2]
+// = silu(x @ w's first N / 2 columns) * (x @ its last N / 2), (N / 2) % kPanel == 0: a task
+// multiplies a gate panel and its up panel into two buffers (L1-sized) and writes their
+// product.
+template <typename P>
 void matmul(ffi::ThreadPool& pool, const float* x, const uint16_t* w, float* y, int64_t m,
             int64_t k, int64_t n, bool gated) {
   if (m == 0 || n == 0) return;
-  const int64_t kp = k / 2;
-  // Not value-initialised: zeroing it first cost a memset of the whole [M, K / 2] per call.
-  const std::unique_ptr<uint32_t[]> xp(new uint32_t[m * kp]);
-  pairs_of(x, m * k, xp.get());
+  const int64_t kp = k / 2, xs_stride = P::x_stride(kp);
+  const auto xp = x_of<P>(x, m, k);
   const int64_t out_n = gated ? n / 2 : n;
   const int64_t panels = (out_n + kPanel - 1) / kPanel, chunks = (m + kChunk - 1) / kChunk;
   auto panel = [&](int64_t p) { return Panel{w + p * kPanel * k, std::min(kPanel, n - p * kPanel)}; };
@@ -259,20 +422,57 @@ void matmul(ffi::ThreadPool& pool, const float* x, const uint16_t* w, float* y, 
   };
   parallel_for(pool, panels * chunks, [&](int64_t t, int64_t next) {
     const int64_t p = t / chunks, m0 = t % chunks * kChunk, rows = std::min(kChunk, m - m0);
-    const uint32_t* xs = xp.get() + m0 * kp;
+    const auto* xs = xp.get() + m0 * xs_stride;
     const Ahead a = ahead(p, next);
-    if (!gated) return panel_task(xs, kp, panel(p), y + m0 * n + p * kPanel, n, rows, a);
+    if (!gated) return P::panel_task(xs, kp, panel(p), y + m0 * n + p * kPanel, n, rows, a);
     thread_local std::vector<float> g(kChunk * kPanel), u(kChunk * kPanel);
     const Ahead up = a.bytes ? ahead(p + panels, next + panels * chunks) : Ahead{};
-    panel_task(xs, kp, panel(p), g.data(), kPanel, rows, a);
-    panel_task(xs, kp, panel(p + panels), u.data(), kPanel, rows, up);
+    P::panel_task(xs, kp, panel(p), g.data(), kPanel, rows, a);
+    P::panel_task(xs, kp, panel(p + panels), u.data(), kPanel, rows, up);
     for (int64_t r = 0; r < rows; ++r)
       gate(g.data() + r * kPanel, u.data() + r * kPanel, kPanel, y + (m0 + r) * out_n + p * kPanel);
   });
 }
 
+struct PortablePath {
+  using X = portable::X;
+  static int64_t x_stride(int64_t kp) { return portable::x_stride(kp); }
+  static constexpr auto panel_task = portable::panel_task;
+};
+#if defined(__AVX2__) && defined(__FMA__)
+struct Avx2Path {
+  using X = avx2::X;
+  static int64_t x_stride(int64_t kp) { return avx2::x_stride(kp); }
+  static constexpr auto panel_task = avx2::panel_task;
+};
+#endif
+#ifdef __AVX512BF16__
+struct Bf16dpPath {
+  using X = bf16dp::X;
+  static int64_t x_stride(int64_t kp) { return bf16dp::x_stride(kp); }
+  static constexpr auto panel_task = bf16dp::panel_task;
+};
+#endif
+
+// `path` < 0: the fastest this build has (the dispatcher passes its measured choice).
+bool run_path(int64_t path, ffi::ThreadPool& pool, const float* x, const uint16_t* w, float* y,
+              int64_t m, int64_t k, int64_t n, bool gated) {
+  if (path < 0) path = 31 - __builtin_clz(kBuiltPaths);
+  switch (path) {
+    case kPortable: matmul<PortablePath>(pool, x, w, y, m, k, n, gated); return true;
+#if defined(__AVX2__) && defined(__FMA__)
+    case kAvx2: matmul<Avx2Path>(pool, x, w, y, m, k, n, gated); return true;
+#endif
+#ifdef __AVX512BF16__
+    case kAvx512Bf16: matmul<Bf16dpPath>(pool, x, w, y, m, k, n, gated); return true;
+#endif
+    default: return false;
+  }
+}
+
 ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
-                      ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y, bool gated) {
+                      ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y, bool gated,
+                      int64_t path) {
   auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
   if (xd.size() != 2 || wd.size() != 3 || yd.size() != 2 || xd[1] != wd[1] ||
       yd[0] != xd[0] || yd[1] != (gated ? wd[2] / 2 : wd[2]) || layer.element_count() != 1)
@@ -288,11 +488,16 @@ ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuf
   // a copy of it per call (a write and a second read of every weight).
   const int64_t l = std::clamp<int64_t>(layer.typed_data()[0], 0, wd[0] - 1);
   const auto* base = static_cast<const uint16_t*>(w.untyped_data()) + l * wd[1] * wd[2];
-  matmul(pool, x.typed_data(), base, y->typed_data(), xd[0], xd[1], wd[2], gated);
+  if (!run_path(path, pool, x.typed_data(), base, y->typed_data(), xd[0], xd[1], wd[2], gated))
+    return ffi::Error::InvalidArgument("bf16_matmul: this build has no path " +
+                                       std::to_string(path));
   return ffi::Error::Success();
 }
 
 }  // namespace
+
+// Bit i set: path i (Path above) is compiled in and runs on this CPU (-march=native).
+extern "C" uint32_t jaxpipe_matmul_paths() { return kBuiltPaths; }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpipeBf16Matmul, MatmulImpl,
                               ffi::Ffi::Bind()
@@ -301,4 +506,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpipeBf16Matmul, MatmulImpl,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<bool>("gated"));
+                                  .Attr<bool>("gated")
+                                  .Attr<int64_t>("path"));

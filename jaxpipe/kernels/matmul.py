@@ -2,6 +2,11 @@
 kept in "panel order", and the same contract in plain jnp (`reference`, XLA's dot on weights
 in their natural order).
 
+The kernel has several paths (`PATHS`), each compiled in where the CPU runs it: "portable"
+(plain loops), "avx2" (bf16 pairs widened to f32 in registers, FMA) and "avx512_bf16"
+(vdpbf16ps). `paths()` lists this machine's; which one (or XLA's dot) runs a given shape and
+row count is measured, not assumed (`kernels/dispatch.py`).
+
 Why a kernel and an order of its own (default workload, SmolLM2-135M bf16, one CPU device;
 `scripts/profile_step.py` and `scripts/bench_matmul_kernel.py`): XLA's dot of a layer's
 weight sliced from the stacked [L, K, N] parameter first copies the slice (46 of 135 s of the
@@ -15,13 +20,14 @@ packed weight has the shape and sharding of the original; only its bytes are in 
 order. Inside `shard_map` each device packs its own shard, which is what its kernel calls
 read. The runner packs when it places weights in a layout and unpacks before re-sharding.
 
-With avx512_bf16 the kernel treats bf16 denormals (below 1.2e-38) as zero; otherwise it
-matches `reference` up to f32 summation order. A custom call cannot be partitioned by the
+On the avx512_bf16 path the kernel treats bf16 denormals (below 1.2e-38) as zero; otherwise
+it matches `reference` up to f32 summation order. A custom call cannot be partitioned by the
 SPMD partitioner: on a sharded layout call it inside `jax.shard_map`.
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import math
 from pathlib import Path
@@ -29,28 +35,37 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from jaxpipe.kernels.build import cpu_flags, register
+from jaxpipe.kernels.build import register
 
 SOURCE = Path(__file__).with_name("matmul.cc")
 TARGET = "jaxpipe_bf16_matmul"
 PANEL = 64  # columns per panel (matmul.cc: kPanel)
+PATHS = ("portable", "avx2", "avx512_bf16")  # matmul.cc's Path, by index
 
 
 @functools.cache
-def available() -> bool:
-    """Build (once per machine) and register the kernel; False, with a warning, if it cannot."""
+def _library() -> ctypes.CDLL | None:
     return register(SOURCE, "JaxpipeBf16Matmul", TARGET, "the bf16 matmul kernel")
 
 
+def available() -> bool:
+    """Build (once per machine) and register the kernel; False, with a warning, if it cannot."""
+    return _library() is not None
+
+
 @functools.cache
-def native() -> bool:
-    """Whether the kernel is built and runs on avx512_bf16 here: then it beats XLA's dot at
-    every row count and the runner packs weights for it. Elsewhere its portable loop is
-    correct but slower than XLA's dot."""
-    return available() and "avx512_bf16" in cpu_flags().split()
+def paths() -> tuple[str, ...]:
+    """The kernel's paths this machine's build has (compiled for this CPU, so it runs them),
+    in `PATHS` order; () without the kernel."""
+    lib = _library()
+    if lib is None:
+        return ()
+    lib.jaxpipe_matmul_paths.restype = ctypes.c_uint32
+    mask = lib.jaxpipe_matmul_paths()
+    return tuple(name for i, name in enumerate(PATHS) if mask >> i & 1)
 
 
-def bf16_matmul(x, w, layer=None, *, gated: bool = False) -> jax.Array:
+def bf16_matmul(x, w, layer=None, *, gated: bool = False, path: str | None = None) -> jax.Array:
     """y [..., N] f32 = bf16(x) @ w: x [..., K] (any float dtype; rounded to bf16, nearest
     even), w [K, N] bfloat16 (or uint16 holding bf16 bits) in panel order (`pack`), or a
     stack [L, K, N] of them of which `layer` (python int or traced i32 scalar, clamped to
@@ -59,9 +74,15 @@ def bf16_matmul(x, w, layer=None, *, gated: bool = False) -> jax.Array:
 
     `gated`: y [..., N/2] = silu(y's first N/2 columns) * its last N/2 (a gated MLP's gate
     and up projections, `gated_reference`), computed panel by panel without writing the
-    [..., N] product; N must be a multiple of 2 * PANEL."""
+    [..., N] product; N must be a multiple of 2 * PANEL.
+
+    `path`: one of `paths()`; None: the last of them (the dispatcher passes its measured
+    choice)."""
     if not available():  # builds and registers the kernel on first use
         raise RuntimeError("the bf16 matmul kernel cannot be built here; use reference()")
+    if path is not None and path not in paths():
+        raise ValueError(f"bf16_matmul: path {path!r} is not built here; this machine has "
+                         f"{', '.join(paths())}")
     _check_shapes(x, w, layer)
     stack = w if w.ndim == 3 else w[None]
     n = stack.shape[2] // 2 if gated else stack.shape[2]
@@ -71,7 +92,9 @@ def bf16_matmul(x, w, layer=None, *, gated: bool = False) -> jax.Array:
     rows = x.reshape(math.prod(x.shape[:-1]), x.shape[-1]).astype(jnp.float32)  # [M, K]
     out = jax.ShapeDtypeStruct((rows.shape[0], n), jnp.float32)
     index = jnp.asarray(0 if layer is None else layer, jnp.int32)
-    y = jax.ffi.ffi_call(TARGET, out)(rows, stack, index, gated=gated)  # [M, N or N/2]
+    code = -1 if path is None else PATHS.index(path)
+    y = jax.ffi.ffi_call(TARGET, out)(rows, stack, index, gated=gated,
+                                      path=code)  # [M, N or N/2]
     return y.reshape(*x.shape[:-1], n)
 
 

@@ -51,8 +51,8 @@ def available() -> bool:
     """Build (once per machine) and register the kernels; False, with a warning, if they
     cannot be built."""
     what = "the ragged attention kernel"
-    return (register(SOURCE, "JaxpipeRaggedAttention", TARGET, what)
-            and register(SOURCE, "JaxpipeRaggedAttentionWrite", WRITE_TARGET, what))
+    return bool(register(SOURCE, "JaxpipeRaggedAttention", TARGET, what)
+                and register(SOURCE, "JaxpipeRaggedAttentionWrite", WRITE_TARGET, what))
 
 
 def ragged_attention(q, k, v, table, q_start, q_len, kv_len, layer=0) -> jax.Array:

@@ -95,13 +95,24 @@ def test_report_shows_every_engine_and_a_ratio_per_peer():
               "openvino": {"points": ov_points, "best": ov_points[1]},
               "hf": {"points": [row("hf", 10.0)], "best": row("hf", 10.0)}}
     text = render(result)
-    assert [line.split()[0] for line in text.splitlines()[2:6]] == [
+    assert [line.split()[0] for line in text.splitlines()[3:7]] == [
         "jaxpipe", "openvino", "openvino", "hf"]
     assert "jaxpipe / OpenVINO (batched tokens 512): requests/s 0.50x" in text
     assert "jaxpipe / HF (batch 8): requests/s 2.50x" in text
 
 
 # -- the peers' own environment ----------------------------------------------------------------
+
+
+def test_report_names_the_cpu_its_isa_and_the_kernels_jaxpipe_ran():
+    machine = {"cpu_model": "AMD EPYC", "cpu_count": 2, "isa": ["avx2", "fma"],
+               "kernel_paths": ["portable", "avx2"]}
+    kernels = {"attention": "kernel",
+               "matmul": {"wq": {"1": "portable", "8": "avx2"}, "lm_head": {"1": "xla"}}}
+    result = {"machine": machine, "jaxpipe": {"engine_stats": {"kernels": kernels}}}
+    assert render(result).splitlines()[0] == (
+        "CPU: AMD EPYC x 2 (avx2, fma); bf16 kernel paths: portable, avx2; jaxpipe ran "
+        "matmuls on avx2, portable, xla, attention on kernel")
 
 
 def test_kv_cache_follows_the_cpu_plugins_bf16():

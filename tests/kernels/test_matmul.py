@@ -1,8 +1,11 @@
 """The C++ bf16 matmul kernel (weights in panel order) against a float64 NumPy reference of the
-bf16-rounded inputs and against XLA's dot on the natural-order weights (`reference`); `pack` /
-`unpack` against an independent NumPy statement of the panel order."""
+bf16-rounded inputs and against XLA's dot on the natural-order weights (`reference`), on each
+of its paths this machine's build has (the others are skipped, saying so); `pack` / `unpack`
+against an independent NumPy statement of the panel order."""
 
 from __future__ import annotations
+
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +18,15 @@ pytestmark = pytest.mark.skipif(not mm.available(), reason="kernel cannot be bui
 
 # SmolLM2-135M's weights: fused q/k/v/o-sized, MLP down, K/V, and the LM head.
 MODEL_SHAPES = [(576, 3072), (1536, 576), (576, 384), (576, 49152)]
+
+
+@pytest.fixture(params=mm.PATHS)
+def path(request) -> str:
+    """Each kernel path in turn; one this machine's build lacks is skipped with the reason."""
+    if request.param not in mm.paths():
+        pytest.skip(f"no {request.param} path here: this CPU's build has "
+                    f"{', '.join(mm.paths())}")
+    return request.param
 
 
 def inputs(m, k, n, seed=0):
@@ -70,49 +82,57 @@ def test_pack_keeps_leading_axes_apart():
 @pytest.mark.parametrize("n", [1, 17, 64, 129, 3072])
 @pytest.mark.parametrize("k", [2, 66, 522, 576])
 @pytest.mark.parametrize("m", [1, 3, 7, 13, 40, 53])
-def test_matches_float64(m, k, n):
-    """Prime-ish sizes: row tiles of 6 and row chunks of 48 with tails, panels of 64 with a
-    narrower last one (1, 17 columns: masked vectors)."""
+def test_matches_float64(m, k, n, path):
+    """Prime-ish sizes: row tiles (6 or 4) and row chunks of 48 with tails, panels of 64 with
+    a narrower last one (1, 17 columns: masked vectors)."""
     x, w = inputs(m, k, n, seed=m * k + n)
-    close(np.asarray(mm.bf16_matmul(x, mm.pack(w))), numpy_matmul(x, w), x, w)
+    close(np.asarray(mm.bf16_matmul(x, mm.pack(w), path=path)), numpy_matmul(x, w), x, w)
+
+
+@pytest.mark.parametrize("k,n", [(522, 129), (66, 17)])
+def test_rows_past_the_largest_bucket(k, n, path):
+    """2053 rows, a prime past the dispatcher's largest measured count (2048): many row
+    chunks, the last one ragged."""
+    x, w = inputs(2053, k, n, seed=k)
+    close(np.asarray(mm.bf16_matmul(x, mm.pack(w), path=path)), numpy_matmul(x, w), x, w)
 
 
 @pytest.mark.parametrize("m", [1, 8, 16, 64, 300])
 @pytest.mark.parametrize("k,n", MODEL_SHAPES)
-def test_matches_xla_at_model_shapes(m, k, n):
+def test_matches_xla_at_model_shapes(m, k, n, path):
     x, w = inputs(m, k, n, seed=m)
-    got = np.asarray(mm.bf16_matmul(x, mm.pack(w)))
+    got = np.asarray(mm.bf16_matmul(x, mm.pack(w), path=path))
     want = np.asarray(jax.jit(mm.reference)(x, w))
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-3)
 
 
-def test_rounds_x_to_nearest_even_bf16():
+def test_rounds_x_to_nearest_even_bf16(path):
     """x halfway between two bf16 values rounds to the even one, as XLA's convert does, in
     the vector conversion (32 values at a time) and its tail alike."""
     halfway = np.array([1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8), 3.0] * 9, np.float32)[None]
     w = jnp.eye(36, dtype=jnp.bfloat16)
-    got = np.asarray(mm.bf16_matmul(jnp.asarray(halfway), mm.pack(w)))
+    got = np.asarray(mm.bf16_matmul(jnp.asarray(halfway), mm.pack(w), path=path))
     np.testing.assert_array_equal(got[0, :4], [1.0, 1 + 2**-6, -1.0, 3.0])
     np.testing.assert_array_equal(got, np.asarray(mm.reference(jnp.asarray(halfway), w)))
 
 
-def test_nan_and_inf_in_x_propagate():
+def test_nan_and_inf_in_x_propagate(path):
     """Row 0 has a NaN (NaN in every column, as 0 * NaN is NaN), row 1 an inf (inf where its
     weight is positive, NaN where it is 0): as XLA's dot."""
     x = np.ones((2, 64), np.float32)
     x[0, 3], x[1, 40] = np.nan, np.inf
     w = jnp.eye(64, dtype=jnp.bfloat16)
-    got = np.asarray(mm.bf16_matmul(jnp.asarray(x), mm.pack(w)))
+    got = np.asarray(mm.bf16_matmul(jnp.asarray(x), mm.pack(w), path=path))
     assert np.isnan(got[0]).all() and got[1, 40] == np.inf and np.isnan(got[1, :40]).all()
     want = np.asarray(mm.reference(jnp.asarray(x), w))
     np.testing.assert_array_equal(got, want)
 
 
 @pytest.mark.parametrize("m,k,n", [(0, 66, 129), (3, 0, 17), (3, 66, 0)])
-def test_empty(m, k, n):
+def test_empty(m, k, n, path):
     """No rows, an empty contraction (zeros) or no columns: the right shape, no crash."""
     x, w = inputs(m, k, n)
-    got = np.asarray(mm.bf16_matmul(x, mm.pack(w)))
+    got = np.asarray(mm.bf16_matmul(x, mm.pack(w), path=path))
     assert got.shape == (m, n) and not got.any()
 
 
@@ -131,12 +151,12 @@ def test_under_jit():
     close(got, numpy_matmul(x * 2, w), x * 2, w)
 
 
-def test_stacked_weight_picks_its_layer_in_place():
+def test_stacked_weight_picks_its_layer_in_place(path):
     """w [L, K, N] with a traced layer index reads that layer (clamped to [0, L)), as the
     step's unrolled layer loop calls it on the stacked weights."""
     x, w = inputs(5, 66, 129, seed=3)
     stack = mm.pack(jnp.stack([w * 0.5, w, w * 2.0]))
-    fn = jax.jit(mm.bf16_matmul)
+    fn = jax.jit(partial(mm.bf16_matmul, path=path))
     for layer, want_w in [(1, w), (2, w * 2.0), (7, w * 2.0), (-3, w * 0.5)]:
         got = np.asarray(fn(x, stack, jnp.int32(layer)))
         close(got, numpy_matmul(x, want_w), x, want_w)
@@ -169,13 +189,13 @@ def test_bad_shapes_are_named():
 
 
 @pytest.mark.parametrize("m", [1, 7, 53, 300])
-@pytest.mark.parametrize("k,f", [(576, 1536), (66, 128), (1536, 64 * 3)])
-def test_gated_matches_silu_of_gate_times_up(m, k, f):
+@pytest.mark.parametrize("k,f", [(576, 1536), (66, 128), (1536, 64 * 3), (522, 64)])
+def test_gated_matches_silu_of_gate_times_up(m, k, f, path):
     """`gated`: silu(x @ gate) * (x @ up) for w = [gate | up] [K, 2F], against float64 NumPy
     (silu on the float64 products) and XLA's path; outputs with large negative gates are 0."""
     x, w = inputs(m, k, 2 * f, seed=m + k)
     x = x.at[0, :].multiply(40.0)  # gates far past exp's range in row 0
-    got = np.asarray(mm.bf16_matmul(x, mm.pack(w), gated=True))
+    got = np.asarray(mm.bf16_matmul(x, mm.pack(w), gated=True, path=path))
     y = numpy_matmul(x, w)
     g, u = y[:, :f], y[:, f:]
     want = g / (1 + np.exp(-np.clip(g, -700, 700))) * u
@@ -186,6 +206,14 @@ def test_gated_matches_silu_of_gate_times_up(m, k, f):
     np.testing.assert_array_less(np.abs(got - want), bound)
     np.testing.assert_allclose(got, np.asarray(jax.jit(mm.gated_reference)(x, w)),
                                rtol=1e-3, atol=1e-3)
+
+
+def test_a_path_not_built_here_is_refused_naming_the_ones_that_are():
+    x, w = inputs(3, 66, 129)
+    missing = [p for p in mm.PATHS if p not in mm.paths()] + ["amx"]
+    with pytest.raises(ValueError, match=rf"path '{missing[0]}' is not built here; this "
+                                         rf"machine has {', '.join(mm.paths())}"):
+        mm.bf16_matmul(x, mm.pack(w), path=missing[0])
 
 
 def test_gated_refuses_widths_it_cannot_pair():

@@ -1,0 +1,144 @@
+"""The dispatcher's choices from injected timings (no clock involved), its cache, and a runner
+built on a mixed choice: weights the kernel wins kept in panel order, the others natural, the
+tokens those of XLA's dot everywhere."""
+
+from __future__ import annotations
+
+import pytest
+
+from jaxpipe.kernels import dispatch
+from jaxpipe.kernels.dispatch import NATURAL_ORDER, PANEL_ORDER, XLA, Dispatch, Matmul
+
+WQ = Matmul("wq", 576, 576)
+
+
+def timings(rows_to_seconds: dict[int, dict[str, float]]) -> dict[str, dict]:
+    return {str(m): by_impl for m, by_impl in rows_to_seconds.items()}
+
+
+def test_the_kernel_wins_small_rows_and_xla_large_ones_as_on_an_amx_xeon():
+    # 2026-11-26's Xeon: the avx512_bf16 kernel wins at 1-16 rows, XLA's AMX dot from 64.
+    seconds = {1: {XLA: 4.0, "avx512_bf16": 1.0}, 16: {XLA: 5.0, "avx512_bf16": 2.0},
+               64: {XLA: 4.0, "avx512_bf16": 8.0}, 256: {XLA: 10.0, "avx512_bf16": 30.0}}
+    # Totals: natural 23, panel 41: one order per weight, the one with the lower total.
+    assert dispatch.choose_order(seconds) == NATURAL_ORDER
+    d = Dispatch(timings={WQ.key(): timings(seconds)})
+    assert d.order(WQ) == NATURAL_ORDER
+    assert [d.impl(WQ, m) for m in (1, 16, 200, 5000)] == [XLA] * 4
+
+
+def test_each_row_count_takes_the_fastest_path_of_the_weights_order():
+    seconds = {1: {XLA: 9.0, "portable": 2.0, "avx2": 3.0},
+               8: {XLA: 9.0, "portable": 5.0, "avx2": 1.0},
+               64: {XLA: 2.0, "portable": 9.0, "avx2": 4.0}}
+    d = Dispatch(timings={WQ.key(): timings(seconds)})
+    assert d.order(WQ) == PANEL_ORDER  # panel 2 + 1 + 4 = 7 < natural 20
+    # XLA is fastest at 64 rows but reads the other order: the best panel path runs there.
+    assert [d.impl(WQ, m) for m in (1, 2, 8, 9, 64, 4096)] == [
+        "portable", "avx2", "avx2", "avx2", "avx2", "avx2"]
+
+
+def test_a_step_takes_the_choice_of_the_nearest_measured_row_count_at_or_above():
+    assert [dispatch.nearest_rows(m, (1, 8, 32)) for m in (1, 2, 8, 9, 32, 33, 999)] == [
+        1, 8, 8, 32, 32, 32, 32]
+
+
+def test_a_tie_keeps_natural_order():
+    assert dispatch.choose_order({1: {XLA: 1.0, "avx2": 1.0}}) == NATURAL_ORDER
+
+
+def test_forcing_one_implementation():
+    d = Dispatch(force=XLA, timings={})
+    assert (d.order(WQ), d.impl(WQ, 64)) == (NATURAL_ORDER, XLA)
+    with pytest.raises(ValueError, match=r"matmul='amx' cannot run here; this machine has xla"):
+        Dispatch(force="amx", timings={})
+
+
+def test_attention_takes_the_lower_total():
+    case = dispatch.AttentionCase(9, 3, 64, rows=64, q_len=1, context=512)
+    prefill = dispatch.AttentionCase(9, 3, 64, rows=1, q_len=256, context=0)
+    d = Dispatch(timings={f"{case.key()}:uint16": {"kernel": 1.0, XLA: 3.0},
+                          f"{prefill.key()}:uint16": {"kernel": 2.0, XLA: 2.5}})
+    assert d.attention([case, prefill], "uint16") == "kernel"  # 3 against 5.5
+    d.timings[f"{prefill.key()}:uint16"] = {"kernel": 5.0, XLA: 0.5}
+    assert d.attention([case, prefill], "uint16") == XLA  # 6 against 3.5
+
+
+def test_timings_are_measured_once_and_cached_per_machine(tmp_path, monkeypatch):
+    calls = []
+
+    def fake_time(mm, rows):
+        calls.append((mm.key(), rows))
+        return {XLA: 1.0 / rows, "avx2": 0.5 / rows}
+
+    monkeypatch.setattr(dispatch, "time_matmul", fake_time)
+    monkeypatch.setattr(dispatch.matmul, "paths", lambda: ("portable", "avx2"))
+    cache = tmp_path / "dispatch.json"
+    first = Dispatch(cache=cache)
+    assert first.order(WQ) == PANEL_ORDER and first.impl(WQ, 3) == "avx2"
+    assert [rows for _, rows in calls] == list(dispatch.ROWS)
+    again = Dispatch(cache=cache)  # a new process on the same machine
+    assert again.impl(WQ, 3) == "avx2" and len(calls) == len(dispatch.ROWS)
+    head = Matmul("lm_head", 576, 49152)
+    again.order(head)
+    assert [rows for key, rows in calls if key == head.key()] == list(dispatch.HEAD_ROWS)
+
+
+def test_the_cache_key_names_the_cpu_and_the_kernels():
+    machine = dispatch.machine()
+    assert set(machine) == {"cpu", "isa", "jaxlib", "flags", "kernels"}
+    assert dispatch.cache_path().parent.name == "dispatch"
+
+
+def test_the_table_names_every_candidate_and_the_choice():
+    seconds = {1: {XLA: 2e-3, "avx2": 1e-3}, 64: {XLA: 1e-3, "avx2": 4e-3}}
+    d = Dispatch(timings={WQ.key(): timings(seconds)})
+    records = d.rows([WQ])
+    assert [(r["rows"], r["order"], r["chosen"]) for r in records] == [
+        (1, NATURAL_ORDER, XLA), (64, NATURAL_ORDER, XLA)]
+    assert records[0]["gflops"]["avx2"] == pytest.approx(2 * 576 * 576 / 1e-3 / 1e9)
+    text = dispatch.format_table(records)
+    assert "wq:576x576" in text and "avx2" in text and "natural" in text
+
+
+def mixed_timings(cfg, kernel_wins: set[str], path: str) -> dict[str, dict]:
+    """Injected timings for a model's matmuls on one device: the kernel path `path` wins
+    for the weights named in `kernel_wins`, XLA for the others."""
+    out = {}
+    for mm in dispatch.model_matmuls(cfg):
+        fast, slow = (path, XLA) if mm.name in kernel_wins else (XLA, path)
+        rows = dispatch.HEAD_ROWS if mm.name == "lm_head" else dispatch.ROWS
+        out[mm.key()] = timings({m: {fast: 1.0, slow: 2.0} for m in rows})
+    return out
+
+
+def test_a_mixed_choice_packs_only_the_kernels_weights_and_keeps_the_tokens(monkeypatch):
+    """A bf16 engine on injected timings where the kernel wins q, the gated MLP and the head
+    and XLA the rest: those three (and only they) are kept in panel order, and the greedy
+    tokens equal an engine on XLA's dot everywhere."""
+    from jaxpipe import Engine, EngineConfig, SamplingParams
+    from jaxpipe.kernels import matmul
+    from jaxpipe.model.loading import source_config
+    from jaxpipe.model.presets import resolve_model
+
+    if not matmul.paths():
+        pytest.skip("the bf16 kernel does not build here")
+    cfg = source_config(resolve_model("smollm2-135m"))
+    injected = Dispatch(timings=mixed_timings(cfg, {"wq", "w_gate_up", "lm_head"},
+                                              matmul.paths()[-1]))
+    kwargs = dict(dtype="bfloat16", max_model_len=128, max_num_seqs=4, warmup=False,
+                  show_progress=False)
+    monkeypatch.setattr(dispatch, "for_machine", lambda force=None: injected)
+    mixed = Engine(EngineConfig(**kwargs))
+    place = mixed.runner.placements["decode"]
+    assert set(place.packed) == {"wq", "w_gate_up"} and place.head_path is not None
+    params = SamplingParams(temperature=0.0, max_tokens=12)
+    prompts = ["The capital of France is", "def fib(n):", "1, 2, 3,"]
+    got = [o.outputs[0].token_ids for o in mixed.generate(prompts, params, use_tqdm=False)]
+    mixed.close()
+    monkeypatch.undo()
+    xla = Engine(EngineConfig(**kwargs, matmul="xla"))
+    assert not xla.runner.placements["decode"].packed
+    want = [o.outputs[0].token_ids for o in xla.generate(prompts, params, use_tqdm=False)]
+    xla.close()
+    assert got == want
