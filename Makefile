@@ -21,9 +21,13 @@ UV_COMPILE  := $(VENV)/bin/uv pip compile --upgrade --quiet --python-version $(L
 	--python-platform x86_64-manylinux_2_28 --custom-compile-command "make lock" \
 	$(addprefix --find-links ,$(FIND_LINKS))
 
-# The newest releases the package admits, unlocked (`make test-latest-deps`, non-blocking in CI).
+# The newest releases the package admits, unlocked (`make test-latest-deps`, non-blocking in CI):
+# by default the tests whose references are third-party releases (HF tokenizer, weights and
+# greedy parity, the peers' protocol) and the engine's; LATEST_DEPS_TESTS=tests for them all.
 VENV_NEWEST ?= .venv-newest
 PY_NEWEST   := $(VENV_NEWEST)/bin/python
+LATEST_DEPS_TESTS ?= tests/test_tokenizer.py tests/model tests/bench/test_peers.py \
+	tests/test_engine.py
 
 # The newest JAX the package supports, on Python 3.12 (jax >= 0.11 has no Python 3.11 wheels):
 #   make test-jax-latest   a second venv and the tests that need no torch
