@@ -99,7 +99,7 @@ class ModelConfig:
 
 ATTENTION = ("auto", "kernel", "pallas", "pallas-interpret", "xla")
 # "auto", "xla" and the bf16 kernel's paths (jaxpipe.kernels.matmul.PATHS).
-MATMULS = ("auto", "xla", "portable", "avx2", "avx512_bf16")
+MATMULS = ("auto", "xla", "portable", "avx2", "avx512_bf16", "amx")
 SCHEDULERS = ("auto", "seesaw", "prefill_first", "decode_first", "tdpipe", "throttle")
 PREDICTORS = ("learned", "oracle")  # jaxpipe.scheduler.predictor
 SAMPLERS = ("device", "host")
@@ -158,8 +158,8 @@ class EngineConfig:
     matmul: which implementation multiplies bf16 weights on CPU: "auto" (each weight and row
         count timed once per machine, the fastest used: XLA's dot or a path of the bf16
         kernel; jaxpipe.kernels.dispatch), "xla", or one kernel path for every matmul:
-        "portable", "avx2", "avx512_bf16" (an error where this machine's build has no such
-        path).
+        "portable", "avx2", "avx512_bf16", "amx" (an error where this machine's build has no
+        such path).
     scheduler: the scheduling policy (jaxpipe.scheduler): "seesaw" (prefill into the host KV
         tier until it is full, then decode out of it until it is empty: few layout switches),
         "prefill_first" (continuous batching with chunked prefill: decode tokens first, the

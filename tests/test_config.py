@@ -165,5 +165,5 @@ def test_matmul_names_xla_or_a_kernel_path():
 
     assert MATMULS == ("auto", "xla", *PATHS)
     with pytest.raises(ValueError, match=r"EngineConfig.matmul must be one of \('auto', 'xla', "
-                                         r"'portable', 'avx2', 'avx512_bf16'\), got 'amx2'"):
+                                         r"'portable', 'avx2', 'avx512_bf16', 'amx'\), got 'amx2'"):
         EngineConfig(matmul="amx2")

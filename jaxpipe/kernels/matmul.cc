@@ -31,6 +31,13 @@
 //                  multiplied by broadcast f32 x values (x rounded to bf16 first): the same
 //                  products and sums as the portable loop, at FMA speed
 //   2 avx512_bf16  vdpbf16ps on the pairs as they are (above)
+//   3 amx          AMX tiles (tdpbf16ps): a panel's pair rows are already the VNNI layout of
+//                  AMX's B tiles (16 pair rows x 16 columns of bf16 pairs, 256 bytes apart),
+//                  x's pairs that of its A tiles; 32 rows x 32 columns of sums in four C
+//                  tiles. Panels narrower than 64 and K not a multiple of 32 run the
+//                  avx512_bf16 path. Linux grants the tile state on request
+//                  (arch_prctl(ARCH_REQ_XCOMP_PERM)), asked once; refused, the path is not
+//                  offered. Untested where no CPU with amx_bf16 ran the tests.
 #include <algorithm>
 #include <cmath>
 #include <atomic>
@@ -46,6 +53,11 @@
 #if defined(__AVX512BF16__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define JAXPIPE_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #include "xla/ffi/api/ffi.h"
 
@@ -60,7 +72,7 @@ constexpr int64_t kChunk = 8 * kRows;  // rows per task (at most: a path may tak
 // a larger one evicts the panel the task's later tiles still read (K = 5632: 1.1x slower).
 constexpr int64_t kAheadMaxBytes = 320 << 10;
 
-enum Path : int64_t { kPortable = 0, kAvx2 = 1, kAvx512Bf16 = 2, kNumPaths = 3 };
+enum Path : int64_t { kPortable = 0, kAvx2 = 1, kAvx512Bf16 = 2, kAmx = 3 };
 
 constexpr uint32_t kBuiltPaths = (1u << kPortable)
 #if defined(__AVX2__) && defined(__FMA__)
@@ -68,6 +80,9 @@ constexpr uint32_t kBuiltPaths = (1u << kPortable)
 #endif
 #ifdef __AVX512BF16__
                                  | (1u << kAvx512Bf16)
+#endif
+#ifdef JAXPIPE_AMX
+                                 | (1u << kAmx)
 #endif
     ;
 
@@ -307,6 +322,90 @@ void panel_task(const float* x, int64_t kp, const Panel& pn, float* y, int64_t l
 }  // namespace avx2
 #endif
 
+#ifdef JAXPIPE_AMX
+namespace amx {
+
+using X = uint32_t;  // x as bf16 pairs (pairs_of): rows of A tiles
+inline int64_t x_stride(int64_t kp) { return kp; }
+
+// Linux keeps the AMX tile state off until a process asks for it (once, for all its threads).
+bool permitted() {
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
+                                 18 /* XFEATURE_XTILEDATA */) == 0;
+  return ok;
+}
+
+struct TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tiles 0-3: C (16 rows x 16 f32); 4, 5: A (16 rows x 16 pairs); 6, 7: B (16 pair rows x 16
+// columns of pairs). Loaded at each task: other code on the thread (oneDNN) may have changed it.
+inline void configure() {
+  TileConfig c;
+  for (int t = 0; t < 8; ++t) c.rows[t] = 16, c.colsb[t] = 64;
+  _tile_loadconfig(&c);
+}
+
+// y[32 rows, 32 columns at c0] += the panel's pair rows times a [32, kp] (rows lda bytes
+// apart), kp a multiple of 16, the four C tiles stored to y (ldy floats apart).
+inline void block(const uint32_t* a, int64_t lda, const uint16_t* w, int64_t c0, int64_t kp,
+                  float* y, int64_t ldy) {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t j = 0; j < kp; j += 16) {
+    _tile_loadd(4, a + j, lda);
+    _tile_loadd(5, reinterpret_cast<const char*>(a + j) + 16 * lda, lda);
+    const uint16_t* b = w + j * 2 * kPanel + 2 * c0;  // pair row j, column c0
+    _tile_loadd(6, b, 4 * kPanel);
+    _tile_loadd(7, b + 32, 4 * kPanel);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+  }
+  const int64_t sy = ldy * sizeof(float);
+  _tile_stored(0, y, sy);
+  _tile_stored(1, y + 16, sy);
+  _tile_stored(2, y + 16 * ldy, sy);
+  _tile_stored(3, y + 16 * ldy + 16, sy);
+}
+
+void panel_task(const uint32_t* x, int64_t kp, const Panel& pn, float* y, int64_t ldy,
+                int64_t rows, const Ahead& ahead) {
+  if (pn.width != kPanel || kp % 16 != 0)
+    return bf16dp::panel_task(x, kp, pn, y, ldy, rows, ahead);
+  thread_local std::vector<uint32_t> pad;  // a tail of fewer than 32 rows, zero rows after
+  thread_local std::vector<float> out(32 * 32);
+  configure();
+  for (int64_t m = 0; m < rows; m += 32) {
+    const int64_t mr = std::min<int64_t>(32, rows - m);
+    const uint32_t* a = x + m * kp;
+    if (mr < 32) {
+      pad.assign(32 * kp, 0u);
+      std::copy(a, a + mr * kp, pad.begin());
+      a = pad.data();
+    }
+    for (int64_t c0 = 0; c0 < kPanel; c0 += 32) {
+      if (mr == 32) {
+        block(a, kp * 4, pn.w, c0, kp, y + m * ldy + c0, ldy);
+        continue;
+      }
+      block(a, kp * 4, pn.w, c0, kp, out.data(), 32);
+      for (int64_t r = 0; r < mr; ++r)
+        std::copy_n(out.data() + r * 32, 32, y + (m + r) * ldy + c0);
+    }
+  }
+  _tile_release();
+}
+
+}  // namespace amx
+#endif
+
 namespace portable {
 
 using X = uint32_t;  // x as bf16 pairs (pairs_of)
@@ -453,11 +552,27 @@ struct Bf16dpPath {
   static constexpr auto panel_task = bf16dp::panel_task;
 };
 #endif
+#ifdef JAXPIPE_AMX
+struct AmxPath {
+  using X = amx::X;
+  static int64_t x_stride(int64_t kp) { return amx::x_stride(kp); }
+  static constexpr auto panel_task = amx::panel_task;
+};
+#endif
+
+// The paths this build has and the process may run (AMX needs the kernel's permission).
+uint32_t usable_paths() {
+#ifdef JAXPIPE_AMX
+  if (!amx::permitted()) return kBuiltPaths & ~(1u << kAmx);
+#endif
+  return kBuiltPaths;
+}
 
 // `path` < 0: the fastest this build has (the dispatcher passes its measured choice).
 bool run_path(int64_t path, ffi::ThreadPool& pool, const float* x, const uint16_t* w, float* y,
               int64_t m, int64_t k, int64_t n, bool gated) {
-  if (path < 0) path = 31 - __builtin_clz(kBuiltPaths);
+  if (path < 0) path = 31 - __builtin_clz(usable_paths());
+  if (!(usable_paths() >> path & 1u)) return false;
   switch (path) {
     case kPortable: matmul<PortablePath>(pool, x, w, y, m, k, n, gated); return true;
 #if defined(__AVX2__) && defined(__FMA__)
@@ -465,6 +580,9 @@ bool run_path(int64_t path, ffi::ThreadPool& pool, const float* x, const uint16_
 #endif
 #ifdef __AVX512BF16__
     case kAvx512Bf16: matmul<Bf16dpPath>(pool, x, w, y, m, k, n, gated); return true;
+#endif
+#ifdef JAXPIPE_AMX
+    case kAmx: matmul<AmxPath>(pool, x, w, y, m, k, n, gated); return true;
 #endif
     default: return false;
   }
@@ -496,8 +614,8 @@ ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuf
 
 }  // namespace
 
-// Bit i set: path i (Path above) is compiled in and runs on this CPU (-march=native).
-extern "C" uint32_t jaxpipe_matmul_paths() { return kBuiltPaths; }
+// Bit i set: path i (Path above) is compiled in and runs here (-march=native; AMX permitted).
+extern "C" uint32_t jaxpipe_matmul_paths() { return usable_paths(); }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpipeBf16Matmul, MatmulImpl,
                               ffi::Ffi::Bind()

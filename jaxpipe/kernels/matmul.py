@@ -3,9 +3,9 @@ kept in "panel order", and the same contract in plain jnp (`reference`, XLA's do
 in their natural order).
 
 The kernel has several paths (`PATHS`), each compiled in where the CPU runs it: "portable"
-(plain loops), "avx2" (bf16 pairs widened to f32 in registers, FMA) and "avx512_bf16"
-(vdpbf16ps). `paths()` lists this machine's; which one (or XLA's dot) runs a given shape and
-row count is measured, not assumed (`kernels/dispatch.py`).
+(plain loops), "avx2" (bf16 pairs widened to f32 in registers, FMA), "avx512_bf16"
+(vdpbf16ps) and "amx" (AMX tiles, tdpbf16ps). `paths()` lists this machine's; which one (or
+XLA's dot) runs a given shape and row count is measured, not assumed (`kernels/dispatch.py`).
 
 Why a kernel and an order of its own (default workload, SmolLM2-135M bf16, one CPU device;
 `scripts/profile_step.py` and `scripts/bench_matmul_kernel.py`): XLA's dot of a layer's
@@ -40,7 +40,7 @@ from jaxpipe.kernels.build import register
 SOURCE = Path(__file__).with_name("matmul.cc")
 TARGET = "jaxpipe_bf16_matmul"
 PANEL = 64  # columns per panel (matmul.cc: kPanel)
-PATHS = ("portable", "avx2", "avx512_bf16")  # matmul.cc's Path, by index
+PATHS = ("portable", "avx2", "avx512_bf16", "amx")  # matmul.cc's Path, by index
 
 
 @functools.cache

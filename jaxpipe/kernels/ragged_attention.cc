@@ -49,7 +49,7 @@
 #include <utility>
 #include <vector>
 
-#ifdef __AVX512BF16__
+#if defined(__AVX512BF16__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
 
@@ -60,6 +60,17 @@ namespace ffi = xla::ffi;
 namespace {
 
 constexpr int64_t kTile = 16;  // query positions per task
+
+// f(0), .., f(N - 1) with compile-time indices, so GCC keeps arrays of vectors indexed by them
+// in registers.
+template <typename F, int... I>
+__attribute__((always_inline)) inline void unroll(F&& f, std::integer_sequence<int, I...>) {
+  (f(std::integral_constant<int, I>{}), ...);
+}
+template <int N, typename F>
+__attribute__((always_inline)) inline void unroll(F&& f) {
+  unroll(f, std::make_integer_sequence<int, N>{});
+}
 
 inline float bf16_to_f32(uint16_t x) {
   uint32_t bits = static_cast<uint32_t>(x) << 16;
@@ -485,15 +496,6 @@ inline __m512 exp_nonpositive(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
-template <typename F, int... I>
-__attribute__((always_inline)) inline void unroll(F&& f, std::integer_sequence<int, I...>) {
-  (f(std::integral_constant<int, I>{}), ...);
-}
-template <int N, typename F>
-__attribute__((always_inline)) inline void unroll(F&& f) {
-  unroll(f, std::make_integer_sequence<int, N>{});
-}
-
 inline uint32_t bf16_pair(float lo, float hi) {
   const auto bits = [](float f) {
     uint32_t b;
@@ -885,6 +887,185 @@ void attend_tile(const Inputs<uint16_t>& in, const Shape& s, const Span& span,
 }  // namespace fast
 #endif  // __AVX512BF16__
 
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512BF16__)
+// ---- bf16 pools on AVX2 + FMA: decode rows ------------------------------------------------------
+//
+// A one-query task (the G heads of one kv head over its row's keys): each block of K (then of
+// V) is widened to f32 once into an L1 scratch; each head's scores take 8 keys at a time (8
+// accumulators of partial dots, summed across lanes together: `lanes_total`), and its
+// weighted sum of the values keeps the head's output in registers over the block's rows. The
+// generic loop instead summed across lanes once per (key, head) and read and wrote each
+// head's output row once per value row. q and the probabilities are rounded to bf16, as the
+// XLA reference does; products are exact and sums f32.
+namespace avx2 {
+
+// exp(x) for x <= 0 (the softmax's shifted scores): 2^n * exp(r), n = round(x / ln 2), |r| <=
+// ln 2 / 2, by its degree-7 Taylor polynomial, within 1 ulp of expf above -87 (the avx512_bf16
+// path's, with 2^n built in the exponent bits).
+inline __m256 exp_nonpositive(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504089f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);  // ln 2, high part
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);     // and the rest
+  __m256 p = _mm256_set1_ps(1.f / 5040);
+  for (float c : {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f})
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+  const __m256i e = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);  // 2^n, n >= -126
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+// r[i] = the sum of v[i]'s 8 lanes, i < 8.
+inline __m256 lanes_total(const __m256 (&v)[8]) {
+  const __m256 b0 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 b1 = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  // b0: [v0..v3 over lanes 0-3 | v0..v3 over lanes 4-7], b1 the same for v4..v7
+  return _mm256_add_ps(_mm256_permute2f128_ps(b0, b1, 0x20), _mm256_permute2f128_ps(b0, b1, 0x31));
+}
+
+// Lanes 0 .. n - 1 set (n in 0..8).
+inline __m256i lanes(int64_t n) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)),
+                            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+// x rounded to bf16 (nearest even), as f32.
+inline __m256 round_bf16(__m256 x) {
+  const __m256i b = _mm256_castps_si256(x);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_add_epi32(_mm256_add_epi32(b, _mm256_set1_epi32(0x7fff)), odd);
+  return _mm256_castsi256_ps(_mm256_and_si256(r, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
+}
+
+// dst [n, D] f32 <- src [n, D] bf16, asking meanwhile for the same lines of `next` (the next
+// block, or nullptr) to be cached, one line per line read: spread out, the prefetches keep
+// the memory system busy without overflowing its miss buffers (a whole block's lines asked
+// for at once, two blocks ahead, left the widening waiting on every load).
+template <int D>
+inline void widen_rows(const uint16_t* __restrict src, int64_t n, float* __restrict dst,
+                       const uint16_t* next) {
+  for (int64_t i = 0; i < n * D; i += 32) {  // one 64-byte line of bf16 a step
+    if (next != nullptr) _mm_prefetch(reinterpret_cast<const char*>(next + i), _MM_HINT_T0);
+    unroll<4>([&](auto c) {
+      const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 8 * c));
+      _mm256_storeu_ps(dst + i + 8 * c,
+                       _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(x), 16)));
+    });
+  }
+}
+
+// st[g * ls + i] = scale * q_g . k_i for the block's rows i (kf [8-rounded n, D]; rows past
+// n are stale and their scores past the row's keys, which the softmax never reads).
+template <int D>
+void block_scores(const float* __restrict kf, int64_t n, const float* __restrict q,
+                  int64_t g_count, float scale, float* __restrict st, int64_t ls) {
+  const __m256 sc = _mm256_set1_ps(scale);
+  for (int64_t g = 0; g < g_count; ++g)
+    for (int64_t i0 = 0; i0 < n; i0 += 8) {
+      __m256 acc[8];
+      unroll<8>([&](auto i) { acc[i] = _mm256_setzero_ps(); });
+      for (int c = 0; c < D; c += 8) {
+        const __m256 qc = _mm256_loadu_ps(q + g * D + c);
+        unroll<8>([&](auto i) {
+          acc[i] = _mm256_fmadd_ps(_mm256_loadu_ps(kf + (i0 + i) * D + c), qc, acc[i]);
+        });
+      }
+      _mm256_storeu_ps(st + g * ls + i0, _mm256_mul_ps(lanes_total(acc), sc));
+    }
+}
+
+// s[0 .. len) <- its softmax (len >= 1), rounded to bf16.
+inline void softmax(float* s, int64_t len) {
+  __m256 mx = _mm256_set1_ps(-INFINITY);
+  for (int64_t t = 0; t < len; t += 8) {
+    const __m256 in = _mm256_castsi256_ps(lanes(std::min<int64_t>(8, len - t)));
+    mx = _mm256_max_ps(mx, _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), _mm256_loadu_ps(s + t), in));
+  }
+  mx = _mm256_max_ps(mx, _mm256_permute2f128_ps(mx, mx, 1));
+  mx = _mm256_max_ps(mx, _mm256_shuffle_ps(mx, mx, _MM_SHUFFLE(1, 0, 3, 2)));
+  mx = _mm256_max_ps(mx, _mm256_shuffle_ps(mx, mx, _MM_SHUFFLE(2, 3, 0, 1)));
+  __m256 sum = _mm256_setzero_ps();
+  for (int64_t t = 0; t < len; t += 8) {
+    const __m256 in = _mm256_castsi256_ps(lanes(std::min<int64_t>(8, len - t)));
+    const __m256 e = _mm256_and_ps(in, exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s + t), mx)));
+    sum = _mm256_add_ps(sum, e);
+    _mm256_storeu_ps(s + t, e);
+  }
+  sum = _mm256_add_ps(sum, _mm256_permute2f128_ps(sum, sum, 1));
+  sum = _mm256_hadd_ps(sum, sum);
+  sum = _mm256_hadd_ps(sum, sum);
+  const __m256 inv = _mm256_div_ps(_mm256_set1_ps(1.f), sum);
+  for (int64_t t = 0; t < len; t += 8)
+    _mm256_storeu_ps(s + t, round_bf16(_mm256_mul_ps(_mm256_loadu_ps(s + t), inv)));
+}
+
+// out[g] += sum_i p[g * ls + i] * v_i over the block's n rows (vf [n, D] f32), 8 vectors of
+// the head's output in registers at a time.
+template <int D>
+void block_values(const float* __restrict vf, int64_t n, const float* __restrict p, int64_t ls,
+                  int64_t g_count, float* __restrict out) {
+  constexpr int kPass = D / 8 < 8 ? D / 8 : 8;  // accumulators per pass
+  for (int64_t g = 0; g < g_count; ++g)
+    for (int c0 = 0; c0 < D; c0 += 8 * kPass) {
+      __m256 acc[kPass];
+      unroll<kPass>([&](auto c) { acc[c] = _mm256_loadu_ps(out + g * D + c0 + 8 * c); });
+      for (int64_t i = 0; i < n; ++i) {
+        const __m256 pb = _mm256_broadcast_ss(p + g * ls + i);
+        unroll<kPass>([&](auto c) {
+          acc[c] = _mm256_fmadd_ps(pb, _mm256_loadu_ps(vf + i * D + c0 + 8 * c), acc[c]);
+        });
+      }
+      unroll<kPass>([&](auto c) { _mm256_storeu_ps(out + g * D + c0 + 8 * c, acc[c]); });
+    }
+}
+
+struct Work {
+  std::vector<float> q, st, rows, out;  // q [G, D], st [G, ls], rows [8-rounded BS, D], out [G, D]
+};
+
+// A one-query task: the G heads of kv head h over the row's keys 0 .. tile.keys - 1. A
+// block's scores are stored 8 keys at a time from its first key (any block size): those past
+// the row's keys land in st's 8 spare entries.
+template <int D>
+void decode(const Inputs<uint16_t>& in, const Shape& s, const Span& span, const Tile& tile,
+            int64_t h, Work& w) {
+  const int64_t g_count = s.heads / s.kv_heads, token = span.start + tile.lo, len = tile.keys;
+  float* dst = in.out + (token * s.heads + h * g_count) * D;  // the G heads, consecutive
+  if (len <= 0) {
+    std::fill_n(dst, g_count * D, 0.f);
+    return;
+  }
+  const int32_t* table = in.table + tile.row * s.max_blocks;
+  const int64_t head = h * s.block_size * D, stride = s.kv_heads * s.block_size * D;
+  const Paged<uint16_t> k{in.k + head, table, stride, s.block_size};
+  const Paged<uint16_t> v{in.v + head, table, stride, s.block_size};
+  const int64_t ls = (len + 7) / 8 * 8 + 8;
+  w.q.resize(g_count * D);
+  w.st.resize(g_count * ls);
+  w.rows.resize((s.block_size + 7) / 8 * 8 * D);
+  w.out.assign(g_count * D, 0.f);
+  const float* src = in.q + (token * s.heads + h * g_count) * D;
+  for (int64_t i = 0; i < g_count * D; i += 8)
+    _mm256_storeu_ps(w.q.data() + i, round_bf16(_mm256_loadu_ps(src + i)));
+  const float scale = 1.f / std::sqrt(float(D));
+  for (int64_t j = 0, t = 0; t < len; ++j, t += s.block_size) {
+    const int64_t n = std::min(s.block_size, len - t);
+    widen_rows<D>(k.block(j), n, w.rows.data(), k.after(j + 1, len));
+    block_scores<D>(w.rows.data(), n, w.q.data(), g_count, scale, w.st.data() + t, ls);
+  }
+  for (int64_t g = 0; g < g_count; ++g) softmax(w.st.data() + g * ls, len);
+  for (int64_t j = 0, t = 0; t < len; ++j, t += s.block_size) {
+    const int64_t n = std::min(s.block_size, len - t);
+    widen_rows<D>(v.block(j), n, w.rows.data(), v.after(j + 1, len));
+    block_values<D>(w.rows.data(), n, w.st.data() + t, ls, g_count, w.out.data());
+  }
+  std::copy_n(w.out.data(), g_count * D, dst);
+}
+
+}  // namespace avx2
+#endif  // AVX2 without avx512_bf16
+
 template <typename T>
 void run(ffi::ThreadPool& pool, const Inputs<T>& in, const std::vector<Span>& spans,
          const Shape& s) {
@@ -909,6 +1090,29 @@ void run(ffi::ThreadPool& pool, const Inputs<T>& in, const std::vector<Span>& sp
         const Tile& tile = tiles[i];
         for (int64_t head = std::max<int64_t>(h, 0); head < (h < 0 ? s.kv_heads : h + 1); ++head)
           fast::attend_tile<kDim>(in, s, spans[tile.row], tile, head, work);
+      });
+    }
+#elif defined(__AVX2__) && defined(__FMA__)
+    if constexpr (std::is_same_v<T, uint16_t> && kDim > 0) {
+      // Decode rows on AVX2 (all of a row's kv heads in one task, as above); tiles of several
+      // queries on the generic path.
+      std::vector<std::pair<int64_t, int64_t>> tasks;  // (tile, kv head; -1: all of them)
+      for (int64_t i = 0; i < int64_t(tiles.size()); ++i) {
+        if (tiles[i].hi - tiles[i].lo == 1)
+          tasks.emplace_back(i, -1);
+        else
+          for (int64_t h = 0; h < s.kv_heads; ++h) tasks.emplace_back(i, h);
+      }
+      return parallel_for(pool, int64_t(tasks.size()), [&](int64_t t) {
+        const auto [i, h] = tasks[t];
+        const Tile& tile = tiles[i];
+        if (h >= 0) {
+          thread_local Scratch scratch;
+          return attend_tile<kDim, T>(in, s, spans[tile.row], tile, h, scratch);
+        }
+        thread_local avx2::Work work;
+        for (int64_t head = 0; head < s.kv_heads; ++head)
+          avx2::decode<kDim>(in, s, spans[tile.row], tile, head, work);
       });
     }
 #endif
