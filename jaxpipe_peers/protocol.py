@@ -56,10 +56,12 @@ def best_point(points: Sequence[dict]) -> dict:
 
 
 def seconds_per_call(
-    call: Callable[[], Any], sync: Callable[[Any], Any], repeats: int, min_seconds: float
+    call: Callable[[], Any], sync: Callable[[Any], Any], repeats: int, min_seconds: float,
+    statistic: Callable[[list[float]], float] = statistics.median,
 ) -> float:
-    """Median over `repeats` of the time per `call()`, each repeat running enough back-to-back
-    calls to last >= `min_seconds` (amortising dispatch), synchronised once at its end."""
+    """`statistic` (the median; `min` for a peak) over `repeats` of the time per `call()`, each
+    repeat running enough back-to-back calls to last >= `min_seconds` (amortising dispatch),
+    synchronised once at its end."""
     sync(call())  # compile / first-touch
     start = time.perf_counter()
     sync(call())
@@ -71,7 +73,7 @@ def seconds_per_call(
             out = call()
         sync(out)
         per_call.append((time.perf_counter() - start) / inner)
-    return statistics.median(per_call)
+    return statistic(per_call)
 
 
 def versions() -> dict:

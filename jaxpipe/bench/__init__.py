@@ -256,6 +256,7 @@ def _flops_summary(
         "model_flops": flops,
         "achieved_gflops": achieved,
         "matmul_peak_gflops": matmul["peak_gflops"],
+        "matmul_peak_impl": matmul.get("peak_impl", "xla"),
         "fraction_of_matmul_peak": achieved / matmul["peak_gflops"],
     }
 
@@ -294,7 +295,7 @@ def _measure_matmul(cfg: BenchConfig, log: Log) -> dict:
     from jaxpipe.bench.matmul import measure_peak_gflops
 
     matmul = measure_peak_gflops(cfg.dtype, repeats=cfg.matmul_repeats)
-    log(f"[matmul] jax {cfg.dtype} peak {matmul['peak_gflops']:.1f} GFLOP/s")
+    log(f"[matmul] {cfg.dtype} peak {matmul['peak_gflops']:.1f} GFLOP/s ({matmul['peak_impl']})")
     return matmul
 
 

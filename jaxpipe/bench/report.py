@@ -115,7 +115,8 @@ def flops_line(flops: dict) -> str:
     return (
         f"jaxpipe model FLOP/s: {flops['achieved_gflops']:.1f} GFLOP/s = "
         f"{100 * flops['fraction_of_matmul_peak']:.1f}% of this machine's {flops['dtype']} matmul "
-        f"peak ({flops['matmul_peak_gflops']:.1f} GFLOP/s, f32 accumulate)"
+        f"peak ({flops['matmul_peak_gflops']:.1f} GFLOP/s, f32 accumulate, "
+        f"{flops.get('matmul_peak_impl', 'xla')})"
     )
 
 
