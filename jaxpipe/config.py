@@ -18,19 +18,48 @@ from jaxpipe.meshes import load_mesh
 DTYPES = ("float32", "bfloat16")
 
 
+ROPE_TYPES = ("llama3", "linear", "dynamic", "yarn")
+
+
 @dataclass(frozen=True)
 class RopeScaling:
-    """Llama-3 style RoPE frequency scaling (`rope_type = "llama3"` in HF configs)."""
+    """RoPE frequency scaling as HF's `rope_scaling` / `rope_parameters` defines it.
+
+    rope_type: "llama3" (factor, low/high_freq_factor, original_max_position_embeddings),
+        "linear" (every frequency / factor), "dynamic" (NTK: HF rescales only past
+        max_position_embeddings, which the engine never runs, so the frequencies are the
+        base ones), "yarn" (factor, beta_fast/slow, original_max_position_embeddings,
+        truncate; cos and sin scaled by attention_factor)."""
 
     factor: float
-    low_freq_factor: float
-    high_freq_factor: float
-    original_max_position_embeddings: int
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+    rope_type: str = "llama3"
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float = 1.0
+    truncate: bool = True
+
+    def __post_init__(self):
+        if self.rope_type not in ROPE_TYPES:
+            raise ValueError(f"RopeScaling.rope_type {self.rope_type!r} is not supported; "
+                             f"supported: {list(ROPE_TYPES)}")
+        if not self.factor > 0:
+            raise ValueError(f"RopeScaling.factor must be > 0, got {self.factor!r}")
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Architecture of a Llama-family decoder. Hashable: usable as a static jit argument."""
+    """Architecture of a decoder of the Llama family and its relatives (Mistral, Qwen2/2.5,
+    Qwen3). Hashable: usable as a static jit argument.
+
+    qkv_bias: the q, k and v projections add a bias (Qwen2/2.5).
+    qk_norm: q and k are RMS-normalised per head (a [head_dim] weight each) before RoPE
+        (Qwen3).
+    sliding_window: the layers in sliding_layers attend only over their last sliding_window
+        keys (HF: key position > query position - sliding_window). The engine runs such a
+        model up to max_model_len <= sliding_window, where the window drops no key."""
 
     vocab_size: int
     hidden_size: int
@@ -46,6 +75,10 @@ class ModelConfig:
     tie_embeddings: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    sliding_window: int | None = None
+    sliding_layers: tuple[int, ...] = ()
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
@@ -59,6 +92,23 @@ class ModelConfig:
                 f"num_kv_heads ({self.num_kv_heads})")
         if self.head_dim % 2:
             raise ValueError(f"ModelConfig.head_dim must be even for RoPE, got {self.head_dim}")
+        if self.sliding_layers and not (isinstance(self.sliding_window, int)
+                                        and self.sliding_window >= 1):
+            raise ValueError(f"ModelConfig.sliding_layers {self.sliding_layers} need a positive "
+                             f"integer sliding_window, got {self.sliding_window!r}")
+        bad = [i for i in self.sliding_layers if not 0 <= i < self.num_layers]
+        if bad:
+            raise ValueError(f"ModelConfig.sliding_layers {bad} are not layers of "
+                             f"0..{self.num_layers - 1}")
+
+    @property
+    def context_limit(self) -> tuple[int, str]:
+        """The longest sequence the engine runs this model at, and what sets it: the
+        position embeddings, or a sliding window (not yet applied by the attention kernels,
+        which attend over every key: exact only while no sequence is longer than it)."""
+        if self.sliding_layers and self.sliding_window < self.max_position_embeddings:
+            return self.sliding_window, "sliding_window"
+        return self.max_position_embeddings, "max_position_embeddings"
 
     @property
     def group_size(self) -> int:
@@ -70,6 +120,8 @@ class ModelConfig:
         e, f, h, k, d = (self.hidden_size, self.intermediate_size, self.num_heads,
                          self.num_kv_heads, self.head_dim)
         per_layer = e * (h * d) * 2 + e * (k * d) * 2 + 3 * e * f + 2 * e
+        per_layer += (h + 2 * k) * d if self.qkv_bias else 0
+        per_layer += 2 * d if self.qk_norm else 0
         total = self.num_layers * per_layer + e
         head = 0 if self.tie_embeddings else self.vocab_size * e
         return total + head + (self.vocab_size * e if include_embedding else 0)
@@ -88,8 +140,9 @@ class ModelConfig:
             raise ValueError(f"unknown model config keys {unknown}; accepted: {sorted(known)}")
         if d.get("rope_scaling") is not None and not isinstance(d["rope_scaling"], RopeScaling):
             d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
-        if "eos_token_ids" in d:
-            d["eos_token_ids"] = tuple(d["eos_token_ids"])
+        for name in ("eos_token_ids", "sliding_layers"):
+            if name in d:
+                d[name] = tuple(d[name])
         return cls(**d)
 
     def to_dict(self) -> dict:

@@ -32,7 +32,7 @@ from jaxpipe.kv.device_cache import storage_dtype
 from jaxpipe.layout import Layout
 from jaxpipe.meshes import MeshPreset, load_mesh
 from jaxpipe.model import loading
-from jaxpipe.model.llama import Llama, init_random, param_decls
+from jaxpipe.model.decoder import Decoder, init_random, param_decls
 from jaxpipe.model.presets import resolve_model
 from jaxpipe.outputs import CompletionOutput, RequestOutput, StreamDelta
 from jaxpipe.runner import (
@@ -86,7 +86,7 @@ class Engine:
         if config.warmup:
             self.warmup()
 
-    def _build(self, config: EngineConfig, devices: list, leader) -> Llama | Path:
+    def _build(self, config: EngineConfig, devices: list, leader) -> Decoder | Path:
         """Load the model, size the KV pool and make the runner (the leader tells the
         followers the sizes first). Returns the loaded model, for the caller to drop."""
         self.dtype, self.model_config, model, self.tokenizer, self.max_model_len, \
@@ -421,7 +421,7 @@ def _mesh_devices(mesh: MeshPreset, cluster: distributed.Cluster | None = None) 
     return devices[: mesh.num_devices]
 
 
-def _make_runner(config: EngineConfig, cfg: ModelConfig, model: Llama | Path,
+def _make_runner(config: EngineConfig, cfg: ModelConfig, model: Decoder | Path,
                  buckets: Buckets, num_slots: int, max_len: int, dtype, devices: list,
                  layouts: dict, num_blocks: int, chosen: Dispatch | None) -> Runner:
     """The runner over `layouts` of `devices` (one device: pp=1,tp=1 for both phases).
@@ -466,7 +466,7 @@ def _resolve_layouts(config: EngineConfig, cfg: ModelConfig, num_devices: int) -
     return {k: Layout.parse(v) for k, v in layouts.items()}
 
 
-def _load(config: EngineConfig, dtype) -> tuple[ModelConfig, Llama | Path, Tokenizer | None]:
+def _load(config: EngineConfig, dtype) -> tuple[ModelConfig, Decoder | Path, Tokenizer | None]:
     """Architecture, weights and tokenizer. An orbax checkpoint is not read here: its path is
     returned, for the runner to restore straight into the layout's shardings."""
     source = resolve_model(config.model)
@@ -478,18 +478,21 @@ def _load(config: EngineConfig, dtype) -> tuple[ModelConfig, Llama | Path, Token
         return loading.orbax_config(source.path), source.path, tokenizer
     start = time.perf_counter()
     cfg, values = loading.load_weights(source)
-    model = Llama(cfg, dtype=dtype, values=values)
+    model = Decoder(cfg, dtype=dtype, values=values)
     log.info("loaded %s in %.1f s", source.name, time.perf_counter() - start)
     return cfg, model, tokenizer
 
 
 def _max_model_len(config: EngineConfig, cfg: ModelConfig) -> int:
-    limit = cfg.max_position_embeddings
+    limit, what = cfg.context_limit
     if config.max_model_len is None:
         return min(limit, 2048)
     if config.max_model_len > limit:
+        why = (" (layers with a sliding window: the attention kernels do not apply windows "
+               "yet, so sequences stop where the window would start to drop keys)"
+               if what == "sliding_window" else "")
         raise ValueError(f"EngineConfig.max_model_len={config.max_model_len} exceeds the model's "
-                         f"max_position_embeddings={limit}")
+                         f"{what}={limit}{why}")
     return config.max_model_len
 
 

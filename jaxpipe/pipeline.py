@@ -35,8 +35,8 @@ from jaxpipe.kernels import matmul, pallas_attention, ragged_attention
 from jaxpipe.kernels.dispatch import Matmul
 from jaxpipe.kv.device_cache import BLOCK, OUT_OF_RANGE, KVCache, to_storage
 from jaxpipe.layout import Layout
-from jaxpipe.model import llama
-from jaxpipe.model.llama import LAYER_PARAMS, HeadParams, LayerParams, param_decls
+from jaxpipe.model import decoder
+from jaxpipe.model.decoder import LAYER_PARAMS, HeadParams, LayerParams, param_decls
 from jaxpipe.step_inputs import StepInputs
 
 # The weights the step reads in panel order, each with its kernel path for a number of rows
@@ -99,7 +99,7 @@ def attend(q, k, v, mb: dict, layer, *, attention: str, max_kv: int):
 class StackedWeight:
     """Layer `layer` (traced i32) of a stacked weight [L, ...] in panel order, for
     `kernel_dot` to read in place: slicing it out before a custom call makes XLA copy the
-    weight on every call. Has what `llama._matmul` uses of a weight: shape, dtype, reshape
+    weight on every call. Has what `decoder._matmul` uses of a weight: shape, dtype, reshape
     (recorded, applied on use); `path(rows)` names the kernel path a call of `rows` rows runs
     (`kernels/dispatch.py`)."""
 
@@ -124,26 +124,28 @@ class StackedWeight:
 
 
 def kernel_dot(x, w: StackedWeight):
-    """`llama._matmul`'s dot with the C++ bf16 kernel on a weight in panel order
+    """`decoder._matmul`'s dot with the C++ bf16 kernel on a weight in panel order
     (`kernels/matmul.py`), on the path measured fastest for x's rows. Call inside
     `shard_map`."""
     return matmul.bf16_matmul(x, w.stacked(), w.layer, path=w.path(x.shape[0]))
 
 
 def kernel_gated(x, w: StackedWeight):
-    """`llama.gated_mlp`'s fused gate: the kernel's `gated` mode (the [M, 2F] product is never
+    """`decoder.gated_mlp`'s fused gate: the kernel's `gated` mode (the [M, 2F] product is never
     written). Call inside `shard_map`."""
     return matmul.bf16_matmul(x, w.stacked(), w.layer, gated=True, path=w.path(x.shape[0]))
 
 
 # The layer weights the step multiplies by, and how many of their axes after "layers" are
-# contracted (llama.py's `_matmul` calls): with `packed`, those axes are K and the rest N.
+# contracted (decoder.py's `_matmul` calls): with `packed`, those axes are K and the rest N.
 MATMUL_PARAMS = {"wq": 1, "wkv": 1, "wo": 2, "w_gate_up": 1, "w_down": 1}
 
 
 def layer_params(layers: LayerParams, j, packed: KernelPaths) -> LayerParams:
-    """Layer j's weights: slices, and the `packed` ones as `StackedWeight`s."""
-    return LayerParams(*(StackedWeight(a, j, packed[name]) if name in packed else a[j]
+    """Layer j's weights: slices, and the `packed` ones as `StackedWeight`s (None stays
+    None: a parameter this config has not)."""
+    return LayerParams(*(StackedWeight(a, j, packed[name]) if name in packed
+                         else None if a is None else a[j]
                          for name, a in zip(LAYER_PARAMS, layers, strict=True)))
 
 
@@ -251,20 +253,20 @@ def stage_layers(cfg: ModelConfig, layers: LayerParams, x, mb: dict, cache: KVCa
     positions = mb["positions"]
 
     def dot(x, w):
-        return kernel_dot(x, w) if isinstance(w, StackedWeight) else llama.xla_dot(x, w)
+        return kernel_dot(x, w) if isinstance(w, StackedWeight) else decoder.xla_dot(x, w)
 
     if attention == "cpu":
-        cos, sin = llama.rope_angles(cfg, positions)  # [Tm, D/2], once for every layer
+        cos, sin = decoder.rope_angles(cfg, positions)  # [Tm, D/2], once for every layer
 
         def attend_layer(p, x, k, v, j):
-            q, kv = llama.projections(cfg, p, x, dot)
+            q, kv = decoder.projections(cfg, p, x, dot)
             return ragged_attention.write_and_attend(
                 q, kv, cos, sin, k, v, mb["table"], mb["q_start"], mb["q_len"], mb["kv_len"], j)
     else:
         blocks, offsets = token_slots(mb["table"], mb["rows"], positions)
 
         def attend_layer(p, x, k, v, j):
-            q, kn, vn = llama.qkv(cfg, p, x, positions, dot)  # [Tm, H|Hkv, D]
+            q, kn, vn = decoder.qkv(cfg, p, x, positions, dot)  # [Tm, H|Hkv, D]
             k = k.at[j, blocks, :, offsets].set(to_storage(kn, k), mode="drop")
             v = v.at[j, blocks, :, offsets].set(to_storage(vn, v), mode="drop")
             return attend(q, k, v, mb, j, attention=attention, max_kv=max_kv), k, v
@@ -277,7 +279,7 @@ def stage_layers(cfg: ModelConfig, layers: LayerParams, x, mb: dict, cache: KVCa
         x, k, v = carry
         p = layer_params(layers, j, packed)
         attn, k, v = attend_layer(p, x, k, v, j)
-        x = llama.attn_out_mlp(cfg, p, x, attn, reduce, dot, gated)
+        x = decoder.attn_out_mlp(cfg, p, x, attn, reduce, dot, gated)
         return (x, k, v), None
 
     count = layers.wq.shape[0]
@@ -287,7 +289,8 @@ def stage_layers(cfg: ModelConfig, layers: LayerParams, x, mb: dict, cache: KVCa
 
 def _specs(cfg: ModelConfig, layout: Layout):
     decls = param_decls(cfg)
-    layer_specs = LayerParams(*(sharding.spec(decls[n].axes, layout) for n in LAYER_PARAMS))
+    layer_specs = LayerParams(*(sharding.spec(decls[n].axes, layout) if n in decls else None
+                                for n in LAYER_PARAMS))
     kv = sharding.spec(sharding.KV_AXES, layout)
     return layer_specs, KVCache(kv, kv)
 
@@ -295,7 +298,7 @@ def _specs(cfg: ModelConfig, layout: Layout):
 def split_params(params: dict) -> tuple[LayerParams, HeadParams]:
     """The stacked layer weights and the head (embedding, final norm, LM head)."""
     head = HeadParams(params["embed"], params["final_norm"], params.get("lm_head"))
-    return LayerParams(*(params[n] for n in LAYER_PARAMS)), head
+    return LayerParams(*(params.get(n) for n in LAYER_PARAMS)), head
 
 
 def _micro(inputs: dict, m, valid):
@@ -341,7 +344,7 @@ def step_program(cfg: ModelConfig, layout: Layout, mesh, *, attention: str, max_
 
     def step(params, cache, inputs: StepInputs, prev):
         layers, head = split_params(params)
-        xs = llama.embed(head, fed_tokens(inputs, prev))  # [M, Tm, E]
+        xs = decoder.embed(head, fed_tokens(inputs, prev))  # [M, Tm, E]
         hidden, cache = staged(layers, xs, {k: getattr(inputs, k) for k in keys}, cache)
         return jnp.pad(hidden, ((0, out_rows - hidden.shape[0]), (0, 0))), cache
 
@@ -377,12 +380,12 @@ def logits_program(cfg: ModelConfig, vocab: int, layout: Layout | None = None, m
     def logits(params, hidden, rows: int):
         _, params_head = split_params(params)
         if packed:
-            h = llama.rms_norm(hidden[:rows], params_head.final_norm, cfg.rms_norm_eps)
+            h = decoder.rms_norm(hidden[:rows], params_head.final_norm, cfg.rms_norm_eps)
             return head(h, params["lm_head"])[:, :vocab]
         n = max(rows, HEAD_MIN_ROWS)
         if hidden.shape[0] < n:
             hidden = jnp.pad(hidden, ((0, n - hidden.shape[0]), (0, 0)))
-        return llama.logits(cfg, params_head, hidden[:n])[:rows, :vocab]
+        return decoder.logits(cfg, params_head, hidden[:n])[:rows, :vocab]
 
     return jax.jit(logits, static_argnames="rows")
 

@@ -31,7 +31,7 @@ from jax.sharding import PartitionSpec as P
 from jaxpipe.config import ModelConfig
 from jaxpipe.kv.device_cache import BLOCK
 from jaxpipe.layout import Layout
-from jaxpipe.model.llama import param_decls
+from jaxpipe.model.decoder import param_decls
 
 MESH_AXES = ("dp", "pp", "tp")
 # Logical axis -> mesh axis. Axes not listed (embed, head_dim, kv_pair, gate_up, seq) are never

@@ -12,7 +12,7 @@ import pytest
 from jaxpipe import Engine, EngineConfig, sharding
 from jaxpipe.config import ModelConfig
 from jaxpipe.layout import Layout
-from jaxpipe.model import llama
+from jaxpipe.model import decoder
 
 SMOLLM2 = ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
                       num_heads=9, num_kv_heads=3, head_dim=64, tie_embeddings=True)
@@ -66,12 +66,12 @@ def test_padded_model_gives_the_unpadded_logits(layouts):
     """Head padding, KV-head replication, identity layers, mlp and vocab padding together:
     the padded model on one device equals the unpadded one (whole-sequence forward)."""
     plan = sharding.plan_padding(TINY, [Layout.parse(lo) for lo in layouts])
-    values = llama.numpy_random_values(TINY, seed=5)
-    model = llama.Llama(TINY, values=values)
+    values = decoder.numpy_random_values(TINY, seed=5)
+    model = decoder.Decoder(TINY, values=values)
     sizes = plan.padded_config(TINY)
     assert sizes["num_layers"] > TINY.num_layers and sizes["num_kv_heads"] > TINY.num_kv_heads
     padded_cfg = ModelConfig(**{**TINY.to_dict(), **sizes})
-    padded = llama.Llama(padded_cfg, values=sharding.pad_values(TINY, values, plan))
+    padded = decoder.Decoder(padded_cfg, values=sharding.pad_values(TINY, values, plan))
     rng = np.random.default_rng(0)
     tokens = jnp.asarray(rng.integers(0, TINY.vocab_size, (2, 8)), jnp.int32)
     want, got = np.asarray(model.forward(tokens)), np.asarray(padded.forward(tokens))

@@ -13,7 +13,7 @@ queries are gathered into [tiles, Hkv, M, D] (M = TQ * G rounded up to a power o
 Triton's blocks must be) and the tiles' outputs are put back in token order. Every load and
 store in the kernel is then a whole block, without masks.
 
-Numerics follow the XLA path (`llama.decode_attention`): q cast to the cache dtype, scores
+Numerics follow the XLA path (`decoder.decode_attention`): q cast to the cache dtype, scores
 and the softmax in f32, probabilities cast to the value dtype for P @ V, accumulation in f32.
 The probabilities are rounded before normalisation (online softmax), so a bf16 pool agrees
 with the XLA path to bf16 rounding, not bit for bit.

@@ -24,7 +24,7 @@
 // values): blocks past them are never read; the keys of a query's causal future inside the
 // tile are scored and then get probability 0. Tasks, heaviest first, are shared out over XLA's
 // intra-op thread pool. With a bf16 cache, q and the probabilities are rounded to bf16 before
-// their dots, as the XLA reference (`llama.decode_attention`) does; accumulation is float32.
+// their dots, as the XLA reference (`decoder.decode_attention`) does; accumulation is float32.
 //
 // Two implementations of a task. With a bf16 (u16) pool, D = 64 or 128 and avx512_bf16
 // (`fast::`): vdpbf16ps products of bf16 pairs, keys in vector lanes for a decode task, the

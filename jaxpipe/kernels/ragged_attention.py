@@ -39,7 +39,7 @@ import jax.numpy as jnp
 
 from jaxpipe.kernels.build import register
 from jaxpipe.kv.device_cache import OUT_OF_RANGE, from_storage, gather, to_storage
-from jaxpipe.model import llama
+from jaxpipe.model import decoder
 
 SOURCE = Path(__file__).with_name("ragged_attention.cc")
 TARGET = "jaxpipe_ragged_attention"
@@ -106,13 +106,13 @@ def write_and_attend(q, kv, cos, sin, k, v, table, q_start, q_len, kv_len, layer
 
 def write_and_attend_reference(q, kv, cos, sin, k, v, table, q_start, q_len, kv_len, layer=0,
                                max_kv: int | None = None):
-    """`write_and_attend` in plain jnp: `llama.apply_rope`, a scatter of each span token's
+    """`write_and_attend` in plain jnp: `decoder.apply_rope`, a scatter of each span token's
     k and v at its position (`token_rows`), then `reference`."""
     k5, v5 = _as_pool(k), _as_pool(v)
     num_layers, num_blocks, _, block_size, _ = k5.shape
     full = (jnp.concatenate([cos, cos], -1)[:, None], jnp.concatenate([sin, sin], -1)[:, None])
-    q = llama.apply_rope(q.astype(jnp.float32), *full)
-    new_k, new_v = llama.apply_rope(kv[:, 0].astype(jnp.float32), *full), kv[:, 1]
+    q = decoder.apply_rope(q.astype(jnp.float32), *full)
+    new_k, new_v = decoder.apply_rope(kv[:, 0].astype(jnp.float32), *full), kv[:, 1]
     rows, pos = token_rows(q_start, q_len, kv_len, q.shape[0], table.shape[1] * block_size)
     block = jnp.asarray(table)[jnp.maximum(rows, 0), jnp.maximum(pos, 0) // block_size]
     bad = (rows < 0) | (block < 0) | (block >= num_blocks)
@@ -128,7 +128,7 @@ def reference(q, k, v, table, q_start, q_len, kv_len, layer=0,
               max_kv: int | None = None) -> jax.Array:
     """`ragged_attention` in plain jnp (the XLA path; jit-able with traced spans and layer):
     each token gathers its row's first `max_kv` positions (static, default MB * BS; it must
-    cover the longest kv_len) and attends with `llama.decode_attention`'s math (q cast to the
+    cover the longest kv_len) and attends with `decoder.decode_attention`'s math (q cast to the
     cache dtype, probabilities to the value dtype, softmax in f32) up to its own position.
     Memory: [T, Hkv, max_kv, D] per k and v."""
     k, v = _as_pool(k), _as_pool(v)
@@ -144,7 +144,7 @@ def reference(q, k, v, table, q_start, q_len, kv_len, layer=0,
         x = jax.lax.dynamic_index_in_dim(pool, layer, keepdims=False)
         return from_storage(gather(x, blocks, max_kv))
 
-    out = llama.decode_attention(q.astype(jnp.float32), tokens(k), tokens(v), keys - 1)
+    out = decoder.decode_attention(q.astype(jnp.float32), tokens(k), tokens(v), keys - 1)
     return jnp.where((keys > 0)[:, None, None], out, 0.0)
 
 

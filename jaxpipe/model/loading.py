@@ -8,6 +8,7 @@ row permutation is undone first.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable
 from pathlib import Path
 
@@ -100,28 +101,125 @@ def load_gguf(path: Path) -> tuple[ModelConfig, dict[str, np.ndarray]]:
     return cfg, from_hf_names(cfg, hf.__getitem__)
 
 
+# HF architectures -> the family switches they set (model/decoder.py's config fields).
+HF_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+}
+# HF's default when config.json leaves `sliding_window` out (MistralConfig: 4096).
+_DEFAULT_WINDOW = {"mistral": 4096}
+
+
 def hf_config(config_json: dict) -> ModelConfig:
-    """Architecture from an HF `config.json` (LlamaForCausalLM / MistralForCausalLM)."""
+    """Architecture from an HF `config.json` of one of `HF_ARCHITECTURES`; any value of a
+    field jaxpipe does not implement fails, naming the field and what is supported."""
     c = config_json
+    family = _hf_family(c)
     heads = c["num_attention_heads"]
-    rope = c.get("rope_scaling") or c.get("rope_parameters") or {}
-    scaling = None
-    if rope.get("rope_type", rope.get("type")) == "llama3":
-        scaling = RopeScaling(float(rope["factor"]), float(rope["low_freq_factor"]),
-                              float(rope["high_freq_factor"]),
-                              int(rope["original_max_position_embeddings"]))
+    act = c.get("hidden_act", c.get("hidden_activation", "silu"))
+    if act != "silu":
+        raise ValueError(f"config.json hidden_act={act!r} is not supported; supported: 'silu'")
+    for flag in ("attention_bias", "mlp_bias"):
+        if c.get(flag) and not (family == "qwen2" and flag == "attention_bias"):
+            raise ValueError(f"config.json {flag}=true is not supported for {family} "
+                             "(biases only on Qwen2's q/k/v projections)")
     eos = c.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+    window, sliding = _hf_sliding_layers(c, family)
+    rope = _hf_rope(c)
     return ModelConfig(
         vocab_size=c["vocab_size"], hidden_size=c["hidden_size"],
         intermediate_size=c["intermediate_size"], num_layers=c["num_hidden_layers"],
-        num_heads=heads, num_kv_heads=c.get("num_key_value_heads", heads),
+        num_heads=heads, num_kv_heads=c.get("num_key_value_heads") or heads,
         head_dim=c.get("head_dim") or c["hidden_size"] // heads,
         rms_norm_eps=float(c.get("rms_norm_eps", 1e-5)),
-        rope_theta=float(c.get("rope_theta", rope.get("rope_theta", 10000.0))),
-        rope_scaling=scaling, max_position_embeddings=c.get("max_position_embeddings", 4096),
+        rope_theta=float(c.get("rope_theta") or rope.get("rope_theta") or 10000.0),
+        rope_scaling=_rope_scaling(rope, c), max_position_embeddings=c.get(
+            "max_position_embeddings", 4096),
         tie_embeddings=bool(c.get("tie_word_embeddings", False)),
-        bos_token_id=c.get("bos_token_id"), eos_token_ids=eos_ids)
+        bos_token_id=c.get("bos_token_id"), eos_token_ids=eos_ids,
+        qkv_bias=family == "qwen2", qk_norm=family == "qwen3",
+        sliding_window=window, sliding_layers=sliding)
+
+
+def _hf_family(c: dict) -> str:
+    archs = c.get("architectures") or []
+    known = [HF_ARCHITECTURES[a] for a in archs if a in HF_ARCHITECTURES]
+    if known:
+        return known[0]
+    by_type = {f: f for f in HF_ARCHITECTURES.values()}
+    if not archs and c.get("model_type") in by_type:
+        return by_type[c["model_type"]]
+    raise ValueError(f"config.json architectures={archs} (model_type={c.get('model_type')!r}) "
+                     f"is not supported; supported: {sorted(HF_ARCHITECTURES)}")
+
+
+def _hf_sliding_layers(c: dict, family: str) -> tuple[int | None, tuple[int, ...]]:
+    """(window, the layers it applies to) as HF builds `layer_types`: every layer for Mistral,
+    Qwen2/3's layers from `max_window_layers` on when `use_sliding_window`, or `layer_types`
+    as given."""
+    layers = c["num_hidden_layers"]
+    window = c.get("sliding_window", _DEFAULT_WINDOW.get(family))
+    types = c.get("layer_types")
+    if family in ("qwen2", "qwen3") and not c.get("use_sliding_window", False):
+        window = None
+    if window is None:
+        return None, ()
+    if types is None:
+        first = c.get("max_window_layers", 28) if family in ("qwen2", "qwen3") else 0
+        types = ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
+    bad = sorted(set(types) - {"sliding_attention", "full_attention"})
+    if bad:
+        raise ValueError(f"config.json layer_types {bad} are not supported; supported: "
+                         "'full_attention', 'sliding_attention'")
+    sliding = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+    return (int(window) if sliding else None), sliding
+
+
+def _hf_rope(c: dict) -> dict:
+    rope = c.get("rope_scaling") or c.get("rope_parameters") or {}
+    if any(isinstance(v, dict) for v in rope.values()):
+        raise ValueError("config.json rope_parameters per layer type are not supported; "
+                         "supported: one RoPE for every layer")
+    return rope
+
+
+def _rope_scaling(rope: dict, c: dict) -> RopeScaling | None:
+    """HF's `rope_scaling` / `rope_parameters` -> `RopeScaling` (None: plain RoPE)."""
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind == "default":
+        return None
+    original = rope.get("original_max_position_embeddings") or c.get(
+        "original_max_position_embeddings") or c.get("max_position_embeddings", 4096)
+    try:
+        if kind == "llama3":
+            return RopeScaling(float(rope["factor"]), float(rope["low_freq_factor"]),
+                               float(rope["high_freq_factor"]), int(original))
+        if kind in ("linear", "dynamic"):
+            return RopeScaling(float(rope["factor"]), rope_type=kind)
+        if kind == "yarn":
+            return _yarn(rope, c, int(original))
+    except KeyError as missing:
+        raise ValueError(f"config.json rope_scaling of type {kind!r} lacks {missing}") from None
+    raise ValueError(f"config.json rope_scaling type {kind!r} is not supported; supported: "
+                     "default, llama3, linear, dynamic, yarn")
+
+
+def _yarn(rope: dict, c: dict, original: int) -> RopeScaling:
+    """YaRN's parameters with HF's defaults (`_compute_yarn_parameters`)."""
+    factor = rope.get("factor") or c.get("max_position_embeddings", 4096) / original
+
+    def mscale(scale, m=1.0):
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention = rope.get("attention_factor")
+    if attention is None:
+        m, m_all = rope.get("mscale"), rope.get("mscale_all_dim")
+        attention = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+    return RopeScaling(float(factor), original_max_position_embeddings=original,
+                       rope_type="yarn", beta_fast=float(rope.get("beta_fast") or 32),
+                       beta_slow=float(rope.get("beta_slow") or 1),
+                       attention_factor=float(attention), truncate=bool(rope.get("truncate", True)))
 
 
 def load_hf_dir(path: Path) -> tuple[ModelConfig, dict[str, np.ndarray]]:
@@ -160,6 +258,13 @@ def from_hf_names(cfg: ModelConfig, get: Callable[[str], np.ndarray]) -> dict[st
                                for n in ("gate", "up")], axis=2),  # [L, E, 2, F]
         "w_down": stack("mlp.down_proj.weight", lambda w: w.T),
     }
+    if cfg.qkv_bias:
+        values["bq"] = stack("self_attn.q_proj.bias", lambda b: b.reshape(H, D))
+        values["bkv"] = np.stack([stack(f"self_attn.{n}_proj.bias", lambda b: b.reshape(K, D))
+                                  for n in "kv"], axis=1)  # [L, 2, Hkv, D]
+    if cfg.qk_norm:
+        values["q_norm"] = stack("self_attn.q_norm.weight", lambda w: w)
+        values["k_norm"] = stack("self_attn.k_norm.weight", lambda w: w)
     if not cfg.tie_embeddings:
         values["lm_head"] = get("lm_head.weight").T
     return values

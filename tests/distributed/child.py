@@ -40,10 +40,10 @@ def workload():
 def save_tiny(path) -> None:
     """The tiny model with seeded random weights as an orbax checkpoint at `path`."""
     from jaxpipe.config import ModelConfig
-    from jaxpipe.model import llama, loading
+    from jaxpipe.model import decoder, loading
 
     cfg = ModelConfig(**TINY)
-    loading.save_orbax(path, cfg, llama.numpy_random_values(cfg, seed=3), "float32")
+    loading.save_orbax(path, cfg, decoder.numpy_random_values(cfg, seed=3), "float32")
 
 
 def main(argv=None) -> int:

@@ -277,10 +277,10 @@ def test_mixed_step_equals_separate_steps(runner, plain_ids):
 
 
 def test_whole_sequence_forward_matches_hf(gguf_weights, hf_model, plain_ids, hf_last):
-    """`Llama.forward`, the cache-free reference other tests compare the step with."""
-    from jaxpipe.model.llama import Llama
+    """`Decoder.forward`, the cache-free reference other tests compare the step with."""
+    from jaxpipe.model.decoder import Decoder
 
     cfg, values = gguf_weights
-    model = Llama(cfg, dtype=jnp.float32, values=values)
+    model = Decoder(cfg, dtype=jnp.float32, values=values)
     logits = np.asarray(model.forward(jnp.asarray([plain_ids[1]])))[0, -1]
     np.testing.assert_allclose(logits, hf_last[1], rtol=0, atol=LOGITS_ATOL)

@@ -11,7 +11,7 @@ import pytest
 jax.config.update("jax_num_cpu_devices", 8)  # before anything starts the backend
 
 from jaxpipe.config import ModelConfig  # noqa: E402
-from jaxpipe.model import llama, loading  # noqa: E402
+from jaxpipe.model import decoder, loading  # noqa: E402
 from jaxpipe.model.presets import resolve_model  # noqa: E402
 
 # Prime sizes, so a swapped or mis-padded axis fails loudly. 5 layers split unevenly over any
@@ -32,7 +32,7 @@ def eight_devices():
 
 @pytest.fixture(scope="session")
 def tiny_values() -> dict[str, np.ndarray]:
-    return llama.numpy_random_values(TINY, seed=3)
+    return decoder.numpy_random_values(TINY, seed=3)
 
 
 @pytest.fixture(scope="session")

@@ -4,14 +4,16 @@ prime-sized model), and SmolLM2's prefill logits must be within 1e-4 (f32) of on
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import PAIRS, TINY
 
 from jaxpipe import Engine, EngineConfig, SamplingParams, step_inputs
-from jaxpipe.model import loading
-from jaxpipe.model.llama import Llama
+from jaxpipe.model import decoder, loading
+from jaxpipe.model.decoder import Decoder
 from jaxpipe.step_inputs import Piece
 
 FAST = dict(dtype="float32", max_model_len=128, max_num_seqs=8, warmup=False,
@@ -38,7 +40,7 @@ def smollm2_prefill_logits(smollm2):
     cfg, values = smollm2
     tokenizer = loading.load_tokenizer(loading_source())
     ids = [tokenizer.encode(p) for p in PROMPTS]
-    model = Llama(cfg, values=values)
+    model = Decoder(cfg, values=values)
     return ids, np.stack([np.asarray(model.forward(jnp.asarray([i])))[0, -1] for i in ids])
 
 
@@ -177,3 +179,26 @@ def test_a_kv_pool_larger_than_free_memory_fails_at_construction(tiny_orbax, mon
                                          r"pool needs [\d,]+ bytes and the weights [\d,]+, "
                                          r"but only 4,096 bytes are free on cpu"):
         Engine(EngineConfig(model=str(tiny_orbax), **FAST, kv_cache_tokens=512))
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen_orbax(tmp_path_factory):
+    """TINY with every family switch that adds parameters: q/k/v biases (sharded with their
+    heads, zero on padded query heads) and per-head q/k norms."""
+    cfg = dataclasses.replace(TINY, qkv_bias=True, qk_norm=True)
+    path = tmp_path_factory.mktemp("tiny_qwen") / "ckpt"
+    loading.save_orbax(path, cfg, decoder.numpy_random_values(cfg, seed=4), "float32")
+    return path
+
+
+@pytest.mark.parametrize("prefill, decode", [("pp=4,tp=2", "tp=8"), ("pp=8", "pp=2,tp=4")])
+def test_family_parameters_layout_pair_match_one_device(tiny_qwen_orbax, prefill, decode):
+    params = SamplingParams(temperature=0.0, max_tokens=12)
+    one = Engine(EngineConfig(model=str(tiny_qwen_orbax), **FAST))
+    want = token_ids(one.generate(prompt_token_ids=tiny_prompts(), sampling_params=params))
+    engine = Engine(EngineConfig(model=str(tiny_qwen_orbax), mesh="cpu-8", prefill=prefill,
+                                 decode=decode, **FAST))
+    for _ in range(2):  # the second run re-shards decode -> prefill -> decode
+        got = engine.generate(prompt_token_ids=tiny_prompts(), sampling_params=params)
+        assert token_ids(got) == want
+    assert engine.stats()["reshards"] >= 3

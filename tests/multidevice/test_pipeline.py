@@ -15,7 +15,7 @@ from conftest import TINY
 from jaxpipe import pipeline, step_inputs
 from jaxpipe.buckets import Buckets
 from jaxpipe.layout import Layout
-from jaxpipe.model.llama import Llama
+from jaxpipe.model.decoder import Decoder
 from jaxpipe.runner import Runner
 from jaxpipe.step_inputs import Piece
 
@@ -36,7 +36,7 @@ def prompts() -> list[list[int]]:
 @pytest.fixture(scope="module")
 def forward(tiny_values):
     """Last-position logits of a whole sequence, on one device with the unpadded model."""
-    model = Llama(TINY, values=tiny_values)
+    model = Decoder(TINY, values=tiny_values)
     return lambda ids: np.asarray(model.forward(jnp.asarray([ids])))[0, -1]
 
 

@@ -16,7 +16,7 @@ from jaxpipe import sharding
 from jaxpipe.buckets import Buckets
 from jaxpipe.config import ModelConfig
 from jaxpipe.layout import Layout
-from jaxpipe.model import llama, loading
+from jaxpipe.model import decoder, loading
 from jaxpipe.runner import Runner, weight_copies
 from jaxpipe.sharding import RULES
 
@@ -37,7 +37,7 @@ def expected_shard_shape(shape, axes, layout: Layout):
 
 def assert_on_layout(r: Runner, phase: str):
     place = r.placements[phase]
-    decls = llama.param_decls(TINY)
+    decls = decoder.param_decls(TINY)
     for name, arr in r.params.items():
         # Equal, or (a replicated array left where it was) equivalent on the same devices.
         assert arr.sharding.is_equivalent_to(place.params[name], arr.ndim), name
@@ -164,7 +164,7 @@ def test_orbax_restores_into_the_layout(tiny_orbax, tiny_values):
 def test_orbax_restore_lands_in_final_shardings_when_nothing_pads(tmp_path):
     cfg = ModelConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_layers=4,
                       num_heads=8, num_kv_heads=4, head_dim=4)
-    values = llama.numpy_random_values(cfg, seed=1)
+    values = decoder.numpy_random_values(cfg, seed=1)
     loading.save_orbax(tmp_path / "ckpt", cfg, values, "float32")
     layout = Layout(pp=2, tp=4)
     plan = sharding.plan_padding(cfg, [layout])

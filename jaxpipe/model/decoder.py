@@ -1,11 +1,13 @@
-"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral-style GQA) in Flax NNX.
+"""The decoder of the Llama family and its relatives (Llama 2/3, SmolLM2, Mistral, Qwen2/2.5,
+Qwen3) in Flax NNX: one layer, the families' differences as config switches and optional
+parameters.
 
 Layers are stacked along a leading "layers" axis so a pipeline layout can shard that axis and a
 tensor-parallel layout can shard heads / mlp: switching layouts is a `device_put` of the same
 pytree. Every parameter carries logical axis names (never a physical mesh axis).
 
 The math lives in pure per-layer functions over plain arrays (`LayerParams`); the engine's step
-(`pipeline.py`) runs them over a ragged token batch with a paged KV pool. `Llama.forward` is
+(`pipeline.py`) runs them over a ragged token batch with a paged KV pool. `Decoder.forward` is
 the plain whole-sequence forward pass (no cache), the reference the step is tested against.
 """
 
@@ -21,7 +23,8 @@ from flax import nnx
 
 from jaxpipe.config import ModelConfig
 
-LAYER_PARAMS = ("attn_norm", "wq", "wkv", "wo", "mlp_norm", "w_gate_up", "w_down")
+LAYER_PARAMS = ("attn_norm", "wq", "wkv", "wo", "mlp_norm", "w_gate_up", "w_down",
+                "bq", "bkv", "q_norm", "k_norm")
 
 
 class ParamDecl(NamedTuple):
@@ -29,7 +32,7 @@ class ParamDecl(NamedTuple):
 
     shape: tuple[int, ...]
     axes: tuple[str, ...]
-    init: str  # "ones" | "normal" (std 0.02) | "fan_in" (std 1/sqrt(fan_in))
+    init: str  # "ones" | "zeros" | "normal" (std 0.02) | "fan_in" (std 1/sqrt(fan_in))
     fan_in: int = 1
 
 
@@ -39,6 +42,8 @@ def param_decls(cfg: ModelConfig) -> dict[str, ParamDecl]:
     K and V projections share one weight (`wkv`, pair axis first) and so do gate and up
     (`w_gate_up`): fewer, larger matmuls, which is what the CPU backend needs at decode batch
     sizes. The pair axes are never sharded, so TP splits heads / mlp exactly as unfused.
+    The families' optional parameters exist only when the config asks for them: q/k/v
+    biases (`bq`, `bkv`, as the projections they add to) and per-head q/k norms.
     """
     L, E, H, K, D, F, V = (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads,
                            cfg.head_dim, cfg.intermediate_size, cfg.vocab_size)
@@ -54,20 +59,28 @@ def param_decls(cfg: ModelConfig) -> dict[str, ParamDecl]:
         "w_down": ParamDecl((L, F, E), ("layers", "mlp", "embed"), "fan_in", F),
         "final_norm": ParamDecl((E,), ("embed",), "ones"),
     }
+    if cfg.qkv_bias:
+        decls["bq"] = ParamDecl((L, H, D), ("layers", "heads", "head_dim"), "zeros")
+        decls["bkv"] = ParamDecl((L, 2, K, D), ("layers", "kv_pair", "kv_heads", "head_dim"),
+                                 "zeros")
+    if cfg.qk_norm:
+        decls["q_norm"] = ParamDecl((L, D), ("layers", "head_dim"), "ones")
+        decls["k_norm"] = ParamDecl((L, D), ("layers", "head_dim"), "ones")
     if not cfg.tie_embeddings:
         decls["lm_head"] = ParamDecl((E, V), ("embed", "vocab"), "fan_in", E)
     return decls
 
 
 def _init_value(decl: ParamDecl, key: jax.Array, dtype) -> jax.Array:
-    if decl.init == "ones":
-        return jnp.ones(decl.shape, dtype)
+    if decl.init in ("ones", "zeros"):
+        return (jnp.ones if decl.init == "ones" else jnp.zeros)(decl.shape, dtype)
     std = 0.02 if decl.init == "normal" else 1.0 / math.sqrt(decl.fan_in)
     return (std * jax.random.normal(key, decl.shape, jnp.float32)).astype(dtype)
 
 
 class LayerParams(NamedTuple):
-    """One decoder layer's weights (a slice of the stacked parameters)."""
+    """One decoder layer's weights (a slice of the stacked parameters); the optional ones are
+    None where the config has none."""
 
     attn_norm: jax.Array  # [E]
     wq: jax.Array  # [E, H, D]
@@ -76,6 +89,10 @@ class LayerParams(NamedTuple):
     mlp_norm: jax.Array  # [E]
     w_gate_up: jax.Array  # [E, 2, F]
     w_down: jax.Array  # [F, E]
+    bq: jax.Array | None = None  # [H, D]
+    bkv: jax.Array | None = None  # [2, Hkv, D]
+    q_norm: jax.Array | None = None  # [D]
+    k_norm: jax.Array | None = None  # [D]
 
 
 class HeadParams(NamedTuple):
@@ -86,7 +103,7 @@ class HeadParams(NamedTuple):
     lm_head: jax.Array | None  # [E, V], None when tied to `embed`
 
 
-class Llama(nnx.Module):
+class Decoder(nnx.Module):
     """The decoder. Parameters are attributes named as in `param_decls`."""
 
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs | None = None,
@@ -109,7 +126,8 @@ class Llama(nnx.Module):
             setattr(self, name, nnx.Param(value, sharding_names=decl.axes, eager_sharding=False))
 
     def layer(self, index: int) -> LayerParams:
-        return LayerParams(*(getattr(self, n)[index] for n in LAYER_PARAMS))
+        return LayerParams(*(getattr(self, n)[index] if hasattr(self, n) else None
+                             for n in LAYER_PARAMS))
 
     def head(self) -> HeadParams:
         lm_head = None if self.config.tie_embeddings else self.lm_head[...]
@@ -165,10 +183,17 @@ def qkv(cfg: ModelConfig, p: LayerParams, x, positions, dot=None):
 
 
 def projections(cfg: ModelConfig, p: LayerParams, x, dot=None):
-    """x [..., E] -> q [..., H, D] and kv [..., 2, Hkv, D] (f32) before RoPE. `dot`: see
-    `_matmul`."""
+    """x [..., E] -> q [..., H, D] and kv [..., 2, Hkv, D] (f32) before RoPE: biases added
+    and q, k normalised per head where the layer has them. `dot`: see `_matmul`."""
     h = rms_norm(x, p.attn_norm, cfg.rms_norm_eps)
-    return _matmul(h, p.wq, dot=dot), _matmul(h, p.wkv, dot=dot)
+    q, kv = _matmul(h, p.wq, dot=dot), _matmul(h, p.wkv, dot=dot)
+    if p.bq is not None:
+        q, kv = q + p.bq.astype(jnp.float32), kv + p.bkv.astype(jnp.float32)
+    if p.q_norm is not None:
+        q = rms_norm(q, p.q_norm, cfg.rms_norm_eps)
+        kv = jnp.stack([rms_norm(kv[..., 0, :, :], p.k_norm, cfg.rms_norm_eps),
+                        kv[..., 1, :, :]], axis=-3)
+    return q, kv
 
 
 def attn_out_mlp(cfg: ModelConfig, p: LayerParams, x, attn, reduce=None, dot=None,
@@ -212,12 +237,17 @@ def rms_norm(x, weight, eps: float):
 
 
 def rope_inv_freq(cfg: ModelConfig) -> jax.Array:
-    """Inverse frequencies [D/2], with Llama-3 scaling when the config asks for it."""
+    """Inverse frequencies [D/2], scaled as the config's `rope_scaling` says (HF's
+    definitions of each type)."""
     d = cfg.head_dim
     inv = 1.0 / (cfg.rope_theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
     s = cfg.rope_scaling
-    if s is None:
+    if s is None or s.rope_type == "dynamic":  # dynamic: base frequencies up to max positions
         return inv
+    if s.rope_type == "linear":
+        return inv / s.factor
+    if s.rope_type == "yarn":
+        return _yarn_inv_freq(cfg, inv)
     low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
     high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
     wavelen = 2 * math.pi / inv
@@ -229,10 +259,34 @@ def rope_inv_freq(cfg: ModelConfig) -> jax.Array:
     return jnp.where(is_mid, mid, out)
 
 
+def _yarn_inv_freq(cfg: ModelConfig, inv: jax.Array) -> jax.Array:
+    """YaRN: interpolated (/ factor) below the correction range's low dimension,
+    extrapolated (as is) above its high one, a linear ramp between."""
+    s, d = cfg.rope_scaling, cfg.head_dim
+
+    def correction_dim(rotations: float) -> float:
+        return (d * math.log(s.original_max_position_embeddings / (rotations * 2 * math.pi))
+                / (2 * math.log(cfg.rope_theta)))
+
+    low, high = correction_dim(s.beta_fast), correction_dim(s.beta_slow)
+    if s.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, d - 1)
+    high = high + 0.001 if low == high else high
+    ramp = jnp.clip((jnp.arange(d // 2, dtype=jnp.float32) - low) / (high - low), 0, 1)
+    extrapolation = 1 - ramp
+    return inv / s.factor * (1 - extrapolation) + inv * extrapolation
+
+
 def rope_angles(cfg: ModelConfig, positions):
-    """positions [...] i32 -> cos, sin [..., D/2] f32 of each position's D/2 angles."""
+    """positions [...] i32 -> cos, sin [..., D/2] f32 of each position's D/2 angles (times
+    YaRN's attention factor, as HF scales them)."""
     angles = positions[..., None].astype(jnp.float32) * rope_inv_freq(cfg)  # [..., D/2]
-    return jnp.cos(angles), jnp.sin(angles)
+    s = cfg.rope_scaling
+    scale = s.attention_factor if s is not None and s.rope_type == "yarn" else 1.0
+    if scale == 1.0:
+        return jnp.cos(angles), jnp.sin(angles)
+    return jnp.cos(angles) * scale, jnp.sin(angles) * scale
 
 
 def rope_tables(cfg: ModelConfig, positions):
@@ -291,9 +345,9 @@ def decode_attention(q, k, v, positions):
     return out.reshape(bsz, h, d)
 
 
-def init_random(cfg: ModelConfig, seed: int, dtype=jnp.float32) -> Llama:
+def init_random(cfg: ModelConfig, seed: int, dtype=jnp.float32) -> Decoder:
     """Seeded random weights, for tests and benchmarks of architecture-only presets."""
-    return Llama(cfg, dtype=dtype, rngs=nnx.Rngs(params=seed))
+    return Decoder(cfg, dtype=dtype, rngs=nnx.Rngs(params=seed))
 
 
 def numpy_random_values(cfg: ModelConfig, seed: int) -> dict[str, np.ndarray]:
@@ -302,7 +356,7 @@ def numpy_random_values(cfg: ModelConfig, seed: int) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
     out = {}
     for name, d in param_decls(cfg).items():
-        scale = 0.02 if d.init == "normal" else d.fan_in ** -0.5
+        scale = {"normal": 0.02, "zeros": 0.1}.get(d.init, d.fan_in ** -0.5)
         base = 1.0 if d.init == "ones" else 0.0
         out[name] = (base + scale * rng.standard_normal(d.shape)).astype(np.float32)
     return out
