@@ -10,19 +10,25 @@
 //   q_len   [R]                   int32: its span's length (0 = idle row)
 //   kv_len  [R]                   int32: its keys, span included (written by the caller before)
 //   layer   []                    int32: which of the L layers to read (a runtime value)
+//   window  []                    int32: sliding window (a runtime value; <= 0: none)
 //   out     [T, H, D]             float32
+//   attributes scale (> 0; 0: 1 / sqrt(D)) and softcap (<= 0: none), float32
 //
-// Query i of row r's span sits at position kv_len - q_len + i and attends over keys 0 .. that
-// position. Tokens in no span get zeros. Out-of-range inputs are never read out of bounds:
-// kv_len is clamped to [0, MB * BS], q_len to [0, kv_len]; a span's tokens outside [0, T) are
-// skipped; a query stops before the first block it needs whose table entry is outside [0, NB)
-// (zeros if that is block 0); the layer is clamped to [0, L).
+// Query i of row r's span sits at position p = kv_len - q_len + i and attends over keys
+// lo .. p, lo = max(0, p - window + 1) with a window, else 0 (HF's sliding window: the last
+// `window` keys, itself included). Its scores are scale * q.k, then softcap * tanh(score /
+// softcap) with a softcap (Gemma 2), before the softmax. Tokens in no span get zeros.
+// Out-of-range inputs are never read out of bounds: kv_len is clamped to [0, MB * BS], q_len
+// to [0, kv_len]; a span's tokens outside [0, T) are skipped; a query stops before the first
+// block it needs (lo's block .. p's) whose table entry is outside [0, NB) (zeros if that is
+// lo's block); the layer is clamped to [0, L).
 //
 // A task is (query tile, kv head): up to kTile consecutive queries of one span and the G = H /
 // Hkv query heads of one kv head, so each K/V block is read once for G * kTile queries. Two
-// passes over the keys of the tile's last query (scores, then the probability-weighted sum of
-// values): blocks past them are never read; the keys of a query's causal future inside the
-// tile are scored and then get probability 0. Tasks, heaviest first, are shared out over XLA's
+// passes over the tile's keys, from the block of its first query's window start to its last
+// query's position (scores, then the probability-weighted sum of values): blocks outside are
+// never read; keys of a query's causal future inside the tile, or before its own window
+// start, are scored and then get probability 0. Tasks, heaviest first, are shared out over XLA's
 // intra-op thread pool. With a bf16 cache, q and the probabilities are rounded to bf16 before
 // their dots, as the XLA reference (`decoder.decode_attention`) does; accumulation is float32.
 //
@@ -36,7 +42,12 @@
 // (whole blocks prefetched at once two blocks ahead ran at 14-15 GB/s). Otherwise (f32 pools,
 // other head dims, no avx512_bf16) f32 code: a decode task does G dots per key; a tile of
 // several queries scores 16 keys at a time against a transposed copy and, for a compile-time
-// D, sums values with its outputs held in registers.
+// D, sums values with its outputs held in registers. A bf16 pool on AVX2 (no avx512_bf16)
+// runs decode tasks in `avx2::` and tiles of several queries on the generic path.
+//
+// Windows, soft caps and scales: the generic path and `avx2::` honour all three; `fast::`
+// honours scale and softcap, and a call with a window (> 0) falls back to the generic path
+// there (no avx512_bf16 CPU to test its window bounds on when they were added).
 #include <algorithm>
 #include <array>
 #include <atomic>
@@ -103,26 +114,57 @@ struct Shape {
 };
 
 // One row's span after clamping: its queries i = 0 .. len - 1 are tokens start + i at
-// positions first + i, attending over keys 0 .. min(first + i + 1, usable) - 1.
+// positions first + i (their keys: `keys_of`); table: the row's MB block numbers.
 struct Span {
-  int64_t start, len, first, usable;
+  int64_t start, len, first;
+  const int32_t* table;
 };
 
-// A task's queries: span indices lo .. hi - 1 of row `row` (all inside [0, T)).
-struct Tile {
-  int64_t row, lo, hi, keys;  // keys: those its last query sees (what the task reads)
+// The keys a query attends over: positions lo .. hi - 1 (none if hi == lo).
+struct Range {
+  int64_t lo, hi;
 };
+
+// A task's queries: span indices lo .. hi - 1 of row `row` (all inside [0, T)); it reads
+// positions from .. keys - 1: its first query's lo to its last query's hi (both only grow
+// with the position: keys_of).
+struct Tile {
+  int64_t row, lo, hi, from, keys;
+};
+
+// How a call attends: window (<= 0: none), the score scale (> 0; 0: 1 / sqrt(D)) and the
+// logit soft cap (<= 0: none).
+struct Options {
+  int64_t window;
+  float scale, softcap;
+};
+
+// The scale of q.k: `scale`, or 1 / sqrt(d) if it is 0, computed where it is used as before
+// the option existed (a compile-time d folds it), so the default is bit for bit the old one.
+inline float scale_of(float scale, int64_t d) {
+  return scale > 0 ? scale : 1.f / std::sqrt(float(d));
+}
+
+// s[0 .. n) <- cap * tanh(s / cap) (Gemma 2's logit soft-capping); nothing if cap <= 0.
+inline void soft_cap(float* s, int64_t n, float cap) {
+  if (cap <= 0) return;
+  for (int64_t i = 0; i < n; ++i) s[i] = cap * std::tanh(s[i] / cap);
+}
 
 // One (row, kv head)'s keys or values in the pool: position t is block(t / BS)[t % BS].
 template <typename T>
 struct Paged {
   const T* head;         // the layer's block 0 at kv head h; blocks are block_stride apart
   const int32_t* table;  // the row's MB block numbers
-  int64_t block_stride, block_size;
+  int64_t block_stride, block_size, blocks;  // blocks: NB
   const T* block(int64_t j) const { return head + int64_t{table[j]} * block_stride; }
-  // Block j + 1 if the first `len` positions reach into it, else nullptr.
+  // Whether block j's table entry is inside [0, NB). A task's range holds a bad one only
+  // with a window: after one query's keys and before a later query's window start.
+  bool ok(int64_t j) const { return table[j] >= 0 && table[j] < blocks; }
+  // Block j + 1 if the first `len` positions reach into it and it is in the pool, else
+  // nullptr.
   const T* after(int64_t j, int64_t len) const {
-    return (j + 1) * block_size < len ? block(j + 1) : nullptr;
+    return (j + 1) * block_size < len && ok(j + 1) ? block(j + 1) : nullptr;
   }
 };
 
@@ -139,12 +181,20 @@ struct Cursor {
   }
 };
 
-// The positions a row's queries may attend over: len (already clamped to [0, MB * BS]) cut
-// before the first block it needs whose table entry is outside [0, NB) (never read).
-int64_t usable_length(int64_t len, const int32_t* table, const Shape& s) {
-  for (int64_t j = 0; j * s.block_size < len; ++j)
-    if (table[j] < 0 || table[j] >= s.blocks) return j * s.block_size;
-  return len;
+// Positions lo .. hi - 1 cut before the first of their blocks whose table entry is outside
+// [0, NB) (never read): the new hi (lo if that is lo's block).
+int64_t usable_end(int64_t lo, int64_t hi, const int32_t* table, const Shape& s) {
+  for (int64_t j = lo / s.block_size; j * s.block_size < hi; ++j)
+    if (table[j] < 0 || table[j] >= s.blocks) return std::max(lo, j * s.block_size);
+  return hi;
+}
+
+// The keys span query i attends over: its window (every position up to its own without
+// one) cut by usable_end. Neither end decreases with i.
+Range keys_of(const Span& sp, int64_t i, const Shape& s, int64_t window) {
+  const int64_t p = sp.first + i;
+  const int64_t lo = window > 0 ? std::max<int64_t>(0, p - window + 1) : 0;
+  return Range{lo, usable_end(lo, p + 1, sp.table, s)};
 }
 
 // Row r's span, clamped as the contract says.
@@ -152,7 +202,7 @@ Span span_of(const int32_t* table, int32_t q_start, int32_t q_len, int32_t kv_le
              const Shape& s) {
   const int64_t kv = std::clamp<int64_t>(kv_len, 0, s.max_blocks * s.block_size);
   const int64_t ql = std::clamp<int64_t>(q_len, 0, kv);
-  return Span{q_start, ql, kv - ql, usable_length(kv, table, s)};
+  return Span{q_start, ql, kv - ql, table};
 }
 
 // Asks for row t of `next` (the block after the one being read, or nullptr) to be cached: a
@@ -294,10 +344,13 @@ __attribute__((noinline)) void block_values_tiled(const float* __restrict probs,
   }
 }
 
-// In place: s[0..len) -> probabilities (rounded to bf16 when `round` is set), s[len..stride)
-// -> 0 (keys the query does not see).
-void softmax(float* s, int64_t len, int64_t stride, bool round) {
-  std::fill(s + len, s + stride, 0.f);
+// In place: s[lo..hi) -> probabilities (rounded to bf16 when `round` is set), the rest of
+// s[0..stride) -> 0 (keys the query does not see).
+void softmax(float* s, int64_t lo, int64_t hi, int64_t stride, bool round) {
+  std::fill(s, s + lo, 0.f);
+  std::fill(s + hi, s + stride, 0.f);
+  s += lo;
+  const int64_t len = hi - lo;
   if (len == 0) return;
   float m = -INFINITY;
   for (int64_t t = 0; t < len; ++t) m = std::max(m, s[t]);
@@ -321,6 +374,7 @@ struct Inputs {
   const T *k, *v;  // the selected layer: [NB, Hkv, BS, D]
   const int32_t* table;
   float* out;
+  Options opt;
 };
 
 // A worker's buffers, reused across its tasks (kept per XLA thread between calls: at most
@@ -351,34 +405,41 @@ void store_outputs(const float* acc, const Shape& s, int64_t token, int64_t h, i
               out + ((token + qi) * s.heads + h * g_count) * s.dim);
 }
 
-// scores [M, len] = q_m . k_t / sqrt(D) over the keys 0..len-1, block by block; `decode`
-// (one query, G vectors): G dots per key, exactly as decode_attention.
+// scores [M, end - from] = scale * q_m . k_t over the keys from..end-1 (from: a block's
+// first position), block by block, skipping blocks outside the pool (no query's keys: their
+// scores are left as they were); `decode` (one query, G vectors): G dots per key, exactly as
+// decode_attention.
 template <int DIM, typename T>
-void scores_of(const float* q, const Paged<T>& k, int64_t len, int64_t m_count, bool decode,
-               int64_t d, float* scores, float* buf) {
-  const float scale = 1.f / std::sqrt(float(d));
-  for (int64_t j = 0, t = 0; t < len; ++j, t += k.block_size) {
-    const int64_t n = std::min(k.block_size, len - t);
+void scores_of(const float* q, const Paged<T>& k, int64_t from, int64_t end, int64_t m_count,
+               bool decode, int64_t d, float scale, float* scores, float* buf) {
+  const int64_t width = end - from;
+  for (int64_t j = from / k.block_size, t = from; t < end; ++j, t += k.block_size) {
+    const int64_t n = std::min(k.block_size, end - t);
+    if (!k.ok(j)) continue;
+    float* at = scores + (t - from);
     if (decode)
-      block_scores<DIM>(q, k.block(j), k.after(j, len), n, m_count, d, scale, scores + t, len,
-                        buf);
+      block_scores<DIM>(q, k.block(j), k.after(j, end), n, m_count, d, scale, at, width, buf);
     else
-      block_scores_tiled<DIM>(q, k.block(j), n, m_count, d, scale, scores + t, len, buf);
+      block_scores_tiled<DIM>(q, k.block(j), n, m_count, d, scale, at, width, buf);
   }
 }
 
-// out [M, D] += sum_t probs[m * len + t] * v_t over the values 0..len-1, block by block.
+// out [M, D] += sum_t probs[m * (end - from) + t - from] * v_t over the values from..end-1,
+// block by block, skipping blocks outside the pool (probability 0 for every query).
 template <int DIM, typename T>
-void weighted_values(const float* probs, const Paged<T>& v, int64_t len, int64_t m_count,
-                     bool decode, int64_t d, float* out, float* buf) {
-  for (int64_t j = 0, t = 0; t < len; ++j, t += v.block_size) {
-    const int64_t n = std::min(v.block_size, len - t);
+void weighted_values(const float* probs, const Paged<T>& v, int64_t from, int64_t end,
+                     int64_t m_count, bool decode, int64_t d, float* out, float* buf) {
+  const int64_t width = end - from;
+  for (int64_t j = from / v.block_size, t = from; t < end; ++j, t += v.block_size) {
+    const int64_t n = std::min(v.block_size, end - t);
+    if (!v.ok(j)) continue;
+    const float* p = probs + (t - from);
     if constexpr (DIM > 0)
       if (!decode) {
-        block_values_tiled<DIM>(probs + t, v.block(j), n, m_count, len, out, buf);
+        block_values_tiled<DIM>(p, v.block(j), n, m_count, width, out, buf);
         continue;
       }
-    block_values<DIM>(probs + t, v.block(j), v.after(j, len), n, m_count, d, len, out, buf);
+    block_values<DIM>(p, v.block(j), v.after(j, end), n, m_count, d, width, out, buf);
   }
 }
 
@@ -387,24 +448,27 @@ template <int DIM, typename T>
 void attend_tile(const Inputs<T>& in, const Shape& s, const Span& span, const Tile& tile,
                  int64_t h, Scratch& w) {
   const int64_t g_count = s.heads / s.kv_heads, d = s.dim, count = tile.hi - tile.lo;
-  const int64_t token = span.start + tile.lo, m_count = count * g_count, len = tile.keys;
+  const int64_t token = span.start + tile.lo, m_count = count * g_count;
+  const int64_t from = tile.from / s.block_size * s.block_size, width = tile.keys - from;
   const bool bf16 = sizeof(T) == 2;
   w.q.resize(m_count * d);
-  w.scores.resize(m_count * len);
+  w.scores.resize(m_count * width);
   w.out.assign(m_count * d, 0.f);
   w.row.resize(d * kKeys);
   load_queries(in.q, s, token, h, count, bf16, w.q.data());
   const int32_t* table = in.table + tile.row * s.max_blocks;
   const int64_t head = h * s.block_size * d, stride = s.kv_heads * s.block_size * d;
-  const Paged<T> k{in.k + head, table, stride, s.block_size};
-  const Paged<T> v{in.v + head, table, stride, s.block_size};
-  scores_of<DIM>(w.q.data(), k, len, m_count, count == 1, d, w.scores.data(), w.row.data());
-  for (int64_t m = 0; m < m_count; ++m) {  // query lo + m / G sees keys 0..its position
-    const int64_t keys = std::min(span.first + tile.lo + m / g_count + 1, span.usable);
-    softmax(w.scores.data() + m * len, std::max<int64_t>(keys, 0), len, bf16);
+  const Paged<T> k{in.k + head, table, stride, s.block_size, s.blocks};
+  const Paged<T> v{in.v + head, table, stride, s.block_size, s.blocks};
+  scores_of<DIM>(w.q.data(), k, from, tile.keys, m_count, count == 1, d,
+                 scale_of(in.opt.scale, d), w.scores.data(), w.row.data());
+  soft_cap(w.scores.data(), m_count * width, in.opt.softcap);
+  for (int64_t m = 0; m < m_count; ++m) {  // vector m: query lo + m / G
+    const Range keys = keys_of(span, tile.lo + m / g_count, s, in.opt.window);
+    softmax(w.scores.data() + m * width, keys.lo - from, keys.hi - from, width, bf16);
   }
-  weighted_values<DIM>(w.scores.data(), v, len, m_count, count == 1, d, w.out.data(),
-                       w.row.data());
+  weighted_values<DIM>(w.scores.data(), v, from, tile.keys, m_count, count == 1, d,
+                       w.out.data(), w.row.data());
   store_outputs(w.out.data(), s, token, h, count, in.out);
 }
 
@@ -433,7 +497,7 @@ void parallel_for(ffi::ThreadPool& pool, int64_t n, F&& fn) {
 }
 
 // The step's tiles, heaviest first: each span's queries inside [0, T), kTile at a time.
-std::vector<Tile> tiles_of(const std::vector<Span>& spans, const Shape& s) {
+std::vector<Tile> tiles_of(const std::vector<Span>& spans, const Shape& s, int64_t window) {
   std::vector<Tile> tiles;
   for (int64_t r = 0; r < int64_t(spans.size()); ++r) {
     const Span& sp = spans[r];
@@ -441,10 +505,12 @@ std::vector<Tile> tiles_of(const std::vector<Span>& spans, const Shape& s) {
     const int64_t hi = std::min<int64_t>(sp.len, s.tokens - sp.start);
     for (int64_t i = lo; i < hi; i += kTile) {
       const int64_t end = std::min(i + kTile, hi);
-      tiles.push_back(Tile{r, i, end, std::min(sp.first + end, sp.usable)});
+      const Range first = keys_of(sp, i, s, window), last = keys_of(sp, end - 1, s, window);
+      tiles.push_back(Tile{r, i, end, first.lo, last.hi});
     }
   }
-  auto work = [](const Tile& t) { return (t.hi - t.lo) * t.keys; };  // dots per query head
+  // dots per query head
+  auto work = [](const Tile& t) { return (t.hi - t.lo) * (t.keys - t.from); };
   std::stable_sort(tiles.begin(), tiles.end(),
                    [&](const Tile& a, const Tile& b) { return work(a) > work(b); });
   return tiles;
@@ -566,9 +632,9 @@ void score_tail(const uint16_t* k, const uint32_t* qt, int64_t mp, float scale, 
 
 // S^T for the row's keys 0 .. len - 1, block by block (rows of a block are contiguous).
 template <int NV, int D>
-void scores(const Paged<uint16_t>& k, int64_t len, const uint32_t* qt, int64_t mp, float* st) {
+void scores(const Paged<uint16_t>& k, int64_t len, const uint32_t* qt, int64_t mp, float scale,
+            float* st) {
   constexpr int R = NV == 1 ? 8 : NV == 2 ? 10 : 8;
-  const float scale = 1.f / std::sqrt(float(D));
   for (int64_t j = 0, t = 0; t < len; ++j, t += k.block_size) {
     if (const uint16_t* ahead = k.after(j + 1, len))  // the block after next: 2 in flight
       for (int64_t b = 0; b < k.block_size * D * 2; b += 64)
@@ -676,15 +742,17 @@ void attend_nv(const Inputs<uint16_t>& in, const Shape& s, const Span& span, con
   w.vp.resize(std::max<int64_t>(pairs, 1) * D);
   w.seen.assign(mp, 0);
   w.out.resize(mc * D);
-  for (int64_t c = 0; c < mc; ++c)  // query lo + m / G sees keys 0..its position
-    w.seen[c] = int32_t(std::max<int64_t>(
-        0, std::min(span.first + tile.lo + (m0 + c) / g_count + 1, span.usable)));
+  // Query lo + m / G sees keys 0 .. its position (no window here: `run` sends calls with one
+  // to the generic path).
+  for (int64_t c = 0; c < mc; ++c)
+    w.seen[c] = int32_t(keys_of(span, tile.lo + (m0 + c) / g_count, s, 0).hi);
   load_qt(in.q, s, token, h, m0, mc, mp, w.qt.data());
   const int32_t* table = in.table + tile.row * s.max_blocks;
   const int64_t head = h * s.block_size * D, stride = s.kv_heads * s.block_size * D;
-  const Paged<uint16_t> k{in.k + head, table, stride, s.block_size};
-  const Paged<uint16_t> v{in.v + head, table, stride, s.block_size};
-  scores<NV, D>(k, len, w.qt.data(), mp, w.st.data());
+  const Paged<uint16_t> k{in.k + head, table, stride, s.block_size, s.blocks};
+  const Paged<uint16_t> v{in.v + head, table, stride, s.block_size, s.blocks};
+  scores<NV, D>(k, len, w.qt.data(), mp, scale_of(in.opt.scale, D), w.st.data());
+  soft_cap(w.st.data(), len * mp, in.opt.softcap);
   softmax_pairs(w.st.data(), len, mp, w.seen.data(), w.pp.data());
   value_pairs<D>(v, len, D, w.vp.data());
   constexpr int R = D == 64 ? 6 : 3;
@@ -724,12 +792,12 @@ inline __m512 lanes_total(const __m512 (&v)[16]) {
   return halves(halves(b[0], b[1]), halves(b[2], b[3]));
 }
 
-// st[g * ls + t] = q_g . k_t / sqrt(D) for the G heads and keys 0 .. len - 1.
+// st[g * ls + t] = scale * q_g . k_t for the G heads and keys 0 .. len - 1.
 template <int D>
 void decode_scores(const Paged<uint16_t>& k, int64_t len, const __m512i* qv, int64_t g_count,
-                   int64_t ls, float* st) {
+                   int64_t ls, float scale_f, float* st) {
   constexpr int NP = D / 32;  // vectors of 32 bf16 per row
-  const __m512 scale = _mm512_set1_ps(1.f / std::sqrt(float(D)));
+  const __m512 scale = _mm512_set1_ps(scale_f);
   Cursor<uint16_t> cursor{k, D}, ahead{k, D};  // ahead: 32 positions on, prefetched
   for (int64_t i = 0; i < 32 && i < len; ++i) ahead.next();
   for (int64_t t0 = 0; t0 < len; t0 += 16) {
@@ -832,7 +900,8 @@ void decode_values_for(const Paged<uint16_t>& v, int64_t len, const uint32_t* pp
   }
 }
 
-// A one-query task: the G heads of kv head h over the row's keys 0 .. tile.keys - 1.
+// A one-query task: the G heads of kv head h over the row's keys 0 .. tile.keys - 1 (no
+// window here: `run` sends calls with one to the generic path).
 template <int D>
 void decode(const Inputs<uint16_t>& in, const Shape& s, const Span& span, const Tile& tile,
             int64_t h, Work& w) {
@@ -845,8 +914,8 @@ void decode(const Inputs<uint16_t>& in, const Shape& s, const Span& span, const 
   constexpr int NP = D / 32;
   const int32_t* table = in.table + tile.row * s.max_blocks;
   const int64_t head = h * s.block_size * D, stride = s.kv_heads * s.block_size * D;
-  const Paged<uint16_t> k{in.k + head, table, stride, s.block_size};
-  const Paged<uint16_t> v{in.v + head, table, stride, s.block_size};
+  const Paged<uint16_t> k{in.k + head, table, stride, s.block_size, s.blocks};
+  const Paged<uint16_t> v{in.v + head, table, stride, s.block_size, s.blocks};
   const int64_t ls = (len + 31) / 32 * 32, lp = ls / 2;  // whole vectors of keys and pairs
   w.st.assign(g_count * ls, 0.f);
   w.pp.resize(g_count * lp);
@@ -859,7 +928,8 @@ void decode(const Inputs<uint16_t>& in, const Shape& s, const Span& span, const 
       qv[g * NP + c] = (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + 32 * c + 16),
                                                     _mm512_loadu_ps(x + 32 * c));
   }
-  decode_scores<D>(k, len, qv.data(), g_count, ls, w.st.data());
+  decode_scores<D>(k, len, qv.data(), g_count, ls, scale_of(in.opt.scale, D), w.st.data());
+  soft_cap(w.st.data(), g_count * ls, in.opt.softcap);
   decode_softmax(w.st.data(), len, ls, g_count, lp, w.pp.data());
   decode_values_for<D>(v, len, w.pp.data(), lp, g_count, w.out.data());
   for (int64_t g = 0; g < g_count; ++g)
@@ -1024,13 +1094,26 @@ struct Work {
   std::vector<float> q, st, rows, out;  // q [G, D], st [G, ls], rows [8-rounded BS, D], out [G, D]
 };
 
-// A one-query task: the G heads of kv head h over the row's keys 0 .. tile.keys - 1. A
-// block's scores are stored 8 keys at a time from its first key (any block size): those past
-// the row's keys land in st's 8 spare entries.
+// fn(block j, its first row o, rows n, their index from `from`) for the positions from ..
+// end - 1, a block (or the part of one inside them) at a time.
+template <typename F>
+inline void each_block(int64_t from, int64_t end, int64_t block_size, F&& fn) {
+  for (int64_t t = from; t < end;) {
+    const int64_t j = t / block_size, o = t % block_size, n = std::min(block_size - o, end - t);
+    fn(j, o, n, t - from);
+    t += n;
+  }
+}
+
+// A one-query task: the G heads of kv head h over the query's keys tile.from .. tile.keys - 1
+// (its window, which may begin inside a block). A block's scores are stored 8 keys at a time
+// from its first key read (any block size): those past them are overwritten by the next
+// block's or land in st's 8 spare entries.
 template <int D>
 void decode(const Inputs<uint16_t>& in, const Shape& s, const Span& span, const Tile& tile,
             int64_t h, Work& w) {
-  const int64_t g_count = s.heads / s.kv_heads, token = span.start + tile.lo, len = tile.keys;
+  const int64_t g_count = s.heads / s.kv_heads, token = span.start + tile.lo;
+  const int64_t from = tile.from, end = tile.keys, len = end - from;
   float* dst = in.out + (token * s.heads + h * g_count) * D;  // the G heads, consecutive
   if (len <= 0) {
     std::fill_n(dst, g_count * D, 0.f);
@@ -1038,8 +1121,8 @@ void decode(const Inputs<uint16_t>& in, const Shape& s, const Span& span, const 
   }
   const int32_t* table = in.table + tile.row * s.max_blocks;
   const int64_t head = h * s.block_size * D, stride = s.kv_heads * s.block_size * D;
-  const Paged<uint16_t> k{in.k + head, table, stride, s.block_size};
-  const Paged<uint16_t> v{in.v + head, table, stride, s.block_size};
+  const Paged<uint16_t> k{in.k + head, table, stride, s.block_size, s.blocks};
+  const Paged<uint16_t> v{in.v + head, table, stride, s.block_size, s.blocks};
   const int64_t ls = (len + 7) / 8 * 8 + 8;
   w.q.resize(g_count * D);
   w.st.resize(g_count * ls);
@@ -1048,18 +1131,19 @@ void decode(const Inputs<uint16_t>& in, const Shape& s, const Span& span, const 
   const float* src = in.q + (token * s.heads + h * g_count) * D;
   for (int64_t i = 0; i < g_count * D; i += 8)
     _mm256_storeu_ps(w.q.data() + i, round_bf16(_mm256_loadu_ps(src + i)));
-  const float scale = 1.f / std::sqrt(float(D));
-  for (int64_t j = 0, t = 0; t < len; ++j, t += s.block_size) {
-    const int64_t n = std::min(s.block_size, len - t);
-    widen_rows<D>(k.block(j), n, w.rows.data(), k.after(j + 1, len));
-    block_scores<D>(w.rows.data(), n, w.q.data(), g_count, scale, w.st.data() + t, ls);
+  const float scale = scale_of(in.opt.scale, D);
+  each_block(from, end, s.block_size, [&](int64_t j, int64_t o, int64_t n, int64_t at) {
+    widen_rows<D>(k.block(j) + o * D, n, w.rows.data(), k.after(j + 1, end));
+    block_scores<D>(w.rows.data(), n, w.q.data(), g_count, scale, w.st.data() + at, ls);
+  });
+  for (int64_t g = 0; g < g_count; ++g) {
+    soft_cap(w.st.data() + g * ls, len, in.opt.softcap);
+    softmax(w.st.data() + g * ls, len);
   }
-  for (int64_t g = 0; g < g_count; ++g) softmax(w.st.data() + g * ls, len);
-  for (int64_t j = 0, t = 0; t < len; ++j, t += s.block_size) {
-    const int64_t n = std::min(s.block_size, len - t);
-    widen_rows<D>(v.block(j), n, w.rows.data(), v.after(j + 1, len));
-    block_values<D>(w.rows.data(), n, w.st.data() + t, ls, g_count, w.out.data());
-  }
+  each_block(from, end, s.block_size, [&](int64_t j, int64_t o, int64_t n, int64_t at) {
+    widen_rows<D>(v.block(j) + o * D, n, w.rows.data(), v.after(j + 1, end));
+    block_values<D>(w.rows.data(), n, w.st.data() + at, ls, g_count, w.out.data());
+  });
   std::copy_n(w.out.data(), g_count * D, dst);
 }
 
@@ -1069,28 +1153,31 @@ void decode(const Inputs<uint16_t>& in, const Shape& s, const Span& span, const 
 template <typename T>
 void run(ffi::ThreadPool& pool, const Inputs<T>& in, const std::vector<Span>& spans,
          const Shape& s) {
-  const std::vector<Tile> tiles = tiles_of(spans, s);
+  const std::vector<Tile> tiles = tiles_of(spans, s, in.opt.window);
   zero_uncovered(spans, tiles, s, in.out);
   auto each = [&](auto dim) {
     constexpr int kDim = decltype(dim)::value;
 #ifdef __AVX512BF16__
     if constexpr (std::is_same_v<T, uint16_t> && kDim > 0) {
-      // A decode row's kv heads in one task, one after the other: they share each block's
-      // record (kv heads are adjacent in the pool), so a row's reads stay close together.
-      std::vector<std::pair<int64_t, int64_t>> tasks;  // (tile, kv head; -1: all of them)
-      for (int64_t i = 0; i < int64_t(tiles.size()); ++i) {
-        if (tiles[i].hi - tiles[i].lo == 1)
-          tasks.emplace_back(i, -1);
-        else
-          for (int64_t h = 0; h < s.kv_heads; ++h) tasks.emplace_back(i, h);
+      // With a window, the generic path (see the top of the file).
+      if (in.opt.window <= 0) {
+        // A decode row's kv heads in one task, one after the other: they share each block's
+        // record (kv heads are adjacent in the pool), so a row's reads stay close together.
+        std::vector<std::pair<int64_t, int64_t>> tasks;  // (tile, kv head; -1: all of them)
+        for (int64_t i = 0; i < int64_t(tiles.size()); ++i) {
+          if (tiles[i].hi - tiles[i].lo == 1)
+            tasks.emplace_back(i, -1);
+          else
+            for (int64_t h = 0; h < s.kv_heads; ++h) tasks.emplace_back(i, h);
+        }
+        return parallel_for(pool, int64_t(tasks.size()), [&](int64_t t) {
+          thread_local fast::Work work;
+          const auto [i, h] = tasks[t];
+          const Tile& tile = tiles[i];
+          for (int64_t head = std::max<int64_t>(h, 0); head < (h < 0 ? s.kv_heads : h + 1); ++head)
+            fast::attend_tile<kDim>(in, s, spans[tile.row], tile, head, work);
+        });
       }
-      return parallel_for(pool, int64_t(tasks.size()), [&](int64_t t) {
-        thread_local fast::Work work;
-        const auto [i, h] = tasks[t];
-        const Tile& tile = tiles[i];
-        for (int64_t head = std::max<int64_t>(h, 0); head < (h < 0 ? s.kv_heads : h + 1); ++head)
-          fast::attend_tile<kDim>(in, s, spans[tile.row], tile, head, work);
-      });
     }
 #elif defined(__AVX2__) && defined(__FMA__)
     if constexpr (std::is_same_v<T, uint16_t> && kDim > 0) {
@@ -1226,6 +1313,7 @@ struct Args {
   const int32_t *table, *q_start, *q_len, *kv_len;
   int32_t layer;
   float* out;
+  Options opt;
 };
 
 // The spans of a call, clamped as the contract says.
@@ -1252,7 +1340,7 @@ void run_layer(ffi::ThreadPool& pool, Args a, const Shape& s,
     rope_and_write<T>(pool, q, kv, cos, sin, a.table, spans, s, a.out, k, v);
     a.q = a.out;  // each task reads its queries before it writes their outputs
   }
-  run<T>(pool, Inputs<T>{a.q, k, v, a.table, a.out}, spans, s);
+  run<T>(pool, Inputs<T>{a.q, k, v, a.table, a.out, a.opt}, spans, s);
 }
 
 template <typename... Fresh>
@@ -1271,24 +1359,32 @@ ffi::Error dispatch(ffi::ThreadPool& pool, ffi::DataType type, const Args& a, co
   }
 }
 
+// The call's scalars: the layer and window (runtime values) and the attributes.
+struct Scalars {
+  ffi::BufferR0<ffi::S32> layer, window;
+  float scale, softcap;
+};
+
 Args args_of(ffi::Buffer<ffi::F32>& q, void* k, void* v, ffi::Buffer<ffi::S32>& table,
              ffi::Buffer<ffi::S32>& q_start, ffi::Buffer<ffi::S32>& q_len,
-             ffi::Buffer<ffi::S32>& kv_len, ffi::BufferR0<ffi::S32>& layer, float* out) {
+             ffi::Buffer<ffi::S32>& kv_len, const Scalars& c, float* out) {
   return Args{q.typed_data(), k, v, table.typed_data(), q_start.typed_data(),
-              q_len.typed_data(), kv_len.typed_data(), *layer.typed_data(), out};
+              q_len.typed_data(), kv_len.typed_data(), *c.layer.typed_data(), out,
+              Options{*c.window.typed_data(), c.scale, c.softcap}};
 }
 
 ffi::Error RaggedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k,
                                ffi::AnyBuffer v, ffi::Buffer<ffi::S32> table,
                                ffi::Buffer<ffi::S32> q_start, ffi::Buffer<ffi::S32> q_len,
                                ffi::Buffer<ffi::S32> kv_len, ffi::BufferR0<ffi::S32> layer,
-                               ffi::ResultBuffer<ffi::F32> out) {
+                               ffi::BufferR0<ffi::S32> window, ffi::ResultBuffer<ffi::F32> out,
+                               float scale, float softcap) {
   Shape s;
   if (const char* error = shape_of(q, k, v, table, q_start, q_len, kv_len, s))
     return ffi::Error::InvalidArgument(error);
   return dispatch(pool, k.element_type(),
                   args_of(q, k.untyped_data(), v.untyped_data(), table, q_start, q_len, kv_len,
-                          layer, out->typed_data()),
+                          Scalars{layer, window, scale, softcap}, out->typed_data()),
                   s);
 }
 
@@ -1298,8 +1394,9 @@ ffi::Error RaggedAttentionWriteImpl(
     ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> kv,
     ffi::Buffer<ffi::F32> cos, ffi::Buffer<ffi::F32> sin, ffi::AnyBuffer k, ffi::AnyBuffer v,
     ffi::Buffer<ffi::S32> table, ffi::Buffer<ffi::S32> q_start, ffi::Buffer<ffi::S32> q_len,
-    ffi::Buffer<ffi::S32> kv_len, ffi::BufferR0<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> out,
-    ffi::Result<ffi::AnyBuffer> k_out, ffi::Result<ffi::AnyBuffer> v_out) {
+    ffi::Buffer<ffi::S32> kv_len, ffi::BufferR0<ffi::S32> layer, ffi::BufferR0<ffi::S32> window,
+    ffi::ResultBuffer<ffi::F32> out, ffi::Result<ffi::AnyBuffer> k_out,
+    ffi::Result<ffi::AnyBuffer> v_out, float scale, float softcap) {
   Shape s;
   if (const char* error = shape_of(q, k, v, table, q_start, q_len, kv_len, s))
     return ffi::Error::InvalidArgument(error);
@@ -1315,7 +1412,8 @@ ffi::Error RaggedAttentionWriteImpl(
                                           sin.typed_data()};
   return dispatch(pool, k.element_type(),
                   args_of(q, k_out->untyped_data(), v_out->untyped_data(), table, q_start,
-                          q_len, kv_len, layer, out->typed_data()),
+                          q_len, kv_len, Scalars{layer, window, scale, softcap},
+                          out->typed_data()),
                   s, &fresh);
 }
 
@@ -1331,8 +1429,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpipeRaggedAttention, RaggedAttentionImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::BufferR0<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                                  .Arg<ffi::BufferR0<ffi::S32>>()  // layer
+                                  .Arg<ffi::BufferR0<ffi::S32>>()  // window
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<float>("scale")
+                                  .Attr<float>("softcap"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpipeRaggedAttentionWrite, RaggedAttentionWriteImpl,
                               ffi::Ffi::Bind()
@@ -1347,7 +1448,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpipeRaggedAttentionWrite, RaggedAttentionWriteI
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::BufferR0<ffi::S32>>()
+                                  .Arg<ffi::BufferR0<ffi::S32>>()  // layer
+                                  .Arg<ffi::BufferR0<ffi::S32>>()  // window
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>());
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<float>("scale")
+                                  .Attr<float>("softcap"));

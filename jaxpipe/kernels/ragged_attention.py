@@ -5,9 +5,19 @@ A step is a flat batch of T query tokens. Each row (sequence) contributes a span
 tokens of it: a prefill chunk of any length, or one token for decode. Row r's queries are
 tokens q_start[r] .. q_start[r] + q_len[r] - 1 (spans do not overlap and may come in any
 order); they sit at positions kv_len[r] - q_len[r] .. kv_len[r] - 1 of the row, and query i of
-the span (0-based) attends, causally, over keys 0 .. kv_len[r] - q_len[r] + i. The span's own
-keys and values are already in the pool: the caller writes them before the call. Decode is
-q_len = 1, kv_len = position + 1.
+the span (0-based), at position p = kv_len[r] - q_len[r] + i, attends, causally, over keys
+0 .. p. The span's own keys and values are already in the pool: the caller writes them before
+the call. Decode is q_len = 1, kv_len = position + 1.
+
+Three options shape the attention (defaults: the plain causal softmax(q.k / sqrt(D)) v):
+  - window (a traced i32 scalar, so that it can vary per layer in a `lax.scan`; <= 0: none):
+    HF's sliding window, query p attends only over keys p - window < t <= p (the last
+    `window`, its own included). The kernels read no block wholly before their queries'
+    earliest window start, so a long context costs the window, not the context;
+  - scale (static; None: 1 / sqrt(D)): the logits are scale * q.k (Gemma:
+    query_pre_attn_scalar ** -0.5);
+  - softcap (static; <= 0: none): the logits become softcap * tanh(logit / softcap) (Gemma
+    2's soft-capping), before the softmax.
 
 The pool is [L, NB, Hkv, BS, D]: L layers (a pipeline stage's whole stack, so that a `lax.scan`
 over layers passes it unsliced and names the layer with a traced index), NB blocks of BS tokens.
@@ -16,14 +26,16 @@ Position t of row r is k[layer, table[r, t // BS], :, t % BS].
 Out-of-range inputs are defined, never read out of bounds:
   - kv_len is clamped to [0, MB * BS] (MB = table.shape[1]), then q_len to [0, kv_len];
   - a span's tokens outside [0, T) are skipped; tokens in no span get zeros;
-  - if a block a query needs has a table entry outside [0, NB), the query attends only to the
-    keys before that block (zeros if that is block 0): `usable_lengths`, applied per query;
-    entries of blocks no query needs are never looked at;
+  - if a block a query needs (those of its keys: from its window start's block to its own)
+    has a table entry outside [0, NB), the query attends only to the keys before that block
+    (zeros if that is its first): `key_ranges`; entries of blocks no query needs are never
+    looked at;
   - layer is clamped to [0, L).
 
 The kernel's task is a tile of up to 16 queries of one span and the G = H / Hkv query heads of
 one kv head: each K/V block is read once for all of them, and blocks past the tile's last query
-are never read, so a decode row reads its own kv_len positions and a prefill chunk reads each
+(or before its first query's window) are never read, so a decode row reads its own kv_len
+positions (or its window) and a prefill chunk reads each
 block once per tile (figures in scripts/bench_attention.py). A custom call cannot be
 partitioned by the SPMD partitioner: on a sharded layout call it inside `jax.shard_map`, heads
 split over the tensor-parallel axis.
@@ -32,10 +44,12 @@ split over the tensor-parallel axis.
 from __future__ import annotations
 
 import functools
+import math
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxpipe.kernels.build import register
 from jaxpipe.kv.device_cache import OUT_OF_RANGE, from_storage, gather, to_storage
@@ -55,7 +69,8 @@ def available() -> bool:
                 and register(SOURCE, "JaxpipeRaggedAttentionWrite", WRITE_TARGET, what))
 
 
-def ragged_attention(q, k, v, table, q_start, q_len, kv_len, layer=0) -> jax.Array:
+def ragged_attention(q, k, v, table, q_start, q_len, kv_len, layer=0, *, window=0,
+                     softcap: float = 0.0, scale: float | None = None) -> jax.Array:
     """Causal attention of each row's span of query tokens over its paged keys and values.
 
     q [T, H, D] f32: the step's query tokens; k, v [L, NB, Hkv, BS, D] (f32, bf16, or bf16
@@ -63,8 +78,10 @@ def ragged_attention(q, k, v, table, q_start, q_len, kv_len, layer=0) -> jax.Arr
     k[layer, table[r, t // BS], :, t % BS]; q_start, q_len, kv_len [R] i32: row r's queries
     are tokens q_start[r] .. q_start[r] + q_len[r] - 1 at positions kv_len[r] - q_len[r] ..
     kv_len[r] - 1, query i attending over keys 0 .. kv_len[r] - q_len[r] + i (q_len 0: idle
-    row); layer: python int or traced i32 scalar. Returns [T, H, D] f32, zeros for tokens in
-    no span. Out-of-range inputs: see the module docstring."""
+    row); layer: python int or traced i32 scalar; window (int or traced i32 scalar, <= 0:
+    none), softcap (<= 0: none) and scale (None: 1 / sqrt(D)): see the module docstring.
+    Returns [T, H, D] f32, zeros for tokens in no span. Out-of-range inputs: see the module
+    docstring."""
     if not available():  # builds and registers the kernel on first use
         raise RuntimeError("the ragged attention kernel cannot be built here; use reference()")
     k, v = _as_pool(k), _as_pool(v)
@@ -72,10 +89,12 @@ def ragged_attention(q, k, v, table, q_start, q_len, kv_len, layer=0) -> jax.Arr
     out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
     i32 = functools.partial(jnp.asarray, dtype=jnp.int32)
     return jax.ffi.ffi_call(TARGET, out)(q.astype(jnp.float32), k, v, i32(table), i32(q_start),
-                                         i32(q_len), i32(kv_len), i32(layer))
+                                         i32(q_len), i32(kv_len), i32(layer), i32(window),
+                                         **_attributes(softcap, scale))
 
 
-def write_and_attend(q, kv, cos, sin, k, v, table, q_start, q_len, kv_len, layer=0):
+def write_and_attend(q, kv, cos, sin, k, v, table, q_start, q_len, kv_len, layer=0, *,
+                     window=0, softcap: float = 0.0, scale: float | None = None):
     """The step's own keys and values written into the pool, then `ragged_attention`, in one
     kernel call: q [T, H, D] and kv [T, 2, Hkv, D] (k, v) f32 are the step's projections
     before RoPE; cos, sin [T, D/2] f32 the rotation of each token's position. Each span token
@@ -83,7 +102,8 @@ def write_and_attend(q, kv, cos, sin, k, v, table, q_start, q_len, kv_len, layer
     k and v written at its position of layer `layer` (in the pool's storage dtype; a position
     whose block's table entry is out of range is not written), then the spans attend.
     Returns (out [T, H, D] f32, k, v): the pool updated in place (donate it: the call aliases
-    its outputs to the pool). `write_and_attend_reference` is the same in plain jnp."""
+    its outputs to the pool). window, softcap, scale: as `ragged_attention`.
+    `write_and_attend_reference` is the same in plain jnp."""
     if not available():
         raise RuntimeError("the ragged attention kernel cannot be built here; use "
                            "write_and_attend_reference()")
@@ -100,12 +120,13 @@ def write_and_attend(q, kv, cos, sin, k, v, table, q_start, q_len, kv_len, layer
     f32 = functools.partial(jnp.asarray, dtype=jnp.float32)
     out, k5, v5 = jax.ffi.ffi_call(WRITE_TARGET, shapes, input_output_aliases={4: 1, 5: 2})(
         f32(q), f32(kv), f32(cos), f32(sin), k5, v5, i32(table), i32(q_start), i32(q_len),
-        i32(kv_len), i32(layer))
+        i32(kv_len), i32(layer), i32(window), **_attributes(softcap, scale))
     return out, k5.reshape(k.shape), v5.reshape(v.shape)
 
 
 def write_and_attend_reference(q, kv, cos, sin, k, v, table, q_start, q_len, kv_len, layer=0,
-                               max_kv: int | None = None):
+                               max_kv: int | None = None, *, window=0, softcap: float = 0.0,
+                               scale: float | None = None):
     """`write_and_attend` in plain jnp: `decoder.apply_rope`, a scatter of each span token's
     k and v at its position (`token_rows`), then `reference`."""
     k5, v5 = _as_pool(k), _as_pool(v)
@@ -120,32 +141,39 @@ def write_and_attend_reference(q, kv, cos, sin, k, v, table, q_start, q_len, kv_
     layer = jnp.clip(jnp.asarray(layer, jnp.int32), 0, num_layers - 1)
     k5 = k5.at[layer, block, :, pos % block_size].set(to_storage(new_k, k5), mode="drop")
     v5 = v5.at[layer, block, :, pos % block_size].set(to_storage(new_v, v5), mode="drop")
-    out = reference(q, k5, v5, table, q_start, q_len, kv_len, layer, max_kv)
+    out = reference(q, k5, v5, table, q_start, q_len, kv_len, layer, max_kv, window=window,
+                    softcap=softcap, scale=scale)
     return out, k5.reshape(k.shape), v5.reshape(v.shape)
 
 
-def reference(q, k, v, table, q_start, q_len, kv_len, layer=0,
-              max_kv: int | None = None) -> jax.Array:
-    """`ragged_attention` in plain jnp (the XLA path; jit-able with traced spans and layer):
-    each token gathers its row's first `max_kv` positions (static, default MB * BS; it must
-    cover the longest kv_len) and attends with `decoder.decode_attention`'s math (q cast to the
-    cache dtype, probabilities to the value dtype, softmax in f32) up to its own position.
-    Memory: [T, Hkv, max_kv, D] per k and v."""
+def reference(q, k, v, table, q_start, q_len, kv_len, layer=0, max_kv: int | None = None, *,
+              window=0, softcap: float = 0.0, scale: float | None = None) -> jax.Array:
+    """`ragged_attention` in plain jnp (the XLA path; jit-able with traced spans, layer and
+    window): each token gathers its row's first `max_kv` positions (static, default MB * BS;
+    it must cover the longest kv_len) and attends with `decoder.decode_attention`'s math (q
+    cast to the cache dtype, probabilities to the value dtype, softmax in f32) over its keys
+    (`key_ranges`): the window is a mask here, not a read bound. Memory: [T, Hkv, max_kv, D]
+    per k and v."""
     k, v = _as_pool(k), _as_pool(v)
     num_layers, num_blocks, _, block_size, _ = k.shape
     if 0 in table.shape:  # no rows, or no positions: every token is idle
         return jnp.zeros(q.shape, jnp.float32)
     max_kv = table.shape[1] * block_size if max_kv is None else max_kv
     layer = jnp.clip(jnp.asarray(layer, jnp.int32), 0, num_layers - 1)
-    rows, keys = token_keys(table, q_start, q_len, kv_len, q.shape[0], num_blocks, block_size)
+    rows, first, keys = token_keys(table, q_start, q_len, kv_len, q.shape[0], num_blocks,
+                                   block_size, window)
     blocks = jnp.clip(table, 0, num_blocks - 1)[jnp.maximum(rows, 0)]  # [T, MB]
 
     def tokens(pool):  # [L, NB, Hkv, BS, D] -> [T, Hkv, max_kv, D]
         x = jax.lax.dynamic_index_in_dim(pool, layer, keepdims=False)
         return from_storage(gather(x, blocks, max_kv))
 
-    out = decoder.decode_attention(q.astype(jnp.float32), tokens(k), tokens(v), keys - 1)
-    return jnp.where((keys > 0)[:, None, None], out, 0.0)
+    # Keys first .. keys - 1: the window of that length ending at keys - 1.
+    span = window if isinstance(window, int) and window <= 0 else jnp.where(
+        jnp.asarray(window) > 0, keys - first, 0)
+    out = decoder.decode_attention(q.astype(jnp.float32), tokens(k), tokens(v), keys - 1,
+                                   window=span, softcap=softcap, scale=scale)
+    return jnp.where((keys > first)[:, None, None], out, 0.0)
 
 
 def token_rows(q_start, q_len, kv_len, num_tokens: int, max_len: int):
@@ -163,23 +191,42 @@ def token_rows(q_start, q_len, kv_len, num_tokens: int, max_len: int):
 
 
 def token_keys(table, q_start, q_len, kv_len, num_tokens: int, num_blocks: int,
-               block_size: int):
-    """(rows [T] i32, keys [T] i32): each token's row (-1: no span) and how many of the row's
-    positions it attends over (0: none): its position + 1, cut at its row's usable length."""
+               block_size: int, window=0):
+    """(rows, first, keys) [T] i32: each token's row (-1: no span) and the row's positions
+    first .. keys - 1 it attends over (`key_ranges`; 0, 0 for tokens in no span)."""
     rows, pos = token_rows(q_start, q_len, kv_len, num_tokens, table.shape[1] * block_size)
-    usable = usable_lengths(kv_len, table, num_blocks, block_size)  # [R]
-    keys = jnp.minimum(pos + 1, usable[jnp.maximum(rows, 0)])
-    return rows, jnp.where(rows >= 0, keys, 0)
+    first, keys = key_ranges(table, rows, pos, num_blocks, block_size, window)
+    return rows, first, keys
 
 
-def usable_lengths(lengths, table, num_blocks: int, block_size: int):
-    """lengths [R] clamped to [0, MB * BS] and cut before the first block a row needs whose
-    table [R, MB] entry is outside [0, num_blocks) -> [R] i32."""
-    max_blocks = table.shape[1]
-    bad = (table < 0) | (table >= num_blocks)  # [R, MB]
-    first_bad = jnp.where(bad.any(axis=1), jnp.argmax(bad, axis=1), max_blocks)
-    lengths = jnp.clip(jnp.asarray(lengths, jnp.int32), 0, max_blocks * block_size)
-    return jnp.minimum(lengths, first_bad * block_size).astype(jnp.int32)
+def key_ranges(table, rows, positions, num_blocks: int, block_size: int, window=0):
+    """(lo, hi) [N] i32: the keys lo .. hi - 1 that queries of rows [N] (-1: none; lo = hi =
+    0) at positions [N] attend over: their window (p - window < t <= p; all t <= p if window
+    <= 0), cut before the first of its blocks whose table [R, MB] entry is outside
+    [0, num_blocks) (hi = lo if that is the first)."""
+    rows = jnp.asarray(rows, jnp.int32)
+    pos = jnp.asarray(positions, jnp.int32)
+    window = jnp.asarray(window, jnp.int32)
+    lo = jnp.where(window > 0, jnp.maximum(pos - window + 1, 0), 0)
+    block = jnp.arange(table.shape[1], dtype=jnp.int32)[None, :]  # [1, MB]
+    bad = ((table < 0) | (table >= num_blocks))[jnp.maximum(rows, 0)]  # [N, MB]
+    bad &= (block >= (lo // block_size)[:, None]) & (block * block_size <= pos[:, None])
+    cut = jnp.where(bad.any(axis=1), jnp.argmax(bad, axis=1) * block_size, pos + 1)
+    hi = jnp.minimum(pos + 1, jnp.maximum(cut, lo))
+    live = rows >= 0
+    return jnp.where(live, lo, 0), jnp.where(live, hi, 0)
+
+
+def _attributes(softcap: float, scale: float | None) -> dict:
+    """The kernel's attributes: scale (0: 1 / sqrt(D), computed in the kernel as before the
+    option existed) and softcap (0: none), as float32."""
+    if scale is not None and not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"ragged_attention: scale must be a finite number > 0 (or None for "
+                         f"1 / sqrt(head_dim)); got {scale!r}")
+    if not math.isfinite(softcap):
+        raise ValueError(f"ragged_attention: softcap must be finite (<= 0: none); got "
+                         f"{softcap!r}")
+    return {"scale": np.float32(scale or 0.0), "softcap": np.float32(max(softcap, 0.0))}
 
 
 def _as_pool(x):
