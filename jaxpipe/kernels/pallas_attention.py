@@ -6,17 +6,23 @@ in Pallas' interpret mode against the float64 NumPy reference the C++ kernel is 
 Work is cut into *tiles* of up to TQ queries of one row's span (a decode row is one tile of
 one query). The grid is (tile, kv head): a program reads the K/V blocks its tile needs, once
 for its TQ queries and the G = H / Hkv query heads of its kv head, with an online softmax
-over blocks, and stops at the block of its last query (a decode row reads its own kv_len
-positions). The tiles are laid out by a few small XLA ops around the kernel: a static count
-bounds them (each row gives ceil(q_len / TQ) tiles, so R + ceil(T / TQ) suffice), the step's
-queries are gathered into [tiles, Hkv, M, D] (M = TQ * G rounded up to a power of two, as
-Triton's blocks must be) and the tiles' outputs are put back in token order. Every load and
-store in the kernel is then a whole block, without masks.
+over blocks, from the block of its first query's window start (block 0 without a window) to
+the block of its last query (a decode row reads its own kv_len positions, or its window).
+The tiles are laid out by a few small XLA ops around the kernel: a static count bounds them
+(each row gives ceil(q_len / TQ) tiles, so R + ceil(T / TQ) suffice), the step's queries are
+gathered into [tiles, Hkv, M, D] (M = TQ * G rounded up to a power of two, as Triton's blocks
+must be) beside each query vector's keys [tiles, 2, M] (`ragged_attention.key_ranges`: its
+window, causal end and out-of-range cut, applied as a mask per query vector), and the tiles'
+outputs are put back in token order. Every load and store in the kernel is then a whole
+block, without masks. A block inside a tile's range whose table entry is out of range (only
+possible with a window, between one query's keys and a later query's window start) is read
+at a clamped index, its keys masked for every query and its values zeroed.
 
 Numerics follow the XLA path (`decoder.decode_attention`): q cast to the cache dtype, scores
-and the softmax in f32, probabilities cast to the value dtype for P @ V, accumulation in f32.
-The probabilities are rounded before normalisation (online softmax), so a bf16 pool agrees
-with the XLA path to bf16 rounding, not bit for bit.
+(times the scale, soft-capped if asked) and the softmax in f32, probabilities cast to the
+value dtype for P @ V, accumulation in f32. The probabilities are rounded before
+normalisation (online softmax), so a bf16 pool agrees with the XLA path to bf16 rounding, not
+bit for bit.
 """
 
 from __future__ import annotations
@@ -28,18 +34,21 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from jaxpipe.kernels.ragged_attention import _as_pool, _check_shapes, usable_lengths
+from jaxpipe.kernels.ragged_attention import _as_pool, _check_shapes, key_ranges
 
 TQ = 16  # queries per tile
 
 
-def pallas_attention(q, k, v, table, q_start, q_len, kv_len, layer=0, *,
+def pallas_attention(q, k, v, table, q_start, q_len, kv_len, layer=0, *, window=0,
+                     softcap: float = 0.0, scale: float | None = None,
                      interpret: bool = False) -> jax.Array:
     """Causal attention of each row's span of query tokens over its paged keys and values;
     arguments and result as `ragged_attention.ragged_attention` (q [T, H, D]; k, v
     [L, NB, Hkv, BS, D] or [NB, Hkv, BS, D], f32, bf16 or bf16 bits as u16; table [R, MB];
-    q_start, q_len, kv_len [R]; layer an int or traced i32). `interpret`: run the kernel in
-    Pallas' interpreter (any backend; for tests)."""
+    q_start, q_len, kv_len [R]; layer an int or traced i32; window an int or traced i32
+    (<= 0: none), softcap (<= 0: none), scale (None: 1 / sqrt(D))). Blocks wholly before a
+    tile's earliest window start are never read. `interpret`: run the kernel in Pallas'
+    interpreter (any backend; for tests)."""
     k, v = _as_pool(k), _as_pool(v)
     _check_shapes(q, k, v, table, q_start, q_len, kv_len)
     num_tokens, heads, d = q.shape
@@ -47,28 +56,33 @@ def pallas_attention(q, k, v, table, q_start, q_len, kv_len, layer=0, *,
     if 0 in table.shape or num_tokens == 0:
         return jnp.zeros(q.shape, jnp.float32)
     g = heads // kv_heads
-    tiles = _tiles(table, q_start, q_len, kv_len, num_tokens, num_blocks, block)
+    tiles = _tiles(table, q_start, q_len, kv_len, num_tokens, num_blocks, block, window)
     q_tiles = _gather_queries(q.astype(jnp.float32), tiles, kv_heads)
     n, m = q_tiles.shape[0], q_tiles.shape[2]
+    bounds = _vector_bounds(tiles, g, m)
     layer = jnp.clip(jnp.asarray(layer, jnp.int32), 0, num_layers - 1).reshape(1)
-    kernel = functools.partial(_kernel, block=block, g=g, scale=1 / math.sqrt(d))
+    kernel = functools.partial(_kernel, block=block, scale=1 / math.sqrt(d) if scale is None
+                               else scale, softcap=softcap)
     whole = pl.no_block_spec  # the whole array: the kernel indexes it (pool, table, scalars)
     out = pl.pallas_call(
         kernel,
         grid=(n, kv_heads),
         in_specs=[whole, whole, whole,
                   pl.BlockSpec((1, 1, m, d), lambda i, h: (i, h, 0, 0)),
+                  pl.BlockSpec((1, 2, m), lambda i, h: (i, 0, 0)),
                   whole, whole],
         out_specs=pl.BlockSpec((1, 1, m, d), lambda i, h: (i, h, 0, 0)),
         out_shape=jax.ShapeDtypeStruct((n, kv_heads, m, d), jnp.float32),
         interpret=interpret,
-    )(tiles["meta"], layer, jnp.asarray(table, jnp.int32), q_tiles, k, v)
+    )(tiles["meta"], layer, jnp.asarray(table, jnp.int32), q_tiles, bounds, k, v)
     return _scatter_outputs(out, tiles, num_tokens, heads, g)
 
 
-def _tiles(table, q_start, q_len, kv_len, num_tokens: int, num_blocks: int, block: int):
-    """Each tile's row, first query position, query count and key limit ("meta" [n, 4]) and
-    first token ("token0" [n]), for a static n = R + ceil(T / TQ) tiles (unused ones: 0
+def _tiles(table, q_start, q_len, kv_len, num_tokens: int, num_blocks: int, block: int,
+           window=0):
+    """Each tile's row and the blocks it reads, first .. end - 1 ("meta" [n, 3]), its first
+    token ("token0" [n]), query count ("count" [n]) and each query's keys lo .. hi - 1 ("lo",
+    "hi" [n, TQ]; 0, 0 past count), for a static n = R + ceil(T / TQ) tiles (unused ones: 0
     queries). Spans are clamped as the contract says."""
     rows = table.shape[0]
     cap = table.shape[1] * block
@@ -82,10 +96,25 @@ def _tiles(table, q_start, q_len, kv_len, num_tokens: int, num_blocks: int, bloc
     offset = (tile - (ends[row] - per_row[row])) * TQ  # the tile's first query in its span
     count = jnp.where(tile < ends[-1], jnp.minimum(TQ, ql[row] - offset), 0)
     pos0 = kv[row] - ql[row] + offset
-    limit = usable_lengths(kv_len, table, num_blocks, block)[row]
+    query = jnp.arange(TQ, dtype=jnp.int32)[None, :]
+    rows = jnp.where(query < count[:, None], row[:, None], -1)  # [n, TQ]
+    lo, hi = key_ranges(table, rows.reshape(-1), (pos0[:, None] + query).reshape(-1),
+                        num_blocks, block, window)
+    lo, hi = lo.reshape(n, TQ), hi.reshape(n, TQ)
+    # lo and hi grow with the position: the first query starts the reads, the last ends them.
+    first = lo[:, 0] // block
+    end = jnp.where(count > 0, (hi.max(axis=1) + block - 1) // block, 0)
     token0 = jnp.asarray(q_start, jnp.int32)[row] + offset
-    meta = jnp.stack([row, pos0, count, limit], axis=1).astype(jnp.int32)
-    return {"meta": meta, "token0": token0, "count": count}
+    meta = jnp.stack([row, first, end], axis=1).astype(jnp.int32)
+    return {"meta": meta, "token0": token0, "count": count, "lo": lo, "hi": hi}
+
+
+def _vector_bounds(tiles, g: int, m: int):
+    """[n, 2, M]: the keys lo, hi of each query vector of a tile (row j * G + gi: query j;
+    padding rows 0, 0: no keys)."""
+    lo, hi = (jnp.repeat(tiles[x], g, axis=1) for x in ("lo", "hi"))  # [n, TQ * G]
+    bounds = jnp.stack([lo, hi], axis=1)
+    return jnp.pad(bounds, ((0, 0), (0, 0), (0, m - bounds.shape[2])))
 
 
 def _token_index(tiles, num_tokens: int):
@@ -118,29 +147,30 @@ def _scatter_outputs(out, tiles, num_tokens: int, heads: int, g: int):
     return jnp.zeros((num_tokens, heads, d), jnp.float32).at[target].set(x, mode="drop")
 
 
-def _kernel(meta_ref, layer_ref, table_ref, q_ref, k_ref, v_ref, o_ref, *, block: int, g: int,
-            scale: float):
-    """One tile's queries (q_ref [1, 1, M, D]) of kv head program_id(1) over their row's
-    blocks, online softmax; o_ref [1, 1, M, D]."""
+def _kernel(meta_ref, layer_ref, table_ref, q_ref, bounds_ref, k_ref, v_ref, o_ref, *,
+            block: int, scale: float, softcap: float):
+    """One tile's query vectors (q_ref [1, 1, M, D]) of kv head program_id(1) over their
+    row's blocks meta first .. end - 1, each vector over its keys (bounds_ref [1, 2, M]: lo,
+    hi), online softmax; o_ref [1, 1, M, D]."""
     i, h = pl.program_id(0), pl.program_id(1)
-    row, pos0, count, limit = (meta_ref[i, c] for c in range(4))
-    layer = layer_ref[0]
+    row, first, num = (meta_ref[i, c] for c in range(3))
+    layer, num_blocks = layer_ref[0], k_ref.shape[1]
     q = q_ref[0, 0]  # [M, D] f32
+    lo, hi = bounds_ref[0, 0], bounds_ref[0, 1]  # [M]
     m_rows = q.shape[0]
-    query = jnp.arange(m_rows, dtype=jnp.int32) // g  # each row's query in the tile
-    q_pos = pos0 + query
-    live = query < count
-    end = jnp.minimum(limit, pos0 + count)  # keys needed: positions < end
-    num = jnp.where(count > 0, (end + block - 1) // block, 0)
 
     def step(j, carry):
         m_prev, l_prev, acc = carry
-        b = table_ref[row, j]
+        entry = table_ref[row, j]
+        b = jnp.clip(entry, 0, num_blocks - 1)  # out of range: no query's keys (masked)
         kb, vb = _values(k_ref[layer, b, h]), _values(v_ref[layer, b, h])  # [BS, D]
+        vb = jnp.where((entry >= 0) & (entry < num_blocks), vb, jnp.zeros_like(vb))
         s = jax.lax.dot_general(q.astype(kb.dtype), kb, (((1,), (1,)), ((), ())),
                                 preferred_element_type=jnp.float32) * scale  # [M, BS]
+        if softcap > 0:
+            s = softcap * jnp.tanh(s / softcap)
         k_pos = j * block + jnp.arange(block, dtype=jnp.int32)
-        ok = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] < limit) & live[:, None]
+        ok = (k_pos[None, :] >= lo[:, None]) & (k_pos[None, :] < hi[:, None])
         s = jnp.where(ok, s, -jnp.inf)
         m_new = jnp.maximum(m_prev, s.max(axis=1))
         base = jnp.where(m_new == -jnp.inf, 0.0, m_new)
@@ -152,7 +182,7 @@ def _kernel(meta_ref, layer_ref, table_ref, q_ref, k_ref, v_ref, o_ref, *, block
 
     init = (jnp.full((m_rows,), -jnp.inf, jnp.float32), jnp.zeros((m_rows,), jnp.float32),
             jnp.zeros(q.shape, jnp.float32))
-    _, l_sum, acc = jax.lax.fori_loop(0, num, step, init)
+    _, l_sum, acc = jax.lax.fori_loop(first, num, step, init)
     o_ref[0, 0] = jnp.where(l_sum[:, None] > 0, acc / jnp.where(l_sum > 0, l_sum, 1.0)[:, None],
                             0.0)
 
