@@ -29,29 +29,37 @@ R, T = len(Q_LEN), 97
 UNCOVERED = [0, 32, 87, 95, 96]
 
 
-def numpy_attention(q, k, v, table, q_start, q_len, kv_len, layer=0):
-    """Textbook softmax(q·kᵀ/√D)·v in float64, query by query, each key found by walking the
-    row's table: position t is k[layer, table[r, t // BS], :, t % BS]. Applies the contract's
-    clamping rules itself."""
+def numpy_attention(q, k, v, table, q_start, q_len, kv_len, layer=0, window=0, softcap=0.0,
+                    scale=None):
+    """Textbook softmax(logits)·v in float64, query by query, each key found by walking the
+    row's table: position t is k[layer, table[r, t // BS], :, t % BS]. The query at position
+    p sees keys lo .. p, lo = p - window + 1 with a window (> 0), else 0; logits are
+    q·kᵀ·scale (default 1/√D), then softcap·tanh(logit / softcap) if softcap > 0. Applies the
+    contract's clamping rules itself: a query's keys stop before the first of its blocks (lo's
+    .. p's) whose table entry is outside [0, NB)."""
     num_tokens, heads, d = q.shape
     g, bs, nb = heads // k.shape[2], k.shape[3], k.shape[1]
+    scale = 1 / np.sqrt(d) if scale is None else scale
     out = np.zeros((num_tokens, heads, d))
     for r in range(len(q_len)):
         kv = min(max(kv_len[r], 0), table.shape[1] * bs)
         ql = min(max(q_len[r], 0), kv)
-        bad = [j for j in range(-(-kv // bs)) if not 0 <= table[r, j] < nb]
-        usable = bad[0] * bs if bad else kv
         for i in range(ql):
-            token, n = q_start[r] + i, min(kv - ql + i + 1, usable)
-            if not 0 <= token < num_tokens or n <= 0:
+            token, p = q_start[r] + i, kv - ql + i
+            lo = max(0, p - window + 1) if window > 0 else 0
+            bad = [j for j in range(lo // bs, p // bs + 1) if not 0 <= table[r, j] < nb]
+            hi = max(lo, bad[0] * bs) if bad else p + 1
+            if not 0 <= token < num_tokens or hi <= lo:
                 continue
-            blocks = [table[r, t // bs] for t in range(n)]
-            keys = np.stack([k[layer, b, :, t % bs] for t, b in enumerate(blocks)], 1)
-            vals = np.stack([v[layer, b, :, t % bs] for t, b in enumerate(blocks)], 1)
-            for head in range(heads):  # keys, vals [Hkv, n, D]
-                s = keys[head // g] @ q[token, head] / np.sqrt(d)
-                p = np.exp(s - s.max())
-                out[token, head] = (p / p.sum()) @ vals[head // g]
+            where = [(table[r, t // bs], t % bs) for t in range(lo, hi)]
+            keys = np.stack([k[layer, b, :, o] for b, o in where], 1)  # [Hkv, n, D]
+            vals = np.stack([v[layer, b, :, o] for b, o in where], 1)
+            for head in range(heads):
+                s = keys[head // g] @ q[token, head] * scale
+                if softcap > 0:
+                    s = softcap * np.tanh(s / softcap)
+                e = np.exp(s - s.max())
+                out[token, head] = (e / e.sum()) @ vals[head // g]
     return out
 
 
@@ -81,13 +89,18 @@ def i32(*arrays):
     return [jnp.asarray(a, jnp.int32) for a in arrays]
 
 
-def want(q, k, v, table, q_start=Q_START, q_len=Q_LEN, kv_len=KV_LEN, layer=0):
-    return numpy_attention(*f64(q, k, v), np.asarray(table), q_start, q_len, kv_len, layer)
+def want(q, k, v, table, q_start=Q_START, q_len=Q_LEN, kv_len=KV_LEN, layer=0, **options):
+    """The float64 reference; options: window, softcap, scale."""
+    return numpy_attention(*f64(q, k, v), np.asarray(table), q_start, q_len, kv_len, layer,
+                           **options)
 
 
-def xla(q, k, v, table, q_start=Q_START, q_len=Q_LEN, kv_len=KV_LEN, layer=0, max_kv=None):
-    fn = jax.jit(functools.partial(ra.reference, max_kv=max_kv))
-    return np.asarray(fn(q, k, v, *i32(table, q_start, q_len, kv_len), jnp.int32(layer)))
+def xla(q, k, v, table, q_start=Q_START, q_len=Q_LEN, kv_len=KV_LEN, layer=0, max_kv=None,
+        window=0, **static):
+    """The XLA path under jit (window traced); static: softcap, scale."""
+    fn = jax.jit(functools.partial(ra.reference, max_kv=max_kv, **static))
+    return np.asarray(fn(q, k, v, *i32(table, q_start, q_len, kv_len), jnp.int32(layer),
+                         window=jnp.int32(window)))
 
 
 def close(got, expected, tol=2e-5):

@@ -1,0 +1,283 @@
+"""Sliding windows, logit soft-capping and the score scale on every ragged-span attention
+implementation (the C++ CPU kernel "cpu", the Pallas kernel in interpret mode
+"pallas-interpret", the XLA path "xla") against the float64 NumPy reference
+(attention_cases.numpy_attention), with the window traced; the read bound of the kernels
+(blocks wholly before a tile's earliest window start are never read); and the same options in
+`decoder.causal_attention`, the whole-sequence reference."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from attention_cases import (
+    BS,
+    CAP,
+    KV_LEN,
+    NB,
+    Q_LEN,
+    Q_START,
+    UNCOVERED,
+    R,
+    close,
+    f64,
+    i32,
+    inputs,
+    shuffled_table,
+    want,
+    xla,
+)
+
+from jaxpipe.kernels import pallas_attention as pa
+from jaxpipe.kernels import ragged_attention as ra
+from jaxpipe.kv.device_cache import to_storage
+from jaxpipe.model import decoder
+
+IMPLS = {"cpu": ra.ragged_attention,
+         "pallas-interpret": partial(pa.pallas_attention, interpret=True),
+         "xla": ra.reference}
+KERNELS = ["cpu", "pallas-interpret"]  # those that skip blocks before the window
+
+# Spans whose windows start deep in their rows (tokens 0..29): decode at the last position
+# (row 0), a prefill chunk of 4 at the end (row 1), a chunk of 20 (two of the kernels' tiles,
+# row 2), decode mid-row (row 3), an idle row and short rows near the start.
+W_Q_LEN = [1, 4, 20, 1, 0, 1, 3]
+W_KV_LEN = [CAP, CAP, 38, 23, 5, 7, 12]
+W_Q_START = [0, 1, 5, 25, 30, 26, 27]
+W_T = 30
+
+
+@pytest.fixture(params=list(IMPLS))
+def impl(request):
+    """The name of one implementation (the C++ kernel skipped where it cannot be built)."""
+    if request.param == "cpu" and not ra.available():
+        pytest.skip("the C++ kernel cannot be built here")
+    return request.param
+
+
+def run(name, q, k, v, table, q_start=Q_START, q_len=Q_LEN, kv_len=KV_LEN, layer=0, window=0,
+        softcap=0.0, scale=None):
+    """One implementation under jit: spans, table, layer and window traced; softcap and scale
+    static."""
+    fn = jax.jit(partial(IMPLS[name], softcap=softcap, scale=scale))
+    return np.asarray(fn(q, k, v, *i32(table, q_start, q_len, kv_len), jnp.int32(layer),
+                         window=jnp.int32(window)))
+
+
+@pytest.mark.parametrize("window", [1, 3, 5, 7, 13, CAP, 1000])
+def test_windows_match_numpy(impl, window):
+    """Windows of one key, inside one block (3 < BS = 5), of exactly a block, starting
+    mid-block (7, 13), and as long as the row or longer (no window). The spans of 13, 29 and
+    40 queries straddle window edges inside one tile (each query its own start)."""
+    q, k, v = inputs(jnp.float32, seed=21)
+    table = shuffled_table(seed=21)
+    got = run(impl, q, k, v, table, window=window)
+    close(got, want(q, k, v, table, window=window))
+    assert not got[UNCOVERED].any()
+    full = want(q, k, v, table)
+    if window >= CAP:
+        close(got, full)
+    else:
+        assert not np.allclose(got, full, atol=1e-3)
+
+
+@pytest.mark.parametrize("window", [4, 10])
+def test_long_spans_straddle_window_edges(impl, window):
+    """A span of 37 queries (three of the Pallas kernel's tiles), one of 16, short ones."""
+    q, k, v = inputs(jnp.float32, seed=12, tokens=40 + 17)
+    table = shuffled_table(seed=12)
+    spans = dict(q_start=[0, 37, 56, 40, 56, 56, 56], q_len=[37, 3, 1, 16, 0, 0, 0],
+                 kv_len=[39, 3, 40, 17, 1, 1, 1])
+    close(run(impl, q, k, v, table, **spans, window=window),
+          want(q, k, v, table, **spans, window=window))
+
+
+@pytest.mark.parametrize("head_dim,heads,kv_heads", [(16, 6, 2), (64, 9, 3)])
+def test_decode_rows_with_windows(impl, head_dim, heads, kv_heads):
+    """One query per row (GQA), windows starting mid-block, at a block edge, and longer than
+    the row."""
+    q, k, v = inputs(jnp.float32, seed=2, tokens=R, head_dim=head_dim, heads=heads,
+                     kv_heads=kv_heads)
+    table = shuffled_table(seed=2)
+    spans = dict(q_start=list(range(R))[::-1], q_len=[1, 1, 1, 0, 1, 1, 1],
+                 kv_len=[1, CAP, 6, 9, 10, 23, 37])
+    for window in (3, 5, 12):
+        close(run(impl, q, k, v, table, **spans, window=window),
+              want(q, k, v, table, **spans, window=window))
+
+
+@pytest.mark.parametrize("softcap,scale", [(0.0, 0.3), (1.5, None), (2.0, 0.7)])
+@pytest.mark.parametrize("window", [0, 7])
+def test_softcap_and_scale(impl, softcap, scale, window):
+    """Soft-capping on and off and a scale that is not 1 / sqrt(D), with and without a
+    window; both change the result."""
+    q, k, v = inputs(jnp.float32, seed=23)
+    table = shuffled_table(seed=23)
+    got = run(impl, q, k, v, table, window=window, softcap=softcap, scale=scale)
+    close(got, want(q, k, v, table, window=window, softcap=softcap, scale=scale))
+    assert not np.allclose(got, want(q, k, v, table, window=window), atol=1e-3)
+
+
+@pytest.mark.parametrize("storage", [jnp.uint16, jnp.bfloat16])
+@pytest.mark.parametrize("head_dim,heads,kv_heads", [(64, 9, 3), (128, 8, 2), (16, 6, 2)])
+def test_bf16_pools(impl, storage, head_dim, heads, kv_heads):
+    """bf16 pools (the C++ kernel's AVX2 decode path at head dims 64 and 128, its avx512_bf16
+    paths' fallback with a window), window 7 with and without softcap and scale: to bf16
+    rounding of the exact result, and close to the XLA path (same roundings)."""
+    q, k, v = inputs(storage, seed=24, head_dim=head_dim, heads=heads, kv_heads=kv_heads)
+    table = shuffled_table(seed=24)
+    for options in (dict(window=7), dict(window=7, softcap=2.0, scale=0.2)):
+        got = run(impl, q, k, v, table, **options)
+        np.testing.assert_allclose(got, want(q, k, v, table, **options), atol=3e-2)
+        if impl != "xla":
+            np.testing.assert_allclose(got, xla(q, k, v, table, **options), atol=1e-2)
+
+
+@pytest.mark.parametrize("storage", [jnp.float32, jnp.uint16])
+def test_scan_over_layers_with_a_window_each(impl, storage):
+    """The engine's use: one `lax.scan` over the stacked pool, layer and window both scan
+    inputs (traced), a different window per layer (none, 3, 8)."""
+    q, k, v = inputs(storage, seed=25, layers=3, head_dim=64, heads=9, kv_heads=3)
+    table = shuffled_table(seed=25)
+    spans = i32(table, Q_START, Q_LEN, KV_LEN)
+    windows = [0, 3, 8]
+    fn = IMPLS[impl]
+
+    @jax.jit
+    def all_layers(k, v, windows):
+        def body(carry, xs):
+            layer, window = xs
+            return carry, fn(q, k, v, *spans, layer, window=window, softcap=3.0)
+
+        return jax.lax.scan(body, 0, (jnp.arange(3), windows))[1]  # [L, T, H, D]
+
+    got = np.asarray(all_layers(k, v, jnp.asarray(windows, jnp.int32)))
+    tol = 2e-5 if storage == jnp.float32 else 3e-2
+    for i, window in enumerate(windows):
+        np.testing.assert_allclose(got[i], want(q, k, v, table, layer=i, window=window,
+                                                softcap=3.0), atol=tol, rtol=tol)
+
+
+def test_out_of_range_table_entries_with_a_window(impl):
+    """A query needs only its window's blocks. Row 4 (positions 6..34, tokens 1..29), window
+    7, block 3 (positions 15..19) out of range: queries whose window holds it stop before it
+    (p 15..20), or see nothing when it holds their window's start (p 21..25); later ones
+    (p >= 26) see their whole window, though a tile of the kernels spans the bad block. Row 3
+    (positions 18..30), block 0 out of range: before every window, changes nothing."""
+    q, k, v = inputs(jnp.float32, seed=26)
+    table = shuffled_table(seed=26)
+    clean = run(impl, q, k, v, table, window=7)
+    bad = table.copy()
+    bad[4, 3], bad[3, 0] = NB, -1
+    got = run(impl, q, k, v, bad, window=7)
+    close(got, want(q, k, v, bad, window=7))
+    tokens = {p: 1 + p - 6 for p in range(6, 35)}  # row 4: position -> token
+    assert not got[[tokens[p] for p in range(21, 26)]].any()
+    np.testing.assert_array_equal(got[[tokens[p] for p in range(26, 35)]],
+                                  clean[[tokens[p] for p in range(26, 35)]])
+    np.testing.assert_array_equal(got[74:87], clean[74:87])  # row 3
+
+
+def blocks_before_windows(table, window):
+    """The pool blocks (W_ spans) wholly before the window of their row's first query, and
+    the positions before it in the block where it starts: (blocks, [(block, offset)])."""
+    blocks, partial_block = [], []
+    for r, (n, kv) in enumerate(zip(W_Q_LEN, W_KV_LEN, strict=True)):
+        if n <= 0:
+            continue
+        lo = max(0, kv - n - window + 1)
+        blocks += [table[r, j] for j in range(lo // BS)]
+        partial_block += [(table[r, lo // BS], o) for o in range(lo % BS)]
+    return blocks, partial_block
+
+
+@pytest.mark.parametrize("name", KERNELS)
+@pytest.mark.parametrize("storage,head_dim", [(jnp.float32, 16), (jnp.uint16, 64),
+                                              (jnp.float32, 64)])
+@pytest.mark.parametrize("window", [1, 6])
+def test_blocks_before_the_window_are_never_read(name, storage, head_dim, window):
+    """K/V blocks wholly before a row's first window start hold NaN: the kernels never read
+    them (a long context costs the window), so the outputs stay finite and exact. Keys before
+    the window inside the block where it starts are read but masked (large values there
+    change nothing). The XLA path masks instead of skipping, so it is not asked this."""
+    if name == "cpu" and not ra.available():
+        pytest.skip("the C++ kernel cannot be built here")
+    q, k, v = inputs(storage, seed=27, tokens=W_T, head_dim=head_dim, heads=9, kv_heads=3)
+    table = shuffled_table(seed=27)
+    spans = dict(q_start=W_Q_START, q_len=W_Q_LEN, kv_len=W_KV_LEN)
+    expected = want(q, k, v, table, **spans, window=window)
+    blocks, partial_block = blocks_before_windows(table, window)
+    assert len(blocks) >= 10
+    k2, v2 = (np.array(f64(x)[0], np.float32) for x in (k, v))
+    k2[0, blocks], v2[0, blocks] = np.nan, np.nan
+    for block, offset in partial_block:
+        k2[0, block, :, offset], v2[0, block, :, offset] = 1e4, -1e4
+    store = jnp.zeros((1,), storage)
+    k2, v2 = (to_storage(jnp.asarray(x), store) for x in (k2, v2))
+    got = run(name, q, k2, v2, table, **spans, window=window)
+    assert np.isfinite(got).all()
+    tol = 2e-5 if storage == jnp.float32 else 3e-2
+    np.testing.assert_allclose(got, expected, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("storage", [jnp.float32, jnp.uint16])
+def test_write_and_attend_with_options(storage):
+    """The C++ kernel's fused write-then-attend with a window, softcap and scale, against its
+    jnp twin and the float64 reference over the pool it wrote."""
+    if not ra.available():
+        pytest.skip("the C++ kernel cannot be built here")
+    _, k, v = inputs(storage, seed=28, head_dim=64, heads=9, kv_heads=3, layers=2)
+    rng = np.random.default_rng(28)
+    q = jnp.asarray(rng.normal(size=(97, 9, 64)), jnp.float32)
+    kv = jnp.asarray(rng.normal(size=(97, 2, 3, 64)), jnp.float32)
+    angles = rng.uniform(-7, 7, size=(97, 32))
+    cos, sin = jnp.asarray(np.cos(angles), jnp.float32), jnp.asarray(np.sin(angles), jnp.float32)
+    table = shuffled_table(seed=28)
+    args = (q, kv, cos, sin, k, v, *i32(table, Q_START, Q_LEN, KV_LEN), jnp.int32(1))
+    options = dict(softcap=2.5, scale=0.2)
+    out, k2, v2 = jax.jit(partial(ra.write_and_attend, **options))(*args, window=jnp.int32(7))
+    ref, _, _ = jax.jit(partial(ra.write_and_attend_reference, **options))(
+        *args, window=jnp.int32(7))
+    bf16 = storage != jnp.float32
+    close(np.asarray(out), np.asarray(ref), tol=1e-2 if bf16 else 2e-5)
+    half = q.shape[-1] // 2
+    c, s = np.asarray(cos, np.float64)[:, None], np.asarray(sin, np.float64)[:, None]
+    qd = np.asarray(q, np.float64)
+    rot_q = np.concatenate([qd[..., :half] * c - qd[..., half:] * s,
+                            qd[..., half:] * c + qd[..., :half] * s], -1)
+    exact = want(jnp.asarray(rot_q, jnp.float32), k2, v2, table, layer=1, window=7, **options)
+    np.testing.assert_allclose(np.asarray(out), exact, atol=3e-2 if bf16 else 2e-5)
+
+
+@pytest.mark.parametrize("scale", [0.0, -1.0, float("nan")])
+def test_bad_scale_is_named(scale):
+    q, k, v = inputs(jnp.float32)
+    spans = i32(shuffled_table(), Q_START, Q_LEN, KV_LEN)
+    with pytest.raises(ValueError, match="scale must be a finite number > 0"):
+        ra.ragged_attention(q, k, v, *spans, scale=scale)
+
+
+@pytest.mark.parametrize("window", [0, 1, 6, 100])
+def test_causal_attention_options(window):
+    """`decoder.causal_attention` (Decoder.forward's) with a window (static, and traced
+    under jit), softcap and scale, against float64 NumPy, query by query; chunks of 16 split
+    the 37 queries."""
+    rng = np.random.default_rng(29)
+    q, k, v = (rng.normal(size=(2, 37, n, 16)).astype(np.float32) for n in (6, 2, 2))
+    options = dict(softcap=1.5, scale=0.3)
+    exact = np.zeros(q.shape)
+    for b in range(2):
+        for t in range(37):
+            lo = max(0, t - window + 1) if window > 0 else 0
+            for h in range(6):
+                s = k[b, lo:t + 1, h // 3].astype(np.float64) @ q[b, t, h] * 0.3
+                e = np.exp(1.5 * np.tanh(s / 1.5) - 1.5)
+                exact[b, t, h] = (e / e.sum()) @ v[b, lo:t + 1, h // 3]
+    static = decoder.causal_attention(q, k, v, 16, window=window, **options)
+    traced = jax.jit(partial(decoder.causal_attention, chunk=16, **options))(
+        q, k, v, window=jnp.int32(window))
+    close(np.asarray(static), exact)
+    close(np.asarray(traced), exact)
