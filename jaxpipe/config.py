@@ -19,6 +19,7 @@ DTYPES = ("float32", "bfloat16")
 
 
 ROPE_TYPES = ("llama3", "linear", "dynamic", "yarn")
+MLP_ACTS = ("silu", "gelu_tanh")
 
 
 @dataclass(frozen=True)
@@ -58,8 +59,20 @@ class ModelConfig:
     qk_norm: q and k are RMS-normalised per head (a [head_dim] weight each) before RoPE
         (Qwen3).
     sliding_window: the layers in sliding_layers attend only over their last sliding_window
-        keys (HF: key position > query position - sliding_window). The engine runs such a
-        model up to max_model_len <= sliding_window, where the window drops no key."""
+        keys (HF: key position > query position - sliding_window); the kernels read only
+        the blocks inside each query's window.
+    embed_scale: the embeddings' multiplier (Gemma: sqrt(hidden_size), rounded to the
+        weights' dtype as HF does).
+    sandwich_norms: the attention output and the MLP output are RMS-normalised before their
+        residual adds too (Gemma 2/3: four norms per layer).
+    mlp_act: the gated MLP's activation, "silu" or "gelu_tanh" (Gemma).
+    attn_scale: the multiplier of q.k (None: 1/sqrt(head_dim); Gemma:
+        query_pre_attn_scalar ** -0.5).
+    attn_softcap, final_softcap: tanh soft-capping of the attention scores and of the
+        logits, cap * tanh(x / cap) (Gemma 2); None: none.
+    rope_local_theta: the RoPE base of the sliding-window layers (plain RoPE, no scaling),
+        where it differs from the global layers' rope_theta / rope_scaling (Gemma 3's
+        rope_local_base_freq); None: every layer uses rope_theta."""
 
     vocab_size: int
     hidden_size: int
@@ -79,6 +92,13 @@ class ModelConfig:
     qk_norm: bool = False
     sliding_window: int | None = None
     sliding_layers: tuple[int, ...] = ()
+    embed_scale: float = 1.0
+    sandwich_norms: bool = False
+    mlp_act: str = "silu"
+    attn_scale: float | None = None
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
+    rope_local_theta: float | None = None
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
@@ -96,19 +116,17 @@ class ModelConfig:
                                         and self.sliding_window >= 1):
             raise ValueError(f"ModelConfig.sliding_layers {self.sliding_layers} need a positive "
                              f"integer sliding_window, got {self.sliding_window!r}")
+        if self.mlp_act not in MLP_ACTS:
+            raise ValueError(f"ModelConfig.mlp_act {self.mlp_act!r} is not supported; "
+                             f"supported: {list(MLP_ACTS)}")
+        for name in ("attn_scale", "attn_softcap", "final_softcap"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"ModelConfig.{name} must be > 0 or None, got {value!r}")
         bad = [i for i in self.sliding_layers if not 0 <= i < self.num_layers]
         if bad:
             raise ValueError(f"ModelConfig.sliding_layers {bad} are not layers of "
                              f"0..{self.num_layers - 1}")
-
-    @property
-    def context_limit(self) -> tuple[int, str]:
-        """The longest sequence the engine runs this model at, and what sets it: the
-        position embeddings, or a sliding window (not yet applied by the attention kernels,
-        which attend over every key: exact only while no sequence is longer than it)."""
-        if self.sliding_layers and self.sliding_window < self.max_position_embeddings:
-            return self.sliding_window, "sliding_window"
-        return self.max_position_embeddings, "max_position_embeddings"
 
     @property
     def group_size(self) -> int:
@@ -122,6 +140,7 @@ class ModelConfig:
         per_layer = e * (h * d) * 2 + e * (k * d) * 2 + 3 * e * f + 2 * e
         per_layer += (h + 2 * k) * d if self.qkv_bias else 0
         per_layer += 2 * d if self.qk_norm else 0
+        per_layer += 2 * e if self.sandwich_norms else 0
         total = self.num_layers * per_layer + e
         head = 0 if self.tie_embeddings else self.vocab_size * e
         return total + head + (self.vocab_size * e if include_embedding else 0)

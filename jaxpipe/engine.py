@@ -484,15 +484,12 @@ def _load(config: EngineConfig, dtype) -> tuple[ModelConfig, Decoder | Path, Tok
 
 
 def _max_model_len(config: EngineConfig, cfg: ModelConfig) -> int:
-    limit, what = cfg.context_limit
+    limit = cfg.max_position_embeddings
     if config.max_model_len is None:
         return min(limit, 2048)
     if config.max_model_len > limit:
-        why = (" (layers with a sliding window: the attention kernels do not apply windows "
-               "yet, so sequences stop where the window would start to drop keys)"
-               if what == "sliding_window" else "")
         raise ValueError(f"EngineConfig.max_model_len={config.max_model_len} exceeds the model's "
-                         f"{what}={limit}{why}")
+                         f"max_position_embeddings={limit}")
     return config.max_model_len
 
 

@@ -82,9 +82,12 @@ def token_slots(table, rows, positions):
     return jnp.where(index < table.shape[1], blocks, OUT_OF_RANGE), positions % BLOCK
 
 
-def attend(q, k, v, mb: dict, layer, *, attention: str, max_kv: int):
+def attend(q, k, v, mb: dict, layer, *, attention: str, max_kv: int, window=0,
+           softcap: float = 0.0, scale: float | None = None):
     """Each span's queries q [Tm, H, D] over its row's paged KV (k, v [Ls, NB, Hkv, BLOCK,
-    D], read at `layer`); mb: this micro-batch's table, spans, rows and positions.
+    D], read at `layer`), each over its last `window` keys (0: all), scores scaled by
+    `scale` (None: 1/sqrt(D)) and soft-capped at `softcap` (0: not); mb: this micro-batch's
+    table, spans, rows and positions.
     `attention`: "pallas" (the Pallas kernel), "pallas-interpret" (it, in Pallas'
     interpreter) or "xla" (the reference, keys bounded by static `max_kv`). ("cpu": see
     `stage_layers`.)"""
@@ -93,7 +96,8 @@ def attend(q, k, v, mb: dict, layer, *, attention: str, max_kv: int):
                      interpret=attention == "pallas-interpret")
     else:
         fn = partial(ragged_attention.reference, max_kv=max_kv)
-    return fn(q, k, v, mb["table"], mb["q_start"], mb["q_len"], mb["kv_len"], layer)
+    return fn(q, k, v, mb["table"], mb["q_start"], mb["q_len"], mb["kv_len"], layer,
+              window=window, softcap=softcap, scale=scale)
 
 
 class StackedWeight:
@@ -244,35 +248,52 @@ def unpack_program(cfg: ModelConfig, layout: Layout, mesh, names: Iterable[str],
 
 
 def stage_layers(cfg: ModelConfig, layers: LayerParams, x, mb: dict, cache: KVCache, reduce,
-                 *, attention: str, max_kv: int, unroll: bool, packed: KernelPaths):
+                 *, attention: str, max_kv: int, unroll: bool, packed: KernelPaths,
+                 windows: tuple[int, ...] = ()):
     """This stage's layers over one micro-batch x [Tm, E] (mb: see `attend`); each token's
     K/V is written into its blocks (`token_slots`) before the spans attend. `attention`: see
     `attend` ("cpu": the C++ kernel also rotates q and k and writes k and v itself,
     `ragged_attention.write_and_attend`); `packed`: the matmul weights in panel order, for
-    the C++ bf16 kernel, each with the kernel path for a number of rows."""
+    the C++ bf16 kernel, each with the kernel path for a number of rows; `windows`: every
+    padded layer's sliding window (0: none; `sharding.layer_windows`), () for none at all."""
     positions = mb["positions"]
+    count = layers.wq.shape[0]
+    table = jnp.asarray(windows or (0,), jnp.int32)
+
+    softcap = cfg.attn_softcap or 0.0
+
+    def window(j):  # layer j of this stage: padded layer stage * count + j
+        return table[lax.axis_index("pp") * count + j] if any(windows) else 0
 
     def dot(x, w):
         return kernel_dot(x, w) if isinstance(w, StackedWeight) else decoder.xla_dot(x, w)
 
     if attention == "cpu":
-        cos, sin = decoder.rope_angles(cfg, positions)  # [Tm, D/2], once for every layer
+        angles = decoder.rope_angles(cfg, positions)  # [Tm, D/2], once for every layer
+        local_angles = decoder.rope_angles(cfg, positions, local=True)
 
         def attend_layer(p, x, k, v, j):
             q, kv = decoder.projections(cfg, p, x, dot)
+            w = window(j)
+            cos, sin = angles
+            if local_angles is not angles and any(windows):  # Gemma 3: the layer's own base
+                cos, sin = (jnp.where(w > 0, a, b)
+                            for a, b in zip(local_angles, angles, strict=True))
             return ragged_attention.write_and_attend(
-                q, kv, cos, sin, k, v, mb["table"], mb["q_start"], mb["q_len"], mb["kv_len"], j)
+                q, kv, cos, sin, k, v, mb["table"], mb["q_start"], mb["q_len"], mb["kv_len"], j,
+                window=w, softcap=softcap, scale=cfg.attn_scale)
     else:
         blocks, offsets = token_slots(mb["table"], mb["rows"], positions)
 
         def attend_layer(p, x, k, v, j):
-            q, kn, vn = decoder.qkv(cfg, p, x, positions, dot)  # [Tm, H|Hkv, D]
+            q, kn, vn = decoder.qkv(cfg, p, x, positions, dot, window(j) > 0)
             k = k.at[j, blocks, :, offsets].set(to_storage(kn, k), mode="drop")
             v = v.at[j, blocks, :, offsets].set(to_storage(vn, v), mode="drop")
-            return attend(q, k, v, mb, j, attention=attention, max_kv=max_kv), k, v
+            return attend(q, k, v, mb, j, attention=attention, max_kv=max_kv,
+                          window=window(j), softcap=softcap, scale=cfg.attn_scale), k, v
 
     # The fused gate needs this device's gate and up halves in whole panel pairs.
-    gated = (kernel_gated if "w_gate_up" in packed
+    gated = (kernel_gated if "w_gate_up" in packed and cfg.mlp_act == "silu"
              and layers.w_gate_up.shape[-1] % matmul.PANEL == 0 else None)
 
     def layer(carry, j):
@@ -282,7 +303,6 @@ def stage_layers(cfg: ModelConfig, layers: LayerParams, x, mb: dict, cache: KVCa
         x = decoder.attn_out_mlp(cfg, p, x, attn, reduce, dot, gated)
         return (x, k, v), None
 
-    count = layers.wq.shape[0]
     (x, k, v), _ = lax.scan(layer, (x, *cache), jnp.arange(count), unroll=unroll)
     return x, KVCache(k, v)
 
@@ -311,13 +331,15 @@ def _micro(inputs: dict, m, valid):
 
 
 def step_program(cfg: ModelConfig, layout: Layout, mesh, *, attention: str, max_kv: int,
-                 out_rows: int, packed: KernelPaths | None = None, unroll: bool = True):
+                 out_rows: int, packed: KernelPaths | None = None, unroll: bool = True,
+                 windows: tuple[int, ...] = ()):
     """jit(params, cache, inputs: StepInputs, prev [out_rows] i32: the previous step's sampled
     tokens, for `inputs.feed`) -> (hidden [out_rows, E] f32: the residual of
     each row's last token, zeros past the step's R rows; cache (donated)). `max_kv`: the XLA
     attention's static key bound (ignored by the kernels, which read each row's own length).
     `out_rows` (>= R) is fixed for every token bucket, so the LM head compiles once per
-    number of sampled rows, whatever the step's size. `packed`: see `stage_layers`."""
+    number of sampled rows, whatever the step's size. `packed`, `windows`: see
+    `stage_layers`."""
     packed = packed or {}
     layer_specs, cache_specs = _specs(cfg, layout)
     reduce = partial(lax.psum, axis_name="tp") if layout.tp > 1 else None
@@ -329,7 +351,7 @@ def step_program(cfg: ModelConfig, layout: Layout, mesh, *, attention: str, max_
         def stage_fn(x, m, valid, cache):
             return stage_layers(cfg, layers, x, _micro(inputs, m, valid), cache, reduce,
                                 attention=attention, max_kv=max_kv, unroll=unroll,
-                                packed=packed)
+                                packed=packed, windows=windows)
 
         def collect(acc, y, m):  # rows whose last token is in micro-batch m
             last = inputs["last"]
@@ -344,7 +366,7 @@ def step_program(cfg: ModelConfig, layout: Layout, mesh, *, attention: str, max_
 
     def step(params, cache, inputs: StepInputs, prev):
         layers, head = split_params(params)
-        xs = decoder.embed(head, fed_tokens(inputs, prev))  # [M, Tm, E]
+        xs = decoder.embed(head, fed_tokens(inputs, prev), cfg.embed_scale)  # [M, Tm, E]
         hidden, cache = staged(layers, xs, {k: getattr(inputs, k) for k in keys}, cache)
         return jnp.pad(hidden, ((0, out_rows - hidden.shape[0]), (0, 0))), cache
 
@@ -381,7 +403,7 @@ def logits_program(cfg: ModelConfig, vocab: int, layout: Layout | None = None, m
         _, params_head = split_params(params)
         if packed:
             h = decoder.rms_norm(hidden[:rows], params_head.final_norm, cfg.rms_norm_eps)
-            return head(h, params["lm_head"])[:, :vocab]
+            return decoder.softcap(head(h, params["lm_head"])[:, :vocab], cfg.final_softcap)
         n = max(rows, HEAD_MIN_ROWS)
         if hidden.shape[0] < n:
             hidden = jnp.pad(hidden, ((0, n - hidden.shape[0]), (0, 0)))

@@ -476,7 +476,8 @@ class Runner:
             place = self.placements[self.phase]
             self._programs[key] = pipeline.step_program(
                 self.config, place.layout, place.mesh, attention=self.attention, max_kv=max_kv,
-                out_rows=self.buckets.max_rows, packed=place.packed)
+                out_rows=self.buckets.max_rows, packed=place.packed,
+                windows=sharding.layer_windows(self.config, self.plan))
         return self._programs[key]
 
     def _once(self, key: tuple, fn, *args, **kwargs):

@@ -131,6 +131,15 @@ def _head_plan(heads: int, kv_heads: int, tp: int) -> tuple[tuple[int, ...], tup
     return tuple(q_src), tuple(kv_src)
 
 
+def layer_windows(cfg: ModelConfig, plan: PaddingPlan) -> tuple[int, ...]:
+    """Each padded layer's sliding window (0: none, identity layers too), in the padded
+    order a pipeline's stages hold them; () when no layer has one."""
+    if not cfg.sliding_layers:
+        return ()
+    src = plan.index.get("layers", tuple(range(cfg.num_layers)))
+    return tuple(cfg.sliding_window if i in cfg.sliding_layers else 0 for i in src)
+
+
 def pad_values(cfg: ModelConfig, values: dict, plan: PaddingPlan) -> dict[str, np.ndarray]:
     """Host arrays (name -> array, as `param_decls` declares) -> padded host arrays."""
     out = {}

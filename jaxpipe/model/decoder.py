@@ -13,7 +13,9 @@ the plain whole-sequence forward pass (no cache), the reference the step is test
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from functools import partial
 from typing import NamedTuple
 
 import jax
@@ -24,7 +26,7 @@ from flax import nnx
 from jaxpipe.config import ModelConfig
 
 LAYER_PARAMS = ("attn_norm", "wq", "wkv", "wo", "mlp_norm", "w_gate_up", "w_down",
-                "bq", "bkv", "q_norm", "k_norm")
+                "bq", "bkv", "q_norm", "k_norm", "post_attn_norm", "post_mlp_norm")
 
 
 class ParamDecl(NamedTuple):
@@ -43,7 +45,8 @@ def param_decls(cfg: ModelConfig) -> dict[str, ParamDecl]:
     (`w_gate_up`): fewer, larger matmuls, which is what the CPU backend needs at decode batch
     sizes. The pair axes are never sharded, so TP splits heads / mlp exactly as unfused.
     The families' optional parameters exist only when the config asks for them: q/k/v
-    biases (`bq`, `bkv`, as the projections they add to) and per-head q/k norms.
+    biases (`bq`, `bkv`, as the projections they add to), per-head q/k norms, and the norms
+    of the attention and MLP outputs (Gemma's sandwich).
     """
     L, E, H, K, D, F, V = (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads,
                            cfg.head_dim, cfg.intermediate_size, cfg.vocab_size)
@@ -66,6 +69,9 @@ def param_decls(cfg: ModelConfig) -> dict[str, ParamDecl]:
     if cfg.qk_norm:
         decls["q_norm"] = ParamDecl((L, D), ("layers", "head_dim"), "ones")
         decls["k_norm"] = ParamDecl((L, D), ("layers", "head_dim"), "ones")
+    if cfg.sandwich_norms:
+        decls["post_attn_norm"] = ParamDecl((L, E), ("layers", "embed"), "ones")
+        decls["post_mlp_norm"] = ParamDecl((L, E), ("layers", "embed"), "ones")
     if not cfg.tie_embeddings:
         decls["lm_head"] = ParamDecl((E, V), ("embed", "vocab"), "fan_in", E)
     return decls
@@ -93,6 +99,8 @@ class LayerParams(NamedTuple):
     bkv: jax.Array | None = None  # [2, Hkv, D]
     q_norm: jax.Array | None = None  # [D]
     k_norm: jax.Array | None = None  # [D]
+    post_attn_norm: jax.Array | None = None  # [E]
+    post_mlp_norm: jax.Array | None = None  # [E]
 
 
 class HeadParams(NamedTuple):
@@ -136,13 +144,16 @@ class Decoder(nnx.Module):
     def forward(self, tokens):
         """Logits [b, T, V] of whole sequences tokens [b, T] (causal, no cache, no padding)."""
         cfg, head = self.config, self.head()
-        x = embed(head, tokens)
+        x = embed(head, tokens, cfg.embed_scale)
         positions = jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
         for i in range(cfg.num_layers):
             with jax.named_scope(f"layer{i}"):
                 p = self.layer(i)
-                q, k, v = qkv(cfg, p, x, positions)
-                x = attn_out_mlp(cfg, p, x, causal_attention(q, k, v))
+                q, k, v = qkv(cfg, p, x, positions, local=i in cfg.sliding_layers)
+                window = cfg.sliding_window if i in cfg.sliding_layers else 0
+                attn = causal_attention(q, k, v, window=window,
+                                        softcap=cfg.attn_softcap or 0.0, scale=cfg.attn_scale)
+                x = attn_out_mlp(cfg, p, x, attn)
         b, t, e = x.shape
         return logits(cfg, head, x.reshape(b * t, e)).reshape(b, t, -1)
 
@@ -150,9 +161,11 @@ class Decoder(nnx.Module):
 # ---- per-layer functions (pure, over arrays) ---------------------------------------------------
 
 
-def embed(head: HeadParams, tokens):
-    """tokens [...] i32 -> residual stream [..., E] f32."""
-    return jnp.take(head.embed, tokens, axis=0).astype(jnp.float32)
+def embed(head: HeadParams, tokens, scale: float = 1.0):
+    """tokens [...] i32 -> residual stream [..., E] f32, times `scale` (rounded to the
+    embedding's dtype, as HF's Gemma does)."""
+    x = jnp.take(head.embed, tokens, axis=0).astype(jnp.float32)
+    return x if scale == 1.0 else x * jnp.asarray(scale, head.embed.dtype).astype(jnp.float32)
 
 
 def xla_dot(x, w):
@@ -174,11 +187,11 @@ def _matmul(x, w, n: int = 1, dot=None):
     return y.reshape(*lead, *out)
 
 
-def qkv(cfg: ModelConfig, p: LayerParams, x, positions, dot=None):
+def qkv(cfg: ModelConfig, p: LayerParams, x, positions, dot=None, local=False):
     """x [..., E], positions [...] -> roped q [..., H, D], roped k and v [..., Hkv, D] (f32).
-    `dot`: see `_matmul`."""
+    `dot`: see `_matmul`; `local`: see `rope_angles`."""
     q, kv = projections(cfg, p, x, dot)
-    cos, sin = rope_tables(cfg, positions)  # [..., 1, D]
+    cos, sin = rope_tables(cfg, positions, local)  # [..., 1, D]
     return apply_rope(q, cos, sin), apply_rope(kv[..., 0, :, :], cos, sin), kv[..., 1, :, :]
 
 
@@ -204,30 +217,45 @@ def attn_out_mlp(cfg: ModelConfig, p: LayerParams, x, attn, reduce=None, dot=Non
     tensor-parallel shards (a `psum` inside `shard_map`); None on one shard. `dot`, `gated`:
     see `_matmul` and `gated_mlp`."""
     reduce = reduce or (lambda y: y)
-    x = x + reduce(_matmul(attn, p.wo, 2, dot))
+
+    def residual(x, y, norm):  # Gemma's sandwich: the output normalised before its add
+        return x + (y if norm is None else rms_norm(y, norm, cfg.rms_norm_eps))
+
+    x = residual(x, reduce(_matmul(attn, p.wo, 2, dot)), p.post_attn_norm)
     h = rms_norm(x, p.mlp_norm, cfg.rms_norm_eps)
-    act = gated_mlp(h, p.w_gate_up, dot, gated)  # [..., F]
-    return x + reduce(_matmul(act, p.w_down, dot=dot))
+    act = gated_mlp(h, p.w_gate_up, dot, gated, cfg.mlp_act)  # [..., F]
+    return residual(x, reduce(_matmul(act, p.w_down, dot=dot)), p.post_mlp_norm)
 
 
-def gated_mlp(h, w, dot=None, gated=None):
-    """silu(h @ gate) * (h @ up): h [..., E], w [E, 2, F] (gate, up) -> [..., F] f32.
-    `gated(h2, w2)` ([M, E] and w as [E, 2F] -> [M, F]) may compute it in one kernel; None:
-    `_matmul` with `dot`, then the activation."""
-    if gated is not None:
+def gated_mlp(h, w, dot=None, gated=None, act: str = "silu"):
+    """act(h @ gate) * (h @ up): h [..., E], w [E, 2, F] (gate, up) -> [..., F] f32; act
+    "silu" or "gelu_tanh". `gated(h2, w2)` ([M, E] and w as [E, 2F] -> [M, F]) may compute
+    it in one kernel (silu only); None: `_matmul` with `dot`, then the activation."""
+    if gated is not None and act == "silu":
         e = w.shape[0]
         return gated(h.reshape(-1, e), w.reshape(e, -1)).reshape(*h.shape[:-1], -1)
     gate_up = _matmul(h, w, dot=dot)  # [..., 2, F]
-    return jax.nn.silu(gate_up[..., 0, :]) * gate_up[..., 1, :]
+    fn = jax.nn.silu if act == "silu" else partial(jax.nn.gelu, approximate=True)
+    return fn(gate_up[..., 0, :]) * gate_up[..., 1, :]
 
 
 def logits(cfg: ModelConfig, head: HeadParams, x):
     """x [b, E] f32 -> logits [b, V] f32."""
     h = rms_norm(x, head.final_norm, cfg.rms_norm_eps)
     if head.lm_head is None:  # tied: contract with the embedding's E axis, [V, E] as stored
-        return jax.lax.dot_general(h.astype(head.embed.dtype), head.embed,
-                                   (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-    return _matmul(h, head.lm_head)
+        out = jax.lax.dot_general(h.astype(head.embed.dtype), head.embed,
+                                  (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    else:
+        out = _matmul(h, head.lm_head)
+    return softcap(out, cfg.final_softcap)
+
+
+def softcap(x, cap: float | None):
+    """cap * tanh(x / cap) (Gemma 2's soft-capping); x itself for cap None."""
+    return x if cap is None else cap * jnp.tanh(x / cap)
+
+
+_softcap = softcap  # for the functions whose argument is named softcap
 
 
 def rms_norm(x, weight, eps: float):
@@ -278,9 +306,19 @@ def _yarn_inv_freq(cfg: ModelConfig, inv: jax.Array) -> jax.Array:
     return inv / s.factor * (1 - extrapolation) + inv * extrapolation
 
 
-def rope_angles(cfg: ModelConfig, positions):
+def rope_angles(cfg: ModelConfig, positions, local=False):
     """positions [...] i32 -> cos, sin [..., D/2] f32 of each position's D/2 angles (times
-    YaRN's attention factor, as HF scales them)."""
+    YaRN's attention factor, as HF scales them). `local` (a bool, or a traced one: a layer
+    index's): a sliding-window layer's, with `rope_local_theta` where the config has one."""
+    out = _rope_angles(cfg, positions)
+    if cfg.rope_local_theta is None or local is False:
+        return out
+    plain = dataclasses.replace(cfg, rope_theta=cfg.rope_local_theta, rope_scaling=None)
+    local_out = _rope_angles(plain, positions)
+    return tuple(jnp.where(local, a, b) for a, b in zip(local_out, out, strict=True))
+
+
+def _rope_angles(cfg: ModelConfig, positions):
     angles = positions[..., None].astype(jnp.float32) * rope_inv_freq(cfg)  # [..., D/2]
     s = cfg.rope_scaling
     scale = s.attention_factor if s is not None and s.rope_type == "yarn" else 1.0
@@ -289,9 +327,9 @@ def rope_angles(cfg: ModelConfig, positions):
     return jnp.cos(angles) * scale, jnp.sin(angles) * scale
 
 
-def rope_tables(cfg: ModelConfig, positions):
+def rope_tables(cfg: ModelConfig, positions, local=False):
     """positions [...] i32 -> cos, sin [..., 1, D] (broadcast over heads), f32."""
-    cos, sin = rope_angles(cfg, positions)
+    cos, sin = rope_angles(cfg, positions, local)
     return (jnp.concatenate([cos, cos], axis=-1)[..., None, :],
             jnp.concatenate([sin, sin], axis=-1)[..., None, :])
 
@@ -362,7 +400,7 @@ def _scaled_scores(dots, d: int, softcap: float, scale: float | None):
     """q.k dots (f32) -> attention logits: times `scale` (None: divided by sqrt(d)), then
     soft-capped (softcap * tanh(x / softcap)) if softcap > 0."""
     scores = dots / math.sqrt(d) if scale is None else dots * scale
-    return softcap * jnp.tanh(scores / softcap) if softcap > 0 else scores
+    return _softcap(scores, softcap or None)
 
 
 def _in_window(query, key, window):

@@ -104,10 +104,16 @@ def load_gguf(path: Path) -> tuple[ModelConfig, dict[str, np.ndarray]]:
 # HF architectures -> the family switches they set (model/decoder.py's config fields).
 HF_ARCHITECTURES = {
     "LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+    "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3",
 }
-# HF's default when config.json leaves `sliding_window` out (MistralConfig: 4096).
-_DEFAULT_WINDOW = {"mistral": 4096}
+_GEMMA = ("gemma2", "gemma3")
+# HF's default when config.json leaves `sliding_window` out (MistralConfig, Gemma2Config).
+_DEFAULT_WINDOW = {"mistral": 4096, "gemma2": 4096, "gemma3": 4096}
+# config.json's activation names -> ModelConfig.mlp_act.
+_ACTS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+# Families whose RMSNorms multiply by (1 + w): the loader stores 1 + w.
+_NORM_PLUS_ONE = _GEMMA
 
 
 def hf_config(config_json: dict) -> ModelConfig:
@@ -116,9 +122,11 @@ def hf_config(config_json: dict) -> ModelConfig:
     c = config_json
     family = _hf_family(c)
     heads = c["num_attention_heads"]
-    act = c.get("hidden_act", c.get("hidden_activation", "silu"))
-    if act != "silu":
-        raise ValueError(f"config.json hidden_act={act!r} is not supported; supported: 'silu'")
+    act = (c.get("hidden_activation") or "gelu_pytorch_tanh" if family in _GEMMA
+           else c.get("hidden_act", "silu"))
+    if act not in _ACTS:
+        raise ValueError(f"config.json hidden_act={act!r} is not supported; supported: "
+                         f"{sorted(_ACTS)}")
     for flag in ("attention_bias", "mlp_bias"):
         if c.get(flag) and not (family == "qwen2" and flag == "attention_bias"):
             raise ValueError(f"config.json {flag}=true is not supported for {family} "
@@ -126,20 +134,36 @@ def hf_config(config_json: dict) -> ModelConfig:
     eos = c.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
     window, sliding = _hf_sliding_layers(c, family)
-    rope = _hf_rope(c)
+    if c.get("use_bidirectional_attention"):
+        raise ValueError("config.json use_bidirectional_attention=true is not supported; "
+                         "supported: causal attention")
+    rope, local_theta = _hf_rope(c, family)
     return ModelConfig(
         vocab_size=c["vocab_size"], hidden_size=c["hidden_size"],
         intermediate_size=c["intermediate_size"], num_layers=c["num_hidden_layers"],
         num_heads=heads, num_kv_heads=c.get("num_key_value_heads") or heads,
         head_dim=c.get("head_dim") or c["hidden_size"] // heads,
         rms_norm_eps=float(c.get("rms_norm_eps", 1e-5)),
-        rope_theta=float(c.get("rope_theta") or rope.get("rope_theta") or 10000.0),
+        rope_theta=float(rope.get("rope_theta") or c.get("rope_theta")
+                         or (1e6 if family == "gemma3" else 10000.0)),
         rope_scaling=_rope_scaling(rope, c), max_position_embeddings=c.get(
             "max_position_embeddings", 4096),
-        tie_embeddings=bool(c.get("tie_word_embeddings", False)),
+        tie_embeddings=bool(c.get("tie_word_embeddings", family in _GEMMA)),
         bos_token_id=c.get("bos_token_id"), eos_token_ids=eos_ids,
-        qkv_bias=family == "qwen2", qk_norm=family == "qwen3",
-        sliding_window=window, sliding_layers=sliding)
+        qkv_bias=family == "qwen2", qk_norm=family in ("qwen3", "gemma3"),
+        sliding_window=window, sliding_layers=sliding, mlp_act=_ACTS[act],
+        rope_local_theta=local_theta if sliding else None,
+        **(_gemma(c, family) if family in _GEMMA else {}))
+
+
+def _gemma(c: dict, family: str) -> dict:
+    """Gemma 2/3's switches, with Gemma2Config's / Gemma3TextConfig's defaults for what
+    config.json leaves out (Gemma 3 soft-caps nothing by default)."""
+    caps = (50.0, 30.0) if family == "gemma2" else (None, None)
+    return dict(embed_scale=c["hidden_size"] ** 0.5, sandwich_norms=True,
+                attn_scale=c.get("query_pre_attn_scalar", 256) ** -0.5,
+                attn_softcap=c.get("attn_logit_softcapping", caps[0]),
+                final_softcap=c.get("final_logit_softcapping", caps[1]))
 
 
 def _hf_family(c: dict) -> str:
@@ -165,6 +189,10 @@ def _hf_sliding_layers(c: dict, family: str) -> tuple[int | None, tuple[int, ...
         window = None
     if window is None:
         return None, ()
+    if types is None and family in _GEMMA:  # every pattern-th layer global, the rest sliding
+        pattern = c.get("sliding_window_pattern", 2 if family == "gemma2" else 6)
+        types = ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                 for i in range(layers)]
     if types is None:
         first = c.get("max_window_layers", 28) if family in ("qwen2", "qwen3") else 0
         types = ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
@@ -176,12 +204,24 @@ def _hf_sliding_layers(c: dict, family: str) -> tuple[int | None, tuple[int, ...
     return (int(window) if sliding else None), sliding
 
 
-def _hf_rope(c: dict) -> dict:
+def _hf_rope(c: dict, family: str) -> tuple[dict, float | None]:
+    """(the global layers' RoPE parameters, the sliding layers' own RoPE base or None).
+    Gemma 3 gives each layer type its own (`rope_parameters` nested by layer type, or the
+    older `rope_local_base_freq`); the sliding layers' must be plain RoPE."""
     rope = c.get("rope_scaling") or c.get("rope_parameters") or {}
-    if any(isinstance(v, dict) for v in rope.values()):
-        raise ValueError("config.json rope_parameters per layer type are not supported; "
-                         "supported: one RoPE for every layer")
-    return rope
+    nested = {k: v for k, v in rope.items() if isinstance(v, dict)}
+    local = None
+    if family == "gemma3":
+        local = nested.get("sliding_attention") or {}
+        if local.get("rope_type", local.get("type", "default")) != "default":
+            raise ValueError(f"config.json rope_parameters.sliding_attention {local} is not "
+                             "supported; supported: plain RoPE (rope_type default)")
+        rope = nested.get("full_attention", rope if not nested else {})
+        return rope, float(local.get("rope_theta") or c.get("rope_local_base_freq", 10000.0))
+    if nested:
+        raise ValueError(f"config.json rope_parameters per layer type {sorted(nested)} are not "
+                         f"supported for {family}; supported: one RoPE for every layer")
+    return rope, local
 
 
 def _rope_scaling(rope: dict, c: dict) -> RopeScaling | None:
@@ -226,7 +266,8 @@ def load_hf_dir(path: Path) -> tuple[ModelConfig, dict[str, np.ndarray]]:
     """Read config.json and every *.safetensors file of an HF checkpoint directory."""
     from safetensors import safe_open
 
-    cfg = hf_config(json.loads((path / "config.json").read_text()))
+    config = json.loads((path / "config.json").read_text())
+    cfg = hf_config(config)
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{path} has config.json but no *.safetensors files")
@@ -235,21 +276,31 @@ def load_hf_dir(path: Path) -> tuple[ModelConfig, dict[str, np.ndarray]]:
         with safe_open(str(file), framework="flax") as f:
             for name in f.keys():
                 tensors[name] = np.asarray(f.get_tensor(name), dtype=np.float32)
-    return cfg, from_hf_names(cfg, tensors.__getitem__)
+    norm_offset = 1.0 if _hf_family(config) in _NORM_PLUS_ONE else 0.0
+    return cfg, from_hf_names(cfg, tensors.__getitem__, norm_offset)
 
 
-def from_hf_names(cfg: ModelConfig, get: Callable[[str], np.ndarray]) -> dict[str, np.ndarray]:
-    """HF tensor names and [out, in] matrices -> our stacked parameters (see `param_decls`)."""
+def from_hf_names(cfg: ModelConfig, get: Callable[[str], np.ndarray],
+                  norm_offset: float = 0.0) -> dict[str, np.ndarray]:
+    """HF tensor names and [out, in] matrices -> our stacked parameters (see `param_decls`).
+    `norm_offset` is added to every RMSNorm weight (1: Gemma's x * (1 + w) norms)."""
     E, H, K, D = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
 
     def stack(suffix: str, fn: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
         return np.stack([fn(get(f"model.layers.{i}.{suffix}")) for i in range(cfg.num_layers)])
 
+    def norm(suffix: str) -> np.ndarray:
+        return stack(suffix, lambda w: w + norm_offset)
+
+    # Gemma's sandwich names the MLP's input norm pre_feedforward_layernorm; Llama calls it
+    # post_attention_layernorm, which in Gemma normalises the attention's output.
+    mlp_norm = ("pre_feedforward_layernorm" if cfg.sandwich_norms
+                else "post_attention_layernorm")
     values = {
         "embed": get("model.embed_tokens.weight"),
-        "final_norm": get("model.norm.weight"),
-        "attn_norm": stack("input_layernorm.weight", lambda w: w),
-        "mlp_norm": stack("post_attention_layernorm.weight", lambda w: w),
+        "final_norm": get("model.norm.weight") + norm_offset,
+        "attn_norm": norm("input_layernorm.weight"),
+        "mlp_norm": norm(f"{mlp_norm}.weight"),
         "wq": stack("self_attn.q_proj.weight", lambda w: w.T.reshape(E, H, D)),
         "wkv": np.stack([stack(f"self_attn.{n}_proj.weight", lambda w: w.T.reshape(E, K, D))
                          for n in "kv"], axis=2),  # [L, E, 2, Hkv, D]
@@ -263,8 +314,11 @@ def from_hf_names(cfg: ModelConfig, get: Callable[[str], np.ndarray]) -> dict[st
         values["bkv"] = np.stack([stack(f"self_attn.{n}_proj.bias", lambda b: b.reshape(K, D))
                                   for n in "kv"], axis=1)  # [L, 2, Hkv, D]
     if cfg.qk_norm:
-        values["q_norm"] = stack("self_attn.q_norm.weight", lambda w: w)
-        values["k_norm"] = stack("self_attn.k_norm.weight", lambda w: w)
+        values["q_norm"] = norm("self_attn.q_norm.weight")
+        values["k_norm"] = norm("self_attn.k_norm.weight")
+    if cfg.sandwich_norms:
+        values["post_attn_norm"] = norm("post_attention_layernorm.weight")
+        values["post_mlp_norm"] = norm("post_feedforward_layernorm.weight")
     if not cfg.tie_embeddings:
         values["lm_head"] = get("lm_head.weight").T
     return values

@@ -1,7 +1,7 @@
-"""The families beside Llama (Qwen2/2.5, Qwen3, Mistral) and HF's RoPE scaling types, each
-against HF transformers on the same tiny checkpoint of seeded random weights written by
-transformers itself (every parameter drawn, biases and norms included): prompt logits of the
-cache-free forward, and greedy tokens (f32) through the engine's paged step."""
+"""The families beside Llama (Qwen2/2.5, Qwen3, Mistral, Gemma 2/3) and HF's RoPE scaling
+types, each against HF transformers on the same tiny checkpoint of seeded random weights
+written by transformers itself (every parameter drawn, biases and norms included): prompt
+logits of the cache-free forward, and greedy tokens (f32) through the engine's paged step."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ transformers = pytest.importorskip("transformers")
 VOCAB = 256
 NEW_TOKENS = 12
 LOGITS_ATOL = 1e-4
+WINDOW = 20  # past one 16-token block: windows begin inside blocks; prompts run past it
 SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
              rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False,
@@ -28,10 +29,23 @@ SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_
 # name -> (config class, its fields beyond SMALL): every switch at least once.
 FAMILIES = {
     "qwen2": ("Qwen2Config", dict(tie_word_embeddings=True)),  # q/k/v biases, tied head
-    "qwen2_window": ("Qwen2Config", dict(use_sliding_window=True, sliding_window=256,
+    "qwen2_window": ("Qwen2Config", dict(use_sliding_window=True, sliding_window=WINDOW,
                                          max_window_layers=1)),
     "qwen3": ("Qwen3Config", dict(head_dim=24)),  # q/k norms, head_dim != hidden / heads
-    "mistral": ("MistralConfig", dict(sliding_window=256, head_dim=16)),
+    "mistral": ("MistralConfig", dict(sliding_window=WINDOW, head_dim=16)),
+    # (1 + w) norms, four per layer, sqrt(E) embeddings, GELU-tanh, its own q.k scale, both
+    # soft-caps low enough to bite, windows on every other layer.
+    "gemma2": ("Gemma2Config", dict(head_dim=16, sliding_window=WINDOW, tie_word_embeddings=True,
+                                    query_pre_attn_scalar=24, attn_logit_softcapping=3.0,
+                                    final_logit_softcapping=15.0)),
+    # Gemma 2's plus q/k norms (1 + w), each layer type its own RoPE: linear scaling on the
+    # global layer, another base on the sliding ones.
+    "gemma3": ("Gemma3TextConfig", dict(
+        head_dim=16, sliding_window=WINDOW, tie_word_embeddings=True, query_pre_attn_scalar=24,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0,
+                                            "rope_theta": 1e6},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 500.0}})),
     "llama_linear": ("LlamaConfig", dict(rope_scaling={"rope_type": "linear", "factor": 4.0})),
     "llama_dynamic": ("LlamaConfig", dict(rope_scaling={"rope_type": "dynamic",
                                                         "factor": 2.0})),
@@ -94,13 +108,21 @@ def test_config_reads_the_family_switches(family):
     name, _, path = family
     cfg = loading.hf_config(__import__("json").loads((path / "config.json").read_text()))
     assert cfg.qkv_bias == name.startswith("qwen2")
-    assert cfg.qk_norm == (name == "qwen3")
-    assert cfg.head_dim == {"qwen3": 24, "mistral": 16}.get(name, 16)
-    windows = {"qwen2_window": (256, (1, 2)), "mistral": (256, (0, 1, 2))}
+    assert cfg.qk_norm == (name in ("qwen3", "gemma3"))
+    assert cfg.head_dim == {"qwen3": 24}.get(name, 16)
+    windows = {"qwen2_window": (WINDOW, (1, 2)), "mistral": (WINDOW, (0, 1, 2)),
+               "gemma2": (WINDOW, (0, 2)), "gemma3": (WINDOW, (0, 2))}
     assert (cfg.sliding_window, cfg.sliding_layers) == windows.get(name, (None, ()))
+    gemma = name.startswith("gemma")
+    assert (cfg.sandwich_norms, cfg.mlp_act) == (gemma, "gelu_tanh" if gemma else "silu")
+    caps = {"gemma2": (3.0, 15.0)}.get(name, (None, None))
+    assert (cfg.attn_scale, cfg.attn_softcap, cfg.final_softcap) == (
+        (24 ** -0.5 if gemma else None), *caps)
+    assert cfg.embed_scale == (64 ** 0.5 if gemma else 1.0)
+    assert cfg.rope_local_theta == (500.0 if name == "gemma3" else None)
     kind = None if cfg.rope_scaling is None else cfg.rope_scaling.rope_type
     assert kind == {"llama_linear": "linear", "llama_dynamic": "dynamic", "llama_yarn": "yarn",
-                    "llama3": "llama3"}.get(name)
+                    "llama3": "llama3", "gemma3": "linear"}.get(name)
 
 
 def test_forward_logits_match_hf(family):
@@ -117,8 +139,12 @@ def test_forward_logits_match_hf(family):
 @pytest.mark.parametrize("attention", ["auto", "xla"])
 def test_engine_greedy_tokens_match_hf(family, attention):
     """The engine's step (paged KV, chunked prefill: a 32-token budget splits the long
-    prompts) on the default attention (the C++ kernel here) and XLA's."""
-    _, hf_model, path = family
+    prompts, whose chunks straddle the sliding windows' edges) on the default attention (the
+    C++ kernel here) and, for the families whose attention differs (windows, soft-caps,
+    scale), XLA's."""
+    name, hf_model, path = family
+    if attention == "xla" and name not in ("mistral", "qwen2_window", "gemma2", "gemma3"):
+        pytest.skip("XLA's attention runs the same as Llama's for this family")
     engine = Engine(EngineConfig(model=str(path), dtype="float32", max_model_len=128,
                                  max_num_seqs=4, max_num_batched_tokens=32, warmup=False,
                                  show_progress=False, attention=attention))
@@ -128,23 +154,15 @@ def test_engine_greedy_tokens_match_hf(family, attention):
         assert list(out.outputs[0].token_ids) == _hf_greedy(hf_model, ids)
 
 
-@pytest.mark.parametrize("name", ["mistral", "qwen2_window"])
-def test_a_window_shorter_than_max_model_len_is_refused_naming_it(name, tmp_path_factory):
-    _, path = _write(name, tmp_path_factory)
-    with pytest.raises(ValueError, match=r"max_model_len=512 exceeds the model's "
-                                         r"sliding_window=256 \(layers with a sliding window"):
-        Engine(EngineConfig(model=str(path), dtype="float32", max_model_len=512, warmup=False,
-                            show_progress=False))
-
-
 def test_resolves_as_hf(family):
     assert resolve_model(str(family[2])).kind == "hf"
 
 
 @pytest.mark.parametrize("change, match", [
-    ({"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2"},
-     r"architectures=\['Gemma2ForCausalLM'\].*supported: \['LlamaForCausalLM'"),
-    ({"hidden_act": "gelu_pytorch_tanh"}, r"hidden_act='gelu_pytorch_tanh'.*'silu'"),
+    ({"architectures": ["Phi3ForCausalLM"], "model_type": "phi3"},
+     r"architectures=\['Phi3ForCausalLM'\].*supported: \['Gemma2ForCausalLM'"),
+    ({"hidden_act": "relu"}, r"hidden_act='relu' is not supported; supported: "
+                             r"\['gelu_pytorch_tanh', 'silu'\]"),
     ({"attention_bias": True}, r"attention_bias=true is not supported for llama"),
     ({"mlp_bias": True}, r"mlp_bias=true"),
     ({"rope_scaling": {"rope_type": "longrope", "factor": 2.0}},

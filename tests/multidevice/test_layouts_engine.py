@@ -183,9 +183,11 @@ def test_a_kv_pool_larger_than_free_memory_fails_at_construction(tiny_orbax, mon
 
 @pytest.fixture(scope="module")
 def tiny_qwen_orbax(tmp_path_factory):
-    """TINY with every family switch that adds parameters: q/k/v biases (sharded with their
-    heads, zero on padded query heads) and per-head q/k norms."""
-    cfg = dataclasses.replace(TINY, qkv_bias=True, qk_norm=True)
+    """TINY with the family switches: q/k/v biases (sharded with their heads, zero on padded
+    query heads), per-head q/k norms, and a 7-key sliding window on three of the five layers
+    (pp=8 pads them to 8: each stage must find its own layers' windows)."""
+    cfg = dataclasses.replace(TINY, qkv_bias=True, qk_norm=True, sliding_window=7,
+                              sliding_layers=(1, 3, 4))
     path = tmp_path_factory.mktemp("tiny_qwen") / "ckpt"
     loading.save_orbax(path, cfg, decoder.numpy_random_values(cfg, seed=4), "float32")
     return path
