@@ -1,0 +1,92 @@
+"""Tiny checkpoints of the model families, written by transformers with every parameter drawn,
+and HF's greedy continuation: the independent reference of tests/model/test_families_hf.py and
+tests/multidevice/test_families_layouts.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+import transformers
+
+VOCAB = 251
+NEW_TOKENS = 24
+WINDOW = 20  # past one 16-token block: windows begin inside blocks; prompts run past it
+# Prime-ish: 6 query heads in GQA groups of 3 (tp=4 divides neither), an odd MLP width.
+SMALL = dict(vocab_size=VOCAB, hidden_size=66, intermediate_size=97, num_hidden_layers=3,
+             num_attention_heads=6, num_key_value_heads=2, head_dim=16,
+             max_position_embeddings=512, rms_norm_eps=1e-6, rope_theta=10000.0,
+             tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+
+# name -> (config class, its fields beyond SMALL): every switch at least once.
+FAMILIES = {
+    "qwen2": ("Qwen2Config", dict(tie_word_embeddings=True)),  # q/k/v biases, tied head
+    "qwen2_window": ("Qwen2Config", dict(use_sliding_window=True, sliding_window=WINDOW,
+                                         max_window_layers=1)),
+    "qwen3": ("Qwen3Config", dict(head_dim=24)),  # q/k norms, head_dim != hidden / heads
+    "mistral": ("MistralConfig", dict(sliding_window=WINDOW)),
+    # (1 + w) norms, four per layer, sqrt(E) embeddings, GELU-tanh, its own q.k scale, both
+    # soft-caps low enough to bite, windows on every other layer.
+    "gemma2": ("Gemma2Config", dict(sliding_window=WINDOW, tie_word_embeddings=True,
+                                    query_pre_attn_scalar=24, attn_logit_softcapping=3.0,
+                                    final_logit_softcapping=15.0)),
+    # Gemma 2's plus q/k norms (1 + w), each layer type its own RoPE: linear scaling on the
+    # global layer, another base on the sliding ones.
+    "gemma3": ("Gemma3TextConfig", dict(
+        sliding_window=WINDOW, tie_word_embeddings=True, query_pre_attn_scalar=24,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0,
+                                            "rope_theta": 1e6},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 500.0}})),
+    "llama_linear": ("LlamaConfig", dict(rope_scaling={"rope_type": "linear", "factor": 4.0})),
+    "llama_dynamic": ("LlamaConfig", dict(rope_scaling={"rope_type": "dynamic",
+                                                        "factor": 2.0})),
+    "llama_yarn": ("LlamaConfig", dict(rope_scaling={
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128})),
+    "llama3": ("LlamaConfig", dict(rope_scaling={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64})),
+}
+WINDOWED = ("mistral", "qwen2_window", "gemma2", "gemma3")
+PROMPTS = [[5, 17, 200, 3, 99, 42, 7], list(range(30, 90)), [1, 2],
+           [int(t) for t in np.random.default_rng(0).integers(0, VOCAB, 100)]]
+
+
+def draw_every_parameter(model, seed: int) -> None:
+    """Matrices N(0, 1/fan_in), embeddings N(0, 1), norms 1 + N(0, 0.1), biases N(0, 0.1):
+    nothing left at its HF initial value (a bias of 0 or a norm of 1 would hide a dropped
+    parameter)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            z = torch.randn(p.shape, generator=gen, dtype=torch.float32)
+            if name.endswith("bias"):
+                p.copy_(0.1 * z)
+            elif p.ndim == 1:
+                p.copy_(1.0 + 0.1 * z)
+            elif "embed" in name:
+                p.copy_(z)
+            else:
+                p.copy_(z / p.shape[1] ** 0.5)
+
+
+def write(name: str, path: Path):
+    """The HF model of family `name` in f32, saved (safetensors) to `path`."""
+    cls, extra = FAMILIES[name]
+    config = getattr(transformers, cls)(**{**SMALL, **extra})
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    draw_every_parameter(model, seed=sorted(FAMILIES).index(name))
+    model.save_pretrained(path, safe_serialization=True)
+    return model
+
+
+def hf_greedy(model, ids: list[int], new_tokens: int = NEW_TOKENS) -> list[int]:
+    """HF's greedy continuation of one unpadded prompt, exactly new_tokens long."""
+    x = torch.tensor([ids])
+    with torch.no_grad():
+        out = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
+                             max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                             pad_token_id=0)
+    return out[0, len(ids):].tolist()
