@@ -71,10 +71,11 @@ def draw_every_parameter(model, seed: int) -> None:
                 p.copy_(z / p.shape[1] ** 0.5)
 
 
-def write(name: str, path: Path):
-    """The HF model of family `name` in f32, saved (safetensors) to `path`."""
+def write(name: str, path: Path, **overrides):
+    """The HF model of family `name` (its config fields changed by `overrides`) in f32,
+    saved (safetensors) to `path`."""
     cls, extra = FAMILIES[name]
-    config = getattr(transformers, cls)(**{**SMALL, **extra})
+    config = getattr(transformers, cls)(**{**SMALL, **extra, **overrides})
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
     draw_every_parameter(model, seed=sorted(FAMILIES).index(name))
@@ -90,3 +91,53 @@ def hf_greedy(model, ids: list[int], new_tokens: int = NEW_TOKENS) -> list[int]:
                              max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                              pad_token_id=0)
     return out[0, len(ids):].tolist()
+
+
+# HF tensor names (after "model.layers.N.") -> llama.cpp's, as its convert_hf_to_gguf.py
+# writes them for Qwen2/Qwen3 (no Q/K row permutation: their RoPE is rotate-half).
+_GGUF_NAMES = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight", "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.weight": "attn_k.weight", "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.weight": "attn_v.weight", "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+_GGUF_TOP = {"model.embed_tokens.weight": "token_embd.weight",
+             "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
+
+
+def write_gguf(model, arch: str, path: Path) -> None:
+    """`model`'s f32 weights and hyperparameters as a GGUF of architecture `arch` (qwen2 or
+    qwen3) written with the `gguf` package, the keys and tensor names llama.cpp uses."""
+    import gguf
+
+    c = model.config
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_key_length(c.head_dim)
+    w.add_value_length(c.head_dim)
+    w.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_vocab_size(c.vocab_size)
+    for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight" and c.tie_word_embeddings:
+            continue
+        if name in _GGUF_TOP:
+            w.add_tensor(_GGUF_TOP[name], tensor.float().numpy())
+            continue
+        _, _, layer, rest = name.split(".", 3)
+        w.add_tensor(f"blk.{layer}.{_GGUF_NAMES[rest]}", tensor.float().numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()

@@ -30,7 +30,16 @@ GGUF_TO_HF = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
 }
+# GGUF architectures. llama.cpp interleaves Q/K rows (pairwise RoPE) for the Llama ones only;
+# Qwen's use rotate-half ("neox") RoPE, stored as HF has them.
+GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+_GGUF_PERMUTED_QK = ("llama", "mistral")
 
 
 def _gguf_field(reader, key: str, default=None):
@@ -39,10 +48,11 @@ def _gguf_field(reader, key: str, default=None):
 
 
 def gguf_config(reader) -> ModelConfig:
-    """Architecture from GGUF metadata (llama-family keys)."""
+    """Architecture from GGUF metadata (`{arch}.*` keys as llama.cpp writes them)."""
     arch = _gguf_field(reader, "general.architecture")
-    if arch not in ("llama", "mistral"):
-        raise ValueError(f"GGUF architecture {arch!r} is not supported; supported: llama, mistral")
+    if arch not in GGUF_ARCHITECTURES:
+        raise ValueError(f"GGUF architecture {arch!r} is not supported; supported: "
+                         f"{', '.join(GGUF_ARCHITECTURES)}")
 
     def key(name, default=None):
         return _gguf_field(reader, f"{arch}.{name}", default)
@@ -64,7 +74,8 @@ def gguf_config(reader) -> ModelConfig:
         max_position_embeddings=int(key("context_length", 4096)),
         tie_embeddings="output.weight" not in names,
         bos_token_id=_gguf_field(reader, "tokenizer.ggml.bos_token_id"),
-        eos_token_ids=() if eos is None else (int(eos),))
+        eos_token_ids=() if eos is None else (int(eos),),
+        qkv_bias="blk.0.attn_q.bias" in names, qk_norm="blk.0.attn_q_norm.weight" in names)
 
 
 def _unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -82,6 +93,7 @@ def load_gguf(path: Path) -> tuple[ModelConfig, dict[str, np.ndarray]]:
 
     reader = GGUFReader(str(path))
     cfg = gguf_config(reader)
+    permuted = _gguf_field(reader, "general.architecture") in _GGUF_PERMUTED_QK
     if any(t.name == "rope_freqs.weight" for t in reader.tensors):
         raise ValueError(f"{path}: GGUF with rope_freqs (Llama-3.1 scaling) is not supported yet")
     hf: dict[str, np.ndarray] = {}
@@ -91,10 +103,13 @@ def load_gguf(path: Path) -> tuple[ModelConfig, dict[str, np.ndarray]]:
         name = t.name
         if name.startswith("blk."):
             _, idx, rest = name.split(".", 2)
-            if rest == "attn_q.weight":
+            if permuted and rest == "attn_q.weight":
                 value = _unpermute_qk(value, cfg.num_heads)
-            elif rest == "attn_k.weight":
+            elif permuted and rest == "attn_k.weight":
                 value = _unpermute_qk(value, cfg.num_kv_heads)
+            if rest not in GGUF_TO_HF:
+                raise ValueError(f"{path}: GGUF tensor {name!r} is not supported (a part of "
+                                 f"the {cfg.num_layers}-layer model jaxpipe does not run)")
             hf[f"model.layers.{idx}.{GGUF_TO_HF[rest]}"] = value
         else:
             hf[GGUF_TO_HF[name]] = value

@@ -1,0 +1,70 @@
+"""GGUF files of the Qwen families: written with the `gguf` package from the weights of a tiny
+transformers checkpoint, under llama.cpp's keys and tensor names. transformers' own GGUF
+reader, the independent reference, must rebuild the same model from the file (so the file is
+what llama.cpp's conventions say); then jaxpipe's GGUF loader must give exactly the weights and
+architecture its HF-directory loader gives, and HF's logits."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("gguf")
+
+from hf_families import PROMPTS, write, write_gguf  # noqa: E402
+
+from jaxpipe.model import loading  # noqa: E402
+from jaxpipe.model.decoder import Decoder  # noqa: E402
+
+# transformers' GGUF reader takes head_dim as hidden / heads for qwen2 and as Qwen3Config's
+# default (128) for qwen3: the checkpoints here have those.
+SHAPES = {"qwen2": dict(hidden_size=72, head_dim=12), "qwen3": dict(hidden_size=72, head_dim=128)}
+
+
+@pytest.fixture(scope="module", params=sorted(SHAPES))
+def gguf_pair(request, tmp_path_factory):
+    """(HF model, its HF directory, the GGUF file of the same weights)."""
+    path = tmp_path_factory.mktemp(request.param)
+    model = write(request.param, path, **SHAPES[request.param])
+    write_gguf(model, request.param, path / "model.gguf")
+    return model, path, path / "model.gguf"
+
+
+def test_transformers_reads_the_file_as_the_same_model(gguf_pair):
+    model, path, file = gguf_pair
+    again = transformers.AutoModelForCausalLM.from_pretrained(str(path), gguf_file=file.name,
+                                                              dtype=torch.float32)
+    ids = torch.tensor([PROMPTS[1]])
+    with torch.no_grad():
+        np.testing.assert_array_equal(again(ids).logits.numpy(), model(ids).logits.numpy())
+
+
+def test_gguf_loads_the_weights_and_architecture_of_the_hf_directory(gguf_pair):
+    _, path, file = gguf_pair
+    hf_cfg, hf_values = loading.load_hf_dir(path)
+    cfg, values = loading.load_gguf(file)
+    # The file has no tokenizer and the HF directory no special tokens; GGUF stores the norm
+    # epsilon as float32: compare the rest exactly.
+    assert cfg.rms_norm_eps == pytest.approx(hf_cfg.rms_norm_eps, rel=1e-6)
+    same = dict(bos_token_id=None, eos_token_ids=(), rms_norm_eps=hf_cfg.rms_norm_eps)
+    assert dataclasses.replace(cfg, **same) == dataclasses.replace(hf_cfg, **same)
+    assert cfg.qkv_bias or cfg.qk_norm
+    assert set(values) == set(hf_values)
+    for name, value in values.items():
+        np.testing.assert_array_equal(value, hf_values[name], err_msg=name)
+
+
+def test_gguf_logits_match_hf(gguf_pair):
+    model, _, file = gguf_pair
+    cfg, values = loading.load_gguf(file)
+    decoder = Decoder(cfg, dtype=jnp.float32, values=values)
+    for ids in PROMPTS:
+        with torch.no_grad():
+            want = model(torch.tensor([ids])).logits[0].numpy()
+        got = np.asarray(decoder.forward(jnp.asarray([ids])))[0]
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-4)
