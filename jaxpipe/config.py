@@ -18,7 +18,7 @@ from jaxpipe.meshes import load_mesh
 DTYPES = ("float32", "bfloat16")
 
 
-ROPE_TYPES = ("llama3", "linear", "dynamic", "yarn")
+ROPE_TYPES = ("llama3", "linear", "dynamic", "yarn", "longrope")
 MLP_ACTS = ("silu", "gelu_tanh")
 
 
@@ -30,7 +30,9 @@ class RopeScaling:
         "linear" (every frequency / factor), "dynamic" (NTK: HF rescales only past
         max_position_embeddings, which the engine never runs, so the frequencies are the
         base ones), "yarn" (factor, beta_fast/slow, original_max_position_embeddings,
-        truncate; cos and sin scaled by attention_factor)."""
+        truncate; cos and sin scaled by attention_factor), "longrope" (Phi-3: each frequency
+        divided by its short_factor, cos and sin by attention_factor; long_factor is HF's past
+        original_max_position_embeddings, where the engine does not run such a model)."""
 
     factor: float
     low_freq_factor: float = 1.0
@@ -41,6 +43,8 @@ class RopeScaling:
     beta_slow: float = 1.0
     attention_factor: float = 1.0
     truncate: bool = True
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
 
     def __post_init__(self):
         if self.rope_type not in ROPE_TYPES:
@@ -48,6 +52,8 @@ class RopeScaling:
                              f"supported: {list(ROPE_TYPES)}")
         if not self.factor > 0:
             raise ValueError(f"RopeScaling.factor must be > 0, got {self.factor!r}")
+        if self.rope_type == "longrope" and not self.short_factor:
+            raise ValueError("RopeScaling of type 'longrope' needs its short_factor")
 
 
 @dataclass(frozen=True)
@@ -70,6 +76,8 @@ class ModelConfig:
         query_pre_attn_scalar ** -0.5).
     attn_softcap, final_softcap: tanh soft-capping of the attention scores and of the
         logits, cap * tanh(x / cap) (Gemma 2); None: none.
+    rotary_dim: how many of each head's leading dimensions RoPE rotates (Phi's
+        partial_rotary_factor * head_dim); None: all of them.
     rope_local_theta: the RoPE base of the sliding-window layers (plain RoPE, no scaling),
         where it differs from the global layers' rope_theta / rope_scaling (Gemma 3's
         rope_local_base_freq); None: every layer uses rope_theta."""
@@ -99,6 +107,7 @@ class ModelConfig:
     attn_softcap: float | None = None
     final_softcap: float | None = None
     rope_local_theta: float | None = None
+    rotary_dim: int | None = None
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
@@ -123,10 +132,28 @@ class ModelConfig:
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"ModelConfig.{name} must be > 0 or None, got {value!r}")
+        if self.rotary_dim is not None and not (0 < self.rotary_dim <= self.head_dim
+                                                and self.rotary_dim % 2 == 0):
+            raise ValueError(f"ModelConfig.rotary_dim must be even and in [2, head_dim="
+                             f"{self.head_dim}], got {self.rotary_dim!r}")
         bad = [i for i in self.sliding_layers if not 0 <= i < self.num_layers]
         if bad:
             raise ValueError(f"ModelConfig.sliding_layers {bad} are not layers of "
                              f"0..{self.num_layers - 1}")
+
+    @property
+    def context_limit(self) -> tuple[int, str]:
+        """The longest sequence the engine runs this model at, and what sets it: its position
+        embeddings, or LongRoPE's original_max_position_embeddings (HF switches every
+        position's frequencies to long_factor once a forward pass passes it, which a batch
+        engine whose sequences share steps cannot reproduce)."""
+        s = self.rope_scaling
+        if s is not None and s.rope_type == "longrope":
+            n = min(self.max_position_embeddings, s.original_max_position_embeddings)
+            return n, (f"rope_scaling.original_max_position_embeddings={n} (LongRoPE: past it "
+                       "HF changes every position's frequencies)")
+        return self.max_position_embeddings, (
+            f"max_position_embeddings={self.max_position_embeddings}")
 
     @property
     def group_size(self) -> int:
@@ -162,6 +189,10 @@ class ModelConfig:
         for name in ("eos_token_ids", "sliding_layers"):
             if name in d:
                 d[name] = tuple(d[name])
+        rope = d.get("rope_scaling")
+        if isinstance(rope, RopeScaling):
+            d["rope_scaling"] = dataclasses.replace(
+                rope, short_factor=tuple(rope.short_factor), long_factor=tuple(rope.long_factor))
         return cls(**d)
 
     def to_dict(self) -> dict:

@@ -484,12 +484,12 @@ def _load(config: EngineConfig, dtype) -> tuple[ModelConfig, Decoder | Path, Tok
 
 
 def _max_model_len(config: EngineConfig, cfg: ModelConfig) -> int:
-    limit = cfg.max_position_embeddings
+    limit, what = cfg.context_limit
     if config.max_model_len is None:
         return min(limit, 2048)
     if config.max_model_len > limit:
         raise ValueError(f"EngineConfig.max_model_len={config.max_model_len} exceeds the model's "
-                         f"max_position_embeddings={limit}")
+                         f"{what}")
     return config.max_model_len
 
 

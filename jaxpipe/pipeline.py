@@ -247,6 +247,19 @@ def unpack_program(cfg: ModelConfig, layout: Layout, mesh, names: Iterable[str],
     return jax.jit(run)
 
 
+def kernel_rope(cfg: ModelConfig, q, kv, cos, sin):
+    """(q, kv, cos, sin) as `write_and_attend` takes them, whose rotation covers whole heads:
+    with a partial `rotary_dim` (Phi), q and k are rotated here and the kernel is handed
+    the identity rotation. q [T, H, D], kv [T, 2, Hkv, D], cos, sin [T, R/2]."""
+    if (cfg.rotary_dim or cfg.head_dim) == cfg.head_dim:
+        return q, kv, cos, sin
+    cos2, sin2 = (jnp.concatenate([a, a], axis=-1)[:, None] for a in (cos, sin))  # [T, 1, R]
+    q = decoder.apply_rope(q, cos2, sin2)
+    kv = jnp.stack([decoder.apply_rope(kv[:, 0], cos2, sin2), kv[:, 1]], axis=1)
+    half = (q.shape[0], cfg.head_dim // 2)
+    return q, kv, jnp.ones(half, jnp.float32), jnp.zeros(half, jnp.float32)
+
+
 def stage_layers(cfg: ModelConfig, layers: LayerParams, x, mb: dict, cache: KVCache, reduce,
                  *, attention: str, max_kv: int, unroll: bool, packed: KernelPaths,
                  windows: tuple[int, ...] = ()):
@@ -279,6 +292,7 @@ def stage_layers(cfg: ModelConfig, layers: LayerParams, x, mb: dict, cache: KVCa
             if local_angles is not angles and any(windows):  # Gemma 3: the layer's own base
                 cos, sin = (jnp.where(w > 0, a, b)
                             for a, b in zip(local_angles, angles, strict=True))
+            q, kv, cos, sin = kernel_rope(cfg, q, kv, cos, sin)
             return ragged_attention.write_and_attend(
                 q, kv, cos, sin, k, v, mb["table"], mb["q_start"], mb["q_len"], mb["kv_len"], j,
                 window=w, softcap=softcap, scale=cfg.attn_scale)

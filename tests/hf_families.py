@@ -39,6 +39,15 @@ FAMILIES = {
         rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0,
                                             "rope_theta": 1e6},
                          "sliding_attention": {"rope_type": "default", "rope_theta": 500.0}})),
+    # Fused qkv_proj and gate_up_proj, RoPE on 12 of 16 dimensions, a window on every layer.
+    "phi3": ("Phi3Config", dict(hidden_size=96, partial_rotary_factor=0.75,
+                                sliding_window=WINDOW)),
+    # LongRoPE: per-frequency short factors and cos/sin scaled (max positions 2x the original).
+    "phi3_longrope": ("Phi3Config", dict(
+        hidden_size=96, partial_rotary_factor=0.75, original_max_position_embeddings=256,
+        rope_scaling={"rope_type": "longrope",
+                      "short_factor": [1.0, 1.3, 1.9, 2.4, 3.1, 4.0],
+                      "long_factor": [1.5, 2.0, 3.0, 4.5, 6.0, 8.0]})),
     "llama_linear": ("LlamaConfig", dict(rope_scaling={"rope_type": "linear", "factor": 4.0})),
     "llama_dynamic": ("LlamaConfig", dict(rope_scaling={"rope_type": "dynamic",
                                                         "factor": 2.0})),
@@ -48,7 +57,7 @@ FAMILIES = {
         "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
         "original_max_position_embeddings": 64})),
 }
-WINDOWED = ("mistral", "qwen2_window", "gemma2", "gemma3")
+WINDOWED = ("mistral", "qwen2_window", "gemma2", "gemma3", "phi3")
 PROMPTS = [[5, 17, 200, 3, 99, 42, 7], list(range(30, 90)), [1, 2],
            [int(t) for t in np.random.default_rng(0).integers(0, VOCAB, 100)]]
 

@@ -265,15 +265,17 @@ def rms_norm(x, weight, eps: float):
 
 
 def rope_inv_freq(cfg: ModelConfig) -> jax.Array:
-    """Inverse frequencies [D/2], scaled as the config's `rope_scaling` says (HF's
-    definitions of each type)."""
-    d = cfg.head_dim
+    """Inverse frequencies [R/2] of the R = rotary_dim (default head_dim) rotated dimensions,
+    scaled as the config's `rope_scaling` says (HF's definitions of each type)."""
+    d = cfg.rotary_dim or cfg.head_dim
     inv = 1.0 / (cfg.rope_theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
     s = cfg.rope_scaling
     if s is None or s.rope_type == "dynamic":  # dynamic: base frequencies up to max positions
         return inv
     if s.rope_type == "linear":
         return inv / s.factor
+    if s.rope_type == "longrope":  # short factors: the engine stops at the original length
+        return inv / jnp.asarray(s.short_factor, jnp.float32)
     if s.rope_type == "yarn":
         return _yarn_inv_freq(cfg, inv)
     low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
@@ -290,7 +292,7 @@ def rope_inv_freq(cfg: ModelConfig) -> jax.Array:
 def _yarn_inv_freq(cfg: ModelConfig, inv: jax.Array) -> jax.Array:
     """YaRN: interpolated (/ factor) below the correction range's low dimension,
     extrapolated (as is) above its high one, a linear ramp between."""
-    s, d = cfg.rope_scaling, cfg.head_dim
+    s, d = cfg.rope_scaling, cfg.rotary_dim or cfg.head_dim
 
     def correction_dim(rotations: float) -> float:
         return (d * math.log(s.original_max_position_embeddings / (rotations * 2 * math.pi))
@@ -319,9 +321,10 @@ def rope_angles(cfg: ModelConfig, positions, local=False):
 
 
 def _rope_angles(cfg: ModelConfig, positions):
-    angles = positions[..., None].astype(jnp.float32) * rope_inv_freq(cfg)  # [..., D/2]
+    angles = positions[..., None].astype(jnp.float32) * rope_inv_freq(cfg)  # [..., R/2]
     s = cfg.rope_scaling
-    scale = s.attention_factor if s is not None and s.rope_type == "yarn" else 1.0
+    scaled = s is not None and s.rope_type in ("yarn", "longrope")
+    scale = s.attention_factor if scaled else 1.0
     if scale == 1.0:
         return jnp.cos(angles), jnp.sin(angles)
     return jnp.cos(angles) * scale, jnp.sin(angles) * scale
@@ -335,8 +338,12 @@ def rope_tables(cfg: ModelConfig, positions, local=False):
 
 
 def apply_rope(x, cos, sin):
-    """Rotate-half RoPE (HF convention). x [..., H, D] f32."""
-    half = x.shape[-1] // 2
+    """Rotate-half RoPE (HF convention). x [..., H, D] f32; cos, sin [..., R] for the leading
+    R <= D dimensions (R < D: partial rotary, the rest passes through)."""
+    r = cos.shape[-1]
+    if r < x.shape[-1]:
+        return jnp.concatenate([apply_rope(x[..., :r], cos, sin), x[..., r:]], axis=-1)
+    half = r // 2
     rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
     return x * cos + rotated * sin
 

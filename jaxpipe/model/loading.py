@@ -120,7 +120,7 @@ def load_gguf(path: Path) -> tuple[ModelConfig, dict[str, np.ndarray]]:
 HF_ARCHITECTURES = {
     "LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "Gemma2ForCausalLM": "gemma2",
-    "Gemma3ForCausalLM": "gemma3",
+    "Gemma3ForCausalLM": "gemma3", "Phi3ForCausalLM": "phi3",
 }
 _GEMMA = ("gemma2", "gemma3")
 # HF's default when config.json leaves `sliding_window` out (MistralConfig, Gemma2Config).
@@ -153,15 +153,18 @@ def hf_config(config_json: dict) -> ModelConfig:
         raise ValueError("config.json use_bidirectional_attention=true is not supported; "
                          "supported: causal attention")
     rope, local_theta = _hf_rope(c, family)
+    head_dim = c.get("head_dim") or c["hidden_size"] // heads
+    rotary = int(head_dim * float(rope.get("partial_rotary_factor")
+                                   or c.get("partial_rotary_factor") or 1.0))
     return ModelConfig(
         vocab_size=c["vocab_size"], hidden_size=c["hidden_size"],
         intermediate_size=c["intermediate_size"], num_layers=c["num_hidden_layers"],
         num_heads=heads, num_kv_heads=c.get("num_key_value_heads") or heads,
-        head_dim=c.get("head_dim") or c["hidden_size"] // heads,
+        head_dim=head_dim, rotary_dim=rotary if rotary != head_dim else None,
         rms_norm_eps=float(c.get("rms_norm_eps", 1e-5)),
         rope_theta=float(rope.get("rope_theta") or c.get("rope_theta")
                          or (1e6 if family == "gemma3" else 10000.0)),
-        rope_scaling=_rope_scaling(rope, c), max_position_embeddings=c.get(
+        rope_scaling=_rope_scaling(rope, c, family), max_position_embeddings=c.get(
             "max_position_embeddings", 4096),
         tie_embeddings=bool(c.get("tie_word_embeddings", family in _GEMMA)),
         bos_token_id=c.get("bos_token_id"), eos_token_ids=eos_ids,
@@ -239,12 +242,16 @@ def _hf_rope(c: dict, family: str) -> tuple[dict, float | None]:
     return rope, local
 
 
-def _rope_scaling(rope: dict, c: dict) -> RopeScaling | None:
-    """HF's `rope_scaling` / `rope_parameters` -> `RopeScaling` (None: plain RoPE)."""
+def _rope_scaling(rope: dict, c: dict, family: str) -> RopeScaling | None:
+    """HF's `rope_scaling` / `rope_parameters` -> `RopeScaling` (None: plain RoPE). As HF,
+    a config-level original_max_position_embeddings wins over the RoPE dict's (Phi-3), and
+    Phi-3 reads its older types "su" and "yarn" as LongRoPE."""
     kind = rope.get("rope_type", rope.get("type", "default"))
+    if family == "phi3" and kind in ("su", "yarn"):
+        kind = "longrope"
     if kind == "default":
         return None
-    original = rope.get("original_max_position_embeddings") or c.get(
+    original = c.get("original_max_position_embeddings") or rope.get(
         "original_max_position_embeddings") or c.get("max_position_embeddings", 4096)
     try:
         if kind == "llama3":
@@ -254,10 +261,24 @@ def _rope_scaling(rope: dict, c: dict) -> RopeScaling | None:
             return RopeScaling(float(rope["factor"]), rope_type=kind)
         if kind == "yarn":
             return _yarn(rope, c, int(original))
+        if kind == "longrope":
+            return _longrope(rope, c, int(original))
     except KeyError as missing:
         raise ValueError(f"config.json rope_scaling of type {kind!r} lacks {missing}") from None
     raise ValueError(f"config.json rope_scaling type {kind!r} is not supported; supported: "
-                     "default, llama3, linear, dynamic, yarn")
+                     "default, llama3, linear, dynamic, yarn, longrope")
+
+
+def _longrope(rope: dict, c: dict, original: int) -> RopeScaling:
+    """LongRoPE's parameters with HF's defaults (`_compute_longrope_parameters`)."""
+    factor = rope.get("factor") or c.get("max_position_embeddings", 4096) / original
+    attention = rope.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return RopeScaling(float(factor), original_max_position_embeddings=original,
+                       rope_type="longrope", attention_factor=float(attention),
+                       short_factor=tuple(float(x) for x in rope["short_factor"]),
+                       long_factor=tuple(float(x) for x in rope["long_factor"]))
 
 
 def _yarn(rope: dict, c: dict, original: int) -> RopeScaling:
@@ -291,8 +312,26 @@ def load_hf_dir(path: Path) -> tuple[ModelConfig, dict[str, np.ndarray]]:
         with safe_open(str(file), framework="flax") as f:
             for name in f.keys():
                 tensors[name] = np.asarray(f.get_tensor(name), dtype=np.float32)
+    _split_fused(cfg, tensors)
     norm_offset = 1.0 if _hf_family(config) in _NORM_PLUS_ONE else 0.0
     return cfg, from_hf_names(cfg, tensors.__getitem__, norm_offset)
+
+
+def _split_fused(cfg: ModelConfig, tensors: dict[str, np.ndarray]) -> None:
+    """Phi-3's fused projections into the unfused names, in place: qkv_proj [(H + 2 Hkv) D,
+    E] into q/k/v_proj, gate_up_proj [2F, E] into gate_proj (first half) and up_proj."""
+    q, k = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    f = cfg.intermediate_size
+    for i in range(cfg.num_layers):
+        pre = f"model.layers.{i}."
+        qkv = tensors.pop(pre + "self_attn.qkv_proj.weight", None)
+        if qkv is not None:
+            for name, part in zip("qkv", np.split(qkv, [q, q + k]), strict=True):
+                tensors[f"{pre}self_attn.{name}_proj.weight"] = part
+        gate_up = tensors.pop(pre + "mlp.gate_up_proj.weight", None)
+        if gate_up is not None:
+            tensors[pre + "mlp.gate_proj.weight"] = gate_up[:f]
+            tensors[pre + "mlp.up_proj.weight"] = gate_up[f:]
 
 
 def from_hf_names(cfg: ModelConfig, get: Callable[[str], np.ndarray],

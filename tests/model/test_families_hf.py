@@ -58,8 +58,9 @@ def test_config_reads_the_family_switches(family):
     assert cfg.qkv_bias == name.startswith("qwen2")
     assert cfg.qk_norm == (name in ("qwen3", "gemma3"))
     assert cfg.head_dim == {"qwen3": 24}.get(name, 16) and cfg.num_heads == 6
+    assert cfg.rotary_dim == (12 if name.startswith("phi3") else None)
     windows = {"qwen2_window": (WINDOW, (1, 2)), "mistral": (WINDOW, (0, 1, 2)),
-               "gemma2": (WINDOW, (0, 2)), "gemma3": (WINDOW, (0, 2))}
+               "gemma2": (WINDOW, (0, 2)), "gemma3": (WINDOW, (0, 2)), "phi3": (WINDOW, (0, 1, 2))}
     assert (cfg.sliding_window, cfg.sliding_layers) == windows.get(name, (None, ()))
     gemma = name.startswith("gemma")
     assert (cfg.sandwich_norms, cfg.mlp_act) == (gemma, "gelu_tanh" if gemma else "silu")
@@ -70,7 +71,7 @@ def test_config_reads_the_family_switches(family):
     assert cfg.rope_local_theta == (500.0 if name == "gemma3" else None)
     kind = None if cfg.rope_scaling is None else cfg.rope_scaling.rope_type
     assert kind == {"llama_linear": "linear", "llama_dynamic": "dynamic", "llama_yarn": "yarn",
-                    "llama3": "llama3", "gemma3": "linear"}.get(name)
+                    "llama3": "llama3", "gemma3": "linear", "phi3_longrope": "longrope"}.get(name)
 
 
 def test_forward_logits_match_hf(family):
@@ -121,19 +122,28 @@ def test_windowed_families_chunked_prefill_logits_match_hf(checkpoints, name, ch
                                    err_msg=f"chunk of {len(part)} at {start}")
 
 
+def test_longrope_past_its_original_length_is_refused_naming_it(checkpoints):
+    path = checkpoints("phi3_longrope")[2]
+    with pytest.raises(ValueError, match=r"max_model_len=300 exceeds the model's rope_scaling\."
+                                         r"original_max_position_embeddings=256 \(LongRoPE"):
+        Engine(EngineConfig(model=str(path), **{**FAST, "max_model_len": 300}))
+
+
 def test_resolves_as_hf(family):
     assert resolve_model(str(family[2])).kind == "hf"
 
 
 @pytest.mark.parametrize("change, match", [
-    ({"architectures": ["Phi3ForCausalLM"], "model_type": "phi3"},
-     r"architectures=\['Phi3ForCausalLM'\].*supported: \['Gemma2ForCausalLM'"),
+    ({"architectures": ["GPTNeoXForCausalLM"], "model_type": "gpt_neox"},
+     r"architectures=\['GPTNeoXForCausalLM'\].*supported: \['Gemma2ForCausalLM'"),
     ({"hidden_act": "relu"}, r"hidden_act='relu' is not supported; supported: "
                              r"\['gelu_pytorch_tanh', 'silu'\]"),
     ({"attention_bias": True}, r"attention_bias=true is not supported for llama"),
     ({"mlp_bias": True}, r"mlp_bias=true"),
     ({"rope_scaling": {"rope_type": "longrope", "factor": 2.0}},
-     r"rope_scaling type 'longrope' is not supported; supported: default, llama3"),
+     r"rope_scaling of type 'longrope' lacks 'short_factor'"),
+    ({"rope_scaling": {"rope_type": "su", "factor": 2.0}},
+     r"rope_scaling type 'su' is not supported; supported: default, llama3"),
     ({"rope_scaling": {"rope_type": "llama3", "factor": 2.0}},
      r"rope_scaling of type 'llama3' lacks 'low_freq_factor'"),
     ({"layer_types": ["full_attention", "chunked_attention", "full_attention"],
