@@ -129,6 +129,20 @@ def test_longrope_past_its_original_length_is_refused_naming_it(checkpoints):
         Engine(EngineConfig(model=str(path), **{**FAST, "max_model_len": 300}))
 
 
+@pytest.mark.parametrize("name", ["gemma3", "phi3_longrope", "qwen2_window"])
+def test_orbax_conversion_keeps_every_switch(checkpoints, name, tmp_path):
+    """scripts/convert.py's path (save_orbax of the HF directory's weights): the orbax
+    checkpoint's engine gives HF's tokens, its architecture (windows, per-layer RoPE,
+    LongRoPE factors) read back equal."""
+    family = checkpoints(name)
+    cfg, values = loading.load_hf_dir(family[2])
+    loading.save_orbax(tmp_path / "ckpt", cfg, values, "float32")
+    assert loading.orbax_config(tmp_path / "ckpt") == cfg
+    engine = Engine(EngineConfig(model=str(tmp_path / "ckpt"), max_num_seqs=4, **FAST))
+    outs = engine.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY)
+    assert [list(o.outputs[0].token_ids) for o in outs] == hf_tokens(family)
+
+
 def test_resolves_as_hf(family):
     assert resolve_model(str(family[2])).kind == "hf"
 
