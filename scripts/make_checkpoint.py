@@ -1,9 +1,11 @@
 #!/usr/bin/env python
-"""Write a ~1.1B-parameter Llama of seeded random weights as an HF checkpoint (config.json,
-bf16 model.safetensors, SmolLM2's tokenizer) that jaxpipe, OpenVINO GenAI and HF transformers
-all load (needs the bench extra's transformers; logic in `jaxpipe.bench.checkpoint`).
+"""Write a model of seeded random weights as an HF checkpoint (config.json, bf16
+model.safetensors, SmolLM2's tokenizer) that jaxpipe, OpenVINO GenAI and HF transformers all
+load (needs the bench extra's transformers; logic in `jaxpipe.bench.checkpoint`): --family
+llama (default) is TinyLlama-1.1B's shape, qwen2 Qwen2.5-0.5B's (q/k/v biases, tied head).
 
   python scripts/make_checkpoint.py out/llama-1b
+  python scripts/make_checkpoint.py out/qwen2-05b --family qwen2
   python scripts/bench_throughput.py --model out/llama-1b --peer-model out/llama-1b \\
       --peers openvino --num-prompts 64
 """
@@ -19,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from jaxpipe.bench.checkpoint import LLAMA_1B, tensor_shapes, write_checkpoint  # noqa: E402
+from jaxpipe.bench.checkpoint import FAMILIES, tensor_shapes, write_checkpoint  # noqa: E402
 from jaxpipe.bench.workload import default_gguf_path  # noqa: E402
 
 
@@ -28,12 +30,15 @@ def main() -> None:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("out", type=Path, help="directory to write")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--family", choices=sorted(FAMILIES), default="llama",
+                   help="the architecture's family and shape (default: llama)")
     args = p.parse_args()
     start = time.perf_counter()
     gguf = default_gguf_path()
-    out = write_checkpoint(args.out, LLAMA_1B, args.seed, gguf)
+    arch = FAMILIES[args.family]
+    out = write_checkpoint(args.out, arch, args.seed, gguf)
     vocab = json.loads((out / "config.json").read_text())["vocab_size"]
-    params = sum(math.prod(shape) for shape in tensor_shapes(LLAMA_1B, vocab).values())
+    params = sum(math.prod(shape) for shape in tensor_shapes(arch, vocab).values())
     print(f"wrote {out}: {params / 1e9:.2f}B parameters in "
           f"{time.perf_counter() - start:.0f}s")
 

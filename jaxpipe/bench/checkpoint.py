@@ -1,6 +1,6 @@
-"""A Llama checkpoint of seeded random weights in HF's format (config.json, bf16 safetensors,
-tokenizer files), for benchmarks on a model larger than the default one that every engine
-loads from the same files (`scripts/make_checkpoint.py`).
+"""A Llama or Qwen2 checkpoint of seeded random weights in HF's format (config.json, bf16
+safetensors, tokenizer files), for benchmarks on a model larger than the default one that every
+engine loads from the same files (`scripts/make_checkpoint.py`).
 
 The architecture is a dict of `models/*.toml`'s [architecture] fields; the tokenizer is
 SmolLM2's (its vocabulary sets the checkpoint's), written by transformers from the bundled
@@ -22,19 +22,30 @@ LLAMA_1B = {
     "num_kv_heads": 4, "head_dim": 64, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
     "max_position_embeddings": 4096, "tie_embeddings": False,
 }
+# Qwen2.5-0.5B's layer shape (Qwen/Qwen2.5-0.5B config.json: q/k/v biases, tied embeddings).
+QWEN2_05B = {
+    "family": "qwen2", "hidden_size": 896, "intermediate_size": 4864, "num_layers": 24,
+    "num_heads": 14, "num_kv_heads": 2, "head_dim": 64, "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0, "max_position_embeddings": 32768, "tie_embeddings": True,
+}
+FAMILIES = {"llama": LLAMA_1B, "qwen2": QWEN2_05B}  # make_checkpoint.py --family
+_HF_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 
 
 def hf_config(arch: dict, vocab_size: int, bos: int, eos: int) -> dict:
-    """config.json of a LlamaForCausalLM with `arch`'s dimensions."""
-    return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+    """config.json of `arch`'s family (default llama) with its dimensions."""
+    family = arch.get("family", "llama")
+    extra = {"use_sliding_window": False} if family == "qwen2" else {}
+    return extra | {
+        "architectures": [_HF_CLASSES[family]], "model_type": family, "hidden_act": "silu",
         "hidden_size": arch["hidden_size"], "intermediate_size": arch["intermediate_size"],
         "num_hidden_layers": arch["num_layers"], "num_attention_heads": arch["num_heads"],
         "num_key_value_heads": arch["num_kv_heads"], "head_dim": arch["head_dim"],
         "rms_norm_eps": arch["rms_norm_eps"], "rope_theta": arch["rope_theta"],
         "max_position_embeddings": arch["max_position_embeddings"],
         "tie_word_embeddings": arch["tie_embeddings"], "vocab_size": vocab_size,
-        "attention_bias": False, "mlp_bias": False, "bos_token_id": bos, "eos_token_id": eos,
+        "attention_bias": family == "qwen2", "mlp_bias": False, "bos_token_id": bos,
+        "eos_token_id": eos,
         "torch_dtype": "bfloat16",
     }
 
@@ -48,6 +59,9 @@ def tensor_shapes(arch: dict, vocab_size: int) -> dict[str, tuple[int, ...]]:
         pre = f"model.layers.{i}."
         shapes |= {pre + "input_layernorm.weight": (e,),
                    pre + "self_attn.q_proj.weight": (q, e),
+                   **({pre + "self_attn.q_proj.bias": (q,), pre + "self_attn.k_proj.bias": (kv,),
+                       pre + "self_attn.v_proj.bias": (kv,)}
+                      if arch.get("family") == "qwen2" else {}),
                    pre + "self_attn.k_proj.weight": (kv, e),
                    pre + "self_attn.v_proj.weight": (kv, e),
                    pre + "self_attn.o_proj.weight": (e, q),

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pytest
 
 from jaxpipe.bench.checkpoint import bf16_bits, hf_config, tensor_shapes, write_safetensors
 from jaxpipe.model.loading import load_hf_dir
@@ -40,3 +41,22 @@ def test_written_checkpoint_loads_with_the_seeded_values(tmp_path):
     assert (cfg.hidden_size, cfg.num_layers, cfg.num_kv_heads, cfg.vocab_size) == (12, 3, 1, 17)
     assert values["wq"].shape == (3, 12, 3, 4) and values["lm_head"].shape == (12, 17)
     assert (values["attn_norm"] == 1).all() and 0.01 < values["w_down"].std() < 0.03
+
+
+def test_qwen2_checkpoint_is_what_transformers_and_jaxpipe_read_as_qwen2(tmp_path):
+    """--family qwen2: the q/k/v biases are in the file and transformers builds the same
+    model from it as jaxpipe's loader reads (the biases drawn, not zero)."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+
+    arch = {**TINY, "family": "qwen2", "tie_embeddings": True}
+    vocab = 17
+    (tmp_path / "config.json").write_text(json.dumps(hf_config(arch, vocab, 1, 2)))
+    write_safetensors(tmp_path / "model.safetensors", tensor_shapes(arch, vocab), seed=6)
+    cfg, values = load_hf_dir(tmp_path)
+    assert cfg.qkv_bias and cfg.tie_embeddings and "lm_head" not in values
+    assert 0.01 < values["bq"].std() < 0.03
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32)
+    assert type(hf).__name__ == "Qwen2ForCausalLM"
+    bias = hf.model.layers[1].self_attn.k_proj.bias.detach().numpy()
+    np.testing.assert_array_equal(values["bkv"][1, 0].reshape(-1), bias)
