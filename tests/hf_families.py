@@ -102,27 +102,11 @@ def hf_greedy(model, ids: list[int], new_tokens: int = NEW_TOKENS) -> list[int]:
     return out[0, len(ids):].tolist()
 
 
-# HF tensor names (after "model.layers.N.") -> llama.cpp's, as its convert_hf_to_gguf.py
-# writes them for Qwen2/Qwen3 (no Q/K row permutation: their RoPE is rotate-half).
-_GGUF_NAMES = {
-    "input_layernorm.weight": "attn_norm.weight",
-    "self_attn.q_proj.weight": "attn_q.weight", "self_attn.q_proj.bias": "attn_q.bias",
-    "self_attn.k_proj.weight": "attn_k.weight", "self_attn.k_proj.bias": "attn_k.bias",
-    "self_attn.v_proj.weight": "attn_v.weight", "self_attn.v_proj.bias": "attn_v.bias",
-    "self_attn.q_norm.weight": "attn_q_norm.weight",
-    "self_attn.k_norm.weight": "attn_k_norm.weight",
-    "self_attn.o_proj.weight": "attn_output.weight",
-    "post_attention_layernorm.weight": "ffn_norm.weight",
-    "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
-    "mlp.down_proj.weight": "ffn_down.weight",
-}
-_GGUF_TOP = {"model.embed_tokens.weight": "token_embd.weight",
-             "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
-
-
 def write_gguf(model, arch: str, path: Path) -> None:
-    """`model`'s f32 weights and hyperparameters as a GGUF of architecture `arch` (qwen2 or
-    qwen3) written with the `gguf` package, the keys and tensor names llama.cpp uses."""
+    """`model`'s f32 weights and hyperparameters as a GGUF of architecture `arch` (qwen2,
+    qwen3, gemma2, gemma3, phi3) written with the `gguf` package as llama.cpp's
+    convert_hf_to_gguf.py writes them: tensor names from gguf's own name map, Gemma's norms
+    stored as 1 + w, the Gemma and Phi keys llama.cpp reads."""
     import gguf
 
     c = model.config
@@ -133,19 +117,30 @@ def write_gguf(model, arch: str, path: Path) -> None:
     w.add_feed_forward_length(c.intermediate_size)
     w.add_head_count(c.num_attention_heads)
     w.add_head_count_kv(c.num_key_value_heads)
-    w.add_key_length(c.head_dim)
-    w.add_value_length(c.head_dim)
-    w.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    rope = c.rope_parameters.get("full_attention", c.rope_parameters)  # Gemma 3: the global
+    w.add_rope_freq_base(rope["rope_theta"])
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
     w.add_vocab_size(c.vocab_size)
+    if arch.startswith("gemma"):
+        w.add_sliding_window(c.sliding_window)
+    if arch == "gemma2":
+        w.add_attn_logit_softcapping(c.attn_logit_softcapping)
+        w.add_final_logit_softcapping(c.final_logit_softcapping)
+    if arch == "phi3":  # transformers' reader defaults Phi-3's padding token to 32000
+        w.add_pad_token_id(0)
+        w.add_rope_dimension_count(int(head_dim * c.rope_parameters["partial_rotary_factor"]))
+    model_arch = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch)
+    names = gguf.get_tensor_name_map(model_arch, c.num_hidden_layers)
     for name, tensor in model.state_dict().items():
         if name == "lm_head.weight" and c.tie_word_embeddings:
             continue
-        if name in _GGUF_TOP:
-            w.add_tensor(_GGUF_TOP[name], tensor.float().numpy())
-            continue
-        _, _, layer, rest = name.split(".", 3)
-        w.add_tensor(f"blk.{layer}.{_GGUF_NAMES[rest]}", tensor.float().numpy())
+        value = tensor.float()
+        if arch.startswith("gemma") and name.endswith("norm.weight"):
+            value = value + 1.0
+        w.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")), value.numpy())
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

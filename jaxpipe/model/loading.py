@@ -37,9 +37,22 @@ GGUF_TO_HF = {
     "attn_k_norm.weight": "self_attn.k_norm.weight",
 }
 # GGUF architectures. llama.cpp interleaves Q/K rows (pairwise RoPE) for the Llama ones only;
-# Qwen's use rotate-half ("neox") RoPE, stored as HF has them.
-GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+# Qwen's, Gemma's and Phi's use rotate-half ("neox") RoPE, stored as HF has them.
+GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
 _GGUF_PERMUTED_QK = ("llama", "mistral")
+# Where an architecture's names differ from GGUF_TO_HF: Gemma's sandwich norms (its MLP input
+# norm is ffn_norm), Phi-3's fused projections (split by `_split_fused`).
+_GGUF_NAMES_BY_ARCH = {
+    **dict.fromkeys(("gemma2", "gemma3"), {
+        "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+        "post_attention_norm.weight": "post_attention_layernorm.weight",
+        "post_ffw_norm.weight": "post_feedforward_layernorm.weight"}),
+    "phi3": {"attn_qkv.weight": "self_attn.qkv_proj.weight",
+             "ffn_up.weight": "mlp.gate_up_proj.weight"},
+}
+# llama.cpp's Gemma 27B models scale q.k by 1/sqrt(hidden / heads), the others by
+# 1/sqrt(head_dim) (GGUF has no query_pre_attn_scalar); (arch, layers) of the 27B ones.
+_GGUF_GEMMA_27B = {("gemma2", 46), ("gemma3", 62)}
 
 
 def _gguf_field(reader, key: str, default=None):
@@ -63,19 +76,56 @@ def gguf_config(reader) -> ModelConfig:
     vocab = len(reader.fields["tokenizer.ggml.tokens"].data) if (
         "tokenizer.ggml.tokens" in reader.fields) else int(key("vocab_size"))
     eos = _gguf_field(reader, "tokenizer.ggml.eos_token_id")
+    if "rope_factors_long.weight" in names:
+        raise ValueError("GGUF with rope_factors (LongRoPE) is not supported yet; load the HF "
+                         "directory, whose LongRoPE is")
+    switches = _gguf_switches(arch, key, names, hidden, heads)
     return ModelConfig(
         vocab_size=vocab, hidden_size=hidden,
         intermediate_size=int(key("feed_forward_length")),
         num_layers=int(key("block_count")), num_heads=heads,
         num_kv_heads=int(key("attention.head_count_kv", heads)),
-        head_dim=int(key("attention.key_length", hidden // heads)),
+        head_dim=switches.pop("head_dim"),
         rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
         rope_theta=float(key("rope.freq_base", 10000.0)),
         max_position_embeddings=int(key("context_length", 4096)),
         tie_embeddings="output.weight" not in names,
         bos_token_id=_gguf_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=() if eos is None else (int(eos),),
-        qkv_bias="blk.0.attn_q.bias" in names, qk_norm="blk.0.attn_q_norm.weight" in names)
+        qkv_bias="blk.0.attn_q.bias" in names, qk_norm="blk.0.attn_q_norm.weight" in names,
+        **switches)
+
+
+def _gguf_switches(arch: str, key, names: set, hidden: int, heads: int) -> dict:
+    """The family switches of a GGUF's metadata, with llama.cpp's rules where the file has
+    no key: Gemma 2 soft-caps 50 / 30 and slides every other layer, Gemma 3 every sixth layer
+    is global and its sliding layers' RoPE base is 10000, Phi's window covers every layer."""
+    head_dim = int(key("attention.key_length", hidden // heads))
+    out = {"head_dim": head_dim}
+    layers, window = int(key("block_count")), key("attention.sliding_window")
+    rotary = key("rope.dimension_count")
+    if rotary is not None and int(rotary) != head_dim:
+        out["rotary_dim"] = int(rotary)
+    if arch not in ("gemma2", "gemma3", "phi3") or window is None:
+        return out
+    pattern = {"gemma2": 2, "gemma3": int(key("attention.sliding_window_pattern", 6))}.get(
+        arch, 0)
+    out |= {"sliding_window": int(window),
+            "sliding_layers": tuple(i for i in range(layers) if not pattern or (i + 1) % pattern)}
+    if arch == "phi3":
+        return out
+    scalar = hidden // heads if (arch, layers) in _GGUF_GEMMA_27B else head_dim
+    caps = (50.0, 30.0) if arch == "gemma2" else (None, None)
+    out |= {"embed_scale": hidden ** 0.5, "sandwich_norms": True, "mlp_act": "gelu_tanh",
+            "attn_scale": scalar ** -0.5,
+            "attn_softcap": key("attn_logit_softcapping", caps[0]),
+            "final_softcap": key("final_logit_softcapping", caps[1])}
+    if arch == "gemma3":
+        out["rope_local_theta"] = 10000.0
+        if key("rope.scaling.type") == "linear":
+            out["rope_scaling"] = RopeScaling(float(key("rope.scaling.factor")),
+                                              rope_type="linear")
+    return out
 
 
 def _unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -93,7 +143,8 @@ def load_gguf(path: Path) -> tuple[ModelConfig, dict[str, np.ndarray]]:
 
     reader = GGUFReader(str(path))
     cfg = gguf_config(reader)
-    permuted = _gguf_field(reader, "general.architecture") in _GGUF_PERMUTED_QK
+    arch = _gguf_field(reader, "general.architecture")
+    permuted, renames = arch in _GGUF_PERMUTED_QK, GGUF_TO_HF | _GGUF_NAMES_BY_ARCH.get(arch, {})
     if any(t.name == "rope_freqs.weight" for t in reader.tensors):
         raise ValueError(f"{path}: GGUF with rope_freqs (Llama-3.1 scaling) is not supported yet")
     hf: dict[str, np.ndarray] = {}
@@ -107,12 +158,13 @@ def load_gguf(path: Path) -> tuple[ModelConfig, dict[str, np.ndarray]]:
                 value = _unpermute_qk(value, cfg.num_heads)
             elif permuted and rest == "attn_k.weight":
                 value = _unpermute_qk(value, cfg.num_kv_heads)
-            if rest not in GGUF_TO_HF:
+            if rest not in renames:
                 raise ValueError(f"{path}: GGUF tensor {name!r} is not supported (a part of "
                                  f"the {cfg.num_layers}-layer model jaxpipe does not run)")
-            hf[f"model.layers.{idx}.{GGUF_TO_HF[rest]}"] = value
+            hf[f"model.layers.{idx}.{renames[rest]}"] = value
         else:
-            hf[GGUF_TO_HF[name]] = value
+            hf[renames[name]] = value
+    _split_fused(cfg, hf)  # Gemma's norms are stored as 1 + w already: no offset
     return cfg, from_hf_names(cfg, hf.__getitem__)
 
 

@@ -1,8 +1,8 @@
-"""GGUF files of the Qwen families: written with the `gguf` package from the weights of a tiny
-transformers checkpoint, under llama.cpp's keys and tensor names. transformers' own GGUF
-reader, the independent reference, must rebuild the same model from the file (so the file is
-what llama.cpp's conventions say); then jaxpipe's GGUF loader must give exactly the weights and
-architecture its HF-directory loader gives, and HF's logits."""
+"""GGUF files of the Qwen, Gemma and Phi-3 families: written with the `gguf` package from the
+weights of a tiny transformers checkpoint, under llama.cpp's keys and tensor names.
+transformers' own GGUF reader, the independent reference, must rebuild the same model from the
+file (so the file is what llama.cpp's conventions say); then jaxpipe's GGUF loader must give
+exactly the weights and architecture its HF-directory loader gives, and HF's logits."""
 
 from __future__ import annotations
 
@@ -21,9 +21,17 @@ from hf_families import PROMPTS, write, write_gguf  # noqa: E402
 from jaxpipe.model import loading  # noqa: E402
 from jaxpipe.model.decoder import Decoder  # noqa: E402
 
-# transformers' GGUF reader takes head_dim as hidden / heads for qwen2 and as Qwen3Config's
-# default (128) for qwen3: the checkpoints here have those.
-SHAPES = {"qwen2": dict(hidden_size=72, head_dim=12), "qwen3": dict(hidden_size=72, head_dim=128)}
+# What transformers' GGUF reader assumes where a file has no key, so that it can be the
+# reference: head_dim hidden / heads (qwen2, phi3) or Qwen3Config's 128; Gemma's
+# query_pre_attn_scalar 256 (llama.cpp: head_dim), Gemma 2's soft-caps 50 / 30, Gemma 3's
+# every sixth layer global and its RoPE bases; Phi-3 rotating whole heads, no window.
+GEMMA = dict(head_dim=256, query_pre_attn_scalar=256)
+SHAPES = {
+    "qwen2": dict(hidden_size=72, head_dim=12), "qwen3": dict(hidden_size=72, head_dim=128),
+    "gemma2": dict(GEMMA, attn_logit_softcapping=50.0, final_logit_softcapping=30.0),
+    "gemma3": dict(GEMMA, num_hidden_layers=6, layer_types=None, rope_parameters=None),
+    "phi3": dict(partial_rotary_factor=1.0, sliding_window=None),
+}
 
 
 @pytest.fixture(scope="module", params=sorted(SHAPES))
@@ -31,6 +39,8 @@ def gguf_pair(request, tmp_path_factory):
     """(HF model, its HF directory, the GGUF file of the same weights)."""
     path = tmp_path_factory.mktemp(request.param)
     model = write(request.param, path, **SHAPES[request.param])
+    if request.param == "gemma3":  # the default layer types, as the GGUF reader builds them
+        assert model.config.layer_types[4:] == ["sliding_attention", "full_attention"]
     write_gguf(model, request.param, path / "model.gguf")
     return model, path, path / "model.gguf"
 
@@ -53,7 +63,6 @@ def test_gguf_loads_the_weights_and_architecture_of_the_hf_directory(gguf_pair):
     assert cfg.rms_norm_eps == pytest.approx(hf_cfg.rms_norm_eps, rel=1e-6)
     same = dict(bos_token_id=None, eos_token_ids=(), rms_norm_eps=hf_cfg.rms_norm_eps)
     assert dataclasses.replace(cfg, **same) == dataclasses.replace(hf_cfg, **same)
-    assert cfg.qkv_bias or cfg.qk_norm
     assert set(values) == set(hf_values)
     for name, value in values.items():
         np.testing.assert_array_equal(value, hf_values[name], err_msg=name)
