@@ -132,6 +132,11 @@ def write_gguf(model, arch: str, path: Path) -> None:
     if arch == "phi3":  # transformers' reader defaults Phi-3's padding token to 32000
         w.add_pad_token_id(0)
         w.add_rope_dimension_count(int(head_dim * c.rope_parameters["partial_rotary_factor"]))
+        if c.rope_parameters.get("rope_type") == "longrope":  # llama.cpp: factors as tensors
+            w.add_rope_scaling_orig_ctx_len(c.original_max_position_embeddings)
+            for kind in ("long", "short"):
+                w.add_tensor(f"rope_factors_{kind}.weight",
+                             np.asarray(c.rope_parameters[f"{kind}_factor"], np.float32))
     model_arch = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch)
     names = gguf.get_tensor_name_map(model_arch, c.num_hidden_layers)
     for name, tensor in model.state_dict().items():

@@ -76,10 +76,9 @@ def gguf_config(reader) -> ModelConfig:
     vocab = len(reader.fields["tokenizer.ggml.tokens"].data) if (
         "tokenizer.ggml.tokens" in reader.fields) else int(key("vocab_size"))
     eos = _gguf_field(reader, "tokenizer.ggml.eos_token_id")
-    if "rope_factors_long.weight" in names:
-        raise ValueError("GGUF with rope_factors (LongRoPE) is not supported yet; load the HF "
-                         "directory, whose LongRoPE is")
     switches = _gguf_switches(arch, key, names, hidden, heads)
+    if "rope_factors_short.weight" in names:
+        switches["rope_scaling"] = _gguf_longrope(reader, key)
     return ModelConfig(
         vocab_size=vocab, hidden_size=hidden,
         intermediate_size=int(key("feed_forward_length")),
@@ -94,6 +93,22 @@ def gguf_config(reader) -> ModelConfig:
         eos_token_ids=() if eos is None else (int(eos),),
         qkv_bias="blk.0.attn_q.bias" in names, qk_norm="blk.0.attn_q_norm.weight" in names,
         **switches)
+
+
+def _gguf_longrope(reader, key) -> RopeScaling:
+    """Phi-3.5/4's LongRoPE as llama.cpp stores it: the factors as tensors, the original
+    context length and the attention factor as keys (HF's formula where it has none)."""
+    factors = {t.name: np.asarray(t.data, np.float32).reshape(-1) for t in reader.tensors
+               if t.name.startswith("rope_factors_")}
+    original = int(key("rope.scaling.original_context_length"))
+    factor = int(key("context_length", original)) / original
+    attention = key("rope.scaling.attn_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return RopeScaling(float(factor), original_max_position_embeddings=original,
+                       rope_type="longrope", attention_factor=float(attention),
+                       short_factor=tuple(float(x) for x in factors["rope_factors_short.weight"]),
+                       long_factor=tuple(float(x) for x in factors["rope_factors_long.weight"]))
 
 
 def _gguf_switches(arch: str, key, names: set, hidden: int, heads: int) -> dict:
@@ -152,6 +167,8 @@ def load_gguf(path: Path) -> tuple[ModelConfig, dict[str, np.ndarray]]:
         value = quants.dequantize(t.data, t.tensor_type).astype(np.float32)
         value = value.reshape([int(n) for n in reversed(t.shape)])
         name = t.name
+        if name.startswith("rope_factors_"):  # LongRoPE's, read by gguf_config
+            continue
         if name.startswith("blk."):
             _, idx, rest = name.split(".", 2)
             if permuted and rest == "attn_q.weight":

@@ -31,6 +31,9 @@ SHAPES = {
     "gemma2": dict(GEMMA, attn_logit_softcapping=50.0, final_logit_softcapping=30.0),
     "gemma3": dict(GEMMA, num_hidden_layers=6, layer_types=None, rope_parameters=None),
     "phi3": dict(partial_rotary_factor=1.0, sliding_window=None),
+    # transformers' reader ignores LongRoPE's factor tensors: this one is checked against
+    # the HF directory only.
+    "phi3_longrope": {},
 }
 
 
@@ -39,14 +42,17 @@ def gguf_pair(request, tmp_path_factory):
     """(HF model, its HF directory, the GGUF file of the same weights)."""
     path = tmp_path_factory.mktemp(request.param)
     model = write(request.param, path, **SHAPES[request.param])
+    arch = request.param.split("_")[0]
     if request.param == "gemma3":  # the default layer types, as the GGUF reader builds them
         assert model.config.layer_types[4:] == ["sliding_attention", "full_attention"]
-    write_gguf(model, request.param, path / "model.gguf")
+    write_gguf(model, arch, path / "model.gguf")
     return model, path, path / "model.gguf"
 
 
 def test_transformers_reads_the_file_as_the_same_model(gguf_pair):
     model, path, file = gguf_pair
+    if model.config.rope_parameters.get("rope_type") == "longrope":
+        pytest.skip("transformers' GGUF reader ignores LongRoPE's factor tensors")
     again = transformers.AutoModelForCausalLM.from_pretrained(str(path), gguf_file=file.name,
                                                               dtype=torch.float32)
     ids = torch.tensor([PROMPTS[1]])
@@ -59,13 +65,22 @@ def test_gguf_loads_the_weights_and_architecture_of_the_hf_directory(gguf_pair):
     hf_cfg, hf_values = loading.load_hf_dir(path)
     cfg, values = loading.load_gguf(file)
     # The file has no tokenizer and the HF directory no special tokens; GGUF stores the norm
-    # epsilon as float32: compare the rest exactly.
+    # epsilon and LongRoPE's factors as float32: compare the rest exactly.
     assert cfg.rms_norm_eps == pytest.approx(hf_cfg.rms_norm_eps, rel=1e-6)
     same = dict(bos_token_id=None, eos_token_ids=(), rms_norm_eps=hf_cfg.rms_norm_eps)
-    assert dataclasses.replace(cfg, **same) == dataclasses.replace(hf_cfg, **same)
+    assert dataclasses.replace(cfg, **same) == dataclasses.replace(
+        hf_cfg, **same, rope_scaling=_float32_factors(hf_cfg.rope_scaling))
     assert set(values) == set(hf_values)
     for name, value in values.items():
         np.testing.assert_array_equal(value, hf_values[name], err_msg=name)
+
+
+def _float32_factors(scaling):
+    if scaling is None:
+        return None
+    return dataclasses.replace(scaling, **{
+        name: tuple(float(x) for x in np.float32(getattr(scaling, name)))
+        for name in ("short_factor", "long_factor") if getattr(scaling, name)})
 
 
 def test_gguf_logits_match_hf(gguf_pair):
