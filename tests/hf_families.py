@@ -124,6 +124,13 @@ def write_gguf(model, arch: str, path: Path) -> None:
     w.add_rope_freq_base(rope["rope_theta"])
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
     w.add_vocab_size(c.vocab_size)
+    # A byte-level vocabulary (bytes, then one merge's "AB"): what an engine loading the
+    # file needs to start; the tests feed token ids.
+    tokens = [chr(b) if 33 <= b <= 126 else chr(256 + b) for b in range(c.vocab_size - 1)]
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list([*tokens, "AB"])
+    w.add_token_types([1] * c.vocab_size)
+    w.add_token_merges(["A B"])
     if arch.startswith("gemma"):
         w.add_sliding_window(c.sliding_window)
     if arch == "gemma2":

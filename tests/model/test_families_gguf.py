@@ -16,8 +16,9 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("gguf")
 
-from hf_families import PROMPTS, write, write_gguf  # noqa: E402
+from hf_families import NEW_TOKENS, PROMPTS, hf_greedy, write, write_gguf  # noqa: E402
 
+from jaxpipe import Engine, EngineConfig, SamplingParams  # noqa: E402
 from jaxpipe.model import loading  # noqa: E402
 from jaxpipe.model.decoder import Decoder  # noqa: E402
 
@@ -73,6 +74,15 @@ def test_gguf_loads_the_weights_and_architecture_of_the_hf_directory(gguf_pair):
     assert set(values) == set(hf_values)
     for name, value in values.items():
         np.testing.assert_array_equal(value, hf_values[name], err_msg=name)
+
+
+def test_engine_on_the_gguf_gives_hf_greedy_tokens(gguf_pair):
+    model, _, file = gguf_pair
+    engine = Engine(EngineConfig(model=str(file), dtype="float32", max_model_len=160,
+                                 max_num_seqs=4, warmup=False, show_progress=False))
+    outs = engine.generate(prompt_token_ids=PROMPTS,
+                           sampling_params=SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS))
+    assert [list(o.outputs[0].token_ids) for o in outs] == [hf_greedy(model, i) for i in PROMPTS]
 
 
 def _float32_factors(scaling):
