@@ -157,3 +157,17 @@ def write_gguf(model, arch: str, path: Path) -> None:
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+def assert_forward_matches_hf(model, cfg, values, atol: float = 1e-4) -> None:
+    """jaxpipe's cache-free forward on (cfg, values) gives `model`'s logits on every prompt."""
+    import jax.numpy as jnp
+
+    from jaxpipe.model.decoder import Decoder
+
+    decoder = Decoder(cfg, dtype=jnp.float32, values=values)
+    for ids in PROMPTS:
+        with torch.no_grad():
+            want = model(torch.tensor([ids])).logits[0].float().numpy()
+        got = np.asarray(decoder.forward(jnp.asarray([ids])))[0]
+        np.testing.assert_allclose(got, want, rtol=0, atol=atol)

@@ -96,19 +96,16 @@ def gguf_config(reader) -> ModelConfig:
 
 
 def _gguf_longrope(reader, key) -> RopeScaling:
-    """Phi-3.5/4's LongRoPE as llama.cpp stores it: the factors as tensors, the original
-    context length and the attention factor as keys (HF's formula where it has none)."""
+    """Phi-3.5/4's LongRoPE as llama.cpp stores it (the factors as tensors, the original
+    context length and the attention factor as keys), read through `_longrope`."""
     factors = {t.name: np.asarray(t.data, np.float32).reshape(-1) for t in reader.tensors
                if t.name.startswith("rope_factors_")}
     original = int(key("rope.scaling.original_context_length"))
-    factor = int(key("context_length", original)) / original
-    attention = key("rope.scaling.attn_factor")
-    if attention is None:
-        attention = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
-    return RopeScaling(float(factor), original_max_position_embeddings=original,
-                       rope_type="longrope", attention_factor=float(attention),
-                       short_factor=tuple(float(x) for x in factors["rope_factors_short.weight"]),
-                       long_factor=tuple(float(x) for x in factors["rope_factors_long.weight"]))
+    rope = {"attention_factor": key("rope.scaling.attn_factor"),
+            "short_factor": factors["rope_factors_short.weight"],
+            "long_factor": factors["rope_factors_long.weight"]}
+    return _longrope(rope, {"max_position_embeddings": int(key("context_length", original))},
+                     original)
 
 
 def _gguf_switches(arch: str, key, names: set, hidden: int, heads: int) -> dict:

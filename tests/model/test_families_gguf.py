@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -16,11 +15,10 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("gguf")
 
-from hf_families import NEW_TOKENS, PROMPTS, hf_greedy, write, write_gguf  # noqa: E402
+from hf_families import NEW_TOKENS, PROMPTS, assert_forward_matches_hf, hf_greedy, write, write_gguf  # noqa: E402
 
 from jaxpipe import Engine, EngineConfig, SamplingParams  # noqa: E402
 from jaxpipe.model import loading  # noqa: E402
-from jaxpipe.model.decoder import Decoder  # noqa: E402
 
 # What transformers' GGUF reader assumes where a file has no key, so that it can be the
 # reference: head_dim hidden / heads (qwen2, phi3) or Qwen3Config's 128; Gemma's
@@ -95,10 +93,4 @@ def _float32_factors(scaling):
 
 def test_gguf_logits_match_hf(gguf_pair):
     model, _, file = gguf_pair
-    cfg, values = loading.load_gguf(file)
-    decoder = Decoder(cfg, dtype=jnp.float32, values=values)
-    for ids in PROMPTS:
-        with torch.no_grad():
-            want = model(torch.tensor([ids])).logits[0].numpy()
-        got = np.asarray(decoder.forward(jnp.asarray([ids])))[0]
-        np.testing.assert_allclose(got, want, rtol=0, atol=1e-4)
+    assert_forward_matches_hf(model, *loading.load_gguf(file))

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -16,11 +15,19 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 import hf_families  # noqa: E402
-from hf_families import FAMILIES, NEW_TOKENS, PROMPTS, WINDOW, WINDOWED, hf_greedy, write  # noqa: E402
+from hf_families import (  # noqa: E402
+    FAMILIES,
+    NEW_TOKENS,
+    PROMPTS,
+    WINDOW,
+    WINDOWED,
+    assert_forward_matches_hf,
+    hf_greedy,
+    write,
+)
 
 from jaxpipe import Engine, EngineConfig, SamplingParams, step_inputs  # noqa: E402
 from jaxpipe.model import loading  # noqa: E402
-from jaxpipe.model.decoder import Decoder  # noqa: E402
 from jaxpipe.model.presets import resolve_model  # noqa: E402
 from jaxpipe.step_inputs import Piece  # noqa: E402
 
@@ -76,13 +83,7 @@ def test_config_reads_the_family_switches(family):
 
 def test_forward_logits_match_hf(family):
     _, hf_model, path = family
-    cfg, values = loading.load_hf_dir(path)
-    model = Decoder(cfg, dtype=jnp.float32, values=values)
-    for ids in PROMPTS:
-        with torch.no_grad():
-            want = hf_model(torch.tensor([ids])).logits[0].float().numpy()
-        got = np.asarray(model.forward(jnp.asarray([ids])))[0]
-        np.testing.assert_allclose(got, want, rtol=0, atol=LOGITS_ATOL)
+    assert_forward_matches_hf(hf_model, *loading.load_hf_dir(path), atol=LOGITS_ATOL)
 
 
 @pytest.mark.parametrize("name, attention", [(n, "auto") for n in sorted(FAMILIES)]
