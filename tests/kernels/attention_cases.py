@@ -10,8 +10,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxpipe.kernels import pallas_attention as pa
 from jaxpipe.kernels import ragged_attention as ra
 from jaxpipe.kv.device_cache import from_storage, to_storage
+
+# Every implementation of the ragged-span contract: the C++ kernel, Pallas in its
+# interpreter, the XLA path.
+IMPLS = {"cpu": ra.ragged_attention,
+         "pallas-interpret": functools.partial(pa.pallas_attention, interpret=True),
+         "xla": ra.reference}
 
 # Prime-ish sizes so that a swapped axis fails loudly. A pool of NB blocks of BS tokens; each
 # row's table has MB entries (MB * BS = 40 positions); R * MB = 56 < NB: some blocks unused.

@@ -6,8 +6,6 @@ is tested in that implementation's module."""
 
 from __future__ import annotations
 
-from functools import partial
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,6 +14,7 @@ from attention_cases import (
     BS,
     CAP,
     HKV,
+    IMPLS,
     KV_LEN,
     NB,
     Q_LEN,
@@ -32,12 +31,7 @@ from attention_cases import (
     want,
 )
 
-from jaxpipe.kernels import pallas_attention as pa
 from jaxpipe.kernels import ragged_attention as ra
-
-IMPLS = {"cpu": ra.ragged_attention,
-         "pallas-interpret": partial(pa.pallas_attention, interpret=True),
-         "xla": ra.reference}
 
 
 @pytest.fixture(params=list(IMPLS))

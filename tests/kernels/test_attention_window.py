@@ -16,6 +16,7 @@ import pytest
 from attention_cases import (
     BS,
     CAP,
+    IMPLS,
     KV_LEN,
     NB,
     Q_LEN,
@@ -31,14 +32,10 @@ from attention_cases import (
     xla,
 )
 
-from jaxpipe.kernels import pallas_attention as pa
 from jaxpipe.kernels import ragged_attention as ra
 from jaxpipe.kv.device_cache import to_storage
 from jaxpipe.model import decoder
 
-IMPLS = {"cpu": ra.ragged_attention,
-         "pallas-interpret": partial(pa.pallas_attention, interpret=True),
-         "xla": ra.reference}
 KERNELS = ["cpu", "pallas-interpret"]  # those that skip blocks before the window
 
 # Spans whose windows start deep in their rows (tokens 0..29): decode at the last position
