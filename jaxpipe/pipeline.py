@@ -283,13 +283,14 @@ def stage_layers(cfg: ModelConfig, layers: LayerParams, x, mb: dict, cache: KVCa
 
     if attention == "cpu":
         angles = decoder.rope_angles(cfg, positions)  # [Tm, D/2], once for every layer
-        local_angles = decoder.rope_angles(cfg, positions, local=True)
+        local_angles = (decoder.rope_angles(cfg, positions, local=True)
+                        if cfg.rope_local_theta is not None and any(windows) else None)
 
         def attend_layer(p, x, k, v, j):
             q, kv = decoder.projections(cfg, p, x, dot)
             w = window(j)
             cos, sin = angles
-            if local_angles is not angles and any(windows):  # Gemma 3: the layer's own base
+            if local_angles is not None:  # Gemma 3: the sliding layers' own RoPE base
                 cos, sin = (jnp.where(w > 0, a, b)
                             for a, b in zip(local_angles, angles, strict=True))
             q, kv, cos, sin = kernel_rope(cfg, q, kv, cos, sin)
