@@ -1,22 +1,22 @@
 """The device KV store: a pool of fixed-size blocks, HND layout per block, and block tables.
 
-The store is a pool of `num_blocks` blocks of `BLOCK` tokens; K and V are each
-`[layers, blocks, kv_heads, BLOCK, head_dim]` (layers split over a layout's pp, KV heads over
-its tp). A
-sequence holds as many blocks as its KV needs, wherever they are in the pool; its row of a
-*block table* `[rows, max_blocks]` lists them in order: position t of table row r is at
-block `table[r, t // BLOCK]`, offset `t % BLOCK`. So the store's capacity is counted in tokens
-(blocks), not in sequences of the longest length, and a sequence grows one block at a time.
-Entries past a sequence's blocks hold `OUT_OF_RANGE`: writes there are dropped.
+The store is a pool of `num_blocks` blocks of `BLOCK` tokens; K and V are each `[layers, blocks,
+kv_heads, BLOCK, head_dim]` (layers split over a layout's pp, KV heads over its tp;
+`sharding.KV_AXES` names the axes). A sequence holds as many blocks as its KV needs, wherever
+they are in the pool; its row of a *block table* `[rows, max_blocks]` lists them in order:
+position t of table row r is at block `table[r, t // BLOCK]`, offset `t % BLOCK`. So the store's
+capacity is counted in tokens (blocks), not in sequences of the longest length, and a sequence
+grows one block at a time. Entries past a sequence's blocks hold `OUT_OF_RANGE`: writes there
+are dropped.
 
 HND inside a block keeps each (block, head) contiguous over tokens, which is what attention
-reads (DESIGN.md: HND is 4x faster than NHD here). The pool is donated to each step and
-updated in place.
+reads (measured on CPU: attention's einsum over an NHD cache ran 4x slower than over HND). The
+pool is donated to each step and updated in place.
 
-bf16 caches are *stored* on CPU as their uint16 bit patterns: XLA's CPU backend upcasts bf16 buffers
-to f32 around a dynamic-update-slice or scatter, turning each one-token write into a copy of
-the whole cache (measured: 84 ms per layer write at 64 slots x 2048 tokens, vs 0.01 ms as u16).
-`to_storage` / `from_storage` are the only places that know this.
+bf16 caches are *stored* on CPU as their uint16 bit patterns: XLA's CPU backend upcasts bf16
+buffers to f32 around a dynamic-update-slice or scatter, turning each one-token write into a
+copy of the whole cache (measured: 84 ms per layer write at 64 slots x 2048 tokens, vs 0.01 ms
+as u16). `to_storage` / `from_storage` are the only places that know this.
 """
 
 from __future__ import annotations
@@ -32,15 +32,12 @@ from jaxpipe.config import ModelConfig
 
 BLOCK = 16  # tokens per KV block
 
-# Logical axes of each cache array; the sharding rules map them to mesh axes.
-KV_AXES = ("kv_blocks", "kv_heads", "seq", "head_dim")
-
 
 class KVCache(NamedTuple):
-    """Keys and values of the block pool for one layer. Donated through each step."""
+    """Keys and values of the block pool, every layer's. Donated through each step."""
 
-    k: jax.Array  # [NB, Hkv, BLOCK, D]
-    v: jax.Array  # [NB, Hkv, BLOCK, D]
+    k: jax.Array  # [L, NB, Hkv, BLOCK, D]
+    v: jax.Array  # [L, NB, Hkv, BLOCK, D]
 
 
 def storage_dtype(dtype, platform: str = "cpu") -> jnp.dtype:

@@ -178,9 +178,10 @@ def _matmul(x, w, n: int = 1, dot=None):
     (`dot`, default `xla_dot`: the caller may pass a kernel with the same contract).
 
     Activations are cast to the weight dtype and accumulate in f32: with bf16 weights this is
-    the native bf16 path on CPU (DESIGN.md); the residual stream stays f32. A 2-D dot, not a
-    multi-axis einsum: XLA's CPU backend runs the latter ~2x slower (85 vs 160-210 GFLOP/s
-    for the decode layer shapes, measured here)."""
+    the native bf16 path on CPU (`preferred_element_type=f32`; a plain bf16 dot is slower than
+    f32); the residual stream stays f32. A 2-D dot, not a multi-axis einsum: XLA's CPU backend
+    runs the latter ~2x slower (85 vs 160-210 GFLOP/s for the decode layer shapes, measured
+    here)."""
     k = math.prod(w.shape[:n])
     lead, out = x.shape[: x.ndim - n], w.shape[n:]
     y = (dot or xla_dot)(x.reshape(-1, k), w.reshape(k, -1))
