@@ -160,6 +160,25 @@ def _child_pids(pid: int) -> list[int]:
         return []
 
 
+def exited(pid: int, timeout: float = 10.0) -> bool:
+    """Whether process `pid` ends within `timeout` s (a zombie has ended: an orphan's reaper,
+    PID 1, may never collect it)."""
+    import time
+
+    import psutil
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.1)
+
+
 def _kill_pids(pids: list[int]) -> None:
     import psutil
 
