@@ -2,17 +2,19 @@
 and `python -m jaxpipe.batch` given `--process-id N` (N > 0) run this instead of their own
 work. It follows the leader (`engine.follow`) until the leader closes the engine; when the
 cluster fails instead (a process died, so JAX stopped every other one), it rejoins in a fresh
-child process, up to `restarts` times in a row, so a leader that restarts finds it again.
+child process, up to `restarts` times in a row, so a leader that restarts finds it again. The
+child dies with the supervisor (`lifeline`), so a killed supervisor leaves no follower behind
+holding the devices and its place in the cluster.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import subprocess
 import sys
 import time
 
+from jaxpipe import lifeline
 from jaxpipe.serve.engine_client import STABLE_SECONDS  # the server's restart policy, too
 
 log = logging.getLogger("jaxpipe.follower")
@@ -24,8 +26,8 @@ def run(engine_kwargs: dict, restarts: int = 5, backoff: float = 1.0) -> int:
     tries = 0
     while True:
         start = time.monotonic()
-        code = subprocess.call([sys.executable, "-m", "jaxpipe.follower",
-                                json.dumps(engine_kwargs)])
+        code = lifeline.spawn([sys.executable, "-m", "jaxpipe.follower",
+                               json.dumps(engine_kwargs)]).wait()
         if code == 0:
             return 0
         if time.monotonic() - start >= STABLE_SECONDS:
@@ -42,6 +44,7 @@ def run(engine_kwargs: dict, restarts: int = 5, backoff: float = 1.0) -> int:
 
 def main(argv=None) -> int:
     """`python -m jaxpipe.follower '{EngineConfig fields as JSON}'`: follow once."""
+    lifeline.die_with_parent()
     argv = sys.argv[1:] if argv is None else argv
     logging.basicConfig(level=logging.INFO, format="%(asctime)s follower %(levelname)s %(message)s")
     from jaxpipe import EngineConfig

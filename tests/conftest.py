@@ -160,6 +160,25 @@ def _child_pids(pid: int) -> list[int]:
         return []
 
 
+def exited(pid: int, timeout: float = 10.0) -> bool:
+    """Whether process `pid` ends within `timeout` s (a zombie has ended: an orphan's reaper,
+    PID 1, may never collect it)."""
+    import time
+
+    import psutil
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.1)
+
+
 def _kill_pids(pids: list[int]) -> None:
     import psutil
 
@@ -170,6 +189,57 @@ def _kill_pids(pids: list[int]) -> None:
             proc.wait(10)
         except psutil.NoSuchProcess:
             pass
+
+
+# ---- children that die with their parent -------------------------------------------------------
+
+JOINING = "Connecting to JAX distributed service"  # JAX's log line as a process joins a cluster
+
+
+def assert_child_dies_with_parent(cmd: list[str], log_path: Path) -> None:
+    """Run `cmd`, a parent whose child joins a JAX cluster that never forms (so it would wait
+    minutes on its own); once the child waits to join, SIGKILL the parent and assert that the
+    child goes too. Kills whatever is left either way."""
+    import signal
+    import subprocess
+
+    from jaxpipe.bench.multihost import clean_env
+
+    env = dict(clean_env(), PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    with open(log_path, "wb") as log:
+        parent = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    children = []
+    try:
+        children.append(_joining_child(parent, log_path))
+        parent.kill()
+        parent.wait()
+        assert exited(children[0]), f"the child outlived its parent; log:\n{_tail(log_path)}"
+    finally:
+        if parent.poll() is None:
+            children += _child_pids(parent.pid)
+            parent.kill()
+            parent.wait()
+        for pid in children:
+            if not exited(pid, timeout=0):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _joining_child(parent, log_path: Path, timeout: float = 120.0) -> int:
+    import time
+
+    import psutil
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and parent.poll() is None:
+        children = psutil.Process(parent.pid).children()
+        if children and JOINING in log_path.read_text(errors="replace"):
+            return children[0].pid
+        time.sleep(0.2)
+    pytest.fail(f"no child of process {parent.pid} waits to join; log:\n{_tail(log_path)}")
+
+
+def _tail(log_path: Path) -> str:
+    return log_path.read_text(errors="replace")[-3000:]
 
 
 @pytest.fixture(scope="session")

@@ -6,7 +6,8 @@ item and submissions raise `EngineUnavailable` until it is back, so no caller ev
 forever. An engine that had been serving is restarted (up to `max_restarts` times in a row,
 waiting `backoff` seconds doubled each time; a run of STABLE_SECONDS resets the count); one that
 dies while starting is not (its configuration or weights are bad: restarting would fail again),
-and the client gives up (`given_up`).
+and the client gives up (`given_up`). The engine process dies with the front end (`lifeline`),
+however the front end ends.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 
 import zmq
 
+from jaxpipe import lifeline
 from jaxpipe.serve import messages as m
 
 log = logging.getLogger("jaxpipe.serve")
@@ -89,10 +91,9 @@ class EngineClient:
         cmd = [sys.executable, "-m", "jaxpipe.serve.engine_process",
                "--config", json.dumps(engine_kwargs),
                "--inbox", self._requests.getsockopt_string(zmq.LAST_ENDPOINT),
-               "--outbox", self._outputs.getsockopt_string(zmq.LAST_ENDPOINT),
-               "--parent-pid", str(os.getpid())]
+               "--outbox", self._outputs.getsockopt_string(zmq.LAST_ENDPOINT)]
         # Own session: a Ctrl-C in the terminal reaches only the front end, which drains first.
-        return subprocess.Popen(cmd, start_new_session=True)
+        return lifeline.spawn(cmd, start_new_session=True)
 
     def wait_ready(self, timeout: float | None = None) -> m.Ready:
         """Block until the engine has loaded; raise EngineUnavailable if it died instead."""

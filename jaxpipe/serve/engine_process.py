@@ -9,7 +9,7 @@ The loop is a short list of non-blocking steps (gLLM's shape):
     send every new token of that step in one message
 
 Started by the front end as `python -m jaxpipe.serve.engine_process`; it exits on `Shutdown`,
-or when the front end (its parent) disappears.
+or at once when the front end (its parent) disappears (`lifeline`), even mid-step.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import sys
 
 import zmq
 
+from jaxpipe import lifeline
 from jaxpipe.serve import messages as m
 
 log = logging.getLogger("jaxpipe.serve.engine")
@@ -33,25 +34,21 @@ IDLE_POLL_MS = 100
 class EngineLoop:
     """Serve one `Engine` over a pair of sockets until told to stop."""
 
-    def __init__(self, engine, inbox: zmq.Socket, outbox: zmq.Socket, parent_pid: int):
+    def __init__(self, engine, inbox: zmq.Socket, outbox: zmq.Socket):
         self.engine = engine
         self.inbox, self.outbox = inbox, outbox
-        self.parent_pid = parent_pid
         self.sent: dict[str, int] = {}  # live request id -> output tokens already sent
         self.counts = {"finished": 0, "aborted": 0, "generated": 0}
         self.stopping = False
 
     def run(self) -> None:
-        """Announce readiness, then loop until `Shutdown` or the parent's death."""
+        """Announce readiness, then loop until `Shutdown`."""
         self._send(self._ready())
         while not self.stopping:
             busy = self.engine.has_unfinished()
             self._receive(0 if busy else IDLE_POLL_MS)
             if self.engine.has_unfinished():
                 self._step()
-            if os.getppid() != self.parent_pid:
-                log.error("front end (pid %d) is gone; engine exiting", self.parent_pid)
-                break
         for rid in list(self.sent):
             self._abort(rid)
 
@@ -149,12 +146,12 @@ def _parse_args(argv):
     p.add_argument("--config", required=True, help="EngineConfig fields as a JSON object")
     p.add_argument("--inbox", required=True, help="ZeroMQ address to receive requests from")
     p.add_argument("--outbox", required=True, help="ZeroMQ address to send outputs to")
-    p.add_argument("--parent-pid", type=int, required=True)
     return p.parse_args(argv)
 
 
 def main(argv=None) -> int:
     """Build the engine, connect to the front end and serve until shutdown."""
+    lifeline.die_with_parent()
     args = _parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s engine %(levelname)s %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front end decides when we stop
@@ -168,7 +165,7 @@ def main(argv=None) -> int:
     inbox.connect(args.inbox)
     outbox.connect(args.outbox)
     try:
-        EngineLoop(engine, inbox, outbox, args.parent_pid).run()
+        EngineLoop(engine, inbox, outbox).run()
     finally:
         inbox.close()
         outbox.close()
