@@ -213,9 +213,11 @@ def _default_cache_dir() -> str:
     return os.path.join(base, "jaxpipe", "xla")
 
 
-@dataclass
+@dataclass(frozen=True)
 class EngineConfig:
-    """Everything an `Engine` needs. Validated once, at construction.
+    """Everything an `Engine` needs. Validated and normalised once, at construction, then
+    read-only: the switches an engine may flip while it lives (`Engine.set_scheduler`,
+    `set_overlap`, `set_detok_worker`) are the engine's own state, not this config's.
 
     model: a preset name from `models/` (e.g. "smollm2-135m"), a path to a `.gguf` file, an HF
         directory (config.json + *.safetensors) or an orbax checkpoint made by scripts/convert.py.
@@ -351,7 +353,7 @@ class EngineConfig:
         if not isinstance(self.model, (str, os.PathLike)) or not str(self.model):
             raise ValueError(
                 f"EngineConfig.model must be a preset name or a path, got {self.model!r}")
-        self.model = str(self.model)
+        _set(self, "model", str(self.model))
         if self.dtype not in DTYPES:
             raise ValueError(f"EngineConfig.dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.max_num_seqs is not None:
@@ -386,7 +388,7 @@ class EngineConfig:
         self.check_scheduler(self.scheduler)
         self._check_policy_knobs()
         if self.compilation_cache_dir is not None:
-            self.compilation_cache_dir = str(Path(self.compilation_cache_dir).expanduser())
+            _set(self, "compilation_cache_dir", str(Path(self.compilation_cache_dir).expanduser()))
         self._check_layouts()
         self._check_cluster()
 
@@ -394,8 +396,10 @@ class EngineConfig:
         """Fill the cluster settings from JAX's environment variables and check them."""
         from jaxpipe import distributed
 
-        self.coordinator, self.num_processes, self.process_id = distributed.settings(
-            self.coordinator, self.num_processes, self.process_id)
+        settings = distributed.settings(self.coordinator, self.num_processes, self.process_id)
+        names = ("coordinator", "num_processes", "process_id")
+        for name, value in zip(names, settings, strict=True):
+            _set(self, name, value)
         distributed.check(self.coordinator, self.num_processes, self.process_id,
                           load_mesh(self.mesh).num_devices, self.sampler)
 
@@ -445,7 +449,12 @@ class EngineConfig:
             except ValueError as err:
                 raise ValueError(f"EngineConfig.{phase}={value!r} on mesh {self.mesh!r}: "
                                  f"{err}") from None
-            setattr(self, phase, layout)
+            _set(self, phase, layout)
+
+
+def _set(config: EngineConfig, name: str, value) -> None:
+    """Normalise a field of the frozen config, in `__post_init__` only."""
+    object.__setattr__(config, name, value)
 
 
 def _check_number(name: str, value, accepted: str, ok) -> None:

@@ -81,6 +81,7 @@ class Engine:
         self._ids = itertools.count()
         self._requests: dict[str, Sequence] = {}
         self.closed = False
+        self._detok_on = config.detok_worker  # set_detok_worker flips it
         self.executor = Executor(config, self.runner, self.buckets, self.max_num_seqs,
                                  self.max_model_len, self.budget.host_bytes or 0.0)
         if config.warmup:
@@ -218,11 +219,20 @@ class Engine:
     def set_scheduler(self, name: str) -> None:
         """Switch the scheduling policy ("seesaw", "prefill_first", "decode_first") of an idle
         engine, e.g. to compare policies on the same loaded model."""
-        if self.has_unfinished():
-            raise RuntimeError("set_scheduler needs an idle engine: requests are in flight")
+        self._check_idle("set_scheduler")
         self.config.check_scheduler(name)
-        self.config.scheduler = name
         self.executor.set_policy(name)
+
+    def set_overlap(self, on: bool) -> None:
+        """Overlap each step with the previous one's landing, or land each step before the
+        next (`EngineConfig.overlap`, its initial value), on an idle engine."""
+        self._check_idle("set_overlap")
+        self.executor.overlap_steps = bool(on)
+
+    def set_detok_worker(self, on: bool) -> None:
+        """Check stop strings on the detokenizer worker or on the engine's thread
+        (`EngineConfig.detok_worker`, its initial value) for the requests added from now."""
+        self._detok_on = bool(on)
 
     def stats(self) -> dict:
         """Counters since the engine started or `reset_stats()` (JSON-serialisable); see
@@ -349,7 +359,11 @@ class Engine:
         return requests.prompt_token_ids(kind, value, self.tokenizer, self.limits)
 
     def _detok_worker(self):
-        return self.executor.detok if self.config.detok_worker else None
+        return self.executor.detok if self._detok_on else None
+
+    def _check_idle(self, what: str) -> None:
+        if self.has_unfinished():
+            raise RuntimeError(f"{what} needs an idle engine: requests are in flight")
 
     def _need_tokenizer(self, what: str) -> None:
         if self.tokenizer is None:

@@ -78,6 +78,14 @@ def test_bad_layout_message_gives_the_device_count():
         EngineConfig(mesh="cpu-8", decode="tp=2,pp=2")
 
 
+def test_engine_config_is_read_only_after_validation():
+    """Runtime switches are the engine's (set_overlap, set_scheduler), not config fields."""
+    config = EngineConfig(model=Path("smollm2-135m"), prefill="pp=1,tp=1")
+    assert config.model == "smollm2-135m" and config.prefill == Layout()  # normalised once
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.overlap = False
+
+
 def test_engine_config_accepts_path_objects(tmp_path):
     config = EngineConfig(model=tmp_path, compilation_cache_dir="~/somewhere")
     assert config.model == str(tmp_path)

@@ -453,11 +453,11 @@ def test_overlap_on_and_off_give_the_same_outputs(engine, prompts, plain):
     prompt_ids = [ids[i % len(ids)] for i in range(len(params))]
 
     def outputs(overlap: bool):
-        engine.config.overlap = overlap
+        engine.set_overlap(overlap)
         try:
             outs = engine.generate(prompt_token_ids=prompt_ids, sampling_params=params)
         finally:
-            engine.config.overlap = True
+            engine.set_overlap(True)
         return [(o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason,
                  o.outputs[0].stop_reason, o.outputs[0].logprobs) for o in outs]
 
@@ -479,11 +479,11 @@ def test_a_stop_string_the_worker_finds_late_cuts_the_request_back(engine, promp
 
     word = plain["poem"].text.split()[6]
     params = greedy(PLAIN_TOKENS, stop=[word], logprobs=1)
-    engine.config.detok_worker = False  # checked inline, on the engine's thread
+    engine.set_detok_worker(False)  # checked inline, on the engine's thread
     try:
         inline = run(engine, prompts["poem"], params)
     finally:
-        engine.config.detok_worker = True
+        engine.set_detok_worker(True)
     push, settle, cuts = stopping.StopChecker._push_one, stopping.StopChecker.settle, []
 
     def slow_push(self, *args):

@@ -55,11 +55,11 @@ def reference(engine):
     holds max_model_len tokens, so nothing is ever preempted or moved)."""
     engine.set_scheduler("prefill_first")
     engine.reset_stats()
-    engine.config.overlap = False  # the synchronous loop: each step lands before the next
+    engine.set_overlap(False)  # the synchronous loop: each step lands before the next
     try:
         out = tokens(engine.generate(PROMPTS, params()))
     finally:
-        engine.config.overlap = True
+        engine.set_overlap(True)
     stats = engine.stats()
     assert stats["swap_out_bytes"] == 0 == stats["preemptions"]
     return out
@@ -69,11 +69,11 @@ def run_with(engine, policy: str, overlap: bool = True) -> tuple[list, dict]:
     """(tokens, stats) of all requests under `policy`, stats reset first."""
     engine.set_scheduler(policy)
     engine.reset_stats()
-    engine.config.overlap = overlap
+    engine.set_overlap(overlap)
     try:
         return tokens(engine.generate(PROMPTS, params())), engine.stats()
     finally:
-        engine.config.overlap = True
+        engine.set_overlap(True)
 
 
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sync"])
@@ -175,8 +175,14 @@ def test_set_scheduler_needs_an_idle_engine(engine):
         engine.set_scheduler("decode_first")
     engine.abort(rid)
     engine.release(rid)
+    with pytest.raises(RuntimeError, match="set_overlap needs an idle engine"):
+        rid = engine.add_request(PROMPTS[0], params()[0])
+        engine.set_overlap(False)
+    engine.abort(rid)
+    engine.release(rid)
     engine.set_scheduler("decode_first")
-    assert engine.executor.policy.name == "decode_first" == engine.config.scheduler
+    assert engine.executor.policy.name == "decode_first"
+    assert engine.config.scheduler == "prefill_first"  # the config is what the engine began with
 
 
 def test_seesaw_without_a_host_tier_is_refused():

@@ -120,7 +120,7 @@ def mixed_params() -> list[SamplingParams]:
 
 
 def mixed_outputs(engine: Engine, overlap: bool) -> list:
-    engine.config.overlap = overlap
+    engine.set_overlap(overlap)
     engine.executor.reset_stats()
     outs = engine.generate(prompt_token_ids=tiny_prompts(), sampling_params=mixed_params())
     return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
