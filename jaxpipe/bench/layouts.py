@@ -21,13 +21,13 @@ from dataclasses import asdict, dataclass
 import jax
 import jax.numpy as jnp
 
-from jaxpipe.bench.steps import step_call
 from jaxpipe.buckets import Buckets
 from jaxpipe.config import ModelConfig
 from jaxpipe.kv.device_cache import blocks_for
 from jaxpipe.layout import Layout
 from jaxpipe.runner import Runner
 from jaxpipe.sharding import timed_reshard
+from jaxpipe.synthetic_step import step_call
 
 PAIRS = (("pp=8", "tp=8"), ("pp=4,tp=2", "tp=4,pp=2"), ("pp=2,tp=4", "tp=8"),
          ("pp=8", "pp=2,tp=4"))

@@ -22,17 +22,17 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import statistics
-import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from jaxpipe import synthetic_step
 from jaxpipe.config import ModelConfig
 from jaxpipe.layout import Layout
 from jaxpipe.meshes import MESH_DIR, Hardware, load_mesh
 from jaxpipe.planner.costmodel import CostModel
+from jaxpipe.synthetic_step import median_seconds
 
 PREFILL_BATCHES = (1, 4, 16)
 PROMPT_LEN = 128
@@ -77,18 +77,6 @@ def predict(cost: CostModel, shape: Shape) -> float:
 
 
 # ---- machine constants ----------------------------------------------------------------------
-
-
-def median_seconds(call: Callable[[], Any], repeats: int) -> float:
-    """Median wall time of `call()` (which must block until its result is ready), after one
-    untimed call that compiles it."""
-    call()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def measure_bandwidth(nbytes: int = BANDWIDTH_BYTES, repeats: int = 7) -> dict:
@@ -192,29 +180,23 @@ def write_preset(values: dict, name: str = "cpu-1", mesh_dir: Path = MESH_DIR) -
 # ---- the real engine ------------------------------------------------------------------------
 
 
-def step_inputs(runner, shape: Shape):
-    """The ragged step of `shape`: b prompts of t tokens (prefill), or b decode tokens at
-    position t - 1 attending over t positions (decode); sequence r in blocks r*n..r*n+n-1."""
-    from jaxpipe.bench.steps import uniform_inputs
-
+def step_args(shape: Shape) -> tuple[int, int, int]:
+    """(batch, length, start) of the synthetic step of `shape`: b prompts of t tokens
+    (prefill), or b decode tokens at position t - 1 attending over t positions (decode)."""
     b, t = shape.batch, shape.tokens
-    if shape.phase == "prefill":
-        return uniform_inputs(runner, b, t)
-    return uniform_inputs(runner, b, 1, t - 1)
+    return (b, t, 0) if shape.phase == "prefill" else (b, 1, t - 1)
 
 
 def step_call(runner, shape: Shape) -> Callable[[], Any]:
     """One real step of `shape` on `runner`, its LM head over every sequence (blocks until
     the logits are there)."""
-    import jax
-
-    inputs = step_inputs(runner, shape)
-    return lambda: jax.block_until_ready(runner.logits(inputs, shape.batch))
+    return synthetic_step.step_call(runner, *step_args(shape))
 
 
 def make_engine(shapes: Iterable[Shape], model: str = "smollm2-135m", **overrides):
     """An engine (bf16, one CPU device, no warm-up) with room for every shape."""
-    from jaxpipe import Engine, EngineConfig
+    from jaxpipe.config import EngineConfig
+    from jaxpipe.engine import Engine
 
     shapes = list(shapes)
     longest = max(s.tokens for s in shapes)
