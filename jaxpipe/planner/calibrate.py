@@ -32,7 +32,6 @@ from jaxpipe.config import ModelConfig
 from jaxpipe.layout import Layout
 from jaxpipe.meshes import MESH_DIR, Hardware, load_mesh
 from jaxpipe.planner.costmodel import CostModel
-from jaxpipe.synthetic_step import median_seconds
 
 PREFILL_BATCHES = (1, 4, 16)
 PROMPT_LEN = 128
@@ -88,7 +87,7 @@ def measure_bandwidth(nbytes: int = BANDWIDTH_BYTES, repeats: int = 7) -> dict:
     n = nbytes // 4
     x = jnp.ones((1024, n // 1024), jnp.float32)
     row_sum = jax.jit(lambda a: jnp.sum(a, axis=1))
-    read = median_seconds(lambda: row_sum(x).block_until_ready(), repeats)
+    read = synthetic_step.median_seconds(lambda: row_sum(x).block_until_ready(), repeats)
     scale = jax.jit(lambda a: a * 1.0001, donate_argnums=0)
     state = [x]
 
@@ -96,7 +95,7 @@ def measure_bandwidth(nbytes: int = BANDWIDTH_BYTES, repeats: int = 7) -> dict:
         state[0] = scale(state[0])
         state[0].block_until_ready()
 
-    copy = median_seconds(step, repeats)
+    copy = synthetic_step.median_seconds(step, repeats)
     return {"bytes": 4 * x.size, "read_gbps": 4 * x.size / read / 1e9,
             "copy_gbps": 2 * 4 * x.size / copy / 1e9}
 
@@ -209,7 +208,7 @@ def make_engine(shapes: Iterable[Shape], model: str = "smollm2-135m", **override
 
 def measure_steps(engine, shapes: Sequence[Shape], repeats: int = 5) -> list[float]:
     """Median seconds of each shape's step on the engine's runner, compilation excluded."""
-    return [median_seconds(step_call(engine.runner, s), repeats) for s in shapes]
+    return [synthetic_step.median_seconds(step_call(engine.runner, s), repeats) for s in shapes]
 
 
 # ---- the comparison -------------------------------------------------------------------------
