@@ -12,6 +12,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from jaxpipe.cache_dir import cache_dir
 from jaxpipe.layout import Layout
 from jaxpipe.meshes import load_mesh
 
@@ -209,8 +210,7 @@ SAMPLERS = ("device", "host")
 
 
 def _default_cache_dir() -> str:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "jaxpipe", "xla")
+    return str(cache_dir("xla"))
 
 
 @dataclass(frozen=True)

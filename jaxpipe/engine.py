@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpipe import distributed, memory, requests, sharding, step_inputs
+from jaxpipe import distributed, memory, requests, sharding
 from jaxpipe.buckets import Buckets
 from jaxpipe.config import EngineConfig, ModelConfig
 from jaxpipe.executor import Executor
@@ -47,6 +47,7 @@ from jaxpipe.scheduler import (
     Sequence,
 )
 from jaxpipe.stopping import StopChecker
+from jaxpipe.synthetic_step import padding_inputs
 from jaxpipe.tokenizer import Tokenizer
 
 log = logging.getLogger("jaxpipe")
@@ -276,17 +277,13 @@ class Engine:
         with tqdm(total=len(tokens) + len(rows), desc="jaxpipe: compiling", unit="shape",
                   disable=not self.config.show_progress) as bar:
             for t in tokens:
-                self.runner.hidden(self._padding_step(t))
+                self.runner.hidden(padding_inputs(self.runner, t))
                 bar.update()
             for n in rows:  # the head and sampler read [max_rows, E]: any step feeds them
                 plan = self.executor.row_plan([], n)
-                self.runner.step(self._padding_step(tokens[0]),
+                self.runner.step(padding_inputs(self.runner, tokens[0]),
                                  np.full(n, self.max_num_seqs, np.int32), plan)
                 bar.update()
-
-    def _padding_step(self, tokens: int):
-        return step_inputs.build([], tokens, self.runner.microbatches(tokens),
-                                 self.buckets.rows(tokens), self.runner.max_blocks)
 
     # ---- helpers ------------------------------------------------------------------------------
 

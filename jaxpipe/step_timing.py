@@ -14,16 +14,15 @@ import bisect
 import hashlib
 import json
 import logging
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import jax
 
-from jaxpipe.bench.steps import step_call
+from jaxpipe.cache_dir import cache_dir
 from jaxpipe.kv.device_cache import BLOCK
-from jaxpipe.planner.calibrate import median_seconds
+from jaxpipe.synthetic_step import median_seconds, step_call
 
 CONTEXT = 256  # tokens of context behind each measured decode row
 PREFILL_LENGTH = 64  # tokens per prompt in the measured prefill steps
@@ -107,6 +106,5 @@ def _cache_path(runner, model: str, dtype: str) -> Path:
     layout = runner.layouts["prefill"]
     device = jax.devices()[0]
     key = f"{model}|{dtype}|{layout}|{device.platform}|{device.device_kind}|{jax.__version__}"
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     name = hashlib.sha256(key.encode()).hexdigest()[:16]
-    return Path(base) / "jaxpipe" / "timing" / f"{name}.json"
+    return cache_dir("timing") / f"{name}.json"

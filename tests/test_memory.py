@@ -10,6 +10,7 @@ import pytest
 
 from jaxpipe import memory
 from jaxpipe.config import EngineConfig
+from jaxpipe.synthetic_step import padding_inputs
 
 CPU = [SimpleNamespace(platform="cpu")]
 GIB = 2**30
@@ -87,7 +88,7 @@ def test_activation_reserve_bounds_xla_temporaries_of_the_largest_steps(packed):
         assert bool(runner.placements["prefill"].packed) == packed
         for tokens in (1024, 4096):
             fn = runner._program(0)
-            step = engine._padding_step(tokens)
+            step = padding_inputs(runner, tokens)
             temp = fn.lower(runner.params, runner.cache, step, runner._zeros()).compile(
             ).memory_analysis().temp_size_in_bytes
             reserve = memory.activation_bytes(engine.model_config, tokens, 64)

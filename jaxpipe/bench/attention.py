@@ -17,18 +17,6 @@ import numpy as np
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64  # SmolLM2-135M
 
 
-def _median_seconds(fn, args, repeats: int) -> float:
-    import jax
-
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def _interleaved_medians(calls: dict, repeats: int) -> dict:
     """name -> (fn, args): median seconds of each, timed in turns (round r runs every fn once)
     so that load from other processes falls on all of them alike."""

@@ -191,7 +191,7 @@ def roofline(cfg: CheckConfig, log=print) -> dict:
     import jax
 
     from jaxpipe import Engine, EngineConfig
-    from jaxpipe.bench.steps import step_call
+    from jaxpipe.synthetic_step import step_call
 
     engine = Engine(EngineConfig(model=cfg.model, dtype="bfloat16", warmup=False, mesh=mesh_name(),
                                  max_model_len=cfg.decode_context + 16,

@@ -15,19 +15,18 @@ Call `run()` in a process whose JAX backend has the devices (scripts/bench_resha
 from __future__ import annotations
 
 import statistics
-import time
 from dataclasses import asdict, dataclass
 
 import jax
 import jax.numpy as jnp
 
-from jaxpipe.bench.steps import step_call
 from jaxpipe.buckets import Buckets
 from jaxpipe.config import ModelConfig
 from jaxpipe.kv.device_cache import blocks_for
 from jaxpipe.layout import Layout
 from jaxpipe.runner import Runner
 from jaxpipe.sharding import timed_reshard
+from jaxpipe.synthetic_step import median_seconds, step_call
 
 PAIRS = (("pp=8", "tp=8"), ("pp=4,tp=2", "tp=4,pp=2"), ("pp=2,tp=4", "tp=8"),
          ("pp=8", "pp=2,tp=4"))
@@ -45,15 +44,6 @@ class LayoutBenchConfig:
     repeats: int = 3
     pairs: tuple[tuple[str, str], ...] = PAIRS
     stages: tuple[int, ...] = (1, 2, 4, 8)
-
-
-def _median_seconds(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def _runner(cfg: ModelConfig, values: dict, prefill: str, decode: str, bench: LayoutBenchConfig,
@@ -82,14 +72,13 @@ def reshard_row(cfg: ModelConfig, values: dict, prefill: str, decode: str,
     del params, cache
     r.set_phase("decode")
     step = step_call(r, bench.decode_batch, 1, bench.context - 1)
-    step()  # compile
     param_bytes = sum(a.nbytes for a in r.params.values())
     return {"prefill": prefill, "decode": decode,
             "weights_mb": param_bytes / 2**20,
             "to_decode_s": statistics.median(to_decode),
             "to_prefill_s": statistics.median(to_prefill),
             "kv_move_s": statistics.median(kv),
-            "decode_step_s": _median_seconds(step, bench.repeats)}
+            "decode_step_s": median_seconds(step, bench.repeats)}
 
 
 def bubble_rows(cfg: ModelConfig, values: dict, bench: LayoutBenchConfig) -> list[dict]:
@@ -100,9 +89,7 @@ def bubble_rows(cfg: ModelConfig, values: dict, bench: LayoutBenchConfig) -> lis
         layout = f"pp={pp}" if pp > 1 else "pp=1,tp=1"
         r = _runner(cfg, values, layout, layout, bench, jax.devices()[:pp])
         for m in sorted({pp, 2 * pp}):
-            step = step_call(r, b, t, microbatches=m)
-            step()  # compile
-            seconds = _median_seconds(step, bench.repeats)
+            seconds = median_seconds(step_call(r, b, t, microbatches=m), bench.repeats)
             base = seconds if pp == 1 else base
             rows.append({"pp": pp, "microbatches": m, "prefill_s": seconds,
                          "ratio": seconds / base, "ideal_ratio": (m + pp - 1) / m,

@@ -16,7 +16,7 @@ import numpy as np
 
 from jaxpipe import runner, sampling
 from jaxpipe.host_sampler import HostSampler
-from jaxpipe.planner.calibrate import median_seconds
+from jaxpipe.synthetic_step import median_seconds
 
 VOCAB = 49152
 CASES = {

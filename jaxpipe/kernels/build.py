@@ -22,6 +22,8 @@ from pathlib import Path
 import jax
 import jaxlib
 
+from jaxpipe.cache_dir import cache_dir
+
 log = logging.getLogger(__name__)
 
 FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-std=c++17", "-shared",
@@ -32,10 +34,6 @@ LIBS = ("-lmvec",)  # glibc's vector math (the vectorised expf that -ffast-math 
 class KernelBuildError(RuntimeError):
     """No compiler, or the compiler failed: callers fall back to the XLA implementation."""
 
-
-def cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "jaxpipe" / "kernels"
 
 
 def compiler() -> str:
@@ -49,7 +47,7 @@ def build(source: Path) -> Path:
     """The shared library for `source`, compiling it if it is not cached yet."""
     cxx = compiler()
     key = _key(source, cxx)
-    target = cache_dir() / f"{source.stem}-{key}.so"
+    target = cache_dir("kernels") / f"{source.stem}-{key}.so"
     if target.is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)

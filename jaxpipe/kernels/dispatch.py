@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import jaxlib
 import numpy as np
 
+from jaxpipe.cache_dir import cache_dir
 from jaxpipe.kernels import matmul, ragged_attention
 from jaxpipe.kernels.build import cpu_flags
 
@@ -230,9 +231,8 @@ def _cpuinfo() -> str:
 
 def cache_path() -> Path:
     """This machine's timings file."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     key = hashlib.sha256(json.dumps(machine(), sort_keys=True).encode()).hexdigest()[:16]
-    return Path(base) / "jaxpipe" / "dispatch" / f"{key}.json"
+    return cache_dir("dispatch") / f"{key}.json"
 
 
 @functools.cache

@@ -22,13 +22,12 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import statistics
-import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from jaxpipe import synthetic_step
 from jaxpipe.config import ModelConfig
 from jaxpipe.layout import Layout
 from jaxpipe.meshes import MESH_DIR, Hardware, load_mesh
@@ -79,18 +78,6 @@ def predict(cost: CostModel, shape: Shape) -> float:
 # ---- machine constants ----------------------------------------------------------------------
 
 
-def median_seconds(call: Callable[[], Any], repeats: int) -> float:
-    """Median wall time of `call()` (which must block until its result is ready), after one
-    untimed call that compiles it."""
-    call()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def measure_bandwidth(nbytes: int = BANDWIDTH_BYTES, repeats: int = 7) -> dict:
     """GB/s of a jitted row sum of an f32 array (bytes read) and of a donated in-place scale
     (bytes read + written)."""
@@ -100,7 +87,7 @@ def measure_bandwidth(nbytes: int = BANDWIDTH_BYTES, repeats: int = 7) -> dict:
     n = nbytes // 4
     x = jnp.ones((1024, n // 1024), jnp.float32)
     row_sum = jax.jit(lambda a: jnp.sum(a, axis=1))
-    read = median_seconds(lambda: row_sum(x).block_until_ready(), repeats)
+    read = synthetic_step.median_seconds(lambda: row_sum(x).block_until_ready(), repeats)
     scale = jax.jit(lambda a: a * 1.0001, donate_argnums=0)
     state = [x]
 
@@ -108,7 +95,7 @@ def measure_bandwidth(nbytes: int = BANDWIDTH_BYTES, repeats: int = 7) -> dict:
         state[0] = scale(state[0])
         state[0].block_until_ready()
 
-    copy = median_seconds(step, repeats)
+    copy = synthetic_step.median_seconds(step, repeats)
     return {"bytes": 4 * x.size, "read_gbps": 4 * x.size / read / 1e9,
             "copy_gbps": 2 * 4 * x.size / copy / 1e9}
 
@@ -192,29 +179,23 @@ def write_preset(values: dict, name: str = "cpu-1", mesh_dir: Path = MESH_DIR) -
 # ---- the real engine ------------------------------------------------------------------------
 
 
-def step_inputs(runner, shape: Shape):
-    """The ragged step of `shape`: b prompts of t tokens (prefill), or b decode tokens at
-    position t - 1 attending over t positions (decode); sequence r in blocks r*n..r*n+n-1."""
-    from jaxpipe.bench.steps import uniform_inputs
-
+def step_args(shape: Shape) -> tuple[int, int, int]:
+    """(batch, length, start) of the synthetic step of `shape`: b prompts of t tokens
+    (prefill), or b decode tokens at position t - 1 attending over t positions (decode)."""
     b, t = shape.batch, shape.tokens
-    if shape.phase == "prefill":
-        return uniform_inputs(runner, b, t)
-    return uniform_inputs(runner, b, 1, t - 1)
+    return (b, t, 0) if shape.phase == "prefill" else (b, 1, t - 1)
 
 
 def step_call(runner, shape: Shape) -> Callable[[], Any]:
     """One real step of `shape` on `runner`, its LM head over every sequence (blocks until
     the logits are there)."""
-    import jax
-
-    inputs = step_inputs(runner, shape)
-    return lambda: jax.block_until_ready(runner.logits(inputs, shape.batch))
+    return synthetic_step.step_call(runner, *step_args(shape))
 
 
 def make_engine(shapes: Iterable[Shape], model: str = "smollm2-135m", **overrides):
     """An engine (bf16, one CPU device, no warm-up) with room for every shape."""
-    from jaxpipe import Engine, EngineConfig
+    from jaxpipe.config import EngineConfig
+    from jaxpipe.engine import Engine
 
     shapes = list(shapes)
     longest = max(s.tokens for s in shapes)
@@ -227,7 +208,7 @@ def make_engine(shapes: Iterable[Shape], model: str = "smollm2-135m", **override
 
 def measure_steps(engine, shapes: Sequence[Shape], repeats: int = 5) -> list[float]:
     """Median seconds of each shape's step on the engine's runner, compilation excluded."""
-    return [median_seconds(step_call(engine.runner, s), repeats) for s in shapes]
+    return [synthetic_step.median_seconds(step_call(engine.runner, s), repeats) for s in shapes]
 
 
 # ---- the comparison -------------------------------------------------------------------------
