@@ -355,13 +355,20 @@ class Executor:
         ended = {s.request_id for _, s in live if s.is_finished}
         freed = flight.released + (after.released if after is not None else [])
         self.state.finish(ended - {s.request_id for s in freed})
-        matched = [s for s in self._stop_string_matches() if s.request_id not in ended]
-        for run in flight.runs:
-            self.policy.landed(run, {s.seq_id for s in run.seqs} & ended, self.state)
+        matched = self._stop_string_matches()
+        self._tell_policy(flight.runs, ended | {s.request_id for s in matched})
         self._count_seconds(flight.runs, record.fetched - max(record.dispatch, self._last_fetch))
         self._last_fetch = record.fetched
         self.timeline.part("postprocess", start, record)
         return [s for _, s in live] + [s for s in matched if s not in flight.rows]
+
+    def _tell_policy(self, runs: list[Run], ended: set[str]) -> None:
+        """Hand each landed run's sequences that ended as it landed (by their own token, or
+        by a stop string the detokenizer worker found now) to the policy's `landed`: the
+        state no longer holds them, and other finishes (aborts, a stop string of a
+        sequence in no landed run) are no run's outcome."""
+        for run in runs:
+            self.policy.landed(run, [s for s in run.seqs if s.request_id in ended], self.state)
 
     def _release(self, seqs: list[Sequence]) -> None:
         """Free the slots and KV of sequences whose token in flight is their last, at once:

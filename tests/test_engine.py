@@ -1,5 +1,6 @@
 """The public Engine contract on one shared f32 SmolLM2 engine: lengths, stop conditions,
-seeded sampling, logprobs, streaming, continuous batching and input validation.
+seeded sampling, logprobs, streaming, continuous batching and input validation; and, on a tiny
+random-weight model, that an engine keeps nothing of the requests whose outputs it handed out.
 
 Expected outputs are never hard-coded from a jaxpipe run: each test derives them from a plain
 greedy run and Python string / list operations (exact-token parity with HF is in
@@ -7,11 +8,16 @@ tests/model/test_llama_hf.py)."""
 
 from __future__ import annotations
 
+import gc
 import math
+import random
 
 import pytest
 
-from jaxpipe import SamplingParams
+from jaxpipe import Engine, EngineConfig, SamplingParams
+from jaxpipe.config import ModelConfig
+from jaxpipe.model import decoder, loading
+from jaxpipe.scheduler import SeqInfo
 
 EOS = 2  # <|im_end|>
 PLAIN_TOKENS = 24
@@ -524,3 +530,44 @@ def test_a_stop_on_the_token_before_the_last_does_not_free_the_sequence_twice(en
         first = outs[0].outputs[0]
         assert first.token_ids == ref[:stop_at + 1] and first.finish_reason == "stop"
     assert not engine.has_unfinished()
+
+
+# ---- nothing kept after a request ends -------------------------------------------------------
+
+# Prime sizes as in tests/multidevice; two layers: compiled and stepped in moments.
+TINY = ModelConfig(vocab_size=251, hidden_size=37, intermediate_size=53, num_layers=2,
+                   num_heads=14, num_kv_heads=7, head_dim=6, tie_embeddings=False,
+                   max_position_embeddings=64, eos_token_ids=(250,))
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """An engine on TINY's random weights (no tokenizer): 16 rows, steps of up to 32 tokens."""
+    path = tmp_path_factory.mktemp("tiny") / "ckpt"
+    loading.save_orbax(path, TINY, decoder.numpy_random_values(TINY, seed=0), "float32")
+    engine = Engine(EngineConfig(model=str(path), dtype="float32", max_model_len=32,
+                                 max_num_seqs=16, max_num_batched_tokens=32, warmup=False,
+                                 show_progress=False))
+    yield engine
+    engine.close()
+
+
+def requests_alive() -> int:
+    gc.collect()
+    return sum(isinstance(o, SeqInfo) for o in gc.get_objects())
+
+
+def test_an_engine_keeps_nothing_of_the_requests_it_served(tiny):
+    """2,000 short requests through one engine: once their outputs are handed out, no more
+    request records are alive than one batch holds (here none), and the scheduler state
+    only counts the finished ones."""
+    rng = random.Random(0)
+    prompts = [[rng.randrange(250) for _ in range(rng.randint(1, 4))] for _ in range(2000)]
+    params = [SamplingParams(temperature=0.0, max_tokens=rng.randint(1, 4), ignore_eos=True)
+              for _ in prompts]
+    before = requests_alive()
+    outputs = tiny.generate(prompt_token_ids=prompts, sampling_params=params)
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [p.max_tokens for p in params]
+    assert requests_alive() - before <= tiny.max_num_seqs
+    state = tiny.executor.state
+    assert state.num_finished == 2000 and not state.has_work()

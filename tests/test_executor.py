@@ -6,6 +6,8 @@ wherever it goes)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from conftest import ENGINE_KWARGS
 
@@ -277,3 +279,68 @@ def test_aborting_a_request_with_a_token_in_flight_frees_it_once(engine, referen
     kv, state = engine.executor.kv, engine.executor.state
     assert sorted(kv._free) == list(range(engine.max_num_seqs))  # every slot, each once
     assert state.free_blocks == state.num_blocks
+
+
+# ---- TD-Pipe: the predictor learns from each landed run's own finishes -----------------------
+
+
+def early_text(engine, output: list[int]) -> str:
+    """A stop string `output` meets early: the stripped text of one of its first tokens (not
+    the very first) that its whole text contains."""
+    whole = engine.tokenizer.decode(output)
+    for token in output[1:]:
+        text = engine.tokenizer.decode([token]).strip()
+        if text and text in whole:
+            return text
+    raise AssertionError(f"no stop string to take from {whole!r}")
+
+
+def watch_landings(policy) -> list[tuple[list, list]]:
+    """Wrap `policy.landed` and its predictor's `observe`; per landing, (the ids of the
+    landed run's sequences that ended since the previous landing, the ids the predictor
+    learned from). One run lands at a time (one device: one micro-batch a step)."""
+    known, ended, calls, learned = {}, set(), [], []
+    observe, landed = policy.predictor.observe, policy.landed
+
+    def observing(seq):
+        learned.append(seq.seq_id)
+        observe(seq)
+
+    def landing(run, finished, state):
+        known.update((s.seq_id, s) for s in run.seqs)
+        new = {i for i, s in known.items() if s.is_finished} - ended
+        ended.update(new)
+        start = len(learned)
+        landed(run, finished, state)
+        calls.append((sorted(s.seq_id for s in run.seqs if s.seq_id in new),
+                      sorted(learned[start:])))
+
+    policy.predictor.observe, policy.landed = observing, landing
+    return calls
+
+
+def test_tdpipe_learns_from_exactly_the_sequences_each_run_ended(engine, reference):
+    """TD-Pipe with overlap: every third request ends on a stop string the detokenizer worker
+    finds (the request is aborted from the scheduler state as a run lands), the others by
+    length (freed when the step with their last token is dispatched, a landing early). At
+    every landing the predictor learns from exactly the landed run's sequences that ended
+    since the previous one; each request at most once, every length-ended one."""
+    sp = params()
+    stops = {i: early_text(engine, reference[i]) for i in range(0, len(sp), 3)}
+    for i, stop in stops.items():
+        sp[i] = dataclasses.replace(sp[i], stop=[stop])
+    engine.config.tdpipe_finish_ratio = 0.5  # no step-time table to measure
+    try:
+        engine.set_scheduler("tdpipe")
+        calls = watch_landings(engine.executor.policy)
+        outs = engine.generate(PROMPTS, sp)
+    finally:
+        engine.config.tdpipe_finish_ratio = None
+        engine.set_scheduler("prefill_first")
+    assert [o.outputs[0].stop_reason for i, o in enumerate(outs) if i in stops] == \
+        list(stops.values())
+    lengths = {o.request_id for i, o in enumerate(outs) if i not in stops}
+    assert all(o.outputs[0].finish_reason == "length" for o in outs if o.request_id in lengths)
+    assert all(expected == learned for expected, learned in calls), calls
+    learned = [i for _, ids in calls for i in ids]
+    assert len(learned) == len(set(learned)) and lengths <= set(learned)

@@ -27,11 +27,13 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import jax
 
 HOST_KINDS = ("pinned_host", "unpinned_host")
+KEEP_EVENTS = 100_000  # swap events kept (a long-running server makes one per move)
 
 
 @dataclass
@@ -54,7 +56,8 @@ class HostKVBuffer:
         self.entries: dict[str, HostEntry] = {}
         self.used = 0  # rounded tokens held
         self.peak = 0  # the most `used` has been
-        self.events: list[tuple[float, str, str]] = []  # (time, "out"|"in"|"drop", id)
+        # (time, "out"|"in"|"drop", id) of the newest moves, for debugging and the tests
+        self.events: deque[tuple[float, str, str]] = deque(maxlen=KEEP_EVENTS)
         self.bytes_out = self.bytes_in = 0
         self._lock = threading.Lock()
 

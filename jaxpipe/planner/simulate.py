@@ -298,7 +298,7 @@ def simulate(model: ModelConfig, mesh: MeshPreset, workload: Workload, policy: s
     executor.record_host(state)
     seconds = max(executor.clock, executor.link)
     result = SimResult(policy, layout_name(prefill), layout_name(decode), seconds,
-                       workload.total_prompt, workload.total_output, len(state.finished),
+                       workload.total_prompt, workload.total_output, state.num_finished,
                        executor.stats)
     if pipelined:
         result.utilisation = executor.busy_seconds / (prefill.pp * seconds)

@@ -10,15 +10,16 @@ policy = make_policy("seesaw")
 while state.has_work():
     action = policy.schedule(state)         # Run | Switch | SwapIn | Preempt (reads state only)
     finished_ids = executor.execute(action, state)   # do it; report which sequences ended
-    state.apply(action, finished_ids)       # the one place sequences move between queues/tiers
+    finished = state.apply(action, finished_ids)     # the one place sequences move
+    if isinstance(action, Run):
+        policy.landed(action, finished, state)       # for policies that learn from outcomes
 ```
 
 The policy only reads the state and returns an action; `SchedulerState.apply` does the
-bookkeeping, so a real engine and a simulator cannot disagree about where a sequence is. To move
-the engine onto this interface: keep a `SeqInfo` per `Sequence` (same id), call `schedule`
-where the engine calls `Scheduler.schedule` today, map `Run.prefill`/`Run.decode` onto the
-runner's prefill and decode steps, `Switch` onto re-sharding, `SwapIn`/`Preempt(mode="swap")`
-onto the host KV tier, and pass the ids that hit EOS/stop/length to `apply`.
+bookkeeping, so a real engine and a simulator cannot disagree about where a sequence is.
+Finished sequences leave the state; a policy that learns from them gets them in `landed`.
+The engine's executor (`jaxpipe/executor.py`) drives the same policies over its `Sequence`
+records, which are `SeqInfo`s.
 """
 
 from __future__ import annotations
@@ -59,9 +60,11 @@ class Policy:
     def schedule(self, state: SchedulerState) -> Action | None:
         raise NotImplementedError
 
-    def landed(self, run: Run, finished: set[Hashable], state: SchedulerState) -> None:
-        """`run` was applied to `state` (its micro-batch returned); `finished` ended in it.
-        Policies that learn from outcomes or regroup returning batches override this."""
+    def landed(self, run: Run, finished: list[SeqInfo], state: SchedulerState) -> None:
+        """`run` was applied to `state` (its micro-batch returned); `finished` are exactly
+        the sequences of `run` that ended when it landed (they have left `state`: this is
+        the one place a policy sees them). Policies that learn from outcomes or regroup
+        returning batches override this."""
 
     def _in_phase(self, state: SchedulerState, phase: Phase, action: Action) -> Action:
         """`action` if the weights are in `phase`'s layout, else the switch to it first."""
@@ -150,8 +153,7 @@ def drive(policy: Policy, state: SchedulerState,
         action = policy.schedule(state)
         if action is None:
             raise _stalled(policy, state)
-        finished = set(execute(action, state))
-        state.apply(action, finished)
+        finished = state.apply(action, dict.fromkeys(execute(action, state)))
         if isinstance(action, Run):
             policy.landed(action, finished, state)
     raise RuntimeError(f"policy {policy.name!r} did not finish within {max_actions} actions")
@@ -189,8 +191,7 @@ def drive_pipelined(policy: Policy, state: SchedulerState, executor: PipelineExe
             in_flight.append((action, executor.launch(action, state)))
         elif in_flight:
             run, handle = in_flight.popleft()
-            finished = set(executor.land(run, handle, state))
-            state.apply(run, finished)
+            finished = state.apply(run, dict.fromkeys(executor.land(run, handle, state)))
             policy.landed(run, finished, state)
         elif action is None:
             raise _stalled(policy, state)

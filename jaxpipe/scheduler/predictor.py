@@ -24,6 +24,7 @@ learns from requests as they finish:
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Iterable
 
 from jaxpipe.scheduler.state import SeqInfo
 
@@ -83,11 +84,12 @@ def make_predictor(name: str):
     return PREDICTORS[name]()
 
 
-def accumulated_error(pairs: list[tuple[int, int]], group: int) -> float:
+def accumulated_error(pairs: Iterable[tuple[int, int]], group: int) -> float:
     """Mean over consecutive groups of `group` (predicted, actual) pairs of |sum predicted -
     sum actual| / sum actual (TD-Pipe Fig. 14); a trailing partial group is left out."""
     if group < 1:
         raise ValueError(f"group must be >= 1, got {group}")
+    pairs = list(pairs)  # TD-Pipe keeps the newest ones in a bounded deque
     errors = []
     for i in range(0, len(pairs) - group + 1, group):
         pred = sum(p for p, _ in pairs[i:i + group])

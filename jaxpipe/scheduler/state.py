@@ -1,8 +1,10 @@
 """What a scheduling policy sees: sequences as plain integers and the two KV tiers' budgets.
 
-A `SeqInfo` is one request reduced to token counts. A `SchedulerState` holds every `SeqInfo` in
-exactly one place — the waiting queue, the device KV store, the host KV tier, or finished — and
-the capacities of the two tiers in tokens. Only `SchedulerState.apply` moves sequences between
+A `SeqInfo` is one request reduced to token counts. A `SchedulerState` holds every live `SeqInfo`
+in exactly one place — the waiting queue, the device KV store or the host KV tier — and the
+capacities of the two tiers in tokens. A finished sequence leaves the state (it is counted in
+`num_finished`, and `apply` / `finish` hand it back to the caller): a server that runs for weeks
+must not keep every request it ever served. Only `SchedulerState.apply` moves sequences between
 places (see `jaxpipe.scheduler.policy` for the loop that calls it), and it checks the capacity
 invariants on every move, so no executor can silently overfill a tier.
 
@@ -56,6 +58,7 @@ class SeqInfo:
     prompt_len: int
     max_output_len: int
     predicted_output_len: int | None = None  # e.g. from an output-length predictor
+    first_prediction: int | None = None  # the predictor's first guess (its error is measured)
     generated: int = 0  # output tokens sampled so far
     computed: int = 0  # tokens whose KV exists (prefill progress, then one per decode step)
     location: Location = Location.WAITING
@@ -113,7 +116,7 @@ class SchedulerState:
         self.waiting: deque[SeqInfo] = deque()
         self.device: dict[Hashable, SeqInfo] = {}  # insertion order = admission order
         self.host: dict[Hashable, SeqInfo] = {}  # insertion order = swap-out order (FIFO)
-        self.finished: list[SeqInfo] = []
+        self.num_finished = 0  # sequences that ended or were aborted (they are not kept)
         self.num_blocks = device_kv_tokens // device_unit
         self._free = list(range(self.num_blocks - 1, -1, -1))  # a stack: block 0 first
         self.peak_blocks = 0  # the most blocks held at once
@@ -215,13 +218,13 @@ class SchedulerState:
         self.busy.update(s.seq_id for s in run.seqs)
         self._check_capacity()
 
-    def apply(self, action: Action, finished: Iterable[Hashable] = ()) -> None:
-        """Record that `action` ran; `finished` names the sequences that ended in it."""
+    def apply(self, action: Action, finished: Iterable[Hashable] = ()) -> list[SeqInfo]:
+        """Record that `action` ran; `finished` names the sequences that ended in it, which
+        leave the state. Returns them (in `finished`'s order), for the policy's `landed`."""
         handler = {Kind.RUN: self._apply_run, Kind.SWITCH: self._apply_switch,
                    Kind.SWAP_IN: self._apply_swap_in, Kind.PREEMPT: self._apply_preempt}
         handler[action.kind](action)
-        for seq_id in finished:
-            self._finish(seq_id)
+        return self.finish(finished)
 
     def _apply_switch(self, action: Switch) -> None:
         self.phase = Phase(action.phase)
@@ -289,13 +292,13 @@ class SchedulerState:
             self.reserve(seq, seq.computed)
         seq.location = to
 
-    def finish(self, seq_ids: Iterable[Hashable]) -> None:
+    def finish(self, seq_ids: Iterable[Hashable]) -> list[SeqInfo]:
         """Record that these sequences ended after their run was applied (an executor that
-        applies a run at dispatch learns its stops when the tokens reach the host)."""
-        for seq_id in seq_ids:
-            self._finish(seq_id)
+        applies a run at dispatch learns its stops when the tokens reach the host); they
+        leave the state. Returns them."""
+        return [self._finish(seq_id) for seq_id in seq_ids]
 
-    def _finish(self, seq_id: Hashable) -> None:
+    def _finish(self, seq_id: Hashable) -> SeqInfo:
         seq = self.device.pop(seq_id, None) or self.host.pop(seq_id, None)
         if seq is None:
             raise RuntimeError(f"finished sequence {seq_id!r} is not running")
@@ -304,7 +307,8 @@ class SchedulerState:
         else:
             self._release(seq)
         seq.location = Location.FINISHED
-        self.finished.append(seq)
+        self.num_finished += 1
+        return seq
 
     def abort(self, seq_id: Hashable) -> SeqInfo | None:
         """Drop a sequence wherever it is (its KV budget is returned); None if unknown or
@@ -313,12 +317,10 @@ class SchedulerState:
             if seq.seq_id == seq_id:
                 self.waiting.remove(seq)
                 seq.location = Location.FINISHED
-                self.finished.append(seq)
+                self.num_finished += 1
                 return seq
         if seq_id in self.device or seq_id in self.host:
-            seq = self.device.get(seq_id) or self.host.get(seq_id)
-            self._finish(seq_id)
-            return seq
+            return self._finish(seq_id)
         return None
 
     def _check_capacity(self) -> None:

@@ -47,6 +47,7 @@ from jaxpipe.scheduler.state import Location, SchedulerState, SeqInfo
 # steps is counted at no paper point although it holds its KV until then.
 FUTURE_POINTS = (1, 2, 4, 8, 16) + tuple(range(32, 1025, 32))
 DEFAULT_OCCUPANCY = 0.9  # prefill-stop KV ratio without a predictor (ablation)
+KEEP_PREDICTIONS = 100_000  # (prediction, actual) pairs kept for the error metric
 
 
 class PhaseTiming(Protocol):
@@ -111,10 +112,10 @@ class TDPipe(Policy):
         self.points = tuple(future_points)
         self.phase = "prefill"
         self.switches = 0  # phase changes, both ways
-        self.predictions: list[tuple[int, int]] = []  # (first prediction, actual), finished
-        self._first: dict[Hashable, int] = {}  # each sequence's first prediction
+        # (first prediction, actual) of the newest finished sequences (TD-Pipe's Fig. 14)
+        self.predictions: deque[tuple[int, int]] = deque(maxlen=KEEP_PREDICTIONS)
         self._usage: list[int] | None = None  # Algorithm 1's kvUsage for this prefill phase
-        self._returned: deque[tuple[list[SeqInfo], int]] = deque()  # (survivors, finished)
+        self._returned: deque[list[SeqInfo]] = deque()  # returned batches' survivors
         self._partway: dict[Hashable, SeqInfo] = {}  # a long prompt between its chunks
         self._phase_start = 0  # decode requests when the decode phase began
         self._phase_done = 0  # of them, finished since
@@ -192,7 +193,7 @@ class TDPipe(Policy):
         straight back after each preemption)."""
         if seq.predicted_output_len is None:
             seq.predicted_output_len = self.predictor.predict(seq)
-            self._first[seq.seq_id] = seq.predicted_output_len
+            seq.first_prediction = seq.predicted_output_len
         if seq.generated >= seq.predicted_output_len:
             seq.predicted_output_len = min(2 * seq.generated, seq.max_output_len)
         return seq.predicted_output_len
@@ -203,11 +204,11 @@ class TDPipe(Policy):
         live = [s for s in state.device.values() if not s.in_prefill]
         target = max(1, math.ceil(len(live) / self.depth))
         while True:
-            sent = {s.seq_id for batch, _ in self._returned for s in batch} | state.busy
+            sent = {s.seq_id for batch in self._returned for s in batch} | state.busy
             pool = [s for s in state.idle() if not s.in_prefill and s.seq_id not in sent]
             if not self._returned:
                 return Run(decode=pool[:target]) if pool else None
-            batch, _ = self._returned.popleft()
+            batch = self._returned.popleft()
             batch = [s for s in batch if s.seq_id in state.device]
             if self.work_stealing:
                 batch = batch[:target] + pool[:max(0, target - len(batch))]
@@ -216,17 +217,18 @@ class TDPipe(Policy):
             if batch:
                 return Run(decode=batch)
 
-    def landed(self, run: Run, finished: set[Hashable], state: SchedulerState) -> None:
-        for seq in state.finished[len(state.finished) - len(finished):]:
-            if self.predictor is not None:
-                first = self._first.pop(seq.seq_id, None)
-                if first is not None:
-                    self.predictions.append((first, seq.generated))
+    def landed(self, run: Run, finished: list[SeqInfo], state: SchedulerState) -> None:
+        """The predictor learns from `run`'s finished sequences; in the decode phase the
+        batch's survivors return for work stealing."""
+        if self.predictor is not None:
+            for seq in finished:
+                if seq.first_prediction is not None:
+                    self.predictions.append((seq.first_prediction, seq.generated))
                 self.predictor.observe(seq)
         if run.decode and self.phase == "decode":
+            ended = {s.seq_id for s in finished}
             self._phase_done += len(finished)
-            self._returned.append(([s for s in run.decode if s.seq_id not in finished],
-                                   len(finished)))
+            self._returned.append([s for s in run.decode if s.seq_id not in ended])
 
     # ---- decode -> prefill ----------------------------------------------------------------
     def _should_prefill(self, state: SchedulerState) -> bool:

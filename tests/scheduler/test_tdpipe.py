@@ -81,9 +81,7 @@ def launch_round(policy, state, depth):
 
 def land(policy, state, run, finish: int):
     """Land `run` with its first `finish` sequences finished."""
-    ended = {s.seq_id for s in run.decode[:finish]}
-    state.apply(run, ended)
-    policy.landed(run, ended, state)
+    policy.landed(run, state.apply(run, [s.seq_id for s in run.decode[:finish]]), state)
 
 
 @pytest.mark.parametrize("stealing,sizes", [(True, [1, 1, 3, 3, 3]), (False, [1, 1, 4, 4, 1])])
@@ -143,6 +141,45 @@ def test_tdpipe_needs_timing_or_a_finish_ratio():
         make_policy("tdpipe")
     with pytest.raises(ValueError, match="unknown output-length predictor"):
         make_policy("tdpipe", predictor="bert", finish_ratio=0.5)
+
+
+class Recording(Learned):
+    """The learned predictor, noting which sequences it learned from."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def observe(self, seq):
+        self.seen.append(seq.seq_id)
+        super().observe(seq)
+
+
+def test_the_predictor_learns_from_exactly_the_finishes_it_is_handed():
+    """The engine's order of events around a landing: of run 0's four sequences, 0 ends now
+    and 1 was freed when its last token was dispatched; 2, also of run 0, ends on a stop
+    string found as the run lands (aborted after the finishes), and run 1's 4 was freed at
+    its launch. Finished sequences leave the state, so the predictor learns from what
+    `landed` is handed: 0 and 1, with their first predictions, and nothing else."""
+    state = SchedulerState(device_kv_tokens=10_000, max_device_seqs=64)
+    state.add_all(SeqInfo(i, 10, 3) for i in range(8))
+    policy = make_policy("tdpipe", pipeline_depth=2, predictor=Recording(), finish_ratio=1.0,
+                         max_prefill_tokens=80)
+    prefill = policy.schedule(state)
+    state.launch(prefill)
+    state.apply(prefill)
+    policy.phase = "decode"
+    runs = launch_round(policy, state, 2)
+    assert [[s.seq_id for s in r.decode] for r in runs] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    for run in runs:  # applied at dispatch, as the engine's executor does
+        state.apply(run)
+    freed = state.finish([runs[0].decode[1].seq_id, runs[1].decode[0].seq_id])
+    finished = state.finish([runs[0].decode[0].seq_id]) + freed[:1]
+    state.abort(runs[0].decode[2].seq_id)
+    policy.landed(runs[0], finished, state)
+    assert policy.predictor.seen == [0, 1]
+    assert list(policy.predictions) == [(3, 2), (3, 2)]  # predicted 3 (max), ended at 2
+    assert state.num_finished == 4 and policy._phase_done == 2
 
 
 def test_learned_predictor_uses_buckets_then_global_mean():
