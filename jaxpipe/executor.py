@@ -43,6 +43,7 @@ from jaxpipe.scheduler import (
     Sequence,
     make_policy,
 )
+from jaxpipe.scheduler.policy import launch_step
 from jaxpipe.scheduler.throttle import ThrottleKnobs
 from jaxpipe.step_inputs import Piece
 from jaxpipe.stopping import DetokWorker
@@ -101,19 +102,9 @@ class Executor:
     def _microbatch_step(self) -> list[Sequence]:
         """For the policies that form one micro-batch per call (tdpipe, throttle): up to
         `policy.depth` of them, launched one after another as a pipelined executor would,
-        run as one step (the step's own micro-batches even out their tokens). A micro-batch
-        that would overflow the step's token budget is dropped unlaunched; the policy forms
-        it again next step."""
-        runs: list[Run] = []
-        action = None
-        while len(runs) < self.policy.depth:
-            action = self.policy.schedule(self.state)
-            if not isinstance(action, Run):
-                break
-            if runs and _tokens(runs + [action]) > self.buckets.max_tokens:
-                break
-            self.state.launch(action)
-            runs.append(action)
+        run as one step (the step's own micro-batches even out their tokens; see
+        `launch_step` for the step's token budget)."""
+        runs, action = launch_step(self.policy, self.state, self.buckets.max_tokens)
         if runs:
             return self._run(_merge(runs), runs)
         if action is None:
@@ -594,10 +585,6 @@ def _without_finished(action: Action) -> Action:
     if action.kind in (Kind.SWAP_IN, Kind.PREEMPT):
         return dataclasses.replace(action, seqs=[s for s in action.seqs if not s.is_finished])
     return action
-
-
-def _tokens(runs: list[Run]) -> int:
-    return sum(r.prefill_tokens + len(r.decode) for r in runs)
 
 
 def _merge(runs: list[Run]) -> Run:

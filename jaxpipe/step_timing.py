@@ -17,11 +17,12 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import jax
 
 from jaxpipe.cache_dir import cache_dir
-from jaxpipe.kv.device_cache import BLOCK
+from jaxpipe.kv.device_cache import BLOCK, blocks_for
 from jaxpipe.synthetic_step import median_seconds, step_call
 
 CONTEXT = 256  # tokens of context behind each measured decode row
@@ -74,32 +75,61 @@ def load_or_measure(runner, buckets, depth: int, model: str, dtype: str) -> Meas
     return timing
 
 
+class TimedStep(NamedTuple):
+    """One step `measure` times: `batch` sequences of `length` tokens after `start`, counted
+    in the table at `size` (a micro-batch's rows for decode, its tokens for prefill)."""
+
+    size: float
+    batch: int
+    length: int
+    start: int
+
+
 def measure(runner, buckets, depth: int) -> MeasuredTiming:
     """Time decode and prefill steps on the runner (its KV blocks are overwritten)."""
-    start = time.perf_counter()
-    most = max(1, min(buckets.max_rows, runner.num_blocks) // depth)  # a block per row
-    decode = []
-    batch = 1
+    began = time.perf_counter()
+    decode, prefill = timed_steps(buckets, runner.num_blocks, runner.max_len, depth)
+    timing = MeasuredTiming(tuple((s.size, _seconds(runner, s) / depth) for s in decode),
+                            tuple((s.size, _seconds(runner, s) / depth) for s in prefill))
+    log.info("measured step times for tdpipe in %.1fs", time.perf_counter() - began)
+    return timing
+
+
+def timed_steps(buckets, num_blocks: int, max_len: int, depth: int
+                ) -> tuple[list[TimedStep], list[TimedStep]]:
+    """(decode steps, prefill steps) to time: pp micro-batches of 1, 2, 4, ... decode rows
+    (context `CONTEXT`), and of 1, 4 and 16 prompts of `PREFILL_LENGTH` tokens. Every step is
+    one the engine can run: at most `buckets.max_rows` sequences (a step has one row per
+    sequence: 4 x 16 prompts on a 16-row engine would not fit), `buckets.max_tokens` tokens
+    and `num_blocks` KV blocks, each sequence within `max_len`."""
+    most_rows = min(buckets.max_rows, num_blocks)  # a block per decode row at least
+    most = max(1, most_rows // depth)
+    decode, batch = [], 1
     while True:
         rows = min(batch, most)
-        decode.append((rows, _seconds(runner, rows * depth, 1, CONTEXT) / depth))
+        n = min(rows * depth, most_rows)
+        decode.append(TimedStep(rows, n, 1, _start(num_blocks, max_len, n, 1, CONTEXT)))
         if rows == most:
             break
         batch *= 2
-    length = min(PREFILL_LENGTH, runner.max_len)
-    fit = max(1, min(buckets.max_tokens // length, runner.num_blocks // -(-length // BLOCK)))
-    prefill = {}
-    for n in sorted({min(prompts * depth, fit) for prompts in (1, 4, 16)}):
-        prefill[n * length / depth] = _seconds(runner, n, length, 0) / depth
-    log.info("measured step times for tdpipe in %.1fs", time.perf_counter() - start)
-    return MeasuredTiming(tuple(decode), tuple(sorted(prefill.items())))
+    length = min(PREFILL_LENGTH, max_len, buckets.max_tokens)
+    fit = max(1, min(buckets.max_tokens // length, num_blocks // blocks_for(length),
+                     buckets.max_rows))
+    counts = sorted({min(prompts * depth, fit) for prompts in (1, 4, 16)})
+    prefill = [TimedStep(n * length / depth, n, length, 0) for n in counts]
+    return decode, prefill
 
 
-def _seconds(runner, batch: int, length: int, start: int) -> float:
-    """Median seconds of a step of `batch` sequences of `length` tokens after `start` (less
-    if the KV pool cannot hold that much for all of them, or it passes max_model_len)."""
-    fits = min(runner.num_blocks // batch * BLOCK, runner.max_len) - length
-    return median_seconds(step_call(runner, batch, length, max(0, min(start, fits))), REPEATS)
+def _start(num_blocks: int, max_len: int, batch: int, length: int, start: int) -> int:
+    """`start`, less if the KV pool cannot hold that much for all `batch` sequences, or it
+    passes max_model_len."""
+    fits = min(num_blocks // batch * BLOCK, max_len) - length
+    return max(0, min(start, fits))
+
+
+def _seconds(runner, step: TimedStep) -> float:
+    """Median seconds of `step` on the runner."""
+    return median_seconds(step_call(runner, step.batch, step.length, step.start), REPEATS)
 
 
 def _cache_path(runner, model: str, dtype: str) -> Path:

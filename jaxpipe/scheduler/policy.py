@@ -200,6 +200,26 @@ def drive_pipelined(policy: Policy, state: SchedulerState, executor: PipelineExe
     raise RuntimeError(f"policy {policy.name!r} did not finish within {max_actions} actions")
 
 
+def launch_step(policy: Policy, state: SchedulerState, max_tokens: int
+                ) -> tuple[list[Run], Action | None]:
+    """One engine step of a pipelined policy: up to `policy.depth` micro-batches, formed and
+    launched (`state.launch`) one after another, to run as one step of at most `max_tokens`
+    tokens. Stops at the first action that is not a `Run`, or at a micro-batch that would take
+    the step past `max_tokens` (left unlaunched: the policy forms it again next step).
+    Returns (the launched runs, the last action the policy returned)."""
+    runs: list[Run] = []
+    action = None
+    while len(runs) < policy.depth:
+        action = policy.schedule(state)
+        if not isinstance(action, Run):
+            break
+        if runs and sum(r.prefill_tokens + len(r.decode) for r in runs + [action]) > max_tokens:
+            break
+        state.launch(action)
+        runs.append(action)
+    return runs, action
+
+
 def _stalled(policy: Policy, state: SchedulerState) -> RuntimeError:
     return RuntimeError(f"policy {policy.name!r} returned no action with "
                         f"{len(state.waiting)} waiting, {len(state.device)} on device, "

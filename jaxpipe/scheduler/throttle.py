@@ -63,7 +63,9 @@ def decode_budget(running: int, depth: int) -> int:
 
 
 class Throttle(Policy):
-    """One throttled mixed micro-batch per call: #D decode tokens, then #P prompt tokens."""
+    """One throttled mixed micro-batch per call: #D decode tokens, then #P prompt tokens, #P
+    capped so that the micro-batch keeps within `max_prefill_tokens` (the engine's step budget
+    over pp: #MaxP alone let one micro-batch outgrow the step it runs in)."""
 
     name = "throttle"
 
@@ -91,6 +93,7 @@ class Throttle(Policy):
         p, d = self.budgets(state)
         idle = state.idle()
         decode = [s for s in idle if not s.in_prefill][:d]
+        p = min(p, self.max_prefill_tokens - len(decode))  # the micro-batch's token budget
         room = state.device_free - sum(state.growth(s) for s in decode)
         chunks = self._chunks(state, idle, p, room)
         if chunks or decode:

@@ -23,6 +23,18 @@ class Trace:
     launched: list = field(default_factory=list)  # (decode ids, prefill ids) per micro-batch
 
 
+class LinearTiming:
+    """decode: 1 + 0.01 b seconds per micro-batch of b; prefill: 0.01 s per token."""
+
+    peak_batch = 256
+
+    def decode_seconds(self, batch):
+        return 1.0 + 0.01 * batch
+
+    def prefill_seconds(self, tokens):
+        return 0.01 * tokens
+
+
 def make_seqs(n: int, seed: int, prompt=(4, 60), output=(1, 40)) -> list[SeqInfo]:
     rng = random.Random(seed)
     return [SeqInfo(i, rng.randint(*prompt), rng.randint(*output)) for i in range(n)]

@@ -9,19 +9,7 @@ import pytest
 from jaxpipe.scheduler import Location, Run, SchedulerState, SeqInfo, make_policy
 from jaxpipe.scheduler.predictor import Learned, accumulated_error
 from jaxpipe.scheduler.tdpipe import future_usage
-from scheduler.helpers import make_seqs, run_pipelined
-
-
-class LinearTiming:
-    """decode: 1 + 0.01 b seconds per micro-batch of b; prefill: 0.01 s per token."""
-
-    peak_batch = 256
-
-    def decode_seconds(self, batch):
-        return 1.0 + 0.01 * batch
-
-    def prefill_seconds(self, tokens):
-        return 0.01 * tokens
+from scheduler.helpers import LinearTiming, make_seqs, run_pipelined
 
 
 def decoding_state(n: int, capacity: int = 100_000, prompt: int = 10, output: int = 50):
