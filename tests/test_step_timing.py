@@ -7,10 +7,10 @@ import random
 from dataclasses import dataclass
 
 from jaxpipe import pipeline
-from jaxpipe.bench.steps import uniform_inputs
 from jaxpipe.buckets import Buckets
 from jaxpipe.kv.device_cache import blocks_for
 from jaxpipe.step_timing import timed_steps
+from jaxpipe.synthetic_step import uniform_inputs
 
 
 @dataclass
