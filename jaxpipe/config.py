@@ -213,6 +213,11 @@ def _default_cache_dir() -> str:
     return str(cache_dir("xla"))
 
 
+# The fields of EngineConfig that tune one scheduling policy (Engine.set_scheduler's knobs).
+POLICY_KNOBS = ("throttle_iterations", "throttle_max_prefill", "throttle_min_prefill",
+                "throttle_kv_thresh", "tdpipe_predictor", "tdpipe_finish_ratio")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything an `Engine` needs. Validated and normalised once, at construction, then

@@ -8,6 +8,7 @@ chat / stream and outputs live here; `step()` is the executor's (executor.py):
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import math
@@ -23,7 +24,7 @@ import numpy as np
 
 from jaxpipe import distributed, memory, requests, sharding
 from jaxpipe.buckets import Buckets
-from jaxpipe.config import EngineConfig, ModelConfig
+from jaxpipe.config import POLICY_KNOBS, EngineConfig, ModelConfig
 from jaxpipe.executor import Executor
 from jaxpipe.kernels import dispatch
 from jaxpipe.kernels.dispatch import Dispatch
@@ -217,12 +218,16 @@ class Engine:
             self.abort(rid)
             self._requests.pop(rid, None)
 
-    def set_scheduler(self, name: str) -> None:
-        """Switch the scheduling policy ("seesaw", "prefill_first", "decode_first") of an idle
-        engine, e.g. to compare policies on the same loaded model."""
+    def set_scheduler(self, name: str, **knobs) -> None:
+        """Switch the scheduling policy of an idle engine (a name `EngineConfig.scheduler`
+        accepts), e.g. to compare policies on the same loaded model. knobs: the policy's
+        fields of `EngineConfig` (throttle_*, tdpipe_*) for this policy, validated as there;
+        the others keep the engine's config."""
         self._check_idle("set_scheduler")
-        self.config.check_scheduler(name)
-        self.executor.set_policy(name)
+        if unknown := sorted(set(knobs) - set(POLICY_KNOBS)):
+            raise ValueError(f"set_scheduler takes the policy knobs {POLICY_KNOBS}, "
+                             f"got {unknown}")
+        self.executor.set_policy(dataclasses.replace(self.config, scheduler=name, **knobs))
 
     def set_overlap(self, on: bool) -> None:
         """Overlap each step with the previous one's landing, or land each step before the

@@ -120,8 +120,9 @@ class Executor:
         self.detok.close()
         self.runner.close()
 
-    def set_policy(self, name: str) -> None:
-        self.policy = _policy(name, self.config, self.runner, self.buckets,
+    def set_policy(self, config: EngineConfig) -> None:
+        """Schedule with `config`'s policy (its scheduler and knobs) from now on."""
+        self.policy = _policy(config.scheduler, config, self.runner, self.buckets,
                               self.state.host_kv_tokens)
 
     @property

@@ -182,6 +182,10 @@ def test_set_scheduler_needs_an_idle_engine(engine):
         engine.set_overlap(False)
     engine.abort(rid)
     engine.release(rid)
+    with pytest.raises(ValueError, match="policy knobs"):
+        engine.set_scheduler("tdpipe", max_num_seqs=2)
+    with pytest.raises(ValueError, match="tdpipe_finish_ratio"):
+        engine.set_scheduler("tdpipe", tdpipe_finish_ratio=2.0)
     engine.set_scheduler("decode_first")
     assert engine.executor.policy.name == "decode_first"
     assert engine.config.scheduler == "prefill_first"  # the config is what the engine began with
@@ -329,13 +333,11 @@ def test_tdpipe_learns_from_exactly_the_sequences_each_run_ended(engine, referen
     stops = {i: early_text(engine, reference[i]) for i in range(0, len(sp), 3)}
     for i, stop in stops.items():
         sp[i] = dataclasses.replace(sp[i], stop=[stop])
-    engine.config.tdpipe_finish_ratio = 0.5  # no step-time table to measure
     try:
-        engine.set_scheduler("tdpipe")
+        engine.set_scheduler("tdpipe", tdpipe_finish_ratio=0.5)  # no step-time table to measure
         calls = watch_landings(engine.executor.policy)
         outs = engine.generate(PROMPTS, sp)
     finally:
-        engine.config.tdpipe_finish_ratio = None
         engine.set_scheduler("prefill_first")
     assert [o.outputs[0].stop_reason for i, o in enumerate(outs) if i in stops] == \
         list(stops.values())

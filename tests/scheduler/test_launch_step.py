@@ -61,8 +61,7 @@ def drive_steps(name: str, rng: random.Random) -> int:
             check_step(runs, buckets)
             for run in runs:
                 ended = {s.seq_id for s in run.sampling() if s.generated + 1 >= s.max_output_len}
-                state.apply(run, ended)
-                policy.landed(run, ended, state)
+                policy.landed(run, state.apply(run, ended), state)
         else:
             assert action is not None, f"{name} stalled with work left"
             state.apply(action)
