@@ -18,7 +18,7 @@ from typing import Any
 
 from jaxpipe.bench.workload import Request
 
-# name -> EngineConfig fields it sets (each adds one technique to the one before)
+# name -> the techniques it switches on (each adds one to the one before; Engine.set_overlap etc.)
 # ("host-sampler" replaces the device sampler: overlap is then off, see EngineConfig.sampler)
 VARIANTS: dict[str, dict[str, Any]] = {
     "baseline": {"overlap": False, "detok_worker": False, "sampler": "device"},
@@ -42,9 +42,7 @@ def run_variants(engine, workload: Sequence[Request], variants: Sequence[str], r
     reference = None
     for rep in range(repeats):
         for name in variants:
-            for key, value in VARIANTS[name].items():
-                setattr(engine.config, key, value)  # read by the executor at every step
-            engine.runner.set_sampler(engine.config.sampler)  # between runs: no slot in use
+            _switch(engine, **VARIANTS[name])
             engine.reset_stats()
             start = time.perf_counter()
             outs = _generate(engine, workload, stop=stop)
@@ -62,6 +60,13 @@ def run_variants(engine, workload: Sequence[Request], variants: Sequence[str], r
                 path.parent.mkdir(parents=True, exist_ok=True)
                 path.write_text(json.dumps(engine.executor.timeline.chrome_trace()))
     return {name: _median(runs) for name, runs in rows.items()}
+
+
+def _switch(engine, overlap: bool, detok_worker: bool, sampler: str) -> None:
+    """Set a variant's techniques on the idle engine (between runs: no slot in use)."""
+    engine.set_overlap(overlap)
+    engine.set_detok_worker(detok_worker)
+    engine.runner.set_sampler(sampler)
 
 
 def _row(stats: dict, workload: Sequence[Request], elapsed: float, same: bool) -> dict:
