@@ -10,7 +10,8 @@ engine, with explicit operations:
                                     next prefill overlaps them)
   Prefetcher.request(id, shardings) host -> device on a background thread, straight into the
                                     shardings of the layout that will read it (decode)
-  Runner.kv_insert(slot, staged)    staged KV -> a free device slot (a small donated update)
+  Runner.kv_insert(blocks, staged)  staged KV -> the device KV blocks the sequence was given
+                                    (a small donated update; `KVManager` calls it)
 
 Per sequence the host keeps K and V in fixed-size chunks of positions (`Runner.kv_chunk`),
 `[K0, V0, K1, V1, ...]`, each `[layer, kv_head, token, head_dim]` (HND: each (sequence, head)
