@@ -54,7 +54,7 @@ demo: $(VENV)/.base
 	$(PY) scripts/demo.py
 
 test: $(VENV)/.test
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=40  # the slowest 40 listed: where the suite's time goes
 
 $(VENV_LATEST)/.test: pyproject.toml
 	$(PYTHON_LATEST) -m venv $(VENV_LATEST)
