@@ -35,7 +35,7 @@ PYTHON_LATEST ?= python3.12
 VENV_LATEST   ?= .venv-jax-latest
 JAX_LATEST    ?= jax>=0.12,<0.13
 
-.PHONY: demo test test-jax-latest test-latest-deps lock bench bench-env lint clean
+.PHONY: demo test test-slow test-jax-latest test-latest-deps lock bench bench-env lint clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -53,8 +53,13 @@ $(VENV)/.test: $(VENV)/.base
 demo: $(VENV)/.base
 	$(PY) scripts/demo.py
 
+# The suite but its slow tier (tests marked `slow`: soak, cluster, multi-device child, kill and
+# resume); `make test-slow` runs that tier, and .ci/run runs both.
 test: $(VENV)/.test
-	$(PY) -m pytest -q --durations=40  # the slowest 40 listed: where the suite's time goes
+	$(PY) -m pytest -q -m "not slow" --durations=40  # the slowest 40: where the time goes
+
+test-slow: $(VENV)/.test
+	$(PY) -m pytest -q -m slow --durations=10
 
 $(VENV_LATEST)/.test: pyproject.toml
 	$(PYTHON_LATEST) -m venv $(VENV_LATEST)

@@ -137,6 +137,7 @@ def test_unreachable_server_fails_clearly():
         runners.RemoteRunner(f"127.0.0.1:{port}", 8, timeout=1)
 
 
+@pytest.mark.slow
 def test_killed_job_resumes_and_every_custom_id_ends_once(tmp_path):
     n = 16
     source, output = tmp_path / "in.jsonl", tmp_path / "out.jsonl"

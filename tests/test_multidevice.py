@@ -9,9 +9,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 TESTS = Path(__file__).resolve().parent
 
 
+@pytest.mark.slow
 def test_multidevice_suite():
     env = dict(os.environ, JAXPIPE_MULTIDEVICE="1",
                XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} "

@@ -9,11 +9,13 @@ working size; a small step budget keeps that warm-up short."""
 
 from __future__ import annotations
 
+import pytest
 from conftest import ServerProcess, gguf_dir
 
 from jaxpipe.bench.soak import Soak, SoakConfig
 
 
+@pytest.mark.slow
 def test_soak_with_an_engine_kill(tmp_path):
     gguf_dir()
     server = ServerProcess("--restart-backoff", "1", "--max-num-seqs", "32", "--warmup",

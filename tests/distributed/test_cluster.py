@@ -34,6 +34,8 @@ SCHEDULERS = ("prefill_first", "seesaw")  # prefill_first on the prefill layout,
 PAIRS = [("pp=2,tp=4", "tp=8"), ("pp=8", "tp=8")]
 TIMEOUT = 600  # seconds a run may take before the test fails (and kills its processes)
 
+pytestmark = pytest.mark.slow  # minutes of multi-process runs: `make test-slow`
+
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> str:
