@@ -9,6 +9,7 @@ compared with HF's `add_special_tokens=False` ids.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import random
 from pathlib import Path
@@ -94,9 +95,15 @@ def tok(gguf_dir) -> Tokenizer:
 def gguf_field(path: Path, key: str):
     """One metadata value of a GGUF file, read with `gguf` (not with the code under test);
     None when the file has no such key."""
-    gguf = pytest.importorskip("gguf")
-    field = gguf.GGUFReader(path).fields.get(key)
+    field = _gguf_fields(path).get(key)
     return None if field is None else field.contents()
+
+
+@functools.cache
+def _gguf_fields(path: Path) -> dict:
+    """The file's fields, read once (GGUFReader parses every tensor's header: seconds)."""
+    gguf = pytest.importorskip("gguf")
+    return gguf.GGUFReader(path).fields
 
 
 # -- encode / decode ---------------------------------------------------------------------------
