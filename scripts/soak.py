@@ -36,8 +36,10 @@ def free_port() -> int:
 def start_server(extra: list[str], log_path: Path) -> tuple[subprocess.Popen, str]:
     port = free_port()
     log = open(log_path, "wb")  # noqa: SIM115 (the server's lifetime)
+    # --http-port 0: the soak drives gRPC; its HTTP API must not claim the default port
     proc = subprocess.Popen([sys.executable, "-m", "jaxpipe.serve", "--port", str(port),
-                             *SERVER_ARGS, *extra], stdout=log, stderr=subprocess.STDOUT)
+                             "--http-port", "0", *SERVER_ARGS, *extra], stdout=log,
+                            stderr=subprocess.STDOUT)
     return proc, f"127.0.0.1:{port}"
 
 

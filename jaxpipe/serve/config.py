@@ -1,4 +1,5 @@
-"""`ServerConfig`: how the gRPC front end listens and what it accepts. Validated once."""
+"""`ServerConfig`: how the gRPC and HTTP front ends listen and what they accept. Validated
+once."""
 
 from __future__ import annotations
 
@@ -9,11 +10,16 @@ from dataclasses import dataclass, field
 class ServerConfig:
     """Front-end settings; `engine` holds the EngineConfig fields for the engine process.
 
+    host, port: where gRPC listens (port None: no gRPC front end; 0 picks a free port).
+    http_host, http_port: where the OpenAI-compatible HTTP API listens (http_port None: none).
+        At least one front end is on.
+
     max_message_mb: gRPC's limit on one message (a whole GenerateBatch call); a larger message is
         refused by gRPC itself with RESOURCE_EXHAUSTED.
     max_request_bytes: limit on one request (a Generate request or one batch item); a larger
         one gets INVALID_ARGUMENT and the rest of its batch still runs.
-    max_concurrent_requests: concurrent calls; more are refused with RESOURCE_EXHAUSTED.
+    max_concurrent_requests: concurrent calls per front end; more are refused (gRPC:
+        RESOURCE_EXHAUSTED, HTTP: 429 with Retry-After).
     drain_timeout: seconds in-flight calls get to finish after SIGTERM / SIGINT.
     engine_restarts: restarts of an engine process that died after it had served, in a row
         (an engine up for a minute resets the count); the server exits when they run out.
@@ -23,7 +29,9 @@ class ServerConfig:
     """
 
     host: str = "127.0.0.1"
-    port: int = 50051
+    port: int | None = 50051
+    http_host: str = "127.0.0.1"
+    http_port: int | None = 8000
     max_message_mb: float = 64.0
     max_request_bytes: int = 1 << 20
     max_concurrent_requests: int = 256
@@ -37,7 +45,15 @@ class ServerConfig:
     def __post_init__(self):
         if not isinstance(self.host, str) or not self.host:
             raise ValueError(f"ServerConfig.host must be a host name or address, got {self.host!r}")
-        _check_int("port", self.port, 0, 65535)
+        if not isinstance(self.http_host, str) or not self.http_host:
+            raise ValueError("ServerConfig.http_host must be a host name or address, got "
+                             f"{self.http_host!r}")
+        if self.port is None and self.http_port is None:
+            raise ValueError("ServerConfig: port and http_port are both None; turn at least "
+                             "one front end (gRPC or HTTP) on")
+        for name in ("port", "http_port"):
+            if getattr(self, name) is not None:
+                _check_int(name, getattr(self, name), 0, 65535)
         _check_int("max_request_bytes", self.max_request_bytes, 1, 1 << 31)
         _check_int("max_concurrent_requests", self.max_concurrent_requests, 1, 100_000)
         _check_number("max_message_mb", self.max_message_mb, 2047)

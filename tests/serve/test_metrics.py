@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from jaxpipe import SamplingParams
 from jaxpipe.serve import jaxpipe_pb2 as pb
 from jaxpipe.serve import jaxpipe_pb2_grpc as pb_grpc
-from jaxpipe.serve.metrics import COUNTERS, EngineCollector, Outcomes
+from jaxpipe.serve.metrics import COUNTERS, EngineCollector, Outcomes, ServerMetrics
 
 
 def samples(text: str) -> dict:
@@ -52,6 +52,23 @@ def test_collector_renders_engine_stats(engine):
         stats["device_kv_capacity"]
     assert got[("jaxpipe_queue_requests", (("tier", "waiting"),))] == 0
     assert got[("jaxpipe_engine_up", ())] == 1
+
+
+def test_request_timer_observes_each_latency_once_per_request():
+    metrics = ServerMetrics(lambda: None)
+    timer = metrics.latency.timer("http")
+    timer.tokens(0)  # a delta with no tokens is not the first token
+    timer.tokens(1)
+    timer.tokens(3)
+    timer.finished()
+    metrics.latency.timer("http").finished()  # ended before any token: end-to-end only
+    got = samples(generate_latest(metrics.registry).decode())
+    http = (("front_end", "http"),)
+    assert got[("jaxpipe_time_to_first_token_seconds_count", http)] == 1
+    assert got[("jaxpipe_time_per_output_token_seconds_count", http)] == 1
+    assert got[("jaxpipe_e2e_request_latency_seconds_count", http)] == 2
+    assert got[("jaxpipe_e2e_request_latency_seconds_sum", http)] >= \
+        got[("jaxpipe_time_to_first_token_seconds_sum", http)] >= 0
 
 
 def test_collector_says_when_the_engine_does_not_answer():
@@ -98,5 +115,7 @@ def test_server_metrics_follow_a_known_workload(grpc_server):
     for reason, n in reasons.items():
         assert moved("jaxpipe_requests_total", outcome=reason) == n
     assert moved("jaxpipe_requests_total", outcome="invalid") == 1
+    for name in ("time_to_first_token", "time_per_output_token", "e2e_request_latency"):
+        assert moved(f"jaxpipe_{name}_seconds_count", front_end="grpc") == 3, name
     assert after[("jaxpipe_generation_tokens_total", ())] == server_info.generated_tokens
     assert after[("jaxpipe_engine_up", ())] == 1
