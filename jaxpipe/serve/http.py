@@ -104,7 +104,7 @@ class HttpFrontEnd:
         app.add_exception_handler(ApiError, self._error_response)
         app.get("/v1/models")(self.models)
         app.get("/health")(self.health)
-        app.get("/metrics")(self.metrics)
+        app.get("/metrics")(self.prometheus)
 
         async def chat(request: Request):
             return await self.generate(CHAT_URL, request)
@@ -141,7 +141,7 @@ class HttpFrontEnd:
                                 status_code=503)
         return JSONResponse({"status": "ok"})
 
-    def metrics(self) -> Response:
+    def prometheus(self) -> Response:
         """Prometheus text (the same registry as --metrics-port); sync: FastAPI runs it in a
         worker thread, since a scrape waits on the engine's stats answer."""
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest

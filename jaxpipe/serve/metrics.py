@@ -91,8 +91,9 @@ class EngineCollector:
 
     def _requests(self, stats: dict) -> CounterMetricFamily:
         family = CounterMetricFamily(PREFIX + "requests", "requests by outcome: the engine's "
-                                     "finish reasons, and the front end's invalid and "
-                                     "unavailable refusals", labels=["outcome"])
+                                     "finish reasons, and the front ends' invalid, "
+                                     "rate_limited and unavailable refusals",
+                                     labels=["outcome"])
         counts = dict(stats.get("finish_reasons", {}))
         for outcome, n in self.outcomes.counts().items():
             counts[outcome] = counts.get(outcome, 0) + n
