@@ -11,11 +11,13 @@ set of rules and messages for every front end.
 Every accepted call ends with one response or one error: 400 naming the body key (`param`),
 404 for another model, 413 for an oversized body, 429 with Retry-After past
 `max_concurrent_requests` calls in flight, 503 while the engine is down or the server drains.
-A stream that loses its client aborts its requests, which frees their KV blocks.
+A call that loses its client, streamed or not, aborts its requests, which frees their KV
+blocks.
 """
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 import logging
@@ -79,6 +81,25 @@ class EngineStream(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             self.on_close()
+
+
+async def _unless_disconnected(request: Request, work):
+    """`await work`, unless the client disconnects first: then the work is cancelled and
+    ApiError 499 (nginx's "client closed request"; nobody reads it) is raised."""
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    task, watch = asyncio.ensure_future(work), asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+    if not task.done() or task.cancelled():
+        raise ApiError(499, "the client closed the connection")
+    return task.result()
 
 
 def sse(data: dict | str) -> str:
@@ -172,7 +193,8 @@ class HttpFrontEnd:
 
             return EngineStream(self._events(url, rid, body, call, choices), close)
         try:
-            return JSONResponse(await self._whole(url, rid, body, call, choices))
+            return JSONResponse(await _unless_disconnected(
+                request, self._whole(url, rid, body, call, choices)))
         finally:
             call.abort_unfinished()
             self.admission.leave()

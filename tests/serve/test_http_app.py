@@ -122,6 +122,15 @@ def test_past_the_limit_429_with_retry_after_then_admitted_again(client, engine,
     assert client.completions.create(model=MODEL, prompt=[3], max_tokens=4).choices
 
 
+def test_a_whole_response_whose_client_gives_up_is_aborted(front, engine):
+    engine.hold = True
+    impatient = openai.OpenAI(base_url=front[1] + "/v1", api_key="unused", max_retries=0,
+                              timeout=1)
+    with pytest.raises(openai.APITimeoutError):
+        impatient.completions.create(model=MODEL, prompt=[1, 2], max_tokens=4)
+    assert until(lambda: engine.aborted == ["h0-0"] and front[0].admission.active == 0)
+
+
 def test_engine_down_is_503_and_health_says_so(client, engine, front):
     engine.dead.set()
     with pytest.raises(openai.InternalServerError) as info:
