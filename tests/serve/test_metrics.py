@@ -88,15 +88,18 @@ def test_server_metrics_follow_a_known_workload(grpc_server):
     """Three streamed requests and one invalid one: the counters move by what the clients
     received (tokens, usage, finish reasons), and agree with GetServerInfo."""
     before = scrape(grpc_server)
-    tokens, prompt, reasons = 0, 0, {}
+    tokens, prompt, reasons, several = 0, 0, {}, 0
     with grpc.insecure_channel(grpc_server.address) as channel:
         stub = pb_grpc.GenerationStub(channel)
         for text in ("One, two,", "Red, green,", "Monday, Tuesday,"):
             sampling = pb.SamplingParams(temperature=0.0, max_tokens=4)
+            request_tokens = 0
             for resp in stub.Generate(pb.GenerateRequest(text=text, sampling=sampling),
                                       timeout=300):
                 tokens += len(resp.token_ids)
+                request_tokens += len(resp.token_ids)
                 if resp.finish_reason:
+                    several += request_tokens > 1  # those have a time per output token
                     prompt += resp.usage.prompt_tokens
                     reasons[resp.finish_reason] = reasons.get(resp.finish_reason, 0) + 1
         with pytest.raises(grpc.RpcError) as info:
@@ -115,7 +118,8 @@ def test_server_metrics_follow_a_known_workload(grpc_server):
     for reason, n in reasons.items():
         assert moved("jaxpipe_requests_total", outcome=reason) == n
     assert moved("jaxpipe_requests_total", outcome="invalid") == 1
-    for name in ("time_to_first_token", "time_per_output_token", "e2e_request_latency"):
-        assert moved(f"jaxpipe_{name}_seconds_count", front_end="grpc") == 3, name
+    assert moved("jaxpipe_time_to_first_token_seconds_count", front_end="grpc") == 3
+    assert moved("jaxpipe_e2e_request_latency_seconds_count", front_end="grpc") == 3
+    assert moved("jaxpipe_time_per_output_token_seconds_count", front_end="grpc") == several
     assert after[("jaxpipe_generation_tokens_total", ())] == server_info.generated_tokens
     assert after[("jaxpipe_engine_up", ())] == 1
