@@ -83,14 +83,30 @@ def test_the_server_exits_when_restarts_run_out(tmp_path):
         s.stop()
 
 
+def started_http_stream(server):
+    """An OpenAI-API chat stream (24 tokens, usage at the end) that has sent its first chunk,
+    and its chunks so far."""
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=server.http_url + "/v1", api_key="unused", max_retries=0,
+                           timeout=120)
+    stream = iter(client.chat.completions.create(
+        model="smollm2-135m", messages=[{"role": "user", "content": "Tell me a long story."}],
+        temperature=0, max_tokens=24, stream=True, stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True}))
+    return stream, [next(stream)]
+
+
 def test_sigterm_drains_in_flight_requests_then_exits(server):
+    """Three gRPC streams and one HTTP stream in flight at SIGTERM all finish."""
     engine_pid = server.engine_pid()
     sampling = pb.SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     results: dict[int, list] = {}
     with grpc.insecure_channel(server.address) as ch:
         stub = pb_grpc.GenerationStub(ch)
         calls = [started_stream(stub, sampling) for _ in range(3)]
+        http_stream, http_chunks = started_http_stream(server)
         server.proc.send_signal(signal.SIGTERM)
+        http_chunks += list(http_stream)
 
         def finish(i, call, got):
             results[i] = got + list(call)
@@ -101,6 +117,8 @@ def test_sigterm_drains_in_flight_requests_then_exits(server):
         for t in threads:
             t.join(120)
     assert server.proc.wait(120) == 0
+    assert http_chunks[-1].usage.completion_tokens == 24
+    assert [c.choices[0].finish_reason for c in http_chunks if c.choices][-1] == "length"
     for i in range(3):
         responses = results[i]
         assert sum(len(r.token_ids) for r in responses) == 24
