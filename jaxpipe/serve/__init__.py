@@ -9,6 +9,8 @@ process over ZeroMQ.
     http.py             the OpenAI HTTP API (FastAPI + uvicorn): routes, admission, errors
     engine_calls.py     an HTTP call's requests on the event loop: deltas in, aborts out
     openai_responses.py OpenAI's response, chunk, logprobs and error shapes
+    batches.py          the Batch API's files and jobs under --batch-dir (resumable)
+    http_batches.py     the Batch API's HTTP routes
     protos.py           protobuf <-> Python values
     engine_client.py    the front end's side of the ZeroMQ link; spawns the engine process
     engine_process.py   the engine process: the device loop

@@ -43,6 +43,12 @@ def parse_args(argv=None) -> tuple[ServerConfig, str]:
                           f"/v1/models, /health, /metrics); 0 picks a free one "
                           f"(default: {d.http_port})")
     net.add_argument("--no-http", action="store_true", help="no HTTP front end")
+    net.add_argument("--batch-dir", default=None,
+                     help="serve the OpenAI Batch API (/v1/files, /v1/batches) on the HTTP "
+                          "port, keeping files and jobs in this directory; unfinished jobs "
+                          "found there resume at start (default: off)")
+    net.add_argument("--max-file-mb", type=float, default=d.max_file_mb,
+                     help=f"largest Batch API upload (default: {d.max_file_mb:g})")
     net.add_argument("--max-message-mb", type=float, default=d.max_message_mb,
                      help="largest gRPC message, e.g. a whole GenerateBatch call; larger ones get "
                           f"RESOURCE_EXHAUSTED (default: {d.max_message_mb:g})")
@@ -82,7 +88,8 @@ def parse_args(argv=None) -> tuple[ServerConfig, str]:
                               drain_timeout=args.drain_timeout, metrics_port=args.metrics_port,
                               engine_restarts=args.engine_restarts,
                               restart_backoff=args.restart_backoff,
-                              metrics_host=args.metrics_host, engine=engine_kwargs(args, p))
+                              metrics_host=args.metrics_host, batch_dir=args.batch_dir,
+                              max_file_mb=args.max_file_mb, engine=engine_kwargs(args, p))
     except ValueError as e:
         p.error(str(e))
     return config, args.log_level

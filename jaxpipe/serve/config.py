@@ -26,6 +26,8 @@ class ServerConfig:
         restart_backoff: seconds before the first restart, doubled for each one in a row.
     metrics_port: serve Prometheus metrics at http://metrics_host:metrics_port/metrics (None:
         off; 0 picks a free port). metrics_host: loopback by default.
+    batch_dir: where the HTTP Batch API keeps its files and jobs (None: no Batch API); jobs
+        found there unfinished are resumed at start. max_file_mb: the largest upload.
     """
 
     host: str = "127.0.0.1"
@@ -40,6 +42,8 @@ class ServerConfig:
     restart_backoff: float = 1.0
     metrics_port: int | None = None
     metrics_host: str = "127.0.0.1"
+    batch_dir: str | None = None
+    max_file_mb: float = 512.0
     engine: dict = field(default_factory=dict)  # EngineConfig fields (its defaults apply)
 
     def __post_init__(self):
@@ -60,6 +64,9 @@ class ServerConfig:
         _check_number("drain_timeout", self.drain_timeout, 1e9)
         _check_int("engine_restarts", self.engine_restarts, 0, 1000)
         _check_number("restart_backoff", self.restart_backoff, 3600)
+        _check_number("max_file_mb", self.max_file_mb, 1 << 20)
+        if self.batch_dir is not None and self.http_port is None:
+            raise ValueError("ServerConfig.batch_dir needs the HTTP front end (http_port)")
         if self.metrics_port is not None:
             _check_int("metrics_port", self.metrics_port, 0, 65535)
         if self.max_request_bytes > self.max_message_bytes:

@@ -30,6 +30,7 @@ from jaxpipe.serve.service import GenerationService
 
 log = logging.getLogger("jaxpipe.serve")
 
+BATCH_IN_FLIGHT = 64  # requests a Batch API job keeps in the engine (beside live traffic)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name  # "jaxpipe.v1.Generation"
 
 
@@ -135,8 +136,35 @@ class _FrontEnds:
             self.metrics.shutdown()
 
 
+def _add_batch_api(config: ServerConfig, front: HttpFrontEnd, stop: threading.Event) -> None:
+    """The Batch API's routes and jobs (batches.py), resuming the jobs left unfinished."""
+    from jaxpipe.batch.runners import ClientRunner
+    from jaxpipe.serve.batches import Batches, FileStore
+    from jaxpipe.serve.http_batches import BatchRoutes
+
+    client = front.client
+
+    def runner(prefix: str) -> ClientRunner:
+        return ClientRunner(client, front.tokenizer, front.model, prefix, BATCH_IN_FLIGHT)
+
+    def wait_engine() -> bool:
+        while not stop.wait(0.5):
+            if client.serving:
+                return True
+            if client.given_up.is_set():
+                return False
+        return False
+
+    files = FileStore(config.batch_dir)
+    batches = Batches(config.batch_dir, files, runner, wait_engine, config.max_request_bytes)
+    BatchRoutes(files, batches, int(config.max_file_mb * 2**20)).add_to(front.app)
+    batches.resume()
+    log.info("Batch API on (files and jobs in %s)", config.batch_dir)
+
+
 def _start_front_ends(config: ServerConfig, client: EngineClient,
-                      health_servicer: health.HealthServicer) -> _FrontEnds:
+                      health_servicer: health.HealthServicer,
+                      stop: threading.Event) -> _FrontEnds:
     model = config.engine.get("model", EngineConfig.model)
     tokenizer, metrics = _load_tokenizer(model), _metrics(client)
     fronts = _FrontEnds()
@@ -150,6 +178,8 @@ def _start_front_ends(config: ServerConfig, client: EngineClient,
         if config.http_port is not None:
             fronts.http_front = HttpFrontEnd(client, tokenizer, model, config.max_request_bytes,
                                              config.max_concurrent_requests, metrics)
+            if config.batch_dir is not None:
+                _add_batch_api(config, fronts.http_front, stop)
             fronts.http = HttpServer(fronts.http_front.app, config.http_host, config.http_port,
                                      config.drain_timeout)
             port = fronts.http.start()
@@ -170,7 +200,7 @@ def serve(config: ServerConfig) -> int:
     client = EngineClient(config.engine, on_health=lambda ok: _set_health(health_servicer, ok),
                           max_restarts=config.engine_restarts, backoff=config.restart_backoff)
     try:
-        fronts = _start_front_ends(config, client, health_servicer)
+        fronts = _start_front_ends(config, client, health_servicer, stop)
     except BaseException:
         client.close(timeout=5)
         raise
