@@ -4,9 +4,11 @@ DEADLINE_EXCEEDED instead of blocking the run."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
+import time
 
 import grpc
 import psutil
@@ -126,3 +128,53 @@ def test_sigterm_drains_in_flight_requests_then_exits(server):
     assert not psutil.pid_exists(engine_pid) or \
         psutil.Process(engine_pid).status() == psutil.STATUS_ZOMBIE
     assert "SIGTERM received: draining" in server.log()
+
+
+def test_batch_api_job_survives_sigkill_and_finishes_each_custom_id_once(tmp_path):
+    """A Batch API job (openai client: files.create, batches.create, poll, files.content) on a
+    server killed with SIGKILL mid-batch; a server restarted over the same --batch-dir
+    finishes it: every custom_id once, the bad line in the error file."""
+    openai = pytest.importorskip("openai")
+    gguf_dir()
+    batch_dir = str(tmp_path / "batches")
+    lines = [json.dumps({"custom_id": f"r{i:02d}", "method": "POST", "url": "/v1/completions",
+                         "body": {"model": "smollm2-135m", "prompt": f"Fact {i}:",
+                                  "max_tokens": 16, "temperature": 0, "ignore_eos": True}})
+             for i in range(48)]
+    lines.append(json.dumps({"custom_id": "bad", "method": "POST", "url": "/v1/completions",
+                             "body": {"prompt": "x", "top_p": 0}}))
+    first = ServerProcess("--batch-dir", batch_dir, log_path=tmp_path / "first.log")
+    try:
+        first.wait_serving()
+        client = openai.OpenAI(base_url=first.http_url + "/v1", api_key="unused",
+                               max_retries=0, timeout=60)
+        source = client.files.create(file=("in.jsonl", "\n".join(lines).encode()),
+                                     purpose="batch")
+        batch = client.batches.create(input_file_id=source.id, endpoint="/v1/completions",
+                                      completion_window="24h")
+        deadline = time.monotonic() + 300
+        while client.batches.retrieve(batch.id).request_counts.completed < 8:
+            assert time.monotonic() < deadline, first.log()
+            time.sleep(0.1)
+        first.proc.kill()
+    finally:
+        first.stop()
+    second = ServerProcess("--batch-dir", batch_dir, log_path=tmp_path / "second.log")
+    try:
+        second.wait_serving()
+        client = openai.OpenAI(base_url=second.http_url + "/v1", api_key="unused",
+                               max_retries=0, timeout=60)
+        deadline = time.monotonic() + 300
+        while (done := client.batches.retrieve(batch.id)).status != "completed":
+            assert time.monotonic() < deadline, second.log()
+            time.sleep(0.5)
+        assert f"resuming batch {batch.id}" in second.log()
+        out, errors = ([json.loads(x) for x in client.files.content(file_id).text.splitlines()]
+                       for file_id in (done.output_file_id, done.error_file_id))
+    finally:
+        second.stop()
+    assert sorted(r["custom_id"] for r in out) == [f"r{i:02d}" for i in range(48)]
+    assert all(len(r["response"]["body"]["choices"][0]["token_ids"]) == 16 for r in out)
+    assert [(e["custom_id"], e["error"]["param"]) for e in errors] == [("bad", "body.top_p")]
+    assert (done.request_counts.total, done.request_counts.completed,
+            done.request_counts.failed) == (49, 48, 1)
