@@ -233,7 +233,7 @@ class Engine:
         """Overlap each step with the previous one's landing, or land each step before the
         next (`EngineConfig.overlap`, its initial value), on an idle engine."""
         self._check_idle("set_overlap")
-        self.executor.overlap_steps = bool(on)
+        self.executor.set_overlap(on)
 
     def set_detok_worker(self, on: bool) -> None:
         """Check stop strings on the detokenizer worker or on the engine's thread

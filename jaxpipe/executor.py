@@ -66,7 +66,7 @@ class Executor:
         self.kv.on_insert = self._landed
         self.detok = DetokWorker()  # used by the requests added while config.detok_worker
         self._flight: Flight | None = None  # the step dispatched and not yet landed
-        self.overlap_steps = config.overlap  # Engine.set_overlap flips it on an idle engine
+        self._overlap = config.overlap  # set_overlap flips it on an idle engine
         self.reset_stats()
 
     @property
@@ -74,7 +74,11 @@ class Executor:
         """Whether a step is dispatched before the previous one's tokens are on the host
         (`EngineConfig.overlap`; the pipelined policies already keep pp micro-batches in
         each step and land every step before scheduling the next)."""
-        return self.overlap_steps and self.policy.depth == 1
+        return self._overlap and self.policy.depth == 1
+
+    def set_overlap(self, on: bool) -> None:
+        """Overlap steps from now on, or land each before the next (Engine.set_overlap)."""
+        self._overlap = bool(on)
 
     def has_work(self) -> bool:
         """Whether a request is unfinished: in the scheduler state, or (already freed: its

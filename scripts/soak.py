@@ -89,6 +89,7 @@ def main() -> int:
         proc.terminate()
         proc.wait(120)
     print(result.table())
+    print(result.rss_series())
     if args.json:
         Path(args.json).write_text(json.dumps({
             "calls": {f"{k}/{o}": n for (k, o), n in result.calls.items()},
@@ -96,7 +97,8 @@ def main() -> int:
             "killed_at": result.killed_at, "restart_seconds": result.restart_seconds,
             "rss_before": result.rss_before, "rss_after": result.rss_after,
             "front_end_rss": list(result.front_end_rss),
-            "seconds": result.seconds}, indent=1))
+            "seconds": result.seconds,
+            "rss_samples": [list(s) for s in result.rss_samples]}, indent=1))
     return 1 if result.violations else 0
 
 

@@ -67,6 +67,7 @@ class SoakResult:
     front_end_rss: tuple[int, int] = (0, 0)  # the front end's part of both (it outlives kills)
     serves_after: bool = False
     seconds: float = 0.0
+    rss_samples: list = field(default_factory=list)  # (seconds into the run, front end, total)
 
     def table(self) -> str:
         rows = [f"{'kind':<10}{'outcome':<14}{'calls':>8}"]
@@ -78,6 +79,16 @@ class SoakResult:
                     f" GiB (front end {gib[2]:.2f} -> {gib[3]:.2f}); serves after: "
                     f"{self.serves_after}; violations: {len(self.violations)}")
         return "\n".join(rows + self.violations[:20])
+
+    def rss_series(self, every: float = 10.0) -> str:
+        """The total RSS one sample per `every` seconds: where a breach of the RSS bound came
+        from (a level after the restart, or a climb)."""
+        shown, next_at = [], 0.0
+        for t, _, total in self.rss_samples:
+            if t >= next_at:
+                shown.append(f"{t:.0f}s {total / 2**30:.2f}")
+                next_at = t + every
+        return "RSS GiB: " + ", ".join(shown)
 
 
 def _fmt(x: float | None) -> str:
@@ -101,7 +112,7 @@ class Soak:
         stop_at = start + cfg.seconds
         threads = [threading.Thread(target=self._client, args=(i, stop_at), daemon=True)
                    for i in range(cfg.clients)]
-        samples: list[tuple[float, int, int]] = []  # (seconds into the run, front end, total)
+        samples = res.rss_samples
         done = threading.Event()
         sampler = threading.Thread(target=self._sample_rss, args=(start, samples, done),
                                    daemon=True)

@@ -23,7 +23,9 @@ def test_soak_with_an_engine_kill(tmp_path):
         result = Soak(server.address, server.proc.pid,
                       SoakConfig(clients=64)).run()
         print(result.table())
-        assert not result.violations, result.table() + "\n" + server.log()
+        print(result.rss_series())
+        assert not result.violations, (result.table() + "\n" + result.rss_series() + "\n"
+                                       + server.log()[-4000:])
         assert result.killed_at is not None and result.restart_seconds is not None
         assert result.serves_after
         ok = {kind: result.calls[(kind, "ok")] for kind in ("stream", "batch")}
