@@ -1,23 +1,31 @@
 """The soak (jaxpipe/bench/soak.py) in CI: 64 concurrent gRPC clients for three minutes, a mix
 of streamed, batch, cancelled and malformed requests, the engine process killed 40% of the way
-in. Every accepted request ends with exactly one result or one error, the server serves again
-after the restart, and its RSS once the restarted engine has served a while is within 10% of
-its RSS just before the kill (medians of per-second samples: a busy engine's RSS swings 15%
-within seconds). Both engines warm up (every step shape compiled and run) before they serve, as
-a production server's do, so that both windows see an engine at its working size; a small step
-budget keeps that warm-up short."""
+in; and 32 HTTP clients for 90 s (streamed, plain, cancelled and malformed completions, the
+same kill). Every accepted request ends with exactly one result or one error, the server
+serves again after the restart, and its RSS once the restarted engine has served a while is
+within 10% of its RSS just before the kill (medians of per-second samples: a busy engine's RSS
+swings 15% within seconds). Both engines warm up (every step shape compiled and run) before
+they serve, as a production server's do, so that both windows see an engine at its working
+size; a small step budget keeps that warm-up short. Once the run is over the engine must hold
+no request and no KV (cancelled ones freed theirs). The SSE checks of the HTTP soak are
+unit-tested here too."""
 
 from __future__ import annotations
 
+import pytest
 from conftest import ServerProcess, gguf_dir
 
 from jaxpipe.bench.soak import Soak, SoakConfig
+from jaxpipe.bench.soak_http import SseEvents
+
+SERVER_FLAGS = ("--restart-backoff", "1", "--max-num-seqs", "32", "--warmup",
+                "--max-num-batched-tokens", "256")
 
 
+@pytest.mark.slow
 def test_soak_with_an_engine_kill(tmp_path):
     gguf_dir()
-    server = ServerProcess("--restart-backoff", "1", "--max-num-seqs", "32", "--warmup",
-                           "--max-num-batched-tokens", "256", log_path=tmp_path / "server.log")
+    server = ServerProcess(*SERVER_FLAGS, log_path=tmp_path / "server.log")
     try:
         server.wait_serving()
         result = Soak(server.address, server.proc.pid,
@@ -35,6 +43,58 @@ def test_soak_with_an_engine_kill(tmp_path):
         assert sum(n for (_, outcome), n in result.calls.items() if outcome == "unavailable") > 0
     finally:
         server.stop()
+
+
+@pytest.mark.slow
+def test_http_soak_with_an_engine_kill(tmp_path):
+    gguf_dir()
+    server = ServerProcess(*SERVER_FLAGS, log_path=tmp_path / "server.log")
+    try:
+        server.wait_serving()
+        result = Soak(server.http_url, server.proc.pid,
+                      SoakConfig(transport="http", clients=32, seconds=90.0)).run()
+        print(result.table())
+        print(result.rss_series())
+        assert not result.violations, (result.table() + "\n" + result.rss_series() + "\n"
+                                       + server.log()[-4000:])
+        assert result.killed_at is not None and result.restart_seconds is not None
+        assert result.serves_after
+        assert result.calls[("stream", "ok")] > 0 and result.calls[("plain", "ok")] > 0
+        assert result.calls[("cancel", "cancelled")] > 0
+        assert result.calls[("malformed", "invalid_argument")] > 0
+        assert sum(n for (_, outcome), n in result.calls.items() if outcome == "unavailable") > 0
+    finally:
+        server.stop()
+
+
+def _events(*data: str) -> SseEvents:
+    events = SseEvents()
+    for d in data:
+        events.add(d)
+    return events
+
+
+CHUNK = '{"choices": [{"index": 0, "delta": {"content": "hi"}, "finish_reason": null}]}'
+FINISH = '{"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]}'
+USAGE = '{"choices": [], "usage": {"prompt_tokens": 3}}'
+LOST = '{"error": {"message": "engine lost", "type": "service_unavailable"}}'
+
+
+def test_sse_streams_with_one_terminal_then_done_pass():
+    assert _events(CHUNK, CHUNK, FINISH, USAGE, "[DONE]").breach() is None
+    lost = _events(CHUNK, LOST, "[DONE]")
+    assert lost.breach() is None and lost.errors[0]["type"] == "service_unavailable"
+
+
+@pytest.mark.parametrize("data, why", [
+    ((CHUNK, FINISH), "without [DONE]"),
+    ((CHUNK, "[DONE]"), "0 finish chunks and 0 error events"),
+    ((FINISH, FINISH, "[DONE]"), "2 finish chunks"),
+    ((CHUNK, FINISH, LOST, "[DONE]"), "1 finish chunks and 1 error events"),
+    ((FINISH, "[DONE]", CHUNK), "1 events after [DONE]"),
+    ((FINISH, "[DONE]", "[DONE]"), "1 events after [DONE]")])
+def test_sse_streams_without_exactly_one_terminal_are_breaches(data, why):
+    assert why in _events(*data).breach()
 
 
 def _compared(samples, killed_at=40.0, restart_seconds=20.0, seconds=100.0):
