@@ -81,19 +81,7 @@ class HttpCalls:
         return resp.status_code == 200 and resp.json()["choices"][0]["finish_reason"] is not None
 
     def engine_load(self) -> dict[str, float]:
-        """KV tokens held and requests queued or running, from /metrics (an engine that does
-        not answer the scrape counts as {"engine_up": 0})."""
-        from prometheus_client.parser import text_string_to_metric_families
-
-        text = httpx.get(self.url + "/metrics", timeout=30).text
-        load, up = {}, 0.0
-        for family in text_string_to_metric_families(text):
-            for s in family.samples:
-                if s.name == "jaxpipe_engine_up":
-                    up = s.value
-                if s.labels.get("tier") in LOAD.get(s.name, ()):
-                    load[f"{s.name}{{{s.labels['tier']}}}"] = s.value
-        return load if up else {"engine_up == 0": 1}
+        return engine_load(httpx.get(self.url + "/metrics", timeout=30).text)
 
     # ---- the kinds ----------------------------------------------------------------------------
 
@@ -235,6 +223,21 @@ class SseEvents:
             return (f"{self.finals} finish chunks and {len(self.errors)} error events "
                     "before [DONE], not one terminal")
         return None
+
+
+def engine_load(metrics_text: str) -> dict[str, float]:
+    """KV tokens held and requests queued or running, from a /metrics scrape (an engine that
+    did not answer the scrape counts as {"engine_up == 0": 1})."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    load, up = {}, 0.0
+    for family in text_string_to_metric_families(metrics_text):
+        for s in family.samples:
+            if s.name == "jaxpipe_engine_up":
+                up = s.value
+            if s.labels.get("tier") in LOAD.get(s.name, ()):
+                load[f"{s.name}{{{s.labels['tier']}}}"] = s.value
+    return load if up else {"engine_up == 0": 1}
 
 
 def _data_lines(resp: httpx.Response):

@@ -16,7 +16,7 @@ import pytest
 from conftest import ServerProcess, gguf_dir
 
 from jaxpipe.bench.soak import Soak, SoakConfig
-from jaxpipe.bench.soak_http import SseEvents
+from jaxpipe.bench.soak_http import SseEvents, engine_load
 
 SERVER_FLAGS = ("--restart-backoff", "1", "--max-num-seqs", "32", "--warmup",
                 "--max-num-batched-tokens", "256")
@@ -121,3 +121,21 @@ def test_rss_after_a_restart_too_late_to_settle_is_a_breach_not_a_pass():
     # serving again 55 s after the kill at 40: settled at 105, past the run's end
     violations = _compared(samples, restart_seconds=55.0).violations
     assert len(violations) == 1 and violations[0].startswith("too few RSS samples")
+
+
+def test_engine_load_reads_kv_and_queues_from_metrics():
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from jaxpipe.serve.metrics import EngineCollector, Outcomes
+
+    def scrape(stats):
+        registry = CollectorRegistry()
+        registry.register(EngineCollector(lambda: stats, Outcomes()))
+        return generate_latest(registry).decode()
+
+    idle = {"device_kv_capacity": 4096, "host_kv_capacity": 8192}
+    assert set(engine_load(scrape(idle)).values()) == {0.0}
+    held = engine_load(scrape({**idle, "device_kv_used": 48, "device_requests": 1}))
+    assert {k: v for k, v in held.items() if v} == {
+        "jaxpipe_kv_tokens_used{device}": 48.0, "jaxpipe_queue_requests{device}": 1.0}
+    assert engine_load(scrape(None)) == {"engine_up == 0": 1}
