@@ -1,10 +1,13 @@
 #!/usr/bin/env python
-"""Soak a jaxpipe server: many concurrent gRPC clients (streamed, batch, cancelled and malformed
-requests) for as long as asked, with the engine process killed part-way through; prints the
-counts and every breach of "each accepted request ends with exactly one result or one error".
+"""Soak a jaxpipe server: many concurrent clients over gRPC (streamed, batch, cancelled and
+malformed requests) or the OpenAI-compatible HTTP API (streamed, plain, cancelled and malformed)
+for as long as asked and at most --max-requests calls, with the engine process killed part-way
+through; prints the counts and every breach of "each accepted request ends with exactly one
+result or one error", then the RSS series.
 
   python scripts/soak.py --minutes 30                  # starts its own server (default model)
   python scripts/soak.py --minutes 3 --clients 64 --kill-at 0.3 --json out/soak.json
+  python scripts/soak.py --transport http --minutes 3 --clients 32 --json out/http_soak.json
 Exit code 1 when anything was breached. The logic lives in `jaxpipe.bench.soak`.
 """
 
@@ -33,12 +36,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(extra: list[str], log_path: Path) -> tuple[subprocess.Popen, str]:
-    port = free_port()
+def start_server(transport: str, extra: list[str],
+                 log_path: Path) -> tuple[subprocess.Popen, str, str]:
+    """The server on free loopback ports: (process, gRPC address, soak target). A gRPC soak
+    still gets an HTTP port (0: a free one, never the default 8000)."""
+    port, http_port = free_port(), (free_port() if transport == "http" else 0)
     log = open(log_path, "wb")  # noqa: SIM115 (the server's lifetime)
     proc = subprocess.Popen([sys.executable, "-m", "jaxpipe.serve", "--port", str(port),
-                             *SERVER_ARGS, *extra], stdout=log, stderr=subprocess.STDOUT)
-    return proc, f"127.0.0.1:{port}"
+                             "--http-port", str(http_port), *SERVER_ARGS, *extra], stdout=log,
+                            stderr=subprocess.STDOUT)
+    address = f"127.0.0.1:{port}"
+    return proc, address, (f"http://127.0.0.1:{http_port}" if transport == "http" else address)
 
 
 def wait_serving(address: str, proc: subprocess.Popen, timeout: float = 600) -> None:
@@ -63,7 +71,11 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     d = SoakConfig()
+    p.add_argument("--transport", choices=["grpc", "http"], default=d.transport,
+                   help="what the clients speak (default: %(default)s)")
     p.add_argument("--minutes", type=float, default=d.seconds / 60)
+    p.add_argument("--max-requests", type=int, default=100_000,
+                   help="calls issued at most, over all clients (default: %(default)s)")
     p.add_argument("--clients", type=int, default=d.clients)
     p.add_argument("--kill-at", type=float, default=d.kill_at,
                    help="fraction of the run at which the engine process is killed (-1: never)")
@@ -73,16 +85,18 @@ def main() -> int:
     p.add_argument("server_args", nargs="*", help="more flags for python -m jaxpipe.serve "
                                                   "(after --)")
     args = p.parse_args()
-    config = SoakConfig(clients=args.clients, seconds=args.minutes * 60, seed=args.seed,
-                        kill_at=None if args.kill_at < 0 else args.kill_at)
+    config = SoakConfig(transport=args.transport, clients=args.clients,
+                        seconds=args.minutes * 60, seed=args.seed,
+                        kill_at=None if args.kill_at < 0 else args.kill_at,
+                        max_requests=args.max_requests)
     log_path = Path(args.log)
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    proc, address = start_server(args.server_args, log_path)
+    proc, address, target = start_server(args.transport, args.server_args, log_path)
     try:
         wait_serving(address, proc)
-        print(f"soaking {address} with {config.clients} clients for {args.minutes:g} min",
-              flush=True)
-        result = Soak(address, proc.pid, config).run()
+        print(f"soaking {target} with {config.clients} clients for {args.minutes:g} min "
+              f"(at most {config.max_requests} calls)", flush=True)
+        result = Soak(target, proc.pid, config).run()
     finally:
         proc.terminate()
         proc.wait(120)
@@ -90,6 +104,7 @@ def main() -> int:
     print(result.rss_series())
     if args.json:
         Path(args.json).write_text(json.dumps({
+            "transport": args.transport,
             "calls": {f"{k}/{o}": n for (k, o), n in result.calls.items()},
             "items": dict(result.items), "violations": result.violations,
             "killed_at": result.killed_at, "restart_seconds": result.restart_seconds,

@@ -84,21 +84,24 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    """A `python -m jaxpipe.serve` subprocess on a free loopback port (tests only)."""
+    """A `python -m jaxpipe.serve` subprocess on free loopback ports: gRPC, HTTP (the OpenAI
+    API at `http_url`) and metrics (tests only)."""
 
     def __init__(self, *extra: str, log_path: Path):
         import os
         import subprocess
         import sys
 
-        self.port, self.metrics_port = free_port(), free_port()
+        self.port, self.metrics_port, self.http_port = free_port(), free_port(), free_port()
         self.address = f"127.0.0.1:{self.port}"
+        self.http_url = f"http://127.0.0.1:{self.http_port}"
         self.log_path = log_path
         env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
         self._log = open(log_path, "wb")  # noqa: SIM115 (closed in stop())
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "jaxpipe.serve", *SERVE_ARGS, "--port", str(self.port),
-             "--metrics-port", str(self.metrics_port), *extra],
+             "--metrics-port", str(self.metrics_port), "--http-port", str(self.http_port),
+             *extra],
             stdout=self._log, stderr=subprocess.STDOUT, env=env)
 
     def wait_serving(self, timeout: float = 240.0) -> None:
@@ -244,8 +247,8 @@ def _tail(log_path: Path) -> str:
 
 @pytest.fixture(scope="session")
 def grpc_server(tmp_path_factory):
-    """One shared server (f32, max_model_len=256, max_num_seqs=8; request limit 64 KiB, message
-    limit 1 MiB). Tests must leave it idle and alive."""
+    """One shared server, gRPC and HTTP (f32, max_model_len=256, max_num_seqs=8; request limit
+    64 KiB, message limit 1 MiB). Tests must leave it idle and alive."""
     gguf_dir()
     server = ServerProcess("--max-request-bytes", "65536", "--max-message-mb", "1",
                            log_path=tmp_path_factory.mktemp("serve") / "server.log")

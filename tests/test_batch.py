@@ -175,7 +175,8 @@ def test_killed_job_resumes_and_every_custom_id_ends_once(tmp_path):
     ("jaxpipe.serve", ["--model", "--dtype", "--mesh", "--prefill", "--decode", "--scheduler",
                        "--host-kv-gb", "--port", "--host", "--max-message-mb",
                        "--max-request-bytes", "--max-concurrent-requests", "--drain-timeout",
-                       "--max-model-len", "--max-num-seqs", "--kv-cache-gb", "127.0.0.1"]),
+                       "--max-model-len", "--max-num-seqs", "--kv-cache-gb", "127.0.0.1",
+                       "--http-port", "--http-host", "--no-http", "--no-grpc"]),
     ("jaxpipe.batch", ["INPUT.jsonl", "--output", "--server", "--max-in-flight",
                        "--max-line-bytes", "--model", "--dtype", "--mesh", "resume"]),
 ])

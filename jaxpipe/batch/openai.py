@@ -1,9 +1,8 @@
 """The OpenAI batch format: request lines in, result records out.
 
 In:  {"custom_id": str, "method": "POST", "url": "/v1/chat/completions" | "/v1/completions",
-      "body": {...}}  -- chat bodies carry "messages", completion bodies a "prompt" (text or a
-      list of token ids); sampling fields use OpenAI's names plus vLLM's extras (top_k, min_p,
-      repetition_penalty, min_tokens, stop_token_ids, ignore_eos, skip_special_tokens).
+      "body": {...}}  -- one prompt per line, no streaming; bodies are read by
+      jaxpipe.openai_format, the same reader as the HTTP front end's.
 Out: {"id", "custom_id", "response": {"status_code": 200, "request_id", "body": {...}},
       "error": null}, or {"id", "custom_id", "response": null, "error": {"code", "message",
       "param"}} (plus "line" for lines that could not be read as a request).
@@ -15,22 +14,10 @@ import time
 import uuid
 from dataclasses import dataclass
 
+from jaxpipe.openai_format import CHAT_URL, COMPLETIONS_URL, body_key, read_body
 from jaxpipe.requests import RequestError
 
-CHAT_URL, COMPLETIONS_URL = "/v1/chat/completions", "/v1/completions"
 LINE_KEYS = {"custom_id", "method", "url", "body"}
-# OpenAI / vLLM body key -> SamplingParams field (the same name unless listed).
-_SAMPLING_KEYS = {"max_tokens": "max_tokens", "max_completion_tokens": "max_tokens",
-                  "temperature": "temperature", "top_p": "top_p", "n": "n", "stop": "stop",
-                  "seed": "seed", "presence_penalty": "presence_penalty",
-                  "frequency_penalty": "frequency_penalty", "top_k": "top_k", "min_p": "min_p",
-                  "repetition_penalty": "repetition_penalty", "min_tokens": "min_tokens",
-                  "stop_token_ids": "stop_token_ids", "ignore_eos": "ignore_eos",
-                  "skip_special_tokens": "skip_special_tokens"}
-_IGNORED_KEYS = {"model", "user", "stream"}
-_CHAT_KEYS = set(_SAMPLING_KEYS) | _IGNORED_KEYS | {"messages", "logprobs", "top_logprobs"}
-_COMPLETION_KEYS = ((set(_SAMPLING_KEYS) - {"max_completion_tokens"}) | _IGNORED_KEYS
-                    | {"prompt", "logprobs"})
 
 
 @dataclass(frozen=True)
@@ -93,42 +80,25 @@ def parse_line(raw: dict, line: int) -> BatchLine:
 
 
 def parse_body(url: str, body: dict) -> tuple[str, object, dict]:
-    """(prompt kind, prompt, SamplingParams fields) of a request body."""
-    allowed = _CHAT_KEYS if url == CHAT_URL else _COMPLETION_KEYS
-    unknown = sorted(set(body) - allowed)
-    if unknown:
-        raise RequestError(f"body.{unknown[0]}", f"unknown key for {url}; accepted: "
-                           f"{', '.join(sorted(allowed))}")
-    if body.get("stream"):
-        raise RequestError("body.stream", "streaming is not available in batch jobs")
-    # null means "not given": SamplingParams' default applies (as for an absent key)
-    sampling = {_SAMPLING_KEYS[k]: v for k, v in body.items()
-                if k in _SAMPLING_KEYS and v is not None}
-    if url == CHAT_URL:
-        if "messages" not in body:
-            raise RequestError("body.messages", "a chat request needs messages")
-        if body.get("logprobs"):
-            sampling["logprobs"] = body.get("top_logprobs") or 0
-        return "chat", body["messages"], sampling
-    if "prompt" not in body:
-        raise RequestError("body.prompt", "a completion request needs a prompt")
-    if body.get("logprobs") is not None:
-        sampling["logprobs"] = body["logprobs"]
-    prompt = body["prompt"]
-    if not isinstance(prompt, str | list):
-        raise RequestError("body.prompt", "must be a string or a list of token ids")
-    return ("token_ids" if isinstance(prompt, list) else "text"), prompt, sampling
+    """(prompt kind, prompt, SamplingParams fields) of a batch line's body: one prompt, no
+    streaming; errors name the key as "body.<key>"."""
+    try:
+        b = read_body(url, body)
+        if b.stream:
+            raise RequestError("stream", "streaming is not available in batch jobs")
+        if len(b.prompts) != 1:
+            raise RequestError("prompt", "a batch line holds one prompt; give each its own line")
+        if b.echo:
+            raise RequestError("echo", "echo is not available in batch jobs")
+    except RequestError as e:
+        raise RequestError(f"body.{e.field}", e.message) from None
+    return b.kind, b.prompts[0], b.sampling
 
 
 def body_field(field: str) -> str:
     """A validation error's field (as jaxpipe.serve names it) -> the request body's key."""
-    head, _, rest = field.partition(".")
-    if head == "sampling":
-        return f"body.{rest}"
-    for ours, theirs in (("text", "prompt"), ("token_ids", "prompt"), ("chat", "messages")):
-        if field.startswith(ours):
-            return "body." + theirs + field[len(ours):]
-    return field
+    key = body_key(field)
+    return field if key is None else f"body.{key}"
 
 
 def success_record(item: BatchLine, result: Finished, model: str) -> dict:

@@ -1,5 +1,6 @@
-"""Who runs a batch job's requests: an `Engine` in this process (`LocalRunner`), or a running
-`python -m jaxpipe.serve` (`RemoteRunner`, over GenerateBatch). Both take a stream of
+"""Who runs a batch job's requests: an `Engine` in this process (`LocalRunner`), a running
+`python -m jaxpipe.serve` (`RemoteRunner`, over GenerateBatch), or, inside that server, its
+engine client (`ClientRunner`, for the HTTP Batch API). Both take a stream of
 `BatchLine`s and call `emit(line, Finished | Failed)` once per line, from the calling thread,
 keeping at most `max_in_flight` requests outstanding so the input is never loaded whole."""
 
@@ -77,6 +78,86 @@ class LocalRunner:
             logprobs = [[[int(t), float(v)] for t, v in e.items()] for e in seq.logprobs]
         return Finished(prompt_ids, list(seq.output_token_ids), text, seq.finish_reason,
                         seq.stop_reason, logprobs)
+
+
+class ClientRunner:
+    """Runs requests on a serving process's engine through its `EngineClient`, beside the live
+    traffic: the HTTP Batch API's jobs (jaxpipe/serve/batches.py). `cancel()` aborts what is
+    in flight and stops taking input."""
+
+    def __init__(self, client, tokenizer, model: str, prefix: str, max_in_flight: int):
+        self.client, self.tokenizer, self.model = client, tokenizer, model
+        self.prefix, self.max_in_flight = prefix, max_in_flight
+        self._ids = itertools.count()
+        self._cancelled = threading.Event()
+
+    def cancel(self) -> None:
+        self._cancelled.set()
+
+    def run(self, items: Iterator[BatchLine], emit: Emit) -> None:
+        """Feed `items` to the engine and emit each result as its request finishes; raises
+        ServerError if the engine is or goes down (the job resumes later)."""
+        out: queue.Queue = queue.Queue()
+        live: dict[str, list] = {}  # request id -> [item, Prepared, token ids, logprobs]
+        more = True
+        try:
+            while (more or live) and not self._cancelled.is_set():
+                while more and len(live) < self.max_in_flight:
+                    item = next(items, None)
+                    more = item is not None
+                    if more:
+                        self._add(item, out, live, emit)
+                if live:
+                    self._take(out, live, emit)
+        finally:
+            for rid in live:
+                self.client.abort(rid)
+
+    def _add(self, item: BatchLine, out: queue.Queue, live: dict, emit: Emit) -> None:
+        from jaxpipe.serve.engine_client import EngineUnavailable
+
+        info = self.client.info
+        if info is None:
+            raise ServerError(self.client.unavailable_reason())
+        try:
+            prep = prepare(item.kind, item.prompt, item.sampling, self.tokenizer,
+                           Limits(info.max_model_len, info.vocab_size))
+        except RequestError as e:
+            emit(item, Failed.from_error(e))
+            return
+        rid = f"{self.prefix}-{next(self._ids)}"
+        try:
+            self.client.submit(rid, prep.prompt_token_ids, prep.params_dict, out)
+        except EngineUnavailable as e:
+            raise ServerError(str(e)) from None
+        live[rid] = [item, prep, [], []]
+
+    def _take(self, out: queue.Queue, live: dict, emit: Emit) -> None:
+        from jaxpipe.serve import messages as m
+        from jaxpipe.serve.engine_client import EngineLost
+
+        try:
+            msg = out.get(timeout=0.2)  # wakes up to notice cancel()
+        except queue.Empty:
+            return
+        if isinstance(msg, EngineLost):
+            live.clear()  # the engine that held them is gone
+            raise ServerError(msg.message)
+        item, prep, ids, logprobs = live[msg.request_id]
+        if isinstance(msg, m.Rejected):
+            del live[msg.request_id]
+            emit(item, Failed("invalid_argument", msg.message, None))
+            return
+        ids.extend(msg.token_ids)
+        logprobs.extend(msg.logprobs or [])
+        if msg.finish_reason is None:
+            return
+        del live[msg.request_id]
+        text = "" if self.tokenizer is None else final_text(
+            self.tokenizer, ids, prep.params.skip_special_tokens, msg.stop_reason)
+        emit(item, Finished(prep.prompt_token_ids, ids, text, msg.finish_reason,
+                            msg.stop_reason, logprobs if prep.params.logprobs is not None
+                            else None))
 
 
 class ServerError(RuntimeError):

@@ -1,51 +1,64 @@
-"""Soak: many concurrent gRPC clients against one `python -m jaxpipe.serve`, a mix of streamed,
-batch, cancelled and malformed requests, and the engine process killed part-way through.
+"""Soak: many concurrent clients against one `python -m jaxpipe.serve`, a mix of streamed,
+plain, batch, cancelled and malformed requests, and the engine process killed part-way through.
+
+The clients speak one transport (`SoakConfig.transport`): gRPC (`soak_grpc.GrpcCalls`: streamed,
+batch, cancelled and malformed `Generate` / `GenerateBatch` calls) or the OpenAI-compatible HTTP
+API (`soak_http.HttpCalls`: streamed, plain, cancelled and malformed completions). This module
+holds what the transports share: the client threads and their deadline and request cap, the
+exactly-once accounting (`Tally`), the engine kill and the wait for the restart, the RSS
+sampler and its comparison, and the result's table.
 
 What must hold (`SoakResult.violations` lists every breach): each call ends exactly once, with
 a result (a stream's one final message, a batch's one result per item) or one error of the
-kind its request earns (UNAVAILABLE while the engine is down, INVALID_ARGUMENT for a malformed
-request, CANCELLED for one the client cancelled); no call hangs (each has a deadline); the
-server serves again after the kill; and its RSS (front end + engine) once the restarted engine
-has served a while is within `rss_tolerance` of its RSS just before the kill. RSS is sampled
-every second; "before" is the 90th percentile over the `rss_window` seconds that end at the
-kill, "after" the same over the run's last `rss_window` seconds, counting only samples taken at
-least `settle` seconds after the engine serves again (too few such samples is a breach: the run
-was too short for its restart). The windows compare two warm engines at the same stage: an
-engine that still compiles, or a restarted one still loading, is not at its working size (a
-"before" window taken while the first engine still compiled its shapes made 1.92 -> 2.23 GiB).
-A busy engine's RSS is bimodal: samples a second apart sit at 1.72 or 2.05 GiB as XLA maps and
-unmaps its step buffers, in proportions that change with the load (AMD EPYC, 64 clients). A
-median flips between the two levels with those proportions (a leak of nothing failed CI at
-2.21 -> 2.52 GiB); the 90th percentile is the engine at its busiest, which both windows reach,
-and a leak still moves it. One sample each side made a leak of nothing fail too. With no kill,
-"before" starts at `warmup_at` of the run.
+kind its request earns (unavailable while the engine is down, invalid_argument for a malformed
+request, cancelled for one the client cancelled, rate_limited past the server's concurrency
+limit); no call hangs (each has a deadline); once the run is over the engine holds no request
+(`Calls.engine_load` all zero within `IDLE_WAIT` s: a cancelled request's KV blocks are freed);
+the server serves again after the kill; and RSS stays flat.
+
+RSS is sampled every second, front end and engine. "Before" is the 90th percentile over the
+`rss_window` seconds that end at the kill, "after" the same over the run's last `rss_window`
+seconds, counting only samples taken at least `settle` seconds after the engine serves again
+(too few such samples is a breach: the run was too short for its restart). The front end lives
+through the run, and its RSS must stay within `rss_tolerance`; so must the total when no engine
+was killed. Across a kill the engine is a new process, whose working size differs from its
+predecessor's with nothing growing (CI: 2.21 -> 2.52 GiB; an HTTP run: a restarted engine that
+settled 0.18 GiB above the first and stayed flat while it served), so the total gets
+`restart_tolerance` there: what a restart must not do is come back grossly larger. A leak
+within one engine is the no-kill soak's to show (`scripts/soak.py --kill-at -1`).
+The windows compare warm engines: an engine that still compiles, or a restarted one still
+loading, is not at its working size (a "before" window taken while the first engine still
+compiled its shapes made 1.92 -> 2.23 GiB). A busy engine's RSS is bimodal: samples a second
+apart sit at 1.72 or 2.05 GiB as XLA maps and unmaps its step buffers, in proportions that
+change with the load (AMD EPYC, 64 clients); a median follows those proportions, the 90th
+percentile is the engine at its busiest, which both windows reach, and a leak still moves it.
+With no kill, "before" starts at `warmup_at` of the run. A run whose clients reach
+`max_requests` early stops issuing calls but keeps sampling RSS until its `seconds` are up, so
+that both windows exist.
 Entry points: `scripts/soak.py`, tests/bench/test_soak.py.
 """
 
 from __future__ import annotations
 
-import os
 import random
 import signal
 import statistics
 import threading
 import time
 from collections import Counter
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
+from typing import Protocol
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-from jaxpipe.serve import jaxpipe_pb2 as pb
-from jaxpipe.serve import jaxpipe_pb2_grpc as pb_grpc
-
-KINDS = ("stream", "batch", "cancel", "malformed")
 CALL_DEADLINE = 180.0  # seconds; a call that takes longer is a hang
-UNAVAILABLE_PAUSE = 0.25  # seconds a client waits after UNAVAILABLE
+PAUSES = {"unavailable": 0.25, "rate_limited": 1.0}  # seconds a client waits after these
+IDLE_WAIT = 10.0  # seconds the engine gets, once the run is over, to hold no request
+ENGINE_MODULE = "jaxpipe.serve.engine_process"  # how the engine process is found to be killed
 
 
 @dataclass
 class SoakConfig:
+    transport: str = "grpc"  # or "http": which `Calls` the clients make
     clients: int = 64
     seconds: float = 180.0  # CI's soak; scripts/soak.py --minutes sets it
     kill_at: float | None = 0.4  # fraction of `seconds` at which the engine is killed (None: no)
@@ -55,7 +68,9 @@ class SoakConfig:
     min_samples: int = 5  # RSS samples each side needs (one a second)
     max_tokens: tuple[int, int] = (2, 12)
     seed: int = 0
-    rss_tolerance: float = 0.10
+    rss_tolerance: float = 0.10  # the front end's growth, and the total's with no kill
+    restart_tolerance: float = 0.25  # the total's across an engine kill (a new engine process)
+    max_requests: int | None = None  # calls issued at most, over all clients (None: no cap)
 
 
 @dataclass
@@ -103,14 +118,74 @@ def _fmt(x: float | None) -> str:
     return "-" if x is None else f"{x:.1f}"
 
 
-class Soak:
-    """One soak run against the server at `address` whose front end has pid `server_pid`."""
+class Tally:
+    """The run's counts and breaches, written by every client thread (thread-safe)."""
 
-    def __init__(self, address: str, server_pid: int, config: SoakConfig):
-        self.address, self.server_pid, self.config = address, server_pid, config
-        self.result = SoakResult()
+    def __init__(self, result: SoakResult):
+        self.result = result
         self._lock = threading.Lock()
-        self._ids = iter(range(1 << 62))
+
+    def call(self, kind: str, outcome: str) -> None:
+        with self._lock:
+            self.result.calls[(kind, outcome)] += 1
+
+    def item(self, outcome: str) -> None:
+        """One batch item's outcome."""
+        with self._lock:
+            self.result.items[outcome] += 1
+
+    def violation(self, text: str) -> None:
+        with self._lock:
+            self.result.violations.append(text)
+
+
+class Calls(Protocol):
+    """One transport's calls. Each kind's method makes one call, records any breach in the
+    `Tally` it was built with, and returns the call's outcome ("ok", "cancelled",
+    "unavailable", "invalid_argument", ...)."""
+
+    KINDS: tuple[str, ...]
+
+    def connect(self) -> AbstractContextManager:
+        """A connection for one client thread (closed when the context exits)."""
+
+    def call(self, kind: str, conn, rng: random.Random) -> str:
+        """One call of `kind` over `conn`; its outcome."""
+
+    def serving(self) -> bool:
+        """Whether the server's health check says it serves."""
+
+    def serves(self) -> bool:
+        """Whether one real request gets its whole answer."""
+
+    def engine_load(self) -> dict[str, float]:
+        """What the engine holds (requests, KV): every value 0 when it is idle."""
+
+
+def make_calls(config: SoakConfig, target: str, tally: Tally) -> Calls:
+    """The `Calls` of `config.transport` against `target` (gRPC host:port, or HTTP base URL)."""
+    if config.transport == "grpc":
+        from jaxpipe.bench.soak_grpc import GrpcCalls
+
+        return GrpcCalls(target, tally, config.max_tokens, CALL_DEADLINE)
+    if config.transport == "http":
+        from jaxpipe.bench.soak_http import HttpCalls
+
+        return HttpCalls(target, tally, config.max_tokens, CALL_DEADLINE)
+    raise ValueError(f"SoakConfig.transport must be 'grpc' or 'http', got {config.transport!r}")
+
+
+class Soak:
+    """One soak run against the server at `target` (a gRPC address, or the HTTP API's base URL
+    for transport "http") whose front end has pid `server_pid`."""
+
+    def __init__(self, target: str, server_pid: int, config: SoakConfig):
+        self.server_pid, self.config = server_pid, config
+        self.result = SoakResult()
+        self.tally = Tally(self.result)
+        self.calls = make_calls(config, target, self.tally)
+        self._issued = 0
+        self._cap_lock = threading.Lock()
 
     # ---- the run ------------------------------------------------------------------------------
 
@@ -131,15 +206,31 @@ class Soak:
         for t in threads:
             t.join(timeout=max(stop_at - time.monotonic(), 0) + CALL_DEADLINE + 30)
             if t.is_alive():
-                self._violation(f"client thread {t.name} still running after its deadline")
+                self.tally.violation(f"client thread {t.name} still running after its deadline")
+        time.sleep(max(stop_at - time.monotonic(), 0))  # the cap was reached: RSS goes on
         res.seconds = time.monotonic() - start
         done.set()
         sampler.join()
-        res.serves_after = self._serves()
+        self._check_idle()
+        res.serves_after = self.calls.serves()
         if not res.serves_after:
-            self._violation("the server does not serve after the run")
+            self.tally.violation("the server does not serve after the run")
         self._compare_rss(samples)
         return res
+
+    def _check_idle(self) -> None:
+        """The engine must hold nothing once every call has ended (cancelled ones included)."""
+        deadline = time.monotonic() + IDLE_WAIT
+        while True:
+            try:
+                held = {k: v for k, v in self.calls.engine_load().items() if v}
+            except Exception as e:  # unreadable stats are a breach too, named
+                held = {f"stats unreadable ({type(e).__name__}: {e})": 1}
+            if not held or time.monotonic() >= deadline:
+                break
+            time.sleep(0.5)
+        if held:
+            self.tally.violation(f"the engine still holds {held} {IDLE_WAIT:g} s after the run")
 
     def _sample_rss(self, start: float, samples: list, done: threading.Event) -> None:
         import psutil
@@ -159,15 +250,20 @@ class Soak:
         serving = (res.killed_at or 0.0) + (res.restart_seconds or 0.0) + cfg.settle
         after = [s for s in samples if s[0] >= max(cfg.seconds - window, serving)]
         if len(before) < cfg.min_samples or len(after) < cfg.min_samples:
-            self._violation(f"too few RSS samples to compare ({len(before)} before {end:.0f} s, "
-                            f"{len(after)} after {serving:.0f} s of {cfg.seconds:.0f}): "
-                            "run longer")
+            self.tally.violation(f"too few RSS samples to compare ({len(before)} before "
+                                 f"{end:.0f} s, {len(after)} after {serving:.0f} s of "
+                                 f"{cfg.seconds:.0f}): run longer")
             return
         res.rss_before, res.rss_after = (_busiest(s[2] for s in side) for side in (before, after))
         res.front_end_rss = tuple(_busiest(s[1] for s in side) for side in (before, after))
-        if res.rss_after > res.rss_before * (1 + cfg.rss_tolerance):
-            self._violation(f"RSS grew from {res.rss_before:,} to {res.rss_after:,} bytes "
-                            f"(> {cfg.rss_tolerance:.0%})")
+        total = cfg.rss_tolerance if res.killed_at is None else cfg.restart_tolerance
+        self._bound("RSS", res.rss_before, res.rss_after, total)
+        self._bound("the front end's RSS", *res.front_end_rss, cfg.rss_tolerance)
+
+    def _bound(self, what: str, before: int, after: int, tolerance: float) -> None:
+        if after > before * (1 + tolerance):
+            self.tally.violation(f"{what} grew from {before:,} to {after:,} bytes "
+                                 f"(> {tolerance:.0%})")
 
     def rss(self) -> tuple[int, int]:
         """RSS of the front end, and of it with its children (the engine process), bytes."""
@@ -183,157 +279,56 @@ class Soak:
                 pass
         return front, front + children
 
-    def _kill_and_wait(self, when: float, start: float) -> None:
-        time.sleep(max(when - time.monotonic(), 0))
-        with grpc.insecure_channel(self.address) as ch:
-            pid = pb_grpc.GenerationStub(ch).GetServerInfo(pb.ServerInfoRequest(),
-                                                           timeout=30).engine_pid
-            os.kill(pid, signal.SIGKILL)
-            killed = time.monotonic()
-            self.result.killed_at = killed - start
-            health = health_pb2_grpc.HealthStub(ch)
-            while time.monotonic() - killed < 300:
-                time.sleep(0.5)
-                try:
-                    status = health.Check(health_pb2.HealthCheckRequest(), timeout=5).status
-                except grpc.RpcError:
-                    continue
-                if status == health_pb2.HealthCheckResponse.SERVING and time.monotonic() - \
-                        killed > 1:
-                    self.result.restart_seconds = time.monotonic() - killed
-                    return
-        self._violation("the engine was not serving again 300 s after the kill")
+    def engine_pid(self) -> int | None:
+        """The pid of the front end's engine process (None if it has none now)."""
+        import psutil
 
-    def _serves(self) -> bool:
-        with grpc.insecure_channel(self.address) as ch:
-            stub = pb_grpc.GenerationStub(ch)
+        for child in psutil.Process(self.server_pid).children():
             try:
-                out = list(stub.Generate(pb.GenerateRequest(
-                    text="Say hi.", sampling=pb.SamplingParams(temperature=0.0, max_tokens=2)),
-                    timeout=CALL_DEADLINE))
-            except grpc.RpcError:
-                return False
-        return bool(out) and bool(out[-1].finish_reason)
+                if ENGINE_MODULE in child.cmdline():
+                    return child.pid
+            except psutil.NoSuchProcess:
+                pass
+        return None
+
+    def _kill_and_wait(self, when: float, start: float) -> None:
+        """At `when`, SIGKILL the engine process; then wait until the server serves again."""
+        import psutil
+
+        time.sleep(max(when - time.monotonic(), 0))
+        pid = self.engine_pid()
+        if pid is None:
+            self.tally.violation("no engine process to kill")
+            return
+        psutil.Process(pid).send_signal(signal.SIGKILL)
+        killed = time.monotonic()
+        self.result.killed_at = killed - start
+        while time.monotonic() - killed < 300:
+            time.sleep(0.5)
+            if time.monotonic() - killed > 1 and self.calls.serving():
+                self.result.restart_seconds = time.monotonic() - killed
+                return
+        self.tally.violation("the engine was not serving again 300 s after the kill")
 
     # ---- one client ---------------------------------------------------------------------------
 
     def _client(self, index: int, stop_at: float) -> None:
         rng = random.Random(self.config.seed * 1000 + index)
-        with grpc.insecure_channel(self.address) as ch:
-            stub = pb_grpc.GenerationStub(ch)
-            while time.monotonic() < stop_at:
-                kind = rng.choice(KINDS)
+        with self.calls.connect() as conn:
+            while time.monotonic() < stop_at and self._take_one():
+                kind = rng.choice(self.calls.KINDS)
                 try:
-                    outcome = getattr(self, f"_{kind}")(stub, rng)
+                    outcome = self.calls.call(kind, conn, rng)
                 except Exception as e:  # a client bug is a violation too, not a silent stop
-                    self._violation(f"{kind}: unexpected {type(e).__name__}: {e}")
+                    self.tally.violation(f"{kind}: unexpected {type(e).__name__}: {e}")
                     outcome = "crashed"
-                with self._lock:
-                    self.result.calls[(kind, outcome)] += 1
-                if outcome == "unavailable":
-                    time.sleep(UNAVAILABLE_PAUSE)  # as a client would, before retrying
+                self.tally.call(kind, outcome)
+                time.sleep(PAUSES.get(outcome, 0))  # as a client would, before retrying
 
-    def _sampling(self, rng: random.Random) -> pb.SamplingParams:
-        lo, hi = self.config.max_tokens
-        return pb.SamplingParams(temperature=rng.choice([0.0, 0.8]), max_tokens=rng.randint(lo, hi),
-                                 seed=rng.randrange(1 << 30))
-
-    def _prompt(self, rng: random.Random) -> str:
-        return f"Request {next(self._ids)}: tell me about the number {rng.randrange(1000)}."
-
-    def _stream(self, stub, rng) -> str:
-        call = stub.Generate(pb.GenerateRequest(text=self._prompt(rng),
-                                                sampling=self._sampling(rng)),
-                             timeout=CALL_DEADLINE)
-        finals = 0
-        try:
-            for resp in call:
-                if finals:
-                    self._violation("stream: a message after the final one")
-                finals += bool(resp.finish_reason)
-        except grpc.RpcError as e:
-            return self._error("stream", e, (grpc.StatusCode.UNAVAILABLE,), finals)
-        if finals != 1:
-            self._violation(f"stream: ended with {finals} final messages")
-        return "ok"
-
-    def _cancel(self, stub, rng) -> str:
-        sampling = self._sampling(rng)
-        sampling.max_tokens = 64
-        call = stub.Generate(pb.GenerateRequest(text=self._prompt(rng), sampling=sampling),
-                             timeout=CALL_DEADLINE)
-        try:
-            first = next(call)
-            if first.finish_reason:
-                return "finished"
-            call.cancel()
-            for _ in call:
-                pass
-        except grpc.RpcError as e:
-            return self._error("cancel", e, (grpc.StatusCode.CANCELLED,
-                                             grpc.StatusCode.UNAVAILABLE), 0)
-        except StopIteration:
-            self._violation("cancel: a stream with no message")
-            return "empty"
-        return "finished"  # it ended before the cancel reached it
-
-    def _malformed(self, stub, rng) -> str:
-        bad = rng.choice([pb.SamplingParams(temperature=-1.0),
-                          pb.SamplingParams(max_tokens=10**9), pb.SamplingParams(top_p=2.0)])
-        try:
-            for _ in stub.Generate(pb.GenerateRequest(text=self._prompt(rng), sampling=bad),
-                                   timeout=CALL_DEADLINE):
-                pass
-        except grpc.RpcError as e:
-            return self._error("malformed", e, (grpc.StatusCode.INVALID_ARGUMENT,
-                                                grpc.StatusCode.UNAVAILABLE), 0)
-        self._violation(f"malformed: {bad} was accepted")
-        return "accepted"
-
-    def _batch(self, stub, rng) -> str:
-        n = rng.randint(2, 4)
-        bad = rng.randrange(n) if rng.random() < 0.5 else None
-        items = [pb.BatchItem(custom_id=f"c{i}", text=self._prompt(rng),
-                              sampling=(pb.SamplingParams(temperature=-1.0) if i == bad
-                                        else self._sampling(rng))) for i in range(n)]
-        seen: Counter = Counter()
-        try:
-            for result in stub.GenerateBatch(pb.BatchRequest(items=items), timeout=CALL_DEADLINE):
-                seen[result.custom_id] += 1
-                is_error = result.WhichOneof("result") == "error"
-                want_error = result.custom_id == f"c{bad}"
-                if is_error != want_error or (is_error and
-                                              result.error.code != "INVALID_ARGUMENT"):
-                    self._violation(f"batch: item {result.custom_id} got {result}")
-                self._count_item("invalid" if is_error else "ok")
-        except grpc.RpcError as e:
-            for item in items:
-                if not seen[item.custom_id]:
-                    self._count_item("unavailable")
-            return self._error("batch", e, (grpc.StatusCode.UNAVAILABLE,), 0)
-        finally:
-            for cid, count in seen.items():
-                if count != 1:
-                    self._violation(f"batch: {count} results for {cid}")
-        missing = [i.custom_id for i in items if not seen[i.custom_id]]
-        if missing:
-            self._violation(f"batch: no result for {missing}")
-        return "ok"
-
-    # ---- accounting -----------------------------------------------------------------------------
-
-    def _error(self, kind: str, error: grpc.RpcError, allowed, finals: int) -> str:
-        code = error.code()
-        if code not in allowed:
-            self._violation(f"{kind}: {code.name}: {error.details()}")
-        if finals:
-            self._violation(f"{kind}: an error after the final message")
-        return code.name.lower()
-
-    def _count_item(self, outcome: str) -> None:
-        with self._lock:
-            self.result.items[outcome] += 1
-
-    def _violation(self, text: str) -> None:
-        with self._lock:
-            self.result.violations.append(text)
+    def _take_one(self) -> bool:
+        """Count one more call against `max_requests`; False once the cap is reached."""
+        with self._cap_lock:
+            if self.config.max_requests is not None and self._issued >= self.config.max_requests:
+                return False
+            self._issued += 1
+            return True

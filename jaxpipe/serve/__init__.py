@@ -1,15 +1,22 @@
 """Serving: `python -m jaxpipe.serve`, a gRPC front end (jaxpipe.v1.Generation, health,
-reflection) in its own process, talking to an engine process over ZeroMQ.
+reflection) and an OpenAI-compatible HTTP front end in one process, talking to an engine
+process over ZeroMQ.
 
     jaxpipe.proto       the API; jaxpipe_pb2*.py are generated from it (scripts/gen_proto.py)
     config.py           ServerConfig
-    cli.py              engine flags shared with `python -m jaxpipe.batch`
-    server.py           the front-end process: gRPC server, health, reflection, drain
+    server.py           the front-end process: gRPC server, HTTP server, health, drain
     service.py          the Generation service: validate, submit, stream results
-    requests.py         request validation shared with batch jobs (RequestError names the field)
+    http.py             the OpenAI HTTP API (FastAPI + uvicorn): routes, admission, errors
+    engine_calls.py     an HTTP call's requests on the event loop: deltas in, aborts out
+    openai_responses.py OpenAI's response, chunk, logprobs and error shapes
+    batches.py          the Batch API's files and jobs under --batch-dir (resumable)
+    http_batches.py     the Batch API's HTTP routes
     protos.py           protobuf <-> Python values
-    text.py             detokenization in the front end
     engine_client.py    the front end's side of the ZeroMQ link; spawns the engine process
     engine_process.py   the engine process: the device loop
     messages.py         the typed, versioned control messages between the two
+    metrics.py          the Prometheus registry (its own port, or /metrics on the HTTP one)
+
+Shared with batch jobs and the engine: request validation (jaxpipe/requests.py), OpenAI
+bodies (jaxpipe/openai_format.py), stop strings and detokenization (jaxpipe/stopping.py).
 """

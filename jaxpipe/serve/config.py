@@ -1,4 +1,5 @@
-"""`ServerConfig`: how the gRPC front end listens and what it accepts. Validated once."""
+"""`ServerConfig`: how the gRPC and HTTP front ends listen and what they accept. Validated
+once."""
 
 from __future__ import annotations
 
@@ -9,21 +10,30 @@ from dataclasses import dataclass, field
 class ServerConfig:
     """Front-end settings; `engine` holds the EngineConfig fields for the engine process.
 
+    host, port: where gRPC listens (port None: no gRPC front end; 0 picks a free port).
+    http_host, http_port: where the OpenAI-compatible HTTP API listens (http_port None: none).
+        At least one front end is on.
+
     max_message_mb: gRPC's limit on one message (a whole GenerateBatch call); a larger message is
         refused by gRPC itself with RESOURCE_EXHAUSTED.
     max_request_bytes: limit on one request (a Generate request or one batch item); a larger
         one gets INVALID_ARGUMENT and the rest of its batch still runs.
-    max_concurrent_requests: concurrent calls; more are refused with RESOURCE_EXHAUSTED.
+    max_concurrent_requests: concurrent calls per front end; more are refused (gRPC:
+        RESOURCE_EXHAUSTED, HTTP: 429 with Retry-After).
     drain_timeout: seconds in-flight calls get to finish after SIGTERM / SIGINT.
     engine_restarts: restarts of an engine process that died after it had served, in a row
         (an engine up for a minute resets the count); the server exits when they run out.
         restart_backoff: seconds before the first restart, doubled for each one in a row.
     metrics_port: serve Prometheus metrics at http://metrics_host:metrics_port/metrics (None:
         off; 0 picks a free port). metrics_host: loopback by default.
+    batch_dir: where the HTTP Batch API keeps its files and jobs (None: no Batch API); jobs
+        found there unfinished are resumed at start. max_file_mb: the largest upload.
     """
 
     host: str = "127.0.0.1"
-    port: int = 50051
+    port: int | None = 50051
+    http_host: str = "127.0.0.1"
+    http_port: int | None = 8000
     max_message_mb: float = 64.0
     max_request_bytes: int = 1 << 20
     max_concurrent_requests: int = 256
@@ -32,18 +42,31 @@ class ServerConfig:
     restart_backoff: float = 1.0
     metrics_port: int | None = None
     metrics_host: str = "127.0.0.1"
+    batch_dir: str | None = None
+    max_file_mb: float = 512.0
     engine: dict = field(default_factory=dict)  # EngineConfig fields (its defaults apply)
 
     def __post_init__(self):
         if not isinstance(self.host, str) or not self.host:
             raise ValueError(f"ServerConfig.host must be a host name or address, got {self.host!r}")
-        _check_int("port", self.port, 0, 65535)
+        if not isinstance(self.http_host, str) or not self.http_host:
+            raise ValueError("ServerConfig.http_host must be a host name or address, got "
+                             f"{self.http_host!r}")
+        if self.port is None and self.http_port is None:
+            raise ValueError("ServerConfig: port and http_port are both None; turn at least "
+                             "one front end (gRPC or HTTP) on")
+        for name in ("port", "http_port"):
+            if getattr(self, name) is not None:
+                _check_int(name, getattr(self, name), 0, 65535)
         _check_int("max_request_bytes", self.max_request_bytes, 1, 1 << 31)
         _check_int("max_concurrent_requests", self.max_concurrent_requests, 1, 100_000)
         _check_number("max_message_mb", self.max_message_mb, 2047)
         _check_number("drain_timeout", self.drain_timeout, 1e9)
         _check_int("engine_restarts", self.engine_restarts, 0, 1000)
         _check_number("restart_backoff", self.restart_backoff, 3600)
+        _check_number("max_file_mb", self.max_file_mb, 1 << 20)
+        if self.batch_dir is not None and self.http_port is None:
+            raise ValueError("ServerConfig.batch_dir needs the HTTP front end (http_port)")
         if self.metrics_port is not None:
             _check_int("metrics_port", self.metrics_port, 0, 65535)
         if self.max_request_bytes > self.max_message_bytes:

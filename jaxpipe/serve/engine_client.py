@@ -157,6 +157,11 @@ class EngineClient:
             except queue.Empty:
                 return None
 
+    @property
+    def serving(self) -> bool:
+        """Whether requests can be taken now: the engine is loaded and alive."""
+        return self.info is not None and not self.dead.is_set()
+
     def unavailable_reason(self) -> str:
         """Why requests cannot be taken now (the engine is starting, or has exited)."""
         if self.given_up.is_set():

@@ -1,17 +1,20 @@
 """Prometheus metrics of a running server (`python -m jaxpipe.serve --metrics-port PORT`).
 
 Every scrape asks the engine process for `Engine.stats()` (one `QueryStats` message) and
-renders it, so /metrics and `engine.stats()` are the same numbers; the front end adds the
-request outcomes only it sees (refused as invalid, or unavailable). Names follow Prometheus'
-conventions: `_total` counters, `_seconds` units, labels for the tier, part and kind.
+renders it, so /metrics and `engine.stats()` are the same numbers; the front ends add the
+request outcomes only they see (refused as invalid, rate limited, or unavailable) and the
+latency their clients see (`Latency`: time to first token, per output token, end to end).
+Names follow Prometheus' conventions: `_total` counters, `_seconds` units, labels for the tier,
+part, kind and front end.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections import Counter
 
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry, Histogram, start_http_server
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -88,8 +91,9 @@ class EngineCollector:
 
     def _requests(self, stats: dict) -> CounterMetricFamily:
         family = CounterMetricFamily(PREFIX + "requests", "requests by outcome: the engine's "
-                                     "finish reasons, and the front end's invalid and "
-                                     "unavailable refusals", labels=["outcome"])
+                                     "finish reasons, and the front ends' invalid, "
+                                     "rate_limited and unavailable refusals",
+                                     labels=["outcome"])
         counts = dict(stats.get("finish_reasons", {}))
         for outcome, n in self.outcomes.counts().items():
             counts[outcome] = counts.get(outcome, 0) + n
@@ -129,9 +133,70 @@ def _latency(stats: dict):
     yield family
 
 
-def serve_metrics(port: int, host: str, stats, outcomes: Outcomes):
+# Histogram bounds in seconds (vLLM's for the same metrics, trimmed to what CPU and GPU runs see).
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+TPOT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5, 5.0)
+E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
+
+
+class Latency:
+    """Per-request latency histograms as vLLM names them, labelled by front end ("grpc",
+    "http"): time to first token, time per output token after the first, and end-to-end
+    latency, each measured from the moment the front end accepted the request."""
+
+    def __init__(self, registry: CollectorRegistry):
+        labels = ["front_end"]
+        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "seconds from a request's "
+                              "arrival to its first token", labels, registry=registry,
+                              buckets=TTFT_BUCKETS)
+        self.tpot = Histogram(PREFIX + "time_per_output_token_seconds", "a request's mean "
+                              "seconds per output token after its first", labels,
+                              registry=registry, buckets=TPOT_BUCKETS)
+        self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "seconds from a "
+                             "request's arrival to its last token", labels, registry=registry,
+                             buckets=E2E_BUCKETS)
+
+    def timer(self, front_end: str) -> RequestTimer:
+        """A timer for one request, started now."""
+        return RequestTimer(self, front_end)
+
+
+class RequestTimer:
+    """One request's clock: `tokens(n)` as its tokens arrive, `finished()` once at the end."""
+
+    def __init__(self, latency: Latency, front_end: str):
+        self.latency, self.front_end = latency, front_end
+        self.start = time.perf_counter()
+        self.first: float | None = None
+        self.count = 0
+
+    def tokens(self, n: int) -> None:
+        if n and self.first is None:
+            self.first = time.perf_counter()
+            self.latency.ttft.labels(self.front_end).observe(self.first - self.start)
+        self.count += n
+
+    def finished(self) -> None:
+        now = time.perf_counter()
+        self.latency.e2e.labels(self.front_end).observe(now - self.start)
+        if self.count > 1:
+            self.latency.tpot.labels(self.front_end).observe(
+                (now - self.first) / (self.count - 1))
+
+
+class ServerMetrics:
+    """What the front ends record and every /metrics endpoint renders (its own port, and the
+    HTTP front end's): the engine's stats (`stats()`, asked at each scrape), the outcomes only
+    the front ends see, and the latency their clients see."""
+
+    def __init__(self, stats):
+        self.outcomes = Outcomes()
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(EngineCollector(stats, self.outcomes))
+        self.latency = Latency(self.registry)
+
+
+def serve_metrics(port: int, host: str, registry: CollectorRegistry):
     """Start the /metrics HTTP endpoint on a daemon thread; returns (server, bound port)."""
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(EngineCollector(stats, outcomes))
     server, _ = start_http_server(port, addr=host, registry=registry)
     return server, server.server_port

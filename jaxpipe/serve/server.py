@@ -1,6 +1,7 @@
-"""The front-end process: a gRPC server (Generation + grpc.health.v1 + reflection) in front of
-an engine process it starts. Health is NOT_SERVING until the engine is loaded, SERVING while it
-runs, and NOT_SERVING again if it dies or the server is draining.
+"""The front-end process: a gRPC server (Generation + grpc.health.v1 + reflection) and the
+OpenAI-compatible HTTP API (http.py), either of which can be off, in front of an engine process
+it starts. Health is NOT_SERVING (HTTP: /health 503) until the engine is loaded, SERVING while
+it runs, and NOT_SERVING again if it dies or the server is draining.
 
 SIGTERM / SIGINT: stop accepting calls, let in-flight calls finish (up to drain_timeout), then
 shut the engine down and exit.
@@ -12,6 +13,7 @@ import logging
 import signal
 import threading
 from concurrent import futures
+from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -22,10 +24,13 @@ from jaxpipe.serve import jaxpipe_pb2 as pb
 from jaxpipe.serve import jaxpipe_pb2_grpc as pb_grpc
 from jaxpipe.serve.config import ServerConfig
 from jaxpipe.serve.engine_client import EngineClient, EngineUnavailable
+from jaxpipe.serve.http import HttpFrontEnd, HttpServer
+from jaxpipe.serve.metrics import ServerMetrics
 from jaxpipe.serve.service import GenerationService
 
 log = logging.getLogger("jaxpipe.serve")
 
+BATCH_IN_FLIGHT = 64  # requests a Batch API job keeps in the engine (beside live traffic)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name  # "jaxpipe.v1.Generation"
 
 
@@ -87,20 +92,103 @@ def _wait_for_engine(client: EngineClient, stop: threading.Event) -> bool:
     return False
 
 
-def _start_metrics(config: ServerConfig, client: EngineClient, service: GenerationService):
-    """The Prometheus endpoint (metrics.py), when asked for; its HTTP server or None."""
-    if config.metrics_port is None:
-        return None
-    from jaxpipe.serve.metrics import SCRAPE_TIMEOUT, serve_metrics
+def _metrics(client: EngineClient) -> ServerMetrics:
+    """What /metrics renders (metrics.py), on either endpoint."""
+    from jaxpipe.serve.metrics import SCRAPE_TIMEOUT
 
     def engine_stats():
         stats = client.stats(timeout=SCRAPE_TIMEOUT)
         return None if stats is None else stats.engine
 
-    http, port = serve_metrics(config.metrics_port, config.metrics_host, engine_stats,
-                               service.outcomes)
+    return ServerMetrics(engine_stats)
+
+
+def _start_metrics(config: ServerConfig, registry) -> object | None:
+    """The separate Prometheus endpoint, when asked for; its HTTP server or None."""
+    if config.metrics_port is None:
+        return None
+    from jaxpipe.serve.metrics import serve_metrics
+
+    http, port = serve_metrics(config.metrics_port, config.metrics_host, registry)
     log.info("metrics on http://%s:%d/metrics", config.metrics_host, port)
     return http
+
+
+@dataclass
+class _FrontEnds:
+    """What serves clients: gRPC and / or HTTP (None when turned off), and /metrics."""
+
+    grpc: grpc.Server | None = None
+    http_front: HttpFrontEnd | None = None
+    http: HttpServer | None = None
+    metrics: object = None
+
+    def drain(self, timeout: float) -> None:
+        """Refuse new calls and let in-flight ones finish (both front ends at once)."""
+        if self.http_front is not None:
+            self.http_front.draining = True
+        grpc_stopped = None if self.grpc is None else self.grpc.stop(grace=timeout)
+        if self.http is not None:
+            self.http.stop()
+        if grpc_stopped is not None:
+            grpc_stopped.wait()
+        if self.metrics is not None:
+            self.metrics.shutdown()
+
+
+def _add_batch_api(config: ServerConfig, front: HttpFrontEnd, stop: threading.Event) -> None:
+    """The Batch API's routes and jobs (batches.py), resuming the jobs left unfinished."""
+    from jaxpipe.batch.runners import ClientRunner
+    from jaxpipe.serve.batches import Batches, FileStore
+    from jaxpipe.serve.http_batches import BatchRoutes
+
+    client = front.client
+
+    def runner(prefix: str) -> ClientRunner:
+        return ClientRunner(client, front.tokenizer, front.model, prefix, BATCH_IN_FLIGHT)
+
+    def wait_engine() -> bool:
+        while not stop.wait(0.5):
+            if client.serving:
+                return True
+            if client.given_up.is_set():
+                return False
+        return False
+
+    files = FileStore(config.batch_dir)
+    batches = Batches(config.batch_dir, files, runner, wait_engine, config.max_request_bytes)
+    BatchRoutes(files, batches, int(config.max_file_mb * 2**20)).add_to(front.app)
+    batches.resume()
+    log.info("Batch API on (files and jobs in %s)", config.batch_dir)
+
+
+def _start_front_ends(config: ServerConfig, client: EngineClient,
+                      health_servicer: health.HealthServicer,
+                      stop: threading.Event) -> _FrontEnds:
+    model = config.engine.get("model", EngineConfig.model)
+    tokenizer, metrics = _load_tokenizer(model), _metrics(client)
+    fronts = _FrontEnds()
+    try:
+        if config.port is not None:
+            service = GenerationService(client, tokenizer, config.max_request_bytes, metrics)
+            fronts.grpc, port = _grpc_server(config, service, health_servicer)
+            fronts.grpc.start()
+            log.info("gRPC on %s:%d (health NOT_SERVING until the engine is loaded)",
+                     config.host, port)
+        if config.http_port is not None:
+            fronts.http_front = HttpFrontEnd(client, tokenizer, model, config.max_request_bytes,
+                                             config.max_concurrent_requests, metrics)
+            if config.batch_dir is not None:
+                _add_batch_api(config, fronts.http_front, stop)
+            fronts.http = HttpServer(fronts.http_front.app, config.http_host, config.http_port,
+                                     config.drain_timeout)
+            port = fronts.http.start()
+            log.info("HTTP (OpenAI API) on http://%s:%d/v1", config.http_host, port)
+        fronts.metrics = _start_metrics(config, metrics.registry)
+    except BaseException:
+        fronts.drain(timeout=0)
+        raise
+    return fronts
 
 
 def serve(config: ServerConfig) -> int:
@@ -112,25 +200,17 @@ def serve(config: ServerConfig) -> int:
     client = EngineClient(config.engine, on_health=lambda ok: _set_health(health_servicer, ok),
                           max_restarts=config.engine_restarts, backoff=config.restart_backoff)
     try:
-        model = config.engine.get("model", EngineConfig.model)
-        service = GenerationService(client, _load_tokenizer(model), config.max_request_bytes)
-        server, port = _grpc_server(config, service, health_servicer)
-        metrics = _start_metrics(config, client, service)
+        fronts = _start_front_ends(config, client, health_servicer, stop)
     except BaseException:
         client.close(timeout=5)
         raise
-    server.start()
-    log.info("listening on %s:%d (health NOT_SERVING until the engine is loaded)",
-             config.host, port)
     ok = _wait_for_engine(client, stop)
     while ok and not stop.wait(0.5):
         if client.given_up.is_set():
             log.error("the engine process is gone for good; the server stops")
             break
     health_servicer.enter_graceful_shutdown()  # NOT_SERVING from now on
-    server.stop(grace=config.drain_timeout).wait()
-    if metrics is not None:
-        metrics.shutdown()
+    fronts.drain(config.drain_timeout)
     failed = client.given_up.is_set()
     log.info("drained; stopping the engine")
     client.close()

@@ -22,7 +22,7 @@ from jaxpipe.serve import jaxpipe_pb2_grpc as pb_grpc
 from jaxpipe.serve import messages as m
 from jaxpipe.serve import protos
 from jaxpipe.serve.engine_client import EngineClient, EngineLost, EngineUnavailable
-from jaxpipe.serve.metrics import Outcomes
+from jaxpipe.serve.metrics import RequestTimer, ServerMetrics
 from jaxpipe.stopping import TextStream, final_text
 
 log = logging.getLogger("jaxpipe.serve")
@@ -35,6 +35,7 @@ class _Pending:
     custom_id: str
     prepared: Prepared
     start: float
+    timer: RequestTimer
     token_ids: list[int] = field(default_factory=list)
     logprobs: list = field(default_factory=list)
 
@@ -42,18 +43,21 @@ class _Pending:
 class GenerationService(pb_grpc.GenerationServicer):
     """Implements Generate, GenerateBatch and GetServerInfo over an `EngineClient`."""
 
-    def __init__(self, client: EngineClient, tokenizer, max_request_bytes: int):
+    def __init__(self, client: EngineClient, tokenizer, max_request_bytes: int,
+                 metrics: ServerMetrics):
         self.client = client
         self.tokenizer = tokenizer
         self.max_request_bytes = max_request_bytes
         self._ids = itertools.count()
-        self.outcomes = Outcomes()  # refusals only the front end sees (metrics.py)
+        self.outcomes = metrics.outcomes  # refusals only the front ends see (metrics.py)
+        self.latency = metrics.latency
 
     # ---- Generate -----------------------------------------------------------------------------
 
     def Generate(self, request, context):
         """Stream one request's tokens and text; the last message carries usage."""
         rid, start = f"g{next(self._ids)}", time.perf_counter()
+        timer = self.latency.timer("grpc")
         self._check_engine(context)
         try:
             prep = self._prepare(request, "request")
@@ -70,8 +74,10 @@ class GenerationService(pb_grpc.GenerationServicer):
         while True:
             item = self._next(out, context)
             completion += len(item.token_ids)
+            timer.tokens(len(item.token_ids))
             yield self._response(request, item, stream, len(prep.prompt_token_ids), completion)
             if item.finish_reason is not None:
+                timer.finished()
                 self._log_done("Generate", rid, len(prep.prompt_token_ids), completion,
                                item.finish_reason, start)
                 return
@@ -136,7 +142,7 @@ class GenerationService(pb_grpc.GenerationServicer):
             self.outcomes.add("invalid")
             return protos.error_result(cid, "INVALID_ARGUMENT", e.field, e.message)
         rid = f"b{next(self._ids)}"
-        pending[rid] = _Pending(cid, prep, time.perf_counter())
+        pending[rid] = _Pending(cid, prep, time.perf_counter(), self.latency.timer("grpc"))
         self._submit(rid, prep, out, context)
         return None
 
@@ -154,8 +160,10 @@ class GenerationService(pb_grpc.GenerationServicer):
             return protos.error_result(p.custom_id, "INVALID_ARGUMENT", "request", item.message)
         p.token_ids.extend(item.token_ids)
         p.logprobs.extend(item.logprobs or [])
+        p.timer.tokens(len(item.token_ids))
         if item.finish_reason is None:
             return None
+        p.timer.finished()
         del pending[item.request_id]
         self._log_done("GenerateBatch", f"{item.request_id} ({p.custom_id})",
                        len(p.prepared.prompt_token_ids), len(p.token_ids), item.finish_reason,
@@ -179,7 +187,7 @@ class GenerationService(pb_grpc.GenerationServicer):
 
     def _check_engine(self, context) -> None:
         """UNAVAILABLE unless the engine process is loaded and alive."""
-        if self.client.info is None or self.client.dead.is_set():
+        if not self.client.serving:
             self.outcomes.add("unavailable")
             context.abort(grpc.StatusCode.UNAVAILABLE, self.client.unavailable_reason())
 

@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from jaxpipe import SamplingParams
 from jaxpipe.serve import jaxpipe_pb2 as pb
 from jaxpipe.serve import jaxpipe_pb2_grpc as pb_grpc
-from jaxpipe.serve.metrics import COUNTERS, EngineCollector, Outcomes
+from jaxpipe.serve.metrics import COUNTERS, EngineCollector, Outcomes, ServerMetrics
 
 
 def samples(text: str) -> dict:
@@ -54,6 +54,23 @@ def test_collector_renders_engine_stats(engine):
     assert got[("jaxpipe_engine_up", ())] == 1
 
 
+def test_request_timer_observes_each_latency_once_per_request():
+    metrics = ServerMetrics(lambda: None)
+    timer = metrics.latency.timer("http")
+    timer.tokens(0)  # a delta with no tokens is not the first token
+    timer.tokens(1)
+    timer.tokens(3)
+    timer.finished()
+    metrics.latency.timer("http").finished()  # ended before any token: end-to-end only
+    got = samples(generate_latest(metrics.registry).decode())
+    http = (("front_end", "http"),)
+    assert got[("jaxpipe_time_to_first_token_seconds_count", http)] == 1
+    assert got[("jaxpipe_time_per_output_token_seconds_count", http)] == 1
+    assert got[("jaxpipe_e2e_request_latency_seconds_count", http)] == 2
+    assert got[("jaxpipe_e2e_request_latency_seconds_sum", http)] >= \
+        got[("jaxpipe_time_to_first_token_seconds_sum", http)] >= 0
+
+
 def test_collector_says_when_the_engine_does_not_answer():
     registry = CollectorRegistry(auto_describe=False)
     registry.register(EngineCollector(lambda: None, Outcomes()))
@@ -71,15 +88,18 @@ def test_server_metrics_follow_a_known_workload(grpc_server):
     """Three streamed requests and one invalid one: the counters move by what the clients
     received (tokens, usage, finish reasons), and agree with GetServerInfo."""
     before = scrape(grpc_server)
-    tokens, prompt, reasons = 0, 0, {}
+    tokens, prompt, reasons, several = 0, 0, {}, 0
     with grpc.insecure_channel(grpc_server.address) as channel:
         stub = pb_grpc.GenerationStub(channel)
         for text in ("One, two,", "Red, green,", "Monday, Tuesday,"):
             sampling = pb.SamplingParams(temperature=0.0, max_tokens=4)
+            request_tokens = 0
             for resp in stub.Generate(pb.GenerateRequest(text=text, sampling=sampling),
                                       timeout=300):
                 tokens += len(resp.token_ids)
+                request_tokens += len(resp.token_ids)
                 if resp.finish_reason:
+                    several += request_tokens > 1  # those have a time per output token
                     prompt += resp.usage.prompt_tokens
                     reasons[resp.finish_reason] = reasons.get(resp.finish_reason, 0) + 1
         with pytest.raises(grpc.RpcError) as info:
@@ -98,5 +118,8 @@ def test_server_metrics_follow_a_known_workload(grpc_server):
     for reason, n in reasons.items():
         assert moved("jaxpipe_requests_total", outcome=reason) == n
     assert moved("jaxpipe_requests_total", outcome="invalid") == 1
+    assert moved("jaxpipe_time_to_first_token_seconds_count", front_end="grpc") == 3
+    assert moved("jaxpipe_e2e_request_latency_seconds_count", front_end="grpc") == 3
+    assert moved("jaxpipe_time_per_output_token_seconds_count", front_end="grpc") == several
     assert after[("jaxpipe_generation_tokens_total", ())] == server_info.generated_tokens
     assert after[("jaxpipe_engine_up", ())] == 1

@@ -4,9 +4,11 @@ DEADLINE_EXCEEDED instead of blocking the run."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
+import time
 
 import grpc
 import psutil
@@ -83,14 +85,30 @@ def test_the_server_exits_when_restarts_run_out(tmp_path):
         s.stop()
 
 
+def started_http_stream(server):
+    """An OpenAI-API chat stream (24 tokens, usage at the end) that has sent its first chunk,
+    and its chunks so far."""
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=server.http_url + "/v1", api_key="unused", max_retries=0,
+                           timeout=120)
+    stream = iter(client.chat.completions.create(
+        model="smollm2-135m", messages=[{"role": "user", "content": "Tell me a long story."}],
+        temperature=0, max_tokens=24, stream=True, stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True}))
+    return stream, [next(stream)]
+
+
 def test_sigterm_drains_in_flight_requests_then_exits(server):
+    """Three gRPC streams and one HTTP stream in flight at SIGTERM all finish."""
     engine_pid = server.engine_pid()
     sampling = pb.SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     results: dict[int, list] = {}
     with grpc.insecure_channel(server.address) as ch:
         stub = pb_grpc.GenerationStub(ch)
         calls = [started_stream(stub, sampling) for _ in range(3)]
+        http_stream, http_chunks = started_http_stream(server)
         server.proc.send_signal(signal.SIGTERM)
+        http_chunks += list(http_stream)
 
         def finish(i, call, got):
             results[i] = got + list(call)
@@ -101,6 +119,8 @@ def test_sigterm_drains_in_flight_requests_then_exits(server):
         for t in threads:
             t.join(120)
     assert server.proc.wait(120) == 0
+    assert http_chunks[-1].usage.completion_tokens == 24
+    assert [c.choices[0].finish_reason for c in http_chunks if c.choices][-1] == "length"
     for i in range(3):
         responses = results[i]
         assert sum(len(r.token_ids) for r in responses) == 24
@@ -108,3 +128,53 @@ def test_sigterm_drains_in_flight_requests_then_exits(server):
     assert not psutil.pid_exists(engine_pid) or \
         psutil.Process(engine_pid).status() == psutil.STATUS_ZOMBIE
     assert "SIGTERM received: draining" in server.log()
+
+
+def test_batch_api_job_survives_sigkill_and_finishes_each_custom_id_once(tmp_path):
+    """A Batch API job (openai client: files.create, batches.create, poll, files.content) on a
+    server killed with SIGKILL mid-batch; a server restarted over the same --batch-dir
+    finishes it: every custom_id once, the bad line in the error file."""
+    openai = pytest.importorskip("openai")
+    gguf_dir()
+    batch_dir = str(tmp_path / "batches")
+    lines = [json.dumps({"custom_id": f"r{i:02d}", "method": "POST", "url": "/v1/completions",
+                         "body": {"model": "smollm2-135m", "prompt": f"Fact {i}:",
+                                  "max_tokens": 16, "temperature": 0, "ignore_eos": True}})
+             for i in range(48)]
+    lines.append(json.dumps({"custom_id": "bad", "method": "POST", "url": "/v1/completions",
+                             "body": {"prompt": "x", "top_p": 0}}))
+    first = ServerProcess("--batch-dir", batch_dir, log_path=tmp_path / "first.log")
+    try:
+        first.wait_serving()
+        client = openai.OpenAI(base_url=first.http_url + "/v1", api_key="unused",
+                               max_retries=0, timeout=60)
+        source = client.files.create(file=("in.jsonl", "\n".join(lines).encode()),
+                                     purpose="batch")
+        batch = client.batches.create(input_file_id=source.id, endpoint="/v1/completions",
+                                      completion_window="24h")
+        deadline = time.monotonic() + 300
+        while client.batches.retrieve(batch.id).request_counts.completed < 8:
+            assert time.monotonic() < deadline, first.log()
+            time.sleep(0.1)
+        first.proc.kill()
+    finally:
+        first.stop()
+    second = ServerProcess("--batch-dir", batch_dir, log_path=tmp_path / "second.log")
+    try:
+        second.wait_serving()
+        client = openai.OpenAI(base_url=second.http_url + "/v1", api_key="unused",
+                               max_retries=0, timeout=60)
+        deadline = time.monotonic() + 300
+        while (done := client.batches.retrieve(batch.id)).status != "completed":
+            assert time.monotonic() < deadline, second.log()
+            time.sleep(0.5)
+        assert f"resuming batch {batch.id}" in second.log()
+        out, errors = ([json.loads(x) for x in client.files.content(file_id).text.splitlines()]
+                       for file_id in (done.output_file_id, done.error_file_id))
+    finally:
+        second.stop()
+    assert sorted(r["custom_id"] for r in out) == [f"r{i:02d}" for i in range(48)]
+    assert all(len(r["response"]["body"]["choices"][0]["token_ids"]) == 16 for r in out)
+    assert [(e["custom_id"], e["error"]["param"]) for e in errors] == [("bad", "body.top_p")]
+    assert (done.request_counts.total, done.request_counts.completed,
+            done.request_counts.failed) == (49, 48, 1)
