@@ -123,6 +123,16 @@ class Batches:
             batch["request_counts"] = self._counts(batch)
         return batch
 
+    def list(self, limit: int, after: str | None) -> tuple[list[dict], bool]:
+        """Up to `limit` batch objects, newest first, those after the batch `after` in that
+        order (all of them if it is not known), and whether more follow."""
+        ids = [name[:-len(".json")] for name in os.listdir(self.root) if name.endswith(".json")]
+        found = [b for b in map(self.get, ids) if b is not None]
+        found.sort(key=lambda b: (b["created_at"], b["id"]), reverse=True)
+        ordered = [b["id"] for b in found]
+        start = ordered.index(after) + 1 if after in ordered else 0
+        return found[start:start + limit], start + limit < len(found)
+
     def cancel(self, batch_id: str) -> dict | None:
         batch = self.get(batch_id)
         if batch is None or batch["status"] not in RUNNING or batch["status"] == "finalizing":

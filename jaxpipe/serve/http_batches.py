@@ -4,6 +4,7 @@
     GET  /v1/files/{id}               the file object
     GET  /v1/files/{id}/content       its bytes (inputs, and batches' output and error files)
     POST /v1/batches                  {"input_file_id", "endpoint", "completion_window"}
+    GET  /v1/batches                  the batches, newest first (?limit=1..100, ?after=<id>)
     GET  /v1/batches/{id}             the batch object, request_counts as they stand
     POST /v1/batches/{id}/cancel      stop it; what finished is in its output file
 
@@ -22,6 +23,8 @@ from jaxpipe.openai_format import CHAT_URL, COMPLETIONS_URL
 from jaxpipe.serve.batches import WINDOW, Batches, FileStore
 from jaxpipe.serve.http import ApiError
 
+MAX_LIST = 100  # batches one list page holds at most (OpenAI's limit)
+
 
 class BatchRoutes:
     """Handlers over a FileStore and Batches; uploads larger than `max_file_bytes` get 413."""
@@ -34,6 +37,7 @@ class BatchRoutes:
         app.get("/v1/files/{file_id}")(self.file)
         app.get("/v1/files/{file_id}/content")(self.content)
         app.post("/v1/batches")(self.create)
+        app.get("/v1/batches")(self.list)
         app.get("/v1/batches/{batch_id}")(self.batch)
         app.post("/v1/batches/{batch_id}/cancel")(self.cancel)
 
@@ -87,6 +91,16 @@ class BatchRoutes:
             raise ApiError(400, f"completion_window: only {WINDOW!r} is supported",
                            "completion_window")
         return self.batches.create(source["id"], body["endpoint"], body.get("metadata"))
+
+    def list(self, limit: str = "20", after: str | None = None) -> dict:
+        """OpenAI's cursor page: `after` is the last id of the page before."""
+        if not limit.isdigit() or not 1 <= int(limit) <= MAX_LIST:
+            raise ApiError(400, f"limit: must be an integer from 1 to {MAX_LIST}, got "
+                           f"{limit!r}", "limit")
+        data, more = self.batches.list(int(limit), after)
+        return {"object": "list", "data": data, "has_more": more,
+                "first_id": data[0]["id"] if data else None,
+                "last_id": data[-1]["id"] if data else None}
 
     def batch(self, batch_id: str) -> dict:
         return self._batch(self.batches.get(batch_id), batch_id)

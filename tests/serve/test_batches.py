@@ -116,6 +116,22 @@ def test_bad_uploads_and_unknown_ids(served):
                               completion_window="24h")
 
 
+def test_batches_list_newest_first_in_pages(served):
+    client, _, _ = served
+    source = upload(client, GOOD[:2])
+    made = [client.batches.create(input_file_id=source.id, endpoint="/v1/completions",
+                                  completion_window="24h").id for _ in range(3)]
+    page = client.batches.list(limit=2)
+    assert page.has_more and len(page.data) == 2
+    every = [b.id for b in client.batches.list(limit=2)]  # iterating follows `after`
+    assert sorted(every) == sorted(made) and len(every) == 3
+    by_created = sorted(client.batches.list().data, key=lambda b: b.created_at, reverse=True)
+    assert [b.created_at for b in client.batches.list().data] == [b.created_at
+                                                                   for b in by_created]
+    with pytest.raises(openai.BadRequestError, match="limit"):
+        client.batches.list(limit=0)
+
+
 def test_a_job_a_killed_server_left_is_finished_once(tmp_path):
     """The state SIGKILL leaves: a batch in progress, some records, the last one torn. A new
     Batches over the same directory resumes it: each custom_id ends with one record."""
