@@ -321,7 +321,13 @@ class HttpServer:
         self.server = uvicorn.Server(uvicorn.Config(
             app, host=host, port=port, log_config=None, access_log=False, lifespan="off",
             timeout_graceful_shutdown=max(1, round(drain_timeout))))
-        self.thread = threading.Thread(target=self.server.run, name="http", daemon=True)
+        self.thread = threading.Thread(target=self._run, name="http", daemon=True)
+
+    def _run(self) -> None:
+        try:
+            self.server.run()
+        except SystemExit:  # uvicorn's way out when it cannot bind: `start` reports it
+            pass
 
     def start(self, timeout: float = 30.0) -> int:
         """Listen; returns the bound port, or raises OSError if it cannot."""
@@ -329,7 +335,8 @@ class HttpServer:
         deadline = time.monotonic() + timeout
         while not self.server.started:
             if not self.thread.is_alive() or time.monotonic() > deadline:
-                raise OSError(f"the HTTP server could not listen on {self.where}")
+                raise OSError(f"the HTTP server could not listen on {self.where} (is the port "
+                              "taken? --http-port picks another, --no-http turns HTTP off)")
             time.sleep(0.05)
         return self.server.servers[0].sockets[0].getsockname()[1]
 

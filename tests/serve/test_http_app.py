@@ -121,3 +121,10 @@ def test_bad_temperature_is_a_bad_request_error(client):
 
 def test_models_lists_the_served_model(client):
     assert [card.id for card in client.models.list()] == [MODEL]
+
+
+def test_a_taken_port_fails_the_start_naming_the_flags(front):
+    port = int(front[1].rsplit(":", 1)[1])  # held by the fixture's server
+    second = HttpServer(front[0].app, "127.0.0.1", port, drain_timeout=1)
+    with pytest.raises(OSError, match=f"127.0.0.1:{port}.*--http-port.*--no-http"):
+        second.start(timeout=10)
