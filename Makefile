@@ -97,10 +97,10 @@ bench: $(VENV)/.base
 # The peers' environment (OpenVINO GenAI, HF transformers at their own pins), which the
 # benchmark otherwise builds on first use.
 bench-env: $(VENV)/.base
-	$(PY) -m jaxpipe.bench.peers
+	$(PY) -m jaxpipe_bench.peers
 
 lint: $(VENV)/.test
-	$(PY) -m ruff check jaxpipe scripts tests
+	$(PY) -m ruff check jaxpipe jaxpipe_bench jaxpipe_peers scripts tests
 
 clean:
 	rm -rf $(VENV) $(VENV_LATEST) $(VENV_NEWEST) .venv-peers .pytest_cache

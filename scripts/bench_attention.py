@@ -1,5 +1,5 @@
 """Attention per layer: the paged ragged-span C++ kernel vs its XLA reference (logic in
-jaxpipe.bench.attention).
+jaxpipe_bench.attention).
 
   python scripts/bench_attention.py --json out/attention.json
   python scripts/bench_attention.py --tables identity,shuffled --repeats 10
@@ -11,7 +11,7 @@ import argparse
 import json
 from pathlib import Path
 
-from jaxpipe.bench.attention import SPAN_CASES, format_spans, measure_spans
+from jaxpipe_bench.attention import SPAN_CASES, format_spans, measure_spans
 
 
 def main() -> None:

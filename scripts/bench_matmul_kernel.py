@@ -1,4 +1,4 @@
-"""bf16 matmul: the C++ kernel vs XLA's dot per row count (logic in jaxpipe.bench.matmul_kernel).
+"""bf16 matmul: the C++ kernel vs XLA's dot per row count (logic in jaxpipe_bench.matmul_kernel).
 
   python scripts/bench_matmul_kernel.py --rows 1,8,16,32,64,128,256 --json out/matmul_kernel.json
 """
@@ -9,7 +9,7 @@ import argparse
 import json
 from pathlib import Path
 
-from jaxpipe.bench.matmul_kernel import ROWS, SHAPES, format_table, measure
+from jaxpipe_bench.matmul_kernel import ROWS, SHAPES, format_table, measure
 
 
 def main() -> None:

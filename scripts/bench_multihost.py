@@ -6,7 +6,7 @@
 
 Prints both runs and the leader's control-channel overhead per step (bytes, ms), checks that
 how alike both runs' tokens are (float32: identical; bfloat16 may flip near ties, as the
-reductions run in another order), writes JSON. The logic lives in `jaxpipe.bench.multihost`.
+reductions run in another order), writes JSON. The logic lives in `jaxpipe_bench.multihost`.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from jaxpipe.bench import multihost  # noqa: E402
+from jaxpipe_bench import multihost  # noqa: E402
 
 
 def main() -> int:

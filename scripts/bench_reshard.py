@@ -3,7 +3,7 @@
 
   python scripts/bench_reshard.py                      # SmolLM2-135M, bf16
   python scripts/bench_reshard.py --dtype float32 --repeats 5 --out out/reshard.json
-Prints two tables and writes JSON. The logic lives in `jaxpipe.bench.layouts`.
+Prints two tables and writes JSON. The logic lives in `jaxpipe_bench.layouts`.
 """
 
 import sys
@@ -11,7 +11,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from jaxpipe.bench import cli, layouts  # noqa: E402
+from jaxpipe_bench import cli, layouts  # noqa: E402
 
 if __name__ == "__main__":
     cli.run_model_bench(__doc__, layouts.LayoutBenchConfig, layouts.run, layouts.format_tables,

@@ -1,5 +1,5 @@
 """One step's sampling: the device sampler against the host sampler (sampler="host") on the
-same logits, per batch rows and kind of request (logic in jaxpipe.bench.sampler).
+same logits, per batch rows and kind of request (logic in jaxpipe_bench.sampler).
 
   python scripts/bench_sampler.py --json out/sampler.json
   python scripts/bench_sampler.py --rows 64 256 --threads 2 --repeats 9
@@ -14,7 +14,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from jaxpipe.bench.sampler import measure, render  # noqa: E402
+from jaxpipe_bench.sampler import measure, render  # noqa: E402
 
 
 def main() -> None:

@@ -5,7 +5,7 @@
   python scripts/bench_schedulers.py --num-prompts 32 --runs seesaw:pp=8:tp=8
 Each run is policy:prefill-layout:decode-layout; the default compares seesaw (pp-heavy prefill
 -> tp-heavy decode) with prefill_first on single layouts. Prints a table, writes JSON.
-The logic lives in `jaxpipe.bench.schedulers`.
+The logic lives in `jaxpipe_bench.schedulers`.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ DEFAULT_RUNS = "seesaw:pp=8:tp=8,prefill_first:tp=8:tp=8,prefill_first:pp=2,tp=4
 
 
 def parse_runs(text: str):
-    from jaxpipe.bench.schedulers import RunSpec
+    from jaxpipe_bench.schedulers import RunSpec
 
     specs = []
     for item in _split_runs(text):
@@ -58,9 +58,9 @@ def main() -> None:
     args = p.parse_args()
     sharding.ensure_cpu_devices(8)  # before anything starts JAX's backend
 
-    from jaxpipe.bench.report import machine_info
-    from jaxpipe.bench.schedulers import format_table, run_one
-    from jaxpipe.bench.workload import (
+    from jaxpipe_bench.report import machine_info
+    from jaxpipe_bench.schedulers import format_table, run_one
+    from jaxpipe_bench.workload import (
         default_gguf_path,
         describe_workload,
         gguf_vocab,

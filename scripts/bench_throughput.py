@@ -6,7 +6,7 @@ Examples:
   python scripts/bench_throughput.py --peers openvino,hf          # + OpenVINO GenAI (bench extra)
   python scripts/bench_throughput.py --num-prompts 16 --hf-batch-sizes 8,16
   python scripts/bench_throughput.py --input-len 128 --output-len 128 --skip-hf
-The logic lives in `jaxpipe.bench`; this file only parses flags.
+The logic lives in `jaxpipe_bench`; this file only parses flags.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 # Run from a checkout without installing: make `jaxpipe` importable.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from jaxpipe.bench import (  # noqa: E402
+from jaxpipe_bench import (  # noqa: E402
     PEER_NAMES,
     BenchConfig,
     parse_peers,

@@ -6,7 +6,7 @@ Examples:
   python scripts/bench_timeline.py                                  # one device, bf16
   python scripts/bench_timeline.py --mesh cpu-8 --layout pp=2,tp=4 --num-prompts 32
   python scripts/bench_timeline.py --trace out/traces               # + Perfetto trace JSONs
-The logic lives in `jaxpipe.bench.timeline`; this file only parses flags.
+The logic lives in `jaxpipe_bench.timeline`; this file only parses flags.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from jaxpipe.bench import timeline  # noqa: E402
+from jaxpipe_bench import timeline  # noqa: E402
 
 
 def main() -> int:
@@ -40,8 +40,8 @@ def main() -> int:
     args = p.parse_args()
 
     from jaxpipe import Engine, EngineConfig
-    from jaxpipe.bench import default_max_model_len, describe_workload
-    from jaxpipe.bench.workload import default_gguf_path, gguf_vocab, make_workload
+    from jaxpipe_bench import default_max_model_len, describe_workload
+    from jaxpipe_bench.workload import default_gguf_path, gguf_vocab, make_workload
 
     vocab, special = gguf_vocab(default_gguf_path())
     workload = make_workload(args.num_prompts, args.seed, vocab, special_ids=special)

@@ -1,4 +1,4 @@
-"""Calibrate the cost model on this machine (logic in jaxpipe/planner/calibrate.py): measure the
+"""Calibrate the cost model on this machine (logic in jaxpipe_bench/calibrate.py): measure the
 CPU preset's constants, then print predicted vs measured prefill and decode step times of the
 real engine (SmolLM2-135M, bf16, one device) as a ratio. About 2 minutes.
 
@@ -11,7 +11,7 @@ import argparse
 import json
 from pathlib import Path
 
-from jaxpipe.planner import calibrate
+from jaxpipe_bench import calibrate
 
 
 def main() -> None:

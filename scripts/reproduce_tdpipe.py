@@ -1,5 +1,5 @@
 """Reproduce TD-Pipe's 4-GPU comparison (Fig. 11) and its ablations (Fig. 13-16) by
-simulation (logic in jaxpipe/planner/reproduce_tdpipe.py): prints both tables beside the paper's
+simulation (logic in jaxpipe_bench/reproduce_tdpipe.py): prints both tables beside the paper's
 numbers, --json writes them.
 
     python scripts/reproduce_tdpipe.py [--json out.json] [--quick]
@@ -11,7 +11,7 @@ import argparse
 import json
 from pathlib import Path
 
-from jaxpipe.planner import reproduce_tdpipe as rt
+from jaxpipe_bench import reproduce_tdpipe as rt
 
 
 def main() -> None:

@@ -8,7 +8,7 @@ result or one error", then the RSS series.
   python scripts/soak.py --minutes 30                  # starts its own server (default model)
   python scripts/soak.py --minutes 3 --clients 64 --kill-at 0.3 --json out/soak.json
   python scripts/soak.py --transport http --minutes 3 --clients 32 --json out/http_soak.json
-Exit code 1 when anything was breached. The logic lives in `jaxpipe.bench.soak`.
+Exit code 1 when anything was breached. The logic lives in `jaxpipe_bench.soak`.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from jaxpipe.bench.soak import Soak, SoakConfig  # noqa: E402
+from jaxpipe_bench.soak import Soak, SoakConfig  # noqa: E402
 
 SERVER_ARGS = ["--max-model-len", "512", "--max-num-seqs", "32", "--restart-backoff", "1",
                "--log-level", "WARNING"]

@@ -206,7 +206,7 @@ def assert_child_dies_with_parent(cmd: list[str], log_path: Path) -> None:
     import signal
     import subprocess
 
-    from jaxpipe.bench.multihost import clean_env
+    from jaxpipe_bench.multihost import clean_env
 
     env = dict(clean_env(), PYTHONPATH=str(Path(__file__).resolve().parents[1]))
     with open(log_path, "wb") as log:

@@ -8,7 +8,7 @@ import sys
 
 from conftest import SERVE_ARGS, assert_child_dies_with_parent
 
-from jaxpipe.bench.multihost import cluster_port
+from jaxpipe_bench.multihost import cluster_port
 
 
 def test_a_killed_supervisor_takes_its_follower_with_it(tmp_path):

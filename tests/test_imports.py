@@ -1,6 +1,8 @@
 """The package's import graph, read statically (ast) from every module under jaxpipe/: no
-cycles, and `import jaxpipe` reaches neither the benchmarks (`jaxpipe.bench`) nor the planner
-(`jaxpipe.planner`), which are tools over the engine, not parts of it.
+cycles, no module that names the tools package (`jaxpipe_bench`: benchmarks, peers, soak,
+profiler, calibration, the papers' reproductions, which import jaxpipe one way), and
+`import jaxpipe` reaches neither it nor the planner (`jaxpipe.planner`), which the engine loads
+only for `"auto"` layouts.
 
 An edge A -> B means that running A's imports starts (or needs the finished) B:
   `import a.b.c` and `from a.b import c` start a.b.c when c is a module, and every package
@@ -28,7 +30,7 @@ import pytest
 
 PACKAGE = "jaxpipe"
 ROOT = Path(__file__).resolve().parents[1] / PACKAGE
-TOOLS = ("jaxpipe.bench", "jaxpipe.planner")
+TOOLS = ("jaxpipe_bench", "jaxpipe.planner")
 
 
 def modules(root: Path = ROOT) -> dict[str, Path]:
@@ -188,6 +190,17 @@ def test_the_package_has_no_import_cycle(module_level):
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
 
+def test_the_package_never_imports_the_tools_package():
+    """`jaxpipe_bench` imports jaxpipe, one way: no module of jaxpipe names it, at any depth."""
+    named = []
+    for name, path in modules().items():
+        for node in import_nodes(ast.parse(path.read_text()), module_level=False):
+            targets = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                       else [_base(node, name, path.name == "__init__.py")])
+            named += [f"{name} -> {t}" for t in targets if t.split(".")[0] == "jaxpipe_bench"]
+    assert named == []
+
+
 def test_import_jaxpipe_reaches_no_tool_statically():
     reached = closure(graph(True), PACKAGE)
     assert "jaxpipe.executor" in reached
@@ -195,7 +208,7 @@ def test_import_jaxpipe_reaches_no_tool_statically():
 
 
 def _tool_modules_after(code: str) -> list[str]:
-    """The jaxpipe.bench / jaxpipe.planner modules loaded after running `code` in a fresh
+    """The jaxpipe_bench / jaxpipe.planner modules loaded after running `code` in a fresh
     interpreter."""
     script = (f"import json, sys\n{code}\n"
               f"print(json.dumps(sorted(m for m in sys.modules if m.startswith({TOOLS}))))")

@@ -1,7 +1,8 @@
 """Seesaw's cost model, the layout planner and a simulator that drives the real scheduler
-policies (`jaxpipe.scheduler`) with step times from the cost model. Only `calibrate` runs
-jax (it times real steps); `import jaxpipe` loads none of this package, the engine imports it
-only to resolve `prefill="auto"` / `decode="auto"`."""
+policies (`jaxpipe.scheduler`) with step times from the cost model. None of it runs jax: the
+calibration that times real steps and the papers' reproductions are tools, in
+`jaxpipe_bench`. `import jaxpipe` loads none of this package; the engine imports it only to
+resolve `prefill="auto"` / `decode="auto"`."""
 
 from jaxpipe.planner.costmodel import CostModel
 from jaxpipe.planner.planner import Plan, choose_layouts, layout_name, plan

@@ -8,8 +8,8 @@ import json
 import numpy as np
 import pytest
 
-from jaxpipe.bench.checkpoint import bf16_bits, hf_config, tensor_shapes, write_safetensors
 from jaxpipe.model.loading import load_hf_dir
+from jaxpipe_bench.checkpoint import bf16_bits, hf_config, tensor_shapes, write_safetensors
 
 TINY = {"hidden_size": 12, "intermediate_size": 20, "num_layers": 3, "num_heads": 3,
         "num_kv_heads": 1, "head_dim": 4, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,

@@ -1,9 +1,9 @@
-"""Benchmark flags come from the bench config dataclasses (jaxpipe/bench/cli.py)."""
+"""Benchmark flags come from the bench config dataclasses (jaxpipe_bench/cli.py)."""
 
 import pytest
 
-from jaxpipe.bench import cli
-from jaxpipe.bench.layouts import LayoutBenchConfig
+from jaxpipe_bench import cli
+from jaxpipe_bench.layouts import LayoutBenchConfig
 
 
 def test_no_flags_give_the_config_defaults():

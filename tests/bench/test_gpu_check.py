@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from jaxpipe.bench.gpu_check import agreement, decode_bytes
+from jaxpipe_bench.gpu_check import agreement, decode_bytes
 
 
 def test_agreement_counts_tokens_before_the_first_difference():

@@ -7,9 +7,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from jaxpipe.bench import BenchConfig, parse_peers
-from jaxpipe.bench.report import best_point, render
-from jaxpipe.bench.workload import Request
+from jaxpipe_bench import BenchConfig, parse_peers
+from jaxpipe_bench.report import best_point, render
+from jaxpipe_bench.workload import Request
 from jaxpipe_peers import openvino as ov
 
 _SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_throughput.py"
@@ -136,7 +136,7 @@ def test_peers_package_imports_nothing_of_jaxpipe():
 
 
 def test_peer_env_is_built_once_per_lock(tmp_path, monkeypatch):
-    from jaxpipe.bench import peers
+    from jaxpipe_bench import peers
 
     calls = []
 
@@ -165,7 +165,7 @@ def test_peer_env_is_built_once_per_lock(tmp_path, monkeypatch):
 def test_a_failing_peer_names_itself():
     import sys
 
-    from jaxpipe.bench.peers import run_peer
+    from jaxpipe_bench.peers import run_peer
 
     with pytest.raises(RuntimeError, match="the llamacpp peer failed"):
         run_peer({"peer": "llamacpp", "requests": []}, lambda _: None, Path(sys.executable))
@@ -180,8 +180,8 @@ def tiny_hf_dir(tmp_path_factory):
     from conftest import GGUF_FILE, gguf_dir
     from test_checkpoint import TINY
 
-    from jaxpipe.bench.checkpoint import hf_config, tensor_shapes, write_safetensors
     from jaxpipe.tokenizer import Tokenizer
+    from jaxpipe_bench.checkpoint import hf_config, tensor_shapes, write_safetensors
 
     out = tmp_path_factory.mktemp("tiny_hf")
     tok = Tokenizer.from_gguf(gguf_dir() / GGUF_FILE)
@@ -201,7 +201,7 @@ def test_hf_peer_runs_a_job_through_files(tiny_hf_dir):
     import importlib.metadata
     import sys
 
-    from jaxpipe.bench.peers import run_peer
+    from jaxpipe_bench.peers import run_peer
     from jaxpipe_peers.protocol import requests_to_json
 
     requests = [Request((5, 6, 7), 3), Request((8, 9), 5), Request((10, 11, 12, 13), 2)]

@@ -1,4 +1,4 @@
-"""The soak (jaxpipe/bench/soak.py) in CI: 64 concurrent gRPC clients for three minutes, a mix
+"""The soak (jaxpipe_bench/soak.py) in CI: 64 concurrent gRPC clients for three minutes, a mix
 of streamed, batch, cancelled and malformed requests, the engine process killed 40% of the way
 in; and 32 HTTP clients for 90 s (streamed, plain, cancelled and malformed completions, the
 same kill). Every accepted request ends with exactly one result or one error, the server
@@ -15,8 +15,8 @@ from __future__ import annotations
 import pytest
 from conftest import ServerProcess, gguf_dir
 
-from jaxpipe.bench.soak import Soak, SoakConfig
-from jaxpipe.bench.soak_http import SseEvents, engine_load
+from jaxpipe_bench.soak import Soak, SoakConfig
+from jaxpipe_bench.soak_http import SseEvents, engine_load
 
 SERVER_FLAGS = ("--restart-backoff", "1", "--max-num-seqs", "32", "--warmup",
                 "--max-num-batched-tokens", "256")

@@ -7,9 +7,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from jaxpipe.bench.matmul import model_flops
-from jaxpipe.bench.report import format_table, throughput
-from jaxpipe.bench.workload import (
+from jaxpipe_bench.matmul import model_flops
+from jaxpipe_bench.report import format_table, throughput
+from jaxpipe_bench.workload import (
     OUTPUT_LEN_BOUNDS,
     PROMPT_LEN_BOUNDS,
     Request,
@@ -155,7 +155,7 @@ def fake_engine(monkeypatch):
 
 
 def test_run_jaxpipe_with_fake_engine(fake_engine):
-    from jaxpipe.bench import BenchConfig, run_jaxpipe
+    from jaxpipe_bench import BenchConfig, run_jaxpipe
 
     workload = make_workload(6, 0, VOCAB, input_len=100, output_len=20)
     result, model_config = run_jaxpipe(BenchConfig(max_num_seqs=4), workload, log=lambda _: None)
@@ -166,7 +166,7 @@ def test_run_jaxpipe_with_fake_engine(fake_engine):
 
 
 def test_run_jaxpipe_rejects_short_outputs(fake_engine):
-    from jaxpipe.bench import BenchConfig, run_jaxpipe
+    from jaxpipe_bench import BenchConfig, run_jaxpipe
 
     fake_engine.short_by = 1
     workload = make_workload(3, 0, VOCAB, input_len=10, output_len=5)
@@ -175,7 +175,7 @@ def test_run_jaxpipe_rejects_short_outputs(fake_engine):
 
 
 def test_check_outputs_detects_reordering():
-    from jaxpipe.bench import check_outputs
+    from jaxpipe_bench import check_outputs
 
     workload = make_workload(2, 0, VOCAB, input_len=4, output_len=2)
     outs = [
@@ -191,7 +191,7 @@ def test_check_outputs_detects_reordering():
 
 
 def test_warmup_requests_share_no_prefix():
-    from jaxpipe.bench import warmup_requests
+    from jaxpipe_bench import warmup_requests
 
     workload = make_workload(4, 0, VOCAB, input_len=64)
     warm = warmup_requests(workload, 2, max_output=16)

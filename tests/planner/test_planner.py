@@ -10,8 +10,8 @@ from jaxpipe.meshes import load_mesh
 from jaxpipe.model.presets import resolve_model
 from jaxpipe.planner import choose_layouts, layout_name, make_workload, plan
 from jaxpipe.planner.planner import candidate_layouts, feasible, paper_label
-from jaxpipe.planner.reproduce import submesh
 from jaxpipe.planner.workloads import constant, synthetic
+from jaxpipe_bench.reproduce import submesh
 
 
 @pytest.fixture(scope="module")

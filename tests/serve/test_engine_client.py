@@ -8,7 +8,7 @@ import sys
 
 from conftest import assert_child_dies_with_parent
 
-from jaxpipe.bench.multihost import cluster_port
+from jaxpipe_bench.multihost import cluster_port
 
 FRONT_END = """
 import time

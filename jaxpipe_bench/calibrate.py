@@ -3,7 +3,7 @@ cost model's prefill and decode step times beside the real engine's.
 
 Constants (the `meshes/*.toml` [hardware] keys), each the best a jitted JAX program was seen to
 do here, median over repeats, so that they play the role of a datasheet peak:
-  peak_tflops  bf16 x bf16 matmul with f32 accumulation (`jaxpipe.bench.matmul`, max over the
+  peak_tflops  bf16 x bf16 matmul with f32 accumulation (`jaxpipe_bench.matmul`, max over the
                model's MLP shapes and a large square one);
   hbm_gbps     bytes moved per second by a large-array row sum (read) or a donated in-place
                scale (read + write), the larger of the two;
@@ -102,7 +102,7 @@ def measure_bandwidth(nbytes: int = BANDWIDTH_BYTES, repeats: int = 7) -> dict:
 
 def measure_constants(repeats: int = 7) -> dict:
     """This machine's [hardware] constants (see the module docstring) and how they were got."""
-    from jaxpipe.bench.matmul import measure_peak_gflops
+    from jaxpipe_bench.matmul import measure_peak_gflops
 
     matmul = measure_peak_gflops("bfloat16", repeats=repeats)
     bandwidth = measure_bandwidth(repeats=repeats)

@@ -1,4 +1,4 @@
-"""The soak's gRPC calls (`jaxpipe.bench.soak`): streamed, batch, cancelled and malformed
+"""The soak's gRPC calls (`jaxpipe_bench.soak`): streamed, batch, cancelled and malformed
 `Generate` / `GenerateBatch` calls; grpc.health.v1 for health, GetServerInfo for the engine's
 load.
 

@@ -11,9 +11,9 @@ from jaxpipe import meshes
 from jaxpipe.config import ModelConfig
 from jaxpipe.layout import Layout
 from jaxpipe.meshes import Hardware, load_mesh
-from jaxpipe.planner import calibrate
-from jaxpipe.planner.calibrate import Shape
 from jaxpipe.planner.costmodel import CostModel
+from jaxpipe_bench import calibrate
+from jaxpipe_bench.calibrate import Shape
 
 TOY = ModelConfig(vocab_size=10, hidden_size=4, intermediate_size=8, num_layers=2, num_heads=2,
                   num_kv_heads=1, head_dim=2)

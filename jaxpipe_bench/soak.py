@@ -165,11 +165,11 @@ class Calls(Protocol):
 def make_calls(config: SoakConfig, target: str, tally: Tally) -> Calls:
     """The `Calls` of `config.transport` against `target` (gRPC host:port, or HTTP base URL)."""
     if config.transport == "grpc":
-        from jaxpipe.bench.soak_grpc import GrpcCalls
+        from jaxpipe_bench.soak_grpc import GrpcCalls
 
         return GrpcCalls(target, tally, config.max_tokens, CALL_DEADLINE)
     if config.transport == "http":
-        from jaxpipe.bench.soak_http import HttpCalls
+        from jaxpipe_bench.soak_http import HttpCalls
 
         return HttpCalls(target, tally, config.max_tokens, CALL_DEADLINE)
     raise ValueError(f"SoakConfig.transport must be 'grpc' or 'http', got {config.transport!r}")

@@ -46,7 +46,7 @@ class CheckConfig:
 
 def gguf_path(model: str) -> Path:
     """The GGUF both engines load: `model` itself if it is one, else the bundled default."""
-    from jaxpipe.bench.workload import default_gguf_path
+    from jaxpipe_bench.workload import default_gguf_path
 
     return Path(model) if model.endswith(".gguf") else default_gguf_path()
 
@@ -143,8 +143,8 @@ def parity(cfg: CheckConfig, device: str, log=print) -> dict:
 
 
 def throughput(cfg: CheckConfig, device: str, log=print) -> dict:
-    from jaxpipe.bench import BenchConfig, run_jaxpipe
-    from jaxpipe.bench.workload import gguf_vocab, make_workload
+    from jaxpipe_bench import BenchConfig, run_jaxpipe
+    from jaxpipe_bench.workload import gguf_vocab, make_workload
     from jaxpipe_peers.hf import sweep_hf
 
     gguf = gguf_path(cfg.model)

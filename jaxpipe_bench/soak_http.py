@@ -1,4 +1,4 @@
-"""The soak's HTTP calls (`jaxpipe.bench.soak`) against the OpenAI-compatible API, with httpx:
+"""The soak's HTTP calls (`jaxpipe_bench.soak`) against the OpenAI-compatible API, with httpx:
 
   stream     a chat completion with stream=True, every SSE event read to [DONE]
   plain      a whole (non-streamed) chat completion, or text completion of one or two prompts

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from jaxpipe.bench.workload import Request
+from jaxpipe_bench.workload import Request
 
 # name -> the techniques it switches on (each adds one to the one before; Engine.set_overlap etc.)
 # ("host-sampler" replaces the device sampler: overlap is then off, see EngineConfig.sampler)
@@ -36,7 +36,7 @@ def run_variants(engine, workload: Sequence[Request], variants: Sequence[str], r
     tok/s, device idle fraction during decode and host ms per step by part. `stop`: a stop
     string every request carries (one that never matches makes every request detokenize
     as it runs, the work the detokenizer worker takes off the loop)."""
-    from jaxpipe.bench import _generate, check_outputs
+    from jaxpipe_bench import _generate, check_outputs
 
     rows: dict[str, list[dict]] = {v: [] for v in variants}
     reference = None

@@ -1,5 +1,9 @@
-"""Offline throughput benchmark: jaxpipe vs its peers (OpenVINO GenAI, HF transformers) on one
-seeded workload.
+"""The tools over jaxpipe, a package of their own that imports jaxpipe one way (jaxpipe never
+imports it; tests/test_imports.py): benchmarks, the peers' environment, the soak, the step
+profiler, the GPU check, the cost model's calibration and the papers' reproductions.
+
+This module is the offline throughput benchmark: jaxpipe vs its peers (OpenVINO GenAI, HF
+transformers) on one seeded workload.
 
 Entry point: `scripts/bench_throughput.py`. The pieces:
   * `workload`    -- the seeded request set (`make_workload`, `Request`);
@@ -21,9 +25,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from jaxpipe.bench.matmul import DEFAULT_SHAPES
-from jaxpipe.bench.report import machine_info, render, throughput, write_json
-from jaxpipe.bench.workload import (
+from jaxpipe_bench.matmul import DEFAULT_SHAPES
+from jaxpipe_bench.report import machine_info, render, throughput, write_json
+from jaxpipe_bench.workload import (
     Request,
     default_gguf_path,
     describe_workload,
@@ -245,7 +249,7 @@ def _flops_summary(
     cfg: BenchConfig, model_config: Any, jaxpipe: dict, matmul: dict, workload: Sequence[Request]
 ) -> dict:
     """Achieved model FLOP/s of the jaxpipe run and its fraction of the matmul peak."""
-    from jaxpipe.bench.matmul import model_flops
+    from jaxpipe_bench.matmul import model_flops
 
     flops = model_flops(
         model_config, [r.prompt_len for r in workload], [r.output_len for r in workload]
@@ -281,7 +285,7 @@ def _peer_job(cfg: BenchConfig, peer: str, workload: Sequence[Request], model: P
 def _run_peer(cfg: BenchConfig, peer: str, workload: Sequence[Request], model: Path,
               log: Log) -> dict:
     """One peer's sweep in the peers' environment (HF on the first `hf_num_prompts`)."""
-    from jaxpipe.bench.peers import run_peer
+    from jaxpipe_bench.peers import run_peer
 
     if peer == "hf" and cfg.hf_num_prompts:
         workload = workload[: cfg.hf_num_prompts]
@@ -292,7 +296,7 @@ def _run_peer(cfg: BenchConfig, peer: str, workload: Sequence[Request], model: P
 
 def _measure_matmul(cfg: BenchConfig, log: Log) -> dict:
     """JAX matmul peak (the FLOP/s denominator)."""
-    from jaxpipe.bench.matmul import measure_peak_gflops
+    from jaxpipe_bench.matmul import measure_peak_gflops
 
     matmul = measure_peak_gflops(cfg.dtype, repeats=cfg.matmul_repeats)
     log(f"[matmul] {cfg.dtype} peak {matmul['peak_gflops']:.1f} GFLOP/s ({matmul['peak_impl']})")

@@ -115,14 +115,14 @@ def profile_workload(cfg, dump: Path, log=print) -> dict:
     import jax
 
     from jaxpipe import Engine, EngineConfig
-    from jaxpipe.bench import (
+    from jaxpipe_bench import (
         _engine_kwargs,
         _generate,
         check_outputs,
         peer_model_path,
         warmup_requests,
     )
-    from jaxpipe.bench.workload import make_workload, peer_vocab
+    from jaxpipe_bench.workload import make_workload, peer_vocab
 
     vocab, special = peer_vocab(peer_model_path(cfg))
     workload = make_workload(cfg.num_prompts, cfg.seed, vocab, cfg.input_len, cfg.output_len,

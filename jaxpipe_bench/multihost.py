@@ -1,7 +1,7 @@
 """The same workload on one process of 8 devices (`cpu-8`) and on a cluster of 2 processes x 4
 (jaxpipe.distributed, gloo on 127.0.0.1), with the leader's control channel per step.
 
-Each run is a child process (`python -m jaxpipe.bench.multihost child ...`): JAX fixes a
+Each run is a child process (`python -m jaxpipe_bench.multihost child ...`): JAX fixes a
 process's devices and cluster when it starts. The leader child generates the workload twice
 (the first run compiles) and writes the second run's figures as JSON. On one machine the
 two-process run is slower (the "hosts" share its cores and talk over loopback TCP); the
@@ -21,7 +21,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from jaxpipe.bench.workload import make_workload
+from jaxpipe_bench.workload import make_workload
 
 
 @dataclass(frozen=True)
@@ -103,7 +103,7 @@ def run(cfg: MultihostConfig, processes: int, workdir: Path, log=print) -> dict:
             "--process-id", str(i)]
         with open(workdir / f"run{processes}-{i}.log", "wb") as f:
             procs.append(subprocess.Popen(
-                [sys.executable, "-m", "jaxpipe.bench.multihost", "child", "--config",
+                [sys.executable, "-m", "jaxpipe_bench.multihost", "child", "--config",
                  json.dumps(asdict(cfg)), "--out", str(out), *cluster],
                 stdout=f, stderr=subprocess.STDOUT, env=env))
     try:

@@ -13,9 +13,9 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from jaxpipe.bench import _generate, check_outputs, default_max_model_len, warmup_requests
-from jaxpipe.bench.report import throughput
-from jaxpipe.bench.workload import Request
+from jaxpipe_bench import _generate, check_outputs, default_max_model_len, warmup_requests
+from jaxpipe_bench.report import throughput
+from jaxpipe_bench.workload import Request
 
 STAT_KEYS = ("transitions", "reshards", "reshard_seconds", "reshard_weights_seconds",
              "reshard_kv_seconds", "reshard_kv_blocks", "prefill_seconds", "decode_seconds",
