@@ -130,6 +130,7 @@ def test_sigterm_drains_in_flight_requests_then_exits(server):
     assert "SIGTERM received: draining" in server.log()
 
 
+@pytest.mark.slow  # a kill-and-resume job: a minute
 def test_batch_api_job_survives_sigkill_and_finishes_each_custom_id_once(tmp_path):
     """A Batch API job (openai client: files.create, batches.create, poll, files.content) on a
     server killed with SIGKILL mid-batch; a server restarted over the same --batch-dir
