@@ -70,6 +70,12 @@ class FileStore:
         return os.path.join(self.root, file_id)
 
 
+def _failed(record: bytes) -> bool:
+    """Whether a record (one JSON line) is an error record: what splits the output from the
+    error file, and what request_counts counts as failed."""
+    return json.loads(record).get("error") is not None
+
+
 def _safe_id(item_id: str) -> bool:
     """Ids become file names: letters, digits and '-' only."""
     return bool(item_id) and all(c.isalnum() or c == "-" for c in item_id)
@@ -198,7 +204,7 @@ class Batches:
         if os.path.exists(self._records(batch_id)):
             with open(self._records(batch_id), "rb") as f:
                 for raw in f:
-                    (bad if json.loads(raw).get("error") else ok).append(raw)
+                    (bad if _failed(raw) else ok).append(raw)
         ids = []
         for lines, kind in ((ok, "output"), (bad, "errors")):
             ids.append(self.files.create(b"".join(lines), f"{batch_id}_{kind}.jsonl",
@@ -211,8 +217,8 @@ class Batches:
         if os.path.exists(path):
             with open(path, "rb") as f:
                 for raw in f:
-                    if raw.endswith(b"\n"):
-                        failed += b'"error": null' not in raw
+                    if raw.endswith(b"\n"):  # a torn last record is not counted
+                        failed += _failed(raw)
                         done += 1
         total = jobfile.count_lines(source) if os.path.exists(source) else 0
         return {"total": total, "completed": done - failed, "failed": failed}
