@@ -125,9 +125,8 @@ def test_batches_list_newest_first_in_pages(served):
     assert page.has_more and len(page.data) == 2
     every = [b.id for b in client.batches.list(limit=2)]  # iterating follows `after`
     assert sorted(every) == sorted(made) and len(every) == 3
-    by_created = sorted(client.batches.list().data, key=lambda b: b.created_at, reverse=True)
-    assert [b.created_at for b in client.batches.list().data] == [b.created_at
-                                                                   for b in by_created]
+    listed = [(b.created_at, b.id) for b in client.batches.list().data]
+    assert listed == sorted(listed, reverse=True)  # newest first, ids breaking ties
     with pytest.raises(openai.BadRequestError, match="limit"):
         client.batches.list(limit=0)
 
