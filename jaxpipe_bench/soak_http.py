@@ -89,30 +89,28 @@ class HttpCalls:
         body = {**self._chat(rng), "stream": True}
         if rng.random() < 0.5:
             body["stream_options"] = {"include_usage": True}
-        with conn.stream("POST", CHAT, json=body) as resp:
-            if resp.status_code != 200:
-                return self._refused("stream", resp, REFUSALS)
-            events = SseEvents()
-            for data in _data_lines(resp):
-                events.add(data)
-            return self._ended("stream", events)
+        return self._read("stream", conn, body)
 
     def _cancel(self, conn: httpx.Client, rng: random.Random) -> str:
         body = {**self._chat(rng), "stream": True, "max_tokens": CANCEL_MAX_TOKENS,
                 "ignore_eos": True}
         close_at = time.monotonic() + (0.0 if rng.random() < 0.5 else
                                        rng.uniform(0, CANCEL_DELAY))
+        return self._read("cancel", conn, body, close_at, ok="finished")
+
+    def _read(self, kind: str, conn: httpx.Client, body: dict, close_at: float | None = None,
+              ok: str = "ok") -> str:
+        """POST a streamed chat and read its events to the end, or until `close_at` (then
+        "cancelled": leaving the block closes the connection mid-stream)."""
         with conn.stream("POST", CHAT, json=body) as resp:
             if resp.status_code != 200:
-                return self._refused("cancel", resp, REFUSALS)
+                return self._refused(kind, resp, REFUSALS)
             events = SseEvents()
             for data in _data_lines(resp):
                 events.add(data)
-                if events.done:
-                    return self._ended("cancel", events, ok="finished")
-                if time.monotonic() >= close_at:
-                    return "cancelled"  # leaving the block closes the connection mid-stream
-            return self._ended("cancel", events, ok="finished")
+                if close_at is not None and not events.done and time.monotonic() >= close_at:
+                    return "cancelled"
+            return self._ended(kind, events, ok=ok)
 
     def _plain(self, conn: httpx.Client, rng: random.Random) -> str:
         if rng.random() < 0.5:

@@ -22,49 +22,40 @@ SERVER_FLAGS = ("--restart-backoff", "1", "--max-num-seqs", "32", "--warmup",
                 "--max-num-batched-tokens", "256")
 
 
-@pytest.mark.slow
-def test_soak_with_an_engine_kill(tmp_path):
+def soaked(tmp_path, transport: str, **config):
+    """A soak (`SoakConfig(transport, **config)`) with an engine kill against a fresh server:
+    its result, once no violation, a kill and its restart and serving afterwards are
+    asserted."""
     gguf_dir()
     server = ServerProcess(*SERVER_FLAGS, log_path=tmp_path / "server.log")
     try:
         server.wait_serving()
-        result = Soak(server.address, server.proc.pid,
-                      SoakConfig(clients=64)).run()
+        address = server.address if transport == "grpc" else server.http_url
+        result = Soak(address, server.proc.pid, SoakConfig(transport=transport, **config)).run()
         print(result.table())
         print(result.rss_series())
         assert not result.violations, (result.table() + "\n" + result.rss_series() + "\n"
                                        + server.log()[-4000:])
-        assert result.killed_at is not None and result.restart_seconds is not None
-        assert result.serves_after
-        ok = {kind: result.calls[(kind, "ok")] for kind in ("stream", "batch")}
-        assert all(n > 0 for n in ok.values()), result.table()
-        assert result.calls[("malformed", "invalid_argument")] > 0
-        assert result.calls[("cancel", "cancelled")] > 0
-        assert sum(n for (_, outcome), n in result.calls.items() if outcome == "unavailable") > 0
     finally:
         server.stop()
+    assert result.killed_at is not None and result.restart_seconds is not None
+    assert result.serves_after
+    assert sum(n for (_, outcome), n in result.calls.items() if outcome == "unavailable") > 0
+    assert result.calls[("malformed", "invalid_argument")] > 0
+    assert result.calls[("cancel", "cancelled")] > 0
+    return result
+
+
+@pytest.mark.slow
+def test_soak_with_an_engine_kill(tmp_path):
+    result = soaked(tmp_path, "grpc", clients=64)
+    assert result.calls[("stream", "ok")] > 0 and result.calls[("batch", "ok")] > 0
 
 
 @pytest.mark.slow
 def test_http_soak_with_an_engine_kill(tmp_path):
-    gguf_dir()
-    server = ServerProcess(*SERVER_FLAGS, log_path=tmp_path / "server.log")
-    try:
-        server.wait_serving()
-        result = Soak(server.http_url, server.proc.pid,
-                      SoakConfig(transport="http", clients=32, seconds=90.0)).run()
-        print(result.table())
-        print(result.rss_series())
-        assert not result.violations, (result.table() + "\n" + result.rss_series() + "\n"
-                                       + server.log()[-4000:])
-        assert result.killed_at is not None and result.restart_seconds is not None
-        assert result.serves_after
-        assert result.calls[("stream", "ok")] > 0 and result.calls[("plain", "ok")] > 0
-        assert result.calls[("cancel", "cancelled")] > 0
-        assert result.calls[("malformed", "invalid_argument")] > 0
-        assert sum(n for (_, outcome), n in result.calls.items() if outcome == "unavailable") > 0
-    finally:
-        server.stop()
+    result = soaked(tmp_path, "http", clients=32, seconds=90.0)
+    assert result.calls[("stream", "ok")] > 0 and result.calls[("plain", "ok")] > 0
 
 
 def _events(*data: str) -> SseEvents:
