@@ -60,10 +60,11 @@ class ScriptedEngine:
         return None
 
 
-def until(condition, timeout: float = 10.0) -> bool:
+def until(condition, timeout: float = 10.0, every: float = 0.02) -> bool:
+    """Whether `condition()` holds within `timeout` s (asked every `every` s)."""
     deadline = time.monotonic() + timeout
     while not condition():
         if time.monotonic() > deadline:
             return False
-        time.sleep(0.02)
+        time.sleep(every)
     return True

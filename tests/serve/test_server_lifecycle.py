@@ -8,13 +8,13 @@ import json
 import os
 import signal
 import threading
-import time
 
 import grpc
 import psutil
 import pytest
 from conftest import ServerProcess, gguf_dir
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from scripted_engine import until
 
 from jaxpipe.serve import jaxpipe_pb2 as pb
 from jaxpipe.serve import jaxpipe_pb2_grpc as pb_grpc
@@ -153,10 +153,8 @@ def test_batch_api_job_survives_sigkill_and_finishes_each_custom_id_once(tmp_pat
                                      purpose="batch")
         batch = client.batches.create(input_file_id=source.id, endpoint="/v1/completions",
                                       completion_window="24h")
-        deadline = time.monotonic() + 300
-        while client.batches.retrieve(batch.id).request_counts.completed < 8:
-            assert time.monotonic() < deadline, first.log()
-            time.sleep(0.1)
+        assert until(lambda: client.batches.retrieve(batch.id).request_counts.completed >= 8,
+                     timeout=300, every=0.1), first.log()
         first.proc.kill()
     finally:
         first.stop()
@@ -165,10 +163,9 @@ def test_batch_api_job_survives_sigkill_and_finishes_each_custom_id_once(tmp_pat
         second.wait_serving()
         client = openai.OpenAI(base_url=second.http_url + "/v1", api_key="unused",
                                max_retries=0, timeout=60)
-        deadline = time.monotonic() + 300
-        while (done := client.batches.retrieve(batch.id)).status != "completed":
-            assert time.monotonic() < deadline, second.log()
-            time.sleep(0.5)
+        assert until(lambda: client.batches.retrieve(batch.id).status == "completed",
+                     timeout=300, every=0.5), second.log()
+        done = client.batches.retrieve(batch.id)
         assert f"resuming batch {batch.id}" in second.log()
         out, errors = ([json.loads(x) for x in client.files.content(file_id).text.splitlines()]
                        for file_id in (done.output_file_id, done.error_file_id))
