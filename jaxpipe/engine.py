@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-import math
 import time
 from collections.abc import Iterator
 from collections.abc import Sequence as Seq
@@ -22,13 +21,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpipe import distributed, memory, requests, sharding
+from jaxpipe import distributed, requests, sharding, sizing
 from jaxpipe.buckets import Buckets
 from jaxpipe.config import POLICY_KNOBS, EngineConfig, ModelConfig
 from jaxpipe.executor import Executor
 from jaxpipe.kernels import dispatch
 from jaxpipe.kernels.dispatch import Dispatch
-from jaxpipe.kv import device_cache
 from jaxpipe.kv.device_cache import storage_dtype
 from jaxpipe.layout import Layout
 from jaxpipe.meshes import MeshPreset, load_mesh
@@ -95,21 +93,13 @@ class Engine:
         self.dtype, self.model_config, model, self.tokenizer, self.max_model_len, \
             self.layouts = _prepare(config, len(devices))
         self.limits = requests.Limits(self.max_model_len, self.model_config.vocab_size)
-        block_bytes = _block_bytes(self.model_config, self.dtype, self.layouts)
         self.dispatch = _dispatch(config, self.model_config, self.dtype, devices)
-        weight_bytes = (model_bytes(self.model_config, self.dtype) + packed_head_bytes(
-            self.model_config, self.dtype, self.layouts, devices, self.dispatch)
-            ) * weight_copies(self.layouts, devices)
-        reserve = memory.activation_bytes(
-            self.model_config, max(config.max_num_batched_tokens, config.max_num_seqs or 0),
-            config.max_num_seqs or 256)
-        self.budget = memory.plan(config, devices, weight_bytes, reserve, block_bytes)
-        self.max_num_seqs = _max_num_seqs(config, self.budget, block_bytes)
-        self.num_blocks = _num_blocks(self.budget, self.max_num_seqs, self.max_model_len,
-                                      block_bytes)
-        _check_fits(self.budget, self.num_blocks * block_bytes, weight_bytes, devices)
-        self.budget = memory.with_host_tier(self.budget, config, devices,
-                                            self.num_blocks * block_bytes, weight_bytes)
+        weight_bytes = _weight_bytes(self.model_config, self.dtype, self.layouts, devices,
+                                     self.dispatch)
+        sizes = sizing.size(config, self.model_config, self.dtype, self.layouts, devices,
+                            weight_bytes, self.max_model_len)
+        self.budget, self.max_num_seqs, self.num_blocks = (
+            sizes.budget, sizes.max_num_seqs, sizes.num_blocks)
         if leader is not None:
             leader.send("setup", {"max_num_seqs": self.max_num_seqs,
                                   "num_blocks": self.num_blocks,
@@ -509,54 +499,11 @@ def _max_model_len(config: EngineConfig, cfg: ModelConfig) -> int:
     return config.max_model_len
 
 
-def _block_bytes(cfg: ModelConfig, dtype, layouts: dict) -> int:
-    """Bytes of one KV block (K and V, every layer), as stored: with the layers and KV heads
-    the layouts pad to (SmolLM2 on tp=8: 8 KV heads for 3, 32 layers for 30 — 2.8x the
-    unpadded bytes)."""
-    shape = sharding.kv_shape(cfg, sharding.plan_padding(cfg, layouts.values()), 1)
-    return 2 * math.prod(shape) * dtype.itemsize
-
-
-DEFAULT_MAX_NUM_SEQS = 256
-
-
-def _max_num_seqs(config: EngineConfig, budget: memory.Budget, block_bytes: int) -> int:
-    """Sequences on the device at once: the configured number, or 256 (vLLM's default), as
-    long as the pool has a block for each. Not sized by max_model_len per sequence: each
-    takes blocks as it grows, and the scheduler preempts when the pool fills."""
-    if config.max_num_seqs is not None:
-        return config.max_num_seqs
-    return max(1, min(DEFAULT_MAX_NUM_SEQS, int(budget.pool_bytes // block_bytes)))
-
-
-def _num_blocks(budget: memory.Budget, num_seqs: int, max_len: int, block_bytes: int) -> int:
-    """Blocks in the device KV pool: the budget, at most what num_seqs sequences of max_len
-    could use, at least one max_len sequence."""
-    per_seq = device_cache.blocks_for(max_len)
-    blocks = int(budget.pool_bytes // block_bytes)
-    if blocks < per_seq:
-        raise ValueError(f"the device KV store ({budget.pool_setting}: "
-                         f"{blocks * device_cache.BLOCK} tokens) cannot hold one sequence of "
-                         f"max_model_len={max_len} ({per_seq * block_bytes / 2**30:.2f} GiB); "
-                         "raise it or lower max_model_len")
-    return min(blocks, num_seqs * per_seq)
-
-
-def model_bytes(cfg: ModelConfig, dtype) -> int:
-    """Bytes of the weights in `dtype` (unpadded)."""
-    return cfg.num_params() * dtype.itemsize
-
-
-def _check_fits(budget: memory.Budget, pool_bytes: int, weight_bytes: int, devices) -> None:
-    """Fail at construction, naming the setting, when the device KV pool and the weights do
-    not fit in the memory the devices have free."""
-    free = memory.free_bytes(devices)
-    if free is None or pool_bytes + weight_bytes <= free:
-        return
-    raise ValueError(f"EngineConfig.{budget.pool_setting}: the device KV pool needs "
-                     f"{pool_bytes:,} bytes and the weights {weight_bytes:,}, but only "
-                     f"{free:,} bytes are free on {devices[0].platform} "
-                     f"({memory.describe(devices)}); lower it")
+def _weight_bytes(cfg: ModelConfig, dtype, layouts: dict, devices, dispatch) -> int:
+    """Bytes of the weights the runner will hold: every copy it keeps, the packed LM head
+    included."""
+    packed = packed_head_bytes(cfg, dtype, layouts, devices, dispatch)
+    return (sizing.model_bytes(cfg, dtype) + packed) * weight_copies(layouts, devices)
 
 
 def _normalise_prompts(prompts, prompt_token_ids):

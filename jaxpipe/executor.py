@@ -23,10 +23,9 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-import jax
 import numpy as np
 
-from jaxpipe import sampling, step_inputs, step_timing
+from jaxpipe import sampling, sizing, step_inputs, step_timing
 from jaxpipe.buckets import Buckets
 from jaxpipe.config import EngineConfig
 from jaxpipe.distributed import MirroredRunner
@@ -58,7 +57,7 @@ class Executor:
     def __init__(self, config: EngineConfig, runner: Runner, buckets: Buckets, num_slots: int,
                  max_model_len: int, host_bytes: float):
         """The policy's actions carry the engine's `Sequence` records themselves.
-        host_bytes: the host KV tier's budget (memory.plan; host_kv_tokens wins)."""
+        host_bytes: the host KV tier's budget (sizing.size; host_kv_tokens wins)."""
         self.config, self.runner, self.buckets = config, runner, buckets
         self.max_model_len = max_model_len
         self.state, self.policy, self.kv = _scheduling(config, runner, buckets, num_slots,
@@ -530,10 +529,7 @@ def _scheduling(config: EngineConfig, runner: Runner, buckets: Buckets, num_slot
                 max_len: int, host_bytes: float) -> tuple[SchedulerState, object, KVManager]:
     """The scheduler state and policy, and the KV manager with its host tier."""
     pool_tokens = runner.num_blocks * BLOCK
-    per_token = sum(x.nbytes for x in jax.tree.leaves(runner.cache)) // pool_tokens
-    host_tokens = config.host_kv_tokens
-    if host_tokens is None:
-        host_tokens = int(host_bytes // per_token)
+    host_tokens = sizing.host_tokens(config, host_bytes, runner.cache, pool_tokens)
     # The host tier keeps each sequence in whole swap chunks (`Runner.kv_chunk`).
     state = SchedulerState(pool_tokens, num_slots, host_tokens, host_unit=runner.kv_chunk,
                            device_unit=BLOCK)

@@ -1,16 +1,15 @@
-"""Free memory of the engine's devices, and the budgets the engine sizes from it.
+"""Memory as the OS and the devices see it: what is free, and how freed pages go back.
 
 CPU devices (virtual ones included) share the host's RAM: `MemAvailable` of /proc/meminfo.
 An accelerator reports its own: `bytes_limit - bytes_in_use` of `Device.memory_stats()`,
 summed over the devices. None where neither is known (the check is then skipped).
+How the engine divides that memory (KV pool, host tier, sequences) is `jaxpipe.sizing`.
 """
 
 from __future__ import annotations
 
 import ctypes
-import dataclasses
 import mmap
-from dataclasses import dataclass
 from pathlib import Path
 
 MEMINFO = Path("/proc/meminfo")
@@ -116,97 +115,3 @@ def describe(devices) -> str:
     if devices[0].platform == "cpu":
         return "host RAM, MemAvailable"
     return f"{len(devices)} device(s), memory_stats"
-
-
-# ---- budgets ----------------------------------------------------------------------------------
-
-ACCELERATOR_UTILIZATION = 0.9
-# CPU: the pool's pages are taken only as blocks are written (`clear`), so a pool sized for
-# a full batch (256 rows of a few hundred tokens: ~8 GiB of SmolLM2 bf16 KV on a 24 GiB
-# machine) costs memory only as the batch fills it.
-CPU_UTILIZATION = 0.4
-HOST_TIER_FRACTION = 0.1
-ASSUMED_FREE = 4 * 2**30  # where a backend reports nothing
-ACTIVATION_FACTOR = 3
-
-
-@dataclass(frozen=True)
-class Budget:
-    """Bytes the engine may give its device KV pool and its host KV tier, and what set them
-    (for messages): an explicit setting, or a fraction of the free memory."""
-
-    pool_bytes: float
-    pool_setting: str
-    host_bytes: float
-    host_setting: str
-
-
-def utilization(config, devices) -> float:
-    """`memory_utilization`, or its default for the platform: 0.9 of an accelerator's free
-    memory after the weights (vLLM's `gpu_memory_utilization`); 0.4 of the host's available
-    RAM for CPU devices, which share it with the host KV tier, the compiled programs, the OS
-    and other programs (the pool's pages are taken only as blocks are written, `clear`)."""
-    if config.memory_utilization is not None:
-        return config.memory_utilization
-    return CPU_UTILIZATION if devices[0].platform == "cpu" else ACCELERATOR_UTILIZATION
-
-
-def activation_bytes(model, tokens: int, rows: int) -> int:
-    """An upper bound of the memory one step of `tokens` tokens and `rows` sampled rows
-    needs besides its arguments: f32 activations of one layer (residual, q/k/v, attention
-    output, the MLP's gate, up and product) times ACTIVATION_FACTOR for XLA's temporaries,
-    the rows' logits, and one f32 [V, E] buffer (the temporaries of the steps of 1024 tokens
-    and more hold about that much more than their activations on CPU). Checked against
-    XLA's `memory_analysis` in the tests."""
-    e, f, d, v = model.hidden_size, model.intermediate_size, model.head_dim, model.vocab_size
-    per_token = 3 * e + (2 * model.num_heads + 2 * model.num_kv_heads) * d + 3 * f
-    return 4 * (ACTIVATION_FACTOR * tokens * per_token + 3 * rows * v + v * e)
-
-
-def plan(config, devices, weight_bytes: int, reserve_bytes: int, block_bytes: int) -> Budget:
-    """The device pool's budget: kv_cache_tokens, then kv_cache_gb, else `utilization` of
-    the devices' free memory after the weights and `reserve_bytes`. The host tier's is filled
-    in by `with_host_tier` once the pool's real size is known."""
-    if config.kv_cache_tokens is not None:
-        blocks = -(-config.kv_cache_tokens // 16)
-        pool = float(blocks * block_bytes)
-        pool_setting = f"kv_cache_tokens={config.kv_cache_tokens}"
-    elif config.kv_cache_gb is not None:
-        pool, pool_setting = config.kv_cache_gb * 2**30, f"kv_cache_gb={config.kv_cache_gb}"
-    else:
-        pool, pool_setting = _pool_from_free(config, devices, weight_bytes, reserve_bytes)
-    return Budget(pool, pool_setting, 0.0, "")
-
-
-def with_host_tier(budget: Budget, config, devices, pool_bytes: int,
-                   weight_bytes: int) -> Budget:
-    """`budget` with the host tier's: host_kv_tokens (the executor converts it), then
-    host_kv_gb, else HOST_TIER_FRACTION of the host's available RAM (less the device pool of
-    `pool_bytes` and the weights on CPU, where they live in the same RAM). The tier only
-    takes memory for the sequences it holds; its budget is a cap."""
-    if config.host_kv_tokens is not None:
-        host, setting = 0.0, f"host_kv_tokens={config.host_kv_tokens}"
-    elif config.host_kv_gb is not None:
-        host, setting = config.host_kv_gb * 2**30, f"host_kv_gb={config.host_kv_gb}"
-    else:
-        ram = host_available_bytes() or ASSUMED_FREE
-        if devices[0].platform == "cpu":
-            ram = max(0, ram - pool_bytes - weight_bytes)
-        host = HOST_TIER_FRACTION * ram
-        setting = f"{HOST_TIER_FRACTION} of {ram / 2**30:.1f} GiB of available host RAM"
-    return dataclasses.replace(budget, host_bytes=host, host_setting=setting)
-
-
-def _pool_from_free(config, devices, weight_bytes: int, reserve_bytes: int):
-    """`utilization` of what the devices have free once the weights and the activation
-    reserve are taken (so a busy machine gets a smaller pool, not a failure, while the
-    weights fit)."""
-    free = free_bytes(devices)
-    where = describe(devices) if free is not None else "not reported; assumed"
-    free = ASSUMED_FREE if free is None else free
-    share = utilization(config, devices)
-    pool = share * (free - weight_bytes - reserve_bytes)
-    setting = (f"memory_utilization={share} of the {free / 2**30:.1f} GiB free ({where}) "
-               f"less {weight_bytes / 2**30:.2f} GiB of weights and "
-               f"{reserve_bytes / 2**30:.2f} GiB of activations")
-    return max(0.0, pool), setting

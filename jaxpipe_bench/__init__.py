@@ -21,9 +21,9 @@ from __future__ import annotations
 import gc
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from jaxpipe_bench.matmul import DEFAULT_SHAPES
 from jaxpipe_bench.report import machine_info, render, throughput, write_json
@@ -53,48 +53,81 @@ def parse_peers(text: str) -> tuple[str, ...]:
 
 @dataclass
 class BenchConfig:
-    """Everything a benchmark run depends on (mirrors the script's flags)."""
+    """Everything a benchmark run depends on; each entry below is also its flag's help
+    (jaxpipe.config_flags).
+
+    num_prompts: requests in the seeded workload.
+    seed: the workload's seed.
+    input_len: fixed prompt length (None: lognormal, ShareGPT-like).
+    output_len: fixed output length (None: lognormal, ShareGPT-like).
+    dtype: the engines' compute dtype.
+    model: jaxpipe's model (a preset name or a path).
+    peer_model: the peers' model and the workload's vocabulary: a GGUF file or an HF directory
+        (config.json + safetensors + tokenizer); None: the bundled SmolLM2-135M-Instruct GGUF
+        (pass the same to --model).
+    max_num_seqs: jaxpipe's batch limit (None: the engine's default).
+    max_num_batched_tokens: jaxpipe's step token budget (None: the engine's default).
+    kv_cache_gb: jaxpipe's device KV pool in GB; None or 0: the engine's own, sized from the
+        free RAM, so the benchmark measures what a user gets from `Engine()`.
+    max_model_len: None: the longest request, rounded up to 128.
+    overlap: EngineConfig.overlap; off, each step lands before the next is dispatched
+        (ablation).
+    sampler: jaxpipe's sampler (EngineConfig.sampler): the device program or NumPy on host
+        threads.
+    mesh: jaxpipe's mesh preset, e.g. cpu-8 (EngineConfig.mesh).
+    layout: one jaxpipe layout for prefill and decode, e.g. pp=2,tp=4.
+    warmup_prompts: short warm-up requests run before the timed ones.
+    hf_batch_sizes: HF's batch-size sweep (the best point is kept).
+    hf_num_prompts: run HF on only the first N prompts (None: the whole workload).
+    hf_max_seconds: stop each HF sweep point after about this many seconds.
+    peers: the peers to measure, a comma list of openvino and hf ('' for none).
+    ov_batched_tokens: OpenVINO's max_num_batched_tokens sweep (the best point is kept).
+    ov_kv_cache_precision: OpenVINO's KV cache precision (None: the compute dtype, as jaxpipe
+        keeps its KV).
+    skip_hf: no hf, whatever peers says (the old spelling of leaving hf out of peers).
+    skip_jaxpipe: do not run jaxpipe (peers only).
+    skip_matmul: no matmul peak / FLOP/s line.
+    matmul_repeats: repeats of each matmul timing.
+    json_path: where the result's JSON is written.
+    """
 
     num_prompts: int = 256
     seed: int = 0
     input_len: int | None = None
     output_len: int | None = None
-    dtype: str = "bfloat16"
+    dtype: Literal["bfloat16", "float32"] = "bfloat16"
     model: str = "smollm2-135m"
-    # The peers' weights and the workload's vocabulary: a GGUF file or an HF directory
-    # (config.json + safetensors + tokenizer). None: the bundled SmolLM2-135M-Instruct GGUF.
-    peer_model: str | None = None
-    max_num_seqs: int | None = None  # None: the engine's default
-    max_num_batched_tokens: int | None = None  # None: the engine's default
-    # EngineConfig.kv_cache_gb; None or 0: the engine's default (a fraction of the free RAM),
-    # so the benchmark measures what a user gets from `Engine()`
+    peer_model: str | None = field(default=None, metadata={"flags": ("--peer-model", "--gguf")})
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
     kv_cache_gb: float | None = None
-    max_model_len: int | None = None  # None: longest request, rounded up to 128
-    no_overlap: bool = False  # EngineConfig.overlap=False: each step lands before the next
-    sampler: str = "device"  # EngineConfig.sampler
-    mesh: str = "cpu-1"  # EngineConfig.mesh (jaxpipe only)
-    layout: str | None = None  # one layout for prefill and decode, e.g. "pp=2,tp=4"
+    max_model_len: int | None = None
+    overlap: bool = True
+    sampler: Literal["device", "host"] = "device"
+    mesh: str = "cpu-1"
+    layout: str | None = None
     warmup_prompts: int = 4
     hf_batch_sizes: tuple[int, ...] = (16, 32, 64)
-    hf_num_prompts: int | None = None  # None: the whole workload
+    hf_num_prompts: int | None = None
     hf_max_seconds: float | None = None
     peers: tuple[str, ...] = ("hf",)
     ov_batched_tokens: tuple[int, ...] = (256, 512, 2048)
-    ov_kv_cache_precision: str | None = None  # None: the compute dtype, as jaxpipe keeps KV
-    skip_hf: bool = False  # the old spelling of "no hf in peers"; wins over --peers
+    ov_kv_cache_precision: Literal["bf16", "f32", "u8"] | None = None
+    skip_hf: bool = False
     skip_jaxpipe: bool = False
     skip_matmul: bool = False
     matmul_repeats: int = 10
-    json_path: str = "out/bench_throughput.json"
+    json_path: str = field(default="out/bench_throughput.json", metadata={"flags": ("--json",)})
 
     def __post_init__(self) -> None:
-        unknown = sorted(set(self.peers) - set(PEER_NAMES))
-        if unknown:
-            raise ValueError(f"unknown peer(s) {unknown}; choose from {', '.join(PEER_NAMES)}")
+        self.peers = parse_peers(",".join(self.peers))  # checked, in PEER_NAMES order
         if self.ov_kv_cache_precision not in (None, "bf16", "f32", "u8"):
             raise ValueError(
                 f"ov_kv_cache_precision must be bf16, f32 or u8, got {self.ov_kv_cache_precision!r}"
             )
+        for name in ("hf_batch_sizes", "ov_batched_tokens"):
+            if not getattr(self, name) or min(getattr(self, name)) < 1:
+                raise ValueError(f"{name} must be positive integers, got {getattr(self, name)}")
 
     @property
     def active_peers(self) -> tuple[str, ...]:
@@ -226,7 +259,7 @@ def _engine_kwargs(cfg: BenchConfig, workload: Sequence[Request]) -> dict[str, A
         kwargs["max_num_batched_tokens"] = cfg.max_num_batched_tokens
     if cfg.kv_cache_gb:
         kwargs["kv_cache_gb"] = cfg.kv_cache_gb
-    if cfg.no_overlap:
+    if not cfg.overlap:
         kwargs["overlap"] = False
     if cfg.sampler != "device":
         kwargs["sampler"] = cfg.sampler

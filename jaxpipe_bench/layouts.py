@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import asdict, dataclass
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
@@ -34,11 +35,22 @@ PAIRS = (("pp=8", "tp=8"), ("pp=4,tp=2", "tp=4,pp=2"), ("pp=2,tp=4", "tp=8"),
 
 @dataclass(frozen=True)
 class LayoutBenchConfig:
-    """What to measure (sizes kept small: 8 virtual devices share two cores here)."""
+    """What to measure (sizes kept small: 8 virtual devices share two cores here); each entry
+    is also its flag's help (jaxpipe.config_flags).
 
-    dtype: str = "bfloat16"
+    dtype: the weights' and activations' dtype.
+    decode_batch: rows of the timed decode step.
+    context: KV positions each decode row attends over.
+    prefill_batch: rows of the bubble's prefill step.
+    prompt_len: tokens of each prefill row.
+    repeats: timings of each measurement (the median is kept).
+    pairs: the (prefill, decode) layout pairs whose re-shard is timed.
+    stages: the pipeline depths (pp) of the bubble measurement.
+    """
+
+    dtype: Literal["bfloat16", "float32"] = "bfloat16"
     decode_batch: int = 16
-    context: int = 128  # KV positions each decode row attends over
+    context: int = 128
     prefill_batch: int = 16
     prompt_len: int = 64
     repeats: int = 3

@@ -27,13 +27,14 @@ def main() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from bench_throughput import build_parser
 
+    from jaxpipe.config_flags import config_from_args
     from jaxpipe_bench import BenchConfig
     from jaxpipe_bench.report import machine_info
 
     parser = build_parser()
     parser.description = __doc__
     parser.set_defaults(json_path="out/profile_step.json")
-    cfg = BenchConfig(**vars(parser.parse_args()))
+    cfg = config_from_args(BenchConfig, parser.parse_args(), parser)
     result = profile.profile_workload(cfg, Path(DUMP.name))
     print(profile.format_table(result))
     out = Path(cfg.json_path)

@@ -8,7 +8,8 @@ import logging
 import os
 import sys
 
-from jaxpipe.engine_flags import add_engine_args, engine_kwargs
+from jaxpipe.config import EngineConfig
+from jaxpipe.config_flags import add_flags, config_from_args, config_kwargs
 
 EPILOG = """\
 Input lines: {"custom_id": "...", "method": "POST", "url": "/v1/chat/completions" or
@@ -40,22 +41,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-line-bytes", type=int, default=1 << 20,
                    help="longer input lines get an error record (default: 1048576)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    add_engine_args(p)
+    # show_progress: the job's own bar (--no-progress); the engine's stays off (LocalRunner)
+    add_flags(p, EngineConfig, group="engine", skip=("show_progress",))
     return p
 
 
-def _runner(args, parser):
+def _runner(args, engine: dict):
     from jaxpipe.batch.runners import LocalRunner, RemoteRunner
 
     if args.server:
         return RemoteRunner(args.server, args.max_in_flight)
-    return LocalRunner.from_config(engine_kwargs(args, parser), args.max_in_flight)
-
-
-def _is_follower(kwargs: dict) -> bool:
-    from jaxpipe import EngineConfig
-
-    return bool(EngineConfig(**kwargs).process_id)
+    return LocalRunner.from_config(engine, args.max_in_flight)
 
 
 def main(argv=None) -> int:
@@ -65,8 +61,8 @@ def main(argv=None) -> int:
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
-    kwargs = engine_kwargs(args, parser)
-    if not args.server and _is_follower(kwargs):
+    kwargs = config_kwargs(EngineConfig, args)
+    if not args.server and config_from_args(EngineConfig, args, parser).process_id:
         from jaxpipe import follower
 
         return follower.run(kwargs, restarts=0)  # the leader's job reads and writes the files
@@ -76,7 +72,7 @@ def main(argv=None) -> int:
 
     job = Job(args.input, args.output, args.max_line_bytes, progress=not args.no_progress)
     try:
-        job.run(_runner(args, parser))
+        job.run(_runner(args, kwargs))
     except (ServerError, FollowerLost) as e:
         print(f"jaxpipe.batch: {e}\njaxpipe.batch: stopped; re-run the same command to resume",
               file=sys.stderr)

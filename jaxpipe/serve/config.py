@@ -8,32 +8,38 @@ from dataclasses import dataclass, field
 
 @dataclass
 class ServerConfig:
-    """Front-end settings; `engine` holds the EngineConfig fields for the engine process.
+    """Front-end settings; `engine` holds the EngineConfig fields for the engine process. Each
+    entry below is also its flag's help (jaxpipe.config_flags). At least one front end is on.
 
-    host, port: where gRPC listens (port None: no gRPC front end; 0 picks a free port).
-    http_host, http_port: where the OpenAI-compatible HTTP API listens (http_port None: none).
-        At least one front end is on.
-
-    max_message_mb: gRPC's limit on one message (a whole GenerateBatch call); a larger message is
+    host: address gRPC listens on.
+    port: port gRPC listens on; 0 picks a free one, None (--no-grpc) runs no gRPC front end.
+    http_host: address the OpenAI-compatible HTTP API listens on.
+    http_port: port of the HTTP API (/v1/chat/completions, /v1/completions, /v1/models,
+        /health, /metrics); 0 picks a free one, None (--no-http) runs no HTTP front end.
+    max_message_mb: largest gRPC message (a whole GenerateBatch call), in MiB; a larger one is
         refused by gRPC itself with RESOURCE_EXHAUSTED.
-    max_request_bytes: limit on one request (a Generate request or one batch item); a larger
+    max_request_bytes: largest single request (a Generate request or one batch item); a larger
         one gets INVALID_ARGUMENT and the rest of its batch still runs.
     max_concurrent_requests: concurrent calls per front end; more are refused (gRPC:
         RESOURCE_EXHAUSTED, HTTP: 429 with Retry-After).
     drain_timeout: seconds in-flight calls get to finish after SIGTERM / SIGINT.
     engine_restarts: restarts of an engine process that died after it had served, in a row
         (an engine up for a minute resets the count); the server exits when they run out.
-        restart_backoff: seconds before the first restart, doubled for each one in a row.
+    restart_backoff: seconds before the first engine restart, doubled for each one in a row.
     metrics_port: serve Prometheus metrics at http://metrics_host:metrics_port/metrics (None:
-        off; 0 picks a free port). metrics_host: loopback by default.
-    batch_dir: where the HTTP Batch API keeps its files and jobs (None: no Batch API); jobs
-        found there unfinished are resumed at start. max_file_mb: the largest upload.
+        off; 0 picks a free port).
+    metrics_host: address the metrics endpoint listens on.
+    batch_dir: serve the OpenAI Batch API (/v1/files, /v1/batches) on the HTTP port, keeping
+        its files and jobs in this directory (None: no Batch API); jobs found there unfinished
+        resume at start.
+    max_file_mb: the largest Batch API upload, in MiB.
+    engine: EngineConfig fields (its defaults apply); their flags are EngineConfig's.
     """
 
     host: str = "127.0.0.1"
-    port: int | None = 50051
+    port: int | None = field(default=50051, metadata={"none_flag": "--no-grpc"})
     http_host: str = "127.0.0.1"
-    http_port: int | None = 8000
+    http_port: int | None = field(default=8000, metadata={"none_flag": "--no-http"})
     max_message_mb: float = 64.0
     max_request_bytes: int = 1 << 20
     max_concurrent_requests: int = 256
@@ -44,7 +50,7 @@ class ServerConfig:
     metrics_host: str = "127.0.0.1"
     batch_dir: str | None = None
     max_file_mb: float = 512.0
-    engine: dict = field(default_factory=dict)  # EngineConfig fields (its defaults apply)
+    engine: dict = field(default_factory=dict)
 
     def __post_init__(self):
         if not isinstance(self.host, str) or not self.host:

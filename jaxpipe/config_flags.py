@@ -1,0 +1,159 @@
+"""Command-line flags derived from a config dataclass: the one way every jaxpipe command line
+(`python -m jaxpipe.serve`, `python -m jaxpipe.batch`, the benchmark scripts) gets its flags.
+
+Each field becomes one flag: `max_num_seqs` -> `--max-num-seqs`; a bool field -> `--overlap` /
+`--no-overlap`; a `Literal[...]` field takes one of its values; a `tuple[int, ...]` field takes
+one or more values, spaced or comma-separated (`--stages 1 2 4`, `--hf-batch-sizes 8,16`);
+`X | None` takes an X. Fields of other types (dicts, tuples of tuples) get no flag and keep
+their defaults. The help is the field's entry in the class docstring ("    name, other: text",
+continued on lines indented deeper), so the docstring a reader of the class sees is the help a
+user of the command sees, and the default is the dataclass's. Two keys of a field's metadata
+shape its flag: `"flags"`, names that replace `--field-name` (the first is the one help shows;
+`field(default=..., metadata={"flags": ("--json",)})` for `json_path`), and `"none_flag"`, an
+extra flag that sets the field to None (ServerConfig.port's `--no-grpc`). Plain dict keys, so a
+config module (the benchmarks') can use them without importing jaxpipe.
+
+A flag reaches the config only when given (argparse.SUPPRESS), so the dataclass's own defaults
+and `__post_init__` validation apply; a ValueError from it is the parser's usage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+import types
+import typing
+
+_ENTRY = re.compile(r"^    ([a-z_]+(?:, [a-z_]+)*):(.*)$")
+_NONE = type(None)
+
+
+def field_docs(cls) -> dict[str, str]:
+    """Each field's text in `cls`'s docstring ("    name, other: text" entries, continued
+    on lines indented deeper), whitespace collapsed."""
+    docs, names, text = {}, [], []
+    for line in (cls.__doc__ or "").splitlines() + ["    end: ."]:
+        match = _ENTRY.match(line)
+        if match or not line.startswith("        "):
+            for name in names:
+                docs[name] = " ".join(text)
+            names, text = [], []
+        if match:
+            names, text = match.group(1).split(", "), [match.group(2).strip()]
+            text = [t for t in text if t]
+        elif names:
+            text.append(line.strip())
+    return docs
+
+
+def add_flags(parser: argparse.ArgumentParser, cls, group: str | None = None,
+              skip: typing.Iterable[str] = ()) -> None:
+    """Add one flag per field of the dataclass `cls` (less `skip`) to `parser`, in an
+    argument group named `group` (default: the class's name)."""
+    target = parser.add_argument_group(group or cls.__name__)
+    docs, hints = field_docs(cls), typing.get_type_hints(cls)
+    for field in flag_fields(cls, skip):
+        names, none = _names(field)
+        kind = _kind(hints[field.name])
+        default = _default(field)
+        kwargs = {"dest": field.name, "default": argparse.SUPPRESS,
+                  "help": _help(docs.get(field.name, ""), default)}
+        if kind is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        elif isinstance(kind, list):
+            kwargs.update(action=_Items, nargs="+", type=_split(kind[0]),
+                          metavar=field.name.upper())
+        elif isinstance(kind, tuple):
+            kwargs.update(choices=kind, type=type(kind[0]))
+        else:
+            kwargs.update(type=kind, metavar=field.name.upper())
+        target.add_argument(*names, **kwargs)
+        if none:
+            target.add_argument(none, dest=field.name, action="store_const", const=None,
+                                default=argparse.SUPPRESS,
+                                help=f"{field.name} None (see {names[0]})")
+
+
+def config_kwargs(cls, args: argparse.Namespace) -> dict:
+    """The fields of `cls` whose flags were given, with their values."""
+    return {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)
+            if hasattr(args, f.name)}
+
+
+def config_from_args(cls, args: argparse.Namespace, parser: argparse.ArgumentParser,
+                     **fields):
+    """`cls` built from the given flags (and `fields`), validated by the class; a value it
+    refuses is `parser`'s usage error (exit 2, the class's message)."""
+    try:
+        return cls(**config_kwargs(cls, args), **fields)
+    except (ValueError, TypeError) as e:
+        parser.error(str(e))
+
+
+def flag_fields(cls, skip: typing.Iterable[str] = ()) -> list[dataclasses.Field]:
+    """The fields of `cls` that get a flag: all but `skip` and those of a type no flag can
+    spell (see the module docstring)."""
+    hints, skip = typing.get_type_hints(cls), set(skip)
+    return [f for f in dataclasses.fields(cls)
+            if f.name not in skip and _kind(hints[f.name]) is not None]
+
+
+class _Items(argparse.Action):
+    """One or more values, each possibly comma-separated, stored as one tuple."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, tuple(v for group in values for v in group))
+
+
+def _split(item: type):
+    def parse(text: str) -> tuple:
+        return tuple(item(v.strip()) for v in text.split(",") if v.strip())
+
+    parse.__name__ = item.__name__  # argparse's "invalid int value" names it
+    return parse
+
+
+def _kind(hint):
+    """bool, int, float or str; a tuple of choices (Literal); [item type] for a tuple or
+    list of scalars; None where no flag fits."""
+    members = [t for t in (typing.get_args(hint) if _is_union(hint) else (hint,))
+               if t is not _NONE]
+    if len(members) != 1:  # `str | Layout`: given as text, parsed by the class
+        return str if str in members else None
+    hint = members[0]
+    origin = typing.get_origin(hint)
+    if origin is typing.Literal:
+        return typing.get_args(hint)
+    if origin in (tuple, list):
+        item = typing.get_args(hint)[0]
+        return [item] if item in (int, float, str) else None
+    return hint if hint in (bool, int, float, str) else None
+
+
+def _is_union(hint) -> bool:
+    return typing.get_origin(hint) in (typing.Union, types.UnionType)
+
+
+def _names(field: dataclasses.Field) -> tuple[tuple[str, ...], str | None]:
+    names = field.metadata.get("flags") or ("--" + field.name.replace("_", "-"),)
+    return tuple(names), field.metadata.get("none_flag")
+
+
+def _default(field: dataclasses.Field):
+    if field.default_factory is not dataclasses.MISSING:
+        return field.default_factory()
+    return field.default
+
+
+def _help(doc: str, default) -> str:
+    text = doc.replace("%", "%%")
+    if default is None:
+        return text
+    if isinstance(default, bool):
+        shown = "on" if default else "off"
+    elif isinstance(default, (tuple, list)):
+        shown = ",".join(map(str, default)) or "none"
+    else:
+        shown = default
+    return f"{text} (default: {shown})"
