@@ -1,8 +1,16 @@
-"""What a caller gets back: vLLM-shaped request outputs and streaming deltas."""
+"""What a caller gets back: vLLM-shaped request outputs and streaming deltas, and the one path
+from a sequence to a front end's output: `token_delta` (a `Sequence`'s new tokens) folded into a
+`Completion` (ids, logprobs, text, finish), in the engine process or a batch job alike."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from jaxpipe.stopping import TextStream, final_text
+
+if TYPE_CHECKING:
+    from jaxpipe.requests import Prepared
 
 
 @dataclass
@@ -37,3 +45,85 @@ class StreamDelta:
     token_ids: list[int]
     text: str
     finish_reason: str | None = None
+
+
+@dataclass(frozen=True)
+class TokenDelta:
+    """New tokens of one request. `logprobs`: per new token, [[token id, logprob], ...] with the
+    sampled token first (None unless requested). `finish_reason` is set on the last delta.
+    What the engine process sends the front ends (a `serve.messages` control message), and what
+    a `Completion` folds."""
+
+    request_id: str
+    token_ids: list[int]
+    logprobs: list[list[list[float]]] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+def token_delta(seq, start: int = 0) -> TokenDelta:
+    """A `Sequence`'s output from its token `start` on; it carries the finish once the
+    sequence has finished."""
+    new = [int(t) for t in seq.output_token_ids[start:]]
+    logprobs = None
+    if seq.logprobs is not None:
+        logprobs = [[[int(t), float(lp)] for t, lp in entry.items()]
+                    for entry in seq.logprobs[start:]]
+    if not seq.is_finished:
+        return TokenDelta(seq.request_id, new, logprobs)
+    return TokenDelta(seq.request_id, new, logprobs, seq.finish_reason, seq.stop_reason)
+
+
+class Completion:
+    """One request's completion as its `TokenDelta`s arrive: token ids, logprobs, text, finish.
+
+    The one place a delta becomes output, for every front end (HTTP, gRPC, batch jobs).
+    `stream=True` detokenizes as it goes (`add` returns the text now safe to send, holding back
+    what may become a stop string); otherwise the text is decoded once, at the finish. `echo`
+    is text put before the completion's; `timer` (metrics.RequestTimer) hears of its tokens."""
+
+    def __init__(self, prep: Prepared, tokenizer, *, stream: bool = False, echo: str = "",
+                 timer=None):
+        self.prep, self.tokenizer, self.echo, self.timer = prep, tokenizer, echo, timer
+        self.stream = None if tokenizer is None or not stream else TextStream(
+            tokenizer, prep.prompt_token_ids, prep.params.skip_special_tokens, prep.params.stop)
+        self.token_ids: list[int] = []
+        self.logprobs: list = []  # per token [[id, logprob], ...], sampled token first
+        self.text = ""
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def requested_logprobs(self) -> list | None:
+        """The logprobs if the request asked for them, else None."""
+        return self.logprobs if self.prep.params.logprobs is not None else None
+
+    def add(self, delta: TokenDelta) -> str:
+        """Fold in one delta; returns the new text (the echo first)."""
+        self.token_ids += delta.token_ids
+        self.logprobs += delta.logprobs or []
+        self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
+        new = self._new_text(delta)
+        if self.timer is not None:
+            self.timer.tokens(len(delta.token_ids))
+            if self.finished:
+                self.timer.finished()
+        new, self.echo = self.echo + new, ""
+        self.text += new
+        return new
+
+    def _new_text(self, delta: TokenDelta) -> str:
+        if self.tokenizer is None:
+            return ""
+        if self.stream is not None:
+            if not self.finished:
+                return self.stream.push(delta.token_ids)
+            return self.stream.finish(delta.token_ids, delta.stop_reason)
+        if not self.finished:
+            return ""
+        return final_text(self.tokenizer, self.token_ids, self.prep.params.skip_special_tokens,
+                          delta.stop_reason)

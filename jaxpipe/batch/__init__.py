@@ -3,5 +3,6 @@
     openai.py    request lines -> BatchLine; results -> output records
     jobfile.py   streamed input, resumable append-only output
     job.py       one run of a job: skip done, run the rest, summary
-    runners.py   LocalRunner (Engine in this process) / RemoteRunner (a jaxpipe server)
+    runners.py   LocalRunner (Engine in this process) / RemoteRunner (a jaxpipe server) /
+                 ClientRunner (inside a server, for its Batch API)
 """

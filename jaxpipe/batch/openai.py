@@ -15,6 +15,7 @@ import uuid
 from dataclasses import dataclass
 
 from jaxpipe.openai_format import CHAT_URL, COMPLETIONS_URL, body_key, read_body
+from jaxpipe.outputs import Completion
 from jaxpipe.requests import RequestError
 
 LINE_KEYS = {"custom_id", "method", "url", "body"}
@@ -43,6 +44,13 @@ class Finished:
     finish_reason: str
     stop_reason: int | str | None
     logprobs: list | None  # per token [[id, logprob], ...], sampled token first
+
+    @classmethod
+    def of(cls, c: Completion) -> Finished:
+        """The record of a finished Completion (how both in-process and serving runners build
+        it)."""
+        return cls(c.prep.prompt_token_ids, c.token_ids, c.text, c.finish_reason, c.stop_reason,
+                   c.requested_logprobs)
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Who runs a batch job's requests: an `Engine` in this process (`LocalRunner`), a running
 `python -m jaxpipe.serve` (`RemoteRunner`, over GenerateBatch), or, inside that server, its
-engine client (`ClientRunner`, for the HTTP Batch API). Both take a stream of
+engine client (`ClientRunner`, for the HTTP Batch API). All take a stream of
 `BatchLine`s and call `emit(line, Finished | Failed)` once per line, from the calling thread,
 keeping at most `max_in_flight` requests outstanding so the input is never loaded whole."""
 
@@ -12,8 +12,8 @@ import threading
 from collections.abc import Callable, Iterator
 
 from jaxpipe.batch.openai import BatchLine, Failed, Finished
+from jaxpipe.outputs import Completion, token_delta
 from jaxpipe.requests import Limits, RequestError, prepare, sampling_params
-from jaxpipe.stopping import final_text
 
 Emit = Callable[[BatchLine, Finished | Failed], None]
 
@@ -40,7 +40,7 @@ class LocalRunner:
 
     def run(self, items: Iterator[BatchLine], emit: Emit) -> None:
         """Feed `items` to the engine and emit each result as its request finishes."""
-        live: dict[str, tuple[BatchLine, list[int]]] = {}
+        live: dict[str, tuple[BatchLine, Completion]] = {}
         more = True
         while more or live:
             while more and len(live) < self.max_in_flight:
@@ -50,8 +50,9 @@ class LocalRunner:
                     self._add(item, live, emit)
             for seq in self.engine.step():
                 if seq.is_finished and seq.request_id in live:
-                    item, prompt_ids = live.pop(seq.request_id)
-                    emit(item, self._finished(seq, prompt_ids))
+                    item, completion = live.pop(seq.request_id)
+                    completion.add(token_delta(seq))
+                    emit(item, Finished.of(completion))
                     self.engine.release(seq.request_id)
 
     def _add(self, item: BatchLine, live: dict, emit: Emit) -> None:
@@ -67,28 +68,17 @@ class LocalRunner:
         except (ValueError, TypeError) as e:
             emit(item, Failed("invalid_argument", str(e), None))
             return
-        live[rid] = (item, prep.prompt_token_ids)
-
-    def _finished(self, seq, prompt_ids: list[int]) -> Finished:
-        params, tok = seq.params, self.engine.tokenizer
-        text = final_text(tok, seq.output_token_ids, params.skip_special_tokens,
-                          seq.stop_reason) if tok is not None else ""
-        logprobs = None
-        if seq.logprobs is not None:
-            logprobs = [[[int(t), float(v)] for t, v in e.items()] for e in seq.logprobs]
-        return Finished(prompt_ids, list(seq.output_token_ids), text, seq.finish_reason,
-                        seq.stop_reason, logprobs)
+        live[rid] = (item, Completion(prep, tokenizer))
 
 
 class ClientRunner:
     """Runs requests on a serving process's engine through its `EngineClient`, beside the live
-    traffic: the HTTP Batch API's jobs (jaxpipe/serve/batches.py). `cancel()` aborts what is
-    in flight and stops taking input."""
+    traffic: the HTTP Batch API's jobs (jaxpipe/serve/batches.py), as one `ThreadCall` per
+    run. `cancel()` aborts what is in flight and stops taking input."""
 
     def __init__(self, client, tokenizer, model: str, prefix: str, max_in_flight: int):
         self.client, self.tokenizer, self.model = client, tokenizer, model
         self.prefix, self.max_in_flight = prefix, max_in_flight
-        self._ids = itertools.count()
         self._cancelled = threading.Event()
 
     def cancel(self) -> None:
@@ -97,8 +87,11 @@ class ClientRunner:
     def run(self, items: Iterator[BatchLine], emit: Emit) -> None:
         """Feed `items` to the engine and emit each result as its request finishes; raises
         ServerError if the engine is or goes down (the job resumes later)."""
-        out: queue.Queue = queue.Queue()
-        live: dict[str, list] = {}  # request id -> [item, Prepared, token ids, logprobs]
+        from jaxpipe.serve.engine_calls import ThreadCall
+        from jaxpipe.serve.engine_client import EngineUnavailable
+
+        call = ThreadCall(self.client, self.prefix)
+        live: dict[int, tuple[BatchLine, Completion]] = {}  # by index in the call
         more = True
         try:
             while (more or live) and not self._cancelled.is_set():
@@ -106,16 +99,15 @@ class ClientRunner:
                     item = next(items, None)
                     more = item is not None
                     if more:
-                        self._add(item, out, live, emit)
+                        self._add(item, call, live, emit)
                 if live:
-                    self._take(out, live, emit)
+                    self._take(call.next(timeout=0.2), live, emit)  # wakes to notice cancel()
+        except EngineUnavailable as e:
+            raise ServerError(str(e)) from None
         finally:
-            for rid in live:
-                self.client.abort(rid)
+            call.abort_unfinished()
 
-    def _add(self, item: BatchLine, out: queue.Queue, live: dict, emit: Emit) -> None:
-        from jaxpipe.serve.engine_client import EngineUnavailable
-
+    def _add(self, item: BatchLine, call, live: dict, emit: Emit) -> None:
         info = self.client.info
         if info is None:
             raise ServerError(self.client.unavailable_reason())
@@ -125,39 +117,24 @@ class ClientRunner:
         except RequestError as e:
             emit(item, Failed.from_error(e))
             return
-        rid = f"{self.prefix}-{next(self._ids)}"
-        try:
-            self.client.submit(rid, prep.prompt_token_ids, prep.params_dict, out)
-        except EngineUnavailable as e:
-            raise ServerError(str(e)) from None
-        live[rid] = [item, prep, [], []]
+        live[call.submit(prep)] = (item, Completion(prep, self.tokenizer))
 
-    def _take(self, out: queue.Queue, live: dict, emit: Emit) -> None:
+    @staticmethod
+    def _take(taken, live: dict, emit: Emit) -> None:
         from jaxpipe.serve import messages as m
-        from jaxpipe.serve.engine_client import EngineLost
 
-        try:
-            msg = out.get(timeout=0.2)  # wakes up to notice cancel()
-        except queue.Empty:
+        if taken is None:
             return
-        if isinstance(msg, EngineLost):
-            live.clear()  # the engine that held them is gone
-            raise ServerError(msg.message)
-        item, prep, ids, logprobs = live[msg.request_id]
+        index, msg = taken
+        item, completion = live[index]
         if isinstance(msg, m.Rejected):
-            del live[msg.request_id]
+            del live[index]
             emit(item, Failed("invalid_argument", msg.message, None))
             return
-        ids.extend(msg.token_ids)
-        logprobs.extend(msg.logprobs or [])
-        if msg.finish_reason is None:
-            return
-        del live[msg.request_id]
-        text = "" if self.tokenizer is None else final_text(
-            self.tokenizer, ids, prep.params.skip_special_tokens, msg.stop_reason)
-        emit(item, Finished(prep.prompt_token_ids, ids, text, msg.finish_reason,
-                            msg.stop_reason, logprobs if prep.params.logprobs is not None
-                            else None))
+        completion.add(msg)
+        if completion.finished:
+            del live[index]
+            emit(item, Finished.of(completion))
 
 
 class ServerError(RuntimeError):

@@ -7,7 +7,8 @@ process over ZeroMQ.
     server.py           the front-end process: gRPC server, HTTP server, health, drain
     service.py          the Generation service: validate, submit, stream results
     http.py             the OpenAI HTTP API (FastAPI + uvicorn): routes, admission, errors
-    engine_calls.py     an HTTP call's requests on the event loop: deltas in, aborts out
+    engine_calls.py     one call's requests in the engine (HTTP, gRPC, Batch API jobs): submit,
+                        gather deltas, abort the unfinished; on the event loop or a thread
     openai_responses.py OpenAI's response, chunk, logprobs and error shapes
     batches.py          the Batch API's files and jobs under --batch-dir (resumable)
     http_batches.py     the Batch API's HTTP routes
@@ -18,5 +19,6 @@ process over ZeroMQ.
     metrics.py          the Prometheus registry (its own port, or /metrics on the HTTP one)
 
 Shared with batch jobs and the engine: request validation (jaxpipe/requests.py), OpenAI
-bodies (jaxpipe/openai_format.py), stop strings and detokenization (jaxpipe/stopping.py).
+bodies (jaxpipe/openai_format.py), stop strings and detokenization (jaxpipe/stopping.py),
+and a sequence's deltas folded into its output (jaxpipe/outputs.py: token_delta, Completion).
 """

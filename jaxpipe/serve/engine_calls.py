@@ -1,22 +1,115 @@
-"""One HTTP call's requests in the engine, seen from the front end's event loop.
+"""One call's requests in the engine, as a front end sees them: submitted together through the
+`EngineClient`, their deltas gathered, whatever has not finished aborted when the call ends
+early (client gone, engine lost, error, job cancelled), which frees the sequences' KV blocks.
 
-`EngineClient` delivers each request's items from its receiver thread by calling `out.put(item)`;
-`EngineCall` hands them to asyncio (`_Sink`), yields them as (prompt index, delta), and aborts
-whatever has not finished when the call ends early (client gone, engine lost, error), which
-frees the sequences' KV blocks in the engine. `Choice` turns one prompt's deltas into text with
-the same `TextStream` the gRPC front end uses, so streamed and whole responses agree.
+`EngineCall` is that bookkeeping; its two thin adapters differ only in how they wait for the
+next item: `ThreadCall` on a job or RPC thread (a plain queue), `LoopCall` on the asyncio loop
+(items handed over with `call_soon_threadsafe`). Each request's deltas are folded into its
+output by `jaxpipe.outputs.Completion`, the same for every front end.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import itertools
+import queue
+import threading
+from collections.abc import AsyncIterator, Iterable
 
-from jaxpipe.requests import Prepared, RequestError
+from jaxpipe.requests import Prepared
 from jaxpipe.serve import messages as m
 from jaxpipe.serve.engine_client import EngineClient, EngineLost, EngineUnavailable
-from jaxpipe.serve.metrics import RequestTimer
-from jaxpipe.stopping import TextStream
+
+Item = m.TokenDelta | m.Rejected
+
+
+class EngineCall:
+    """The engine requests of one call, each known by its index in the call (the order they
+    were submitted). `EngineClient`'s receiver thread puts their items on `out`; the calling
+    thread takes them; `abort_unfinished` may come from any thread."""
+
+    def __init__(self, client: EngineClient, prefix: str, out):
+        self.client, self.prefix, self.out = client, prefix, out
+        self._count = itertools.count()
+        self._lock = threading.Lock()  # guards unfinished
+        self.unfinished: dict[str, int] = {}  # request id -> index
+
+    def submit(self, prep: Prepared) -> int:
+        """Queue one request; returns its index. EngineUnavailable if the engine is down."""
+        index = next(self._count)
+        rid = f"{self.prefix}-{index}"
+        with self._lock:
+            self.unfinished[rid] = index
+        try:
+            self.client.submit(rid, prep.prompt_token_ids, prep.params_dict, self.out)
+        except EngineUnavailable:
+            with self._lock:
+                del self.unfinished[rid]
+            raise
+        return index
+
+    def submit_all(self, prepared: Iterable[Prepared]) -> None:
+        """Queue every request, or none: EngineUnavailable (nothing left queued)."""
+        try:
+            for prep in prepared:
+                self.submit(prep)
+        except EngineUnavailable:
+            self.abort_unfinished()
+            raise
+
+    def abort_unfinished(self) -> None:
+        """Abort every request still running (its KV is freed); idempotent."""
+        with self._lock:
+            rids, self.unfinished = list(self.unfinished), {}
+        for rid in rids:
+            self.client.abort(rid)
+
+    def _take(self, item) -> tuple[int, Item] | None:
+        """(index, delta or rejection) of an item from the client; None for one of a request
+        this call has stopped following (aborted). Raises EngineUnavailable if the engine died."""
+        if isinstance(item, EngineLost):
+            with self._lock:
+                self.unfinished.clear()  # the engine that held them is gone
+            raise EngineUnavailable(item.message)
+        final = isinstance(item, m.Rejected) or item.finish_reason is not None
+        with self._lock:
+            index = (self.unfinished.pop if final else self.unfinished.get)(item.request_id,
+                                                                           None)
+        return None if index is None else (index, item)
+
+
+class ThreadCall(EngineCall):
+    """An EngineCall waited on from a thread."""
+
+    def __init__(self, client: EngineClient, prefix: str):
+        super().__init__(client, prefix, queue.Queue())
+
+    def next(self, timeout: float | None = None) -> tuple[int, Item] | None:
+        """The next (index, item); None once no request is unfinished, or if none came within
+        `timeout` s. Raises EngineUnavailable if the engine died."""
+        while self.unfinished:
+            try:
+                taken = self._take(self.out.get(timeout=timeout))
+            except queue.Empty:
+                return None
+            if taken is not None:
+                return taken
+        return None
+
+
+class LoopCall(EngineCall):
+    """An EngineCall waited on from the asyncio loop it was made on."""
+
+    def __init__(self, client: EngineClient, prefix: str):
+        super().__init__(client, prefix, _Sink(asyncio.get_running_loop()))
+
+    async def items(self) -> AsyncIterator[tuple[int, Item]]:
+        """(index, item) as they arrive, until every request has finished. Raises
+        EngineUnavailable if the engine died."""
+        while self.unfinished:
+            taken = self._take(await self.out.queue.get())
+            if taken is not None:
+                yield taken
 
 
 class _Sink:
@@ -30,81 +123,3 @@ class _Sink:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
         except RuntimeError:  # the loop has closed (server shutting down): nobody is waiting
             pass
-
-
-class EngineCall:
-    """The engine requests of one HTTP call (one per prompt), submitted together."""
-
-    def __init__(self, client: EngineClient, prefix: str, prepared: list[Prepared]):
-        self.client, self.prepared = client, prepared
-        self.ids = [f"{prefix}-{i}" for i in range(len(prepared))]
-        self.index = {rid: i for i, rid in enumerate(self.ids)}
-        self.unfinished: set[str] = set()
-        self._sink = _Sink(asyncio.get_running_loop())
-
-    def submit(self) -> None:
-        """Queue every request; EngineUnavailable (nothing left queued) if the engine is down."""
-        try:
-            for rid, prep in zip(self.ids, self.prepared, strict=True):
-                self.client.submit(rid, prep.prompt_token_ids, prep.params_dict, self._sink)
-                self.unfinished.add(rid)
-        except EngineUnavailable:
-            self.abort_unfinished()
-            raise
-
-    async def deltas(self) -> AsyncIterator[tuple[int, m.TokenDelta]]:
-        """(prompt index, delta) as they arrive, until every request has finished. Raises
-        EngineUnavailable if the engine died, RequestError if it refused a request."""
-        while self.unfinished:
-            item = await self._sink.queue.get()
-            if isinstance(item, EngineLost):
-                raise EngineUnavailable(item.message)
-            if _final(item):
-                self.unfinished.discard(item.request_id)
-            if isinstance(item, m.Rejected):
-                raise RequestError("request", item.message)
-            yield self.index[item.request_id], item
-
-    def abort_unfinished(self) -> None:
-        """Abort every request still running (its KV is freed); idempotent."""
-        for rid in self.unfinished:
-            self.client.abort(rid)
-        self.unfinished.clear()
-
-
-def _final(item) -> bool:
-    return isinstance(item, m.Rejected) or item.finish_reason is not None
-
-
-class Choice:
-    """One prompt's completion as it grows: token ids, logprobs, text, finish."""
-
-    def __init__(self, prep: Prepared, tokenizer, echo: str = "",
-                 timer: RequestTimer | None = None):
-        self.prep, self.echo, self.timer = prep, echo, timer
-        self.stream = None if tokenizer is None else TextStream(
-            tokenizer, prep.prompt_token_ids, prep.params.skip_special_tokens, prep.params.stop)
-        self.token_ids: list[int] = []
-        self.logprobs: list = []
-        self.text = ""
-        self.finish_reason: str | None = None
-        self.started = False  # a chunk of it has been sent (a chat stream's first has the role)
-
-    def add(self, delta: m.TokenDelta) -> str:
-        """Fold in one delta; returns the new text safe to send (the echo first)."""
-        self.token_ids += delta.token_ids
-        self.logprobs += delta.logprobs or []
-        if self.stream is None:
-            new = ""
-        elif delta.finish_reason is None:
-            new = self.stream.push(delta.token_ids)
-        else:
-            new = self.stream.finish(delta.token_ids, delta.stop_reason)
-        self.finish_reason = delta.finish_reason
-        if self.timer is not None:
-            self.timer.tokens(len(delta.token_ids))
-            if delta.finish_reason is not None:
-                self.timer.finished()
-        new, self.echo = self.echo + new, ""
-        self.text += new
-        return new

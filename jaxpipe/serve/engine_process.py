@@ -24,6 +24,7 @@ import sys
 import zmq
 
 from jaxpipe import lifeline
+from jaxpipe.outputs import token_delta
 from jaxpipe.serve import messages as m
 
 log = logging.getLogger("jaxpipe.serve.engine")
@@ -112,20 +113,14 @@ class EngineLoop:
             self._send(m.Outputs(deltas))
 
     def _delta(self, seq) -> m.TokenDelta:
-        rid, start = seq.request_id, self.sent[seq.request_id]
-        new = [int(t) for t in seq.output_token_ids[start:]]
-        logprobs = None
-        if seq.logprobs is not None:
-            logprobs = [[[int(t), float(lp)] for t, lp in entry.items()]
-                        for entry in seq.logprobs[start:]]
-        self.sent[rid] = start + len(new)
-        self.counts["generated"] += len(new)
-        if not seq.is_finished:
-            return m.TokenDelta(rid, new, logprobs)
-        del self.sent[rid]
-        self.engine.release(rid)
-        self.counts["finished"] += 1
-        return m.TokenDelta(rid, new, logprobs, seq.finish_reason, seq.stop_reason)
+        delta = token_delta(seq, self.sent[seq.request_id])
+        self.sent[seq.request_id] += len(delta.token_ids)
+        self.counts["generated"] += len(delta.token_ids)
+        if seq.is_finished:
+            del self.sent[seq.request_id]
+            self.engine.release(seq.request_id)
+            self.counts["finished"] += 1
+        return delta
 
     def _stats(self) -> m.Stats:
         return m.Stats(unfinished_requests=len(self.sent),

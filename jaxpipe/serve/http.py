@@ -29,9 +29,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from jaxpipe.openai_format import CHAT_URL, COMPLETIONS_URL, Body, body_key, read_body
+from jaxpipe.outputs import Completion
 from jaxpipe.requests import Limits, RequestError, prepare
+from jaxpipe.serve import messages as m
 from jaxpipe.serve import openai_responses as r
-from jaxpipe.serve.engine_calls import Choice, EngineCall
+from jaxpipe.serve.engine_calls import LoopCall
 from jaxpipe.serve.engine_client import EngineClient, EngineUnavailable
 from jaxpipe.serve.metrics import ServerMetrics
 
@@ -100,6 +102,15 @@ async def _unless_disconnected(request: Request, work):
     if not task.done() or task.cancelled():
         raise ApiError(499, "the client closed the connection")
     return task.result()
+
+
+async def _deltas(call: LoopCall):
+    """(prompt index, delta) of a call whose prompts stand or fall together: a request the
+    engine refused fails the call (RequestError)."""
+    async for index, item in call.items():
+        if isinstance(item, m.Rejected):
+            raise RequestError("request", item.message)
+        yield index, item
 
 
 def sse(data: dict | str) -> str:
@@ -180,8 +191,8 @@ class HttpFrontEnd:
                            headers={"Retry-After": str(RETRY_AFTER_S)})
         try:
             body, choices = self._read(url, await self._json(request))
-            call = EngineCall(self.client, f"h{next(self._ids)}", [c.prep for c in choices])
-            self._submit(call)
+            call = LoopCall(self.client, f"h{next(self._ids)}")
+            self._submit(call, choices)
         except BaseException:
             self.admission.leave()
             raise
@@ -215,8 +226,8 @@ class HttpFrontEnd:
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise ApiError(400, f"the request body is not valid JSON: {e}") from None
 
-    def _read(self, url: str, raw) -> tuple[Body, list[Choice]]:
-        """The body and one Choice per prompt, or ApiError 400 / 404."""
+    def _read(self, url: str, raw) -> tuple[Body, list[Completion]]:
+        """The body and one streamed Completion per prompt, or ApiError 400 / 404."""
         try:
             body = read_body(url, raw)
             if body.model is not None and body.model != self.model:
@@ -228,9 +239,10 @@ class HttpFrontEnd:
             if info is None:
                 raise ApiError(503, self.client.unavailable_reason())
             limits = Limits(info.max_model_len, info.vocab_size)
-            return body, [Choice(prepare(body.kind, p, body.sampling, self.tokenizer, limits),
-                                 self.tokenizer, self._echo(body, p),
-                                 self.metrics.latency.timer("http")) for p in body.prompts]
+            return body, [Completion(prepare(body.kind, p, body.sampling, self.tokenizer, limits),
+                                     self.tokenizer, stream=True, echo=self._echo(body, p),
+                                     timer=self.metrics.latency.timer("http"))
+                          for p in body.prompts]
         except RequestError as e:
             param = body_key(e.field) or e.field
             raise ApiError(400, f"{param}: {e.message}", param) from None
@@ -245,17 +257,17 @@ class HttpFrontEnd:
             return prompt
         return "" if self.tokenizer is None else self.tokenizer.decode(list(prompt), False)
 
-    def _submit(self, call: EngineCall) -> None:
+    def _submit(self, call: LoopCall, choices: list[Completion]) -> None:
         try:
-            call.submit()
+            call.submit_all(c.prep for c in choices)
         except EngineUnavailable as e:
             raise ApiError(503, str(e)) from None
 
-    async def _whole(self, url: str, rid: str, body: Body, call: EngineCall,
-                     choices: list[Choice]) -> dict:
+    async def _whole(self, url: str, rid: str, body: Body, call: LoopCall,
+                     choices: list[Completion]) -> dict:
         start = time.perf_counter()
         try:
-            async for index, delta in call.deltas():
+            async for index, delta in _deltas(call):
                 choices[index].add(delta)
         except EngineUnavailable as e:
             raise ApiError(503, str(e)) from None
@@ -270,22 +282,23 @@ class HttpFrontEnd:
         self._log_done(url, rid, out["usage"], start)
         return out
 
-    async def _events(self, url: str, rid: str, body: Body, call: EngineCall,
-                      choices: list[Choice]):
+    async def _events(self, url: str, rid: str, body: Body, call: LoopCall,
+                      choices: list[Completion]):
         """The SSE events of a streamed call: chunks, the usage chunk if asked, [DONE]. An
         engine lost mid-stream ends it with an error event (the status line is long gone)."""
         created, start, top = int(time.time()), time.perf_counter(), body.top_logprobs or 0
+        started: set[int] = set()  # choices with a chunk sent (a chat stream's first has the role)
         try:
-            async for index, delta in call.deltas():
+            async for index, delta in _deltas(call):
                 c = choices[index]
                 offset = len(c.text)
                 text = c.add(delta)
                 lp = r.logprobs(url, delta.logprobs or [], top, self.tokenizer, offset)
-                if text or lp or delta.finish_reason is not None or not c.started:
+                if text or lp or delta.finish_reason is not None or index not in started:
                     yield sse(r.envelope(url, rid, self.model, created, [r.choice(
                         url, index, text, delta.finish_reason, lp, chunk=True,
-                        first=not c.started)], chunk=True))
-                    c.started = True
+                        first=index not in started)], chunk=True))
+                    started.add(index)
         except (EngineUnavailable, RequestError) as e:
             status = 503 if isinstance(e, EngineUnavailable) else 400
             self.outcomes.add("unavailable" if status == 503 else "invalid")
@@ -300,7 +313,7 @@ class HttpFrontEnd:
         self._log_done(url, rid, usage, start)
 
     @staticmethod
-    def _usage(choices: list[Choice]) -> dict:
+    def _usage(choices: list[Completion]) -> dict:
         return r.usage(sum(len(c.prep.prompt_token_ids) for c in choices),
                        sum(len(c.token_ids) for c in choices))
 

@@ -12,6 +12,8 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 
+from jaxpipe.outputs import TokenDelta  # defined beside the Completion that folds it
+
 PROTOCOL_VERSION = 1
 
 
@@ -60,18 +62,6 @@ class Ready:
     max_model_len: int
     vocab_size: int
     max_num_seqs: int
-
-
-@dataclass(frozen=True)
-class TokenDelta:
-    """New tokens of one request. `logprobs`: per new token, [[token id, logprob], ...] with the
-    sampled token first (None unless requested). `finish_reason` is set on the last delta."""
-
-    request_id: str
-    token_ids: list[int]
-    logprobs: list[list[list[float]]] | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
 
 
 @dataclass(frozen=True)

@@ -10,20 +10,20 @@ from __future__ import annotations
 
 import itertools
 import logging
-import queue
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import grpc
 
+from jaxpipe.outputs import Completion
 from jaxpipe.requests import Limits, Prepared, RequestError, prepare
 from jaxpipe.serve import jaxpipe_pb2 as pb
 from jaxpipe.serve import jaxpipe_pb2_grpc as pb_grpc
 from jaxpipe.serve import messages as m
 from jaxpipe.serve import protos
-from jaxpipe.serve.engine_client import EngineClient, EngineLost, EngineUnavailable
-from jaxpipe.serve.metrics import RequestTimer, ServerMetrics
-from jaxpipe.stopping import TextStream, final_text
+from jaxpipe.serve.engine_calls import ThreadCall
+from jaxpipe.serve.engine_client import EngineClient, EngineUnavailable
+from jaxpipe.serve.metrics import ServerMetrics
 
 log = logging.getLogger("jaxpipe.serve")
 
@@ -33,11 +33,8 @@ class _Pending:
     """One accepted request of a GenerateBatch call, while it runs."""
 
     custom_id: str
-    prepared: Prepared
     start: float
-    timer: RequestTimer
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list = field(default_factory=list)
+    completion: Completion
 
 
 class GenerationService(pb_grpc.GenerationServicer):
@@ -56,76 +53,69 @@ class GenerationService(pb_grpc.GenerationServicer):
 
     def Generate(self, request, context):
         """Stream one request's tokens and text; the last message carries usage."""
-        rid, start = f"g{next(self._ids)}", time.perf_counter()
+        call, start = self._call("g", context), time.perf_counter()
         timer = self.latency.timer("grpc")
         self._check_engine(context)
         try:
             prep = self._prepare(request, "request")
         except RequestError as e:
-            log.info("Generate %s rejected: %s", rid, e)
+            log.info("Generate %s rejected: %s", call.prefix, e)
             self.outcomes.add("invalid")
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        out: queue.Queue = queue.Queue()
-        self._submit(rid, prep, out, context)
-        stream = None if self.tokenizer is None else TextStream(
-            self.tokenizer, prep.prompt_token_ids, prep.params.skip_special_tokens,
-            prep.params.stop)
-        completion = 0
-        while True:
-            item = self._next(out, context)
-            completion += len(item.token_ids)
-            timer.tokens(len(item.token_ids))
-            yield self._response(request, item, stream, len(prep.prompt_token_ids), completion)
-            if item.finish_reason is not None:
-                timer.finished()
-                self._log_done("Generate", rid, len(prep.prompt_token_ids), completion,
-                               item.finish_reason, start)
+        self._submit(call, prep, context)
+        c = Completion(prep, self.tokenizer, stream=True, timer=timer)
+        while (taken := self._next(call, context)) is not None:
+            item = taken[1]
+            text = c.add(item)
+            yield self._response(request, item, text, c)
+            if c.finished:
+                self._log_done("Generate", call.prefix, c, start)
                 return
 
     @staticmethod
-    def _response(request, item: m.TokenDelta, stream: TextStream | None, prompt_tokens: int,
-                  completion: int) -> pb.GenerateResponse:
+    def _response(request, item: m.TokenDelta, text: str, c: Completion) -> pb.GenerateResponse:
         resp = pb.GenerateResponse(request_id=request.request_id, token_ids=item.token_ids,
-                                   logprobs=protos.logprobs_proto(item.logprobs or []))
+                                   logprobs=protos.logprobs_proto(item.logprobs or []),
+                                   text=text)
         if item.finish_reason is None:
-            resp.text = stream.push(item.token_ids) if stream else ""
             return resp
-        resp.text = stream.finish(item.token_ids, item.stop_reason) if stream else ""
         resp.finish_reason = item.finish_reason
         protos.set_stop_reason(resp, item.stop_reason)
-        resp.usage.CopyFrom(protos.usage_proto(prompt_tokens, completion))
+        resp.usage.CopyFrom(protos.usage_proto(len(c.prep.prompt_token_ids), len(c.token_ids)))
         return resp
 
-    def _next(self, out: queue.Queue, context) -> m.TokenDelta:
-        """The next delta of a Generate call; aborts the call on rejection or engine loss."""
-        item = out.get()
-        if isinstance(item, EngineLost):
+    def _next(self, call: ThreadCall, context):
+        """The next (index, delta) of a call, None once it has none unfinished (cancelled);
+        aborts a Generate call on rejection or engine loss."""
+        try:
+            taken = call.next()
+        except EngineUnavailable as e:
             self.outcomes.add("unavailable")
-            context.abort(grpc.StatusCode.UNAVAILABLE, item.message)
-        if isinstance(item, m.Rejected):
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        if taken is not None and isinstance(taken[1], m.Rejected):
             self.outcomes.add("invalid")
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request: {item.message}")
-        return item
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request: {taken[1].message}")
+        return taken
 
     # ---- GenerateBatch ------------------------------------------------------------------------
 
     def GenerateBatch(self, request, context):
         """One result per item, streamed as each finishes; bad items get error results."""
         self._check_engine(context)
-        out: queue.Queue = queue.Queue()
-        pending: dict[str, _Pending] = {}
+        call = self._call("b", context)
+        pending: dict[int, _Pending] = {}  # by index in the call
         seen: dict[str, int] = {}
         for i, item in enumerate(request.items):
-            error = self._admit(i, item, seen, out, pending, context)
+            error = self._admit(i, item, seen, call, pending, context)
             if error is not None:
                 yield error
         log.info("GenerateBatch: %d items, %d accepted", len(request.items), len(pending))
         while pending:
-            result = self._batch_step(out.get(), pending, context)
+            result = self._batch_step(call, pending, context)
             if result is not None:
                 yield result
 
-    def _admit(self, i: int, item, seen: dict, out: queue.Queue, pending: dict,
+    def _admit(self, i: int, item, seen: dict, call: ThreadCall, pending: dict,
                context) -> pb.BatchResult | None:
         """Validate and submit item i; return its error result if it is refused."""
         cid = item.custom_id
@@ -141,47 +131,47 @@ class GenerationService(pb_grpc.GenerationServicer):
             log.info("GenerateBatch item %r rejected: %s", cid, e)
             self.outcomes.add("invalid")
             return protos.error_result(cid, "INVALID_ARGUMENT", e.field, e.message)
-        rid = f"b{next(self._ids)}"
-        pending[rid] = _Pending(cid, prep, time.perf_counter(), self.latency.timer("grpc"))
-        self._submit(rid, prep, out, context)
+        p = _Pending(cid, time.perf_counter(), Completion(
+            prep, self.tokenizer, timer=self.latency.timer("grpc")))
+        pending[self._submit(call, prep, context)] = p
         return None
 
-    def _batch_step(self, item, pending: dict, context) -> pb.BatchResult | None:
-        """Fold one engine message into its request; return a result when it finishes."""
-        if isinstance(item, EngineLost):
+    def _batch_step(self, call: ThreadCall, pending: dict, context) -> pb.BatchResult | None:
+        """Fold the call's next engine message into its request; return a result when it
+        finishes."""
+        try:
+            taken = call.next()
+        except EngineUnavailable as e:
             for _ in pending:
                 self.outcomes.add("unavailable")
             context.abort(grpc.StatusCode.UNAVAILABLE,
-                          f"{item.message}; {len(pending)} items of this batch did not finish")
-        p = pending[item.request_id]
+                          f"{e}; {len(pending)} items of this batch did not finish")
+        if taken is None:  # cancelled: what was unfinished has been aborted
+            pending.clear()
+            return None
+        index, item = taken
+        p = pending[index]
         if isinstance(item, m.Rejected):
-            del pending[item.request_id]
+            del pending[index]
             self.outcomes.add("invalid")
             return protos.error_result(p.custom_id, "INVALID_ARGUMENT", "request", item.message)
-        p.token_ids.extend(item.token_ids)
-        p.logprobs.extend(item.logprobs or [])
-        p.timer.tokens(len(item.token_ids))
-        if item.finish_reason is None:
+        p.completion.add(item)
+        if not p.completion.finished:
             return None
-        p.timer.finished()
-        del pending[item.request_id]
-        self._log_done("GenerateBatch", f"{item.request_id} ({p.custom_id})",
-                       len(p.prepared.prompt_token_ids), len(p.token_ids), item.finish_reason,
+        del pending[index]
+        self._log_done("GenerateBatch", f"{item.request_id} ({p.custom_id})", p.completion,
                        p.start)
-        return pb.BatchResult(custom_id=p.custom_id, completion=self._completion(p, item))
+        return pb.BatchResult(custom_id=p.custom_id, completion=self._completion(p.completion))
 
-    def _completion(self, p: _Pending, last: m.TokenDelta) -> pb.Completion:
-        text = ""
-        if self.tokenizer is not None:
-            text = final_text(self.tokenizer, p.token_ids, p.prepared.params.skip_special_tokens,
-                              last.stop_reason)
-        c = pb.Completion(text=text, token_ids=p.token_ids, finish_reason=last.finish_reason,
-                          logprobs=protos.logprobs_proto(p.logprobs),
-                          prompt_token_ids=p.prepared.prompt_token_ids,
-                          usage=protos.usage_proto(len(p.prepared.prompt_token_ids),
-                                                   len(p.token_ids)))
-        protos.set_stop_reason(c, last.stop_reason)
-        return c
+    @staticmethod
+    def _completion(c: Completion) -> pb.Completion:
+        prompt_ids = c.prep.prompt_token_ids
+        out = pb.Completion(text=c.text, token_ids=c.token_ids, finish_reason=c.finish_reason,
+                            logprobs=protos.logprobs_proto(c.logprobs),
+                            prompt_token_ids=prompt_ids,
+                            usage=protos.usage_proto(len(prompt_ids), len(c.token_ids)))
+        protos.set_stop_reason(out, c.stop_reason)
+        return out
 
     # ---- shared -------------------------------------------------------------------------------
 
@@ -202,20 +192,27 @@ class GenerationService(pb_grpc.GenerationServicer):
         return prepare(kind, value, protos.sampling_of(msg), self.tokenizer,
                        Limits(info.max_model_len, info.vocab_size))
 
-    def _submit(self, rid: str, prep: Prepared, out: queue.Queue, context) -> None:
+    def _call(self, prefix: str, context) -> ThreadCall:
+        """The engine requests of this RPC, aborted however the RPC ends (client gone)."""
+        call = ThreadCall(self.client, f"{prefix}{next(self._ids)}")
+        context.add_callback(call.abort_unfinished)
+        return call
+
+    def _submit(self, call: ThreadCall, prep: Prepared, context) -> int:
         try:
-            self.client.submit(rid, prep.prompt_token_ids, prep.params_dict, out)
+            index = call.submit(prep)
         except EngineUnavailable as e:
             self.outcomes.add("unavailable")
             context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
-        if not context.add_callback(lambda: self.client.abort(rid)):
-            self.client.abort(rid)  # the call had already ended (client gone)
+        if not context.is_active():
+            call.abort_unfinished()  # the call had already ended (client gone)
+        return index
 
     @staticmethod
-    def _log_done(method: str, rid: str, prompt: int, completion: int, reason: str,
-                  start: float) -> None:
+    def _log_done(method: str, rid: str, c: Completion, start: float) -> None:
         log.info("%s %s: %d prompt + %d completion tokens, finish_reason=%s, %.2f s", method,
-                 rid, prompt, completion, reason, time.perf_counter() - start)
+                 rid, len(c.prep.prompt_token_ids), len(c.token_ids), c.finish_reason,
+                 time.perf_counter() - start)
 
     # ---- GetServerInfo ------------------------------------------------------------------------
 
