@@ -9,14 +9,17 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 from jaxpipe.cache_dir import cache_dir
 from jaxpipe.layout import Layout
 from jaxpipe.meshes import load_mesh
 
-DTYPES = ("float32", "bfloat16")
+Dtype = Literal["float32", "bfloat16"]
+DTYPES = typing.get_args(Dtype)
 
 
 ROPE_TYPES = ("llama3", "linear", "dynamic", "yarn", "longrope")
@@ -201,12 +204,19 @@ class ModelConfig:
         return dataclasses.asdict(self)
 
 
-ATTENTION = ("auto", "kernel", "pallas", "pallas-interpret", "xla")
+# EngineConfig's options that take one of a fixed set of values: a Literal each, so its flag
+# lists (and argparse checks) the choices; __post_init__ checks them too, for Python callers.
+Attention = Literal["auto", "kernel", "pallas", "pallas-interpret", "xla"]
 # "auto", "xla" and the bf16 kernel's paths (jaxpipe.kernels.matmul.PATHS).
-MATMULS = ("auto", "xla", "portable", "avx2", "avx512_bf16", "amx")
-SCHEDULERS = ("auto", "seesaw", "prefill_first", "decode_first", "tdpipe", "throttle")
-PREDICTORS = ("learned", "oracle")  # jaxpipe.scheduler.predictor
-SAMPLERS = ("device", "host")
+Matmul = Literal["auto", "xla", "portable", "avx2", "avx512_bf16", "amx"]
+Scheduler = Literal["auto", "seesaw", "prefill_first", "decode_first", "tdpipe", "throttle"]
+Predictor = Literal["learned", "oracle"]  # jaxpipe.scheduler.predictor
+Sampler = Literal["device", "host"]
+ATTENTION = typing.get_args(Attention)
+MATMULS = typing.get_args(Matmul)
+SCHEDULERS = typing.get_args(Scheduler)
+PREDICTORS = typing.get_args(Predictor)
+SAMPLERS = typing.get_args(Sampler)
 
 
 def _default_cache_dir() -> str:
@@ -320,7 +330,7 @@ class EngineConfig:
     """
 
     model: str = "smollm2-135m"
-    dtype: str = "bfloat16"
+    dtype: Dtype = "bfloat16"
     max_model_len: int | None = None
     max_num_seqs: int | None = None
     max_num_batched_tokens: int = 4096
@@ -331,23 +341,23 @@ class EngineConfig:
     compilation_cache_dir: str | None = field(default_factory=_default_cache_dir)
     warmup: bool = True
     show_progress: bool = True
-    attention: str = "auto"
-    matmul: str = "auto"
+    attention: Attention = "auto"
+    matmul: Matmul = "auto"
     mesh: str = "cpu-1"
     prefill: str | Layout | None = None
     decode: str | Layout | None = None
-    scheduler: str = "auto"
+    scheduler: Scheduler = "auto"
     host_kv_gb: float | None = None
     host_kv_tokens: int | None = None
     throttle_iterations: int = 8
     throttle_max_prefill: int = 2048
     throttle_min_prefill: int = 32
     throttle_kv_thresh: float = 0.05
-    tdpipe_predictor: str = "learned"
+    tdpipe_predictor: Predictor = "learned"
     tdpipe_finish_ratio: float | None = None
     overlap: bool = True
     detok_worker: bool = True
-    sampler: str = "device"
+    sampler: Sampler = "device"
     sampler_threads: int = 2
     memory_utilization: float | None = None
     coordinator: str | None = None

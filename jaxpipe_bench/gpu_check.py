@@ -34,14 +34,35 @@ SPEC_BANDWIDTH = {"NVIDIA H100 80GB HBM3": 3.35e12, "NVIDIA H100": 3.35e12,
 
 @dataclass(frozen=True)
 class CheckConfig:
-    model: str = "smollm2-135m"  # or a .gguf file (both engines load it)
+    """What `scripts/gpu_check.py` checks (its flags).
+
+    model: model preset, or a .gguf file (both engines load it)
+    max_tokens: greedy tokens per prompt in the parity check
+    num_prompts: requests in the throughput workload (the default benchmark's)
+    hf_batch_sizes: HF transformers' static batch sizes to sweep (its best is compared)
+    decode_batch: sequences in the roofline's decode step
+    decode_context: tokens of context each of them has
+    repeats: timed decode steps (their median is taken)
+    skip_throughput: leave out the throughput comparison
+    """
+
+    model: str = "smollm2-135m"
     max_tokens: int = 32
-    num_prompts: int = 256  # the throughput workload (the default benchmark's)
+    num_prompts: int = 256
     hf_batch_sizes: tuple[int, ...] = (32, 64, 128, 256)
     decode_batch: int = 64
     decode_context: int = 1024
     repeats: int = 10
     skip_throughput: bool = False
+
+    def __post_init__(self):
+        for name in ("max_tokens", "num_prompts", "decode_batch", "decode_context", "repeats"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"CheckConfig.{name} must be an integer >= 1, got {value!r}")
+        if not self.hf_batch_sizes or min(self.hf_batch_sizes) < 1:
+            raise ValueError(f"CheckConfig.hf_batch_sizes must be one or more integers >= 1, "
+                             f"got {self.hf_batch_sizes!r}")
 
 
 def gguf_path(model: str) -> Path:

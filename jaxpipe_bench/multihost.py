@@ -11,7 +11,6 @@ the leader sends each follower and the milliseconds it spends sending them.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import socket
@@ -26,9 +25,23 @@ from jaxpipe_bench.workload import make_workload
 
 @dataclass(frozen=True)
 class MultihostConfig:
+    """One workload and engine, run on one process and on two (`scripts/bench_multihost.py`'s
+    flags).
+
+    model: model preset or path
+    num_prompts: requests in the workload
+    input_len: fixed prompt length (none: ShareGPT-like lengths)
+    output_len: tokens each request generates
+    prefill, decode: the prefill / decode layout on cpu-8 (e.g. pp=2,tp=4)
+    scheduler: EngineConfig.scheduler
+    dtype: EngineConfig.dtype
+    max_num_seqs: EngineConfig.max_num_seqs
+    seed: seeds the workload
+    """
+
     model: str = "smollm2-135m"
     num_prompts: int = 16
-    input_len: int | None = None  # None: ShareGPT-like lengths
+    input_len: int | None = None
     output_len: int = 32
     prefill: str = "pp=2,tp=4"
     decode: str = "tp=8"
@@ -98,13 +111,12 @@ def run(cfg: MultihostConfig, processes: int, workdir: Path, log=print) -> dict:
     env = clean_env()
     procs = []
     for i in range(processes):
-        cluster = [] if processes == 1 else [
-            "--coordinator", f"127.0.0.1:{port}", "--num-processes", str(processes),
-            "--process-id", str(i)]
+        cluster = {} if processes == 1 else {
+            "coordinator": f"127.0.0.1:{port}", "num_processes": processes, "process_id": i}
         with open(workdir / f"run{processes}-{i}.log", "wb") as f:
             procs.append(subprocess.Popen(
-                [sys.executable, "-m", "jaxpipe_bench.multihost", "child", "--config",
-                 json.dumps(asdict(cfg)), "--out", str(out), *cluster],
+                [sys.executable, "-m", "jaxpipe_bench.multihost", "child",
+                 json.dumps(asdict(cfg)), str(out), json.dumps(cluster)],
                 stdout=f, stderr=subprocess.STDOUT, env=env))
     try:
         codes = [p.wait() for p in procs]
@@ -154,22 +166,13 @@ def table(one: dict, two: dict, same: dict) -> str:
 
 
 def main(argv=None) -> int:
+    """`python -m jaxpipe_bench.multihost child CONFIG_JSON OUT CLUSTER_JSON`: one process of
+    a run (`run` starts them; CLUSTER_JSON holds EngineConfig's cluster fields, {} for one)."""
     argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] == "child":
-        p = argparse.ArgumentParser()
-        p.add_argument("child")
-        p.add_argument("--config", required=True)
-        p.add_argument("--out")
-        p.add_argument("--coordinator")
-        p.add_argument("--num-processes", type=int)
-        p.add_argument("--process-id", type=int)
-        a = p.parse_args(argv)
-        child(MultihostConfig(**json.loads(a.config)), a.out,
-              {"coordinator": a.coordinator, "num_processes": a.num_processes,
-               "process_id": a.process_id})
+    if len(argv) == 4 and argv[0] == "child":
+        child(MultihostConfig(**json.loads(argv[1])), argv[2], json.loads(argv[3]))
         return 0
     raise SystemExit("run scripts/bench_multihost.py")
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -12,6 +12,7 @@ import gc
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 from jaxpipe_bench import _generate, check_outputs, default_max_model_len, warmup_requests
 from jaxpipe_bench.report import throughput
@@ -36,6 +37,70 @@ class RunSpec:
     policy: str
     prefill: str
     decode: str
+
+
+DEFAULT_RUNS = "seesaw:pp=8:tp=8,prefill_first:tp=8:tp=8,prefill_first:pp=2,tp=4:pp=2,tp=4"
+
+
+@dataclass(frozen=True)
+class SchedulersConfig:
+    """The runs and the workload of `scripts/bench_schedulers.py` (its flags), on mesh cpu-8.
+
+    runs: the runs, each policy:prefill-layout:decode-layout, comma-separated (layouts
+        contain commas; a policy starts a run)
+    num_prompts: requests in the ShareGPT-like workload
+    seed: seeds the workload
+    output_len: fixed output length (none: lognormal)
+    model: model preset or path
+    dtype: EngineConfig.dtype
+    max_num_seqs: EngineConfig.max_num_seqs
+    host_kv_tokens: host tier size (none: the engine's)
+    """
+
+    runs: str = DEFAULT_RUNS
+    num_prompts: int = 256
+    seed: int = 0
+    output_len: int | None = None
+    model: str = "smollm2-135m"
+    dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    max_num_seqs: int = 64
+    host_kv_tokens: int | None = None
+
+    def __post_init__(self):
+        if self.dtype not in ("bfloat16", "float32"):
+            raise ValueError(f"SchedulersConfig.dtype must be 'bfloat16' or 'float32', "
+                             f"got {self.dtype!r}")
+        if not isinstance(self.num_prompts, int) or self.num_prompts < 1:
+            raise ValueError(f"SchedulersConfig.num_prompts must be an integer >= 1, "
+                             f"got {self.num_prompts!r}")
+        self.run_specs()  # refuses a malformed --runs
+
+    def run_specs(self) -> list[RunSpec]:
+        """`runs` parsed: 'a:pp=8:tp=8,b:pp=2,tp=4:tp=8' -> two RunSpecs."""
+        runs: list[str] = []
+        for part in self.runs.split(","):
+            if ":" in part.split("=")[0]:  # "policy:..." starts a new run
+                runs.append(part)
+            elif runs:
+                runs[-1] += "," + part
+            else:
+                runs.append(part)
+        specs = []
+        for item in runs:
+            fields = item.split(":")
+            if len(fields) != 3 or not all(fields):
+                raise ValueError(f"SchedulersConfig.runs: {item!r} is not "
+                                 f"policy:prefill-layout:decode-layout (in {self.runs!r})")
+            specs.append(RunSpec(*fields))
+        return specs
+
+    def engine_kwargs(self) -> dict:
+        """The EngineConfig fields every run shares (the run adds its policy and layouts)."""
+        kwargs = dict(model=self.model, dtype=self.dtype, mesh="cpu-8",
+                      max_num_seqs=self.max_num_seqs, show_progress=True)
+        if self.host_kv_tokens is not None:
+            kwargs["host_kv_tokens"] = self.host_kv_tokens
+        return kwargs
 
 
 def run_one(spec: RunSpec, workload: Sequence[Request], engine_kwargs: dict,

@@ -25,7 +25,7 @@ was killed. Across a kill the engine is a new process, whose working size differ
 predecessor's with nothing growing (CI: 2.21 -> 2.52 GiB; an HTTP run: a restarted engine that
 settled 0.18 GiB above the first and stayed flat while it served), so the total gets
 `restart_tolerance` there: what a restart must not do is come back grossly larger. A leak
-within one engine is the no-kill soak's to show (`scripts/soak.py --kill-at -1`).
+within one engine is the no-kill soak's to show (`scripts/soak.py --no-kill`).
 The windows compare warm engines: an engine that still compiles, or a restarted one still
 loading, is not at its working size (a "before" window taken while the first engine still
 compiled its shapes made 1.92 -> 2.23 GiB). A busy engine's RSS is bimodal: samples a second
@@ -48,7 +48,7 @@ import time
 from collections import Counter
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Literal, Protocol
 
 CALL_DEADLINE = 180.0  # seconds; a call that takes longer is a hang
 PAUSES = {"unavailable": 0.25, "rate_limited": 1.0}  # seconds a client waits after these
@@ -58,19 +58,58 @@ ENGINE_MODULE = "jaxpipe.serve.engine_process"  # how the engine process is foun
 
 @dataclass
 class SoakConfig:
-    transport: str = "grpc"  # or "http": which `Calls` the clients make
+    """One soak's clients, length, engine kill and RSS verdict (`scripts/soak.py`'s flags; its
+    `--minutes` sets `seconds`).
+
+    transport: what the clients speak: "grpc" (`soak_grpc.GrpcCalls`) or "http" (the
+        OpenAI-compatible API, `soak_http.HttpCalls`)
+    clients: concurrent client threads
+    seconds: how long the clients issue calls (CI's soak: 180)
+    kill_at: fraction of `seconds` at which the engine process is killed (--no-kill: never)
+    warmup_at: with no kill: fraction of `seconds` where the "before" RSS window starts
+    rss_window: fraction of `seconds` over which each side's RSS is taken
+    settle: seconds after the restart before an "after" RSS sample counts
+    min_samples: RSS samples each side needs (one a second)
+    max_tokens: each request's max_tokens is drawn from this range (low high)
+    seed: seeds the clients' choices of call and prompt
+    rss_tolerance: the front end's allowed RSS growth, and the total's with no kill
+    restart_tolerance: the total's allowed RSS growth across an engine kill (a new engine
+        process)
+    max_requests: calls issued at most, over all clients (None: no cap; scripts/soak.py's
+        default: 100000)
+    """
+
+    transport: Literal["grpc", "http"] = "grpc"
     clients: int = 64
-    seconds: float = 180.0  # CI's soak; scripts/soak.py --minutes sets it
-    kill_at: float | None = 0.4  # fraction of `seconds` at which the engine is killed (None: no)
-    warmup_at: float = 0.2  # with no kill: fraction of `seconds` where the "before" RSS starts
-    rss_window: float = 0.2  # fraction of `seconds` over which each side's RSS is taken
-    settle: float = 10.0  # seconds after the restart before an "after" RSS sample counts
-    min_samples: int = 5  # RSS samples each side needs (one a second)
+    seconds: float = 180.0
+    kill_at: float | None = field(default=0.4, metadata={"none_flag": "--no-kill"})
+    warmup_at: float = 0.2
+    rss_window: float = 0.2
+    settle: float = 10.0
+    min_samples: int = 5
     max_tokens: tuple[int, int] = (2, 12)
     seed: int = 0
-    rss_tolerance: float = 0.10  # the front end's growth, and the total's with no kill
-    restart_tolerance: float = 0.25  # the total's across an engine kill (a new engine process)
-    max_requests: int | None = None  # calls issued at most, over all clients (None: no cap)
+    rss_tolerance: float = 0.10
+    restart_tolerance: float = 0.25
+    max_requests: int | None = None
+
+    def __post_init__(self):
+        if self.transport not in ("grpc", "http"):
+            raise ValueError(f"SoakConfig.transport must be 'grpc' or 'http', "
+                             f"got {self.transport!r}")
+        for name in ("clients", "min_samples", "max_requests"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"SoakConfig.{name} must be an integer >= 1, got {value!r}")
+        if not self.seconds > 0:
+            raise ValueError(f"SoakConfig.seconds must be > 0, got {self.seconds!r}")
+        for name in ("kill_at", "warmup_at", "rss_window"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value < 1:
+                raise ValueError(f"SoakConfig.{name} must be a fraction in [0, 1), got {value!r}")
+        if len(self.max_tokens) != 2 or not 1 <= self.max_tokens[0] <= self.max_tokens[1]:
+            raise ValueError(f"SoakConfig.max_tokens must be two integers 1 <= low <= high, "
+                             f"got {self.max_tokens!r}")
 
 
 @dataclass
@@ -172,7 +211,7 @@ def make_calls(config: SoakConfig, target: str, tally: Tally) -> Calls:
         from jaxpipe_bench.soak_http import HttpCalls
 
         return HttpCalls(target, tally, config.max_tokens, CALL_DEADLINE)
-    raise ValueError(f"SoakConfig.transport must be 'grpc' or 'http', got {config.transport!r}")
+    raise AssertionError(config.transport)  # SoakConfig refuses any other
 
 
 class Soak:

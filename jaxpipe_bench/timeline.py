@@ -13,8 +13,9 @@ import json
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from jaxpipe_bench.workload import Request
 
@@ -27,6 +28,48 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "host-sampler": {"overlap": True, "detok_worker": True, "sampler": "host"},
 }
 DEFAULT_VARIANTS = ("baseline", "+overlap", "+detok")
+
+
+@dataclass(frozen=True)
+class TimelineConfig:
+    """The engine, workload and variants of `scripts/bench_timeline.py` (its flags).
+
+    model: model preset or path
+    dtype: EngineConfig.dtype
+    mesh: EngineConfig.mesh
+    layout: one layout for prefill and decode, e.g. pp=2,tp=4 (none: the mesh's default)
+    num_prompts: requests in the ShareGPT-like workload
+    seed: seeds the workload
+    repeats: runs of each variant (each figure is their median)
+    variants: which variants run, from baseline, +overlap, +detok and host-sampler
+    stop: a stop string for every request (one that never matches, e.g. '<<never>>', makes
+        every request detokenize as it runs)
+    trace: write a Chrome/Perfetto trace JSON per run into this folder
+    """
+
+    model: str = "smollm2-135m"
+    dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    mesh: str = "cpu-1"
+    layout: str | None = None
+    num_prompts: int = 64
+    seed: int = 0
+    repeats: int = 2
+    variants: tuple[str, ...] = DEFAULT_VARIANTS
+    stop: str | None = None
+    trace: str | None = None
+
+    def __post_init__(self):
+        if self.dtype not in ("bfloat16", "float32"):
+            raise ValueError(f"TimelineConfig.dtype must be 'bfloat16' or 'float32', "
+                             f"got {self.dtype!r}")
+        for name in ("num_prompts", "repeats"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"TimelineConfig.{name} must be an integer >= 1, got {value!r}")
+        unknown = [v for v in self.variants if v not in VARIANTS]
+        if unknown or not self.variants:
+            raise ValueError(f"TimelineConfig.variants must be one or more of {list(VARIANTS)}, "
+                             f"got {list(self.variants)!r}")
 
 
 def run_variants(engine, workload: Sequence[Request], variants: Sequence[str], repeats: int,

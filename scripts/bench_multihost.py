@@ -20,21 +20,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from jaxpipe.config_flags import add_flags, config_from_args  # noqa: E402
 from jaxpipe_bench import multihost  # noqa: E402
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    defaults = multihost.MultihostConfig()
-    for f in dataclasses.fields(defaults):
-        kind = str if f.name in ("model", "prefill", "decode", "scheduler", "dtype") else int
-        p.add_argument("--" + f.name.replace("_", "-"), type=kind,
-                       default=getattr(defaults, f.name))
+    add_flags(p, multihost.MultihostConfig, group="benchmark")
     p.add_argument("--json", default="bench_multihost.json", help="where to write the results")
     args = p.parse_args()
-    cfg = multihost.MultihostConfig(**{f.name: getattr(args, f.name)
-                                       for f in dataclasses.fields(defaults)})
+    cfg = config_from_args(multihost.MultihostConfig, args, p)
     with tempfile.TemporaryDirectory(prefix="jaxpipe-multihost-") as tmp:
         one = multihost.run(cfg, 1, Path(tmp))
         two = multihost.run(cfg, 2, Path(tmp))

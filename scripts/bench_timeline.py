@@ -18,42 +18,33 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from jaxpipe.config_flags import add_flags, config_from_args  # noqa: E402
 from jaxpipe_bench import timeline  # noqa: E402
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
-    p.add_argument("--mesh", default="cpu-1")
-    p.add_argument("--layout", help="one layout for prefill and decode, e.g. pp=2,tp=4")
-    p.add_argument("--num-prompts", type=int, default=64)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--variants", nargs="+", default=list(timeline.DEFAULT_VARIANTS),
-                   choices=list(timeline.VARIANTS))
-    p.add_argument("--stop", help="a stop string for every request (one that never matches, "
-                   "e.g. '<<never>>', makes every request detokenize as it runs)")
-    p.add_argument("--trace", help="write a Chrome/Perfetto trace JSON per run into this folder")
-    p.add_argument("--json", default="out/bench_timeline.json")
+    p.add_argument("--json", default="out/bench_timeline.json", help="where the JSON goes")
+    add_flags(p, timeline.TimelineConfig, group="benchmark")
     args = p.parse_args()
+    config = config_from_args(timeline.TimelineConfig, args, p)
 
     from jaxpipe import Engine, EngineConfig
     from jaxpipe_bench import default_max_model_len, describe_workload
     from jaxpipe_bench.workload import default_gguf_path, gguf_vocab, make_workload
 
     vocab, special = gguf_vocab(default_gguf_path())
-    workload = make_workload(args.num_prompts, args.seed, vocab, special_ids=special)
-    layouts = {"prefill": args.layout, "decode": args.layout} if args.layout else {}
-    engine = Engine(EngineConfig(model=args.model, dtype=args.dtype, mesh=args.mesh,
+    workload = make_workload(config.num_prompts, config.seed, vocab, special_ids=special)
+    layouts = {"prefill": config.layout, "decode": config.layout} if config.layout else {}
+    engine = Engine(EngineConfig(model=config.model, dtype=config.dtype, mesh=config.mesh,
                                  max_model_len=default_max_model_len(workload),
                                  kv_cache_gb=8.0, show_progress=False, **layouts))
-    title = (f"{args.model} {args.dtype} on {args.mesh} ({engine.runner.layouts['decode']}), "
-             f"{args.num_prompts} requests, median of {args.repeats}"
-             + (f", stop={args.stop!r}" if args.stop else ""))
-    results = timeline.run_variants(engine, workload, args.variants, args.repeats, args.trace,
-                                    args.stop)
+    title = (f"{config.model} {config.dtype} on {config.mesh} "
+             f"({engine.runner.layouts['decode']}), {config.num_prompts} requests, median of "
+             f"{config.repeats}" + (f", stop={config.stop!r}" if config.stop else ""))
+    results = timeline.run_variants(engine, workload, config.variants, config.repeats,
+                                    config.trace, config.stop)
     print(timeline.render(title, results))
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -15,32 +15,22 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import fields
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from jaxpipe.config_flags import add_flags, config_from_args  # noqa: E402
 from jaxpipe_bench import gpu_check  # noqa: E402
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    defaults = gpu_check.CheckConfig()
-    for f in fields(gpu_check.CheckConfig):
-        value = getattr(defaults, f.name)
-        flag = "--" + f.name.replace("_", "-")
-        if isinstance(value, bool):
-            p.add_argument(flag, action="store_true")
-        elif isinstance(value, tuple):
-            p.add_argument(flag, type=int, nargs="+", default=list(value))
-        else:
-            p.add_argument(flag, type=type(value), default=value)
     p.add_argument("--json", help="write the record here")
-    args = vars(p.parse_args())
-    out = args.pop("json")
-    args["hf_batch_sizes"] = tuple(args["hf_batch_sizes"])
-    record = gpu_check.run(gpu_check.CheckConfig(**args))
+    add_flags(p, gpu_check.CheckConfig, group="check")
+    args = p.parse_args()
+    out = args.json
+    record = gpu_check.run(config_from_args(gpu_check.CheckConfig, args, p))
     print(gpu_check.format_table(record))
     if out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)

@@ -8,6 +8,7 @@ result or one error", then the RSS series.
   python scripts/soak.py --minutes 30                  # starts its own server (default model)
   python scripts/soak.py --minutes 3 --clients 64 --kill-at 0.3 --json out/soak.json
   python scripts/soak.py --transport http --minutes 3 --clients 32 --json out/http_soak.json
+  python scripts/soak.py --minutes 10 --no-kill       # a leak within one engine
 Exit code 1 when anything was breached. The logic lives in `jaxpipe_bench.soak`.
 """
 
@@ -24,10 +25,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from jaxpipe.config_flags import add_flags, config_from_args  # noqa: E402
 from jaxpipe_bench.soak import Soak, SoakConfig  # noqa: E402
 
 SERVER_ARGS = ["--max-model-len", "512", "--max-num-seqs", "32", "--restart-backoff", "1",
                "--log-level", "WARNING"]
+MAX_REQUESTS = 100_000  # this script's cap on calls (--max-requests); SoakConfig's is none
 
 
 def free_port() -> int:
@@ -67,31 +70,29 @@ def wait_serving(address: str, proc: subprocess.Popen, timeout: float = 600) -> 
     raise SystemExit(f"the server at {address} did not become SERVING")
 
 
-def main() -> int:
+def parse(argv=None) -> tuple[SoakConfig, argparse.Namespace]:
+    """The soak's config and the script's own flags (--minutes, --log, --json, server_args)."""
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    d = SoakConfig()
-    p.add_argument("--transport", choices=["grpc", "http"], default=d.transport,
-                   help="what the clients speak (default: %(default)s)")
-    p.add_argument("--minutes", type=float, default=d.seconds / 60)
-    p.add_argument("--max-requests", type=int, default=100_000,
-                   help="calls issued at most, over all clients (default: %(default)s)")
-    p.add_argument("--clients", type=int, default=d.clients)
-    p.add_argument("--kill-at", type=float, default=d.kill_at,
-                   help="fraction of the run at which the engine process is killed (-1: never)")
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--log", default="out/soak_server.log")
+    p.add_argument("--minutes", type=float, default=SoakConfig.seconds / 60,
+                   help="how long the clients issue calls (default: %(default)g)")
+    p.add_argument("--log", default="out/soak_server.log", help="the server's output")
     p.add_argument("--json", help="write the counts here")
     p.add_argument("server_args", nargs="*", help="more flags for python -m jaxpipe.serve "
                                                   "(after --)")
-    args = p.parse_args()
-    config = SoakConfig(transport=args.transport, clients=args.clients,
-                        seconds=args.minutes * 60, seed=args.seed,
-                        kill_at=None if args.kill_at < 0 else args.kill_at,
-                        max_requests=args.max_requests)
+    add_flags(p, SoakConfig, group="soak", skip=("seconds",))
+    p.set_defaults(max_requests=MAX_REQUESTS)
+    args = p.parse_args(argv)
+    if getattr(args, "kill_at", None) is not None and args.kill_at < 0:
+        args.kill_at = None  # --kill-at -1: the older spelling of --no-kill
+    return config_from_args(SoakConfig, args, p, seconds=args.minutes * 60), args
+
+
+def main() -> int:
+    config, args = parse()
     log_path = Path(args.log)
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    proc, address, target = start_server(args.transport, args.server_args, log_path)
+    proc, address, target = start_server(config.transport, args.server_args, log_path)
     try:
         wait_serving(address, proc)
         print(f"soaking {target} with {config.clients} clients for {args.minutes:g} min "
@@ -104,7 +105,7 @@ def main() -> int:
     print(result.rss_series())
     if args.json:
         Path(args.json).write_text(json.dumps({
-            "transport": args.transport,
+            "transport": config.transport,
             "calls": {f"{k}/{o}": n for (k, o), n in result.calls.items()},
             "items": dict(result.items), "violations": result.violations,
             "killed_at": result.killed_at, "restart_seconds": result.restart_seconds,

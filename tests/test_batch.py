@@ -16,7 +16,7 @@ import pytest
 
 from jaxpipe import SamplingParams
 from jaxpipe.batch.__main__ import main as batch_main
-from jaxpipe.batch.job import Job
+from jaxpipe.batch.job import BatchJobConfig, Job
 from jaxpipe.batch.runners import LocalRunner
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -178,7 +178,8 @@ def test_killed_job_resumes_and_every_custom_id_ends_once(tmp_path):
                        "--max-model-len", "--max-num-seqs", "--kv-cache-gb", "127.0.0.1",
                        "--http-port", "--http-host", "--no-http", "--no-grpc"]),
     ("jaxpipe.batch", ["INPUT.jsonl", "--output", "--server", "--max-in-flight",
-                       "--max-line-bytes", "--model", "--dtype", "--mesh", "resume"]),
+                       "--max-line-bytes", "--no-progress", "--model", "--dtype", "--mesh",
+                       "resume"]),
 ])
 def test_help_is_complete(module, flags):
     out = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True,
@@ -186,3 +187,27 @@ def test_help_is_complete(module, flags):
     assert out.returncode == 0
     missing = [f for f in flags if f not in out.stdout]
     assert not missing, out.stdout
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--max-in-flight", "0"], "BatchJobConfig.max_in_flight must be an integer >= 1, got 0"),
+    (["--max-line-bytes", "-1"], "BatchJobConfig.max_line_bytes must be an integer >= 1, got -1"),
+    (["--server", " "], "BatchJobConfig.server must be HOST:PORT or None, got ' '"),
+])
+def test_bad_job_flag_is_a_usage_error(flags, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        batch_main(["in.jsonl", "-o", "out.jsonl", *flags])
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_job_flags_build_the_job_config():
+    from jaxpipe.batch.__main__ import build_parser
+    from jaxpipe.config_flags import config_from_args
+
+    p = build_parser()
+    args = p.parse_args(["in.jsonl", "-o", "out.jsonl", "--server", "h:1", "--no-progress",
+                         "--max-in-flight", "8"])
+    assert config_from_args(BatchJobConfig, args, p) == BatchJobConfig(
+        server="h:1", max_in_flight=8, progress=False)
+    assert config_from_args(BatchJobConfig, p.parse_args(["i", "-o", "o"]), p) == BatchJobConfig()

@@ -8,6 +8,7 @@ import logging
 import os
 import sys
 
+from jaxpipe.batch.job import BatchJobConfig
 from jaxpipe.config import EngineConfig
 from jaxpipe.config_flags import add_flags, config_from_args, config_kwargs
 
@@ -33,36 +34,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("input", metavar="INPUT.jsonl", help="requests, one JSON object per line")
     p.add_argument("-o", "--output", required=True, metavar="OUTPUT.jsonl",
                    help="results; appended to, so an interrupted job resumes")
-    p.add_argument("--server", metavar="HOST:PORT",
-                   help="send requests to a running `python -m jaxpipe.serve` instead of "
-                        "loading the model in this process (engine flags are then ignored)")
-    p.add_argument("--max-in-flight", type=int, default=256,
-                   help="requests outstanding at once; bounds memory (default: 256)")
-    p.add_argument("--max-line-bytes", type=int, default=1 << 20,
-                   help="longer input lines get an error record (default: 1048576)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_flags(p, BatchJobConfig, group="job")
     # show_progress: the job's own bar (--no-progress); the engine's stays off (LocalRunner)
     add_flags(p, EngineConfig, group="engine", skip=("show_progress",))
     return p
 
 
-def _runner(args, engine: dict):
+def _runner(job: BatchJobConfig, engine: dict):
     from jaxpipe.batch.runners import LocalRunner, RemoteRunner
 
-    if args.server:
-        return RemoteRunner(args.server, args.max_in_flight)
-    return LocalRunner.from_config(engine, args.max_in_flight)
+    if job.server:
+        return RemoteRunner(job.server, job.max_in_flight)
+    return LocalRunner.from_config(engine, job.max_in_flight)
 
 
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    for name in ("max_in_flight", "max_line_bytes"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    config = config_from_args(BatchJobConfig, args, parser)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
     kwargs = config_kwargs(EngineConfig, args)
-    if not args.server and config_from_args(EngineConfig, args, parser).process_id:
+    if not config.server and config_from_args(EngineConfig, args, parser).process_id:
         from jaxpipe import follower
 
         return follower.run(kwargs, restarts=0)  # the leader's job reads and writes the files
@@ -70,9 +62,9 @@ def main(argv=None) -> int:
     from jaxpipe.batch.runners import ServerError
     from jaxpipe.distributed import FollowerLost
 
-    job = Job(args.input, args.output, args.max_line_bytes, progress=not args.no_progress)
+    job = Job(args.input, args.output, config.max_line_bytes, progress=config.progress)
     try:
-        job.run(_runner(args, kwargs))
+        job.run(_runner(config, kwargs))
     except (ServerError, FollowerLost) as e:
         print(f"jaxpipe.batch: {e}\njaxpipe.batch: stopped; re-run the same command to resume",
               file=sys.stderr)

@@ -19,6 +19,34 @@ from jaxpipe.batch.openai import success_record as ok_record
 from jaxpipe.requests import RequestError
 
 
+@dataclass(frozen=True)
+class BatchJobConfig:
+    """How a batch job runs, besides its files: `python -m jaxpipe.batch`'s own flags
+    (`--server`, `--max-in-flight`, `--max-line-bytes`, `--no-progress`).
+
+    server: HOST:PORT of a running `python -m jaxpipe.serve` to send the requests to instead
+        of loading the model in this process (the engine flags are then ignored)
+    max_in_flight: requests outstanding at once; bounds memory
+    max_line_bytes: longer input lines get an error record
+    progress: a progress bar of requests and tokens/s
+    """
+
+    server: str | None = None
+    max_in_flight: int = 256
+    max_line_bytes: int = 1 << 20
+    progress: bool = True
+
+    def __post_init__(self):
+        for name in ("max_in_flight", "max_line_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"BatchJobConfig.{name} must be an integer >= 1, got {value!r}")
+        if self.server is not None and (not isinstance(self.server, str)
+                                        or not self.server.strip()):
+            raise ValueError(f"BatchJobConfig.server must be HOST:PORT or None, "
+                             f"got {self.server!r}")
+
+
 @dataclass
 class Summary:
     """Counts of one run of a job."""

@@ -32,3 +32,45 @@ def test_nested_tuple_fields_are_not_flags():
 def test_dtype_is_checked():
     with pytest.raises(SystemExit):
         _config(["--dtype", "int8"])
+
+
+def _parsed(config_cls, argv):
+    import argparse
+
+    from jaxpipe.config_flags import add_flags
+
+    p = argparse.ArgumentParser()
+    add_flags(p, config_cls)
+    return config_from_args(config_cls, p.parse_args(argv), p)
+
+
+def test_schedulers_runs_flag_is_parsed_and_checked():
+    from jaxpipe_bench.schedulers import RunSpec, SchedulersConfig
+
+    cfg = _parsed(SchedulersConfig, ["--runs", "seesaw:pp=2,tp=4:tp=8", "--host-kv-tokens", "64"])
+    assert cfg.run_specs() == [RunSpec("seesaw", "pp=2,tp=4", "tp=8")]
+    assert cfg.engine_kwargs()["host_kv_tokens"] == 64
+    assert len(_parsed(SchedulersConfig, []).run_specs()) == 3
+    with pytest.raises(ValueError, match="'seesaw' is not policy:prefill-layout:decode-layout"):
+        SchedulersConfig(runs="seesaw")
+    with pytest.raises(SystemExit):
+        _parsed(SchedulersConfig, ["--runs", "pp=8:tp=8"])
+
+
+def test_timeline_variants_are_checked():
+    from jaxpipe_bench.timeline import TimelineConfig
+
+    assert _parsed(TimelineConfig, ["--variants", "baseline", "+detok"]).variants == (
+        "baseline", "+detok")
+    assert _parsed(TimelineConfig, ["--variants", "+overlap,host-sampler"]).variants == (
+        "+overlap", "host-sampler")
+    with pytest.raises(ValueError, match=r"TimelineConfig.variants must be one or more of"):
+        TimelineConfig(variants=("fast",))
+
+
+def test_multihost_flags_reach_the_config():
+    from jaxpipe_bench.multihost import MultihostConfig
+
+    cfg = _parsed(MultihostConfig, ["--num-prompts", "64", "--prefill", "pp=8", "--input-len",
+                                    "32"])
+    assert cfg == MultihostConfig(num_prompts=64, prefill="pp=8", input_len=32)

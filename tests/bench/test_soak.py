@@ -158,3 +158,15 @@ def test_engine_load_reads_kv_and_queues_from_metrics():
     assert {k: v for k, v in held.items() if v} == {
         "jaxpipe_kv_tokens_used{device}": 48.0, "jaxpipe_queue_requests{device}": 1.0}
     assert engine_load(scrape(None)) == {"engine_up == 0": 1}
+
+
+@pytest.mark.parametrize("config, message", [
+    (dict(transport="tcp"), "SoakConfig.transport must be 'grpc' or 'http', got 'tcp'"),
+    (dict(clients=0), "SoakConfig.clients must be an integer >= 1, got 0"),
+    (dict(kill_at=1.0), r"SoakConfig.kill_at must be a fraction in \[0, 1\), got 1.0"),
+    (dict(max_tokens=(5, 2)), r"SoakConfig.max_tokens must be two integers"),
+    (dict(seconds=0), "SoakConfig.seconds must be > 0, got 0"),
+])
+def test_bad_soak_config_is_refused(config, message):
+    with pytest.raises(ValueError, match=message):
+        SoakConfig(**config)

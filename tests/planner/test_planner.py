@@ -71,6 +71,19 @@ def test_cli_prints_the_table_and_the_choice(capsys):
         assert name in out
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--workload", "nope"], "unknown workload 'nope'"),
+    (["--workload", "constant:3000"], "bad workload 'constant:3000'"),
+    (["--num-requests", "0"], "PlanConfig.num_requests must be an integer >= 1, got 0"),
+    (["--host-kv-gb", "-1"], "PlanConfig.host_kv_gb must be a number >= 0, got -1.0"),
+])
+def test_cli_refuses_a_bad_flag_with_the_configs_message(flags, message, capsys):
+    with pytest.raises(SystemExit) as info:
+        plan_cli.main(flags)
+    assert info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
 def test_cli_plans_a_model_given_by_its_weights(capsys):
     """The default model has no architecture table: the CLI reads the GGUF header, the same
     architecture the engine loads."""
