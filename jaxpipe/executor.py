@@ -231,15 +231,17 @@ class Executor:
             return self._run(action)
         record = self.timeline.dispatch(action.kind.value, time.perf_counter())
         self.kv.flush()  # a switch moves only held blocks; swaps and preemptions reuse them
-        if action.kind is Kind.SWITCH:
-            self._switch(action.phase)
-        elif action.kind is Kind.SWAP_IN:
+        if action.kind is Kind.SWAP_IN:
+            self.state.apply(action)  # first: the state gives the blocks the KV goes into
             for info in action.seqs:
                 self.kv.swap_in(info)
         else:
-            self._preempt(action)
+            if action.kind is Kind.SWITCH:
+                self._switch(action.phase)
+            else:
+                self._preempt(action)
+            self.state.apply(action)  # after: a preemption's KV is queued from its blocks
         self.timeline.done(record)
-        self.state.apply(action)
         return []
 
     def _switch(self, phase: str) -> None:
@@ -289,6 +291,9 @@ class Executor:
         decode = self._ready_decodes(action.decode)
         if runs and len(decode) < len(action.decode):  # launched runs cannot wait for KV
             raise RuntimeError("a micro-batch decodes sequences whose KV is not on the device")
+        ran = Run(prefill=action.prefill, decode=decode, prefill_to_host=action.prefill_to_host)
+        if not runs:
+            self.state.launch(ran)  # the state gives the blocks the step writes
         prefill = [self._prefill_piece(info, n) for info, n in action.prefill]
         pieces = [p for p in prefill if p[2]]
         pieces += [self._decode_piece(seq) for seq in decode]
@@ -313,7 +318,6 @@ class Executor:
             for seq, piece, done in prefill:
                 if done:  # all but the token being sampled
                     self.kv.swap_out(seq, piece.start + len(piece.tokens))
-        ran = Run(prefill=action.prefill, decode=decode, prefill_to_host=action.prefill_to_host)
         for run in runs or [ran]:
             self.state.apply(run)
         last = [s for s in sampled if s.at_length(s.generated, self.max_model_len)]
@@ -407,16 +411,15 @@ class Executor:
             self._landed(seq)
         context = seq.prompt_token_ids + seq.output_token_ids
         start = seq.computed
-        blocks = self.state.reserve(seq, start + n)
         self._stats["prefill_chunks"] += 1
-        piece = Piece(context[start:start + n], start, list(blocks))
+        piece = Piece(context[start:start + n], start, list(seq.blocks))
         return seq, piece, start + n == len(context)
 
     def _decode_piece(self, seq: Sequence):
         """(seq, piece, True): `seq`'s newest token at its position: from the host, or (its
         token still in flight) from the step in flight's sampled row on the device."""
         position = seq.context_len - 1
-        blocks = list(self.state.reserve(seq, position + 1))
+        blocks = list(seq.blocks)
         if len(seq.output_token_ids) == seq.generated:
             return seq, Piece([seq.last_token], position, blocks), True
         row = self._flight.rows.get(seq, -1) if self._flight is not None else -1

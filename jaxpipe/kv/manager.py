@@ -1,7 +1,7 @@
 """Where each sequence's KV is: device blocks, the host tier, or on its way between them.
 
 The scheduler decides *that* a sequence moves, and its state is the ledger of the device
-pool's blocks (`SchedulerState.reserve`, `SeqInfo.blocks`); this object does the moving for
+pool's blocks (`SeqInfo.blocks`: only the state takes them); this object does the moving for
 the engine: which device slot each running sequence owns (its row of per-slot state such as
 penalty counts), the host KV tier (`HostKVBuffer`) and the prefetcher thread that brings
 sequences back.
@@ -10,7 +10,8 @@ sequences back.
   swap_out(seq)        its blocks -> host: queued, the slot is free at once
   flush()              read every queued swap-out out of the pool (copies dispatched
                        asynchronously); before anything else touches the pool
-  swap_in(seq)         a slot and blocks, ask the prefetcher for the KV (returns at once)
+  swap_in(seq)         a slot, ask the prefetcher for the KV (returns at once); its blocks
+                       are the state's, taken when it recorded the swap-in
   deliver(block)       insert whatever the prefetcher has staged; the ids now decodable
   drop(seq)            forget its KV wherever it is (finished, aborted, recompute)
 
@@ -98,12 +99,13 @@ class KVManager:
         self.swap_seconds += time.perf_counter() - start
 
     def swap_in(self, seq: Sequence) -> None:
-        """A slot and blocks for `seq`, and the prefetcher bringing its KV into the current
-        layout's shards; `deliver` inserts it."""
+        """A slot for `seq`, and the prefetcher bringing its KV into the current layout's
+        shards, into the blocks the state gave it when it recorded the swap-in; `deliver`
+        inserts it."""
         self.flush()
-        entry = self.host.entries[seq.request_id]
+        if seq.request_id not in self.host.entries:
+            raise KeyError(f"swap-in of {seq.request_id!r}, which the host KV tier does not hold")
         self.allocate(seq)
-        self.state.reserve(seq, entry.tokens)
         if self.mirror is not None:
             self._swap_in_here(seq)
             return

@@ -16,14 +16,16 @@ lengths (`host_unit`), the device store in blocks of `device_unit` tokens.
 
 The device store's blocks are this state's own ledger, the only one: each device sequence holds
 the ids of its blocks (`SeqInfo.blocks`, in position order) from a free list of plain ints, so
-the engine sends a step exactly the blocks the scheduler charged. An executor takes a
-sequence's blocks for the positions a step writes *before* running it (`reserve`); `apply`
-then charges nothing more.
+the engine sends a step exactly the blocks the scheduler charged. Only this state takes
+blocks (`_reserve`): when a run is launched, when an action is applied, and when a swap-in
+brings a sequence back; an executor reads `SeqInfo.blocks`, it never takes any.
 
-Micro-batches in flight. A pipelined executor may start a `Run` before the previous ones
-returned (`launch`): its sequences take their blocks and leave the waiting queue at once, and
-are `busy` until `apply` records the run (when its micro-batch leaves the last stage). A busy
-sequence is in no other micro-batch: its next token depends on this one.
+Launching. An executor that builds a step needs its blocks before running it: it launches the
+`Run` first (`launch`: its prompts leave the waiting queue, every sequence takes the blocks the
+run writes and is `busy`), then `apply` records it and charges nothing more. A pipelined
+executor may launch a run before the previous ones returned; a busy sequence is in no other
+micro-batch (its next token depends on this one) until `apply` records the run (when its
+micro-batch leaves the last stage). A simulator may `apply` a run it never launched.
 """
 
 from __future__ import annotations
@@ -172,8 +174,8 @@ class SchedulerState:
         return [s for s in self.device.values() if s.seq_id not in self.busy]
 
     # ---- writing -------------------------------------------------------------------------
-    def reserve(self, seq: SeqInfo, tokens: int) -> list[int]:
-        """Give `seq` device blocks until its first `tokens` positions fit; its blocks."""
+    def _reserve(self, seq: SeqInfo, tokens: int) -> None:
+        """Give `seq` device blocks until its first `tokens` positions fit."""
         need = -(-tokens // self.device_unit) - len(seq.blocks)
         if need > len(self._free):
             raise RuntimeError(
@@ -181,7 +183,6 @@ class SchedulerState:
                 f"{self.device_unit} tokens, {len(self._free)} of {self.num_blocks} are free")
         seq.blocks.extend(self._free.pop() for _ in range(max(need, 0)))
         self.peak_blocks = max(self.peak_blocks, self.num_blocks - len(self._free))
-        return seq.blocks
 
     def _release(self, seq: SeqInfo) -> None:
         """Return `seq`'s device blocks to the free list."""
@@ -202,8 +203,9 @@ class SchedulerState:
             self.add(seq)
 
     def launch(self, run: Run) -> None:
-        """`run` starts before earlier runs returned: its prompts leave the waiting queue, every
-        sequence takes the blocks the run writes and is busy until `apply(run)`."""
+        """`run` starts (its step is about to be built, or earlier runs are still in flight):
+        its prompts leave the waiting queue, every sequence takes the blocks the run writes
+        and is busy until `apply(run)`."""
         for seq in run.seqs:
             if seq.seq_id in self.busy:
                 raise RuntimeError(f"{seq.seq_id!r} is already in a micro-batch in flight")
@@ -212,9 +214,9 @@ class SchedulerState:
                 self.waiting.remove(seq)
                 seq.location = Location.DEVICE
                 self.device[seq.seq_id] = seq
-            self.reserve(seq, seq.computed + num_tokens)
+            self._reserve(seq, seq.computed + num_tokens)
         for seq in run.decode:
-            self.reserve(seq, seq.computed + 1)
+            self._reserve(seq, seq.computed + 1)
         self.busy.update(s.seq_id for s in run.seqs)
         self._check_capacity()
 
@@ -237,7 +239,7 @@ class SchedulerState:
             if seq.location is not Location.DEVICE or seq.in_prefill:
                 raise RuntimeError(f"decode of {seq.seq_id!r} which is {seq.location.value}"
                                    f"{' and still prefilling' if seq.in_prefill else ''}")
-            self.reserve(seq, seq.computed + 1)
+            self._reserve(seq, seq.computed + 1)
             seq.computed += 1
             seq.generated += 1
         self._check_capacity()
@@ -252,7 +254,7 @@ class SchedulerState:
         if not 1 <= num_tokens <= seq.to_prefill:
             raise RuntimeError(f"prefill chunk of {num_tokens} tokens for {seq.seq_id!r} "
                                f"which has {seq.to_prefill} left")
-        self.reserve(seq, seq.computed + num_tokens)
+        self._reserve(seq, seq.computed + num_tokens)
         seq.computed += num_tokens
         if seq.to_prefill == 0:
             seq.generated += 1
@@ -289,7 +291,7 @@ class SchedulerState:
             self._release(seq)
         else:
             self.host_used -= self.host_size(seq.computed)
-            self.reserve(seq, seq.computed)
+            self._reserve(seq, seq.computed)
         seq.location = to
 
     def finish(self, seq_ids: Iterable[Hashable]) -> list[SeqInfo]:
