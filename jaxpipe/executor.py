@@ -6,9 +6,10 @@
                                       # appended, stop checks, finished slots freed
     state.apply(action, finished)     # the scheduler's bookkeeping (jaxpipe.scheduler)
 
-The policy sees only token counts (`SchedulerState`); `KVManager` (jaxpipe/kv/) owns the
-physical side: device slots, the host KV tier and the prefetcher. The executor also keeps the
-engine's counters (`stats()`) and the step timeline (`timeline.py`).
+The policy sees only token counts (`SchedulerState`, which also gives out the device blocks
+and slots); `KVManager` (jaxpipe/kv/) moves the bytes: the host KV tier and the prefetcher.
+The executor also keeps the engine's counters (`stats()`) and the step timeline
+(`timeline.py`).
 
 Overlap (`EngineConfig.overlap`): a Run is applied to the state when its step is dispatched,
 and the step before it lands (tokens appended, stop checks) only after that, so the host's
@@ -405,9 +406,8 @@ class Executor:
 
     def _prefill_piece(self, seq: Sequence, n: int):
         """(seq, piece, samples) for the next `n` context tokens of `seq`'s prefill (a new
-        sequence gets a slot, and its penalty state when it uses penalties)."""
+        sequence's slot, the state's, gets its penalty state when it uses penalties)."""
         if seq.computed == 0:
-            self.kv.allocate(seq)
             self._landed(seq)
         context = seq.prompt_token_ids + seq.output_token_ids
         start = seq.computed
@@ -542,7 +542,7 @@ def _scheduling(config: EngineConfig, runner: Runner, buckets: Buckets, num_slot
                            device_unit=BLOCK)
     policy = _policy(config.scheduler, config, runner, buckets, host_tokens)
     mirror = runner.leader.send if isinstance(runner, MirroredRunner) else None
-    return state, policy, KVManager(runner, state, num_slots, host_tokens, mirror=mirror)
+    return state, policy, KVManager(runner, state, host_tokens, mirror=mirror)
 
 
 def _policy(name: str, config: EngineConfig, runner: Runner, buckets: Buckets,

@@ -280,8 +280,8 @@ def test_aborting_a_request_with_a_token_in_flight_frees_it_once(engine, referen
     assert outs[victim.request_id].outputs[0].finish_reason == "abort"
     assert [outs[i].outputs[0].token_ids for i in ids if i != victim.request_id] == [
         r for i, r in zip(ids, reference, strict=True) if i != victim.request_id]
-    kv, state = engine.executor.kv, engine.executor.state
-    assert sorted(kv._free) == list(range(engine.max_num_seqs))  # every slot, each once
+    state = engine.executor.state
+    assert sorted(state._free_slots) == list(range(engine.max_num_seqs))  # every slot, once
     assert state.free_blocks == state.num_blocks
 
 

@@ -14,11 +14,15 @@ sampled token raises `generated` by one, so a decode step writes one more KV row
 Each tier charges a sequence its tokens rounded up to the tier's unit: the host tier in rounded
 lengths (`host_unit`), the device store in blocks of `device_unit` tokens.
 
-The device store's blocks are this state's own ledger, the only one: each device sequence holds
-the ids of its blocks (`SeqInfo.blocks`, in position order) from a free list of plain ints, so
-the engine sends a step exactly the blocks the scheduler charged. Only this state takes
-blocks (`_reserve`): when a run is launched, when an action is applied, and when a swap-in
-brings a sequence back; an executor reads `SeqInfo.blocks`, it never takes any.
+The device store's blocks and slots are this state's own ledger, the only one: each device
+sequence holds the ids of its blocks (`SeqInfo.blocks`, in position order) and one slot
+(`SeqInfo.slot`: its row of per-sequence device state, such as penalty counts), from free
+lists of plain ints, so the engine sends a step exactly the blocks and slots the scheduler
+charged. A sequence takes the lowest free slot when it enters the device store (its first
+prefill chunk, or a swap-in) and gives slot and blocks back when it leaves (swap-out,
+preemption, finish). Only this state takes blocks (`_reserve`) and slots (`_enter`): when a
+run is launched, when an action is applied, and when a swap-in brings a sequence back; an
+executor reads `SeqInfo.blocks` and `SeqInfo.slot`, it never takes any.
 
 Launching. An executor that builds a step needs its blocks before running it: it launches the
 `Run` first (`launch`: its prompts leave the waiting queue, every sequence takes the blocks the
@@ -31,6 +35,7 @@ micro-batch leaves the last stage). A simulator may `apply` a run it never launc
 from __future__ import annotations
 
 import enum
+import heapq
 from collections import deque
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
@@ -66,6 +71,7 @@ class SeqInfo:
     location: Location = Location.WAITING
     arrival: int = 0  # admission order, set by SchedulerState.add (preemption picks the newest)
     blocks: list[int] = field(default_factory=list)  # device KV blocks held, in position order
+    slot: int | None = None  # its device slot while it is in the device store
 
     def __post_init__(self):
         if self.prompt_len < 1 or self.max_output_len < 1:
@@ -121,6 +127,7 @@ class SchedulerState:
         self.num_finished = 0  # sequences that ended or were aborted (they are not kept)
         self.num_blocks = device_kv_tokens // device_unit
         self._free = list(range(self.num_blocks - 1, -1, -1))  # a stack: block 0 first
+        self._free_slots = list(range(max_device_seqs))  # a heap: lowest slot first
         self.peak_blocks = 0  # the most blocks held at once
         self.host_used = 0  # tokens of KV in the host tier
         self.busy: set[Hashable] = set()  # sequences in a launched, not yet applied, Run
@@ -167,7 +174,7 @@ class SchedulerState:
 
     @property
     def free_slots(self) -> int:
-        return self.max_device_seqs - len(self.device)
+        return len(self._free_slots)
 
     def idle(self) -> list[SeqInfo]:
         """Device sequences in no micro-batch in flight (admission order)."""
@@ -184,10 +191,23 @@ class SchedulerState:
         seq.blocks.extend(self._free.pop() for _ in range(max(need, 0)))
         self.peak_blocks = max(self.peak_blocks, self.num_blocks - len(self._free))
 
+    def _enter(self, seq: SeqInfo) -> None:
+        """`seq` joins the device store (a prompt leaving the waiting queue, or a swap-in
+        leaving the host tier): it takes the lowest free slot."""
+        if not self._free_slots:
+            raise RuntimeError(f"device overfilled: no free slot for {seq.seq_id!r}, all "
+                               f"{self.max_device_seqs} are held")
+        seq.slot = heapq.heappop(self._free_slots)
+        self.device[seq.seq_id] = seq
+        seq.location = Location.DEVICE
+
     def _release(self, seq: SeqInfo) -> None:
-        """Return `seq`'s device blocks to the free list."""
+        """Return `seq`'s device blocks and slot to the free lists (it leaves the device
+        store; the caller takes it out of `device`)."""
         self._free.extend(reversed(seq.blocks))
         seq.blocks = []
+        heapq.heappush(self._free_slots, seq.slot)
+        seq.slot = None
 
     def add(self, seq: SeqInfo) -> None:
         """Queue a new request; refuse one that could never fit the device store."""
@@ -212,8 +232,7 @@ class SchedulerState:
         for seq, num_tokens in run.prefill:
             if seq.location is Location.WAITING:
                 self.waiting.remove(seq)
-                seq.location = Location.DEVICE
-                self.device[seq.seq_id] = seq
+                self._enter(seq)
             self._reserve(seq, seq.computed + num_tokens)
         for seq in run.decode:
             self._reserve(seq, seq.computed + 1)
@@ -249,8 +268,7 @@ class SchedulerState:
         the device (or in the host tier if `to_host`)."""
         if seq.location is Location.WAITING:
             self.waiting.remove(seq)
-            seq.location = Location.DEVICE
-            self.device[seq.seq_id] = seq
+            self._enter(seq)
         if not 1 <= num_tokens <= seq.to_prefill:
             raise RuntimeError(f"prefill chunk of {num_tokens} tokens for {seq.seq_id!r} "
                                f"which has {seq.to_prefill} left")
@@ -283,16 +301,17 @@ class SchedulerState:
 
     def _move(self, seq: SeqInfo, to: Location) -> None:
         """Move a sequence's KV between device and host (either direction)."""
-        src, dst = (self.device, self.host) if to is Location.HOST else (self.host, self.device)
-        del src[seq.seq_id]
-        dst[seq.seq_id] = seq
         if to is Location.HOST:
-            self.host_used += self.host_size(seq.computed)
+            del self.device[seq.seq_id]
             self._release(seq)
+            self.host[seq.seq_id] = seq
+            self.host_used += self.host_size(seq.computed)
+            seq.location = Location.HOST
         else:
+            del self.host[seq.seq_id]
             self.host_used -= self.host_size(seq.computed)
+            self._enter(seq)
             self._reserve(seq, seq.computed)
-        seq.location = to
 
     def finish(self, seq_ids: Iterable[Hashable]) -> list[SeqInfo]:
         """Record that these sequences ended after their run was applied (an executor that
