@@ -186,8 +186,8 @@ class Executor:
         s["prefetch_seconds"] = prefetch - self._base["prefetch"]
         s["device_kv_capacity"] = self.runner.num_blocks * BLOCK
         s["device_kv_peak"] = self.state.peak_blocks * BLOCK
-        s["host_kv_capacity"] = host.capacity
-        s["host_kv_peak"] = host.peak
+        s["host_kv_capacity"] = self.state.host_kv_tokens
+        s["host_kv_peak"] = self.state.host_peak
         s["host_timeline"] = [list(p) for p in self._host_timeline]
         s["finish_reasons"] = dict(self._finish_reasons)
         s.update(self._gauges())
@@ -201,7 +201,7 @@ class Executor:
         st = self.state
         return {"waiting_requests": len(st.waiting), "device_requests": len(st.device),
                 "host_requests": len(st.host), "device_kv_used": st.device_used,
-                "host_kv_used": self.kv.host.used}
+                "host_kv_used": st.host_used}
 
     def add(self, seq: Sequence) -> None:
         """Queue a new request's sequence."""
@@ -218,11 +218,11 @@ class Executor:
                       "prefetch": self.kv.prefetcher.seconds if self.kv.prefetcher else 0.0}
         if isinstance(self.runner, MirroredRunner):
             self._base.update(self.runner.leader.stats())
-        host.peak = host.used
+        self.state.host_peak = self.state.host_used
         self.state.peak_blocks = self.state.num_blocks - self.state.free_blocks
         self._t0 = self._last_fetch = time.perf_counter()
         self.timeline = Timeline()
-        self._host_timeline: deque = deque([(0.0, host.used)], maxlen=100_000)
+        self._host_timeline: deque = deque([(0.0, self.state.host_used)], maxlen=100_000)
 
     # ---- one step -----------------------------------------------------------------------------
 
@@ -461,7 +461,7 @@ class Executor:
             self.runner.restore_penalties(seq.slot, seq.prompt_token_ids, seq.output_token_ids)
 
     def _note_host(self) -> None:
-        used = self.kv.host.used
+        used = self.state.host_used
         if self._host_timeline[-1][1] != used:
             self._host_timeline.append((round(time.perf_counter() - self._t0, 6), used))
 
@@ -542,7 +542,7 @@ def _scheduling(config: EngineConfig, runner: Runner, buckets: Buckets, num_slot
                            device_unit=BLOCK)
     policy = _policy(config.scheduler, config, runner, buckets, host_tokens)
     mirror = runner.leader.send if isinstance(runner, MirroredRunner) else None
-    return state, policy, KVManager(runner, state, host_tokens, mirror=mirror)
+    return state, policy, KVManager(runner, host_tokens > 0, mirror=mirror)
 
 
 def _policy(name: str, config: EngineConfig, runner: Runner, buckets: Buckets,

@@ -29,18 +29,17 @@ from jaxpipe.scheduler import Sequence
 class KVManager:
     """The host tier and the transfers between it and the device pool, for one runner."""
 
-    def __init__(self, runner, state, host_tokens: int,
-                 on_insert=lambda seq: None, mirror=None):
-        """`state`: the `SchedulerState` whose block ledger this engine's KV lives in.
+    def __init__(self, runner, host_tier: bool, on_insert=lambda seq: None, mirror=None):
+        """`host_tier`: whether the engine has one (the `SchedulerState` counts its tokens).
         `on_insert(seq)` runs after a swapped-in sequence's KV is in its blocks (per-slot
         state to rebuild). `mirror(name, *args)`: several processes (distributed.py): each
         move is sent to the followers first ("swap_out", "swap_in", "drop"), and swap-ins
         run on this thread (every process must issue its transfers in the same order)."""
-        self.runner, self.state = runner, state
+        self.runner = runner
         self.on_insert = on_insert
         self.mirror = mirror
-        self.host = HostKVBuffer(host_tokens)
-        self.prefetcher = Prefetcher(self.host) if host_tokens and mirror is None else None
+        self.host = HostKVBuffer()
+        self.prefetcher = Prefetcher(self.host) if host_tier and mirror is None else None
         self._incoming: dict[str, Sequence] = {}  # swap-in requested, not inserted yet
         self._outgoing: dict[str, tuple[list[int], int]] = {}  # swap-out queued: blocks, tokens
         self.swap_seconds = 0.0  # this thread's time in swap dispatch, inserts and waits
@@ -74,7 +73,7 @@ class KVManager:
             if self.mirror is not None:
                 self.mirror("swap_out", seq_id, blocks, tokens)
             arrays = self.runner.kv_extract(blocks, tokens)
-            self.host.put(seq_id, arrays, tokens, self.state.host_size(tokens))
+            self.host.put(seq_id, arrays, tokens)
         self._outgoing.clear()
         self.swap_seconds += time.perf_counter() - start
 

@@ -129,7 +129,8 @@ class SchedulerState:
         self._free = list(range(self.num_blocks - 1, -1, -1))  # a stack: block 0 first
         self._free_slots = list(range(max_device_seqs))  # a heap: lowest slot first
         self.peak_blocks = 0  # the most blocks held at once
-        self.host_used = 0  # tokens of KV in the host tier
+        self.host_used = 0  # tokens of KV in the host tier (rounded up to host_unit each)
+        self.host_peak = 0  # the most host_used has been
         self.busy: set[Hashable] = set()  # sequences in a launched, not yet applied, Run
         self._arrivals = 0
 
@@ -306,6 +307,7 @@ class SchedulerState:
             self._release(seq)
             self.host[seq.seq_id] = seq
             self.host_used += self.host_size(seq.computed)
+            self.host_peak = max(self.host_peak, self.host_used)
             seq.location = Location.HOST
         else:
             del self.host[seq.seq_id]

@@ -77,7 +77,7 @@ def test_host_tier_is_charged_in_rounded_tokens():
     state.apply(action)
     state.apply(Preempt([], "swap"))
     state.apply(Run(), finished=["r0"])
-    assert state.host_used == 16
+    assert state.host_used == 16 and state.host_peak == 48
 
 
 def test_abort_from_every_queue_returns_the_budget():
