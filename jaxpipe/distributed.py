@@ -314,13 +314,13 @@ class MirroredRunner:
 
 class Follower:
     """A follower process's loop: run each call the leader sends on the local runner, the
-    host KV tier's shards kept in `host` (the leader checks its capacity)."""
+    host KV tier's shards kept in `host` (the leader's scheduler state counts its capacity)."""
 
     def __init__(self, runner, channel: FollowerChannel):
         from jaxpipe.kv.host_buffer import HostKVBuffer
 
         self.runner, self.channel = runner, channel
-        self.host = HostKVBuffer(1 << 62)
+        self.host = HostKVBuffer()
         self.steps: dict[int, object] = {}
 
     def serve(self) -> None:
@@ -344,7 +344,7 @@ class Follower:
         self.steps.pop(step - KEEP_STEPS, None)
 
     def _swap_out(self, seq_id, blocks, tokens):
-        self.host.put(seq_id, self.runner.kv_extract(blocks, tokens), tokens, 0)
+        self.host.put(seq_id, self.runner.kv_extract(blocks, tokens), tokens)
 
     def _swap_in(self, seq_id, blocks):
         from jaxpipe.kv.host_buffer import stage

@@ -6,9 +6,10 @@
                                       # appended, stop checks, finished slots freed
     state.apply(action, finished)     # the scheduler's bookkeeping (jaxpipe.scheduler)
 
-The policy sees only token counts (`SchedulerState`); `KVManager` (jaxpipe/kv/) owns the
-physical side: device slots, the host KV tier and the prefetcher. The executor also keeps the
-engine's counters (`stats()`) and the step timeline (`timeline.py`).
+The policy sees only token counts (`SchedulerState`, which also gives out the device blocks
+and slots); `KVManager` (jaxpipe/kv/) moves the bytes: the host KV tier and the prefetcher.
+The executor also keeps the engine's counters (`stats()`) and the step timeline
+(`timeline.py`).
 
 Overlap (`EngineConfig.overlap`): a Run is applied to the state when its step is dispatched,
 and the step before it lands (tokens appended, stop checks) only after that, so the host's
@@ -184,8 +185,8 @@ class Executor:
         s["prefetch_seconds"] = prefetch - self._base["prefetch"]
         s["device_kv_capacity"] = self.runner.num_blocks * BLOCK
         s["device_kv_peak"] = self.state.peak_blocks * BLOCK
-        s["host_kv_capacity"] = host.capacity
-        s["host_kv_peak"] = host.peak
+        s["host_kv_capacity"] = self.state.host_kv_tokens
+        s["host_kv_peak"] = self.state.host_peak
         s["host_timeline"] = [list(p) for p in self._host_timeline]
         s["finish_reasons"] = dict(self._finish_reasons)
         s.update(self._gauges())
@@ -199,7 +200,7 @@ class Executor:
         st = self.state
         return {"waiting_requests": len(st.waiting), "device_requests": len(st.device),
                 "host_requests": len(st.host), "device_kv_used": st.device_used,
-                "host_kv_used": self.kv.host.used}
+                "host_kv_used": st.host_used}
 
     def add(self, seq: Sequence) -> None:
         """Queue a new request's sequence."""
@@ -216,11 +217,11 @@ class Executor:
                       "prefetch": self.kv.prefetcher.seconds if self.kv.prefetcher else 0.0}
         if isinstance(self.runner, MirroredRunner):
             self._base.update(self.runner.leader.stats())
-        host.peak = host.used
+        self.state.host_peak = self.state.host_used
         self.state.peak_blocks = self.state.num_blocks - self.state.free_blocks
         self._t0 = self._last_fetch = time.perf_counter()
         self.timeline = Timeline()
-        self._host_timeline: deque = deque([(0.0, host.used)], maxlen=100_000)
+        self._host_timeline: deque = deque([(0.0, self.state.host_used)], maxlen=100_000)
 
     # ---- one step -----------------------------------------------------------------------------
 
@@ -230,15 +231,17 @@ class Executor:
             return self._run(action)
         record = self.timeline.dispatch(action.kind.value, time.perf_counter())
         self.kv.flush()  # a switch moves only held blocks; swaps and preemptions reuse them
-        if action.kind is Kind.SWITCH:
-            self._switch(action.phase)
-        elif action.kind is Kind.SWAP_IN:
+        if action.kind is Kind.SWAP_IN:
+            self.state.apply(action)  # first: the state gives the blocks the KV goes into
             for info in action.seqs:
                 self.kv.swap_in(info)
         else:
-            self._preempt(action)
+            if action.kind is Kind.SWITCH:
+                self._switch(action.phase)
+            else:
+                self._preempt(action)
+            self.state.apply(action)  # after: a preemption's KV is queued from its blocks
         self.timeline.done(record)
-        self.state.apply(action)
         return []
 
     def _switch(self, phase: str) -> None:
@@ -288,6 +291,9 @@ class Executor:
         decode = self._ready_decodes(action.decode)
         if runs and len(decode) < len(action.decode):  # launched runs cannot wait for KV
             raise RuntimeError("a micro-batch decodes sequences whose KV is not on the device")
+        ran = Run(prefill=action.prefill, decode=decode, prefill_to_host=action.prefill_to_host)
+        if not runs:
+            self.state.launch(ran)  # the state gives the blocks the step writes
         prefill = [self._prefill_piece(info, n) for info, n in action.prefill]
         pieces = [p for p in prefill if p[2]]
         pieces += [self._decode_piece(seq) for seq in decode]
@@ -312,7 +318,6 @@ class Executor:
             for seq, piece, done in prefill:
                 if done:  # all but the token being sampled
                     self.kv.swap_out(seq, piece.start + len(piece.tokens))
-        ran = Run(prefill=action.prefill, decode=decode, prefill_to_host=action.prefill_to_host)
         for run in runs or [ran]:
             self.state.apply(run)
         last = [s for s in sampled if s.at_length(s.generated, self.max_model_len)]
@@ -400,22 +405,20 @@ class Executor:
 
     def _prefill_piece(self, seq: Sequence, n: int):
         """(seq, piece, samples) for the next `n` context tokens of `seq`'s prefill (a new
-        sequence gets a slot, and its penalty state when it uses penalties)."""
+        sequence's slot, the state's, gets its penalty state when it uses penalties)."""
         if seq.computed == 0:
-            self.kv.allocate(seq)
             self._landed(seq)
         context = seq.prompt_token_ids + seq.output_token_ids
         start = seq.computed
-        blocks = self.state.reserve(seq, start + n)
         self._stats["prefill_chunks"] += 1
-        piece = Piece(context[start:start + n], start, list(blocks))
+        piece = Piece(context[start:start + n], start, list(seq.blocks))
         return seq, piece, start + n == len(context)
 
     def _decode_piece(self, seq: Sequence):
         """(seq, piece, True): `seq`'s newest token at its position: from the host, or (its
         token still in flight) from the step in flight's sampled row on the device."""
         position = seq.context_len - 1
-        blocks = list(self.state.reserve(seq, position + 1))
+        blocks = list(seq.blocks)
         if len(seq.output_token_ids) == seq.generated:
             return seq, Piece([seq.last_token], position, blocks), True
         row = self._flight.rows.get(seq, -1) if self._flight is not None else -1
@@ -457,7 +460,7 @@ class Executor:
             self.runner.restore_penalties(seq.slot, seq.prompt_token_ids, seq.output_token_ids)
 
     def _note_host(self) -> None:
-        used = self.kv.host.used
+        used = self.state.host_used
         if self._host_timeline[-1][1] != used:
             self._host_timeline.append((round(time.perf_counter() - self._t0, 6), used))
 
@@ -535,7 +538,7 @@ def _scheduling(config: EngineConfig, runner: Runner, buckets: Buckets, num_slot
                            device_unit=BLOCK)
     policy = _policy(config.scheduler, config, runner, buckets, host_tokens)
     mirror = runner.leader.send if isinstance(runner, MirroredRunner) else None
-    return state, policy, KVManager(runner, state, num_slots, host_tokens, mirror=mirror)
+    return state, policy, KVManager(runner, host_tokens > 0, mirror=mirror)
 
 
 def _policy(name: str, config: EngineConfig, runner: Runner, buckets: Buckets,

@@ -84,7 +84,8 @@ def test_every_policy_gives_the_reference_tokens(engine, reference, policy, over
     got, stats = run_with(engine, policy, overlap)
     assert got == reference
     assert stats["finished_requests"] == len(PROMPTS)
-    assert stats["host_kv_peak"] <= 64 and engine.executor.kv.host.used == 0
+    assert stats["host_kv_peak"] <= 64 and engine.executor.state.host_used == 0
+    assert not engine.executor.kv.host.entries
     if policy == "seesaw":
         assert stats["swap_in_bytes"] == stats["swap_out_bytes"] > 0
         assert stats["to_decode"] >= 3  # the tier holds ~3 prompts: several refills
@@ -156,7 +157,7 @@ def test_abort_in_the_host_tier_frees_it_and_spares_the_others(engine, reference
             assert out.outputs[0].finish_reason == "abort"
         else:
             assert out.outputs[0].token_ids == reference[ids.index(i)]
-    assert engine.executor.kv.host.used == 0 == engine.executor.state.host_used
+    assert engine.executor.state.host_used == 0 and not engine.executor.kv.host.entries
 
 
 def test_reset_stats_zeroes_the_counters(engine):
@@ -280,8 +281,8 @@ def test_aborting_a_request_with_a_token_in_flight_frees_it_once(engine, referen
     assert outs[victim.request_id].outputs[0].finish_reason == "abort"
     assert [outs[i].outputs[0].token_ids for i in ids if i != victim.request_id] == [
         r for i, r in zip(ids, reference, strict=True) if i != victim.request_id]
-    kv, state = engine.executor.kv, engine.executor.state
-    assert sorted(kv._free) == list(range(engine.max_num_seqs))  # every slot, each once
+    state = engine.executor.state
+    assert sorted(state._free_slots) == list(range(engine.max_num_seqs))  # every slot, once
     assert state.free_blocks == state.num_blocks
 
 

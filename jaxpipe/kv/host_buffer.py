@@ -4,8 +4,8 @@ Finished prefills park their KV here until the engine switches to decode (Seesaw
 buffering); preempted sequences park here until a slot frees. One small object owned by the
 engine, with explicit operations:
 
-  put(id, arrays, tokens, padded)   one sequence's KV, just read out of its device slot by the
-                                    runner (`Runner.kv_extract`), copied to host memory
+  put(id, arrays, tokens)           one sequence's KV, just read out of its device blocks by
+                                    the runner (`Runner.kv_extract`), copied to host memory
                                     asynchronously (JAX dispatches the copies and returns; the
                                     next prefill overlaps them)
   Prefetcher.request(id, shardings) host -> device on a background thread, straight into the
@@ -18,9 +18,10 @@ Per sequence the host keeps K and V in fixed-size chunks of positions (`Runner.k
 contiguous, and a TP shard of heads is a contiguous block), in the `pinned_host` memory kind
 where the backend has it. KV is written in the shardings of the layout that produced it
 (prefill) and read back in the shardings of the layout that consumes it (decode): the re-shard
-happens on the way through the host. Lengths are rounded up to whole chunks (`padded`), so
-the copy programs compile once per layout; capacity is counted in those rounded tokens, which
-is what the host memory really holds.
+happens on the way through the host. Lengths are rounded up to whole chunks, so the copy
+programs compile once per layout. This buffer stores and loads bytes and counts no capacity:
+the scheduler state charges the tier each sequence's rounded tokens (`SchedulerState.host_size`,
+what the host memory really holds) and refuses a move that would overfill it.
 """
 
 from __future__ import annotations
@@ -41,51 +42,35 @@ KEEP_EVENTS = 100_000  # swap events kept (a long-running server makes one per m
 class HostEntry:
     """One sequence's KV on the host, as the runner extracted it (see the module docstring)."""
 
-    tokens: int  # real KV positions
-    padded: int  # rounded positions held (what capacity counts)
+    tokens: int  # real KV positions (the arrays hold them rounded up to whole chunks)
     arrays: list[jax.Array] = field(default_factory=list)
 
 
 class HostKVBuffer:
-    """Capacity-bounded host store of sequences' KV, keyed by request id."""
+    """Host store of sequences' KV, keyed by request id (its capacity is the scheduler's)."""
 
-    def __init__(self, capacity_tokens: int, memory_kind: str | None = None):
-        if capacity_tokens < 0:
-            raise ValueError(f"host KV capacity must be >= 0 tokens, got {capacity_tokens}")
-        self.capacity = capacity_tokens
+    def __init__(self, memory_kind: str | None = None):
         self.memory_kind = memory_kind or host_memory_kind()
         self.entries: dict[str, HostEntry] = {}
-        self.used = 0  # rounded tokens held
-        self.peak = 0  # the most `used` has been
         # (time, "out"|"in"|"drop", id) of the newest moves, for debugging and the tests
         self.events: deque[tuple[float, str, str]] = deque(maxlen=KEEP_EVENTS)
         self.bytes_out = self.bytes_in = 0
         self._lock = threading.Lock()
 
-    def fits(self, padded: int) -> bool:
-        return self.used + padded <= self.capacity
-
-    def put(self, seq_id: str, arrays: list[jax.Array], tokens: int, padded: int) -> None:
-        """Keep a sequence's extracted KV (`padded` rounded positions, `tokens` real)."""
+    def put(self, seq_id: str, arrays: list[jax.Array], tokens: int) -> None:
+        """Keep a sequence's extracted KV (`tokens` real positions)."""
         if seq_id in self.entries:
             raise KeyError(f"{seq_id} is already in the host KV tier")
-        if not self.fits(padded):
-            raise MemoryError(f"host KV tier full: {self.used} + {padded} > {self.capacity} "
-                              "tokens")
-        entry = HostEntry(tokens, padded, [self._to_host(a) for a in arrays])
+        entry = HostEntry(tokens, [self._to_host(a) for a in arrays])
         with self._lock:
             self.entries[seq_id] = entry
-            self.used += padded
-            self.peak = max(self.peak, self.used)
             self.bytes_out += sum(a.nbytes for a in arrays)
             self.events.append((time.perf_counter(), "out", seq_id))
 
     def pop(self, seq_id: str) -> HostEntry:
         """Remove and return a sequence's entry (its host memory is freed with it)."""
         with self._lock:
-            entry = self.entries.pop(seq_id)
-            self.used -= entry.padded
-            return entry
+            return self.entries.pop(seq_id)
 
     def landed(self, seq_id: str, nbytes: int) -> None:
         """Count a popped entry's `nbytes` as swapped in (called by the prefetcher thread)."""

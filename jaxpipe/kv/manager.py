@@ -1,16 +1,16 @@
 """Where each sequence's KV is: device blocks, the host tier, or on its way between them.
 
 The scheduler decides *that* a sequence moves, and its state is the ledger of the device
-pool's blocks (`SchedulerState.reserve`, `SeqInfo.blocks`); this object does the moving for
-the engine: which device slot each running sequence owns (its row of per-slot state such as
-penalty counts), the host KV tier (`HostKVBuffer`) and the prefetcher thread that brings
-sequences back.
+pool's blocks and slots (`SeqInfo.blocks`, `SeqInfo.slot`: only the state gives them out);
+this object moves the bytes for the engine: between the pool, the host KV tier
+(`HostKVBuffer`) and the prefetcher thread that brings sequences back.
 
-  allocate(seq)        a slot
-  swap_out(seq)        its blocks -> host: queued, the slot is free at once
+  swap_out(seq)        its blocks -> host: queued (the state frees blocks and slot when it
+                       records the move)
   flush()              read every queued swap-out out of the pool (copies dispatched
                        asynchronously); before anything else touches the pool
-  swap_in(seq)         a slot and blocks, ask the prefetcher for the KV (returns at once)
+  swap_in(seq)         ask the prefetcher for the KV (returns at once); it goes into the
+                       slot and blocks the state gave when it recorded the swap-in
   deliver(block)       insert whatever the prefetcher has staged; the ids now decodable
   drop(seq)            forget its KV wherever it is (finished, aborted, recompute)
 
@@ -20,7 +20,6 @@ ready ones and lets the rest catch up, which is how swap-in overlaps decode.
 
 from __future__ import annotations
 
-import heapq
 import time
 
 from jaxpipe.kv.host_buffer import HostKVBuffer, Prefetcher, stage
@@ -28,55 +27,36 @@ from jaxpipe.scheduler import Sequence
 
 
 class KVManager:
-    """Device slots and blocks, the host tier and transfers between them, for one runner."""
+    """The host tier and the transfers between it and the device pool, for one runner."""
 
-    def __init__(self, runner, state, num_slots: int, host_tokens: int,
-                 on_insert=lambda seq: None, mirror=None):
-        """`state`: the `SchedulerState` whose block ledger this engine's KV lives in.
+    def __init__(self, runner, host_tier: bool, on_insert=lambda seq: None, mirror=None):
+        """`host_tier`: whether the engine has one (the `SchedulerState` counts its tokens).
         `on_insert(seq)` runs after a swapped-in sequence's KV is in its blocks (per-slot
         state to rebuild). `mirror(name, *args)`: several processes (distributed.py): each
         move is sent to the followers first ("swap_out", "swap_in", "drop"), and swap-ins
         run on this thread (every process must issue its transfers in the same order)."""
-        self.runner, self.state = runner, state
+        self.runner = runner
         self.on_insert = on_insert
         self.mirror = mirror
-        self.host = HostKVBuffer(host_tokens)
-        self.prefetcher = Prefetcher(self.host) if host_tokens and mirror is None else None
-        self._free = list(range(num_slots))  # a heap: lowest slot first
+        self.host = HostKVBuffer()
+        self.prefetcher = Prefetcher(self.host) if host_tier and mirror is None else None
         self._incoming: dict[str, Sequence] = {}  # swap-in requested, not inserted yet
         self._outgoing: dict[str, tuple[list[int], int]] = {}  # swap-out queued: blocks, tokens
         self.swap_seconds = 0.0  # this thread's time in swap dispatch, inserts and waits
 
-    # ---- slots ---------------------------------------------------------------------------
-
-    def allocate(self, seq: Sequence) -> int:
-        """A slot for `seq`; returns it."""
-        if not self._free:
-            raise RuntimeError(f"no free device KV slot for {seq.request_id}: the scheduler "
-                               "admitted more sequences than there are slots")
-        seq.slot = heapq.heappop(self._free)
-        return seq.slot
-
-    def release(self, seq: Sequence) -> None:
-        """Free `seq`'s slot if it holds one (its blocks are the scheduler state's)."""
-        if seq.slot is not None:
-            heapq.heappush(self._free, seq.slot)
-            seq.slot = None
-
     def decodable(self, seq: Sequence) -> bool:
+        """Whether `seq` is in the device store with its KV in its blocks (not still being
+        swapped in)."""
         return seq.slot is not None and seq.request_id not in self._incoming
 
-    # ---- moving ----------------------------------------------------------------------------
-
     def swap_out(self, seq: Sequence, tokens: int) -> None:
-        """Queue KV positions 0..tokens-1 of `seq` for the host tier and free its slot. The
-        state frees its blocks when it records the move; `flush` reads them before anything
-        writes the pool again. Queued, because the step that writes a finished prefill's KV
+        """Queue KV positions 0..tokens-1 of `seq` for the host tier. The state frees its
+        blocks and slot when it records the move; `flush` reads them before anything writes
+        the pool again. Queued, because the step that writes a finished prefill's KV
         has only just been dispatched: the engine flushes when that step is done, right
         before the next one."""
         self._settle(seq)
         self._outgoing[seq.request_id] = (list(seq.blocks), tokens)
-        self.release(seq)
 
     @property
     def outgoing(self) -> int:
@@ -93,17 +73,16 @@ class KVManager:
             if self.mirror is not None:
                 self.mirror("swap_out", seq_id, blocks, tokens)
             arrays = self.runner.kv_extract(blocks, tokens)
-            self.host.put(seq_id, arrays, tokens, self.state.host_size(tokens))
+            self.host.put(seq_id, arrays, tokens)
         self._outgoing.clear()
         self.swap_seconds += time.perf_counter() - start
 
     def swap_in(self, seq: Sequence) -> None:
-        """A slot and blocks for `seq`, and the prefetcher bringing its KV into the current
-        layout's shards; `deliver` inserts it."""
+        """The prefetcher bringing `seq`'s KV into the current layout's shards, for the slot
+        and blocks the state gave it when it recorded the swap-in; `deliver` inserts it."""
         self.flush()
-        entry = self.host.entries[seq.request_id]
-        self.allocate(seq)
-        self.state.reserve(seq, entry.tokens)
+        if seq.request_id not in self.host.entries:
+            raise KeyError(f"swap-in of {seq.request_id!r}, which the host KV tier does not hold")
         if self.mirror is not None:
             self._swap_in_here(seq)
             return
@@ -137,14 +116,13 @@ class KVManager:
         return done
 
     def drop(self, seq: Sequence) -> None:
-        """Forget `seq`'s host KV and pending swap-in and free its slot (the state frees its
-        blocks when it records the finish or preemption)."""
+        """Forget `seq`'s host KV, queued swap-out and pending swap-in (the state frees its
+        blocks and slot when it records the finish or preemption)."""
         self._incoming.pop(seq.request_id, None)  # a late delivery is then discarded
         self._outgoing.pop(seq.request_id, None)
         if self.mirror is not None and seq.request_id in self.host.entries:
             self.mirror("drop", seq.request_id)
         self.host.drop(seq.request_id)
-        self.release(seq)
 
     @property
     def pending(self) -> int:

@@ -1,9 +1,10 @@
 """One request's record: the scheduler's token counts (`SeqInfo`) plus what the engine needs
-to serve it (its tokens, sampling parameters, stop checker, slot, outcome and timings).
+to serve it (its tokens, sampling parameters, stop checker, outcome and timings); its device
+slot and blocks are `SeqInfo`'s, given by the `SchedulerState`.
 
 The engine puts its `Sequence` objects straight into the `SchedulerState`, so the policies,
 the executor and the KV manager all read the same record; the simulator uses plain
-`SeqInfo`s, which carry only lengths.
+`SeqInfo`s, which carry only lengths (and the blocks and slot the state gives them).
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ class Sequence(SeqInfo):
     prompt: str | None = None  # the prompt's text, when it was given as text
     stop: Any = None  # its StopChecker: stop ids / strings, min and max tokens, detokenizer
     output_token_ids: list[int] = field(default_factory=list)
-    slot: int | None = None  # its row of per-slot device state while its KV is on the device
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     logprobs: list[dict[int, float]] | None = None

@@ -14,21 +14,28 @@ sampled token raises `generated` by one, so a decode step writes one more KV row
 Each tier charges a sequence its tokens rounded up to the tier's unit: the host tier in rounded
 lengths (`host_unit`), the device store in blocks of `device_unit` tokens.
 
-The device store's blocks are this state's own ledger, the only one: each device sequence holds
-the ids of its blocks (`SeqInfo.blocks`, in position order) from a free list of plain ints, so
-the engine sends a step exactly the blocks the scheduler charged. An executor takes a
-sequence's blocks for the positions a step writes *before* running it (`reserve`); `apply`
-then charges nothing more.
+The device store's blocks and slots are this state's own ledger, the only one: each device
+sequence holds the ids of its blocks (`SeqInfo.blocks`, in position order) and one slot
+(`SeqInfo.slot`: its row of per-sequence device state, such as penalty counts), from free
+lists of plain ints, so the engine sends a step exactly the blocks and slots the scheduler
+charged. A sequence takes the lowest free slot when it enters the device store (its first
+prefill chunk, or a swap-in) and gives slot and blocks back when it leaves (swap-out,
+preemption, finish). Only this state takes blocks (`_reserve`) and slots (`_enter`): when a
+run is launched, when an action is applied, and when a swap-in brings a sequence back; an
+executor reads `SeqInfo.blocks` and `SeqInfo.slot`, it never takes any.
 
-Micro-batches in flight. A pipelined executor may start a `Run` before the previous ones
-returned (`launch`): its sequences take their blocks and leave the waiting queue at once, and
-are `busy` until `apply` records the run (when its micro-batch leaves the last stage). A busy
-sequence is in no other micro-batch: its next token depends on this one.
+Launching. An executor that builds a step needs its blocks before running it: it launches the
+`Run` first (`launch`: its prompts leave the waiting queue, every sequence takes the blocks the
+run writes and is `busy`), then `apply` records it and charges nothing more. A pipelined
+executor may launch a run before the previous ones returned; a busy sequence is in no other
+micro-batch (its next token depends on this one) until `apply` records the run (when its
+micro-batch leaves the last stage). A simulator may `apply` a run it never launched.
 """
 
 from __future__ import annotations
 
 import enum
+import heapq
 from collections import deque
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
@@ -64,6 +71,7 @@ class SeqInfo:
     location: Location = Location.WAITING
     arrival: int = 0  # admission order, set by SchedulerState.add (preemption picks the newest)
     blocks: list[int] = field(default_factory=list)  # device KV blocks held, in position order
+    slot: int | None = None  # its device slot while it is in the device store
 
     def __post_init__(self):
         if self.prompt_len < 1 or self.max_output_len < 1:
@@ -119,8 +127,10 @@ class SchedulerState:
         self.num_finished = 0  # sequences that ended or were aborted (they are not kept)
         self.num_blocks = device_kv_tokens // device_unit
         self._free = list(range(self.num_blocks - 1, -1, -1))  # a stack: block 0 first
+        self._free_slots = list(range(max_device_seqs))  # a heap: lowest slot first
         self.peak_blocks = 0  # the most blocks held at once
-        self.host_used = 0  # tokens of KV in the host tier
+        self.host_used = 0  # tokens of KV in the host tier (rounded up to host_unit each)
+        self.host_peak = 0  # the most host_used has been
         self.busy: set[Hashable] = set()  # sequences in a launched, not yet applied, Run
         self._arrivals = 0
 
@@ -165,15 +175,15 @@ class SchedulerState:
 
     @property
     def free_slots(self) -> int:
-        return self.max_device_seqs - len(self.device)
+        return len(self._free_slots)
 
     def idle(self) -> list[SeqInfo]:
         """Device sequences in no micro-batch in flight (admission order)."""
         return [s for s in self.device.values() if s.seq_id not in self.busy]
 
     # ---- writing -------------------------------------------------------------------------
-    def reserve(self, seq: SeqInfo, tokens: int) -> list[int]:
-        """Give `seq` device blocks until its first `tokens` positions fit; its blocks."""
+    def _reserve(self, seq: SeqInfo, tokens: int) -> None:
+        """Give `seq` device blocks until its first `tokens` positions fit."""
         need = -(-tokens // self.device_unit) - len(seq.blocks)
         if need > len(self._free):
             raise RuntimeError(
@@ -181,12 +191,24 @@ class SchedulerState:
                 f"{self.device_unit} tokens, {len(self._free)} of {self.num_blocks} are free")
         seq.blocks.extend(self._free.pop() for _ in range(max(need, 0)))
         self.peak_blocks = max(self.peak_blocks, self.num_blocks - len(self._free))
-        return seq.blocks
+
+    def _enter(self, seq: SeqInfo) -> None:
+        """`seq` joins the device store (a prompt leaving the waiting queue, or a swap-in
+        leaving the host tier): it takes the lowest free slot."""
+        if not self._free_slots:
+            raise RuntimeError(f"device overfilled: no free slot for {seq.seq_id!r}, all "
+                               f"{self.max_device_seqs} are held")
+        seq.slot = heapq.heappop(self._free_slots)
+        self.device[seq.seq_id] = seq
+        seq.location = Location.DEVICE
 
     def _release(self, seq: SeqInfo) -> None:
-        """Return `seq`'s device blocks to the free list."""
+        """Return `seq`'s device blocks and slot to the free lists (it leaves the device
+        store; the caller takes it out of `device`)."""
         self._free.extend(reversed(seq.blocks))
         seq.blocks = []
+        heapq.heappush(self._free_slots, seq.slot)
+        seq.slot = None
 
     def add(self, seq: SeqInfo) -> None:
         """Queue a new request; refuse one that could never fit the device store."""
@@ -202,19 +224,19 @@ class SchedulerState:
             self.add(seq)
 
     def launch(self, run: Run) -> None:
-        """`run` starts before earlier runs returned: its prompts leave the waiting queue, every
-        sequence takes the blocks the run writes and is busy until `apply(run)`."""
+        """`run` starts (its step is about to be built, or earlier runs are still in flight):
+        its prompts leave the waiting queue, every sequence takes the blocks the run writes
+        and is busy until `apply(run)`."""
         for seq in run.seqs:
             if seq.seq_id in self.busy:
                 raise RuntimeError(f"{seq.seq_id!r} is already in a micro-batch in flight")
         for seq, num_tokens in run.prefill:
             if seq.location is Location.WAITING:
                 self.waiting.remove(seq)
-                seq.location = Location.DEVICE
-                self.device[seq.seq_id] = seq
-            self.reserve(seq, seq.computed + num_tokens)
+                self._enter(seq)
+            self._reserve(seq, seq.computed + num_tokens)
         for seq in run.decode:
-            self.reserve(seq, seq.computed + 1)
+            self._reserve(seq, seq.computed + 1)
         self.busy.update(s.seq_id for s in run.seqs)
         self._check_capacity()
 
@@ -237,7 +259,7 @@ class SchedulerState:
             if seq.location is not Location.DEVICE or seq.in_prefill:
                 raise RuntimeError(f"decode of {seq.seq_id!r} which is {seq.location.value}"
                                    f"{' and still prefilling' if seq.in_prefill else ''}")
-            self.reserve(seq, seq.computed + 1)
+            self._reserve(seq, seq.computed + 1)
             seq.computed += 1
             seq.generated += 1
         self._check_capacity()
@@ -247,12 +269,11 @@ class SchedulerState:
         the device (or in the host tier if `to_host`)."""
         if seq.location is Location.WAITING:
             self.waiting.remove(seq)
-            seq.location = Location.DEVICE
-            self.device[seq.seq_id] = seq
+            self._enter(seq)
         if not 1 <= num_tokens <= seq.to_prefill:
             raise RuntimeError(f"prefill chunk of {num_tokens} tokens for {seq.seq_id!r} "
                                f"which has {seq.to_prefill} left")
-        self.reserve(seq, seq.computed + num_tokens)
+        self._reserve(seq, seq.computed + num_tokens)
         seq.computed += num_tokens
         if seq.to_prefill == 0:
             seq.generated += 1
@@ -281,16 +302,18 @@ class SchedulerState:
 
     def _move(self, seq: SeqInfo, to: Location) -> None:
         """Move a sequence's KV between device and host (either direction)."""
-        src, dst = (self.device, self.host) if to is Location.HOST else (self.host, self.device)
-        del src[seq.seq_id]
-        dst[seq.seq_id] = seq
         if to is Location.HOST:
-            self.host_used += self.host_size(seq.computed)
+            del self.device[seq.seq_id]
             self._release(seq)
+            self.host[seq.seq_id] = seq
+            self.host_used += self.host_size(seq.computed)
+            self.host_peak = max(self.host_peak, self.host_used)
+            seq.location = Location.HOST
         else:
+            del self.host[seq.seq_id]
             self.host_used -= self.host_size(seq.computed)
-            self.reserve(seq, seq.computed)
-        seq.location = to
+            self._enter(seq)
+            self._reserve(seq, seq.computed)
 
     def finish(self, seq_ids: Iterable[Hashable]) -> list[SeqInfo]:
         """Record that these sequences ended after their run was applied (an executor that

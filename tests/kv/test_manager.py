@@ -8,7 +8,6 @@ import jax.numpy as jnp
 
 from jaxpipe.kv.manager import KVManager
 from jaxpipe.scheduler import Sequence
-from jaxpipe.scheduler.state import SchedulerState
 
 
 class FakeRunner:
@@ -30,33 +29,31 @@ class FakeRunner:
 
 def manager():
     runner = FakeRunner()
-    state = SchedulerState(256, 4, 256, host_unit=16, device_unit=16)
-    return runner, KVManager(runner, state, num_slots=4, host_tokens=256)
+    return runner, KVManager(runner, host_tier=True)
 
 
-def seq(request_id: str, blocks: list[int]) -> Sequence:
+def seq(request_id: str, blocks: list[int], slot: int = 0) -> Sequence:
+    """A device sequence holding `blocks` and `slot` (the scheduler state's to give)."""
     s = Sequence.create(request_id, [1] * 20, None, 0, 8)
-    s.blocks = list(blocks)
+    s.blocks, s.slot = list(blocks), slot
     return s
 
 
 def test_swap_out_is_read_at_flush_with_the_blocks_it_had():
     runner, kv = manager()
     a = seq("a", [3, 5])
-    kv.allocate(a)
     kv.swap_out(a, 20)
-    a.blocks = []  # the state frees them when it records the move
-    assert runner.log == [] and kv.outgoing == 1 and a.slot is None
+    a.blocks, a.slot = [], None  # the state frees them when it records the move
+    assert runner.log == [] and kv.outgoing == 1
     kv.flush()
     assert runner.log == [("extract", (3, 5), 20)] and kv.outgoing == 0
-    assert kv.host.entries["a"].tokens == 20 and kv.host.used == 32
+    assert kv.host.entries["a"].tokens == 20
     kv.close()
 
 
 def test_a_dropped_sequence_is_never_read_out():
     runner, kv = manager()
     a = seq("a", [1])
-    kv.allocate(a)
     kv.swap_out(a, 5)
     kv.drop(a)
     kv.flush()
@@ -68,13 +65,13 @@ def test_a_swap_in_reads_queued_swap_outs_before_it_writes_blocks():
     """A sequence swapped in right after its own (queued) swap-out: its host entry is there
     (flushed first), and every queued read comes before the insert into the blocks."""
     runner, kv = manager()
-    a, b = seq("a", [0, 1]), seq("b", [2])
+    a, b = seq("a", [0, 1], slot=0), seq("b", [2], slot=1)
     for s in (a, b):
-        kv.allocate(s)
         kv.swap_out(s, 20 if s is a else 10)
-        s.blocks = []
-    kv.swap_in(a)  # new blocks from the state, the prefetcher asked for a's KV
+        s.blocks, s.slot = [], None
+    a.blocks, a.slot = [1, 4], 1  # the state's, given when it recorded the swap-in
+    kv.swap_in(a)  # the prefetcher asked for a's KV
     assert kv.outgoing == 0 and [e[0] for e in runner.log] == ["extract", "extract"]
     assert kv.deliver(block=True) == [a]
-    assert runner.log[-1] == ("insert", tuple(a.blocks)) and kv.decodable(a)
+    assert runner.log[-1] == ("insert", (1, 4)) and kv.decodable(a)
     kv.close()

@@ -77,6 +77,11 @@ def run_policy(policy: Policy, seqs: list[SeqInfo], device_kv: int, slots: int,
                    for s in state.device.values())
         assert len(set(held)) == len(held) == state.num_blocks - state.free_blocks
         assert not any(s.blocks for s in [*state.waiting, *state.host.values()])
+        # Likewise slots: one per device sequence, distinct, within max_device_seqs.
+        slots = [s.slot for s in state.device.values()]
+        assert len(set(slots)) == len(slots) == state.max_device_seqs - state.free_slots
+        assert all(0 <= s < state.max_device_seqs for s in slots)
+        assert all(s.slot is None for s in [*state.waiting, *state.host.values()])
 
     state.apply = apply
     drive(policy, state, execute)

@@ -10,7 +10,15 @@ from pathlib import Path
 
 import pytest
 
-from jaxpipe.scheduler import Location, Preempt, Run, SchedulerState, SeqInfo, make_policy
+from jaxpipe.scheduler import (
+    Location,
+    Preempt,
+    Run,
+    SchedulerState,
+    SeqInfo,
+    SwapIn,
+    make_policy,
+)
 
 SCHEDULER_DIR = Path(__file__).resolve().parents[2] / "jaxpipe" / "scheduler"
 
@@ -69,7 +77,7 @@ def test_host_tier_is_charged_in_rounded_tokens():
     state.apply(action)
     state.apply(Preempt([], "swap"))
     state.apply(Run(), finished=["r0"])
-    assert state.host_used == 16
+    assert state.host_used == 16 and state.host_peak == 48
 
 
 def test_abort_from_every_queue_returns_the_budget():
@@ -82,3 +90,26 @@ def test_abort_from_every_queue_returns_the_budget():
         assert state.abort(seq.seq_id) is seq and seq.location is Location.FINISHED
     assert (state.host_used, state.device_used, state.has_work()) == (0, 0, False)
     assert state.abort("r0") is None
+
+
+def test_slots_are_given_on_entering_the_device_and_returned_on_leaving():
+    """The lowest free slot to a prompt's first chunk and to a swap-in; a swap-out, a
+    recompute preemption and a finish give it back; a full device refuses one more."""
+    state = SchedulerState(1000, 3, 100)
+    a, b, c, d = waiting(state, [5, 6, 7, 8])
+    state.apply(Run(prefill=[(a, 2), (b, 6), (c, 7)]))
+    assert [s.slot for s in (a, b, c)] == [0, 1, 2] and state.free_slots == 0
+    state.apply(Preempt([b], "swap"))
+    assert b.slot is None and state.free_slots == 1
+    state.apply(Preempt([a], "recompute"))
+    assert a.slot is None and state.free_slots == 2
+    state.apply(SwapIn([b]))
+    assert b.slot == 0
+    state.apply(Run(prefill=[(a, 5)]), finished=["r2"])
+    assert (a.slot, c.slot, state.free_slots) == (1, None, 1)
+    state.launch(Run(prefill=[(d, 8)]))
+    assert d.slot == 2 and state.free_slots == 0
+    e = SeqInfo("e", 3, 1)
+    state.add(e)
+    with pytest.raises(RuntimeError, match="no free slot"):
+        state.launch(Run(prefill=[(e, 3)]))
