@@ -100,8 +100,9 @@ class KVManager:
 
     def deliver(self, block: bool = False) -> list[Sequence]:
         """Insert every staged swap-in into its slot (`block`: wait for at least one);
-        returns the sequences inserted (each also passed to `on_insert`)."""
-        if self.prefetcher is None or not self._incoming:
+        returns the sequences inserted (each also passed to `on_insert`). A swap-in dropped
+        while it was staged is discarded here: its device copy goes with it."""
+        if self.prefetcher is None or not self.prefetcher.pending:
             return []
         self.flush()  # queued reads of freed blocks come before writes into them
         start = time.perf_counter()

@@ -175,10 +175,11 @@ class TDPipe(Policy):
 
     def _fits(self, state: SchedulerState, seq: SeqInfo, room: int) -> bool:
         """Algorithm 1's check for one more prompt (admitting it if so), or the occupancy
-        ratio without a predictor."""
+        ratio without a predictor. A prompt that fits an empty store is admitted whatever
+        the ratio says: alone it can only wait for itself."""
         if self.predictor is None:
             used = state.device_kv_tokens - room
-            return used + state.device_size(seq.prompt_len) <= \
+            return used == 0 or used + state.device_size(seq.prompt_len) <= \
                 self.occupancy * state.device_kv_tokens
         usage = list(self._usage)
         add_usage(state, usage, seq, self._predict(seq), self.points)

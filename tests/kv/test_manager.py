@@ -4,6 +4,8 @@ sequence dropped meanwhile. A fake runner records the order of pool reads and wr
 
 from __future__ import annotations
 
+import time
+
 import jax.numpy as jnp
 
 from jaxpipe.kv.manager import KVManager
@@ -74,4 +76,22 @@ def test_a_swap_in_reads_queued_swap_outs_before_it_writes_blocks():
     assert kv.outgoing == 0 and [e[0] for e in runner.log] == ["extract", "extract"]
     assert kv.deliver(block=True) == [a]
     assert runner.log[-1] == ("insert", (1, 4)) and kv.decodable(a)
+    kv.close()
+
+
+def test_a_swap_in_aborted_in_flight_leaves_no_staged_copy():
+    """`a` is dropped (aborted) while the prefetcher stages its KV: the staged arrays are
+    discarded at the next delivery, not kept until some later swap-in, and never inserted."""
+    runner, kv = manager()
+    a = seq("a", [0, 1])
+    kv.swap_out(a, 20)
+    kv.flush()
+    kv.swap_in(a)
+    kv.drop(a)
+    deadline = time.monotonic() + 10
+    while kv.prefetcher._ready.empty() and time.monotonic() < deadline:  # staged, unclaimed
+        time.sleep(0.01)
+    assert kv.deliver() == []
+    assert kv.prefetcher.pending == 0 and kv.prefetcher._ready.empty()
+    assert not any(e[0] == "insert" for e in runner.log)
     kv.close()

@@ -205,3 +205,15 @@ def test_every_request_finishes_once_under_pipelining(options, seed):
     assert policy.switches >= 2  # prefill -> decode -> prefill at least once
     # Temporal disaggregation: no micro-batch mixes prompts and decode tokens.
     assert not any(decode and prefill for decode, prefill in trace.launched)
+
+
+def test_a_prompt_over_the_occupancy_ratio_runs_alone_on_an_empty_store():
+    """Without a predictor a 950-token prompt on a 1000-token store never passes the 0.9
+    occupancy rule; with nothing running it is admitted alone (it fits the store) instead of
+    the policy stalling, and the short prompts behind it run after it."""
+    seqs = [SeqInfo(0, 950, 40)] + [SeqInfo(i, 20, 10) for i in range(1, 5)]
+    policy = make_policy("tdpipe", pipeline_depth=2, max_prefill_tokens=2000, predictor=None,
+                         occupancy=0.9, finish_ratio=0.5)
+    state, trace = run_pipelined(policy, seqs, device_kv=1000, slots=8, depth=2, unit=1)
+    assert sorted(trace.finished) == list(range(5))
+    assert trace.max_device_used <= 1000
