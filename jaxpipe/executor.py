@@ -15,7 +15,8 @@ in flight on the device. Any other action waits for the step in flight to land f
 Words kept to one meaning here: a step *lands* when its tokens are on the host (and so do the
 runs it carried: `Policy.landed`); a sequence is *freed* when its slot and KV go back to the
 pool (at dispatch when its token in flight is certainly its last: `OutputProcessor.free_last`);
-a *plan* is a step's `SamplingPlan`.
+a *plan* is a step's `SamplingPlan`; *release* is left to `Engine.release` (a finished request's
+output forgotten).
 
 The policy sees only token counts (`SchedulerState`); `KVManager` (jaxpipe/kv/) owns the
 physical side: device slots, the host KV tier and the prefetcher. The counters and the step
