@@ -306,6 +306,10 @@ class MirroredRunner:
         self.leader.send("restore_penalties", slot, prompt, output)
         return self._runner.restore_penalties(slot, prompt, output)
 
+    def control_stats(self) -> dict:
+        """The leader's calls sent to the followers (`Leader.stats`)."""
+        return self.leader.stats()
+
     def close(self):
         self.leader.send("close")
         self._runner.close()

@@ -1,9 +1,11 @@
 """The engine: requests in, tokens out. Loading the model, validating requests, generate /
 chat / stream and outputs live here; `step()` is the executor's (executor.py):
 
-    action = policy.schedule(state)   # Run (prefill | decode) | Switch | SwapIn | Preempt
-    execute(action)                   # a jitted step, a re-shard or a KV move
-    state.apply(action, finished)     # the scheduler's bookkeeping
+    action = policy.schedule(state)   # Run (prompt chunks + decode tokens) | Switch | SwapIn
+                                      # | Preempt
+    launch(run) / execute(action)     # a ragged step dispatched (step_builder.py), or a
+                                      # re-shard or a KV move
+    land()                            # tokens appended, stops checked (output_processor.py)
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from jaxpipe.sampling import SamplingParams
 from jaxpipe.scheduler import (
     Sequence,
 )
+from jaxpipe.step_builder import sampling_plan
 from jaxpipe.stopping import StopChecker
 from jaxpipe.synthetic_step import padding_inputs
 from jaxpipe.tokenizer import Tokenizer
@@ -232,7 +235,7 @@ class Engine:
 
     def stats(self) -> dict:
         """Counters since the engine started or `reset_stats()` (JSON-serialisable); see
-        `Executor.stats` for what each one means."""
+        `EngineStats.snapshot` for what each one means."""
         return self.executor.stats()
 
     def reset_stats(self) -> None:
@@ -275,7 +278,7 @@ class Engine:
                 self.runner.hidden(padding_inputs(self.runner, t))
                 bar.update()
             for n in rows:  # the head and sampler read [max_rows, E]: any step feeds them
-                plan = self.executor.row_plan([], n)
+                plan = sampling_plan([], n)
                 self.runner.step(padding_inputs(self.runner, tokens[0]),
                                  np.full(n, self.max_num_seqs, np.int32), plan)
                 bar.update()

@@ -490,6 +490,11 @@ class Runner:
         self.compile_seconds += time.perf_counter() - start
         return out
 
+    def control_stats(self) -> dict:
+        """Counters of the control channel to other processes (none here: `MirroredRunner`
+        has them)."""
+        return {}
+
     def kernel_choices(self) -> dict:
         """What runs the step in the current layout: the attention ("kernel": the C++ one),
         and each matmul weight's implementation at the dispatcher's measured row counts

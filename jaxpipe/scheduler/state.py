@@ -147,6 +147,11 @@ class SchedulerState:
     def free_blocks(self) -> int:
         return len(self._free)
 
+    def reset_peaks(self) -> None:
+        """Restart `peak_blocks` and `host_peak` from what is held now (a stats reset)."""
+        self.peak_blocks = self.num_blocks - len(self._free)
+        self.host_peak = self.host_used
+
     def held_blocks(self) -> list[int]:
         """The device store's blocks some sequence holds (the pool's live data), ascending."""
         free = set(self._free)

@@ -1,7 +1,7 @@
 """The engine's step for a pipelined policy (`launch_step`: pp micro-batches as one step) keeps
 within the step's budgets, for random request mixes and engine sizes: at most the largest
 token bucket, and no more sequences than the rows of its bucket (`step_inputs.build` refuses
-anything else). Pure Python: the policy is driven as `Executor._microbatch_step` drives it."""
+anything else). Pure Python: the policy is driven as `Executor._schedule` drives it."""
 
 from __future__ import annotations
 

@@ -1,0 +1,104 @@
+"""What happens to a step's tokens on the host, and how sequences end.
+
+    landed, ended = output.process(sampled, out, freed)   # a step's tokens are on the host
+
+Each sampled sequence still running gets its row's token (and logprobs), then its stop checks
+(`stopping.py`); the detokenizer worker's stop strings end others, cut back to the token that
+completed them. A sequence that ends is *finished*: its finish reason and time set, its KV
+dropped, the scheduler state told. A sequence whose token in a dispatched step is certainly
+its last (its length) is *freed* at dispatch (`free_last`), a step before it finishes, so the
+next step may admit another in its place.
+"""
+
+from __future__ import annotations
+
+import time
+
+from jaxpipe.engine_stats import EngineStats
+from jaxpipe.kv.manager import KVManager
+from jaxpipe.runner import StepOutput
+from jaxpipe.scheduler import SchedulerState, Sequence
+from jaxpipe.stopping import DetokWorker
+
+
+class OutputProcessor:
+    """Tokens appended, stops checked, sequences finished and freed, for one engine."""
+
+    def __init__(self, state: SchedulerState, kv: KVManager, detok: DetokWorker,
+                 stats: EngineStats, max_model_len: int):
+        self.state, self.kv, self.detok, self.stats = state, kv, detok, stats
+        self.max_model_len = max_model_len
+
+    def process(self, sampled: list[Sequence], out: StepOutput, freed: list[Sequence]
+                ) -> tuple[list[Sequence], set[str]]:
+        """A step's results `out` (row i: `sampled[i]`'s token) are on the host: append them,
+        check stops, finish what ended. `freed`: sequences the state freed already (at their
+        step's dispatch); one may end here, a step early, by EOS or a stop. A sequence that
+        finished or was aborted meanwhile gets no token. Returns (the sequences that got a
+        token or were ended by a stop string, the ids of those that ended now)."""
+        live = [(i, s) for i, s in enumerate(sampled) if not s.is_finished]
+        self._append(live, out)
+        self.detok.commit()
+        ended = {s.request_id for _, s in live if s.is_finished}
+        self.state.finish(ended - {s.request_id for s in freed})
+        matched = self._stop_string_matches()
+        rows = set(sampled)
+        return ([s for _, s in live] + [s for s in matched if s not in rows],
+                ended | {s.request_id for s in matched})
+
+    def free_last(self, sampled: list[Sequence]) -> list[Sequence]:
+        """Free the slots and KV of the sequences whose token in the step just dispatched is
+        certainly their last (their length), at once: the next step may admit others in
+        their place, as it would had the token landed (device work runs in dispatch order,
+        so the step in flight still reads their KV). They finish, with that token, when it
+        lands. Returns them."""
+        last = [s for s in sampled if s.at_length(s.generated, self.max_model_len)]
+        self.state.finish(s.request_id for s in last)
+        for seq in last:
+            self.kv.drop(seq)
+        return last
+
+    def finish(self, seq: Sequence, reason: str | None) -> None:
+        """End `seq` (the scheduler state is told by the caller) and drop its KV. A stop
+        string the worker found on an earlier token ends it there instead (`settle`)."""
+        had = len(seq.output_token_ids)
+        reason = seq.stop.settle(seq, reason)
+        self.stats.generated(len(seq.output_token_ids) - had)
+        self.kv.drop(seq)
+        seq.finish_reason = reason
+        seq.finish_time = time.perf_counter()
+        self.stats.finished(reason)
+
+    def _append(self, rows: list[tuple[int, Sequence]], out: StepOutput) -> None:
+        """Append row i's token to its sequence for each (i, seq); logprobs, stop checks."""
+        now = time.perf_counter()
+        for i, seq in rows:
+            token = int(out.tokens[i])
+            seq.output_token_ids.append(token)
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            if seq.params.logprobs is not None:
+                _record_logprobs(seq, out, i, token)
+            reason = seq.stop.check(seq, self.max_model_len)
+            if reason is not None:
+                self.finish(seq, reason)
+        self.stats.generated(len(rows))
+
+    def _stop_string_matches(self) -> list[Sequence]:
+        """End the running requests whose stop string the detokenizer worker found (cut back
+        to the token that completed it), wherever the scheduler has them; returns them."""
+        ended = [seq for seq in self.detok.drain() if not seq.is_finished]
+        for seq in ended:
+            self.finish(seq, None)
+            self.state.abort(seq.request_id)
+        return ended
+
+
+def _record_logprobs(seq: Sequence, out: StepOutput, i: int, token: int) -> None:
+    entry = {token: float(out.logprob[i])}
+    n = seq.params.logprobs
+    for tid, lp in zip(out.top_ids[i][:n], out.top_logprobs[i][:n], strict=True):
+        entry.setdefault(int(tid), float(lp))
+    if seq.logprobs is None:
+        seq.logprobs = []
+    seq.logprobs.append(entry)
