@@ -57,6 +57,15 @@ class Sequence(SeqInfo):
         the context fills max_model_len)."""
         return outputs >= self.max_output_len or self.prompt_len + outputs >= max_model_len
 
+    def token_ids(self, start: int, stop: int) -> list[int]:
+        """Its context's token ids in [start, stop): prompt, then the outputs received so
+        far (fewer than asked while an output is still in flight)."""
+        prompt = self.prompt_token_ids
+        if stop <= len(prompt):
+            return prompt[start:stop]
+        outputs = self.output_token_ids[max(start - len(prompt), 0):stop - len(prompt)]
+        return prompt[start:stop] + outputs
+
     @property
     def last_token(self) -> int:
         return self.output_token_ids[-1]

@@ -30,6 +30,19 @@ run writes and is `busy`), then `apply` records it and charges nothing more. A p
 executor may launch a run before the previous ones returned; a busy sequence is in no other
 micro-batch (its next token depends on this one) until `apply` records the run (when its
 micro-batch leaves the last stage). A simulator may `apply` a run it never launched.
+
+Prefix caching (`prefix_caching=True`; the engine does not turn it on yet). The blocks are a
+`BlockPool` (`jaxpipe.scheduler.prefix_cache`): reference-counted, and a full block of known
+token ids (`SeqInfo.token_ids`) is cached under the hash of its prefix. When a waiting sequence
+enters the device store it takes a reference to each block of its longest cached prefix of
+whole blocks, short of its last context token (always computed, for its logits): its
+`computed` and `cached_tokens` start there, and its first chunk in the run is shortened to what
+is left. A run's full blocks are cached when the run is applied, never at launch: a block is
+shared only once its KV is written, and all of a run's admissions are looked up first, so the
+sequences of one step share nothing written in that step (a step's micro-batches may run in
+any order with respect to the blocks they read). A sequence that leaves the device drops its
+references; a cached block nobody holds stays cached (LRU) and counts as free until a block is
+needed and the free list is empty. Shared blocks are charged once (`device_used`).
 """
 
 from __future__ import annotations
@@ -41,6 +54,7 @@ from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
 
 from jaxpipe.scheduler.actions import Action, Kind, Preempt, Run, SwapIn, Switch
+from jaxpipe.scheduler.prefix_cache import BlockPool
 
 
 class Location(enum.Enum):
@@ -72,6 +86,8 @@ class SeqInfo:
     arrival: int = 0  # admission order, set by SchedulerState.add (preemption picks the newest)
     blocks: list[int] = field(default_factory=list)  # device KV blocks held, in position order
     slot: int | None = None  # its device slot while it is in the device store
+    cached_tokens: int = 0  # tokens of its context its last admission found in the prefix cache
+    block_hashes: list[bytes] = field(default_factory=list, repr=False)  # of blocks[:len(this)]
 
     def __post_init__(self):
         if self.prompt_len < 1 or self.max_output_len < 1:
@@ -93,6 +109,11 @@ class SeqInfo:
         """Tokens still to prefill (prompt, plus outputs after a recompute preemption)."""
         return self.context_len - self.computed
 
+    def token_ids(self, start: int, stop: int) -> list[int] | None:
+        """Its context's token ids (prompt, then outputs) in [start, stop), as far as known;
+        None if unknown: a plain SeqInfo carries only lengths (it never hits the cache)."""
+        return None
+
     @property
     def expected_total(self) -> int:
         """Tokens of KV this sequence will hold at the end (predicted, else the maximum)."""
@@ -104,10 +125,14 @@ class SchedulerState:
     """Queues (waiting FIFO, device, host FIFO) and the KV budgets of both tiers, in tokens."""
 
     def __init__(self, device_kv_tokens: int, max_device_seqs: int, host_kv_tokens: int = 0,
-                 phase: Phase = Phase.PREFILL, host_unit: int = 1, device_unit: int = 1):
+                 phase: Phase = Phase.PREFILL, host_unit: int = 1, device_unit: int = 1,
+                 prefix_caching: bool = False, cache_key: Hashable = None):
         """`host_unit`: the host tier stores each sequence's KV rounded up to a multiple of
         this many tokens (its copy programs compile per rounded length), and is charged so.
-        `device_unit`: the device store's block size; a sequence holds whole blocks."""
+        `device_unit`: the device store's block size; a sequence holds whole blocks.
+        `prefix_caching`: share cached full blocks between sequences with the same prefix
+        (off by default until the engine wires it); `cache_key`: whatever else changes the
+        KV of the same tokens (e.g. the model's name), hashed into every block."""
         if (device_kv_tokens < 1 or max_device_seqs < 1 or host_kv_tokens < 0 or host_unit < 1
                 or device_unit < 1):
             raise ValueError(f"need device_kv_tokens >= 1 (got {device_kv_tokens}), "
@@ -126,7 +151,7 @@ class SchedulerState:
         self.host: dict[Hashable, SeqInfo] = {}  # insertion order = swap-out order (FIFO)
         self.num_finished = 0  # sequences that ended or were aborted (they are not kept)
         self.num_blocks = device_kv_tokens // device_unit
-        self._free = list(range(self.num_blocks - 1, -1, -1))  # a stack: block 0 first
+        self.block_pool = BlockPool(self.num_blocks, device_unit, prefix_caching, cache_key)
         self._free_slots = list(range(max_device_seqs))  # a heap: lowest slot first
         self.peak_blocks = 0  # the most blocks held at once
         self.host_used = 0  # tokens of KV in the host tier (rounded up to host_unit each)
@@ -140,12 +165,13 @@ class SchedulerState:
 
     @property
     def device_used(self) -> int:
-        """Tokens of KV the device store holds (whole blocks)."""
-        return (self.num_blocks - len(self._free)) * self.device_unit
+        """Tokens of KV the device store holds (whole blocks; a shared one once)."""
+        return self.block_pool.num_held * self.device_unit
 
     @property
     def free_blocks(self) -> int:
-        return len(self._free)
+        """Blocks free or cached with no reference (evictable)."""
+        return self.block_pool.num_free
 
     def reset_peaks(self) -> None:
         """Restart `peak_blocks` and `host_peak` from what is held now (a stats reset)."""
@@ -154,13 +180,12 @@ class SchedulerState:
 
     def held_blocks(self) -> list[int]:
         """The device store's blocks some sequence holds (the pool's live data), ascending."""
-        free = set(self._free)
-        return [b for b in range(self.num_blocks) if b not in free]
+        return self.block_pool.held()
 
     @property
     def device_free(self) -> int:
-        """Tokens of KV the device store can still take (its free blocks)."""
-        return len(self._free) * self.device_unit
+        """Tokens of KV the device store can still take (its free and evictable blocks)."""
+        return self.block_pool.num_free * self.device_unit
 
     @property
     def host_free(self) -> int:
@@ -190,12 +215,12 @@ class SchedulerState:
     def _reserve(self, seq: SeqInfo, tokens: int) -> None:
         """Give `seq` device blocks until its first `tokens` positions fit."""
         need = -(-tokens // self.device_unit) - len(seq.blocks)
-        if need > len(self._free):
+        if need > self.free_blocks:
             raise RuntimeError(
                 f"device KV overfilled: {seq.seq_id!r} needs {need} more blocks of "
-                f"{self.device_unit} tokens, {len(self._free)} of {self.num_blocks} are free")
-        seq.blocks.extend(self._free.pop() for _ in range(max(need, 0)))
-        self.peak_blocks = max(self.peak_blocks, self.num_blocks - len(self._free))
+                f"{self.device_unit} tokens, {self.free_blocks} of {self.num_blocks} are free")
+        seq.blocks.extend(self.block_pool.take() for _ in range(max(need, 0)))
+        self.peak_blocks = max(self.peak_blocks, self.block_pool.num_held)
 
     def _enter(self, seq: SeqInfo) -> None:
         """`seq` joins the device store (a prompt leaving the waiting queue, or a swap-in
@@ -208,10 +233,10 @@ class SchedulerState:
         seq.location = Location.DEVICE
 
     def _release(self, seq: SeqInfo) -> None:
-        """Return `seq`'s device blocks and slot to the free lists (it leaves the device
-        store; the caller takes it out of `device`)."""
-        self._free.extend(reversed(seq.blocks))
-        seq.blocks = []
+        """Drop `seq`'s references to its device blocks and return its slot (it leaves the
+        device store; the caller takes it out of `device`)."""
+        self.block_pool.drop(seq.blocks)
+        seq.blocks, seq.block_hashes = [], []
         heapq.heappush(self._free_slots, seq.slot)
         seq.slot = None
 
@@ -230,20 +255,31 @@ class SchedulerState:
 
     def launch(self, run: Run) -> None:
         """`run` starts (its step is about to be built, or earlier runs are still in flight):
-        its prompts leave the waiting queue, every sequence takes the blocks the run writes
-        and is busy until `apply(run)`."""
+        its prompts leave the waiting queue (see `_admit`), every sequence takes the blocks
+        the run writes and is busy until `apply(run)`."""
         for seq in run.seqs:
             if seq.seq_id in self.busy:
                 raise RuntimeError(f"{seq.seq_id!r} is already in a micro-batch in flight")
+        self._admit(run)
         for seq, num_tokens in run.prefill:
-            if seq.location is Location.WAITING:
-                self.waiting.remove(seq)
-                self._enter(seq)
             self._reserve(seq, seq.computed + num_tokens)
         for seq in run.decode:
             self._reserve(seq, seq.computed + 1)
         self.busy.update(s.seq_id for s in run.seqs)
         self._check_capacity()
+
+    def _admit(self, run: Run) -> None:
+        """`run`'s waiting sequences enter the device store, each with its longest cached
+        prefix, and their first chunks are shortened to what is left past it (a step never
+        computes more than its policy budgeted)."""
+        for i, (seq, num_tokens) in enumerate(run.prefill):
+            if seq.location is Location.WAITING:
+                self.waiting.remove(seq)
+                self._enter(seq)
+                last = (seq.context_len - 1) // self.device_unit  # its last token is computed
+                seq.cached_tokens = self.block_pool.take_prefix(seq, last)
+                seq.computed = seq.cached_tokens
+                run.prefill[i] = (seq, min(num_tokens, seq.to_prefill))
 
     def apply(self, action: Action, finished: Iterable[Hashable] = ()) -> list[SeqInfo]:
         """Record that `action` ran; `finished` names the sequences that ended in it, which
@@ -254,10 +290,13 @@ class SchedulerState:
         return self.finish(finished)
 
     def _apply_switch(self, action: Switch) -> None:
+        # A re-shard moves the blocks sequences hold (`held_blocks`), not the cached others.
+        self.block_pool.forget_unreferenced()
         self.phase = Phase(action.phase)
 
     def _apply_run(self, action: Run) -> None:
         self.busy.difference_update(s.seq_id for s in action.seqs)
+        self._admit(action)
         for seq, num_tokens in action.prefill:
             self._prefill(seq, num_tokens, action.prefill_to_host)
         for seq in action.decode:
@@ -267,19 +306,18 @@ class SchedulerState:
             self._reserve(seq, seq.computed + 1)
             seq.computed += 1
             seq.generated += 1
+            self.block_pool.cache_full(seq)
         self._check_capacity()
 
     def _prefill(self, seq: SeqInfo, num_tokens: int, to_host: bool) -> None:
-        """Advance a prefill by `num_tokens`; a completed prefill samples a token and lands on
-        the device (or in the host tier if `to_host`)."""
-        if seq.location is Location.WAITING:
-            self.waiting.remove(seq)
-            self._enter(seq)
+        """Advance a prefill by `num_tokens` and cache its full blocks; a completed prefill
+        samples a token and lands on the device (or in the host tier if `to_host`)."""
         if not 1 <= num_tokens <= seq.to_prefill:
             raise RuntimeError(f"prefill chunk of {num_tokens} tokens for {seq.seq_id!r} "
                                f"which has {seq.to_prefill} left")
         self._reserve(seq, seq.computed + num_tokens)
         seq.computed += num_tokens
+        self.block_pool.cache_full(seq)
         if seq.to_prefill == 0:
             seq.generated += 1
             if to_host:

@@ -1,0 +1,180 @@
+"""The device store's blocks as a reference-counted pool that can also cache full blocks by
+content (automatic prefix caching, as vLLM's block hashing).
+
+A block is one of three things at any time:
+
+- **free**: on the free list (a stack: the block given back last is given out first);
+- **referenced**: held by one or more device sequences (`refs(block)` of them);
+- **cached and unreferenced**: nobody holds it, but it keeps full, known KV under its hash,
+  in an LRU; it is evicted (its hash forgotten) only when the free list runs dry.
+
+Free and cached-unreferenced blocks are both capacity (`num_free`): the scheduler charges only
+referenced blocks, each once however many sequences share it.
+
+A full block's hash chains its parent's hash, an extra key (anything else that changes the
+KV: the model, later a LoRA or cache salt) and its token ids (`block_hash`), so equal hashes
+mean an equal prefix up to and including that block. Hashes are SHA-256: stable across
+processes and not forgeable into a collision by a crafted prompt. With caching off nothing
+is ever hashed and the pool is exactly a free list.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+from collections.abc import Hashable, Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from jaxpipe.scheduler.state import SeqInfo
+
+ROOT = bytes(32)  # the parent hash of a sequence's first block
+
+
+def block_hash(parent: bytes, token_ids: Sequence[int], key: bytes) -> bytes:
+    """The hash of a full block: its parent's hash, the extra `key` (itself a 32-byte
+    digest, see `extra_key_digest`) and its token ids."""
+    digest = hashlib.sha256(parent)
+    digest.update(key)
+    digest.update(array("q", token_ids).tobytes())
+    return digest.digest()
+
+
+def extra_key_digest(extra_key: Hashable) -> bytes:
+    """A fixed-size digest of the extra key (its repr: e.g. the model's name)."""
+    return hashlib.sha256(repr(extra_key).encode()).digest()
+
+
+class BlockPool:
+    """`num_blocks` device blocks of `block_size` tokens: free list, reference counts and,
+    when `caching`, the prefix cache (hash -> block, LRU of unreferenced cached blocks)."""
+
+    def __init__(self, num_blocks: int, block_size: int, caching: bool = False,
+                 extra_key: Hashable = None):
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.caching = caching
+        self._key = extra_key_digest(extra_key)
+        self._free = list(range(num_blocks - 1, -1, -1))  # a stack: block 0 first
+        self._refs = [0] * num_blocks
+        self.num_held = 0  # blocks with a reference
+        self._by_hash: dict[bytes, int] = {}  # every cached block, by its hash
+        self._hash_of: dict[int, bytes] = {}  # the same, inverted
+        self._lru: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced: oldest first
+        self.queried_tokens = 0  # context tokens looked up at admission
+        self.hit_tokens = 0  # of which found cached
+        self.evictions = 0  # cached blocks evicted to be given out again
+
+    # ---- reading -------------------------------------------------------------------------
+    @property
+    def num_free(self) -> int:
+        """Blocks that can be given out: free, or cached with no reference (evictable)."""
+        return len(self._free) + len(self._lru)
+
+    def refs(self, block: int) -> int:
+        return self._refs[block]
+
+    def held(self) -> list[int]:
+        """Blocks with a reference, ascending."""
+        return [b for b, n in enumerate(self._refs) if n]
+
+    def cached(self) -> dict[int, bytes]:
+        """Every cached block (referenced or not) and its hash."""
+        return dict(self._hash_of)
+
+    def unreferenced_cached(self) -> list[int]:
+        """Cached blocks nobody holds, least recently released first (eviction order)."""
+        return list(self._lru)
+
+    def free_list(self) -> list[int]:
+        return list(self._free)
+
+    # ---- giving out and taking back ------------------------------------------------------
+    def take(self) -> int:
+        """A block for new KV, with one reference: a free one, else the least recently
+        used unreferenced cached block (evicted from the cache)."""
+        if self._free:
+            block = self._free.pop()
+        elif self._lru:
+            block, _ = self._lru.popitem(last=False)
+            del self._by_hash[self._hash_of.pop(block)]
+            self.evictions += 1
+        else:
+            raise RuntimeError(f"no free block: all {self.num_blocks} are held")
+        self._ref(block)
+        return block
+
+    def drop(self, blocks: list[int]) -> None:
+        """Drop one reference to each of `blocks` (a sequence's, in position order). A block
+        nobody holds any more goes to the LRU if it is cached, else to the free list; both
+        in reverse order, so a chain's last blocks are given out (evicted) first."""
+        for block in reversed(blocks):
+            if self._refs[block] < 1:
+                raise RuntimeError(f"block {block} dropped but nobody holds it")
+            self._refs[block] -= 1
+            if self._refs[block] == 0:
+                self.num_held -= 1
+                if block in self._hash_of:
+                    self._lru[block] = None
+                else:
+                    self._free.append(block)
+
+    def forget_unreferenced(self) -> None:
+        """Every unreferenced cached block back to the free list, its hash forgotten (their
+        KV is gone, e.g. not moved by a re-shard)."""
+        for block in self._lru:
+            del self._by_hash[self._hash_of.pop(block)]
+        self._free.extend(reversed(self._lru))
+        self._lru.clear()
+
+    def _ref(self, block: int) -> None:
+        if self._refs[block] == 0:
+            self._lru.pop(block, None)
+            self.num_held += 1
+        self._refs[block] += 1
+
+    # ---- the prefix cache ----------------------------------------------------------------
+    def next_hash(self, seq: SeqInfo, hashes: list[bytes]) -> bytes | None:
+        """The hash of `seq`'s block number `len(hashes)` (`hashes`: its blocks' before),
+        or None while any of that block's token ids is unknown."""
+        start = len(hashes) * self.block_size
+        token_ids = seq.token_ids(start, start + self.block_size)
+        if token_ids is None or len(token_ids) < self.block_size:
+            return None
+        return block_hash(hashes[-1] if hashes else ROOT, token_ids, self._key)
+
+    def take_prefix(self, seq: SeqInfo, max_blocks: int) -> int:
+        """`seq` (entering the device store with no blocks) takes a reference to each block
+        of its longest cached prefix, at most `max_blocks`; they become its first blocks
+        and their hashes its `block_hashes`. Returns how many tokens they cover."""
+        if not self.caching:
+            return 0
+        self.queried_tokens += seq.context_len
+        while len(seq.blocks) < max_blocks:
+            digest = self.next_hash(seq, seq.block_hashes)
+            block = self._by_hash.get(digest) if digest is not None else None
+            if block is None:
+                break
+            self._ref(block)
+            seq.blocks.append(block)
+            seq.block_hashes.append(digest)
+        self.hit_tokens += len(seq.blocks) * self.block_size
+        return len(seq.blocks) * self.block_size
+
+    def cache_full(self, seq: SeqInfo) -> None:
+        """Cache `seq`'s full blocks of written KV (its first `computed` tokens) whose token
+        ids are known, in order, from the first not yet hashed. A block whose hash another
+        block already has (the same prefix computed twice) stays uncached."""
+        if not self.caching:
+            return
+        full = min(seq.computed // self.block_size, len(seq.blocks))
+        while len(seq.block_hashes) < full:
+            digest = self.next_hash(seq, seq.block_hashes)
+            if digest is None:
+                return
+            block = seq.blocks[len(seq.block_hashes)]
+            seq.block_hashes.append(digest)
+            if digest not in self._by_hash:
+                self._by_hash[digest] = block
+                self._hash_of[block] = digest

@@ -1,0 +1,372 @@
+"""The prefix cache in the one ledger: full blocks found by their hash chain, shared by
+reference, cached when the run that writes them is applied, evicted least recently used only
+when nobody holds them; and, under random arrivals, preemption and aborts, every block is
+exactly one of free, cached-unreferenced or referenced, and holds the tokens its hash says."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+
+from jaxpipe.scheduler import (
+    Location,
+    Preempt,
+    Run,
+    SchedulerState,
+    SeqInfo,
+    Sequence,
+    Switch,
+    make_policy,
+)
+from jaxpipe.scheduler.prefix_cache import ROOT, BlockPool, block_hash, extra_key_digest
+
+UNIT = 4
+
+
+def seq(seq_id, token_ids, max_tokens=4) -> Sequence:
+    return Sequence.create(seq_id, list(token_ids), None, 0, max_tokens)
+
+
+def cached_state(blocks=16, slots=4, **kwargs) -> SchedulerState:
+    return SchedulerState(blocks * UNIT, slots, 64, host_unit=UNIT, device_unit=UNIT,
+                          prefix_caching=True, **kwargs)
+
+
+def prefill(state: SchedulerState, *seqs: Sequence) -> Run:
+    """Prefill `seqs` whole in one run (launched, then applied); returns the run."""
+    run = Run(prefill=[(s, s.to_prefill) for s in seqs])
+    state.add_all(s for s in seqs if s.location is Location.WAITING and s not in state.waiting)
+    state.launch(run)
+    state.apply(run)
+    return run
+
+
+def test_block_hash_chains_parent_tokens_and_extra_key():
+    key = extra_key_digest("smollm2")
+    first = block_hash(ROOT, [1, 2, 3, 4], key)
+    assert first == block_hash(ROOT, [1, 2, 3, 4], key)
+    assert first != block_hash(ROOT, [1, 2, 3, 5], key)
+    assert first != block_hash(ROOT, [1, 2, 3, 4], extra_key_digest("llama"))
+    assert block_hash(first, [5, 6, 7, 8], key) != block_hash(ROOT, [5, 6, 7, 8], key)
+
+
+def test_the_same_prefix_gets_the_same_blocks_and_another_key_does_not():
+    state = cached_state()
+    a = seq("a", range(10))
+    prefill(state, a)
+    b = seq("b", range(10))
+    prefill(state, b)
+    assert b.blocks[:2] == a.blocks[:2] and b.cached_tokens == 8
+    assert b.blocks[2] != a.blocks[2]  # the partial block is never shared
+    assert b.block_hashes == a.block_hashes
+    c = seq("c", range(10))
+    assert (BlockPool(4, UNIT, True, "m1").next_hash(c, [])
+            == BlockPool(4, UNIT, True, "m1").next_hash(c, [])
+            != BlockPool(4, UNIT, True, "m2").next_hash(c, []))
+
+
+@pytest.mark.parametrize("shared,hit", [(6, 4), (8, 8), (9, 8), (12, 12), (13, 12)])
+def test_a_prefix_is_taken_in_whole_blocks_and_its_chunk_starts_after_it(shared, hit):
+    """Prompts of 13 tokens sharing their first `shared`: inside a block the hit stops at the
+    block before; exactly on a boundary it takes it; the whole prompt leaves its last token
+    (and so its partial last block) to compute."""
+    state = cached_state()
+    prefill(state, seq("a", range(13)))
+    b = seq("b", [*range(shared), *range(100, 113 - shared)])
+    state.add(b)
+    run = Run(prefill=[(b, 13)])
+    state.launch(run)
+    assert (b.cached_tokens, b.computed, run.prefill) == (hit, hit, [(b, 13 - hit)])
+    assert run.sampling() == [b]
+    state.apply(run)
+    assert b.computed == 13 and b.generated == 1
+
+
+def test_a_whole_prompt_of_full_blocks_recomputes_its_last_block():
+    state = cached_state()
+    a = seq("a", range(8))
+    prefill(state, a)
+    b = seq("b", range(8))
+    prefill(state, b)
+    assert b.cached_tokens == 4 and b.blocks[0] == a.blocks[0] and b.blocks[1] != a.blocks[1]
+    assert b.block_hashes == a.block_hashes  # its own copy of block 1 stays uncached
+    assert b.blocks[1] not in state.block_pool.cached()
+
+
+def test_shared_blocks_are_counted_once_and_references_return_to_zero():
+    state = cached_state()
+    a, b, c = seq("a", range(9)), seq("b", range(9)), seq("c", [*range(8), 50])
+    prefill(state, a)
+    prefill(state, b, c)
+    pool = state.block_pool
+    assert [pool.refs(x) for x in a.blocks] == [3, 3, 1]
+    assert state.device_used == (2 + 3) * UNIT  # a's 3 blocks, and b's and c's own last
+    state.apply(Run(), finished=["a", "b"])
+    assert [pool.refs(x) for x in c.blocks] == [1, 1, 1]
+    state.abort("c")
+    assert pool.num_held == 0 and state.device_used == 0
+    assert state.free_blocks == state.num_blocks and len(pool.unreferenced_cached()) == 2
+    assert (pool.queried_tokens, pool.hit_tokens) == (27, 16)
+
+
+def test_sequences_of_one_step_share_nothing_written_in_it():
+    """Not in one run, nor in two launched before either is applied (a pipelined step)."""
+    state = cached_state(slots=8)
+    a, b = seq("a", range(9)), seq("b", range(9))
+    prefill(state, a, b)
+    assert b.cached_tokens == 0 and not set(a.blocks) & set(b.blocks)
+    c, d = seq("c", range(20, 29)), seq("d", range(20, 29))
+    state.add_all([c, d])
+    first, second = Run(prefill=[(c, 9)]), Run(prefill=[(d, 9)])
+    state.launch(first)
+    state.launch(second)
+    assert d.cached_tokens == 0
+    state.apply(first)
+    state.apply(second)
+    e = seq("e", range(20, 29))
+    prefill(state, e)
+    assert e.cached_tokens == 8 and e.blocks[:2] == c.blocks[:2]
+
+
+def test_unreferenced_cached_blocks_are_evicted_least_recently_used_first():
+    """Seven blocks. a's and b's two full blocks are cached; a ends first, then b: the LRU
+    is a's last, a's first, b's last, b's first (a chain's tail goes before its head). A new
+    sequence takes the three free blocks, then evicts a's last; b's prefix is still found,
+    and d's next block evicts a's first."""
+    state = cached_state(blocks=7)
+    a, b = seq("a", range(8)), seq("b", range(50, 58))
+    prefill(state, a)
+    prefill(state, b)
+    a_blocks, b_blocks = list(a.blocks), list(b.blocks)
+    state.apply(Run(), finished=["a", "b"])
+    pool = state.block_pool
+    assert pool.unreferenced_cached() == [a_blocks[1], a_blocks[0], b_blocks[1], b_blocks[0]]
+    assert state.free_blocks == 7 and state.device_used == 0
+    free = list(reversed(pool.free_list()))  # in the order they are given out
+    c = seq("c", range(100, 115))
+    prefill(state, c)
+    assert c.blocks == [*free, a_blocks[1]] and pool.evictions == 1
+    assert pool.unreferenced_cached() == [a_blocks[0], *reversed(b_blocks)]
+    d = seq("d", range(50, 59))
+    prefill(state, d)
+    assert d.cached_tokens == 8 and d.blocks == [*b_blocks, a_blocks[0]]
+    assert pool.evictions == 2 and pool.unreferenced_cached() == []
+
+
+def test_a_block_someone_holds_is_never_given_out():
+    state = cached_state(blocks=3)
+    a = seq("a", range(8))
+    prefill(state, a)
+    b = seq("b", range(8))
+    state.add(b)
+    state.launch(Run(prefill=[(b, 8)]))  # hits a's first block, takes the last free one
+    assert b.blocks[0] == a.blocks[0] and state.free_blocks == 0
+    c = seq("c", range(30, 34))
+    state.add(c)
+    with pytest.raises(RuntimeError, match="overfilled"):
+        state.launch(Run(prefill=[(c, 4)]))
+
+
+def test_a_released_prefix_is_found_again_and_a_switch_forgets_it():
+    """A recompute preemption keeps its full blocks cached: coming back it recomputes only
+    its last block (outputs included). A re-shard moves only held blocks: the cache of
+    unreferenced blocks is dropped."""
+    state = cached_state()
+    a = seq("a", range(7), max_tokens=8)
+    prefill(state, a)
+    for token in (7, 8):
+        a.output_token_ids.append(token)
+        state.apply(Run(decode=[a]))
+    assert a.computed == 9 and len(a.block_hashes) == 2
+    state.apply(Preempt([a], "recompute"))
+    assert a.blocks == [] and len(state.block_pool.unreferenced_cached()) == 2
+    a.output_token_ids.append(9)
+    run = Run(prefill=[(a, a.to_prefill)])
+    state.launch(run)
+    assert (a.cached_tokens, run.prefill[0][1]) == (8, 2)
+    state.apply(run)
+    z = seq("z", range(40, 45))
+    prefill(state, z)
+    state.apply(Run(), finished=["z"])
+    assert len(state.block_pool.unreferenced_cached()) == 1
+    state.apply(Switch("decode"))
+    assert state.block_pool.unreferenced_cached() == [] and state.block_pool.cached() == {
+        b: h for b, h in zip(a.blocks, a.block_hashes, strict=False)}
+
+
+def test_outputs_are_cached_once_their_tokens_are_known():
+    state = cached_state()
+    a = seq("a", range(3), max_tokens=8)
+    prefill(state, a)
+    state.apply(Run(decode=[a]))  # position 3 written, but its token is not back yet
+    assert a.computed == 4 and a.block_hashes == []
+    a.output_token_ids += [3, 4]
+    state.apply(Run(decode=[a]))
+    assert len(a.block_hashes) == 1 and a.blocks[0] in state.block_pool.cached()
+
+
+def test_plain_seqinfos_and_caching_off_never_hit():
+    state = cached_state()
+    for name in ("x", "y"):
+        info = SeqInfo(name, 9, 2)
+        state.add(info)
+        state.apply(Run(prefill=[(info, 9)]))
+        assert info.cached_tokens == 0
+    off = SchedulerState(64, 4, device_unit=UNIT)
+    prefill(off, seq("a", range(9)))
+    b = seq("b", range(9))
+    prefill(off, b)
+    assert b.cached_tokens == 0 and off.block_pool.cached() == {}
+
+
+# ---- the property test ----------------------------------------------------------------------
+
+def chain(token_ids: tuple) -> bytes:
+    digest = ROOT
+    for start in range(0, len(token_ids), UNIT):
+        digest = block_hash(digest, token_ids[start:start + UNIT], extra_key_digest(None))
+    return digest
+
+
+class Driver:
+    """A pure-Python engine: requests with shared prefixes arrive at random, run under
+    `prefill_first`, are preempted (both modes), aborted and finished at random; their output
+    tokens come back at once or a step late. It keeps what each block holds (`holds`: the
+    context prefix ending with a block, once its KV is fully written) to check the cache."""
+
+    def __init__(self, seed: int, caching: bool):
+        self.rng = rng = random.Random(seed)
+        self.state = SchedulerState(24 * UNIT, 6, 40 * UNIT, host_unit=UNIT, device_unit=UNIT,
+                                    prefix_caching=caching)
+        self.policy = make_policy("prefill_first", max_prefill_tokens=rng.choice([8, 24]),
+                                  preempt_mode=rng.choice(["swap", "recompute"]))
+        prefixes = [[rng.randrange(30) for _ in range(rng.randint(1, 14))] for _ in range(3)]
+        self.arrivals = []
+        self.truth: dict[str, list[int]] = {}
+        for i in range(30):
+            prompt = rng.choice(prefixes) + [rng.randrange(30) for _ in range(rng.randint(1, 9))]
+            out = rng.randint(1, 12)
+            self.arrivals.append(seq(f"r{i}", prompt, out))
+            self.truth[f"r{i}"] = prompt + [rng.randrange(30) for _ in range(out)]
+        self.late: list[Sequence] = []  # sampled, its token not received yet
+        self.holds: dict[int, tuple] = {}
+
+    def run(self) -> None:
+        while self.arrivals or self.state.has_work():
+            self.receive()
+            roll = self.rng.random()
+            if self.arrivals and (roll < 0.3 or not self.state.has_work()):
+                self.state.add(self.arrivals.pop(0))
+            elif roll < 0.35:
+                self.abort()
+            elif roll < 0.42 and self.state.device:
+                self.preempt()
+            else:
+                self.step()
+            self.check()
+
+    def receive(self) -> None:
+        for s in self.late:
+            s.output_token_ids.append(self.truth[s.seq_id][s.num_tokens])
+        self.late = []
+
+    def abort(self) -> None:
+        live = [*self.state.waiting, *self.state.device.values(), *self.state.host.values()]
+        if live:
+            self.state.abort(self.rng.choice(live).seq_id)
+
+    def preempt(self) -> None:
+        victim = self.rng.choice(list(self.state.device.values()))
+        swap = self.state.host_size(victim.computed) <= self.state.host_free
+        self.state.apply(Preempt([victim], "swap" if swap and self.rng.random() < 0.5
+                                 else "recompute"))
+
+    def step(self) -> None:
+        action = self.policy.schedule(self.state)
+        if action is None:
+            raise AssertionError("stalled")
+        if not isinstance(action, Run):
+            self.state.apply(action)
+            if action.kind.value == "swap_in":  # the host copy lands in the new blocks
+                for s in action.seqs:
+                    self.write(s, 0, s.computed)
+            return
+        runs = [action]
+        if self.rng.random() < 0.5:  # engine-like: launch (a second run rides along), apply
+            self.state.launch(action)
+            second = self.policy.schedule(self.state)
+            if isinstance(second, Run) and self.rng.random() < 0.5:
+                self.state.launch(second)
+                runs.append(second)
+        for run in runs:
+            self.apply(run)
+
+    def apply(self, run: Run) -> None:
+        before = {s.seq_id: s.generated for s in run.seqs}
+        self.state.apply(run)
+        for s, n in run.prefill:  # `n` as the state trimmed it past the cached prefix
+            self.write(s, s.computed - n, s.computed)
+        for s in run.decode:
+            self.write(s, s.computed - 1, s.computed)
+        sampled = [s for s in run.seqs if s.generated > before[s.seq_id]]
+        ended = [s.seq_id for s in sampled
+                 if s.generated >= s.max_output_len or self.rng.random() < 0.05]
+        for s in sampled:
+            if s.seq_id in ended:
+                continue
+            if self.rng.random() < 0.5:  # its token comes back with the next step
+                self.late.append(s)
+            else:
+                s.output_token_ids.append(self.truth[s.seq_id][s.num_tokens])
+        self.state.finish(ended)
+
+    def write(self, s: Sequence, start: int, stop: int) -> None:
+        """KV rows [start, stop) of `s` written: never into a block someone else holds."""
+        truth = self.truth[s.seq_id]
+        for pos in range(start, stop):
+            block = s.blocks[pos // UNIT]
+            assert self.state.block_pool.refs(block) == 1, "wrote a shared block"
+            if pos % UNIT == 0:
+                self.holds.pop(block, None)
+            if pos % UNIT == UNIT - 1:
+                self.holds[block] = tuple(truth[:pos + 1])
+
+    def check(self) -> None:
+        state, pool = self.state, self.state.block_pool
+        holders = Counter(b for s in state.device.values() for b in s.blocks)
+        free, lru = pool.free_list(), pool.unreferenced_cached()
+        referenced = [b for b in range(state.num_blocks) if pool.refs(b)]
+        assert sorted(free + lru + referenced) == list(range(state.num_blocks))
+        assert all(pool.refs(b) == holders[b] for b in range(state.num_blocks))
+        assert all(len(set(s.blocks)) == len(s.blocks) for s in state.device.values())
+        assert state.device_used == len(holders) * UNIT == pool.num_held * UNIT
+        assert all(len(s.blocks) == -(-s.computed // UNIT) for s in state.device.values())
+        assert not any(s.blocks or s.block_hashes
+                       for s in [*state.waiting, *state.host.values()])
+        cached = pool.cached()
+        assert set(lru) <= set(cached) and len(set(cached.values())) == len(cached)
+        for block, digest in cached.items():  # a cached block holds the prefix its hash names
+            assert chain(self.holds[block]) == digest
+        for s in state.device.values():  # and a sequence's full blocks hold its own prefix
+            truth = tuple(self.truth[s.seq_id])
+            for i in range(s.computed // UNIT):
+                assert self.holds.get(s.blocks[i]) == truth[:(i + 1) * UNIT]
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_random_traffic_keeps_every_block_accounted_and_shared_correctly(seed):
+    driver = Driver(seed, caching=True)
+    driver.run()
+    state, pool = driver.state, driver.state.block_pool
+    assert pool.num_held == 0 and state.device_used == 0 and state.host_used == 0
+    assert all(pool.refs(b) == 0 for b in range(state.num_blocks))
+    assert state.free_blocks == state.num_blocks and state.num_finished == 30
+    assert pool.hit_tokens > 0
+
+
+def test_random_traffic_with_caching_off_hits_nothing():
+    driver = Driver(0, caching=False)
+    driver.run()
+    assert driver.state.block_pool.cached() == {} and driver.state.free_blocks == 24
