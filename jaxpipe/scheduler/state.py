@@ -175,7 +175,7 @@ class SchedulerState:
 
     def reset_peaks(self) -> None:
         """Restart `peak_blocks` and `host_peak` from what is held now (a stats reset)."""
-        self.peak_blocks = self.num_blocks - len(self._free)
+        self.peak_blocks = self.block_pool.num_held
         self.host_peak = self.host_used
 
     def held_blocks(self) -> list[int]:
@@ -232,7 +232,7 @@ class SchedulerState:
         self.device[seq.seq_id] = seq
         seq.location = Location.DEVICE
 
-    def _release(self, seq: SeqInfo) -> None:
+    def _free_seq(self, seq: SeqInfo) -> None:
         """Drop `seq`'s references to its device blocks and return its slot (it leaves the
         device store; the caller takes it out of `device`)."""
         self.block_pool.drop(seq.blocks)
@@ -338,7 +338,7 @@ class SchedulerState:
                 self._move(seq, Location.HOST)
             else:  # recompute: drop the KV, prefill prompt + outputs again later (first in line)
                 del self.device[seq.seq_id]
-                self._release(seq)
+                self._free_seq(seq)
                 seq.computed, seq.location = 0, Location.WAITING
                 self.waiting.appendleft(seq)
         self._check_capacity()
@@ -347,7 +347,7 @@ class SchedulerState:
         """Move a sequence's KV between device and host (either direction)."""
         if to is Location.HOST:
             del self.device[seq.seq_id]
-            self._release(seq)
+            self._free_seq(seq)
             self.host[seq.seq_id] = seq
             self.host_used += self.host_size(seq.computed)
             self.host_peak = max(self.host_peak, self.host_used)
@@ -371,7 +371,7 @@ class SchedulerState:
         if seq.location is Location.HOST:
             self.host_used -= self.host_size(seq.computed)
         else:
-            self._release(seq)
+            self._free_seq(seq)
         seq.location = Location.FINISHED
         self.num_finished += 1
         return seq

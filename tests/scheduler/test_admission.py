@@ -80,6 +80,17 @@ def test_host_tier_is_charged_in_rounded_tokens():
     assert state.host_used == 16 and state.host_peak == 48
 
 
+def test_reset_peaks_restarts_both_peaks_from_what_is_held_now():
+    state = SchedulerState(1000, 8, host_kv_tokens=64, host_unit=16, device_unit=4)
+    a, b = waiting(state, [17, 6])
+    state.apply(Run(prefill=[(a, 17)], prefill_to_host=True))  # 32 host tokens
+    state.apply(Run(prefill=[(b, 6)]))  # 2 blocks of 4
+    state.apply(Run(), finished=["r0"])
+    assert (state.peak_blocks, state.host_peak) == (5, 32)  # a's 5 blocks before the host
+    state.reset_peaks()
+    assert (state.peak_blocks, state.host_peak) == (2, 0)
+
+
 def test_abort_from_every_queue_returns_the_budget():
     state = SchedulerState(1000, 8, 100, host_unit=8)
     a, b, c = waiting(state, [5, 6, 7])
