@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from jaxpipe_bench.checks import check_choices
 from jaxpipe_bench.matmul import DEFAULT_SHAPES
 from jaxpipe_bench.report import machine_info, render, throughput, write_json
 from jaxpipe_bench.workload import (
@@ -121,10 +122,7 @@ class BenchConfig:
 
     def __post_init__(self) -> None:
         self.peers = parse_peers(",".join(self.peers))  # checked, in PEER_NAMES order
-        if self.ov_kv_cache_precision not in (None, "bf16", "f32", "u8"):
-            raise ValueError(
-                f"ov_kv_cache_precision must be bf16, f32 or u8, got {self.ov_kv_cache_precision!r}"
-            )
+        check_choices(self)
         for name in ("hf_batch_sizes", "ov_batched_tokens"):
             if not getattr(self, name) or min(getattr(self, name)) < 1:
                 raise ValueError(f"{name} must be positive integers, got {getattr(self, name)}")

@@ -23,6 +23,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from jaxpipe_bench.checks import check_counts
+
 PROMPTS = ("What is the capital of France?", "Write a haiku about the sea.",
            "Explain photosynthesis in two sentences.", "List three prime numbers.",
            "Translate 'good morning' into Spanish.", "What does a CPU do?",
@@ -56,10 +58,7 @@ class CheckConfig:
     skip_throughput: bool = False
 
     def __post_init__(self):
-        for name in ("max_tokens", "num_prompts", "decode_batch", "decode_context", "repeats"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"CheckConfig.{name} must be an integer >= 1, got {value!r}")
+        check_counts(self, "max_tokens", "num_prompts", "decode_batch", "decode_context", "repeats")
         if not self.hf_batch_sizes or min(self.hf_batch_sizes) < 1:
             raise ValueError(f"CheckConfig.hf_batch_sizes must be one or more integers >= 1, "
                              f"got {self.hf_batch_sizes!r}")

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from jaxpipe_bench import _generate, check_outputs, default_max_model_len, warmup_requests
+from jaxpipe_bench.checks import check_choices, check_counts
 from jaxpipe_bench.report import throughput
 from jaxpipe_bench.workload import Request
 
@@ -67,12 +68,8 @@ class SchedulersConfig:
     host_kv_tokens: int | None = None
 
     def __post_init__(self):
-        if self.dtype not in ("bfloat16", "float32"):
-            raise ValueError(f"SchedulersConfig.dtype must be 'bfloat16' or 'float32', "
-                             f"got {self.dtype!r}")
-        if not isinstance(self.num_prompts, int) or self.num_prompts < 1:
-            raise ValueError(f"SchedulersConfig.num_prompts must be an integer >= 1, "
-                             f"got {self.num_prompts!r}")
+        check_choices(self)
+        check_counts(self, "num_prompts")
         self.run_specs()  # refuses a malformed --runs
 
     def run_specs(self) -> list[RunSpec]:

@@ -50,6 +50,8 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
+from jaxpipe_bench.checks import check_choices, check_counts
+
 CALL_DEADLINE = 180.0  # seconds; a call that takes longer is a hang
 PAUSES = {"unavailable": 0.25, "rate_limited": 1.0}  # seconds a client waits after these
 IDLE_WAIT = 10.0  # seconds the engine gets, once the run is over, to hold no request
@@ -94,13 +96,8 @@ class SoakConfig:
     max_requests: int | None = None
 
     def __post_init__(self):
-        if self.transport not in ("grpc", "http"):
-            raise ValueError(f"SoakConfig.transport must be 'grpc' or 'http', "
-                             f"got {self.transport!r}")
-        for name in ("clients", "min_samples", "max_requests"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 1):
-                raise ValueError(f"SoakConfig.{name} must be an integer >= 1, got {value!r}")
+        check_choices(self)
+        check_counts(self, "clients", "min_samples", "max_requests")
         if not self.seconds > 0:
             raise ValueError(f"SoakConfig.seconds must be > 0, got {self.seconds!r}")
         for name in ("kill_at", "warmup_at", "rss_window"):

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from jaxpipe_bench.checks import check_choices, check_counts
 from jaxpipe_bench.workload import Request
 
 # name -> the techniques it switches on (each adds one to the one before; Engine.set_overlap etc.)
@@ -59,13 +60,8 @@ class TimelineConfig:
     trace: str | None = None
 
     def __post_init__(self):
-        if self.dtype not in ("bfloat16", "float32"):
-            raise ValueError(f"TimelineConfig.dtype must be 'bfloat16' or 'float32', "
-                             f"got {self.dtype!r}")
-        for name in ("num_prompts", "repeats"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"TimelineConfig.{name} must be an integer >= 1, got {value!r}")
+        check_choices(self)
+        check_counts(self, "num_prompts", "repeats")
         unknown = [v for v in self.variants if v not in VARIANTS]
         if unknown or not self.variants:
             raise ValueError(f"TimelineConfig.variants must be one or more of {list(VARIANTS)}, "
