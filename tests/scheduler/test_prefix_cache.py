@@ -43,6 +43,15 @@ def prefill(state: SchedulerState, *seqs: Sequence) -> Run:
     return run
 
 
+def alike(n: int) -> tuple[SchedulerState, Sequence, Sequence]:
+    """A cached state where "a" then "b", both the prompt 0..n-1, were prefilled in turn."""
+    state = cached_state()
+    a, b = seq("a", range(n)), seq("b", range(n))
+    prefill(state, a)
+    prefill(state, b)
+    return state, a, b
+
+
 def test_block_hash_chains_parent_tokens_and_extra_key():
     key = extra_key_digest("smollm2")
     first = block_hash(ROOT, [1, 2, 3, 4], key)
@@ -53,11 +62,7 @@ def test_block_hash_chains_parent_tokens_and_extra_key():
 
 
 def test_the_same_prefix_gets_the_same_blocks_and_another_key_does_not():
-    state = cached_state()
-    a = seq("a", range(10))
-    prefill(state, a)
-    b = seq("b", range(10))
-    prefill(state, b)
+    state, a, b = alike(10)
     assert b.blocks[:2] == a.blocks[:2] and b.cached_tokens == 8
     assert b.blocks[2] != a.blocks[2]  # the partial block is never shared
     assert b.block_hashes == a.block_hashes
@@ -85,11 +90,7 @@ def test_a_prefix_is_taken_in_whole_blocks_and_its_chunk_starts_after_it(shared,
 
 
 def test_a_whole_prompt_of_full_blocks_recomputes_its_last_block():
-    state = cached_state()
-    a = seq("a", range(8))
-    prefill(state, a)
-    b = seq("b", range(8))
-    prefill(state, b)
+    state, a, b = alike(8)
     assert b.cached_tokens == 4 and b.blocks[0] == a.blocks[0] and b.blocks[1] != a.blocks[1]
     assert b.block_hashes == a.block_hashes  # its own copy of block 1 stays uncached
     assert b.blocks[1] not in state.block_pool.cached()
