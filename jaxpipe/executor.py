@@ -1,22 +1,25 @@
-"""The engine core: one step is schedule -> launch -> land.
+"""The engine core: one step is schedule -> launch -> land, through the scheduler's one loop.
 
-    action = policy.schedule(state)     # Run | Switch | SwapIn | Preempt (jaxpipe.scheduler)
-    launch(run)                         # step_builder: pieces, inputs, sampling plan;
-                                        # dispatched, then applied to the state at once
-    land()                              # output_processor: tokens appended, stops checked,
-                                        # sequences finished; the policy told (`landed`)
-    execute(action)                     # any other action: a re-shard or a KV move
+    driver.step()          # jaxpipe.scheduler.loop.Driver, the simulator's loop too:
+      policy.schedule      #   Run | Switch | SwapIn | Preempt (a pipelined policy: pp runs,
+                           #   merged into one step)
+      launch(runs)         #   step_builder: pieces, inputs, sampling plan; dispatched, then
+                           #   applied to the state at once by the driver
+      land(flight)         #   output_processor: tokens appended, stops checked; the driver
+                           #   finishes the sequences that ended and tells the policy (`landed`)
+      execute(action)      #   any other action: a re-shard or a KV move
 
-Overlap (`EngineConfig.overlap`): a Run is applied to the state when its step is dispatched,
-and the step before it lands (tokens appended, stop checks) only after that, so the host's
-work runs while the device computes; decode tokens not yet on the host are fed from the step
-in flight on the device. Any other action waits for the step in flight to land first.
+This class is the loop's executor (`StepExecutor`) for the engine. Overlap
+(`EngineConfig.overlap`): a Run is applied to the state when its step is dispatched, and the
+step before it lands (tokens appended, stop checks) only after that, so the host's work runs
+while the device computes; decode tokens not yet on the host are fed from the step in flight
+on the device. Any other action waits for the step in flight to land first.
 
 Words kept to one meaning here: a step *lands* when its tokens are on the host (and so do the
 runs it carried: `Policy.landed`); a sequence is *freed* when its slot and KV go back to the
-pool (at dispatch when its token in flight is certainly its last: `OutputProcessor.free_last`);
-a *plan* is a step's `SamplingPlan`; *release* is left to `Engine.release` (a finished request's
-output forgotten).
+pool (at dispatch when its token in flight is certainly its last: the driver's rule, `free`
+here drops its KV); a *plan* is a step's `SamplingPlan`; *release* is left to
+`Engine.release` (a finished request's output forgotten).
 
 The policy sees only token counts (`SchedulerState`, also the one ledger of device blocks,
 slots and host-tier tokens); `KVManager` (jaxpipe/kv/) moves the bytes: the host KV tier and
@@ -27,9 +30,8 @@ state, the policy and the KV manager.
 
 from __future__ import annotations
 
-import dataclasses
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from jaxpipe import sizing, step_timing
 from jaxpipe.buckets import Buckets
@@ -42,14 +44,15 @@ from jaxpipe.output_processor import OutputProcessor
 from jaxpipe.runner import Dispatched, HostSampled, Runner, StepOutput
 from jaxpipe.scheduler import (
     Action,
+    Driver,
     Kind,
     Preempt,
     Run,
     SchedulerState,
     Sequence,
+    StepExecutor,
     make_policy,
 )
-from jaxpipe.scheduler.policy import launch_step
 from jaxpipe.scheduler.throttle import ThrottleKnobs
 from jaxpipe.step_builder import Step, StepBuilder
 from jaxpipe.stopping import DetokWorker
@@ -58,41 +61,39 @@ from jaxpipe.timeline import StepRecord, Timeline
 PIPELINED = ("tdpipe", "throttle")  # policies that form one micro-batch per schedule call
 
 
-class Executor:
-    """The loop over the scheduler state and its policy, a step builder, the runner, an
-    output processor and the engine's stats."""
+class Executor(StepExecutor):
+    """The engine's executor of the scheduler's loop: the scheduler state and its policy, a
+    step builder, the runner, an output processor and the engine's stats."""
+
+    merge = True  # a pipelined policy's pp micro-batches run as one step
 
     def __init__(self, config: EngineConfig, runner: Runner, buckets: Buckets, num_slots: int,
                  max_model_len: int, host_bytes: float):
         """The policy's actions carry the engine's `Sequence` records themselves.
         host_bytes: the host KV tier's budget (sizing.size; host_kv_tokens wins)."""
         self.config, self.runner, self.buckets = config, runner, buckets
-        self.state, self.policy, self.kv = _scheduling(config, runner, buckets, num_slots,
-                                                       max_model_len, host_bytes)
+        self.state, policy, self.kv = _scheduling(config, runner, buckets, num_slots,
+                                                  max_model_len, host_bytes)
+        self.driver = Driver(policy, self.state, self)
+        self.max_step_tokens = buckets.max_tokens
         self.builder = StepBuilder(runner, buckets, self.state, self.kv)
         self.kv.on_insert = self.builder.restore_penalties
         self.engine_stats = EngineStats(runner, self.state, self.kv)
         self.detok = DetokWorker()  # used by the requests added while config.detok_worker
         self.output = OutputProcessor(self.state, self.kv, self.detok, self.engine_stats,
                                       max_model_len)
-        self._flight: Flight | None = None  # the step dispatched and not yet landed
+        self._flight: Flight | None = None  # the newest step dispatched and not yet landed
+        self._landed: list[Sequence] = []  # sequences that got a token in this step() call
         self._overlap = config.overlap  # set_overlap flips it on an idle engine
 
     def step(self) -> list[Sequence]:
-        """Run the policy's next action; returns the sequences that got a token (with
-        overlap, those of the step before the one this call dispatched)."""
-        action, launched = self._schedule()
-        if isinstance(action, Run):
-            flight = self._launch(action, launched)  # dispatched and applied to the state
-            landed = self._land(after=flight)  # the step before it lands (overlap) ...
-            self._flight = flight
-            if not self.overlap:
-                landed += self._land()  # ... or this one, now
-        else:
-            landed = self._land()  # any other action waits for the step in flight
-            self._execute(action)
+        """Run the policy's next action (`Driver.step`: schedule, then `launch` and `land`,
+        or `execute`, below); returns the sequences that got a token (with overlap, those of
+        the step before the one this call dispatched)."""
+        self._landed = []
+        self.driver.step()
         self.engine_stats.note_host()
-        return landed
+        return self._landed
 
     # ---- the engine's controls ----------------------------------------------------------------
 
@@ -103,9 +104,22 @@ class Executor:
         each step and land every step before scheduling the next)."""
         return self._overlap and self.policy.depth == 1
 
+    @property
+    def in_flight(self) -> int:
+        """Steps left in flight while the next is scheduled (the driver's)."""
+        return int(self.overlap)
+
     def set_overlap(self, on: bool) -> None:
         """Overlap steps from now on, or land each before the next (Engine.set_overlap)."""
         self._overlap = bool(on)
+
+    @property
+    def policy(self):
+        return self.driver.policy
+
+    @policy.setter
+    def policy(self, policy) -> None:
+        self.driver.policy = policy
 
     def set_policy(self, config: EngineConfig) -> None:
         """Schedule with `config`'s policy (its scheduler and knobs) from now on."""
@@ -155,33 +169,27 @@ class Executor:
     def generated_tokens(self) -> int:
         return self.engine_stats.counts["generated_tokens"]
 
-    # ---- schedule, launch, land ---------------------------------------------------------------
+    # ---- the loop's callbacks: schedule, launch, land -----------------------------------------
 
-    def _schedule(self) -> tuple[Action | None, list[Run]]:
-        """The policy's next action, and the micro-batches it merges if it is a step of a
-        pipelined policy (up to `policy.depth` of them, launched one after another as a
-        pipelined executor would, run as one step: see `launch_step`)."""
-        if self.policy.depth > 1:
-            runs, action = launch_step(self.policy, self.state, self.buckets.max_tokens)
-            return (_merge(runs), runs) if runs else (action, [])
-        start = time.perf_counter()
-        action = self.policy.schedule(self.state)
+    def scheduled(self, start: float, state: SchedulerState) -> None:
         self.timeline.part("schedule", start)
-        return action, []
 
-    def _launch(self, action: Run, launched: list[Run]) -> Flight | None:
-        """Build and dispatch one ragged step: every prompt chunk and decode token of
-        `action` in one batch (`step_builder.py`), and apply it to the scheduler state at
-        once (a sequence's next token is then in flight; its stop is learnt when it lands).
-        With `prefill_to_host` each completed prefill's KV then goes to the host tier
-        (asynchronously: later steps overlap the copies). A sequence whose token in this
-        step is certainly its last is freed at once. `launched`: the micro-batches `action`
-        merges, applied one by one."""
+    def ready(self, run: Run) -> Run:
+        """`run` less the decodes whose KV is still being swapped in (none may wait in a
+        pipelined policy's micro-batch)."""
         start = time.perf_counter()
-        run = self.builder.ready(action, launched=bool(launched))
-        if not launched:
-            self.state.launch(run)  # the state gives the blocks the step writes
-        step = self.builder.build(run, self._flight)
+        run = self.builder.ready(run, launched=self.policy.depth > 1)
+        self.timeline.part("build", start)
+        return run
+
+    def launch(self, runs: list[Run], state: SchedulerState) -> Flight | None:
+        """Build and dispatch one ragged step: every prompt chunk and decode token of `runs`
+        in one batch (`step_builder.py`); the driver then applies it to the state at once
+        (a sequence's next token is in flight; its stop is learnt when it lands). With
+        `prefill_to_host` each completed prefill's KV then goes to the host tier
+        (asynchronously: later steps overlap the copies)."""
+        start = time.perf_counter()
+        step = self.builder.build(runs[0] if len(runs) == 1 else _merge(runs), self._flight)
         if step is None:
             return None
         start = self.timeline.part("build", start)
@@ -193,12 +201,10 @@ class Executor:
                                         step.run.prefill_tokens, out)
         self.timeline.part("dispatch", start, record)
         for seq, tokens in step.to_host:
-            self.kv.swap_out(seq, tokens)
-        for run in launched or [step.run]:
-            self.state.apply(run)
-        freed = self.output.free_last(step.sampled)  # their token in flight is their last
+            self.kv.swap_out(seq, tokens)  # its blocks, before the state records the move
         self.engine_stats.dispatched(step)
-        return Flight(launched or [step.run], step.sampled, out, record, freed)
+        self._flight = Flight(runs, step.sampled, out, record)
+        return self._flight
 
     def _ready_to_dispatch(self, step: Step, start: float) -> float:
         """What must be done before `step` is dispatched: a host-sampled step in flight whose
@@ -217,24 +223,27 @@ class Executor:
         self.kv.flush()
         return time.perf_counter()
 
-    def _land(self, after: Flight | None = None) -> list[Sequence]:
-        """Bring the step in flight's tokens to the host and process them (`OutputProcessor`);
-        tell the policy which sequences each of its runs ended. `after`: the step just
-        dispatched, whose freed sequences the state no longer holds. Returns the sequences
-        that got a token."""
-        flight, self._flight = self._flight, None
-        if flight is None:
-            return []
+    def free(self, flight: Flight, seqs: list[Sequence]) -> None:
+        """The driver freed `seqs` at dispatch (their token in `flight` is certainly their
+        last): their KV goes now, so the next step may admit others in their place (device
+        work runs in dispatch order: the step in flight still reads it). They finish, with
+        that token, when it lands."""
+        flight.freed = seqs
+        for seq in seqs:
+            self.kv.drop(seq)
+
+    def land(self, flight: Flight, state: SchedulerState) -> set[str]:
+        """Bring `flight`'s tokens to the host and process them (`OutputProcessor`); returns
+        the ids of its sequences that ended (by their own token, or a stop string found
+        now): the driver finishes them and tells the policy each run's own."""
+        if self._flight is flight:
+            self._flight = None
         out, start = self._bring(flight)
-        freed = flight.freed + (after.freed if after is not None else [])
-        landed, ended = self.output.process(flight.sampled, out, freed)
-        # A run's outcome: its sequences that ended as it landed (by their own token, or a
-        # stop string found now); aborts and others' stop strings are no run's.
-        for run in flight.runs:
-            self.policy.landed(run, [s for s in run.seqs if s.request_id in ended], self.state)
+        landed, ended = self.output.process(flight.sampled, out)
+        self._landed += landed
         self.engine_stats.landed(flight.runs, flight.record)
         self.timeline.part("postprocess", start, flight.record)
-        return landed
+        return ended
 
     def _bring(self, flight: Flight) -> tuple[StepOutput, float]:
         """Wait for the step in flight and bring its results to the host (a host-sampled
@@ -248,30 +257,25 @@ class Executor:
 
     # ---- the other actions: a re-shard or a KV move -------------------------------------------
 
-    def _execute(self, action: Action | None) -> None:
-        """Do a Switch / SwapIn / Preempt (less the sequences that ended in the step that
-        just landed) and tell the scheduler state it was done."""
-        if action is None:
-            return
-        action = _without_finished(action)
+    def execute(self, action: Action, state: SchedulerState) -> None:
+        """Do a Switch / SwapIn / Preempt (the driver records it in the state: a swap-in
+        first, so the KV goes into the blocks it gave; the others after)."""
         record = self.timeline.dispatch(action.kind.value, time.perf_counter())
         self.kv.flush()  # a switch moves only held blocks; swaps and preemptions reuse them
         if action.kind is Kind.SWAP_IN:
-            self.state.apply(action)  # first: the state gives the blocks the KV goes into
             for seq in action.seqs:
                 self.kv.swap_in(seq)
+        elif action.kind is Kind.SWITCH:
+            moved = self.runner.set_phase(action.phase, self.state.held_blocks())
+            self.engine_stats.switched(action.phase, moved)
         else:
-            if action.kind is Kind.SWITCH:
-                moved = self.runner.set_phase(action.phase, self.state.held_blocks())
-                self.engine_stats.switched(action.phase, moved)
-            else:
-                self._preempt(action)
-            self.state.apply(action)  # after: a preemption's KV is queued from its blocks
+            self._preempt(action)
         self.timeline.done(record)
 
     def _preempt(self, action: Preempt) -> None:
-        """Evict device sequences: KV to the host tier ("swap") or dropped ("recompute": the
-        prompt and outputs so far are prefilled again later)."""
+        """Evict device sequences: KV to the host tier ("swap", queued from the blocks the
+        state still gives them) or dropped ("recompute": the prompt and outputs so far are
+        prefilled again later)."""
         for seq in action.seqs:
             if action.mode == "swap":
                 self.kv.swap_out(seq, seq.computed)
@@ -325,25 +329,17 @@ def _policy(name: str, config: EngineConfig, runner: Runner, buckets: Buckets,
 
 @dataclass
 class Flight:
-    """A dispatched step on its way: the runs it applied, its sampled sequences (row order),
+    """A dispatched step on its way: the runs it carries, its sampled sequences (row order),
     the runner's handle and its timeline record."""
 
     runs: list[Run]
     sampled: list[Sequence]
     out: Dispatched | HostSampled
     record: StepRecord
-    freed: list[Sequence]  # sampled sequences freed at dispatch: this token is their last
+    freed: list[Sequence] = field(default_factory=list)  # freed at dispatch: their last token
 
     def __post_init__(self):
         self.rows = {seq: i for i, seq in enumerate(self.sampled)}  # seq -> its sampled row
-
-
-def _without_finished(action: Action) -> Action:
-    """`action` decided before the step in flight landed, less the sequences that ended in
-    it (a swap-in or preemption of a finished sequence is void)."""
-    if action.kind in (Kind.SWAP_IN, Kind.PREEMPT):
-        return dataclasses.replace(action, seqs=[s for s in action.seqs if not s.is_finished])
-    return action
 
 
 def _merge(runs: list[Run]) -> Run:

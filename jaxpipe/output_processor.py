@@ -1,13 +1,13 @@
 """What happens to a step's tokens on the host, and how sequences end.
 
-    landed, ended = output.process(sampled, out, freed)   # a step's tokens are on the host
+    landed, ended = output.process(sampled, out)   # a step's tokens are on the host
 
 Each sampled sequence still running gets its row's token (and logprobs), then its stop checks
 (`stopping.py`); the detokenizer worker's stop strings end others, cut back to the token that
-completed them. A sequence that ends is *finished*: its finish reason and time set, its KV
-dropped, the scheduler state told. A sequence whose token in a dispatched step is certainly
-its last (its length) is *freed* at dispatch (`free_last`), a step before it finishes, so the
-next step may admit another in its place.
+completed them (they leave the scheduler state here, as aborts do). A sequence that ends is
+*finished*: its finish reason and time set, its KV dropped; the scheduler's loop
+(`jaxpipe.scheduler.loop`) finishes the step's own in the state, unless it was *freed* there
+at dispatch already (its token in flight was certainly its last), a step before it finishes.
 """
 
 from __future__ import annotations
@@ -29,34 +29,21 @@ class OutputProcessor:
         self.state, self.kv, self.detok, self.stats = state, kv, detok, stats
         self.max_model_len = max_model_len
 
-    def process(self, sampled: list[Sequence], out: StepOutput, freed: list[Sequence]
+    def process(self, sampled: list[Sequence], out: StepOutput
                 ) -> tuple[list[Sequence], set[str]]:
         """A step's results `out` (row i: `sampled[i]`'s token) are on the host: append them,
-        check stops, finish what ended. `freed`: sequences the state freed already (at their
-        step's dispatch); one may end here, a step early, by EOS or a stop. A sequence that
-        finished or was aborted meanwhile gets no token. Returns (the sequences that got a
-        token or were ended by a stop string, the ids of those that ended now)."""
+        check stops, finish what ended (the caller finishes the sampled ones in the
+        scheduler state). A sequence that finished or was aborted meanwhile gets no token.
+        Returns (the sequences that got a token or were ended by a stop string, the ids of
+        those that ended now)."""
         live = [(i, s) for i, s in enumerate(sampled) if not s.is_finished]
         self._append(live, out)
         self.detok.commit()
         ended = {s.request_id for _, s in live if s.is_finished}
-        self.state.finish(ended - {s.request_id for s in freed})
         matched = self._stop_string_matches()
         rows = set(sampled)
         return ([s for _, s in live] + [s for s in matched if s not in rows],
                 ended | {s.request_id for s in matched})
-
-    def free_last(self, sampled: list[Sequence]) -> list[Sequence]:
-        """Free the slots and KV of the sequences whose token in the step just dispatched is
-        certainly their last (their length), at once: the next step may admit others in
-        their place, as it would had the token landed (device work runs in dispatch order,
-        so the step in flight still reads their KV). They finish, with that token, when it
-        lands. Returns them."""
-        last = [s for s in sampled if s.at_length(s.generated, self.max_model_len)]
-        self.state.finish(s.request_id for s in last)
-        for seq in last:
-            self.kv.drop(seq)
-        return last
 
     def finish(self, seq: Sequence, reason: str | None) -> None:
         """End `seq` (the scheduler state is told by the caller) and drop its KV. A stop

@@ -1,7 +1,7 @@
 """Step times the engine measures once per model, layout and machine, for TD-Pipe's
 decode -> prefill switch (`scheduler/tdpipe.py`'s `PhaseTiming`).
 
-The engine runs pp micro-batches as one step (`Executor._schedule`), so one
+The engine runs pp micro-batches as one step (`scheduler.loop.Driver`), so one
 micro-batch's time is the step's time at pp times its size, over pp. Decode steps are measured
 at power-of-two row counts (context `CONTEXT` tokens each), prefill steps at a few token
 counts; times in between are interpolated linearly. The table is cached as JSON under

@@ -1,20 +1,22 @@
 """A simulated executor: the real `jaxpipe.scheduler` policies, step times from the cost model.
 
 `simulate(...)` builds a `SchedulerState` for one replica, adds every request of a workload and
-runs `jaxpipe.scheduler.drive` with `SimExecutor.execute`, which advances a clock by the cost
-model's time for each action:
+runs the scheduler's one loop (`jaxpipe.scheduler.Driver`, as the engine does) over a
+`SimExecutor`, which advances a clock by the cost model's time for each action:
 
-- `Run`: one step on the current layout (prefill layout in the prefill phase, else decode);
-  completed prefills sent to the host tier are copied out on the host link in the background.
+- `Run`: one step on the current layout (prefill layout in the prefill phase, else decode),
+  landing at once; completed prefills sent to the host tier are copied out on the host link in
+  the background. `PipelinedSimExecutor` keeps up to pp micro-batches in flight instead.
 - `Switch`: waits for the host link to drain, then loads the new weight shards; KV still on the
   devices is re-sharded through the host (out and back in).
 - `SwapIn` / `Preempt(swap)`: KV copies on the host link, overlapping later steps; a step that
   decodes a swapped-in sequence starts no earlier than its copy lands.
 
 Every request runs to its output length (as with ignore_eos), so token counts are fixed by the
-workload. The stats are the engine's (issue 4): transitions, reshard/prefill/decode/swap seconds,
-swap bytes, mean decode batch, preemptions, padding waste (0: the simulated GPU engine does not
-pad) and a host-tier occupancy timeline.
+workload, and each is freed when the run with its last token is launched (as the engine frees
+a sequence whose token in flight is certainly its last). The stats are the engine's (issue 4):
+transitions, reshard/prefill/decode/swap seconds, swap bytes, mean decode batch, preemptions,
+padding waste (0: the simulated GPU engine does not pad) and a host-tier occupancy timeline.
 """
 
 from __future__ import annotations
@@ -34,16 +36,16 @@ from jaxpipe.planner.planner import (
 )
 from jaxpipe.planner.workloads import Workload
 from jaxpipe.scheduler import (
+    Driver,
     Kind,
     Phase,
     Preempt,
     Run,
     SchedulerState,
     SeqInfo,
+    StepExecutor,
     SwapIn,
     Switch,
-    drive,
-    drive_pipelined,
     make_policy,
 )
 
@@ -75,28 +77,36 @@ class SimStats:
         return self.decode_rows / self.decode_steps if self.decode_steps else 0.0
 
 
-class SimExecutor:
-    """Executes scheduler actions against a clock using one CostModel per phase."""
+class SimExecutor(StepExecutor):
+    """Carries out scheduler actions against a clock using one CostModel per phase; each
+    step lands as soon as it is launched."""
 
     def __init__(self, prefill_cost: CostModel, decode_cost: CostModel):
         self.cost = {Phase.PREFILL: prefill_cost, Phase.DECODE: decode_cost}
         self.clock = 0.0  # seconds since the start
         self.link = 0.0  # when the host link finishes its queued copies
-        self.ready: dict[Hashable, float] = {}  # swapped-in sequence -> when its KV lands
+        self.kv_ready: dict[Hashable, float] = {}  # swapped-in sequence -> when its KV lands
         self.stats = SimStats()
 
-    def execute(self, action, state: SchedulerState) -> list[Hashable]:
-        """Advance the clock by `action`; return the ids of sequences that finished in it."""
-        finished: list[Hashable] = []
-        if action.kind is Kind.RUN:
-            finished = self._run(action, state)
-        elif action.kind is Kind.SWITCH:
+    def scheduled(self, start: float, state: SchedulerState) -> None:
+        self.record_host(state)  # the host tier as the previous action left it
+
+    def launch(self, runs: list[Run], state: SchedulerState) -> list[Hashable]:
+        """Advance the clock by the step; the handle is the ids it ends (its last tokens)."""
+        (run,) = runs
+        return self._run(run, state)
+
+    def land(self, ended: list[Hashable], state: SchedulerState) -> list[Hashable]:
+        return ended
+
+    def execute(self, action, state: SchedulerState) -> None:
+        """Advance the clock (or the host link) by a Switch / SwapIn / Preempt."""
+        if action.kind is Kind.SWITCH:
             self._switch(action, state)
         elif action.kind is Kind.SWAP_IN:
             self._swap_in(action, state)
         else:
             self._preempt(action, state)
-        return finished
 
     def _run(self, action: Run, state: SchedulerState) -> list[Hashable]:
         cm = self.cost[state.phase]
@@ -105,7 +115,7 @@ class SimExecutor:
         pairs += sum(s.computed + 1 for s in action.decode)
         kv = sum(s.computed + n for s, n in action.prefill)  # rows read + written
         kv += sum(s.computed + 1 for s in action.decode)
-        start = max([self.clock] + [self.ready.pop(s.seq_id, 0.0) for s in action.decode])
+        start = max([self.clock] + [self.kv_ready.pop(s.seq_id, 0.0) for s in action.decode])
         dt = cm.step_time(len(action.seqs), tokens, pairs, kv, dependent=bool(action.decode))
         self.clock = start + dt
         if action.decode and len(action.decode) >= action.prefill_tokens:
@@ -146,7 +156,7 @@ class SimExecutor:
     def _swap_in(self, action: SwapIn, state: SchedulerState) -> None:
         cm = self.cost[state.phase]
         for seq in action.seqs:
-            self.ready[seq.seq_id] = self._copy(cm, seq.computed, out=False)
+            self.kv_ready[seq.seq_id] = self._copy(cm, seq.computed, out=False)
 
     def _preempt(self, action: Preempt, state: SchedulerState) -> None:
         self.stats.preemptions += len(action.seqs)
@@ -160,24 +170,31 @@ class SimExecutor:
 
 
 class PipelinedSimExecutor(SimExecutor):
-    """Micro-batches through `pp` stages with host-driven ticks (`drive_pipelined`): a
+    """Micro-batches through `pp` stages with host-driven ticks, up to pp in flight (each
+    formed by the policy as one leaves; a sequence waits for its micro-batch to land): a
     micro-batch enters stage s when it left stage s-1 and stage s is free; each stage takes
     the cost model's `stage_time` for the micro-batch's tokens. The clock is the scheduler's:
     it advances to a micro-batch's exit when that micro-batch lands."""
 
+    chained = False  # a micro-batch's tokens are back only when it leaves the last stage
+
     def __init__(self, cost: CostModel):
         super().__init__(cost, cost)
         self.stages = [0.0] * cost.layout.pp  # when each stage is next free
+        self.in_flight = cost.layout.pp - 1  # in flight while the next one is formed
         self.busy_seconds = 0.0  # stage-seconds of work (for the pipeline utilisation)
 
-    def launch(self, run: Run, state: SchedulerState) -> float:
+    def launch(self, runs: list[Run], state: SchedulerState) -> tuple[float, list, list]:
+        """Queue the micro-batch on the stages; the handle: (when it leaves the last stage,
+        the sequences it samples, the ids it ends)."""
+        (run,) = runs
         cm = self.cost[state.phase]
         tokens = run.prefill_tokens + len(run.decode)
         pairs = sum(n * s.computed + n * (n + 1) / 2 for s, n in run.prefill)
         pairs += sum(s.computed + 1 for s in run.decode)
         kv = sum(s.computed + n for s, n in run.prefill) + sum(s.computed + 1 for s in run.decode)
         dt = cm.stage_time(tokens, pairs, kv, len(run.sampling()))
-        t = max([self.clock] + [self.ready.pop(s.seq_id, 0.0) for s in run.decode])
+        t = max([self.clock] + [self.kv_ready.pop(s.seq_id, 0.0) for s in run.decode])
         for i, free in enumerate(self.stages):
             t = max(t, free) + dt
             self.stages[i] = t
@@ -188,13 +205,14 @@ class PipelinedSimExecutor(SimExecutor):
             self.stats.decode_rows += len(run.decode)
         else:
             self.stats.prefill_seconds += dt
-        return t
-
-    def land(self, run: Run, done: float, state: SchedulerState) -> list[Hashable]:
-        self.clock = max(self.clock, done)
         sampling = run.sampling()
+        return t, sampling, [s.seq_id for s in sampling if s.generated + 1 >= s.max_output_len]
+
+    def land(self, handle: tuple[float, list, list], state: SchedulerState) -> list[Hashable]:
+        done, sampling, ended = handle
+        self.clock = max(self.clock, done)
         self.stats.tokens_generated += len(sampling)
-        return [s.seq_id for s in sampling if s.generated + 1 >= s.max_output_len]
+        return ended
 
 
 @dataclass(frozen=True)
@@ -265,8 +283,8 @@ def simulate(model: ModelConfig, mesh: MeshPreset, workload: Workload, policy: s
              pipelined: bool = False, **policy_options) -> SimResult:
     """Serve `workload` with `policy` on `prefill` (and `decode`, default the same) layouts.
 
-    `pipelined`: micro-batches with host-driven ticks on one layout (`PipelinedSimExecutor`,
-    `drive_pipelined`: up to pp in flight, each formed by the policy as one leaves), as TD-Pipe
+    `pipelined`: micro-batches with host-driven ticks on one layout (`PipelinedSimExecutor`:
+    up to pp in flight, each formed by the policy as one leaves), as TD-Pipe
     and gLLM run; `tdpipe` and `throttle` always run so. Otherwise a step is all pp
     micro-batches at once (`CostModel.step_time`), as the engine's in-program ticks run.
     `prefill_first` on a single layout defaults to chunked prefill (the paper's vLLM baseline).
@@ -284,17 +302,8 @@ def simulate(model: ModelConfig, mesh: MeshPreset, workload: Workload, policy: s
         opts.setdefault("timing", CostTiming(cost_p, workload.mean_prompt
                                              + workload.mean_output / 2, workload.mean_prompt))
     pol = make_policy(policy, **opts)
-    if pipelined:
-        executor = PipelinedSimExecutor(cost_p)
-        drive_pipelined(pol, state, executor, depth=prefill.pp)
-    else:
-        executor = SimExecutor(cost_p, cost_d)
-
-        def execute(action, st):
-            executor.record_host(st)
-            return executor.execute(action, st)
-
-        drive(pol, state, execute)
+    executor = PipelinedSimExecutor(cost_p) if pipelined else SimExecutor(cost_p, cost_d)
+    Driver(pol, state, executor).run()
     executor.record_host(state)
     seconds = max(executor.clock, executor.link)
     result = SimResult(policy, layout_name(prefill), layout_name(decode), seconds,

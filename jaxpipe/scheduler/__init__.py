@@ -2,19 +2,19 @@
 
 The policy interface — `SchedulerState`, four actions, `make_policy(...)` with `seesaw`,
 `prefill_first`, `decode_first`, `tdpipe` (TD-Pipe) and `throttle` (gLLM) — is what the
-engine (jaxpipe/engine.py) and the simulator in `jaxpipe.planner` both drive; `policy.py`'s
-docstring shows the loop an executor runs.
+engine (jaxpipe/executor.py) and the simulator in `jaxpipe.planner` both drive through one
+loop, `loop.py`'s `Driver` (its docstring shows it), each as a `StepExecutor`.
 `Sequence` is the engine's record of one request: a `SeqInfo` with its tokens.
 """
 
 from jaxpipe.scheduler.actions import Action, Kind, Preempt, Run, SwapIn, Switch
-from jaxpipe.scheduler.policy import Policy, drive, drive_pipelined
+from jaxpipe.scheduler.loop import Driver, StepExecutor
+from jaxpipe.scheduler.policy import Policy
 from jaxpipe.scheduler.registry import POLICIES, make_policy
 from jaxpipe.scheduler.sequence import Sequence
 from jaxpipe.scheduler.state import Location, Phase, SchedulerState, SeqInfo
 
 __all__ = [
-    "Action", "Kind", "Location", "POLICIES", "Phase", "Policy", "Preempt", "Run",
-    "SchedulerState", "SeqInfo", "Sequence", "SwapIn", "Switch",
-    "drive", "drive_pipelined", "make_policy",
+    "Action", "Driver", "Kind", "Location", "POLICIES", "Phase", "Policy", "Preempt", "Run",
+    "SchedulerState", "SeqInfo", "Sequence", "StepExecutor", "SwapIn", "Switch", "make_policy",
 ]

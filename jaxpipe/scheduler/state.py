@@ -5,7 +5,7 @@ in exactly one place — the waiting queue, the device KV store or the host KV t
 capacities of the two tiers in tokens. A finished sequence leaves the state (it is counted in
 `num_finished`, and `apply` / `finish` hand it back to the caller): a server that runs for weeks
 must not keep every request it ever served. Only `SchedulerState.apply` moves sequences between
-places (see `jaxpipe.scheduler.policy` for the loop that calls it), and it checks the capacity
+places (see `jaxpipe.scheduler.loop` for the loop that calls it), and it checks the capacity
 invariants on every move, so no executor can silently overfill a tier.
 
 Token accounting. `computed` is how many tokens of a sequence have KV (in whichever tier holds
@@ -26,10 +26,12 @@ executor reads `SeqInfo.blocks` and `SeqInfo.slot`, it never takes any.
 
 Launching. An executor that builds a step needs its blocks before running it: it launches the
 `Run` first (`launch`: its prompts leave the waiting queue, every sequence takes the blocks the
-run writes and is `busy`), then `apply` records it and charges nothing more. A pipelined
-executor may launch a run before the previous ones returned; a busy sequence is in no other
-micro-batch (its next token depends on this one) until `apply` records the run (when its
-micro-batch leaves the last stage). A simulator may `apply` a run it never launched.
+run writes and is `busy`), then `apply` records it at once (the engine's rule: a run is
+applied when it is dispatched, its sequences finish when it lands; `jaxpipe.scheduler.loop`)
+and charges nothing more. A busy sequence is in no other micro-batch (its next token depends
+on this one) until `apply` records the run, or, for host-driven pipeline ticks
+(`apply(..., busy=True)`), until `returned(run)` when its micro-batch leaves the last stage.
+A test may `apply` a run it never launched.
 
 Prefix caching (`prefix_caching=True`; the engine does not turn it on yet). The blocks are a
 `BlockPool` (`jaxpipe.scheduler.prefix_cache`): reference-counted, and a full block of known
@@ -281,13 +283,22 @@ class SchedulerState:
                 seq.computed = seq.cached_tokens
                 run.prefill[i] = (seq, min(num_tokens, seq.to_prefill))
 
-    def apply(self, action: Action, finished: Iterable[Hashable] = ()) -> list[SeqInfo]:
+    def apply(self, action: Action, finished: Iterable[Hashable] = (), busy: bool = False
+              ) -> list[SeqInfo]:
         """Record that `action` ran; `finished` names the sequences that ended in it, which
-        leave the state. Returns them (in `finished`'s order), for the policy's `landed`."""
+        leave the state. Returns them (in `finished`'s order), for the policy's `landed`.
+        `busy`: a run's sequences stay busy until `returned(run)` (host-driven pipeline
+        ticks: nothing feeds their tokens to another micro-batch before it lands)."""
         handler = {Kind.RUN: self._apply_run, Kind.SWITCH: self._apply_switch,
                    Kind.SWAP_IN: self._apply_swap_in, Kind.PREEMPT: self._apply_preempt}
         handler[action.kind](action)
+        if busy and action.kind is Kind.RUN:
+            self.busy.update(s.seq_id for s in action.seqs)
         return self.finish(finished)
+
+    def returned(self, run: Run) -> None:
+        """`run`'s micro-batch landed: its sequences may join another (see `apply`'s busy)."""
+        self.busy.difference_update(s.seq_id for s in run.seqs)
 
     def _apply_switch(self, action: Switch) -> None:
         # A re-shard moves the blocks sequences hold (`held_blocks`), not the cached others.

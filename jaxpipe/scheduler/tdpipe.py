@@ -1,7 +1,8 @@
 """`tdpipe`: TD-Pipe's temporally disaggregated pipeline (Zhang et al., "TD-Pipe", §3.3-3.5).
 
 One pp-heavy layout alternates long phases. Each `schedule` call forms one micro-batch from
-the idle sequences; `drive_pipelined` keeps up to pp of them in flight.
+the idle sequences; the pipelined simulator keeps up to pp of them in flight, the engine runs
+pp of them as one step (`jaxpipe.scheduler.loop`).
 
 - **Prefill phase**: micro-batches of whole waiting prompts (up to `max_prefill_tokens` each).
   *AI-based greedy prefill* (Algorithm 1): every running sequence and every prompt admitted so

@@ -11,7 +11,8 @@ the idle fraction of the device KV store, #RD the sequences in their decode phas
 whether in flight or not). Prefill is suspended while KV_free < KV_thresh, leaving headroom for
 the running sequences to grow. Defaults are the paper's (§4.1): #T = 8, #MaxP = 2048,
 #MinP = 32, KV_thresh = 0.05. Each `schedule` call forms one micro-batch from the idle
-sequences (`SchedulerState.idle`); `drive_pipelined` keeps up to pp of them in flight.
+sequences (`SchedulerState.idle`); the pipelined simulator keeps up to pp of them in flight,
+the engine runs pp of them as one step (`jaxpipe.scheduler.loop`).
 """
 
 from __future__ import annotations

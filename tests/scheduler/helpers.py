@@ -1,11 +1,12 @@
-"""A pure-Python executor for policy tests: every sequence wants exactly `output_len` tokens."""
+"""Pure-Python executors for policy tests, driven by the scheduler's one loop (`Driver`):
+every sequence wants exactly its `max_output_len` tokens unless a test says otherwise."""
 
 from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
 
-from jaxpipe.scheduler import Kind, Policy, SchedulerState, SeqInfo, drive, drive_pipelined
+from jaxpipe.scheduler import Driver, Kind, Policy, SchedulerState, SeqInfo, StepExecutor
 
 
 @dataclass
@@ -40,15 +41,38 @@ def make_seqs(n: int, seed: int, prompt=(4, 60), output=(1, 40)) -> list[SeqInfo
     return [SeqInfo(i, rng.randint(*prompt), rng.randint(*output)) for i in range(n)]
 
 
-def run_policy(policy: Policy, seqs: list[SeqInfo], device_kv: int, slots: int,
-               host_kv: int = 0, unit: int = 1) -> tuple[SchedulerState, Trace]:
-    """Drive `policy` until every sequence ran to its `max_output_len`; both tiers charge
-    whole `unit`s of tokens (the engine's KV blocks)."""
-    state = SchedulerState(device_kv, slots, host_kv, host_unit=unit, device_unit=unit)
-    state.add_all(seqs)
-    trace = Trace()
+class TraceExecutor(StepExecutor):
+    """Records what the driver asks of it in a `Trace`; a run ends the sequences whose last
+    token it samples, or those `finishes(run, state)` names (called at launch). With
+    `depth` > 1, up to `depth` micro-batches are in flight with host-driven ticks."""
 
-    def execute(action, st):
+    def __init__(self, trace: Trace, depth: int = 1, finishes=None):
+        self.trace, self.finishes = trace, finishes
+        self.in_flight, self.chained = depth - 1, depth == 1
+        self.flying: list = []
+
+    def launch(self, runs, state):
+        (run,) = runs
+        trace = self.trace
+        trace.actions.append(run.kind.value)
+        self.flying.append(run)
+        trace.max_in_flight = max(trace.max_in_flight, len(self.flying))
+        trace.max_device_used = max(trace.max_device_used, state.device_used)
+        trace.launched.append(([s.seq_id for s in run.decode],
+                               [s.seq_id for s, _ in run.prefill]))
+        if self.finishes is not None:
+            return run, list(self.finishes(run, state))
+        return run, [s.seq_id for s in run.sampling() if s.generated + 1 >= s.max_output_len]
+
+    def land(self, handle, state):
+        run, ended = handle
+        self.flying.remove(run)
+        self.trace.finished += ended
+        return ended
+
+    def execute(self, action, state):
+        assert not self.flying, "a non-run action while micro-batches are in flight"
+        trace = self.trace
         trace.actions.append(action.kind.value)
         if action.kind is Kind.SWITCH:
             trace.switches.append(action.phase)
@@ -56,35 +80,45 @@ def run_policy(policy: Policy, seqs: list[SeqInfo], device_kv: int, slots: int,
             trace.preempted += len(action.seqs)
         elif action.kind is Kind.SWAP_IN:
             trace.swapped_in += len(action.seqs)
-        ended = []
-        if action.kind is Kind.RUN:
-            ended = [s.seq_id for s in action.sampling() if s.generated + 1 >= s.max_output_len]
-        trace.finished += ended
-        return ended
 
+
+def check_ledger(state: SchedulerState, trace: Trace) -> None:
+    """Peaks into `trace`, and the ledger's invariants: each device sequence is charged its
+    KV rounded up to whole blocks, no more, and the blocks are distinct: held by one sequence
+    each, or free; likewise slots, one per device sequence within max_device_seqs."""
+    trace.max_host_used = max(trace.max_host_used, state.host_used)
+    trace.max_device_used = max(trace.max_device_used, state.device_used)
+    assert state.device_used == sum(state.device_size(s.computed)
+                                    for s in state.device.values())
+    held = [b for s in state.device.values() for b in s.blocks]
+    assert all(len(s.blocks) * state.device_unit == state.device_size(s.computed)
+               for s in state.device.values())
+    assert len(set(held)) == len(held) == state.num_blocks - state.free_blocks
+    assert not any(s.blocks for s in [*state.waiting, *state.host.values()])
+    slots = [s.slot for s in state.device.values()]
+    assert len(set(slots)) == len(slots) == state.max_device_seqs - state.free_slots
+    assert all(0 <= s < state.max_device_seqs for s in slots)
+    assert all(s.slot is None for s in [*state.waiting, *state.host.values()])
+
+
+def run_policy(policy: Policy, seqs: list[SeqInfo], device_kv: int, slots: int,
+               host_kv: int = 0, unit: int = 1) -> tuple[SchedulerState, Trace]:
+    """Drive `policy` until every sequence ran to its `max_output_len`, one step landing
+    before the next; both tiers charge whole `unit`s of tokens (the engine's KV blocks).
+    The ledger is checked after every action."""
+    state = SchedulerState(device_kv, slots, host_kv, host_unit=unit, device_unit=unit)
+    state.add_all(seqs)
+    trace = Trace()
     original_apply = state.apply
 
-    def apply(action, finished=()):
-        original_apply(action, finished)
-        trace.max_host_used = max(trace.max_host_used, state.host_used)
-        trace.max_device_used = max(trace.max_device_used, state.device_used)
-        # Each device sequence is charged its KV rounded up to whole blocks, no more, and the
-        # ledger's blocks are distinct: held by one sequence each, or free.
-        assert state.device_used == sum(state.device_size(s.computed)
-                                        for s in state.device.values())
-        held = [b for s in state.device.values() for b in s.blocks]
-        assert all(len(s.blocks) * state.device_unit == state.device_size(s.computed)
-                   for s in state.device.values())
-        assert len(set(held)) == len(held) == state.num_blocks - state.free_blocks
-        assert not any(s.blocks for s in [*state.waiting, *state.host.values()])
-        # Likewise slots: one per device sequence, distinct, within max_device_seqs.
-        slots = [s.slot for s in state.device.values()]
-        assert len(set(slots)) == len(slots) == state.max_device_seqs - state.free_slots
-        assert all(0 <= s < state.max_device_seqs for s in slots)
-        assert all(s.slot is None for s in [*state.waiting, *state.host.values()])
+    def apply(action, finished=(), busy=False):
+        done = original_apply(action, finished, busy)
+        check_ledger(state, trace)
+        return done
 
     state.apply = apply
-    drive(policy, state, execute)
+    Driver(policy, state, TraceExecutor(trace)).run()
+    check_ledger(state, trace)
     return state, trace
 
 
@@ -94,37 +128,10 @@ def prefill_to_decode(trace: Trace) -> int:
 
 def run_pipelined(policy: Policy, seqs: list[SeqInfo], device_kv: int, slots: int,
                   depth: int, unit: int = 1, finishes=None) -> tuple[SchedulerState, Trace]:
-    """`drive_pipelined` with up to `depth` micro-batches in flight; every sequence runs to
-    its `max_output_len` unless `finishes(run, state)` names the ids that end in it."""
+    """Up to `depth` micro-batches in flight (host-driven ticks); every sequence runs to its
+    `max_output_len` unless `finishes(run, state)` names the ids that end in it."""
     state = SchedulerState(device_kv, slots, 0, host_unit=unit, device_unit=unit)
     state.add_all(seqs)
     trace = Trace()
-    in_flight = []
-
-    class Executor:
-        def launch(self, run, st):
-            in_flight.append(run)
-            trace.max_in_flight = max(trace.max_in_flight, len(in_flight))
-            trace.max_device_used = max(trace.max_device_used, st.device_used)
-            trace.launched.append(([s.seq_id for s in run.decode],
-                                   [s.seq_id for s, _ in run.prefill]))
-            return None
-
-        def land(self, run, handle, st):
-            in_flight.remove(run)
-            if finishes is not None:
-                ended = list(finishes(run, st))
-            else:
-                ended = [s.seq_id for s in run.sampling() if s.generated + 1 >= s.max_output_len]
-            trace.finished += ended
-            return ended
-
-        def execute(self, action, st):
-            assert not in_flight, "a non-run action while micro-batches are in flight"
-            trace.actions.append(action.kind.value)
-            if action.kind is Kind.PREEMPT:
-                trace.preempted += len(action.seqs)
-            return []
-
-    drive_pipelined(policy, state, Executor(), depth)
+    Driver(policy, state, TraceExecutor(trace, depth, finishes)).run()
     return state, trace

@@ -1,15 +1,15 @@
-"""The engine's step for a pipelined policy (`launch_step`: pp micro-batches as one step) keeps
-within the step's budgets, for random request mixes and engine sizes: at most the largest
+"""The engine's step for a pipelined policy (the driver merges pp micro-batches into one step)
+keeps within the step's budgets, for random request mixes and engine sizes: at most the largest
 token bucket, and no more sequences than the rows of its bucket (`step_inputs.build` refuses
-anything else). Pure Python: the policy is driven as `Executor._schedule` drives it."""
+anything else). Pure Python: the policy is driven by the engine's loop (`Driver`, over an
+executor that merges as the engine's does)."""
 
 from __future__ import annotations
 
 import random
 
 from jaxpipe.buckets import Buckets
-from jaxpipe.scheduler import Run, SchedulerState, SeqInfo, make_policy
-from jaxpipe.scheduler.policy import launch_step
+from jaxpipe.scheduler import Driver, Run, SchedulerState, SeqInfo, StepExecutor, make_policy
 from jaxpipe.scheduler.throttle import ThrottleKnobs
 from scheduler.helpers import LinearTiming
 
@@ -40,6 +40,25 @@ def check_step(runs: list[Run], buckets: Buckets) -> None:
     assert len(seqs) <= buckets.rows(buckets.tokens(tokens)), (len(seqs), tokens)
 
 
+class MergingExecutor(StepExecutor):
+    """Checks each merged step; every sequence runs to its max_output_len."""
+
+    merge = True
+
+    def __init__(self, buckets: Buckets):
+        self.buckets, self.max_step_tokens = buckets, buckets.max_tokens
+
+    def launch(self, runs, state):
+        check_step(runs, self.buckets)
+        return [s.seq_id for r in runs for s in r.sampling() if s.generated + 1 >= s.max_output_len]
+
+    def land(self, ended, state):
+        return ended
+
+    def execute(self, action, state):
+        pass
+
+
 def drive_steps(name: str, rng: random.Random) -> int:
     """One random engine and workload, run to the end; returns the steps taken."""
     seqs_max, depth = rng.choice([1, 3, 8, 16, 64]), rng.choice([2, 4, 8])
@@ -53,19 +72,7 @@ def drive_steps(name: str, rng: random.Random) -> int:
     for i in range(rng.randint(1, 60)):
         prompt = rng.randint(1, min(300, pool - BLOCK))
         state.add(SeqInfo(i, prompt, rng.randint(1, min(60, pool - prompt))))
-    for step in range(20_000):
-        if not state.has_work():
-            return step
-        runs, action = launch_step(policy, state, buckets.max_tokens)
-        if runs:
-            check_step(runs, buckets)
-            for run in runs:
-                ended = {s.seq_id for s in run.sampling() if s.generated + 1 >= s.max_output_len}
-                policy.landed(run, state.apply(run, ended), state)
-        else:
-            assert action is not None, f"{name} stalled with work left"
-            state.apply(action)
-    raise AssertionError(f"{name} did not finish in 20000 steps")
+    return Driver(policy, state, MergingExecutor(buckets)).run(max_steps=20_000)
 
 
 def test_tdpipe_steps_keep_within_the_step_budgets():

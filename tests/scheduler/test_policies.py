@@ -8,8 +8,8 @@ import math
 
 import pytest
 
-from jaxpipe.scheduler import Kind, Location, Preempt, Run, SchedulerState, SeqInfo, make_policy
-from scheduler.helpers import make_seqs, prefill_to_decode, run_policy
+from jaxpipe.scheduler import Driver, Kind, Location, Run, SchedulerState, SeqInfo, make_policy
+from scheduler.helpers import Trace, TraceExecutor, make_seqs, prefill_to_decode, run_policy
 
 DEVICE_KV, SLOTS, HOST_KV = 200, 8, 300
 
@@ -114,42 +114,59 @@ def test_seesaw_refuses_a_host_tier_smaller_than_a_prompt():
         make_policy("seesaw").schedule(state)
 
 
-def test_decode_first_admits_only_into_an_empty_device():
-    seqs = make_seqs(30, seed=5)
+class Watched(TraceExecutor):
+    """A `TraceExecutor` that hands each run to `check(run, state)` as it is launched and
+    each new policy decision's state to `before(state)`."""
+
+    def __init__(self, check, before=lambda state: None):
+        super().__init__(Trace())
+        self.check, self.before = check, before
+
+    def scheduled(self, start, state):
+        self.before(state)
+
+    def launch(self, runs, state):
+        self.check(runs[0], state)
+        return super().launch(runs, state)
+
+
+def drive_watched(policy, seqs, executor) -> SchedulerState:
     state = SchedulerState(DEVICE_KV, SLOTS)
     state.add_all(seqs)
-    policy = make_policy("decode_first")
+    Driver(policy, state, executor).run()
+    return state
+
+
+def test_decode_first_admits_only_into_an_empty_device():
     decoded_since_empty = False
-    while state.has_work():
-        action = policy.schedule(state)
-        if isinstance(action, Run) and action.prefill:
-            assert not decoded_since_empty, "admitted while a batch was decoding"
-        if isinstance(action, Run) and action.decode:
-            decoded_since_empty = True
-        ended = [s.seq_id for s in action.sampling() if s.generated + 1 >= s.max_output_len] \
-            if isinstance(action, Run) else []
-        state.apply(action, ended)
-        if not state.device:
-            decoded_since_empty = False
+
+    def before(state):
+        nonlocal decoded_since_empty
+        decoded_since_empty = decoded_since_empty and bool(state.device)
+
+    def check(run, state):
+        nonlocal decoded_since_empty
+        assert not (run.prefill and decoded_since_empty), "admitted while a batch was decoding"
+        decoded_since_empty = decoded_since_empty or bool(run.decode)
+
+    state = drive_watched(make_policy("decode_first"), make_seqs(30, seed=5),
+                          Watched(check, before))
+    assert state.num_finished == 30
 
 
 def test_chunked_prefill_mixes_decode_and_respects_the_budget():
-    seqs = make_seqs(20, seed=2, prompt=(30, 60), output=(5, 20))
-    state = SchedulerState(DEVICE_KV, SLOTS)
-    state.add_all(seqs)
-    policy = make_policy("prefill_first", chunked=True, max_prefill_tokens=40)
     mixed = 0
-    while state.has_work():
-        action = policy.schedule(state)
-        if isinstance(action, Run):
-            assert action.prefill_tokens + len(action.decode) <= 40
-            mixed += bool(action.prefill and action.decode)
-            ended = [s.seq_id for s in action.sampling() if s.generated + 1 >= s.max_output_len]
-        else:
-            assert isinstance(action, Preempt)
-            ended = []
-        state.apply(action, ended)
+
+    def check(run, state):
+        nonlocal mixed
+        assert run.prefill_tokens + len(run.decode) <= 40
+        mixed += bool(run.prefill and run.decode)
+
+    executor = Watched(check)
+    state = drive_watched(make_policy("prefill_first", chunked=True, max_prefill_tokens=40),
+                          make_seqs(20, seed=2, prompt=(30, 60), output=(5, 20)), executor)
     assert mixed > 0 and state.num_finished == 20
+    assert set(executor.trace.actions) <= {"run", "preempt"}
 
 
 def test_apply_refuses_to_overfill_the_host_tier():

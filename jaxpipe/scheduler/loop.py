@@ -1,0 +1,195 @@
+"""The one loop over a policy, the scheduler state and an executor: the engine's
+(jaxpipe/executor.py), the simulator's (jaxpipe/planner/simulate.py) and the tests' drivers.
+
+```python
+state = SchedulerState(device_kv_tokens, max_device_seqs, host_kv_tokens)
+state.add(SeqInfo(seq_id, prompt_len, max_output_len))   # for every request
+driver = Driver(make_policy("seesaw"), state, executor)  # executor: a StepExecutor
+driver.run()                                             # or driver.step(), one at a time
+```
+
+One `Driver.step`:
+
+    runs = form()        # the policy's next micro-batch (or up to policy.depth of them, one
+                         # step, when the executor merges them), each launched on the state:
+                         # it takes the blocks the run writes; its sequences are busy
+    launch(runs)         # the executor starts the step; the state records it at once (a
+                         # sequence's next token is in flight) and frees each sequence whose
+                         # token in flight is certainly its last (its max_output_len)
+    land()               # the steps in flight beyond `executor.in_flight`, oldest first: the
+                         # executor says which of their sequences ended; the state finishes
+                         # them; the policy hears each run's own (`Policy.landed`)
+    execute(action)      # any other action (Switch | SwapIn | Preempt), once every step in
+                         # flight landed, less the sequences that ended meanwhile; a swap-in
+                         # is recorded before the executor moves the KV, the others after
+
+The rule is one for every executor: a run is applied at launch, its sequences finish at land.
+The policy only reads the state and returns actions; `SchedulerState` does the bookkeeping,
+so the engine and the simulator cannot disagree about where a sequence is.
+
+How many steps stay in flight is the executor's: the engine keeps one while it schedules the
+next (overlap: the device feeds the tokens in flight to the next step, so their sequences may
+join it: `chained`), or none; a pipelined simulator keeps pp - 1 micro-batches in flight
+(host-driven ticks: a sequence waits for its micro-batch to leave the last stage).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import deque
+from collections.abc import Hashable, Iterable
+
+from jaxpipe.scheduler.actions import Action, Kind, Run
+from jaxpipe.scheduler.policy import Policy
+from jaxpipe.scheduler.state import Location, SchedulerState, SeqInfo
+
+
+class StepExecutor:
+    """What the driver needs of an executor: `launch` / `land` a step, `execute` any other
+    action, and a few hooks (no-ops here). The class attributes describe its steps."""
+
+    in_flight = 0  # steps still in flight while the next is scheduled (0: each lands at once)
+    chained = True  # a sequence in a step in flight may join the next one (fed on the device)
+    merge = False  # one step carries up to policy.depth micro-batches (the engine)
+    max_step_tokens: int | None = None  # the token budget of a merged step
+
+    def ready(self, run: Run) -> Run:
+        """`run` less what cannot go yet (before the state launches it)."""
+        return run
+
+    def scheduled(self, start: float, state: SchedulerState) -> None:
+        """The policy was asked from `start` (perf_counter) until now; nothing of its answer
+        is done yet."""
+
+    def launch(self, runs: list[Run], state: SchedulerState) -> object:
+        """Start one step carrying `runs`, launched on `state` and not yet recorded (each
+        sequence's counts are those before the step). Returns a handle for `land`, or None
+        if there was nothing to run."""
+        raise NotImplementedError
+
+    def free(self, handle: object, seqs: list[SeqInfo]) -> None:
+        """`seqs`, of the step `handle`, were freed in the state at launch: their token in
+        flight is certainly their last (they finish when it lands)."""
+
+    def land(self, handle: object, state: SchedulerState) -> Iterable[Hashable]:
+        """Wait for the step `handle`; the ids of its sequences that ended as it landed."""
+        raise NotImplementedError
+
+    def execute(self, action: Action, state: SchedulerState) -> None:
+        """Do a Switch / SwapIn / Preempt (nothing is in flight)."""
+        raise NotImplementedError
+
+
+@dataclasses.dataclass
+class InFlight:
+    """A launched step: the runs it carries and the executor's handle."""
+
+    runs: list[Run]
+    handle: object
+
+
+class Driver:
+    """The loop: `policy` over `state`, carried out by `executor`."""
+
+    def __init__(self, policy: Policy, state: SchedulerState, executor: StepExecutor):
+        self.policy, self.state, self.executor = policy, state, executor
+        self.in_flight: deque[InFlight] = deque()  # launched, not landed, oldest first
+
+    def run(self, max_steps: int = 10_000_000) -> int:
+        """Step until every sequence finished and every step landed; returns the steps.
+        Raises if the policy stalls (no action, nothing in flight)."""
+        for count in range(max_steps):
+            if not (self.state.has_work() or self.in_flight):
+                return count
+            if not self.step():
+                raise RuntimeError(
+                    f"policy {self.policy.name!r} returned no action with "
+                    f"{len(self.state.waiting)} waiting, {len(self.state.device)} on device, "
+                    f"{len(self.state.host)} in the host tier")
+        raise RuntimeError(f"policy {self.policy.name!r} did not finish in {max_steps} steps")
+
+    def step(self) -> bool:
+        """One turn of the loop; False if the policy had nothing to do and nothing was in
+        flight to wait for."""
+        runs, action = self._form()
+        if runs:
+            self._launch(runs)
+            while len(self.in_flight) > self.executor.in_flight:
+                self._land()
+        elif action is None:
+            if not self.in_flight:
+                return False
+            self._land()  # the policy waits for the oldest step in flight
+        else:
+            while self.in_flight:
+                self._land()
+            self._execute(action)
+        return True
+
+    def _form(self) -> tuple[list[Run], Action | None]:
+        """The next step's runs, each launched on the state, and the policy's last answer.
+        A merged step takes up to policy.depth micro-batches, stopping at an action that is
+        not a Run or at one that would take it past `max_step_tokens` (left unlaunched: the
+        policy forms it again next step)."""
+        runs: list[Run] = []
+        action = None
+        per_step = self.policy.depth if self.executor.merge else 1
+        budget = self.executor.max_step_tokens
+        while len(runs) < per_step:
+            start = time.perf_counter()
+            action = self.policy.schedule(self.state)
+            self.executor.scheduled(start, self.state)
+            if not isinstance(action, Run):
+                break
+            run = self.executor.ready(action)
+            if runs and budget is not None and _tokens(runs + [run]) > budget:
+                break
+            self.state.launch(run)
+            runs.append(run)
+        return runs, action
+
+    def _launch(self, runs: list[Run]) -> None:
+        """Start the step and record it in the state at once; free the sequences whose
+        token in flight is certainly their last (the next step may take their room)."""
+        sampled = [s for run in runs for s in run.sampling()]  # before the counts advance
+        handle = self.executor.launch(runs, self.state)
+        for run in runs:
+            self.state.apply(run, busy=not self.executor.chained)
+        last = [s for s in sampled if s.generated >= s.max_output_len]
+        self.state.finish(s.seq_id for s in last)
+        if handle is not None:
+            self.executor.free(handle, last)
+            self.in_flight.append(InFlight(runs, handle))
+
+    def _land(self) -> None:
+        """The oldest step in flight lands: the sequences the executor says ended leave the
+        state (those freed at launch or aborted meanwhile have left already), and the policy
+        hears exactly each run's own."""
+        step = self.in_flight.popleft()
+        ended = set(self.executor.land(step.handle, self.state))
+        done = [[s for s in run.seqs if s.seq_id in ended] for run in step.runs]
+        self.state.finish(s.seq_id for seqs in done for s in seqs
+                          if s.location is not Location.FINISHED)
+        for run, seqs in zip(step.runs, done, strict=True):
+            if not self.executor.chained:
+                self.state.returned(run)
+            self.policy.landed(run, seqs, self.state)
+
+    def _execute(self, action: Action) -> None:
+        """Do a Switch / SwapIn / Preempt decided before the steps in flight landed, less the
+        sequences that ended meanwhile. A swap-in is recorded first (the state gives the
+        blocks its KV goes into), a switch or preemption after (its KV is read from them)."""
+        if action.kind in (Kind.SWAP_IN, Kind.PREEMPT):
+            action = dataclasses.replace(
+                action, seqs=[s for s in action.seqs if s.location is not Location.FINISHED])
+        if action.kind is Kind.SWAP_IN:
+            self.state.apply(action)
+            self.executor.execute(action, self.state)
+        else:
+            self.executor.execute(action, self.state)
+            self.state.apply(action)
+
+
+def _tokens(runs: list[Run]) -> int:
+    return sum(r.prefill_tokens + len(r.decode) for r in runs)

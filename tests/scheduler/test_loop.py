@@ -1,0 +1,147 @@
+"""The one loop's rules (`Driver`), with hand-made policies and a recording executor: a run is
+applied at launch and its sequences finish at land; a sequence whose token in flight is its
+last is freed at launch; a chained executor's sequences may join the next step, a host-ticked
+one's wait for their micro-batch; an action decided before a landing loses the sequences that
+ended in it; a swap-in is recorded before the executor moves the KV, a preemption after."""
+
+from __future__ import annotations
+
+from jaxpipe.scheduler import (
+    Driver,
+    Location,
+    Policy,
+    Preempt,
+    Run,
+    SchedulerState,
+    SeqInfo,
+    StepExecutor,
+    SwapIn,
+)
+
+
+class Scripted(Policy):
+    """Returns the actions `script(state)` makes, in turn; records what `landed` hears."""
+
+    def __init__(self, script, depth: int = 1):
+        super().__init__()
+        self.script, self.depth, self.heard = script, depth, []
+
+    def schedule(self, state):
+        return self.script(state)
+
+    def landed(self, run, finished, state):
+        self.heard.append(([s.seq_id for s in run.seqs], [s.seq_id for s in finished]))
+
+
+class Recorder(StepExecutor):
+    """Notes what each call sees; a landing ends the ids in `ends` and those freed at launch
+    (each once, as the engine's output processor does)."""
+
+    def __init__(self, in_flight=0, chained=True, ends=()):
+        self.in_flight, self.chained, self.ends = in_flight, chained, set(ends)
+        self.seen, self.ended = [], set()
+
+    def launch(self, runs, state):
+        self.seen.append(("launch", [(s.seq_id, s.generated) for r in runs for s in r.seqs]))
+        return [s.seq_id for r in runs for s in r.seqs]
+
+    def free(self, handle, seqs):
+        self.seen.append(("free", [s.seq_id for s in seqs]))
+        self.ends.update(s.seq_id for s in seqs)
+
+    def land(self, ids, state):
+        self.seen.append(("land", ids))
+        ended = [i for i in ids if i in self.ends and i not in self.ended]
+        self.ended.update(ended)
+        return ended
+
+    def execute(self, action, state):
+        self.seen.append((action.kind.value, [(s.seq_id, s.location) for s in action.seqs]))
+
+
+def decoding(n: int, output: int = 10, host: int = 0) -> tuple[SchedulerState, list[SeqInfo]]:
+    state = SchedulerState(1000, 8, host)
+    seqs = [SeqInfo(i, 4, output) for i in range(n)]
+    state.add_all(seqs)
+    state.apply(Run(prefill=[(s, 4) for s in seqs]))  # each sampled its first token
+    return state, seqs
+
+
+def test_applied_at_launch_finished_at_land_with_a_step_in_flight():
+    """Overlap: step 1 stays in flight while step 2 is formed from the same sequence (its
+    token fed on the device), which sees step 1's token counted; step 1 lands after step 2
+    launched, and the sequence it ends leaves the state then, not before."""
+    state, (a,) = decoding(1)
+    policy = Scripted(lambda st: Run(decode=st.idle()) if st.idle() else None)
+    executor = Recorder(in_flight=1, ends={0})
+    driver = Driver(policy, state, executor)
+    driver.step()
+    assert a.generated == 2 and not state.busy and len(driver.in_flight) == 1
+    assert a.location is Location.DEVICE  # its end is learnt when the step lands
+    driver.step()
+    assert executor.seen == [("launch", [(0, 1)]), ("free", []), ("launch", [(0, 2)]),
+                             ("free", []), ("land", [0])]
+    assert a.location is Location.FINISHED and policy.heard == [([0], [0])]
+    driver.step()  # the policy has nothing: the step in flight lands
+    assert not driver.in_flight and policy.heard == [([0], [0]), ([0], [])]
+
+
+def test_the_last_token_frees_at_launch_and_finishes_at_land():
+    state, (a,) = decoding(1, output=2)
+    policy = Scripted(lambda st: Run(decode=st.idle()) if st.idle() else None)
+    executor = Recorder(in_flight=1)
+    driver = Driver(policy, state, executor)
+    driver.step()
+    assert executor.seen[-1] == ("free", [0]) and a.location is Location.FINISHED
+    assert not state.has_work() and policy.heard == []  # the policy hears it at land
+    assert driver.run() == 1 and policy.heard == [([0], [0])]
+
+
+def test_host_ticks_keep_a_micro_batch_busy_until_it_lands():
+    state, (a, b) = decoding(2)
+    policy = Scripted(lambda st: Run(decode=st.idle()[:1]) if st.idle() else None)
+    driver = Driver(policy, state, Recorder(in_flight=1, chained=False))
+    driver.step()
+    assert a.generated == 2 and state.busy == {0}  # counted at launch, busy until it lands
+    driver.step()
+    assert state.busy == {1} and policy.heard == [([0], [])]
+    assert [s.seq_id for s in state.idle()] == [0]
+
+
+def test_an_action_decided_before_a_landing_loses_what_ended_in_it():
+    """The policy preempts both sequences while a step in flight ends one of them: the
+    step lands first, and the preemption takes only the other, recorded after the
+    executor moved it (the executor sees it still on the device)."""
+    state, (a, b) = decoding(2)
+    actions = iter([Run(decode=[a, b]), Preempt([a, b], "recompute")])
+    policy = Scripted(lambda st: next(actions, None))
+    executor = Recorder(in_flight=1, ends={0})
+    driver = Driver(policy, state, executor)
+    driver.step()
+    driver.step()
+    assert executor.seen[-2:] == [("land", [0, 1]), ("preempt", [(1, Location.DEVICE)])]
+    assert a.location is Location.FINISHED and b.location is Location.WAITING
+
+
+def test_a_swap_in_is_recorded_before_the_executor_moves_it():
+    state, (a,) = decoding(1, host=100)
+    state.apply(Preempt([a], "swap"))
+    driver = Driver(Scripted(lambda st: SwapIn([a])), state, executor := Recorder())
+    driver.step()
+    assert executor.seen == [("swap_in", [(0, Location.DEVICE)])]
+
+
+def test_a_merged_step_keeps_to_its_depth_and_token_budget():
+    """Micro-batches of 3 tokens each, up to depth 4 per step under a 7-token budget: two
+    per step; the third, over the budget, is left unlaunched and formed again."""
+    state, seqs = decoding(6)
+    policy = Scripted(lambda st: Run(decode=st.idle()[:3]) if st.idle() else None, depth=4)
+    executor = Recorder()
+    executor.merge, executor.max_step_tokens = True, 7
+    driver = Driver(policy, state, executor)
+    driver.step()
+    assert executor.seen[0] == ("launch", [(i, 1) for i in range(6)])
+    assert not state.busy and all(s.generated == 2 for s in seqs)
+    executor.max_step_tokens = 5
+    driver.step()
+    assert executor.seen[-3] == ("launch", [(i, 2) for i in range(3)])
