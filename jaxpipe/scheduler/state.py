@@ -31,13 +31,14 @@ executor may launch a run before the previous ones returned; a busy sequence is 
 micro-batch (its next token depends on this one) until `apply` records the run (when its
 micro-batch leaves the last stage). A simulator may `apply` a run it never launched.
 
-Prefix caching (`prefix_caching=True`; the engine does not turn it on yet). The blocks are a
+Prefix caching (`prefix_caching=True`, `EngineConfig.prefix_caching`). The blocks are a
 `BlockPool` (`jaxpipe.scheduler.prefix_cache`): reference-counted, and a full block of known
 token ids (`SeqInfo.token_ids`) is cached under the hash of its prefix. When a waiting sequence
 enters the device store it takes a reference to each block of its longest cached prefix of
 whole blocks, short of its last context token (always computed, for its logits): its
 `computed` and `cached_tokens` start there, and its first chunk in the run is shortened to what
-is left. A run's full blocks are cached when the run is applied, never at launch: a block is
+is left (and, where the prefix revives blocks nobody held, which counted as free, so that the
+pool gives no more blocks than the policy charged the chunk). A run's full blocks are cached when the run is applied, never at launch: a block is
 shared only once its KV is written, and all of a run's admissions are looked up first, so the
 sequences of one step share nothing written in that step (a step's micro-batches may run in
 any order with respect to the blocks they read). A sequence that leaves the device drops its
@@ -130,8 +131,8 @@ class SchedulerState:
         """`host_unit`: the host tier stores each sequence's KV rounded up to a multiple of
         this many tokens (its copy programs compile per rounded length), and is charged so.
         `device_unit`: the device store's block size; a sequence holds whole blocks.
-        `prefix_caching`: share cached full blocks between sequences with the same prefix
-        (off by default until the engine wires it); `cache_key`: whatever else changes the
+        `prefix_caching`: share cached full blocks between sequences with the same prefix;
+        `cache_key`: whatever else changes the
         KV of the same tokens (e.g. the model's name), hashed into every block."""
         if (device_kv_tokens < 1 or max_device_seqs < 1 or host_kv_tokens < 0 or host_unit < 1
                 or device_unit < 1):
@@ -276,10 +277,19 @@ class SchedulerState:
             if seq.location is Location.WAITING:
                 self.waiting.remove(seq)
                 self._enter(seq)
-                last = (seq.context_len - 1) // self.device_unit  # its last token is computed
-                seq.cached_tokens = self.block_pool.take_prefix(seq, last)
-                seq.computed = seq.cached_tokens
-                run.prefill[i] = (seq, min(num_tokens, seq.to_prefill))
+                run.prefill[i] = (seq, self._take_prefix(seq, num_tokens))
+
+    def _take_prefix(self, seq: SeqInfo, num_tokens: int) -> int:
+        """`seq`, entering the device store, takes its longest cached prefix (its last
+        context token is always computed): its `computed` and `cached_tokens` start there.
+        Returns its first chunk, shortened so that the chunk's new blocks and the cached
+        blocks it revives (held by nobody, so counted free) take no more of the pool than
+        the policy charged for `num_tokens` tokens from position 0."""
+        charged = -(-num_tokens // self.device_unit)
+        last = (seq.context_len - 1) // self.device_unit
+        seq.cached_tokens, revived = self.block_pool.take_prefix(seq, last, charged - 1)
+        seq.computed = seq.cached_tokens
+        return min(num_tokens, seq.to_prefill, (charged - revived) * self.device_unit)
 
     def apply(self, action: Action, finished: Iterable[Hashable] = ()) -> list[SeqInfo]:
         """Record that `action` ran; `finished` names the sequences that ended in it, which

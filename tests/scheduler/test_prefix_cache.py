@@ -170,6 +170,26 @@ def test_a_block_someone_holds_is_never_given_out():
         state.launch(Run(prefill=[(c, 4)]))
 
 
+def test_a_chunk_that_revives_cached_blocks_takes_no_more_than_it_was_charged():
+    """Eight blocks: c holds 3, a's 4 full blocks are cached and held by nobody (counted
+    free, with one free block: 5). A 16-token chunk of b (charged 4 blocks from position 0)
+    over a's whole 16-token prefix would take those 4 and 4 new ones; it revives 3 and
+    computes one block's worth instead, so the pool keeps what the policy left."""
+    state = cached_state(blocks=8)
+    prefill(state, seq("c", range(100, 112)))
+    a = seq("a", range(17))
+    prefill(state, a)
+    a_blocks = list(a.blocks)
+    state.apply(Run(), finished=["a"])
+    assert state.free_blocks == 5
+    b = seq("b", [*range(16), *range(200, 212)])
+    state.add(b)
+    run = Run(prefill=[(b, 16)])
+    state.launch(run)
+    assert (b.cached_tokens, run.prefill) == (12, [(b, 4)])
+    assert b.blocks[:3] == a_blocks[:3] and state.free_blocks == 5 - 4
+
+
 def test_a_released_prefix_is_found_again_and_a_switch_forgets_it():
     """A recompute preemption keeps its full blocks cached: coming back it recomputes only
     its last block (outputs included). A re-shard moves only held blocks: the cache of
