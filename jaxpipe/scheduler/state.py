@@ -35,15 +35,16 @@ Prefix caching (`prefix_caching=True`, `EngineConfig.prefix_caching`). The block
 `BlockPool` (`jaxpipe.scheduler.prefix_cache`): reference-counted, and a full block of known
 token ids (`SeqInfo.token_ids`) is cached under the hash of its prefix. When a waiting sequence
 enters the device store it takes a reference to each block of its longest cached prefix of
-whole blocks, short of its last context token (always computed, for its logits): its
-`computed` and `cached_tokens` start there, and its first chunk in the run is shortened to what
-is left (and, where the prefix revives blocks nobody held, which counted as free, so that the
-pool gives no more blocks than the policy charged the chunk). A run's full blocks are cached when the run is applied, never at launch: a block is
-shared only once its KV is written, and all of a run's admissions are looked up first, so the
-sequences of one step share nothing written in that step (a step's micro-batches may run in
-any order with respect to the blocks they read). A sequence that leaves the device drops its
-references; a cached block nobody holds stays cached (LRU) and counts as free until a block is
-needed and the free list is empty. Shared blocks are charged once (`device_used`).
+whole blocks, short of its last context token (always computed, for its logits): its `computed`
+and `cached_tokens` start there, and its first chunk in the run is shortened to what is left
+(and, where the prefix revives blocks nobody held, which counted as free, so that the pool
+gives no more blocks than the policy charged the chunk). A run's full blocks are cached when
+the run is applied, never at launch: a block is shared only once its KV is written, and all of
+a run's admissions are looked up first, so the sequences of one step share nothing written in
+that step (a step's micro-batches may run in any order with respect to the blocks they read). A
+sequence that leaves the device drops its references; a cached block nobody holds stays cached
+(LRU) and counts as free until a block is needed and the free list is empty. Shared blocks are
+charged once (`device_used`).
 """
 
 from __future__ import annotations
