@@ -38,13 +38,13 @@ enters the device store it takes a reference to each block of its longest cached
 whole blocks, short of its last context token (always computed, for its logits): its `computed`
 and `cached_tokens` start there, and its first chunk in the run is shortened to what is left
 (and, where the prefix revives blocks nobody held, which counted as free, so that the pool
-gives no more blocks than the policy charged the chunk). A run's full blocks are cached when
-the run is applied, never at launch: a block is shared only once its KV is written, and all of
-a run's admissions are looked up first, so the sequences of one step share nothing written in
-that step (a step's micro-batches may run in any order with respect to the blocks they read). A
-sequence that leaves the device drops its references; a cached block nobody holds stays cached
-(LRU) and counts as free until a block is needed and the free list is empty. Shared blocks are
-charged once (`device_used`).
+gives no more blocks than it has left after the policy's charges). A run's full blocks are
+cached when the run is applied, never at launch: a block is shared only once its KV is written,
+and all of a run's admissions are looked up first, so the sequences of one step share nothing
+written in that step (a step's micro-batches may run in any order with respect to the blocks
+they read). A sequence that leaves the device drops its references; a cached block nobody holds
+stays cached (LRU) and counts as free until a block is needed and the free list is empty.
+Shared blocks are charged once (`device_used`).
 """
 
 from __future__ import annotations
@@ -274,23 +274,36 @@ class SchedulerState:
         """`run`'s waiting sequences enter the device store, each with its longest cached
         prefix, and their first chunks are shortened to what is left past it (a step never
         computes more than its policy budgeted)."""
+        spare = self.free_blocks - self._charged(run)  # what the run leaves free, as charged
         for i, (seq, num_tokens) in enumerate(run.prefill):
             if seq.location is Location.WAITING:
                 self.waiting.remove(seq)
                 self._enter(seq)
-                run.prefill[i] = (seq, self._take_prefix(seq, num_tokens))
+                chunk, spare = self._take_prefix(seq, num_tokens, max(spare, 0))
+                run.prefill[i] = (seq, chunk)
 
-    def _take_prefix(self, seq: SeqInfo, num_tokens: int) -> int:
+    def _charged(self, run: Run) -> int:
+        """The blocks `run` takes from the pool as its policy charged them (a waiting
+        sequence's chunk from position 0)."""
+        def new(seq: SeqInfo, end: int) -> int:
+            return max(-(-end // self.device_unit) - len(seq.blocks), 0)
+        return (sum(new(seq, seq.computed + n) for seq, n in run.prefill)
+                + sum(new(seq, seq.computed + 1) for seq in run.decode))
+
+    def _take_prefix(self, seq: SeqInfo, num_tokens: int, spare: int) -> tuple[int, int]:
         """`seq`, entering the device store, takes its longest cached prefix (its last
         context token is always computed): its `computed` and `cached_tokens` start there.
-        Returns its first chunk, shortened so that the chunk's new blocks and the cached
-        blocks it revives (held by nobody, so counted free) take no more of the pool than
-        the policy charged for `num_tokens` tokens from position 0."""
-        charged = -(-num_tokens // self.device_unit)
-        last = (seq.context_len - 1) // self.device_unit
-        seq.cached_tokens, revived = self.block_pool.take_prefix(seq, last, charged - 1)
+        A cached block nobody holds counts as free, so reviving one spends a block: from
+        the `spare` blocks the run leaves free, then from the chunk's own charge (the chunk
+        is shortened to fit). Returns (its first chunk, the spare blocks left)."""
+        unit = self.device_unit
+        charged = -(-num_tokens // unit)
+        last = (seq.context_len - 1) // unit
+        seq.cached_tokens, revived = self.block_pool.take_prefix(seq, last, spare + charged - 1)
         seq.computed = seq.cached_tokens
-        return min(num_tokens, seq.to_prefill, (charged - revived) * self.device_unit)
+        over = max(revived - spare, 0)  # revived past the spare blocks: out of the chunk's
+        chunk = min(num_tokens, seq.to_prefill, (charged - over) * unit)
+        return chunk, spare + charged - revived - -(-chunk // unit)
 
     def apply(self, action: Action, finished: Iterable[Hashable] = ()) -> list[SeqInfo]:
         """Record that `action` ran; `finished` names the sequences that ended in it, which
