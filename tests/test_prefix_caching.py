@@ -15,7 +15,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from hf_families import VOCAB, hf_greedy, write  # noqa: E402
-from prefix_workload import NEW, check_waves, run_waves  # noqa: E402
+from prefix_workload import NEW, assert_all_released, check_waves, run_waves  # noqa: E402
 
 from jaxpipe import Engine, EngineConfig  # noqa: E402
 from jaxpipe.kv.device_cache import BLOCK  # noqa: E402
@@ -114,3 +114,29 @@ def test_reset_stats_zeroes_the_prefix_cache_counters(cached, reference):
     stats = cached.stats()
     assert stats["prefix_cache_hit_tokens"] == stats["prefix_cache_queried_tokens"] == 0
     assert stats["prefix_cache_evictions"] == 0 and stats["prefix_cache_hit_rate"] == 0.0
+
+
+@pytest.mark.parametrize("policy", ["prefill_first", "seesaw"])
+def test_aborting_a_sharer_leaves_the_others_their_blocks(cached, reference, policy):
+    """The first wave with two requests that share the stem aborted as soon as they left
+    the queue (on the device, or parked in the host tier); the rest give the reference
+    tokens."""
+    cached.set_scheduler(policy)
+    cached.reset_stats()
+    (prompts, want), _, params = reference
+    ids = [cached.add_request(None, p, prompt_token_ids=t)
+           for t, p in zip(prompts, params, strict=True)]
+    state, victims = cached.executor.state, {1, 6}
+    while cached.has_unfinished():
+        cached.step()
+        for i in [i for i in victims if ids[i] in state.device or ids[i] in state.host]:
+            cached.abort(ids[i])
+            victims.discard(i)
+    assert not victims and cached.stats()["prefix_cache_hit_tokens"] > 0
+    for i, rid in enumerate(ids):
+        out = cached.pop_output(rid).outputs[0]
+        if i in (1, 6):
+            assert out.finish_reason == "abort"
+        else:
+            assert list(out.token_ids) == want[i]
+    assert_all_released(cached)
