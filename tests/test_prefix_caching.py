@@ -19,6 +19,7 @@ from prefix_workload import NEW, assert_all_released, check_waves, run_waves  # 
 
 from jaxpipe import Engine, EngineConfig  # noqa: E402
 from jaxpipe.kv.device_cache import BLOCK  # noqa: E402
+from jaxpipe.scheduler.prefix_order import admission_order  # noqa: E402
 
 FAST = dict(dtype="float32", max_model_len=96, max_num_seqs=3, max_num_batched_tokens=64,
             host_kv_tokens=256, warmup=False, show_progress=False)
@@ -139,4 +140,28 @@ def test_aborting_a_sharer_leaves_the_others_their_blocks(cached, reference, pol
             assert out.finish_reason == "abort"
         else:
             assert list(out.token_ids) == want[i]
+    assert_all_released(cached)
+
+
+def test_generate_queues_a_list_by_prefix_and_answers_in_input_order(cached, reference):
+    """Both waves in one shuffled list: queued in `admission_order`, answered in input
+    order, each with the request id its input position gives and the reference tokens."""
+    cached.set_scheduler("prefill_first")
+    (first, want_first), (second, want_second), params = reference
+    perm = [9, 2, 13, 0, 7, 4, 11, 1, 6, 12, 3, 8, 5, 10]
+    prompts = [(first + second)[i] for i in perm]
+    want = [(want_first + want_second)[i] for i in perm]
+    queued = []
+    add = cached.executor.add
+    cached.executor.add = lambda seq: (queued.append(seq.request_id), add(seq))
+    try:
+        outs = cached.generate(prompt_token_ids=prompts,
+                               sampling_params=[(params + params)[i] for i in perm])
+    finally:
+        del cached.executor.add
+    assert [list(o.outputs[0].token_ids) for o in outs] == want
+    ids = [int(o.request_id) for o in outs]
+    assert ids == list(range(ids[0], ids[0] + len(ids)))
+    assert [ids.index(int(r)) for r in queued] == admission_order(prompts, BLOCK)
+    assert cached.stats()["prefix_cache_hit_tokens"] > 0
     assert_all_released(cached)
