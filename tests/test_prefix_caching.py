@@ -4,7 +4,8 @@ whole prompt, a prompt that replays an earlier request and its output) start the
 after the cached blocks, and their f32 greedy tokens (penalised ones too: the penalty state
 of a sequence that starts past a prefix must still be set) equal those of the same engine with
 the cache off, which equal HF transformers'. Under every policy on one device, with the host
-tier, recompute and swap preemption, and the host sampler; the multi-device layouts are in
+tier, recompute and swap preemption, aborts, and the host sampler; `generate` queues a list
+in the cache-aware order and answers in input order. The multi-device layouts are in
 tests/multidevice/test_prefix_caching_engine.py."""
 
 from __future__ import annotations

@@ -133,8 +133,8 @@ class SchedulerState:
         this many tokens (its copy programs compile per rounded length), and is charged so.
         `device_unit`: the device store's block size; a sequence holds whole blocks.
         `prefix_caching`: share cached full blocks between sequences with the same prefix;
-        `cache_key`: whatever else changes the
-        KV of the same tokens (e.g. the model's name), hashed into every block."""
+        `cache_key`: whatever else changes the KV of the same tokens (e.g. the model's
+        name), hashed into every block."""
         if (device_kv_tokens < 1 or max_device_seqs < 1 or host_kv_tokens < 0 or host_unit < 1
                 or device_unit < 1):
             raise ValueError(f"need device_kv_tokens >= 1 (got {device_kv_tokens}), "
@@ -274,6 +274,8 @@ class SchedulerState:
         """`run`'s waiting sequences enter the device store, each with its longest cached
         prefix, and their first chunks are shortened to what is left past it (a step never
         computes more than its policy budgeted)."""
+        if all(seq.location is not Location.WAITING for seq, _ in run.prefill):
+            return
         spare = self.free_blocks - self._charged(run)  # what the run leaves free, as charged
         for i, (seq, num_tokens) in enumerate(run.prefill):
             if seq.location is Location.WAITING:
