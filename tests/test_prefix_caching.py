@@ -20,6 +20,7 @@ from prefix_workload import NEW, assert_all_released, check_waves, run_waves  # 
 
 from jaxpipe import Engine, EngineConfig  # noqa: E402
 from jaxpipe.kv.device_cache import BLOCK  # noqa: E402
+from jaxpipe.scheduler import Kind, Preempt, make_policy  # noqa: E402
 from jaxpipe.scheduler.prefix_order import admission_order  # noqa: E402
 
 FAST = dict(dtype="float32", max_model_len=96, max_num_seqs=3, max_num_batched_tokens=64,
@@ -89,24 +90,65 @@ def test_without_overlap_and_with_the_host_sampler(cached, reference):
         cached.runner.set_sampler("device")
 
 
-@pytest.fixture(scope="module")
-def tight(checkpoint):
-    """A pool of 8 blocks for 3 rows of up to 5 blocks: the running sequences outgrow it."""
-    engine = engine_of(checkpoint[1], prefix_caching=True, kv_cache_tokens=8 * BLOCK)
-    yield engine
-    engine.close()
+class PreemptEvery:
+    """prefill_first, except that every `every`-th decode step preempts its newest sequence
+    (`mode`: "recompute" or "swap"); records the cached tokens each victim comes back with."""
+
+    depth = 1
+
+    def __init__(self, every: int, mode: str):
+        self.inner = make_policy("prefill_first", max_prefill_tokens=FAST["max_num_batched_tokens"])
+        self.every, self.mode, self.decodes = every, mode, 0
+        self.victims: dict[str, list[int]] = {}  # id -> cached tokens at each return
+
+    def schedule(self, state):
+        action = self.inner.schedule(state)
+        if action is not None and action.kind is Kind.RUN and action.decode:
+            self.decodes += 1
+            if self.decodes % self.every == 0:
+                victim = action.decode[-1]
+                self.victims.setdefault(victim.seq_id, [])
+                return Preempt([victim], self.mode)
+        return action
+
+    def landed(self, run, finished, state):
+        for seq, _ in run.prefill:
+            if seq.seq_id in self.victims and seq.computed == seq.context_len - 1:
+                self.victims[seq.seq_id].append(seq.cached_tokens)
+        self.inner.landed(run, finished, state)
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preemption_releases_references_only(cached, reference, mode):
+    """Preempted sequences drop their references, never a block others hold: recomputed,
+    they come back finding their own blocks still cached; swapped to the host tier, their
+    shared blocks are copied out and stay with the others."""
+    cached.executor.policy = policy = PreemptEvery(3, mode)
+    try:
+        first, second = check_waves(cached, reference)
+    finally:
+        cached.set_scheduler("prefill_first")
+    assert first["preemptions"] > 0 and second["preemptions"] > 0
+    if mode == "recompute":
+        assert max(max(c, default=0) for c in policy.victims.values()) >= BLOCK
+    else:
+        assert first["swap_out_bytes"] > 0 and second["swap_in_bytes"] > 0
 
 
 @pytest.mark.parametrize("policy", ["prefill_first", "seesaw"])
-def test_preemption_releases_references_only(tight, reference, policy):
-    """prefill_first recomputes preempted sequences (their references dropped, the blocks
-    others share kept); seesaw parks them in the host tier, whose copy of shared blocks
-    leaves them to the others. Cached blocks nobody holds are evicted for new ones."""
-    tight.set_scheduler(policy)
-    first, second = check_waves(tight, reference)
-    assert first["preemptions"] + second["preemptions"] > 0
+def test_a_small_pool_evicts_cached_blocks(checkpoint, reference, policy):
+    """A pool of 6 blocks for 3 rows of up to 5 blocks: cached blocks nobody holds are
+    evicted for new ones (seesaw also parks running sequences in the host tier)."""
+    engine = engine_of(checkpoint[1], prefix_caching=True, kv_cache_tokens=6 * BLOCK,
+                       scheduler=policy)
+    try:
+        first, second = check_waves(engine, reference)
+    finally:
+        engine.close()
     assert first["prefix_cache_hit_tokens"] > 0
     assert first["prefix_cache_evictions"] + second["prefix_cache_evictions"] > 0
+    if policy == "seesaw":
+        assert first["preemptions"] + second["preemptions"] > 0
 
 
 def test_reset_stats_zeroes_the_prefix_cache_counters(cached, reference):
