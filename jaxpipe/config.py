@@ -318,6 +318,10 @@ class EngineConfig:
         Default (both None): 0.1 of the host's available RAM (less the device pool on CPU).
         The tier takes memory only for the sequences it holds.
     host_kv_tokens: the host KV tier in tokens (wins over host_kv_gb).
+    prefix_caching: automatic prefix caching: full 16-token KV blocks are kept under a hash of
+        the model and every token up to theirs, and a request whose prompt starts with cached
+        blocks shares them (its prefill starts after them). Off by default for now: the host
+        tier does not yet keep evicted prefixes, and its cost and gain are not yet measured.
     coordinator: "HOST:PORT" of process 0 when the engine spans several processes (one per
         host; jaxpipe.distributed): JAX's coordinator listens there and the leader's control
         channel on PORT+1. Default: $JAX_COORDINATOR_ADDRESS, else one process. The mesh's
@@ -359,6 +363,7 @@ class EngineConfig:
     detok_worker: bool = True
     sampler: Sampler = "device"
     sampler_threads: int = 2
+    prefix_caching: bool = False
     memory_utilization: float | None = None
     coordinator: str | None = None
     num_processes: int | None = None
@@ -392,7 +397,7 @@ class EngineConfig:
             _check_int("host_kv_tokens", self.host_kv_tokens, 0, 1 << 40)
         if self.kv_cache_tokens is not None:
             _check_int("kv_cache_tokens", self.kv_cache_tokens, 1, 1 << 40)
-        for name in ("overlap", "detok_worker"):
+        for name in ("overlap", "detok_worker", "prefix_caching"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"EngineConfig.{name} must be a bool, "
                                  f"got {getattr(self, name)!r}")

@@ -29,7 +29,7 @@ from jaxpipe.config import POLICY_KNOBS, EngineConfig, ModelConfig
 from jaxpipe.executor import Executor
 from jaxpipe.kernels import dispatch
 from jaxpipe.kernels.dispatch import Dispatch
-from jaxpipe.kv.device_cache import storage_dtype
+from jaxpipe.kv.device_cache import BLOCK, storage_dtype
 from jaxpipe.layout import Layout
 from jaxpipe.meshes import MeshPreset, load_mesh
 from jaxpipe.model import loading
@@ -47,6 +47,7 @@ from jaxpipe.sampling import SamplingParams
 from jaxpipe.scheduler import (
     Sequence,
 )
+from jaxpipe.scheduler.prefix_order import admission_order
 from jaxpipe.step_builder import sampling_plan
 from jaxpipe.stopping import StopChecker
 from jaxpipe.synthetic_step import padding_inputs
@@ -125,7 +126,8 @@ class Engine:
         back is final (`generate` and `stream` use the detokenizer worker instead)."""
         return self._add(prompt, params, prompt_token_ids, request_id, None)
 
-    def _add(self, prompt, params, prompt_token_ids, request_id, worker) -> str:
+    def _add(self, prompt, params, prompt_token_ids, request_id, worker, seed=None) -> str:
+        """Queue one request (`seed`: drawn already, for a request whose params give none)."""
         self._check_open()
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
@@ -136,7 +138,10 @@ class Engine:
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        seed = params.seed if params.seed is not None else int(self._seeds.integers(2**32))
+        if params.seed is not None:
+            seed = params.seed
+        elif seed is None:
+            seed = self._draw_seed()
         seq = Sequence.create(request_id, ids, params, seed, max_tokens, prompt=prompt,
                               stop=StopChecker(self.tokenizer, ids, params, self._eos,
                                                worker),
@@ -286,19 +291,40 @@ class Engine:
     # ---- helpers ------------------------------------------------------------------------------
 
     def _generate_all(self, prompts, token_lists, params, use_tqdm) -> list[RequestOutput]:
-        """Queue every request or none (a bad one rolls back those queued before it), run them
-        to completion and return their outputs in order."""
-        ids: list[str] = []
+        """Queue every request or none (a bad one rolls back those queued before it), in the
+        prefix cache's order when it is on (`_admission_order`), run them to completion and
+        return their outputs in input order. Request ids and drawn seeds follow the input
+        order whatever the queue's."""
+        order, token_lists = self._admission_order(prompts, token_lists)
+        rids = [str(next(self._ids)) for _ in params]
+        seeds = [None if getattr(sp, "seed", None) is not None else self._draw_seed()
+                 for sp in params]
+        queued: list[str] = []
         try:
-            for prompt, tokens, sp in zip(prompts, token_lists, params, strict=True):
-                ids.append(self._add(prompt, sp, tokens, None, self._detok_worker()))
+            for i in order:
+                queued.append(self._add(prompts[i], params[i], token_lists[i], rids[i],
+                                        self._detok_worker(), seeds[i]))
         except BaseException:
-            for rid in ids:
+            for rid in queued:
                 self.abort(rid)
                 self._requests.pop(rid, None)
             raise
-        self._drain(ids, self.config.show_progress if use_tqdm is None else use_tqdm)
-        return [self.pop_output(i) for i in ids]
+        self._drain(queued, self.config.show_progress if use_tqdm is None else use_tqdm)
+        return [self.pop_output(i) for i in rids]
+
+    def _admission_order(self, prompts, token_lists) -> tuple[list[int], list]:
+        """(the order to queue a list of requests in, their token ids or None each): with
+        the prefix cache on, prompts sharing a prefix run close together and each shared
+        prefix is computed a step ahead of its group (`prefix_order.admission_order`; text
+        prompts are tokenized here for it); else the input order."""
+        if not self.config.prefix_caching or len(prompts) < 2:
+            return list(range(len(prompts))), token_lists
+        token_lists = [self._prompt_ids(p, t) for p, t in zip(prompts, token_lists, strict=True)]
+        return admission_order(token_lists, BLOCK), token_lists
+
+    def _draw_seed(self) -> int:
+        """The next seed of the engine's stream, for a request whose params give none."""
+        return int(self._seeds.integers(2**32))
 
     def _drain(self, ids: list[str], progress: bool) -> None:
         """Step until every request in `ids` has finished, with an optional progress bar."""

@@ -11,8 +11,9 @@
   note_host()             the host tier's occupancy, when it changed
 
 It reads the gauges of the moment (queues, KV in use) from the scheduler state and the KV
-manager, and the swap, compile and control-channel counters from their owners, as differences
-from what they were at `reset()`. The step timeline is `timeline.py`'s.
+manager, and the swap, compile, control-channel and prefix-cache counters from their owners
+(the prefix cache's are the block pool's), as differences from what they were at `reset()`.
+The step timeline is `timeline.py`'s.
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ class EngineStats:
         self.finish_reasons: dict[str, int] = {}
         host = self.kv.host
         self._base = {"out": host.bytes_out, "in": host.bytes_in, "swap": self.kv.swap_seconds,
-                      "prefetch": self._prefetch_seconds(), **self.runner.control_stats()}
+                      "prefetch": self._prefetch_seconds(), **self._prefix_cache(),
+                      **self.runner.control_stats()}
         self.state.reset_peaks()
         self._t0 = self._last_fetch = time.perf_counter()
         self.timeline = Timeline()
@@ -140,7 +142,12 @@ class EngineStats:
         kernels: what runs the step (`Runner.kernel_choices`: the attention and each matmul's
         implementation by row count, as measured on this machine);
         control_messages, control_bytes, control_seconds (several processes only): the
-        leader's calls sent to each follower, their pickled bytes and the seconds sending.
+        leader's calls sent to each follower, their pickled bytes and the seconds sending;
+        prefix_cache_queried_tokens / prefix_cache_hit_tokens: context tokens looked up in
+        the prefix cache as sequences entered the device (a recomputed one again) / found
+        cached there (whole blocks), prefix_cache_hit_rate the second over the first (0
+        with `prefix_caching` off), prefix_cache_evictions: cached blocks nobody held given
+        out for new KV.
         Gauges of the moment (not reset): waiting_requests, device_requests, host_requests
         (sequences queued, on the device, parked in the host tier), device_kv_used and
         host_kv_used (tokens)."""
@@ -167,7 +174,17 @@ class EngineStats:
         s.update(self._gauges())
         s.update(self.timeline.stats())
         s.update({k: v - self._base[k] for k, v in self.runner.control_stats().items()})
+        s.update({k: v - self._base[k] for k, v in self._prefix_cache().items()})
+        queried = s["prefix_cache_queried_tokens"]
+        s["prefix_cache_hit_rate"] = s["prefix_cache_hit_tokens"] / queried if queried else 0.0
         return s
+
+    def _prefix_cache(self) -> dict:
+        """The block pool's prefix-cache counters (since the engine started)."""
+        pool = self.state.block_pool
+        return {"prefix_cache_queried_tokens": pool.queried_tokens,
+                "prefix_cache_hit_tokens": pool.hit_tokens,
+                "prefix_cache_evictions": pool.evictions}
 
     def _gauges(self) -> dict:
         """What the engine holds now (not counters: `reset` leaves them)."""

@@ -294,10 +294,18 @@ def _scheduling(config: EngineConfig, runner: Runner, buckets: Buckets, num_slot
     host_tokens = sizing.host_tokens(config, host_bytes, runner.cache, pool_tokens)
     # The host tier keeps each sequence in whole swap chunks (`Runner.kv_chunk`).
     state = SchedulerState(pool_tokens, num_slots, host_tokens, host_unit=runner.kv_chunk,
-                           device_unit=BLOCK)
+                           device_unit=BLOCK, prefix_caching=config.prefix_caching,
+                           cache_key=cache_key(config))
     policy = _policy(config.scheduler, config, runner, buckets, host_tokens)
     mirror = runner.leader.send if isinstance(runner, MirroredRunner) else None
     return state, policy, KVManager(runner, host_tokens > 0, mirror=mirror)
+
+
+def cache_key(config: EngineConfig) -> tuple:
+    """What besides the tokens makes a prefix cache's KV what it is: the model (its weights:
+    random ones by their seed) and the dtype."""
+    seed = config.seed if config.random_weights else None
+    return (config.model, config.dtype, seed)
 
 
 def _policy(name: str, config: EngineConfig, runner: Runner, buckets: Buckets,

@@ -3,7 +3,8 @@
     step = builder.build(run, flight)    # one piece per prompt chunk and decode token
     plan = sampling_plan(step.sampled, rows)
 
-A prompt chunk is its next context tokens (a new sequence's slot first gets its penalty
+A prompt chunk is its next context tokens, from `computed` (past a cached prefix: see
+`SchedulerState`'s prefix caching; a sequence entering the device first gets its slot's penalty
 state); a decode token is the sequence's newest token, from the host or, still in flight, fed
 from the step in flight's sampled row on the device. Decode sequences whose KV is still being
 swapped in sit this step out (the prefetcher keeps working meanwhile): `ready` takes them out
@@ -105,9 +106,11 @@ class StepBuilder:
         return ready
 
     def _prefill_piece(self, seq: Sequence, n: int) -> tuple[Sequence, Piece, bool]:
-        """(seq, piece, samples) for the next `n` context tokens of `seq`'s prefill (a new
-        sequence's slot, the state's, gets its penalty state when it uses penalties)."""
-        if seq.computed == 0:
+        """(seq, piece, samples) for the next `n` context tokens of `seq`'s prefill (a
+        sequence that has just entered the device gets its slot's penalty state when it uses
+        penalties). The chunk starts at `computed`: past a cached prefix, whose shared blocks
+        lead `seq.blocks`, so its attention reads them."""
+        if seq.computed == seq.cached_tokens:  # its first chunk since it entered the device
             self.restore_penalties(seq)
         context = seq.prompt_token_ids + seq.output_token_ids
         start = seq.computed

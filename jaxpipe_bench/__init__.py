@@ -76,6 +76,7 @@ class BenchConfig:
     sampler: jaxpipe's sampler (EngineConfig.sampler): the device program or NumPy on host
         threads.
     mesh: jaxpipe's mesh preset, e.g. cpu-8 (EngineConfig.mesh).
+    prefix_caching: EngineConfig.prefix_caching (None: the engine's default).
     layout: one jaxpipe layout for prefill and decode, e.g. pp=2,tp=4.
     warmup_prompts: short warm-up requests run before the timed ones.
     hf_batch_sizes: HF's batch-size sweep (the best point is kept).
@@ -106,6 +107,7 @@ class BenchConfig:
     overlap: bool = True
     sampler: Literal["device", "host"] = "device"
     mesh: str = "cpu-1"
+    prefix_caching: bool | None = None
     layout: str | None = None
     warmup_prompts: int = 4
     hf_batch_sizes: tuple[int, ...] = (16, 32, 64)
@@ -265,6 +267,8 @@ def _engine_kwargs(cfg: BenchConfig, workload: Sequence[Request]) -> dict[str, A
         kwargs["mesh"] = cfg.mesh
     if cfg.layout is not None:
         kwargs["prefill"] = kwargs["decode"] = cfg.layout
+    if cfg.prefix_caching is not None:
+        kwargs["prefix_caching"] = cfg.prefix_caching
     return kwargs
 
 

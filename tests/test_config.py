@@ -45,6 +45,7 @@ BAD_ENGINE_CONFIGS = [
     (dict(tdpipe_finish_ratio=True), "tdpipe_finish_ratio"),
     (dict(overlap="yes"), "overlap"),
     (dict(detok_worker=1), "detok_worker"),
+    (dict(prefix_caching="on"), "prefix_caching"),
     (dict(sampler="cpu"), "sampler must be one of"),
     (dict(sampler_threads=0), "sampler_threads"),
 ]

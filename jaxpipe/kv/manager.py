@@ -5,8 +5,8 @@ pool's blocks and slots (`SeqInfo.blocks`, `SeqInfo.slot`: only the state gives 
 this object moves the bytes for the engine: between the pool, the host KV tier
 (`HostKVBuffer`) and the prefetcher thread that brings sequences back.
 
-  swap_out(seq)        its blocks -> host: queued (the state frees blocks and slot when it
-                       records the move)
+  swap_out(seq)        its blocks -> host: queued, a copy (the state drops its references
+                       and slot when it records the move; blocks others share stay theirs)
   flush()              read every queued swap-out out of the pool (copies dispatched
                        asynchronously); before anything else touches the pool
   swap_in(seq)         ask the prefetcher for the KV (returns at once); it goes into the

@@ -144,23 +144,27 @@ class BlockPool:
             return None
         return block_hash(hashes[-1] if hashes else ROOT, token_ids, self._key)
 
-    def take_prefix(self, seq: SeqInfo, max_blocks: int) -> int:
+    def take_prefix(self, seq: SeqInfo, max_blocks: int, max_revived: int) -> tuple[int, int]:
         """`seq` (entering the device store with no blocks) takes a reference to each block
-        of its longest cached prefix, at most `max_blocks`; they become its first blocks
-        and their hashes its `block_hashes`. Returns how many tokens they cover."""
+        of its longest cached prefix, at most `max_blocks`, of which at most `max_revived`
+        held by nobody (those count as free: taking one spends capacity); they become its
+        first blocks and their hashes its `block_hashes`. Returns (tokens they cover, blocks
+        revived)."""
         if not self.caching:
-            return 0
+            return 0, 0
         self.queried_tokens += seq.context_len
+        revived = 0
         while len(seq.blocks) < max_blocks:
             digest = self.next_hash(seq, seq.block_hashes)
             block = self._by_hash.get(digest) if digest is not None else None
-            if block is None:
+            if block is None or (self._refs[block] == 0 and revived == max_revived):
                 break
+            revived += self._refs[block] == 0
             self._ref(block)
             seq.blocks.append(block)
             seq.block_hashes.append(digest)
         self.hit_tokens += len(seq.blocks) * self.block_size
-        return len(seq.blocks) * self.block_size
+        return len(seq.blocks) * self.block_size, revived
 
     def cache_full(self, seq: SeqInfo) -> None:
         """Cache `seq`'s full blocks of written KV (its first `computed` tokens) whose token

@@ -33,18 +33,20 @@ on this one) until `apply` records the run, or, for host-driven pipeline ticks
 (`apply(..., busy=True)`), until `returned(run)` when its micro-batch leaves the last stage.
 A test may `apply` a run it never launched.
 
-Prefix caching (`prefix_caching=True`; the engine does not turn it on yet). The blocks are a
+Prefix caching (`prefix_caching=True`, `EngineConfig.prefix_caching`). The blocks are a
 `BlockPool` (`jaxpipe.scheduler.prefix_cache`): reference-counted, and a full block of known
 token ids (`SeqInfo.token_ids`) is cached under the hash of its prefix. When a waiting sequence
 enters the device store it takes a reference to each block of its longest cached prefix of
-whole blocks, short of its last context token (always computed, for its logits): its
-`computed` and `cached_tokens` start there, and its first chunk in the run is shortened to what
-is left. A run's full blocks are cached when the run is applied, never at launch: a block is
-shared only once its KV is written, and all of a run's admissions are looked up first, so the
-sequences of one step share nothing written in that step (a step's micro-batches may run in
-any order with respect to the blocks they read). A sequence that leaves the device drops its
-references; a cached block nobody holds stays cached (LRU) and counts as free until a block is
-needed and the free list is empty. Shared blocks are charged once (`device_used`).
+whole blocks, short of its last context token (always computed, for its logits): its `computed`
+and `cached_tokens` start there, and its first chunk in the run is shortened to what is left
+(and, where the prefix revives blocks nobody held, which counted as free, so that the pool
+gives no more blocks than it has left after the policy's charges). A run's full blocks are
+cached when the run is applied, never at launch: a block is shared only once its KV is written,
+and all of a run's admissions are looked up first, so the sequences of one step share nothing
+written in that step (a step's micro-batches may run in any order with respect to the blocks
+they read). A sequence that leaves the device drops its references; a cached block nobody holds
+stays cached (LRU) and counts as free until a block is needed and the free list is empty.
+Shared blocks are charged once (`device_used`).
 """
 
 from __future__ import annotations
@@ -132,9 +134,9 @@ class SchedulerState:
         """`host_unit`: the host tier stores each sequence's KV rounded up to a multiple of
         this many tokens (its copy programs compile per rounded length), and is charged so.
         `device_unit`: the device store's block size; a sequence holds whole blocks.
-        `prefix_caching`: share cached full blocks between sequences with the same prefix
-        (off by default until the engine wires it); `cache_key`: whatever else changes the
-        KV of the same tokens (e.g. the model's name), hashed into every block."""
+        `prefix_caching`: share cached full blocks between sequences with the same prefix;
+        `cache_key`: whatever else changes the KV of the same tokens (e.g. the model's
+        name), hashed into every block."""
         if (device_kv_tokens < 1 or max_device_seqs < 1 or host_kv_tokens < 0 or host_unit < 1
                 or device_unit < 1):
             raise ValueError(f"need device_kv_tokens >= 1 (got {device_kv_tokens}), "
@@ -274,14 +276,38 @@ class SchedulerState:
         """`run`'s waiting sequences enter the device store, each with its longest cached
         prefix, and their first chunks are shortened to what is left past it (a step never
         computes more than its policy budgeted)."""
+        if all(seq.location is not Location.WAITING for seq, _ in run.prefill):
+            return
+        spare = self.free_blocks - self._charged(run)  # what the run leaves free, as charged
         for i, (seq, num_tokens) in enumerate(run.prefill):
             if seq.location is Location.WAITING:
                 self.waiting.remove(seq)
                 self._enter(seq)
-                last = (seq.context_len - 1) // self.device_unit  # its last token is computed
-                seq.cached_tokens = self.block_pool.take_prefix(seq, last)
-                seq.computed = seq.cached_tokens
-                run.prefill[i] = (seq, min(num_tokens, seq.to_prefill))
+                chunk, spare = self._take_prefix(seq, num_tokens, max(spare, 0))
+                run.prefill[i] = (seq, chunk)
+
+    def _charged(self, run: Run) -> int:
+        """The blocks `run` takes from the pool as its policy charged them (a waiting
+        sequence's chunk from position 0)."""
+        def new(seq: SeqInfo, end: int) -> int:
+            return max(-(-end // self.device_unit) - len(seq.blocks), 0)
+        return (sum(new(seq, seq.computed + n) for seq, n in run.prefill)
+                + sum(new(seq, seq.computed + 1) for seq in run.decode))
+
+    def _take_prefix(self, seq: SeqInfo, num_tokens: int, spare: int) -> tuple[int, int]:
+        """`seq`, entering the device store, takes its longest cached prefix (its last
+        context token is always computed): its `computed` and `cached_tokens` start there.
+        A cached block nobody holds counts as free, so reviving one spends a block: from
+        the `spare` blocks the run leaves free, then from the chunk's own charge (the chunk
+        is shortened to fit). Returns (its first chunk, the spare blocks left)."""
+        unit = self.device_unit
+        charged = -(-num_tokens // unit)
+        last = (seq.context_len - 1) // unit
+        seq.cached_tokens, revived = self.block_pool.take_prefix(seq, last, spare + charged - 1)
+        seq.computed = seq.cached_tokens
+        over = max(revived - spare, 0)  # revived past the spare blocks: out of the chunk's
+        chunk = min(num_tokens, seq.to_prefill, (charged - over) * unit)
+        return chunk, spare + charged - revived - -(-chunk // unit)
 
     def apply(self, action: Action, finished: Iterable[Hashable] = (), busy: bool = False
               ) -> list[SeqInfo]:

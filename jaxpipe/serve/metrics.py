@@ -34,6 +34,12 @@ COUNTERS = {
     "swap_seconds": ("swap_seconds", "engine-thread seconds in host KV tier swaps"),
     "swap_out_bytes": ("swap_out_bytes", "KV bytes moved to the host tier"),
     "swap_in_bytes": ("swap_in_bytes", "KV bytes moved back from the host tier"),
+    "prefix_cache_queried_tokens": ("prefix_cache_queried_tokens", "context tokens looked up "
+                                    "in the prefix cache as sequences entered the device"),
+    "prefix_cache_hit_tokens": ("prefix_cache_hit_tokens", "context tokens found in the "
+                                "prefix cache (whole blocks, not computed again)"),
+    "prefix_cache_evictions": ("prefix_cache_evictions", "cached KV blocks nobody held, "
+                               "given out for new KV"),
 }
 # Engine.stats() gauge -> (metric name, help, labels)
 GAUGES = {
@@ -48,6 +54,8 @@ GAUGES = {
     "host_kv_capacity": ("kv_tokens_capacity", "", {"tier": "host"}),
     "device_idle_fraction": ("device_idle_fraction",
                              "upper bound of the device's idle share of decode time", {}),
+    "prefix_cache_hit_rate": ("prefix_cache_hit_rate", "prefix cache hit tokens over queried "
+                              "tokens since the engine's stats were last reset", {}),
 }
 
 

@@ -74,3 +74,20 @@ def test_multihost_flags_reach_the_config():
     cfg = _parsed(MultihostConfig, ["--num-prompts", "64", "--prefill", "pp=8", "--input-len",
                                     "32"])
     assert cfg == MultihostConfig(num_prompts=64, prefill="pp=8", input_len=32)
+
+
+def test_prefix_caching_reaches_the_throughput_engine():
+    """scripts/bench_throughput.py's flag, as it builds its parser."""
+    import argparse
+
+    from jaxpipe.config_flags import add_flags
+    from jaxpipe_bench import BenchConfig, _engine_kwargs
+
+    def kwargs(argv):
+        p = argparse.ArgumentParser()
+        add_flags(p, BenchConfig, group="benchmark")
+        return _engine_kwargs(config_from_args(BenchConfig, p.parse_args(argv), p), [])
+
+    assert "prefix_caching" not in kwargs(["--max-model-len", "64"])  # the engine's default
+    assert kwargs(["--max-model-len", "64", "--prefix-caching"])["prefix_caching"] is True
+    assert kwargs(["--max-model-len", "64", "--no-prefix-caching"])["prefix_caching"] is False

@@ -170,6 +170,41 @@ def test_a_block_someone_holds_is_never_given_out():
         state.launch(Run(prefill=[(c, 4)]))
 
 
+def test_a_prefix_revives_cached_blocks_only_as_far_as_the_pool_has_room():
+    """Eight blocks: c holds 3, a's 4 full blocks are cached and held by nobody (so they
+    count free, with one free block: 5). A 16-token chunk of b (charged 4 blocks from
+    position 0) over a's whole 16-token prefix would take those 4 and 4 new ones: it revives
+    the one block the run leaves spare and 3 of its own charge, and computes one block."""
+    state = cached_state(blocks=8)
+    prefill(state, seq("c", range(100, 112)))
+    a = seq("a", range(17))
+    prefill(state, a)
+    a_blocks = list(a.blocks)
+    state.apply(Run(), finished=["a"])
+    assert state.free_blocks == 5
+    b = seq("b", [*range(16), *range(200, 212)])
+    state.add(b)
+    run = Run(prefill=[(b, 16)])
+    state.launch(run)
+    assert (b.cached_tokens, run.prefill) == (16, [(b, 4)])
+    assert b.blocks[:4] == a_blocks[:4] and state.free_blocks == 0
+
+
+def test_a_small_chunk_revives_a_prefix_from_the_room_the_run_leaves():
+    """A 2-token chunk (charged one block) in a pool with room to spare finds the whole
+    cached prefix, which nobody holds."""
+    state = cached_state(blocks=16)
+    a = seq("a", range(13))
+    prefill(state, a)
+    state.apply(Run(), finished=["a"])
+    b = seq("b", range(13))
+    state.add(b)
+    run = Run(prefill=[(b, 2)])
+    state.launch(run)
+    assert (b.cached_tokens, run.prefill) == (12, [(b, 1)])
+    assert state.free_blocks == 16 - 4
+
+
 def test_a_released_prefix_is_found_again_and_a_switch_forgets_it():
     """A recompute preemption keeps its full blocks cached: coming back it recomputes only
     its last block (outputs included). A re-shard moves only held blocks: the cache of

@@ -123,3 +123,15 @@ def test_server_metrics_follow_a_known_workload(grpc_server):
     assert moved("jaxpipe_time_per_output_token_seconds_count", front_end="grpc") == several
     assert after[("jaxpipe_generation_tokens_total", ())] == server_info.generated_tokens
     assert after[("jaxpipe_engine_up", ())] == 1
+
+
+def test_collector_renders_the_prefix_cache():
+    stats = {"prefix_cache_queried_tokens": 300, "prefix_cache_hit_tokens": 96,
+             "prefix_cache_evictions": 5, "prefix_cache_hit_rate": 0.32}
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(EngineCollector(lambda: stats, Outcomes()))
+    got = samples(generate_latest(registry).decode())
+    assert got[("jaxpipe_prefix_cache_queried_tokens_total", ())] == 300
+    assert got[("jaxpipe_prefix_cache_hit_tokens_total", ())] == 96
+    assert got[("jaxpipe_prefix_cache_evictions_total", ())] == 5
+    assert got[("jaxpipe_prefix_cache_hit_rate", ())] == pytest.approx(0.32)
