@@ -34,4 +34,5 @@ def __getattr__(name: str):
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+    """The public names (loaded or not) and the module's dunders, not its helpers."""
+    return sorted(set(__all__) | {n for n in globals() if n.startswith("__")})
