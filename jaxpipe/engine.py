@@ -35,7 +35,7 @@ from jaxpipe.meshes import MeshPreset, load_mesh
 from jaxpipe.model import loading
 from jaxpipe.model.decoder import Decoder, init_random, param_decls
 from jaxpipe.model.presets import resolve_model
-from jaxpipe.outputs import CompletionOutput, RequestOutput, StreamDelta
+from jaxpipe.outputs import Completion, RequestOutput, StreamDelta, token_delta
 from jaxpipe.runner import (
     Runner,
     attention_cases,
@@ -202,16 +202,16 @@ class Engine:
         text, token_ids = (prompt, None) if isinstance(prompt, str) else (None, list(prompt))
         rid = self._add(text, params, token_ids, None, self._detok_worker())
         seq = self._requests[rid]
-        stop = seq.stop
-        stop.enable_streaming()
-        sent = 0
+        completion = Completion(seq, self.tokenizer, stream=True)
         try:
             while not seq.is_finished:
                 self.step()
-                new = seq.output_token_ids[sent:stop.final_tokens(seq)]
-                sent += len(new)
-                if new or seq.is_finished:
-                    yield StreamDelta(rid, new, stop.stream_delta(seq), seq.finish_reason)
+                if not seq.stop.settled(seq):
+                    continue  # the worker found a stop string: the next step ends it there
+                delta = token_delta(seq, len(completion.token_ids))
+                if delta.token_ids or seq.is_finished:
+                    new_text = completion.add(delta)
+                    yield StreamDelta(rid, delta.token_ids, new_text, delta.finish_reason)
         finally:
             self.abort(rid)
             self._requests.pop(rid, None)
@@ -359,14 +359,11 @@ class Engine:
         if not seq.is_finished:
             raise RuntimeError(f"request {request_id!r} has not finished; step() until it has")
         del self._requests[request_id]
-        stop = seq.stop
-        text = stop.final_text(seq)
-        completion = CompletionOutput(0, text, list(seq.output_token_ids), seq.finish_reason,
-                                      seq.stop_reason, seq.logprobs)
+        completion = Completion(seq, self.tokenizer)
+        completion.add(token_delta(seq))
         metrics = {"arrival": seq.arrival_time, "first_token": seq.first_token_time,
                    "finished": seq.finish_time}
-        return RequestOutput(seq.request_id, seq.prompt, list(seq.prompt_token_ids),
-                             [completion], seq.is_finished, metrics)
+        return completion.to_output(seq.request_id, seq.prompt, metrics)
 
     def _prompt_ids(self, prompt, prompt_token_ids) -> list[int]:
         """Token ids win when both are given (chat passes its rendered text for the output).

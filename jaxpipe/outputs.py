@@ -1,6 +1,7 @@
 """What a caller gets back: vLLM-shaped request outputs and streaming deltas, and the one path
-from a sequence to a front end's output: `token_delta` (a `Sequence`'s new tokens) folded into a
-`Completion` (ids, logprobs, text, finish), in the engine process or a batch job alike."""
+from a sequence to any output: `token_delta` (a `Sequence`'s new tokens) folded into a
+`Completion` (ids, logprobs, text, finish), for `Engine.pop_output` / `generate` / `stream`, the
+serving front ends and batch jobs alike; `Completion.to_output` is the `RequestOutput`."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from jaxpipe.stopping import TextStream, final_text
 
 if TYPE_CHECKING:
     from jaxpipe.requests import Prepared
+    from jaxpipe.scheduler import Sequence
 
 
 @dataclass
@@ -77,13 +79,15 @@ def token_delta(seq, start: int = 0) -> TokenDelta:
 class Completion:
     """One request's completion as its `TokenDelta`s arrive: token ids, logprobs, text, finish.
 
-    The one place a delta becomes output, for every front end (HTTP, gRPC, batch jobs).
-    `stream=True` detokenizes as it goes (`add` returns the text now safe to send, holding back
-    what may become a stop string); otherwise the text is decoded once, at the finish. `echo`
-    is text put before the completion's; `timer` (metrics.RequestTimer) hears of its tokens."""
+    The one place a delta becomes output, for the engine and every front end (HTTP, gRPC,
+    batch jobs). `prep`: the request's prompt ids and sampling params (a `Prepared`, or the
+    `Sequence` itself in the engine's process). `stream=True` detokenizes as it goes (`add`
+    returns the text now safe to send, holding back what may become a stop string); otherwise
+    the text is decoded once, at the finish. `echo` is text put before the completion's;
+    `timer` (metrics.RequestTimer) hears of its tokens."""
 
-    def __init__(self, prep: Prepared, tokenizer, *, stream: bool = False, echo: str = "",
-                 timer=None):
+    def __init__(self, prep: Prepared | Sequence, tokenizer, *, stream: bool = False,
+                 echo: str = "", timer=None):
         self.prep, self.tokenizer, self.echo, self.timer = prep, tokenizer, echo, timer
         self.stream = None if tokenizer is None or not stream else TextStream(
             tokenizer, prep.prompt_token_ids, prep.params.skip_special_tokens, prep.params.stop)
@@ -115,6 +119,17 @@ class Completion:
         new, self.echo = self.echo + new, ""
         self.text += new
         return new
+
+    def to_output(self, request_id: str, prompt: str | None, metrics: dict) -> RequestOutput:
+        """The finished completion as the vLLM-shaped `RequestOutput` (its logprobs one
+        {token id: logprob} dict per token, the sampled token first)."""
+        logprobs = self.requested_logprobs
+        if logprobs is not None:
+            logprobs = [{int(t): lp for t, lp in entry} for entry in logprobs]
+        completion = CompletionOutput(0, self.text, list(self.token_ids), self.finish_reason,
+                                      self.stop_reason, logprobs)
+        return RequestOutput(request_id, prompt, list(self.prep.prompt_token_ids), [completion],
+                             self.finished, metrics)
 
     def _new_text(self, delta: TokenDelta) -> str:
         if self.tokenizer is None:

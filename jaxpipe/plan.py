@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
+from jaxpipe.config_checks import check_counts
 from jaxpipe.config_flags import add_flags, config_from_args
 from jaxpipe.meshes import load_mesh
 from jaxpipe.model.loading import source_config
@@ -35,10 +36,7 @@ class PlanConfig:
     host_kv_gb: float = HOST_KV_GB
 
     def __post_init__(self):
-        if isinstance(self.num_requests, bool) or not isinstance(self.num_requests, int) \
-                or self.num_requests < 1:
-            raise ValueError(f"PlanConfig.num_requests must be an integer >= 1, "
-                             f"got {self.num_requests!r}")
+        check_counts(self, "num_requests")
         if isinstance(self.host_kv_gb, bool) or not isinstance(self.host_kv_gb, (int, float)) \
                 or self.host_kv_gb < 0:
             raise ValueError(f"PlanConfig.host_kv_gb must be a number >= 0, "

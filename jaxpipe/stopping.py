@@ -3,8 +3,9 @@
 The one home of stop strings and incremental detokenization, for the engine, the server's
 front end and batch jobs: `final_text` (a completion's text, cut before its stop string) and
 `TextStream` (streamed text deltas that hold back a tail that may still become a stop string).
-One `StopChecker` per request, host side. Text is detokenized incrementally only for requests
-that need it (stop strings or streaming); everyone else is decoded once, at the end.
+One `StopChecker` per request, host side, detokenizes incrementally only for requests with stop
+strings; the text a caller gets is `outputs.Completion`'s (which uses `final_text` and, when
+streaming, `TextStream`).
 
 With a `DetokWorker` (`EngineConfig.detok_worker`, the default) that detokenization and the
 stop-string search run on the worker's thread, off the engine loop: token-level stops (EOS,
@@ -148,11 +149,10 @@ class StopChecker:
         self.stop_ids = frozenset(params.stop_token_ids) | (
             frozenset() if params.ignore_eos else eos_ids)
         self._text = self._new_text() if params.stop else None
-        self._cut: str | None = None  # the text, truncated where a stop string matched
         self._worker = worker
         self._last: Future | None = None  # the worker's newest job for this request
         self.match: int | None = None  # output index whose token completed a stop string
-        self._stop_string: str | None = None
+        self._stop_string: str | None = None  # the first stop string found
 
     def banned(self, generated: int) -> list[int]:
         """Token ids the sampler must not pick next: stop ids until min_tokens is reached."""
@@ -184,7 +184,6 @@ class StopChecker:
             return reason
         last = len(seq.output_token_ids) - 1
         if k == last and reason == "stop" and seq.output_token_ids[k] in self.stop_ids:
-            self._cut = None
             return reason  # the stop id on the same token wins, as inline
         if reason == "abort" and k == last:
             return reason
@@ -194,54 +193,31 @@ class StopChecker:
         seq.stop_reason = self._stop_string
         return "stop"
 
-    def final_tokens(self, seq) -> int:
-        """How many of `seq`'s output tokens are final so far (a stop string the worker found
-        ends the output at its token, though the engine may not have cut it back yet)."""
+    def settled(self, seq) -> bool:
+        """Whether every output token of `seq` is final: the worker has seen them all and
+        found no stop string that the engine has yet to end the request at (its next step
+        does, cutting the outputs back to the match)."""
         self.wait()
-        n = len(seq.output_token_ids)
-        return n if self.match is None else min(n, self.match + 1)
+        return seq.is_finished or self.match is None
 
     def wait(self) -> None:
         """Until the worker has handled every token submitted for this request."""
         if self._last is not None:
             self._worker.wait(self._last)
 
-    def final_text(self, seq) -> str:
-        """The completion's text: decoded output, cut before a matched stop string."""
-        self.wait()
-        if self._cut is not None:
-            return self._cut
-        if self.tokenizer is None:
-            return ""
-        return self.tokenizer.decode(seq.output_token_ids, self.params.skip_special_tokens)
-
-    def enable_streaming(self) -> None:
-        if self._text is None and self.tokenizer is not None:
-            self._text = self._new_text()
-
-    def stream_delta(self, seq) -> str:
-        """Text added since the last call. While running, the tail that could still turn out
-        to be the start of a stop string is held back."""
-        if self._text is None:
-            return ""
-        if self._worker is not None:
-            self.wait()
-        else:
-            self._feed(seq)
-        final = seq.is_finished or self.match is not None  # a match found: its cut is final
-        return self._text.take(self.final_text(seq) if final else None)
-
     def _new_text(self) -> TextStream:
         return TextStream(self.tokenizer, self._prompt_ids, self.params.skip_special_tokens,
                           self.params.stop)
 
     def _feed(self, seq) -> None:
-        fed = len(self._text.ids) if self._text is not None else len(seq.output_token_ids)
+        fed = len(self._text.ids)
         if fed < len(seq.output_token_ids):
             self._text.feed(seq.output_token_ids[fed:])
 
     def _inline_match(self, seq) -> bool:
         """Feed the new tokens and look for a stop string (on the engine's thread)."""
+        if self._text is None:  # no stop strings
+            return False
         self._feed(seq)
         if self._find() is None:
             return False
@@ -258,17 +234,16 @@ class StopChecker:
             self._worker.matched.put(seq)
 
     def _find(self) -> str | None:
-        """The first stop string in the text so far (then `_cut` holds the text before it)."""
+        """The first stop string in the text so far (kept in `_stop_string`)."""
         if not self.params.stop:
             return None
-        if self._cut is not None:
+        if self._stop_string is not None:
             return self._stop_string
         text = self._text.text
         for stop in self.params.stop:
             # A new match can only start within the last len(stop) + new characters; searching
             # the whole text is cheap enough at these lengths and avoids an off-by-one window.
-            idx = text.find(stop)
-            if idx >= 0:
-                self._cut, self._stop_string = text[:idx], stop
+            if stop in text:
+                self._stop_string = stop
                 return stop
         return None

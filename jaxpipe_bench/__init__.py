@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from jaxpipe_bench.checks import check_choices
+from jaxpipe.config_checks import check_choices
 from jaxpipe_bench.matmul import DEFAULT_SHAPES
 from jaxpipe_bench.report import machine_info, render, throughput, write_json
 from jaxpipe_bench.workload import (

@@ -23,7 +23,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from jaxpipe_bench.checks import check_counts
+from jaxpipe.config_checks import check_counts
 
 PROMPTS = ("What is the capital of France?", "Write a haiku about the sea.",
            "Explain photosynthesis in two sentences.", "List three prime numbers.",

@@ -14,8 +14,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from jaxpipe.config_checks import check_choices, check_counts
 from jaxpipe_bench import _generate, check_outputs, default_max_model_len, warmup_requests
-from jaxpipe_bench.checks import check_choices, check_counts
 from jaxpipe_bench.report import throughput
 from jaxpipe_bench.workload import Request
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from jaxpipe_bench.checks import check_choices, check_counts
+from jaxpipe.config_checks import check_choices, check_counts
 from jaxpipe_bench.workload import Request
 
 # name -> the techniques it switches on (each adds one to the one before; Engine.set_overlap etc.)

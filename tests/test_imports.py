@@ -8,7 +8,9 @@ An edge A -> B means that running A's imports starts (or needs the finished) B:
   `import a.b.c` and `from a.b import c` start a.b.c when c is a module, and every package
   above it that is not also above A (those are already being imported when A runs);
   `from a.b import name` where `name` is not a module needs a.b's __init__ to have defined it,
-  so it is an edge to a.b even when a.b is A's own package (`from jaxpipe import Engine`).
+  so it is an edge to a.b even when a.b is A's own package; where a.b loads `name` lazily
+  (jaxpipe's public names, its `_HOMES`), it is an edge to the module `name` comes from too
+  (`from jaxpipe import Engine` starts jaxpipe.engine; `import jaxpipe` alone does not).
 Imports under `if TYPE_CHECKING:` never run and are not edges.
 
 Which imports count: module-level ones (including those in class bodies and top-level
@@ -79,24 +81,41 @@ def _base(node: ast.ImportFrom, importer: str, is_package: bool) -> str:
     return f"{package}.{node.module}" if node.module else package
 
 
+def lazy_homes(root: Path = ROOT) -> dict[str, str]:
+    """`package.name` -> the module a package's PEP 562 `__getattr__` loads it from: each
+    package's `_HOMES` dict, read statically."""
+    homes = {}
+    for name, path in modules(root).items():
+        if path.name != "__init__.py":
+            continue
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.Assign) and any(
+                    isinstance(t, ast.Name) and t.id == "_HOMES" for t in node.targets):
+                homes.update({f"{name}.{k}": v for k, v in ast.literal_eval(node.value).items()})
+    return homes
+
+
 def _targets(node: ast.Import | ast.ImportFrom, importer: str, is_package: bool,
-             known: set[str]) -> set[str]:
+             known: set[str], lazy: dict[str, str]) -> set[str]:
     """What the statement starts or needs, before the package filter and ancestor rule."""
     if isinstance(node, ast.Import):
         return {alias.name for alias in node.names}
     base = _base(node, importer, is_package)
     subs = {f"{base}.{alias.name}" for alias in node.names} & known
+    homes = {lazy[f"{base}.{alias.name}"] for alias in node.names
+             if f"{base}.{alias.name}" in lazy}
     attributes = len(subs) < len(node.names)  # names that are not modules, or "*"
-    return subs | ({base} if attributes or base not in _ancestors(importer) else set())
+    return subs | homes | ({base} if attributes or base not in _ancestors(importer) else set())
 
 
 def edges(source: str, importer: str, is_package: bool, known: set[str],
-          module_level: bool) -> set[str]:
-    """The modules of `known` that `importer` (whose text is `source`) imports."""
+          module_level: bool, lazy: dict[str, str] | None = None) -> set[str]:
+    """The modules of `known` that `importer` (whose text is `source`) imports; `lazy`:
+    `lazy_homes()`."""
     above = set(_ancestors(importer)) | {importer}
     out = set()
     for node in import_nodes(ast.parse(source), module_level):
-        for target in _targets(node, importer, is_package, known):
+        for target in _targets(node, importer, is_package, known, lazy or {}):
             out.update(a for a in _ancestors(target) if a not in above)
             out.add(target)
     return {m for m in out if m in known and m != importer}
@@ -104,9 +123,9 @@ def edges(source: str, importer: str, is_package: bool, known: set[str],
 
 def graph(module_level: bool, root: Path = ROOT) -> dict[str, set[str]]:
     """Module -> the package's modules it imports."""
-    found = modules(root)
+    found, lazy = modules(root), lazy_homes(root)
     return {name: edges(path.read_text(), name, path.name == "__init__.py", set(found),
-                        module_level)
+                        module_level, lazy)
             for name, path in found.items()}
 
 
@@ -185,7 +204,7 @@ def test_a_cycle_written_in_files_is_found(tmp_path):
 @pytest.mark.parametrize("module_level", [True, False], ids=["module-level", "all"])
 def test_the_package_has_no_import_cycle(module_level):
     g = graph(module_level)
-    assert len(g) > 50 and "jaxpipe.engine" in g["jaxpipe"]
+    assert len(g) > 50 and "jaxpipe.executor" in g["jaxpipe.engine"]
     cycle = find_cycle(g)
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
@@ -201,10 +220,24 @@ def test_the_package_never_imports_the_tools_package():
     assert named == []
 
 
-def test_import_jaxpipe_reaches_no_tool_statically():
-    reached = closure(graph(True), PACKAGE)
+def test_import_jaxpipe_and_its_public_names_reach_no_tool_statically():
+    g = graph(True)
+    reached = closure(g, PACKAGE)
+    for home in set(lazy_homes().values()):
+        reached |= closure(g, home)
     assert "jaxpipe.executor" in reached
     assert sorted(m for m in reached if m.startswith(TOOLS)) == []
+
+
+def test_a_lazy_public_name_is_an_edge_to_its_home(tmp_path):
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text('_HOMES = {"Engine": "pkg.engine"}\n')
+    (pkg / "engine.py").write_text("from pkg import tools\nclass Engine: ...\n")
+    (pkg / "tools.py").write_text("from pkg import Engine\n")
+    assert lazy_homes(pkg) == {"pkg.Engine": "pkg.engine"}
+    assert graph(True, pkg)["pkg"] == set()
+    assert find_cycle(graph(True, pkg)) == ["pkg.engine", "pkg.tools", "pkg.engine"]
 
 
 def _tool_modules_after(code: str) -> list[str]:
@@ -218,7 +251,38 @@ def _tool_modules_after(code: str) -> list[str]:
 
 
 def test_import_jaxpipe_loads_no_tool():
-    assert _tool_modules_after("import jaxpipe") == []
+    assert _tool_modules_after("import jaxpipe\njaxpipe.Engine") == []
+
+
+def _loads_jax(code: str) -> bool:
+    """Whether running `code` in a fresh interpreter loads jax."""
+    script = f"import sys\n{code}\nprint('jax' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         check=True, cwd=ROOT.parent).stdout
+    return out.strip().splitlines()[-1] == "True"
+
+
+@pytest.mark.parametrize("code", [
+    "import jaxpipe",
+    "import jaxpipe.config_checks, jaxpipe.config_flags",
+    "import jaxpipe.scheduler",
+    "import jaxpipe_bench.soak",  # the soak driver's imports (scripts/soak.py)
+    "from jaxpipe.config_flags import add_flags, config_from_args\n"
+    "from jaxpipe_bench.soak import Soak, SoakConfig\nSoakConfig()",
+])
+def test_jax_free_modules_load_no_jax(code):
+    assert not _loads_jax(code)
+
+
+def test_the_public_names_load_on_use_and_are_listed():
+    script = ("import sys, jaxpipe\nfrom jaxpipe import Engine, SamplingParams\n"
+              "assert Engine.__module__ == 'jaxpipe.engine' and jaxpipe.Engine is Engine\n"
+              "assert set(jaxpipe.__all__) <= set(dir(jaxpipe))\n"
+              "assert jaxpipe.__version__\n"
+              "try:\n    jaxpipe.Nope\nexcept AttributeError as e:\n    print(e)\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         check=True, cwd=ROOT.parent).stdout
+    assert "has no attribute 'Nope'" in out
 
 
 def test_building_and_running_an_engine_loads_no_tool():

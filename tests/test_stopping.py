@@ -1,11 +1,13 @@
-"""StopChecker with the real SmolLM2 tokenizer and no model: tokens are fed by hand, and the
-expected cut points are computed with plain string operations on the decoded text."""
+"""StopChecker with the real SmolLM2 tokenizer and no model: tokens are fed by hand, folded into
+the request's `outputs.Completion` as the engine does, and the expected cut points are computed
+with plain string operations on the decoded text."""
 
 from __future__ import annotations
 
 import pytest
 
 from jaxpipe import SamplingParams
+from jaxpipe.outputs import Completion, token_delta
 from jaxpipe.scheduler import Sequence
 from jaxpipe.stopping import StopChecker, TextStream, final_text
 from jaxpipe.tokenizer import Tokenizer
@@ -27,12 +29,12 @@ def prompt_ids(tok) -> list[int]:
 
 
 def feed(tok, prompt_ids, output_ids, stream: bool = False, max_tokens: int = 100, **params):
-    """Push `output_ids` one at a time until a stop; returns (seq, reason, checker, deltas)."""
+    """Push `output_ids` one at a time until a stop; returns (seq, reason, completion, deltas):
+    the streamed text deltas, or, unstreamed, the completion folded once at the end."""
     p = SamplingParams(max_tokens=max_tokens, **params)
     checker = StopChecker(tok, prompt_ids, p, EOS_IDS)
-    if stream:
-        checker.enable_streaming()
     seq = Sequence.create("r", list(prompt_ids), p, 0, max_tokens)
+    completion = Completion(seq, tok, stream=stream)
     reason, deltas = None, []
     for token in output_ids:
         seq.output_token_ids.append(token)
@@ -40,18 +42,21 @@ def feed(tok, prompt_ids, output_ids, stream: bool = False, max_tokens: int = 10
         if reason is not None:
             seq.finish_reason = reason
         if stream:
-            deltas.append(checker.stream_delta(seq))
+            deltas.append(completion.add(token_delta(seq, len(completion.token_ids))))
         if reason is not None:
             break
-    return seq, reason, checker, deltas
+    if not stream:
+        seq.finish_reason = seq.finish_reason or "length"  # decoded once, at a finish
+        completion.add(token_delta(seq))
+    return seq, reason, completion, deltas
 
 
 def test_eos_stops_with_no_stop_reason(tok, prompt_ids):
     ids = tok.encode("Hello there!") + [EOS, 42, 43]
-    seq, reason, checker, _ = feed(tok, prompt_ids, ids)
+    seq, reason, completion, _ = feed(tok, prompt_ids, ids)
     assert reason == "stop" and seq.stop_reason is None
     assert seq.output_token_ids == ids[:-2]
-    assert checker.final_text(seq) == "Hello there!"
+    assert completion.text == "Hello there!"
 
 
 def test_ignore_eos_runs_to_max_tokens(tok, prompt_ids):
@@ -116,8 +121,8 @@ def _expected(text: str, stops: list[str]) -> str:
 @pytest.mark.parametrize("text, stops", STOP_CASES)
 def test_stop_string_cuts_the_text(tok, prompt_ids, text, stops):
     ids = tok.encode(text)
-    seq, reason, checker, _ = feed(tok, prompt_ids, ids, stop=stops)
-    assert checker.final_text(seq) == _expected(text, stops)
+    seq, reason, completion, _ = feed(tok, prompt_ids, ids, stop=stops)
+    assert completion.text == _expected(text, stops)
     if any(s in text for s in stops):
         assert reason == "stop" and seq.stop_reason in stops
         # It stops at the first token whose text completes the stop string.
@@ -131,16 +136,18 @@ def test_stop_string_cuts_the_text(tok, prompt_ids, text, stops):
 @pytest.mark.parametrize("text, stops", STOP_CASES)
 def test_streamed_text_equals_final_text(tok, prompt_ids, text, stops):
     ids = tok.encode(text) + [EOS]
-    seq, _, checker, deltas = feed(tok, prompt_ids, ids, stream=True, stop=stops)
-    assert "".join(deltas) == checker.final_text(seq) == _expected(text, stops)
+    seq, _, completion, deltas = feed(tok, prompt_ids, ids, stream=True, stop=stops)
+    assert "".join(deltas) == completion.text == _expected(text, stops)
+    _, _, whole, _ = feed(tok, prompt_ids, ids, stop=stops)
+    assert whole.text == completion.text
 
 
 def test_streaming_without_stop_strings_matches_decode(tok, prompt_ids):
     text = "Emoji 👩‍👩‍👧 and 日本語 and spaces  here."
     ids = tok.encode(text) + [EOS]
-    seq, reason, checker, deltas = feed(tok, prompt_ids, ids, stream=True)
+    seq, reason, completion, deltas = feed(tok, prompt_ids, ids, stream=True)
     assert reason == "stop"
-    assert "".join(deltas) == text == checker.final_text(seq)
+    assert "".join(deltas) == text == completion.text
 
 
 def test_stop_strings_need_a_tokenizer(prompt_ids):

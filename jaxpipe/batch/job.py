@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from jaxpipe.batch import jobfile
 from jaxpipe.batch.openai import BatchLine, Failed, Finished, error_record, parse_line
 from jaxpipe.batch.openai import success_record as ok_record
+from jaxpipe.config_checks import check_counts
 from jaxpipe.requests import RequestError
 
 
@@ -37,10 +38,7 @@ class BatchJobConfig:
     progress: bool = True
 
     def __post_init__(self):
-        for name in ("max_in_flight", "max_line_bytes"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"BatchJobConfig.{name} must be an integer >= 1, got {value!r}")
+        check_counts(self, "max_in_flight", "max_line_bytes")
         if self.server is not None and (not isinstance(self.server, str)
                                         or not self.server.strip()):
             raise ValueError(f"BatchJobConfig.server must be HOST:PORT or None, "

@@ -81,6 +81,37 @@ def _safe_id(item_id: str) -> bool:
     return bool(item_id) and all(c.isalnum() or c == "-" for c in item_id)
 
 
+class _Tally:
+    """A batch's request counts, read incrementally: its input's lines counted once (the
+    input file never changes), its records file read on from where the last read stopped."""
+
+    def __init__(self):
+        self.total: int | None = None  # lines of the input file, once it has been counted
+        self.offset = 0  # bytes of whole records read so far
+        self.done = self.failed = 0  # records among them; error records among those
+
+    def counts(self, source: str, records: str) -> dict:
+        """{"total", "completed", "failed"} as the files stand now."""
+        if self.total is None and os.path.exists(source):
+            self.total = jobfile.count_lines(source)
+        if os.path.exists(records):
+            self._read(records)
+        return {"total": self.total or 0, "completed": self.done - self.failed,
+                "failed": self.failed}
+
+    def _read(self, path: str) -> None:
+        if os.path.getsize(path) < self.offset:  # cut back under us: count it all again
+            self.offset = self.done = self.failed = 0
+        with open(path, "rb") as f:
+            f.seek(self.offset)
+            for raw in f:
+                if not raw.endswith(b"\n"):  # a torn or half-written last record: not yet
+                    break
+                self.failed += _failed(raw)
+                self.done += 1
+                self.offset += len(raw)
+
+
 class Batches:
     """Batch jobs: created, run on threads, cancelled, resumed after a restart.
 
@@ -95,6 +126,8 @@ class Batches:
         self.max_line_bytes = max_line_bytes
         self._lock = threading.Lock()  # guards batch objects on disk
         self._runners: dict[str, object] = {}
+        self._tallies: dict[str, _Tally] = {}  # by batch id
+        self._tally_lock = threading.Lock()  # guards the tallies
 
     def resume(self) -> None:
         """Start again every job a previous server left unfinished."""
@@ -212,16 +245,11 @@ class Batches:
         return ids[0], ids[1]
 
     def _counts(self, batch: dict) -> dict:
-        source, done, failed = self.files.path(batch["input_file_id"]), 0, 0
-        path = self._records(batch["id"])
-        if os.path.exists(path):
-            with open(path, "rb") as f:
-                for raw in f:
-                    if raw.endswith(b"\n"):  # a torn last record is not counted
-                        failed += _failed(raw)
-                        done += 1
-        total = jobfile.count_lines(source) if os.path.exists(source) else 0
-        return {"total": total, "completed": done - failed, "failed": failed}
+        """The request counts of a batch, from its files as they stand."""
+        with self._tally_lock:
+            tally = self._tallies.setdefault(batch["id"], _Tally())
+            return tally.counts(self.files.path(batch["input_file_id"]),
+                                self._records(batch["id"]))
 
     def _update(self, batch_id: str, **fields) -> dict:
         with self._lock:

@@ -156,3 +156,36 @@ def test_a_job_a_killed_server_left_is_finished_once(tmp_path):
     assert sorted(r["custom_id"] for r in out) == [f"r{i:02d}" for i in range(24)]
     assert done["request_counts"] == {"total": 24, "completed": 24, "failed": 0}
     engine.lose()  # ends the abandoned job's thread without a write (its server "stopped")
+
+
+def _record(cid: str, failed: bool) -> str:
+    error = {"code": "invalid_argument", "message": "no"} if failed else None
+    return json.dumps({"id": f"x-{cid}", "custom_id": cid, "response": None if failed else {
+        "status_code": 200, "body": {}}, "error": error}) + "\n"
+
+
+def test_request_counts_follow_records_as_they_are_appended(tmp_path):
+    """The counts are read on from where the last `get` stopped: after every append (a torn
+    record not counted until its newline), and after the file is cut back, they are those
+    of a fresh Batches that reads the files from the start."""
+    files, batches = batches_in(tmp_path, ScriptedEngine())
+    source = files.create(("\n".join(GOOD[:5]) + "\n").encode(), "input.jsonl", "batch")
+    with open(os.path.join(tmp_path, "batches", "batch-t.json"), "w", encoding="utf-8") as f:
+        json.dump({"id": "batch-t", "input_file_id": source["id"], "status": "in_progress",
+                   "created_at": 0}, f)  # no job runs: the records are written by hand
+    records = os.path.join(tmp_path, "batches", "batch-t.records.jsonl")
+
+    def counts(b: Batches) -> tuple[int, int, int]:
+        c = b.get("batch-t")["request_counts"]
+        return c["total"], c["completed"], c["failed"]
+
+    assert counts(batches) == (5, 0, 0)
+    steps = [(_record("a", False), (5, 1, 0)), (_record("b", True), (5, 1, 1)),
+             (_record("c", False)[:20], (5, 1, 1)), (_record("c", False)[20:], (5, 2, 1))]
+    for text, expected in steps:
+        with open(records, "a", encoding="utf-8") as f:
+            f.write(text)
+        assert counts(batches) == expected == counts(batches_in(tmp_path, ScriptedEngine())[1])
+    with open(records, "w", encoding="utf-8") as f:  # cut back below what was read
+        f.write(_record("d", True))
+    assert counts(batches) == (5, 0, 1)

@@ -1,6 +1,7 @@
-"""The checks the tools' config dataclasses share in `__post_init__`, each error naming the class
-and field: a `Literal` field holds one of its values, a count is an integer >= 1. Here, not in
-jaxpipe, because importing any of jaxpipe loads jax and these configs are read without it."""
+"""The checks config dataclasses share in `__post_init__`, each error naming the class and
+field: a `Literal` field holds one of its values, a count is an integer >= 1. Imports neither jax
+nor numpy (nor does `import jaxpipe`, whose public names load lazily), so the tools' configs
+(`jaxpipe_bench`) and the CLIs' (`PlanConfig`, `BatchJobConfig`) check without loading jax."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ def check_counts(config, *names: str) -> None:
         value = getattr(config, name)
         if value is None and type(None) in typing.get_args(hints[name]):
             continue
-        if not isinstance(value, int) or value < 1:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{type(config).__name__}.{name} must be an integer >= 1, "
                              f"got {value!r}")
 

@@ -1,4 +1,5 @@
-"""The tools' shared config checks: a Literal field's values (None where optional), counts."""
+"""The config checks jaxpipe's CLIs and the tools share: a Literal field's values (None where
+optional), counts."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from typing import Literal
 
 import pytest
 
-from jaxpipe_bench.checks import check_choices, check_counts
+from jaxpipe.config_checks import check_choices, check_counts
 
 
 @dataclass
@@ -24,6 +25,7 @@ class Example:
     (dict(count=0), "Example.count must be an integer >= 1, got 0"),
     (dict(count=None), "Example.count must be an integer >= 1, got None"),
     (dict(limit=1.5), "Example.limit must be an integer >= 1, got 1.5"),
+    (dict(count=True), "Example.count must be an integer >= 1, got True"),
 ])
 def test_a_bad_value_is_named_with_what_is_accepted(fields, message):
     config = Example(**fields)
