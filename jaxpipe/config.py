@@ -63,7 +63,8 @@ class RopeScaling:
 @dataclass(frozen=True)
 class ModelConfig:
     """Architecture of a decoder of the Llama family and its relatives (Mistral, Qwen2/2.5,
-    Qwen3). Hashable: usable as a static jit argument.
+    Qwen3, Gemma, Phi, and the mixtures of experts Qwen2/3-MoE and Mixtral). Hashable:
+    usable as a static jit argument.
 
     qkv_bias: the q, k and v projections add a bias (Qwen2/2.5).
     qk_norm: q and k are RMS-normalised per head (a [head_dim] weight each) before RoPE

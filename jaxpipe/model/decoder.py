@@ -271,8 +271,10 @@ def mlp(cfg: ModelConfig, p: LayerParams, h, dot=None, gated=None):
         return dense
     e = h.shape[-1]
     flat = h.reshape(-1, e)  # [T, E]
-    weights, experts = moe.route(flat, p.router, cfg.num_experts_per_tok, cfg.norm_topk_prob)
-    out = moe.experts_mlp(flat, weights, experts, p.w_experts_gate_up, p.w_experts_down)
+    with jax.named_scope("experts"):
+        weights, experts = moe.route(flat, p.router, cfg.num_experts_per_tok,
+                                     cfg.norm_topk_prob)
+        out = moe.experts_mlp(flat, weights, experts, p.w_experts_gate_up, p.w_experts_down)
     if dense is not None:
         share = jax.nn.sigmoid(flat @ p.shared_gate.astype(jnp.float32))  # [T]
         out = out + share[:, None] * dense.reshape(-1, e)

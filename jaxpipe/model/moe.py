@@ -11,7 +11,7 @@ Two dispatches, the same numbers (`experts_mlp`):
   - "dense": every expert on every token, weighted by the zero-padded gates [T, X]. On CPU
     JAX lowers ragged_dot to a dense batched dot over X masked copies of the T*k rows (k
     times this path's FLOPs), and this path measured faster at every size tried: X=8, k=2,
-    D=256, F=512, dense / ragged time 0.48 at T=8 and 0.80 at T=512 in f32, 0.48 and 0.68
+    E=256, F=512, dense / ragged time 0.48 at T=8 and 0.80 at T=512 in f32, 0.48 and 0.68
     in bf16 (medians of 7 back-to-back rounds on a contended 2-core CPU).
 `DISPATCH` picks by platform: dense on CPU, ragged elsewhere (not measured there yet).
 """
@@ -23,7 +23,7 @@ import jax.numpy as jnp
 
 
 def route(h, w_router, k: int, normalize: bool):
-    """Router: h [T, D] f32, w_router [D, X] -> (weights [T, k] f32, experts [T, k] i32).
+    """Router: h [T, E] f32, w_router [E, X] -> (weights [T, k] f32, experts [T, k] i32).
 
     A softmax over all X experts' logits, the k most probable (ties: the lower expert index
     first, as torch.topk orders them on CPU), renormalised to sum to 1 with `normalize`
@@ -46,8 +46,8 @@ def dispatch_for(platform: str) -> str:
 
 def experts_mlp(h, weights, experts, w_gate_up, w_down, dispatch: str | None = None):
     """sum_j weights[t, j] * expert_{experts[t, j]}(h[t]), each expert silu(h @ gate) * (h @ up)
-    @ down. h [T, D] f32, weights / experts [T, k], w_gate_up [X, D, 2, F], w_down [X, F, D]
-    -> [T, D] f32 (accumulated in f32; activations cast to the weights' dtype). `dispatch`:
+    @ down. h [T, E] f32, weights / experts [T, k], w_gate_up [X, E, 2, F], w_down [X, F, E]
+    -> [T, E] f32 (accumulated in f32; activations cast to the weights' dtype). `dispatch`:
     "ragged" or "dense" (see the module's docstring); None: JAX's default backend's."""
     dispatch = dispatch or dispatch_for(jax.default_backend())
     if dispatch not in ("ragged", "dense"):
@@ -65,7 +65,7 @@ def _dense(h, weights, experts, w_gate_up, w_down):
                          preferred_element_type=jnp.float32)  # [T, X, 2, F]
     act = jax.nn.silu(gate_up[..., 0, :]) * gate_up[..., 1, :]  # [T, X, F]
     out = jnp.einsum("txf,xfd->txd", act.astype(w_down.dtype), w_down,
-                     preferred_element_type=jnp.float32)  # [T, X, D]
+                     preferred_element_type=jnp.float32)  # [T, X, E]
     return jnp.einsum("tx,txd->td", gates, out)
 
 
@@ -78,12 +78,12 @@ def _ragged(h, weights, experts, w_gate_up, w_down):
     flat = experts.reshape(-1)  # [T*k], pair i is token i // k's slot i % k
     order = jnp.argsort(flat, stable=True)  # [T*k] pairs in expert order
     sizes = jnp.zeros((x,), jnp.int32).at[flat].add(1)  # [X] tokens per expert
-    rows = h[order // k].astype(w_gate_up.dtype)  # [T*k, D]
+    rows = h[order // k].astype(w_gate_up.dtype)  # [T*k, E]
     gate_up = jax.lax.ragged_dot(rows, w_gate_up.reshape(x, d, -1), sizes,
                                  preferred_element_type=jnp.float32)  # [T*k, 2F]
     f = gate_up.shape[-1] // 2
     act = jax.nn.silu(gate_up[:, :f]) * gate_up[:, f:]  # [T*k, F]
     out = jax.lax.ragged_dot(act.astype(w_down.dtype), w_down, sizes,
-                             preferred_element_type=jnp.float32)  # [T*k, D]
-    unsorted = jnp.zeros_like(out).at[order].set(out).reshape(t, k, -1)  # [T, k, D]
+                             preferred_element_type=jnp.float32)  # [T*k, E]
+    unsorted = jnp.zeros_like(out).at[order].set(out).reshape(t, k, -1)  # [T, k, E]
     return jnp.einsum("tk,tkd->td", weights, unsorted)
