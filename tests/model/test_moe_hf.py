@@ -227,3 +227,28 @@ def test_unsupported_moe_configs_fail_naming_the_field(checkpoints, change, matc
     config = json.loads((checkpoints("qwen3_moe")[1] / "config.json").read_text())
     with pytest.raises(ValueError, match=match):
         loading.hf_config({**config, **change})
+
+
+@DISPATCHES
+def test_bf16_experts_in_a_scan_over_stacked_layers(dispatch):
+    """bf16 weights sliced from a stack inside `lax.scan`, as the engine's step runs them
+    (XLA's CPU backend once refused a bf16 x bf16 -> f32 batched dot there): within bf16's
+    rounding of the float64 reference."""
+    import jax
+
+    layers = [weights(10 + i) for i in range(2)]
+    stacked = [jnp.asarray(np.stack(ws), jnp.bfloat16) for ws in zip(*layers, strict=True)]
+    h = np.random.default_rng(11).standard_normal((9, D))
+
+    def body(x, j):  # a residual stream through two layers
+        w_router, w_gate_up, w_down = (w[j] for w in stacked)
+        gates, experts = moe.route(x, w_router, 2, True)
+        return x + moe.experts_mlp(x, gates, experts, w_gate_up, w_down, dispatch), None
+
+    got = np.asarray(jax.jit(lambda h: jax.lax.scan(body, h, jnp.arange(2))[0])(
+        jnp.asarray(h, jnp.float32)))
+    want = h
+    for j in range(2):
+        rounded = [np.asarray(w[j].astype(jnp.float32), np.float64) for w in stacked]
+        want = want + reference(want, *rounded, 2, True)[1]
+    np.testing.assert_allclose(got, want, rtol=0, atol=0.05 * np.abs(want).max())
