@@ -70,6 +70,24 @@ def test_engine_greedy_tokens_match_hf(checkpoints, name):
         hf_greedy(model, ids, NEW_TOKENS) for ids in PROMPTS]
 
 
+@pytest.mark.parametrize("name", ["qwen2_moe", "mixtral"])
+def test_fused_expert_names_load_alike(checkpoints, name, tmp_path):
+    """transformers' in-memory names (experts fused: `experts.gate_up_proj` [X, 2F, E],
+    `experts.down_proj` [X, E, F]; Mixtral's under `mlp.`) load to the same weights as the
+    per-expert names save_pretrained writes."""
+    from safetensors.torch import save_file
+
+    model, path = checkpoints(name)
+    state = model.state_dict()
+    assert any(n.endswith("mlp.experts.gate_up_proj") for n in state)
+    save_file({n: t.contiguous() for n, t in state.items()}, tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text((path / "config.json").read_text())
+    fused, split = loading.load_hf_dir(tmp_path)[1], loading.load_hf_dir(path)[1]
+    assert fused.keys() == split.keys()
+    for n in split:
+        np.testing.assert_array_equal(fused[n], split[n], err_msg=n)
+
+
 def test_routing_spreads_over_the_experts(checkpoints):
     """The drawn routers are not trivial: the prompts' tokens reach most experts."""
     model, path = checkpoints("qwen3_moe")
