@@ -70,6 +70,17 @@ def test_engine_greedy_tokens_match_hf(checkpoints, name):
         hf_greedy(model, ids, NEW_TOKENS) for ids in PROMPTS]
 
 
+def test_engine_on_the_ragged_dispatch_matches_hf(checkpoints, monkeypatch):
+    """The sorted-segment dispatch (`ragged_dot`, what GPU and TPU take) in the engine's step
+    on this CPU: HF's greedy tokens."""
+    import jax
+
+    monkeypatch.setitem(moe.DISPATCH, "cpu", "ragged")
+    jax.clear_caches()  # no step traced on the dense dispatch by an earlier test is reused
+    test_engine_greedy_tokens_match_hf(checkpoints, "qwen2_moe")
+    jax.clear_caches()
+
+
 @pytest.mark.parametrize("name", ["qwen2_moe", "mixtral"])
 def test_fused_expert_names_load_alike(checkpoints, name, tmp_path):
     """transformers' in-memory names (experts fused: `experts.gate_up_proj` [X, 2F, E],
