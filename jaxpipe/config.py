@@ -89,7 +89,8 @@ class ModelConfig:
     num_experts: a mixture of experts (Qwen2/3-MoE, Mixtral) in every layer's MLP: this
         many experts, each a gated MLP moe_intermediate_size wide; 0: a dense model. Each
         token goes to its num_experts_per_tok experts of highest router probability (a
-        softmax over all experts; ties to the lower expert index, as torch.topk), weighted
+        softmax over all experts; exact ties to the lower expert index, where HF's
+        torch.topk picks in an order of its own), weighted
         by those probabilities, renormalised to sum to 1 with norm_topk_prob (Mixtral's
         softmax over the top-k logits is the same thing). Every layer is MoE: mixed dense
         and MoE stacks are not supported.
