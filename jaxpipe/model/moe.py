@@ -26,8 +26,9 @@ def route(h, w_router, k: int, normalize: bool):
     """Router: h [T, E] f32, w_router [E, X] -> (weights [T, k] f32, experts [T, k] i32).
 
     A softmax over all X experts' logits, the k most probable (exact ties: the lower expert
-    index first; HF's torch.topk breaks them in an order of its own), renormalised to sum to 1 with `normalize`
-    (Qwen's norm_topk_prob; Mixtral's softmax over its top-k logits is the same numbers)."""
+    index first; HF's torch.topk breaks them in an order of its own), renormalised to sum
+    to 1 with `normalize` (Qwen's norm_topk_prob; Mixtral's softmax over its top-k logits
+    is the same numbers)."""
     logits = jnp.dot(h.astype(w_router.dtype), w_router, preferred_element_type=jnp.float32)
     probs = jax.nn.softmax(logits, axis=-1)
     weights, experts = jax.lax.top_k(probs, k)
