@@ -63,7 +63,8 @@ class RopeScaling:
 @dataclass(frozen=True)
 class ModelConfig:
     """Architecture of a decoder of the Llama family and its relatives (Mistral, Qwen2/2.5,
-    Qwen3). Hashable: usable as a static jit argument.
+    Qwen3, Gemma, Phi, and the mixtures of experts Qwen2/3-MoE and Mixtral). Hashable:
+    usable as a static jit argument.
 
     qkv_bias: the q, k and v projections add a bias (Qwen2/2.5).
     qk_norm: q and k are RMS-normalised per head (a [head_dim] weight each) before RoPE
@@ -84,7 +85,18 @@ class ModelConfig:
         partial_rotary_factor * head_dim); None: all of them.
     rope_local_theta: the RoPE base of the sliding-window layers (plain RoPE, no scaling),
         where it differs from the global layers' rope_theta / rope_scaling (Gemma 3's
-        rope_local_base_freq); None: every layer uses rope_theta."""
+        rope_local_base_freq); None: every layer uses rope_theta.
+    num_experts: a mixture of experts (Qwen2/3-MoE, Mixtral) in every layer's MLP: this
+        many experts, each a gated MLP moe_intermediate_size wide; 0: a dense model. Each
+        token goes to its num_experts_per_tok experts of highest router probability (a
+        softmax over all experts; exact ties to the lower expert index, where HF's
+        torch.topk picks in an order of its own), weighted
+        by those probabilities, renormalised to sum to 1 with norm_topk_prob (Mixtral's
+        softmax over the top-k logits is the same thing). Every layer is MoE: mixed dense
+        and MoE stacks are not supported.
+    intermediate_size: the dense MLP's width; in an MoE model the shared expert's (Qwen2-MoE:
+        a dense MLP beside the experts, its output times sigmoid(x . shared_gate)), 0 for
+        none."""
 
     vocab_size: int
     hidden_size: int
@@ -112,13 +124,18 @@ class ModelConfig:
     final_softcap: float | None = None
     rope_local_theta: float | None = None
     rotary_dim: int | None = None
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
 
     def __post_init__(self):
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
-                     "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings"):
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
+                     "head_dim", "max_position_embeddings"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"ModelConfig.{name} must be a positive integer, got {value!r}")
+        self._check_mlp()
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"ModelConfig.num_heads ({self.num_heads}) must be a multiple of "
@@ -145,6 +162,36 @@ class ModelConfig:
             raise ValueError(f"ModelConfig.sliding_layers {bad} are not layers of "
                              f"0..{self.num_layers - 1}")
 
+    def _check_mlp(self) -> None:
+        """The dense MLP's width, and the experts' counts where the model has experts."""
+        f, moe = self.intermediate_size, self.is_moe
+        if not isinstance(f, int) or isinstance(f, bool) or f < (0 if moe else 1):
+            raise ValueError(f"ModelConfig.intermediate_size must be a positive integer "
+                             f"({'or 0 (no shared expert) ' if moe else ''}got {f!r})")
+        if not isinstance(self.num_experts, int) or self.num_experts < 0:
+            raise ValueError(f"ModelConfig.num_experts must be an integer >= 0 (0: dense), "
+                             f"got {self.num_experts!r}")
+        if not moe:
+            if self.num_experts_per_tok or self.moe_intermediate_size or self.norm_topk_prob:
+                raise ValueError("ModelConfig.num_experts_per_tok, moe_intermediate_size and "
+                                 "norm_topk_prob need num_experts >= 1 (got num_experts=0)")
+            return
+        k = self.num_experts_per_tok
+        if not isinstance(k, int) or not 1 <= k <= self.num_experts:
+            raise ValueError(f"ModelConfig.num_experts_per_tok must be in [1, num_experts="
+                             f"{self.num_experts}], got {k!r}")
+        if not isinstance(self.moe_intermediate_size, int) or self.moe_intermediate_size < 1:
+            raise ValueError(f"ModelConfig.moe_intermediate_size must be a positive integer "
+                             f"in an MoE model, got {self.moe_intermediate_size!r}")
+        if self.mlp_act != "silu":
+            raise ValueError(f"ModelConfig.mlp_act {self.mlp_act!r} is not supported with "
+                             "experts; supported: 'silu'")
+
+    @property
+    def is_moe(self) -> bool:
+        """Whether every layer's MLP is a mixture of experts."""
+        return self.num_experts > 0
+
     @property
     def context_limit(self) -> tuple[int, str]:
         """The longest sequence the engine runs this model at, and what sets it: its position
@@ -169,6 +216,9 @@ class ModelConfig:
         e, f, h, k, d = (self.hidden_size, self.intermediate_size, self.num_heads,
                          self.num_kv_heads, self.head_dim)
         per_layer = e * (h * d) * 2 + e * (k * d) * 2 + 3 * e * f + 2 * e
+        if self.is_moe:  # the router, the experts, the shared expert's gate
+            per_layer += e * self.num_experts * (1 + 3 * self.moe_intermediate_size)
+            per_layer += e if f else 0
         per_layer += (h + 2 * k) * d if self.qkv_bias else 0
         per_layer += 2 * d if self.qk_norm else 0
         per_layer += 2 * e if self.sandwich_norms else 0

@@ -157,10 +157,11 @@ def local_matmuls(shardings: dict) -> dict[str, Matmul]:
     """Each matmul weight's multiplication on one device (its shard as [K, N]; the fused
     gate where its halves are whole panel pairs), from the weights' `NamedSharding`s and
     padded shapes: name -> (sharding, shape). Only weights whose shard has an even K, what
-    panel order pairs."""
+    panel order pairs. A weight the model has not (an MoE model's dense MLP) is left out
+    of `shardings` and of the result."""
     out = {}
-    for name, contracted in MATMUL_PARAMS.items():
-        place, shape = shardings[name]
+    for name, (place, shape) in shardings.items():
+        contracted = MATMUL_PARAMS[name]
         local = place.shard_shape(shape)
         k, n = math.prod(local[1:1 + contracted]), math.prod(local[1 + contracted:])
         if k % 2 == 0:

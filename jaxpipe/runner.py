@@ -620,7 +620,8 @@ def kernel_matmuls(cfg: ModelConfig, plan: sharding.PaddingPlan, shardings: dict
     if dispatch is None:
         return {}, None
     shapes = sharding.padded_shapes(cfg, plan)
-    local = pipeline.local_matmuls({n: (shardings[n], shapes[n]) for n in pipeline.MATMUL_PARAMS})
+    local = pipeline.local_matmuls({n: (shardings[n], shapes[n]) for n in pipeline.MATMUL_PARAMS
+                                    if n in shardings})
     layers = {n: mm for n, mm in local.items() if dispatch.order(mm) == PANEL_ORDER}
     head = pipeline.local_head(shardings, shapes)
     if head is None or dispatch.order(head) != PANEL_ORDER:

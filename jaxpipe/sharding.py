@@ -10,7 +10,8 @@ the host, into a form every layout of the engine divides (`PaddingPlan`):
   - heads: KV heads are replicated and query heads zero-padded so each TP shard holds whole
     GQA groups; a zero query head attends somewhere, but its `wo` rows are zero, so the
     output is unchanged;
-  - mlp / vocab: zero columns (silu(0) * 0 == 0; padded logits are cut off by the runner).
+  - mlp / moe_mlp / vocab: zero columns (silu(0) * 0 == 0; padded logits are cut off by
+    the runner).
 Because the padded shapes are common to all layouts, re-sharding is a pure `device_put`.
 A size a rule cannot split raises; nothing is ever silently replicated.
 """
@@ -37,8 +38,11 @@ MESH_AXES = ("dp", "pp", "tp")
 # Logical axis -> mesh axis. Axes not listed (embed, head_dim, kv_pair, gate_up, seq) are never
 # split: embed is the residual stream every layer needs whole; the pair axes hold two halves
 # of one fused matmul.
-RULES = {"layers": "pp", "heads": "tp", "kv_heads": "tp", "mlp": "tp", "vocab": "tp",
-         "batch": "dp"}
+# The experts split like the dense MLP, over their hidden columns (`moe_mlp`): every device
+# holds a slice of every expert, and `w_experts_down`'s partial products are summed with the
+# rest of the MLP's. `experts` and `router` (the router's expert scores) are not split yet.
+RULES = {"layers": "pp", "heads": "tp", "kv_heads": "tp", "mlp": "tp", "moe_mlp": "tp",
+         "vocab": "tp", "batch": "dp"}
 # Logical axes of the stacked KV store (one array for K, one for V).
 KV_AXES = ("layers", "kv_blocks", "kv_heads", "seq", "head_dim")
 
@@ -82,6 +86,7 @@ def plan_padding(cfg: ModelConfig, layouts: Iterable[Layout]) -> PaddingPlan:
         "heads": q_src,
         "kv_heads": kv_src,
         "mlp": _zero_pad(cfg.intermediate_size, tp),
+        "moe_mlp": _zero_pad(cfg.moe_intermediate_size, tp),
         "vocab": _zero_pad(cfg.vocab_size, tp),
     })
 

@@ -91,12 +91,15 @@ def utilization(config, devices) -> float:
 def activation_bytes(model, tokens: int, rows: int) -> int:
     """An upper bound of the memory one step of `tokens` tokens and `rows` sampled rows
     needs besides its arguments: f32 activations of one layer (residual, q/k/v, attention
-    output, the MLP's gate, up and product) times ACTIVATION_FACTOR for XLA's temporaries,
-    the rows' logits, and one f32 [V, E] buffer (the temporaries of the steps of 1024 tokens
-    and more hold about that much more than their activations on CPU). Checked against
-    XLA's `memory_analysis` in the tests."""
+    output, the MLP's gate, up and product, the experts') times ACTIVATION_FACTOR for XLA's
+    temporaries, the rows' logits, and one f32 [V, E] buffer (the temporaries of the steps
+    of 1024 tokens and more hold about that much more than their activations on CPU).
+    Checked against XLA's `memory_analysis` in the tests."""
     e, f, d, v = model.hidden_size, model.intermediate_size, model.head_dim, model.vocab_size
     per_token = 3 * e + (2 * model.num_heads + 2 * model.num_kv_heads) * d + 3 * f
+    # Experts, as the CPU's dense dispatch runs them (model/moe.py): every expert's gate, up
+    # and product, and its output, for every token.
+    per_token += model.num_experts * (3 * model.moe_intermediate_size + e)
     return 4 * (ACTIVATION_FACTOR * tokens * per_token + 3 * rows * v + v * e)
 
 

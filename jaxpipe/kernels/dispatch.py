@@ -325,12 +325,13 @@ def main() -> None:
 
 
 def model_matmuls(cfg, tp: int = 1) -> list[Matmul]:
-    """The step's matmuls of a model on one device of a tp-way split (unpadded shapes)."""
+    """The step's matmuls of a model on one device of a tp-way split (unpadded shapes; no
+    dense MLP's for an MoE model without a shared expert, whose experts are XLA's)."""
     e, h, kv, d = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     f, v = cfg.intermediate_size, cfg.vocab_size
+    mlp = [Matmul("w_gate_up", e, 2 * f // tp, gated=True), Matmul("w_down", f // tp, e)]
     return [Matmul("wq", e, h * d // tp), Matmul("wkv", e, 2 * kv * d // tp),
-            Matmul("wo", h * d // tp, e), Matmul("w_gate_up", e, 2 * f // tp, gated=True),
-            Matmul("w_down", f // tp, e), Matmul("lm_head", e, v // tp)]
+            Matmul("wo", h * d // tp, e), *(mlp if f else []), Matmul("lm_head", e, v // tp)]
 
 
 if __name__ == "__main__":

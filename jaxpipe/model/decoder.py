@@ -1,6 +1,6 @@
 """The decoder of the Llama family and its relatives (Llama 2/3, SmolLM2, Mistral, Qwen2/2.5,
-Qwen3) in Flax NNX: one layer, the families' differences as config switches and optional
-parameters.
+Qwen3, and the mixtures of experts Qwen2/3-MoE and Mixtral) in Flax NNX: one layer, the
+families' differences as config switches and optional parameters.
 
 Layers are stacked along a leading "layers" axis so a pipeline layout can shard that axis and a
 tensor-parallel layout can shard heads / mlp: switching layouts is a `device_put` of the same
@@ -24,9 +24,11 @@ import numpy as np
 from flax import nnx
 
 from jaxpipe.config import ModelConfig
+from jaxpipe.model import moe
 
 LAYER_PARAMS = ("attn_norm", "wq", "wkv", "wo", "mlp_norm", "w_gate_up", "w_down",
-                "bq", "bkv", "q_norm", "k_norm", "post_attn_norm", "post_mlp_norm")
+                "bq", "bkv", "q_norm", "k_norm", "post_attn_norm", "post_mlp_norm",
+                "router", "w_experts_gate_up", "w_experts_down", "shared_gate")
 
 
 class ParamDecl(NamedTuple):
@@ -45,8 +47,10 @@ def param_decls(cfg: ModelConfig) -> dict[str, ParamDecl]:
     (`w_gate_up`): fewer, larger matmuls, which is what the CPU backend needs at decode batch
     sizes. The pair axes are never sharded, so TP splits heads / mlp exactly as unfused.
     The families' optional parameters exist only when the config asks for them: q/k/v
-    biases (`bq`, `bkv`, as the projections they add to), per-head q/k norms, and the norms
-    of the attention and MLP outputs (Gemma's sandwich).
+    biases (`bq`, `bkv`, as the projections they add to), per-head q/k norms, the norms
+    of the attention and MLP outputs (Gemma's sandwich), and the experts (`moe_decls`).
+    The dense MLP (`w_gate_up`, `w_down`) is absent where intermediate_size is 0 (an MoE
+    model without a shared expert).
     """
     L, E, H, K, D, F, V = (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads,
                            cfg.head_dim, cfg.intermediate_size, cfg.vocab_size)
@@ -61,7 +65,10 @@ def param_decls(cfg: ModelConfig) -> dict[str, ParamDecl]:
         "w_gate_up": ParamDecl((L, E, 2, F), ("layers", "embed", "gate_up", "mlp"), "fan_in", E),
         "w_down": ParamDecl((L, F, E), ("layers", "mlp", "embed"), "fan_in", F),
         "final_norm": ParamDecl((E,), ("embed",), "ones"),
+        **moe_decls(cfg),
     }
+    if not F:
+        del decls["w_gate_up"], decls["w_down"]
     if cfg.qkv_bias:
         decls["bq"] = ParamDecl((L, H, D), ("layers", "heads", "head_dim"), "zeros")
         decls["bkv"] = ParamDecl((L, 2, K, D), ("layers", "kv_pair", "kv_heads", "head_dim"),
@@ -74,6 +81,26 @@ def param_decls(cfg: ModelConfig) -> dict[str, ParamDecl]:
         decls["post_mlp_norm"] = ParamDecl((L, E), ("layers", "embed"), "ones")
     if not cfg.tie_embeddings:
         decls["lm_head"] = ParamDecl((E, V), ("embed", "vocab"), "fan_in", E)
+    return decls
+
+
+def moe_decls(cfg: ModelConfig) -> dict[str, ParamDecl]:
+    """The experts of an MoE model (none for a dense one): the router [L, E, X], every
+    expert's gate/up [L, X, E, 2, F'] and down [L, X, F', E] stacked along a logical
+    `experts` axis, and the shared expert's sigmoid gate [L, E] where the dense MLP is one."""
+    if not cfg.is_moe:
+        return {}
+    L, E, X, F = cfg.num_layers, cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
+    decls = {
+        "router": ParamDecl((L, E, X), ("layers", "embed", "router"), "fan_in", E),
+        "w_experts_gate_up": ParamDecl((L, X, E, 2, F),
+                                       ("layers", "experts", "embed", "gate_up", "moe_mlp"),
+                                       "fan_in", E),
+        "w_experts_down": ParamDecl((L, X, F, E), ("layers", "experts", "moe_mlp", "embed"),
+                                    "fan_in", F),
+    }
+    if cfg.intermediate_size:
+        decls["shared_gate"] = ParamDecl((L, E), ("layers", "embed"), "fan_in", E)
     return decls
 
 
@@ -93,14 +120,18 @@ class LayerParams(NamedTuple):
     wkv: jax.Array  # [E, 2, Hkv, D]
     wo: jax.Array  # [H, D, E]
     mlp_norm: jax.Array  # [E]
-    w_gate_up: jax.Array  # [E, 2, F]
-    w_down: jax.Array  # [F, E]
+    w_gate_up: jax.Array | None  # [E, 2, F]; None: no dense MLP (MoE, no shared expert)
+    w_down: jax.Array | None  # [F, E]
     bq: jax.Array | None = None  # [H, D]
     bkv: jax.Array | None = None  # [2, Hkv, D]
     q_norm: jax.Array | None = None  # [D]
     k_norm: jax.Array | None = None  # [D]
     post_attn_norm: jax.Array | None = None  # [E]
     post_mlp_norm: jax.Array | None = None  # [E]
+    router: jax.Array | None = None  # [E, X]
+    w_experts_gate_up: jax.Array | None = None  # [X, E, 2, F']
+    w_experts_down: jax.Array | None = None  # [X, F', E]
+    shared_gate: jax.Array | None = None  # [E]
 
 
 class HeadParams(NamedTuple):
@@ -224,8 +255,30 @@ def attn_out_mlp(cfg: ModelConfig, p: LayerParams, x, attn, reduce=None, dot=Non
 
     x = residual(x, reduce(_matmul(attn, p.wo, 2, dot)), p.post_attn_norm)
     h = rms_norm(x, p.mlp_norm, cfg.rms_norm_eps)
-    act = gated_mlp(h, p.w_gate_up, dot, gated, cfg.mlp_act)  # [..., F]
-    return residual(x, reduce(_matmul(act, p.w_down, dot=dot)), p.post_mlp_norm)
+    return residual(x, reduce(mlp(cfg, p, h, dot, gated)), p.post_mlp_norm)
+
+
+def mlp(cfg: ModelConfig, p: LayerParams, h, dot=None, gated=None):
+    """The MLP of normalised h [..., E] -> [..., E] f32 (a partial sum under tensor
+    parallelism, as the row-split `w_down`'s): the dense gated MLP, or the experts plus,
+    where the layer has one, the shared expert (the dense MLP) times sigmoid(h . shared_gate).
+    `dot`, `gated`: see `_matmul` and `gated_mlp` (the dense MLP's)."""
+    dense = None
+    if p.w_gate_up is not None:
+        act = gated_mlp(h, p.w_gate_up, dot, gated, cfg.mlp_act)  # [..., F]
+        dense = _matmul(act, p.w_down, dot=dot)
+    if p.router is None:
+        return dense
+    e = h.shape[-1]
+    flat = h.reshape(-1, e)  # [T, E]
+    with jax.named_scope("experts"):
+        weights, experts = moe.route(flat, p.router, cfg.num_experts_per_tok,
+                                     cfg.norm_topk_prob)
+        out = moe.experts_mlp(flat, weights, experts, p.w_experts_gate_up, p.w_experts_down)
+    if dense is not None:
+        share = jax.nn.sigmoid(flat @ p.shared_gate.astype(jnp.float32))  # [T]
+        out = out + share[:, None] * dense.reshape(-1, e)
+    return out.reshape(h.shape)
 
 
 def gated_mlp(h, w, dot=None, gated=None, act: str = "silu"):

@@ -187,7 +187,12 @@ HF_ARCHITECTURES = {
     "LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3", "Phi3ForCausalLM": "phi3",
+    "Qwen2MoeForCausalLM": "qwen2_moe", "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
 }
+_MOE = ("qwen2_moe", "qwen3_moe", "mixtral")
+# HF's default expert count where config.json leaves it out (its config classes').
+_DEFAULT_EXPERTS = {"qwen2_moe": 60, "qwen3_moe": 128, "mixtral": 8}
 _GEMMA = ("gemma2", "gemma3")
 # HF's default when config.json leaves `sliding_window` out (MistralConfig, Gemma2Config).
 _DEFAULT_WINDOW = {"mistral": 4096, "gemma2": 4096, "gemma3": 4096}
@@ -224,7 +229,8 @@ def hf_config(config_json: dict) -> ModelConfig:
                                    or c.get("partial_rotary_factor") or 1.0))
     return ModelConfig(
         vocab_size=c["vocab_size"], hidden_size=c["hidden_size"],
-        intermediate_size=c["intermediate_size"], num_layers=c["num_hidden_layers"],
+        **({} if family in _MOE else {"intermediate_size": c["intermediate_size"]}),
+        num_layers=c["num_hidden_layers"],
         num_heads=heads, num_kv_heads=c.get("num_key_value_heads") or heads,
         head_dim=head_dim, rotary_dim=rotary if rotary != head_dim else None,
         rms_norm_eps=float(c.get("rms_norm_eps", 1e-5)),
@@ -234,10 +240,35 @@ def hf_config(config_json: dict) -> ModelConfig:
             "max_position_embeddings", 4096),
         tie_embeddings=bool(c.get("tie_word_embeddings", family in _GEMMA)),
         bos_token_id=c.get("bos_token_id"), eos_token_ids=eos_ids,
-        qkv_bias=family == "qwen2", qk_norm=family in ("qwen3", "gemma3"),
+        qkv_bias=family == "qwen2" or (family == "qwen2_moe" and c.get("qkv_bias", True)),
+        qk_norm=family in ("qwen3", "gemma3", "qwen3_moe"),
         sliding_window=window, sliding_layers=sliding, mlp_act=_ACTS[act],
         rope_local_theta=local_theta if sliding else None,
-        **(_gemma(c, family) if family in _GEMMA else {}))
+        **(_gemma(c, family) if family in _GEMMA else {}),
+        **(_hf_moe(c, family) if family in _MOE else {}))
+
+
+def _hf_moe(c: dict, family: str) -> dict:
+    """The experts' fields of Qwen2-MoE, Qwen3-MoE and Mixtral (HF's defaults for what
+    config.json leaves out). Qwen2-MoE's shared expert is the dense MLP (intermediate_size);
+    Mixtral renormalises its top-k. Every layer must be MoE."""
+    layers = c["num_hidden_layers"]
+    step, dense = c.get("decoder_sparse_step", 1), c.get("mlp_only_layers") or []
+    if step != 1 or dense:
+        moe_layers = [i for i in range(layers) if i not in dense and (i + 1) % step == 0]
+        if len(moe_layers) != layers:
+            raise ValueError(f"config.json decoder_sparse_step={step}, mlp_only_layers={dense} "
+                             "(dense MLP layers among the MoE ones) is not supported; "
+                             "supported: every layer MoE (decoder_sparse_step=1, "
+                             "mlp_only_layers=[])")
+    experts = c.get("num_experts") or c.get("num_local_experts") or _DEFAULT_EXPERTS[family]
+    mixtral = family == "mixtral"
+    return dict(
+        num_experts=experts, num_experts_per_tok=c.get("num_experts_per_tok", 2),
+        moe_intermediate_size=c["intermediate_size" if mixtral else "moe_intermediate_size"],
+        norm_topk_prob=mixtral or bool(c.get("norm_topk_prob", False)),
+        intermediate_size=(c.get("shared_expert_intermediate_size") or 0
+                           if family == "qwen2_moe" else 0))
 
 
 def _gemma(c: dict, family: str) -> dict:
@@ -269,8 +300,12 @@ def _hf_sliding_layers(c: dict, family: str) -> tuple[int | None, tuple[int, ...
     layers = c["num_hidden_layers"]
     window = c.get("sliding_window", _DEFAULT_WINDOW.get(family))
     types = c.get("layer_types")
-    if family in ("qwen2", "qwen3") and not c.get("use_sliding_window", False):
+    if family in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") and not c.get(
+            "use_sliding_window", False):
         window = None
+    elif family in ("qwen2_moe", "qwen3_moe"):
+        raise ValueError(f"config.json use_sliding_window=true is not supported for {family}; "
+                         "supported: full attention on every layer")
     if window is None:
         return None, ()
     if types is None and family in _GEMMA:  # every pattern-th layer global, the rest sliding
@@ -379,6 +414,7 @@ def load_hf_dir(path: Path) -> tuple[ModelConfig, dict[str, np.ndarray]]:
             for name in f.keys():
                 tensors[name] = np.asarray(f.get_tensor(name), dtype=np.float32)
     _split_fused(cfg, tensors)
+    _moe_names(cfg, tensors)
     norm_offset = 1.0 if _hf_family(config) in _NORM_PLUS_ONE else 0.0
     return cfg, from_hf_names(cfg, tensors.__getitem__, norm_offset)
 
@@ -398,6 +434,56 @@ def _split_fused(cfg: ModelConfig, tensors: dict[str, np.ndarray]) -> None:
         if gate_up is not None:
             tensors[pre + "mlp.gate_proj.weight"] = gate_up[:f]
             tensors[pre + "mlp.up_proj.weight"] = gate_up[f:]
+
+
+# Per-expert weights under Mixtral's names -> Qwen's (w1 gate, w3 up, w2 down).
+_MIXTRAL_EXPERT = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+
+
+def _moe_names(cfg: ModelConfig, tensors: dict[str, np.ndarray]) -> None:
+    """An MoE checkpoint's expert names as `from_hf_names` reads them, in place:
+    `mlp.experts.{x}.{gate,up,down}_proj.weight` per expert (Mixtral's block_sparse_moe and
+    w1/w3/w2 renamed; transformers' fused `experts.gate_up_proj` [X, 2F, E] and
+    `experts.down_proj` [X, E, F] split), and Qwen2-MoE's shared expert as the dense MLP."""
+    if not cfg.is_moe:
+        return
+    for name in [n for n in tensors if ".block_sparse_moe." in n]:
+        new = name.replace(".block_sparse_moe.", ".mlp.")
+        for old, hf in _MIXTRAL_EXPERT.items():
+            new = new.replace(f".{old}.weight", f".{hf}.weight")
+        tensors[new] = tensors.pop(name)
+    f = cfg.moe_intermediate_size
+    for i in range(cfg.num_layers):
+        pre = f"model.layers.{i}.mlp."
+        gate_up, down = (tensors.pop(pre + f"experts.{n}_proj", None) for n in ("gate_up", "down"))
+        for x in range(cfg.num_experts if gate_up is not None else 0):
+            tensors[f"{pre}experts.{x}.gate_proj.weight"] = gate_up[x, :f]
+            tensors[f"{pre}experts.{x}.up_proj.weight"] = gate_up[x, f:]
+            tensors[f"{pre}experts.{x}.down_proj.weight"] = down[x]
+        for n in ("gate", "up", "down"):
+            shared = tensors.pop(f"{pre}shared_expert.{n}_proj.weight", None)
+            if shared is not None:
+                tensors[f"{pre}{n}_proj.weight"] = shared
+
+
+def _hf_experts(cfg: ModelConfig, get: Callable[[str], np.ndarray]) -> dict[str, np.ndarray]:
+    """The router [L, E, X], the experts' gate/up [L, X, E, 2, F'] and down [L, X, F', E],
+    and the shared expert's gate [L, E] (see `decoder.moe_decls`) from `_moe_names`'s names."""
+    layers, experts = range(cfg.num_layers), range(cfg.num_experts)
+
+    def expert(i: int, x: int, n: str) -> np.ndarray:
+        return get(f"model.layers.{i}.mlp.experts.{x}.{n}_proj.weight").T
+
+    values = {
+        "router": np.stack([get(f"model.layers.{i}.mlp.gate.weight").T for i in layers]),
+        "w_experts_gate_up": np.stack([[np.stack([expert(i, x, "gate"), expert(i, x, "up")],
+                                                 axis=1) for x in experts] for i in layers]),
+        "w_experts_down": np.stack([[expert(i, x, "down") for x in experts] for i in layers]),
+    }
+    if cfg.intermediate_size:
+        values["shared_gate"] = np.stack(
+            [get(f"model.layers.{i}.mlp.shared_expert_gate.weight")[0] for i in layers])
+    return values
 
 
 def from_hf_names(cfg: ModelConfig, get: Callable[[str], np.ndarray],
@@ -425,10 +511,13 @@ def from_hf_names(cfg: ModelConfig, get: Callable[[str], np.ndarray],
         "wkv": np.stack([stack(f"self_attn.{n}_proj.weight", lambda w: w.T.reshape(E, K, D))
                          for n in "kv"], axis=2),  # [L, E, 2, Hkv, D]
         "wo": stack("self_attn.o_proj.weight", lambda w: w.T.reshape(H, D, E)),
-        "w_gate_up": np.stack([stack(f"mlp.{n}_proj.weight", lambda w: w.T)
-                               for n in ("gate", "up")], axis=2),  # [L, E, 2, F]
-        "w_down": stack("mlp.down_proj.weight", lambda w: w.T),
     }
+    if cfg.intermediate_size:  # the dense MLP (Qwen2-MoE: the shared expert)
+        values["w_gate_up"] = np.stack([stack(f"mlp.{n}_proj.weight", lambda w: w.T)
+                                        for n in ("gate", "up")], axis=2)  # [L, E, 2, F]
+        values["w_down"] = stack("mlp.down_proj.weight", lambda w: w.T)
+    if cfg.is_moe:
+        values |= _hf_experts(cfg, get)
     if cfg.qkv_bias:
         values["bq"] = stack("self_attn.q_proj.bias", lambda b: b.reshape(H, D))
         values["bkv"] = np.stack([stack(f"self_attn.{n}_proj.bias", lambda b: b.reshape(K, D))

@@ -67,6 +67,25 @@ PUBLIC_CONFIGS = {
                       original_max_position_embeddings=4096, rms_norm_eps=1e-05,
                       rope_scaling=None, rope_theta=10000.0, sliding_window=2047,
                       tie_word_embeddings=False, vocab_size=32064),
+    # Mixtures of experts (model/moe.py).
+    "qwen3-30b-a3b": dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe",
+                          attention_bias=False, bos_token_id=151643, decoder_sparse_step=1,
+                          eos_token_id=151645, head_dim=128, hidden_act="silu",
+                          hidden_size=2048, intermediate_size=6144,
+                          max_position_embeddings=40960, max_window_layers=48,
+                          mlp_only_layers=[], moe_intermediate_size=768, norm_topk_prob=True,
+                          num_attention_heads=32, num_experts=128, num_experts_per_tok=8,
+                          num_hidden_layers=48, num_key_value_heads=4, rms_norm_eps=1e-06,
+                          rope_scaling=None, rope_theta=1000000.0, sliding_window=None,
+                          tie_word_embeddings=False, use_sliding_window=False,
+                          vocab_size=151936),
+    "mixtral-8x7b": dict(architectures=["MixtralForCausalLM"], model_type="mixtral",
+                         bos_token_id=1, eos_token_id=2, hidden_act="silu", hidden_size=4096,
+                         intermediate_size=14336, max_position_embeddings=32768,
+                         num_attention_heads=32, num_experts_per_tok=2, num_hidden_layers=32,
+                         num_key_value_heads=8, num_local_experts=8, rms_norm_eps=1e-05,
+                         rope_theta=1e6, sliding_window=None, tie_word_embeddings=False,
+                         vocab_size=32000),
 }
 # Parameter totals as published (the sizes of the released safetensors checkpoints; Gemma 3
 # 1B's is its text-only checkpoint's).
@@ -79,6 +98,8 @@ PUBLIC_PARAM_COUNTS = {
     "gemma2-9b": 9_241_705_984,
     "gemma3-1b": 999_885_952,
     "phi3-mini": 3_821_079_552,
+    "qwen3-30b-a3b": 30_532_122_624,
+    "mixtral-8x7b": 46_702_792_704,
 }
 
 
