@@ -40,6 +40,35 @@ def engine():
     return Engine(EngineConfig(**ENGINE_KWARGS))
 
 
+# A two-layer random model with SmolLM2's tokenizer: for the tests whose reference is another
+# run of the same engine (scheduling, preemption, swaps), where the 30-layer model only costs time.
+# Prime-ish widths, as in tests/multidevice. Tied embeddings N(0, 0.5^2) outweigh the layers in
+# the residual, so the model likes the tokens in its context as a trained one does (penalties
+# change its greedy tokens); the final norm at 0.3 keeps the logits' spread near 1.5, so sampling
+# at T=0.9 draws from many tokens.
+TINY_SMOLLM2 = dict(vocab_size=49152, hidden_size=46, intermediate_size=67, num_layers=2,
+                    num_heads=6, num_kv_heads=2, head_dim=8, tie_embeddings=True,
+                    max_position_embeddings=256, eos_token_ids=(2,))
+
+
+@pytest.fixture(scope="session")
+def tiny_smollm2(tmp_path_factory) -> str:
+    """An orbax checkpoint of TINY_SMOLLM2's seeded random weights with SmolLM2's tokenizer
+    beside it: the `model` of an engine that takes text prompts and compiles in moments."""
+    from jaxpipe.config import ModelConfig
+    from jaxpipe.model import decoder, loading
+    from jaxpipe.tokenizer import Tokenizer
+
+    cfg = ModelConfig(**TINY_SMOLLM2)
+    values = decoder.numpy_random_values(cfg, seed=0)
+    scale = {"embed": 25.0, "final_norm": 0.3}  # numpy_random_values: N(0, 0.02^2), ones
+    values = {k: v * scale.get(k, 1.0) for k, v in values.items()}
+    path = tmp_path_factory.mktemp("tiny_smollm2") / "ckpt"
+    loading.save_orbax(path, cfg, values, "float32")
+    Tokenizer.from_gguf(gguf_dir() / GGUF_FILE).save(path)
+    return str(path)
+
+
 @pytest.fixture(scope="session")
 def gguf_weights():
     """(ModelConfig, {name: f32 array}) from jaxpipe's GGUF loader."""

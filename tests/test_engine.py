@@ -432,6 +432,8 @@ def test_sampling_params_reject_wrong_types():
         SamplingParams(max_tokens=3.5)
 
 
+@pytest.mark.slow  # a second SmolLM2 engine; `make test` keeps the claim: each attention gives
+# HF's tokens (tests/model/test_paths_parity.py::test_f32_greedy_matches_hf_with_each_attention)
 def test_xla_attention_fallback_gives_the_same_tokens(engine, prompts, plain):
     """The kernel and the XLA fallback are two implementations of one contract."""
     from conftest import ENGINE_KWARGS

@@ -2,7 +2,8 @@
 that sequences really move: out to the host after prefill, back into *other* slots, parked,
 recomputed, aborted mid-way. Tokens must equal a reference run in which every request keeps its
 own slot from start to end (greedy, penalties and seeded sampling: all must follow a sequence
-wherever it goes)."""
+wherever it goes). The model is conftest's two-layer random one with SmolLM2's tokenizer: the
+reference is the engine itself, and the prompts' lengths (which decide every move) are SmolLM2's."""
 
 from __future__ import annotations
 
@@ -20,6 +21,12 @@ PROMPTS = [f"{s} (case {i}):" for i, s in enumerate([
     "Roses are red, violets are", "The largest planet in our solar system is", "Once upon a time",
     "My favourite colour is"])]
 KWARGS = {**ENGINE_KWARGS, "max_model_len": 128}
+
+
+@pytest.fixture(scope="module")
+def kwargs(tiny_smollm2) -> dict:
+    """The engines' settings: the tiny model, contexts of 128 tokens."""
+    return {**KWARGS, "model": tiny_smollm2}
 
 
 def params() -> list[SamplingParams]:
@@ -44,10 +51,10 @@ def tokens(outputs) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def engine():
+def engine(kwargs):
     """3 slots for 10 requests; the host tier holds about three prompts. Shared: each test
     sets its policy (the engine is idle between tests)."""
-    return Engine(EngineConfig(**{**KWARGS, "max_num_seqs": 3}, scheduler="prefill_first",
+    return Engine(EngineConfig(**{**kwargs, "max_num_seqs": 3}, scheduler="prefill_first",
                                host_kv_tokens=64))
 
 
@@ -65,6 +72,20 @@ def reference(engine):
     stats = engine.stats()
     assert stats["swap_out_bytes"] == 0 == stats["preemptions"]
     return out
+
+
+def test_the_penalties_and_seeds_shape_the_reference(engine, reference):
+    """On the tiny random model too, the tests below are not vacuous: every penalised request's
+    greedy tokens differ without its penalties (state that failed to follow a sequence would
+    change them), and a sampled request's tokens differ under another seed."""
+    sp = params()
+    plain = [dataclasses.replace(p, repetition_penalty=1.0, presence_penalty=0.0,
+                                 frequency_penalty=0.0) for p in sp]
+    plain[2] = dataclasses.replace(sp[2], seed=sp[2].seed + 1)
+    engine.set_scheduler("prefill_first")
+    got = tokens(engine.generate(PROMPTS, plain))
+    assert all(got[i] != reference[i] for i in range(1, len(sp), 3))
+    assert got[2] != reference[2]
 
 
 def run_with(engine, policy: str, overlap: bool = True) -> tuple[list, dict]:
@@ -200,10 +221,10 @@ def test_seesaw_without_a_host_tier_is_refused():
 
 
 @pytest.fixture(scope="module")
-def tight():
+def tight(kwargs):
     """6 rows on a device KV pool of 128 tokens (8 blocks): the 10 requests need 2 blocks
     each by their end, so running sequences outgrow the pool."""
-    return Engine(EngineConfig(**{**KWARGS, "max_num_seqs": 6}, kv_cache_tokens=128,
+    return Engine(EngineConfig(**{**kwargs, "max_num_seqs": 6}, kv_cache_tokens=128,
                                scheduler="prefill_first", host_kv_tokens=64))
 
 
@@ -217,9 +238,9 @@ def test_a_pool_smaller_than_the_running_sequences(tight, reference, policy):
         assert stats["preemptions"] >= 1
 
 
-def test_a_pool_that_cannot_hold_one_sequence_is_refused():
+def test_a_pool_that_cannot_hold_one_sequence_is_refused(kwargs):
     with pytest.raises(ValueError, match="kv_cache_tokens=64.*max_model_len=128"):
-        Engine(EngineConfig(**KWARGS, kv_cache_tokens=64))
+        Engine(EngineConfig(**kwargs, kv_cache_tokens=64))
 
 
 # ---- overlap: step n + 1 is dispatched before step n's tokens reach the host -----------------

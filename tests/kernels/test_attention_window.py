@@ -7,6 +7,7 @@ implementation (the C++ CPU kernel "cpu", the Pallas kernel in interpret mode
 
 from __future__ import annotations
 
+import functools
 from functools import partial
 
 import jax
@@ -55,11 +56,18 @@ def impl(request):
     return request.param
 
 
+@functools.cache
+def jitted(name, softcap, scale):
+    """One implementation under jit, softcap and scale static: compiled once per shape, then
+    run for every window, table and span (all traced)."""
+    return jax.jit(partial(IMPLS[name], softcap=softcap, scale=scale))
+
+
 def run(name, q, k, v, table, q_start=Q_START, q_len=Q_LEN, kv_len=KV_LEN, layer=0, window=0,
         softcap=0.0, scale=None):
     """One implementation under jit: spans, table, layer and window traced; softcap and scale
     static."""
-    fn = jax.jit(partial(IMPLS[name], softcap=softcap, scale=scale))
+    fn = jitted(name, softcap, scale)
     return np.asarray(fn(q, k, v, *i32(table, q_start, q_len, kv_len), jnp.int32(layer),
                          window=jnp.int32(window)))
 

@@ -55,8 +55,35 @@ def family(request, checkpoints):
     return checkpoints(request.param)
 
 
-def hf_tokens(family) -> list[list[int]]:
-    return [hf_greedy(family[1], ids) for ids in PROMPTS]
+@pytest.fixture(scope="module")
+def hf_tokens():
+    """family -> HF's greedy tokens of every prompt, generated once per family."""
+    made = {}
+
+    def get(family) -> list[list[int]]:
+        name, model, _ = family
+        if name not in made:
+            made[name] = [hf_greedy(model, ids) for ids in PROMPTS]
+        return made[name]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def one_row_engine(checkpoints):
+    """name -> a one-row engine on that family's checkpoint, built once (runner-level tests
+    write their prompt's KV before they read it, so a used pool does)."""
+    made = {}
+
+    def get(name) -> Engine:
+        if name not in made:
+            made[name] = Engine(EngineConfig(model=str(checkpoints(name)[2]), max_num_seqs=1,
+                                             **FAST))
+        return made[name]
+
+    yield get
+    for engine in made.values():
+        engine.close()
 
 
 def test_config_reads_the_family_switches(family):
@@ -88,26 +115,30 @@ def test_forward_logits_match_hf(family):
 
 @pytest.mark.parametrize("name, attention", [(n, "auto") for n in sorted(FAMILIES)]
                          + [(n, "xla") for n in WINDOWED])
-def test_engine_greedy_tokens_match_hf(checkpoints, name, attention):
+def test_engine_greedy_tokens_match_hf(checkpoints, hf_tokens, name, attention):
     """The engine's step (paged KV, chunked prefill: a 32-token budget splits the long
-    prompts, whose chunks straddle the sliding windows' edges) on the default attention (the
-    C++ kernel here) and, for the families whose attention differs (windows, soft-caps,
-    scale), XLA's."""
+    prompts, whose chunks straddle the sliding windows' edges, mixed with decode tokens) on
+    the default attention (the C++ kernel here) and, for the families whose attention differs
+    (windows, soft-caps, scale), XLA's."""
     family = checkpoints(name)
     engine = Engine(EngineConfig(model=str(family[2]), max_num_seqs=4, max_num_batched_tokens=32,
                                  attention=attention, **FAST))
     outs = engine.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY)
     assert [list(o.outputs[0].token_ids) for o in outs] == hf_tokens(family)
+    stats = engine.stats()  # the budget split the long prompts, and no step passed it
+    assert stats["max_step_tokens"] <= 32 and stats["decode_tokens"] > 0
+    assert stats["prefill_chunks"] >= sum(-(-len(p) // 32) for p in PROMPTS) > len(PROMPTS)
 
 
 @pytest.mark.parametrize("chunk", [1, 7, 100])
 @pytest.mark.parametrize("name", WINDOWED)
-def test_windowed_families_chunked_prefill_logits_match_hf(checkpoints, name, chunk):
+def test_windowed_families_chunked_prefill_logits_match_hf(checkpoints, one_row_engine, name,
+                                                          chunk):
     """A 100-token prompt (five windows) prefilled in chunks of 1, 7 or whole through the
     engine's step on the C++ kernel: each chunk's last logits equal HF's at that position,
     as windows cross chunk and block edges at every offset."""
-    _, hf_model, path = checkpoints(name)
-    engine = Engine(EngineConfig(model=str(path), max_num_seqs=1, **FAST))
+    hf_model = checkpoints(name)[1]
+    engine = one_row_engine(name)
     runner, ids = engine.runner, PROMPTS[3]
     with torch.no_grad():
         want = hf_model(torch.tensor([ids])).logits[0].float().numpy()
@@ -131,7 +162,7 @@ def test_longrope_past_its_original_length_is_refused_naming_it(checkpoints):
 
 
 @pytest.mark.parametrize("name", ["gemma3", "phi3_longrope", "qwen2_window"])
-def test_orbax_conversion_keeps_every_switch(checkpoints, name, tmp_path):
+def test_orbax_conversion_keeps_every_switch(checkpoints, hf_tokens, name, tmp_path):
     """scripts/convert.py's path (save_orbax of the HF directory's weights): the orbax
     checkpoint's engine gives HF's tokens, its architecture (windows, per-layer RoPE,
     LongRoPE factors) read back equal."""

@@ -129,6 +129,8 @@ LONG_TEXTS = [
 ]
 
 
+@pytest.mark.slow  # a second SmolLM2 engine; `make test` keeps the claim on every family's
+# tiny checkpoint (tests/model/test_families_hf.py::test_engine_greedy_tokens_match_hf)
 def test_a_32_token_budget_chunks_prompts_and_keeps_hf_tokens(hf_model, hf_tokenizer):
     """max_num_batched_tokens=32 with prompts of 60+ tokens: no step carries more than 32
     tokens, prompts are prefilled in several chunks mixed with decode tokens, and the greedy
