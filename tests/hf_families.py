@@ -63,9 +63,9 @@ PROMPTS = [[5, 17, 200, 3, 99, 42, 7], list(range(30, 90)), [1, 2],
 
 
 def draw_every_parameter(model, seed: int) -> None:
-    """Matrices N(0, 1/fan_in), embeddings N(0, 1), norms 1 + N(0, 0.1), biases N(0, 0.1):
-    nothing left at its HF initial value (a bias of 0 or a norm of 1 would hide a dropped
-    parameter)."""
+    """Matrices (stacked experts' too) N(0, 1/fan_in) over their last axis, embeddings N(0, 1),
+    norms 1 + N(0, 0.1), biases N(0, 0.1): nothing left at its HF initial value (a bias of 0
+    or a norm of 1 would hide a dropped parameter)."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -77,7 +77,7 @@ def draw_every_parameter(model, seed: int) -> None:
             elif "embed" in name:
                 p.copy_(z)
             else:
-                p.copy_(z / p.shape[1] ** 0.5)
+                p.copy_(z / p.shape[-1] ** 0.5)
 
 
 def write(name: str, path: Path, **overrides):

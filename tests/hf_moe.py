@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 import transformers
-from hf_families import VOCAB
+from hf_families import VOCAB, draw_every_parameter
 
 SMALL = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
@@ -29,23 +29,6 @@ MODELS = {
 EAGER = dict(experts_implementation="eager")
 
 
-def draw(model, seed: int) -> None:
-    """Matrices (experts' too) N(0, 1/fan_in) over their last axis, embeddings N(0, 1), norms
-    1 + N(0, 0.1), biases N(0, 0.1)."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            z = torch.randn(p.shape, generator=gen, dtype=torch.float32)
-            if name.endswith("bias"):
-                p.copy_(0.1 * z)
-            elif p.ndim == 1:
-                p.copy_(1.0 + 0.1 * z)
-            elif "embed" in name:
-                p.copy_(z)
-            else:
-                p.copy_(z / p.shape[-1] ** 0.5)
-
-
 def write(name: str, path: Path):
     """The HF model `name` of MODELS in f32 (HF's eager experts), saved (safetensors) to
     `path`."""
@@ -53,6 +36,6 @@ def write(name: str, path: Path):
     config = getattr(transformers, cls)(**{**SMALL, **extra}, **EAGER)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
-    draw(model, seed=sorted(MODELS).index(name))
+    draw_every_parameter(model, seed=sorted(MODELS).index(name))
     model.save_pretrained(path, safe_serialization=True)
     return model

@@ -16,8 +16,13 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from hf_families import PROMPTS, assert_forward_matches_hf, hf_greedy  # noqa: E402
-from hf_moe import EAGER, MODELS, SMALL, draw, write  # noqa: E402
+from hf_families import (  # noqa: E402
+    PROMPTS,
+    assert_forward_matches_hf,
+    draw_every_parameter,
+    hf_greedy,
+)
+from hf_moe import EAGER, MODELS, SMALL, write  # noqa: E402
 
 from jaxpipe import Engine, EngineConfig, SamplingParams  # noqa: E402
 from jaxpipe.config import ModelConfig  # noqa: E402
@@ -213,7 +218,7 @@ def test_ties_inside_the_top_k_match_hf():
                                             "moe_intermediate_size": 11, "norm_topk_prob": True},
                                            **EAGER)
     block = transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock(config)
-    draw(block, 9)
+    draw_every_parameter(block, 9)
     with torch.no_grad():
         block.gate.weight[2] = block.gate.weight[0]  # experts 0 and 2 tie
         block.gate.weight[3] = -1.0  # on positive h: far last, never in the top 3
