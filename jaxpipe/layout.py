@@ -1,19 +1,22 @@
 """A layout: how one model replica is spread over devices (`pp` pipeline stages x `tp` tensor
-shards, times `dp` replicas). Written as text like "tp=4,pp=2"; pure Python, no jax."""
+shards x `ep` expert shards, times `dp` replicas). Written as text like "tp=4,pp=2" or
+"ep=4,tp=2"; pure Python, no jax."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-AXES = ("pp", "tp", "dp")
+AXES = ("pp", "tp", "ep", "dp")
 
 
 @dataclass(frozen=True)
 class Layout:
-    """Degrees of pipeline (`pp`), tensor (`tp`) and data (`dp`) parallelism."""
+    """Degrees of pipeline (`pp`), tensor (`tp`), expert (`ep`: a mixture-of-experts layer's
+    experts split over devices) and data (`dp`) parallelism."""
 
     pp: int = 1
     tp: int = 1
+    ep: int = 1
     dp: int = 1
 
     def __post_init__(self):
@@ -24,7 +27,7 @@ class Layout:
 
     @property
     def num_devices(self) -> int:
-        return self.pp * self.tp * self.dp
+        return self.pp * self.tp * self.ep * self.dp
 
     @classmethod
     def parse(cls, text: str | Layout) -> Layout:
@@ -43,9 +46,9 @@ class Layout:
         return cls(**degrees)
 
     def check_devices(self, num_devices: int, what: str = "layout") -> None:
-        """Raise unless pp*tp*dp uses exactly `num_devices` devices."""
+        """Raise unless pp*tp*ep*dp uses exactly `num_devices` devices."""
         if self.num_devices != num_devices:
-            raise ValueError(f"{what} {self} uses pp*tp*dp = {self.num_devices} devices but the "
+            raise ValueError(f"{what} {self} uses pp*tp*ep*dp = {self.num_devices} devices but the "
                              f"mesh has {num_devices}; the product must equal the device count")
 
     def __str__(self) -> str:

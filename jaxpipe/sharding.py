@@ -195,6 +195,9 @@ def make_mesh(layout: Layout, devices=None) -> Mesh:
     """The layout's mesh `[dp, pp, tp]` over the first dp*pp*tp devices (same order for every
     layout, so that replicated arrays are interchangeable between layouts)."""
     devices = list(jax.devices() if devices is None else devices)
+    if layout.ep > 1:
+        raise NotImplementedError(f"layout {layout}: expert parallelism (ep > 1) has no mesh "
+                                  f"axis yet; use pp and tp")
     if len(devices) < layout.num_devices:
         raise ValueError(f"layout {layout} needs {layout.num_devices} devices; "
                          f"{len(devices)} are available")
