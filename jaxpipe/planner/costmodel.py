@@ -22,6 +22,38 @@ prefill micro-batches are independent, so the pipeline stays full and a step cos
 (u · M · tp · pp − 2P) / (4 · L · h_kv · d) tokens, with u the usable memory fraction.
 Re-sharding loads each device's new weight shard from the host copy (2P / (N · B_host)); KV
 swaps move 4 · L · h_kv · d bytes per token over all N host links in parallel.
+
+Mixture of experts (X experts of width F, top-k per token, ep expert shards). W above is then
+the layer's dense part: attention, the router (E·X), the shared expert (3·E·F_s) and its gate
+(E) where the model has one. The experts add, per layer and micro-batch of T tokens,
+
+    T_experts = max(T_dm_experts, T_comp_experts) + T_a2a(ep)
+
+    T_dm_experts   = 2 · D(T) · 3EF / (tp · ep · B_hbm)   weights of the experts touched
+    T_comp_experts = 2 · T · k · 3EF / (tp · ep · F)     k experts per token
+    D(T)           = X · (1 − (1 − k/X)^T)               expected distinct experts touched
+
+D(T) treats each token's k experts as a uniform draw without replacement (an expert misses
+one token with probability 1 − k/X, independently over tokens): with X=128, k=8 a decode
+batch of 32 tokens already touches 112 of the 128 experts, so decode reads most experts'
+weights at a moderate batch, while its FLOPs are only k/X of theirs. Routing is assumed
+balanced: each of the ep groups holds X/ep experts, reads D(T)/ep of them and computes T·k/ep
+(token, expert) pairs. Inside a group each expert's F columns split over tp, as the dense
+MLP's do, and their partial sums join the existing MLP all-reduce (T_nw).
+
+Assumption under ep (the engine's sharding: non-expert weights replicated over ep): every ep
+group holds the embedding, attention, router, shared expert and LM head, and runs attention
+on every token of the micro-batch, so attention is computed ep times over (its terms divide
+by tp only) and each group stores every sequence's KV (KV capacity divides by ep). The
+expert layer's activations are therefore replicated over the ep group; each device dispatches
+its 1/ep slice of the T rows to the devices of the k experts of each row, the combine sends
+the products back, and an all-gather re-replicates the combined rows for the next attention:
+
+    T_a2a(ep) = (2 · (T/ep) · k · E · 2 + T · E · 2) · (ep − 1)/ep / busbw(ep)
+
+(NCCL's all-to-all and all-gather move (ep−1)/ep of each device's buffer over its link at the
+bus bandwidth; the mesh's all-reduce bus bandwidth at degree ep stands in for it). Dense
+models have ep = 1 and none of these terms.
 """
 
 from __future__ import annotations
@@ -46,14 +78,42 @@ class CostModel:
     layout: Layout
     memory_utilization: float = MEMORY_UTILIZATION
 
+    def __post_init__(self):
+        ep, x = self.layout.ep, self.model.num_experts
+        if ep > 1 and (not self.model.is_moe or x % ep):
+            raise ValueError(f"layout {self.layout}: ep={ep} must divide the model's experts "
+                             f"({x}; a dense model takes ep=1 only)")
+
     # ---- model dimensions ------------------------------------------------------------------
     @property
     def layer_params(self) -> int:
-        """W: parameters of one layer's linear maps (q, k, v, o, gate, up, down)."""
+        """W: parameters of one layer's dense linear maps (q, k, v, o, and gate, up, down of
+        the MLP, or of an MoE model's shared expert, plus its router and shared gate)."""
         m = self.model
         attn = 2 * m.hidden_size * m.num_heads * m.head_dim
         attn += 2 * m.hidden_size * m.num_kv_heads * m.head_dim
-        return attn + 3 * m.hidden_size * m.intermediate_size
+        dense = attn + 3 * m.hidden_size * m.intermediate_size
+        if m.is_moe:  # the router [E, X] and the shared expert's gate [E] if any
+            dense += m.hidden_size * m.num_experts + (m.hidden_size if m.intermediate_size else 0)
+        return dense
+
+    @property
+    def expert_params(self) -> int:
+        """3EF: parameters of one expert of one layer (gate, up, down); 0 for a dense model."""
+        return 3 * self.model.hidden_size * self.model.moe_intermediate_size
+
+    @property
+    def non_expert_params(self) -> int:
+        """Parameters outside the experts (embedding, attention, norms, router, head)."""
+        m = self.model
+        return m.num_params() - m.num_layers * m.num_experts * self.expert_params
+
+    @property
+    def active_params(self) -> int:
+        """Parameters one token's forward pass uses: the non-expert ones plus k experts per
+        layer (the 'A3B' of Qwen3-30B-A3B; all of them for a dense model)."""
+        m = self.model
+        return self.non_expert_params + m.num_layers * m.num_experts_per_tok * self.expert_params
 
     @property
     def kv_heads_stored(self) -> int:
@@ -62,7 +122,8 @@ class CostModel:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """Bytes of K and V one token occupies in one replica, all layers."""
+        """Bytes of K and V one token occupies in one ep group, all layers (every ep group
+        holds its own copy)."""
         m = self.model
         return 2 * BYTES * m.num_layers * self.kv_heads_stored * m.head_dim
 
@@ -96,11 +157,46 @@ class CostModel:
             return 0.0
         return 2 * BYTES * tokens * self.model.hidden_size / self.allreduce_bandwidth()
 
+    def expected_experts(self, tokens: float) -> float:
+        """D(T): experts at least one of `tokens` tokens routes to, in expectation."""
+        return expected_distinct_experts(tokens, self.model.num_experts,
+                                         self.model.num_experts_per_tok)
+
+    def t_dm_experts(self, tokens: float) -> float:
+        """Read the weights of the experts the micro-batch touches (this device's share)."""
+        shards = self.layout.tp * self.layout.ep
+        weights = BYTES * self.expected_experts(tokens) * self.expert_params
+        return weights / (shards * self.hardware.hbm_bandwidth)
+
+    def t_comp_experts(self, tokens: float) -> float:
+        """k experts' FLOPs per token, spread evenly over tp x ep devices."""
+        shards = self.layout.tp * self.layout.ep
+        flops = 2 * tokens * self.model.num_experts_per_tok * self.expert_params
+        return flops / (shards * self.hardware.peak_flops)
+
+    def t_a2a(self, tokens: float) -> float:
+        """Dispatch and combine each device's T/ep rows to their k experts' devices, then
+        all-gather the combined rows over the ep group (zero without ep)."""
+        ep = self.layout.ep
+        if ep == 1:
+            return 0.0
+        row = BYTES * self.model.hidden_size
+        sent = 2 * (tokens / ep) * self.model.num_experts_per_tok * row + tokens * row
+        return sent * (ep - 1) / ep / self.hardware.allreduce(ep)
+
+    def t_experts(self, tokens: float) -> float:
+        """T_experts for one micro-batch of `tokens` (0 for a dense model)."""
+        if not self.model.is_moe:
+            return 0.0
+        compute = max(self.t_dm_experts(tokens), self.t_comp_experts(tokens))
+        return compute + self.t_a2a(tokens)
+
     def layer_time(self, tokens: float, pairs: float, kv_tokens: float) -> float:
-        """T_layer for one micro-batch: linear + attention + TP communication."""
+        """T_layer for one micro-batch: linear + attention + TP communication (+ experts)."""
         linear = max(self.t_dm_linear(), self.t_comp_linear(tokens))
         attention = max(self.t_dm_attn(kv_tokens), self.t_comp_attn(pairs))
-        return linear + attention + self.t_nw(tokens)
+        layer = linear + attention + self.t_nw(tokens)
+        return layer + self.t_experts(tokens) if self.model.is_moe else layer
 
     # ---- stages and steps -------------------------------------------------------------------
     def t_head(self, rows: float) -> float:
@@ -143,17 +239,26 @@ class CostModel:
     # ---- memory -----------------------------------------------------------------------------
     @property
     def weight_bytes(self) -> int:
-        """2P: the whole model's weights (one replica)."""
+        """2P: the whole model's weights (one copy)."""
         return BYTES * self.model.num_params()
 
+    @property
+    def stored_weight_bytes(self) -> int:
+        """Weight bytes one replica's devices hold together: 2P, plus ep − 1 more copies of
+        the non-expert weights (replicated over the ep groups)."""
+        extra = (self.layout.ep - 1) * BYTES * self.non_expert_params
+        return self.weight_bytes + extra if extra else self.weight_bytes
+
     def weight_bytes_per_device(self) -> float:
-        return self.weight_bytes / (self.layout.tp * self.layout.pp)
+        return self.stored_weight_bytes / (self.layout.tp * self.layout.pp * self.layout.ep)
 
     def kv_capacity_tokens(self) -> int:
-        """Tokens of KV one replica holds: (u·M·tp·pp − 2P) / kv bytes per token (>= 0)."""
-        devices = self.layout.tp * self.layout.pp
-        free = self.memory_utilization * self.hardware.memory_bytes * devices - self.weight_bytes
-        return max(0, math.floor(free / self.kv_bytes_per_token))
+        """Tokens of KV one replica holds: (u·M·tp·pp·ep − stored weights) / (kv bytes per
+        token · ep) (>= 0): every ep group stores every token's KV."""
+        devices = self.layout.tp * self.layout.pp * self.layout.ep
+        free = (self.memory_utilization * self.hardware.memory_bytes * devices
+                - self.stored_weight_bytes)
+        return max(0, math.floor(free / (self.kv_bytes_per_token * self.layout.ep)))
 
     def b_max(self, s: int) -> int:
         """Sequences of `s` tokens whose KV fits at once (the paper's b_max)."""
@@ -169,12 +274,23 @@ class CostModel:
         if target == self.layout:
             return 0.0
         devices = target.num_devices
-        return self.weight_bytes * target.dp / (devices * self.hardware.host_link_bandwidth)
+        stored = CostModel(self.model, self.hardware, target).stored_weight_bytes
+        return stored * target.dp / (devices * self.hardware.host_link_bandwidth)
 
     def swap_seconds(self, tokens: float) -> float:
-        """Move `tokens` of KV between device and host, all host links in parallel."""
+        """Move `tokens` of KV between device and host, all host links in parallel (each ep
+        group moves its own copy over its own links)."""
         links = self.layout.num_devices * self.hardware.host_link_bandwidth
-        return self.swap_bytes(tokens) / links
+        return self.swap_bytes(tokens) * self.layout.ep / links
 
     def swap_bytes(self, tokens: float) -> float:
         return tokens * self.kv_bytes_per_token
+
+
+def expected_distinct_experts(tokens: float, num_experts: int, k: int) -> float:
+    """X · (1 − (1 − k/X)^T): the expected number of the `num_experts` (X) experts that at
+    least one of `tokens` (T) tokens routes to, each token's `k` experts a uniform draw
+    without replacement, tokens independent."""
+    if num_experts == 0:
+        return 0.0
+    return num_experts * (1 - (1 - k / num_experts) ** tokens)

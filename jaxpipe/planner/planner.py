@@ -1,13 +1,16 @@
 """Choose the prefill and decode layouts (c_p, c_d) from the cost model.
 
 Every (pp, tp) factorisation of the mesh's devices whose weights and at least one whole request
-of KV fit is a candidate. For each, the cost model predicts prefill throughput (prompt tokens/s
-at a full pipeline of prefill micro-batches) and decode throughput (tokens/s at the largest
-decode batch the KV store holds at the workload's mean context, and no larger than the mean
-batch a run can sustain: total output / longest output). A pair (c_p, c_d) serves a
-request in prompt/prefill_tps(c_p) + output/decode_tps(c_d) seconds plus its share of the
-re-shards (two per host-tier refill); a static layout is the pair (c, c) without re-shards.
-The planner picks the pair with the highest predicted end-to-end throughput.
+of KV fit is a candidate; for a mixture-of-experts model, every (pp, tp, ep) one, with ep
+dividing both the device count and the expert count (the cost model's docstring says how it
+prices ep: experts spread, attention replicated, an all-to-all per layer). For each, the
+cost model predicts prefill throughput (prompt tokens/s at a full pipeline of prefill
+micro-batches) and decode throughput (tokens/s at the largest decode batch the KV store
+holds at the workload's mean context, and no larger than the mean batch a run can sustain:
+total output / longest output). A pair (c_p, c_d) serves a request in
+prompt/prefill_tps(c_p) + output/decode_tps(c_d) seconds plus its share of the re-shards
+(two per host-tier refill); a static layout is the pair (c, c) without re-shards. The
+planner picks the pair with the highest predicted end-to-end throughput.
 """
 
 from __future__ import annotations
@@ -27,20 +30,28 @@ HOST_KV_GB = 256  # host KV tier (GB of pinned host memory), the same for every 
 
 
 def layout_name(layout: Layout) -> str:
-    """Layout(pp=2, tp=4) -> 'tp4pp2'; Layout(pp=8) -> 'pp8' (the JSON names)."""
-    parts = [f"{a}{getattr(layout, a)}" for a in ("dp", "tp", "pp") if getattr(layout, a) > 1]
+    """Layout(pp=2, tp=4) -> 'tp4pp2'; Layout(pp=8) -> 'pp8'; Layout(tp=2, ep=4) ->
+    'tp2ep4' (the JSON names)."""
+    parts = [f"{a}{getattr(layout, a)}" for a in ("dp", "tp", "ep", "pp")
+             if getattr(layout, a) > 1]
     return "".join(parts) or "tp1"
 
 
 def paper_label(layout: Layout) -> str:
-    """The Seesaw paper's style: Layout(pp=2, tp=4) -> 'T4P2'."""
-    return layout_name(layout).upper().replace("TP", "T").replace("PP", "P").replace("DP", "D")
+    """The Seesaw paper's style: Layout(pp=2, tp=4) -> 'T4P2' (ep: 'E')."""
+    label = layout_name(layout).upper()
+    for axis in ("TP", "EP", "PP", "DP"):
+        label = label.replace(axis, axis[0])
+    return label
 
 
-def candidate_layouts(num_devices: int) -> list[Layout]:
-    """Every Layout(pp, tp) with pp * tp == num_devices (dp = 1), pp-heavy first."""
-    return [Layout(pp=num_devices // tp, tp=tp) for tp in range(1, num_devices + 1)
-            if num_devices % tp == 0]
+def candidate_layouts(num_devices: int, num_experts: int = 0) -> list[Layout]:
+    """Every Layout(pp, tp, ep) with pp * tp * ep == num_devices (dp = 1), ep dividing
+    `num_experts` (ep = 1 only for a dense model, num_experts 0); by ep, then pp-heavy first."""
+    eps = [ep for ep in range(1, num_devices + 1)
+           if num_devices % ep == 0 and (ep == 1 or (num_experts and num_experts % ep == 0))]
+    return [Layout(pp=num_devices // (ep * tp), tp=tp, ep=ep) for ep in eps
+            for tp in range(1, num_devices // ep + 1) if (num_devices // ep) % tp == 0]
 
 
 @dataclass(frozen=True)
@@ -77,11 +88,12 @@ def estimate(model: ModelConfig, mesh: MeshPreset, layout: Layout, w: Workload) 
 def feasible(model: ModelConfig, mesh: MeshPreset, w: Workload) -> list[LayoutEstimate]:
     """Estimates of every candidate layout that holds the weights and the longest request."""
     out = []
-    for layout in candidate_layouts(mesh.num_devices):
+    for layout in candidate_layouts(mesh.num_devices, model.num_experts):
         if CostModel(model, mesh.hardware, layout).fits(w.max_len):
             out.append(estimate(model, mesh, layout, w))
     if not out:
-        raise ValueError(f"no (pp, tp) layout of {mesh.num_devices} devices of {mesh.name} "
+        axes = "(pp, tp, ep)" if model.is_moe else "(pp, tp)"
+        raise ValueError(f"no {axes} layout of {mesh.num_devices} devices of {mesh.name} "
                          f"holds the model's weights plus {w.max_len} tokens of KV")
     return out
 
