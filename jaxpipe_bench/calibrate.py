@@ -65,6 +65,7 @@ def step_flops(cost: CostModel, shape: Shape) -> float:
     m, b, t = cost.model, shape.batch, shape.tokens
     tokens, pairs = (b * t, b * t * (t + 1) / 2) if shape.phase == "prefill" else (b, b * t)
     per_layer = 2 * tokens * cost.layer_params + 4 * pairs * m.num_heads * m.head_dim
+    per_layer += 2 * tokens * m.num_experts_per_tok * cost.expert_params  # 0 when dense
     return m.num_layers * per_layer + 2 * b * m.vocab_size * m.hidden_size
 
 

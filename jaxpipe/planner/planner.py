@@ -161,6 +161,10 @@ def format_plan(p: Plan, model_name: str = "", mesh_name: str = "") -> str:
                      f"{e.decode_batch:>14}{static:>14.0f}")
     lines.append(f"chosen: prefill {p.prefill.name} -> decode {p.decode.name}  "
                  f"({p.throughput:.0f} tok/s predicted)")
+    if p.prefill.cost.model.is_moe:
+        lines.append("chosen (pp, tp, ep): " + ", ".join(
+            f"{phase} ({e.layout.pp}, {e.layout.tp}, {e.layout.ep})"
+            for phase, e in (("prefill", p.prefill), ("decode", p.decode))))
     lines.append(f"best static: {p.best_static.name}  ({p.static_throughput:.0f} tok/s predicted,"
                  f" seesaw x{p.throughput / p.static_throughput:.2f})")
     return "\n".join(lines)
