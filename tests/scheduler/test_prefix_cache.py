@@ -20,7 +20,7 @@ from jaxpipe.scheduler import (
     Switch,
     make_policy,
 )
-from jaxpipe.scheduler.host_prefix import Fetch, Spill
+from jaxpipe.scheduler.host_prefix import Fetch, Forget, Spill
 from jaxpipe.scheduler.prefix_cache import ROOT, BlockPool, block_hash, extra_key_digest
 
 UNIT = 4
@@ -457,3 +457,33 @@ def test_random_traffic_with_caching_off_hits_nothing():
     driver.run()
     assert driver.state.block_pool.cached() == {}
     assert driver.state.free_blocks == driver.state.num_blocks
+
+
+def test_evicted_blocks_go_to_the_host_tier_and_come_back():
+    """Four device blocks, a host tier of 16 tokens in groups of 2 blocks (8 tokens):
+    a's two full blocks, evicted together by b, are one group (one Spill); c = a's prompt
+    again finds them there: both copied back into new blocks (Fetch), counted as host hits,
+    and the host copy stays. A swap-out that needs the host room forgets the group."""
+    state = SchedulerState(4 * UNIT, 4, 4 * UNIT, host_unit=2 * UNIT, device_unit=UNIT,
+                           prefix_caching=True)
+    a = seq("a", range(9))
+    prefill(state, a)
+    a_blocks, a_hashes = list(a.blocks[:2]), list(a.block_hashes)
+    state.apply(Run(), finished=["a"])
+    assert state.take_moves() == []
+    prefill(state, seq("b", range(50, 63), max_tokens=3))  # the 2 free blocks, then a's
+    assert state.take_moves() == [Spill(0, tuple(reversed(a_blocks)))]
+    assert state.host_cache.groups() == {0: list(reversed(a_hashes))}
+    state.apply(Run(), finished=["b"])
+    c = seq("c", range(9))
+    run = prefill(state, c)
+    moves = [m for m in state.take_moves() if isinstance(m, Fetch)]  # b's spill around them
+    assert [(m.group, m.index, m.block) for m in moves] == [(0, 1, c.blocks[0]),
+                                                            (0, 0, c.blocks[1])]
+    assert c.cached_tokens == 8 and run.prefill == [(c, 1)] and c.block_hashes == a_hashes
+    pool = state.block_pool
+    assert pool.host_hit_tokens == 8 and pool.hit_tokens == 8
+    assert state.host_cache.groups()[0] == list(reversed(a_hashes))  # the copy stays
+    state.apply(Preempt([c], "swap"))  # c's 9 tokens take the tier's 16 (units of 8)
+    assert {type(m) for m in state.take_moves()} == {Forget}
+    assert state.host_cache.used == 0 and state.host_used == 16
