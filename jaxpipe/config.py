@@ -366,12 +366,14 @@ class EngineConfig:
         in host memory, for a device slot). host_kv_tokens, when given, sets it in tokens
         instead. seesaw needs it > 0; 0 turns the tier off (preemption then recomputes).
         Default (both None): 0.1 of the host's available RAM (less the device pool on CPU).
-        The tier takes memory only for the sequences it holds.
+        The tier takes memory only for what it holds: sequences, and (prefix_caching) the
+        cached blocks the device pool evicted, in the room the sequences leave.
     host_kv_tokens: the host KV tier in tokens (wins over host_kv_gb).
     prefix_caching: automatic prefix caching: full 16-token KV blocks are kept under a hash of
         the model and every token up to theirs, and a request whose prompt starts with cached
-        blocks shares them (its prefill starts after them). Off by default for now: the host
-        tier does not yet keep evicted prefixes, and its cost and gain are not yet measured.
+        blocks shares them (its prefill starts after them). Blocks the device pool evicts
+        are kept in the host tier, as far as swapped-out sequences leave room, and copied
+        back on a hit. Off by default for now: its cost and gain are not yet measured.
     coordinator: "HOST:PORT" of process 0 when the engine spans several processes (one per
         host; jaxpipe.distributed): JAX's coordinator listens there and the leader's control
         channel on PORT+1. Default: $JAX_COORDINATOR_ADDRESS, else one process. The mesh's

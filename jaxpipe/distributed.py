@@ -356,6 +356,9 @@ class Follower:
         _, staged = stage(self.host, seq_id, self.runner.kv_staging())
         self.runner.kv_insert(blocks, staged)
 
+    def _prefix_fetch(self, key, ids):
+        self.runner.kv_insert(ids, self.host.entries[key].arrays)
+
     def _abort(self, message):
         raise RuntimeError(f"the leader (process 0) failed: {message}")
 

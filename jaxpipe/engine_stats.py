@@ -146,8 +146,12 @@ class EngineStats:
         prefix_cache_queried_tokens / prefix_cache_hit_tokens: context tokens looked up in
         the prefix cache as sequences entered the device (a recomputed one again) / found
         cached there (whole blocks), prefix_cache_hit_rate the second over the first (0
-        with `prefix_caching` off), prefix_cache_evictions: cached blocks nobody held given
-        out for new KV.
+        with `prefix_caching` off), prefix_cache_device_hit_tokens /
+        prefix_cache_host_hit_tokens: the hit tokens found in the device pool / copied back
+        from the host tier, prefix_cache_evictions: cached blocks nobody held given out for
+        new KV (each kept in the host tier where it has room:
+        prefix_cache_host_stored_blocks), prefix_cache_host_evictions: blocks the host tier
+        forgot, prefix_cache_host_bytes_out / _in: their bytes copied there / back.
         Gauges of the moment (not reset): waiting_requests, device_requests, host_requests
         (sequences queued, on the device, parked in the host tier), device_kv_used and
         host_kv_used (tokens)."""
@@ -177,14 +181,21 @@ class EngineStats:
         s.update({k: v - self._base[k] for k, v in self._prefix_cache().items()})
         queried = s["prefix_cache_queried_tokens"]
         s["prefix_cache_hit_rate"] = s["prefix_cache_hit_tokens"] / queried if queried else 0.0
+        s["prefix_cache_device_hit_tokens"] = (s["prefix_cache_hit_tokens"]
+                                               - s["prefix_cache_host_hit_tokens"])
         return s
 
     def _prefix_cache(self) -> dict:
         """The block pool's prefix-cache counters (since the engine started)."""
-        pool = self.state.block_pool
+        pool, host = self.state.block_pool, self.state.host_cache
         return {"prefix_cache_queried_tokens": pool.queried_tokens,
                 "prefix_cache_hit_tokens": pool.hit_tokens,
-                "prefix_cache_evictions": pool.evictions}
+                "prefix_cache_host_hit_tokens": pool.host_hit_tokens,
+                "prefix_cache_evictions": pool.evictions,
+                "prefix_cache_host_stored_blocks": host.stored_blocks if host else 0,
+                "prefix_cache_host_evictions": host.evictions if host else 0,
+                "prefix_cache_host_bytes_out": self.kv.prefix_bytes_out,
+                "prefix_cache_host_bytes_in": self.kv.prefix_bytes_in}
 
     def _gauges(self) -> dict:
         """What the engine holds now (not counters: `reset` leaves them)."""

@@ -211,16 +211,19 @@ class Executor(StepExecutor):
         tokens `step` feeds is sampled (the device waits for the host sampler), and queued
         swap-outs are read out of the pool before `step` reuses their blocks, once the step
         in flight (which wrote them) is done: the wait is the device's, timed as the
-        timeline's, and swap_seconds only the reads. Returns now."""
+        timeline's, and swap_seconds only the reads; then the prefix cache's host-tier moves
+        (blocks `step` overwrites read out, blocks it reads copied back). Returns now."""
         flight = self._flight
         if step.feeds and isinstance(flight.out, HostSampled):
             _, start = self._bring(flight)
         if not self.kv.outgoing:
+            self.kv.move_blocks(self.state.take_moves())
             return start
         if flight is not None and flight.out is not None:
             flight.out.wait()
             self.timeline.finished(flight.record, start)
         self.kv.flush()
+        self.kv.move_blocks(self.state.take_moves())
         return time.perf_counter()
 
     def free(self, flight: Flight, seqs: list[Sequence]) -> None:
@@ -262,11 +265,12 @@ class Executor(StepExecutor):
         first, so the KV goes into the blocks it gave; the others after)."""
         record = self.timeline.dispatch(action.kind.value, time.perf_counter())
         self.kv.flush()  # a switch moves only held blocks; swaps and preemptions reuse them
+        self.kv.move_blocks(self.state.take_moves())  # a swap-in's new blocks evicted some
         if action.kind is Kind.SWAP_IN:
             for seq in action.seqs:
                 self.kv.swap_in(seq)
         elif action.kind is Kind.SWITCH:
-            moved = self.runner.set_phase(action.phase, self.state.held_blocks())
+            moved = self.runner.set_phase(action.phase, self.state.moved_blocks())
             self.engine_stats.switched(action.phase, moved)
         else:
             self._preempt(action)

@@ -68,8 +68,11 @@ def check_waves(engine, reference) -> list[dict]:
 
 
 def assert_all_released(engine) -> None:
-    """Every request ended: no block has a reference, none is lost, the host tier is empty."""
+    """Every request ended: no block has a reference, none is lost, the host tier holds no
+    sequence (only the prefix cache's groups, each the ledger's)."""
     state = engine.executor.state
     assert state.block_pool.num_held == 0 and state.device_used == 0
     assert state.free_blocks == state.num_blocks
-    assert not engine.executor.kv.host.entries and state.host_used == 0
+    groups = state.host_cache.groups() if state.host_cache is not None else {}
+    assert set(engine.executor.kv.host.entries) == {("prefix", g) for g in groups}
+    assert state.host_used == 0

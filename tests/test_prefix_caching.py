@@ -16,9 +16,15 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from hf_families import VOCAB, hf_greedy, write  # noqa: E402
-from prefix_workload import NEW, assert_all_released, check_waves, run_waves  # noqa: E402
+from prefix_workload import (  # noqa: E402
+    NEW,
+    assert_all_released,
+    check_waves,
+    run_waves,
+    tokens,
+)
 
-from jaxpipe import Engine, EngineConfig  # noqa: E402
+from jaxpipe import Engine, EngineConfig, SamplingParams  # noqa: E402
 from jaxpipe.kv.device_cache import BLOCK  # noqa: E402
 from jaxpipe.scheduler import Kind, Preempt, make_policy  # noqa: E402
 from jaxpipe.scheduler.prefix_order import admission_order  # noqa: E402
@@ -135,6 +141,29 @@ def test_preemption_releases_references_only(cached, reference, mode):
         assert first["swap_out_bytes"] > 0 and second["swap_in_bytes"] > 0
 
 
+def test_a_prefix_evicted_to_the_host_tier_is_copied_back(checkpoint, reference):
+    """A pool of 6 blocks: the first wave's blocks are evicted to the host tier by prompts
+    that share nothing with them; sent again, the first wave finds its prefixes there, copied
+    back into the pool, and gives the uncached tokens."""
+    engine = engine_of(checkpoint[1], prefix_caching=True, kv_cache_tokens=6 * BLOCK,
+                       scheduler="prefill_first")
+    (prompts, want), _, params = reference
+    try:
+        assert tokens(engine.generate(prompt_token_ids=prompts, sampling_params=params)) == want
+        others = [[(7 * i + 3 * j) % VOCAB for j in range(40 + i)] for i in range(6)]
+        engine.generate(prompt_token_ids=others, sampling_params=params[0])
+        assert engine.stats()["prefix_cache_host_stored_blocks"] > 0
+        engine.reset_stats()
+        assert tokens(engine.generate(prompt_token_ids=prompts, sampling_params=params)) == want
+        stats = engine.stats()
+        assert_all_released(engine)
+    finally:
+        engine.close()
+    assert stats["prefix_cache_host_hit_tokens"] > 0 and stats["prefix_cache_host_bytes_in"] > 0
+    assert stats["prefix_cache_device_hit_tokens"] + stats["prefix_cache_host_hit_tokens"] == \
+        stats["prefix_cache_hit_tokens"]
+
+
 @pytest.mark.parametrize("policy", ["prefill_first", "seesaw"])
 def test_a_small_pool_evicts_cached_blocks(checkpoint, reference, policy):
     """A pool of 6 blocks for 3 rows of up to 5 blocks: cached blocks nobody holds are
@@ -147,6 +176,7 @@ def test_a_small_pool_evicts_cached_blocks(checkpoint, reference, policy):
         engine.close()
     assert first["prefix_cache_hit_tokens"] > 0
     assert first["prefix_cache_evictions"] + second["prefix_cache_evictions"] > 0
+    assert first["prefix_cache_host_stored_blocks"] + second["prefix_cache_host_stored_blocks"]
     if policy == "seesaw":
         assert first["preemptions"] + second["preemptions"] > 0
 
@@ -207,4 +237,19 @@ def test_generate_queues_a_list_by_prefix_and_answers_in_input_order(cached, ref
     assert ids == list(range(ids[0], ids[0] + len(ids)))
     assert [ids.index(int(r)) for r in queued] == admission_order(prompts, BLOCK)
     assert cached.stats()["prefix_cache_hit_tokens"] > 0
+    assert_all_released(cached)
+
+
+def test_requests_of_one_step_share_a_new_prefix_by_waiting_a_step(checkpoint, cached):
+    """Three copies of a 40-token prompt no one sent before, queued together: the first
+    computes it, the other two wait a step (its first block is being written) and then
+    find its two full blocks cached; all three give HF's greedy tokens."""
+    model, _ = checkpoint
+    cached.set_scheduler("prefill_first")
+    cached.reset_stats()
+    prompt = [(11 * j + 5) % VOCAB for j in range(40)]
+    params = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
+    outs = tokens(cached.generate(prompt_token_ids=[prompt] * 3, sampling_params=params))
+    assert outs == [hf_greedy(model, prompt, NEW)] * 3
+    assert cached.stats()["prefix_cache_hit_tokens"] == 2 * 2 * BLOCK
     assert_all_released(cached)

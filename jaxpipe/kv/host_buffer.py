@@ -57,15 +57,17 @@ class HostKVBuffer:
         self.bytes_out = self.bytes_in = 0
         self._lock = threading.Lock()
 
-    def put(self, seq_id: str, arrays: list[jax.Array], tokens: int) -> None:
-        """Keep a sequence's extracted KV (`tokens` real positions)."""
+    def put(self, seq_id: str, arrays: list[jax.Array], tokens: int, swap: bool = True) -> None:
+        """Keep a sequence's extracted KV (`tokens` real positions). `swap`: count it as a
+        swap-out (False: a group of the prefix cache's blocks, which the KV manager counts)."""
         if seq_id in self.entries:
             raise KeyError(f"{seq_id} is already in the host KV tier")
         entry = HostEntry(tokens, [self._to_host(a) for a in arrays])
         with self._lock:
             self.entries[seq_id] = entry
-            self.bytes_out += sum(a.nbytes for a in arrays)
-            self.events.append((time.perf_counter(), "out", seq_id))
+            if swap:
+                self.bytes_out += sum(a.nbytes for a in arrays)
+                self.events.append((time.perf_counter(), "out", seq_id))
 
     def pop(self, seq_id: str) -> HostEntry:
         """Remove and return a sequence's entry (its host memory is freed with it)."""

@@ -13,6 +13,10 @@ this object moves the bytes for the engine: between the pool, the host KV tier
                        slot and blocks the state gave when it recorded the swap-in
   deliver(block)       insert whatever the prefetcher has staged; the ids now decodable
   drop(seq)            forget its KV wherever it is (finished, aborted, recompute)
+  move_blocks(moves)   the prefix cache's host-tier moves, as the state recorded them
+                       (`SchedulerState.take_moves`): evicted blocks read out into a host
+                       group (`Spill`), a group's block copied into a device block (`Fetch`),
+                       a group freed (`Forget`); groups are host entries keyed ("prefix", g)
 
 A sequence swapped in is not decodable until `deliver` has inserted it: the engine decodes the
 ready ones and lets the rest catch up, which is how swap-in overlaps decode.
@@ -22,8 +26,10 @@ from __future__ import annotations
 
 import time
 
+from jaxpipe.kv.device_cache import BLOCK, OUT_OF_RANGE
 from jaxpipe.kv.host_buffer import HostKVBuffer, Prefetcher, stage
 from jaxpipe.scheduler import Sequence
+from jaxpipe.scheduler.host_prefix import Fetch, Move, Spill
 
 
 class KVManager:
@@ -33,8 +39,9 @@ class KVManager:
         """`host_tier`: whether the engine has one (the `SchedulerState` counts its tokens).
         `on_insert(seq)` runs after a swapped-in sequence's KV is in its blocks (per-slot
         state to rebuild). `mirror(name, *args)`: several processes (distributed.py): each
-        move is sent to the followers first ("swap_out", "swap_in", "drop"), and swap-ins
-        run on this thread (every process must issue its transfers in the same order)."""
+        move is sent to the followers first ("swap_out", "swap_in", "drop"; the prefix
+        cache's groups by "swap_out", "prefix_fetch" and "drop"), and swap-ins run on this
+        thread (every process must issue its transfers in the same order)."""
         self.runner = runner
         self.on_insert = on_insert
         self.mirror = mirror
@@ -43,6 +50,7 @@ class KVManager:
         self._incoming: dict[str, Sequence] = {}  # swap-in requested, not inserted yet
         self._outgoing: dict[str, tuple[list[int], int]] = {}  # swap-out queued: blocks, tokens
         self.swap_seconds = 0.0  # this thread's time in swap dispatch, inserts and waits
+        self.prefix_bytes_out = self.prefix_bytes_in = 0  # the prefix cache's host copies
 
     def decodable(self, seq: Sequence) -> bool:
         """Whether `seq` is in the device store with its KV in its blocks (not still being
@@ -124,6 +132,46 @@ class KVManager:
         if self.mirror is not None and seq.request_id in self.host.entries:
             self.mirror("drop", seq.request_id)
         self.host.drop(seq.request_id)
+
+    def move_blocks(self, moves: list[Move]) -> None:
+        """Carry out the prefix cache's host-tier moves in order (after `flush`: a queued
+        swap-out may read a block that a copy back writes). Dispatched, not waited for: a
+        copy back runs on the device before the step that reads it and overlaps the step in
+        flight, as a swap-out's reads do."""
+        if not moves:
+            return
+        start = time.perf_counter()
+        for move in moves:
+            key = ("prefix", move.group)
+            if isinstance(move, Spill):
+                self._spill(key, list(move.blocks))
+            elif isinstance(move, Fetch):
+                self._fetch(key, move.index, move.block)
+            else:
+                if self.mirror is not None:
+                    self.mirror("drop", key)
+                self.host.drop(key)
+        self.swap_seconds += time.perf_counter() - start
+
+    def _spill(self, key: tuple, blocks: list[int]) -> None:
+        """Evicted device `blocks` -> a new host group (one swap chunk's extract)."""
+        tokens = len(blocks) * BLOCK
+        if self.mirror is not None:
+            self.mirror("swap_out", key, blocks, tokens)
+        arrays = self.runner.kv_extract(blocks, tokens)
+        self.host.put(key, arrays, tokens, swap=False)
+        self.prefix_bytes_out += sum(a.nbytes for a in arrays)
+
+    def _fetch(self, key: tuple, index: int, block: int) -> None:
+        """Block `index` of a host group -> device `block` (the group's other places are
+        out of range: their writes are dropped); the host copy stays."""
+        ids = [OUT_OF_RANGE] * index + [block]
+        if self.mirror is not None:
+            self.mirror("prefix_fetch", key, ids)
+        arrays = self.host.entries[key].arrays
+        self.runner.kv_insert(ids, arrays)
+        chunk = sum(a.nbytes for a in arrays[:2])  # K and V of the group's chunk
+        self.prefix_bytes_in += chunk * BLOCK // self.runner.kv_chunk
 
     @property
     def pending(self) -> int:

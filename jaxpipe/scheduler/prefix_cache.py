@@ -6,7 +6,9 @@ A block is one of three things at any time:
 - **free**: on the free list (a stack: the block given back last is given out first);
 - **referenced**: held by one or more device sequences (`refs(block)` of them);
 - **cached and unreferenced**: nobody holds it, but it keeps full, known KV under its hash,
-  in an LRU; it is evicted (its hash forgotten) only when the free list runs dry.
+  in an LRU; it is evicted (its hash forgotten) only when the free list runs dry. With a
+  host tier (`host`, `jaxpipe.scheduler.host_prefix`) an evicted block's KV is kept there
+  under its hash, and a prefix that goes on in the host tier is copied back into new blocks.
 
 Free and cached-unreferenced blocks are both capacity (`num_free`): the scheduler charges only
 referenced blocks, each once however many sequences share it.
@@ -27,6 +29,7 @@ from collections.abc import Hashable, Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from jaxpipe.scheduler.host_prefix import HostPrefixCache
     from jaxpipe.scheduler.state import SeqInfo
 
 ROOT = bytes(32)  # the parent hash of a sequence's first block
@@ -51,7 +54,8 @@ class BlockPool:
     when `caching`, the prefix cache (hash -> block, LRU of unreferenced cached blocks)."""
 
     def __init__(self, num_blocks: int, block_size: int, caching: bool = False,
-                 extra_key: Hashable = None):
+                 extra_key: Hashable = None, host: HostPrefixCache | None = None):
+        """`host`: the second tier evicted blocks go to (None: they are forgotten)."""
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.caching = caching
@@ -63,8 +67,11 @@ class BlockPool:
         self._hash_of: dict[int, bytes] = {}  # the same, inverted
         self._lru: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced: oldest first
         self.queried_tokens = 0  # context tokens looked up at admission
-        self.hit_tokens = 0  # of which found cached
+        self.hit_tokens = 0  # of which found cached (on the device or in the host tier)
+        self.host_hit_tokens = 0  # of which found in the host tier (copied back)
         self.evictions = 0  # cached blocks evicted to be given out again
+        self.host = host if caching else None
+        self._evicted: list[tuple[int, bytes]] = []  # (block, hash): for the host tier
 
     # ---- reading -------------------------------------------------------------------------
     @property
@@ -90,6 +97,11 @@ class BlockPool:
     def free_list(self) -> list[int]:
         return list(self._free)
 
+    def data_blocks(self) -> list[int]:
+        """Blocks whose KV is worth keeping (held, or cached), ascending: what a re-shard
+        moves."""
+        return sorted({*self.held(), *self._hash_of})
+
     # ---- giving out and taking back ------------------------------------------------------
     def take(self) -> int:
         """A block for new KV, with one reference: a free one, else the least recently
@@ -98,8 +110,11 @@ class BlockPool:
             block = self._free.pop()
         elif self._lru:
             block, _ = self._lru.popitem(last=False)
-            del self._by_hash[self._hash_of.pop(block)]
+            digest = self._hash_of.pop(block)
+            del self._by_hash[digest]
             self.evictions += 1
+            if self.host is not None:
+                self._evicted.append((block, digest))
         else:
             raise RuntimeError(f"no free block: all {self.num_blocks} are held")
         self._ref(block)
@@ -120,13 +135,12 @@ class BlockPool:
                 else:
                     self._free.append(block)
 
-    def forget_unreferenced(self) -> None:
-        """Every unreferenced cached block back to the free list, its hash forgotten (their
-        KV is gone, e.g. not moved by a re-shard)."""
-        for block in self._lru:
-            del self._by_hash[self._hash_of.pop(block)]
-        self._free.extend(reversed(self._lru))
-        self._lru.clear()
+    def store_evicted(self) -> None:
+        """Hand the blocks evicted since the last call to the host tier (its `Spill` moves
+        read them before anything writes them again)."""
+        if self._evicted:
+            self.host.store(self._evicted)
+            self._evicted = []
 
     def _ref(self, block: int) -> None:
         if self._refs[block] == 0:
@@ -147,24 +161,66 @@ class BlockPool:
     def take_prefix(self, seq: SeqInfo, max_blocks: int, max_revived: int) -> tuple[int, int]:
         """`seq` (entering the device store with no blocks) takes a reference to each block
         of its longest cached prefix, at most `max_blocks`, of which at most `max_revived`
-        held by nobody (those count as free: taking one spends capacity); they become its
-        first blocks and their hashes its `block_hashes`. Returns (tokens they cover, blocks
-        revived)."""
+        held by nobody or copied back from the host tier (those spend capacity: a cached
+        block nobody holds counts as free, a copy takes a new block); they become its first
+        blocks and their hashes its `block_hashes`. Returns (tokens they cover, blocks
+        revived or copied)."""
         if not self.caching:
             return 0, 0
         self.queried_tokens += seq.context_len
-        revived = 0
+        revived = fetched = 0
         while len(seq.blocks) < max_blocks:
             digest = self.next_hash(seq, seq.block_hashes)
             block = self._by_hash.get(digest) if digest is not None else None
-            if block is None or (self._refs[block] == 0 and revived == max_revived):
+            in_host = block is None and self.host is not None and digest in self.host
+            if (block is None and not in_host) or (
+                    (in_host or self._refs[block] == 0) and revived == max_revived):
                 break
-            revived += self._refs[block] == 0
-            self._ref(block)
+            if in_host:
+                block = self._copy_back(digest)
+                fetched += 1
+            else:
+                revived += self._refs[block] == 0
+                self._ref(block)
+            revived += in_host
             seq.blocks.append(block)
             seq.block_hashes.append(digest)
         self.hit_tokens += len(seq.blocks) * self.block_size
+        self.host_hit_tokens += fetched * self.block_size
         return len(seq.blocks) * self.block_size, revived
+
+    def _copy_back(self, digest: bytes) -> int:
+        """A new block (held once) that the host tier's copy of `digest` goes into, cached
+        under it at once: the copy is issued before any step that reads it."""
+        block = self.take()
+        self.store_evicted()  # a block it evicted is read out before the copy overwrites it
+        self.host.fetch(digest, block)
+        self._by_hash[digest] = block
+        self._hash_of[block] = digest
+        return block
+
+    def first_uncached(self, seq: SeqInfo) -> bytes | None:
+        """The hash of the first block of `seq`'s context found in neither tier (None if
+        caching is off or that block is not full of known tokens). Changes nothing."""
+        if not self.caching:
+            return None
+        hashes: list[bytes] = []
+        while (digest := self.next_hash(seq, hashes)) is not None:
+            if digest not in self._by_hash and (self.host is None or digest not in self.host):
+                return digest
+            hashes.append(digest)
+        return None
+
+    def hashes_written(self, seq: SeqInfo, num_tokens: int) -> list[bytes]:
+        """The hashes of the full blocks of known tokens that `seq`'s next `num_tokens`
+        tokens complete (from its first block not hashed yet)."""
+        if not self.caching:
+            return []
+        hashes = list(seq.block_hashes)
+        full = (seq.computed + num_tokens) // self.block_size
+        while len(hashes) < full and (digest := self.next_hash(seq, hashes)) is not None:
+            hashes.append(digest)
+        return hashes[len(seq.block_hashes):]
 
     def cache_full(self, seq: SeqInfo) -> None:
         """Cache `seq`'s full blocks of written KV (its first `computed` tokens) whose token

@@ -41,12 +41,28 @@ whole blocks, short of its last context token (always computed, for its logits):
 and `cached_tokens` start there, and its first chunk in the run is shortened to what is left
 (and, where the prefix revives blocks nobody held, which counted as free, so that the pool
 gives no more blocks than it has left after the policy's charges). A run's full blocks are
-cached when the run is applied, never at launch: a block is shared only once its KV is written,
-and all of a run's admissions are looked up first, so the sequences of one step share nothing
-written in that step (a step's micro-batches may run in any order with respect to the blocks
-they read). A sequence that leaves the device drops its references; a cached block nobody holds
-stays cached (LRU) and counts as free until a block is needed and the free list is empty.
-Shared blocks are charged once (`device_used`).
+cached when the run is applied (the engine applies a run when it dispatches its step, so the
+next step reads them), never at launch: a step's micro-batches may run in any order with
+respect to the blocks they read, so nothing written in a step is read by that step. Instead a
+waiting sequence whose next block to compute is one that a sequence launched before it (and
+not yet applied) computes is *deferred*: it leaves the run and stays first in line, and the
+next step finds that block cached (vLLM's answer; computing it twice would waste the step's
+budget on a copy that is never shared). A sequence that leaves the device drops its
+references; a cached block nobody holds stays cached (LRU) and counts as free until a block
+is needed and the free list is empty. Shared blocks are charged once (`device_used`).
+
+The host tier as the cache's second tier (`host_prefix.py`): with prefix caching and a host
+tier, the blocks the device pool evicts are kept there by hash as far as the swapped-out
+sequences leave room (they come first: `host_free` does not count the cache, which shrinks
+for them), and a prefix that goes on in the host tier is copied back into new device blocks.
+The state only records what the bytes must do (`take_moves`); the engine does it, in order,
+before the next step or KV move touches the pool. A re-shard (`Switch`) moves the cached
+blocks with the held ones (`moved_blocks`) rather than dropping them: it costs a
+device-to-device copy of their bytes at each switch, against computing a block again when it
+is next hit, 2 x params FLOP a token against its KV bytes: 17 kFLOP per byte (SmolLM2-1.7B,
+no GQA) to 120 k (Llama-3-8B), where an H100 computes about 2 kFLOP in the time NVLink moves
+a byte (300 per HBM byte). A moved block pays if one in 8 to one in hundreds is hit again;
+dropped, `seesaw` (a switch every cycle) would keep its cache for one prefill phase only.
 """
 
 from __future__ import annotations
@@ -58,6 +74,7 @@ from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
 
 from jaxpipe.scheduler.actions import Action, Kind, Preempt, Run, SwapIn, Switch
+from jaxpipe.scheduler.host_prefix import HostPrefixCache, Move
 from jaxpipe.scheduler.prefix_cache import BlockPool
 
 
@@ -155,13 +172,23 @@ class SchedulerState:
         self.host: dict[Hashable, SeqInfo] = {}  # insertion order = swap-out order (FIFO)
         self.num_finished = 0  # sequences that ended or were aborted (they are not kept)
         self.num_blocks = device_kv_tokens // device_unit
-        self.block_pool = BlockPool(self.num_blocks, device_unit, prefix_caching, cache_key)
+        self.host_cache = self._host_cache() if prefix_caching and host_kv_tokens else None
+        self.block_pool = BlockPool(self.num_blocks, device_unit, prefix_caching, cache_key,
+                                    self.host_cache)
+        self._computing: set[bytes] = set()  # hashes of blocks launched runs write (to apply)
         self._free_slots = list(range(max_device_seqs))  # a heap: lowest slot first
         self.peak_blocks = 0  # the most blocks held at once
         self.host_used = 0  # tokens of KV in the host tier (rounded up to host_unit each)
         self.host_peak = 0  # the most host_used has been
         self.busy: set[Hashable] = set()  # sequences in a launched, not yet applied, Run
         self._arrivals = 0
+
+    def _host_cache(self) -> HostPrefixCache:
+        """The prefix cache's host tier: groups of a swap chunk's blocks, charged a chunk."""
+        per = max(1, self.host_unit // self.device_unit)
+        cache = HostPrefixCache(per, self.host_size(per * self.device_unit))
+        cache.limit = self.host_kv_tokens
+        return cache
 
     # ---- reading -------------------------------------------------------------------------
     def has_work(self) -> bool:
@@ -185,6 +212,18 @@ class SchedulerState:
     def held_blocks(self) -> list[int]:
         """The device store's blocks some sequence holds (the pool's live data), ascending."""
         return self.block_pool.held()
+
+    def moved_blocks(self) -> list[int]:
+        """The blocks a re-shard moves: held ones and cached ones (see the module docstring)."""
+        return self.block_pool.data_blocks()
+
+    def take_moves(self) -> list[Move]:
+        """The host tier's block moves recorded since the last call, in order (the engine
+        carries them out before the next step or KV move)."""
+        if self.host_cache is None or not self.host_cache.moves:
+            return []
+        moves, self.host_cache.moves = self.host_cache.moves, []
+        return moves
 
     @property
     def device_free(self) -> int:
@@ -270,21 +309,29 @@ class SchedulerState:
         for seq in run.decode:
             self._reserve(seq, seq.computed + 1)
         self.busy.update(s.seq_id for s in run.seqs)
-        self._check_capacity()
+        self._settle()
 
     def _admit(self, run: Run) -> None:
         """`run`'s waiting sequences enter the device store, each with its longest cached
         prefix, and their first chunks are shortened to what is left past it (a step never
-        computes more than its policy budgeted)."""
+        computes more than its policy budgeted); one whose next block a run launched before
+        it writes is deferred (it leaves `run`, still waiting: the module docstring)."""
         if all(seq.location is not Location.WAITING for seq, _ in run.prefill):
+            for seq, num_tokens in run.prefill:
+                self._computing.update(self.block_pool.hashes_written(seq, num_tokens))
             return
         spare = self.free_blocks - self._charged(run)  # what the run leaves free, as charged
-        for i, (seq, num_tokens) in enumerate(run.prefill):
+        kept = []
+        for seq, num_tokens in run.prefill:
             if seq.location is Location.WAITING:
+                if self._computing and self.block_pool.first_uncached(seq) in self._computing:
+                    continue  # deferred: a run launched before it writes its next block
                 self.waiting.remove(seq)
                 self._enter(seq)
-                chunk, spare = self._take_prefix(seq, num_tokens, max(spare, 0))
-                run.prefill[i] = (seq, chunk)
+                num_tokens, spare = self._take_prefix(seq, num_tokens, max(spare, 0))
+            kept.append((seq, num_tokens))
+            self._computing.update(self.block_pool.hashes_written(seq, num_tokens))
+        run.prefill[:] = kept
 
     def _charged(self, run: Run) -> int:
         """The blocks `run` takes from the pool as its policy charged them (a waiting
@@ -327,13 +374,13 @@ class SchedulerState:
         self.busy.difference_update(s.seq_id for s in run.seqs)
 
     def _apply_switch(self, action: Switch) -> None:
-        # A re-shard moves the blocks sequences hold (`held_blocks`), not the cached others.
-        self.block_pool.forget_unreferenced()
+        # A re-shard moves the held and the cached blocks (`moved_blocks`): nothing is lost.
         self.phase = Phase(action.phase)
 
     def _apply_run(self, action: Run) -> None:
         self.busy.difference_update(s.seq_id for s in action.seqs)
         self._admit(action)
+        self._computing.clear()  # cached below: the next step's admissions find them
         for seq, num_tokens in action.prefill:
             self._prefill(seq, num_tokens, action.prefill_to_host)
         for seq in action.decode:
@@ -344,7 +391,7 @@ class SchedulerState:
             seq.computed += 1
             seq.generated += 1
             self.block_pool.cache_full(seq)
-        self._check_capacity()
+        self._settle()
 
     def _prefill(self, seq: SeqInfo, num_tokens: int, to_host: bool) -> None:
         """Advance a prefill by `num_tokens` and cache its full blocks; a completed prefill
@@ -365,7 +412,7 @@ class SchedulerState:
             if seq.location is not Location.HOST:
                 raise RuntimeError(f"swap-in of {seq.seq_id!r} which is {seq.location.value}")
             self._move(seq, Location.DEVICE)
-        self._check_capacity()
+        self._settle()
 
     def _apply_preempt(self, action: Preempt) -> None:
         for seq in action.seqs:
@@ -378,7 +425,7 @@ class SchedulerState:
                 self._free_seq(seq)
                 seq.computed, seq.location = 0, Location.WAITING
                 self.waiting.appendleft(seq)
-        self._check_capacity()
+        self._settle()
 
     def _move(self, seq: SeqInfo, to: Location) -> None:
         """Move a sequence's KV between device and host (either direction)."""
@@ -389,9 +436,11 @@ class SchedulerState:
             self.host_used += self.host_size(seq.computed)
             self.host_peak = max(self.host_peak, self.host_used)
             seq.location = Location.HOST
+            self._host_changed()
         else:
             del self.host[seq.seq_id]
             self.host_used -= self.host_size(seq.computed)
+            self._host_changed()
             self._enter(seq)
             self._reserve(seq, seq.computed)
 
@@ -407,6 +456,7 @@ class SchedulerState:
             raise RuntimeError(f"finished sequence {seq_id!r} is not running")
         if seq.location is Location.HOST:
             self.host_used -= self.host_size(seq.computed)
+            self._host_changed()
         else:
             self._free_seq(seq)
         seq.location = Location.FINISHED
@@ -426,11 +476,22 @@ class SchedulerState:
             return self._finish(seq_id)
         return None
 
-    def _check_capacity(self) -> None:
+    def _host_changed(self) -> None:
+        """Swapped-out sequences' host tokens changed: the prefix cache gets what they leave
+        (evicting its oldest groups when they need more)."""
+        if self.host_cache is not None:
+            self.host_cache.shrink(self.host_kv_tokens - self.host_used)
+
+    def _settle(self) -> None:
+        """Hand the blocks evicted by the last operation to the host tier (one group per
+        swap chunk), then check that neither tier is overfilled."""
+        self.block_pool.store_evicted()
+        cached = self.host_cache.used if self.host_cache is not None else 0
+        if self.host_used + cached > self.host_kv_tokens:
+            raise RuntimeError(f"host KV tier overfilled: {self.host_used} tokens of sequences "
+                               f"and {cached} of cached blocks, {self.host_kv_tokens} in all")
         if self.device_used > self.device_kv_tokens or len(self.device) > self.max_device_seqs:
             raise RuntimeError(
                 f"device KV overfilled: {self.device_used}/{self.device_kv_tokens} tokens, "
                 f"{len(self.device)}/{self.max_device_seqs} sequences")
-        if self.host_used > self.host_kv_tokens:
-            raise RuntimeError(f"host KV tier overfilled: {self.host_used}/"
-                               f"{self.host_kv_tokens} tokens")
+

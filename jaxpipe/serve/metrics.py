@@ -40,6 +40,14 @@ COUNTERS = {
                                 "prefix cache (whole blocks, not computed again)"),
     "prefix_cache_evictions": ("prefix_cache_evictions", "cached KV blocks nobody held, "
                                "given out for new KV"),
+    "prefix_cache_device_hit_tokens": ("prefix_cache_device_hit_tokens", "prefix cache hit "
+                                       "tokens found in the device KV pool"),
+    "prefix_cache_host_hit_tokens": ("prefix_cache_host_hit_tokens", "prefix cache hit "
+                                     "tokens copied back from the host tier"),
+    "prefix_cache_host_stored_blocks": ("prefix_cache_host_stored_blocks", "evicted cached "
+                                        "KV blocks kept in the host tier"),
+    "prefix_cache_host_evictions": ("prefix_cache_host_evictions", "cached KV blocks the "
+                                    "host tier forgot"),
 }
 # Engine.stats() gauge -> (metric name, help, labels)
 GAUGES = {

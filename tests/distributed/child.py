@@ -26,11 +26,16 @@ SIZES = dict(mesh="cpu-8", max_num_seqs=8, kv_cache_tokens=96, host_kv_tokens=19
              compilation_cache_dir=None)
 
 
-def workload():
+def workload(shared: bool = False):
+    """12 greedy requests; `shared`: every other prompt starts with one 32-token stem (a
+    prefix cache shares it, and a small pool evicts it to the host tier)."""
     from jaxpipe import SamplingParams
 
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, VOCAB - 1, rng.integers(3, 40)).tolist() for _ in range(12)]
+    if shared:
+        stem = rng.integers(0, VOCAB - 1, 32).tolist()
+        prompts = [stem + p[:8] if i % 2 else p for i, p in enumerate(prompts)]
     lengths = rng.integers(4, 20, len(prompts))
     params = [SamplingParams(temperature=0.0, max_tokens=int(n), ignore_eos=i % 2 == 0)
               for i, n in enumerate(lengths)]
@@ -56,6 +61,7 @@ def main(argv=None) -> int:
     p.add_argument("--coordinator")
     p.add_argument("--num-processes", type=int)
     p.add_argument("--process-id", type=int)
+    p.add_argument("--prefix-caching", action="store_true")
     a = p.parse_args(argv)
     from jaxpipe import Engine, EngineConfig
     from jaxpipe.engine import follow
@@ -63,11 +69,12 @@ def main(argv=None) -> int:
     schedulers = a.schedulers.split(",")
     config = EngineConfig(model=a.model, prefill=a.prefill, decode=a.decode,
                           scheduler=schedulers[0], coordinator=a.coordinator,
-                          num_processes=a.num_processes, process_id=a.process_id, **SIZES)
+                          num_processes=a.num_processes, process_id=a.process_id,
+                          prefix_caching=a.prefix_caching, **SIZES)
     if a.process_id:
         follow(config)
         return 0
-    prompts, params = workload()
+    prompts, params = workload(a.prefix_caching)
     runs = {}
     with Engine(config) as engine:
         for name in schedulers:

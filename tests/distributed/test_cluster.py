@@ -53,11 +53,12 @@ def cluster_args(port: int, process: int) -> list[str]:
             "--process-id", str(process)]
 
 
-def run(model: str, tmp: Path, prefill: str, decode: str, processes: int) -> dict:
+def run(model: str, tmp: Path, prefill: str, decode: str, processes: int,
+        *extra_args: str) -> dict:
     """The child's runs (scheduler -> tokens, stats) on one process or two."""
     out, port = tmp / f"out{processes}.json", cluster_port()
     base = [sys.executable, str(CHILD), model, str(out), "--prefill", prefill, "--decode",
-            decode, "--schedulers", ",".join(SCHEDULERS)]
+            decode, "--schedulers", ",".join(SCHEDULERS), *extra_args]
     logs = [tmp / f"p{processes}-{i}.log" for i in range(processes)]
     procs = []
     try:
@@ -93,6 +94,19 @@ def test_two_processes_give_the_tokens_of_one(tiny, tmp_path, prefill, decode):
             assert stats["swap_in_bytes"] == stats["swap_out_bytes"]
         assert stats["control_messages"] >= stats["steps"] > 0, name
         assert "control_messages" not in one[name]["stats"]
+
+
+def test_followers_mirror_the_prefix_cache_host_tier(tiny, tmp_path):
+    """Prompts sharing a stem, the prefix cache on, a 6-block pool: blocks evicted to the
+    host tier and copied back (and moved by the switches) on every process, the same
+    tokens as one process."""
+    one = run(tiny, tmp_path, *PAIRS[0], 1, "--prefix-caching")
+    two = run(tiny, tmp_path, *PAIRS[0], 2, "--prefix-caching")
+    for name in SCHEDULERS:
+        assert two[name]["tokens"] == one[name]["tokens"], name
+    stats = [two[name]["stats"] for name in SCHEDULERS]
+    assert all(s["prefix_cache_hit_tokens"] > 0 for s in stats)
+    assert sum(s["prefix_cache_host_hit_tokens"] for s in stats) > 0
 
 
 # ---- the server, and a follower that dies ------------------------------------------------------

@@ -95,3 +95,23 @@ def test_a_swap_in_aborted_in_flight_leaves_no_staged_copy():
     assert kv.prefetcher.pending == 0 and kv.prefetcher._ready.empty()
     assert not any(e[0] == "insert" for e in runner.log)
     kv.close()
+
+
+def test_prefix_cache_moves_run_in_order_and_are_mirrored():
+    """The ledger's host-tier moves: a spill reads its blocks into a group entry, a fetch
+    writes one block of the group (its other places out of range) and keeps the entry, a
+    forget frees it; a follower is sent each move first, as the swaps' own messages."""
+    from jaxpipe.kv.device_cache import OUT_OF_RANGE
+    from jaxpipe.scheduler.host_prefix import Fetch, Forget, Spill
+
+    runner, sent = FakeRunner(), []
+    kv = KVManager(runner, host_tier=True, mirror=lambda *m: sent.append(m))
+    kv.move_blocks([Spill(0, (4, 9)), Fetch(0, 1, 7)])
+    assert runner.log == [("extract", (4, 9), 32), ("insert", (OUT_OF_RANGE, 7))]
+    assert ("prefix", 0) in kv.host.entries and kv.host.bytes_out == 0  # not a swap-out
+    assert kv.prefix_bytes_out > 0 and kv.prefix_bytes_in > 0
+    kv.move_blocks([Forget(0)])
+    assert kv.host.entries == {}
+    assert sent == [("swap_out", ("prefix", 0), [4, 9], 32),
+                    ("prefix_fetch", ("prefix", 0), [OUT_OF_RANGE, 7]), ("drop", ("prefix", 0))]
+    kv.close()

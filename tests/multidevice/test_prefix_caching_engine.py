@@ -1,14 +1,15 @@
 """Automatic prefix caching on 8 devices with a re-shard between the phases (prefill on
-pp=4,tp=2, decode on tp=8): cached blocks are read in the layout that wrote them or after the
-live ones moved, and a switch forgets those nobody holds. Every policy run here must give the
-single-device engine's tokens with the cache off (tests/prefix_workload.py's two waves), with
-hits, and release every block."""
+pp=4,tp=2, decode on tp=8): cached blocks are read in the layout that wrote them or after
+they moved with the live ones (a switch moves both), and blocks the small pool (8 blocks)
+evicts go to the host tier and are copied back into the current layout's shards. Every policy
+run here must give the single-device engine's tokens with the cache off
+(tests/prefix_workload.py's two waves), with hits, and release every block."""
 
 from __future__ import annotations
 
 import pytest
 from conftest import TINY
-from prefix_workload import check_waves, run_waves
+from prefix_workload import assert_all_released, check_waves, run_waves, tokens
 
 from jaxpipe import Engine, EngineConfig
 
@@ -28,7 +29,8 @@ def reference(tiny_orbax):
 
 @pytest.fixture(scope="module")
 def cached(tiny_orbax):
-    engine = Engine(EngineConfig(model=str(tiny_orbax), prefix_caching=True, **LAYOUTS, **FAST))
+    engine = Engine(EngineConfig(model=str(tiny_orbax), prefix_caching=True,
+                                 kv_cache_tokens=8 * 16, **LAYOUTS, **FAST))
     yield engine
     engine.close()
 
@@ -45,3 +47,22 @@ def test_two_layouts_give_the_uncached_tokens(cached, reference, policy):
         assert first["reshards"] > 0 and second["reshards"] > 0
     elif policy == "prefill_first":
         assert cached.executor.state.phase.value == "decode"
+
+
+def test_a_prefix_evicted_to_the_host_tier_comes_back_after_a_reshard(cached, reference):
+    """seesaw: the first wave's blocks, written on pp=4,tp=2, are evicted by prompts that
+    share nothing with them, while the phases switch back and forth; the first wave sent
+    again copies them back from the host tier and gives the uncached tokens."""
+    cached.set_scheduler("seesaw")
+    (prompts, want), _, params = reference
+    cached.reset_stats()
+    assert tokens(cached.generate(prompt_token_ids=prompts, sampling_params=params)) == want
+    vocab = TINY.vocab_size - 1
+    others = [[(7 * i + 3 * j) % vocab for j in range(40 + i)] for i in range(6)]
+    cached.generate(prompt_token_ids=others, sampling_params=params[0])
+    assert cached.stats()["reshards"] > 0
+    cached.reset_stats()
+    assert tokens(cached.generate(prompt_token_ids=prompts, sampling_params=params)) == want
+    stats = cached.stats()
+    assert_all_released(cached)
+    assert stats["prefix_cache_host_hit_tokens"] > 0 and stats["reshards"] > 0

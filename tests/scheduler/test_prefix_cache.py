@@ -20,6 +20,7 @@ from jaxpipe.scheduler import (
     Switch,
     make_policy,
 )
+from jaxpipe.scheduler.host_prefix import Fetch, Forget, Spill
 from jaxpipe.scheduler.prefix_cache import ROOT, BlockPool, block_hash, extra_key_digest
 
 UNIT = 4
@@ -112,21 +113,26 @@ def test_shared_blocks_are_counted_once_and_references_return_to_zero():
     assert (pool.queried_tokens, pool.hit_tokens) == (27, 16)
 
 
-def test_sequences_of_one_step_share_nothing_written_in_it():
-    """Not in one run, nor in two launched before either is applied (a pipelined step)."""
+def test_a_sequence_whose_prefix_its_step_computes_waits_for_the_next_step():
+    """In one run, or in a second run launched before the first is applied (a pipelined
+    step): the later sequence leaves the run, first in line, and the next step finds the
+    blocks cached. One whose next block nobody computes in the step is not deferred."""
     state = cached_state(slots=8)
-    a, b = seq("a", range(9)), seq("b", range(9))
-    prefill(state, a, b)
-    assert b.cached_tokens == 0 and not set(a.blocks) & set(b.blocks)
-    c, d = seq("c", range(20, 29)), seq("d", range(20, 29))
-    state.add_all([c, d])
-    first, second = Run(prefill=[(c, 9)]), Run(prefill=[(d, 9)])
+    a, b, x = seq("a", range(9)), seq("b", range(9)), seq("x", range(50, 59))
+    run = prefill(state, a, b, x)
+    assert run.prefill == [(a, 9), (x, 9)] and list(state.waiting) == [b]
+    assert b.location is Location.WAITING and b.blocks == []
+    run = prefill(state, b)
+    assert b.cached_tokens == 8 and b.blocks[:2] == a.blocks[:2] and run.prefill == [(b, 1)]
+    c, d = seq("c", range(20, 29)), seq("d", range(70, 79))
+    e = seq("e", range(20, 29))
+    state.add_all([c, d, e])
+    first, second = Run(prefill=[(c, 9)]), Run(prefill=[(d, 9), (e, 9)])
     state.launch(first)
     state.launch(second)
-    assert d.cached_tokens == 0
+    assert second.prefill == [(d, 9)] and list(state.waiting) == [e]
     state.apply(first)
     state.apply(second)
-    e = seq("e", range(20, 29))
     prefill(state, e)
     assert e.cached_tokens == 8 and e.blocks[:2] == c.blocks[:2]
 
@@ -205,10 +211,10 @@ def test_a_small_chunk_revives_a_prefix_from_the_room_the_run_leaves():
     assert state.free_blocks == 16 - 4
 
 
-def test_a_released_prefix_is_found_again_and_a_switch_forgets_it():
+def test_a_released_prefix_is_found_again_and_a_switch_keeps_it():
     """A recompute preemption keeps its full blocks cached: coming back it recomputes only
-    its last block (outputs included). A re-shard moves only held blocks: the cache of
-    unreferenced blocks is dropped."""
+    its last block (outputs included). A re-shard moves the held and the cached blocks: the
+    cache survives it."""
     state = cached_state()
     a = seq("a", range(7), max_tokens=8)
     prefill(state, a)
@@ -226,10 +232,13 @@ def test_a_released_prefix_is_found_again_and_a_switch_forgets_it():
     z = seq("z", range(40, 45))
     prefill(state, z)
     state.apply(Run(), finished=["z"])
-    assert len(state.block_pool.unreferenced_cached()) == 1
+    lru = state.block_pool.unreferenced_cached()
+    assert len(lru) == 1
+    cached = state.block_pool.cached()
+    assert state.moved_blocks() == sorted({*a.blocks, *lru})
     state.apply(Switch("decode"))
-    assert state.block_pool.unreferenced_cached() == [] and state.block_pool.cached() == {
-        b: h for b, h in zip(a.blocks, a.block_hashes, strict=False)}
+    assert state.block_pool.unreferenced_cached() == lru
+    assert state.block_pool.cached() == cached
 
 
 def test_outputs_are_cached_once_their_tokens_are_known():
@@ -270,12 +279,17 @@ class Driver:
     """A pure-Python engine: requests with shared prefixes arrive at random, run under
     `prefill_first`, are preempted (both modes), aborted and finished at random; their output
     tokens come back at once or a step late. It keeps what each block holds (`holds`: the
-    context prefix ending with a block, once its KV is fully written) to check the cache."""
+    context prefix ending with a block, once its KV is fully written) and what each host-tier
+    group holds (`host_holds`, moved as the state's `take_moves` say) to check both tiers.
+    The pool (12 or 24 blocks), the host tier (none, 8 or 40 blocks) and its group size (1 or
+    2 blocks) are drawn, so blocks go to the host tier and come back."""
 
     def __init__(self, seed: int, caching: bool):
         self.rng = rng = random.Random(seed)
-        self.state = SchedulerState(24 * UNIT, 6, 40 * UNIT, host_unit=UNIT, device_unit=UNIT,
-                                    prefix_caching=caching)
+        group = rng.choice([1, 2])
+        self.state = SchedulerState(rng.choice([12, 24]) * UNIT, 6,
+                                    rng.choice([0, 8, 40]) * UNIT, host_unit=group * UNIT,
+                                    device_unit=UNIT, prefix_caching=caching)
         self.policy = make_policy("prefill_first", max_prefill_tokens=rng.choice([8, 24]),
                                   preempt_mode=rng.choice(["swap", "recompute"]))
         prefixes = [[rng.randrange(30) for _ in range(rng.randint(1, 14))] for _ in range(3)]
@@ -288,6 +302,18 @@ class Driver:
             self.truth[f"r{i}"] = prompt + [rng.randrange(30) for _ in range(out)]
         self.late: list[Sequence] = []  # sampled, its token not received yet
         self.holds: dict[int, tuple] = {}
+        self.host_holds: dict[int, list[tuple]] = {}  # group -> what its blocks hold
+
+    def move(self) -> None:
+        """Carry out the host tier's block moves, in order, as the engine's KV manager does."""
+        for m in self.state.take_moves():
+            if isinstance(m, Spill):
+                self.host_holds[m.group] = [self.holds[b] for b in m.blocks]
+            elif isinstance(m, Fetch):
+                assert self.state.block_pool.refs(m.block) == 1
+                self.holds[m.block] = self.host_holds[m.group][m.index]
+            else:
+                del self.host_holds[m.group]
 
     def run(self) -> None:
         while self.arrivals or self.state.has_work():
@@ -318,6 +344,7 @@ class Driver:
         swap = self.state.host_size(victim.computed) <= self.state.host_free
         self.state.apply(Preempt([victim], "swap" if swap and self.rng.random() < 0.5
                                  else "recompute"))
+        self.move()
 
     def step(self) -> None:
         action = self.policy.schedule(self.state)
@@ -325,6 +352,7 @@ class Driver:
             raise AssertionError("stalled")
         if not isinstance(action, Run):
             self.state.apply(action)
+            self.move()
             if action.kind.value == "swap_in":  # the host copy lands in the new blocks
                 for s in action.seqs:
                     self.write(s, 0, s.computed)
@@ -336,12 +364,14 @@ class Driver:
             if isinstance(second, Run) and self.rng.random() < 0.5:
                 self.state.launch(second)
                 runs.append(second)
+            self.move()
         for run in runs:
             self.apply(run)
 
     def apply(self, run: Run) -> None:
         before = {s.seq_id: s.generated for s in run.seqs}
         self.state.apply(run)
+        self.move()
         for s, n in run.prefill:  # `n` as the state trimmed it past the cached prefix
             self.write(s, s.computed - n, s.computed)
         for s in run.decode:
@@ -385,13 +415,22 @@ class Driver:
         assert set(lru) <= set(cached) and len(set(cached.values())) == len(cached)
         for block, digest in cached.items():  # a cached block holds the prefix its hash names
             assert chain(self.holds[block]) == digest
+        host = state.host_cache
+        if host is not None:  # a host group holds the prefixes its hashes name
+            assert state.host_used + host.used <= state.host_kv_tokens
+            assert set(host.groups()) == set(self.host_holds)
+            for group, hashes in host.groups().items():
+                assert [chain(h) for h in self.host_holds[group]] == hashes
         for s in state.device.values():  # and a sequence's full blocks hold its own prefix
             truth = tuple(self.truth[s.seq_id])
             for i in range(s.computed // UNIT):
                 assert self.holds.get(s.blocks[i]) == truth[:(i + 1) * UNIT]
 
 
-@pytest.mark.parametrize("seed", range(12))
+HOST_HITS = Counter()
+
+
+@pytest.mark.parametrize("seed", range(16))
 def test_random_traffic_keeps_every_block_accounted_and_shared_correctly(seed):
     driver = Driver(seed, caching=True)
     driver.run()
@@ -400,9 +439,51 @@ def test_random_traffic_keeps_every_block_accounted_and_shared_correctly(seed):
     assert all(pool.refs(b) == 0 for b in range(state.num_blocks))
     assert state.free_blocks == state.num_blocks and state.num_finished == 30
     assert pool.hit_tokens > 0
+    HOST_HITS[seed] = pool.host_hit_tokens
+
+
+def test_random_traffic_hits_in_the_host_tier():
+    """Some of the seeds above (drawn small pools with a host tier) copy prefixes back."""
+    for seed in range(16):
+        if seed not in HOST_HITS:
+            driver = Driver(seed, caching=True)
+            driver.run()
+            HOST_HITS[seed] = driver.state.block_pool.host_hit_tokens
+    assert sum(HOST_HITS.values()) > 0
 
 
 def test_random_traffic_with_caching_off_hits_nothing():
     driver = Driver(0, caching=False)
     driver.run()
-    assert driver.state.block_pool.cached() == {} and driver.state.free_blocks == 24
+    assert driver.state.block_pool.cached() == {}
+    assert driver.state.free_blocks == driver.state.num_blocks
+
+
+def test_evicted_blocks_go_to_the_host_tier_and_come_back():
+    """Four device blocks, a host tier of 16 tokens in groups of 2 blocks (8 tokens):
+    a's two full blocks, evicted together by b, are one group (one Spill); c = a's prompt
+    again finds them there: both copied back into new blocks (Fetch), counted as host hits,
+    and the host copy stays. A swap-out that needs the host room forgets the group."""
+    state = SchedulerState(4 * UNIT, 4, 4 * UNIT, host_unit=2 * UNIT, device_unit=UNIT,
+                           prefix_caching=True)
+    a = seq("a", range(9))
+    prefill(state, a)
+    a_blocks, a_hashes = list(a.blocks[:2]), list(a.block_hashes)
+    state.apply(Run(), finished=["a"])
+    assert state.take_moves() == []
+    prefill(state, seq("b", range(50, 63), max_tokens=3))  # the 2 free blocks, then a's
+    assert state.take_moves() == [Spill(0, tuple(reversed(a_blocks)))]
+    assert state.host_cache.groups() == {0: list(reversed(a_hashes))}
+    state.apply(Run(), finished=["b"])
+    c = seq("c", range(9))
+    run = prefill(state, c)
+    moves = [m for m in state.take_moves() if isinstance(m, Fetch)]  # b's spill around them
+    assert [(m.group, m.index, m.block) for m in moves] == [(0, 1, c.blocks[0]),
+                                                            (0, 0, c.blocks[1])]
+    assert c.cached_tokens == 8 and run.prefill == [(c, 1)] and c.block_hashes == a_hashes
+    pool = state.block_pool
+    assert pool.host_hit_tokens == 8 and pool.hit_tokens == 8
+    assert state.host_cache.groups()[0] == list(reversed(a_hashes))  # the copy stays
+    state.apply(Preempt([c], "swap"))  # c's 9 tokens take the tier's 16 (units of 8)
+    assert {type(m) for m in state.take_moves()} == {Forget}
+    assert state.host_cache.used == 0 and state.host_used == 16

@@ -127,7 +127,9 @@ def test_server_metrics_follow_a_known_workload(grpc_server):
 
 def test_collector_renders_the_prefix_cache():
     stats = {"prefix_cache_queried_tokens": 300, "prefix_cache_hit_tokens": 96,
-             "prefix_cache_evictions": 5, "prefix_cache_hit_rate": 0.32}
+             "prefix_cache_evictions": 5, "prefix_cache_hit_rate": 0.32,
+             "prefix_cache_device_hit_tokens": 64, "prefix_cache_host_hit_tokens": 32,
+             "prefix_cache_host_stored_blocks": 7, "prefix_cache_host_evictions": 2}
     registry = CollectorRegistry(auto_describe=False)
     registry.register(EngineCollector(lambda: stats, Outcomes()))
     got = samples(generate_latest(registry).decode())
@@ -135,3 +137,7 @@ def test_collector_renders_the_prefix_cache():
     assert got[("jaxpipe_prefix_cache_hit_tokens_total", ())] == 96
     assert got[("jaxpipe_prefix_cache_evictions_total", ())] == 5
     assert got[("jaxpipe_prefix_cache_hit_rate", ())] == pytest.approx(0.32)
+    assert got[("jaxpipe_prefix_cache_device_hit_tokens_total", ())] == 64
+    assert got[("jaxpipe_prefix_cache_host_hit_tokens_total", ())] == 32
+    assert got[("jaxpipe_prefix_cache_host_stored_blocks_total", ())] == 7
+    assert got[("jaxpipe_prefix_cache_host_evictions_total", ())] == 2
