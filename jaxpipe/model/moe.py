@@ -37,11 +37,12 @@ def route(h, w_router, k: int, normalize: bool):
     return weights, experts
 
 
-DISPATCH = {"cpu": "dense"}  # platform -> dispatch; others: "ragged"
+DISPATCH = {"cpu": "measured"}  # platform -> dispatch; others: "ragged"
+DISPATCHES = ("ragged", "dense", "grouped")
 
 
 def dispatch_for(platform: str) -> str:
-    """The experts' dispatch on a platform ("cpu", "gpu", "tpu")."""
+    """The experts' dispatch on a platform ("cpu", "gpu", "tpu"); "measured": `measured`."""
     return DISPATCH.get(platform, "ragged")
 
 
@@ -49,12 +50,44 @@ def experts_mlp(h, weights, experts, w_gate_up, w_down, dispatch: str | None = N
     """sum_j weights[t, j] * expert_{experts[t, j]}(h[t]), each expert silu(h @ gate) * (h @ up)
     @ down. h [T, E] f32, weights / experts [T, k], w_gate_up [X, E, 2, F], w_down [X, F, E]
     -> [T, E] f32 (accumulated in f32; activations cast to the weights' dtype). `dispatch`:
-    "ragged" or "dense" (see the module's docstring); None: JAX's default backend's."""
+    one of DISPATCHES or "measured" (see the module's docstring); None: JAX's default
+    backend's."""
     dispatch = dispatch or dispatch_for(jax.default_backend())
-    if dispatch not in ("ragged", "dense"):
-        raise ValueError(f"MoE dispatch {dispatch!r} is not one of 'ragged', 'dense'")
-    fn = _ragged if dispatch == "ragged" else _dense
+    if dispatch == "measured":
+        dispatch = measured(h.shape[0], experts.shape[1], w_gate_up, w_down)
+    if dispatch not in DISPATCHES:
+        raise ValueError(f"MoE dispatch {dispatch!r} is not one of "
+                         f"{', '.join(map(repr, (*DISPATCHES, 'measured')))}")
+    if dispatch == "grouped" and not grouped_fits(w_gate_up, w_down):
+        raise ValueError(f"MoE dispatch 'grouped' needs the bf16 kernel, bf16 weights and an "
+                         f"even E and F; got w_gate_up {w_gate_up.shape} {w_gate_up.dtype}")
+    fn = {"ragged": _ragged, "dense": _dense, "grouped": _grouped}[dispatch]
     return fn(h, weights, experts, w_gate_up, w_down)
+
+
+def grouped_fits(w_gate_up, w_down) -> bool:
+    """Whether the grouped kernel runs these weights: bf16, E and F even (the kernel pairs
+    rows of K), and the kernel built here."""
+    from jaxpipe.kernels import matmul
+
+    e, f = w_gate_up.shape[1], w_down.shape[1]
+    return (w_gate_up.dtype == w_down.dtype == jnp.bfloat16 and e % 2 == 0 and f % 2 == 0
+            and jax.default_backend() == "cpu" and matmul.available())
+
+
+def measured(tokens: int, k: int, w_gate_up, w_down) -> str:
+    """"grouped" or "dense": this machine's faster for T = `tokens` tokens on these shapes
+    (`kernels/dispatch.py`: timed once per machine at a few token counts and cached; a step
+    takes the choice of the nearest count at or above its own); "dense" where the grouped
+    kernel cannot run."""
+    if not grouped_fits(w_gate_up, w_down):
+        return "dense"
+    from jaxpipe.kernels import dispatch
+
+    x, e, _, f = w_gate_up.shape
+    case = dispatch.ExpertsCase(experts=x, k=k, hidden=e, inter=f)
+    with jax.ensure_compile_time_eval():  # a first measurement runs now, not in the trace
+        return dispatch.for_machine().experts(case, tokens)
 
 
 def _dense(h, weights, experts, w_gate_up, w_down):
@@ -69,6 +102,25 @@ def _dense(h, weights, experts, w_gate_up, w_down):
     # CPU backend has no bf16 x bf16 -> f32 batched dot "txf,xfd->txd" inside the step's scan.)
     return jnp.einsum("txf,xfd->td", act.astype(w_down.dtype), w_down,
                       preferred_element_type=jnp.float32)
+
+
+def _grouped(h, weights, experts, w_gate_up, w_down):
+    """The pairs sorted by expert, as `_ragged`'s, through the C++ grouped kernel
+    (`kernels/matmul.py: grouped_matmul`): each expert's rows times its own weight only, the
+    gate fused into the first product; then back to their places and summed over the k
+    slots. Call inside `shard_map` on a sharded layout (a custom call)."""
+    from jaxpipe.kernels import matmul
+
+    t, k = experts.shape
+    x, d = w_gate_up.shape[0], w_gate_up.shape[1]
+    flat = experts.reshape(-1)  # [T*k], pair i is token i // k's slot i % k
+    order = jnp.argsort(flat, stable=True)  # [T*k] pairs in expert order
+    sizes = jnp.zeros((x,), jnp.int32).at[flat].add(1)  # [X] tokens per expert
+    act = matmul.grouped_matmul(h[order // k], w_gate_up.reshape(x, d, -1), sizes,
+                                gated=True)  # [T*k, F]; the kernel rounds rows to bf16
+    out = matmul.grouped_matmul(act, w_down, sizes)  # [T*k, E]
+    unsorted = jnp.zeros_like(out).at[order].set(out).reshape(t, k, -1)  # [T, k, E]
+    return jnp.einsum("tk,tkd->td", weights, unsorted)
 
 
 def _ragged(h, weights, experts, w_gate_up, w_down):
