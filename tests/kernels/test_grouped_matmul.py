@@ -136,3 +136,37 @@ def test_grouped_dispatch_refuses_what_the_kernel_cannot_run():
     assert moe.measured(3, 1, w_gate_up, w_down) == "dense"  # F odd: no measurement either
     assert moe.measured(3, 1, w_gate_up.astype(jnp.float32)[..., :6],
                         w_down.astype(jnp.float32)[:, :6]) == "dense"
+
+
+def test_engine_step_on_the_grouped_dispatch_gives_the_dense_dispatchs_tokens(tmp_path,
+                                                                                monkeypatch):
+    """A bf16 Qwen3-MoE (even expert widths, which the kernel needs) through the engine's
+    step (the layer scan inside `shard_map`, chunked prefill, decode): greedy tokens of the
+    grouped dispatch equal the dense one's (which tests/model/test_moe_hf.py checks against
+    HF)."""
+    transformers = pytest.importorskip("transformers")
+    from hf_families import PROMPTS, draw_every_parameter
+    from hf_moe import EAGER, SMALL
+
+    from jaxpipe import Engine, EngineConfig, SamplingParams
+
+    config = transformers.Qwen3MoeConfig(**SMALL, num_experts=8, num_experts_per_tok=2,
+                                         moe_intermediate_size=24, intermediate_size=50,
+                                         norm_topk_prob=True, **EAGER)
+    model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    draw_every_parameter(model, seed=3)
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    tokens = {}
+    for dispatch in ("dense", "grouped"):
+        monkeypatch.setitem(moe.DISPATCH, "cpu", dispatch)
+        jax.clear_caches()  # no step traced on the other dispatch is reused
+        engine = Engine(EngineConfig(model=str(tmp_path), dtype="bfloat16", max_model_len=160,
+                                     max_num_seqs=4, max_num_batched_tokens=32, warmup=False,
+                                     show_progress=False))
+        outs = engine.generate(prompt_token_ids=PROMPTS,
+                               sampling_params=SamplingParams(temperature=0.0, max_tokens=12))
+        tokens[dispatch] = [list(o.outputs[0].token_ids) for o in outs]
+        engine.close()
+    jax.clear_caches()
+    assert len({t for row in tokens["dense"] for t in row}) > 4  # not one repeated token
+    assert tokens["grouped"] == tokens["dense"]
