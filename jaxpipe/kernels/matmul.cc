@@ -7,6 +7,11 @@
 //   gated  attribute: y [M, N / 2] = silu(y's first N / 2 columns) * y's last N / 2 (a gated
 //          MLP's gate and up projections; N / 2 a multiple of 64)
 //
+// A second entry, the grouped matmul (`JaxpipeGroupedMatmul`, an MoE layer's experts): x's
+// rows in consecutive groups of `sizes` [G] rows (data), group g's rows times w[layer, g]
+// ([L, G, K, N], natural row-major order, not panel order); each (group, panel) is copied
+// into panel order in a buffer and run through the same path code (`grouped` below).
+//
 // Panel order (K even): columns go in panels of kPanel = 64 (the last one w_p = N % 64 wide
 // if 64 does not divide N); panel p holds its columns for every k, K / 2 pair rows of w_p
 // (bf16 of k = 2j, bf16 of k = 2j + 1) pairs, so one 64-byte load is 16 columns x 2 k's:

@@ -20,6 +20,10 @@ packed weight has the shape and sharding of the original; only its bytes are in 
 order. Inside `shard_map` each device packs its own shard, which is what its kernel calls
 read. The runner packs when it places weights in a layout and unpacks before re-sharding.
 
+`grouped_matmul` is the same kernel for an MoE layer's experts (`model/moe.py`): rows in
+groups of data-dependent sizes, each group times its own expert's weight, read in natural
+order and put in panel order a panel at a time inside the kernel.
+
 On the avx512_bf16 path the kernel treats bf16 denormals (below 1.2e-38) as zero; otherwise
 it matches `reference` up to f32 summation order. A custom call cannot be partitioned by the
 SPMD partitioner: on a sharded layout call it inside `jax.shard_map`.

@@ -3,17 +3,30 @@ top-k experts, each expert is a gated MLP, their outputs are summed weighted by 
 probabilities. Every token reaches all k of its experts (nothing is dropped), and no shape
 depends on the routing.
 
-Two dispatches, the same numbers (`experts_mlp`):
+Three dispatches, the same numbers (`experts_mlp`):
   - "ragged" (sorted segments): the T*k (token, expert) pairs sorted by expert, so each
     expert's tokens are one contiguous segment, and `jax.lax.ragged_dot` multiplies each
     segment by its expert's weights (group sizes are data, shapes static: [T*k, ...]). On
-    GPU and TPU XLA lowers ragged_dot to a grouped matmul: k/X of the dense FLOPs.
-  - "dense": every expert on every token, weighted by the zero-padded gates [T, X]. On CPU
-    JAX lowers ragged_dot to a dense batched dot over X masked copies of the T*k rows (k
-    times this path's FLOPs), and this path measured faster at every size tried: X=8, k=2,
-    E=256, F=512, dense / ragged time 0.40 at T=8 and 0.44 at T=512 in f32, 0.48 and 0.45
-    in bf16 (medians of 7 back-to-back rounds on a contended 2-core CPU).
-`DISPATCH` picks by platform: dense on CPU, ragged elsewhere (not measured there yet).
+    GPU and TPU XLA lowers ragged_dot to a grouped matmul: k/X of the dense FLOPs. On CPU
+    JAX lowers it to a dense batched dot over X masked copies of the T*k rows: k times the
+    dense dispatch's FLOPs.
+  - "dense": every expert on every token, weighted by the zero-padded gates [T, X]: X/k
+    times the useful FLOPs, and every expert's weights read.
+  - "grouped" (CPU, bf16 weights, E and F even): the same sorted segments through the C++
+    grouped kernel (`kernels/matmul.py: grouped_matmul`): each expert's rows times its own
+    weight only (k/X of the dense FLOPs; an expert no token chose is not read), the gate
+    fused into the first product, on the bf16 matmul kernel's path code.
+`DISPATCH` picks by platform: ragged off CPU (not measured there yet); on CPU "measured":
+grouped or dense, whichever `kernels/dispatch.py` timed faster on these expert shapes at
+the nearest token count at or above the step's (once per machine, cached); dense where the
+grouped kernel cannot run. Medians of 15 interleaved rounds (3 for E=1024) on the
+2-core AMD EPYC (avx2 + FMA only, no avx512), shared with other work (load ~14, so rough),
+bf16 weights, `scripts/bench_moe_kernel.py`, dense / ragged / grouped ms:
+    X=8, k=2, E=256, F=512:   T=8: 3.7 / 5.8 / 1.3;  T=64: 48 / 73 / 9.8;  T=512: 338 / 550 / 70
+    X=64, k=8, E=256, F=512:  T=8: 272 / 555 / 33;   T=64: 638 / - / 97;   T=512: 3504 / - / 390
+    X=64, k=8, E=1024, F=768: T=8: 2825 / 4827 / 277; T=64: 3172 / - / 475
+(- : not run, k times dense's FLOPs): grouped 2.8-10x faster than dense, ragged 1.5-2x
+slower than dense, on this CPU.
 """
 
 from __future__ import annotations
