@@ -123,8 +123,11 @@ def grouped_matmul(x, w, sizes, layer=None, *, gated: bool = False,
     if path is not None and path not in paths():
         raise ValueError(f"grouped_matmul: path {path!r} is not built here; this machine has "
                          f"{', '.join(paths())}")
+    if (w.ndim == 4) != (layer is not None):
+        raise ValueError(f"grouped_matmul: a layer index goes with a stacked w [L, G, K, N] "
+                         f"and only with it; got w {w.shape}, layer {layer!r}")
     stack = w if w.ndim == 4 else w[None]
-    _check_grouped(x, stack, sizes, layer if w.ndim == 4 else 0, gated)
+    _check_grouped(x, stack, sizes, gated)
     n = stack.shape[3] // 2 if gated else stack.shape[3]
     out = jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32)
     index = jnp.asarray(0 if layer is None else layer, jnp.int32)
@@ -205,12 +208,10 @@ def _check_shapes(x, w, layer) -> None:
         raise ValueError(f"bf16_matmul: w must be bfloat16 or uint16 (bf16 bits); got {w.dtype}")
 
 
-def _check_grouped(x, stack, sizes, layer, gated: bool) -> None:
+def _check_grouped(x, stack, sizes, gated: bool) -> None:
     if x.ndim != 2 or stack.ndim != 4 or x.shape[1] != stack.shape[2]:
         raise ValueError(f"grouped_matmul: x must be [M, K] and w [G, K, N] or [L, G, K, N]; "
                          f"got x {x.shape}, w {stack.shape}")
-    if layer is None:
-        raise ValueError(f"grouped_matmul: a stacked w {stack.shape} needs a layer index")
     if stack.shape[2] % 2 or (gated and stack.shape[3] % 2):
         raise ValueError(f"grouped_matmul: K must be even (and N, gated); got w {stack.shape}")
     if jnp.shape(sizes) != (stack.shape[1],):

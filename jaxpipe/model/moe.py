@@ -92,9 +92,13 @@ def measured(tokens: int, k: int, w_gate_up, w_down) -> str:
     """"grouped" or "dense": this machine's faster for T = `tokens` tokens on these shapes
     (`kernels/dispatch.py`: timed once per machine at a few token counts and cached; a step
     takes the choice of the nearest count at or above its own); "dense" where the grouped
-    kernel cannot run."""
+    kernel cannot run. Across processes (multi-host) every process must trace the same
+    program while each would time on its own: there grouped, faster at every point the
+    module's docstring lists."""
     if not grouped_fits(w_gate_up, w_down):
         return "dense"
+    if jax.process_count() > 1:
+        return "grouped"
     from jaxpipe.kernels import dispatch
 
     x, e, _, f = w_gate_up.shape

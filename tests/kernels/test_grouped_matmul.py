@@ -90,6 +90,8 @@ def test_bad_shapes_fail_naming_them():
         mm.grouped_matmul(x, w, np.zeros(2, np.int32))
     with pytest.raises(ValueError, match="K must be even"):
         mm.grouped_matmul(x[:, :15], w[:, :15], np.zeros(3, np.int32))
+    with pytest.raises(ValueError, match=r"a layer index goes with a stacked w \[L, G, K, N\]"):
+        mm.grouped_matmul(x, w, np.zeros(3, np.int32), 0)
 
 
 # ---- model/moe.py's grouped dispatch -------------------------------------------------------
