@@ -11,7 +11,13 @@ counts of the best candidate reading each order; each row count then runs the fa
 candidate that reads that order. A step of T tokens uses the choice measured at the smallest
 measured row count >= T (the largest past them). Attention candidates: "kernel" (the C++
 ragged-span kernel, which also writes the step's K/V) and "xla" (its jnp reference), timed on
-a decode and a prefill step of the model's heads; the lower sum wins.
+a decode and a prefill step of the model's heads; the lower sum wins. MoE experts
+(`model/moe.py`) candidates: "dense" (every expert on every token, XLA's dots) and "grouped"
+(the C++ grouped kernel on the kernel's default path, `matmul.grouped_matmul`), timed at a few
+token counts of the model's expert shapes (`EXPERT_TOKENS`: rows per expert T * k / X from
+well under one, decode, to many, prefill); a step takes the choice at the nearest count at or
+above its own tokens. XLA's `ragged_dot` is not a candidate on CPU: it lowers to k times the
+dense dispatch's FLOPs there (`scripts/bench_moe_kernel.py` times all three).
 
 Timings are cached in `~/.cache/jaxpipe/dispatch/` under a key of the CPU model, its flags,
 jaxlib's version and the kernels' sources; a new entry is measured the first time an engine
@@ -43,6 +49,7 @@ from jaxpipe.kernels.build import cpu_flags
 XLA = "xla"
 ROWS = (1, 8, 32, 64, 128, 256, 512, 2048)  # the row counts each matmul is timed at
 HEAD_ROWS = (1, 8, 32, 64, 128, 256)  # the LM head's (it runs on the sampled rows only)
+EXPERT_TOKENS = (1, 8, 64, 256)  # the token counts each MoE layer's experts are timed at
 PANEL_ORDER, NATURAL_ORDER = "panel", "natural"
 
 
@@ -75,6 +82,20 @@ class AttentionCase:
     def key(self) -> str:
         return (f"attention:{self.heads}/{self.kv_heads}x{self.head_dim}:"
                 f"{self.rows}x{self.q_len}@{self.context}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertsCase:
+    """An MoE layer's experts on one device: X `experts` of hidden E -> gated `inter` F ->
+    E, each token to `k` of them, bf16 weights."""
+
+    experts: int
+    k: int
+    hidden: int
+    inter: int
+
+    def key(self) -> str:
+        return f"experts:{self.experts}x{self.hidden}x{self.inter}:top{self.k}"
 
 
 def candidates() -> tuple[str, ...]:
@@ -166,6 +187,21 @@ class Dispatch:
             for impl, s in self.timings[key].items():
                 totals[impl] += s
         return min(totals, key=totals.get)
+
+    # -- MoE experts ------------------------------------------------------------------------
+
+    def experts(self, case: ExpertsCase, tokens: int) -> str:
+        """"dense" or "grouped" for a step of `tokens` tokens: the faster at the nearest
+        measured token count (measured and cached the first time). A forced "xla" is dense,
+        a forced kernel path grouped."""
+        if self.force is not None:
+            return "dense" if self.force == XLA else "grouped"
+        if case.key() not in self.timings:
+            self.timings[case.key()] = {str(t): time_experts(case, t) for t in EXPERT_TOKENS}
+            self._save()
+        by_tokens = {int(t): s for t, s in self.timings[case.key()].items()}
+        seconds = by_tokens[nearest_rows(tokens, by_tokens)]
+        return min(seconds, key=seconds.get)
 
     # -- the table ---------------------------------------------------------------------------
 
@@ -278,6 +314,24 @@ def time_matmul(mm: Matmul, rows: int, layers: int = 2) -> dict[str, float]:
         fn = jax.jit(functools.partial(matmul.bf16_matmul, gated=mm.gated, path=path))
         out[path] = _seconds(fn, x, packed, layer)
     return out
+
+
+def time_experts(case: ExpertsCase, tokens: int) -> dict[str, float]:
+    """Seconds per call of `moe.experts_mlp` on the "dense" and "grouped" dispatches for
+    `tokens` tokens routed by a random router (bf16 weights)."""
+    from jaxpipe.model import moe
+
+    rng = np.random.default_rng(0)
+    c = case
+    h = jnp.asarray(rng.normal(size=(tokens, c.hidden)), jnp.float32)
+    router = jnp.asarray(rng.normal(size=(c.hidden, c.experts)), jnp.float32)
+    gate_up = jnp.asarray(rng.normal(size=(c.experts, c.hidden, 2, c.inter)) / c.hidden ** 0.5,
+                          jnp.bfloat16)
+    down = jnp.asarray(rng.normal(size=(c.experts, c.inter, c.hidden)) / c.inter ** 0.5,
+                       jnp.bfloat16)
+    weights, experts = moe.route(h, router, c.k, True)
+    return {d: _seconds(jax.jit(functools.partial(moe.experts_mlp, dispatch=d)), h, weights,
+                        experts, gate_up, down) for d in ("dense", "grouped")}
 
 
 def time_attention(case: AttentionCase, kv_dtype) -> dict[str, float]:

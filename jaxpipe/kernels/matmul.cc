@@ -7,6 +7,11 @@
 //   gated  attribute: y [M, N / 2] = silu(y's first N / 2 columns) * y's last N / 2 (a gated
 //          MLP's gate and up projections; N / 2 a multiple of 64)
 //
+// A second entry, the grouped matmul (`JaxpipeGroupedMatmul`, an MoE layer's experts): x's
+// rows in consecutive groups of `sizes` [G] rows (data), group g's rows times w[layer, g]
+// ([L, G, K, N], natural row-major order, not panel order); each (group, panel) is copied
+// into panel order in a buffer and run through the same path code (`grouped` below).
+//
 // Panel order (K even): columns go in panels of kPanel = 64 (the last one w_p = N % 64 wide
 // if 64 does not divide N); panel p holds its columns for every k, K / 2 pair rows of w_p
 // (bf16 of k = 2j, bf16 of k = 2j + 1) pairs, so one 64-byte load is 16 columns x 2 k's:
@@ -568,24 +573,90 @@ uint32_t usable_paths() {
   return kBuiltPaths;
 }
 
-// `path` < 0: the fastest this build has (the dispatcher passes its measured choice).
-bool run_path(int64_t path, ffi::ThreadPool& pool, const float* x, const uint16_t* w, float* y,
-              int64_t m, int64_t k, int64_t n, bool gated) {
+// fn(P{}) with `path`'s struct (`path` < 0: the fastest this build has; the dispatcher passes
+// its measured choice); false if this build or process cannot run that path.
+template <typename F>
+bool with_path(int64_t path, F&& fn) {
   if (path < 0) path = 31 - __builtin_clz(usable_paths());
   if (!(usable_paths() >> path & 1u)) return false;
   switch (path) {
-    case kPortable: matmul<PortablePath>(pool, x, w, y, m, k, n, gated); return true;
+    case kPortable: fn(PortablePath{}); return true;
 #if defined(__AVX2__) && defined(__FMA__)
-    case kAvx2: matmul<Avx2Path>(pool, x, w, y, m, k, n, gated); return true;
+    case kAvx2: fn(Avx2Path{}); return true;
 #endif
 #ifdef __AVX512BF16__
-    case kAvx512Bf16: matmul<Bf16dpPath>(pool, x, w, y, m, k, n, gated); return true;
+    case kAvx512Bf16: fn(Bf16dpPath{}); return true;
 #endif
 #ifdef JAXPIPE_AMX
-    case kAmx: matmul<AmxPath>(pool, x, w, y, m, k, n, gated); return true;
+    case kAmx: fn(AmxPath{}); return true;
 #endif
     default: return false;
   }
+}
+
+bool run_path(int64_t path, ffi::ThreadPool& pool, const float* x, const uint16_t* w, float* y,
+              int64_t m, int64_t k, int64_t n, bool gated) {
+  return with_path(path, [&](auto p) { matmul<decltype(p)>(pool, x, w, y, m, k, n, gated); });
+}
+
+// -- grouped: x's rows in segments, segment g times weight g (an MoE layer's experts) -------
+
+// Columns c0 .. c0 + width - 1 of a natural-order w [K, N] as one panel (`pack`'s order):
+// out [K / 2, width, 2]. Each pair row reads 2 x width contiguous bf16 of w's rows 2j, 2j + 1.
+void panel_of(const uint16_t* w, int64_t k, int64_t n, int64_t c0, int64_t width,
+              uint16_t* out) {
+  for (int64_t j = 0; j < k / 2; ++j) {
+    const uint16_t* a = w + 2 * j * n + c0;
+    const uint16_t* b = a + n;
+    uint16_t* o = out + 2 * j * width;
+#pragma omp simd
+    for (int64_t c = 0; c < width; ++c) o[2 * c] = a[c], o[2 * c + 1] = b[c];
+  }
+}
+
+// One segment: x's rows m0 .. m0 + rows - 1 times w [K, N] (natural order).
+struct Segment {
+  const uint16_t* w;
+  int64_t m0, rows;
+};
+
+// y[segment rows] = bf16(x[segment rows]) @ segment's w, for every segment, on path `P`; rows
+// past the last segment are zeros. Tasks are (segment, output panel): a task copies its panel
+// (and, `gated`, its up panel) of the expert's natural-order weight into panel order in an
+// L2-sized buffer once, then runs the path's panel code over all of the segment's rows, so an
+// expert's weight is read from memory once per call however many rows it has, and an expert
+// no row chose is never read. Weights stay in natural order: the same arrays the dense and
+// ragged dispatches read (model/moe.py), so the dispatch can differ between step sizes.
+template <typename P>
+void grouped(ffi::ThreadPool& pool, const float* x, const std::vector<Segment>& segs, float* y,
+             int64_t m, int64_t k, int64_t n, bool gated) {
+  const int64_t out_n = gated ? n / 2 : n, kp = k / 2, xs_stride = P::x_stride(kp);
+  int64_t used = 0;
+  for (const Segment& s : segs) used = std::max(used, s.m0 + s.rows);
+  std::fill(y + used * out_n, y + m * out_n, 0.f);
+  if (used == 0 || out_n == 0) return;
+  const auto xp = x_of<P>(x, used, k);
+  const int64_t panels = (out_n + kPanel - 1) / kPanel;
+  parallel_for(pool, static_cast<int64_t>(segs.size()) * panels, [&](int64_t t, int64_t) {
+    const Segment& s = segs[t / panels];
+    const int64_t c0 = t % panels * kPanel, width = std::min(kPanel, out_n - c0);
+    thread_local std::vector<uint16_t> buf;
+    buf.resize(2 * kPanel * k);
+    const Panel pn{buf.data(), width}, up{buf.data() + kPanel * k, width};
+    panel_of(s.w, k, n, c0, width, buf.data());
+    const auto* xs = xp.get() + s.m0 * xs_stride;
+    if (!gated) return P::panel_task(xs, kp, pn, y + s.m0 * n + c0, n, s.rows, Ahead{});
+    panel_of(s.w, k, n, c0 + out_n, width, buf.data() + kPanel * k);
+    thread_local std::vector<float> g(kChunk * kPanel), u(kChunk * kPanel);
+    for (int64_t r0 = 0; r0 < s.rows; r0 += kChunk) {
+      const int64_t rows = std::min(kChunk, s.rows - r0);
+      P::panel_task(xs + r0 * xs_stride, kp, pn, g.data(), kPanel, rows, Ahead{});
+      P::panel_task(xs + r0 * xs_stride, kp, up, u.data(), kPanel, rows, Ahead{});
+      for (int64_t r = 0; r < rows; ++r)
+        gate(g.data() + r * kPanel, u.data() + r * kPanel, width,
+             y + (s.m0 + r0 + r) * out_n + c0);
+    }
+  });
 }
 
 ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
@@ -612,6 +683,49 @@ ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuf
   return ffi::Error::Success();
 }
 
+
+// x [M, K] f32 (rows sorted by group), w [L, G, K, N] bf16 natural order, layer [], sizes [G]
+// i32 (rows of each group, in order; their sum at most M), y [M, N] ([M, N / 2] gated).
+ffi::Error GroupedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
+                             ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> sizes,
+                             ffi::ResultBuffer<ffi::F32> y, bool gated, int64_t path) {
+  auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
+  if (xd.size() != 2 || wd.size() != 4 || yd.size() != 2 || xd[1] != wd[2] ||
+      yd[0] != xd[0] || yd[1] != (gated ? wd[3] / 2 : wd[3]) || layer.element_count() != 1 ||
+      static_cast<int64_t>(sizes.element_count()) != wd[1])
+    return ffi::Error::InvalidArgument(
+        "grouped_matmul: need x [M,K], w [L,G,K,N], layer [], sizes [G] and y [M,N] "
+        "([M,N/2] gated)");
+  if (wd[2] % 2 != 0)
+    return ffi::Error::InvalidArgument("grouped_matmul: K must be even (bf16 pairs of k's)");
+  if (gated && wd[3] % 2 != 0)
+    return ffi::Error::InvalidArgument("grouped_matmul: gated needs N even");
+  if (w.element_type() != ffi::BF16 && w.element_type() != ffi::U16)
+    return ffi::Error::InvalidArgument("grouped_matmul: w must be bf16 or u16 (bf16 bits)");
+  const int64_t k = wd[2], n = wd[3];
+  const int64_t l = std::clamp<int64_t>(layer.typed_data()[0], 0, wd[0] - 1);
+  const auto* base = static_cast<const uint16_t*>(w.untyped_data()) + l * wd[1] * k * n;
+  std::vector<Segment> segs;
+  int64_t m0 = 0;
+  for (int64_t g = 0; g < wd[1]; ++g) {
+    const int64_t rows = sizes.typed_data()[g];
+    if (rows < 0 || m0 + rows > xd[0])
+      return ffi::Error::InvalidArgument(
+          "grouped_matmul: group sizes must be >= 0 and sum to at most M = " +
+          std::to_string(xd[0]) + "; group " + std::to_string(g) + " has " +
+          std::to_string(rows) + " rows after " + std::to_string(m0));
+    if (rows > 0) segs.push_back({base + g * k * n, m0, rows});
+    m0 += rows;
+  }
+  const bool ok = with_path(path, [&](auto p) {
+    grouped<decltype(p)>(pool, x.typed_data(), segs, y->typed_data(), xd[0], k, n, gated);
+  });
+  if (!ok)
+    return ffi::Error::InvalidArgument("grouped_matmul: this build has no path " +
+                                       std::to_string(path));
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 // Bit i set: path i (Path above) is compiled in and runs here (-march=native; AMX permitted).
@@ -622,6 +736,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpipeBf16Matmul, MatmulImpl,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<bool>("gated")
+                                  .Attr<int64_t>("path"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpipeGroupedMatmul, GroupedMatmulImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<bool>("gated")

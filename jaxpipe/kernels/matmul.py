@@ -20,6 +20,10 @@ packed weight has the shape and sharding of the original; only its bytes are in 
 order. Inside `shard_map` each device packs its own shard, which is what its kernel calls
 read. The runner packs when it places weights in a layout and unpacks before re-sharding.
 
+`grouped_matmul` is the same kernel for an MoE layer's experts (`model/moe.py`): rows in
+groups of data-dependent sizes, each group times its own expert's weight, read in natural
+order and put in panel order a panel at a time inside the kernel.
+
 On the avx512_bf16 path the kernel treats bf16 denormals (below 1.2e-38) as zero; otherwise
 it matches `reference` up to f32 summation order. A custom call cannot be partitioned by the
 SPMD partitioner: on a sharded layout call it inside `jax.shard_map`.
@@ -39,13 +43,18 @@ from jaxpipe.kernels.build import register
 
 SOURCE = Path(__file__).with_name("matmul.cc")
 TARGET = "jaxpipe_bf16_matmul"
+GROUPED_TARGET = "jaxpipe_grouped_matmul"
 PANEL = 64  # columns per panel (matmul.cc: kPanel)
 PATHS = ("portable", "avx2", "avx512_bf16", "amx")  # matmul.cc's Path, by index
 
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    return register(SOURCE, "JaxpipeBf16Matmul", TARGET, "the bf16 matmul kernel")
+    lib = register(SOURCE, "JaxpipeBf16Matmul", TARGET, "the bf16 matmul kernel")
+    if lib is not None:
+        jax.ffi.register_ffi_target(GROUPED_TARGET, jax.ffi.pycapsule(lib.JaxpipeGroupedMatmul),
+                                    platform="cpu")
+    return lib
 
 
 def available() -> bool:
@@ -96,6 +105,36 @@ def bf16_matmul(x, w, layer=None, *, gated: bool = False, path: str | None = Non
     y = jax.ffi.ffi_call(TARGET, out)(rows, stack, index, gated=gated,
                                       path=code)  # [M, N or N/2]
     return y.reshape(*x.shape[:-1], n)
+
+
+def grouped_matmul(x, w, sizes, layer=None, *, gated: bool = False,
+                   path: str | None = None) -> jax.Array:
+    """y [M, N] f32: x's rows [M, K] in consecutive groups, sizes [G] i32 rows each (in order;
+    their sum at most M, rows past it give zeros), group g's rows times bf16(w[g]): w [G, K, N]
+    bfloat16 (or uint16 bf16 bits) in natural order (not packed), or a stack [L, G, K, N] of
+    which `layer` is used, read in place. A group of 0 rows reads nothing of its weight. K
+    must be even. The kernel copies each (group, 64-column panel) into panel order as it
+    goes and runs `bf16_matmul`'s path code on it: the same products and f32 sums.
+
+    `gated`: y [M, N/2] = silu(first N/2 columns) * last N/2 (N even). `path`: as
+    `bf16_matmul`'s. Sizes outside [0, M] in total fail the call."""
+    if not available():
+        raise RuntimeError("the bf16 matmul kernel cannot be built here; use jax.lax.ragged_dot")
+    if path is not None and path not in paths():
+        raise ValueError(f"grouped_matmul: path {path!r} is not built here; this machine has "
+                         f"{', '.join(paths())}")
+    if (w.ndim == 4) != (layer is not None):
+        raise ValueError(f"grouped_matmul: a layer index goes with a stacked w [L, G, K, N] "
+                         f"and only with it; got w {w.shape}, layer {layer!r}")
+    stack = w if w.ndim == 4 else w[None]
+    _check_grouped(x, stack, sizes, gated)
+    n = stack.shape[3] // 2 if gated else stack.shape[3]
+    out = jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32)
+    index = jnp.asarray(0 if layer is None else layer, jnp.int32)
+    code = -1 if path is None else PATHS.index(path)
+    return jax.ffi.ffi_call(GROUPED_TARGET, out)(
+        x.astype(jnp.float32), stack, index, jnp.asarray(sizes, jnp.int32), gated=gated,
+        path=code)  # [M, N or N/2]
 
 
 def reference(x, w) -> jax.Array:
@@ -167,3 +206,17 @@ def _check_shapes(x, w, layer) -> None:
                          f"with it; got w {w.shape}, layer {layer!r}")
     if w.dtype not in (jnp.bfloat16, jnp.uint16):
         raise ValueError(f"bf16_matmul: w must be bfloat16 or uint16 (bf16 bits); got {w.dtype}")
+
+
+def _check_grouped(x, stack, sizes, gated: bool) -> None:
+    if x.ndim != 2 or stack.ndim != 4 or x.shape[1] != stack.shape[2]:
+        raise ValueError(f"grouped_matmul: x must be [M, K] and w [G, K, N] or [L, G, K, N]; "
+                         f"got x {x.shape}, w {stack.shape}")
+    if stack.shape[2] % 2 or (gated and stack.shape[3] % 2):
+        raise ValueError(f"grouped_matmul: K must be even (and N, gated); got w {stack.shape}")
+    if jnp.shape(sizes) != (stack.shape[1],):
+        raise ValueError(f"grouped_matmul: sizes must be [G] = [{stack.shape[1]}]; got "
+                         f"{jnp.shape(sizes)}")
+    if stack.dtype not in (jnp.bfloat16, jnp.uint16):
+        raise ValueError(f"grouped_matmul: w must be bfloat16 or uint16 (bf16 bits); got "
+                         f"{stack.dtype}")

@@ -3,17 +3,30 @@ top-k experts, each expert is a gated MLP, their outputs are summed weighted by 
 probabilities. Every token reaches all k of its experts (nothing is dropped), and no shape
 depends on the routing.
 
-Two dispatches, the same numbers (`experts_mlp`):
+Three dispatches, the same numbers (`experts_mlp`):
   - "ragged" (sorted segments): the T*k (token, expert) pairs sorted by expert, so each
     expert's tokens are one contiguous segment, and `jax.lax.ragged_dot` multiplies each
     segment by its expert's weights (group sizes are data, shapes static: [T*k, ...]). On
-    GPU and TPU XLA lowers ragged_dot to a grouped matmul: k/X of the dense FLOPs.
-  - "dense": every expert on every token, weighted by the zero-padded gates [T, X]. On CPU
-    JAX lowers ragged_dot to a dense batched dot over X masked copies of the T*k rows (k
-    times this path's FLOPs), and this path measured faster at every size tried: X=8, k=2,
-    E=256, F=512, dense / ragged time 0.40 at T=8 and 0.44 at T=512 in f32, 0.48 and 0.45
-    in bf16 (medians of 7 back-to-back rounds on a contended 2-core CPU).
-`DISPATCH` picks by platform: dense on CPU, ragged elsewhere (not measured there yet).
+    GPU and TPU XLA lowers ragged_dot to a grouped matmul: k/X of the dense FLOPs. On CPU
+    JAX lowers it to a dense batched dot over X masked copies of the T*k rows: k times the
+    dense dispatch's FLOPs.
+  - "dense": every expert on every token, weighted by the zero-padded gates [T, X]: X/k
+    times the useful FLOPs, and every expert's weights read.
+  - "grouped" (CPU, bf16 weights, E and F even): the same sorted segments through the C++
+    grouped kernel (`kernels/matmul.py: grouped_matmul`): each expert's rows times its own
+    weight only (k/X of the dense FLOPs; an expert no token chose is not read), the gate
+    fused into the first product, on the bf16 matmul kernel's path code.
+`DISPATCH` picks by platform: ragged off CPU (not measured there yet); on CPU "measured":
+grouped or dense, whichever `kernels/dispatch.py` timed faster on these expert shapes at
+the nearest token count at or above the step's (once per machine, cached); dense where the
+grouped kernel cannot run. Medians of 15 interleaved rounds (3 for E=1024) on the
+2-core AMD EPYC (avx2 + FMA only, no avx512), shared with other work (load ~14, so rough),
+bf16 weights, `scripts/bench_moe_kernel.py`, dense / ragged / grouped ms:
+    X=8, k=2, E=256, F=512:   T=8: 3.7 / 5.8 / 1.3;  T=64: 48 / 73 / 9.8;  T=512: 338 / 550 / 70
+    X=64, k=8, E=256, F=512:  T=8: 272 / 555 / 33;   T=64: 638 / - / 97;   T=512: 3504 / - / 390
+    X=64, k=8, E=1024, F=768: T=8: 2825 / 4827 / 277; T=64: 3172 / - / 475
+(- : not run, k times dense's FLOPs): grouped 2.8-10x faster than dense, ragged 1.5-2x
+slower than dense, on this CPU.
 """
 
 from __future__ import annotations
@@ -37,11 +50,12 @@ def route(h, w_router, k: int, normalize: bool):
     return weights, experts
 
 
-DISPATCH = {"cpu": "dense"}  # platform -> dispatch; others: "ragged"
+DISPATCH = {"cpu": "measured"}  # platform -> dispatch; others: "ragged"
+DISPATCHES = ("ragged", "dense", "grouped")
 
 
 def dispatch_for(platform: str) -> str:
-    """The experts' dispatch on a platform ("cpu", "gpu", "tpu")."""
+    """The experts' dispatch on a platform ("cpu", "gpu", "tpu"); "measured": `measured`."""
     return DISPATCH.get(platform, "ragged")
 
 
@@ -49,12 +63,48 @@ def experts_mlp(h, weights, experts, w_gate_up, w_down, dispatch: str | None = N
     """sum_j weights[t, j] * expert_{experts[t, j]}(h[t]), each expert silu(h @ gate) * (h @ up)
     @ down. h [T, E] f32, weights / experts [T, k], w_gate_up [X, E, 2, F], w_down [X, F, E]
     -> [T, E] f32 (accumulated in f32; activations cast to the weights' dtype). `dispatch`:
-    "ragged" or "dense" (see the module's docstring); None: JAX's default backend's."""
+    one of DISPATCHES or "measured" (see the module's docstring); None: JAX's default
+    backend's."""
     dispatch = dispatch or dispatch_for(jax.default_backend())
-    if dispatch not in ("ragged", "dense"):
-        raise ValueError(f"MoE dispatch {dispatch!r} is not one of 'ragged', 'dense'")
-    fn = _ragged if dispatch == "ragged" else _dense
+    if dispatch == "measured":
+        dispatch = measured(h.shape[0], experts.shape[1], w_gate_up, w_down)
+    if dispatch not in DISPATCHES:
+        raise ValueError(f"MoE dispatch {dispatch!r} is not one of "
+                         f"{', '.join(map(repr, (*DISPATCHES, 'measured')))}")
+    if dispatch == "grouped" and not grouped_fits(w_gate_up, w_down):
+        raise ValueError(f"MoE dispatch 'grouped' needs the bf16 kernel, bf16 weights and an "
+                         f"even E and F; got w_gate_up {w_gate_up.shape} {w_gate_up.dtype}")
+    fn = {"ragged": _ragged, "dense": _dense, "grouped": _grouped}[dispatch]
     return fn(h, weights, experts, w_gate_up, w_down)
+
+
+def grouped_fits(w_gate_up, w_down) -> bool:
+    """Whether the grouped kernel runs these weights: bf16, E and F even (the kernel pairs
+    rows of K), and the kernel built here."""
+    from jaxpipe.kernels import matmul
+
+    e, f = w_gate_up.shape[1], w_down.shape[1]
+    return (w_gate_up.dtype == w_down.dtype == jnp.bfloat16 and e % 2 == 0 and f % 2 == 0
+            and jax.default_backend() == "cpu" and matmul.available())
+
+
+def measured(tokens: int, k: int, w_gate_up, w_down) -> str:
+    """"grouped" or "dense": this machine's faster for T = `tokens` tokens on these shapes
+    (`kernels/dispatch.py`: timed once per machine at a few token counts and cached; a step
+    takes the choice of the nearest count at or above its own); "dense" where the grouped
+    kernel cannot run. Across processes (multi-host) every process must trace the same
+    program while each would time on its own: there grouped, faster at every point the
+    module's docstring lists."""
+    if not grouped_fits(w_gate_up, w_down):
+        return "dense"
+    if jax.process_count() > 1:
+        return "grouped"
+    from jaxpipe.kernels import dispatch
+
+    x, e, _, f = w_gate_up.shape
+    case = dispatch.ExpertsCase(experts=x, k=k, hidden=e, inter=f)
+    with jax.ensure_compile_time_eval():  # a first measurement runs now, not in the trace
+        return dispatch.for_machine().experts(case, tokens)
 
 
 def _dense(h, weights, experts, w_gate_up, w_down):
@@ -69,6 +119,25 @@ def _dense(h, weights, experts, w_gate_up, w_down):
     # CPU backend has no bf16 x bf16 -> f32 batched dot "txf,xfd->txd" inside the step's scan.)
     return jnp.einsum("txf,xfd->td", act.astype(w_down.dtype), w_down,
                       preferred_element_type=jnp.float32)
+
+
+def _grouped(h, weights, experts, w_gate_up, w_down):
+    """The pairs sorted by expert, as `_ragged`'s, through the C++ grouped kernel
+    (`kernels/matmul.py: grouped_matmul`): each expert's rows times its own weight only, the
+    gate fused into the first product; then back to their places and summed over the k
+    slots. Call inside `shard_map` on a sharded layout (a custom call)."""
+    from jaxpipe.kernels import matmul
+
+    t, k = experts.shape
+    x, d = w_gate_up.shape[0], w_gate_up.shape[1]
+    flat = experts.reshape(-1)  # [T*k], pair i is token i // k's slot i % k
+    order = jnp.argsort(flat, stable=True)  # [T*k] pairs in expert order
+    sizes = jnp.zeros((x,), jnp.int32).at[flat].add(1)  # [X] tokens per expert
+    act = matmul.grouped_matmul(h[order // k], w_gate_up.reshape(x, d, -1), sizes,
+                                gated=True)  # [T*k, F]; the kernel rounds rows to bf16
+    out = matmul.grouped_matmul(act, w_down, sizes)  # [T*k, E]
+    unsorted = jnp.zeros_like(out).at[order].set(out).reshape(t, k, -1)  # [T, k, E]
+    return jnp.einsum("tk,tkd->td", weights, unsorted)
 
 
 def _ragged(h, weights, experts, w_gate_up, w_down):

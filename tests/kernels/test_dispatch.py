@@ -64,6 +64,16 @@ def test_attention_takes_the_lower_total():
     assert d.attention([case, prefill], "uint16") == XLA  # 6 against 3.5
 
 
+def test_experts_take_the_faster_dispatch_at_the_nearest_token_count():
+    case = dispatch.ExpertsCase(experts=64, k=8, hidden=256, inter=512)
+    by_tokens = {1: {"dense": 1.0, "grouped": 3.0}, 8: {"dense": 4.0, "grouped": 2.0},
+                 256: {"dense": 9.0, "grouped": 1.0}}
+    d = Dispatch(timings={case.key(): timings(by_tokens)})
+    assert [d.experts(case, t) for t in (1, 2, 8, 9, 4096)] == [
+        "dense", "grouped", "grouped", "grouped", "grouped"]
+    assert Dispatch(force=XLA, timings={}).experts(case, 8) == "dense"
+
+
 def test_timings_are_measured_once_and_cached_per_machine(tmp_path, monkeypatch):
     calls = []
 

@@ -1,0 +1,174 @@
+"""The C++ grouped (sorted-segment) bf16 matmul against a float64 NumPy reference of the
+bf16-rounded inputs, on each of its paths this machine's build has (the others are skipped,
+saying so): groups of 0 rows (an expert no token chooses) at either end and between, all rows
+in one group, uneven groups, rows past the groups; the fused gate. Then `model/moe.py`'s
+"grouped" dispatch against its "dense" one and a float64 reference of the experts."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxpipe.kernels import matmul as mm
+from jaxpipe.model import moe
+
+pytestmark = pytest.mark.skipif(not mm.available(), reason="kernel cannot be built here")
+
+
+@pytest.fixture(params=mm.PATHS)
+def path(request) -> str:
+    """Each kernel path in turn; one this machine's build lacks is skipped with the reason."""
+    if request.param not in mm.paths():
+        pytest.skip(f"no {request.param} path here: this CPU's build has "
+                    f"{', '.join(mm.paths())}")
+    return request.param
+
+
+def numpy_grouped(x, w, sizes, gated: bool) -> np.ndarray:
+    """float64: bf16(x)'s consecutive groups of rows times their group's weight; rows past
+    the groups zero; `gated`: silu(first half of the columns) * second half."""
+    xb = np.asarray(jnp.asarray(x).astype(jnp.bfloat16), np.float64)
+    wf = np.asarray(w, np.float64)
+    y = np.zeros((xb.shape[0], wf.shape[2]))
+    m0 = 0
+    for g, rows in enumerate(sizes):
+        y[m0:m0 + rows] = xb[m0:m0 + rows] @ wf[g]
+        m0 += rows
+    if gated:
+        half = y.shape[1] // 2
+        y = y[:, :half] / (1 + np.exp(-y[:, :half])) * y[:, half:]
+    return y
+
+
+def inputs(m, g, k, n, seed=0):
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.normal(size=(m, k)), jnp.float32)  # not bf16-exact: the kernel rounds
+    w = jnp.asarray(rng.normal(size=(g, k, n)) / k ** 0.5, jnp.bfloat16)
+    return x, w
+
+
+# (sizes, rows M): zero-row groups first, between and last; everything in one group; uneven
+# groups over more than one row chunk (48); rows past the last group.
+SIZES = [([0, 5, 0, 17, 1, 0], 23), ([0, 0, 31, 0], 31), ([50, 3, 7, 1], 61),
+         ([2, 0, 4], 9), ([0, 0, 0], 4)]
+
+
+@pytest.mark.parametrize("sizes, m", SIZES)
+@pytest.mark.parametrize("gated", [False, True])
+def test_matches_float64(sizes, m, gated, path):
+    k, n = 70, 2 * 75  # neither a multiple of the 64-column panel
+    x, w = inputs(m, len(sizes), k, n)
+    got = np.asarray(mm.grouped_matmul(x, w, np.asarray(sizes, np.int32), gated=gated,
+                                       path=path))
+    want = numpy_grouped(x, w, sizes, gated)
+    assert got.shape == want.shape
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_a_stack_of_layers_reads_the_traced_layer(path):
+    x, w = inputs(20, 3, 64, 192, seed=1)
+    stack = jnp.stack([w, -w])  # [L=2, G, K, N]
+    sizes = jnp.asarray([6, 0, 14], jnp.int32)
+    fn = jax.jit(lambda x, s, layer: mm.grouped_matmul(x, stack, s, layer, path=path))
+    np.testing.assert_allclose(np.asarray(fn(x, sizes, jnp.int32(1))),
+                               -numpy_grouped(x, w, [6, 0, 14], False), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("sizes, what", [([3, -1, 2], "group 1 has -1 rows"),
+                                         ([3, 4, 2], "group 2 has 2 rows after 7")])
+def test_bad_group_sizes_fail_naming_them(sizes, what):
+    x, w = inputs(8, 3, 16, 32)
+    with pytest.raises(Exception, match=f"sum to at most M = 8; {what}"):
+        jax.block_until_ready(mm.grouped_matmul(x, w, np.asarray(sizes, np.int32)))
+
+
+def test_bad_shapes_fail_naming_them():
+    x, w = inputs(8, 3, 16, 32)
+    with pytest.raises(ValueError, match=r"sizes must be \[G\] = \[3\]; got \(2,\)"):
+        mm.grouped_matmul(x, w, np.zeros(2, np.int32))
+    with pytest.raises(ValueError, match="K must be even"):
+        mm.grouped_matmul(x[:, :15], w[:, :15], np.zeros(3, np.int32))
+    with pytest.raises(ValueError, match=r"a layer index goes with a stacked w \[L, G, K, N\]"):
+        mm.grouped_matmul(x, w, np.zeros(3, np.int32), 0)
+
+
+# ---- model/moe.py's grouped dispatch -------------------------------------------------------
+
+
+def experts_reference(h, weights, experts, w_gate_up, w_down) -> np.ndarray:
+    """float64 of the bf16 weights and bf16-rounded activations, as both dispatches round."""
+    def bf16(a):
+        return np.asarray(jnp.asarray(a, jnp.float32).astype(jnp.bfloat16), np.float64)
+
+    h, gu, dn = bf16(h), np.asarray(w_gate_up, np.float64), np.asarray(w_down, np.float64)
+    out = np.zeros_like(h)
+    for t, (ws, xs) in enumerate(zip(np.asarray(weights), np.asarray(experts), strict=True)):
+        for w, x in zip(ws, xs, strict=True):
+            g, u = h[t] @ gu[x, :, 0], h[t] @ gu[x, :, 1]
+            out[t] += w * (bf16(g / (1 + np.exp(-g)) * u) @ dn[x])
+    return out
+
+
+@pytest.mark.parametrize("x, k, tokens", [(8, 2, 1), (8, 2, 13), (16, 4, 40)])
+def test_grouped_dispatch_equals_dense_and_float64(x, k, tokens):
+    e, f = 48, 80
+    rng = np.random.default_rng(x * tokens)
+    h = jnp.asarray(rng.normal(size=(tokens, e)), jnp.float32)
+    w_gate_up = jnp.asarray(rng.normal(size=(x, e, 2, f)) / e ** 0.5, jnp.bfloat16)
+    w_down = jnp.asarray(rng.normal(size=(x, f, e)) / f ** 0.5, jnp.bfloat16)
+    weights, experts = moe.route(h, jnp.asarray(rng.normal(size=(e, x)), jnp.float32), k, True)
+    run = jax.jit(moe.experts_mlp, static_argnames="dispatch")
+    got = np.asarray(run(h, weights, experts, w_gate_up, w_down, dispatch="grouped"))
+    dense = np.asarray(run(h, weights, experts, w_gate_up, w_down, dispatch="dense"))
+    want = experts_reference(h, weights, experts, w_gate_up, w_down)
+    scale = np.abs(want).max()
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-2 * scale)
+    np.testing.assert_allclose(got, dense, rtol=0, atol=1e-2 * scale)
+
+
+def test_grouped_dispatch_refuses_what_the_kernel_cannot_run():
+    h = jnp.zeros((3, 10), jnp.float32)
+    weights, experts = jnp.ones((3, 1)), jnp.zeros((3, 1), jnp.int32)
+    w_gate_up, w_down = jnp.zeros((2, 10, 2, 7), jnp.bfloat16), jnp.zeros((2, 7, 10), jnp.bfloat16)
+    with pytest.raises(ValueError, match=r"'grouped' needs .* even E and F; got w_gate_up "
+                                         r"\(2, 10, 2, 7\) bfloat16"):
+        moe.experts_mlp(h, weights, experts, w_gate_up, w_down, "grouped")
+    assert moe.measured(3, 1, w_gate_up, w_down) == "dense"  # F odd: no measurement either
+    assert moe.measured(3, 1, w_gate_up.astype(jnp.float32)[..., :6],
+                        w_down.astype(jnp.float32)[:, :6]) == "dense"
+
+
+def test_engine_step_on_the_grouped_dispatch_gives_the_dense_dispatchs_tokens(tmp_path,
+                                                                                monkeypatch):
+    """A bf16 Qwen3-MoE (even expert widths, which the kernel needs) through the engine's
+    step (the layer scan inside `shard_map`, chunked prefill, decode): greedy tokens of the
+    grouped dispatch equal the dense one's (which tests/model/test_moe_hf.py checks against
+    HF)."""
+    transformers = pytest.importorskip("transformers")
+    from hf_families import PROMPTS, draw_every_parameter
+    from hf_moe import EAGER, SMALL
+
+    from jaxpipe import Engine, EngineConfig, SamplingParams
+
+    config = transformers.Qwen3MoeConfig(**SMALL, num_experts=8, num_experts_per_tok=2,
+                                         moe_intermediate_size=24, intermediate_size=50,
+                                         norm_topk_prob=True, **EAGER)
+    model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    draw_every_parameter(model, seed=3)
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    tokens = {}
+    for dispatch in ("dense", "grouped"):
+        monkeypatch.setitem(moe.DISPATCH, "cpu", dispatch)
+        jax.clear_caches()  # no step traced on the other dispatch is reused
+        engine = Engine(EngineConfig(model=str(tmp_path), dtype="bfloat16", max_model_len=160,
+                                     max_num_seqs=4, max_num_batched_tokens=32, warmup=False,
+                                     show_progress=False))
+        outs = engine.generate(prompt_token_ids=PROMPTS,
+                               sampling_params=SamplingParams(temperature=0.0, max_tokens=12))
+        tokens[dispatch] = [list(o.outputs[0].token_ids) for o in outs]
+        engine.close()
+    jax.clear_caches()
+    assert len({t for row in tokens["dense"] for t in row}) > 4  # not one repeated token
+    assert tokens["grouped"] == tokens["dense"]
