@@ -315,9 +315,10 @@ class EngineConfig:
     show_progress: progress bars (compilation, generate).
     mesh: a device-topology preset from `meshes/` ("cpu-1", "cpu-8", ...). A cpu-N preset asks
         JAX for N virtual CPU devices when the engine starts.
-    prefill, decode: layouts like "pp=4,tp=2" (default: the mesh preset's), or "auto": the
-        planner's choice for this model and mesh (jaxpipe.planner.choose_layouts). pp*tp*dp must
-        equal the mesh's device count. Prefill runs on one, decode on the other; the weights
+    prefill, decode: layouts like "pp=4,tp=2" or "ep=4,tp=2" (ep: experts split over devices, MoE
+        models only; default: the mesh preset's), or "auto": the planner's choice for this
+        model and mesh (jaxpipe.planner.choose_layouts). pp*tp*ep*dp must equal the mesh's
+        device count. Prefill runs on one, decode on the other; the weights
         and the KV store's live blocks are re-sharded between them at each phase change.
     attention: the step's attention over the paged KV: "auto" (the Pallas kernel on GPU; on
         CPU the C++ kernels, ragged attention and bf16 matmuls, where they build, else

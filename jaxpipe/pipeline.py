@@ -11,8 +11,10 @@ stage with no micro-batch in a tick (pipeline fill and drain) computes on garbag
 its KV to an out-of-range block, which the scatter drops.
 
 The step is one `jax.shard_map` over the whole mesh, manual over every axis, so every
-collective is spelled out: each device holds its stage's layers (`layers` over pp) and its
-share of heads / mlp columns (over tp), whose partial products are summed with `psum`. The
+collective is spelled out: each device holds its stage's layers (`layers` over pp), its
+share of heads / mlp columns (over tp), whose partial products are summed with `psum`, and
+under ep its share of an MoE layer's experts (over ep: the tokens routed to them, outputs
+summed with a `psum` over ep; everything else is computed alike on the ep devices). The
 last stage keeps the residual of each sequence's last token in the step ([R, E]); only those
 go through the LM head (`logits_program`: the bf16 kernel on each device's vocab shard, or
 XLA's dot partitioned from the vocab-split weights).
@@ -263,13 +265,14 @@ def kernel_rope(cfg: ModelConfig, q, kv, cos, sin):
 
 def stage_layers(cfg: ModelConfig, layers: LayerParams, x, mb: dict, cache: KVCache, reduce,
                  *, attention: str, max_kv: int, unroll: bool, packed: KernelPaths,
-                 windows: tuple[int, ...] = ()):
+                 windows: tuple[int, ...] = (), shard: decoder.ExpertShard | None = None):
     """This stage's layers over one micro-batch x [Tm, E] (mb: see `attend`); each token's
     K/V is written into its blocks (`token_slots`) before the spans attend. `attention`: see
     `attend` ("cpu": the C++ kernel also rotates q and k and writes k and v itself,
     `ragged_attention.write_and_attend`); `packed`: the matmul weights in panel order, for
     the C++ bf16 kernel, each with the kernel path for a number of rows; `windows`: every
-    padded layer's sliding window (0: none; `sharding.layer_windows`), () for none at all."""
+    padded layer's sliding window (0: none; `sharding.layer_windows`), () for none at all;
+    `shard`: this device's experts under expert parallelism (`decoder.mlp`)."""
     positions = mb["positions"]
     count = layers.wq.shape[0]
     table = jnp.asarray(windows or (0,), jnp.int32)
@@ -316,7 +319,7 @@ def stage_layers(cfg: ModelConfig, layers: LayerParams, x, mb: dict, cache: KVCa
         x, k, v = carry
         p = layer_params(layers, j, packed)
         attn, k, v = attend_layer(p, x, k, v, j)
-        x = decoder.attn_out_mlp(cfg, p, x, attn, reduce, dot, gated)
+        x = decoder.attn_out_mlp(cfg, p, x, attn, reduce, dot, gated, shard)
         return (x, k, v), None
 
     (x, k, v), _ = lax.scan(layer, (x, *cache), jnp.arange(count), unroll=unroll)
@@ -346,6 +349,14 @@ def _micro(inputs: dict, m, valid):
             "kv_len": inputs["kv_len"][m]}
 
 
+def expert_shard(layout: Layout) -> decoder.ExpertShard | None:
+    """This device's experts under `layout` (call inside `shard_map`): its index along `ep`,
+    whose partial MoE outputs are summed with a psum over ep; None without ep."""
+    if layout.ep == 1:
+        return None
+    return decoder.ExpertShard(lax.axis_index("ep"), partial(lax.psum, axis_name="ep"))
+
+
 def step_program(cfg: ModelConfig, layout: Layout, mesh, *, attention: str, max_kv: int,
                  out_rows: int, packed: KernelPaths | None = None, unroll: bool = True,
                  windows: tuple[int, ...] = ()):
@@ -363,11 +374,12 @@ def step_program(cfg: ModelConfig, layout: Layout, mesh, *, attention: str, max_
 
     def body(layers, xs, inputs, cache):
         tm = xs.shape[1]
+        shard = expert_shard(layout)
 
         def stage_fn(x, m, valid, cache):
             return stage_layers(cfg, layers, x, _micro(inputs, m, valid), cache, reduce,
                                 attention=attention, max_kv=max_kv, unroll=unroll,
-                                packed=packed, windows=windows)
+                                packed=packed, windows=windows, shard=shard)
 
         def collect(acc, y, m):  # rows whose last token is in micro-batch m
             last = inputs["last"]

@@ -269,7 +269,7 @@ class Runner:
         for phase, layout in layouts.items():
             if layout.dp > 1:
                 raise ValueError(f"{phase} layout {layout}: dp > 1 is not supported yet; "
-                                 "use pp*tp = the mesh's device count")
+                                 "use pp*tp*ep = the mesh's device count")
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.config, self.buckets = cfg, buckets

@@ -1,8 +1,16 @@
 """Layouts on devices: meshes, logical-axis rules, padding for uneven splits, re-sharding.
 
-The model names *logical* axes (`layers`, `heads`, `kv_heads`, `mlp`, `vocab`, ...); this module
-is the only place that maps them to *physical* mesh axes (`pp`, `tp`, `dp`). Every layout of
-one engine uses the same devices in the same order, arranged as a mesh `[dp, pp, tp]`.
+The model names *logical* axes (`layers`, `heads`, `kv_heads`, `mlp`, `experts`, `vocab`, ...);
+this module is the only place that maps them to *physical* mesh axes (`pp`, `tp`, `ep`, `dp`).
+Every layout of one engine uses the same devices in the same order, arranged as a mesh
+`[dp, pp, ep, tp]`.
+
+Expert parallelism (`ep`) splits only the stacked experts (`experts` -> ep): every other
+parameter, the KV store and the activations are replicated over ep, so attention, the router
+and the shared expert run redundantly on the ep devices of a tp group. Tokens never move:
+each device already holds every token, so it runs its own experts on the tokens routed to
+them (the others' gates zeroed) and the partial outputs are summed over ep (`psum`, see
+`pipeline.step_program` and `decoder.ExpertShard`). A dense model refuses ep > 1.
 
 JAX refuses uneven splits, so sizes that a layout's degree does not divide are padded once, on
 the host, into a form every layout of the engine divides (`PaddingPlan`):
@@ -11,7 +19,10 @@ the host, into a form every layout of the engine divides (`PaddingPlan`):
     GQA groups; a zero query head attends somewhere, but its `wo` rows are zero, so the
     output is unchanged;
   - mlp / moe_mlp / vocab: zero columns (silu(0) * 0 == 0; padded logits are cut off by
-    the runner).
+    the runner);
+  - experts: zero experts appended to the stack (Mixtral's 5 become 8 at ep=4). The router
+    is not padded, so it scores only the real experts and a padded one is never chosen
+    (padding the router with zero columns would not do: a logit of 0 can win).
 Because the padded shapes are common to all layouts, re-sharding is a pure `device_put`.
 A size a rule cannot split raises; nothing is ever silently replicated.
 """
@@ -34,15 +45,16 @@ from jaxpipe.kv.device_cache import BLOCK
 from jaxpipe.layout import Layout
 from jaxpipe.model.decoder import param_decls
 
-MESH_AXES = ("dp", "pp", "tp")
+MESH_AXES = ("dp", "pp", "ep", "tp")
 # Logical axis -> mesh axis. Axes not listed (embed, head_dim, kv_pair, gate_up, seq) are never
 # split: embed is the residual stream every layer needs whole; the pair axes hold two halves
 # of one fused matmul.
 # The experts split like the dense MLP, over their hidden columns (`moe_mlp`): every device
 # holds a slice of every expert, and `w_experts_down`'s partial products are summed with the
-# rest of the MLP's. `experts` and `router` (the router's expert scores) are not split yet.
+# rest of the MLP's. Under ep each device also holds only its own experts (`experts` -> ep);
+# `router` (the router's expert scores) is never split: every device routes every token.
 RULES = {"layers": "pp", "heads": "tp", "kv_heads": "tp", "mlp": "tp", "moe_mlp": "tp",
-         "vocab": "tp", "batch": "dp"}
+         "experts": "ep", "vocab": "tp", "batch": "dp"}
 # Logical axes of the stacked KV store (one array for K, one for V).
 KV_AXES = ("layers", "kv_blocks", "kv_heads", "seq", "head_dim")
 
@@ -80,6 +92,10 @@ def plan_padding(cfg: ModelConfig, layouts: Iterable[Layout]) -> PaddingPlan:
     layouts = list(layouts)
     pp = math.lcm(*(lo.pp for lo in layouts))
     tp = math.lcm(*(lo.tp for lo in layouts))
+    ep = math.lcm(*(lo.ep for lo in layouts))
+    if ep > 1 and not cfg.is_moe:
+        raise ValueError(f"layouts {', '.join(map(str, layouts))}: expert parallelism (ep > 1) "
+                         "needs a mixture-of-experts model, and this one is dense; use tp or pp")
     q_src, kv_src = _head_plan(cfg.num_heads, cfg.num_kv_heads, tp)
     return PaddingPlan({
         "layers": _layer_plan(cfg.num_layers, pp),
@@ -87,6 +103,7 @@ def plan_padding(cfg: ModelConfig, layouts: Iterable[Layout]) -> PaddingPlan:
         "kv_heads": kv_src,
         "mlp": _zero_pad(cfg.intermediate_size, tp),
         "moe_mlp": _zero_pad(cfg.moe_intermediate_size, tp),
+        "experts": _zero_pad(cfg.num_experts, ep),
         "vocab": _zero_pad(cfg.vocab_size, tp),
     })
 
@@ -192,16 +209,15 @@ def padded_shapes(cfg: ModelConfig, plan: PaddingPlan) -> dict[str, tuple[int, .
 
 
 def make_mesh(layout: Layout, devices=None) -> Mesh:
-    """The layout's mesh `[dp, pp, tp]` over the first dp*pp*tp devices (same order for every
-    layout, so that replicated arrays are interchangeable between layouts)."""
+    """The layout's mesh `[dp, pp, ep, tp]` over the first dp*pp*ep*tp devices (same order for
+    every layout, so that replicated arrays are interchangeable between layouts). tp is the
+    innermost axis: its psums run every layer, twice."""
     devices = list(jax.devices() if devices is None else devices)
-    if layout.ep > 1:
-        raise NotImplementedError(f"layout {layout}: expert parallelism (ep > 1) has no mesh "
-                                  f"axis yet; use pp and tp")
     if len(devices) < layout.num_devices:
         raise ValueError(f"layout {layout} needs {layout.num_devices} devices; "
                          f"{len(devices)} are available")
-    grid = np.array(devices[: layout.num_devices]).reshape(layout.dp, layout.pp, layout.tp)
+    grid = np.array(devices[: layout.num_devices]).reshape(layout.dp, layout.pp, layout.ep,
+                                                                 layout.tp)
     return Mesh(grid, MESH_AXES)
 
 

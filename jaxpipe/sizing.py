@@ -111,9 +111,10 @@ def model_bytes(model, dtype) -> int:
 def block_bytes(model, dtype, layouts: dict) -> int:
     """Bytes of one KV block (K and V, every layer), as stored: with the layers and KV heads
     the layouts pad to (SmolLM2 on tp=8: 8 KV heads for 3, 32 layers for 30 — 2.8x the
-    unpadded bytes)."""
+    unpadded bytes), times the largest ep degree (the pool is replicated over ep)."""
     shape = sharding.kv_shape(model, sharding.plan_padding(model, layouts.values()), 1)
-    return 2 * math.prod(shape) * dtype.itemsize
+    ep = max(lo.ep for lo in layouts.values())
+    return 2 * math.prod(shape) * dtype.itemsize * ep
 
 
 def plan(config, devices, weight_bytes: int, reserve_bytes: int, block_bytes: int) -> Budget:

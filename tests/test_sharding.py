@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 from jaxpipe import Engine, EngineConfig, sharding
 from jaxpipe.config import ModelConfig
@@ -84,3 +85,41 @@ def test_engine_asks_for_devices_it_cannot_get_any_more():
         pytest.skip("this process already has 8 CPU devices")
     with pytest.raises(RuntimeError, match=r"needs 8 CPU devices.*already started with 1"):
         Engine(EngineConfig(mesh="cpu-8", warmup=False, show_progress=False))
+
+
+MIXTRAL_TINY = ModelConfig(vocab_size=251, hidden_size=37, intermediate_size=0, num_layers=2,
+                           num_heads=4, num_kv_heads=2, head_dim=6, num_experts=5,
+                           num_experts_per_tok=2, moe_intermediate_size=29)
+
+
+@pytest.mark.parametrize("layout, experts", [("ep=4,tp=2", "ep"), ("ep=8", "ep"),
+                                             ("tp=8", None), ("pp=2,ep=2,tp=2", "ep")])
+def test_experts_split_over_ep_and_the_router_never(layout, experts):
+    """Each device holds its share of the stacked experts (and of their columns over tp);
+    every device keeps the whole router, which scores all experts for every token."""
+    decls = decoder.param_decls(MIXTRAL_TINY)
+    lo = Layout.parse(layout)
+    tp = "tp" if lo.tp > 1 else None
+    pp = "pp" if lo.pp > 1 else None
+    assert sharding.spec(decls["w_experts_gate_up"].axes, lo) == P(pp, experts, None, None, tp)
+    assert sharding.spec(decls["w_experts_down"].axes, lo) == P(pp, experts, tp, None)
+    assert sharding.spec(decls["router"].axes, lo) == P(pp, None, None)
+    assert sharding.spec(decls["wq"].axes, lo) == P(pp, None, tp, None)  # replicated over ep
+
+
+def test_experts_pad_with_zero_experts_for_every_ep_degree():
+    """5 experts: padded to 8 for ep=4 and ep=8 (one plan serves both layouts), kept at 5
+    without ep; the router is never padded, so a zero expert can never be chosen."""
+    plan = sharding.plan_padding(MIXTRAL_TINY, [Layout(ep=4, tp=2), Layout(ep=8)])
+    assert plan.index["experts"] == (0, 1, 2, 3, 4, -1, -1, -1)
+    assert "router" not in plan.index
+    shapes = sharding.padded_shapes(MIXTRAL_TINY, plan)
+    assert shapes["w_experts_gate_up"] == (2, 8, 37, 2, 30)  # moe_mlp 29 -> 30 for tp=2
+    assert shapes["router"] == (2, 37, 5)
+    plain = sharding.plan_padding(MIXTRAL_TINY, [Layout(tp=2)])
+    assert plain.index["experts"] == tuple(range(5))
+
+
+def test_a_dense_model_refuses_expert_parallelism():
+    with pytest.raises(ValueError, match=r"ep=2.*needs a mixture-of-experts model"):
+        sharding.plan_padding(TINY, [Layout(tp=4), Layout(ep=2, tp=2)])

@@ -172,3 +172,16 @@ def test_size_of_a_small_model_from_explicit_settings(monkeypatch):
     capped = sizing.size(EngineConfig(kv_cache_tokens=1000, max_num_seqs=2), model,
                          jnp.dtype(jnp.bfloat16), {"prefill": one}, CPU, 10_000, 128)
     assert (capped.max_num_seqs, capped.num_blocks) == (2, 16)  # 2 sequences of 8 blocks
+
+
+def test_kv_block_counts_one_copy_per_ep_device():
+    """The KV pool is replicated over ep: a block takes ep times the bytes of one copy
+    (3 layers, 16 tokens, 2 KV heads, head_dim 8, K and V, bf16)."""
+    import jax.numpy as jnp
+
+    model = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=0, num_layers=3,
+                        num_heads=4, num_kv_heads=2, head_dim=8, num_experts=4,
+                        num_experts_per_tok=2, moe_intermediate_size=16)
+    layouts = {"prefill": Layout.parse("ep=4,tp=2"), "decode": Layout.parse("ep=2,tp=4")}
+    one = 2 * 3 * 16 * 4 * 8 * 2  # KV heads replicated to 4 for tp=4
+    assert sizing.block_bytes(model, jnp.dtype(jnp.bfloat16), layouts) == 4 * one

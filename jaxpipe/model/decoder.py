@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from functools import partial
 from typing import NamedTuple
 
@@ -134,6 +135,15 @@ class LayerParams(NamedTuple):
     shared_gate: jax.Array | None = None  # [E]
 
 
+class ExpertShard(NamedTuple):
+    """A device's share of the stacked experts (inside `shard_map`, under expert parallelism):
+    shard `index` of the `experts` axis, whose partial outputs `reduce` sums over the shards.
+    Every device holds every token, so no token moves: each runs its own experts only."""
+
+    index: jax.Array  # i32 scalar: this device holds experts [index * X', (index + 1) * X')
+    reduce: Callable  # [T, E] partial sums -> [T, E] total (a psum)
+
+
 class HeadParams(NamedTuple):
     """What turns tokens into the residual stream and back into logits."""
 
@@ -242,12 +252,12 @@ def projections(cfg: ModelConfig, p: LayerParams, x, dot=None):
 
 
 def attn_out_mlp(cfg: ModelConfig, p: LayerParams, x, attn, reduce=None, dot=None,
-                 gated=None):
+                 gated=None, shard: ExpertShard | None = None):
     """Residual updates after attention: x [..., E], attn [..., H, D] -> x [..., E].
 
     `reduce` sums the partial products of the two row-split matmuls (`wo`, `w_down`) across
     tensor-parallel shards (a `psum` inside `shard_map`); None on one shard. `dot`, `gated`:
-    see `_matmul` and `gated_mlp`."""
+    see `_matmul` and `gated_mlp`; `shard`: see `mlp`."""
     reduce = reduce or (lambda y: y)
 
     def residual(x, y, norm):  # Gemma's sandwich: the output normalised before its add
@@ -255,14 +265,16 @@ def attn_out_mlp(cfg: ModelConfig, p: LayerParams, x, attn, reduce=None, dot=Non
 
     x = residual(x, reduce(_matmul(attn, p.wo, 2, dot)), p.post_attn_norm)
     h = rms_norm(x, p.mlp_norm, cfg.rms_norm_eps)
-    return residual(x, reduce(mlp(cfg, p, h, dot, gated)), p.post_mlp_norm)
+    return residual(x, reduce(mlp(cfg, p, h, dot, gated, shard)), p.post_mlp_norm)
 
 
-def mlp(cfg: ModelConfig, p: LayerParams, h, dot=None, gated=None):
+def mlp(cfg: ModelConfig, p: LayerParams, h, dot=None, gated=None,
+        shard: ExpertShard | None = None):
     """The MLP of normalised h [..., E] -> [..., E] f32 (a partial sum under tensor
     parallelism, as the row-split `w_down`'s): the dense gated MLP, or the experts plus,
     where the layer has one, the shared expert (the dense MLP) times sigmoid(h . shared_gate).
-    `dot`, `gated`: see `_matmul` and `gated_mlp` (the dense MLP's)."""
+    `dot`, `gated`: see `_matmul` and `gated_mlp` (the dense MLP's); `shard`: this device's
+    experts under expert parallelism (None: it holds them all)."""
     dense = None
     if p.w_gate_up is not None:
         act = gated_mlp(h, p.w_gate_up, dot, gated, cfg.mlp_act)  # [..., F]
@@ -274,11 +286,27 @@ def mlp(cfg: ModelConfig, p: LayerParams, h, dot=None, gated=None):
     with jax.named_scope("experts"):
         weights, experts = moe.route(flat, p.router, cfg.num_experts_per_tok,
                                      cfg.norm_topk_prob)
+        if shard is not None:
+            weights, experts = local_experts(weights, experts, shard.index,
+                                             p.w_experts_gate_up.shape[0])
         out = moe.experts_mlp(flat, weights, experts, p.w_experts_gate_up, p.w_experts_down)
+        if shard is not None:
+            out = shard.reduce(out)
     if dense is not None:
         share = jax.nn.sigmoid(flat @ p.shared_gate.astype(jnp.float32))  # [T]
         out = out + share[:, None] * dense.reshape(-1, e)
     return out.reshape(h.shape)
+
+
+def local_experts(weights, experts, index, count: int):
+    """The routing as shard `index` of `count` experts each sees it: weights / experts [T, k]
+    -> the same with ids local to the shard, and a weight 0 (and the id 0, a real one: any
+    id would do) for every choice of another shard's expert. Shapes stay [T, k], so the
+    ragged dispatch still runs all T*k pairs on every shard (memory split, not its FLOPs);
+    the dense one runs only the shard's experts."""
+    local = experts - index * count
+    mine = (local >= 0) & (local < count)
+    return jnp.where(mine, weights, 0.0), jnp.where(mine, local, 0)
 
 
 def gated_mlp(h, w, dot=None, gated=None, act: str = "silu"):
