@@ -52,18 +52,38 @@ TINY_SMOLLM2 = dict(vocab_size=49152, hidden_size=46, intermediate_size=67, num_
 
 
 @pytest.fixture(scope="session")
-def tiny_smollm2(tmp_path_factory) -> str:
+def tiny_smollm2_with(tmp_path_factory):
+    """fields -> the path of an orbax checkpoint of TINY_SMOLLM2 with `fields` changed
+    (seeded random weights, SmolLM2's tokenizer beside it), each written once per session."""
+    made = {}
+
+    def get(**fields) -> str:
+        key = tuple(sorted(fields.items()))
+        if key not in made:
+            path = tmp_path_factory.mktemp("tiny_smollm2") / "ckpt"
+            made[key] = write_tiny_smollm2(path, **fields)
+        return made[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def tiny_smollm2(tiny_smollm2_with) -> str:
     """An orbax checkpoint of TINY_SMOLLM2's seeded random weights with SmolLM2's tokenizer
     beside it: the `model` of an engine that takes text prompts and compiles in moments."""
+    return tiny_smollm2_with()
+
+
+def write_tiny_smollm2(path: Path, **fields) -> str:
+    """Save TINY_SMOLLM2 (with `fields` changed) at `path` with SmolLM2's tokenizer; its path."""
     from jaxpipe.config import ModelConfig
     from jaxpipe.model import decoder, loading
     from jaxpipe.tokenizer import Tokenizer
 
-    cfg = ModelConfig(**TINY_SMOLLM2)
+    cfg = ModelConfig(**{**TINY_SMOLLM2, **fields})
     values = decoder.numpy_random_values(cfg, seed=0)
     scale = {"embed": 25.0, "final_norm": 0.3}  # numpy_random_values: N(0, 0.02^2), ones
     values = {k: v * scale.get(k, 1.0) for k, v in values.items()}
-    path = tmp_path_factory.mktemp("tiny_smollm2") / "ckpt"
     loading.save_orbax(path, cfg, values, "float32")
     Tokenizer.from_gguf(gguf_dir() / GGUF_FILE).save(path)
     return str(path)

@@ -1,12 +1,14 @@
 """Tiny checkpoints of the model families, written by transformers with every parameter drawn,
 and HF's greedy continuation: the independent reference of tests/model/test_families_hf.py and
-tests/multidevice/test_families_layouts.py."""
+tests/multidevice/test_families_layouts.py. The fixtures and the layout check those files and
+tests/model/test_moe_hf.py, tests/multidevice/test_moe_layouts.py (`hf_moe`) share."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 import transformers
 
@@ -90,6 +92,54 @@ def write(name: str, path: Path, **overrides):
     draw_every_parameter(model, seed=sorted(FAMILIES).index(name))
     model.save_pretrained(path, safe_serialization=True)
     return model
+
+
+def checkpoint_fixture(write):
+    """A module-scoped `checkpoints` fixture: name -> (name, HF model in f32, checkpoint
+    directory), each written once by `write(name, path)`."""
+
+    @pytest.fixture(scope="module")
+    def checkpoints(tmp_path_factory):
+        made = {}
+
+        def get(name):
+            if name not in made:
+                path = tmp_path_factory.mktemp(name)
+                made[name] = name, write(name, path), path
+            return made[name]
+
+        return get
+
+    return checkpoints
+
+
+def layout_reference_fixture(write, names, new_tokens: int = NEW_TOKENS):
+    """A module-scoped fixture over `names`: (checkpoint directory written by `write`, HF's
+    greedy tokens of each prompt, `new_tokens` long)."""
+
+    @pytest.fixture(scope="module", params=names)
+    def reference(request, tmp_path_factory):
+        path = tmp_path_factory.mktemp(request.param)
+        model = write(request.param, path)
+        return path, [hf_greedy(model, ids, new_tokens) for ids in PROMPTS]
+
+    return reference
+
+
+def assert_layout_pair_matches_hf(reference, prefill: str, decode: str,
+                                  new_tokens: int = NEW_TOKENS) -> None:
+    """An f32 engine on cpu-8 with `prefill` and `decode` layouts gives HF's greedy tokens of
+    every prompt and re-shards between them at least once."""
+    from jaxpipe import Engine, EngineConfig, SamplingParams
+
+    path, want = reference
+    engine = Engine(EngineConfig(model=str(path), mesh="cpu-8", prefill=prefill, decode=decode,
+                                 dtype="float32", max_model_len=160, max_num_seqs=4,
+                                 max_num_batched_tokens=32, warmup=False, show_progress=False))
+    outs = engine.generate(prompt_token_ids=PROMPTS,
+                           sampling_params=SamplingParams(temperature=0.0, max_tokens=new_tokens))
+    assert [list(o.outputs[0].token_ids) for o in outs] == want
+    assert engine.stats()["reshards"] >= 1
 
 
 def hf_greedy(model, ids: list[int], new_tokens: int = NEW_TOKENS) -> list[int]:

@@ -64,25 +64,30 @@ def records(path: Path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines()]
 
 
-def check_against_engine(engine, by_id: dict) -> None:
+def engine_outputs(engine) -> dict:
+    """custom_id -> the engine's own output for each good line (the expected completions)."""
+    want = {f"c{i}": engine.generate(f"Fact {i}:", SamplingParams(temperature=0, max_tokens=6))
+            for i in range(5)}
+    want["chat"] = engine.chat(CHAT, SamplingParams(temperature=0, max_tokens=20, logprobs=2))
+    want["ids"] = engine.generate(prompt_token_ids=[[1, 504, 2988]], sampling_params=SamplingParams(
+        temperature=0, max_tokens=5, stop=[" the"]))
+    return {cid: out.outputs[0] for cid, [out] in want.items()}
+
+
+def check_against_engine(want: dict, by_id: dict) -> None:
     for i in range(5):
-        [want] = engine.generate(f"Fact {i}:", SamplingParams(temperature=0, max_tokens=6))
         choice = by_id[f"c{i}"]["response"]["body"]["choices"][0]
-        assert (choice["text"], choice["token_ids"]) == (want.outputs[0].text,
-                                                         want.outputs[0].token_ids)
-    [want] = engine.chat(CHAT, SamplingParams(temperature=0, max_tokens=20, logprobs=2))
+        assert (choice["text"], choice["token_ids"]) == (want[f"c{i}"].text,
+                                                         want[f"c{i}"].token_ids)
     body = by_id["chat"]["response"]["body"]
     assert body["object"] == "chat.completion"
-    assert body["choices"][0]["message"] == {"role": "assistant",
-                                             "content": want.outputs[0].text}
-    assert len(body["choices"][0]["logprobs"]["content"]) == len(want.outputs[0].token_ids)
-    assert body["usage"]["completion_tokens"] == len(want.outputs[0].token_ids)
-    [want] = engine.generate(prompt_token_ids=[[1, 504, 2988]], sampling_params=SamplingParams(
-        temperature=0, max_tokens=5, stop=[" the"]))
-    assert by_id["ids"]["response"]["body"]["choices"][0]["text"] == want.outputs[0].text
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": want["chat"].text}
+    assert len(body["choices"][0]["logprobs"]["content"]) == len(want["chat"].token_ids)
+    assert body["usage"]["completion_tokens"] == len(want["chat"].token_ids)
+    assert by_id["ids"]["response"]["body"]["choices"][0]["text"] == want["ids"].text
 
 
-def check_job_output(path: Path, engine) -> None:
+def check_job_output(path: Path, want: dict) -> None:
     out = records(path)
     keyed = [r for r in out if "line" not in r]
     counts = collections.Counter(r["custom_id"] for r in keyed)
@@ -94,7 +99,13 @@ def check_job_output(path: Path, engine) -> None:
     line_records = sorted((r for r in out if "line" in r), key=lambda r: r["line"])
     assert [r["error"]["param"] for r in line_records] == ["line", "custom_id", "custom_id",
                                                            "line"]
-    check_against_engine(engine, by_id)
+    check_against_engine(want, by_id)
+
+
+@pytest.fixture(scope="module")
+def want(engine) -> dict:
+    """The engine's outputs for the good lines, computed once for both modes' checks."""
+    return engine_outputs(engine)
 
 
 @pytest.fixture(scope="module")
@@ -105,24 +116,24 @@ def job_input(tmp_path_factory) -> Path:
     return path
 
 
-def test_in_process_job_gives_one_record_per_line(engine, job_input, tmp_path):
+def test_in_process_job_gives_one_record_per_line(engine, want, job_input, tmp_path):
     output = tmp_path / "out.jsonl"
     summary = Job(str(job_input), str(output), 4096, progress=False).run(
         LocalRunner(engine, max_in_flight=4))
     assert (summary.succeeded, summary.failed, summary.skipped) == (7, 17, 0)
-    check_job_output(output, engine)
+    check_job_output(output, want)
     again = Job(str(job_input), str(output), 4096, progress=False).run(
         LocalRunner(engine, max_in_flight=4))
     assert (again.succeeded, again.failed, again.skipped) == (0, 0, 24)
     assert len(records(output)) == 24
 
 
-def test_server_mode_matches(grpc_server, engine, job_input, tmp_path):
+def test_server_mode_matches(grpc_server, want, job_input, tmp_path):
     output = tmp_path / "out.jsonl"
     code = batch_main([str(job_input), "-o", str(output), "--server", grpc_server.address,
                        "--max-line-bytes", "4096", "--no-progress", "--max-in-flight", "8"])
     assert code == 0
-    check_job_output(output, engine)
+    check_job_output(output, want)
 
 
 def test_unreachable_server_fails_clearly():

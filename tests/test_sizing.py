@@ -102,12 +102,14 @@ def test_activation_reserve_bounds_xla_temporaries_of_the_largest_steps(packed):
         engine.close()
 
 
-def test_a_pool_budget_beyond_what_the_sequences_can_use_is_capped_and_leaves_the_host_tier():
+def test_a_pool_budget_beyond_what_the_sequences_can_use_is_capped_and_leaves_the_host_tier(
+        tiny_smollm2):
     """kv_cache_gb=64 with 8 sequences of 256 tokens: the pool is what they can use, and the
-    host tier's default share is computed from that pool, not from the 64 GiB asked."""
+    host tier's default share is computed from that pool, not from the 64 GiB asked (on the
+    two-layer SmolLM2 of tests/conftest.py: the sizing does not depend on the model's depth)."""
     from jaxpipe.engine import Engine
 
-    engine = Engine(random_weights=True, kv_cache_gb=64.0, max_model_len=256, max_num_seqs=8,
+    engine = Engine(model=tiny_smollm2, kv_cache_gb=64.0, max_model_len=256, max_num_seqs=8,
                     warmup=False, show_progress=False)
     try:
         assert engine.num_blocks == 8 * 256 // 16

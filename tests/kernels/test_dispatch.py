@@ -122,10 +122,13 @@ def mixed_timings(cfg, kernel_wins: set[str], path: str) -> dict[str, dict]:
     return out
 
 
-def test_a_mixed_choice_packs_only_the_kernels_weights_and_keeps_the_tokens(monkeypatch):
+def test_a_mixed_choice_packs_only_the_kernels_weights_and_keeps_the_tokens(monkeypatch,
+                                                                           tiny_smollm2_with):
     """A bf16 engine on injected timings where the kernel wins q, the gated MLP and the head
     and XLA the rest: those three (and only they) are kept in panel order, and the greedy
-    tokens equal an engine on XLA's dot everywhere."""
+    tokens equal an engine on XLA's dot everywhere. The two-layer SmolLM2 of tests/conftest.py
+    with an MLP PANEL wide (the gated kernel takes N a multiple of 2 * PANEL columns):
+    every weight shape the 30-layer model has in kind, compiled in moments."""
     from jaxpipe import Engine, EngineConfig, SamplingParams
     from jaxpipe.kernels import matmul
     from jaxpipe.model.loading import source_config
@@ -133,10 +136,11 @@ def test_a_mixed_choice_packs_only_the_kernels_weights_and_keeps_the_tokens(monk
 
     if not matmul.paths():
         pytest.skip("the bf16 kernel does not build here")
-    cfg = source_config(resolve_model("smollm2-135m"))
+    model = tiny_smollm2_with(intermediate_size=matmul.PANEL)
+    cfg = source_config(resolve_model(model))
     injected = Dispatch(timings=mixed_timings(cfg, {"wq", "w_gate_up", "lm_head"},
                                               matmul.paths()[-1]))
-    kwargs = dict(dtype="bfloat16", max_model_len=128, max_num_seqs=4, warmup=False,
+    kwargs = dict(model=model, dtype="bfloat16", max_model_len=128, max_num_seqs=4, warmup=False,
                   show_progress=False)
     monkeypatch.setattr(dispatch, "for_machine", lambda force=None: injected)
     mixed = Engine(EngineConfig(**kwargs))

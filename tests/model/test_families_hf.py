@@ -36,18 +36,7 @@ FAST = dict(dtype="float32", max_model_len=160, warmup=False, show_progress=Fals
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)
 
 
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    """name -> (name, HF model in f32, checkpoint directory), each written once."""
-    made = {}
-
-    def get(name):
-        if name not in made:
-            path = tmp_path_factory.mktemp(name)
-            made[name] = name, write(name, path), path
-        return made[name]
-
-    return get
+checkpoints = hf_families.checkpoint_fixture(write)
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))

@@ -19,6 +19,7 @@ transformers = pytest.importorskip("transformers")
 from hf_families import (  # noqa: E402
     PROMPTS,
     assert_forward_matches_hf,
+    checkpoint_fixture,
     draw_every_parameter,
     hf_greedy,
 )
@@ -33,23 +34,12 @@ NEW_TOKENS = 16
 FAST = dict(dtype="float32", max_model_len=160, warmup=False, show_progress=False)
 
 
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    """name -> (HF model in f32, checkpoint directory), each written once."""
-    made = {}
-
-    def get(name):
-        if name not in made:
-            path = tmp_path_factory.mktemp(name)
-            made[name] = write(name, path), path
-        return made[name]
-
-    return get
+checkpoints = checkpoint_fixture(write)
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_config_reads_the_experts(checkpoints, name):
-    cfg = loading.hf_config(json.loads((checkpoints(name)[1] / "config.json").read_text()))
+    cfg = loading.hf_config(json.loads((checkpoints(name)[2] / "config.json").read_text()))
     want = {"qwen3_moe": (8, 2, 23, True, 0), "qwen2_moe": (6, 3, 19, False, 37),
             "mixtral": (5, 2, 29, True, 0)}[name]
     assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size,
@@ -59,14 +49,14 @@ def test_config_reads_the_experts(checkpoints, name):
 
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_forward_logits_match_hf(checkpoints, name):
-    model, path = checkpoints(name)
+    _, model, path = checkpoints(name)
     assert_forward_matches_hf(model, *loading.load_hf_dir(path), atol=LOGITS_ATOL)
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_engine_greedy_tokens_match_hf(checkpoints, name):
     """The engine's step (paged KV; a 32-token budget splits the long prompts into chunks)."""
-    model, path = checkpoints(name)
+    _, model, path = checkpoints(name)
     engine = Engine(EngineConfig(model=str(path), max_num_seqs=4, max_num_batched_tokens=32,
                                  **FAST))
     outs = engine.generate(prompt_token_ids=PROMPTS,
@@ -93,7 +83,7 @@ def test_fused_expert_names_load_alike(checkpoints, name, tmp_path):
     per-expert names save_pretrained writes."""
     from safetensors.torch import save_file
 
-    model, path = checkpoints(name)
+    _, model, path = checkpoints(name)
     state = model.state_dict()
     assert any(n.endswith("mlp.experts.gate_up_proj") for n in state)
     save_file({n: t.contiguous() for n, t in state.items()}, tmp_path / "model.safetensors")
@@ -106,7 +96,7 @@ def test_fused_expert_names_load_alike(checkpoints, name, tmp_path):
 
 def test_routing_spreads_over_the_experts(checkpoints):
     """The drawn routers are not trivial: the prompts' tokens reach most experts."""
-    model, path = checkpoints("qwen3_moe")
+    _, model, path = checkpoints("qwen3_moe")
     cfg, values = loading.load_hf_dir(path)
     h = np.asarray(model.model.embed_tokens(torch.tensor(PROMPTS[3])).detach())
     _, experts = moe.route(jnp.asarray(h), jnp.asarray(values["router"][0]), 2, True)
@@ -258,7 +248,7 @@ def test_bad_expert_configs_fail_naming_the_field(change, match):
     ({"use_sliding_window": True}, r"use_sliding_window=true is not supported for qwen3_moe"),
 ])
 def test_unsupported_moe_configs_fail_naming_the_field(checkpoints, change, match):
-    config = json.loads((checkpoints("qwen3_moe")[1] / "config.json").read_text())
+    config = json.loads((checkpoints("qwen3_moe")[2] / "config.json").read_text())
     with pytest.raises(ValueError, match=match):
         loading.hf_config({**config, **change})
 

@@ -8,29 +8,14 @@ have a tp degree (4, 8) that divides neither the 6 query heads nor the 2 kv head
 from __future__ import annotations
 
 import pytest
-from hf_families import NEW_TOKENS, PROMPTS, hf_greedy, write
-
-from jaxpipe import Engine, EngineConfig, SamplingParams
+from hf_families import assert_layout_pair_matches_hf, layout_reference_fixture, write
 
 FAMILIES = ("qwen2", "qwen3", "mistral", "gemma2", "gemma3", "phi3_longrope")
 PAIRS = [("pp=2,tp=4", "tp=8"), ("pp=8", "pp=2,tp=4")]
 
-
-@pytest.fixture(scope="module", params=FAMILIES)
-def family(request, tmp_path_factory):
-    """(checkpoint directory, HF's greedy tokens of each prompt)."""
-    path = tmp_path_factory.mktemp(request.param)
-    model = write(request.param, path)
-    return path, [hf_greedy(model, ids) for ids in PROMPTS]
+family = layout_reference_fixture(write, FAMILIES)
 
 
 @pytest.mark.parametrize("prefill, decode", PAIRS)
 def test_family_layout_pair_matches_hf(family, prefill, decode):
-    path, want = family
-    engine = Engine(EngineConfig(model=str(path), mesh="cpu-8", prefill=prefill, decode=decode,
-                                 dtype="float32", max_model_len=160, max_num_seqs=4,
-                                 max_num_batched_tokens=32, warmup=False, show_progress=False))
-    outs = engine.generate(prompt_token_ids=PROMPTS,
-                           sampling_params=SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS))
-    assert [list(o.outputs[0].token_ids) for o in outs] == want
-    assert engine.stats()["reshards"] >= 1
+    assert_layout_pair_matches_hf(family, prefill, decode)

@@ -1,6 +1,8 @@
 """Servers of their own (these tests end them): the engine process killed under load, and
 SIGTERM draining in-flight requests. Every call has a deadline, so a hang fails the test with
-DEADLINE_EXCEEDED instead of blocking the run."""
+DEADLINE_EXCEEDED instead of blocking the run. What they check is the server's, not the
+model's: their servers run the two-layer SmolLM2 of tests/conftest.py (`tiny_smollm2`), which
+loads and compiles in moments where the 30-layer model takes tens of seconds per engine."""
 
 from __future__ import annotations
 
@@ -19,13 +21,17 @@ from scripted_engine import until
 from jaxpipe.serve import jaxpipe_pb2 as pb
 from jaxpipe.serve import jaxpipe_pb2_grpc as pb_grpc
 
-LONG = pb.SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True)
+# Long enough that the tiny model (a few ms a step) is still generating when the engine is
+# killed or the server told to drain: prompt (chat template included, ~35 tokens) + 200 fit
+# the servers' max_model_len of 256.
+DRAIN_TOKENS = 200
+LONG = pb.SamplingParams(temperature=0.0, max_tokens=DRAIN_TOKENS, ignore_eos=True)
 
 
 @pytest.fixture
-def server(tmp_path):
-    gguf_dir()
-    s = ServerProcess("--restart-backoff", "3", log_path=tmp_path / "server.log")
+def server(tmp_path, tiny_smollm2):
+    s = ServerProcess("--model", tiny_smollm2, "--restart-backoff", "3",
+                      log_path=tmp_path / "server.log")
     s.wait_serving()
     yield s
     s.stop()
@@ -72,10 +78,10 @@ def test_engine_killed_gives_unavailable_then_is_restarted(server):
     assert not psutil.pid_exists(first_pid) or psutil.Process(first_pid).status() == "zombie"
 
 
-def test_the_server_exits_when_restarts_run_out(tmp_path):
+def test_the_server_exits_when_restarts_run_out(tmp_path, tiny_smollm2):
     """--engine-restarts 0: the first engine death is final: the server stops, exit code 1."""
-    gguf_dir()
-    s = ServerProcess("--engine-restarts", "0", log_path=tmp_path / "server.log")
+    s = ServerProcess("--model", tiny_smollm2, "--engine-restarts", "0",
+                      log_path=tmp_path / "server.log")
     try:
         s.wait_serving()
         os.kill(s.engine_pid(), signal.SIGKILL)
@@ -85,28 +91,27 @@ def test_the_server_exits_when_restarts_run_out(tmp_path):
         s.stop()
 
 
-def started_http_stream(server):
-    """An OpenAI-API chat stream (24 tokens, usage at the end) that has sent its first chunk,
-    and its chunks so far."""
+def started_http_stream(server, model: str):
+    """An OpenAI-API chat stream (DRAIN_TOKENS tokens, usage at the end) from the server's
+    `model` that has sent its first chunk, and its chunks so far."""
     openai = pytest.importorskip("openai")
     client = openai.OpenAI(base_url=server.http_url + "/v1", api_key="unused", max_retries=0,
                            timeout=120)
     stream = iter(client.chat.completions.create(
-        model="smollm2-135m", messages=[{"role": "user", "content": "Tell me a long story."}],
-        temperature=0, max_tokens=24, stream=True, stream_options={"include_usage": True},
-        extra_body={"ignore_eos": True}))
+        model=model, messages=[{"role": "user", "content": "Tell me a long story."}],
+        temperature=0, max_tokens=DRAIN_TOKENS, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
     return stream, [next(stream)]
 
 
-def test_sigterm_drains_in_flight_requests_then_exits(server):
+def test_sigterm_drains_in_flight_requests_then_exits(server, tiny_smollm2):
     """Three gRPC streams and one HTTP stream in flight at SIGTERM all finish."""
     engine_pid = server.engine_pid()
-    sampling = pb.SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     results: dict[int, list] = {}
     with grpc.insecure_channel(server.address) as ch:
         stub = pb_grpc.GenerationStub(ch)
-        calls = [started_stream(stub, sampling) for _ in range(3)]
-        http_stream, http_chunks = started_http_stream(server)
+        calls = [started_stream(stub, LONG) for _ in range(3)]
+        http_stream, http_chunks = started_http_stream(server, tiny_smollm2)
         server.proc.send_signal(signal.SIGTERM)
         http_chunks += list(http_stream)
 
@@ -119,11 +124,11 @@ def test_sigterm_drains_in_flight_requests_then_exits(server):
         for t in threads:
             t.join(120)
     assert server.proc.wait(120) == 0
-    assert http_chunks[-1].usage.completion_tokens == 24
+    assert http_chunks[-1].usage.completion_tokens == DRAIN_TOKENS
     assert [c.choices[0].finish_reason for c in http_chunks if c.choices][-1] == "length"
     for i in range(3):
         responses = results[i]
-        assert sum(len(r.token_ids) for r in responses) == 24
+        assert sum(len(r.token_ids) for r in responses) == DRAIN_TOKENS
         assert responses[-1].finish_reason == "length"
     assert not psutil.pid_exists(engine_pid) or \
         psutil.Process(engine_pid).status() == psutil.STATUS_ZOMBIE
