@@ -21,7 +21,7 @@ from __future__ import annotations
 import gc
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
@@ -33,7 +33,9 @@ from jaxpipe_bench.workload import (
     default_gguf_path,
     describe_workload,
     make_workload,
+    parse_shared_prefix,
     peer_vocab,
+    share_prefixes,
 )
 from jaxpipe_peers.protocol import requests_to_json
 
@@ -76,7 +78,11 @@ class BenchConfig:
     sampler: jaxpipe's sampler (EngineConfig.sampler): the device program or NumPy on host
         threads.
     mesh: jaxpipe's mesh preset, e.g. cpu-8 (EngineConfig.mesh).
-    prefix_caching: EngineConfig.prefix_caching (None: the engine's default).
+    prefix_caching: EngineConfig.prefix_caching (None: the engine's default, on); OpenVINO
+        runs with its enable_prefix_caching set the same, so both engines cache or neither.
+    shared_prefix: N:LEN or N:LO-HI, e.g. 5:500-1100: N shared prefixes (system prompts) of
+        LEN tokens, or of lengths drawn in LO..HI, each request one of them (evenly, in a
+        shuffled order) + its own prompt from the usual workload (None: no sharing).
     layout: one jaxpipe layout for prefill and decode, e.g. pp=2,tp=4.
     warmup_prompts: short warm-up requests run before the timed ones.
     hf_batch_sizes: HF's batch-size sweep (the best point is kept).
@@ -108,6 +114,7 @@ class BenchConfig:
     sampler: Literal["device", "host"] = "device"
     mesh: str = "cpu-1"
     prefix_caching: bool | None = None
+    shared_prefix: str | None = None
     layout: str | None = None
     warmup_prompts: int = 4
     hf_batch_sizes: tuple[int, ...] = (16, 32, 64)
@@ -124,6 +131,8 @@ class BenchConfig:
 
     def __post_init__(self) -> None:
         self.peers = parse_peers(",".join(self.peers))  # checked, in PEER_NAMES order
+        if self.shared_prefix is not None:
+            parse_shared_prefix(self.shared_prefix)
         check_choices(self)
         for name in ("hf_batch_sizes", "ov_batched_tokens"):
             if not getattr(self, name) or min(getattr(self, name)) < 1:
@@ -133,6 +142,16 @@ class BenchConfig:
     def active_peers(self) -> tuple[str, ...]:
         """The peers this run measures: `peers`, less hf under `skip_hf`."""
         return tuple(p for p in self.peers if not (p == "hf" and self.skip_hf))
+
+    @property
+    def caching(self) -> bool:
+        """Whether jaxpipe runs with its prefix cache: `prefix_caching`, else the engine's
+        default."""
+        if self.prefix_caching is not None:
+            return self.prefix_caching
+        from jaxpipe.config import EngineConfig
+
+        return {f.name: f.default for f in fields(EngineConfig)}["prefix_caching"]
 
 
 def peer_model_path(cfg: BenchConfig) -> Path:
@@ -219,6 +238,8 @@ def run_jaxpipe(
     result.update(max_num_batched_tokens=vars(engine_cfg).get("max_num_batched_tokens"))
     result.update(engine_config=dict(vars(engine_cfg)), startup_s=startup_s, warmup_s=warmup_s)
     result.update(stats)
+    result.update(prefix_caching=vars(engine_cfg).get("prefix_caching"),
+                  prefix_cache_hit_rate=stats["engine_stats"].get("prefix_cache_hit_rate"))
     log(f"[jaxpipe] {result['output_tok_s']:.1f} output tok/s in {elapsed:.1f}s")
     return result, engine.model_config
 
@@ -308,7 +329,7 @@ def _peer_job(cfg: BenchConfig, peer: str, workload: Sequence[Request], model: P
         job.update(warmup=requests_to_json(warmup_requests(workload, cfg.warmup_prompts)),
                    batched_tokens=list(cfg.ov_batched_tokens),
                    max_num_seqs=cfg.max_num_seqs or OV_MAX_NUM_SEQS,
-                   kv_precision=cfg.ov_kv_cache_precision)
+                   kv_precision=cfg.ov_kv_cache_precision, prefix_caching=cfg.caching)
     else:
         job.update(batch_sizes=list(cfg.hf_batch_sizes), max_seconds=cfg.hf_max_seconds)
         if not cfg.skip_matmul:  # torch's matmul peak beside jax's, for context
@@ -338,15 +359,28 @@ def _measure_matmul(cfg: BenchConfig, log: Log) -> dict:
     return matmul
 
 
+def bench_workload(cfg: BenchConfig, vocab_size: int,
+                   special_ids: Sequence[int]) -> tuple[list[Request], list[tuple[int, ...]]]:
+    """The run's requests (`make_workload`, behind `share_prefixes`' prefixes under
+    `shared_prefix`) and those shared prefixes (none without it)."""
+    workload = make_workload(
+        cfg.num_prompts, cfg.seed, vocab_size, cfg.input_len, cfg.output_len, special_ids
+    )
+    if cfg.shared_prefix is None:
+        return workload, []
+    n, lo, hi = parse_shared_prefix(cfg.shared_prefix)
+    return share_prefixes(workload, n, (lo, hi), cfg.seed, vocab_size, special_ids)
+
+
 def run_benchmark(cfg: BenchConfig, log: Log = print) -> dict:
     """Run the whole benchmark, print the report, write the JSON; return the result dict."""
     model = peer_model_path(cfg)
     vocab_size, special_ids = peer_vocab(model)
-    workload = make_workload(
-        cfg.num_prompts, cfg.seed, vocab_size, cfg.input_len, cfg.output_len, special_ids
-    )
+    workload, shared = bench_workload(cfg, vocab_size, special_ids)
     result: dict[str, Any] = {"config": asdict(cfg), "machine": machine_info()}
     result["workload"] = describe_workload(workload) | {"seed": cfg.seed, "vocab": vocab_size}
+    if shared:
+        result["workload"]["shared_prefix_lens"] = [len(p) for p in shared]
     log(f"[workload] {result['workload']}")
     if not cfg.skip_matmul:
         result["matmul"] = _measure_matmul(cfg, log)

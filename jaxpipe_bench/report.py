@@ -29,6 +29,7 @@ _COLUMNS = (
     ("total tok/s", 12, "total_tok_s", "{:.1f}"),
     ("output tok/s", 13, "output_tok_s", "{:.1f}"),
     ("elapsed s", 10, "elapsed_s", "{:.1f}"),
+    ("prefix cache", 13, "prefix_caching", "{}"),  # `_prefix_cell`
 )
 
 
@@ -79,11 +80,24 @@ def format_table(rows: Sequence[dict]) -> str:
         for _, width, key, fmt in _COLUMNS:
             value = row.get(key)
             text = "-" if value is None else fmt.format(value)
+            if key == "prefix_caching":
+                text = _prefix_cell(row)
             if key == "num_requests" and row.get("truncated"):
                 text += "*"
             cells.append(f"{text:>{width}}")
         lines.append(" ".join(cells))
     return "\n".join(lines)
+
+
+def _prefix_cell(row: dict) -> str:
+    """The prefix cache of a row: off, its hit rate (jaxpipe's), on (OpenVINO reports no
+    hit rate), or "-" (an engine without one)."""
+    if row.get("prefix_caching") is None:
+        return "-"
+    if not row["prefix_caching"]:
+        return "off"
+    rate = row.get("prefix_cache_hit_rate")
+    return "on" if rate is None else f"{rate:.1%} hit"
 
 
 def _setting(row: dict) -> str:

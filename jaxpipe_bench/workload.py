@@ -2,7 +2,8 @@
 
 A workload is a list of `Request`s: random prompt token ids plus the number of tokens to
 generate. Every request runs to its output length (ignore_eos), so the amount of work is fixed by
-the workload alone and identical for every engine measured on it.
+the workload alone and identical for every engine measured on it. `share_prefixes` puts each
+prompt behind one of a few shared prefixes (system prompts), the workload of a prefix cache.
 """
 
 from __future__ import annotations
@@ -68,9 +69,7 @@ def make_workload(
     for name, value in (("input_len", input_len), ("output_len", output_len)):
         if value is not None and value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
-    allowed = np.setdiff1d(np.arange(vocab_size), np.fromiter(special_ids, dtype=np.int64))
-    if allowed.size == 0:
-        raise ValueError("no token ids left after excluding special ids")
+    allowed = _allowed_ids(vocab_size, special_ids)
     rng = np.random.default_rng(seed)
     # Draw lengths first, in a fixed order, so a given seed always yields the same lengths.
     prompt_lens = _draw_lengths(
@@ -85,6 +84,57 @@ def make_workload(
         Request(tuple(int(t) for t in tokens[s : s + p]), int(o))
         for s, p, o in zip(starts, prompt_lens, output_lens, strict=True)
     ]
+
+
+def _allowed_ids(vocab_size: int, special_ids: Iterable[int]) -> np.ndarray:
+    """The token ids a prompt may hold: `range(vocab_size)` less `special_ids`."""
+    allowed = np.setdiff1d(np.arange(vocab_size), np.fromiter(special_ids, dtype=np.int64))
+    if allowed.size == 0:
+        raise ValueError("no token ids left after excluding special ids")
+    return allowed
+
+
+def parse_shared_prefix(text: str) -> tuple[int, int, int]:
+    """`--shared-prefix` "N:LEN" or "N:LO-HI" -> (N prefixes, shortest, longest length)."""
+    usage = f"shared_prefix must be N:LEN or N:LO-HI with 1 <= LO <= HI (e.g. 5:500-1100), " \
+            f"got {text!r}"
+    count, _, lengths = text.partition(":")
+    lo, _, hi = lengths.partition("-")
+    try:
+        n, lo, hi = int(count), int(lo), int(hi or lo)
+    except ValueError:
+        raise ValueError(usage) from None
+    if n < 1 or not 1 <= lo <= hi:
+        raise ValueError(usage)
+    return n, lo, hi
+
+
+def share_prefixes(
+    workload: Sequence[Request],
+    num_prefixes: int,
+    lengths: tuple[int, int],
+    seed: int,
+    vocab_size: int,
+    special_ids: Iterable[int] = (),
+) -> tuple[list[Request], list[tuple[int, ...]]]:
+    """`workload` with each prompt behind one of `num_prefixes` shared prefixes (system
+    prompts), and those prefixes: prefix lengths uniform in `lengths` (inclusive), tokens as
+    `make_workload`'s; each prefix serves `len(workload) / num_prefixes` requests (rounded),
+    which one in a shuffled order. The request keeps its own prompt (now the suffix) and
+    output length; everything is determined by `seed` (drawn from a stream of its own, so
+    the suffixes are `make_workload`'s for the same seed)."""
+    if num_prefixes < 1 or not 1 <= lengths[0] <= lengths[1]:
+        raise ValueError(f"need num_prefixes >= 1 and 1 <= lengths[0] <= lengths[1], got "
+                         f"{num_prefixes}, {lengths}")
+    allowed = _allowed_ids(vocab_size, special_ids)
+    rng = np.random.default_rng([seed, 1])
+    sizes = rng.integers(lengths[0], lengths[1] + 1, size=num_prefixes)
+    prefixes = [tuple(int(t) for t in allowed[rng.integers(0, allowed.size, size=int(n))])
+                for n in sizes]
+    which = rng.permutation(np.arange(len(workload)) % num_prefixes)
+    shared = [Request(prefixes[k] + r.prompt_token_ids, r.output_len)
+              for k, r in zip(which, workload, strict=True)]
+    return shared, prefixes
 
 
 def _length_stats(lengths: Sequence[int]) -> dict:

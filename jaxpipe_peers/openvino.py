@@ -200,15 +200,18 @@ def build_pipeline(
 
 
 def scheduler_settings(
-    workload: Sequence[Request], batched_tokens: int, max_num_seqs: int, kv_bytes: int
+    workload: Sequence[Request], batched_tokens: int, max_num_seqs: int, kv_bytes: int,
+    prefix_caching: bool = False,
 ) -> dict[str, Any]:
     """SchedulerConfig fields for one sweep point (dynamic split-fuse: prefill chunks and
-    decodes share each step's `batched_tokens` budget, as in vLLM's chunked prefill)."""
+    decodes share each step's `batched_tokens` budget, as in vLLM's chunked prefill;
+    `prefix_caching`: OpenVINO's own prefix cache, as jaxpipe's is set)."""
     return {
         "max_num_batched_tokens": batched_tokens,
         "max_num_seqs": max_num_seqs,
         "dynamic_split_fuse": True,
         "cache_size": cache_size_gb(workload, kv_bytes, max_num_seqs),
+        "enable_prefix_caching": prefix_caching,
     }
 
 
@@ -238,6 +241,7 @@ def run_openvino(
     result.update(engine="openvino", dtype=dtype, batch_size=scheduler["max_num_seqs"])
     result.update(scheduler_config=dict(scheduler), properties=props)
     result.update(max_num_batched_tokens=scheduler["max_num_batched_tokens"])
+    result.update(prefix_caching=scheduler.get("enable_prefix_caching", False))
     result.update(startup_s=startup_s, warmup_s=warmup_s)
     return result
 
@@ -264,12 +268,14 @@ def sweep_openvino(
     dtype: str,
     max_num_seqs: int,
     kv_precision: str | None = None,
+    prefix_caching: bool = False,
     log: Log = print,
 ) -> dict:
     """Convert (or reuse) the IR, run `run_openvino` at each token budget; all points + best.
 
     `kv_precision` None: `default_kv_precision` for this CPU (OpenVINO's own CPU default
-    would be u8).
+    would be u8). `prefix_caching`: SchedulerConfig.enable_prefix_caching (each point builds
+    a fresh pipeline, so no point inherits another's cache).
     """
     import json
 
@@ -282,7 +288,7 @@ def sweep_openvino(
     kv_bytes = kv_bytes_per_token(hf_config, chosen)
     points = []
     for tokens in batched_tokens:
-        scheduler = scheduler_settings(workload, tokens, max_num_seqs, kv_bytes)
+        scheduler = scheduler_settings(workload, tokens, max_num_seqs, kv_bytes, prefix_caching)
         point = run_openvino(ir_dir, workload, warmup, scheduler, dtype, chosen)
         log(
             f"[openvino] batched tokens {tokens}: {point['output_tok_s']:.1f} output tok/s over "
@@ -299,5 +305,6 @@ def run_job(job: dict, requests: Sequence[Request], warmup: Sequence[Request]) -
     return sweep_openvino(
         Path(job["model"]), requests, warmup, job["batched_tokens"], dtype=job["dtype"],
         max_num_seqs=job["max_num_seqs"], kv_precision=job.get("kv_precision"),
+        prefix_caching=job.get("prefix_caching", False),
         log=lambda line: print(line, flush=True),
     )

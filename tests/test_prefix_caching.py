@@ -51,7 +51,7 @@ def engine_of(path, **overrides) -> Engine:
 def reference(checkpoint):
     """The waves' tokens with the cache off (prefill_first); its greedy ones are HF's."""
     model, path = checkpoint
-    engine = engine_of(path, scheduler="prefill_first")
+    engine = engine_of(path, scheduler="prefill_first", prefix_caching=False)
     reference = run_waves(engine, VOCAB)
     assert engine.stats()["prefix_cache_queried_tokens"] == 0
     engine.close()

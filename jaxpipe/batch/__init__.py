@@ -3,6 +3,7 @@
     openai.py    request lines -> BatchLine; results -> output records
     jobfile.py   streamed input, resumable append-only output
     job.py       one run of a job: skip done, run the rest, summary
+    lookahead.py the prefix cache's order within each window of the next N requests
     runners.py   LocalRunner (Engine in this process) / RemoteRunner (a jaxpipe server) /
                  ClientRunner (inside a server, for its Batch API)
 """

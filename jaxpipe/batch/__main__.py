@@ -45,7 +45,7 @@ def _runner(job: BatchJobConfig, engine: dict):
 
     if job.server:
         return RemoteRunner(job.server, job.max_in_flight)
-    return LocalRunner.from_config(engine, job.max_in_flight)
+    return LocalRunner.from_config(engine, job.max_in_flight, job.prefix_lookahead)
 
 
 def main(argv=None) -> int:

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from jaxpipe.batch import jobfile
+from jaxpipe.batch.lookahead import DEFAULT_LOOKAHEAD
 from jaxpipe.batch.openai import BatchLine, Failed, Finished, error_record, parse_line
 from jaxpipe.batch.openai import success_record as ok_record
 from jaxpipe.config_checks import check_counts
@@ -23,22 +24,28 @@ from jaxpipe.requests import RequestError
 @dataclass(frozen=True)
 class BatchJobConfig:
     """How a batch job runs, besides its files: `python -m jaxpipe.batch`'s own flags
-    (`--server`, `--max-in-flight`, `--max-line-bytes`, `--no-progress`).
+    (`--server`, `--max-in-flight`, `--max-line-bytes`, `--no-progress`,
+    `--prefix-lookahead`).
 
     server: HOST:PORT of a running `python -m jaxpipe.serve` to send the requests to instead
         of loading the model in this process (the engine flags are then ignored)
     max_in_flight: requests outstanding at once; bounds memory
     max_line_bytes: longer input lines get an error record
     progress: a progress bar of requests and tokens/s
+    prefix_lookahead: with the engine's prefix cache on (in this process), the next this
+        many requests are read ahead and queued so that those sharing a prefix run close
+        together (longest-prefix-match groups, jaxpipe.batch.lookahead); 1 keeps the input
+        order. Records are written as requests finish, keyed by custom_id, either way
     """
 
     server: str | None = None
     max_in_flight: int = 256
     max_line_bytes: int = 1 << 20
     progress: bool = True
+    prefix_lookahead: int = DEFAULT_LOOKAHEAD
 
     def __post_init__(self):
-        check_counts(self, "max_in_flight", "max_line_bytes")
+        check_counts(self, "max_in_flight", "max_line_bytes", "prefix_lookahead")
         if self.server is not None and (not isinstance(self.server, str)
                                         or not self.server.strip()):
             raise ValueError(f"BatchJobConfig.server must be HOST:PORT or None, "

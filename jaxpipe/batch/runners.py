@@ -11,6 +11,7 @@ import queue
 import threading
 from collections.abc import Callable, Iterator
 
+from jaxpipe.batch.lookahead import DEFAULT_LOOKAHEAD, in_windows
 from jaxpipe.batch.openai import BatchLine, Failed, Finished
 from jaxpipe.outputs import Completion, token_delta
 from jaxpipe.requests import Limits, RequestError, prepare, sampling_params
@@ -21,33 +22,42 @@ Emit = Callable[[BatchLine, Finished | Failed], None]
 class LocalRunner:
     """Runs requests on an in-process Engine through add_request / step."""
 
-    def __init__(self, engine, max_in_flight: int):
+    def __init__(self, engine, max_in_flight: int,
+                 prefix_lookahead: int = DEFAULT_LOOKAHEAD):
         """Use `engine` (an Engine nobody else is stepping) with at most `max_in_flight`
-        requests queued in it."""
+        requests queued in it; with its prefix cache on, queue them `prefix_lookahead` at a
+        time in the cache's order (jaxpipe.batch.lookahead; 1: the input order)."""
         self.engine = engine
         self.limits = Limits(self.engine.max_model_len, self.engine.model_config.vocab_size)
         self.max_in_flight = max_in_flight
+        self.lookahead = prefix_lookahead if engine.config.prefix_caching else 1
         self.model = self.engine.config.model
         self._ids = itertools.count()
 
     @classmethod
-    def from_config(cls, engine_kwargs: dict, max_in_flight: int) -> LocalRunner:
+    def from_config(cls, engine_kwargs: dict, max_in_flight: int,
+                    prefix_lookahead: int = DEFAULT_LOOKAHEAD) -> LocalRunner:
         """Build the Engine from EngineConfig fields."""
         from jaxpipe import Engine, EngineConfig
 
         return cls(Engine(EngineConfig(**{"show_progress": False, **engine_kwargs})),
-                   max_in_flight)
+                   max_in_flight, prefix_lookahead)
 
     def run(self, items: Iterator[BatchLine], emit: Emit) -> None:
-        """Feed `items` to the engine and emit each result as its request finishes."""
+        """Feed `items` to the engine (in the prefix cache's order within each lookahead
+        window) and emit each result as its request finishes."""
+        from jaxpipe.kv.device_cache import BLOCK
+
+        ready = in_windows(self._prepared(items, emit), lambda x: x[1].prompt_token_ids,
+                           self.lookahead, BLOCK)
         live: dict[str, tuple[BatchLine, Completion]] = {}
         more = True
         while more or live:
             while more and len(live) < self.max_in_flight:
-                item = next(items, None)
-                more = item is not None
+                taken = next(ready, None)
+                more = taken is not None
                 if more:
-                    self._add(item, live, emit)
+                    self._add(*taken, live, emit)
             for seq in self.engine.step():
                 if seq.is_finished and seq.request_id in live:
                     item, completion = live.pop(seq.request_id)
@@ -55,11 +65,21 @@ class LocalRunner:
                     emit(item, Finished.of(completion))
                     self.engine.release(seq.request_id)
 
-    def _add(self, item: BatchLine, live: dict, emit: Emit) -> None:
-        tokenizer = self.engine.tokenizer
+    def _prepared(self, items: Iterator[BatchLine], emit: Emit) -> Iterator[tuple]:
+        """(line, its `Prepared` request) for each of `items` that validates; the others
+        are emitted as failures as they are read."""
+        for item in items:
+            try:
+                yield item, prepare(item.kind, item.prompt, item.sampling,
+                                    self.engine.tokenizer, self.limits)
+            except RequestError as e:
+                emit(item, Failed.from_error(e))
+            except (ValueError, TypeError) as e:
+                emit(item, Failed("invalid_argument", str(e), None))
+
+    def _add(self, item: BatchLine, prep, live: dict, emit: Emit) -> None:
+        rid = str(next(self._ids))
         try:
-            prep = prepare(item.kind, item.prompt, item.sampling, tokenizer, self.limits)
-            rid = str(next(self._ids))
             self.engine.add_request(None, prep.params, prompt_token_ids=prep.prompt_token_ids,
                                     request_id=rid)
         except RequestError as e:
@@ -68,7 +88,7 @@ class LocalRunner:
         except (ValueError, TypeError) as e:
             emit(item, Failed("invalid_argument", str(e), None))
             return
-        live[rid] = (item, Completion(prep, tokenizer))
+        live[rid] = (item, Completion(prep, self.engine.tokenizer))
 
 
 class ClientRunner:

@@ -3,9 +3,9 @@ them well: longest-prefix-match grouping (SGLang's `lpm`), for `Engine.generate`
 
 Sorted by their token ids, prompts that share a longer prefix are nearer each other, and those
 that share their first block form one contiguous group. The cache shares only blocks written
-in an earlier step (`SchedulerState`: the sequences of one step share nothing written in it),
-so a group queued back to back would compute its prefix once per request admitted in its first
-step; instead each group's first prompt is queued ahead, right before the previous group's
+in an earlier step (`SchedulerState` defers a request whose next block another request of the
+same step is computing), so a group queued back to back would wait a step behind its first
+request; instead each group's first prompt is queued ahead, right before the previous group's
 others, so its prefix is written (and cached) by the time its own group arrives.
 """
 

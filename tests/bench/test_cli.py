@@ -91,3 +91,30 @@ def test_prefix_caching_reaches_the_throughput_engine():
     assert "prefix_caching" not in kwargs(["--max-model-len", "64"])  # the engine's default
     assert kwargs(["--max-model-len", "64", "--prefix-caching"])["prefix_caching"] is True
     assert kwargs(["--max-model-len", "64", "--no-prefix-caching"])["prefix_caching"] is False
+
+
+def test_shared_prefix_reaches_the_workload_and_openvino_caches_as_jaxpipe_does():
+    """--shared-prefix builds the shared workload; OpenVINO's job asks for its prefix cache
+    exactly when jaxpipe's is on (by default, or --prefix-caching)."""
+    import argparse
+
+    from jaxpipe.config_flags import add_flags
+    from jaxpipe_bench import BenchConfig, _peer_job, bench_workload
+
+    p = argparse.ArgumentParser()
+    add_flags(p, BenchConfig, group="benchmark")
+
+    def cfg(*argv):
+        return config_from_args(BenchConfig, p.parse_args(list(argv)), p)
+
+    workload, prefixes = bench_workload(cfg("--num-prompts", "6", "--shared-prefix", "2:20-30"),
+                                        1000, ())
+    assert len(workload) == 6 and len(prefixes) == 2
+    assert all(any(r.prompt_token_ids[:len(x)] == x for x in prefixes) for r in workload)
+    assert bench_workload(cfg("--num-prompts", "6"), 1000, ())[1] == []
+    with pytest.raises(SystemExit):
+        cfg("--shared-prefix", "2:30-20")
+    job = _peer_job(cfg(), "openvino", workload, "m.gguf")
+    assert job["prefix_caching"] is True
+    assert _peer_job(cfg("--no-prefix-caching"), "openvino", workload, "m")["prefix_caching"] \
+        is False

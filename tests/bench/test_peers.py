@@ -70,6 +70,12 @@ def test_cache_dir_is_keyed_by_name_and_size(tmp_path):
     assert ov.peer_cache_dir(gguf, tmp_path / "peers") == tmp_path / "peers" / "m.Q4_1-13"
 
 
+def test_openvino_prefix_caching_is_a_scheduler_setting():
+    work = [Request((1,) * 10, 5)]
+    assert ov.scheduler_settings(work, 256, 8, 100)["enable_prefix_caching"] is False
+    assert ov.scheduler_settings(work, 256, 8, 100, True)["enable_prefix_caching"] is True
+
+
 def test_kv_pool_size():
     smollm2 = {"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
                "hidden_size": 576}
@@ -94,9 +100,13 @@ def test_report_shows_every_engine_and_a_ratio_per_peer():
     result = {"jaxpipe": row("jaxpipe", 25.0, max_num_batched_tokens=4096),
               "openvino": {"points": ov_points, "best": ov_points[1]},
               "hf": {"points": [row("hf", 10.0)], "best": row("hf", 10.0)}}
+    result["jaxpipe"].update(prefix_caching=True, prefix_cache_hit_rate=0.8125)
+    ov_points[0]["prefix_caching"] = True
     text = render(result)
     assert [line.split()[0] for line in text.splitlines()[3:7]] == [
         "jaxpipe", "openvino", "openvino", "hf"]
+    assert [line[-13:].strip() for line in text.splitlines()[3:7]] == [  # the last column
+        "81.2% hit", "on", "-", "-"]
     assert "jaxpipe / OpenVINO (batched tokens 512): requests/s 0.50x" in text
     assert "jaxpipe / HF (batch 8): requests/s 2.50x" in text
 

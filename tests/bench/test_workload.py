@@ -15,6 +15,8 @@ from jaxpipe_bench.workload import (
     Request,
     describe_workload,
     make_workload,
+    parse_shared_prefix,
+    share_prefixes,
 )
 
 VOCAB = 49152
@@ -95,6 +97,37 @@ def test_invalid_arguments():
         make_workload(4, 0, VOCAB, input_len=0)
     with pytest.raises(ValueError):
         make_workload(4, 0, 3, special_ids=(0, 1, 2))
+
+
+def test_shared_prefix_workload():
+    """Each request is one of N prefixes (lengths in range, tokens not special) + the usual
+    workload's prompt; the prefixes serve even shares in a shuffled order; seeded."""
+    base = make_workload(40, 2, VOCAB, special_ids=SPECIAL)
+    shared, prefixes = share_prefixes(base, 5, (50, 90), 2, VOCAB, SPECIAL)
+    assert len(prefixes) == 5 and all(50 <= len(p) <= 90 for p in prefixes)
+    assert len({len(p) for p in prefixes}) > 1 and not {t for p in prefixes for t in p} & \
+        set(SPECIAL)
+    which = []
+    for req, own in zip(shared, base, strict=True):
+        [k] = [k for k, p in enumerate(prefixes) if req.prompt_token_ids[:len(p)] == p]
+        assert req.prompt_token_ids == prefixes[k] + own.prompt_token_ids
+        assert req.output_len == own.output_len
+        which.append(k)
+    assert sorted(which) == sorted(i % 5 for i in range(40))  # 8 requests each
+    assert which != sorted(which) and which != [i % 5 for i in range(40)]  # shuffled
+    assert share_prefixes(base, 5, (50, 90), 2, VOCAB, SPECIAL) == (shared, prefixes)
+    other, _ = share_prefixes(base, 5, (50, 90), 3, VOCAB, SPECIAL)
+    assert other != shared
+    fixed = share_prefixes(base, 1, (64, 64), 2, VOCAB)[1]
+    assert [len(p) for p in fixed] == [64]
+
+
+def test_shared_prefix_flag_is_parsed_and_checked():
+    assert parse_shared_prefix("5:500-1100") == (5, 500, 1100)
+    assert parse_shared_prefix("2:300") == (2, 300, 300)
+    for bad in ("5", "0:100", "5:900-500", "a:1-2", "5:0", "5:-3"):
+        with pytest.raises(ValueError, match=f"N:LO-HI .*got '{bad}'"):
+            parse_shared_prefix(bad)
 
 
 def test_model_flops_matches_hand_count():

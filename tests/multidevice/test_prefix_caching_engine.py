@@ -21,7 +21,8 @@ LAYOUTS = dict(mesh="cpu-8", prefill="pp=4,tp=2", decode="tp=8")
 @pytest.fixture(scope="module")
 def reference(tiny_orbax):
     """The two waves on one device, the cache off."""
-    engine = Engine(EngineConfig(model=str(tiny_orbax), scheduler="prefill_first", **FAST))
+    engine = Engine(EngineConfig(model=str(tiny_orbax), scheduler="prefill_first",
+                                 prefix_caching=False, **FAST))
     reference = run_waves(engine, TINY.vocab_size - 1)
     engine.close()
     return reference
