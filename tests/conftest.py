@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import pickle
 from pathlib import Path
 
 import pytest
@@ -100,22 +101,46 @@ def gguf_weights():
 
 
 @pytest.fixture(scope="session")
-def hf_tokenizer():
+def hf_tokenizer(tmp_path_factory):
+    """transformers' tokenizer from the same GGUF (read once per test run: about 40 s)."""
     transformers = pytest.importorskip("transformers")
-    return transformers.AutoTokenizer.from_pretrained(gguf_dir(), gguf_file=GGUF_FILE)
+    return _once_per_run(tmp_path_factory, "hf_tokenizer", lambda: (
+        transformers.AutoTokenizer.from_pretrained(gguf_dir(), gguf_file=GGUF_FILE)))
 
 
 @pytest.fixture(scope="session")
-def hf_model():
-    """The HF transformers reference: the same GGUF, dequantized to float32, eval mode."""
+def hf_model(tmp_path_factory):
+    """The HF transformers reference: the same GGUF, dequantized to float32 by transformers
+    (once per test run, shared by the workers through a float32 save), eval mode."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     # One thread: the cores are shared with XLA's pool, and torch's spinning OpenMP workers slow
     # generate() down >10x when the machine is oversubscribed.
     torch.set_num_threads(1)
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        gguf_dir(), gguf_file=GGUF_FILE, dtype=torch.float32)
-    return model.eval()
+    return _once_per_run(tmp_path_factory, "hf_model_f32", lambda: (
+        transformers.AutoModelForCausalLM.from_pretrained(
+            gguf_dir(), gguf_file=GGUF_FILE, dtype=torch.float32))).eval()
+
+
+def _once_per_run(tmp_path_factory, name: str, build):
+    """`build()` once per test run: the first worker to ask builds it and pickles it (a
+    GGUF-loaded HF model refuses save_pretrained) where the other pytest-xdist workers read
+    it back, under a file lock, in about a second."""
+    filelock = pytest.importorskip("filelock")  # transformers' own dependency
+    saved = _run_shared_dir(tmp_path_factory) / f"{name}.pickle"
+    with filelock.FileLock(f"{saved}.lock"):
+        if saved.exists():
+            return pickle.loads(saved.read_bytes())
+        value = build()
+        saved.with_suffix(".tmp").write_bytes(pickle.dumps(value))
+        saved.with_suffix(".tmp").rename(saved)
+        return value
+
+
+def _run_shared_dir(tmp_path_factory) -> Path:
+    """A directory every pytest-xdist worker of this run shares (their base temp's parent)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
 
 
 # ---- serving: `python -m jaxpipe.serve` as a subprocess ---------------------------------------
