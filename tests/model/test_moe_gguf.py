@@ -91,3 +91,23 @@ def test_transformers_reads_the_file_as_the_same_model(gguf_pair):
     with torch.no_grad():
         np.testing.assert_allclose(again(ids).logits.numpy(), model(ids).logits.numpy(),
                                    rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch, experts, match", [
+    ("qwen3moe", None, r"GGUF qwen3moe has no qwen3moe.expert_count \(or 0\)"),
+    ("qwen2", 4, r"GGUF qwen2 with qwen2.expert_count=4 is not supported; experts are "
+                 r"supported in: llama, mistral, qwen3moe, qwen2moe"),
+])
+def test_expert_metadata_jaxpipe_cannot_run_fails_naming_the_key(tmp_path, arch, experts, match):
+    w = gguf.GGUFWriter(str(tmp_path / "m.gguf"), arch)
+    for add, value in [(w.add_embedding_length, 16), (w.add_block_count, 1),
+                       (w.add_feed_forward_length, 24), (w.add_head_count, 2),
+                       (w.add_vocab_size, 32), (w.add_expert_used_count, 2)]:
+        add(value)
+    if experts:
+        w.add_expert_count(experts)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.close()
+    with pytest.raises(ValueError, match=match):
+        loading.gguf_config(gguf.GGUFReader(str(tmp_path / "m.gguf")))
