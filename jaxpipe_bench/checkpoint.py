@@ -1,4 +1,4 @@
-"""A Llama or Qwen2 checkpoint of seeded random weights in HF's format (config.json, bf16
+"""A Llama, Qwen2 or Qwen3-MoE checkpoint of seeded random weights in HF's format (config.json, bf16
 safetensors, tokenizer files), for benchmarks on a model larger than the default one that every
 engine loads from the same files (`scripts/make_checkpoint.py`).
 
@@ -28,14 +28,29 @@ QWEN2_05B = {
     "num_heads": 14, "num_kv_heads": 2, "head_dim": 64, "rms_norm_eps": 1e-6,
     "rope_theta": 1000000.0, "max_position_embeddings": 32768, "tie_embeddings": True,
 }
-FAMILIES = {"llama": LLAMA_1B, "qwen2": QWEN2_05B}  # make_checkpoint.py --family
-_HF_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+# A ~1.0B-parameter Qwen3-MoE (q/k norms, 8 experts of 1408, 2 per token: ~0.32B active per
+# token), Qwen3-30B-A3B's layout scaled down; SmolLM2's vocabulary.
+QWEN3_MOE_1B = {
+    "family": "qwen3_moe", "hidden_size": 1024, "intermediate_size": 0, "num_layers": 24,
+    "num_heads": 16, "num_kv_heads": 4, "head_dim": 64, "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0, "max_position_embeddings": 4096, "tie_embeddings": False,
+    "qk_norm": True, "num_experts": 8, "num_experts_per_tok": 2,
+    "moe_intermediate_size": 1408, "norm_topk_prob": True,
+}
+# make_checkpoint.py --family
+FAMILIES = {"llama": LLAMA_1B, "qwen2": QWEN2_05B, "qwen3_moe": QWEN3_MOE_1B}
+_HF_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+               "qwen3_moe": "Qwen3MoeForCausalLM"}
 
 
 def hf_config(arch: dict, vocab_size: int, bos: int, eos: int) -> dict:
     """config.json of `arch`'s family (default llama) with its dimensions."""
     family = arch.get("family", "llama")
-    extra = {"use_sliding_window": False} if family == "qwen2" else {}
+    extra = {"use_sliding_window": False} if family in ("qwen2", "qwen3_moe") else {}
+    if family == "qwen3_moe":  # every layer MoE
+        extra |= {k: arch[k] for k in ("num_experts", "num_experts_per_tok",
+                                        "moe_intermediate_size", "norm_topk_prob")}
+        extra |= {"decoder_sparse_step": 1, "mlp_only_layers": []}
     return extra | {
         "architectures": [_HF_CLASSES[family]], "model_type": family, "hidden_act": "silu",
         "hidden_size": arch["hidden_size"], "intermediate_size": arch["intermediate_size"],
@@ -52,26 +67,43 @@ def hf_config(arch: dict, vocab_size: int, bos: int, eos: int) -> dict:
 
 def tensor_shapes(arch: dict, vocab_size: int) -> dict[str, tuple[int, ...]]:
     """HF name -> shape ([out, in] for linear layers) of every weight, in file order."""
-    e, f, d = arch["hidden_size"], arch["intermediate_size"], arch["head_dim"]
+    e, d = arch["hidden_size"], arch["head_dim"]
     q, kv = arch["num_heads"] * d, arch["num_kv_heads"] * d
+    family = arch.get("family")
     shapes = {"model.embed_tokens.weight": (vocab_size, e)}
     for i in range(arch["num_layers"]):
         pre = f"model.layers.{i}."
         shapes |= {pre + "input_layernorm.weight": (e,),
                    pre + "self_attn.q_proj.weight": (q, e),
                    **({pre + "self_attn.q_proj.bias": (q,), pre + "self_attn.k_proj.bias": (kv,),
-                       pre + "self_attn.v_proj.bias": (kv,)}
-                      if arch.get("family") == "qwen2" else {}),
+                       pre + "self_attn.v_proj.bias": (kv,)} if family == "qwen2" else {}),
                    pre + "self_attn.k_proj.weight": (kv, e),
                    pre + "self_attn.v_proj.weight": (kv, e),
                    pre + "self_attn.o_proj.weight": (e, q),
+                   **({pre + "self_attn.q_norm.weight": (d,), pre + "self_attn.k_norm.weight": (d,)}
+                      if arch.get("qk_norm") else {}),
                    pre + "post_attention_layernorm.weight": (e,),
-                   pre + "mlp.gate_proj.weight": (f, e),
-                   pre + "mlp.up_proj.weight": (f, e),
-                   pre + "mlp.down_proj.weight": (e, f)}
+                   **_mlp_shapes(arch, pre + "mlp.")}
     shapes["model.norm.weight"] = (e,)
     if not arch["tie_embeddings"]:
         shapes["lm_head.weight"] = (vocab_size, e)
+    return shapes
+
+
+def _mlp_shapes(arch: dict, pre: str) -> dict[str, tuple[int, ...]]:
+    """One layer's MLP: the dense one, or the router [X, E] and each expert's gate/up/down
+    under the per-expert names transformers' save_pretrained writes."""
+    e = arch["hidden_size"]
+    if not arch.get("num_experts"):
+        f = arch["intermediate_size"]
+        return {pre + "gate_proj.weight": (f, e), pre + "up_proj.weight": (f, e),
+                pre + "down_proj.weight": (e, f)}
+    f = arch["moe_intermediate_size"]
+    shapes = {pre + "gate.weight": (arch["num_experts"], e)}
+    for x in range(arch["num_experts"]):
+        shapes |= {f"{pre}experts.{x}.gate_proj.weight": (f, e),
+                   f"{pre}experts.{x}.up_proj.weight": (f, e),
+                   f"{pre}experts.{x}.down_proj.weight": (e, f)}
     return shapes
 
 

@@ -157,6 +157,21 @@ def write_gguf(model, arch: str, path: Path) -> None:
     qwen3, gemma2, gemma3, phi3) written with the `gguf` package as llama.cpp's
     convert_hf_to_gguf.py writes them: tensor names from gguf's own name map, Gemma's norms
     stored as 1 + w, the Gemma and Phi keys llama.cpp reads."""
+    c = model.config
+    tensors = {}
+    for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight" and c.tie_word_embeddings:
+            continue
+        value = tensor.float()
+        if arch.startswith("gemma") and name.endswith("norm.weight"):
+            value = value + 1.0
+        tensors[name] = value.numpy()
+    finish_gguf(gguf_writer(model, arch, path), arch, c.num_hidden_layers, tensors)
+
+
+def gguf_writer(model, arch: str, path: Path):
+    """A `gguf.GGUFWriter` at `path` holding `model`'s hyperparameters under architecture
+    `arch`'s keys (and a small byte-level vocabulary); its tensors still to add."""
     import gguf
 
     c = model.config
@@ -194,15 +209,18 @@ def write_gguf(model, arch: str, path: Path) -> None:
             for kind in ("long", "short"):
                 w.add_tensor(f"rope_factors_{kind}.weight",
                              np.asarray(c.rope_parameters[f"{kind}_factor"], np.float32))
+    return w
+
+
+def finish_gguf(w, arch: str, layers: int, tensors: dict[str, np.ndarray]) -> None:
+    """Add `tensors` (HF names -> arrays) to `w` under the GGUF names gguf's own name map
+    gives them for `arch`, and write the file."""
+    import gguf
+
     model_arch = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch)
-    names = gguf.get_tensor_name_map(model_arch, c.num_hidden_layers)
-    for name, tensor in model.state_dict().items():
-        if name == "lm_head.weight" and c.tie_word_embeddings:
-            continue
-        value = tensor.float()
-        if arch.startswith("gemma") and name.endswith("norm.weight"):
-            value = value + 1.0
-        w.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")), value.numpy())
+    names = gguf.get_tensor_name_map(model_arch, layers)
+    for name, value in tensors.items():
+        w.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")), value)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

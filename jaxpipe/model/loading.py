@@ -1,8 +1,8 @@
 """Weights into the model: GGUF (dequantized), HF safetensors directories, orbax checkpoints.
 
 Every loader produces `(ModelConfig, {param name: array})` in the layout `param_decls` declares.
-GGUF and HF share one conversion: GGUF tensor names are mapped to HF names and llama.cpp's Q/K
-row permutation is undone first.
+GGUF and HF share one conversion: GGUF tensor names are mapped to HF names (a GGUF's stacked
+experts split into HF's per-expert ones) and llama.cpp's Q/K row permutation is undone first.
 """
 
 from __future__ import annotations
@@ -35,11 +35,26 @@ GGUF_TO_HF = {
     "attn_v.bias": "self_attn.v_proj.bias",
     "attn_q_norm.weight": "self_attn.q_norm.weight",
     "attn_k_norm.weight": "self_attn.k_norm.weight",
+    # Mixtures of experts: the router [X, E]; Qwen2-MoE's shared expert, which jaxpipe runs as
+    # the dense MLP, and its gate [E] or [1, E].
+    "ffn_gate_inp.weight": "mlp.gate.weight",
+    "ffn_gate_shexp.weight": "mlp.gate_proj.weight",
+    "ffn_up_shexp.weight": "mlp.up_proj.weight",
+    "ffn_down_shexp.weight": "mlp.down_proj.weight",
+    "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
 }
+# A GGUF's experts, stacked: gate/up [X, F', E], down [X, E, F'] -> HF's per-expert names.
+_GGUF_EXPERTS = {"ffn_gate_exps.weight": "gate", "ffn_up_exps.weight": "up",
+                 "ffn_down_exps.weight": "down"}
 # GGUF architectures. llama.cpp interleaves Q/K rows (pairwise RoPE) for the Llama ones only;
 # Qwen's, Gemma's and Phi's use rotate-half ("neox") RoPE, stored as HF has them.
-GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
+GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3",
+                      "qwen2moe", "qwen3moe")
 _GGUF_PERMUTED_QK = ("llama", "mistral")
+# Whether llama.cpp renormalises the top-k router weights (its build_moe_ffn's norm_w, fixed
+# per architecture, not read from the file): Mixtral (as `llama`) and Qwen3-MoE do,
+# Qwen2-MoE does not.
+_GGUF_NORM_TOPK = {"llama": True, "mistral": True, "qwen3moe": True, "qwen2moe": False}
 # Where an architecture's names differ from GGUF_TO_HF: Gemma's sandwich norms (its MLP input
 # norm is ffn_norm), Phi-3's fused projections (split by `_split_fused`).
 _GGUF_NAMES_BY_ARCH = {
@@ -76,13 +91,11 @@ def gguf_config(reader) -> ModelConfig:
     vocab = len(reader.fields["tokenizer.ggml.tokens"].data) if (
         "tokenizer.ggml.tokens" in reader.fields) else int(key("vocab_size"))
     eos = _gguf_field(reader, "tokenizer.ggml.eos_token_id")
-    switches = _gguf_switches(arch, key, names, hidden, heads)
+    switches = _gguf_switches(arch, key, names, hidden, heads) | _gguf_moe(reader, arch, key)
     if "rope_factors_short.weight" in names:
         switches["rope_scaling"] = _gguf_longrope(reader, key)
     return ModelConfig(
-        vocab_size=vocab, hidden_size=hidden,
-        intermediate_size=int(key("feed_forward_length")),
-        num_layers=int(key("block_count")), num_heads=heads,
+        vocab_size=vocab, hidden_size=hidden, num_layers=int(key("block_count")), num_heads=heads,
         num_kv_heads=int(key("attention.head_count_kv", heads)),
         head_dim=switches.pop("head_dim"),
         rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
@@ -93,6 +106,29 @@ def gguf_config(reader) -> ModelConfig:
         eos_token_ids=() if eos is None else (int(eos),),
         qkv_bias="blk.0.attn_q.bias" in names, qk_norm="blk.0.attn_q_norm.weight" in names,
         **switches)
+
+
+def _gguf_moe(reader, arch: str, key) -> dict:
+    """The dense MLP's width, and the experts' fields where the file has experts
+    (`{arch}.expert_count`): their width is `expert_feed_forward_length` (Mixtral as `llama`:
+    `feed_forward_length`), Qwen2-MoE's shared expert `expert_shared_feed_forward_length`."""
+    experts = int(key("expert_count", 0))
+    if not experts:
+        if arch in ("qwen2moe", "qwen3moe"):
+            raise ValueError(f"GGUF {arch} has no {arch}.expert_count (or 0); a {arch} file "
+                             "needs its expert count")
+        return {"intermediate_size": int(key("feed_forward_length"))}
+    if arch not in _GGUF_NORM_TOPK:
+        raise ValueError(f"GGUF {arch} with {arch}.expert_count={experts} is not supported; "
+                         f"experts are supported in: {', '.join(_GGUF_NORM_TOPK)}")
+    width = key("expert_feed_forward_length") or key("feed_forward_length")
+    shared = 0
+    if any(t.name == "blk.0.ffn_gate_shexp.weight" for t in reader.tensors):
+        shared = int(key("expert_shared_feed_forward_length", 0)) or next(
+            int(t.shape[1]) for t in reader.tensors if t.name == "blk.0.ffn_gate_shexp.weight")
+    return dict(num_experts=experts, num_experts_per_tok=int(key("expert_used_count")),
+                moe_intermediate_size=int(width), norm_topk_prob=_GGUF_NORM_TOPK[arch],
+                intermediate_size=shared)
 
 
 def _gguf_longrope(reader, key) -> RopeScaling:
@@ -156,30 +192,40 @@ def load_gguf(path: Path) -> tuple[ModelConfig, dict[str, np.ndarray]]:
     reader = GGUFReader(str(path))
     cfg = gguf_config(reader)
     arch = _gguf_field(reader, "general.architecture")
-    permuted, renames = arch in _GGUF_PERMUTED_QK, GGUF_TO_HF | _GGUF_NAMES_BY_ARCH.get(arch, {})
     if any(t.name == "rope_freqs.weight" for t in reader.tensors):
         raise ValueError(f"{path}: GGUF with rope_freqs (Llama-3.1 scaling) is not supported yet")
     hf: dict[str, np.ndarray] = {}
     for t in reader.tensors:
+        if t.name.startswith("rope_factors_"):  # LongRoPE's, read by gguf_config
+            continue
         value = quants.dequantize(t.data, t.tensor_type).astype(np.float32)
         value = value.reshape([int(n) for n in reversed(t.shape)])
-        name = t.name
-        if name.startswith("rope_factors_"):  # LongRoPE's, read by gguf_config
-            continue
-        if name.startswith("blk."):
-            _, idx, rest = name.split(".", 2)
-            if permuted and rest == "attn_q.weight":
-                value = _unpermute_qk(value, cfg.num_heads)
-            elif permuted and rest == "attn_k.weight":
-                value = _unpermute_qk(value, cfg.num_kv_heads)
-            if rest not in renames:
-                raise ValueError(f"{path}: GGUF tensor {name!r} is not supported (a part of "
-                                 f"the {cfg.num_layers}-layer model jaxpipe does not run)")
-            hf[f"model.layers.{idx}.{renames[rest]}"] = value
+        if t.name.startswith("blk."):
+            hf |= _gguf_block_tensor(path, cfg, arch, t.name, value)
         else:
-            hf[renames[name]] = value
+            hf[GGUF_TO_HF[t.name]] = value
     _split_fused(cfg, hf)  # Gemma's norms are stored as 1 + w already: no offset
     return cfg, from_hf_names(cfg, hf.__getitem__)
+
+
+def _gguf_block_tensor(path: Path, cfg: ModelConfig, arch: str, name: str,
+                       value: np.ndarray) -> dict[str, np.ndarray]:
+    """One `blk.{i}.*` tensor under its HF name(s): Llama's Q/K rows un-permuted, stacked
+    experts split into one matrix per expert, Qwen2-MoE's shared-expert gate as [1, E]."""
+    _, idx, rest = name.split(".", 2)
+    pre, renames = f"model.layers.{idx}.", GGUF_TO_HF | _GGUF_NAMES_BY_ARCH.get(arch, {})
+    if arch in _GGUF_PERMUTED_QK and rest in ("attn_q.weight", "attn_k.weight"):
+        value = _unpermute_qk(value, cfg.num_heads if rest == "attn_q.weight"
+                              else cfg.num_kv_heads)
+    if rest in _GGUF_EXPERTS:
+        return {f"{pre}mlp.experts.{x}.{_GGUF_EXPERTS[rest]}_proj.weight": w
+                for x, w in enumerate(value)}
+    if rest not in renames:
+        raise ValueError(f"{path}: GGUF tensor {name!r} is not supported (a part of "
+                         f"the {cfg.num_layers}-layer model jaxpipe does not run)")
+    if rest == "ffn_gate_inp_shexp.weight":
+        value = value.reshape(1, -1)
+    return {pre + renames[rest]: value}
 
 
 # HF architectures -> the family switches they set (model/decoder.py's config fields).

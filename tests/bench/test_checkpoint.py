@@ -60,3 +60,30 @@ def test_qwen2_checkpoint_is_what_transformers_and_jaxpipe_read_as_qwen2(tmp_pat
     assert type(hf).__name__ == "Qwen2ForCausalLM"
     bias = hf.model.layers[1].self_attn.k_proj.bias.detach().numpy()
     np.testing.assert_array_equal(values["bkv"][1, 0].reshape(-1), bias)
+
+
+def test_qwen3_moe_checkpoint_is_what_transformers_and_jaxpipe_read_as_qwen3_moe(tmp_path):
+    """--family qwen3_moe: the router, every expert and the q/k norms are in the file, and
+    transformers builds the same experts from it as jaxpipe's loader reads (drawn, not zero)."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+
+    arch = {**TINY, "family": "qwen3_moe", "intermediate_size": 0, "qk_norm": True,
+            "num_experts": 5, "num_experts_per_tok": 2, "moe_intermediate_size": 7,
+            "norm_topk_prob": True}
+    vocab = 17
+    (tmp_path / "config.json").write_text(json.dumps(hf_config(arch, vocab, 1, 2)))
+    write_safetensors(tmp_path / "model.safetensors", tensor_shapes(arch, vocab), seed=7)
+    cfg, values = load_hf_dir(tmp_path)
+    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size,
+            cfg.norm_topk_prob, cfg.intermediate_size, cfg.qk_norm) == (5, 2, 7, True, 0, True)
+    assert 0.01 < values["w_experts_down"].std() < 0.03 and 0.01 < values["router"].std() < 0.03
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32)
+    assert type(hf).__name__ == "Qwen3MoeForCausalLM"
+    mlp = hf.model.layers[2].mlp
+    np.testing.assert_array_equal(values["router"][2], mlp.gate.weight.detach().numpy().T)
+    down = mlp.experts.down_proj.detach().numpy()  # [X, E, F]
+    np.testing.assert_array_equal(values["w_experts_down"][2], down.transpose(0, 2, 1))
+    gate_up = mlp.experts.gate_up_proj.detach().numpy()  # [X, 2F, E], gate first
+    np.testing.assert_array_equal(values["w_experts_gate_up"][2, :, :, 1],
+                                  gate_up[:, 7:].transpose(0, 2, 1))
