@@ -33,7 +33,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpipe import sharding
 from jaxpipe.config import ModelConfig
-from jaxpipe.kernels import matmul, pallas_attention, ragged_attention
+from jaxpipe.kernels import dispatch, matmul, pallas_attention, ragged_attention
 from jaxpipe.kernels.dispatch import Matmul
 from jaxpipe.kv.device_cache import BLOCK, OUT_OF_RANGE, KVCache, to_storage
 from jaxpipe.layout import Layout
@@ -319,7 +319,8 @@ def stage_layers(cfg: ModelConfig, layers: LayerParams, x, mb: dict, cache: KVCa
         x, k, v = carry
         p = layer_params(layers, j, packed)
         attn, k, v = attend_layer(p, x, k, v, j)
-        x = decoder.attn_out_mlp(cfg, p, x, attn, reduce, dot, gated, shard)
+        x = decoder.attn_out_mlp(cfg, p, x, attn, reduce, dot, gated, shard,
+                                 dispatch.experts_dispatch)
         return (x, k, v), None
 
     (x, k, v), _ = lax.scan(layer, (x, *cache), jnp.arange(count), unroll=unroll)

@@ -271,6 +271,29 @@ def cache_path() -> Path:
     return cache_dir("dispatch") / f"{key}.json"
 
 
+def experts_dispatch(tokens: int, k: int, w_gate_up, w_down) -> str:
+    """The MoE experts' dispatch for a step (`moe.experts_mlp`'s chooser, called at trace
+    time): "grouped" or "dense", this machine's faster for T = `tokens` tokens on these
+    shapes (timed once per machine at a few token counts and cached; a step takes the choice
+    of the nearest count at or above its own); dense where the grouped kernel cannot run;
+    the platform's default (`moe.DISPATCH`) off CPU or where it names one dispatch. Across
+    processes (multi-host) every process must trace the same program while each would time
+    on its own: there grouped, faster at every point `model/moe.py`'s docstring lists."""
+    from jaxpipe.model import moe
+
+    default = moe.dispatch_for(jax.default_backend())
+    if default != "measured":  # not CPU, or one dispatch set for every step
+        return default
+    if not moe.grouped_fits(w_gate_up, w_down):
+        return "dense"
+    if jax.process_count() > 1:
+        return "grouped"
+    x, e, _, f = w_gate_up.shape
+    case = ExpertsCase(experts=x, k=k, hidden=e, inter=f)
+    with jax.ensure_compile_time_eval():  # a first measurement runs now, not in the trace
+        return for_machine().experts(case, tokens)
+
+
 @functools.cache
 def for_machine(force: str | None = None) -> Dispatch:
     """The process's dispatcher: this machine's cached timings, measured as needed."""

@@ -252,12 +252,12 @@ def projections(cfg: ModelConfig, p: LayerParams, x, dot=None):
 
 
 def attn_out_mlp(cfg: ModelConfig, p: LayerParams, x, attn, reduce=None, dot=None,
-                 gated=None, shard: ExpertShard | None = None):
+                 gated=None, shard: ExpertShard | None = None, experts=None):
     """Residual updates after attention: x [..., E], attn [..., H, D] -> x [..., E].
 
     `reduce` sums the partial products of the two row-split matmuls (`wo`, `w_down`) across
     tensor-parallel shards (a `psum` inside `shard_map`); None on one shard. `dot`, `gated`:
-    see `_matmul` and `gated_mlp`; `shard`: see `mlp`."""
+    see `_matmul` and `gated_mlp`; `shard`, `experts`: see `mlp`."""
     reduce = reduce or (lambda y: y)
 
     def residual(x, y, norm):  # Gemma's sandwich: the output normalised before its add
@@ -265,16 +265,17 @@ def attn_out_mlp(cfg: ModelConfig, p: LayerParams, x, attn, reduce=None, dot=Non
 
     x = residual(x, reduce(_matmul(attn, p.wo, 2, dot)), p.post_attn_norm)
     h = rms_norm(x, p.mlp_norm, cfg.rms_norm_eps)
-    return residual(x, reduce(mlp(cfg, p, h, dot, gated, shard)), p.post_mlp_norm)
+    return residual(x, reduce(mlp(cfg, p, h, dot, gated, shard, experts)), p.post_mlp_norm)
 
 
 def mlp(cfg: ModelConfig, p: LayerParams, h, dot=None, gated=None,
-        shard: ExpertShard | None = None):
+        shard: ExpertShard | None = None, experts=None):
     """The MLP of normalised h [..., E] -> [..., E] f32 (a partial sum under tensor
     parallelism, as the row-split `w_down`'s): the dense gated MLP, or the experts plus,
     where the layer has one, the shared expert (the dense MLP) times sigmoid(h . shared_gate).
     `dot`, `gated`: see `_matmul` and `gated_mlp` (the dense MLP's); `shard`: this device's
-    experts under expert parallelism (None: it holds them all)."""
+    experts under expert parallelism (None: it holds them all); `experts`: the experts'
+    dispatch (`moe.experts_mlp`'s `dispatch`; None: the platform's default)."""
     dense = None
     if p.w_gate_up is not None:
         act = gated_mlp(h, p.w_gate_up, dot, gated, cfg.mlp_act)  # [..., F]
@@ -284,12 +285,13 @@ def mlp(cfg: ModelConfig, p: LayerParams, h, dot=None, gated=None,
     e = h.shape[-1]
     flat = h.reshape(-1, e)  # [T, E]
     with jax.named_scope("experts"):
-        weights, experts = moe.route(flat, p.router, cfg.num_experts_per_tok,
-                                     cfg.norm_topk_prob)
+        weights, chosen = moe.route(flat, p.router, cfg.num_experts_per_tok,
+                                    cfg.norm_topk_prob)
         if shard is not None:
-            weights, experts = local_experts(weights, experts, shard.index,
-                                             p.w_experts_gate_up.shape[0])
-        out = moe.experts_mlp(flat, weights, experts, p.w_experts_gate_up, p.w_experts_down)
+            weights, chosen = local_experts(weights, chosen, shard.index,
+                                            p.w_experts_gate_up.shape[0])
+        out = moe.experts_mlp(flat, weights, chosen, p.w_experts_gate_up, p.w_experts_down,
+                              experts)
         if shard is not None:
             out = shard.reduce(out)
     if dense is not None:

@@ -16,12 +16,14 @@ Three dispatches, the same numbers (`experts_mlp`):
     grouped kernel (`kernels/matmul.py: grouped_matmul`): each expert's rows times its own
     weight only (k/X of the dense FLOPs; an expert no token chose is not read), the gate
     fused into the first product, on the bf16 matmul kernel's path code.
-`DISPATCH` picks by platform: ragged off CPU (not measured there yet); on CPU "measured":
-grouped or dense, whichever `kernels/dispatch.py` timed faster on these expert shapes at
-the nearest token count at or above the step's (once per machine, cached); dense where the
-grouped kernel cannot run. Medians of 15 interleaved rounds (3 for E=1024) on the
-2-core AMD EPYC (avx2 + FMA only, no avx512), shared with other work (load ~14, so rough),
-bf16 weights, `scripts/bench_moe_kernel.py`, dense / ragged / grouped ms:
+`DISPATCH` picks by platform when the caller names none: ragged off CPU (not measured there
+yet); "measured" on CPU, which is dense when called directly, while the engine's step
+passes a chooser (`kernels/dispatch.experts_dispatch`, called at trace time): grouped or
+dense, whichever timed faster on these expert shapes at the nearest token count at or above
+the step's (once per machine, cached), dense where the grouped kernel cannot run. Medians of
+15 interleaved rounds (3 for E=1024) on the 2-core AMD EPYC (avx2 + FMA only, no avx512),
+shared with other work (load ~14, so rough), bf16 weights, `scripts/bench_moe_kernel.py`,
+dense / ragged / grouped ms:
     X=8, k=2, E=256, F=512:   T=8: 3.7 / 5.8 / 1.3;  T=64: 48 / 73 / 9.8;  T=512: 338 / 550 / 70
     X=64, k=8, E=256, F=512:  T=8: 272 / 555 / 33;   T=64: 638 / - / 97;   T=512: 3504 / - / 390
     X=64, k=8, E=1024, F=768: T=8: 2825 / 4827 / 277; T=64: 3172 / - / 475
@@ -55,7 +57,8 @@ DISPATCHES = ("ragged", "dense", "grouped")
 
 
 def dispatch_for(platform: str) -> str:
-    """The experts' dispatch on a platform ("cpu", "gpu", "tpu"); "measured": `measured`."""
+    """The experts' dispatch on a platform ("cpu", "gpu", "tpu") when none is named;
+    "measured": the step's chooser decides (`kernels/dispatch.experts_dispatch`)."""
     return DISPATCH.get(platform, "ragged")
 
 
@@ -63,14 +66,16 @@ def experts_mlp(h, weights, experts, w_gate_up, w_down, dispatch: str | None = N
     """sum_j weights[t, j] * expert_{experts[t, j]}(h[t]), each expert silu(h @ gate) * (h @ up)
     @ down. h [T, E] f32, weights / experts [T, k], w_gate_up [X, E, 2, F], w_down [X, F, E]
     -> [T, E] f32 (accumulated in f32; activations cast to the weights' dtype). `dispatch`:
-    one of DISPATCHES or "measured" (see the module's docstring); None: JAX's default
-    backend's."""
+    one of DISPATCHES, or a chooser `(tokens, k, w_gate_up, w_down) -> one of them` called
+    at trace time; None: JAX's default backend's."""
     dispatch = dispatch or dispatch_for(jax.default_backend())
-    if dispatch == "measured":
-        dispatch = measured(h.shape[0], experts.shape[1], w_gate_up, w_down)
+    if callable(dispatch):
+        dispatch = dispatch(h.shape[0], experts.shape[1], w_gate_up, w_down)
+    if dispatch == "measured":  # no chooser given: the one every shape runs
+        dispatch = "dense"
     if dispatch not in DISPATCHES:
         raise ValueError(f"MoE dispatch {dispatch!r} is not one of "
-                         f"{', '.join(map(repr, (*DISPATCHES, 'measured')))}")
+                         f"{', '.join(map(repr, DISPATCHES))} or a chooser")
     if dispatch == "grouped" and not grouped_fits(w_gate_up, w_down):
         raise ValueError(f"MoE dispatch 'grouped' needs the bf16 kernel, bf16 weights and an "
                          f"even E and F; got w_gate_up {w_gate_up.shape} {w_gate_up.dtype}")
@@ -86,25 +91,6 @@ def grouped_fits(w_gate_up, w_down) -> bool:
     e, f = w_gate_up.shape[1], w_down.shape[1]
     return (w_gate_up.dtype == w_down.dtype == jnp.bfloat16 and e % 2 == 0 and f % 2 == 0
             and jax.default_backend() == "cpu" and matmul.available())
-
-
-def measured(tokens: int, k: int, w_gate_up, w_down) -> str:
-    """"grouped" or "dense": this machine's faster for T = `tokens` tokens on these shapes
-    (`kernels/dispatch.py`: timed once per machine at a few token counts and cached; a step
-    takes the choice of the nearest count at or above its own); "dense" where the grouped
-    kernel cannot run. Across processes (multi-host) every process must trace the same
-    program while each would time on its own: there grouped, faster at every point the
-    module's docstring lists."""
-    if not grouped_fits(w_gate_up, w_down):
-        return "dense"
-    if jax.process_count() > 1:
-        return "grouped"
-    from jaxpipe.kernels import dispatch
-
-    x, e, _, f = w_gate_up.shape
-    case = dispatch.ExpertsCase(experts=x, k=k, hidden=e, inter=f)
-    with jax.ensure_compile_time_eval():  # a first measurement runs now, not in the trace
-        return dispatch.for_machine().experts(case, tokens)
 
 
 def _dense(h, weights, experts, w_gate_up, w_down):

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxpipe.kernels import dispatch
 from jaxpipe.kernels import matmul as mm
 from jaxpipe.model import moe
 
@@ -135,9 +136,10 @@ def test_grouped_dispatch_refuses_what_the_kernel_cannot_run():
     with pytest.raises(ValueError, match=r"'grouped' needs .* even E and F; got w_gate_up "
                                          r"\(2, 10, 2, 7\) bfloat16"):
         moe.experts_mlp(h, weights, experts, w_gate_up, w_down, "grouped")
-    assert moe.measured(3, 1, w_gate_up, w_down) == "dense"  # F odd: no measurement either
-    assert moe.measured(3, 1, w_gate_up.astype(jnp.float32)[..., :6],
-                        w_down.astype(jnp.float32)[:, :6]) == "dense"
+    # F odd, or f32 weights: dense, no measurement either
+    assert dispatch.experts_dispatch(3, 1, w_gate_up, w_down) == "dense"
+    assert dispatch.experts_dispatch(3, 1, w_gate_up.astype(jnp.float32)[..., :6],
+                                     w_down.astype(jnp.float32)[:, :6]) == "dense"
 
 
 def test_engine_step_on_the_grouped_dispatch_gives_the_dense_dispatchs_tokens(tmp_path,
@@ -159,15 +161,15 @@ def test_engine_step_on_the_grouped_dispatch_gives_the_dense_dispatchs_tokens(tm
     draw_every_parameter(model, seed=3)
     model.save_pretrained(tmp_path, safe_serialization=True)
     tokens = {}
-    for dispatch in ("dense", "grouped"):
-        monkeypatch.setitem(moe.DISPATCH, "cpu", dispatch)
+    for name in ("dense", "grouped"):
+        monkeypatch.setitem(moe.DISPATCH, "cpu", name)
         jax.clear_caches()  # no step traced on the other dispatch is reused
         engine = Engine(EngineConfig(model=str(tmp_path), dtype="bfloat16", max_model_len=160,
                                      max_num_seqs=4, max_num_batched_tokens=32, warmup=False,
                                      show_progress=False))
         outs = engine.generate(prompt_token_ids=PROMPTS,
                                sampling_params=SamplingParams(temperature=0.0, max_tokens=12))
-        tokens[dispatch] = [list(o.outputs[0].token_ids) for o in outs]
+        tokens[name] = [list(o.outputs[0].token_ids) for o in outs]
         engine.close()
     jax.clear_caches()
     assert len({t for row in tokens["dense"] for t in row}) > 4  # not one repeated token
