@@ -58,20 +58,27 @@ def fig13(num_requests: int = FIG13_REQUESTS, outputs: tuple[int, ...] = FIG13_O
     return rows
 
 
-def fig10_scenario(paper_model: str, preset: str, devices: int, gpu: str, mesh_name: str,
-                   dataset: str, num_requests: int = FIG10_REQUESTS) -> dict:
-    """Seesaw vs the best static layout (prefill_first, chunked) on one scenario."""
-    model, mesh = resolve_model(preset).config, submesh(load_mesh(mesh_name), devices)
-    w = synthetic(dataset, num_requests, seed=0)
+def static_and_planned(model, mesh, w):
+    """The Fig. 10 comparison on one workload: every static layout of the mesh that holds the
+    weights plus the longest request under `prefill_first` (chunked), by layout name; the
+    best of them; the planner's (prefill, decode) pair; and `seesaw` on that pair."""
     static = {}
-    for layout in candidate_layouts(devices):
+    for layout in candidate_layouts(mesh.num_devices, model.num_experts):
         try:
             static[layout_name(layout)] = simulate(model, mesh, w, "prefill_first", layout)
         except ValueError:  # the layout cannot hold the weights plus the longest request
             continue
     best = max(static, key=lambda k: static[k].throughput)
-    c_p, c_d = choose_layouts(model, mesh, w)
-    seesaw = simulate(model, mesh, w, "seesaw", c_p, c_d)
+    pair = choose_layouts(model, mesh, w)
+    return static, best, pair, simulate(model, mesh, w, "seesaw", *pair)
+
+
+def fig10_scenario(paper_model: str, preset: str, devices: int, gpu: str, mesh_name: str,
+                   dataset: str, num_requests: int = FIG10_REQUESTS) -> dict:
+    """Seesaw vs the best static layout (prefill_first, chunked) on one scenario."""
+    model, mesh = resolve_model(preset).config, submesh(load_mesh(mesh_name), devices)
+    w = synthetic(dataset, num_requests, seed=0)
+    static, best, (c_p, c_d), seesaw = static_and_planned(model, mesh, w)
     return {"model": paper_model, "preset": preset, "gpu": f"{devices}x{gpu}",
             "dataset": dataset, "seesaw_speedup": seesaw.throughput / static[best].throughput,
             "seesaw_layouts": f"{paper_label(c_p)} -> {paper_label(c_d)}", "best_static": best,

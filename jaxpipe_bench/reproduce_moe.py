@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from jaxpipe.meshes import load_mesh
 from jaxpipe.model.presets import resolve_model
-from jaxpipe.planner.planner import candidate_layouts, choose_layouts, layout_name, paper_label
-from jaxpipe.planner.simulate import simulate
+from jaxpipe.planner.planner import paper_label
 from jaxpipe.planner.workloads import synthetic
+from jaxpipe_bench.reproduce import static_and_planned
 
 NUM_REQUESTS = 1000
 # (model preset, mesh preset, workload): the issue's case on both datasets, and a mesh whose
@@ -29,15 +29,7 @@ def scenario(preset: str, mesh_name: str, dataset: str, num_requests: int = NUM_
     """Simulated tokens/s of every feasible static layout and of the planner's pair."""
     model, mesh = resolve_model(preset).config, load_mesh(mesh_name)
     w = synthetic(dataset, num_requests, seed=0)
-    static = {}
-    for layout in candidate_layouts(mesh.num_devices, model.num_experts):
-        try:
-            static[layout_name(layout)] = simulate(model, mesh, w, "prefill_first", layout)
-        except ValueError:  # the layout cannot hold the weights plus the longest request
-            continue
-    best = max(static, key=lambda k: static[k].throughput)
-    c_p, c_d = choose_layouts(model, mesh, w)
-    planned = simulate(model, mesh, w, "seesaw", c_p, c_d)
+    static, best, (c_p, c_d), planned = static_and_planned(model, mesh, w)
     return {"model": preset, "mesh": mesh_name, "dataset": dataset,
             "num_requests": num_requests,
             "planner": {"prefill": str(c_p), "decode": str(c_d),

@@ -67,12 +67,19 @@ def check_waves(engine, reference) -> list[dict]:
     return stats
 
 
+def host_holds_no_sequence(engine) -> bool:
+    """The host tier holds only the prefix cache's groups (each the ledger's), no sequence:
+    with the cache on (the default), blocks the device pool evicted stay there."""
+    state = engine.executor.state
+    groups = state.host_cache.groups() if state.host_cache is not None else {}
+    return set(engine.executor.kv.host.entries) == {("prefix", g) for g in groups}
+
+
 def assert_all_released(engine) -> None:
     """Every request ended: no block has a reference, none is lost, the host tier holds no
     sequence (only the prefix cache's groups, each the ledger's)."""
     state = engine.executor.state
     assert state.block_pool.num_held == 0 and state.device_used == 0
     assert state.free_blocks == state.num_blocks
-    groups = state.host_cache.groups() if state.host_cache is not None else {}
-    assert set(engine.executor.kv.host.entries) == {("prefix", g) for g in groups}
+    assert host_holds_no_sequence(engine)
     assert state.host_used == 0

@@ -11,6 +11,7 @@ import dataclasses
 
 import pytest
 from conftest import ENGINE_KWARGS
+from prefix_workload import host_holds_no_sequence
 
 from jaxpipe import Engine, EngineConfig, SamplingParams
 from jaxpipe.scheduler import Kind, Preempt, make_policy
@@ -106,7 +107,7 @@ def test_every_policy_gives_the_reference_tokens(engine, reference, policy, over
     assert got == reference
     assert stats["finished_requests"] == len(PROMPTS)
     assert stats["host_kv_peak"] <= 64 and engine.executor.state.host_used == 0
-    assert not engine.executor.kv.host.entries
+    assert host_holds_no_sequence(engine)
     if policy == "seesaw":
         assert stats["swap_in_bytes"] == stats["swap_out_bytes"] > 0
         assert stats["to_decode"] >= 3  # the tier holds ~3 prompts: several refills
@@ -178,7 +179,7 @@ def test_abort_in_the_host_tier_frees_it_and_spares_the_others(engine, reference
             assert out.outputs[0].finish_reason == "abort"
         else:
             assert out.outputs[0].token_ids == reference[ids.index(i)]
-    assert engine.executor.state.host_used == 0 and not engine.executor.kv.host.entries
+    assert engine.executor.state.host_used == 0 and host_holds_no_sequence(engine)
 
 
 def test_reset_stats_zeroes_the_counters(engine):

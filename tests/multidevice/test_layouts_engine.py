@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import PAIRS, TINY
+from prefix_workload import host_holds_no_sequence
 
 from jaxpipe import Engine, EngineConfig, SamplingParams, step_inputs
 from jaxpipe.model import decoder, loading
@@ -162,7 +163,7 @@ def test_close_frees_the_engine_and_refuses_new_work(tiny_orbax):
         assert not seq.is_finished and not any(a.is_deleted() for a in arrays)
     assert engine.closed and seq.finish_reason == "abort"
     assert all(a.is_deleted() for a in arrays)
-    assert not engine.executor.kv.host.entries
+    assert host_holds_no_sequence(engine)
     with pytest.raises(RuntimeError, match="Engine is closed"):
         engine.generate(prompt_token_ids=tiny_prompts(), sampling_params=GREEDY)
     engine.close()

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from hf_families import PROMPTS, hf_greedy
+from hf_families import PROMPTS, checkpoint_fixture, hf_greedy
 from hf_moe import write
 
 from jaxpipe import Engine, EngineConfig, SamplingParams, step_inputs
@@ -28,18 +28,7 @@ LOGITS_ATOL = 1e-4
 PAIRS = [("qwen3_moe", "ep=4,tp=2", "ep=2,tp=4"), ("mixtral", "ep=8", "pp=2,ep=2,tp=2")]
 
 
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    """name -> (HF model in f32, checkpoint directory), each written once."""
-    made = {}
-
-    def get(name):
-        if name not in made:
-            path = tmp_path_factory.mktemp(name)
-            made[name] = write(name, path), path
-        return made[name]
-
-    return get
+checkpoints = checkpoint_fixture(write)  # name -> (name, HF model in f32, directory)
 
 
 @pytest.mark.parametrize("name, layout, dispatch", [
@@ -50,7 +39,7 @@ def test_prompt_logits_match_hf(checkpoints, monkeypatch, name, layout, dispatch
     CPU's dense dispatch and on the sorted-segment one GPU and TPU take."""
     monkeypatch.setitem(moe.DISPATCH, "cpu", dispatch)
     jax.clear_caches()  # no step traced on the other dispatch is reused
-    model, path = checkpoints(name)
+    _, model, path = checkpoints(name)
     cfg, values = loading.load_hf_dir(path)
     parsed = Layout.parse(layout)
     runner = Runner(cfg, values, Buckets.for_engine(8, 256, 256), 8, 256, jnp.float32,
@@ -70,7 +59,7 @@ def test_prompt_logits_match_hf(checkpoints, monkeypatch, name, layout, dispatch
 
 @pytest.mark.parametrize("name, prefill, decode", PAIRS)
 def test_ep_layout_pair_matches_hf(checkpoints, name, prefill, decode):
-    model, path = checkpoints(name)
+    _, model, path = checkpoints(name)
     engine = Engine(EngineConfig(model=str(path), mesh="cpu-8", prefill=prefill, decode=decode,
                                  dtype="float32", max_model_len=160, max_num_seqs=4,
                                  max_num_batched_tokens=32, warmup=False, show_progress=False))
