@@ -87,7 +87,8 @@ def test_a_job_queues_windows_by_prefix_and_gives_the_cache_off_records(tiny_smo
     path, which = job
     want, plain, _ = run_job(tiny_smollm2, path, tmp_path / "off.jsonl", LOOKAHEAD,
                              prefix_caching=False)
-    got, seen, stats = run_job(tiny_smollm2, path, tmp_path / "on.jsonl", LOOKAHEAD)
+    got, seen, stats = run_job(tiny_smollm2, path, tmp_path / "on.jsonl", LOOKAHEAD,
+                               prefix_caching=True)
     assert {k: (c["text"], c["token_ids"]) for k, c in got.items()} == \
         {k: (c["text"], c["token_ids"]) for k, c in want.items()}
     assert stats["prefix_cache_hit_tokens"] > 0
