@@ -18,15 +18,6 @@ from jaxpipe.model import moe
 pytestmark = pytest.mark.skipif(not mm.available(), reason="kernel cannot be built here")
 
 
-@pytest.fixture(params=mm.PATHS)
-def path(request) -> str:
-    """Each kernel path in turn; one this machine's build lacks is skipped with the reason."""
-    if request.param not in mm.paths():
-        pytest.skip(f"no {request.param} path here: this CPU's build has "
-                    f"{', '.join(mm.paths())}")
-    return request.param
-
-
 def numpy_grouped(x, w, sizes, gated: bool) -> np.ndarray:
     """float64: bf16(x)'s consecutive groups of rows times their group's weight; rows past
     the groups zero; `gated`: silu(first half of the columns) * second half."""

@@ -20,15 +20,6 @@ pytestmark = pytest.mark.skipif(not mm.available(), reason="kernel cannot be bui
 MODEL_SHAPES = [(576, 3072), (1536, 576), (576, 384), (576, 49152)]
 
 
-@pytest.fixture(params=mm.PATHS)
-def path(request) -> str:
-    """Each kernel path in turn; one this machine's build lacks is skipped with the reason."""
-    if request.param not in mm.paths():
-        pytest.skip(f"no {request.param} path here: this CPU's build has "
-                    f"{', '.join(mm.paths())}")
-    return request.param
-
-
 def inputs(m, k, n, seed=0):
     """x [M, K] f32 (not bf16-exact, so the kernel must round it), w [K, N] bf16."""
     rng = np.random.default_rng(seed)
