@@ -92,11 +92,15 @@ class ModelConfig:
         softmax over all experts; exact ties to the lower expert index, where HF's
         torch.topk picks in an order of its own), weighted
         by those probabilities, renormalised to sum to 1 with norm_topk_prob (Mixtral's
-        softmax over the top-k logits is the same thing). Every layer is MoE: mixed dense
-        and MoE stacks are not supported.
+        softmax over the top-k logits is the same thing).
     intermediate_size: the dense MLP's width; in an MoE model the shared expert's (Qwen2-MoE:
         a dense MLP beside the experts, its output times sigmoid(x . shared_gate)), 0 for
-        none."""
+        none.
+    dense_layers, dense_intermediate_size: in an MoE model, the layers whose MLP is a plain
+        dense gated MLP dense_intermediate_size wide instead of the experts (Qwen2/3-MoE's
+        mlp_only_layers and decoder_sparse_step); () and 0: every layer MoE. Such a model
+        stores one uniform layer stack (`decoder.param_decls`): every layer holds the
+        experts (zero in a dense layer) and a dense MLP `mlp_width` wide (zero-padded)."""
 
     vocab_size: int
     hidden_size: int
@@ -128,6 +132,8 @@ class ModelConfig:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
+    dense_layers: tuple[int, ...] = ()
+    dense_intermediate_size: int = 0
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
@@ -172,9 +178,11 @@ class ModelConfig:
             raise ValueError(f"ModelConfig.num_experts must be an integer >= 0 (0: dense), "
                              f"got {self.num_experts!r}")
         if not moe:
-            if self.num_experts_per_tok or self.moe_intermediate_size or self.norm_topk_prob:
-                raise ValueError("ModelConfig.num_experts_per_tok, moe_intermediate_size and "
-                                 "norm_topk_prob need num_experts >= 1 (got num_experts=0)")
+            if (self.num_experts_per_tok or self.moe_intermediate_size or self.norm_topk_prob
+                    or self.dense_layers or self.dense_intermediate_size):
+                raise ValueError("ModelConfig.num_experts_per_tok, moe_intermediate_size, "
+                                 "norm_topk_prob, dense_layers and dense_intermediate_size "
+                                 "need num_experts >= 1 (got num_experts=0)")
             return
         k = self.num_experts_per_tok
         if not isinstance(k, int) or not 1 <= k <= self.num_experts:
@@ -186,11 +194,34 @@ class ModelConfig:
         if self.mlp_act != "silu":
             raise ValueError(f"ModelConfig.mlp_act {self.mlp_act!r} is not supported with "
                              "experts; supported: 'silu'")
+        self._check_dense_layers()
+
+    def _check_dense_layers(self) -> None:
+        """An MoE model's dense layers: real layer indices, with a width (and a width only
+        with them)."""
+        layers, f = self.dense_layers, self.dense_intermediate_size
+        bad = [i for i in layers if not (isinstance(i, int) and 0 <= i < self.num_layers)]
+        if bad:
+            raise ValueError(f"ModelConfig.dense_layers {bad} are not layers of "
+                             f"0..{self.num_layers - 1}")
+        if not isinstance(f, int) or isinstance(f, bool) or f < (1 if layers else 0):
+            raise ValueError(f"ModelConfig.dense_intermediate_size must be a positive integer "
+                             f"with dense_layers {list(layers)} (got {f!r})")
+        if f and not layers:
+            raise ValueError(f"ModelConfig.dense_intermediate_size={f} needs dense_layers "
+                             "(the layers whose MLP is dense); got none")
 
     @property
     def is_moe(self) -> bool:
-        """Whether every layer's MLP is a mixture of experts."""
+        """Whether the model has experts (in every layer but `dense_layers`)."""
         return self.num_experts > 0
+
+    @property
+    def mlp_width(self) -> int:
+        """The width of the stacked dense MLP (`w_gate_up`, `w_down`): intermediate_size,
+        or in a mixed dense/MoE model the wider of it (the shared expert's) and
+        dense_intermediate_size (the narrower zero-padded: exact, silu(0) * 0 = 0)."""
+        return max(self.intermediate_size, self.dense_intermediate_size)
 
     @property
     def context_limit(self) -> tuple[int, str]:
@@ -212,13 +243,14 @@ class ModelConfig:
         return self.num_heads // self.num_kv_heads
 
     def num_params(self, include_embedding: bool = True) -> int:
-        """Parameter count (the LM head counts separately only when untied)."""
-        e, f, h, k, d = (self.hidden_size, self.intermediate_size, self.num_heads,
+        """Parameter count as stored (the LM head counts separately only when untied; a mixed
+        dense/MoE model's zero experts and zero-padded MLPs included)."""
+        e, f, h, k, d = (self.hidden_size, self.mlp_width, self.num_heads,
                          self.num_kv_heads, self.head_dim)
         per_layer = e * (h * d) * 2 + e * (k * d) * 2 + 3 * e * f + 2 * e
         if self.is_moe:  # the router, the experts, the shared expert's gate
             per_layer += e * self.num_experts * (1 + 3 * self.moe_intermediate_size)
-            per_layer += e if f else 0
+            per_layer += e if self.intermediate_size else 0
         per_layer += (h + 2 * k) * d if self.qkv_bias else 0
         per_layer += 2 * d if self.qk_norm else 0
         per_layer += 2 * e if self.sandwich_norms else 0
@@ -240,7 +272,7 @@ class ModelConfig:
             raise ValueError(f"unknown model config keys {unknown}; accepted: {sorted(known)}")
         if d.get("rope_scaling") is not None and not isinstance(d["rope_scaling"], RopeScaling):
             d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
-        for name in ("eos_token_ids", "sliding_layers"):
+        for name in ("eos_token_ids", "sliding_layers", "dense_layers"):
             if name in d:
                 d[name] = tuple(d[name])
         rope = d.get("rope_scaling")

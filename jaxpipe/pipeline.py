@@ -265,22 +265,31 @@ def kernel_rope(cfg: ModelConfig, q, kv, cos, sin):
 
 def stage_layers(cfg: ModelConfig, layers: LayerParams, x, mb: dict, cache: KVCache, reduce,
                  *, attention: str, max_kv: int, unroll: bool, packed: KernelPaths,
-                 windows: tuple[int, ...] = (), shard: decoder.ExpertShard | None = None):
+                 windows: tuple[int, ...] = (), shard: decoder.ExpertShard | None = None,
+                 moe_layers: tuple[bool, ...] = (), experts: Callable | None = None):
     """This stage's layers over one micro-batch x [Tm, E] (mb: see `attend`); each token's
     K/V is written into its blocks (`token_slots`) before the spans attend. `attention`: see
     `attend` ("cpu": the C++ kernel also rotates q and k and writes k and v itself,
     `ragged_attention.write_and_attend`); `packed`: the matmul weights in panel order, for
     the C++ bf16 kernel, each with the kernel path for a number of rows; `windows`: every
     padded layer's sliding window (0: none; `sharding.layer_windows`), () for none at all;
-    `shard`: this device's experts under expert parallelism (`decoder.mlp`)."""
+    `shard`: this device's experts under expert parallelism (`decoder.mlp`); `moe_layers`:
+    whether each padded layer runs its experts (`sharding.layer_experts`), () where every
+    layer of the model is alike; `experts`: the experts' dispatch chooser
+    (`moe.experts_mlp`'s; None: `kernels/dispatch.experts_dispatch` unforced)."""
     positions = mb["positions"]
     count = layers.wq.shape[0]
     table = jnp.asarray(windows or (0,), jnp.int32)
 
     softcap = cfg.attn_softcap or 0.0
 
+    experts_table = jnp.asarray(moe_layers or (True,))
+
     def window(j):  # layer j of this stage: padded layer stage * count + j
         return table[lax.axis_index("pp") * count + j] if any(windows) else 0
+
+    def moe_layer(j):  # as `window`; True (static) where every layer is alike
+        return experts_table[lax.axis_index("pp") * count + j] if moe_layers else True
 
     def dot(x, w):
         return kernel_dot(x, w) if isinstance(w, StackedWeight) else decoder.xla_dot(x, w)
@@ -320,7 +329,7 @@ def stage_layers(cfg: ModelConfig, layers: LayerParams, x, mb: dict, cache: KVCa
         p = layer_params(layers, j, packed)
         attn, k, v = attend_layer(p, x, k, v, j)
         x = decoder.attn_out_mlp(cfg, p, x, attn, reduce, dot, gated, shard,
-                                 dispatch.experts_dispatch)
+                                 experts or dispatch.experts_dispatch, moe_layer(j))
         return (x, k, v), None
 
     (x, k, v), _ = lax.scan(layer, (x, *cache), jnp.arange(count), unroll=unroll)
@@ -360,14 +369,15 @@ def expert_shard(layout: Layout) -> decoder.ExpertShard | None:
 
 def step_program(cfg: ModelConfig, layout: Layout, mesh, *, attention: str, max_kv: int,
                  out_rows: int, packed: KernelPaths | None = None, unroll: bool = True,
-                 windows: tuple[int, ...] = ()):
+                 windows: tuple[int, ...] = (), moe_layers: tuple[bool, ...] = (),
+                 experts: Callable | None = None):
     """jit(params, cache, inputs: StepInputs, prev [out_rows] i32: the previous step's sampled
     tokens, for `inputs.feed`) -> (hidden [out_rows, E] f32: the residual of
     each row's last token, zeros past the step's R rows; cache (donated)). `max_kv`: the XLA
     attention's static key bound (ignored by the kernels, which read each row's own length).
     `out_rows` (>= R) is fixed for every token bucket, so the LM head compiles once per
-    number of sampled rows, whatever the step's size. `packed`, `windows`: see
-    `stage_layers`."""
+    number of sampled rows, whatever the step's size. `packed`, `windows`, `moe_layers`,
+    `experts`: see `stage_layers`."""
     packed = packed or {}
     layer_specs, cache_specs = _specs(cfg, layout)
     reduce = partial(lax.psum, axis_name="tp") if layout.tp > 1 else None
@@ -380,7 +390,8 @@ def step_program(cfg: ModelConfig, layout: Layout, mesh, *, attention: str, max_
         def stage_fn(x, m, valid, cache):
             return stage_layers(cfg, layers, x, _micro(inputs, m, valid), cache, reduce,
                                 attention=attention, max_kv=max_kv, unroll=unroll,
-                                packed=packed, windows=windows, shard=shard)
+                                packed=packed, windows=windows, shard=shard,
+                                moe_layers=moe_layers, experts=experts)
 
         def collect(acc, y, m):  # rows whose last token is in micro-batch m
             last = inputs["last"]

@@ -40,6 +40,7 @@ from jaxpipe.kernels.dispatch import (
     AttentionCase,
     Dispatch,
     Matmul,
+    experts_dispatch,
 )
 from jaxpipe.kv import device_cache
 from jaxpipe.kv.device_cache import BLOCK, KVCache, storage_dtype
@@ -189,6 +190,7 @@ class Placement:
         layers, head = kernel_matmuls(cfg, plan, self.params, dispatch)
         self.packed = {n: partial(dispatch.impl, mm) for n, mm in layers.items()}
         self.head_path = None if head is None else partial(dispatch.impl, head)
+        self.experts = partial(experts_dispatch, chosen=dispatch)  # the experts' chooser
         self._pack = self._unpack = None  # None: the step reads the natural order
         if self.packed or self.head_path:
             args = (cfg, layout, self.mesh, tuple(self.packed), self.head_path is not None)
@@ -476,8 +478,9 @@ class Runner:
             place = self.placements[self.phase]
             self._programs[key] = pipeline.step_program(
                 self.config, place.layout, place.mesh, attention=self.attention, max_kv=max_kv,
-                out_rows=self.buckets.max_rows, packed=place.packed,
-                windows=sharding.layer_windows(self.config, self.plan))
+                out_rows=self.buckets.max_rows, packed=place.packed, experts=place.experts,
+                windows=sharding.layer_windows(self.config, self.plan),
+                moe_layers=sharding.layer_experts(self.config, self.plan))
         return self._programs[key]
 
     def _once(self, key: tuple, fn, *args, **kwargs):

@@ -83,7 +83,7 @@ class PaddingPlan:
         return {"num_layers": self.size("layers", cfg.num_layers),
                 "num_heads": self.size("heads", cfg.num_heads),
                 "num_kv_heads": self.size("kv_heads", cfg.num_kv_heads),
-                "intermediate_size": self.size("mlp", cfg.intermediate_size),
+                "intermediate_size": self.size("mlp", cfg.mlp_width),
                 "vocab_size": self.size("vocab", cfg.vocab_size)}
 
 
@@ -101,7 +101,7 @@ def plan_padding(cfg: ModelConfig, layouts: Iterable[Layout]) -> PaddingPlan:
         "layers": _layer_plan(cfg.num_layers, pp),
         "heads": q_src,
         "kv_heads": kv_src,
-        "mlp": _zero_pad(cfg.intermediate_size, tp),
+        "mlp": _zero_pad(cfg.mlp_width, tp),
         "moe_mlp": _zero_pad(cfg.moe_intermediate_size, tp),
         "experts": _zero_pad(cfg.num_experts, ep),
         "vocab": _zero_pad(cfg.vocab_size, tp),
@@ -160,6 +160,16 @@ def layer_windows(cfg: ModelConfig, plan: PaddingPlan) -> tuple[int, ...]:
         return ()
     src = plan.index.get("layers", tuple(range(cfg.num_layers)))
     return tuple(cfg.sliding_window if i in cfg.sliding_layers else 0 for i in src)
+
+
+def layer_experts(cfg: ModelConfig, plan: PaddingPlan) -> tuple[bool, ...]:
+    """Whether each padded layer runs its experts (False: its dense MLP; identity layers
+    too, whose zero MLP is the cheaper no-op), in the padded order a pipeline's stages
+    hold them; () unless the model mixes dense and MoE layers (`cfg.dense_layers`)."""
+    if not cfg.dense_layers:
+        return ()
+    src = plan.index.get("layers", tuple(range(cfg.num_layers)))
+    return tuple(i >= 0 and i not in cfg.dense_layers for i in src)
 
 
 def pad_values(cfg: ModelConfig, values: dict, plan: PaddingPlan) -> dict[str, np.ndarray]:

@@ -95,7 +95,7 @@ def activation_bytes(model, tokens: int, rows: int) -> int:
     temporaries, the rows' logits, and one f32 [V, E] buffer (the temporaries of the steps
     of 1024 tokens and more hold about that much more than their activations on CPU).
     Checked against XLA's `memory_analysis` in the tests."""
-    e, f, d, v = model.hidden_size, model.intermediate_size, model.head_dim, model.vocab_size
+    e, f, d, v = model.hidden_size, model.mlp_width, model.head_dim, model.vocab_size
     per_token = 3 * e + (2 * model.num_heads + 2 * model.num_kv_heads) * d + 3 * f
     # Experts, as the CPU's dense dispatch runs them (model/moe.py): every expert's gate, up
     # and product, and its output, for every token.

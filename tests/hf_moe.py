@@ -1,7 +1,8 @@
 """Tiny mixture-of-experts checkpoints (Qwen3-MoE, Qwen2-MoE with its shared expert,
-Mixtral) written by transformers with every parameter drawn, routers included: the independent
-reference of tests/model/test_moe_hf.py, tests/model/test_moe_gguf.py and
-tests/multidevice/test_moe_layouts.py; and the same weights as a GGUF file."""
+Mixtral; Qwen2/3-MoE with dense layers among the MoE ones) written by transformers with every
+parameter drawn, routers included: the independent reference of tests/model/test_moe_hf.py,
+tests/model/test_moe_gguf.py and tests/multidevice/test_moe_layouts.py, test_moe_ep.py; and
+the same weights as a GGUF file."""
 
 from __future__ import annotations
 
@@ -26,6 +27,17 @@ MODELS = {
                                          shared_expert_intermediate_size=37)),
     "mixtral": ("MixtralConfig", dict(num_local_experts=5, num_experts_per_tok=2,
                                       intermediate_size=29)),
+    # Dense layers among the MoE ones: 0 and 2 dense (mlp_only_layers, decoder_sparse_step),
+    # their MLP (50) wider than the shared expert (37); Qwen3-MoE's layer 1 dense.
+    "qwen2_moe_mixed": ("Qwen2MoeConfig", dict(num_experts=6, num_experts_per_tok=3,
+                                               moe_intermediate_size=19, intermediate_size=50,
+                                               shared_expert_intermediate_size=37,
+                                               num_hidden_layers=4, mlp_only_layers=[0],
+                                               decoder_sparse_step=2)),
+    "qwen3_moe_mixed": ("Qwen3MoeConfig", dict(num_experts=8, num_experts_per_tok=2,
+                                               moe_intermediate_size=23, intermediate_size=41,
+                                               norm_topk_prob=True, num_hidden_layers=3,
+                                               mlp_only_layers=[1])),
 }
 # name -> its GGUF architecture (llama.cpp writes Mixtral as `llama` with experts).
 GGUF_ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama"}

@@ -271,14 +271,17 @@ def cache_path() -> Path:
     return cache_dir("dispatch") / f"{key}.json"
 
 
-def experts_dispatch(tokens: int, k: int, w_gate_up, w_down) -> str:
+def experts_dispatch(tokens: int, k: int, w_gate_up, w_down,
+                     chosen: Dispatch | None = None) -> str:
     """The MoE experts' dispatch for a step (`moe.experts_mlp`'s chooser, called at trace
     time): "grouped" or "dense", this machine's faster for T = `tokens` tokens on these
     shapes (timed once per machine at a few token counts and cached; a step takes the choice
     of the nearest count at or above its own); dense where the grouped kernel cannot run;
-    the platform's default (`moe.DISPATCH`) off CPU or where it names one dispatch. Across
-    processes (multi-host) every process must trace the same program while each would time
-    on its own: there grouped, faster at every point `model/moe.py`'s docstring lists."""
+    the platform's default (`moe.DISPATCH`) off CPU or where it names one dispatch.
+    `chosen`: the engine's dispatcher (None: `for_machine()`), whose forced matmul
+    (EngineConfig.matmul) decides: "xla" dense, a kernel path grouped. Across processes
+    (multi-host) every process must trace the same program while each would time on its
+    own: there, unforced, grouped, faster at every point `model/moe.py`'s docstring lists."""
     from jaxpipe.model import moe
 
     default = moe.dispatch_for(jax.default_backend())
@@ -286,12 +289,13 @@ def experts_dispatch(tokens: int, k: int, w_gate_up, w_down) -> str:
         return default
     if not moe.grouped_fits(w_gate_up, w_down):
         return "dense"
-    if jax.process_count() > 1:
+    chosen = chosen or for_machine()
+    if chosen.force is None and jax.process_count() > 1:
         return "grouped"
     x, e, _, f = w_gate_up.shape
     case = ExpertsCase(experts=x, k=k, hidden=e, inter=f)
     with jax.ensure_compile_time_eval():  # a first measurement runs now, not in the trace
-        return for_machine().experts(case, tokens)
+        return chosen.experts(case, tokens)
 
 
 @functools.cache
@@ -405,7 +409,7 @@ def model_matmuls(cfg, tp: int = 1) -> list[Matmul]:
     """The step's matmuls of a model on one device of a tp-way split (unpadded shapes; no
     dense MLP's for an MoE model without a shared expert, whose experts are XLA's)."""
     e, h, kv, d = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    f, v = cfg.intermediate_size, cfg.vocab_size
+    f, v = cfg.mlp_width, cfg.vocab_size
     mlp = [Matmul("w_gate_up", e, 2 * f // tp, gated=True), Matmul("w_down", f // tp, e)]
     return [Matmul("wq", e, h * d // tp), Matmul("wkv", e, 2 * kv * d // tp),
             Matmul("wo", h * d // tp, e), *(mlp if f else []), Matmul("lm_head", e, v // tp)]

@@ -50,11 +50,20 @@ def param_decls(cfg: ModelConfig) -> dict[str, ParamDecl]:
     The families' optional parameters exist only when the config asks for them: q/k/v
     biases (`bq`, `bkv`, as the projections they add to), per-head q/k norms, the norms
     of the attention and MLP outputs (Gemma's sandwich), and the experts (`moe_decls`).
-    The dense MLP (`w_gate_up`, `w_down`) is absent where intermediate_size is 0 (an MoE
-    model without a shared expert).
+    The dense MLP (`w_gate_up`, `w_down`, `cfg.mlp_width` wide) is absent where that width
+    is 0 (an MoE model without a shared expert or dense layers).
+
+    A mixed dense/MoE model (`cfg.dense_layers`) keeps one uniform stack, so a pipeline
+    still splits its layers evenly: every layer holds the experts, the router and the
+    dense MLP, the MLP zero-padded to the wider of the dense layers' and the shared
+    expert's widths, the experts (and router, shared gate) zero in a dense layer, and
+    `mlp` runs only the layer's own path (`lax.cond`). Memory cost over a model of only
+    the weights it uses: each dense layer's zero experts, X * 3 * E * F' + E * X
+    parameters, and each layer's padding of its MLP, 3 * E * |F_dense - F_shared|;
+    all-MoE and dense models pay nothing.
     """
     L, E, H, K, D, F, V = (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads,
-                           cfg.head_dim, cfg.intermediate_size, cfg.vocab_size)
+                           cfg.head_dim, cfg.mlp_width, cfg.vocab_size)
     decls = {
         "embed": ParamDecl((V, E), ("vocab", "embed"), "normal"),
         "attn_norm": ParamDecl((L, E), ("layers", "embed"), "ones"),
@@ -194,7 +203,7 @@ class Decoder(nnx.Module):
                 window = cfg.sliding_window if i in cfg.sliding_layers else 0
                 attn = causal_attention(q, k, v, window=window,
                                         softcap=cfg.attn_softcap or 0.0, scale=cfg.attn_scale)
-                x = attn_out_mlp(cfg, p, x, attn)
+                x = attn_out_mlp(cfg, p, x, attn, moe_layer=i not in cfg.dense_layers)
         b, t, e = x.shape
         return logits(cfg, head, x.reshape(b * t, e)).reshape(b, t, -1)
 
@@ -252,12 +261,12 @@ def projections(cfg: ModelConfig, p: LayerParams, x, dot=None):
 
 
 def attn_out_mlp(cfg: ModelConfig, p: LayerParams, x, attn, reduce=None, dot=None,
-                 gated=None, shard: ExpertShard | None = None, experts=None):
+                 gated=None, shard: ExpertShard | None = None, experts=None, moe_layer=True):
     """Residual updates after attention: x [..., E], attn [..., H, D] -> x [..., E].
 
     `reduce` sums the partial products of the two row-split matmuls (`wo`, `w_down`) across
     tensor-parallel shards (a `psum` inside `shard_map`); None on one shard. `dot`, `gated`:
-    see `_matmul` and `gated_mlp`; `shard`, `experts`: see `mlp`."""
+    see `_matmul` and `gated_mlp`; `shard`, `experts`, `moe_layer`: see `mlp`."""
     reduce = reduce or (lambda y: y)
 
     def residual(x, y, norm):  # Gemma's sandwich: the output normalised before its add
@@ -265,23 +274,43 @@ def attn_out_mlp(cfg: ModelConfig, p: LayerParams, x, attn, reduce=None, dot=Non
 
     x = residual(x, reduce(_matmul(attn, p.wo, 2, dot)), p.post_attn_norm)
     h = rms_norm(x, p.mlp_norm, cfg.rms_norm_eps)
-    return residual(x, reduce(mlp(cfg, p, h, dot, gated, shard, experts)), p.post_mlp_norm)
+    out = mlp(cfg, p, h, dot, gated, shard, experts, moe_layer)
+    return residual(x, reduce(out), p.post_mlp_norm)
 
 
 def mlp(cfg: ModelConfig, p: LayerParams, h, dot=None, gated=None,
-        shard: ExpertShard | None = None, experts=None):
+        shard: ExpertShard | None = None, experts=None, moe_layer=True):
     """The MLP of normalised h [..., E] -> [..., E] f32 (a partial sum under tensor
     parallelism, as the row-split `w_down`'s): the dense gated MLP, or the experts plus,
     where the layer has one, the shared expert (the dense MLP) times sigmoid(h . shared_gate).
     `dot`, `gated`: see `_matmul` and `gated_mlp` (the dense MLP's); `shard`: this device's
     experts under expert parallelism (None: it holds them all); `experts`: the experts'
-    dispatch (`moe.experts_mlp`'s `dispatch`; None: the platform's default)."""
-    dense = None
-    if p.w_gate_up is not None:
-        act = gated_mlp(h, p.w_gate_up, dot, gated, cfg.mlp_act)  # [..., F]
-        dense = _matmul(act, p.w_down, dot=dot)
-    if p.router is None:
-        return dense
+    dispatch (`moe.experts_mlp`'s `dispatch`; None: the platform's default); `moe_layer`:
+    whether an MoE model's layer runs its experts or its dense MLP (`cfg.dense_layers`): a
+    bool, or a traced one (a stacked layer's), where `lax.cond` runs only the layer's own
+    path."""
+    def dense(h):
+        return dense_mlp(cfg, p, h, dot, gated)
+
+    def experts_path(h):
+        return _moe_mlp(cfg, p, h, dot, gated, shard, experts)
+
+    if p.router is None or moe_layer is False:
+        return dense(h)
+    if moe_layer is True:
+        return experts_path(h)
+    return jax.lax.cond(moe_layer, experts_path, dense, h)
+
+
+def dense_mlp(cfg: ModelConfig, p: LayerParams, h, dot=None, gated=None):
+    """The dense gated MLP (or shared expert) of h [..., E] -> [..., E] f32."""
+    act = gated_mlp(h, p.w_gate_up, dot, gated, cfg.mlp_act)  # [..., F]
+    return _matmul(act, p.w_down, dot=dot)
+
+
+def _moe_mlp(cfg: ModelConfig, p: LayerParams, h, dot, gated, shard, experts):
+    """The experts of h [..., E] -> [..., E] f32, plus the shared expert where the layer has
+    one (see `mlp`)."""
     e = h.shape[-1]
     flat = h.reshape(-1, e)  # [T, E]
     with jax.named_scope("experts"):
@@ -294,21 +323,22 @@ def mlp(cfg: ModelConfig, p: LayerParams, h, dot=None, gated=None,
                               experts)
         if shard is not None:
             out = shard.reduce(out)
-    if dense is not None:
+    if p.shared_gate is not None:
         share = jax.nn.sigmoid(flat @ p.shared_gate.astype(jnp.float32))  # [T]
-        out = out + share[:, None] * dense.reshape(-1, e)
+        out = out + share[:, None] * dense_mlp(cfg, p, h, dot, gated).reshape(-1, e)
     return out.reshape(h.shape)
 
 
 def local_experts(weights, experts, index, count: int):
     """The routing as shard `index` of `count` experts each sees it: weights / experts [T, k]
-    -> the same with ids local to the shard, and a weight 0 (and the id 0, a real one: any
-    id would do) for every choice of another shard's expert. Shapes stay [T, k], so the
-    ragged dispatch still runs all T*k pairs on every shard (memory split, not its FLOPs);
-    the dense one runs only the shard's experts."""
+    -> the same with ids local to the shard, and for every choice of another shard's expert
+    the id `count` (out of range: every dispatch skips it, `moe.experts_mlp`) and a weight
+    0. Shapes stay [T, k]; the grouped dispatch multiplies only the shard's own pairs, the
+    ragged one still runs all T*k rows (memory split, not its FLOPs), the dense one runs the
+    shard's experts on every token."""
     local = experts - index * count
     mine = (local >= 0) & (local < count)
-    return jnp.where(mine, weights, 0.0), jnp.where(mine, local, 0)
+    return jnp.where(mine, weights, 0.0), jnp.where(mine, local, count)
 
 
 def gated_mlp(h, w, dot=None, gated=None, act: str = "silu"):

@@ -121,6 +121,14 @@ def _gguf_moe(reader, arch: str, key) -> dict:
     if arch not in _GGUF_NORM_TOPK:
         raise ValueError(f"GGUF {arch} with {arch}.expert_count={experts} is not supported; "
                          f"experts are supported in: {', '.join(_GGUF_NORM_TOPK)}")
+    names = {t.name for t in reader.tensors}
+    dense = [i for i in range(int(key("block_count"))) if f"blk.{i}.ffn_gate_exps.weight"
+             not in names]
+    if dense:  # gguf's qwen2moe/qwen3moe tensor maps have no dense ffn_gate/up/down either
+        raise ValueError(f"GGUF {arch} layer {dense[0]} has no experts (no blk.{dense[0]}."
+                         "ffn_gate_exps.weight): dense layers among the MoE ones are not "
+                         "supported from GGUF (llama.cpp's MoE architectures need experts in "
+                         "every layer); load the HF checkpoint instead")
     width = key("expert_feed_forward_length") or key("feed_forward_length")
     shared = 0
     if any(t.name == "blk.0.ffn_gate_shexp.weight" for t in reader.tensors):
@@ -297,16 +305,17 @@ def hf_config(config_json: dict) -> ModelConfig:
 def _hf_moe(c: dict, family: str) -> dict:
     """The experts' fields of Qwen2-MoE, Qwen3-MoE and Mixtral (HF's defaults for what
     config.json leaves out). Qwen2-MoE's shared expert is the dense MLP (intermediate_size);
-    Mixtral renormalises its top-k. Every layer must be MoE."""
+    Mixtral renormalises its top-k. The dense layers among the MoE ones by HF's rule
+    (Qwen2/3-MoE's decoder layer: MoE unless in mlp_only_layers or (i + 1) %
+    decoder_sparse_step != 0), whose MLP is intermediate_size wide."""
     layers = c["num_hidden_layers"]
-    step, dense = c.get("decoder_sparse_step", 1), c.get("mlp_only_layers") or []
-    if step != 1 or dense:
-        moe_layers = [i for i in range(layers) if i not in dense and (i + 1) % step == 0]
-        if len(moe_layers) != layers:
-            raise ValueError(f"config.json decoder_sparse_step={step}, mlp_only_layers={dense} "
-                             "(dense MLP layers among the MoE ones) is not supported; "
-                             "supported: every layer MoE (decoder_sparse_step=1, "
-                             "mlp_only_layers=[])")
+    step, only = c.get("decoder_sparse_step", 1), c.get("mlp_only_layers") or []
+    if not isinstance(step, int) or step < 1:
+        raise ValueError(f"config.json decoder_sparse_step={step!r} must be a positive integer")
+    dense = tuple(i for i in range(layers) if i in only or (i + 1) % step)
+    if len(dense) == layers:
+        raise ValueError(f"config.json decoder_sparse_step={step}, mlp_only_layers={only} "
+                         "leave no MoE layer; a dense model is supported as its dense family")
     experts = c.get("num_experts") or c.get("num_local_experts") or _DEFAULT_EXPERTS[family]
     mixtral = family == "mixtral"
     return dict(
@@ -314,7 +323,8 @@ def _hf_moe(c: dict, family: str) -> dict:
         moe_intermediate_size=c["intermediate_size" if mixtral else "moe_intermediate_size"],
         norm_topk_prob=mixtral or bool(c.get("norm_topk_prob", False)),
         intermediate_size=(c.get("shared_expert_intermediate_size") or 0
-                           if family == "qwen2_moe" else 0))
+                           if family == "qwen2_moe" else 0),
+        dense_layers=dense, dense_intermediate_size=c["intermediate_size"] if dense else 0)
 
 
 def _gemma(c: dict, family: str) -> dict:
@@ -514,22 +524,48 @@ def _moe_names(cfg: ModelConfig, tensors: dict[str, np.ndarray]) -> None:
 
 def _hf_experts(cfg: ModelConfig, get: Callable[[str], np.ndarray]) -> dict[str, np.ndarray]:
     """The router [L, E, X], the experts' gate/up [L, X, E, 2, F'] and down [L, X, F', E],
-    and the shared expert's gate [L, E] (see `decoder.moe_decls`) from `_moe_names`'s names."""
-    layers, experts = range(cfg.num_layers), range(cfg.num_experts)
+    and the shared expert's gate [L, E] (see `decoder.moe_decls`) from `_moe_names`'s names;
+    zeros in `cfg.dense_layers`, which have none."""
+    experts = range(cfg.num_experts)
 
     def expert(i: int, x: int, n: str) -> np.ndarray:
         return get(f"model.layers.{i}.mlp.experts.{x}.{n}_proj.weight").T
 
+    def layers(fn) -> np.ndarray:  # [L, ...]: fn(i) in the MoE layers, zeros in the others
+        got = {i: np.asarray(fn(i)) for i in range(cfg.num_layers) if i not in cfg.dense_layers}
+        zero = np.zeros_like(next(iter(got.values())))
+        return np.stack([got.get(i, zero) for i in range(cfg.num_layers)])
+
     values = {
-        "router": np.stack([get(f"model.layers.{i}.mlp.gate.weight").T for i in layers]),
-        "w_experts_gate_up": np.stack([[np.stack([expert(i, x, "gate"), expert(i, x, "up")],
-                                                 axis=1) for x in experts] for i in layers]),
-        "w_experts_down": np.stack([[expert(i, x, "down") for x in experts] for i in layers]),
+        "router": layers(lambda i: get(f"model.layers.{i}.mlp.gate.weight").T),
+        "w_experts_gate_up": layers(lambda i: [np.stack([expert(i, x, "gate"),
+                                                         expert(i, x, "up")], axis=1)
+                                               for x in experts]),
+        "w_experts_down": layers(lambda i: [expert(i, x, "down") for x in experts]),
     }
     if cfg.intermediate_size:
-        values["shared_gate"] = np.stack(
-            [get(f"model.layers.{i}.mlp.shared_expert_gate.weight")[0] for i in layers])
+        values["shared_gate"] = layers(
+            lambda i: get(f"model.layers.{i}.mlp.shared_expert_gate.weight").reshape(-1))
     return values
+
+
+def _hf_mixed_mlp(cfg: ModelConfig, get: Callable[[str], np.ndarray]) -> dict[str, np.ndarray]:
+    """A mixed dense/MoE model's dense MLP, gate/up [L, E, 2, F] and down [L, F, E] with
+    F = `cfg.mlp_width`: each layer's (a dense layer's MLP, an MoE layer's shared expert)
+    zero-padded to F, and zeros in an MoE layer without a shared expert (Qwen3-MoE)."""
+    E, F = cfg.hidden_size, cfg.mlp_width
+    gate_up, down = None, None
+    for i in range(cfg.num_layers):
+        if not (cfg.intermediate_size or i in cfg.dense_layers):
+            continue
+        pre = f"model.layers.{i}.mlp."
+        gate, up, w_down = (get(f"{pre}{n}_proj.weight").T for n in ("gate", "up", "down"))
+        if gate_up is None:
+            gate_up = np.zeros((cfg.num_layers, E, 2, F), gate.dtype)
+            down = np.zeros((cfg.num_layers, F, E), gate.dtype)
+        gate_up[i, :, 0, :gate.shape[1]], gate_up[i, :, 1, :up.shape[1]] = gate, up
+        down[i, :w_down.shape[0]] = w_down
+    return {"w_gate_up": gate_up, "w_down": down}
 
 
 def from_hf_names(cfg: ModelConfig, get: Callable[[str], np.ndarray],
@@ -558,7 +594,9 @@ def from_hf_names(cfg: ModelConfig, get: Callable[[str], np.ndarray],
                          for n in "kv"], axis=2),  # [L, E, 2, Hkv, D]
         "wo": stack("self_attn.o_proj.weight", lambda w: w.T.reshape(H, D, E)),
     }
-    if cfg.intermediate_size:  # the dense MLP (Qwen2-MoE: the shared expert)
+    if cfg.dense_layers:  # a mixed dense/MoE model's, zero-padded
+        values |= _hf_mixed_mlp(cfg, get)
+    elif cfg.intermediate_size:  # the dense MLP (Qwen2-MoE: the shared expert)
         values["w_gate_up"] = np.stack([stack(f"mlp.{n}_proj.weight", lambda w: w.T)
                                         for n in ("gate", "up")], axis=2)  # [L, E, 2, F]
         values["w_down"] = stack("mlp.down_proj.weight", lambda w: w.T)

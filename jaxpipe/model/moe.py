@@ -65,7 +65,9 @@ def dispatch_for(platform: str) -> str:
 def experts_mlp(h, weights, experts, w_gate_up, w_down, dispatch: str | None = None):
     """sum_j weights[t, j] * expert_{experts[t, j]}(h[t]), each expert silu(h @ gate) * (h @ up)
     @ down. h [T, E] f32, weights / experts [T, k], w_gate_up [X, E, 2, F], w_down [X, F, E]
-    -> [T, E] f32 (accumulated in f32; activations cast to the weights' dtype). `dispatch`:
+    -> [T, E] f32 (accumulated in f32; activations cast to the weights' dtype). A choice of
+    an expert id >= X (another shard's expert, `decoder.local_experts`) is skipped: it
+    adds nothing and, in the sorted dispatches, sorts past every real segment. `dispatch`:
     one of DISPATCHES, or a chooser `(tokens, k, w_gate_up, w_down) -> one of them` called
     at trace time; None: JAX's default backend's."""
     dispatch = dispatch or dispatch_for(jax.default_backend())
@@ -97,7 +99,8 @@ def _dense(h, weights, experts, w_gate_up, w_down):
     """Every expert on every token; the products weighted by gates [T, X] (zero where an
     expert is not one of a token's k)."""
     t, x = h.shape[0], w_gate_up.shape[0]
-    gates = jnp.zeros((t, x), jnp.float32).at[jnp.arange(t)[:, None], experts].add(weights)
+    gates = jnp.zeros((t, x), jnp.float32).at[jnp.arange(t)[:, None], experts].add(
+        weights, mode="drop")  # ids >= X: dropped
     gate_up = jnp.einsum("td,xdgf->txgf", h.astype(w_gate_up.dtype), w_gate_up,
                          preferred_element_type=jnp.float32)  # [T, X, 2, F]
     act = jax.nn.silu(gate_up[..., 0, :]) * gate_up[..., 1, :] * gates[..., None]  # [T, X, F]
@@ -110,15 +113,16 @@ def _dense(h, weights, experts, w_gate_up, w_down):
 def _grouped(h, weights, experts, w_gate_up, w_down):
     """The pairs sorted by expert, as `_ragged`'s, through the C++ grouped kernel
     (`kernels/matmul.py: grouped_matmul`): each expert's rows times its own weight only, the
-    gate fused into the first product; then back to their places and summed over the k
-    slots. Call inside `shard_map` on a sharded layout (a custom call)."""
+    gate fused into the first product (pairs of ids >= X, sorted last past every
+    segment, are not multiplied: the kernel gives zeros); then back to their places and
+    summed over the k slots. Call inside `shard_map` on a sharded layout (a custom call)."""
     from jaxpipe.kernels import matmul
 
     t, k = experts.shape
     x, d = w_gate_up.shape[0], w_gate_up.shape[1]
     flat = experts.reshape(-1)  # [T*k], pair i is token i // k's slot i % k
     order = jnp.argsort(flat, stable=True)  # [T*k] pairs in expert order
-    sizes = jnp.zeros((x,), jnp.int32).at[flat].add(1)  # [X] tokens per expert
+    sizes = jnp.zeros((x,), jnp.int32).at[flat].add(1, mode="drop")  # [X]; ids >= X: none
     act = matmul.grouped_matmul(h[order // k], w_gate_up.reshape(x, d, -1), sizes,
                                 gated=True)  # [T*k, F]; the kernel rounds rows to bf16
     out = matmul.grouped_matmul(act, w_down, sizes)  # [T*k, E]
@@ -134,7 +138,7 @@ def _ragged(h, weights, experts, w_gate_up, w_down):
     x, d = w_gate_up.shape[0], w_gate_up.shape[1]
     flat = experts.reshape(-1)  # [T*k], pair i is token i // k's slot i % k
     order = jnp.argsort(flat, stable=True)  # [T*k] pairs in expert order
-    sizes = jnp.zeros((x,), jnp.int32).at[flat].add(1)  # [X] tokens per expert
+    sizes = jnp.zeros((x,), jnp.int32).at[flat].add(1, mode="drop")  # [X]; ids >= X: none
     rows = h[order // k].astype(w_gate_up.dtype)  # [T*k, E]
     gate_up = jax.lax.ragged_dot(rows, w_gate_up.reshape(x, d, -1), sizes,
                                  preferred_element_type=jnp.float32)  # [T*k, 2F]

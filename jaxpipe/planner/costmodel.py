@@ -92,7 +92,7 @@ class CostModel:
         m = self.model
         attn = 2 * m.hidden_size * m.num_heads * m.head_dim
         attn += 2 * m.hidden_size * m.num_kv_heads * m.head_dim
-        dense = attn + 3 * m.hidden_size * m.intermediate_size
+        dense = attn + 3 * m.hidden_size * m.mlp_width
         if m.is_moe:  # the router [E, X] and the shared expert's gate [E] if any
             dense += m.hidden_size * m.num_experts + (m.hidden_size if m.intermediate_size else 0)
         return dense

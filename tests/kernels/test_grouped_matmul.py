@@ -120,6 +120,33 @@ def test_grouped_dispatch_equals_dense_and_float64(x, k, tokens):
     np.testing.assert_allclose(got, dense, rtol=0, atol=1e-2 * scale)
 
 
+@pytest.mark.parametrize("name", ["grouped", "dense", "ragged"])
+def test_expert_shards_sum_to_the_whole(name):
+    """Under expert parallelism each of 2 shards sees another shard's choices as the
+    out-of-range id (`decoder.local_experts`), which every dispatch skips: the shards'
+    outputs sum to the float64 whole, and a shard whose experts no token chose gives 0."""
+    from jaxpipe.model.decoder import local_experts
+
+    x, k, e, f, tokens = 8, 2, 48, 80, 11
+    rng = np.random.default_rng(5)
+    h = jnp.asarray(rng.normal(size=(tokens, e)), jnp.float32)
+    w_gate_up = jnp.asarray(rng.normal(size=(x, e, 2, f)) / e ** 0.5, jnp.bfloat16)
+    w_down = jnp.asarray(rng.normal(size=(x, f, e)) / f ** 0.5, jnp.bfloat16)
+    weights, experts = moe.route(h, jnp.asarray(rng.normal(size=(e, x)), jnp.float32), k, True)
+    run = jax.jit(moe.experts_mlp, static_argnames="dispatch")
+    parts = []
+    for index in range(2):
+        w, ids = local_experts(weights, experts, index, x // 2)
+        assert ((ids == x // 2) == (experts // (x // 2) != index)).all()
+        parts.append(np.asarray(run(h, w, ids, w_gate_up[index * 4:index * 4 + 4],
+                                    w_down[index * 4:index * 4 + 4], dispatch=name)))
+    want = experts_reference(h, weights, experts, w_gate_up, w_down)
+    np.testing.assert_allclose(parts[0] + parts[1], want, rtol=0,
+                               atol=1e-2 * np.abs(want).max())
+    none = jnp.full_like(experts, x // 2)  # every choice another shard's
+    assert not np.asarray(run(h, weights, none, w_gate_up[:4], w_down[:4], dispatch=name)).any()
+
+
 def test_grouped_dispatch_refuses_what_the_kernel_cannot_run():
     h = jnp.zeros((3, 10), jnp.float32)
     weights, experts = jnp.ones((3, 1)), jnp.zeros((3, 1), jnp.int32)
@@ -131,6 +158,16 @@ def test_grouped_dispatch_refuses_what_the_kernel_cannot_run():
     assert dispatch.experts_dispatch(3, 1, w_gate_up, w_down) == "dense"
     assert dispatch.experts_dispatch(3, 1, w_gate_up.astype(jnp.float32)[..., :6],
                                      w_down.astype(jnp.float32)[:, :6]) == "dense"
+
+
+@pytest.mark.parametrize("force, want", [("xla", "dense"), (mm.paths()[0], "grouped")])
+def test_a_forced_matmul_decides_the_experts_dispatch(force, want, tmp_path):
+    """EngineConfig.matmul reaches the experts: the engine's dispatcher, forced, picks the
+    dispatch with no measurement (an empty cache stays empty)."""
+    w_gate_up, w_down = jnp.zeros((4, 8, 2, 6), jnp.bfloat16), jnp.zeros((4, 6, 8), jnp.bfloat16)
+    chosen = dispatch.Dispatch(force, cache=tmp_path / "timings.json")
+    assert dispatch.experts_dispatch(16, 2, w_gate_up, w_down, chosen) == want
+    assert not chosen.timings
 
 
 def test_engine_step_on_the_grouped_dispatch_gives_the_dense_dispatchs_tokens(tmp_path,

@@ -111,3 +111,24 @@ def test_expert_metadata_jaxpipe_cannot_run_fails_naming_the_key(tmp_path, arch,
     w.close()
     with pytest.raises(ValueError, match=match):
         loading.gguf_config(gguf.GGUFReader(str(tmp_path / "m.gguf")))
+
+
+def test_a_layer_without_experts_fails_naming_it(tmp_path):
+    """Dense layers among the MoE ones (HF's mlp_only_layers): llama.cpp's qwen2moe/qwen3moe
+    need experts in every layer and gguf's tensor maps have no dense ffn_gate for them, so
+    a file whose layer 1 has ffn_gate/up/down instead of ffn_*_exps is refused naming it."""
+    w = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "qwen3moe")
+    for add, value in [(w.add_embedding_length, 4), (w.add_block_count, 2),
+                       (w.add_feed_forward_length, 6), (w.add_head_count, 2),
+                       (w.add_vocab_size, 32), (w.add_expert_count, 2),
+                       (w.add_expert_used_count, 1), (w.add_expert_feed_forward_length, 6)]:
+        add(value)
+    w.add_tensor("blk.0.ffn_gate_exps.weight", np.zeros((2, 6, 4), np.float32))
+    w.add_tensor("blk.1.ffn_gate.weight", np.zeros((6, 4), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ValueError, match=r"GGUF qwen3moe layer 1 has no experts \(no "
+                                         r"blk.1.ffn_gate_exps.weight\)"):
+        loading.gguf_config(gguf.GGUFReader(str(tmp_path / "m.gguf")))

@@ -1,7 +1,8 @@
 """Mixtures of experts (Qwen3-MoE, Qwen2-MoE with its shared expert, Mixtral) against HF
 transformers on tiny checkpoints it writes with every parameter drawn (routers included, so
 tokens spread over the experts): prompt logits of the cache-free forward and greedy tokens
-(f32) through the engine's paged step on one device; and the router and experts
+(f32) through the engine's paged step on one device, dense layers among the MoE ones
+included; and the router and experts
 (`model/moe.py`, both dispatches) against a float64 NumPy reference on the edge cases: ties
 in the router's probabilities, every token to one expert, an expert no token chooses."""
 
@@ -40,11 +41,28 @@ checkpoints = checkpoint_fixture(write)
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_config_reads_the_experts(checkpoints, name):
     cfg = loading.hf_config(json.loads((checkpoints(name)[2] / "config.json").read_text()))
-    want = {"qwen3_moe": (8, 2, 23, True, 0), "qwen2_moe": (6, 3, 19, False, 37),
-            "mixtral": (5, 2, 29, True, 0)}[name]
+    want = {"qwen3_moe": (8, 2, 23, True, 0, (), 0), "qwen2_moe": (6, 3, 19, False, 37, (), 0),
+            "mixtral": (5, 2, 29, True, 0, (), 0),
+            "qwen2_moe_mixed": (6, 3, 19, False, 37, (0, 2), 50),
+            "qwen3_moe_mixed": (8, 2, 23, True, 0, (1,), 41)}[name]
     assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size,
-            cfg.norm_topk_prob, cfg.intermediate_size) == want
-    assert (cfg.qkv_bias, cfg.qk_norm) == (name == "qwen2_moe", name == "qwen3_moe")
+            cfg.norm_topk_prob, cfg.intermediate_size, cfg.dense_layers,
+            cfg.dense_intermediate_size) == want
+    assert (cfg.qkv_bias, cfg.qk_norm) == (name.startswith("qwen2_moe"),
+                                           name.startswith("qwen3_moe"))
+
+
+def test_mixed_layers_store_zero_experts_and_padded_mlps(checkpoints):
+    """A dense layer's experts, router and shared gate are zero; the shared expert (37
+    wide) is zero-padded to the dense layers' 50 columns, where the dense layers' own
+    MLPs are whole."""
+    cfg, values = loading.load_hf_dir(checkpoints("qwen2_moe_mixed")[2])
+    assert cfg.mlp_width == 50 and values["w_gate_up"].shape[-1] == 50
+    for name in ("router", "w_experts_gate_up", "w_experts_down", "shared_gate"):
+        assert not values[name][[0, 2]].any() and values[name][[1, 3]].all(), name
+    assert not values["w_gate_up"][[1, 3], ..., 37:].any()
+    assert not values["w_down"][[1, 3], 37:].any()
+    assert values["w_gate_up"][[0, 2]].all() and values["w_down"][[0, 2]].all()
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
@@ -233,6 +251,17 @@ def test_ties_inside_the_top_k_match_hf():
     (dict(intermediate_size=0), r"intermediate_size must be a positive integer \(got 0"),
     (dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8,
           mlp_act="gelu_tanh"), r"mlp_act 'gelu_tanh' is not supported with experts"),
+    (dict(dense_layers=(0,), dense_intermediate_size=8), r"dense_layers and "
+                                                         r"dense_intermediate_size need "
+                                                         r"num_experts >= 1"),
+    (dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8,
+          dense_layers=(2,), dense_intermediate_size=8), r"dense_layers \[2\] are not layers "
+                                                         r"of 0..1"),
+    (dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8,
+          dense_layers=(1,)), r"dense_intermediate_size must be a positive integer with "
+                              r"dense_layers \[1\] \(got 0\)"),
+    (dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8,
+          dense_intermediate_size=8), r"dense_intermediate_size=8 needs dense_layers"),
 ])
 def test_bad_expert_configs_fail_naming_the_field(change, match):
     base = dict(vocab_size=32, hidden_size=16, intermediate_size=24, num_layers=2,
@@ -242,9 +271,9 @@ def test_bad_expert_configs_fail_naming_the_field(change, match):
 
 
 @pytest.mark.parametrize("change, match", [
-    ({"decoder_sparse_step": 2}, r"decoder_sparse_step=2, mlp_only_layers=\[\] \(dense MLP "
-                                 r"layers among the MoE ones\) is not supported"),
-    ({"mlp_only_layers": [1]}, r"mlp_only_layers=\[1\]"),
+    ({"decoder_sparse_step": 0}, r"decoder_sparse_step=0 must be a positive integer"),
+    ({"mlp_only_layers": [0, 1]}, r"decoder_sparse_step=1, mlp_only_layers=\[0, 1\] leave no "
+                                  r"MoE layer"),
     ({"use_sliding_window": True}, r"use_sliding_window=true is not supported for qwen3_moe"),
 ])
 def test_unsupported_moe_configs_fail_naming_the_field(checkpoints, change, match):

@@ -3,7 +3,8 @@ checkpoints (`hf_moe`): Qwen3-MoE's 8 experts split evenly over ep=2 and 4, Mixt
 padded with zero experts to 8 (ep=8 holds one real expert on five devices, none on three).
 Prompt logits of the ragged step equal HF's within 1e-4; greedy tokens (f32) equal HF's
 through an engine whose prefill and decode layouts differ in ep, re-sharding in between
-(one pair with pp, whose padded identity layers route to zero experts)."""
+(pairs with pp, whose padded identity layers route to zero experts), for models whose
+layers are all MoE and for ones with dense layers among the MoE ones."""
 
 from __future__ import annotations
 
@@ -25,7 +26,11 @@ from jaxpipe.step_inputs import Piece
 NEW_TOKENS = 12
 LOGITS_ATOL = 1e-4
 # (model, prefill, decode): each pair changes the ep degree mid-generation.
-PAIRS = [("qwen3_moe", "ep=4,tp=2", "ep=2,tp=4"), ("mixtral", "ep=8", "pp=2,ep=2,tp=2")]
+# The mixed dense/MoE models too: Qwen2-MoE's 4 layers two per stage (dense, MoE);
+# Qwen3-MoE's 3 padded to 4 for pp=2, its identity layer on the dense path.
+PAIRS = [("qwen3_moe", "ep=4,tp=2", "ep=2,tp=4"), ("mixtral", "ep=8", "pp=2,ep=2,tp=2"),
+         ("qwen2_moe_mixed", "pp=2,ep=2,tp=2", "ep=4,tp=2"),
+         ("qwen3_moe_mixed", "ep=4,tp=2", "pp=2,ep=2,tp=2")]
 
 
 checkpoints = checkpoint_fixture(write)  # name -> (name, HF model in f32, directory)

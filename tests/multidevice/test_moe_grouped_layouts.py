@@ -1,11 +1,14 @@
 """The grouped MoE dispatch (the C++ grouped kernel inside each device's `shard_map`) on a
 cpu-8 layout pair, re-sharding between prefill and decode: bf16 greedy tokens equal the dense
 dispatch's on the same layouts (which tests/multidevice/test_moe_layouts.py checks against
-HF). Expert width 48: 12 and 6 columns per device at tp=4 and 8, even, as the kernel needs."""
+HF). Expert width 48: 12 and 6 columns per device at tp=4 and 8, even, as the kernel needs.
+Under ep each device's grouped kernel skips the other shards' choices (the out-of-range id
+`decoder.local_experts` gives them)."""
 
 from __future__ import annotations
 
 import jax
+import pytest
 import transformers
 from hf_families import PROMPTS, draw_every_parameter
 from hf_moe import EAGER, SMALL
@@ -14,7 +17,9 @@ from jaxpipe import Engine, EngineConfig, SamplingParams
 from jaxpipe.model import moe
 
 
-def test_grouped_dispatch_on_a_layout_pair_gives_the_dense_tokens(tmp_path, monkeypatch):
+@pytest.mark.parametrize("prefill, decode", [("pp=2,tp=4", "tp=8"), ("ep=2,tp=4", "ep=4,tp=2")])
+def test_grouped_dispatch_on_a_layout_pair_gives_the_dense_tokens(tmp_path, monkeypatch,
+                                                                  prefill, decode):
     config = transformers.Qwen3MoeConfig(**SMALL, num_experts=8, num_experts_per_tok=2,
                                          moe_intermediate_size=48, intermediate_size=50,
                                          norm_topk_prob=True, **EAGER)
@@ -25,8 +30,8 @@ def test_grouped_dispatch_on_a_layout_pair_gives_the_dense_tokens(tmp_path, monk
     for dispatch in ("dense", "grouped"):
         monkeypatch.setitem(moe.DISPATCH, "cpu", dispatch)
         jax.clear_caches()  # no step traced on the other dispatch is reused
-        engine = Engine(EngineConfig(model=str(tmp_path), mesh="cpu-8", prefill="pp=2,tp=4",
-                                     decode="tp=8", dtype="bfloat16", max_model_len=160,
+        engine = Engine(EngineConfig(model=str(tmp_path), mesh="cpu-8", prefill=prefill,
+                                     decode=decode, dtype="bfloat16", max_model_len=160,
                                      max_num_seqs=4, max_num_batched_tokens=32, warmup=False,
                                      show_progress=False))
         outs = engine.generate(prompt_token_ids=PROMPTS,
