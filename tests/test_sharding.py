@@ -123,3 +123,17 @@ def test_experts_pad_with_zero_experts_for_every_ep_degree():
 def test_a_dense_model_refuses_expert_parallelism():
     with pytest.raises(ValueError, match=r"ep=2.*needs a mixture-of-experts model"):
         sharding.plan_padding(TINY, [Layout(tp=4), Layout(ep=2, tp=2)])
+
+
+def test_layer_experts_follow_the_padded_layers():
+    """A mixed dense/MoE model's per-layer flag in the padded order of pp=2 stages (3 layers:
+    stage 0 holds 0, 1; stage 1 holds 2 and an identity layer, which takes the dense path);
+    () for a model whose layers are all MoE, so its step traces no per-layer choice."""
+    base = dict(vocab_size=32, hidden_size=16, intermediate_size=0, num_layers=3, num_heads=2,
+                num_kv_heads=1, head_dim=8, num_experts=4, num_experts_per_tok=2,
+                moe_intermediate_size=8)
+    mixed = ModelConfig(**base, dense_layers=(1,), dense_intermediate_size=12)
+    plan = sharding.plan_padding(mixed, [Layout.parse("pp=2")])
+    assert sharding.layer_experts(mixed, plan) == (True, False, True, False)
+    assert sharding.layer_experts(ModelConfig(**base), plan) == ()
+    assert mixed.mlp_width == 12 and decoder.param_decls(mixed)["w_gate_up"].shape[-1] == 12
