@@ -135,11 +135,11 @@ class BlockPool:
                 else:
                     self._free.append(block)
 
-    def store_evicted(self) -> None:
+    def store_evicted(self, keep: bytes | None = None) -> None:
         """Hand the blocks evicted since the last call to the host tier (its `Spill` moves
-        read them before anything writes them again)."""
+        read them before anything writes them again); `keep`: see `HostPrefixCache.store`."""
         if self._evicted:
-            self.host.store(self._evicted)
+            self.host.store(self._evicted, keep)
             self._evicted = []
 
     def _ref(self, block: int) -> None:
@@ -193,7 +193,9 @@ class BlockPool:
         """A new block (held once) that the host tier's copy of `digest` goes into, cached
         under it at once: the copy is issued before any step that reads it."""
         block = self.take()
-        self.store_evicted()  # a block it evicted is read out before the copy overwrites it
+        # A block it evicted is read out before the copy overwrites it, and the room that
+        # read-out needs must not come from the group the copy reads.
+        self.store_evicted(keep=digest)
         self.host.fetch(digest, block)
         self._by_hash[digest] = block
         self._hash_of[block] = digest

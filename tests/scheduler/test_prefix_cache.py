@@ -281,14 +281,16 @@ class Driver:
     tokens come back at once or a step late. It keeps what each block holds (`holds`: the
     context prefix ending with a block, once its KV is fully written) and what each host-tier
     group holds (`host_holds`, moved as the state's `take_moves` say) to check both tiers.
-    The pool (12 or 24 blocks), the host tier (none, 8 or 40 blocks) and its group size (1 or
-    2 blocks) are drawn, so blocks go to the host tier and come back."""
+    The pool (12 or 24 blocks), the host tier (none, one or two groups, 8 or 40 blocks) and
+    its group size (1 or 2 blocks) are drawn, so blocks go to the host tier and come back,
+    and a full tier evicts groups while blocks are copied back."""
 
     def __init__(self, seed: int, caching: bool):
         self.rng = rng = random.Random(seed)
         group = rng.choice([1, 2])
-        self.state = SchedulerState(rng.choice([12, 24]) * UNIT, 6,
-                                    rng.choice([0, 8, 40]) * UNIT, host_unit=group * UNIT,
+        host = rng.choice([0, group, 2 * group, 8, 40])  # one or two groups: a full tier
+        self.state = SchedulerState(rng.choice([12, 24]) * UNIT, 6, host * UNIT,
+                                    host_unit=group * UNIT,
                                     device_unit=UNIT, prefix_caching=caching)
         self.policy = make_policy("prefill_first", max_prefill_tokens=rng.choice([8, 24]),
                                   preempt_mode=rng.choice(["swap", "recompute"]))
@@ -310,7 +312,8 @@ class Driver:
             if isinstance(m, Spill):
                 self.host_holds[m.group] = [self.holds[b] for b in m.blocks]
             elif isinstance(m, Fetch):
-                assert self.state.block_pool.refs(m.block) == 1
+                # held: by its new holder, and by any sequence admitted after it that shares it
+                assert self.state.block_pool.refs(m.block) >= 1
                 self.holds[m.block] = self.host_holds[m.group][m.index]
             else:
                 del self.host_holds[m.group]
@@ -487,3 +490,29 @@ def test_evicted_blocks_go_to_the_host_tier_and_come_back():
     state.apply(Preempt([c], "swap"))  # c's 9 tokens take the tier's 16 (units of 8)
     assert {type(m) for m in state.take_moves()} == {Forget}
     assert state.host_cache.used == 0 and state.host_used == 16
+
+
+def test_a_copy_back_that_evicts_a_block_keeps_the_group_it_reads():
+    """A host tier of one group (one block): a's block A was hit and evicted to it (group
+    0). c, with a's prompt, copies A back into a new device block; taking that block evicts
+    B (hit too, so worth spilling), and the room B's group needs must not come from the
+    group the copy reads (it used to: the fetch then found nothing, a KeyError). B is not
+    kept, A comes back."""
+    state = SchedulerState(5 * UNIT, 4, UNIT, host_unit=UNIT, device_unit=UNIT,
+                           prefix_caching=True)
+    for name, last in (("a", 99), ("a2", 98)):  # a2 hits a's block A
+        prefill(state, seq(name, [*range(4), last], max_tokens=3))
+        state.apply(Run(), finished=[name])
+    b, d = seq("b", [*range(50, 58), 7], 3), seq("d", [*range(50, 58), 8], 3)
+    prefill(state, b)
+    prefill(state, d)  # hits b's two full blocks
+    b_blocks = list(b.blocks[:2])
+    state.apply(Run(), finished=["b", "d"])
+    prefill(state, seq("g", range(70, 81), 3))  # the 2 free blocks, then evicts A
+    assert list(state.host_cache.groups()) == [0] and state.block_pool.free_list() == []
+    state.take_moves()
+    c = seq("c", [*range(4), 97], 3)
+    prefill(state, c)
+    assert c.cached_tokens == UNIT and c.blocks[0] == b_blocks[1]  # B's block, evicted
+    assert state.take_moves() == [Fetch(0, 0, c.blocks[0]), Forget(0), Spill(1, (b_blocks[0],))]
+    assert c.blocks[1] == b_blocks[0] and list(state.host_cache.groups()) == [1]
