@@ -1,5 +1,6 @@
-"""The prefix cache's second tier: full blocks the device pool evicted, kept in the host KV tier
-by their hash (SGLang's HiCache), as plain integers; `jaxpipe.kv` holds the bytes.
+"""The prefix cache's second tier: full blocks the device pool evicted after they were hit at
+least once (`prefix_cache.py` says why), kept in the host KV tier by their hash (SGLang's
+HiCache), as plain integers; `jaxpipe.kv` holds the bytes.
 
 Blocks go to the host in *groups*: the blocks one launch (or swap-in) evicts from the device
 pool's LRU, up to a swap chunk's worth (`group_blocks`), are read out together by one chunk

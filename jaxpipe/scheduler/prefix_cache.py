@@ -8,7 +8,17 @@ A block is one of three things at any time:
 - **cached and unreferenced**: nobody holds it, but it keeps full, known KV under its hash,
   in an LRU; it is evicted (its hash forgotten) only when the free list runs dry. With a
   host tier (`host`, `jaxpipe.scheduler.host_prefix`) an evicted block's KV is kept there
-  under its hash, and a prefix that goes on in the host tier is copied back into new blocks.
+  under its hash if the block was hit at least once (a prefix lookup took it, or it was
+  copied back from the host tier), and a prefix that goes on in the host tier is copied
+  back into new blocks.
+
+Why only hit blocks go to the host tier (SGLang HiCache's "write_through_selective"): every
+finished sequence leaves its full blocks cached, so once the pool is full nearly every block
+given out evicts one. Spilling them all costs a device-to-host copy of a block's KV per
+eviction (SmolLM2-135M: 368,640 bytes a 16-token block in bf16) where nothing is shared and
+nobody ever reads them back. A block that was never hit while it stayed on the device is a
+prompt's own tail or a one-off request; one that was hit is a shared prefix that is likely
+to be asked for again.
 
 Free and cached-unreferenced blocks are both capacity (`num_free`): the scheduler charges only
 referenced blocks, each once however many sequences share it.
@@ -72,6 +82,7 @@ class BlockPool:
         self.evictions = 0  # cached blocks evicted to be given out again
         self.host = host if caching else None
         self._evicted: list[tuple[int, bytes]] = []  # (block, hash): for the host tier
+        self._hit: set[int] = set()  # cached blocks hit at least once: the ones worth spilling
 
     # ---- reading -------------------------------------------------------------------------
     @property
@@ -113,8 +124,9 @@ class BlockPool:
             digest = self._hash_of.pop(block)
             del self._by_hash[digest]
             self.evictions += 1
-            if self.host is not None:
+            if self.host is not None and block in self._hit:
                 self._evicted.append((block, digest))
+            self._hit.discard(block)
         else:
             raise RuntimeError(f"no free block: all {self.num_blocks} are held")
         self._ref(block)
@@ -136,7 +148,7 @@ class BlockPool:
                     self._free.append(block)
 
     def store_evicted(self, keep: bytes | None = None) -> None:
-        """Hand the blocks evicted since the last call to the host tier (its `Spill` moves
+        """Hand the hit blocks evicted since the last call to the host tier (its `Spill` moves
         read them before anything writes them again); `keep`: see `HostPrefixCache.store`."""
         if self._evicted:
             self.host.store(self._evicted, keep)
@@ -182,6 +194,7 @@ class BlockPool:
             else:
                 revived += self._refs[block] == 0
                 self._ref(block)
+                self._hit.add(block)
             revived += in_host
             seq.blocks.append(block)
             seq.block_hashes.append(digest)
@@ -199,6 +212,7 @@ class BlockPool:
         self.host.fetch(digest, block)
         self._by_hash[digest] = block
         self._hash_of[block] = digest
+        self._hit.add(block)
         return block
 
     def first_uncached(self, seq: SeqInfo) -> bytes | None:

@@ -52,7 +52,8 @@ references; a cached block nobody holds stays cached (LRU) and counts as free un
 is needed and the free list is empty. Shared blocks are charged once (`device_used`).
 
 The host tier as the cache's second tier (`host_prefix.py`): with prefix caching and a host
-tier, the blocks the device pool evicts are kept there by hash as far as the swapped-out
+tier, the blocks the device pool evicts that were hit at least once (`prefix_cache.py`) are
+kept there by hash as far as the swapped-out
 sequences leave room (they come first: `host_free` does not count the cache, which shrinks
 for them), and a prefix that goes on in the host tier is copied back into new device blocks.
 The state only records what the bytes must do (`take_moves`); the engine does it, in order,

@@ -464,15 +464,18 @@ def test_random_traffic_with_caching_off_hits_nothing():
 
 def test_evicted_blocks_go_to_the_host_tier_and_come_back():
     """Four device blocks, a host tier of 16 tokens in groups of 2 blocks (8 tokens):
-    a's two full blocks, evicted together by b, are one group (one Spill); c = a's prompt
-    again finds them there: both copied back into new blocks (Fetch), counted as host hits,
-    and the host copy stays. A swap-out that needs the host room forgets the group."""
+    a's two full blocks, hit by a2 and then evicted together by b, are one group (one
+    Spill); c = a's prompt again finds them there: both copied back into new blocks (Fetch),
+    counted as host hits, and the host copy stays. A swap-out that needs the host room
+    forgets the group."""
     state = SchedulerState(4 * UNIT, 4, 4 * UNIT, host_unit=2 * UNIT, device_unit=UNIT,
                            prefix_caching=True)
     a = seq("a", range(9))
     prefill(state, a)
     a_blocks, a_hashes = list(a.blocks[:2]), list(a.block_hashes)
     state.apply(Run(), finished=["a"])
+    prefill(state, seq("a2", [*range(8), 5]))  # hits both
+    state.apply(Run(), finished=["a2"])
     assert state.take_moves() == []
     prefill(state, seq("b", range(50, 63), max_tokens=3))  # the 2 free blocks, then a's
     assert state.take_moves() == [Spill(0, tuple(reversed(a_blocks)))]
@@ -480,16 +483,33 @@ def test_evicted_blocks_go_to_the_host_tier_and_come_back():
     state.apply(Run(), finished=["b"])
     c = seq("c", range(9))
     run = prefill(state, c)
-    moves = [m for m in state.take_moves() if isinstance(m, Fetch)]  # b's spill around them
+    moves = state.take_moves()  # b's blocks, never hit, are evicted for them: no Spill
     assert [(m.group, m.index, m.block) for m in moves] == [(0, 1, c.blocks[0]),
                                                             (0, 0, c.blocks[1])]
     assert c.cached_tokens == 8 and run.prefill == [(c, 1)] and c.block_hashes == a_hashes
     pool = state.block_pool
-    assert pool.host_hit_tokens == 8 and pool.hit_tokens == 8
+    assert pool.host_hit_tokens == 8 and pool.hit_tokens == 16  # a2's on the device, c's here
     assert state.host_cache.groups()[0] == list(reversed(a_hashes))  # the copy stays
     state.apply(Preempt([c], "swap"))  # c's 9 tokens take the tier's 16 (units of 8)
     assert {type(m) for m in state.take_moves()} == {Forget}
     assert state.host_cache.used == 0 and state.host_used == 16
+
+
+def test_blocks_never_hit_are_forgotten_when_evicted_not_spilled():
+    """Where nothing is shared nothing goes to the host tier: a's blocks, evicted by b
+    before anyone asked for them, cost no device-to-host copy, and c = a's prompt computes
+    them again."""
+    state = SchedulerState(4 * UNIT, 4, 4 * UNIT, host_unit=2 * UNIT, device_unit=UNIT,
+                           prefix_caching=True)
+    prefill(state, seq("a", range(9)))
+    state.apply(Run(), finished=["a"])
+    prefill(state, seq("b", range(50, 63), max_tokens=3))  # evicts a's two blocks
+    state.apply(Run(), finished=["b"])
+    c = seq("c", range(9))
+    prefill(state, c)
+    assert state.take_moves() == [] and state.host_cache.groups() == {}
+    assert state.block_pool.evictions == 4 and state.host_cache.stored_blocks == 0
+    assert c.cached_tokens == 0
 
 
 def test_a_copy_back_that_evicts_a_block_keeps_the_group_it_reads():
