@@ -163,12 +163,19 @@ class BlockPool:
     # ---- the prefix cache ----------------------------------------------------------------
     def next_hash(self, seq: SeqInfo, hashes: list[bytes]) -> bytes | None:
         """The hash of `seq`'s block number `len(hashes)` (`hashes`: its blocks' before),
-        or None while any of that block's token ids is unknown."""
-        start = len(hashes) * self.block_size
+        or None while any of that block's token ids is unknown. Hashed once per sequence:
+        remembered in `seq.hash_chain`."""
+        index, chain = len(hashes), seq.hash_chain
+        if index < len(chain):
+            return chain[index]
+        start = index * self.block_size
         token_ids = seq.token_ids(start, start + self.block_size)
         if token_ids is None or len(token_ids) < self.block_size:
             return None
-        return block_hash(hashes[-1] if hashes else ROOT, token_ids, self._key)
+        digest = block_hash(hashes[-1] if hashes else ROOT, token_ids, self._key)
+        if index == len(chain):
+            chain.append(digest)
+        return digest
 
     def take_prefix(self, seq: SeqInfo, max_blocks: int, max_revived: int) -> tuple[int, int]:
         """`seq` (entering the device store with no blocks) takes a reference to each block

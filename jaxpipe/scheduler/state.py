@@ -110,6 +110,9 @@ class SeqInfo:
     slot: int | None = None  # its device slot while it is in the device store
     cached_tokens: int = 0  # tokens of its context its last admission found in the prefix cache
     block_hashes: list[bytes] = field(default_factory=list, repr=False)  # of blocks[:len(this)]
+    # The hashes of its context's first full blocks of known tokens, as far as the prefix
+    # cache has hashed them (a memo: a block's tokens never change, so each is hashed once).
+    hash_chain: list[bytes] = field(default_factory=list, repr=False)
 
     def __post_init__(self):
         if self.prompt_len < 1 or self.max_output_len < 1:

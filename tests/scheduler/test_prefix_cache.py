@@ -67,10 +67,9 @@ def test_the_same_prefix_gets_the_same_blocks_and_another_key_does_not():
     assert b.blocks[:2] == a.blocks[:2] and b.cached_tokens == 8
     assert b.blocks[2] != a.blocks[2]  # the partial block is never shared
     assert b.block_hashes == a.block_hashes
-    c = seq("c", range(10))
-    assert (BlockPool(4, UNIT, True, "m1").next_hash(c, [])
-            == BlockPool(4, UNIT, True, "m1").next_hash(c, [])
-            != BlockPool(4, UNIT, True, "m2").next_hash(c, []))
+    def first(key):  # a new sequence each time: one remembers its hashes (one pool's)
+        return BlockPool(4, UNIT, True, key).next_hash(seq("c", range(10)), [])
+    assert first("m1") == first("m1") != first("m2")
 
 
 @pytest.mark.parametrize("shared,hit", [(6, 4), (8, 8), (9, 8), (12, 12), (13, 12)])
@@ -536,3 +535,26 @@ def test_a_copy_back_that_evicts_a_block_keeps_the_group_it_reads():
     assert c.cached_tokens == UNIT and c.blocks[0] == b_blocks[1]  # B's block, evicted
     assert state.take_moves() == [Fetch(0, 0, c.blocks[0]), Forget(0), Spill(1, (b_blocks[0],))]
     assert c.blocks[1] == b_blocks[0] and list(state.host_cache.groups()) == [1]
+
+
+def test_each_block_is_hashed_once(monkeypatch):
+    """A prompt of 3 full blocks and a bit, prefilled in two chunks (each launched, then
+    applied: the deferral check and the cache both ask for the hashes), then decoded into a
+    fourth full block: 4 hashes, each computed once (`SeqInfo.hash_chain`)."""
+    import jaxpipe.scheduler.prefix_cache as prefix_cache
+
+    calls = []
+    real = prefix_cache.block_hash
+    monkeypatch.setattr(prefix_cache, "block_hash", lambda *a: calls.append(a) or real(*a))
+    state = cached_state()
+    s = seq("a", range(13), max_tokens=8)
+    state.add(s)
+    for run in (Run(prefill=[(s, 6)]), Run(prefill=[(s, 7)]), *(Run(decode=[s]),) * 3):
+        state.launch(run)
+        state.apply(run)
+        if s.generated > len(s.output_token_ids):
+            s.output_token_ids.append(100 + s.generated)
+    assert s.computed == 16 and len(s.block_hashes) == 4 and s.hash_chain == s.block_hashes
+    assert len(calls) == 4
+    assert [c[1] for c in calls] == [list(range(0, 4)), list(range(4, 8)), list(range(8, 12)),
+                                     [12, 101, 102, 103]]
