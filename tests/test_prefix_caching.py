@@ -167,7 +167,8 @@ def test_a_prefix_evicted_to_the_host_tier_is_copied_back(checkpoint, reference)
 @pytest.mark.parametrize("policy", ["prefill_first", "seesaw"])
 def test_a_small_pool_evicts_cached_blocks(checkpoint, reference, policy):
     """A pool of 6 blocks for 3 rows of up to 5 blocks: cached blocks nobody holds are
-    evicted for new ones (seesaw also parks running sequences in the host tier)."""
+    evicted for new ones (seesaw also parks running sequences in the host tier), and only
+    those that were hit go to the host tier."""
     engine = engine_of(checkpoint[1], prefix_caching=True, kv_cache_tokens=6 * BLOCK,
                        scheduler=policy)
     try:
@@ -176,7 +177,9 @@ def test_a_small_pool_evicts_cached_blocks(checkpoint, reference, policy):
         engine.close()
     assert first["prefix_cache_hit_tokens"] > 0
     assert first["prefix_cache_evictions"] + second["prefix_cache_evictions"] > 0
-    assert first["prefix_cache_host_stored_blocks"] + second["prefix_cache_host_stored_blocks"]
+    # only blocks hit at least once go to the host tier (prefix_cache.py)
+    assert (first["prefix_cache_host_stored_blocks"] + second["prefix_cache_host_stored_blocks"]
+            ) * BLOCK <= first["prefix_cache_hit_tokens"] + second["prefix_cache_hit_tokens"]
     if policy == "seesaw":
         assert first["preemptions"] + second["preemptions"] > 0
 

@@ -1,5 +1,6 @@
-"""The prefix cache's second tier: full blocks the device pool evicted, kept in the host KV tier
-by their hash (SGLang's HiCache), as plain integers; `jaxpipe.kv` holds the bytes.
+"""The prefix cache's second tier: full blocks the device pool evicted after they were hit at
+least once (`prefix_cache.py` says why), kept in the host KV tier by their hash (SGLang's
+HiCache), as plain integers; `jaxpipe.kv` holds the bytes.
 
 Blocks go to the host in *groups*: the blocks one launch (or swap-in) evicts from the device
 pool's LRU, up to a swap chunk's worth (`group_blocks`), are read out together by one chunk
@@ -81,12 +82,19 @@ class HostPrefixCache:
         self._groups.move_to_end(group)
         self.moves.append(Fetch(group, index, block))
 
-    def store(self, evicted: list[tuple[int, bytes]]) -> None:
+    def store(self, evicted: list[tuple[int, bytes]], keep: bytes | None = None) -> None:
         """Keep device blocks just evicted ((block, hash), eviction order) not already here,
-        in groups, as far as `limit` allows (evicting older groups for newer ones)."""
+        in groups, as far as `limit` allows (evicting older groups for newer ones).
+        `keep`: the hash of a block about to be fetched (its copy-back took the device block
+        whose eviction this stores): its group becomes the newest and is never evicted to
+        make room, the new group is dropped instead (the fetch must still find it)."""
+        kept = None
+        if keep is not None:
+            kept = self._where[keep][0]
+            self._groups.move_to_end(kept)
         new = [(b, h) for b, h in evicted if h not in self._where]
         for start in range(0, len(new), self.group_blocks):
-            if not self._make_room(self.group_tokens):
+            if not self._make_room(self.group_tokens, kept):
                 return
             part = new[start:start + self.group_blocks]
             group, self._next_group = self._next_group, self._next_group + 1
@@ -102,12 +110,14 @@ class HostPrefixCache:
         while self._groups and self.used > limit:
             self._evict_oldest()
 
-    def _make_room(self, tokens: int) -> bool:
-        """Evict the oldest groups until `tokens` more fit under `limit`; False if they
-        cannot."""
+    def _make_room(self, tokens: int, kept: int | None) -> bool:
+        """Evict the oldest groups, never `kept` (the newest), until `tokens` more fit under
+        `limit`; False if they cannot."""
         if tokens > self.limit:
             return False
         while self.used + tokens > self.limit:
+            if next(iter(self._groups)) == kept:
+                return False
             self._evict_oldest()
         return True
 

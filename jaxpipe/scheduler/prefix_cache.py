@@ -8,7 +8,17 @@ A block is one of three things at any time:
 - **cached and unreferenced**: nobody holds it, but it keeps full, known KV under its hash,
   in an LRU; it is evicted (its hash forgotten) only when the free list runs dry. With a
   host tier (`host`, `jaxpipe.scheduler.host_prefix`) an evicted block's KV is kept there
-  under its hash, and a prefix that goes on in the host tier is copied back into new blocks.
+  under its hash if the block was hit at least once (a prefix lookup took it, or it was
+  copied back from the host tier), and a prefix that goes on in the host tier is copied
+  back into new blocks.
+
+Why only hit blocks go to the host tier (SGLang HiCache's "write_through_selective"): every
+finished sequence leaves its full blocks cached, so once the pool is full nearly every block
+given out evicts one. Spilling them all costs a device-to-host copy of a block's KV per
+eviction (SmolLM2-135M: 368,640 bytes a 16-token block in bf16) where nothing is shared and
+nobody ever reads them back. A block that was never hit while it stayed on the device is a
+prompt's own tail or a one-off request; one that was hit is a shared prefix that is likely
+to be asked for again.
 
 Free and cached-unreferenced blocks are both capacity (`num_free`): the scheduler charges only
 referenced blocks, each once however many sequences share it.
@@ -72,6 +82,7 @@ class BlockPool:
         self.evictions = 0  # cached blocks evicted to be given out again
         self.host = host if caching else None
         self._evicted: list[tuple[int, bytes]] = []  # (block, hash): for the host tier
+        self._hit: set[int] = set()  # cached blocks hit at least once: the ones worth spilling
 
     # ---- reading -------------------------------------------------------------------------
     @property
@@ -113,8 +124,9 @@ class BlockPool:
             digest = self._hash_of.pop(block)
             del self._by_hash[digest]
             self.evictions += 1
-            if self.host is not None:
+            if self.host is not None and block in self._hit:
                 self._evicted.append((block, digest))
+            self._hit.discard(block)
         else:
             raise RuntimeError(f"no free block: all {self.num_blocks} are held")
         self._ref(block)
@@ -135,11 +147,11 @@ class BlockPool:
                 else:
                     self._free.append(block)
 
-    def store_evicted(self) -> None:
-        """Hand the blocks evicted since the last call to the host tier (its `Spill` moves
-        read them before anything writes them again)."""
+    def store_evicted(self, keep: bytes | None = None) -> None:
+        """Hand the hit blocks evicted since the last call to the host tier (its `Spill` moves
+        read them before anything writes them again); `keep`: see `HostPrefixCache.store`."""
         if self._evicted:
-            self.host.store(self._evicted)
+            self.host.store(self._evicted, keep)
             self._evicted = []
 
     def _ref(self, block: int) -> None:
@@ -151,12 +163,19 @@ class BlockPool:
     # ---- the prefix cache ----------------------------------------------------------------
     def next_hash(self, seq: SeqInfo, hashes: list[bytes]) -> bytes | None:
         """The hash of `seq`'s block number `len(hashes)` (`hashes`: its blocks' before),
-        or None while any of that block's token ids is unknown."""
-        start = len(hashes) * self.block_size
+        or None while any of that block's token ids is unknown. Hashed once per sequence:
+        remembered in `seq.hash_chain`."""
+        index, chain = len(hashes), seq.hash_chain
+        if index < len(chain):
+            return chain[index]
+        start = index * self.block_size
         token_ids = seq.token_ids(start, start + self.block_size)
         if token_ids is None or len(token_ids) < self.block_size:
             return None
-        return block_hash(hashes[-1] if hashes else ROOT, token_ids, self._key)
+        digest = block_hash(hashes[-1] if hashes else ROOT, token_ids, self._key)
+        if index == len(chain):
+            chain.append(digest)
+        return digest
 
     def take_prefix(self, seq: SeqInfo, max_blocks: int, max_revived: int) -> tuple[int, int]:
         """`seq` (entering the device store with no blocks) takes a reference to each block
@@ -182,6 +201,7 @@ class BlockPool:
             else:
                 revived += self._refs[block] == 0
                 self._ref(block)
+                self._hit.add(block)
             revived += in_host
             seq.blocks.append(block)
             seq.block_hashes.append(digest)
@@ -193,10 +213,13 @@ class BlockPool:
         """A new block (held once) that the host tier's copy of `digest` goes into, cached
         under it at once: the copy is issued before any step that reads it."""
         block = self.take()
-        self.store_evicted()  # a block it evicted is read out before the copy overwrites it
+        # A block it evicted is read out before the copy overwrites it, and the room that
+        # read-out needs must not come from the group the copy reads.
+        self.store_evicted(keep=digest)
         self.host.fetch(digest, block)
         self._by_hash[digest] = block
         self._hash_of[block] = digest
+        self._hit.add(block)
         return block
 
     def first_uncached(self, seq: SeqInfo) -> bytes | None:

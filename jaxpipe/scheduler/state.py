@@ -52,7 +52,8 @@ references; a cached block nobody holds stays cached (LRU) and counts as free un
 is needed and the free list is empty. Shared blocks are charged once (`device_used`).
 
 The host tier as the cache's second tier (`host_prefix.py`): with prefix caching and a host
-tier, the blocks the device pool evicts are kept there by hash as far as the swapped-out
+tier, the blocks the device pool evicts that were hit at least once (`prefix_cache.py`) are
+kept there by hash as far as the swapped-out
 sequences leave room (they come first: `host_free` does not count the cache, which shrinks
 for them), and a prefix that goes on in the host tier is copied back into new device blocks.
 The state only records what the bytes must do (`take_moves`); the engine does it, in order,
@@ -109,6 +110,9 @@ class SeqInfo:
     slot: int | None = None  # its device slot while it is in the device store
     cached_tokens: int = 0  # tokens of its context its last admission found in the prefix cache
     block_hashes: list[bytes] = field(default_factory=list, repr=False)  # of blocks[:len(this)]
+    # The hashes of its context's first full blocks of known tokens, as far as the prefix
+    # cache has hashed them (a memo: a block's tokens never change, so each is hashed once).
+    hash_chain: list[bytes] = field(default_factory=list, repr=False)
 
     def __post_init__(self):
         if self.prompt_len < 1 or self.max_output_len < 1:

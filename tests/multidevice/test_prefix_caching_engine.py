@@ -3,7 +3,8 @@ pp=4,tp=2, decode on tp=8): cached blocks are read in the layout that wrote them
 they moved with the live ones (a switch moves both), and blocks the small pool (8 blocks)
 evicts go to the host tier and are copied back into the current layout's shards. Every policy
 run here must give the single-device engine's tokens with the cache off
-(tests/prefix_workload.py's two waves), with hits, and release every block."""
+(tests/prefix_workload.py's two waves), with hits, and release every block; so must every
+policy with prefill and decode both on pp=4,tp=2, through the host tier and back."""
 
 from __future__ import annotations
 
@@ -50,20 +51,50 @@ def test_two_layouts_give_the_uncached_tokens(cached, reference, policy):
         assert cached.executor.state.phase.value == "decode"
 
 
+def evicted_and_sent_again(engine, reference) -> dict:
+    """The first wave, then prompts that share nothing with it (they evict its blocks, which
+    its own repeats hit, to the host tier), then the first wave again: each wave's tokens
+    are the reference's, every block released. Returns the stats of the last wave."""
+    (prompts, want), _, params = reference
+    engine.reset_stats()
+    assert tokens(engine.generate(prompt_token_ids=prompts, sampling_params=params)) == want
+    vocab = TINY.vocab_size - 1
+    others = [[(7 * i + 3 * j) % vocab for j in range(40 + i)] for i in range(6)]
+    engine.generate(prompt_token_ids=others, sampling_params=params[0])
+    engine.reset_stats()
+    assert tokens(engine.generate(prompt_token_ids=prompts, sampling_params=params)) == want
+    assert_all_released(engine)
+    return engine.stats()
+
+
 def test_a_prefix_evicted_to_the_host_tier_comes_back_after_a_reshard(cached, reference):
     """seesaw: the first wave's blocks, written on pp=4,tp=2, are evicted by prompts that
     share nothing with them, while the phases switch back and forth; the first wave sent
     again copies them back from the host tier and gives the uncached tokens."""
     cached.set_scheduler("seesaw")
-    (prompts, want), _, params = reference
-    cached.reset_stats()
-    assert tokens(cached.generate(prompt_token_ids=prompts, sampling_params=params)) == want
-    vocab = TINY.vocab_size - 1
-    others = [[(7 * i + 3 * j) % vocab for j in range(40 + i)] for i in range(6)]
-    cached.generate(prompt_token_ids=others, sampling_params=params[0])
-    assert cached.stats()["reshards"] > 0
-    cached.reset_stats()
-    assert tokens(cached.generate(prompt_token_ids=prompts, sampling_params=params)) == want
-    stats = cached.stats()
-    assert_all_released(cached)
+    stats = evicted_and_sent_again(cached, reference)
     assert stats["prefix_cache_host_hit_tokens"] > 0 and stats["reshards"] > 0
+
+
+@pytest.fixture(scope="module")
+def one_layout(tiny_orbax):
+    """Prefill and decode both on pp=4,tp=2 (no re-shard), the same small pool."""
+    engine = Engine(EngineConfig(model=str(tiny_orbax), prefix_caching=True,
+                                 kv_cache_tokens=8 * 16, mesh="cpu-8", prefill="pp=4,tp=2",
+                                 decode="pp=4,tp=2", **FAST))
+    yield engine
+    engine.close()
+
+
+@pytest.mark.parametrize("policy", ["seesaw", "prefill_first", "tdpipe", "throttle",
+                                    "decode_first"])
+def test_every_policy_on_pp4_tp2_gives_the_uncached_tokens_through_the_host_tier(
+        one_layout, reference, policy):
+    """Every policy on one engine (`set_scheduler`, as test_small_batch_engine): the two
+    waves hit on the device, and the first wave, evicted to the host tier, comes back."""
+    one_layout.set_scheduler(policy, **({"tdpipe_finish_ratio": 0.5} if policy == "tdpipe"
+                                        else {}))
+    first, second = check_waves(one_layout, reference)
+    assert first["prefix_cache_hit_tokens"] > 0 and second["prefix_cache_hit_tokens"] > 0
+    stats = evicted_and_sent_again(one_layout, reference)
+    assert stats["prefix_cache_host_hit_tokens"] > 0

@@ -1,6 +1,9 @@
 """Every policy on 8 devices with prefill and decode both on pp=4,tp=2, few rows (16) and a
 KV pool that holds many more prompts than that (2048 tokens): a few dozen requests of mixed
-lengths give the single-device engine's greedy tokens. With a fresh step-time cache, tdpipe
+lengths give the single-device engine's greedy tokens, with the prefix cache on (one engine
+for all policies: under the later ones the pool evicts the earlier ones' cached blocks and
+the host tier copies them back; that once raised a KeyError, see
+tests/scheduler/test_prefix_cache.py). With a fresh step-time cache, tdpipe
 used to fail at start: its measured prefill steps took 32 prompts into a 16-row step."""
 
 from __future__ import annotations
@@ -13,7 +16,8 @@ from jaxpipe import Engine, EngineConfig, SamplingParams
 
 FAST = dict(dtype="float32", max_model_len=192, warmup=False, show_progress=False)
 SMALL_BATCH = dict(mesh="cpu-8", prefill="pp=4,tp=2", decode="pp=4,tp=2", max_num_seqs=16,
-                   kv_cache_tokens=2048, max_num_batched_tokens=2048, host_kv_tokens=1024)
+                   kv_cache_tokens=2048, max_num_batched_tokens=2048, host_kv_tokens=1024,
+                   prefix_caching=True)
 POLICIES = ["tdpipe", "throttle", "seesaw", "prefill_first", "decode_first"]
 
 
@@ -30,9 +34,10 @@ def workload():
 
 @pytest.fixture(scope="module")
 def reference(tiny_orbax, workload):
-    """Greedy tokens of the single-device engine, every request in its own slot."""
+    """Greedy tokens of the single-device engine, every request in its own slot, the cache
+    off."""
     engine = Engine(EngineConfig(model=str(tiny_orbax), max_num_seqs=32,
-                                 scheduler="prefill_first", **FAST))
+                                 scheduler="prefill_first", prefix_caching=False, **FAST))
     return tokens(engine.generate(prompt_token_ids=workload[0], sampling_params=workload[1]))
 
 

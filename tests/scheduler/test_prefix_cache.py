@@ -67,10 +67,9 @@ def test_the_same_prefix_gets_the_same_blocks_and_another_key_does_not():
     assert b.blocks[:2] == a.blocks[:2] and b.cached_tokens == 8
     assert b.blocks[2] != a.blocks[2]  # the partial block is never shared
     assert b.block_hashes == a.block_hashes
-    c = seq("c", range(10))
-    assert (BlockPool(4, UNIT, True, "m1").next_hash(c, [])
-            == BlockPool(4, UNIT, True, "m1").next_hash(c, [])
-            != BlockPool(4, UNIT, True, "m2").next_hash(c, []))
+    def first(key):  # a new sequence each time: one remembers its hashes (one pool's)
+        return BlockPool(4, UNIT, True, key).next_hash(seq("c", range(10)), [])
+    assert first("m1") == first("m1") != first("m2")
 
 
 @pytest.mark.parametrize("shared,hit", [(6, 4), (8, 8), (9, 8), (12, 12), (13, 12)])
@@ -281,14 +280,16 @@ class Driver:
     tokens come back at once or a step late. It keeps what each block holds (`holds`: the
     context prefix ending with a block, once its KV is fully written) and what each host-tier
     group holds (`host_holds`, moved as the state's `take_moves` say) to check both tiers.
-    The pool (12 or 24 blocks), the host tier (none, 8 or 40 blocks) and its group size (1 or
-    2 blocks) are drawn, so blocks go to the host tier and come back."""
+    The pool (12 or 24 blocks), the host tier (none, one or two groups, 8 or 40 blocks) and
+    its group size (1 or 2 blocks) are drawn, so blocks go to the host tier and come back,
+    and a full tier evicts groups while blocks are copied back."""
 
     def __init__(self, seed: int, caching: bool):
         self.rng = rng = random.Random(seed)
         group = rng.choice([1, 2])
-        self.state = SchedulerState(rng.choice([12, 24]) * UNIT, 6,
-                                    rng.choice([0, 8, 40]) * UNIT, host_unit=group * UNIT,
+        host = rng.choice([0, group, 2 * group, 8, 40])  # one or two groups: a full tier
+        self.state = SchedulerState(rng.choice([12, 24]) * UNIT, 6, host * UNIT,
+                                    host_unit=group * UNIT,
                                     device_unit=UNIT, prefix_caching=caching)
         self.policy = make_policy("prefill_first", max_prefill_tokens=rng.choice([8, 24]),
                                   preempt_mode=rng.choice(["swap", "recompute"]))
@@ -310,7 +311,8 @@ class Driver:
             if isinstance(m, Spill):
                 self.host_holds[m.group] = [self.holds[b] for b in m.blocks]
             elif isinstance(m, Fetch):
-                assert self.state.block_pool.refs(m.block) == 1
+                # held: by its new holder, and by any sequence admitted after it that shares it
+                assert self.state.block_pool.refs(m.block) >= 1
                 self.holds[m.block] = self.host_holds[m.group][m.index]
             else:
                 del self.host_holds[m.group]
@@ -461,15 +463,18 @@ def test_random_traffic_with_caching_off_hits_nothing():
 
 def test_evicted_blocks_go_to_the_host_tier_and_come_back():
     """Four device blocks, a host tier of 16 tokens in groups of 2 blocks (8 tokens):
-    a's two full blocks, evicted together by b, are one group (one Spill); c = a's prompt
-    again finds them there: both copied back into new blocks (Fetch), counted as host hits,
-    and the host copy stays. A swap-out that needs the host room forgets the group."""
+    a's two full blocks, hit by a2 and then evicted together by b, are one group (one
+    Spill); c = a's prompt again finds them there: both copied back into new blocks (Fetch),
+    counted as host hits, and the host copy stays. A swap-out that needs the host room
+    forgets the group."""
     state = SchedulerState(4 * UNIT, 4, 4 * UNIT, host_unit=2 * UNIT, device_unit=UNIT,
                            prefix_caching=True)
     a = seq("a", range(9))
     prefill(state, a)
     a_blocks, a_hashes = list(a.blocks[:2]), list(a.block_hashes)
     state.apply(Run(), finished=["a"])
+    prefill(state, seq("a2", [*range(8), 5]))  # hits both
+    state.apply(Run(), finished=["a2"])
     assert state.take_moves() == []
     prefill(state, seq("b", range(50, 63), max_tokens=3))  # the 2 free blocks, then a's
     assert state.take_moves() == [Spill(0, tuple(reversed(a_blocks)))]
@@ -477,13 +482,79 @@ def test_evicted_blocks_go_to_the_host_tier_and_come_back():
     state.apply(Run(), finished=["b"])
     c = seq("c", range(9))
     run = prefill(state, c)
-    moves = [m for m in state.take_moves() if isinstance(m, Fetch)]  # b's spill around them
+    moves = state.take_moves()  # b's blocks, never hit, are evicted for them: no Spill
     assert [(m.group, m.index, m.block) for m in moves] == [(0, 1, c.blocks[0]),
                                                             (0, 0, c.blocks[1])]
     assert c.cached_tokens == 8 and run.prefill == [(c, 1)] and c.block_hashes == a_hashes
     pool = state.block_pool
-    assert pool.host_hit_tokens == 8 and pool.hit_tokens == 8
+    assert pool.host_hit_tokens == 8 and pool.hit_tokens == 16  # a2's on the device, c's here
     assert state.host_cache.groups()[0] == list(reversed(a_hashes))  # the copy stays
     state.apply(Preempt([c], "swap"))  # c's 9 tokens take the tier's 16 (units of 8)
     assert {type(m) for m in state.take_moves()} == {Forget}
     assert state.host_cache.used == 0 and state.host_used == 16
+
+
+def test_blocks_never_hit_are_forgotten_when_evicted_not_spilled():
+    """Where nothing is shared nothing goes to the host tier: a's blocks, evicted by b
+    before anyone asked for them, cost no device-to-host copy, and c = a's prompt computes
+    them again."""
+    state = SchedulerState(4 * UNIT, 4, 4 * UNIT, host_unit=2 * UNIT, device_unit=UNIT,
+                           prefix_caching=True)
+    prefill(state, seq("a", range(9)))
+    state.apply(Run(), finished=["a"])
+    prefill(state, seq("b", range(50, 63), max_tokens=3))  # evicts a's two blocks
+    state.apply(Run(), finished=["b"])
+    c = seq("c", range(9))
+    prefill(state, c)
+    assert state.take_moves() == [] and state.host_cache.groups() == {}
+    assert state.block_pool.evictions == 4 and state.host_cache.stored_blocks == 0
+    assert c.cached_tokens == 0
+
+
+def test_a_copy_back_that_evicts_a_block_keeps_the_group_it_reads():
+    """A host tier of one group (one block): a's block A was hit and evicted to it (group
+    0). c, with a's prompt, copies A back into a new device block; taking that block evicts
+    B (hit too, so worth spilling), and the room B's group needs must not come from the
+    group the copy reads (it used to: the fetch then found nothing, a KeyError). B is not
+    kept, A comes back."""
+    state = SchedulerState(5 * UNIT, 4, UNIT, host_unit=UNIT, device_unit=UNIT,
+                           prefix_caching=True)
+    for name, last in (("a", 99), ("a2", 98)):  # a2 hits a's block A
+        prefill(state, seq(name, [*range(4), last], max_tokens=3))
+        state.apply(Run(), finished=[name])
+    b, d = seq("b", [*range(50, 58), 7], 3), seq("d", [*range(50, 58), 8], 3)
+    prefill(state, b)
+    prefill(state, d)  # hits b's two full blocks
+    b_blocks = list(b.blocks[:2])
+    state.apply(Run(), finished=["b", "d"])
+    prefill(state, seq("g", range(70, 81), 3))  # the 2 free blocks, then evicts A
+    assert list(state.host_cache.groups()) == [0] and state.block_pool.free_list() == []
+    state.take_moves()
+    c = seq("c", [*range(4), 97], 3)
+    prefill(state, c)
+    assert c.cached_tokens == UNIT and c.blocks[0] == b_blocks[1]  # B's block, evicted
+    assert state.take_moves() == [Fetch(0, 0, c.blocks[0]), Forget(0), Spill(1, (b_blocks[0],))]
+    assert c.blocks[1] == b_blocks[0] and list(state.host_cache.groups()) == [1]
+
+
+def test_each_block_is_hashed_once(monkeypatch):
+    """A prompt of 3 full blocks and a bit, prefilled in two chunks (each launched, then
+    applied: the deferral check and the cache both ask for the hashes), then decoded into a
+    fourth full block: 4 hashes, each computed once (`SeqInfo.hash_chain`)."""
+    import jaxpipe.scheduler.prefix_cache as prefix_cache
+
+    calls = []
+    real = prefix_cache.block_hash
+    monkeypatch.setattr(prefix_cache, "block_hash", lambda *a: calls.append(a) or real(*a))
+    state = cached_state()
+    s = seq("a", range(13), max_tokens=8)
+    state.add(s)
+    for run in (Run(prefill=[(s, 6)]), Run(prefill=[(s, 7)]), *(Run(decode=[s]),) * 3):
+        state.launch(run)
+        state.apply(run)
+        if s.generated > len(s.output_token_ids):
+            s.output_token_ids.append(100 + s.generated)
+    assert s.computed == 16 and len(s.block_hashes) == 4 and s.hash_chain == s.block_hashes
+    assert len(calls) == 4
+    assert [c[1] for c in calls] == [list(range(0, 4)), list(range(4, 8)), list(range(8, 12)),
+                                     [12, 101, 102, 103]]
