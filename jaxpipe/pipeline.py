@@ -35,6 +35,7 @@ from jaxpipe import sharding
 from jaxpipe.config import ModelConfig
 from jaxpipe.kernels import dispatch, matmul, pallas_attention, ragged_attention
 from jaxpipe.kernels.dispatch import Matmul
+from jaxpipe.kernels.matmul import StackedWeight
 from jaxpipe.kv.device_cache import BLOCK, OUT_OF_RANGE, KVCache, to_storage
 from jaxpipe.layout import Layout
 from jaxpipe.model import decoder
@@ -102,33 +103,6 @@ def attend(q, k, v, mb: dict, layer, *, attention: str, max_kv: int, window=0,
               window=window, softcap=softcap, scale=scale)
 
 
-class StackedWeight:
-    """Layer `layer` (traced i32) of a stacked weight [L, ...] in panel order, for
-    `kernel_dot` to read in place: slicing it out before a custom call makes XLA copy the
-    weight on every call. Has what `decoder._matmul` uses of a weight: shape, dtype, reshape
-    (recorded, applied on use); `path(rows)` names the kernel path a call of `rows` rows runs
-    (`kernels/dispatch.py`)."""
-
-    def __init__(self, stack: jax.Array, layer: jax.Array, path: Callable[[int], str],
-                 shape: tuple[int, ...] | None = None):
-        self.stack, self.layer, self.path = stack, layer, path
-        self.shape = shape or stack.shape[1:]
-
-    @property
-    def dtype(self):
-        return self.stack.dtype
-
-    def reshape(self, *shape: int) -> StackedWeight:
-        if -1 in shape:  # as numpy: the one -1 takes what the others leave
-            known = math.prod(d for d in shape if d != -1)
-            shape = tuple(math.prod(self.shape) // known if d == -1 else d for d in shape)
-        return StackedWeight(self.stack, self.layer, self.path, shape)
-
-    def stacked(self) -> jax.Array:
-        """The stack as [L, K, N] (a bitcast) for the kernel."""
-        return self.stack.reshape(self.stack.shape[0], *self.shape)
-
-
 def kernel_dot(x, w: StackedWeight):
     """`decoder._matmul`'s dot with the C++ bf16 kernel on a weight in panel order
     (`kernels/matmul.py`), on the path measured fastest for x's rows. Call inside
@@ -147,12 +121,23 @@ def kernel_gated(x, w: StackedWeight):
 MATMUL_PARAMS = {"wq": 1, "wkv": 1, "wo": 2, "w_gate_up": 1, "w_down": 1}
 
 
+# An MoE layer's experts, which the grouped kernel reads in place (natural order; the
+# other dispatches slice them, `model/moe.py`): a slice per layer would copy every expert's
+# weights on every step.
+EXPERT_PARAMS = ("w_experts_gate_up", "w_experts_down")
+
+
 def layer_params(layers: LayerParams, j, packed: KernelPaths) -> LayerParams:
-    """Layer j's weights: slices, and the `packed` ones as `StackedWeight`s (None stays
-    None: a parameter this config has not)."""
-    return LayerParams(*(StackedWeight(a, j, packed[name]) if name in packed
-                         else None if a is None else a[j]
-                         for name, a in zip(LAYER_PARAMS, layers, strict=True)))
+    """Layer j's weights: slices, and the `packed` ones and the experts as `StackedWeight`s
+    (None stays None: a parameter this config has not)."""
+    def one(name, a):
+        if a is None:
+            return None
+        if name in packed:
+            return StackedWeight(a, j, packed[name])
+        return StackedWeight(a, j) if name in EXPERT_PARAMS else a[j]
+
+    return LayerParams(*(one(name, a) for name, a in zip(LAYER_PARAMS, layers, strict=True)))
 
 
 def local_matmuls(shardings: dict) -> dict[str, Matmul]:

@@ -12,10 +12,13 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import numpy as np
 
 from jaxpipe import step_inputs
 from jaxpipe.kv.device_cache import blocks_for
 from jaxpipe.step_inputs import Piece, StepInputs
+
+SYNTHETIC_IDS = 200  # token ids of a synthetic step are below it (every vocabulary is larger)
 
 
 def padding_inputs(runner, tokens: int) -> StepInputs:
@@ -26,12 +29,16 @@ def padding_inputs(runner, tokens: int) -> StepInputs:
 def uniform_inputs(runner, batch: int, length: int, start: int = 0,
                    microbatches: int | None = None) -> StepInputs:
     """`batch` sequences of `length` tokens after `start`; sequence r holds blocks
-    r*n .. r*n+n-1 (n: what start + length positions need), token ids 1."""
+    r*n .. r*n+n-1 (n: what start + length positions need), seeded random token ids below
+    `SYNTHETIC_IDS`: one id for every token would route every token of an MoE model to the
+    same experts, and the step would read 2 of 8 experts' weights where a real one reads
+    nearly all."""
     per_seq = blocks_for(start + length)
     if batch * per_seq > runner.num_blocks:
         raise ValueError(f"{batch} sequences of {start + length} positions need "
                          f"{batch * per_seq} KV blocks; the runner has {runner.num_blocks}")
-    pieces = [Piece([1] * length, start, list(range(r * per_seq, (r + 1) * per_seq)))
+    ids = np.random.default_rng(0).integers(1, SYNTHETIC_IDS, (batch, length)).tolist()
+    pieces = [Piece(ids[r], start, list(range(r * per_seq, (r + 1) * per_seq)))
               for r in range(batch)]
     return _build(runner, pieces, runner.buckets.tokens(batch * length), microbatches)
 

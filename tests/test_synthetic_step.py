@@ -43,3 +43,10 @@ def test_median_seconds_compiles_once_then_times_each_repeat():
     calls = []
     seconds = median_seconds(lambda: calls.append(1), 5)
     assert len(calls) == 6 and seconds >= 0
+
+
+def test_uniform_steps_feed_many_token_ids_each_in_every_vocabulary():
+    """One id for every token would send every token of an MoE model to the same experts."""
+    step = uniform_inputs(_runner(), 4, 32)
+    fed = step.tokens[step.rows < 4]
+    assert len(set(fed.tolist())) > 50 and fed.min() >= 1 and fed.max() < 200

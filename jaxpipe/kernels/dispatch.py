@@ -15,9 +15,11 @@ a decode and a prefill step of the model's heads; the lower sum wins. MoE expert
 (`model/moe.py`) candidates: "dense" (every expert on every token, XLA's dots) and "grouped"
 (the C++ grouped kernel on the kernel's default path, `matmul.grouped_matmul`), timed at a few
 token counts of the model's expert shapes (`EXPERT_TOKENS`: rows per expert T * k / X from
-well under one, decode, to many, prefill); a step takes the choice at the nearest count at or
-above its own tokens. XLA's `ragged_dot` is not a candidate on CPU: it lowers to k times the
-dense dispatch's FLOPs there (`scripts/bench_moe_kernel.py` times all three).
+well under one, decode, to many, prefill), on a stack of layers read at a traced layer index
+as the step reads them (grouped in place, dense on a slice); a step takes the choice at the
+nearest count at or above its own tokens. XLA's `ragged_dot` is not a candidate on CPU: it
+lowers to k times the dense dispatch's FLOPs there (`scripts/bench_moe_kernel.py` times all
+three).
 
 Timings are cached in `~/.cache/jaxpipe/dispatch/` under a key of the CPU model, its flags,
 jaxlib's version and the kernels' sources; a new entry is measured the first time an engine
@@ -343,22 +345,30 @@ def time_matmul(mm: Matmul, rows: int, layers: int = 2) -> dict[str, float]:
     return out
 
 
-def time_experts(case: ExpertsCase, tokens: int) -> dict[str, float]:
+def time_experts(case: ExpertsCase, tokens: int, layers: int = 2) -> dict[str, float]:
     """Seconds per call of `moe.experts_mlp` on the "dense" and "grouped" dispatches for
-    `tokens` tokens routed by a random router (bf16 weights)."""
+    `tokens` tokens routed by a random router (bf16 weights), on a stack of `layers` layers'
+    experts read at a traced layer index, as the step reads them (`matmul.StackedWeight`:
+    grouped reads it in place, dense slices it)."""
     from jaxpipe.model import moe
 
     rng = np.random.default_rng(0)
     c = case
     h = jnp.asarray(rng.normal(size=(tokens, c.hidden)), jnp.float32)
     router = jnp.asarray(rng.normal(size=(c.hidden, c.experts)), jnp.float32)
-    gate_up = jnp.asarray(rng.normal(size=(c.experts, c.hidden, 2, c.inter)) / c.hidden ** 0.5,
-                          jnp.bfloat16)
-    down = jnp.asarray(rng.normal(size=(c.experts, c.inter, c.hidden)) / c.inter ** 0.5,
+    gate_up = jnp.asarray(rng.normal(size=(layers, c.experts, c.hidden, 2, c.inter))
+                          / c.hidden ** 0.5, jnp.bfloat16)
+    down = jnp.asarray(rng.normal(size=(layers, c.experts, c.inter, c.hidden)) / c.inter ** 0.5,
                        jnp.bfloat16)
     weights, experts = moe.route(h, router, c.k, True)
-    return {d: _seconds(jax.jit(functools.partial(moe.experts_mlp, dispatch=d)), h, weights,
-                        experts, gate_up, down) for d in ("dense", "grouped")}
+    layer = jnp.int32(layers - 1)
+
+    def run(h, weights, experts, gate_up, down, layer, dispatch):
+        return moe.experts_mlp(h, weights, experts, matmul.StackedWeight(gate_up, layer),
+                               matmul.StackedWeight(down, layer), dispatch)
+
+    return {d: _seconds(jax.jit(functools.partial(run, dispatch=d)), h, weights, experts,
+                        gate_up, down, layer) for d in ("dense", "grouped")}
 
 
 def time_attention(case: AttentionCase, kv_dtype) -> dict[str, float]:

@@ -22,7 +22,10 @@ read. The runner packs when it places weights in a layout and unpacks before re-
 
 `grouped_matmul` is the same kernel for an MoE layer's experts (`model/moe.py`): rows in
 groups of data-dependent sizes, each group times its own expert's weight, read in natural
-order and put in panel order a panel at a time inside the kernel.
+order and put in panel order a panel at a time inside the kernel. The step hands both
+kernels the whole stack of layers and the layer's index (`StackedWeight`), never a slice: XLA
+would copy a sliced layer before every custom call (for an MoE layer, all of its experts'
+weights on every step).
 
 On the avx512_bf16 path the kernel treats bf16 denormals (below 1.2e-38) as zero; otherwise
 it matches `reference` up to f32 summation order. A custom call cannot be partitioned by the
@@ -34,6 +37,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -72,6 +76,41 @@ def paths() -> tuple[str, ...]:
     lib.jaxpipe_matmul_paths.restype = ctypes.c_uint32
     mask = lib.jaxpipe_matmul_paths()
     return tuple(name for i, name in enumerate(PATHS) if mask >> i & 1)
+
+
+class StackedWeight:
+    """Layer `layer` (traced i32) of a stacked weight [L, ...], for the kernels to read in
+    place: slicing it out before a custom call makes XLA copy the layer's weight on every
+    call. In panel order for `bf16_matmul` (the step's packed weights), in natural order for
+    `grouped_matmul` (an MoE layer's experts). Has what the model uses of a weight: shape,
+    dtype, reshape (recorded, applied on use); `value()` is the slice itself, for XLA's ops;
+    `path(rows)` names the kernel path a call of `rows` rows runs (`kernels/dispatch.py`;
+    None: the kernel's default)."""
+
+    def __init__(self, stack: jax.Array, layer: jax.Array,
+                 path: Callable[[int], str | None] = lambda rows: None,
+                 shape: tuple[int, ...] | None = None):
+        self.stack, self.layer, self.path = stack, layer, path
+        self.shape = shape or stack.shape[1:]
+
+    @property
+    def dtype(self):
+        return self.stack.dtype
+
+    def reshape(self, *shape: int) -> StackedWeight:
+        if -1 in shape:  # as numpy: the one -1 takes what the others leave
+            known = math.prod(d for d in shape if d != -1)
+            shape = tuple(math.prod(self.shape) // known if d == -1 else d for d in shape)
+        return StackedWeight(self.stack, self.layer, self.path, shape)
+
+    def stacked(self) -> jax.Array:
+        """The stack as [L, *shape] (a bitcast) for the kernel."""
+        return self.stack.reshape(self.stack.shape[0], *self.shape)
+
+    def value(self) -> jax.Array:
+        """The layer's weight [*shape] (a copy, where XLA's ops read it)."""
+        return jax.lax.dynamic_index_in_dim(self.stack, self.layer, keepdims=False
+                                            ).reshape(self.shape)
 
 
 def bf16_matmul(x, w, layer=None, *, gated: bool = False, path: str | None = None) -> jax.Array:

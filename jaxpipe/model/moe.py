@@ -69,7 +69,9 @@ def experts_mlp(h, weights, experts, w_gate_up, w_down, dispatch: str | None = N
     an expert id >= X (another shard's expert, `decoder.local_experts`) is skipped: it
     adds nothing and, in the sorted dispatches, sorts past every real segment. `dispatch`:
     one of DISPATCHES, or a chooser `(tokens, k, w_gate_up, w_down) -> one of them` called
-    at trace time; None: JAX's default backend's."""
+    at trace time; None: JAX's default backend's. The weights may be one layer of the
+    stacked layers' (`kernels/matmul.StackedWeight`, the step's): the grouped kernel reads
+    them in place, the other dispatches slice them out."""
     dispatch = dispatch or dispatch_for(jax.default_backend())
     if callable(dispatch):
         dispatch = dispatch(h.shape[0], experts.shape[1], w_gate_up, w_down)
@@ -81,8 +83,25 @@ def experts_mlp(h, weights, experts, w_gate_up, w_down, dispatch: str | None = N
     if dispatch == "grouped" and not grouped_fits(w_gate_up, w_down):
         raise ValueError(f"MoE dispatch 'grouped' needs the bf16 kernel, bf16 weights and an "
                          f"even E and F; got w_gate_up {w_gate_up.shape} {w_gate_up.dtype}")
+    if dispatch != "grouped":
+        w_gate_up, w_down = _value(w_gate_up), _value(w_down)
     fn = {"ragged": _ragged, "dense": _dense, "grouped": _grouped}[dispatch]
     return fn(h, weights, experts, w_gate_up, w_down)
+
+
+def _value(w):
+    """An array as itself; a layer of a stack (`StackedWeight`) as its slice (a copy)."""
+    from jaxpipe.kernels import matmul
+
+    return w.value() if isinstance(w, matmul.StackedWeight) else w
+
+
+def _in_place(w):
+    """(w, None) for an array [G, K, N]; (the stack [L, G, K, N], the layer) for a
+    `StackedWeight`: `grouped_matmul`'s w and layer, so that no slice is copied."""
+    from jaxpipe.kernels import matmul
+
+    return (w.stacked(), w.layer) if isinstance(w, matmul.StackedWeight) else (w, None)
 
 
 def grouped_fits(w_gate_up, w_down) -> bool:
@@ -123,9 +142,11 @@ def _grouped(h, weights, experts, w_gate_up, w_down):
     flat = experts.reshape(-1)  # [T*k], pair i is token i // k's slot i % k
     order = jnp.argsort(flat, stable=True)  # [T*k] pairs in expert order
     sizes = jnp.zeros((x,), jnp.int32).at[flat].add(1, mode="drop")  # [X]; ids >= X: none
-    act = matmul.grouped_matmul(h[order // k], w_gate_up.reshape(x, d, -1), sizes,
+    gate_up, layer = _in_place(w_gate_up.reshape(x, d, -1))  # [(L,) X, E, 2F]
+    act = matmul.grouped_matmul(h[order // k], gate_up, sizes, layer,
                                 gated=True)  # [T*k, F]; the kernel rounds rows to bf16
-    out = matmul.grouped_matmul(act, w_down, sizes)  # [T*k, E]
+    down, layer = _in_place(w_down)  # [(L,) X, F, E]
+    out = matmul.grouped_matmul(act, down, sizes, layer)  # [T*k, E]
     unsorted = jnp.zeros_like(out).at[order].set(out).reshape(t, k, -1)  # [T, k, E]
     return jnp.einsum("tk,tkd->td", weights, unsorted)
 
