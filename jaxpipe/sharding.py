@@ -278,21 +278,35 @@ def reshard(tree, shardings):
     """`tree` with every leaf on the matching sharding of `shardings` (same structure).
 
     Pure: returns the new tree. Leaves already on their target are returned as they are, so
-    identical layouts cost nothing (no copy, no device work)."""
+    identical layouts cost nothing (no copy, no device work); leaves whose shards are already
+    where the target puts them, under another layout's mesh, are relabelled (`_relabel`, no
+    copy either)."""
     leaves, targets, treedef = _pairs(tree, shardings)
+    if all(x.sharding == s for x, s in zip(leaves, targets, strict=True)):
+        return tree
     moving = [i for i, (x, s) in enumerate(zip(leaves, targets, strict=True))
               if not _same(x.sharding, s, x.ndim)]
-    if not moving:
-        return tree
     moved = put([leaves[i] for i in moving], [targets[i] for i in moving])
     for i, x in zip(moving, moved, strict=True):
         leaves[i] = x
+    leaves = [x if x.sharding == s else _relabel(x, s)
+              for x, s in zip(leaves, targets, strict=True)]
     return jax.tree.unflatten(treedef, leaves)
 
 
+def _relabel(x: jax.Array, target) -> jax.Array:
+    """x on `target`, a sharding equivalent to its own (the same shards on the same devices)
+    named after another mesh, over x's own buffers. A program's mesh comes from its inputs:
+    given leaves named after two meshes of the same devices (a replicated norm still named
+    after ep=2,tp=4 among weights moved to ep=4,tp=2), the layout's pack program took its
+    output shardings from the wrong one and failed (IndivisibleError)."""
+    return jax.make_array_from_single_device_arrays(
+        x.shape, target, [shard.data for shard in x.addressable_shards])
+
+
 def placed(tree, shardings) -> bool:
-    """Whether every leaf of `tree` is already on its sharding in `shardings` (`reshard`
-    would return `tree` itself), found without moving anything."""
+    """Whether every leaf of `tree` already has its shards where `shardings` puts them
+    (`reshard` would copy nothing), found without moving anything."""
     leaves, targets, _ = _pairs(tree, shardings)
     return all(_same(x.sharding, s, x.ndim) for x, s in zip(leaves, targets, strict=True))
 

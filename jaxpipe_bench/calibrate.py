@@ -64,9 +64,11 @@ def step_flops(cost: CostModel, shape: Shape) -> float:
     """FLOPs the cost model counts for `shape`: linear layers, attention and the LM head."""
     m, b, t = cost.model, shape.batch, shape.tokens
     tokens, pairs = (b * t, b * t * (t + 1) / 2) if shape.phase == "prefill" else (b, b * t)
-    per_layer = 2 * tokens * cost.layer_params + 4 * pairs * m.num_heads * m.head_dim
-    per_layer += 2 * tokens * m.num_experts_per_tok * cost.expert_params  # 0 when dense
-    return m.num_layers * per_layer + 2 * b * m.vocab_size * m.hidden_size
+    dense = len(m.dense_layers)  # a mixed model's dense layers: their MLP, no experts
+    linear = (m.num_layers - dense) * cost.layer_params + dense * cost.dense_layer_params
+    experts = cost.moe_layers * m.num_experts_per_tok * cost.expert_params  # 0 when dense
+    attention = m.num_layers * 4 * pairs * m.num_heads * m.head_dim
+    return 2 * tokens * (linear + experts) + attention + 2 * b * m.vocab_size * m.hidden_size
 
 
 def predict(cost: CostModel, shape: Shape) -> float:

@@ -13,8 +13,8 @@ pipeline stages, one layer's time on one device for a micro-batch is
     T_nw(tp)      = 4 · tokens · e / B_ar(tp)          two all-reduces of bf16 activations
 
 where B_ar(tp) = busbw(tp) · tp / (2(tp − 1)) from the mesh preset's all-reduce bus bandwidth
-falls as tp grows, and T_nw(1) = 0. A stage holds L/pp
-layers; the last one also runs the LM head, and each stage hands its activations on over P2P.
+falls as tp grows, and T_nw(1) = 0. A stage holds L/pp layers; the last one also runs the LM
+head, and each stage hands its activations on over P2P.
 Pipelining splits a step of b sequences into m = min(b, pp) micro-batches of b/m: decode steps
 depend on the previous token, so a step costs pp forwards of a stage (`pp · T_stage(b/m)`);
 prefill micro-batches are independent, so the pipeline stays full and a step costs
@@ -25,7 +25,7 @@ swaps move 4 · L · h_kv · d bytes per token over all N host links in parallel
 
 Mixture of experts (X experts of width F, top-k per token, ep expert shards). W above is then
 the layer's dense part: attention, the router (E·X), the shared expert (3·E·F_s) and its gate
-(E) where the model has one. The experts add, per layer and micro-batch of T tokens,
+(E) where the model has one. The experts add, per MoE layer and micro-batch of T tokens,
 
     T_experts = max(T_dm_experts, T_comp_experts) + T_a2a(ep)
 
@@ -53,7 +53,9 @@ the products back, and an all-gather re-replicates the combined rows for the nex
 
 (NCCL's all-to-all and all-gather move (ep−1)/ep of each device's buffer over its link at the
 bus bandwidth; the mesh's all-reduce bus bandwidth at degree ep stands in for it). Dense
-models have ep = 1 and none of these terms.
+models have ep = 1 and none of these terms. A mixed model's `dense_layers` (Qwen2/3-MoE's
+mlp_only_layers) have none of them either: their W is attention + 3·E·F_dense (the engine runs
+only a layer's own path), and a stage takes 1/pp of all L layers' time.
 """
 
 from __future__ import annotations
@@ -86,16 +88,33 @@ class CostModel:
 
     # ---- model dimensions ------------------------------------------------------------------
     @property
+    def attention_params(self) -> int:
+        """q, k, v and o of one layer."""
+        m = self.model
+        return 2 * m.hidden_size * (m.num_heads + m.num_kv_heads) * m.head_dim
+
+    @property
     def layer_params(self) -> int:
         """W: parameters of one layer's dense linear maps (q, k, v, o, and gate, up, down of
-        the MLP, or of an MoE model's shared expert, plus its router and shared gate)."""
+        the MLP, or of an MoE layer's shared expert, plus its router and shared gate)."""
         m = self.model
-        attn = 2 * m.hidden_size * m.num_heads * m.head_dim
-        attn += 2 * m.hidden_size * m.num_kv_heads * m.head_dim
-        dense = attn + 3 * m.hidden_size * m.mlp_width
+        dense = self.attention_params + 3 * m.hidden_size * m.intermediate_size
         if m.is_moe:  # the router [E, X] and the shared expert's gate [E] if any
             dense += m.hidden_size * m.num_experts + (m.hidden_size if m.intermediate_size else 0)
         return dense
+
+    @property
+    def dense_layer_params(self) -> int:
+        """W of one of a mixed dense/MoE model's `dense_layers`: attention and its dense MLP
+        (no router, no experts; the engine runs only the layer's own path)."""
+        m = self.model
+        return self.attention_params + 3 * m.hidden_size * m.dense_intermediate_size
+
+    @property
+    def moe_layers(self) -> int:
+        """Layers that run experts (0 for a dense model)."""
+        m = self.model
+        return m.num_layers - len(m.dense_layers) if m.is_moe else 0
 
     @property
     def expert_params(self) -> int:
@@ -111,9 +130,9 @@ class CostModel:
     @property
     def active_params(self) -> int:
         """Parameters one token's forward pass uses: the non-expert ones plus k experts per
-        layer (the 'A3B' of Qwen3-30B-A3B; all of them for a dense model)."""
+        MoE layer (the 'A3B' of Qwen3-30B-A3B; all of them for a dense model)."""
         m = self.model
-        return self.non_expert_params + m.num_layers * m.num_experts_per_tok * self.expert_params
+        return self.non_expert_params + self.moe_layers * m.num_experts_per_tok * self.expert_params
 
     @property
     def kv_heads_stored(self) -> int:
@@ -128,11 +147,15 @@ class CostModel:
         return 2 * BYTES * m.num_layers * self.kv_heads_stored * m.head_dim
 
     # ---- per-layer terms (one device, one micro-batch) --------------------------------------
-    def t_dm_linear(self) -> float:
-        return BYTES * self.layer_params / (self.layout.tp * self.hardware.hbm_bandwidth)
+    def t_dm_linear(self, params: int | None = None) -> float:
+        """Read one layer's W (`params`; None: `layer_params`)."""
+        w = self.layer_params if params is None else params
+        return BYTES * w / (self.layout.tp * self.hardware.hbm_bandwidth)
 
-    def t_comp_linear(self, tokens: float) -> float:
-        return 2 * tokens * self.layer_params / (self.layout.tp * self.hardware.peak_flops)
+    def t_comp_linear(self, tokens: float, params: int | None = None) -> float:
+        """2 · tokens · W FLOPs (`params`: W; None: `layer_params`)."""
+        w = self.layer_params if params is None else params
+        return 2 * tokens * w / (self.layout.tp * self.hardware.peak_flops)
 
     def t_dm_attn(self, kv_tokens: float) -> float:
         """K and V rows moved (read for decode, written by prefill) for `kv_tokens` tokens."""
@@ -191,12 +214,22 @@ class CostModel:
         compute = max(self.t_dm_experts(tokens), self.t_comp_experts(tokens))
         return compute + self.t_a2a(tokens)
 
-    def layer_time(self, tokens: float, pairs: float, kv_tokens: float) -> float:
-        """T_layer for one micro-batch: linear + attention + TP communication (+ experts)."""
-        linear = max(self.t_dm_linear(), self.t_comp_linear(tokens))
+    def layer_time(self, tokens: float, pairs: float, kv_tokens: float,
+                   dense: bool = False) -> float:
+        """T_layer for one micro-batch: linear + attention + TP communication (+ experts).
+        `dense`: one of a mixed model's `dense_layers` (its dense MLP, no experts)."""
+        params = self.dense_layer_params if dense else self.layer_params
+        linear = max(self.t_dm_linear(params), self.t_comp_linear(tokens, params))
         attention = max(self.t_dm_attn(kv_tokens), self.t_comp_attn(pairs))
         layer = linear + attention + self.t_nw(tokens)
-        return layer + self.t_experts(tokens) if self.model.is_moe else layer
+        return layer + self.t_experts(tokens) if self.model.is_moe and not dense else layer
+
+    def layers_time(self, tokens: float, pairs: float, kv_tokens: float) -> float:
+        """Every layer of the model for one micro-batch: the MoE (or a dense model's) layers
+        and a mixed model's dense layers, each at its own cost."""
+        dense = len(self.model.dense_layers)
+        return ((self.model.num_layers - dense) * self.layer_time(tokens, pairs, kv_tokens)
+                + dense * self.layer_time(tokens, pairs, kv_tokens, dense=True))
 
     # ---- stages and steps -------------------------------------------------------------------
     def t_head(self, rows: float) -> float:
@@ -213,10 +246,10 @@ class CostModel:
         return BYTES * tokens * self.model.hidden_size / self.hardware.p2p_bandwidth
 
     def stage_time(self, tokens: float, pairs: float, kv_tokens: float, rows: float) -> float:
-        """One micro-batch through the slowest (last) stage: L/pp layers + LM head + P2P."""
-        layers = self.model.num_layers / self.layout.pp
-        return (layers * self.layer_time(tokens, pairs, kv_tokens) + self.t_head(rows)
-                + self.t_p2p(tokens))
+        """One micro-batch through the slowest (last) stage: 1/pp of the layers' time (a mixed
+        model's dense layers taken as spread evenly over the stages) + LM head + P2P."""
+        layers = self.layers_time(tokens, pairs, kv_tokens) / self.layout.pp
+        return layers + self.t_head(rows) + self.t_p2p(tokens)
 
     def step_time(self, num_seqs: int, tokens: float, pairs: float, kv_tokens: float,
                   dependent: bool) -> float:

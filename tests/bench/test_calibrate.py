@@ -46,6 +46,18 @@ def test_step_flops_by_hand():
         2 * (2 * 2 * 144 + 4 * 10 * 2 * 2) + 2 * 2 * 10 * 4)
 
 
+def test_step_flops_count_experts_in_the_moe_layers_only():
+    mixed = ModelConfig(vocab_size=10, hidden_size=4, intermediate_size=0, num_layers=3,
+                        num_heads=2, num_kv_heads=1, head_dim=2, num_experts=4,
+                        num_experts_per_tok=2, moe_intermediate_size=3, dense_layers=(1,),
+                        dense_intermediate_size=5)
+    cm = CostModel(mixed, HW, Layout())
+    # decode 2 sequences over 5 positions: 2 tokens, 10 pairs. MoE layers: attention 48 +
+    # router 16, 2 experts of 3*4*3 = 36 per token; the dense layer: attention 48 + MLP 60
+    assert calibrate.step_flops(cm, Shape("decode", 2, 5)) == pytest.approx(
+        2 * 2 * (2 * 64 + 108) + 2 * 2 * (2 * 2 * 36) + 3 * 4 * 10 * 2 * 2 + 2 * 2 * 10 * 4)
+
+
 def test_predict_asks_the_cost_model_for_the_calibrated_shapes():
     cm = CostModel(TOY, HW, Layout())
     assert calibrate.predict(cm, Shape("prefill", 4, 128)) == cm.prefill_time(4, 128)

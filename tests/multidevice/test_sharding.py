@@ -11,6 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import PAIRS, TINY
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxpipe import sharding
 from jaxpipe.buckets import Buckets
@@ -39,8 +41,7 @@ def assert_on_layout(r: Runner, phase: str):
     place = r.placements[phase]
     decls = decoder.param_decls(TINY)
     for name, arr in r.params.items():
-        # Equal, or (a replicated array left where it was) equivalent on the same devices.
-        assert arr.sharding.is_equivalent_to(place.params[name], arr.ndim), name
+        assert arr.sharding == place.params[name], name  # the layout's mesh, even replicated
         want = expected_shard_shape(arr.shape, decls[name].axes, place.layout)
         assert arr.sharding.shard_shape(arr.shape) == want, name
         assert len(arr.sharding.device_set) == DEVICES
@@ -81,6 +82,22 @@ def test_same_layout_costs_nothing(tiny_values):
     tree = (r.params, r.cache)
     assert sharding.placed(tree, (place.params, place.cache))
     assert sharding.reshard(tree, (place.params, place.cache)) is tree
+
+
+def test_reshard_renames_a_leaf_already_in_place_onto_the_target_mesh_without_a_copy():
+    """A replicated leaf is where ep=4,tp=2 wants it while still named after ep=2,tp=4's mesh;
+    a program mixing the two meshes is partitioned for the wrong one (the pack program failed
+    with an IndivisibleError), so reshard names it after the target's mesh, same buffers."""
+    old, new = (sharding.make_mesh(Layout.parse(s), jax.devices()[:DEVICES])
+                for s in ("ep=2,tp=4", "ep=4,tp=2"))
+    norm = jax.device_put(np.arange(6.0, dtype=np.float32), NamedSharding(old, P()))
+    split = jax.device_put(np.arange(8.0, dtype=np.float32), NamedSharding(old, P("tp")))
+    targets = [NamedSharding(new, P()), NamedSharding(new, P("tp"))]
+    moved = sharding.reshard([norm, split], targets)
+    assert [x.sharding for x in moved] == targets
+    assert [s.data.unsafe_buffer_pointer() for s in moved[0].addressable_shards] == \
+        [s.data.unsafe_buffer_pointer() for s in norm.addressable_shards]
+    assert [np.asarray(x).tolist() for x in moved] == [list(range(6)), list(range(8))]
 
 
 def owned(values: list[np.ndarray], shardings) -> list[jax.Array]:

@@ -3,6 +3,8 @@ planner's (pp, tp, ep) choices for MoE models."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -88,6 +90,24 @@ def test_moe_terms_by_hand():
     # every ep group stores the KV: (0.9 x 1000 x 2 - 1488) / (16 bytes x 2 copies)
     assert cm.kv_capacity_tokens() == 9
     assert cm.swap_seconds(5) == pytest.approx(5 * 16 * 2 / (2 * 10))
+
+
+def test_a_mixed_model_runs_experts_only_in_its_moe_layers_by_hand():
+    """TOY_MOE with a third layer, layer 1 a dense MLP of width 5. Compute-bound (100 tokens,
+    tp = pp = ep = 1, no attention pairs): the stage's time is its FLOPs / F by hand."""
+    mixed = dataclasses.replace(TOY_MOE, num_layers=3, dense_layers=(1,),
+                                dense_intermediate_size=5)
+    cm = CostModel(mixed, HW, Layout())
+    attention = 2 * 4 * 4 + 2 * 4 * 2
+    assert cm.layer_params == attention + 4 * 4  # + the router, no shared expert
+    assert cm.dense_layer_params == attention + 3 * 4 * 5  # its MLP; no router, no experts
+    assert cm.moe_layers == 2 and cm.active_params == cm.non_expert_params + 2 * 2 * 36
+    t = 100
+    linear = 2 * t * (2 * (attention + 16) + (attention + 60))  # 2 MoE layers + 1 dense
+    experts = 2 * t * 2 * 36 * 2  # k = 2 experts of 36 parameters, in the 2 MoE layers only
+    head = 2 * 10 * 4 / 100  # no rows sampled: the LM head's weight read
+    assert cm.stage_time(t, 0, 0, 0) == pytest.approx((linear + experts) / 1000 + head)
+    assert cm.layer_time(t, 0, 0, dense=True) == pytest.approx(2 * t * (attention + 60) / 1000)
 
 
 def test_ep_must_divide_the_experts():
