@@ -1,6 +1,7 @@
 """The public Engine contract on one shared f32 SmolLM2 engine: lengths, stop conditions,
-logprobs, streaming and input validation; on the two-layer SmolLM2 of tests/conftest.py,
-seeded sampling, penalties and continuous batching; and, on a tiny
+logprobs, streaming and input validation; with the same settings on the two-layer SmolLM2 of
+tests/conftest.py, the claims whose reference is the same engine (seeded sampling, penalties,
+continuous batching, overlap on and off, a context filled exactly); and, on a tiny
 random-weight model, that an engine keeps nothing of the requests whose outputs it handed out.
 
 Expected outputs are never hard-coded from a jaxpipe run: each test derives them from a plain
