@@ -504,7 +504,7 @@ def _load(config: EngineConfig, dtype) -> tuple[ModelConfig, Decoder | Path, Tok
     source = resolve_model(config.model)
     tokenizer = loading.load_tokenizer(source)
     if config.random_weights:
-        cfg = source.config or loading.load_weights(source)[0]
+        cfg = loading.source_config(source)  # the metadata alone: the weights are not read
         return cfg, init_random(cfg, config.seed, dtype), tokenizer
     if source.kind == "orbax":
         return loading.orbax_config(source.path), source.path, tokenizer

@@ -1,5 +1,7 @@
 """The public Engine contract on one shared f32 SmolLM2 engine: lengths, stop conditions,
-seeded sampling, logprobs, streaming, continuous batching and input validation; and, on a tiny
+logprobs, streaming and input validation; with the same settings on the two-layer SmolLM2 of
+tests/conftest.py, the claims whose reference is the same engine (seeded sampling, penalties,
+continuous batching, overlap on and off, a context filled exactly); and, on a tiny
 random-weight model, that an engine keeps nothing of the requests whose outputs it handed out.
 
 Expected outputs are never hard-coded from a jaxpipe run: each test derives them from a plain
@@ -77,6 +79,19 @@ def eos_index(plain) -> int:
     tokens = plain["question"].token_ids
     assert tokens[-1] == EOS and len(tokens) < PLAIN_TOKENS, "QUESTION must end with EOS"
     return len(tokens) - 1
+
+
+@pytest.fixture(scope="module")
+def tiny_text(tiny_smollm2):
+    """The shared engine's settings on the two-layer SmolLM2 of tests/conftest.py (random
+    weights, SmolLM2's tokenizer): for the claims whose reference is the same engine (seeds,
+    penalties, a batch against one request at a time; SmolLM2-135M's batch of more prompts
+    than rows against HF one at a time: tests/model/test_llama_hf.py)."""
+    from conftest import ENGINE_KWARGS
+
+    engine = Engine(EngineConfig(**{**ENGINE_KWARGS, "model": tiny_smollm2}))
+    yield engine
+    engine.close()
 
 
 # ---- driving the engine step by step ---------------------------------------------------------
@@ -172,25 +187,37 @@ def sampled(seed: int | None, **kwargs) -> SamplingParams:
     return SamplingParams(temperature=1.0, top_p=0.95, seed=seed, max_tokens=8, **kwargs)
 
 
+# Seeds and penalties act on the logits, whatever the model: their reference is the same
+# engine, here the two-layer SmolLM2 (`tiny_text`), whose step programs compile in moments
+# (on SmolLM2-135M each new batch shape or sampling mix compiles 30 layers).
+
+
 @pytest.fixture(scope="module")
-def seeded_alone(engine, prompts):
-    return run(engine, prompts["poem"], sampled(1234)).token_ids
+def tiny_prompts(tiny_text) -> dict[str, list[int]]:
+    """The `prompts` on its tokenizer (the same one), in the same order."""
+    return {"question": chat_ids(tiny_text, QUESTION), "poem": chat_ids(tiny_text, POEM),
+            "greeting": chat_ids(tiny_text, GREETING), "raw": tiny_text.tokenizer.encode(RAW_TEXT)}
 
 
-def test_seeded_sampling_is_batch_independent(engine, prompts, seeded_alone):
-    ids = [prompts["raw"], prompts["poem"], prompts["greeting"]]
+@pytest.fixture(scope="module")
+def seeded_alone(tiny_text, tiny_prompts):
+    return run(tiny_text, tiny_prompts["poem"], sampled(1234)).token_ids
+
+
+def test_seeded_sampling_is_batch_independent(tiny_text, tiny_prompts, seeded_alone):
+    ids = [tiny_prompts["raw"], tiny_prompts["poem"], tiny_prompts["greeting"]]
     params = [SamplingParams(temperature=0.8, seed=7, max_tokens=3), sampled(1234),
               SamplingParams(temperature=1.0, top_k=20, max_tokens=12)]
-    outs = engine.generate(prompt_token_ids=ids, sampling_params=params)
+    outs = tiny_text.generate(prompt_token_ids=ids, sampling_params=params)
     assert outs[1].outputs[0].token_ids == seeded_alone
 
 
-def test_seeded_sampling_repeats(engine, prompts, seeded_alone):
-    assert run(engine, prompts["poem"], sampled(1234)).token_ids == seeded_alone
+def test_seeded_sampling_repeats(tiny_text, tiny_prompts, seeded_alone):
+    assert run(tiny_text, tiny_prompts["poem"], sampled(1234)).token_ids == seeded_alone
 
 
-def test_different_seeds_differ(engine, prompts, seeded_alone):
-    assert run(engine, prompts["poem"], sampled(4321)).token_ids != seeded_alone
+def test_different_seeds_differ(tiny_text, tiny_prompts, seeded_alone):
+    assert run(tiny_text, tiny_prompts["poem"], sampled(4321)).token_ids != seeded_alone
 
 
 @pytest.mark.parametrize("filters", [dict(top_k=1), dict(min_p=1.0), dict(top_p=1e-9)],
@@ -205,14 +232,15 @@ def penalised(max_tokens: int = 16) -> SamplingParams:
                   presence_penalty=0.5)
 
 
-def test_penalties_change_the_output_and_are_per_request(engine, prompts, plain):
-    alone = run(engine, prompts["poem"], penalised()).token_ids
-    assert alone != plain["poem"].token_ids[:16]
-    ids = [prompts["raw"], prompts["poem"], prompts["poem"]]
-    outs = engine.generate(prompt_token_ids=ids,
-                           sampling_params=[penalised(20), penalised(), greedy(16)])
+def test_penalties_change_the_output_and_are_per_request(tiny_text, tiny_prompts):
+    poem = tiny_prompts["poem"]
+    plain = run(tiny_text, poem, greedy(16)).token_ids
+    alone = run(tiny_text, poem, penalised()).token_ids
+    assert alone != plain
+    outs = tiny_text.generate(prompt_token_ids=[tiny_prompts["raw"], poem, poem],
+                              sampling_params=[penalised(20), penalised(), greedy(16)])
     assert outs[1].outputs[0].token_ids == alone
-    assert outs[2].outputs[0].token_ids == plain["poem"].token_ids[:16]
+    assert outs[2].outputs[0].token_ids == plain
 
 
 # ---- logprobs ---------------------------------------------------------------------------------
@@ -308,27 +336,27 @@ def batch_params() -> list[SamplingParams]:
 
 
 @pytest.fixture(scope="module")
-def big_batch(engine):
+def big_batch(tiny_text):
     """More prompts than max_num_seqs, in one generate call; plus the stats delta."""
-    assert len(BATCH_PROMPTS) > engine.config.max_num_seqs
-    before = engine.stats()
-    outs = engine.generate(BATCH_PROMPTS, batch_params())
-    return outs, before, engine.stats()
+    assert len(BATCH_PROMPTS) > tiny_text.config.max_num_seqs
+    before = tiny_text.stats()
+    outs = tiny_text.generate(BATCH_PROMPTS, batch_params())
+    return outs, before, tiny_text.stats()
 
 
-def test_outputs_in_input_order_with_distinct_ids(engine, big_batch):
+def test_outputs_in_input_order_with_distinct_ids(tiny_text, big_batch):
     outs, _, _ = big_batch
     assert [o.prompt for o in outs] == BATCH_PROMPTS
-    assert [o.prompt_token_ids for o in outs] == [engine.tokenizer.encode(p)
+    assert [o.prompt_token_ids for o in outs] == [tiny_text.tokenizer.encode(p)
                                                   for p in BATCH_PROMPTS]
     assert len({o.request_id for o in outs}) == len(outs)
     assert all(o.finished for o in outs)
 
 
-def test_continuous_batching_matches_one_at_a_time(engine, big_batch):
+def test_continuous_batching_matches_one_at_a_time(tiny_text, big_batch):
     outs, _, _ = big_batch
     for prompt, params, out in zip(BATCH_PROMPTS, batch_params(), outs, strict=True):
-        [alone] = engine.generate(prompt, params)
+        [alone] = tiny_text.generate(prompt, params)
         assert out.outputs[0].token_ids == alone.outputs[0].token_ids, prompt
         assert out.outputs[0].text == alone.outputs[0].text
         assert len(out.outputs[0].token_ids) <= params.max_tokens
@@ -389,8 +417,10 @@ def test_invalid_prompt_later_in_batch_queues_nothing(engine):
     assert not engine.has_unfinished()
 
 
-def test_max_tokens_exactly_filling_context_is_accepted(engine):
-    out = run(engine, [1] * 254, greedy(2))
+def test_max_tokens_exactly_filling_context_is_accepted(tiny_text):
+    # the shared engine's max_model_len on the two-layer model: a 254-token step compiles
+    # in moments there
+    out = run(tiny_text, [1] * 254, greedy(2))
     assert len(out.token_ids) == 2 and out.finish_reason == "length"
 
 
@@ -450,22 +480,25 @@ def test_xla_attention_fallback_gives_the_same_tokens(engine, prompts, plain):
 # ---- overlap on and off -------------------------------------------------------------------------
 
 
-def test_overlap_on_and_off_give_the_same_outputs(engine, prompts, plain):
+def test_overlap_on_and_off_give_the_same_outputs(tiny_text, tiny_prompts):
     """Every output field, for every kind of request in one batch, with the engine's steps
-    overlapped (the default) and landed one by one."""
-    ids = list(prompts.values())
+    overlapped (the default) and landed one by one (the same engine is the reference: the
+    two-layer SmolLM2)."""
+    ids = list(tiny_prompts.values())
+    poem = run(tiny_text, tiny_prompts["poem"], greedy()).token_ids
     params = [greedy(), greedy(20, stop=["sea"]), sampled(7, logprobs=2),
               greedy(16, repetition_penalty=1.3, frequency_penalty=0.5),
               sampled(11, min_tokens=4, presence_penalty=0.7),
-              greedy(12, stop_token_ids=[plain["poem"].token_ids[5]], logprobs=1)]
+              greedy(12, stop_token_ids=[poem[5]], logprobs=1)]
     prompt_ids = [ids[i % len(ids)] for i in range(len(params))]
+    assert prompt_ids[-1] == tiny_prompts["poem"]  # so the last one stops at its token
 
     def outputs(overlap: bool):
-        engine.set_overlap(overlap)
+        tiny_text.set_overlap(overlap)
         try:
-            outs = engine.generate(prompt_token_ids=prompt_ids, sampling_params=params)
+            outs = tiny_text.generate(prompt_token_ids=prompt_ids, sampling_params=params)
         finally:
-            engine.set_overlap(True)
+            tiny_text.set_overlap(True)
         return [(o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason,
                  o.outputs[0].stop_reason, o.outputs[0].logprobs) for o in outs]
 

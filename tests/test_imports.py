@@ -285,10 +285,12 @@ def test_the_public_names_load_on_use_and_are_listed():
     assert "has no attribute 'Nope'" in out
 
 
-def test_building_and_running_an_engine_loads_no_tool():
-    """Default scheduler and layouts on one device, a few greedy tokens."""
+def test_building_and_running_an_engine_loads_no_tool(tiny_smollm2):
+    """Default scheduler, layouts and dtype on one device, a few greedy tokens (on the
+    two-layer SmolLM2 of tests/conftest.py: what an engine imports does not depend on the
+    model's size, and SmolLM2-135M's random weights took 20 s on 2 cores)."""
     code = ("from jaxpipe import Engine, SamplingParams\n"
-            "e = Engine(random_weights=True, max_model_len=64, max_num_seqs=2, "
+            f"e = Engine(model={tiny_smollm2!r}, max_model_len=64, max_num_seqs=2, "
             "kv_cache_tokens=256, warmup=False, show_progress=False)\n"
             "e.generate(prompt_token_ids=[1, 2, 3], sampling_params=SamplingParams("
             "max_tokens=2, temperature=0.0), use_tqdm=False)\ne.close()")

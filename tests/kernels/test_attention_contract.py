@@ -10,7 +10,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from attention_cases import (
+
+from jaxpipe.kernels import ragged_attention as ra
+from kernels.attention_cases import (
     BS,
     CAP,
     HKV,
@@ -30,8 +32,6 @@ from attention_cases import (
     shuffled_table,
     want,
 )
-
-from jaxpipe.kernels import ragged_attention as ra
 
 
 @pytest.fixture(params=list(IMPLS))

@@ -14,7 +14,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from attention_cases import (
+
+from jaxpipe.kernels import ragged_attention as ra
+from jaxpipe.kv.device_cache import to_storage
+from jaxpipe.model import decoder
+from kernels.attention_cases import (
     BS,
     CAP,
     IMPLS,
@@ -32,10 +36,6 @@ from attention_cases import (
     want,
     xla,
 )
-
-from jaxpipe.kernels import ragged_attention as ra
-from jaxpipe.kv.device_cache import to_storage
-from jaxpipe.model import decoder
 
 KERNELS = ["cpu", "pallas-interpret"]  # those that skip blocks before the window
 

@@ -9,7 +9,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from attention_cases import (
+
+from jaxpipe.kernels import pallas_attention as pa
+from kernels.attention_cases import (
     CAP,
     KV_LEN,
     NB,
@@ -22,8 +24,6 @@ from attention_cases import (
     want,
     xla,
 )
-
-from jaxpipe.kernels import pallas_attention as pa
 
 
 @jax.jit

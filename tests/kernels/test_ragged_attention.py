@@ -8,7 +8,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from attention_cases import (
+
+from jaxpipe.kernels import ragged_attention as ra
+from kernels.attention_cases import (
     BS,
     CAP,
     KV_LEN,
@@ -26,8 +28,6 @@ from attention_cases import (
     want,
     xla,
 )
-
-from jaxpipe.kernels import ragged_attention as ra
 
 pytestmark = pytest.mark.skipif(not ra.available(), reason="kernel cannot be built here")
 
