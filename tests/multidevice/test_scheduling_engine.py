@@ -38,10 +38,9 @@ def workload():
 
 @pytest.fixture(scope="module")
 def reference(tiny_orbax, workload):
-    """Greedy tokens of the single-device engine, every request in its own slot, the cache
-    off."""
+    """Greedy tokens of the single-device engine, every request in its own slot."""
     engine = Engine(EngineConfig(model=str(tiny_orbax), max_num_seqs=16,
-                                 scheduler="prefill_first", prefix_caching=False, **FAST))
+                                 scheduler="prefill_first", **FAST))
     prompts, params = workload
     return tokens(engine.generate(prompt_token_ids=prompts, sampling_params=params))
 

@@ -34,10 +34,9 @@ def workload():
 
 @pytest.fixture(scope="module")
 def reference(tiny_orbax, workload):
-    """Greedy tokens of the single-device engine, every request in its own slot, the cache
-    off."""
+    """Greedy tokens of the single-device engine, every request in its own slot."""
     engine = Engine(EngineConfig(model=str(tiny_orbax), max_num_seqs=32,
-                                 scheduler="prefill_first", prefix_caching=False, **FAST))
+                                 scheduler="prefill_first", **FAST))
     return tokens(engine.generate(prompt_token_ids=workload[0], sampling_params=workload[1]))
 
 
