@@ -402,8 +402,8 @@ class EngineConfig:
         The tier takes memory only for what it holds: sequences, and (prefix_caching) the
         cached blocks the device pool evicted, in the room the sequences leave.
     host_kv_tokens: the host KV tier in tokens (wins over host_kv_gb).
-    prefix_caching: automatic prefix caching (off by default for now: it measured 4.8% slower
-        where nothing is shared): full 16-token KV blocks are kept under a hash of the model
+    prefix_caching: automatic prefix caching (off by default for now: its median was 4.9% slower
+        where nothing is shared, README): full 16-token KV blocks are kept under a hash of the model
         and every token up to theirs, and a request whose prompt starts with cached blocks
         shares them (its prefill starts after them). Blocks the device pool evicts after
         they were hit are kept in the host tier, as far as swapped-out sequences leave room,
