@@ -92,5 +92,8 @@ def _float32_factors(scaling):
 
 
 def test_gguf_logits_match_hf(gguf_pair):
+    """Within 1e-4 + 1e-5 x |logit|: on the 2-core AMD EPYC with avx512_bf16, XLA's f32
+    sums in another order put 2 of gemma3's 15,060 logits (3.35 and -6.11) 1.2e-4 from
+    HF's (3.6e-5 relative), where the avx2 machines stayed within 1e-4."""
     model, _, file = gguf_pair
-    assert_forward_matches_hf(model, *loading.load_gguf(file))
+    assert_forward_matches_hf(model, *loading.load_gguf(file), rtol=1e-5)
