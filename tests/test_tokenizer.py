@@ -419,3 +419,51 @@ def test_unsupported_tokenizer_model(tmp_path):
 def test_missing_hf_dir_names_path(tmp_path):
     with pytest.raises(FileNotFoundError, match="tokenizer.json"):
         Tokenizer.from_hf_dir(tmp_path)
+
+
+def _malloc_in_use():
+    """glibc's bytes in use by malloc (every arena), or None where there is no mallinfo2."""
+    import ctypes
+
+    class MallInfo2(ctypes.Structure):
+        _fields_ = [(name, ctypes.c_size_t) for name in (
+            "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+            "fordblks", "keepcost")]
+
+    try:
+        mallinfo2 = ctypes.CDLL("libc.so.6").mallinfo2
+    except (OSError, AttributeError):
+        return None
+    mallinfo2.restype = MallInfo2
+    return lambda: mallinfo2().uordblks
+
+
+def _encode_growth(tok: Tokenizer, in_use, threads: int = 8, words: int = 12_000) -> int:
+    """Bytes still held after `threads` long-lived threads each encode `words` unseen words, as
+    a server's request threads do (tokenizers keeps a BPE cache per thread)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    texts = [" ".join(f"q{t}x{i}z" for i in range(j, j + 200))
+             for t in range(threads) for j in range(0, words, 200)]
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(tok.encode, texts[:threads]))  # every thread started
+        before = in_use()
+        list(pool.map(tok.encode, texts))
+        return in_use() - before  # measured while the threads (and their caches) live
+
+
+def test_a_server_threads_bpe_caches_stay_small(gguf_dir):
+    """Each thread's BPE merge cache holds at most BPE_CACHE_WORDS words: with the library's
+    10,000, 8 request threads that each see 12,000 new words keep over 10 MB of cached words."""
+    from jaxpipe.tokenizer import BPE_CACHE_WORDS
+
+    in_use = _malloc_in_use()
+    if in_use is None:
+        pytest.skip("needs glibc's mallinfo2 to count the bytes malloc holds")
+    path = gguf_dir / GGUF_NAME
+    bounded = _encode_growth(Tokenizer.from_gguf(path), in_use)
+    library_default = Tokenizer.from_gguf(path)
+    library_default._backend.model._resize_cache(10_000)
+    unbounded = _encode_growth(library_default, in_use)
+    assert unbounded > 8e6, f"the negative control kept only {unbounded} bytes"
+    assert bounded < unbounded / 4, (bounded, unbounded, BPE_CACHE_WORDS)
