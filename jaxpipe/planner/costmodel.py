@@ -52,9 +52,10 @@ outputs of the routed experts, once per MoE layer (before the tp all-reduce of t
 which T_nw already prices). No token is dispatched (no all-to-all). So attention is
 computed ep times over (its terms divide by tp only), each ep group stores every sequence's
 KV (KV capacity divides by ep), and T_ep is a ring all-reduce of the [T, E] rows over ep
-devices at the mesh's all-reduce bus bandwidth for degree ep, priced like T_nw's (2 bytes
-a value; the engine sums f32 partial outputs in both psums, 4 bytes, so both are priced
-at half of what the engine moves today, alike). T_ep(1) = 0. Dense models have ep = 1 and
+devices at the mesh's all-reduce bus bandwidth for degree ep, priced as T_nw's are, at 2
+bytes a value. (The engine's tp and ep psums both sum f32 partial outputs, 4 bytes a value:
+both terms are half of what it moves today, alike, so tp and ep still compare evenly.)
+T_ep(1) = 0. Dense models have ep = 1 and
 none of these terms. A mixed model's `dense_layers` (Qwen2/3-MoE's mlp_only_layers) have
 none of them either: their W is attention + 3·E·F_dense (the engine runs only a layer's
 own path), and a stage takes 1/pp of all L layers' time.
