@@ -5,8 +5,8 @@ Static layouts run `prefill_first` with chunked prefill (the paper's vLLM baseli
 per (pp, tp, ep) layout of the mesh that holds the weights plus the longest request; the
 planner's row runs the `seesaw` policy on the pair `choose_layouts` picks. Nothing is tuned
 per scenario: the mesh presets' constants and the planner's. How ep is priced (experts spread,
-attention and non-expert weights replicated over ep, an all-to-all per layer) is in
-`jaxpipe.planner.costmodel`'s docstring.
+attention and non-expert weights replicated over ep, one all-reduce over ep of each MoE
+layer's output) is in `jaxpipe.planner.costmodel`'s docstring.
 """
 
 from __future__ import annotations

@@ -12,9 +12,10 @@ pipeline stages, one layer's time on one device for a micro-batch is
     T_comp_attn   = 4 · h · d · pairs / (tp · F)      QK^T and PV over (query, key) pairs
     T_nw(tp)      = 4 · tokens · e / B_ar(tp)          two all-reduces of bf16 activations
 
-where B_ar(tp) = busbw(tp) · tp / (2(tp − 1)) from the mesh preset's all-reduce bus bandwidth
-falls as tp grows, and T_nw(1) = 0. A stage holds L/pp layers; the last one also runs the LM
-head, and each stage hands its activations on over P2P.
+where B_ar(n) = busbw(n) · n / (2(n − 1)), the payload bandwidth of a ring all-reduce over n
+devices from the mesh preset's all-reduce bus bandwidth, falls as n grows, and T_nw(1) = 0.
+A stage holds L/pp layers; the last one also runs the LM head, and each stage hands its
+activations on over P2P.
 Pipelining splits a step of b sequences into m = min(b, pp) micro-batches of b/m: decode steps
 depend on the previous token, so a step costs pp forwards of a stage (`pp · T_stage(b/m)`);
 prefill micro-batches are independent, so the pipeline stays full and a step costs
@@ -27,11 +28,12 @@ Mixture of experts (X experts of width F, top-k per token, ep expert shards). W 
 the layer's dense part: attention, the router (E·X), the shared expert (3·E·F_s) and its gate
 (E) where the model has one. The experts add, per MoE layer and micro-batch of T tokens,
 
-    T_experts = max(T_dm_experts, T_comp_experts) + T_a2a(ep)
+    T_experts = max(T_dm_experts, T_comp_experts) + T_ep
 
     T_dm_experts   = 2 · D(T) · 3EF / (tp · ep · B_hbm)   weights of the experts touched
     T_comp_experts = 2 · T · k · 3EF / (tp · ep · F)     k experts per token
     D(T)           = X · (1 − (1 − k/X)^T)               expected distinct experts touched
+    T_ep           = 2 · T · e / B_ar(ep)                one all-reduce of the experts' output
 
 D(T) treats each token's k experts as a uniform draw without replacement (an expert misses
 one token with probability 1 − k/X, independently over tokens): with X=128, k=8 a decode
@@ -41,21 +43,22 @@ balanced: each of the ep groups holds X/ep experts, reads D(T)/ep of them and co
 (token, expert) pairs. Inside a group each expert's F columns split over tp, as the dense
 MLP's do, and their partial sums join the existing MLP all-reduce (T_nw).
 
-Assumption under ep (the engine's sharding: non-expert weights replicated over ep): every ep
-group holds the embedding, attention, router, shared expert and LM head, and runs attention
-on every token of the micro-batch, so attention is computed ep times over (its terms divide
-by tp only) and each group stores every sequence's KV (KV capacity divides by ep). The
-expert layer's activations are therefore replicated over the ep group; each device dispatches
-its 1/ep slice of the T rows to the devices of the k experts of each row, the combine sends
-the products back, and an all-gather re-replicates the combined rows for the next attention:
-
-    T_a2a(ep) = (2 · (T/ep) · k · E · 2 + T · E · 2) · (ep − 1)/ep / busbw(ep)
-
-(NCCL's all-to-all and all-gather move (ep−1)/ep of each device's buffer over its link at the
-bus bandwidth; the mesh's all-reduce bus bandwidth at degree ep stands in for it). Dense
-models have ep = 1 and none of these terms. A mixed model's `dense_layers` (Qwen2/3-MoE's
-mlp_only_layers) have none of them either: their W is attention + 3·E·F_dense (the engine runs
-only a layer's own path), and a stage takes 1/pp of all L layers' time.
+T_ep prices the exchange the engine runs under ep (`sharding.py`, `decoder._moe_mlp`,
+`pipeline.expert_shard`): every non-expert weight, the KV and the activations are
+replicated over ep, so every ep device holds all T tokens of the micro-batch, runs
+attention, the router and the shared expert on all of them, and runs its own X/ep experts
+on the tokens routed to them; one `psum` over the ep group then sums the [T, E] partial
+outputs of the routed experts, once per MoE layer (before the tp all-reduce of the MLP,
+which T_nw already prices). No token is dispatched (no all-to-all). So attention is
+computed ep times over (its terms divide by tp only), each ep group stores every sequence's
+KV (KV capacity divides by ep), and T_ep is a ring all-reduce of the [T, E] rows over ep
+devices at the mesh's all-reduce bus bandwidth for degree ep, priced as T_nw's are, at 2
+bytes a value. (The engine's tp and ep psums both sum f32 partial outputs, 4 bytes a value:
+both terms are half of what it moves today, alike, so tp and ep still compare evenly.)
+T_ep(1) = 0. Dense models have ep = 1 and
+none of these terms. A mixed model's `dense_layers` (Qwen2/3-MoE's mlp_only_layers) have
+none of them either: their W is attention + 3·E·F_dense (the engine runs only a layer's
+own path), and a stage takes 1/pp of all L layers' time.
 """
 
 from __future__ import annotations
@@ -168,17 +171,29 @@ class CostModel:
         flops = 4 * pairs * m.num_heads * m.head_dim
         return flops / (self.layout.tp * self.hardware.peak_flops)
 
-    def allreduce_bandwidth(self) -> float:
-        """B_ar(tp): bytes of payload all-reduced per second. The mesh lists NCCL-style *bus*
-        bandwidth; a ring all-reduce moves 2(tp-1)/tp of the payload over each link."""
-        tp = self.layout.tp
-        return self.hardware.allreduce(tp) * tp / (2 * (tp - 1))
+    def allreduce_bandwidth(self, degree: int) -> float:
+        """B_ar(n): bytes of payload all-reduced per second over a ring of `degree` devices.
+        The mesh lists NCCL-style *bus* bandwidth; a ring all-reduce moves 2(n-1)/n of the
+        payload over each link."""
+        return self.hardware.allreduce(degree) * degree / (2 * (degree - 1))
+
+    def t_allreduce(self, tokens: float, degree: int) -> float:
+        """One ring all-reduce of `tokens` bf16 activation rows [tokens, E] over `degree`
+        devices (zero on one device)."""
+        if degree == 1:
+            return 0.0
+        return BYTES * tokens * self.model.hidden_size / self.allreduce_bandwidth(degree)
 
     def t_nw(self, tokens: float) -> float:
-        """Two all-reduces per layer of `tokens` bf16 activation rows over the TP group."""
-        if self.layout.tp == 1:
-            return 0.0
-        return 2 * BYTES * tokens * self.model.hidden_size / self.allreduce_bandwidth()
+        """Two all-reduces per layer of `tokens` activation rows over the TP group (after
+        attention's `wo` and the MLP's `w_down`)."""
+        return 2 * self.t_allreduce(tokens, self.layout.tp)
+
+    def t_ep(self, tokens: float) -> float:
+        """T_ep: the engine's one all-reduce per MoE layer of the routed experts' partial
+        outputs [tokens, E] over the ep group (every ep device holds every token; zero
+        without ep)."""
+        return self.t_allreduce(tokens, self.layout.ep)
 
     def expected_experts(self, tokens: float) -> float:
         """D(T): experts at least one of `tokens` tokens routes to, in expectation."""
@@ -197,39 +212,29 @@ class CostModel:
         flops = 2 * tokens * self.model.num_experts_per_tok * self.expert_params
         return flops / (shards * self.hardware.peak_flops)
 
-    def t_a2a(self, tokens: float) -> float:
-        """Dispatch and combine each device's T/ep rows to their k experts' devices, then
-        all-gather the combined rows over the ep group (zero without ep)."""
-        ep = self.layout.ep
-        if ep == 1:
-            return 0.0
-        row = BYTES * self.model.hidden_size
-        sent = 2 * (tokens / ep) * self.model.num_experts_per_tok * row + tokens * row
-        return sent * (ep - 1) / ep / self.hardware.allreduce(ep)
-
     def t_experts(self, tokens: float) -> float:
-        """T_experts for one micro-batch of `tokens` (0 for a dense model)."""
-        if not self.model.is_moe:
-            return 0.0
+        """T_experts: one MoE layer's experts and their ep all-reduce for one micro-batch of
+        `tokens` (0 for a dense model)."""
         compute = max(self.t_dm_experts(tokens), self.t_comp_experts(tokens))
-        return compute + self.t_a2a(tokens)
+        return compute + self.t_ep(tokens)
 
     def layer_time(self, tokens: float, pairs: float, kv_tokens: float,
                    dense: bool = False) -> float:
-        """T_layer for one micro-batch: linear + attention + TP communication (+ experts).
-        `dense`: one of a mixed model's `dense_layers` (its dense MLP, no experts)."""
+        """T_layer for one micro-batch: linear + attention + TP communication, without the
+        experts (`t_experts`, which `layers_time` adds per MoE layer). `dense`: one of a
+        mixed model's `dense_layers` (W of its dense MLP, no router)."""
         params = self.dense_layer_params if dense else self.layer_params
         linear = max(self.t_dm_linear(params), self.t_comp_linear(tokens, params))
         attention = max(self.t_dm_attn(kv_tokens), self.t_comp_attn(pairs))
-        layer = linear + attention + self.t_nw(tokens)
-        return layer + self.t_experts(tokens) if self.model.is_moe and not dense else layer
+        return linear + attention + self.t_nw(tokens)
 
     def layers_time(self, tokens: float, pairs: float, kv_tokens: float) -> float:
-        """Every layer of the model for one micro-batch: the MoE (or a dense model's) layers
-        and a mixed model's dense layers, each at its own cost."""
+        """Every layer of the model for one micro-batch: each layer's T_layer (a mixed
+        model's dense layers at their own W), plus T_experts in each of the `moe_layers`."""
         dense = len(self.model.dense_layers)
         return ((self.model.num_layers - dense) * self.layer_time(tokens, pairs, kv_tokens)
-                + dense * self.layer_time(tokens, pairs, kv_tokens, dense=True))
+                + dense * self.layer_time(tokens, pairs, kv_tokens, dense=True)
+                + self.moe_layers * self.t_experts(tokens))
 
     # ---- stages and steps -------------------------------------------------------------------
     def t_head(self, rows: float) -> float:

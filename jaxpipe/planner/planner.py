@@ -3,8 +3,8 @@
 Every (pp, tp) factorisation of the mesh's devices whose weights and at least one whole request
 of KV fit is a candidate; for a mixture-of-experts model, every (pp, tp, ep) one, with ep
 dividing both the device count and the expert count (the cost model's docstring says how it
-prices ep: experts spread, attention replicated, an all-to-all per layer). For each, the
-cost model predicts prefill throughput (prompt tokens/s at a full pipeline of prefill
+prices ep: experts spread, attention replicated, one all-reduce over ep per MoE layer). For
+each, the cost model predicts prefill throughput (prompt tokens/s at a full pipeline of prefill
 micro-batches) and decode throughput (tokens/s at the largest decode batch the KV store
 holds at the workload's mean context, and no larger than the mean batch a run can sustain:
 total output / longest output). A pair (c_p, c_d) serves a request in

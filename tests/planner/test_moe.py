@@ -79,9 +79,12 @@ def test_moe_terms_by_hand():
     touched = 4 * (1 - 0.5 ** 10)  # X (1 - (1 - k/X)^T)
     assert cm.t_dm_experts(10) == pytest.approx(2 * touched * 36 / (2 * 100))
     assert cm.t_comp_experts(10) == pytest.approx(2 * 10 * 2 * 36 / (2 * 1000))
-    # dispatch + combine of 10/2 rows x k=2 experts x 8 bytes, all-gather of 10 rows; x 1/2
-    assert cm.t_a2a(10) == pytest.approx((2 * 5 * 2 * 8 + 10 * 8) * 0.5 / 20)
-    assert CostModel(TOY_MOE, HW, Layout(tp=2)).t_a2a(10) == 0.0
+    # the engine's psum over ep=2 of the experts' [10, E=4] output, 2 bytes a value: a ring
+    # of 2 moves 2(2-1)/2 = 1 payload over each link at the bus bandwidth 20
+    assert cm.t_ep(10) == pytest.approx(10 * 4 * 2 * 1 / 20)
+    assert cm.t_experts(10) == pytest.approx(
+        max(cm.t_dm_experts(10), cm.t_comp_experts(10)) + 10 * 4 * 2 / 20)
+    assert CostModel(TOY_MOE, HW, Layout(tp=2)).t_ep(10) == 0.0
     # 516 parameters, 228 outside the experts (stored twice under ep=2)
     assert TOY_MOE.num_params() == 516 and cm.non_expert_params == 516 - 2 * 4 * 36
     assert cm.active_params == 228 + 2 * 2 * 36
@@ -108,6 +111,28 @@ def test_a_mixed_model_runs_experts_only_in_its_moe_layers_by_hand():
     head = 2 * 10 * 4 / 100  # no rows sampled: the LM head's weight read
     assert cm.stage_time(t, 0, 0, 0) == pytest.approx((linear + experts) / 1000 + head)
     assert cm.layer_time(t, 0, 0, dense=True) == pytest.approx(2 * t * (attention + 60) / 1000)
+
+
+def test_ep_all_reduce_of_every_moe_layer_by_hand():
+    """The mixed toy at ep=2 on a ring of 4 (tp=2 x ep=2; bus bandwidth 20 at 2, 12 at 4):
+    the stage pays one all-reduce of the experts' [T, E] output over ep in each of its 2 MoE
+    layers, none in the dense one, beside every layer's two tp all-reduces."""
+    mixed = dataclasses.replace(TOY_MOE, num_layers=3, dense_layers=(1,),
+                                dense_intermediate_size=5)
+    hw = dataclasses.replace(HW, allreduce_bandwidth={2: 20, 4: 12})
+    t = 100
+    base = CostModel(mixed, hw, Layout(tp=2))
+    ep2 = CostModel(mixed, hw, Layout(tp=2, ep=2))
+    ep4 = CostModel(mixed, hw, Layout(ep=4))
+    ring2 = t * 4 * 2 * (2 * (2 - 1) / 2) / 20  # bytes x 2(n-1)/n / busbw
+    ring4 = t * 4 * 2 * (2 * (4 - 1) / 4) / 12
+    assert ep2.t_ep(t) == pytest.approx(ring2) and ep4.t_ep(t) == pytest.approx(ring4)
+    assert base.t_ep(t) == 0.0
+    assert ep2.t_nw(t) == pytest.approx(2 * ring2)  # tp's two all-reduces, same helper
+    # the expert shares halve under ep=2 (experts split over tp x ep), the rest is the same
+    assert ep2.layers_time(t, 0, 0) - base.layers_time(t, 0, 0) == pytest.approx(
+        2 * (ring2 + max(ep2.t_dm_experts(t), ep2.t_comp_experts(t))
+             - max(base.t_dm_experts(t), base.t_comp_experts(t))))
 
 
 def test_ep_must_divide_the_experts():
@@ -153,10 +178,10 @@ def test_qwen3_moe_plan_on_h100_keeps_ep_at_1_and_why(qwen3_moe):
     assert by["tp8"].decode_tps > max(e.decode_tps for e in p.estimates if e.layout.ep > 1)
     tp8, ep8 = by["tp8"].cost, by["ep8"].cost
     t, ctx = 128, 500  # one decode step's layer terms
-    assert ep8.t_experts(t) == pytest.approx(tp8.t_experts(t) + ep8.t_a2a(t))  # same shares
+    assert ep8.t_experts(t) == pytest.approx(tp8.t_experts(t) + ep8.t_ep(t))  # same shares
     assert ep8.t_dm_attn(t * ctx) == 4 * tp8.t_dm_attn(t * ctx)
     assert ep8.t_dm_linear() == 8 * tp8.t_dm_linear()
-    assert ep8.t_a2a(t) < tp8.t_nw(t)  # the communication ep does save
+    assert ep8.t_ep(t) == pytest.approx(tp8.t_nw(t) / 2)  # one all-reduce over 8, not two
 
 
 def test_moe_plan_picks_ep_where_all_reduce_is_slow():
