@@ -83,6 +83,9 @@ class BlockPool:
         self.host = host if caching else None
         self._evicted: list[tuple[int, bytes]] = []  # (block, hash): for the host tier
         self._hit: set[int] = set()  # cached blocks hit at least once: the ones worth spilling
+        # Device sequences with full blocks of written KV not cached yet, their token ids not
+        # all known when `cache_full` was told (an ordered set: dict keys).
+        self._unhashed: dict[SeqInfo, None] = {}
 
     # ---- reading -------------------------------------------------------------------------
     @property
@@ -132,11 +135,13 @@ class BlockPool:
         self._ref(block)
         return block
 
-    def drop(self, blocks: list[int]) -> None:
-        """Drop one reference to each of `blocks` (a sequence's, in position order). A block
-        nobody holds any more goes to the LRU if it is cached, else to the free list; both
-        in reverse order, so a chain's last blocks are given out (evicted) first."""
-        for block in reversed(blocks):
+    def drop(self, seq: SeqInfo) -> None:
+        """`seq` leaves the device store: drop one reference to each of its blocks (in
+        position order). A block nobody holds any more goes to the LRU if it is cached, else
+        to the free list; both in reverse order, so a chain's last blocks are given out
+        (evicted) first. Its blocks still waiting for token ids stay uncached."""
+        self._unhashed.pop(seq, None)
+        for block in reversed(seq.blocks):
             if self._refs[block] < 1:
                 raise RuntimeError(f"block {block} dropped but nobody holds it")
             self._refs[block] -= 1
@@ -245,19 +250,32 @@ class BlockPool:
             hashes.append(digest)
         return hashes[len(seq.block_hashes):]
 
-    def cache_full(self, seq: SeqInfo) -> None:
-        """Cache `seq`'s full blocks of written KV (its first `computed` tokens) whose token
-        ids are known, in order, from the first not yet hashed. A block whose hash another
-        block already has (the same prefix computed twice) stays uncached."""
+    def cache_full(self, seqs: list[SeqInfo]) -> None:
+        """Cache the full blocks of written KV (a sequence's first `computed` tokens) whose
+        token ids are known, in order from the first not yet hashed, of `seqs` (those that
+        may have filled a block: the caller skips the others, 15 decode steps in 16) and of
+        the sequences whose full blocks waited for a token id: the token a decode step reads
+        is still in flight on the device when the step is applied (overlap), so the block
+        it fills is cached a step later. A block whose hash another block already has (the
+        same prefix computed twice) stays uncached."""
         if not self.caching:
             return
+        for seq in seqs:
+            self._unhashed[seq] = None
+        for seq in list(self._unhashed):
+            if self._cache_blocks(seq):
+                del self._unhashed[seq]
+
+    def _cache_blocks(self, seq: SeqInfo) -> bool:
+        """Cache `seq`'s full blocks of known tokens; False if one waits for a token id."""
         full = min(seq.computed // self.block_size, len(seq.blocks))
         while len(seq.block_hashes) < full:
             digest = self.next_hash(seq, seq.block_hashes)
             if digest is None:
-                return
+                return False
             block = seq.blocks[len(seq.block_hashes)]
             seq.block_hashes.append(digest)
             if digest not in self._by_hash:
                 self._by_hash[digest] = block
                 self._hash_of[block] = digest
+        return True
