@@ -166,21 +166,20 @@ class BlockPool:
         self._refs[block] += 1
 
     # ---- the prefix cache ----------------------------------------------------------------
-    def next_hash(self, seq: SeqInfo, hashes: list[bytes]) -> bytes | None:
-        """The hash of `seq`'s block number `len(hashes)` (`hashes`: its blocks' before),
-        or None while any of that block's token ids is unknown. Hashed once per sequence:
-        remembered in `seq.hash_chain`."""
-        index, chain = len(hashes), seq.hash_chain
-        if index < len(chain):
-            return chain[index]
-        start = index * self.block_size
-        token_ids = seq.token_ids(start, start + self.block_size)
-        if token_ids is None or len(token_ids) < self.block_size:
-            return None
-        digest = block_hash(hashes[-1] if hashes else ROOT, token_ids, self._key)
-        if index == len(chain):
-            chain.append(digest)
-        return digest
+    def chain(self, seq: SeqInfo, blocks: int) -> list[bytes]:
+        """The hashes of `seq`'s first `blocks` blocks, fewer where a block's token ids are
+        not all known: `seq.hash_chain`, extended as far as needed (each block is hashed
+        once per sequence; its token ids are read in one slice)."""
+        chain, size = seq.hash_chain, self.block_size
+        if len(chain) >= blocks:
+            return chain
+        token_ids = seq.token_ids(len(chain) * size, blocks * size)
+        if token_ids:
+            digest = chain[-1] if chain else ROOT
+            for start in range(0, len(token_ids) - size + 1, size):
+                digest = block_hash(digest, token_ids[start:start + size], self._key)
+                chain.append(digest)
+        return chain
 
     def take_prefix(self, seq: SeqInfo, max_blocks: int, max_revived: int) -> tuple[int, int]:
         """`seq` (entering the device store with no blocks) takes a reference to each block
@@ -193,9 +192,10 @@ class BlockPool:
             return 0, 0
         self.queried_tokens += seq.context_len
         revived = fetched = 0
-        while len(seq.blocks) < max_blocks:
-            digest = self.next_hash(seq, seq.block_hashes)
-            block = self._by_hash.get(digest) if digest is not None else None
+        chain = self.chain(seq, max_blocks)
+        while len(seq.blocks) < min(max_blocks, len(chain)):
+            digest = chain[len(seq.blocks)]
+            block = self._by_hash.get(digest)
             in_host = block is None and self.host is not None and digest in self.host
             if (block is None and not in_host) or (
                     (in_host or self._refs[block] == 0) and revived == max_revived):
@@ -232,11 +232,9 @@ class BlockPool:
         caching is off or that block is not full of known tokens). Changes nothing."""
         if not self.caching:
             return None
-        hashes: list[bytes] = []
-        while (digest := self.next_hash(seq, hashes)) is not None:
+        for digest in self.chain(seq, seq.context_len // self.block_size):
             if digest not in self._by_hash and (self.host is None or digest not in self.host):
                 return digest
-            hashes.append(digest)
         return None
 
     def hashes_written(self, seq: SeqInfo, num_tokens: int) -> list[bytes]:
@@ -244,11 +242,8 @@ class BlockPool:
         tokens complete (from its first block not hashed yet)."""
         if not self.caching:
             return []
-        hashes = list(seq.block_hashes)
         full = (seq.computed + num_tokens) // self.block_size
-        while len(hashes) < full and (digest := self.next_hash(seq, hashes)) is not None:
-            hashes.append(digest)
-        return hashes[len(seq.block_hashes):]
+        return self.chain(seq, full)[len(seq.block_hashes):full]
 
     def cache_full(self, seqs: list[SeqInfo]) -> None:
         """Cache the full blocks of written KV (a sequence's first `computed` tokens) whose
@@ -269,13 +264,11 @@ class BlockPool:
     def _cache_blocks(self, seq: SeqInfo) -> bool:
         """Cache `seq`'s full blocks of known tokens; False if one waits for a token id."""
         full = min(seq.computed // self.block_size, len(seq.blocks))
-        while len(seq.block_hashes) < full:
-            digest = self.next_hash(seq, seq.block_hashes)
-            if digest is None:
-                return False
-            block = seq.blocks[len(seq.block_hashes)]
+        chain = self.chain(seq, full)
+        for index in range(len(seq.block_hashes), min(full, len(chain))):
+            digest, block = chain[index], seq.blocks[index]
             seq.block_hashes.append(digest)
             if digest not in self._by_hash:
                 self._by_hash[digest] = block
                 self._hash_of[block] = digest
-        return True
+        return len(seq.block_hashes) >= full

@@ -69,7 +69,7 @@ def test_the_same_prefix_gets_the_same_blocks_and_another_key_does_not():
     assert b.blocks[2] != a.blocks[2]  # the partial block is never shared
     assert b.block_hashes == a.block_hashes
     def first(key):  # a new sequence each time: one remembers its hashes (one pool's)
-        return BlockPool(4, UNIT, True, key).next_hash(seq("c", range(10)), [])
+        return BlockPool(4, UNIT, True, key).chain(seq("c", range(10)), 1)[0]
     assert first("m1") == first("m1") != first("m2")
 
 
@@ -596,3 +596,14 @@ def test_each_block_is_hashed_once(monkeypatch):
     assert len(calls) == 4
     assert [c[1] for c in calls] == [list(range(0, 4)), list(range(4, 8)), list(range(8, 12)),
                                      [12, 101, 102, 103]]
+
+
+def test_a_chain_stops_at_the_first_block_with_a_token_not_back():
+    """`chain` hashes as far as token ids are known, then goes on from there once more are."""
+    pool = BlockPool(8, UNIT, True)
+    s = seq("a", range(6), max_tokens=8)
+    s.generated = 4  # sampled, one output token back so far
+    s.output_token_ids = [6]
+    assert len(pool.chain(s, 3)) == 1  # tokens 4..7: 7 is not back
+    s.output_token_ids += [7, 8, 9]
+    assert pool.chain(s, 3) == [chain(tuple(range(4 * (i + 1)))) for i in range(2)]
