@@ -18,6 +18,7 @@ from jaxpipe.scheduler import (
     SchedulerState,
     SeqInfo,
     Sequence,
+    SwapIn,
     Switch,
     make_policy,
 )
@@ -250,6 +251,20 @@ def test_outputs_are_cached_once_their_tokens_are_known():
     a.output_token_ids += [3, 4]
     state.apply(Run(decode=[a]))
     assert len(a.block_hashes) == 1 and a.blocks[0] in state.block_pool.cached()
+
+
+def test_a_sequence_back_from_the_host_tier_hashes_its_blocks_at_its_first_decode():
+    """Swapped out, a sequence forgets its blocks' hashes; swapped back in, its first decode
+    (its KV is in the new blocks by then) takes them again, as a decode that fills a block."""
+    state = cached_state()
+    a = seq("a", range(9), max_tokens=8)
+    prefill(state, a)
+    a.output_token_ids.append(9)
+    state.apply(Preempt([a], "swap"))
+    state.apply(SwapIn([a]))
+    assert a.block_hashes == [] and a.computed == 9
+    state.apply(Run(decode=[a]))
+    assert a.block_hashes == a.hash_chain[:2]
 
 
 def test_plain_seqinfos_and_caching_off_never_hit():
