@@ -124,16 +124,18 @@ class Engine:
         """Queue one request; returns its id. Raises ValueError on bad input (nothing queued).
         Its stop strings are checked on the engine's thread, so every token `step` hands
         back is final (`generate` and `stream` use the detokenizer worker instead)."""
-        return self._add(prompt, params, prompt_token_ids, request_id, None)
+        self._check_open()
+        ids = self._prompt_ids(prompt, prompt_token_ids)
+        return self._add(prompt, params, ids, request_id, None)
 
-    def _add(self, prompt, params, prompt_token_ids, request_id, worker, seed=None) -> str:
-        """Queue one request (`seed`: drawn already, for a request whose params give none)."""
+    def _add(self, prompt, params, ids, request_id, worker, seed=None) -> str:
+        """Queue one request: `ids` its prompt's token ids, checked (`_prompt_ids`); `seed`
+        drawn already, for a request whose params give none."""
         self._check_open()
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(
                 f"sampling params must be a SamplingParams, got {type(params).__name__}")
-        ids = self._prompt_ids(prompt, prompt_token_ids)
         max_tokens = requests.max_tokens(ids, params, self.limits)
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self._requests:
@@ -200,7 +202,9 @@ class Engine:
                ) -> Iterator[StreamDelta]:
         """Yield the new tokens and text of one request as they are generated."""
         text, token_ids = (prompt, None) if isinstance(prompt, str) else (None, list(prompt))
-        rid = self._add(text, params, token_ids, None, self._detok_worker())
+        self._check_open()
+        rid = self._add(text, params, self._prompt_ids(text, token_ids), None,
+                        self._detok_worker())
         seq = self._requests[rid]
         completion = Completion(seq, self.tokenizer, stream=True)
         try:
@@ -291,11 +295,14 @@ class Engine:
     # ---- helpers ------------------------------------------------------------------------------
 
     def _generate_all(self, prompts, token_lists, params, use_tqdm) -> list[RequestOutput]:
-        """Queue every request or none (a bad one rolls back those queued before it), in the
-        prefix cache's order when it is on (`_admission_order`), run them to completion and
-        return their outputs in input order. Request ids and drawn seeds follow the input
-        order whatever the queue's."""
-        order, token_lists = self._admission_order(prompts, token_lists)
+        """Queue every request or none (every prompt is checked, once, before any is queued;
+        a bad sampling param rolls back those queued before it), in the prefix cache's order
+        when it is on (`_admission_order`), run them to completion and return their outputs
+        in input order. Request ids and drawn seeds follow the input order whatever the
+        queue's."""
+        self._check_open()
+        token_lists = [self._prompt_ids(p, t) for p, t in zip(prompts, token_lists, strict=True)]
+        order = self._admission_order(token_lists)
         rids = [str(next(self._ids)) for _ in params]
         seeds = [None if getattr(sp, "seed", None) is not None else self._draw_seed()
                  for sp in params]
@@ -312,15 +319,13 @@ class Engine:
         self._drain(queued, self.config.show_progress if use_tqdm is None else use_tqdm)
         return [self.pop_output(i) for i in rids]
 
-    def _admission_order(self, prompts, token_lists) -> tuple[list[int], list]:
-        """(the order to queue a list of requests in, their token ids or None each): with
-        the prefix cache on, prompts sharing a prefix run close together and each shared
-        prefix is computed a step ahead of its group (`prefix_order.admission_order`; text
-        prompts are tokenized here for it); else the input order."""
-        if not self.config.prefix_caching or len(prompts) < 2:
-            return list(range(len(prompts))), token_lists
-        token_lists = [self._prompt_ids(p, t) for p, t in zip(prompts, token_lists, strict=True)]
-        return admission_order(token_lists, BLOCK), token_lists
+    def _admission_order(self, token_lists: list[list[int]]) -> list[int]:
+        """The order to queue a list of prompts (token ids) in: with the prefix cache on,
+        prompts sharing a prefix run close together and each shared prefix is computed a
+        step ahead of its group (`prefix_order.admission_order`); else the input order."""
+        if not self.config.prefix_caching or len(token_lists) < 2:
+            return list(range(len(token_lists)))
+        return admission_order(token_lists, BLOCK)
 
     def _draw_seed(self) -> int:
         """The next seed of the engine's stream, for a request whose params give none."""

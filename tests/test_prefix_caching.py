@@ -10,11 +10,13 @@ tests/multidevice/test_prefix_caching_engine.py."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from conftest import TINY_SMOLLM2  # noqa: E402
 from hf_families import VOCAB, hf_greedy, write  # noqa: E402
 from prefix_workload import (  # noqa: E402
     NEW,
@@ -256,3 +258,46 @@ def test_requests_of_one_step_share_a_new_prefix_by_waiting_a_step(checkpoint, c
     assert outs == [hf_greedy(model, prompt, NEW)] * 3
     assert cached.stats()["prefix_cache_hit_tokens"] == 2 * 2 * BLOCK
     assert_all_released(cached)
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(tiny_smollm2):
+    """Two engines of the tiny SmolLM2, cache off and on, with a pool of 24 blocks for 8
+    rows: admission is limited by room, and a workload of a few thousand tokens evicts."""
+    opts = dict(max_model_len=192, max_num_seqs=8, max_num_batched_tokens=128,
+                kv_cache_tokens=24 * BLOCK)
+    pair = [engine_of(tiny_smollm2, **opts, prefix_caching=on) for on in (False, True)]
+    yield pair
+    for engine in pair:
+        engine.close()
+
+
+def no_sharing(seed: int) -> tuple[list[list[int]], list[SamplingParams]]:
+    """40 random prompts of 5 to 119 tokens (no two share a block), greedy, 1 to 7 tokens."""
+    rng = np.random.default_rng(seed)
+    vocab = TINY_SMOLLM2["vocab_size"]
+    prompts = [rng.integers(3, vocab, rng.integers(5, 120)).tolist() for _ in range(40)]
+    params = [SamplingParams(temperature=0.0, max_tokens=int(rng.integers(1, 8)),
+                             ignore_eos=True) for _ in prompts]
+    return prompts, params
+
+
+@pytest.mark.parametrize("policy", ["prefill_first", "decode_first", "tdpipe"])
+def test_the_cache_changes_no_step_when_nothing_is_shared(tiny_pair, policy):
+    """With nothing shared the cache is invisible to scheduling: the same steps (kind, decode
+    rows, prompt tokens, in order) and tokens as the cache off, although cached blocks nobody
+    holds fill the pool and are evicted (they count as free room). seesaw is left out: which
+    swap-ins are ready for a step is timing, so its steps differ between two runs cache off;
+    so is throttle, which preempts here, and a recomputed sequence finds its own blocks."""
+    prompts, params = no_sharing(POLICIES.index(policy))  # prompts no earlier test sent
+    runs = []
+    for engine in tiny_pair:
+        engine.set_scheduler(policy, **KNOBS.get(policy, {}))
+        engine.reset_stats()
+        out = tokens(engine.generate(prompt_token_ids=prompts, sampling_params=params))
+        steps = [(r.name, r.decode, r.prefill) for r in engine.executor.timeline.records]
+        runs.append((out, steps, engine.stats()))
+    (off, steps_off, _), (on, steps_on, stats) = runs
+    assert stats["prefix_cache_hit_tokens"] == 0 and stats["prefix_cache_evictions"] > 0
+    assert stats["preemptions"] == 0
+    assert steps_on == steps_off and on == off

@@ -83,6 +83,9 @@ class BlockPool:
         self.host = host if caching else None
         self._evicted: list[tuple[int, bytes]] = []  # (block, hash): for the host tier
         self._hit: set[int] = set()  # cached blocks hit at least once: the ones worth spilling
+        # Device sequences with full blocks of written KV not cached yet, their token ids not
+        # all known when `cache_full` was told (an ordered set: dict keys).
+        self._unhashed: dict[SeqInfo, None] = {}
 
     # ---- reading -------------------------------------------------------------------------
     @property
@@ -132,11 +135,13 @@ class BlockPool:
         self._ref(block)
         return block
 
-    def drop(self, blocks: list[int]) -> None:
-        """Drop one reference to each of `blocks` (a sequence's, in position order). A block
-        nobody holds any more goes to the LRU if it is cached, else to the free list; both
-        in reverse order, so a chain's last blocks are given out (evicted) first."""
-        for block in reversed(blocks):
+    def drop(self, seq: SeqInfo) -> None:
+        """`seq` leaves the device store: drop one reference to each of its blocks (in
+        position order). A block nobody holds any more goes to the LRU if it is cached, else
+        to the free list; both in reverse order, so a chain's last blocks are given out
+        (evicted) first. Its blocks still waiting for token ids stay uncached."""
+        self._unhashed.pop(seq, None)
+        for block in reversed(seq.blocks):
             if self._refs[block] < 1:
                 raise RuntimeError(f"block {block} dropped but nobody holds it")
             self._refs[block] -= 1
@@ -161,21 +166,20 @@ class BlockPool:
         self._refs[block] += 1
 
     # ---- the prefix cache ----------------------------------------------------------------
-    def next_hash(self, seq: SeqInfo, hashes: list[bytes]) -> bytes | None:
-        """The hash of `seq`'s block number `len(hashes)` (`hashes`: its blocks' before),
-        or None while any of that block's token ids is unknown. Hashed once per sequence:
-        remembered in `seq.hash_chain`."""
-        index, chain = len(hashes), seq.hash_chain
-        if index < len(chain):
-            return chain[index]
-        start = index * self.block_size
-        token_ids = seq.token_ids(start, start + self.block_size)
-        if token_ids is None or len(token_ids) < self.block_size:
-            return None
-        digest = block_hash(hashes[-1] if hashes else ROOT, token_ids, self._key)
-        if index == len(chain):
-            chain.append(digest)
-        return digest
+    def chain(self, seq: SeqInfo, blocks: int) -> list[bytes]:
+        """The hashes of `seq`'s first `blocks` blocks, fewer where a block's token ids are
+        not all known: `seq.hash_chain`, extended as far as needed (each block is hashed
+        once per sequence; its token ids are read in one slice)."""
+        chain, size = seq.hash_chain, self.block_size
+        if len(chain) >= blocks:
+            return chain
+        token_ids = seq.token_ids(len(chain) * size, blocks * size)
+        if token_ids:
+            digest = chain[-1] if chain else ROOT
+            for start in range(0, len(token_ids) - size + 1, size):
+                digest = block_hash(digest, token_ids[start:start + size], self._key)
+                chain.append(digest)
+        return chain
 
     def take_prefix(self, seq: SeqInfo, max_blocks: int, max_revived: int) -> tuple[int, int]:
         """`seq` (entering the device store with no blocks) takes a reference to each block
@@ -188,9 +192,10 @@ class BlockPool:
             return 0, 0
         self.queried_tokens += seq.context_len
         revived = fetched = 0
-        while len(seq.blocks) < max_blocks:
-            digest = self.next_hash(seq, seq.block_hashes)
-            block = self._by_hash.get(digest) if digest is not None else None
+        chain = self.chain(seq, max_blocks)
+        while len(seq.blocks) < min(max_blocks, len(chain)):
+            digest = chain[len(seq.blocks)]
+            block = self._by_hash.get(digest)
             in_host = block is None and self.host is not None and digest in self.host
             if (block is None and not in_host) or (
                     (in_host or self._refs[block] == 0) and revived == max_revived):
@@ -227,11 +232,9 @@ class BlockPool:
         caching is off or that block is not full of known tokens). Changes nothing."""
         if not self.caching:
             return None
-        hashes: list[bytes] = []
-        while (digest := self.next_hash(seq, hashes)) is not None:
+        for digest in self.chain(seq, seq.context_len // self.block_size):
             if digest not in self._by_hash and (self.host is None or digest not in self.host):
                 return digest
-            hashes.append(digest)
         return None
 
     def hashes_written(self, seq: SeqInfo, num_tokens: int) -> list[bytes]:
@@ -239,25 +242,33 @@ class BlockPool:
         tokens complete (from its first block not hashed yet)."""
         if not self.caching:
             return []
-        hashes = list(seq.block_hashes)
         full = (seq.computed + num_tokens) // self.block_size
-        while len(hashes) < full and (digest := self.next_hash(seq, hashes)) is not None:
-            hashes.append(digest)
-        return hashes[len(seq.block_hashes):]
+        return self.chain(seq, full)[len(seq.block_hashes):full]
 
-    def cache_full(self, seq: SeqInfo) -> None:
-        """Cache `seq`'s full blocks of written KV (its first `computed` tokens) whose token
-        ids are known, in order, from the first not yet hashed. A block whose hash another
-        block already has (the same prefix computed twice) stays uncached."""
+    def cache_full(self, seqs: list[SeqInfo]) -> None:
+        """Cache the full blocks of written KV (a sequence's first `computed` tokens) whose
+        token ids are known, in order from the first not yet hashed, of `seqs` (those that
+        may have filled a block: the caller skips the others, 15 decode steps in 16) and of
+        the sequences whose full blocks waited for a token id: the token a decode step reads
+        is still in flight on the device when the step is applied (overlap), so the block
+        it fills is cached a step later. A block whose hash another block already has (the
+        same prefix computed twice) stays uncached."""
         if not self.caching:
             return
+        for seq in seqs:
+            self._unhashed[seq] = None
+        for seq in list(self._unhashed):
+            if self._cache_blocks(seq):
+                del self._unhashed[seq]
+
+    def _cache_blocks(self, seq: SeqInfo) -> bool:
+        """Cache `seq`'s full blocks of known tokens; False if one waits for a token id."""
         full = min(seq.computed // self.block_size, len(seq.blocks))
-        while len(seq.block_hashes) < full:
-            digest = self.next_hash(seq, seq.block_hashes)
-            if digest is None:
-                return
-            block = seq.blocks[len(seq.block_hashes)]
+        chain = self.chain(seq, full)
+        for index in range(len(seq.block_hashes), min(full, len(chain))):
+            digest, block = chain[index], seq.blocks[index]
             seq.block_hashes.append(digest)
             if digest not in self._by_hash:
                 self._by_hash[digest] = block
                 self._hash_of[block] = digest
+        return len(seq.block_hashes) >= full

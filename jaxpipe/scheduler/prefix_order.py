@@ -1,12 +1,14 @@
 """The order to queue a known list of prompts in, so that a block-level prefix cache serves
 them well: longest-prefix-match grouping (SGLang's `lpm`), for `Engine.generate` on a list.
 
-Sorted by their token ids, prompts that share a longer prefix are nearer each other, and those
-that share their first block form one contiguous group. The cache shares only blocks written
-in an earlier step (`SchedulerState` defers a request whose next block another request of the
-same step is computing), so a group queued back to back would wait a step behind its first
-request; instead each group's first prompt is queued ahead, right before the previous group's
-others, so its prefix is written (and cached) by the time its own group arrives.
+Prompts that share their first block form one group, its members sorted by their token ids
+(so that those sharing a longer prefix are next to each other); the groups keep the input
+order of their first members, so a prompt that shares nothing keeps its place and a workload
+without sharing runs in its own order. The cache shares only blocks written in an earlier
+step (`SchedulerState` defers a request whose next block another request of the same step is
+computing), so a group queued back to back would wait a step behind its first request;
+instead each group's first prompt is queued ahead, right before the previous group's others,
+so its prefix is written (and cached) by the time its own group arrives.
 """
 
 from __future__ import annotations
@@ -20,15 +22,11 @@ def admission_order(prompts: Sequence[Sequence[int]], block: int) -> list[int]:
     computed) share nothing and are groups of one; equal prompts keep their input order."""
     if block < 1:
         raise ValueError(f"block must be >= 1, got {block}")
-    groups: list[list[int]] = []
-    last_key = None
-    for i in sorted(range(len(prompts)), key=lambda i: list(prompts[i])):
-        key = tuple(prompts[i][:block]) if len(prompts[i]) > block else None
-        if groups and key is not None and key == last_key:
-            groups[-1].append(i)
-        else:
-            groups.append([i])
-        last_key = key
+    by_key: dict[tuple, list[int]] = {}
+    for i, prompt in enumerate(prompts):  # dicts keep insertion order: first members' order
+        key = tuple(prompt[:block]) if len(prompt) > block else ("alone", i)
+        by_key.setdefault(key, []).append(i)
+    groups = [sorted(members, key=lambda i: list(prompts[i])) for members in by_key.values()]
     order = [groups[0][0]] if groups else []
     for k, members in enumerate(groups):
         if k + 1 < len(groups):

@@ -282,7 +282,7 @@ class SchedulerState:
     def _free_seq(self, seq: SeqInfo) -> None:
         """Drop `seq`'s references to its device blocks and return its slot (it leaves the
         device store; the caller takes it out of `device`)."""
-        self.block_pool.drop(seq.blocks)
+        self.block_pool.drop(seq)
         seq.blocks, seq.block_hashes = [], []
         heapq.heappush(self._free_slots, seq.slot)
         seq.slot = None
@@ -383,10 +383,12 @@ class SchedulerState:
 
     def _apply_run(self, action: Run) -> None:
         self.busy.difference_update(s.seq_id for s in action.seqs)
-        self._admit(action)
+        if any(seq.location is Location.WAITING for seq, _ in action.prefill):
+            self._admit(action)  # a run applied without `launch` (tests)
         self._computing.clear()  # cached below: the next step's admissions find them
         for seq, num_tokens in action.prefill:
             self._prefill(seq, num_tokens, action.prefill_to_host)
+        caching, unit, filled = self.block_pool.caching, self.device_unit, []
         for seq in action.decode:
             if seq.location is not Location.DEVICE or seq.in_prefill:
                 raise RuntimeError(f"decode of {seq.seq_id!r} which is {seq.location.value}"
@@ -394,7 +396,11 @@ class SchedulerState:
             self._reserve(seq, seq.computed + 1)
             seq.computed += 1
             seq.generated += 1
-            self.block_pool.cache_full(seq)
+            # It filled a block, or came back from the host tier (its blocks are cached
+            # once it decodes: its KV is in them by then).
+            if caching and (seq.computed % unit == 0 or not seq.block_hashes):
+                filled.append(seq)
+        self.block_pool.cache_full(filled)
         self._settle()
 
     def _prefill(self, seq: SeqInfo, num_tokens: int, to_host: bool) -> None:
@@ -405,7 +411,7 @@ class SchedulerState:
                                f"which has {seq.to_prefill} left")
         self._reserve(seq, seq.computed + num_tokens)
         seq.computed += num_tokens
-        self.block_pool.cache_full(seq)
+        self.block_pool.cache_full([seq])
         if seq.to_prefill == 0:
             seq.generated += 1
             if to_host:

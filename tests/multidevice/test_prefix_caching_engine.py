@@ -13,6 +13,7 @@ from conftest import TINY
 from prefix_workload import assert_all_released, check_waves, run_waves, tokens
 
 from jaxpipe import Engine, EngineConfig
+from jaxpipe.kv.device_cache import BLOCK
 
 FAST = dict(dtype="float32", max_model_len=96, max_num_seqs=3, max_num_batched_tokens=64,
             host_kv_tokens=256, warmup=False, show_progress=False)
@@ -51,16 +52,29 @@ def test_two_layouts_give_the_uncached_tokens(cached, reference, policy):
         assert cached.executor.state.phase.value == "decode"
 
 
+def one(engine, prompt: list[int], params) -> list[int]:
+    """The tokens of `prompt` run alone."""
+    return tokens(engine.generate(prompt_token_ids=[prompt], sampling_params=[params]))[0]
+
+
 def evicted_and_sent_again(engine, reference) -> dict:
-    """The first wave, then prompts that share nothing with it (they evict its blocks, which
-    its own repeats hit, to the host tier), then the first wave again: each wave's tokens
-    are the reference's, every block released. Returns the stats of the last wave."""
+    """The first wave's shared prefix hit for sure, evicted, then sent again, in separate
+    `generate` calls so that no queue order decides which blocks are hit or evicted: its
+    prompt 5 (the 48-token stem) alone writes the stem's blocks, its prompt 0 alone hits
+    the first two (blocks hit once are the ones the pool spills); then three prompts that
+    share nothing, one at a time, each writing 6 of the 8 blocks, evict every block cached
+    before them (the hit ones to the host tier); then the whole first wave again, which
+    copies them back. Every call gives the reference's tokens, every block is released.
+    Returns the stats of the last wave."""
     (prompts, want), _, params = reference
+    assert one(engine, prompts[5], params[5]) == want[5]
     engine.reset_stats()
-    assert tokens(engine.generate(prompt_token_ids=prompts, sampling_params=params)) == want
+    assert one(engine, prompts[0], params[0]) == want[0]
+    assert engine.stats()["prefix_cache_hit_tokens"] >= 2 * BLOCK
     vocab = TINY.vocab_size - 1
-    others = [[(7 * i + 3 * j) % vocab for j in range(40 + i)] for i in range(6)]
-    engine.generate(prompt_token_ids=others, sampling_params=params[0])
+    for i in range(3):
+        engine.generate(prompt_token_ids=[[(7 * i + 3 * j + 1) % vocab for j in range(80)]],
+                        sampling_params=params[0])
     engine.reset_stats()
     assert tokens(engine.generate(prompt_token_ids=prompts, sampling_params=params)) == want
     assert_all_released(engine)

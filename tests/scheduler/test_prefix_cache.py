@@ -1,7 +1,8 @@
 """The prefix cache in the one ledger: full blocks found by their hash chain, shared by
 reference, cached when the run that writes them is applied, evicted least recently used only
-when nobody holds them; and, under random arrivals, preemption and aborts, every block is
-exactly one of free, cached-unreferenced or referenced, and holds the tokens its hash says."""
+when nobody holds them; and, under random arrivals, preemption and aborts, scheduled by each
+policy, every block is exactly one of free, cached-unreferenced or referenced, and holds the
+tokens its hash says."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from jaxpipe.scheduler import (
     SchedulerState,
     SeqInfo,
     Sequence,
+    SwapIn,
     Switch,
     make_policy,
 )
@@ -68,7 +70,7 @@ def test_the_same_prefix_gets_the_same_blocks_and_another_key_does_not():
     assert b.blocks[2] != a.blocks[2]  # the partial block is never shared
     assert b.block_hashes == a.block_hashes
     def first(key):  # a new sequence each time: one remembers its hashes (one pool's)
-        return BlockPool(4, UNIT, True, key).next_hash(seq("c", range(10)), [])
+        return BlockPool(4, UNIT, True, key).chain(seq("c", range(10)), 1)[0]
     assert first("m1") == first("m1") != first("m2")
 
 
@@ -251,6 +253,20 @@ def test_outputs_are_cached_once_their_tokens_are_known():
     assert len(a.block_hashes) == 1 and a.blocks[0] in state.block_pool.cached()
 
 
+def test_a_sequence_back_from_the_host_tier_hashes_its_blocks_at_its_first_decode():
+    """Swapped out, a sequence forgets its blocks' hashes; swapped back in, its first decode
+    (its KV is in the new blocks by then) takes them again, as a decode that fills a block."""
+    state = cached_state()
+    a = seq("a", range(9), max_tokens=8)
+    prefill(state, a)
+    a.output_token_ids.append(9)
+    state.apply(Preempt([a], "swap"))
+    state.apply(SwapIn([a]))
+    assert a.block_hashes == [] and a.computed == 9
+    state.apply(Run(decode=[a]))
+    assert a.block_hashes == a.hash_chain[:2]
+
+
 def test_plain_seqinfos_and_caching_off_never_hit():
     state = cached_state()
     for name in ("x", "y"):
@@ -274,9 +290,27 @@ def chain(token_ids: tuple) -> bytes:
     return digest
 
 
+POLICY_NAMES = ["prefill_first", "seesaw", "decode_first", "tdpipe", "throttle"]
+
+
+def draw_policy(name: str, rng: random.Random):
+    """`name` with drawn options (a prefill budget; the pipelined ones 1 or 2 micro-batches
+    a step; tdpipe's predictor off and its switch back at a fixed finish ratio)."""
+    opts = {"max_prefill_tokens": rng.choice([8, 24])}
+    if name == "prefill_first":
+        opts["preempt_mode"] = rng.choice(["swap", "recompute"])
+    elif name in ("tdpipe", "throttle"):
+        opts["pipeline_depth"] = rng.choice([1, 2])
+    if name == "tdpipe":
+        opts.update(predictor=None, finish_ratio=0.5)
+    return make_policy(name, **opts)
+
+
 class Driver:
-    """A pure-Python engine: requests with shared prefixes arrive at random, run under
-    `prefill_first`, are preempted (both modes), aborted and finished at random; their output
+    """A pure-Python engine: requests with shared prefixes arrive at random, run under a
+    policy (`policy`, prefill_first by default; each one's own actions: seesaw's switches,
+    its prefills parked in the host tier and swapped back in, tdpipe's and throttle's
+    micro-batches), are preempted (both modes), aborted and finished at random; their output
     tokens come back at once or a step late. It keeps what each block holds (`holds`: the
     context prefix ending with a block, once its KV is fully written) and what each host-tier
     group holds (`host_holds`, moved as the state's `take_moves` say) to check both tiers.
@@ -284,15 +318,24 @@ class Driver:
     its group size (1 or 2 blocks) are drawn, so blocks go to the host tier and come back,
     and a full tier evicts groups while blocks are copied back."""
 
-    def __init__(self, seed: int, caching: bool):
+    def __init__(self, seed: int, caching: bool, policy: str = "prefill_first"):
         self.rng = rng = random.Random(seed)
         group = rng.choice([1, 2])
         host = rng.choice([0, group, 2 * group, 8, 40])  # one or two groups: a full tier
+        if policy == "seesaw":  # it parks prefills in the host tier: room for a sequence
+            host = max(host, 10)
         self.state = SchedulerState(rng.choice([12, 24]) * UNIT, 6, host * UNIT,
                                     host_unit=group * UNIT,
                                     device_unit=UNIT, prefix_caching=caching)
-        self.policy = make_policy("prefill_first", max_prefill_tokens=rng.choice([8, 24]),
-                                  preempt_mode=rng.choice(["swap", "recompute"]))
+        self.policy = draw_policy(policy, rng)
+        # tdpipe and throttle preempt by recompute only and never swap in: so does this
+        # driver; seesaw and decode_first decode what they swap in (seesaw parks only whole
+        # prefills): only prefill_first takes back a prefill swapped out part-way
+        self.swaps = policy not in ("tdpipe", "throttle")
+        self.swaps_prefills = policy == "prefill_first"
+        # a second run rides along only where the policy forms runs of idle sequences (the
+        # engine's pipelined steps; prefill_first's, for the deferral of a shared prefix)
+        self.rides = policy in ("prefill_first", "tdpipe", "throttle")
         prefixes = [[rng.randrange(30) for _ in range(rng.randint(1, 14))] for _ in range(3)]
         self.arrivals = []
         self.truth: dict[str, list[int]] = {}
@@ -343,7 +386,8 @@ class Driver:
 
     def preempt(self) -> None:
         victim = self.rng.choice(list(self.state.device.values()))
-        swap = self.state.host_size(victim.computed) <= self.state.host_free
+        swap = self.swaps and (self.swaps_prefills or not victim.in_prefill) and \
+            self.state.host_size(victim.computed) <= self.state.host_free
         self.state.apply(Preempt([victim], "swap" if swap and self.rng.random() < 0.5
                                  else "recompute"))
         self.move()
@@ -360,10 +404,14 @@ class Driver:
                     self.write(s, 0, s.computed)
             return
         runs = [action]
-        if self.rng.random() < 0.5:  # engine-like: launch (a second run rides along), apply
+        # engine-like: launch (a second run rides along), apply; a run whose prefills go to
+        # the host tier is launched first (its KV is written in the blocks it takes there)
+        if self.rng.random() < 0.5 or action.prefill_to_host:
             self.state.launch(action)
-            second = self.policy.schedule(self.state)
-            if isinstance(second, Run) and self.rng.random() < 0.5:
+            second = self.policy.schedule(self.state) if self.rides else None
+            # (not beside a run to the host tier: its room is only charged as it is applied)
+            if isinstance(second, Run) and self.rng.random() < 0.5 and not (
+                    action.prefill_to_host or second.prefill_to_host):
                 self.state.launch(second)
                 runs.append(second)
             self.move()
@@ -372,10 +420,13 @@ class Driver:
 
     def apply(self, run: Run) -> None:
         before = {s.seq_id: s.generated for s in run.seqs}
+        if run.prefill_to_host:  # written before its completed prefills leave the device
+            for s, n in run.prefill:
+                self.write(s, s.computed, s.computed + n)
         self.state.apply(run)
         self.move()
-        for s, n in run.prefill:  # `n` as the state trimmed it past the cached prefix
-            self.write(s, s.computed - n, s.computed)
+        for s, n in run.prefill if not run.prefill_to_host else ():
+            self.write(s, s.computed - n, s.computed)  # `n` trimmed past the cached prefix
         for s in run.decode:
             self.write(s, s.computed - 1, s.computed)
         sampled = [s for s in run.seqs if s.generated > before[s.seq_id]]
@@ -388,7 +439,8 @@ class Driver:
                 self.late.append(s)
             else:
                 s.output_token_ids.append(self.truth[s.seq_id][s.num_tokens])
-        self.state.finish(ended)
+        finished = self.state.finish(ended)
+        self.policy.landed(run, finished, self.state)
 
     def write(self, s: Sequence, start: int, stop: int) -> None:
         """KV rows [start, stop) of `s` written: never into a block someone else holds."""
@@ -432,9 +484,10 @@ class Driver:
 HOST_HITS = Counter()
 
 
-@pytest.mark.parametrize("seed", range(16))
+@pytest.mark.parametrize("seed", range(20))
 def test_random_traffic_keeps_every_block_accounted_and_shared_correctly(seed):
-    driver = Driver(seed, caching=True)
+    """Each policy over 4 seeds."""
+    driver = Driver(seed, caching=True, policy=POLICY_NAMES[seed % len(POLICY_NAMES)])
     driver.run()
     state, pool = driver.state, driver.state.block_pool
     assert pool.num_held == 0 and state.device_used == 0 and state.host_used == 0
@@ -446,9 +499,9 @@ def test_random_traffic_keeps_every_block_accounted_and_shared_correctly(seed):
 
 def test_random_traffic_hits_in_the_host_tier():
     """Some of the seeds above (drawn small pools with a host tier) copy prefixes back."""
-    for seed in range(16):
+    for seed in range(20):
         if seed not in HOST_HITS:
-            driver = Driver(seed, caching=True)
+            driver = Driver(seed, caching=True, policy=POLICY_NAMES[seed % len(POLICY_NAMES)])
             driver.run()
             HOST_HITS[seed] = driver.state.block_pool.host_hit_tokens
     assert sum(HOST_HITS.values()) > 0
@@ -558,3 +611,14 @@ def test_each_block_is_hashed_once(monkeypatch):
     assert len(calls) == 4
     assert [c[1] for c in calls] == [list(range(0, 4)), list(range(4, 8)), list(range(8, 12)),
                                      [12, 101, 102, 103]]
+
+
+def test_a_chain_stops_at_the_first_block_with_a_token_not_back():
+    """`chain` hashes as far as token ids are known, then goes on from there once more are."""
+    pool = BlockPool(8, UNIT, True)
+    s = seq("a", range(6), max_tokens=8)
+    s.generated = 4  # sampled, one output token back so far
+    s.output_token_ids = [6]
+    assert len(pool.chain(s, 3)) == 1  # tokens 4..7: 7 is not back
+    s.output_token_ids += [7, 8, 9]
+    assert pool.chain(s, 3) == [chain(tuple(range(4 * (i + 1)))) for i in range(2)]

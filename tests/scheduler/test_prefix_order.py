@@ -17,14 +17,32 @@ def test_groups_run_together_and_each_first_prompt_goes_one_group_early():
     a, b, c = [1, 1, 1, 1], [2, 2, 2, 2], [3, 3, 3, 3]
     prompts = [b + [9], a + [5], c + [1], a + [2], b + [1], [0, 7], c + [0], a + [2]]
     order = admission_order(prompts, BLOCK)
-    # sorted: a+[2] (3, then its equal 7), a+[5] (1); b+[1] (4), b+[9] (0); c+[0] (6), c+[1] (2);
-    # [0, 7] (5) is shorter than a block past its last token: a group of one, first of all.
-    assert order == [5, 3, 4, 7, 1, 6, 0, 2]
+    # groups in the input order of their first members: b (0), a (1), c (2), then [0, 7] (5),
+    # shorter than a block past its last token, a group of one; each group sorted by tokens:
+    # b+[1] (4), b+[9] (0); a+[2] (3, then its equal 7), a+[5] (1); c+[0] (6), c+[1] (2).
+    assert order == [4, 3, 0, 6, 7, 1, 5, 2]
 
 
 def test_prompts_without_a_full_block_before_their_last_token_are_alone():
     prompts = [[1, 2, 3, 4], [1, 2, 3, 4], [1, 2, 3]]
-    assert admission_order(prompts, BLOCK) == [2, 0, 1]  # sorted, nothing moved ahead
+    assert admission_order(prompts, BLOCK) == [0, 1, 2]  # groups of one: the input order
+
+
+def test_a_workload_that_shares_nothing_keeps_its_order():
+    """Nothing to share, nothing to gain: the queue is the input order (a sort would change
+    which requests batch together, and so the throughput, for no hit)."""
+    rng = random.Random(3)
+    prompts = [[rng.randrange(1000) for _ in range(rng.randrange(1, 40))] for _ in range(50)]
+    assert admission_order(prompts, BLOCK) == list(range(50))
+
+
+def test_a_prompt_sharing_nothing_keeps_its_place_among_groups():
+    a = [1, 1, 1, 1]
+    prompts = [[7, 7, 7, 7, 7], a + [2], [8, 8, 8, 8, 8], a + [1], [9, 9, 9, 9, 9]]
+    # a's group takes its first member's place (1), sorted: 3 (a+[1]) leads, queued a group
+    # early (right after 0), its other member 1 right after the next group's leader (2);
+    # the prompts sharing nothing keep their relative order.
+    assert admission_order(prompts, BLOCK) == [0, 3, 2, 1, 4]
 
 
 @pytest.mark.parametrize("seed", range(20))
