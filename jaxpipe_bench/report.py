@@ -196,3 +196,14 @@ def write_json(result: dict[str, Any], path: str | Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2, default=str) + "\n")
     return path
+
+
+def write_points(path: str | None, points: list[dict]) -> None:
+    """A kernel benchmark's points with the machine they ran on (`kernels.dispatch.machine`),
+    as JSON at `path` (nothing when None); the directory is made if missing."""
+    if path is None:
+        return
+    from jaxpipe.kernels.dispatch import machine
+
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps({"machine": machine(), "points": points}, indent=2))

@@ -9,14 +9,12 @@ jaxpipe_bench.ep_exchange). The 1B Qwen3-MoE checkpoint's layer shapes.
 from __future__ import annotations
 
 import argparse
-import json
-from pathlib import Path
 
 import jax
 
 from jaxpipe.kernels import matmul
-from jaxpipe.kernels.dispatch import machine
 from jaxpipe_bench.ep_exchange import EP, SHAPE, TOKENS, capacity_for, format_table, measure
+from jaxpipe_bench.report import write_points
 
 
 def main() -> None:
@@ -41,10 +39,7 @@ def main() -> None:
     print(f"dispatch {dispatch}, {len(jax.devices())} devices, median of {args.rounds} "
           "interleaved rounds")
     print(format_table(points))
-    if args.json_path:
-        Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json_path).write_text(json.dumps({"machine": machine(), "points": points},
-                                                   indent=2))
+    write_points(args.json_path, points)
 
 
 if __name__ == "__main__":

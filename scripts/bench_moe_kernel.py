@@ -7,11 +7,9 @@ jaxpipe_bench.moe_kernel).
 from __future__ import annotations
 
 import argparse
-import json
-from pathlib import Path
 
-from jaxpipe.kernels.dispatch import machine
 from jaxpipe_bench.moe_kernel import CASES, TOKENS, format_table, measure
+from jaxpipe_bench.report import write_points
 
 
 def main() -> None:
@@ -31,10 +29,7 @@ def main() -> None:
             points.append(measure(*case, t, args.rounds, args.ragged_max_gflop))
             print(format_table(points[-1:]).splitlines()[1], flush=True)
     print(format_table(points))
-    if args.json_path:
-        Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json_path).write_text(json.dumps({"machine": machine(), "points": points},
-                                                   indent=2))
+    write_points(args.json_path, points)
 
 
 if __name__ == "__main__":
