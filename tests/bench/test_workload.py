@@ -195,6 +195,7 @@ def test_run_jaxpipe_with_fake_engine(fake_engine):
     assert result["num_requests"] == 6 and result["output_tokens"] == 120
     assert result["engine_config"]["max_model_len"] == 128  # 120 rounded up to 128
     assert result["batch_size"] == 4 and result["engine_stats"] == {"steps": 1}
+    assert result["process_cpu_s"] >= result["engine_thread_cpu_s"] >= 0  # every thread's >= one's
     assert model_config is SMOLLM2
 
 
