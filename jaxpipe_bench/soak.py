@@ -122,6 +122,7 @@ class SoakResult:
     serves_after: bool = False
     seconds: float = 0.0
     rss_samples: list = field(default_factory=list)  # (seconds into the run, front end, total)
+    prefix_cache: dict = field(default_factory=dict)  # the last engine's, at the end (HTTP)
 
     def table(self) -> str:
         rows = [f"{'kind':<10}{'outcome':<14}{'calls':>8}"]
@@ -132,6 +133,10 @@ class SoakResult:
                     f"again {_fmt(self.restart_seconds)} s later; RSS {gib[0]:.2f} -> {gib[1]:.2f}"
                     f" GiB (front end {gib[2]:.2f} -> {gib[3]:.2f}); serves after: "
                     f"{self.serves_after}; violations: {len(self.violations)}")
+        if self.prefix_cache.get("queried_tokens"):
+            hit, queried = self.prefix_cache["hit_tokens"], self.prefix_cache["queried_tokens"]
+            rows.append(f"prefix cache (the last engine): {hit:.0f} of {queried:.0f} prompt "
+                        f"tokens hit ({hit / queried:.1%})")
         return "\n".join(rows + self.violations[:20])
 
     def rss_series(self, every: float = 10.0) -> str:
@@ -197,6 +202,10 @@ class Calls(Protocol):
     def engine_load(self) -> dict[str, float]:
         """What the engine holds (requests, KV): every value 0 when it is idle."""
 
+    def prefix_cache(self) -> dict[str, float]:
+        """The engine's prefix-cache counters since it started ("queried_tokens",
+        "hit_tokens"); {} where the transport does not report them."""
+
 
 def make_calls(config: SoakConfig, target: str, tally: Tally) -> Calls:
     """The `Calls` of `config.transport` against `target` (gRPC host:port, or HTTP base URL)."""
@@ -248,6 +257,10 @@ class Soak:
         done.set()
         sampler.join()
         self._check_idle()
+        try:
+            res.prefix_cache = self.calls.prefix_cache()
+        except Exception as e:  # noqa: BLE001 -- informational: a failed scrape is no breach
+            res.prefix_cache = {"error": f"{type(e).__name__}: {e}"}
         res.serves_after = self.calls.serves()
         if not res.serves_after:
             self.tally.violation("the server does not serve after the run")

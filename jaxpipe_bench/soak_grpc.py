@@ -61,6 +61,9 @@ class GrpcCalls:
                 return False
         return bool(out) and bool(out[-1].finish_reason)
 
+    def prefix_cache(self) -> dict[str, float]:
+        return {}  # GetServerInfo does not carry the cache's counters (/metrics does)
+
     def engine_load(self) -> dict[str, float]:
         with grpc.insecure_channel(self.address) as ch:
             info = pb_grpc.GenerationStub(ch).GetServerInfo(pb.ServerInfoRequest(), timeout=10)

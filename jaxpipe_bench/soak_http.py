@@ -34,6 +34,9 @@ CANCEL_DELAY = 0.5  # seconds a cancel reads at most before it closes the stream
 # the engine's load on /metrics: metric name -> the label values whose samples count
 LOAD = {"jaxpipe_kv_tokens_used": ("device", "host"),
         "jaxpipe_queue_requests": ("waiting", "device", "host")}
+# the prefix cache's counters on /metrics -> their names in SoakResult.prefix_cache
+CACHE = {"jaxpipe_prefix_cache_queried_tokens": "queried_tokens",
+         "jaxpipe_prefix_cache_hit_tokens": "hit_tokens"}
 
 
 class HttpCalls:
@@ -82,6 +85,9 @@ class HttpCalls:
 
     def engine_load(self) -> dict[str, float]:
         return engine_load(httpx.get(self.url + "/metrics", timeout=30).text)
+
+    def prefix_cache(self) -> dict[str, float]:
+        return prefix_cache(httpx.get(self.url + "/metrics", timeout=30).text)
 
     # ---- the kinds ----------------------------------------------------------------------------
 
@@ -236,6 +242,17 @@ def engine_load(metrics_text: str) -> dict[str, float]:
             if s.labels.get("tier") in LOAD.get(s.name, ()):
                 load[f"{s.name}{{{s.labels['tier']}}}"] = s.value
     return load if up else {"engine_up == 0": 1}
+
+
+def prefix_cache(metrics_text: str) -> dict[str, float]:
+    """The prefix cache's prompt tokens looked up and found, from a /metrics scrape (counted
+    since the engine process started: a kill restarts them); {} where the scrape has none
+    (an engine that did not answer)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {CACHE[s.name.removesuffix("_total")]: s.value
+            for family in text_string_to_metric_families(metrics_text)
+            for s in family.samples if s.name.removesuffix("_total") in CACHE}
 
 
 def _data_lines(resp: httpx.Response):

@@ -111,7 +111,7 @@ def main() -> int:
             "killed_at": result.killed_at, "restart_seconds": result.restart_seconds,
             "rss_before": result.rss_before, "rss_after": result.rss_after,
             "front_end_rss": list(result.front_end_rss),
-            "seconds": result.seconds,
+            "seconds": result.seconds, "prefix_cache": result.prefix_cache,
             "rss_samples": [list(s) for s in result.rss_samples]}, indent=1))
     return 1 if result.violations else 0
 

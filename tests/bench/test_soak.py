@@ -16,7 +16,7 @@ import pytest
 from conftest import ServerProcess, gguf_dir
 
 from jaxpipe_bench.soak import Soak, SoakConfig
-from jaxpipe_bench.soak_http import SseEvents, engine_load
+from jaxpipe_bench.soak_http import SseEvents, engine_load, prefix_cache
 
 SERVER_FLAGS = ("--restart-backoff", "1", "--max-num-seqs", "32", "--warmup",
                 "--max-num-batched-tokens", "256")
@@ -56,6 +56,8 @@ def test_soak_with_an_engine_kill(tmp_path):
 def test_http_soak_with_an_engine_kill(tmp_path):
     result = soaked(tmp_path, "http", clients=32, seconds=90.0)
     assert result.calls[("stream", "ok")] > 0 and result.calls[("plain", "ok")] > 0
+    # The cache is on by default and every chat opens with the template's system prompt.
+    assert 0 < result.prefix_cache["hit_tokens"] < result.prefix_cache["queried_tokens"]
 
 
 def _events(*data: str) -> SseEvents:
@@ -158,6 +160,10 @@ def test_engine_load_reads_kv_and_queues_from_metrics():
     assert {k: v for k, v in held.items() if v} == {
         "jaxpipe_kv_tokens_used{device}": 48.0, "jaxpipe_queue_requests{device}": 1.0}
     assert engine_load(scrape(None)) == {"engine_up == 0": 1}
+    cached = prefix_cache(scrape({**idle, "prefix_cache_queried_tokens": 640,
+                                  "prefix_cache_hit_tokens": 288, "prefix_cache_evictions": 3}))
+    assert cached == {"queried_tokens": 640.0, "hit_tokens": 288.0}
+    assert prefix_cache(scrape(None)) == {}
 
 
 @pytest.mark.parametrize("config, message", [
