@@ -402,13 +402,12 @@ class EngineConfig:
         The tier takes memory only for what it holds: sequences, and (prefix_caching) the
         cached blocks the device pool evicted, in the room the sequences leave.
     host_kv_tokens: the host KV tier in tokens (wins over host_kv_gb).
-    prefix_caching: automatic prefix caching (off by default for now: its median was 4.9% slower
-        where nothing is shared, README): full 16-token KV blocks are kept under a hash of the model
-        and every token up to theirs, and a request whose prompt starts with cached blocks
-        shares them (its prefill starts after them). Blocks the device pool evicts after
-        they were hit are kept in the host tier, as far as swapped-out sequences leave room,
-        and copied back on a hit. Where nothing is shared it costs a hash per full block on
-        the host. The same tokens either way.
+    prefix_caching: automatic prefix caching, on by default: full 16-token KV blocks are kept
+        under a hash of the model and every token up to theirs, and a request whose prompt
+        starts with cached blocks shares them (its prefill starts after them). Blocks the
+        device pool evicts after they were hit are kept in the host tier, as far as
+        swapped-out sequences leave room, and copied back on a hit. Where nothing is shared
+        it costs a hash per full block on the host. The same tokens either way.
     coordinator: "HOST:PORT" of process 0 when the engine spans several processes (one per
         host; jaxpipe.distributed): JAX's coordinator listens there and the leader's control
         channel on PORT+1. Default: $JAX_COORDINATOR_ADDRESS, else one process. The mesh's
@@ -450,7 +449,7 @@ class EngineConfig:
     detok_worker: bool = True
     sampler: Sampler = "device"
     sampler_threads: int = 2
-    prefix_caching: bool = False
+    prefix_caching: bool = True
     memory_utilization: float | None = None
     coordinator: str | None = None
     num_processes: int | None = None

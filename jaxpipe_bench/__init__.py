@@ -79,7 +79,7 @@ class BenchConfig:
     sampler: jaxpipe's sampler (EngineConfig.sampler): the device program or NumPy on host
         threads.
     mesh: jaxpipe's mesh preset, e.g. cpu-8 (EngineConfig.mesh).
-    prefix_caching: EngineConfig.prefix_caching (None: the engine's default, off); OpenVINO
+    prefix_caching: EngineConfig.prefix_caching (None: the engine's default, on); OpenVINO
         runs with its enable_prefix_caching set the same, so both engines cache or neither.
     shared_prefix: N:LEN or N:LO-HI, e.g. 5:500-1100: N shared prefixes (system prompts) of
         LEN tokens, or of lengths drawn in LO..HI, each request one of them (evenly, in a

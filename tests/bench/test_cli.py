@@ -115,6 +115,6 @@ def test_shared_prefix_reaches_the_workload_and_openvino_caches_as_jaxpipe_does(
     with pytest.raises(SystemExit):
         cfg("--shared-prefix", "2:30-20")
     job = _peer_job(cfg(), "openvino", workload, "m.gguf")
-    assert job["prefix_caching"] is False  # the engine's default: off for now
-    assert _peer_job(cfg("--prefix-caching"), "openvino", workload, "m")["prefix_caching"] \
-        is True
+    assert job["prefix_caching"] is True
+    assert _peer_job(cfg("--no-prefix-caching"), "openvino", workload, "m")["prefix_caching"] \
+        is False

@@ -38,9 +38,10 @@ def workload():
 
 @pytest.fixture(scope="module")
 def reference(tiny_orbax, workload):
-    """Greedy tokens of the single-device engine, every request in its own slot."""
+    """Greedy tokens of the single-device engine, every request in its own slot, the cache
+    off."""
     engine = Engine(EngineConfig(model=str(tiny_orbax), max_num_seqs=16,
-                                 scheduler="prefill_first", **FAST))
+                                 scheduler="prefill_first", prefix_caching=False, **FAST))
     prompts, params = workload
     return tokens(engine.generate(prompt_token_ids=prompts, sampling_params=params))
 

@@ -34,9 +34,10 @@ def workload():
 
 @pytest.fixture(scope="module")
 def reference(tiny_orbax, workload):
-    """Greedy tokens of the single-device engine, every request in its own slot."""
+    """Greedy tokens of the single-device engine, every request in its own slot, the cache
+    off."""
     engine = Engine(EngineConfig(model=str(tiny_orbax), max_num_seqs=32,
-                                 scheduler="prefill_first", **FAST))
+                                 scheduler="prefill_first", prefix_caching=False, **FAST))
     return tokens(engine.generate(prompt_token_ids=workload[0], sampling_params=workload[1]))
 
 
