@@ -19,7 +19,6 @@ torch/transformers/openvino are imported only in the peers' environment.
 from __future__ import annotations
 
 import gc
-import resource
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, fields
@@ -260,11 +259,11 @@ def _timed_generate(engine: Any, workload: Sequence[Request], log: Log) -> tuple
     compile_before = _engine_stats(engine).get("compile_seconds", 0.0)
     if callable(getattr(engine, "reset_stats", None)):
         engine.reset_stats()
-    process, thread = _cpu_seconds(), time.thread_time()
+    process, thread = time.process_time(), time.thread_time()
     start = time.perf_counter()
     outs = _generate(engine, workload)
     elapsed = time.perf_counter() - start
-    thread, process = time.thread_time() - thread, _cpu_seconds() - process
+    thread, process = time.thread_time() - thread, time.process_time() - process
     check_outputs(outs, workload)
     stats = _engine_stats(engine)
     leaked = float(stats.get("compile_seconds", 0.0)) - float(compile_before)
@@ -272,12 +271,6 @@ def _timed_generate(engine: Any, workload: Sequence[Request], log: Log) -> tuple
         log(f"[jaxpipe] WARNING: {leaked:.1f}s of compilation inside the timed run")
     return elapsed, {"engine_stats": stats, "compile_s_in_timed_run": leaked,
                      "process_cpu_s": process, "engine_thread_cpu_s": thread}
-
-
-def _cpu_seconds() -> float:
-    """User + system CPU seconds of this process so far, every thread."""
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
 
 
 def _engine_kwargs(cfg: BenchConfig, workload: Sequence[Request]) -> dict[str, Any]:
