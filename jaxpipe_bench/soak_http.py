@@ -232,15 +232,12 @@ class SseEvents:
 def engine_load(metrics_text: str) -> dict[str, float]:
     """KV tokens held and requests queued or running, from a /metrics scrape (an engine that
     did not answer the scrape counts as {"engine_up == 0": 1})."""
-    from prometheus_client.parser import text_string_to_metric_families
-
     load, up = {}, 0.0
-    for family in text_string_to_metric_families(metrics_text):
-        for s in family.samples:
-            if s.name == "jaxpipe_engine_up":
-                up = s.value
-            if s.labels.get("tier") in LOAD.get(s.name, ()):
-                load[f"{s.name}{{{s.labels['tier']}}}"] = s.value
+    for s in _samples(metrics_text):
+        if s.name == "jaxpipe_engine_up":
+            up = s.value
+        if s.labels.get("tier") in LOAD.get(s.name, ()):
+            load[f"{s.name}{{{s.labels['tier']}}}"] = s.value
     return load if up else {"engine_up == 0": 1}
 
 
@@ -248,11 +245,16 @@ def prefix_cache(metrics_text: str) -> dict[str, float]:
     """The prefix cache's prompt tokens looked up and found, from a /metrics scrape (counted
     since the engine process started: a kill restarts them); {} where the scrape has none
     (an engine that did not answer)."""
+    return {CACHE[name]: s.value for s in _samples(metrics_text)
+            if (name := s.name.removesuffix("_total")) in CACHE}
+
+
+def _samples(metrics_text: str):
+    """Every sample of a /metrics scrape (Prometheus text format)."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    return {CACHE[s.name.removesuffix("_total")]: s.value
-            for family in text_string_to_metric_families(metrics_text)
-            for s in family.samples if s.name.removesuffix("_total") in CACHE}
+    for family in text_string_to_metric_families(metrics_text):
+        yield from family.samples
 
 
 def _data_lines(resp: httpx.Response):
