@@ -3,20 +3,23 @@
 paged pool, out-of-range rules), lowered by Pallas' Triton backend on GPU and tested on CPU
 in Pallas' interpret mode against the float64 NumPy reference the C++ kernel is tested with.
 
-Work is cut into *tiles* of up to TQ queries of one row's span (a decode row is one tile of
-one query). The grid is (tile, kv head): a program reads the K/V blocks its tile needs, once
-for its TQ queries and the G = H / Hkv query heads of its kv head, with an online softmax
-over blocks, from the block of its first query's window start (block 0 without a window) to
-the block of its last query (a decode row reads its own kv_len positions, or its window).
-The tiles are laid out by a few small XLA ops around the kernel: a static count bounds them
-(each row gives ceil(q_len / TQ) tiles, so R + ceil(T / TQ) suffice), the step's queries are
-gathered into [tiles, Hkv, M, D] (M = TQ * G rounded up to a power of two, as Triton's blocks
-must be) beside each query vector's keys [tiles, 2, M] (`ragged_attention.key_ranges`: its
-window, causal end and out-of-range cut, applied as a mask per query vector), and the tiles'
-outputs are put back in token order. Every load and store in the kernel is then a whole
-block, without masks. A block inside a tile's range whose table entry is out of range (only
-possible with a window, between one query's keys and a later query's window start) is read
-at a clamped index, its keys masked for every query and its values zeroed.
+Work is cut into *tiles* of up to TQ queries of one row's span (a decode row is one tile of one
+query); TQ and Triton's warps and stages are a `Tiles`, looked up per GPU kind in
+`TILES_BY_DEVICE` (measured by `scripts/bench_pallas_tiles.py`; 16 queries and Triton's
+defaults where the kind has no entry). The grid is (tile, kv head): a program reads the K/V
+blocks its tile needs, once for its TQ queries and the G = H / Hkv query heads of its kv head,
+with an online softmax over blocks, from the block of its first query's window start (block 0
+without a window) to the block of its last query (a decode row reads its own kv_len positions,
+or its window). The tiles are laid out by a few small XLA ops around the kernel: a static count
+bounds them (each row gives ceil(q_len / TQ) tiles, so R + ceil(T / TQ) suffice), the step's
+queries are gathered into [tiles, Hkv, M, D] (M = TQ * G rounded up to a power of two and to at
+least 16, as Triton's blocks must be) beside each query vector's keys [tiles, 2, M]
+(`ragged_attention.key_ranges`: its window, causal end and out-of-range cut, applied as a mask
+per query vector), and the tiles' outputs are put back in token order. Every load and store in
+the kernel is then a whole block, without masks. A block inside a tile's range whose table
+entry is out of range (only possible with a window, between one query's keys and a later
+query's window start) is read at a clamped index, its keys masked for every query and its
+values zeroed.
 
 Numerics follow the XLA path (`decoder.decode_attention`): q cast to the cache dtype, scores
 (times the scale, soft-capped if asked) and the softmax in f32, probabilities cast to the
@@ -29,26 +32,58 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
 from jaxpipe.kernels.ragged_attention import _as_pool, _check_shapes, key_ranges
 
-TQ = 16  # queries per tile
+
+@dataclass(frozen=True)
+class Tiles:
+    """How the kernel cuts its work: `tq` queries of one span per tile (a decode row is one
+    tile, padded to `tq` queries), and Triton's `num_warps` / `num_stages` for the program
+    (None: Triton's defaults). `scripts/bench_pallas_tiles.py` measures them on a GPU."""
+
+    tq: int = 16
+    num_warps: int | None = None
+    num_stages: int | None = None
+
+    def __post_init__(self):
+        if self.tq < 1 or self.tq & (self.tq - 1):
+            raise ValueError(f"Tiles.tq must be a power of two >= 1, got {self.tq}")
+        for name in ("num_warps", "num_stages"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"Tiles.{name} must be None or >= 1, got {value}")
+
+
+DEFAULT_TILES = Tiles()
+# The measured best tiles per GPU kind (jax's device_kind), from scripts/bench_pallas_tiles.py;
+# a kind not listed gets DEFAULT_TILES. Empty until a GPU run fills it (issue 46).
+TILES_BY_DEVICE: dict[str, Tiles] = {}
+MIN_ROWS = 16  # Triton's dot needs at least 16 rows: a tile's query vectors are padded to it
+
+
+def tiles_for(device_kind: str) -> Tiles:
+    """The tiles for a device kind: the measured table's entry, else the default."""
+    return TILES_BY_DEVICE.get(device_kind, DEFAULT_TILES)
 
 
 def pallas_attention(q, k, v, table, q_start, q_len, kv_len, layer=0, *, window=0,
                      softcap: float = 0.0, scale: float | None = None,
-                     interpret: bool = False) -> jax.Array:
+                     interpret: bool = False, tiles: Tiles | None = None) -> jax.Array:
     """Causal attention of each row's span of query tokens over its paged keys and values;
     arguments and result as `ragged_attention.ragged_attention` (q [T, H, D]; k, v
     [L, NB, Hkv, BS, D] or [NB, Hkv, BS, D], f32, bf16 or bf16 bits as u16; table [R, MB];
     q_start, q_len, kv_len [R]; layer an int or traced i32; window an int or traced i32
     (<= 0: none), softcap (<= 0: none), scale (None: 1 / sqrt(D))). Blocks wholly before a
     tile's earliest window start are never read. `interpret`: run the kernel in Pallas'
-    interpreter (any backend; for tests)."""
+    interpreter (any backend; for tests). `tiles`: how the work is cut (None: `tiles_for`
+    the first device's kind)."""
     k, v = _as_pool(k), _as_pool(v)
     _check_shapes(q, k, v, table, q_start, q_len, kv_len)
     num_tokens, heads, d = q.shape
@@ -56,8 +91,9 @@ def pallas_attention(q, k, v, table, q_start, q_len, kv_len, layer=0, *, window=
     if 0 in table.shape or num_tokens == 0:
         return jnp.zeros(q.shape, jnp.float32)
     g = heads // kv_heads
-    tiles = _tiles(table, q_start, q_len, kv_len, num_tokens, num_blocks, block, window)
-    q_tiles = _gather_queries(q.astype(jnp.float32), tiles, kv_heads)
+    cut = tiles or tiles_for(jax.devices()[0].device_kind)
+    tiles = _tiles(table, q_start, q_len, kv_len, num_tokens, num_blocks, block, window, cut.tq)
+    q_tiles = _gather_queries(q.astype(jnp.float32), tiles, kv_heads, cut.tq)
     n, m = q_tiles.shape[0], q_tiles.shape[2]
     bounds = _vector_bounds(tiles, g, m)
     layer = jnp.clip(jnp.asarray(layer, jnp.int32), 0, num_layers - 1).reshape(1)
@@ -74,33 +110,41 @@ def pallas_attention(q, k, v, table, q_start, q_len, kv_len, layer=0, *, window=
         out_specs=pl.BlockSpec((1, 1, m, d), lambda i, h: (i, h, 0, 0)),
         out_shape=jax.ShapeDtypeStruct((n, kv_heads, m, d), jnp.float32),
         interpret=interpret,
+        compiler_params=None if interpret else _triton_params(cut),
     )(tiles["meta"], layer, jnp.asarray(table, jnp.int32), q_tiles, bounds, k, v)
-    return _scatter_outputs(out, tiles, num_tokens, heads, g)
+    return _scatter_outputs(out, tiles, num_tokens, heads, g, cut.tq)
+
+
+def _triton_params(cut: Tiles):
+    """Triton's compiler parameters for `cut` (None where it sets none)."""
+    if cut.num_warps is None and cut.num_stages is None:
+        return None
+    return plgpu.CompilerParams(num_warps=cut.num_warps, num_stages=cut.num_stages)
 
 
 def _tiles(table, q_start, q_len, kv_len, num_tokens: int, num_blocks: int, block: int,
-           window=0):
+           window, tq: int):
     """Each tile's row and the blocks it reads, first .. end - 1 ("meta" [n, 3]), its first
     token ("token0" [n]), query count ("count" [n]) and each query's keys lo .. hi - 1 ("lo",
-    "hi" [n, TQ]; 0, 0 past count), for a static n = R + ceil(T / TQ) tiles (unused ones: 0
-    queries). Spans are clamped as the contract says."""
+    "hi" [n, TQ]; 0, 0 past count), for a static n = R + ceil(T / TQ) tiles of TQ = `tq`
+    queries (unused ones: 0 queries). Spans are clamped as the contract says."""
     rows = table.shape[0]
     cap = table.shape[1] * block
     kv = jnp.clip(jnp.asarray(kv_len, jnp.int32), 0, cap)
     ql = jnp.clip(jnp.asarray(q_len, jnp.int32), 0, kv)
-    per_row = -(-ql // TQ)
+    per_row = -(-ql // tq)
     ends = jnp.cumsum(per_row)  # [R] one past each row's last tile
-    n = rows + -(-num_tokens // TQ)
+    n = rows + -(-num_tokens // tq)
     tile = jnp.arange(n, dtype=jnp.int32)
     row = jnp.clip(jnp.searchsorted(ends, tile, side="right"), 0, rows - 1).astype(jnp.int32)
-    offset = (tile - (ends[row] - per_row[row])) * TQ  # the tile's first query in its span
-    count = jnp.where(tile < ends[-1], jnp.minimum(TQ, ql[row] - offset), 0)
+    offset = (tile - (ends[row] - per_row[row])) * tq  # the tile's first query in its span
+    count = jnp.where(tile < ends[-1], jnp.minimum(tq, ql[row] - offset), 0)
     pos0 = kv[row] - ql[row] + offset
-    query = jnp.arange(TQ, dtype=jnp.int32)[None, :]
+    query = jnp.arange(tq, dtype=jnp.int32)[None, :]
     rows = jnp.where(query < count[:, None], row[:, None], -1)  # [n, TQ]
     lo, hi = key_ranges(table, rows.reshape(-1), (pos0[:, None] + query).reshape(-1),
                         num_blocks, block, window)
-    lo, hi = lo.reshape(n, TQ), hi.reshape(n, TQ)
+    lo, hi = lo.reshape(n, tq), hi.reshape(n, tq)
     # lo and hi grow with the position: the first query starts the reads, the last ends them.
     first = lo[:, 0] // block
     end = jnp.where(count > 0, (hi.max(axis=1) + block - 1) // block, 0)
@@ -117,32 +161,33 @@ def _vector_bounds(tiles, g: int, m: int):
     return jnp.pad(bounds, ((0, 0), (0, 0), (0, m - bounds.shape[2])))
 
 
-def _token_index(tiles, num_tokens: int):
+def _token_index(tiles, num_tokens: int, tq: int):
     """[n, TQ] token of each tile query, and whether it is one (in the tile and in [0, T))."""
-    idx = tiles["token0"][:, None] + jnp.arange(TQ, dtype=jnp.int32)[None, :]
-    ok = (jnp.arange(TQ)[None, :] < tiles["count"][:, None]) & (idx >= 0) & (idx < num_tokens)
+    idx = tiles["token0"][:, None] + jnp.arange(tq, dtype=jnp.int32)[None, :]
+    ok = (jnp.arange(tq)[None, :] < tiles["count"][:, None]) & (idx >= 0) & (idx < num_tokens)
     return jnp.clip(idx, 0, num_tokens - 1), ok
 
 
-def _gather_queries(q, tiles, kv_heads: int):
+def _gather_queries(q, tiles, kv_heads: int, tq: int):
     """q [T, H, D] -> [n, Hkv, M, D]: tile i, kv head h, row j * G + gi = query j's head
-    h * G + gi; rows past TQ * G (padding to M) and queries not in the tile are zeros."""
+    h * G + gi; rows past TQ * G (padding to M: a power of two, at least MIN_ROWS) and queries
+    not in the tile are zeros."""
     num_tokens, heads, d = q.shape
     g = heads // kv_heads
-    idx, ok = _token_index(tiles, num_tokens)
+    idx, ok = _token_index(tiles, num_tokens, tq)
     x = jnp.where(ok[:, :, None, None], q[idx], 0.0)  # [n, TQ, H, D]
-    x = x.reshape(-1, TQ, kv_heads, g, d).transpose(0, 2, 1, 3, 4).reshape(-1, kv_heads,
-                                                                            TQ * g, d)
-    m = pl.next_power_of_2(TQ * g)
-    return jnp.pad(x, ((0, 0), (0, 0), (0, m - TQ * g), (0, 0)))
+    x = x.reshape(-1, tq, kv_heads, g, d).transpose(0, 2, 1, 3, 4).reshape(-1, kv_heads,
+                                                                            tq * g, d)
+    m = max(MIN_ROWS, pl.next_power_of_2(tq * g))
+    return jnp.pad(x, ((0, 0), (0, 0), (0, m - tq * g), (0, 0)))
 
 
-def _scatter_outputs(out, tiles, num_tokens: int, heads: int, g: int):
+def _scatter_outputs(out, tiles, num_tokens: int, heads: int, g: int, tq: int):
     """The kernel's [n, Hkv, M, D] back to [T, H, D] in token order (zeros: no span)."""
     n, kv_heads, _, d = out.shape
-    x = out[:, :, :TQ * g].reshape(n, kv_heads, TQ, g, d).transpose(0, 2, 1, 3, 4)
-    x = x.reshape(n * TQ, heads, d)
-    idx, ok = _token_index(tiles, num_tokens)
+    x = out[:, :, :tq * g].reshape(n, kv_heads, tq, g, d).transpose(0, 2, 1, 3, 4)
+    x = x.reshape(n * tq, heads, d)
+    idx, ok = _token_index(tiles, num_tokens, tq)
     target = jnp.where(ok, idx, num_tokens).reshape(-1)  # num_tokens: dropped
     return jnp.zeros((num_tokens, heads, d), jnp.float32).at[target].set(x, mode="drop")
 

@@ -79,3 +79,24 @@ def test_scan_over_layers_reads_the_stacked_pool():
     got = np.asarray(all_layers(k, v))
     for i in range(3):
         np.testing.assert_allclose(got[i], xla(q, k, v, spans[0], layer=i), atol=1e-2)
+
+
+@pytest.mark.parametrize("tiles", [pa.Tiles(tq=1), pa.Tiles(tq=4), pa.Tiles(tq=32, num_warps=8)])
+def test_every_tile_size_gives_the_reference(tiles):
+    """The tile cut (queries per tile; Triton's warps and stages, unused when interpreted) is a
+    performance choice only: spans shorter and longer than a tile, over the float64 reference."""
+    q, k, v = inputs(jnp.float32, seed=3)
+    table = shuffled_table(seed=3)
+    got = jax.jit(lambda *a: pa.pallas_attention(*a, interpret=True, tiles=tiles))(
+        q, k, v, *i32(table, Q_START, Q_LEN, KV_LEN))
+    close(np.asarray(got), want(q, k, v, table))
+
+
+@pytest.mark.parametrize("bad", [dict(tq=3), dict(tq=0), dict(num_warps=0), dict(num_stages=-1)])
+def test_tiles_refuse_what_the_kernel_cannot_cut(bad):
+    with pytest.raises(ValueError, match="Tiles"):
+        pa.Tiles(**bad)
+
+
+def test_a_device_kind_without_measured_tiles_gets_the_default():
+    assert pa.tiles_for("an unknown accelerator") == pa.DEFAULT_TILES
