@@ -275,6 +275,8 @@ class Runner:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.config, self.buckets = cfg, buckets
+        # f32 means f32 on every backend: GPUs multiply f32 in TF32 unless told otherwise.
+        self.precision = "highest" if jnp.dtype(dtype) == jnp.float32 else None
         if devices[0].platform == "cpu":
             memory.keep_freed_memory()
         kv_dtype = storage_dtype(dtype, devices[0].platform)
@@ -484,7 +486,12 @@ class Runner:
         return self._programs[key]
 
     def _once(self, key: tuple, fn, *args, **kwargs):
-        """Call a compiled piece; the first call of each shape is timed as its compilation."""
+        """Call a compiled piece at the runner's matmul precision (part of jit's cache key, so
+        every call sets it); the first call of each shape is timed as its compilation."""
+        with jax.default_matmul_precision(self.precision):
+            return self._timed_first(key, fn, *args, **kwargs)
+
+    def _timed_first(self, key: tuple, fn, *args, **kwargs):
         if key in self.compiled:
             return fn(*args, **kwargs)
         start = time.perf_counter()
