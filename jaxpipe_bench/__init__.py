@@ -78,6 +78,7 @@ class BenchConfig:
     sampler: jaxpipe's sampler (EngineConfig.sampler): the device program or NumPy on host
         threads.
     mesh: jaxpipe's mesh preset, e.g. cpu-8 (EngineConfig.mesh).
+    attention: jaxpipe's attention path (EngineConfig.attention; None: its default, "auto").
     prefix_caching: EngineConfig.prefix_caching (None: the engine's default, on); OpenVINO
         runs with its enable_prefix_caching set the same, so both engines cache or neither.
     shared_prefix: N:LEN or N:LO-HI, e.g. 5:500-1100: N shared prefixes (system prompts) of
@@ -113,6 +114,7 @@ class BenchConfig:
     overlap: bool = True
     sampler: Literal["device", "host"] = "device"
     mesh: str = "cpu-1"
+    attention: Literal["auto", "kernel", "pallas", "pallas-interpret", "xla"] | None = None
     prefix_caching: bool | None = None
     shared_prefix: str | None = None
     layout: str | None = None
@@ -294,6 +296,8 @@ def _engine_kwargs(cfg: BenchConfig, workload: Sequence[Request]) -> dict[str, A
         kwargs["sampler"] = cfg.sampler
     if cfg.mesh != "cpu-1":
         kwargs["mesh"] = cfg.mesh
+    if cfg.attention is not None:
+        kwargs["attention"] = cfg.attention
     if cfg.layout is not None:
         kwargs["prefill"] = kwargs["decode"] = cfg.layout
     if cfg.prefix_caching is not None:

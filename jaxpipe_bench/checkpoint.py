@@ -134,13 +134,14 @@ def write_safetensors(path: Path, shapes: dict[str, tuple[int, ...]], seed: int)
             out.write(bf16_bits(values).tobytes())
 
 
-def write_checkpoint(out: Path, arch: dict, seed: int, tokenizer_gguf: Path) -> Path:
-    """config.json, model.safetensors and the tokenizer (from `tokenizer_gguf`, through
-    transformers) in `out`; returns `out`."""
+def write_checkpoint(out: Path, arch: dict, seed: int, tokenizer_from: Path) -> Path:
+    """config.json, model.safetensors and the tokenizer (from `tokenizer_from`, a GGUF file or
+    a directory of HF tokenizer files, through transformers) in `out`; returns `out`."""
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_gguf.parent),
-                                              gguf_file=tokenizer_gguf.name)
+    tokenizer = (AutoTokenizer.from_pretrained(str(tokenizer_from)) if tokenizer_from.is_dir()
+                 else AutoTokenizer.from_pretrained(str(tokenizer_from.parent),
+                                                    gguf_file=tokenizer_from.name))
     out.mkdir(parents=True, exist_ok=True)
     tokenizer.save_pretrained(out)
     vocab = len(tokenizer)

@@ -6,9 +6,11 @@
               figure, not a pass/fail)
   throughput  the default benchmark workload through `Engine.generate` against HF's static
               batches at its best batch size, on the same device
-  roofline    one decode step (batch x context) against the time the device's memory bandwidth
-              needs to read the weights and the KV it attends over; the bandwidth is measured
-              (a device-to-device copy) and, for known GPUs, also taken from the spec sheet
+  roofline    one decode step (batch x context, at each batch asked) against the time the
+              device's memory bandwidth needs to read the weights and the KV it attends over;
+              the bandwidth is measured (a device-to-device copy) and, for known GPUs, also
+              taken from the spec sheet; beside it the engine's memory budget (what it sized
+              from `memory_stats`) and its attention path
 
 It runs with what a GPU machine with jax, torch and transformers already has, plus the
 pure-Python wheel `gguf` and the default model's GGUF (`--model path/to.gguf`; the
@@ -22,6 +24,7 @@ import statistics
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Literal
 
 from jaxpipe.config_checks import check_counts
 
@@ -41,27 +44,41 @@ class CheckConfig:
     model: model preset, or a .gguf file (both engines load it)
     max_tokens: greedy tokens per prompt in the parity check
     num_prompts: requests in the throughput workload (the default benchmark's)
+    input_len, output_len: fix the throughput workload's prompt and output lengths (None:
+        ShareGPT-like, as the default benchmark's)
     hf_batch_sizes: HF transformers' static batch sizes to sweep (its best is compared)
-    decode_batch: sequences in the roofline's decode step
+    hf_max_seconds: stop each HF batch size after about this many seconds (None: the whole
+        workload)
+    decode_batches: sequences in the roofline's decode step, one step per value
     decode_context: tokens of context each of them has
     repeats: timed decode steps (their median is taken)
+    attention: jaxpipe's attention path (EngineConfig.attention): "auto" is the Pallas kernel
+        on a GPU; "xla" the reference path
+    skip_parity: leave out the parity check (a random-weight model has no trained tokens to
+        agree on)
     skip_throughput: leave out the throughput comparison
     """
 
     model: str = "smollm2-135m"
     max_tokens: int = 32
     num_prompts: int = 256
+    input_len: int | None = None
+    output_len: int | None = None
     hf_batch_sizes: tuple[int, ...] = (32, 64, 128, 256)
-    decode_batch: int = 64
+    hf_max_seconds: float | None = None
+    decode_batches: tuple[int, ...] = (64,)
     decode_context: int = 1024
     repeats: int = 10
+    attention: Literal["auto", "pallas", "xla"] = "auto"
+    skip_parity: bool = False
     skip_throughput: bool = False
 
     def __post_init__(self):
-        check_counts(self, "max_tokens", "num_prompts", "decode_batch", "decode_context", "repeats")
-        if not self.hf_batch_sizes or min(self.hf_batch_sizes) < 1:
-            raise ValueError(f"CheckConfig.hf_batch_sizes must be one or more integers >= 1, "
-                             f"got {self.hf_batch_sizes!r}")
+        check_counts(self, "max_tokens", "num_prompts", "decode_context", "repeats")
+        for name in ("hf_batch_sizes", "decode_batches"):
+            if not getattr(self, name) or min(getattr(self, name)) < 1:
+                raise ValueError(f"CheckConfig.{name} must be one or more integers >= 1, "
+                                 f"got {getattr(self, name)!r}")
 
 
 def gguf_path(model: str) -> Path:
@@ -69,6 +86,15 @@ def gguf_path(model: str) -> Path:
     from jaxpipe_bench.workload import default_gguf_path
 
     return Path(model) if model.endswith(".gguf") else default_gguf_path()
+
+
+def hf_source(model: str) -> tuple[str, str | None]:
+    """(directory, GGUF file name or None) HF transformers loads for `model`: an HF checkpoint
+    directory as it is, else the GGUF both engines read."""
+    if Path(model).is_dir():
+        return model, None
+    gguf = gguf_path(model)
+    return str(gguf.parent), gguf.name
 
 
 def torch_device() -> str:
@@ -92,13 +118,14 @@ def mesh_name() -> str:
     return "gpu-1" if jax.devices()[0].platform == "gpu" else "cpu-1"
 
 
-def jaxpipe_greedy(dtype: str, prompts: list[list[int]], max_tokens: int, model: str):
+def jaxpipe_greedy(dtype: str, prompts: list[list[int]], cfg: CheckConfig):
     from jaxpipe import Engine, EngineConfig, SamplingParams
 
-    with Engine(EngineConfig(model=model, dtype=dtype, max_model_len=512, mesh=mesh_name(),
-                             max_num_seqs=len(prompts), show_progress=False)) as engine:
+    with Engine(EngineConfig(model=cfg.model, dtype=dtype, max_model_len=512, mesh=mesh_name(),
+                             max_num_seqs=len(prompts), show_progress=False,
+                             attention=cfg.attention)) as engine:
         outs = engine.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(
-            temperature=0.0, max_tokens=max_tokens))
+            temperature=0.0, max_tokens=cfg.max_tokens))
         eos = set(engine.model_config.eos_token_ids)
         return [until_eos(o.outputs[0].token_ids, eos) for o in outs]
 
@@ -121,6 +148,8 @@ def hf_greedy(dtype: str, prompts: list[list[int]], max_tokens: int, device: str
 
     from jaxpipe_peers.hf import load_hf_model
 
+    torch.backends.cuda.matmul.allow_tf32 = False  # f32 means f32 on this side too
+    torch.backends.cudnn.allow_tf32 = False
     model, pad_id = load_hf_model(str(gguf.parent), gguf.name, dtype, device)
     out = []
     with torch.inference_mode():
@@ -155,7 +184,7 @@ def parity(cfg: CheckConfig, device: str, log=print) -> dict:
     prompts = chat_ids(tokenizer)
     out = {}
     for dtype in ("float32", "bfloat16"):
-        ours = jaxpipe_greedy(dtype, prompts, cfg.max_tokens, cfg.model)
+        ours = jaxpipe_greedy(dtype, prompts, cfg)
         theirs = hf_greedy(dtype, prompts, cfg.max_tokens, device, eos, gguf_path(cfg.model))
         out[dtype] = agreement(ours, theirs)
         log(f"[parity] {dtype}: {out[dtype]}")
@@ -164,17 +193,17 @@ def parity(cfg: CheckConfig, device: str, log=print) -> dict:
 
 def throughput(cfg: CheckConfig, device: str, log=print) -> dict:
     from jaxpipe_bench import BenchConfig, run_jaxpipe
-    from jaxpipe_bench.workload import gguf_vocab, make_workload
+    from jaxpipe_bench.workload import make_workload, peer_vocab
     from jaxpipe_peers.hf import sweep_hf
 
-    gguf = gguf_path(cfg.model)
-    vocab, special = gguf_vocab(gguf)
-    workload = make_workload(cfg.num_prompts, 0, vocab, None, None, special)
+    hf_dir, hf_file = hf_source(cfg.model)
+    vocab, special = peer_vocab(Path(hf_dir) / hf_file if hf_file else hf_dir)
+    workload = make_workload(cfg.num_prompts, 0, vocab, cfg.input_len, cfg.output_len, special)
     bench = BenchConfig(num_prompts=cfg.num_prompts, dtype="bfloat16", mesh=mesh_name(),
-                        model=cfg.model)
+                        model=cfg.model, attention=cfg.attention)
     ours, _ = run_jaxpipe(bench, workload, log)
-    hf = sweep_hf(workload, cfg.hf_batch_sizes, "bfloat16", str(gguf.parent), gguf.name,
-                  log=log, device=device)
+    hf = sweep_hf(workload, cfg.hf_batch_sizes, "bfloat16", hf_dir, hf_file,
+                  max_seconds=cfg.hf_max_seconds, log=log, device=device)
     best = hf["best"]
     return {"jaxpipe_output_tok_s": ours["output_tok_s"], "hf_output_tok_s": best["output_tok_s"],
             "hf_batch_size": best["batch_size"],
@@ -208,44 +237,64 @@ def decode_bytes(model_cfg, weight_bytes: int, batch: int, context: int, kv_item
 
 
 def roofline(cfg: CheckConfig, log=print) -> dict:
+    """One engine sized for the largest batch; a decode step at each of `decode_batches`
+    against the bytes it must read, over the device's measured (and spec) bandwidth."""
     import jax
 
     from jaxpipe import Engine, EngineConfig
-    from jaxpipe.synthetic_step import step_call
 
     engine = Engine(EngineConfig(model=cfg.model, dtype="bfloat16", warmup=False, mesh=mesh_name(),
                                  max_model_len=cfg.decode_context + 16,
-                                 max_num_seqs=cfg.decode_batch, show_progress=False))
+                                 max_num_seqs=max(cfg.decode_batches), show_progress=False,
+                                 attention=cfg.attention))
     runner = engine.runner
-    step = step_call(runner, cfg.decode_batch, 1, start=cfg.decode_context - 1)
-    step()  # compile
-    times = []
-    for _ in range(cfg.repeats):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    seconds = statistics.median(times)
     weights = sum(x.nbytes for x in jax.tree.leaves(runner.params))
     kv_item = runner.cache.k.dtype.itemsize
-    nbytes = decode_bytes(engine.model_config, weights, cfg.decode_batch, cfg.decode_context,
-                          kv_item)
+    steps = {b: decode_seconds(runner, b, cfg.decode_context, cfg.repeats)
+             for b in cfg.decode_batches}
+    out = {"device_kind": jax.devices()[0].device_kind, "attention": runner.attention,
+           "context": cfg.decode_context, "weight_bytes": weights,
+           "budget": {k: v for k, v in vars(engine.budget).items()}, "steps": []}
+    model_cfg = engine.model_config
     engine.close()
     measured = measured_bandwidth()
-    kind = jax.devices()[0].device_kind
+    kind = out["device_kind"]
     spec = next((v for k, v in SPEC_BANDWIDTH.items() if kind.startswith(k)), None)
-    out = {"device_kind": kind, "batch": cfg.decode_batch, "context": cfg.decode_context,
-           "attention": runner.attention, "step_ms": seconds * 1e3, "bytes": nbytes,
-           "measured_bandwidth_gbs": measured / 1e9,
-           "roofline_ms_measured": nbytes / measured * 1e3,
-           "fraction_of_measured": nbytes / measured / seconds}
+    out["measured_bandwidth_gbs"] = measured / 1e9
     if spec:
-        out.update(spec_bandwidth_gbs=spec / 1e9, roofline_ms_spec=nbytes / spec * 1e3,
-                   fraction_of_spec=nbytes / spec / seconds)
-    log(f"[roofline] {out}")
+        out["spec_bandwidth_gbs"] = spec / 1e9
+    for batch, seconds in steps.items():
+        nbytes = decode_bytes(model_cfg, weights, batch, cfg.decode_context, kv_item)
+        step = {"batch": batch, "step_ms": seconds * 1e3, "bytes": nbytes,
+                "roofline_ms_measured": nbytes / measured * 1e3,
+                "fraction_of_measured": nbytes / measured / seconds,
+                "tok_s": batch / seconds}
+        if spec:
+            step.update(roofline_ms_spec=nbytes / spec * 1e3, fraction_of_spec=nbytes / spec
+                        / seconds)
+        out["steps"].append(step)
+        log(f"[roofline] {step}")
     return out
 
 
-def run(cfg: CheckConfig, log=print) -> dict:
+def decode_seconds(runner, batch: int, context: int, repeats: int) -> float:
+    """Median seconds of the runner's decode step of `batch` rows at position `context` - 1
+    (compiled first)."""
+    from jaxpipe.synthetic_step import step_call
+
+    step = step_call(runner, batch, 1, start=context - 1)
+    step()  # compile
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def run(cfg: CheckConfig, log=print, save=lambda record: None) -> dict:
+    """Every part the config asks for, in turn; `save(record)` after each, so a run cut short
+    keeps the parts it finished."""
     import jax
 
     device = torch_device()
@@ -253,16 +302,19 @@ def run(cfg: CheckConfig, log=print) -> dict:
         f"({jax.devices()[0].platform}); torch on {device}")
     record = {"config": asdict(cfg), "jax": jax.__version__,
               "device": jax.devices()[0].device_kind, "torch_device": device}
-    record["parity"] = parity(cfg, device, log)
-    if not cfg.skip_throughput:
-        record["throughput"] = throughput(cfg, device, log)
-    record["roofline"] = roofline(cfg, log)
+    parts = {"parity": None if cfg.skip_parity else lambda: parity(cfg, device, log),
+             "throughput": None if cfg.skip_throughput else lambda: throughput(cfg, device, log),
+             "roofline": lambda: roofline(cfg, log)}
+    for name, part in parts.items():
+        if part is not None:
+            record[name] = part()
+            save(record)
     return record
 
 
 def format_table(record: dict) -> str:
     rows = [("device", record["device"]), ("jax", record["jax"])]
-    for dtype, p in record["parity"].items():
+    for dtype, p in record.get("parity", {}).items():
         rows.append((f"parity {dtype}", f"{p['identical']}/{p['of']} identical, "
                      f"{p['token_agreement']:.1%} of tokens agree"))
     if "throughput" in record:
@@ -270,12 +322,21 @@ def format_table(record: dict) -> str:
         rows.append(("throughput (output tok/s)",
                      f"jaxpipe {t['jaxpipe_output_tok_s']:.0f} vs HF {t['hf_output_tok_s']:.0f} "
                      f"(batch {t['hf_batch_size']}): {t['ratio']:.2f}x"))
-    r = record["roofline"]
-    line = (f"{r['step_ms']:.2f} ms for {r['bytes'] / 2**20:.0f} MiB (batch {r['batch']} x "
-            f"{r['context']}, {r['attention']}): {r['fraction_of_measured']:.0%} of the measured "
-            f"{r['measured_bandwidth_gbs']:.0f} GB/s")
-    if "fraction_of_spec" in r:
-        line += f", {r['fraction_of_spec']:.0%} of the spec {r['spec_bandwidth_gbs']:.0f} GB/s"
-    rows.append(("decode step vs roofline", line))
+    for name, line in roofline_lines(record.get("roofline")):
+        rows.append((name, line))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def roofline_lines(r: dict | None) -> list[tuple[str, str]]:
+    if not r:
+        return []
+    out = []
+    for s in r["steps"]:
+        line = (f"{s['step_ms']:.2f} ms for {s['bytes'] / 2**20:.0f} MiB ({r['attention']}): "
+                f"{s['fraction_of_measured']:.0%} of the measured "
+                f"{r['measured_bandwidth_gbs']:.0f} GB/s")
+        if "fraction_of_spec" in s:
+            line += f", {s['fraction_of_spec']:.0%} of the spec {r['spec_bandwidth_gbs']:.0f} GB/s"
+        out.append((f"decode {s['batch']}x{r['context']} vs roofline", line))
+    return out

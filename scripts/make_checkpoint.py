@@ -34,11 +34,19 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--family", choices=sorted(FAMILIES), default="llama",
                    help="the architecture's family and shape (default: llama)")
+    p.add_argument("--tokenizer", type=Path, default=None,
+                   help="a GGUF file or a directory of HF tokenizer files to take the "
+                        "tokenizer from (default: the bundled SmolLM2 GGUF)")
+    p.add_argument("--num-layers", type=int, default=None,
+                   help="fewer (or more) layers than the family's shape (a quick smoke run)")
     args = p.parse_args()
     start = time.perf_counter()
-    gguf = default_gguf_path()
     arch = FAMILIES[args.family]
-    out = write_checkpoint(args.out, arch, args.seed, gguf)
+    if args.num_layers is not None:
+        if args.num_layers < 1:
+            p.error(f"--num-layers must be >= 1, got {args.num_layers}")
+        arch = {**arch, "num_layers": args.num_layers}
+    out = write_checkpoint(args.out, arch, args.seed, args.tokenizer or default_gguf_path())
     vocab = json.loads((out / "config.json").read_text())["vocab_size"]
     params = sum(math.prod(shape) for shape in tensor_shapes(arch, vocab).values())
     print(f"wrote {out}: {params / 1e9:.2f}B parameters in "

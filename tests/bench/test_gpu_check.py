@@ -20,3 +20,15 @@ def test_decode_bytes_are_the_weights_and_each_rows_kv():
     per_token = 2 * 30 * 3 * 64 * 2  # K and V, every layer and kv head, bf16
     assert decode_bytes(cfg, 270_000_000, batch=64, context=1024, kv_itemsize=2) == (
         270_000_000 + 64 * 1024 * per_token)
+
+
+def test_the_table_has_a_roofline_line_per_batch_and_no_parity_when_skipped():
+    from jaxpipe_bench.gpu_check import format_table
+
+    steps = [{"batch": b, "step_ms": 1.0, "bytes": 2**30, "fraction_of_measured": 0.5}
+             for b in (1, 64)]
+    record = {"device": "X", "jax": "0", "roofline": {"attention": "pallas", "context": 1024,
+                                                      "measured_bandwidth_gbs": 100.0,
+                                                      "steps": steps}}
+    text = format_table(record)
+    assert "decode 1x1024" in text and "decode 64x1024" in text and "parity" not in text
