@@ -1,20 +1,25 @@
 """Command-line flags derived from a config dataclass: the one way every jaxpipe command line
-(`python -m jaxpipe.serve`, `python -m jaxpipe.batch`, the benchmark scripts) gets its flags.
+(`python -m jaxpipe.serve`, `python -m jaxpipe.batch`, the scripts) gets its flags.
 
 Each field becomes one flag: `max_num_seqs` -> `--max-num-seqs`; a bool field -> `--overlap` /
 `--no-overlap`; a `Literal[...]` field takes one of its values; a `tuple[int, ...]` field takes
-one or more values, spaced or comma-separated (`--stages 1 2 4`, `--hf-batch-sizes 8,16`);
-`X | None` takes an X. Fields of other types (dicts, tuples of tuples) get no flag and keep
-their defaults. The help is the field's entry in the class docstring ("    name, other: text",
-continued on lines indented deeper), so the docstring a reader of the class sees is the help a
-user of the command sees, and the default is the dataclass's. Two keys of a field's metadata
-shape its flag: `"flags"`, names that replace `--field-name` (the first is the one help shows;
-`field(default=..., metadata={"flags": ("--json",)})` for `json_path`), and `"none_flag"`, an
-extra flag that sets the field to None (ServerConfig.port's `--no-grpc`). Plain dict keys, so a
-config module (the benchmarks') can use them without importing jaxpipe.
+one or more values, spaced or comma-separated (`--stages 1 2 4`, `--hf-batch-sizes 8,16`), and
+a `tuple[Literal[...], ...]` one or more of the literal's values; `X | None` takes an X. Fields
+of other types (dicts, tuples of tuples) get no flag and keep their defaults. The help is the
+field's entry in the class docstring ("    name, other: text", continued on lines indented
+deeper), so the docstring a reader of the class sees is the help a user of the command sees,
+and the default is the dataclass's. Three keys of a field's metadata shape its flag: `"flags"`,
+names that replace `--field-name` (the first is the one help shows; `field(default=...,
+metadata={"flags": ("--json",)})` for `json_path`); `"none_flag"`, an extra flag that sets the
+field to None (ServerConfig.port's `--no-grpc`); `"positional"`, a positional argument instead
+of a flag (required where the field has no default; a tuple field takes the remaining
+arguments, each verbatim: they may be another command's flags). Plain dict keys, so a config
+module (the benchmarks') can use them without importing jaxpipe.
 
 A flag reaches the config only when given (argparse.SUPPRESS), so the dataclass's own defaults
-and `__post_init__` validation apply; a ValueError from it is the parser's usage error.
+and `__post_init__` validation apply; a ValueError from it is the parser's usage error. A
+command whose default differs from the class's (its own output path) says so in `add_flags`'s
+`defaults`, which its help shows too.
 """
 
 from __future__ import annotations
@@ -48,31 +53,60 @@ def field_docs(cls) -> dict[str, str]:
 
 
 def add_flags(parser: argparse.ArgumentParser, cls, group: str | None = None,
-              skip: typing.Iterable[str] = ()) -> None:
+              skip: typing.Iterable[str] = (),
+              defaults: typing.Mapping[str, typing.Any] | None = None) -> None:
     """Add one flag per field of the dataclass `cls` (less `skip`) to `parser`, in an
-    argument group named `group` (default: the class's name)."""
+    argument group named `group` (default: the class's name). `defaults` (field name ->
+    value) replaces fields' defaults on this command line: in their help, and in the config
+    whether their flags are given or not."""
     target = parser.add_argument_group(group or cls.__name__)
-    docs, hints = field_docs(cls), typing.get_type_hints(cls)
-    for field in flag_fields(cls, skip):
+    docs, hints, fields = field_docs(cls), typing.get_type_hints(cls), flag_fields(cls, skip)
+    defaults = dict(defaults or {})
+    unknown = sorted(set(defaults) - {f.name for f in fields})
+    if unknown:
+        raise TypeError(f"add_flags({cls.__name__}): defaults for no flag: {unknown}")
+    for field in fields:
+        default = defaults.get(field.name, _default(field))
+        kwargs = {"default": defaults.get(field.name, argparse.SUPPRESS),
+                  "help": _help(docs.get(field.name, ""), default),
+                  **_value_kwargs(_kind(hints[field.name]), field)}
+        if field.metadata.get("positional"):
+            target.add_argument(field.name, **kwargs)
+            continue
         names, none = _names(field)
-        kind = _kind(hints[field.name])
-        default = _default(field)
-        kwargs = {"dest": field.name, "default": argparse.SUPPRESS,
-                  "help": _help(docs.get(field.name, ""), default)}
-        if kind is bool:
-            kwargs["action"] = argparse.BooleanOptionalAction
-        elif isinstance(kind, list):
-            kwargs.update(action=_Items, nargs="+", type=_split(kind[0]),
-                          metavar=field.name.upper())
-        elif isinstance(kind, tuple):
-            kwargs.update(choices=kind, type=type(kind[0]))
-        else:
-            kwargs.update(type=kind, metavar=field.name.upper())
-        target.add_argument(*names, **kwargs)
+        target.add_argument(*names, dest=field.name, **kwargs)
         if none:
             target.add_argument(none, dest=field.name, action="store_const", const=None,
                                 default=argparse.SUPPRESS,
                                 help=f"{field.name} None (see {names[0]})")
+
+
+def _value_kwargs(kind, field: dataclasses.Field) -> dict:
+    """add_argument's arguments that take a value of `kind` (see `_kind`) for `field`."""
+    if kind is bool:
+        if field.metadata.get("positional"):
+            raise TypeError(f"{field.name}: a bool field cannot be positional")
+        return {"action": argparse.BooleanOptionalAction}
+    item = kind[0] if isinstance(kind, list) else kind
+    choices = "{" + ",".join(map(str, item)) + "}" if isinstance(item, tuple) else None
+    if field.metadata.get("positional"):  # a value is taken verbatim, choices checked by type
+        metavar = choices or field.name
+        if isinstance(kind, list):  # the rest of the command line
+            return {"action": _Items, "nargs": "*" if _has_default(field) else "+",
+                    "type": _one(item), "metavar": metavar}
+        nargs = {"nargs": "?"} if _has_default(field) else {}
+        return {"type": _first(_one(item)), "metavar": metavar, **nargs}
+    if isinstance(kind, list):
+        return {"action": _Items, "nargs": "+", "type": _split(item),
+                "metavar": choices or field.name.upper()}
+    if isinstance(kind, tuple):
+        return {"choices": kind, "type": type(kind[0])}
+    return {"type": kind, "metavar": field.name.upper()}
+
+
+def _has_default(field: dataclasses.Field) -> bool:
+    return (field.default is not dataclasses.MISSING
+            or field.default_factory is not dataclasses.MISSING)
 
 
 def config_kwargs(cls, args: argparse.Namespace) -> dict:
@@ -106,17 +140,49 @@ class _Items(argparse.Action):
         setattr(namespace, self.dest, tuple(v for group in values for v in group))
 
 
-def _split(item: type):
-    def parse(text: str) -> tuple:
-        return tuple(item(v.strip()) for v in text.split(",") if v.strip())
+def _split(item):
+    """Text -> the tuple of its comma-separated values, each of type `item` or, for a tuple
+    `item` (a Literal's values), one of them."""
+    one = _one(item)
 
-    parse.__name__ = item.__name__  # argparse's "invalid int value" names it
+    def parse(text: str) -> tuple:
+        return tuple(v for part in text.split(",") if part.strip() for v in one(part.strip()))
+
+    parse.__name__ = getattr(item, "__name__", "choice")  # argparse's "invalid int value"
+    return parse
+
+
+def _one(item):
+    """Text -> a 1-tuple of one value of type `item` (or one of the values of a tuple `item`),
+    taken verbatim."""
+
+    def parse(text: str) -> tuple:
+        if not isinstance(item, tuple):
+            return (item(text),)
+        value = type(item[0])(text)
+        if value not in item:
+            raise argparse.ArgumentTypeError(
+                f"invalid choice: {text!r} (choose from {', '.join(map(repr, item))})")
+        return (value,)
+
+    parse.__name__ = getattr(item, "__name__", "choice")
+    return parse
+
+
+def _first(parse_one):
+    """`parse_one`'s value itself, not its 1-tuple; argparse.SUPPRESS passes through (argparse
+    runs an absent optional positional's default, SUPPRESS, through the type)."""
+
+    def parse(text: str):
+        return text if text is argparse.SUPPRESS else parse_one(text)[0]
+
+    parse.__name__ = parse_one.__name__
     return parse
 
 
 def _kind(hint):
     """bool, int, float or str; a tuple of choices (Literal); [item type] for a tuple or
-    list of scalars; None where no flag fits."""
+    list of scalars, [tuple of choices] for one of a Literal; None where no flag fits."""
     members = [t for t in (typing.get_args(hint) if _is_union(hint) else (hint,))
                if t is not _NONE]
     if len(members) != 1:  # `str | Layout`: given as text, parsed by the class
@@ -127,6 +193,8 @@ def _kind(hint):
         return typing.get_args(hint)
     if origin in (tuple, list):
         item = typing.get_args(hint)[0]
+        if typing.get_origin(item) is typing.Literal:
+            return [typing.get_args(item)]
         return [item] if item in (int, float, str) else None
     return hint if hint in (bool, int, float, str) else None
 
@@ -148,7 +216,7 @@ def _default(field: dataclasses.Field):
 
 def _help(doc: str, default) -> str:
     text = doc.replace("%", "%%")
-    if default is None:
+    if default is None or default is dataclasses.MISSING:
         return text
     if isinstance(default, bool):
         shown = "on" if default else "off"

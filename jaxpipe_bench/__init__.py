@@ -21,14 +21,17 @@ from __future__ import annotations
 import gc
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from jaxpipe.config import Attention, Dtype, EngineConfig, Sampler
 from jaxpipe.config_checks import check_choices
 from jaxpipe_bench.matmul import DEFAULT_SHAPES
 from jaxpipe_bench.report import machine_info, render, throughput, write_json
 from jaxpipe_bench.workload import (
+    NUM_PROMPTS,
+    SEED,
     Request,
     default_gguf_path,
     describe_workload,
@@ -54,7 +57,7 @@ def parse_peers(text: str) -> tuple[str, ...]:
     return tuple(n for n in PEER_NAMES if n in names)
 
 
-@dataclass
+@dataclass(frozen=True)
 class BenchConfig:
     """Everything a benchmark run depends on; each entry below is also its flag's help
     (jaxpipe.config_flags).
@@ -100,21 +103,21 @@ class BenchConfig:
     json_path: where the result's JSON is written.
     """
 
-    num_prompts: int = 256
-    seed: int = 0
+    num_prompts: int = NUM_PROMPTS
+    seed: int = SEED
     input_len: int | None = None
     output_len: int | None = None
-    dtype: Literal["bfloat16", "float32"] = "bfloat16"
-    model: str = "smollm2-135m"
+    dtype: Dtype = EngineConfig.dtype
+    model: str = EngineConfig.model
     peer_model: str | None = field(default=None, metadata={"flags": ("--peer-model", "--gguf")})
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
     kv_cache_gb: float | None = None
     max_model_len: int | None = None
-    overlap: bool = True
-    sampler: Literal["device", "host"] = "device"
-    mesh: str = "cpu-1"
-    attention: Literal["auto", "kernel", "pallas", "pallas-interpret", "xla"] | None = None
+    overlap: bool = EngineConfig.overlap
+    sampler: Sampler = EngineConfig.sampler
+    mesh: str = EngineConfig.mesh
+    attention: Attention | None = None
     prefix_caching: bool | None = None
     shared_prefix: str | None = None
     layout: str | None = None
@@ -132,13 +135,17 @@ class BenchConfig:
     json_path: str = field(default="out/bench_throughput.json", metadata={"flags": ("--json",)})
 
     def __post_init__(self) -> None:
-        self.peers = parse_peers(",".join(self.peers))  # checked, in PEER_NAMES order
+        # checked, in PEER_NAMES order
+        object.__setattr__(self, "peers", parse_peers(",".join(self.peers)))
         if self.shared_prefix is not None:
             parse_shared_prefix(self.shared_prefix)
         check_choices(self)
         for name in ("hf_batch_sizes", "ov_batched_tokens"):
             if not getattr(self, name) or min(getattr(self, name)) < 1:
                 raise ValueError(f"{name} must be positive integers, got {getattr(self, name)}")
+        if self.skip_jaxpipe and not self.active_peers:
+            raise ValueError("--skip-jaxpipe with no peers (--peers '' or --skip-hf) measures "
+                             "nothing")
 
     @property
     def active_peers(self) -> tuple[str, ...]:
@@ -151,9 +158,7 @@ class BenchConfig:
         default."""
         if self.prefix_caching is not None:
             return self.prefix_caching
-        from jaxpipe.config import EngineConfig
-
-        return {f.name: f.default for f in fields(EngineConfig)}["prefix_caching"]
+        return EngineConfig.prefix_caching
 
 
 def peer_model_path(cfg: BenchConfig) -> Path:
@@ -290,12 +295,9 @@ def _engine_kwargs(cfg: BenchConfig, workload: Sequence[Request]) -> dict[str, A
         kwargs["max_num_batched_tokens"] = cfg.max_num_batched_tokens
     if cfg.kv_cache_gb:
         kwargs["kv_cache_gb"] = cfg.kv_cache_gb
-    if not cfg.overlap:
-        kwargs["overlap"] = False
-    if cfg.sampler != "device":
-        kwargs["sampler"] = cfg.sampler
-    if cfg.mesh != "cpu-1":
-        kwargs["mesh"] = cfg.mesh
+    for name in ("overlap", "sampler", "mesh"):
+        if getattr(cfg, name) != getattr(EngineConfig, name):
+            kwargs[name] = getattr(cfg, name)
     if cfg.attention is not None:
         kwargs["attention"] = cfg.attention
     if cfg.layout is not None:

@@ -11,8 +11,13 @@ from __future__ import annotations
 
 import statistics
 import time
+from dataclasses import dataclass, field
+from typing import Literal
 
 import numpy as np
+
+from jaxpipe.config_checks import check_counts
+from jaxpipe_bench.cli import check_names
 
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64  # SmolLM2-135M
 
@@ -38,10 +43,42 @@ SPAN_CASES = {  # name -> (q_len per row, kv_len per row)
     "prefill 4x256 after 256": ([256] * 4, [512] * 4),
     "prefill 1x512": ([512], [512]),
 }
+TABLES = ("identity", "shuffled")
+SpanCase = Literal[tuple(SPAN_CASES)]
+Table = Literal[TABLES]
 
 
-def measure_spans(name: str, q_len: list[int], kv_len: list[int], block_size: int = 16,
-                  table: str = "shuffled", repeats: int = 5, seed: int = 0) -> dict:
+@dataclass(frozen=True)
+class AttentionBenchConfig:
+    """What `scripts/bench_attention.py` times (its flags, jaxpipe.config_flags).
+
+    cases: the span cases (SPAN_CASES), comma-separated
+    tables: the block tables: identity (row b's blocks in order) or shuffled (scattered)
+    block_size: tokens per pool block
+    repeats: timed calls of each (the median is kept)
+    json_path: write the points here (none: only the table)
+    """
+
+    cases: tuple[SpanCase, ...] = tuple(SPAN_CASES)
+    tables: tuple[Table, ...] = ("shuffled",)
+    block_size: int = 16
+    repeats: int = 5
+    json_path: str | None = field(default=None, metadata={"flags": ("--json",)})
+
+    def __post_init__(self):
+        check_names(self, "cases", SPAN_CASES)
+        check_names(self, "tables", TABLES)
+        check_counts(self, "block_size", "repeats")
+
+
+def run(config: AttentionBenchConfig) -> list[dict]:
+    """One point per (case, table) of `config`, in that order."""
+    return [measure_spans(c, *SPAN_CASES[c], config.block_size, t, config.repeats)
+            for c in config.cases for t in config.tables]
+
+
+def measure_spans(name: str, q_len: list[int], kv_len: list[int], block_size: int,
+                  table: str, repeats: int, seed: int = 0) -> dict:
     """One step of spans (row r: q_len[r] queries ending at position kv_len[r] - 1, rows laid
     out in q in order): milliseconds per layer for the ragged kernel and the XLA reference."""
     import jax

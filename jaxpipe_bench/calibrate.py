@@ -23,12 +23,13 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from jaxpipe import synthetic_step
-from jaxpipe.config import ModelConfig
+from jaxpipe.config import EngineConfig, ModelConfig
+from jaxpipe.config_checks import check_counts
 from jaxpipe.layout import Layout
 from jaxpipe.meshes import MESH_DIR, Hardware, load_mesh
 from jaxpipe.planner.costmodel import CostModel
@@ -39,6 +40,25 @@ DECODE_BATCHES = (16, 64, 128)
 DECODE_CONTEXT = 256
 BANDWIDTH_BYTES = 256 * 2**20  # large next to the 2-core machine's caches
 MEASURED_KEYS = ("hbm_gbps", "peak_tflops", "host_link_gbps", "p2p_gbps", "allreduce_gbps")
+REPEATS = 5  # timed steps per shape
+
+
+@dataclass(frozen=True)
+class CalibrateConfig:
+    """What `scripts/calibrate_cpu.py` does (its flags, jaxpipe.config_flags).
+
+    json_path: write the results as JSON here (none: only the tables)
+    write_preset: set the measured constants in meshes/cpu-1.toml, and the same machine split
+        8 ways in meshes/cpu-8.toml (comments kept)
+    repeats: timed steps per shape (the median is kept)
+    """
+
+    json_path: str | None = field(default=None, metadata={"flags": ("--json",)})
+    write_preset: bool = False
+    repeats: int = REPEATS
+
+    def __post_init__(self):
+        check_counts(self, "repeats")
 
 
 @dataclass(frozen=True)
@@ -195,9 +215,8 @@ def step_call(runner, shape: Shape) -> Callable[[], Any]:
     return synthetic_step.step_call(runner, *step_args(shape))
 
 
-def make_engine(shapes: Iterable[Shape], model: str = "smollm2-135m", **overrides):
+def make_engine(shapes: Iterable[Shape], model: str = EngineConfig.model, **overrides):
     """An engine (bf16, one CPU device, no warm-up) with room for every shape."""
-    from jaxpipe.config import EngineConfig
     from jaxpipe.engine import Engine
 
     shapes = list(shapes)
@@ -209,7 +228,7 @@ def make_engine(shapes: Iterable[Shape], model: str = "smollm2-135m", **override
     return Engine(EngineConfig(**(config | overrides)))
 
 
-def measure_steps(engine, shapes: Sequence[Shape], repeats: int = 5) -> list[float]:
+def measure_steps(engine, shapes: Sequence[Shape], repeats: int = REPEATS) -> list[float]:
     """Median seconds of each shape's step on the engine's runner, compilation excluded."""
     return [synthetic_step.median_seconds(step_call(engine.runner, s), repeats) for s in shapes]
 
@@ -245,8 +264,8 @@ def compare(model: ModelConfig, hardware: Hardware, shapes: Sequence[Shape],
                       [step_flops(cost, s) for s in shapes])
 
 
-def calibrate(shapes: Sequence[Shape] | None = None, repeats: int = 5, mesh: str = "cpu-1",
-              model: str = "smollm2-135m", log: Callable[[str], None] = print) -> dict:
+def calibrate(shapes: Sequence[Shape] | None = None, repeats: int = REPEATS, mesh: str = "cpu-1",
+              model: str = EngineConfig.model, log: Callable[[str], None] = print) -> dict:
     """Measure the constants, time the engine's steps, and compare with the cost model.
     Returns JSON-able results: the constants, the measurements behind them and the table."""
     shapes = list(shapes or calibration_shapes())
@@ -261,3 +280,18 @@ def calibrate(shapes: Sequence[Shape] | None = None, repeats: int = 5, mesh: str
     log(format_table(rows))
     return {"mesh": mesh, "model": model, "dtype": "bfloat16", "repeats": repeats,
             "statistic": "median", **constants, "steps": rows}
+
+
+def run(config: CalibrateConfig, log: Callable[[str], None] = print) -> dict:
+    """`calibrate` with `config`'s repeats; the results written as JSON and into the cpu-1 and
+    cpu-8 presets as `config` asks."""
+    from jaxpipe_bench.report import write_json
+
+    result = calibrate(repeats=config.repeats, log=log)
+    if config.json_path:
+        log(f"wrote {write_json(result, config.json_path)}")
+    if config.write_preset:
+        hardware = result["hardware"]
+        log(f"wrote {write_preset(hardware, 'cpu-1')}")
+        log(f"wrote {write_preset(split(hardware, 8), 'cpu-8')}")
+    return result

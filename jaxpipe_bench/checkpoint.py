@@ -11,10 +11,17 @@ as bf16 bits straight into the safetensors file (no torch, no whole-model copy i
 from __future__ import annotations
 
 import json
+import math
 import struct
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
+
+from jaxpipe.config_checks import check_choices
 
 # TinyLlama-1.1B's layer shape (22 layers of 2048 wide, 4 KV heads), SmolLM2's vocabulary.
 LLAMA_1B = {
@@ -41,6 +48,49 @@ QWEN3_MOE_1B = {
 FAMILIES = {"llama": LLAMA_1B, "qwen2": QWEN2_05B, "qwen3_moe": QWEN3_MOE_1B}
 _HF_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                "qwen3_moe": "Qwen3MoeForCausalLM"}
+Family = Literal[tuple(sorted(FAMILIES))]
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """The checkpoint `scripts/make_checkpoint.py` writes (its arguments, jaxpipe.config_flags).
+
+    out: directory to write
+    seed: seeds the weights
+    family: the architecture's family and shape (FAMILIES)
+    tokenizer: a GGUF file or a directory of HF tokenizer files to take the tokenizer from
+        (None: the default model's GGUF; a GPU machine without it gets the files from
+        scripts/gpu_first_run.sh --prepare)
+    num_layers: layers, when not the family's (a smaller checkpoint for a smoke run)
+    """
+
+    out: str = field(metadata={"positional": True})
+    seed: int = 0
+    family: Family = "llama"
+    tokenizer: str | None = None
+    num_layers: int | None = None
+
+    def __post_init__(self):
+        check_choices(self)
+        if self.num_layers is not None and self.num_layers < 1:
+            raise ValueError(f"CheckpointConfig.num_layers must be >= 1, got {self.num_layers}")
+
+
+def make_checkpoint(config: CheckpointConfig, log: Callable[[str], None] = print) -> Path:
+    """`write_checkpoint` of `config`'s family (and layer count) with its tokenizer; logs the
+    parameter count and the time taken."""
+    from jaxpipe_bench.workload import default_gguf_path
+
+    start = time.perf_counter()
+    arch = FAMILIES[config.family]
+    if config.num_layers is not None:
+        arch = {**arch, "num_layers": config.num_layers}
+    tokenizer = Path(config.tokenizer) if config.tokenizer else default_gguf_path()
+    out = write_checkpoint(Path(config.out), arch, config.seed, tokenizer)
+    vocab = json.loads((out / "config.json").read_text())["vocab_size"]
+    params = sum(math.prod(shape) for shape in tensor_shapes(arch, vocab).values())
+    log(f"wrote {out}: {params / 1e9:.2f}B parameters in {time.perf_counter() - start:.0f}s")
+    return out
 
 
 def hf_config(arch: dict, vocab_size: int, bos: int, eos: int) -> dict:

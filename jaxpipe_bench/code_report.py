@@ -198,6 +198,15 @@ def format_report(r: dict) -> str:
     return "\n".join(lines)
 
 
+def run(cfg: ReportConfig) -> dict:
+    """`report`, printed, and written to `cfg.json_path` if given."""
+    r = report(cfg)
+    print(format_report(r))
+    if cfg.json_path:
+        write(r, cfg.json_path)
+    return r
+
+
 def write(r: dict, path: str) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(r, indent=1))

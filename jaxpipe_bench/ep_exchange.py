@@ -25,6 +25,8 @@ from __future__ import annotations
 import math
 import statistics
 import time
+from dataclasses import dataclass, field
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
@@ -33,8 +35,10 @@ from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from jaxpipe.config_checks import check_choices, check_counts
 from jaxpipe.model import decoder, moe
 from jaxpipe_bench.checkpoint import QWEN3_MOE_1B
+from jaxpipe_bench.cli import check_sizes
 
 TOKENS: tuple[int, ...] = (8, 64, 512)
 EP = 8
@@ -42,6 +46,49 @@ EP = 8
 SHAPE = {"experts": QWEN3_MOE_1B["num_experts"], "k": QWEN3_MOE_1B["num_experts_per_tok"],
          "hidden": QWEN3_MOE_1B["hidden_size"], "width": QWEN3_MOE_1B["moe_intermediate_size"]}
 WAYS = ("psum", "a2a")
+
+
+@dataclass(frozen=True)
+class EpExchangeConfig:
+    """What `scripts/bench_ep_exchange.py` times (its flags, jaxpipe.config_flags).
+
+    tokens: the token counts T (each a multiple of ep)
+    ep: expert shards (devices used)
+    rounds: interleaved rounds of each point (the median is kept)
+    dispatch: the experts' dispatch (none: grouped where its kernel builds, else dense)
+    capacity_factor: all-to-all buffer rows at this multiple of the balanced share (pairs past
+        it dropped); none: no drop
+    json_path: write the points here, with the machine (none: only the table)
+    """
+
+    tokens: tuple[int, ...] = TOKENS
+    ep: int = EP
+    rounds: int = 7
+    dispatch: Literal["grouped", "dense", "ragged"] | None = None
+    capacity_factor: float | None = None
+    json_path: str | None = field(default=None, metadata={"flags": ("--json",)})
+
+    def __post_init__(self):
+        check_choices(self)
+        check_sizes(self, "tokens")
+        check_counts(self, "ep", "rounds")
+        if self.capacity_factor is not None and not self.capacity_factor > 0:
+            raise ValueError(f"EpExchangeConfig.capacity_factor must be > 0, got "
+                             f"{self.capacity_factor!r}")
+
+
+def run(config: EpExchangeConfig, log=print) -> tuple[str, list[dict]]:
+    """(the dispatch used, one point per token count), each point logged as its table line
+    when done."""
+    from jaxpipe.kernels import matmul
+
+    dispatch = config.dispatch or ("grouped" if matmul.available() else "dense")
+    points = []
+    for t in config.tokens:
+        cap = capacity_for(t, config.ep, SHAPE["k"], config.capacity_factor)
+        points.append(measure(t, config.ep, config.rounds, dispatch, cap))
+        log(format_table(points[-1:]).splitlines()[1])
+    return dispatch, points
 
 
 def ep_mesh(ep: int) -> Mesh:
@@ -135,8 +182,8 @@ def _time(fn, args, rounds: int) -> list[float]:
     return times
 
 
-def measure(tokens: int, ep: int = EP, rounds: int = 7, dispatch: str = "dense",
-            capacity: int | None = None, shape: dict | None = None) -> dict:
+def measure(tokens: int, ep: int, rounds: int, dispatch: str, capacity: int | None = None,
+            shape: dict | None = None) -> dict:
     """One point: both ways' median ms over `rounds` interleaved rounds (after a warm-up
     call each), and the largest difference between their outputs, asserted within 2% of the
     output's largest value unless pairs were dropped: the bf16 weights' rounding (the dense

@@ -20,12 +20,14 @@ smoke test of the script).
 
 from __future__ import annotations
 
+import json
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from jaxpipe.config import EngineConfig
 from jaxpipe.config_checks import check_counts
 
 PROMPTS = ("What is the capital of France?", "Write a haiku about the sea.",
@@ -57,9 +59,10 @@ class CheckConfig:
     skip_parity: leave out the parity check (a random-weight model has no trained tokens to
         agree on)
     skip_throughput: leave out the throughput comparison
+    json_path: write the record here (rewritten after each part)
     """
 
-    model: str = "smollm2-135m"
+    model: str = EngineConfig.model
     max_tokens: int = 32
     num_prompts: int = 256
     input_len: int | None = None
@@ -72,6 +75,7 @@ class CheckConfig:
     attention: Literal["auto", "pallas", "xla"] = "auto"
     skip_parity: bool = False
     skip_throughput: bool = False
+    json_path: str | None = field(default=None, metadata={"flags": ("--json",)})
 
     def __post_init__(self):
         check_counts(self, "max_tokens", "num_prompts", "decode_context", "repeats")
@@ -309,6 +313,18 @@ def run(cfg: CheckConfig, log=print, save=lambda record: None) -> dict:
         if part is not None:
             record[name] = part()
             save(record)
+    return record
+
+
+def check(cfg: CheckConfig, log=print) -> dict:
+    """`run`, the record written to `cfg.json_path` after each part, its table printed."""
+    def save(record: dict) -> None:
+        if cfg.json_path:
+            Path(cfg.json_path).parent.mkdir(parents=True, exist_ok=True)
+            Path(cfg.json_path).write_text(json.dumps(record, indent=1))
+
+    record = run(cfg, log, save)
+    log(format_table(record))
     return record
 
 

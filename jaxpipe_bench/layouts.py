@@ -15,19 +15,20 @@ Call `run()` in a process whose JAX backend has the devices (scripts/bench_resha
 from __future__ import annotations
 
 import statistics
-from dataclasses import asdict, dataclass
-from typing import Literal
+from dataclasses import asdict, dataclass, field
 
 import jax
 import jax.numpy as jnp
 
 from jaxpipe.buckets import Buckets
-from jaxpipe.config import ModelConfig
+from jaxpipe.config import Dtype, EngineConfig, ModelConfig
+from jaxpipe.config_checks import check_choices, check_counts
 from jaxpipe.kv.device_cache import blocks_for
 from jaxpipe.layout import Layout
 from jaxpipe.runner import Runner
 from jaxpipe.sharding import timed_reshard
 from jaxpipe.synthetic_step import median_seconds, step_call
+from jaxpipe_bench.cli import check_sizes
 
 PAIRS = (("pp=8", "tp=8"), ("pp=4,tp=2", "tp=4,pp=2"), ("pp=2,tp=4", "tp=8"),
          ("pp=8", "pp=2,tp=4"))
@@ -36,8 +37,10 @@ PAIRS = (("pp=8", "tp=8"), ("pp=4,tp=2", "tp=4,pp=2"), ("pp=2,tp=4", "tp=8"),
 @dataclass(frozen=True)
 class LayoutBenchConfig:
     """What to measure (sizes kept small: 8 virtual devices share two cores here); each entry
-    is also its flag's help (jaxpipe.config_flags).
+    is also its flag's help (scripts/bench_reshard.py's flags, jaxpipe.config_flags).
 
+    model: the model, a preset name or a path (EngineConfig.model).
+    out_path: where the record's JSON is written.
     dtype: the weights' and activations' dtype.
     decode_batch: rows of the timed decode step.
     context: KV positions each decode row attends over.
@@ -48,7 +51,9 @@ class LayoutBenchConfig:
     stages: the pipeline depths (pp) of the bubble measurement.
     """
 
-    dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    model: str = EngineConfig.model
+    out_path: str = field(default="out/bench_reshard.json", metadata={"flags": ("--out",)})
+    dtype: Dtype = EngineConfig.dtype
     decode_batch: int = 16
     context: int = 128
     prefill_batch: int = 16
@@ -56,6 +61,11 @@ class LayoutBenchConfig:
     repeats: int = 3
     pairs: tuple[tuple[str, str], ...] = PAIRS
     stages: tuple[int, ...] = (1, 2, 4, 8)
+
+    def __post_init__(self):
+        check_choices(self)
+        check_counts(self, "decode_batch", "context", "prefill_batch", "prompt_len", "repeats")
+        check_sizes(self, "stages")
 
 
 def _runner(cfg: ModelConfig, values: dict, prefill: str, decode: str, bench: LayoutBenchConfig,

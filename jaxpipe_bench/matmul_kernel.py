@@ -10,17 +10,57 @@ from __future__ import annotations
 
 import statistics
 import time
+from dataclasses import dataclass, field
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxpipe.config_checks import check_counts
 from jaxpipe.kernels import matmul as mm
+from jaxpipe_bench.cli import check_sizes, dims
 
 # (K, N): SmolLM2-135M's fused q/k/v/o-sized and MLP weights, and its LM head.
 SHAPES: tuple[tuple[int, int], ...] = ((576, 3072), (1536, 576), (576, 49152))
 ROWS: tuple[int, ...] = (1, 8, 16, 32, 64, 128, 256)
 STACK_BYTES = 100 * 2**20  # weights per timed call: well past the 32 MiB L3
+
+
+@dataclass(frozen=True)
+class MatmulKernelConfig:
+    """What `scripts/bench_matmul_kernel.py` times (its flags, jaxpipe.config_flags).
+
+    rows: the row counts M
+    shapes: the weight shapes, each KxN
+    repeats: timed calls of each (the median is kept)
+    json_path: write the points here (none: only the table)
+    """
+
+    rows: tuple[int, ...] = ROWS
+    shapes: tuple[str, ...] = tuple(f"{k}x{n}" for k, n in SHAPES)
+    repeats: int = 5
+    json_path: str | None = field(default=None, metadata={"flags": ("--json",)})
+
+    def __post_init__(self):
+        check_sizes(self, "rows")
+        check_counts(self, "repeats")
+        if not self.shapes:
+            raise ValueError("MatmulKernelConfig.shapes must be one or more KxN, got ()")
+        self.weight_shapes()
+
+    def weight_shapes(self) -> list[tuple[int, int]]:
+        """`shapes` as (K, N) pairs."""
+        return [dims(s, 2, "MatmulKernelConfig.shapes") for s in self.shapes]
+
+
+def run(config: MatmulKernelConfig, log=print) -> list[dict]:
+    """One point per (shape, rows) of `config`, each logged as its table line when done."""
+    points = []
+    for k, n in config.weight_shapes():
+        for m in config.rows:
+            points.append(measure(k, n, m, config.repeats))
+            log(format_table(points[-1:]).splitlines()[1])
+    return points
 
 
 def _stack(fn):
@@ -46,7 +86,7 @@ def _seconds(call, repeats: int) -> float:
     return statistics.median(times)
 
 
-def measure(k: int, n: int, m: int, repeats: int = 5, seed: int = 0) -> dict:
+def measure(k: int, n: int, m: int, repeats: int, seed: int = 0) -> dict:
     """One point: XLA and kernel ms per stack of weights [K, N], and the kernel's GB/s."""
     copies = max(1, STACK_BYTES // (2 * k * n))
     rng = np.random.default_rng(seed)

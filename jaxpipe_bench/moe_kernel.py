@@ -14,18 +14,60 @@ from __future__ import annotations
 import functools
 import statistics
 import time
+from dataclasses import dataclass, field
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxpipe.config_checks import check_counts
 from jaxpipe.model import moe
+from jaxpipe_bench.cli import check_sizes, dims
 
 # (X experts, top-k, hidden E, expert intermediate F)
 CASES: tuple[tuple[int, int, int, int], ...] = ((8, 2, 256, 512), (64, 8, 256, 512),
                                                  (64, 8, 1024, 768))
 TOKENS: tuple[int, ...] = (8, 64, 512)
 DISPATCHES = ("dense", "ragged", "grouped")
+
+
+@dataclass(frozen=True)
+class MoeKernelConfig:
+    """What `scripts/bench_moe_kernel.py` times (its flags, jaxpipe.config_flags).
+
+    tokens: the token counts T
+    cases: the expert shapes, each XxKxExF (experts, top-k, hidden, intermediate)
+    rounds: interleaved rounds of each point (the median is kept)
+    ragged_max_gflop: skip ragged_dot where its CPU lowering does more work than this
+    json_path: write the points here, with the machine (none: only the table)
+    """
+
+    tokens: tuple[int, ...] = TOKENS
+    cases: tuple[str, ...] = tuple("x".join(map(str, c)) for c in CASES)
+    rounds: int = 5
+    ragged_max_gflop: float = 20.0
+    json_path: str | None = field(default=None, metadata={"flags": ("--json",)})
+
+    def __post_init__(self):
+        check_sizes(self, "tokens")
+        check_counts(self, "rounds")
+        if not self.cases:
+            raise ValueError("MoeKernelConfig.cases must be one or more XxKxExF, got ()")
+        self.expert_shapes()
+
+    def expert_shapes(self) -> list[tuple[int, int, int, int]]:
+        """`cases` as (X, k, E, F) tuples."""
+        return [dims(c, 4, "MoeKernelConfig.cases") for c in self.cases]
+
+
+def run(config: MoeKernelConfig, log=print) -> list[dict]:
+    """One point per (case, tokens) of `config`, each logged as its table line when done."""
+    points = []
+    for case in config.expert_shapes():
+        for t in config.tokens:
+            points.append(measure(*case, t, config.rounds, config.ragged_max_gflop))
+            log(format_table(points[-1:]).splitlines()[1])
+    return points
 
 
 def _inputs(x: int, k: int, e: int, f: int, tokens: int, seed: int = 0):
@@ -39,8 +81,8 @@ def _inputs(x: int, k: int, e: int, f: int, tokens: int, seed: int = 0):
     return h, weights, experts, gate_up, down
 
 
-def measure(x: int, k: int, e: int, f: int, tokens: int, rounds: int = 5,
-            ragged_max_gflop: float = 20.0) -> dict:
+def measure(x: int, k: int, e: int, f: int, tokens: int, rounds: int,
+            ragged_max_gflop: float) -> dict:
     """One point: each dispatch's median ms over `rounds` interleaved rounds."""
     args = _inputs(x, k, e, f, tokens)
     dense_flop = 2 * tokens * x * 3 * e * f

@@ -16,11 +16,15 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
-from dataclasses import asdict, dataclass
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from jaxpipe_bench.workload import make_workload
+from jaxpipe.config import Dtype, EngineConfig, Scheduler
+from jaxpipe.config_checks import check_choices, check_counts
+from jaxpipe_bench.workload import SEED, make_workload
 
 
 @dataclass(frozen=True)
@@ -37,18 +41,24 @@ class MultihostConfig:
     dtype: EngineConfig.dtype
     max_num_seqs: EngineConfig.max_num_seqs
     seed: seeds the workload
+    json_path: where the results are written
     """
 
-    model: str = "smollm2-135m"
+    model: str = EngineConfig.model
     num_prompts: int = 16
     input_len: int | None = None
     output_len: int = 32
     prefill: str = "pp=2,tp=4"
     decode: str = "tp=8"
-    scheduler: str = "seesaw"
-    dtype: str = "bfloat16"
+    scheduler: Scheduler = "seesaw"
+    dtype: Dtype = EngineConfig.dtype
     max_num_seqs: int = 16
-    seed: int = 0
+    seed: int = SEED
+    json_path: str = field(default="bench_multihost.json", metadata={"flags": ("--json",)})
+
+    def __post_init__(self):
+        check_choices(self)
+        check_counts(self, "num_prompts", "input_len", "output_len", "max_num_seqs")
 
 
 def engine_kwargs(cfg: MultihostConfig) -> dict:
@@ -163,6 +173,20 @@ def table(one: dict, two: dict, same: dict) -> str:
                  f"first difference: {same['prefix_tokens']:.0%})"))
     width = [max(len(r[i]) for r in rows) for i in range(3)]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, width, strict=True)) for r in rows)
+
+
+def report(cfg: MultihostConfig, log: Callable[[str], None] = print) -> dict:
+    """The workload on one process and on two: both runs' summaries and how alike their
+    tokens are, logged as a table and written as JSON to `cfg.json_path`."""
+    with tempfile.TemporaryDirectory(prefix="jaxpipe-multihost-") as tmp:
+        one = run(cfg, 1, Path(tmp), log)
+        two = run(cfg, 2, Path(tmp), log)
+    same = agreement(one["tokens"], two["tokens"])
+    rows = {"one": summary(one), "two": summary(two)}
+    log(table(rows["one"], rows["two"], same))
+    record = {"config": asdict(cfg), **rows, "same_tokens": same}
+    Path(cfg.json_path).write_text(json.dumps(record, indent=2))
+    return record
 
 
 def main(argv=None) -> int:

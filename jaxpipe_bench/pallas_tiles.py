@@ -20,7 +20,7 @@ import json
 import math
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -45,6 +45,7 @@ class SweepConfig:
     repeats: timed calls per point (their median is taken)
     seed: the random queries, pool and block table
     interpret: run the kernel in Pallas' interpreter (a CPU smoke run of the sweep)
+    json_path: write the record here (rewritten after every point)
     """
 
     heads: int = 32
@@ -59,6 +60,7 @@ class SweepConfig:
     repeats: int = 10
     seed: int = 0
     interpret: bool = False
+    json_path: str | None = field(default=None, metadata={"flags": ("--json",)})
 
     def __post_init__(self):
         check_counts(self, "heads", "kv_heads", "head_dim", "repeats")
@@ -266,6 +268,14 @@ def format_table(record: dict) -> str:
     if failed:
         lines.append(f"{len(failed)} points failed; first: {failed[0]['error']}")
     return "\n".join(lines)
+
+
+def run(cfg: SweepConfig, log=print) -> dict:
+    """`sweep`, the record written to `cfg.json_path` after every point, its table printed."""
+    record = sweep(cfg, (lambda r: write(r, cfg.json_path)) if cfg.json_path else
+                   (lambda r: None), log)
+    log(format_table(record))
+    return record
 
 
 def write(record: dict, path: str | Path) -> None:

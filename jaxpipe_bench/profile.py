@@ -29,6 +29,7 @@ from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
+JSON_PATH = "out/profile_step.json"  # scripts/profile_step.py's --json unless told
 FAMILIES = ("matmuls", "attention", "other", "lm_head", "sampling", "swaps")
 PROGRAMS = {"jit_step": None, "jit_logits": "lm_head", "jit__sample": "sampling",
             "jit_logprob_parts": "sampling"}  # None: by instruction

@@ -190,7 +190,7 @@ def _busy_warning(machine: dict) -> str | None:
     )
 
 
-def write_json(result: dict[str, Any], path: str | Path) -> Path:
+def write_json(result: Any, path: str | Path) -> Path:
     """Write `result` as indented JSON, creating parent directories."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

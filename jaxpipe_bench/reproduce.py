@@ -13,13 +13,49 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
+from jaxpipe.config_checks import check_counts
 from jaxpipe.layout import Layout
 from jaxpipe.meshes import MeshPreset, load_mesh
 from jaxpipe.model.presets import resolve_model
 from jaxpipe.planner.planner import candidate_layouts, choose_layouts, layout_name, paper_label
 from jaxpipe.planner.simulate import simulate
 from jaxpipe.planner.workloads import constant, synthetic
+
+QUICK = 4  # --quick simulates 1/QUICK of the requests
+
+
+@dataclass(frozen=True)
+class ReproduceConfig:
+    """One paper reproduction's run (the flags of scripts/reproduce_*.py, jaxpipe.config_flags).
+
+    json_path: write the results as JSON here (none: only the tables)
+    quick: a quarter of the requests (a smoke run)
+    num_requests: requests of each simulated scenario (none: the reproduction's own)
+    """
+
+    json_path: str | None = field(default=None, metadata={"flags": ("--json",)})
+    quick: bool = False
+    num_requests: int | None = None
+
+    def __post_init__(self):
+        check_counts(self, "num_requests")
+
+    def requests(self, default: int) -> int:
+        """`num_requests` (else `default`), 1/QUICK of it under `quick`."""
+        n = self.num_requests or default
+        return n // QUICK if self.quick else n
+
+
+def write_results(config: ReproduceConfig, results, log: Callable[[str], None]) -> None:
+    """`results` as JSON at `config.json_path` (nothing when it is None)."""
+    from jaxpipe_bench.report import write_json
+
+    if config.json_path:
+        log(f"wrote {write_json(results, config.json_path)}")
+
 
 FIG13_OUTPUTS = (1, 16, 64, 128, 256, 512, 1024)
 FIG13_LAYOUTS = (Layout(pp=8), Layout(pp=4, tp=2), Layout(pp=2, tp=4), Layout(tp=8))
@@ -121,3 +157,16 @@ def format_fig10(rows: list) -> str:
                  f"paper: {PAPER_FIG10['min']}-{PAPER_FIG10['max']}x, mean "
                  f"{PAPER_FIG10['mean']}x")
     return "\n".join(lines)
+
+
+def report(config: ReproduceConfig, log: Callable[[str], None] = print) -> dict:
+    """Fig. 13 and Fig. 10 at `config`'s request counts: both tables logged, the results
+    written as `config` asks."""
+    fig13_rows = fig13(config.requests(FIG13_REQUESTS))
+    log(format_fig13(fig13_rows))
+    fig10_rows = fig10(config.requests(FIG10_REQUESTS))
+    log("")
+    log(format_fig10(fig10_rows))
+    results = {"fig13": fig13_rows, "fig10": fig10_rows}
+    write_results(config, results, log)
+    return results

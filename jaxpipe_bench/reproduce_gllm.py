@@ -27,6 +27,7 @@ from jaxpipe.model.presets import resolve_model
 from jaxpipe.planner.simulate import simulate
 from jaxpipe.planner.workloads import synthetic
 from jaxpipe.scheduler.throttle import ThrottleKnobs
+from jaxpipe_bench.reproduce import ReproduceConfig, write_results
 
 NUM_REQUESTS = 2000
 SCENARIOS = (("4xL20, Qwen2.5-14B", "l20x4-pcie", "qwen2.5-14b"),
@@ -75,3 +76,14 @@ def format_compare(rows: list[dict]) -> str:
             f"{util[n]:>22.2f}" if util[n] is not None else f"{'-':>22}" for n in names))
     lines.append(f"paper: {PAPER}")
     return "\n".join(lines)
+
+
+def report(config: ReproduceConfig, log=print) -> dict:
+    """The comparison at `config`'s request count: the table logged, the results written as
+    `config` asks."""
+    n = config.requests(NUM_REQUESTS)
+    rows = compare(n)
+    log(format_compare(rows))
+    results = {"num_requests": n, "compare": rows}
+    write_results(config, results, log)
+    return results

@@ -15,9 +15,10 @@ from jaxpipe.meshes import load_mesh
 from jaxpipe.model.presets import resolve_model
 from jaxpipe.planner.planner import paper_label
 from jaxpipe.planner.workloads import synthetic
-from jaxpipe_bench.reproduce import static_and_planned
+from jaxpipe_bench.reproduce import ReproduceConfig, static_and_planned, write_results
 
 NUM_REQUESTS = 1000
+JSON_PATH = "out/reproduce_moe.json"  # scripts/reproduce_moe.py writes here unless told
 # (model preset, mesh preset, workload): the issue's case on both datasets, and a mesh whose
 # slow all-reduce makes ep pay
 SCENARIOS = (("qwen3-30b-a3b", "h100x8-nvlink", "sharegpt"),
@@ -62,3 +63,12 @@ def format_table(rows: list[dict]) -> str:
         lines.append(f"{'planner ' + p['label']:<24}{p['throughput']:>10.0f}"
                      f"{r['speedup_over_best_static']:>15.2f}x")
     return "\n".join(lines)
+
+
+def report(config: ReproduceConfig, log=print) -> list[dict]:
+    """Every scenario at `config`'s request count: the table logged, the rows written as
+    `config` asks."""
+    rows = run(config.requests(NUM_REQUESTS))
+    log(format_table(rows))
+    write_results(config, rows, log)
+    return rows

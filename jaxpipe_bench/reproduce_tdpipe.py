@@ -25,6 +25,7 @@ from jaxpipe.model.presets import resolve_model
 from jaxpipe.planner.simulate import simulate
 from jaxpipe.planner.workloads import synthetic
 from jaxpipe.scheduler.predictor import accumulated_error
+from jaxpipe_bench.reproduce import ReproduceConfig, write_results
 
 NUM_REQUESTS = 2000
 SCENARIOS = (("L20 + 13B", "l20x4-pcie", "llama2-13b"), ("L20 + 32B", "l20x4-pcie", "qwen2.5-32b"),
@@ -137,3 +138,17 @@ def format_ablations(rows: list[dict]) -> str:
     lines.append(f"work stealing gain: {', '.join(f'{x:.2f}x' for x in sizes)} "
                  f"(mean {statistics.fmean(sizes):.2f}x; paper 1.14x, 1.07x)")
     return "\n".join(lines)
+
+
+def report(config: ReproduceConfig, log=print) -> dict:
+    """Fig. 11 and the ablations at `config`'s request count: both tables logged, the results
+    written as `config` asks."""
+    n = config.requests(NUM_REQUESTS)
+    overall_rows = overall(n)
+    log(format_overall(overall_rows))
+    ablation_rows = ablations(n)
+    log("")
+    log(format_ablations(ablation_rows))
+    results = {"num_requests": n, "overall": overall_rows, "ablations": ablation_rows}
+    write_results(config, results, log)
+    return results

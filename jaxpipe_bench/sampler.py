@@ -8,6 +8,8 @@ the [rows, V] f32 logits copied to host memory). Vocabulary 49152 (SmolLM2).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from functools import partial
 
 import jax
@@ -15,8 +17,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpipe import runner, sampling
+from jaxpipe.config import EngineConfig
+from jaxpipe.config_checks import check_counts
 from jaxpipe.host_sampler import HostSampler
 from jaxpipe.synthetic_step import median_seconds
+from jaxpipe_bench.cli import check_sizes
 
 VOCAB = 49152
 CASES = {
@@ -27,11 +32,31 @@ CASES = {
 }
 
 
+@dataclass(frozen=True)
+class SamplerBenchConfig:
+    """What `scripts/bench_sampler.py` times (its flags, jaxpipe.config_flags).
+
+    rows: the batch rows sampled in one step
+    threads: the host sampler's worker threads (EngineConfig.sampler_threads)
+    repeats: timed calls of each (the median is kept)
+    json_path: write the points here (none: only the table)
+    """
+
+    rows: tuple[int, ...] = (32, 64, 128, 256)
+    threads: int = EngineConfig.sampler_threads
+    repeats: int = 7
+    json_path: str | None = field(default=None, metadata={"flags": ("--json",)})
+
+    def __post_init__(self):
+        check_sizes(self, "rows")
+        check_counts(self, "threads", "repeats")
+
+
 def _median_ms(fn, repeats: int) -> float:
     return 1e3 * median_seconds(fn, repeats)
 
 
-def measure(rows: list[int], threads: int, repeats: int, seed: int = 0) -> list[dict]:
+def measure(rows: Sequence[int], threads: int, repeats: int, seed: int = 0) -> list[dict]:
     """One point per (rows, case): device_ms, host_ms, fetch_ms."""
     slots_total = max(rows)
     program = jax.jit(partial(runner._sample, out_rows=slots_total),

@@ -9,15 +9,25 @@ workload; outputs are checked (every request, exactly its output_len tokens).
 from __future__ import annotations
 
 import gc
+import json
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
+from jaxpipe.config import Dtype, EngineConfig
 from jaxpipe.config_checks import check_choices, check_counts
 from jaxpipe_bench import _generate, check_outputs, default_max_model_len, warmup_requests
-from jaxpipe_bench.report import throughput
-from jaxpipe_bench.workload import Request
+from jaxpipe_bench.report import machine_info, throughput
+from jaxpipe_bench.workload import (
+    NUM_PROMPTS,
+    SEED,
+    Request,
+    default_gguf_path,
+    describe_workload,
+    gguf_vocab,
+    make_workload,
+)
 
 STAT_KEYS = ("transitions", "reshards", "reshard_seconds", "reshard_weights_seconds",
              "reshard_kv_seconds", "reshard_kv_blocks", "prefill_seconds", "decode_seconds",
@@ -56,16 +66,18 @@ class SchedulersConfig:
     dtype: EngineConfig.dtype
     max_num_seqs: EngineConfig.max_num_seqs
     host_kv_tokens: host tier size (none: the engine's)
+    out_path: where the JSON goes (rewritten after every run)
     """
 
     runs: str = DEFAULT_RUNS
-    num_prompts: int = 256
-    seed: int = 0
+    num_prompts: int = NUM_PROMPTS
+    seed: int = SEED
     output_len: int | None = None
-    model: str = "smollm2-135m"
-    dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    model: str = EngineConfig.model
+    dtype: Dtype = EngineConfig.dtype
     max_num_seqs: int = 64
     host_kv_tokens: int | None = None
+    out_path: str = field(default="out/bench_schedulers.json", metadata={"flags": ("--out",)})
 
     def __post_init__(self):
         check_choices(self)
@@ -98,6 +110,30 @@ class SchedulersConfig:
         if self.host_kv_tokens is not None:
             kwargs["host_kv_tokens"] = self.host_kv_tokens
         return kwargs
+
+
+def run_all(config: SchedulersConfig, log=print) -> list[dict]:
+    """Every run of `config` on 8 virtual CPU devices over one seeded workload (the default
+    model's vocabulary), a table logged and the JSON at `config.out_path` rewritten after each
+    run (a run that is stopped keeps the ones before it)."""
+    from jaxpipe import sharding
+
+    sharding.ensure_cpu_devices(8)  # before anything starts JAX's backend
+    vocab, special = gguf_vocab(default_gguf_path())
+    workload = make_workload(config.num_prompts, config.seed, vocab, None, config.output_len,
+                             special)
+    log(f"[workload] {describe_workload(workload)}")
+    out = Path(config.out_path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for spec in config.run_specs():
+        rows.append(run_one(spec, workload, config.engine_kwargs(), log=log))
+        out.write_text(json.dumps({"args": asdict(config), "machine": machine_info(),
+                                   "workload": describe_workload(workload), "runs": rows},
+                                  indent=1))
+        log(format_table(rows))
+    log(f"wrote {out}")
+    return rows
 
 
 def run_one(spec: RunSpec, workload: Sequence[Request], engine_kwargs: dict,

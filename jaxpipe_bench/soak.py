@@ -35,7 +35,7 @@ percentile is the engine at its busiest, which both windows reach, and a leak st
 With no kill, "before" starts at `warmup_at` of the run. A run whose clients reach
 `max_requests` early stops issuing calls but keeps sampling RSS until its `seconds` are up, so
 that both windows exist.
-Entry points: `scripts/soak.py`, tests/bench/test_soak.py.
+Entry points: `scripts/soak.py` (through `soak_server`), tests/bench/test_soak.py.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ ENGINE_MODULE = "jaxpipe.serve.engine_process"  # how the engine process is foun
 @dataclass
 class SoakConfig:
     """One soak's clients, length, engine kill and RSS verdict (`scripts/soak.py`'s flags; its
-    `--minutes` sets `seconds`).
+    `--minutes`, `soak_server.SoakCommand`'s, sets `seconds`).
 
     transport: what the clients speak: "grpc" (`soak_grpc.GrpcCalls`) or "http" (the
         OpenAI-compatible API, `soak_http.HttpCalls`)
@@ -78,7 +78,7 @@ class SoakConfig:
     restart_tolerance: the total's allowed RSS growth across an engine kill (a new engine
         process)
     max_requests: calls issued at most, over all clients (None: no cap; scripts/soak.py's
-        default: 100000)
+        default: soak_server.MAX_REQUESTS)
     """
 
     transport: Literal["grpc", "http"] = "grpc"

@@ -13,12 +13,13 @@ import json
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
+from jaxpipe.config import Dtype, EngineConfig
 from jaxpipe.config_checks import check_choices, check_counts
-from jaxpipe_bench.workload import Request
+from jaxpipe_bench.workload import SEED, Request
 
 # name -> the techniques it switches on (each adds one to the one before; Engine.set_overlap etc.)
 # ("host-sampler" replaces the device sampler: overlap is then off, see EngineConfig.sampler)
@@ -46,18 +47,20 @@ class TimelineConfig:
     stop: a stop string for every request (one that never matches, e.g. '<<never>>', makes
         every request detokenize as it runs)
     trace: write a Chrome/Perfetto trace JSON per run into this folder
+    json_path: where the JSON goes
     """
 
-    model: str = "smollm2-135m"
-    dtype: Literal["bfloat16", "float32"] = "bfloat16"
-    mesh: str = "cpu-1"
+    model: str = EngineConfig.model
+    dtype: Dtype = EngineConfig.dtype
+    mesh: str = EngineConfig.mesh
     layout: str | None = None
     num_prompts: int = 64
-    seed: int = 0
+    seed: int = SEED
     repeats: int = 2
     variants: tuple[str, ...] = DEFAULT_VARIANTS
     stop: str | None = None
     trace: str | None = None
+    json_path: str = field(default="out/bench_timeline.json", metadata={"flags": ("--json",)})
 
     def __post_init__(self):
         check_choices(self)
@@ -66,6 +69,33 @@ class TimelineConfig:
         if unknown or not self.variants:
             raise ValueError(f"TimelineConfig.variants must be one or more of {list(VARIANTS)}, "
                              f"got {list(self.variants)!r}")
+
+
+def run(config: TimelineConfig, log: Callable[[str], None] = print) -> dict:
+    """`config`'s variants on one engine over the seeded workload (the default model's
+    vocabulary): the table logged, the results written as JSON to `config.json_path`."""
+    from jaxpipe import Engine
+    from jaxpipe_bench import default_max_model_len, describe_workload
+    from jaxpipe_bench.workload import default_gguf_path, gguf_vocab, make_workload
+
+    vocab, special = gguf_vocab(default_gguf_path())
+    workload = make_workload(config.num_prompts, config.seed, vocab, special_ids=special)
+    layouts = {"prefill": config.layout, "decode": config.layout} if config.layout else {}
+    engine = Engine(EngineConfig(model=config.model, dtype=config.dtype, mesh=config.mesh,
+                                 max_model_len=default_max_model_len(workload),
+                                 kv_cache_gb=8.0, show_progress=False, **layouts))
+    title = (f"{config.model} {config.dtype} on {config.mesh} "
+             f"({engine.runner.layouts['decode']}), {config.num_prompts} requests, median of "
+             f"{config.repeats}" + (f", stop={config.stop!r}" if config.stop else ""))
+    results = run_variants(engine, workload, config.variants, config.repeats, config.trace,
+                           config.stop, log)
+    log(render(title, results))
+    record = {"title": title, "workload": describe_workload(workload), "results": results}
+    out = Path(config.json_path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(record, indent=2))
+    log(f"wrote {out}")
+    return record
 
 
 def run_variants(engine, workload: Sequence[Request], variants: Sequence[str], repeats: int,

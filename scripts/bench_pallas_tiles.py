@@ -11,27 +11,12 @@ kind. Logic in `jaxpipe_bench.pallas_tiles`.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from jaxpipe.config_flags import add_flags, config_from_args  # noqa: E402
-from jaxpipe_bench import pallas_tiles  # noqa: E402
-
-
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--json", help="write the record here (rewritten after every point)")
-    add_flags(p, pallas_tiles.SweepConfig, group="sweep")
-    args = p.parse_args()
-    cfg = config_from_args(pallas_tiles.SweepConfig, args, p)
-    save = (lambda record: pallas_tiles.write(record, args.json)) if args.json else None
-    record = pallas_tiles.sweep(cfg, **({"save": save} if save else {}))
-    print(pallas_tiles.format_table(record))
-
+from jaxpipe_bench import cli, pallas_tiles  # noqa: E402
 
 if __name__ == "__main__":
-    main()
+    pallas_tiles.run(cli.parse(__doc__, pallas_tiles.SweepConfig))

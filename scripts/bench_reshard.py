@@ -3,7 +3,8 @@
 
   python scripts/bench_reshard.py                      # SmolLM2-135M, bf16
   python scripts/bench_reshard.py --dtype float32 --repeats 5 --out out/reshard.json
-Prints two tables and writes JSON. The logic lives in `jaxpipe_bench.layouts`.
+Prints two tables and writes JSON. The logic and the flags (`LayoutBenchConfig`) live in
+`jaxpipe_bench.layouts`.
 """
 
 import sys
@@ -14,5 +15,4 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from jaxpipe_bench import cli, layouts  # noqa: E402
 
 if __name__ == "__main__":
-    cli.run_model_bench(__doc__, layouts.LayoutBenchConfig, layouts.run, layouts.format_tables,
-                        "out/bench_reshard.json")
+    cli.run_model_bench(__doc__, layouts.LayoutBenchConfig, layouts.run, layouts.format_tables)

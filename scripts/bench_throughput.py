@@ -6,43 +6,30 @@ Examples:
   python scripts/bench_throughput.py --peers openvino,hf          # + OpenVINO GenAI (bench extra)
   python scripts/bench_throughput.py --num-prompts 16 --hf-batch-sizes 8,16
   python scripts/bench_throughput.py --input-len 128 --output-len 128 --skip-hf
-The logic lives in `jaxpipe_bench`; this file only parses flags.
+The logic and the flags (`BenchConfig`) live in `jaxpipe_bench`; this file only parses them.
 """
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 # Run from a checkout without installing: make `jaxpipe` importable.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from jaxpipe.config_flags import add_flags, config_from_args  # noqa: E402
-from jaxpipe_bench import BenchConfig, run_benchmark  # noqa: E402
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """The command-line flags, one per `BenchConfig` field (jaxpipe.config_flags)."""
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    add_flags(p, BenchConfig, group="benchmark")
-    return p
+from jaxpipe_bench import BenchConfig, cli, run_benchmark  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
     """Parse flags and run the benchmark."""
-    cfg = parse_config(argv)
-    run_benchmark(cfg)
+    run_benchmark(parse_config(argv))
     return 0
 
 
 def parse_config(argv: list[str] | None = None) -> BenchConfig:
-    """The BenchConfig the flags describe; exits with a usage error when nothing would run."""
-    parser = build_parser()
-    cfg = config_from_args(BenchConfig, parser.parse_args(argv), parser)
-    if cfg.skip_jaxpipe and not cfg.active_peers:
-        parser.error("--skip-jaxpipe with no peers (--peers '' or --skip-hf) measures nothing")
-    return cfg
+    """The BenchConfig the flags describe (a usage error where the class refuses them, e.g.
+    when nothing would run)."""
+    return cli.parse(__doc__, BenchConfig, argv, group="benchmark")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""Convert a GGUF file, an HF directory or a preset into an orbax checkpoint (the fast path).
+"""Convert a GGUF file, an HF directory or a preset into an orbax checkpoint (the fast path;
+logic and arguments: `ConvertConfig` in jaxpipe_bench.convert).
 
     python scripts/convert.py smollm2-135m out/smollm2-orbax [--dtype bfloat16]
     python -c "from jaxpipe import Engine; Engine(model='out/smollm2-orbax')"
@@ -6,37 +7,12 @@
 
 from __future__ import annotations
 
-import argparse
-import time
+import sys
+from pathlib import Path
 
-import numpy as np
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from jaxpipe.model import loading
-from jaxpipe.model.presets import resolve_model
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("model", help="preset name, .gguf file or HF directory")
-    parser.add_argument("output", help="directory to write the orbax checkpoint into")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                        help="dtype of the stored weights (default float32: lossless)")
-    args = parser.parse_args()
-    start = time.perf_counter()
-    source = resolve_model(args.model)
-    cfg, values = loading.load_weights(source)
-    if args.dtype == "bfloat16":
-        import ml_dtypes
-
-        values = {k: np.asarray(v).astype(ml_dtypes.bfloat16) for k, v in values.items()}
-    loading.save_orbax(args.output, cfg, values, args.dtype)
-    tokenizer = loading.load_tokenizer(source)
-    if tokenizer is not None:
-        tokenizer.save(args.output)
-    print(f"wrote {args.output} ({args.dtype}, {cfg.num_params() / 1e6:.0f}M params) in "
-          f"{time.perf_counter() - start:.1f} s")
-
+from jaxpipe_bench import cli, convert  # noqa: E402
 
 if __name__ == "__main__":
-    main()
+    convert.convert(cli.parse(__doc__, convert.ConvertConfig))

@@ -10,13 +10,18 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from grpc_tools import protoc
-
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from grpc_tools import protoc  # noqa: E402
+
+from jaxpipe_bench import cli  # noqa: E402
+
 PROTO = "jaxpipe/serve/jaxpipe.proto"
 
 
 def main() -> int:
+    cli.parser(__doc__).parse_args()  # no flags: --help, and no stray argument
     args = ["grpc_tools.protoc", f"-I{ROOT}", f"--python_out={ROOT}", f"--pyi_out={ROOT}",
             f"--grpc_python_out={ROOT}", str(ROOT / PROTO)]
     code = protoc.main(args)

@@ -5,7 +5,8 @@ what each family holds: `jaxpipe_bench.profile`).
 
   python scripts/profile_step.py                                  # the default workload
   python scripts/profile_step.py --input-len 1024 --output-len 128
-Takes bench_throughput.py's workload and engine flags; prints a table and writes JSON.
+Takes bench_throughput.py's workload and engine flags (`BenchConfig`); prints a table and
+writes JSON.
 """
 
 from __future__ import annotations
@@ -24,17 +25,11 @@ profile.enable_dump(DUMP.name)  # before JAX's backend starts
 
 
 def main() -> None:
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from bench_throughput import build_parser
-
-    from jaxpipe.config_flags import config_from_args
-    from jaxpipe_bench import BenchConfig
+    from jaxpipe_bench import BenchConfig, cli
     from jaxpipe_bench.report import machine_info
 
-    parser = build_parser()
-    parser.description = __doc__
-    parser.set_defaults(json_path="out/profile_step.json")
-    cfg = config_from_args(BenchConfig, parser.parse_args(), parser)
+    cfg = cli.parse(__doc__, BenchConfig, group="benchmark",
+                    defaults={"json_path": profile.JSON_PATH})
     result = profile.profile_workload(cfg, Path(DUMP.name))
     print(profile.format_table(result))
     out = Path(cfg.json_path)

@@ -1,32 +1,19 @@
 """The planner's (pp, tp, ep) choice for MoE models against every static layout, by simulation
-(logic in jaxpipe_bench/reproduce_moe.py): prints the table and writes it as JSON.
+(logic in jaxpipe_bench/reproduce_moe.py; flags: `ReproduceConfig` in
+jaxpipe_bench/reproduce.py): prints the table and writes it as JSON.
 
     python scripts/reproduce_moe.py [--json out/reproduce_moe.json] [--quick]
 """
 
 from __future__ import annotations
 
-import argparse
-import json
+import sys
 from pathlib import Path
 
-from jaxpipe_bench import reproduce_moe
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--json", metavar="PATH", default="out/reproduce_moe.json",
-                    help="where to write the results as JSON")
-    ap.add_argument("--quick", action="store_true", help="fewer requests (a smoke run)")
-    args = ap.parse_args()
-    num_requests = reproduce_moe.NUM_REQUESTS // (4 if args.quick else 1)
-    rows = reproduce_moe.run(num_requests)
-    print(reproduce_moe.format_table(rows))
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump(rows, f, indent=1)
-    print(f"wrote {args.json}")
-
+from jaxpipe_bench import cli, reproduce, reproduce_moe  # noqa: E402
 
 if __name__ == "__main__":
-    main()
+    reproduce_moe.report(cli.parse(__doc__, reproduce.ReproduceConfig,
+                                   defaults={"json_path": reproduce_moe.JSON_PATH}))

@@ -160,3 +160,69 @@ def test_fixed_choice_fields_list_the_choices_their_validation_accepts(parser, c
         assert f"argument {flag}: invalid choice: 'nope'" in capsys.readouterr().err
         with pytest.raises(ValueError, match=f"EngineConfig.{name} must be one of"):
             EngineConfig(**{name: "nope"}, warmup=False)  # Python callers: the class's message
+
+
+@dataclass(frozen=True)
+class Command:
+    """A command's arguments: positionals and a tuple of choices.
+
+    source: where from (positional, required).
+    level: how much (positional, optional).
+    kind: a positional choice.
+    rest: the remaining arguments, verbatim.
+    tables: one or more tables.
+    out_path: where the output goes.
+    """
+
+    source: str = field(metadata={"positional": True})
+    level: int = field(default=1, metadata={"positional": True})
+    kind: Literal["a", "b"] = field(default="a", metadata={"positional": True})
+    rest: tuple[str, ...] = field(default=(), metadata={"positional": True})
+    tables: tuple[Literal["identity", "shuffled"], ...] = ("shuffled",)
+    out_path: str = field(default="o.json", metadata={"flags": ("--out",)})
+
+
+def _command(argv, **defaults):
+    p = argparse.ArgumentParser()
+    add_flags(p, Command, defaults=defaults)
+    return config_from_args(Command, p.parse_args(argv), p)
+
+
+def test_positional_fields_are_positional_arguments(capsys):
+    assert _command(["src"]) == Command("src")
+    assert _command(["--tables=identity", "src", "3", "b", "--", "--x", "a,b"]) == Command(
+        "src", 3, "b", ("--x", "a,b"), ("identity",))  # the rest verbatim: not split on commas
+    for bad in ([], ["src", "x"], ["src", "1", "c"]):
+        with pytest.raises(SystemExit):
+            _command(bad)
+    assert "invalid choice: 'c' (choose from 'a', 'b')" in capsys.readouterr().err
+    p = argparse.ArgumentParser()
+    add_flags(p, Command)
+    usage = " ".join(p.format_usage().split())
+    assert "source [level] [{a,b}] [rest ...]" in usage
+
+
+def test_a_tuple_of_literals_takes_its_values_only(capsys):
+    assert _command(["s", "--tables", "identity,shuffled"]).tables == ("identity", "shuffled")
+    assert _command(["s", "--tables", "shuffled", "identity"]).tables == ("shuffled", "identity")
+    with pytest.raises(SystemExit):
+        _command(["s", "--tables", "identity,random"])
+    assert ("argument --tables: invalid choice: 'random' (choose from 'identity', 'shuffled')"
+            in capsys.readouterr().err)
+    p = argparse.ArgumentParser()
+    add_flags(p, Command)
+    assert "--tables {identity,shuffled}" in p.format_help()
+
+
+def test_a_command_line_default_replaces_the_field_default_in_value_and_help():
+    assert _command(["s"], out_path="x.json").out_path == "x.json"
+    assert _command(["s", "--out", "y.json"], out_path="x.json").out_path == "y.json"
+    assert _command(["s"], level=5).level == 5
+    p = argparse.ArgumentParser()
+    add_flags(p, Command, defaults={"out_path": "x.json"})
+    assert "where the output goes. (default: x.json)" in " ".join(p.format_help().split())
+    with pytest.raises(TypeError, match="defaults for no flag: \\['nope'\\]"):
+        add_flags(argparse.ArgumentParser(), Command, defaults={"nope": 1})
+    with pytest.raises(TypeError, match="defaults for no flag"):  # a skipped field has no flag
+        add_flags(argparse.ArgumentParser(), Command, skip=("out_path",),
+                  defaults={"out_path": "x"})
