@@ -233,6 +233,16 @@ def measured_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> float:
     return best
 
 
+def read_weight_bytes(params: dict) -> int:
+    """Bytes of the weights one decode step reads: all of them, but the embedding table when a
+    separate LM head exists (the lookup reads only the batch's rows of it; a tied model's head
+    is the table, read whole)."""
+    import jax
+
+    total = sum(x.nbytes for x in jax.tree.leaves(params))
+    return total - params["embed"].nbytes if "lm_head" in params else total
+
+
 def decode_bytes(model_cfg, weight_bytes: int, batch: int, context: int, kv_itemsize: int) -> int:
     """Bytes one decode step must read: every weight once, and each row's KV (K and V of every
     layer and kv head over `context` positions)."""
@@ -252,7 +262,7 @@ def roofline(cfg: CheckConfig, log=print) -> dict:
                                  max_num_seqs=max(cfg.decode_batches), show_progress=False,
                                  attention=cfg.attention))
     runner = engine.runner
-    weights = sum(x.nbytes for x in jax.tree.leaves(runner.params))
+    weights = read_weight_bytes(runner.params)
     kv_item = runner.cache.k.dtype.itemsize
     steps = {b: decode_seconds(runner, b, cfg.decode_context, cfg.repeats)
              for b in cfg.decode_batches}

@@ -32,3 +32,15 @@ def test_the_table_has_a_roofline_line_per_batch_and_no_parity_when_skipped():
                                                       "steps": steps}}
     text = format_table(record)
     assert "decode 1x1024" in text and "decode 64x1024" in text and "parity" not in text
+
+
+def test_a_decode_step_reads_the_embedding_table_only_as_its_lm_head():
+    import numpy as np
+
+    from jaxpipe_bench.gpu_check import read_weight_bytes
+
+    layers = {"wq": np.zeros((2, 8, 8), np.float32)}
+    table = np.zeros((100, 8), np.float32)
+    assert read_weight_bytes({**layers, "embed": table}) == layers["wq"].nbytes + table.nbytes
+    assert read_weight_bytes({**layers, "embed": table, "lm_head": table.T}) == (
+        layers["wq"].nbytes + table.nbytes)
