@@ -35,13 +35,13 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
 from typing import Protocol
 
 from jaxpipe.scheduler.actions import Action, Preempt, Run
 from jaxpipe.scheduler.policy import Policy, growth_victims
 from jaxpipe.scheduler.predictor import make_predictor
-from jaxpipe.scheduler.state import Location, SchedulerState, SeqInfo
+from jaxpipe.scheduler.state import SchedulerState, SeqInfo
 
 # Decision points (decode steps ahead): the paper's 32, 64, ..., 1024, and 1, 2, 4, 8, 16 before
 # them: usage peaks early (every sequence grows, few finish), and a sequence finishing within 32
@@ -115,9 +115,7 @@ class TDPipe(Policy):
         self.switches = 0  # phase changes, both ways
         # (first prediction, actual) of the newest finished sequences (TD-Pipe's Fig. 14)
         self.predictions: deque[tuple[int, int]] = deque(maxlen=KEEP_PREDICTIONS)
-        self._usage: list[int] | None = None  # Algorithm 1's kvUsage for this prefill phase
         self._returned: deque[list[SeqInfo]] = deque()  # returned batches' survivors
-        self._partway: dict[Hashable, SeqInfo] = {}  # a long prompt between its chunks
         self._phase_start = 0  # decode requests when the decode phase began
         self._phase_done = 0  # of them, finished since
 
@@ -138,30 +136,26 @@ class TDPipe(Policy):
 
     def _enter(self, phase: str, state: SchedulerState) -> None:
         self.phase, self.switches = phase, self.switches + 1
-        self._usage = None
         self._returned.clear()
         self._phase_start = sum(not s.in_prefill for s in state.device.values())
         self._phase_done = 0
 
     def _prefill(self, state: SchedulerState) -> tuple[Run | None, bool]:
-        """(the next prefill micro-batch, whether the phase is over). Whole prompts, a prompt
-        longer than the budget in chunks; while one is part-way no other is admitted (its
-        remaining KV is not reserved yet)."""
-        if self._usage is None and self.predictor is not None:
-            running = [(s, self._predict(s)) for s in state.device.values()]
-            self._usage = future_usage(state, running, self.points)
-        for seq in list(self._partway.values()):
-            if seq.seq_id in state.busy:
-                return None, False  # its next chunk waits for the one in flight
-            del self._partway[seq.seq_id]
-            if seq.location is Location.DEVICE and seq.in_prefill:
-                return self._chunk(seq, self.max_prefill_tokens), False
-        budget, room, slots = self.max_prefill_tokens, state.device_free, state.free_slots
+        """(the next prefill micro-batch, whether the phase is over). A prompt part-way
+        through its prefill (on the device, idle: whoever cut its chunk, this policy or the
+        prefix cache's admission) goes on first, alone; else whole waiting prompts, a prompt
+        longer than the budget in chunks. The rest of every part-way prompt's KV is kept
+        free for it (`_room`), so its next chunk always fits."""
+        partway = [s for s in state.idle() if s.in_prefill]
+        if partway:
+            return self._chunk(partway[0], self.max_prefill_tokens), False
+        usage = self._usage(state)
+        budget, room, slots = self.max_prefill_tokens, self._room(state), state.free_slots
         chunks: list[tuple[SeqInfo, int]] = []
         for seq in state.waiting:
             need = state.device_size(seq.to_prefill + 1)
             if (slots <= 0 or need > room or (chunks and seq.to_prefill > budget)
-                    or not self._fits(state, seq, room)):
+                    or not self._fits(state, seq, room, usage)):
                 break
             if seq.to_prefill > budget:  # a long prompt: alone, in chunks
                 return self._chunk(seq, budget), False
@@ -169,24 +163,47 @@ class TDPipe(Policy):
             budget, room, slots = budget - seq.to_prefill, room - need, slots - 1
         return (Run(prefill=chunks), False) if chunks else (None, True)
 
-    def _chunk(self, seq: SeqInfo, budget: int) -> Run:
-        if seq.to_prefill > budget:
-            self._partway[seq.seq_id] = seq
+    @staticmethod
+    def _chunk(seq: SeqInfo, budget: int) -> Run:
         return Run(prefill=[(seq, min(seq.to_prefill, budget))])
 
-    def _fits(self, state: SchedulerState, seq: SeqInfo, room: int) -> bool:
-        """Algorithm 1's check for one more prompt (admitting it if so), or the occupancy
-        ratio without a predictor. A prompt that fits an empty store is admitted whatever
-        the ratio says: alone it can only wait for itself."""
+    @staticmethod
+    def _room(state: SchedulerState) -> int:
+        """Device tokens new prompts may take: the free ones less what the device sequences
+        still in their prefill take to finish it (and hold their first sampled token)."""
+        unit = state.device_unit
+        rest = sum(max(state.device_size(s.context_len + 1) - len(s.blocks) * unit, 0)
+                   for s in state.device.values() if s.in_prefill)
+        return state.device_free - rest
+
+    def _usage(self, state: SchedulerState) -> list[int] | None:
+        """Algorithm 1's kvUsage of the device sequences (running ones, and the prompts
+        admitted so far this phase), read afresh from the state: a sequence that finished
+        since counts no more (None without a predictor)."""
         if self.predictor is None:
-            used = state.device_kv_tokens - room
-            return used == 0 or used + state.device_size(seq.prompt_len) <= \
-                self.occupancy * state.device_kv_tokens
-        usage = list(self._usage)
-        add_usage(state, usage, seq, self._predict(seq), self.points)
-        if max(usage, default=0) > state.device_kv_tokens:
+            return None
+        return future_usage(state, [(s, self._predict(s)) for s in state.device.values()],
+                            self.points)
+
+    def _fits(self, state: SchedulerState, seq: SeqInfo, room: int,
+              usage: list[int] | None) -> bool:
+        """Algorithm 1's check for one more prompt (adding it to `usage` if so), or the
+        occupancy ratio without a predictor; `room`: what the micro-batch leaves new prompts
+        so far (`_room`). The ratio counts every block held, kept or charged, and the next
+        decode step's growth of every device sequence (else a prompt admitted into the
+        growth's room is preempted at once and admitted again: a livelock). A prompt is
+        admitted whatever the ratio says into a store that holds nothing: alone it can only
+        wait for itself."""
+        if usage is None:
+            capacity = state.device_used + state.device_free  # whole blocks
+            used = capacity - room + sum(state.growth(s) for s in state.device.values())
+            need = state.device_size(seq.to_prefill + 1)
+            return used == 0 or used + need <= self.occupancy * state.device_kv_tokens
+        grown = list(usage)
+        add_usage(state, grown, seq, self._predict(seq), self.points)
+        if max(grown, default=0) > state.device_kv_tokens:
             return False
-        self._usage = usage
+        usage[:] = grown
         return True
 
     def _predict(self, seq: SeqInfo) -> int:
@@ -234,7 +251,7 @@ class TDPipe(Policy):
 
     # ---- decode -> prefill ----------------------------------------------------------------
     def _should_prefill(self, state: SchedulerState) -> bool:
-        if not state.waiting and not self._partway:
+        if not state.waiting and not any(s.in_prefill for s in state.device.values()):
             return False
         live = [s for s in state.device.values() if not s.in_prefill]
         if not live:
