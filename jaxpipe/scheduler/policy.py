@@ -101,6 +101,14 @@ def growth_victims(state: SchedulerState) -> list[SeqInfo]:
     return victims
 
 
+def prefill_rest(state: SchedulerState) -> int:
+    """Device tokens the device sequences still in their prefill take to finish it (and hold
+    their first sampled token): kept for them, not free for new prompts."""
+    unit = state.device_unit
+    return sum(max(state.device_size(s.context_len + 1) - len(s.blocks) * unit, 0)
+               for s in state.device.values() if s.in_prefill)
+
+
 def swap_in_batch(state: SchedulerState, room: int) -> list[SeqInfo]:
     """Host-tier sequences (FIFO) that fit free device slots and `room` tokens (KV + 1)."""
     batch: list[SeqInfo] = []

@@ -39,7 +39,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from jaxpipe.scheduler.actions import Action, Preempt, Run
-from jaxpipe.scheduler.policy import Policy, growth_victims
+from jaxpipe.scheduler.policy import Policy, growth_victims, prefill_rest
 from jaxpipe.scheduler.predictor import make_predictor
 from jaxpipe.scheduler.state import SchedulerState, SeqInfo
 
@@ -145,12 +145,13 @@ class TDPipe(Policy):
         through its prefill (on the device, idle: whoever cut its chunk, this policy or the
         prefix cache's admission) goes on first, alone; else whole waiting prompts, a prompt
         longer than the budget in chunks. The rest of every part-way prompt's KV is kept
-        free for it (`_room`), so its next chunk always fits."""
+        free for it (`prefill_rest`), so its next chunk always fits."""
         partway = [s for s in state.idle() if s.in_prefill]
         if partway:
             return self._chunk(partway[0], self.max_prefill_tokens), False
         usage = self._usage(state)
-        budget, room, slots = self.max_prefill_tokens, self._room(state), state.free_slots
+        room = state.device_free - prefill_rest(state)
+        budget, slots = self.max_prefill_tokens, state.free_slots
         chunks: list[tuple[SeqInfo, int]] = []
         for seq in state.waiting:
             need = state.device_size(seq.to_prefill + 1)
@@ -167,15 +168,6 @@ class TDPipe(Policy):
     def _chunk(seq: SeqInfo, budget: int) -> Run:
         return Run(prefill=[(seq, min(seq.to_prefill, budget))])
 
-    @staticmethod
-    def _room(state: SchedulerState) -> int:
-        """Device tokens new prompts may take: the free ones less what the device sequences
-        still in their prefill take to finish it (and hold their first sampled token)."""
-        unit = state.device_unit
-        rest = sum(max(state.device_size(s.context_len + 1) - len(s.blocks) * unit, 0)
-                   for s in state.device.values() if s.in_prefill)
-        return state.device_free - rest
-
     def _usage(self, state: SchedulerState) -> list[int] | None:
         """Algorithm 1's kvUsage of the device sequences (running ones, and the prompts
         admitted so far this phase), read afresh from the state: a sequence that finished
@@ -189,7 +181,7 @@ class TDPipe(Policy):
               usage: list[int] | None) -> bool:
         """Algorithm 1's check for one more prompt (adding it to `usage` if so), or the
         occupancy ratio without a predictor; `room`: what the micro-batch leaves new prompts
-        so far (`_room`). The ratio counts every block held, kept or charged, and the next
+        so far. The ratio counts every block held, kept or charged, and the next
         decode step's growth of every device sequence (else a prompt admitted into the
         growth's room is preempted at once and admitted again: a livelock). A prompt is
         admitted whatever the ratio says into a store that holds nothing: alone it can only

@@ -7,9 +7,9 @@ import math
 
 import pytest
 
-from jaxpipe.scheduler import Location, Run, SchedulerState, SeqInfo, make_policy
+from jaxpipe.scheduler import Driver, Location, Run, SchedulerState, SeqInfo, make_policy
 from jaxpipe.scheduler.throttle import ThrottleKnobs, decode_budget, prefill_budget
-from scheduler.helpers import make_seqs, run_pipelined
+from scheduler.helpers import Trace, TraceExecutor, make_seqs, run_pipelined
 
 KNOBS = ThrottleKnobs()  # #T 8, #MaxP 2048, #MinP 32, KV_thresh 0.05
 
@@ -90,3 +90,40 @@ def test_every_request_finishes_once_under_pipelining(depth, seed):
                for s in seqs)
     assert trace.max_device_used <= 240 and state.device_used == 0
     assert trace.max_in_flight == depth or depth == 1
+
+
+def drive(policy, seqs, device_kv: int, slots: int, depth: int, unit: int) -> SchedulerState:
+    """`run_pipelined` with a bound on the steps: a livelock fails instead of running on."""
+    state = SchedulerState(device_kv, slots, device_unit=unit)
+    state.add_all(seqs)
+    Driver(policy, state, TraceExecutor(Trace(), depth)).run(max_steps=5_000)
+    return state
+
+
+def test_a_prompt_alone_in_a_small_store_is_never_suspended():
+    """A 54-token prompt in a 4-block store (blocks of 16), prefilled in chunks of 16: after
+    49 tokens it holds every block, KV_free is 0 < KV_thresh and prefill was suspended; with
+    nothing decoding the policy preempted it (the newest) and admitted it again, for ever.
+    Its KV was counted when it was admitted: it goes on, and finishes."""
+    seq = SeqInfo(0, 54, 8)
+    policy = make_policy("throttle", pipeline_depth=1, max_prefill_tokens=16,
+                         knobs=ThrottleKnobs(min_prefill=0))
+    state = drive(policy, [seq], device_kv=64, slots=8, depth=1, unit=16)
+    assert seq.location is Location.FINISHED and state.num_finished == 1
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_every_request_finishes_in_a_store_too_small_for_its_slots(depth):
+    """32 slots over a 4-block store: prompts were admitted a block at a time while a slot
+    and a block were free, so part-way prompts filled the store, prefill was suspended below
+    KV_thresh and the newest was preempted and admitted again in a loop. A prompt is now
+    admitted only if all of its KV fits."""
+    sizes = [(29, 30), (15, 25), (8, 38), (15, 39), (8, 1), (3, 28), (29, 31), (8, 15),
+             (54, 8), (11, 1), (10, 33)]
+    seqs = [SeqInfo(i, p, o) for i, (p, o) in enumerate(sizes)]
+    policy = make_policy("throttle", pipeline_depth=depth, max_prefill_tokens=16,
+                         knobs=ThrottleKnobs(min_prefill=0))
+    state = drive(policy, seqs, device_kv=64, slots=32, depth=depth, unit=16)
+    assert all(s.location is Location.FINISHED and s.generated == s.max_output_len
+               for s in seqs)
+    assert state.device_used == 0
