@@ -182,6 +182,28 @@ def test_abort_in_the_host_tier_frees_it_and_spares_the_others(engine, reference
     assert engine.executor.state.host_used == 0 and host_holds_no_sequence(engine)
 
 
+def test_abort_during_a_swap_in_leaves_no_staged_copy_and_spares_the_others(engine, reference):
+    """A request aborted while the prefetcher brings its KV back: its request is cancelled
+    (every request the prefetcher still has is one the KV manager waits for; the aborted
+    one's staged copy stayed in the prefetcher's queue, holding device memory), and the
+    others' tokens are the reference's."""
+    engine.set_scheduler("seesaw")
+    ids = [engine.add_request(p, sp) for p, sp in zip(PROMPTS, params(), strict=True)]
+    kv = engine.executor.kv
+    while not kv.pending:
+        engine.step()
+    victim = next(s for s in engine.executor.state.device.values() if not kv.decodable(s))
+    engine.abort(victim.request_id)
+    assert kv.prefetcher.pending == kv.pending
+    while engine.has_unfinished():
+        engine.step()
+    outs = {i: engine.pop_output(i).outputs[0] for i in ids}
+    assert outs[victim.request_id].finish_reason == "abort"
+    assert all(outs[i].token_ids == reference[k] for k, i in enumerate(ids)
+               if i != victim.request_id)
+    assert kv.prefetcher.pending == kv.prefetcher.staged == 0 and host_holds_no_sequence(engine)
+
+
 def test_reset_stats_zeroes_the_counters(engine):
     engine.set_scheduler("seesaw")
     engine.generate(PROMPTS[:4], params()[:4])
