@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 from jaxpipe import sizing, step_timing
 from jaxpipe.buckets import Buckets
-from jaxpipe.config import EngineConfig
+from jaxpipe.config import EngineConfig, ModelConfig
 from jaxpipe.distributed import MirroredRunner
 from jaxpipe.engine_stats import EngineStats
 from jaxpipe.kv.device_cache import BLOCK
@@ -299,10 +299,18 @@ def _scheduling(config: EngineConfig, runner: Runner, buckets: Buckets, num_slot
     # The host tier keeps each sequence in whole swap chunks (`Runner.kv_chunk`).
     state = SchedulerState(pool_tokens, num_slots, host_tokens, host_unit=runner.kv_chunk,
                            device_unit=BLOCK, prefix_caching=config.prefix_caching,
-                           cache_key=cache_key(config))
+                           cache_key=cache_key(config), window=every_layer_window(runner.config))
     policy = _policy(config.scheduler, config, runner, buckets, host_tokens)
     mirror = runner.leader.send if isinstance(runner, MirroredRunner) else None
     return state, policy, KVManager(runner, host_tokens > 0, mirror=mirror)
+
+
+def every_layer_window(cfg: ModelConfig) -> int:
+    """The sliding window every layer attends through, so that blocks behind it can be given
+    back (Mistral's); 0 when any layer reads the whole context (Gemma's global layers: the
+    one block table serves every layer, and they keep every block)."""
+    every = set(cfg.sliding_layers) >= set(range(cfg.num_layers))
+    return cfg.sliding_window if cfg.sliding_window and every else 0
 
 
 def cache_key(config: EngineConfig) -> tuple:

@@ -97,15 +97,17 @@ def growth_victims(state: SchedulerState) -> list[SeqInfo]:
         if need <= 0:
             break
         victims.append(seq)
-        need -= state.device_size(seq.computed) + state.growth(seq)
+        need -= state.held_size(seq) + state.growth(seq)
     return victims
 
 
-def prefill_rest(state: SchedulerState) -> int:
+def prefill_rest(state: SchedulerState, chunk: int) -> int:
     """Device tokens the device sequences still in their prefill take to finish it (and hold
-    their first sampled token): kept for them, not free for new prompts."""
+    their first sampled token), `chunk` tokens at a time: kept for them, not free for new
+    prompts."""
     unit = state.device_unit
-    return sum(max(state.device_size(s.context_len + 1) - len(s.blocks) * unit, 0)
+    return sum(min(max(state.device_size(s.context_len + 1) - len(s.blocks) * unit, 0),
+                   state.reserve_size(s, s.context_len + 1, chunk))
                for s in state.device.values() if s.in_prefill)
 
 
@@ -114,7 +116,7 @@ def swap_in_batch(state: SchedulerState, room: int) -> list[SeqInfo]:
     batch: list[SeqInfo] = []
     slots = state.free_slots
     for seq in state.host.values():
-        need = state.device_size(seq.computed + 1)
+        need = state.resume_size(seq)
         if len(batch) >= slots or need > room:
             break
         batch.append(seq)

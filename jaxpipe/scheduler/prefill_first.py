@@ -41,9 +41,8 @@ class PrefillFirst(Policy):
             action = self._mixed_step(state)
             return self._in_phase(state, Phase.DECODE, action) if isinstance(action, Run) \
                 else action
-        batch = self._admit(state, self._device_room(state),
-                            lambda seq: state.device_size(seq.context_len + 1)
-                            - state.device_size(seq.computed))
+        batch = self._admit(state, self._device_room(state), lambda seq: state.reserve_size(
+            seq, seq.context_len + 1, self.max_prefill_tokens))
         if batch:
             return self._in_phase(state, Phase.PREFILL, Run(prefill=batch))
         action = preempt_or_decode(state, swap=self.preempt_mode == "swap")
@@ -68,8 +67,9 @@ class PrefillFirst(Policy):
         room = min(free, self._device_room(state))
         slots = state.free_slots
         for seq in state.waiting:
-            if budget <= 0 or slots <= 0 or state.device_size(seq.to_prefill + 1) > room:
-                break  # vLLM admits a prompt only if all of its KV fits
+            need = state.reserve_size(seq, seq.context_len + 1, self.max_prefill_tokens)
+            if budget <= 0 or slots <= 0 or need > room:
+                break  # vLLM admits a prompt only if all of its KV fits (its peak: a window)
             budget, room = self._add_chunk(state, chunks, seq, budget, room)
             slots -= 1
         if chunks or decode:

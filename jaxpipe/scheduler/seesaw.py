@@ -43,7 +43,7 @@ class Seesaw(Policy):
         room = min(state.host_free, state.device_free)
         batch = self._admit(state, room, lambda seq: max(
             state.host_size(seq.context_len),
-            state.device_size(seq.context_len) - state.device_size(seq.computed)))
+            state.reserve_size(seq, seq.context_len, self.max_prefill_tokens)))
         if batch:
             return Run(prefill=batch, prefill_to_host=True)
         if state.host or state.device:

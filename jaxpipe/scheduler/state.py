@@ -24,6 +24,19 @@ preemption, finish). Only this state takes blocks (`_reserve`) and slots (`_ente
 run is launched, when an action is applied, and when a swap-in brings a sequence back; an
 executor reads `SeqInfo.blocks` and `SeqInfo.slot`, it never takes any.
 
+Sliding windows (`window`: every layer attends over its last `window` keys only, as
+Mistral's; 0 when any layer reads the whole context, as Gemma's global layers do: one block
+table serves every layer). A query at position p reads the blocks from the one holding
+p - window + 1 (`first_live`); every later query starts later, so once a run is applied the
+blocks before its sequences' next query's are given back (`_slide`): each such entry of
+`SeqInfo.blocks` becomes `FREED` (out of every pool's range: attention never reads it), so
+the list stays in position order. A sequence then holds at most window / block + 1 blocks
+while it decodes (`peak_size`: a chunk reads its window too), and that, not its length, is
+what admission reserves for it. A freed block that is cached goes back as any released
+cached block does (LRU); the host tier keeps a swapped-out sequence's whole length (its
+freed positions are garbage no one reads) and a swap-in takes only the blocks past the
+window (`resume_size`).
+
 Launching. An executor that builds a step needs its blocks before running it: it launches the
 `Run` first (`launch`: its prompts leave the waiting queue, every sequence takes the blocks the
 run writes and is `busy`), then `apply` records it at once (the engine's rule: a run is
@@ -76,7 +89,7 @@ from dataclasses import dataclass, field
 
 from jaxpipe.scheduler.actions import Action, Kind, Preempt, Run, SwapIn, Switch
 from jaxpipe.scheduler.host_prefix import HostPrefixCache, Move
-from jaxpipe.scheduler.prefix_cache import BlockPool
+from jaxpipe.scheduler.prefix_cache import FREED, BlockPool
 
 
 class Location(enum.Enum):
@@ -107,6 +120,7 @@ class SeqInfo:
     location: Location = Location.WAITING
     arrival: int = 0  # admission order, set by SchedulerState.add (preemption picks the newest)
     blocks: list[int] = field(default_factory=list)  # device KV blocks held, in position order
+    behind: int = 0  # of them, leading ones given back (FREED): behind every layer's window
     slot: int | None = None  # its device slot while it is in the device store
     cached_tokens: int = 0  # tokens of its context its last admission found in the prefix cache
     block_hashes: list[bytes] = field(default_factory=list, repr=False)  # of blocks[:len(this)]
@@ -151,13 +165,14 @@ class SchedulerState:
 
     def __init__(self, device_kv_tokens: int, max_device_seqs: int, host_kv_tokens: int = 0,
                  phase: Phase = Phase.PREFILL, host_unit: int = 1, device_unit: int = 1,
-                 prefix_caching: bool = False, cache_key: Hashable = None):
+                 prefix_caching: bool = False, cache_key: Hashable = None, window: int = 0):
         """`host_unit`: the host tier stores each sequence's KV rounded up to a multiple of
         this many tokens (its copy programs compile per rounded length), and is charged so.
         `device_unit`: the device store's block size; a sequence holds whole blocks.
         `prefix_caching`: share cached full blocks between sequences with the same prefix;
         `cache_key`: whatever else changes the KV of the same tokens (e.g. the model's
-        name), hashed into every block."""
+        name), hashed into every block. `window`: the sliding window every layer reads
+        through (0: some layer reads the whole context; the module docstring)."""
         if (device_kv_tokens < 1 or max_device_seqs < 1 or host_kv_tokens < 0 or host_unit < 1
                 or device_unit < 1):
             raise ValueError(f"need device_kv_tokens >= 1 (got {device_kv_tokens}), "
@@ -165,6 +180,9 @@ class SchedulerState:
                              f"host_kv_tokens >= 0 (got {host_kv_tokens}), "
                              f"host_unit >= 1 (got {host_unit}) and "
                              f"device_unit >= 1 (got {device_unit})")
+        if window < 0:
+            raise ValueError(f"window must be >= 0 (0: none), got {window}")
+        self.window = window
         self.host_unit = host_unit
         self.device_unit = device_unit
         self.device_kv_tokens = device_kv_tokens
@@ -250,6 +268,48 @@ class SchedulerState:
         """Device tokens a device sequence takes on when it writes one more KV token."""
         return self.device_size(seq.computed + 1) - self.device_size(seq.computed)
 
+    def first_live(self, position: int) -> int:
+        """The first block a query at `position` reads: the one its window starts in (0
+        without a window)."""
+        if not self.window:
+            return 0
+        return max(position - self.window + 1, 0) // self.device_unit
+
+    def held_size(self, seq: SeqInfo) -> int:
+        """Device tokens of the blocks `seq` holds (those behind its window given back)."""
+        return (len(seq.blocks) - seq.behind) * self.device_unit
+
+    def span_size(self, positions: int) -> int:
+        """Device tokens of the most blocks `positions` (>= 1) consecutive positions fall on."""
+        return (-(-(positions - 1) // self.device_unit) + 1) * self.device_unit
+
+    def peak_size(self, seq: SeqInfo, tokens: int, chunk: int = 1) -> int:
+        """The most device tokens `seq` holds at once from now until its context reaches
+        `tokens`: the rest of its prefill in chunks of at most `chunk`, then a token at a
+        time. Every block without a window; with one, what a step reads: a first chunk from
+        position 0 its own blocks, any other chunk or decode its window before it too."""
+        full = self.device_size(tokens)
+        if not self.window:
+            return full
+        spans = [self.span_size(self.window)]  # a decode: its window
+        rest = seq.to_prefill
+        if seq.computed == 0:
+            spans.append(self.device_size(min(rest, chunk)))
+        if seq.computed > 0 or rest > chunk:
+            spans.append(self.span_size(self.window + min(rest, chunk) - 1))
+        return min(full, max(spans))
+
+    def reserve_size(self, seq: SeqInfo, tokens: int, chunk: int = 1) -> int:
+        """Device tokens `seq` takes, beyond those it holds, at most, until its context
+        reaches `tokens` (`peak_size`): an admission's reservation."""
+        return max(self.peak_size(seq, tokens, chunk) - self.held_size(seq), 0)
+
+    def resume_size(self, seq: SeqInfo) -> int:
+        """Device tokens a swapped-out `seq` takes to come back and decode one token: its
+        blocks from its window's start."""
+        unit = self.device_unit
+        return self.device_size(seq.computed + 1) - self.first_live(seq.computed) * unit
+
     @property
     def free_slots(self) -> int:
         return len(self._free_slots)
@@ -260,14 +320,28 @@ class SchedulerState:
 
     # ---- writing -------------------------------------------------------------------------
     def _reserve(self, seq: SeqInfo, tokens: int) -> None:
-        """Give `seq` device blocks until its first `tokens` positions fit."""
-        need = -(-tokens // self.device_unit) - len(seq.blocks)
+        """Give `seq` device blocks until its first `tokens` positions fit (those before its
+        window's start entered as FREED: a swap-in of a windowed sequence)."""
+        first, end = self.first_live(seq.computed), -(-tokens // self.device_unit)
+        need = end - max(len(seq.blocks), first)
         if need > self.free_blocks:
             raise RuntimeError(
                 f"device KV overfilled: {seq.seq_id!r} needs {need} more blocks of "
                 f"{self.device_unit} tokens, {self.free_blocks} of {self.num_blocks} are free")
+        if len(seq.blocks) < first <= end:
+            seq.blocks.extend([FREED] * (first - len(seq.blocks)))
+            seq.behind = first
         seq.blocks.extend(self.block_pool.take() for _ in range(max(need, 0)))
         self.peak_blocks = max(self.peak_blocks, self.block_pool.num_held)
+
+    def _slide(self, seq: SeqInfo) -> None:
+        """Give back `seq`'s blocks that its next query's window has moved past (none
+        without a window): their entries become FREED."""
+        first = min(self.first_live(seq.computed), len(seq.blocks))
+        for i in range(seq.behind, first):
+            self.block_pool.release(seq.blocks[i])
+            seq.blocks[i] = FREED
+        seq.behind = max(seq.behind, first)
 
     def _enter(self, seq: SeqInfo) -> None:
         """`seq` joins the device store (a prompt leaving the waiting queue, or a swap-in
@@ -283,7 +357,7 @@ class SchedulerState:
         """Drop `seq`'s references to its device blocks and return its slot (it leaves the
         device store; the caller takes it out of `device`)."""
         self.block_pool.drop(seq)
-        seq.blocks, seq.block_hashes = [], []
+        seq.blocks, seq.block_hashes, seq.behind = [], [], 0
         heapq.heappush(self._free_slots, seq.slot)
         seq.slot = None
 
@@ -396,6 +470,7 @@ class SchedulerState:
             self._reserve(seq, seq.computed + 1)
             seq.computed += 1
             seq.generated += 1
+            self._slide(seq)
             # It filled a block, or came back from the host tier (its blocks are cached
             # once it decodes: its KV is in them by then).
             if caching and (seq.computed % unit == 0 or not seq.block_hashes):
@@ -412,6 +487,7 @@ class SchedulerState:
         self._reserve(seq, seq.computed + num_tokens)
         seq.computed += num_tokens
         self.block_pool.cache_full([seq])
+        self._slide(seq)
         if seq.to_prefill == 0:
             seq.generated += 1
             if to_host:

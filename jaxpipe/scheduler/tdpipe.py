@@ -80,7 +80,7 @@ def add_usage(state: SchedulerState, usage: list[int], seq: SeqInfo, predicted: 
     for i, p in enumerate(points):
         if p > left:
             break
-        usage[i] += state.device_size(seq.context_len + p)
+        usage[i] += state.peak_size(seq, seq.context_len + p)
 
 
 class TDPipe(Policy):
@@ -150,11 +150,11 @@ class TDPipe(Policy):
         if partway:
             return self._chunk(partway[0], self.max_prefill_tokens), False
         usage = self._usage(state)
-        room = state.device_free - prefill_rest(state)
         budget, slots = self.max_prefill_tokens, state.free_slots
+        room = state.device_free - prefill_rest(state, budget)
         chunks: list[tuple[SeqInfo, int]] = []
         for seq in state.waiting:
-            need = state.device_size(seq.to_prefill + 1)
+            need = state.reserve_size(seq, seq.context_len + 1, self.max_prefill_tokens)
             if (slots <= 0 or need > room or (chunks and seq.to_prefill > budget)
                     or not self._fits(state, seq, room, usage)):
                 break
@@ -189,7 +189,7 @@ class TDPipe(Policy):
         if usage is None:
             capacity = state.device_used + state.device_free  # whole blocks
             used = capacity - room + sum(state.growth(s) for s in state.device.values())
-            need = state.device_size(seq.to_prefill + 1)
+            need = state.reserve_size(seq, seq.context_len + 1, self.max_prefill_tokens)
             return used == 0 or used + need <= self.occupancy * state.device_kv_tokens
         grown = list(usage)
         add_usage(state, grown, seq, self._predict(seq), self.points)
@@ -265,7 +265,7 @@ class TDPipe(Policy):
         t = self.timing
         batches, tokens, room = [], 0, state.device_free
         for seq in state.waiting:
-            need = state.device_size(seq.prompt_len + 1)
+            need = state.peak_size(seq, seq.prompt_len + 1, self.max_prefill_tokens)
             if need > room:
                 break
             room -= need

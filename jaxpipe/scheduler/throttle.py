@@ -91,7 +91,8 @@ class Throttle(Policy):
         waiting = sum(s.to_prefill for s in state.waiting)
         waiting += sum(s.to_prefill for s in idle if s.in_prefill)
         running = sum(not s.in_prefill for s in state.device.values())
-        kv_free = (state.device_free - prefill_rest(state)) / state.device_kv_tokens
+        kv_free = (state.device_free - prefill_rest(state, self.max_prefill_tokens)
+                   ) / state.device_kv_tokens
         return prefill_budget(waiting, kv_free, self.knobs), decode_budget(running, self.depth)
 
     def schedule(self, state: SchedulerState) -> Action | None:
@@ -122,11 +123,11 @@ class Throttle(Policy):
             partway_budget, room = PrefillFirst._add_chunk(state, chunks, seq, partway_budget,
                                                            room)
         budget -= sum(n for _, n in chunks)
-        room = state.device_free - prefill_rest(state) - sum(
+        room = state.device_free - prefill_rest(state, self.max_prefill_tokens) - sum(
             state.growth(s) for s in state.device.values())
         slots = state.free_slots
         for seq in state.waiting:
-            need = state.device_size(seq.to_prefill + 1)
+            need = state.reserve_size(seq, seq.context_len + 1, self.max_prefill_tokens)
             if budget <= 0 or slots <= 0 or need > room:
                 break
             budget, _ = PrefillFirst._add_chunk(state, chunks, seq, budget, room)

@@ -7,6 +7,7 @@ import random
 from dataclasses import dataclass, field
 
 from jaxpipe.scheduler import Driver, Kind, Policy, SchedulerState, SeqInfo, StepExecutor
+from jaxpipe.scheduler.prefix_cache import FREED
 
 
 @dataclass
@@ -83,16 +84,23 @@ class TraceExecutor(StepExecutor):
 
 
 def check_ledger(state: SchedulerState, trace: Trace) -> None:
-    """Peaks into `trace`, and the ledger's invariants: each device sequence is charged its
-    KV rounded up to whole blocks, no more, and the blocks are distinct: held by one sequence
-    each, or free; likewise slots, one per device sequence within max_device_seqs."""
+    """Peaks into `trace`, and the ledger's invariants: each device sequence has an entry
+    per block of its KV rounded up to whole blocks, no more, and holds them from the one its
+    next query's window starts in (the entries before are FREED; with a window, at most
+    ceil(window / block) + 1 blocks); the blocks are distinct: held by one sequence each, or
+    free; likewise slots, one per device sequence within max_device_seqs."""
     trace.max_host_used = max(trace.max_host_used, state.host_used)
     trace.max_device_used = max(trace.max_device_used, state.device_used)
-    assert state.device_used == sum(state.device_size(s.computed)
-                                    for s in state.device.values())
-    held = [b for s in state.device.values() for b in s.blocks]
-    assert all(len(s.blocks) * state.device_unit == state.device_size(s.computed)
-               for s in state.device.values())
+    assert state.device_used == sum(state.held_size(s) for s in state.device.values())
+    held = [b for s in state.device.values() for b in s.blocks if b != FREED]
+    unit = state.device_unit
+    for s in state.device.values():
+        assert len(s.blocks) * unit == state.device_size(s.computed)
+        first = min(state.first_live(s.computed), len(s.blocks))
+        assert s.behind == first and set(s.blocks[:first]) <= {FREED}
+        assert FREED not in s.blocks[first:]
+        if state.window:
+            assert len(s.blocks) - first <= -(-state.window // unit) + 1
     assert len(set(held)) == len(held) == state.num_blocks - state.free_blocks
     assert not any(s.blocks for s in [*state.waiting, *state.host.values()])
     slots = [s.slot for s in state.device.values()]
@@ -102,11 +110,14 @@ def check_ledger(state: SchedulerState, trace: Trace) -> None:
 
 
 def run_policy(policy: Policy, seqs: list[SeqInfo], device_kv: int, slots: int,
-               host_kv: int = 0, unit: int = 1) -> tuple[SchedulerState, Trace]:
+               host_kv: int = 0, unit: int = 1, window: int = 0
+               ) -> tuple[SchedulerState, Trace]:
     """Drive `policy` until every sequence ran to its `max_output_len`, one step landing
-    before the next; both tiers charge whole `unit`s of tokens (the engine's KV blocks).
-    The ledger is checked after every action."""
-    state = SchedulerState(device_kv, slots, host_kv, host_unit=unit, device_unit=unit)
+    before the next; both tiers charge whole `unit`s of tokens (the engine's KV blocks),
+    every layer reads through a sliding `window` (0: none). The ledger is checked after
+    every action."""
+    state = SchedulerState(device_kv, slots, host_kv, host_unit=unit, device_unit=unit,
+                           window=window)
     state.add_all(seqs)
     trace = Trace()
     original_apply = state.apply

@@ -23,7 +23,7 @@ from jaxpipe.scheduler import (
     make_policy,
 )
 from jaxpipe.scheduler.host_prefix import Fetch, Forget, Spill
-from jaxpipe.scheduler.prefix_cache import ROOT, BlockPool, block_hash, extra_key_digest
+from jaxpipe.scheduler.prefix_cache import FREED, ROOT, BlockPool, block_hash, extra_key_digest
 
 UNIT = 4
 
@@ -316,9 +316,12 @@ class Driver:
     group holds (`host_holds`, moved as the state's `take_moves` say) to check both tiers.
     The pool (12 or 24 blocks), the host tier (none, one or two groups, 8 or 40 blocks) and
     its group size (1 or 2 blocks) are drawn, so blocks go to the host tier and come back,
-    and a full tier evicts groups while blocks are copied back."""
+    and a full tier evicts groups while blocks are copied back. With a sliding `window`
+    every run is launched and its KV written before it is applied (as the engine's step
+    writes it before the blocks behind the window are given back)."""
 
-    def __init__(self, seed: int, caching: bool, policy: str = "prefill_first"):
+    def __init__(self, seed: int, caching: bool, policy: str = "prefill_first",
+                 window: int = 0):
         self.rng = rng = random.Random(seed)
         group = rng.choice([1, 2])
         host = rng.choice([0, group, 2 * group, 8, 40])  # one or two groups: a full tier
@@ -326,7 +329,7 @@ class Driver:
             host = max(host, 10)
         self.state = SchedulerState(rng.choice([12, 24]) * UNIT, 6, host * UNIT,
                                     host_unit=group * UNIT,
-                                    device_unit=UNIT, prefix_caching=caching)
+                                    device_unit=UNIT, prefix_caching=caching, window=window)
         self.policy = draw_policy(policy, rng)
         # tdpipe and throttle preempt by recompute only and never swap in: so does this
         # driver; seesaw and decode_first decode what they swap in (seesaw parks only whole
@@ -406,7 +409,7 @@ class Driver:
         runs = [action]
         # engine-like: launch (a second run rides along), apply; a run whose prefills go to
         # the host tier is launched first (its KV is written in the blocks it takes there)
-        if self.rng.random() < 0.5 or action.prefill_to_host:
+        if self.rng.random() < 0.5 or action.prefill_to_host or self.state.window:
             self.state.launch(action)
             second = self.policy.schedule(self.state) if self.rides else None
             # (not beside a run to the host tier: its room is only charged as it is applied)
@@ -420,14 +423,17 @@ class Driver:
 
     def apply(self, run: Run) -> None:
         before = {s.seq_id: s.generated for s in run.seqs}
-        if run.prefill_to_host:  # written before its completed prefills leave the device
+        early = run.prefill_to_host or self.state.window  # written as launched
+        if early:  # before its prefills leave the device, or its window moves on
             for s, n in run.prefill:
                 self.write(s, s.computed, s.computed + n)
+            for s in run.decode:
+                self.write(s, s.computed, s.computed + 1)
         self.state.apply(run)
         self.move()
-        for s, n in run.prefill if not run.prefill_to_host else ():
+        for s, n in run.prefill if not early else ():
             self.write(s, s.computed - n, s.computed)  # `n` trimmed past the cached prefix
-        for s in run.decode:
+        for s in run.decode if not early else ():
             self.write(s, s.computed - 1, s.computed)
         sampled = [s for s in run.seqs if s.generated > before[s.seq_id]]
         ended = [s.seq_id for s in sampled
@@ -443,10 +449,13 @@ class Driver:
         self.policy.landed(run, finished, self.state)
 
     def write(self, s: Sequence, start: int, stop: int) -> None:
-        """KV rows [start, stop) of `s` written: never into a block someone else holds."""
+        """KV rows [start, stop) of `s` written: never into a block someone else holds
+        (rows behind its window, FREED, are dropped: a swap-in's)."""
         truth = self.truth[s.seq_id]
         for pos in range(start, stop):
             block = s.blocks[pos // UNIT]
+            if block == FREED:
+                continue
             assert self.state.block_pool.refs(block) == 1, "wrote a shared block"
             if pos % UNIT == 0:
                 self.holds.pop(block, None)
@@ -455,12 +464,13 @@ class Driver:
 
     def check(self) -> None:
         state, pool = self.state, self.state.block_pool
-        holders = Counter(b for s in state.device.values() for b in s.blocks)
+        holders = Counter(b for s in state.device.values() for b in s.blocks if b != FREED)
         free, lru = pool.free_list(), pool.unreferenced_cached()
         referenced = [b for b in range(state.num_blocks) if pool.refs(b)]
         assert sorted(free + lru + referenced) == list(range(state.num_blocks))
         assert all(pool.refs(b) == holders[b] for b in range(state.num_blocks))
-        assert all(len(set(s.blocks)) == len(s.blocks) for s in state.device.values())
+        assert all(len(set(s.blocks) - {FREED}) == len(s.blocks) - s.behind
+                   for s in state.device.values())
         assert state.device_used == len(holders) * UNIT == pool.num_held * UNIT
         assert all(len(s.blocks) == -(-s.computed // UNIT) for s in state.device.values())
         assert not any(s.blocks or s.block_hashes
@@ -477,7 +487,9 @@ class Driver:
                 assert [chain(h) for h in self.host_holds[group]] == hashes
         for s in state.device.values():  # and a sequence's full blocks hold its own prefix
             truth = tuple(self.truth[s.seq_id])
-            for i in range(s.computed // UNIT):
+            first = state.first_live(s.computed)  # those behind its window are given back
+            assert s.blocks[:first] == [FREED] * first and FREED not in s.blocks[first:]
+            for i in range(first, s.computed // UNIT):
                 assert self.holds.get(s.blocks[i]) == truth[:(i + 1) * UNIT]
 
 
@@ -495,6 +507,32 @@ def test_random_traffic_keeps_every_block_accounted_and_shared_correctly(seed):
     assert state.free_blocks == state.num_blocks and state.num_finished == 30
     assert pool.hit_tokens > 0
     HOST_HITS[seed] = pool.host_hit_tokens
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_random_traffic_with_a_window_gives_back_what_it_passed(seed):
+    """As above with every layer reading through a sliding window of 3, 5 or 9 tokens
+    (blocks of 4): blocks behind each sequence's window are given back (cached ones to the
+    LRU) as it goes, through prefix hits, swaps and both preemptions, every policy; a
+    sequence never holds more than ceil(window / 4) + 1 blocks once its run is applied."""
+    window = random.Random(seed).choice([3, 5, 9])
+    driver = Driver(seed, caching=True, policy=POLICY_NAMES[seed % len(POLICY_NAMES)],
+                    window=window)
+    bound, most, behind = -(-window // UNIT) + 1, [0], [0]
+    check = driver.check
+
+    def check_bounded():
+        check()
+        for s in driver.state.device.values():
+            most[0] = max(most[0], len(s.blocks) - s.behind)
+            behind[0] = max(behind[0], s.behind)
+            assert len(s.blocks) - s.behind <= bound or s.seq_id in driver.state.busy
+
+    driver.check = check_bounded
+    driver.run()
+    state = driver.state
+    assert state.block_pool.num_held == 0 and state.num_finished == 30
+    assert 0 < most[0] <= bound and behind[0] > 0
 
 
 def test_random_traffic_hits_in_the_host_tier():
