@@ -106,7 +106,7 @@ def test_every_policy_gives_the_reference_tokens(engine, reference, policy, over
     got, stats = run_with(engine, policy, overlap)
     assert got == reference
     assert stats["finished_requests"] == len(PROMPTS)
-    assert stats["host_kv_peak"] <= 64 and engine.executor.state.host_used == 0
+    assert stats["host_kv_peak"] <= 64 and engine.executor.state.host_kv.used == 0
     assert host_holds_no_sequence(engine)
     if policy == "seesaw":
         assert stats["swap_in_bytes"] == stats["swap_out_bytes"] > 0
@@ -179,7 +179,7 @@ def test_abort_in_the_host_tier_frees_it_and_spares_the_others(engine, reference
             assert out.outputs[0].finish_reason == "abort"
         else:
             assert out.outputs[0].token_ids == reference[ids.index(i)]
-    assert engine.executor.state.host_used == 0 and host_holds_no_sequence(engine)
+    assert engine.executor.state.host_kv.used == 0 and host_holds_no_sequence(engine)
 
 
 def test_abort_during_a_swap_in_leaves_no_staged_copy_and_spares_the_others(engine, reference):
@@ -256,7 +256,7 @@ def test_a_pool_smaller_than_the_running_sequences(tight, reference, policy):
     got, stats = run_with(tight, policy)
     assert got == reference
     assert stats["device_kv_capacity"] == 128 and 0 < stats["device_kv_peak"] <= 128
-    assert tight.executor.state.free_blocks == 8  # every block back in the pool
+    assert tight.executor.state.device_kv.pool.num_free == 8  # every block back in the pool
     if policy == "prefill_first":  # admits while prompts fit, then the sequences grow
         assert stats["preemptions"] >= 1
 
@@ -326,8 +326,9 @@ def test_aborting_a_request_with_a_token_in_flight_frees_it_once(engine, referen
     assert [outs[i].outputs[0].token_ids for i in ids if i != victim.request_id] == [
         r for i, r in zip(ids, reference, strict=True) if i != victim.request_id]
     state = engine.executor.state
-    assert sorted(state._free_slots) == list(range(engine.max_num_seqs))  # every slot, once
-    assert state.free_blocks == state.num_blocks
+    # every slot, once
+    assert sorted(state.device_kv._free_slots) == list(range(engine.max_num_seqs))
+    assert state.device_kv.pool.num_free == state.device_kv.num_blocks
 
 
 # ---- TD-Pipe: the predictor learns from each landed run's own finishes -----------------------

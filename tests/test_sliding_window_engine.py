@@ -55,7 +55,7 @@ def test_a_windowed_model_gives_back_blocks_and_hf_tokens(mistral, attention, sc
                                  warmup=False, show_progress=False))
     try:
         state = engine.executor.state
-        assert state.window == WINDOW and state.num_blocks == POOL // 16
+        assert state.device_kv.blocks.window == WINDOW and state.device_kv.num_blocks == POOL // 16
         got, most = generate(engine)
         stats = engine.stats()
     finally:

@@ -20,7 +20,7 @@ where the backend has it. KV is written in the shardings of the layout that prod
 (prefill) and read back in the shardings of the layout that consumes it (decode): the re-shard
 happens on the way through the host. Lengths are rounded up to whole chunks, so the copy
 programs compile once per layout. This buffer stores and loads bytes and counts no capacity:
-the scheduler state charges the tier each sequence's rounded tokens (`SchedulerState.host_size`,
+the scheduler state charges the tier each sequence's rounded tokens (`HostLedger.size`,
 what the host memory really holds) and refuses a move that would overfill it.
 """
 

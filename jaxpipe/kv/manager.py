@@ -1,7 +1,7 @@
 """Where each sequence's KV is: device blocks, the host tier, or on its way between them.
 
-The scheduler decides *that* a sequence moves, and its state is the ledger of the device
-pool's blocks and slots (`SeqInfo.blocks`, `SeqInfo.slot`: only the state gives them out);
+The scheduler decides *that* a sequence moves, and its device ledger is the one of the
+pool's blocks and slots (`SeqInfo.blocks`, `SeqInfo.slot`: only the ledger gives them out);
 this object moves the bytes for the engine: between the pool, the host KV tier
 (`HostKVBuffer`) and the prefetcher thread that brings sequences back.
 
@@ -15,7 +15,7 @@ this object moves the bytes for the engine: between the pool, the host KV tier
   drop(seq)            forget its KV wherever it is (finished, aborted, recompute): a
                        swap-in on its way is cancelled, its staged copy freed at once
   move_blocks(moves)   the prefix cache's host-tier moves, as the state recorded them
-                       (`SchedulerState.take_moves`): evicted blocks read out into a host
+                       (`HostLedger.take_moves`): evicted blocks read out into a host
                        group (`Spill`), a group's block copied into a device block (`Fetch`),
                        a group freed (`Forget`); groups are host entries keyed ("prefix", g)
 

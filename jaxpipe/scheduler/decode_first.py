@@ -26,10 +26,10 @@ class DecodeFirst(Policy):
             self._closed = False
         if not self._closed:
             chunk = self.max_prefill_tokens
-            reserved = sum(state.peak_size(s, s.expected_total, chunk)
+            reserved = sum(state.device_kv.peak(s, s.expected_total, chunk)
                            for s in state.device.values())
-            batch = self._admit(state, state.device_kv_tokens - reserved,
-                                lambda seq: state.peak_size(seq, seq.expected_total, chunk))
+            batch = self._admit(state, state.device_kv.capacity - reserved,
+                                lambda seq: state.device_kv.peak(seq, seq.expected_total, chunk))
             if batch:
                 return self._in_phase(state, Phase.PREFILL, Run(prefill=batch))
         swap = swap_in_batch(state, self._device_room(state))

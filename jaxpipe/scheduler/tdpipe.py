@@ -39,9 +39,10 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from jaxpipe.scheduler.actions import Action, Preempt, Run
-from jaxpipe.scheduler.policy import Policy, growth_victims, prefill_rest
+from jaxpipe.scheduler.policy import Policy, growth_victims, next_growth, prefill_rest
 from jaxpipe.scheduler.predictor import make_predictor
-from jaxpipe.scheduler.state import SchedulerState, SeqInfo
+from jaxpipe.scheduler.seq_info import SeqInfo
+from jaxpipe.scheduler.state import SchedulerState
 
 # Decision points (decode steps ahead): the paper's 32, 64, ..., 1024, and 1, 2, 4, 8, 16 before
 # them: usage peaks early (every sequence grows, few finish), and a sequence finishing within 32
@@ -80,7 +81,7 @@ def add_usage(state: SchedulerState, usage: list[int], seq: SeqInfo, predicted: 
     for i, p in enumerate(points):
         if p > left:
             break
-        usage[i] += state.peak_size(seq, seq.context_len + p)
+        usage[i] += state.device_kv.peak(seq, seq.context_len + p)
 
 
 class TDPipe(Policy):
@@ -150,11 +151,11 @@ class TDPipe(Policy):
         if partway:
             return self._chunk(partway[0], self.max_prefill_tokens), False
         usage = self._usage(state)
-        budget, slots = self.max_prefill_tokens, state.free_slots
-        room = state.device_free - prefill_rest(state, budget)
+        budget, slots = self.max_prefill_tokens, state.device_kv.free_slots
+        room = state.device_kv.free - prefill_rest(state, budget)
         chunks: list[tuple[SeqInfo, int]] = []
         for seq in state.waiting:
-            need = state.reserve_size(seq, seq.context_len + 1, self.max_prefill_tokens)
+            need = state.device_kv.need(seq, seq.context_len + 1, self.max_prefill_tokens)
             if (slots <= 0 or need > room or (chunks and seq.to_prefill > budget)
                     or not self._fits(state, seq, room, usage)):
                 break
@@ -186,14 +187,14 @@ class TDPipe(Policy):
         growth's room is preempted at once and admitted again: a livelock). A prompt is
         admitted whatever the ratio says into a store that holds nothing: alone it can only
         wait for itself."""
+        kv = state.device_kv
         if usage is None:
-            capacity = state.device_used + state.device_free  # whole blocks
-            used = capacity - room + sum(state.growth(s) for s in state.device.values())
-            need = state.reserve_size(seq, seq.context_len + 1, self.max_prefill_tokens)
-            return used == 0 or used + need <= self.occupancy * state.device_kv_tokens
+            used = kv.num_blocks * kv.blocks.unit - room + next_growth(state)  # whole blocks
+            need = kv.need(seq, seq.context_len + 1, self.max_prefill_tokens)
+            return used == 0 or used + need <= self.occupancy * kv.capacity
         grown = list(usage)
         add_usage(state, grown, seq, self._predict(seq), self.points)
-        if max(grown, default=0) > state.device_kv_tokens:
+        if max(grown, default=0) > kv.capacity:
             return False
         usage[:] = grown
         return True
@@ -263,9 +264,9 @@ class TDPipe(Policy):
         """1 - bubble / total of switching now (§3.5): the pending prefills are the waiting
         prompts in micro-batches of `max_prefill_tokens`, as many as the free KV holds."""
         t = self.timing
-        batches, tokens, room = [], 0, state.device_free
+        batches, tokens, room = [], 0, state.device_kv.free
         for seq in state.waiting:
-            need = state.peak_size(seq, seq.prompt_len + 1, self.max_prefill_tokens)
+            need = state.device_kv.peak(seq, seq.prompt_len + 1, self.max_prefill_tokens)
             if need > room:
                 break
             room -= need

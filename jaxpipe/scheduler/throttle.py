@@ -21,9 +21,10 @@ import math
 from dataclasses import dataclass
 
 from jaxpipe.scheduler.actions import Action, Preempt, Run
-from jaxpipe.scheduler.policy import Policy, growth_victims, prefill_rest
+from jaxpipe.scheduler.policy import Policy, growth_victims, next_growth, prefill_rest
 from jaxpipe.scheduler.prefill_first import PrefillFirst
-from jaxpipe.scheduler.state import Phase, SchedulerState, SeqInfo
+from jaxpipe.scheduler.seq_info import SeqInfo
+from jaxpipe.scheduler.state import Phase, SchedulerState
 
 
 @dataclass(frozen=True)
@@ -91,8 +92,8 @@ class Throttle(Policy):
         waiting = sum(s.to_prefill for s in state.waiting)
         waiting += sum(s.to_prefill for s in idle if s.in_prefill)
         running = sum(not s.in_prefill for s in state.device.values())
-        kv_free = (state.device_free - prefill_rest(state, self.max_prefill_tokens)
-                   ) / state.device_kv_tokens
+        kv_free = (state.device_kv.free - prefill_rest(state, self.max_prefill_tokens)
+                   ) / state.device_kv.capacity
         return prefill_budget(waiting, kv_free, self.knobs), decode_budget(running, self.depth)
 
     def schedule(self, state: SchedulerState) -> Action | None:
@@ -118,16 +119,16 @@ class Throttle(Policy):
         device slots are free and all of each one's KV fits what the device sequences leave
         (`prefill_rest`, and the next token of each)."""
         chunks: list[tuple[SeqInfo, int]] = []
-        room = state.device_free - sum(state.growth(s) for s in decode)
+        kv, most = state.device_kv, self.max_prefill_tokens
+        room = kv.free - sum(kv.growth(s) for s in decode)
         for seq in [s for s in idle if s.in_prefill]:
             partway_budget, room = PrefillFirst._add_chunk(state, chunks, seq, partway_budget,
                                                            room)
         budget -= sum(n for _, n in chunks)
-        room = state.device_free - prefill_rest(state, self.max_prefill_tokens) - sum(
-            state.growth(s) for s in state.device.values())
-        slots = state.free_slots
+        room = kv.free - prefill_rest(state, most) - next_growth(state)
+        slots = kv.free_slots
         for seq in state.waiting:
-            need = state.reserve_size(seq, seq.context_len + 1, self.max_prefill_tokens)
+            need = kv.need(seq, seq.context_len + 1, most)
             if budget <= 0 or slots <= 0 or need > room:
                 break
             budget, _ = PrefillFirst._add_chunk(state, chunks, seq, budget, room)

@@ -61,11 +61,11 @@ def test_one_micro_batch_carries_the_throttled_tokens():
     KV 80% free: #P = min(2000/8, 2048*0.75/0.95) = 250 prompt tokens."""
     state = SchedulerState(device_kv_tokens=10_000, max_device_seqs=64)
     running = [SeqInfo(f"r{i}", 100, 50) for i in range(10)]
-    state.add_all(running)
+    state.add(*running)
     state.apply(Run(prefill=[(s, 100) for s in running]))  # now decoding, 1010 tokens held
-    state.add_all(SeqInfo(f"w{i}", 200, 10) for i in range(10))
+    state.add(*(SeqInfo(f"w{i}", 200, 10) for i in range(10)))
     policy = make_policy("throttle", pipeline_depth=4)
-    kv_free = state.device_free / state.device_kv_tokens
+    kv_free = state.device_kv.free / state.device_kv.capacity
     assert kv_free == pytest.approx(0.9)
     p = math.ceil(min(2000 / 8, 2048 * (kv_free - 0.05) / 0.95))
     assert policy.budgets(state) == (p, 3)
@@ -88,14 +88,14 @@ def test_every_request_finishes_once_under_pipelining(depth, seed):
     assert sorted(trace.finished) == list(range(40))
     assert all(s.location is Location.FINISHED and s.generated == s.max_output_len
                for s in seqs)
-    assert trace.max_device_used <= 240 and state.device_used == 0
+    assert trace.max_device_used <= 240 and state.device_kv.used == 0
     assert trace.max_in_flight == depth or depth == 1
 
 
 def drive(policy, seqs, device_kv: int, slots: int, depth: int, unit: int) -> SchedulerState:
     """`run_pipelined` with a bound on the steps: a livelock fails instead of running on."""
     state = SchedulerState(device_kv, slots, device_unit=unit)
-    state.add_all(seqs)
+    state.add(*seqs)
     Driver(policy, state, TraceExecutor(Trace(), depth)).run(max_steps=5_000)
     return state
 
@@ -126,4 +126,4 @@ def test_every_request_finishes_in_a_store_too_small_for_its_slots(depth):
     state = drive(policy, seqs, device_kv=64, slots=32, depth=depth, unit=16)
     assert all(s.location is Location.FINISHED and s.generated == s.max_output_len
                for s in seqs)
-    assert state.device_used == 0
+    assert state.device_kv.used == 0

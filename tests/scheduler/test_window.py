@@ -39,13 +39,13 @@ def test_blocks_behind_the_window_are_given_back_as_the_sequence_goes():
     state.apply(Run(prefill=[(seq, 50)]))
     kept = seq.blocks[1:]
     assert seq.blocks == [FREED, *kept] and seq.behind == 1
-    assert state.device_used == 3 * BLOCK == state.held_size(seq)
+    assert state.device_kv.used == 3 * BLOCK == state.device_kv.held(seq)
     for _ in range(14):
         state.apply(Run(decode=[seq]))
     assert seq.computed == 64 and seq.blocks[:2] == [FREED, FREED] and seq.behind == 2
-    assert state.device_used == 2 * BLOCK  # blocks 2 and 3: positions 32..63
+    assert state.device_kv.used == 2 * BLOCK  # blocks 2 and 3: positions 32..63
     state.finish(["a"])
-    assert state.device_used == 0 and state.free_blocks == state.num_blocks
+    assert state.device_kv.used == 0 and state.device_kv.pool.num_free == state.device_kv.num_blocks
 
 
 def test_without_a_window_every_block_is_kept():
@@ -54,7 +54,7 @@ def test_without_a_window_every_block_is_kept():
     seq = SeqInfo("a", 50, 30)
     state.add(seq)
     state.apply(Run(prefill=[(seq, 50)]))
-    assert FREED not in seq.blocks and state.device_used == 4 * BLOCK
+    assert FREED not in seq.blocks and state.device_kv.used == 4 * BLOCK
 
 
 def test_the_peak_is_the_window_not_the_length():
@@ -63,14 +63,15 @@ def test_the_peak_is_the_window_not_the_length():
     positions, at most 5 blocks; a 40-token prompt in one chunk 3 blocks. Never more than
     the whole length; without a window, the whole length."""
     state = windowed_state()
-    assert state.peak_size(SeqInfo("a", 900, 100), 1000, chunk=32) == 5 * BLOCK
-    assert state.peak_size(SeqInfo("b", 40, 100), 140, chunk=64) == 3 * BLOCK
-    assert state.peak_size(SeqInfo("c", 10, 20), 30, chunk=64) == 2 * BLOCK
+    assert state.device_kv.peak(SeqInfo("a", 900, 100), 1000, chunk=32) == 5 * BLOCK
+    assert state.device_kv.peak(SeqInfo("b", 40, 100), 140, chunk=64) == 3 * BLOCK
+    assert state.device_kv.peak(SeqInfo("c", 10, 20), 30, chunk=64) == 2 * BLOCK
     decoding = SeqInfo("d", 900, 100)
     decoding.computed, decoding.generated = 900, 1
-    assert state.peak_size(decoding, 1000) == 3 * BLOCK
+    assert state.device_kv.peak(decoding, 1000) == 3 * BLOCK
     plain = SchedulerState(16 * BLOCK, 4, device_unit=BLOCK)
-    assert plain.peak_size(SeqInfo("a", 900, 100), 1000, 32) == plain.device_size(1000)
+    kv = plain.device_kv
+    assert kv.peak(SeqInfo("a", 900, 100), 1000, 32) == kv.blocks.size(1000)
 
 
 @pytest.mark.parametrize("policy", ["prefill_first", "decode_first", "tdpipe", "throttle"])
@@ -86,7 +87,7 @@ def test_a_pool_too_small_for_the_sequences_runs_them_at_once(policy):
                               window=WINDOW)
     assert all(s.location is Location.FINISHED and s.generated == 100 for s in seqs)
     assert trace.preempted == 0 and max(len(d) for d, _ in trace.launched) == 4
-    assert state.peak_blocks <= 12
+    assert state.device_kv.peak_blocks <= 12
     seqs = [SeqInfo(i, 40, 100) for i in range(4)]
     _, trace = run_policy(make(), seqs, device_kv=12 * BLOCK, slots=4, unit=BLOCK)
     assert trace.preempted > 0 or max(len(d) for d, _ in trace.launched) < 4
@@ -103,13 +104,13 @@ def test_a_swap_brings_back_only_the_blocks_past_the_window():
     for _ in range(10):
         state.apply(Run(decode=[seq]))
     state.apply(Preempt([seq], "swap"))
-    assert state.device_used == 0 and state.host_used == state.host_size(70)
-    assert state.resume_size(seq) == 2 * BLOCK
+    assert state.device_kv.used == 0 and state.host_kv.used == state.host_kv.size(70)
+    assert state.device_kv.resume(seq) == 2 * BLOCK
     state.apply(SwapIn([seq]))
     assert seq.blocks[:3] == [FREED] * 3 and FREED not in seq.blocks[3:]
-    assert len(seq.blocks) == 5 and seq.behind == 3 and state.device_used == 2 * BLOCK
+    assert len(seq.blocks) == 5 and seq.behind == 3 and state.device_kv.used == 2 * BLOCK
     state.apply(Run(decode=[seq]))
-    assert seq.computed == 71 and state.device_used == 2 * BLOCK
+    assert seq.computed == 71 and state.device_kv.used == 2 * BLOCK
 
 
 def test_a_recompute_starts_over_from_the_first_block():
@@ -118,7 +119,7 @@ def test_a_recompute_starts_over_from_the_first_block():
     state.add(seq)
     state.apply(Run(prefill=[(seq, 60)]))
     state.apply(Preempt([seq], "recompute"))
-    assert (seq.blocks, seq.behind, state.device_used) == ([], 0, 0)
+    assert (seq.blocks, seq.behind, state.device_kv.used) == ([], 0, 0)
     state.apply(Run(prefill=[(seq, 16)]))  # chunk by chunk from position 0
     assert FREED not in seq.blocks and len(seq.blocks) == 1
 
@@ -131,9 +132,9 @@ def test_seesaw_through_the_host_tier_with_a_window():
                               device_kv=10 * BLOCK, slots=4, host_kv=32 * BLOCK, unit=BLOCK,
                               window=WINDOW)
     assert all(s.location is Location.FINISHED for s in seqs)
-    assert trace.swapped_in >= 6 and state.host_used == 0
+    assert trace.swapped_in >= 6 and state.host_kv.used == 0
 
 
 def test_a_negative_window_is_refused():
-    with pytest.raises(ValueError, match="window must be >= 0"):
+    with pytest.raises(ValueError, match="window >= 0"):
         SchedulerState(16, 1, window=-1)
