@@ -50,10 +50,11 @@ class EngineStats:
         self._base = {"out": host.bytes_out, "in": host.bytes_in, "swap": self.kv.swap_seconds,
                       "prefetch": self._prefetch_seconds(), **self._prefix_cache(),
                       **self.runner.control_stats()}
-        self.state.reset_peaks()
+        self.state.device_kv.reset_peak()
+        self.state.host_kv.reset_peak()
         self._t0 = self._last_fetch = time.perf_counter()
         self.timeline = Timeline()
-        self._host_timeline: deque = deque([(0.0, self.state.host_used)], maxlen=100_000)
+        self._host_timeline: deque = deque([(0.0, self.state.host_kv.used)], maxlen=100_000)
 
     # ---- what happened -------------------------------------------------------------------------
 
@@ -110,7 +111,7 @@ class EngineStats:
 
     def note_host(self) -> None:
         """A point of the host tier's occupancy timeline, if it changed."""
-        used = self.state.host_used
+        used = self.state.host_kv.used
         if self._host_timeline[-1][1] != used:
             self._host_timeline.append((round(time.perf_counter() - self._t0, 6), used))
 
@@ -170,9 +171,9 @@ class EngineStats:
         s["swap_seconds"] = self.kv.swap_seconds - self._base["swap"]
         s["prefetch_seconds"] = self._prefetch_seconds() - self._base["prefetch"]
         s["device_kv_capacity"] = self.runner.num_blocks * BLOCK
-        s["device_kv_peak"] = self.state.peak_blocks * BLOCK
-        s["host_kv_capacity"] = self.state.host_kv_tokens
-        s["host_kv_peak"] = self.state.host_peak
+        s["device_kv_peak"] = self.state.device_kv.peak_blocks * BLOCK
+        s["host_kv_capacity"] = self.state.host_kv.capacity
+        s["host_kv_peak"] = self.state.host_kv.peak
         s["host_timeline"] = [list(p) for p in self._host_timeline]
         s["finish_reasons"] = dict(self.finish_reasons)
         s.update(self._gauges())
@@ -187,7 +188,7 @@ class EngineStats:
 
     def _prefix_cache(self) -> dict:
         """The block pool's prefix-cache counters (since the engine started)."""
-        pool, host = self.state.block_pool, self.state.host_cache
+        pool, host = self.state.device_kv.pool, self.state.host_kv.cache
         return {"prefix_cache_queried_tokens": pool.queried_tokens,
                 "prefix_cache_hit_tokens": pool.hit_tokens,
                 "prefix_cache_host_hit_tokens": pool.host_hit_tokens,
@@ -201,8 +202,8 @@ class EngineStats:
         """What the engine holds now (not counters: `reset` leaves them)."""
         st = self.state
         return {"waiting_requests": len(st.waiting), "device_requests": len(st.device),
-                "host_requests": len(st.host), "device_kv_used": st.device_used,
-                "host_kv_used": st.host_used}
+                "host_requests": len(st.host), "device_kv_used": st.device_kv.used,
+                "host_kv_used": st.host_kv.used}
 
     def _prefetch_seconds(self) -> float:
         return self.kv.prefetcher.seconds if self.kv.prefetcher else 0.0

@@ -21,10 +21,10 @@ pool (at dispatch when its token in flight is certainly its last: the driver's r
 here drops its KV); a *plan* is a step's `SamplingPlan`; *release* is left to
 `Engine.release` (a finished request's output forgotten).
 
-The policy sees only token counts (`SchedulerState`, also the one ledger of device blocks,
-slots and host-tier tokens); `KVManager` (jaxpipe/kv/) moves the bytes: the host KV tier and
-the prefetcher. The counters and the step
-timeline are `EngineStats`' (engine_stats.py). `_scheduling` and `_policy` below build the
+The policy sees only token counts (`SchedulerState`: its queues and the ledgers of device
+blocks and slots, `device_kv`, and host-tier tokens, `host_kv`); `KVManager` (jaxpipe/kv/)
+moves the bytes: the host KV tier and the prefetcher. The counters and the step timeline
+are `EngineStats`' (engine_stats.py). `_scheduling` and `_policy` below build the
 state, the policy and the KV manager.
 """
 
@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 from jaxpipe import sizing, step_timing
 from jaxpipe.buckets import Buckets
-from jaxpipe.config import EngineConfig
+from jaxpipe.config import EngineConfig, ModelConfig
 from jaxpipe.distributed import MirroredRunner
 from jaxpipe.engine_stats import EngineStats
 from jaxpipe.kv.device_cache import BLOCK
@@ -124,7 +124,7 @@ class Executor(StepExecutor):
     def set_policy(self, config: EngineConfig) -> None:
         """Schedule with `config`'s policy (its scheduler and knobs) from now on."""
         self.policy = _policy(config.scheduler, config, self.runner, self.buckets,
-                              self.state.host_kv_tokens)
+                              self.state.host_kv.capacity)
 
     def has_work(self) -> bool:
         """Whether a request is unfinished: in the scheduler state, or (already freed: its
@@ -217,13 +217,13 @@ class Executor(StepExecutor):
         if step.feeds and isinstance(flight.out, HostSampled):
             _, start = self._bring(flight)
         if not self.kv.outgoing:
-            self.kv.move_blocks(self.state.take_moves())
+            self.kv.move_blocks(self.state.host_kv.take_moves())
             return start
         if flight is not None and flight.out is not None:
             flight.out.wait()
             self.timeline.finished(flight.record, start)
         self.kv.flush()
-        self.kv.move_blocks(self.state.take_moves())
+        self.kv.move_blocks(self.state.host_kv.take_moves())
         return time.perf_counter()
 
     def free(self, flight: Flight, seqs: list[Sequence]) -> None:
@@ -265,12 +265,12 @@ class Executor(StepExecutor):
         first, so the KV goes into the blocks it gave; the others after)."""
         record = self.timeline.dispatch(action.kind.value, time.perf_counter())
         self.kv.flush()  # a switch moves only held blocks; swaps and preemptions reuse them
-        self.kv.move_blocks(self.state.take_moves())  # a swap-in's new blocks evicted some
+        self.kv.move_blocks(self.state.host_kv.take_moves())  # a swap-in's new blocks evicted some
         if action.kind is Kind.SWAP_IN:
             for seq in action.seqs:
                 self.kv.swap_in(seq)
         elif action.kind is Kind.SWITCH:
-            moved = self.runner.set_phase(action.phase, self.state.moved_blocks())
+            moved = self.runner.set_phase(action.phase, self.state.device_kv.pool.data_blocks())
             self.engine_stats.switched(action.phase, moved)
         else:
             self._preempt(action)
@@ -299,10 +299,18 @@ def _scheduling(config: EngineConfig, runner: Runner, buckets: Buckets, num_slot
     # The host tier keeps each sequence in whole swap chunks (`Runner.kv_chunk`).
     state = SchedulerState(pool_tokens, num_slots, host_tokens, host_unit=runner.kv_chunk,
                            device_unit=BLOCK, prefix_caching=config.prefix_caching,
-                           cache_key=cache_key(config))
+                           cache_key=cache_key(config), window=every_layer_window(runner.config))
     policy = _policy(config.scheduler, config, runner, buckets, host_tokens)
     mirror = runner.leader.send if isinstance(runner, MirroredRunner) else None
     return state, policy, KVManager(runner, host_tokens > 0, mirror=mirror)
+
+
+def every_layer_window(cfg: ModelConfig) -> int:
+    """The sliding window every layer attends through, so that blocks behind it can be given
+    back (Mistral's); 0 when any layer reads the whole context (Gemma's global layers: the
+    one block table serves every layer, and they keep every block)."""
+    every = set(cfg.sliding_layers) >= set(range(cfg.num_layers))
+    return cfg.sliding_window if cfg.sliding_window and every else 0
 
 
 def cache_key(config: EngineConfig) -> tuple:

@@ -71,7 +71,7 @@ def host_holds_no_sequence(engine) -> bool:
     """The host tier holds only the prefix cache's groups (each the ledger's), no sequence:
     with the cache on (the default), blocks the device pool evicted stay there."""
     state = engine.executor.state
-    groups = state.host_cache.groups() if state.host_cache is not None else {}
+    groups = state.host_kv.cache.groups() if state.host_kv.cache is not None else {}
     return set(engine.executor.kv.host.entries) == {("prefix", g) for g in groups}
 
 
@@ -79,7 +79,7 @@ def assert_all_released(engine) -> None:
     """Every request ended: no block has a reference, none is lost, the host tier holds no
     sequence (only the prefix cache's groups, each the ledger's)."""
     state = engine.executor.state
-    assert state.block_pool.num_held == 0 and state.device_used == 0
-    assert state.free_blocks == state.num_blocks
+    assert state.device_kv.pool.num_held == 0 and state.device_kv.used == 0
+    assert state.device_kv.pool.num_free == state.device_kv.num_blocks
     assert host_holds_no_sequence(engine)
-    assert state.host_used == 0
+    assert state.host_kv.used == 0

@@ -106,7 +106,7 @@ def test_every_policy_gives_the_reference_tokens(engine, reference, policy, over
     got, stats = run_with(engine, policy, overlap)
     assert got == reference
     assert stats["finished_requests"] == len(PROMPTS)
-    assert stats["host_kv_peak"] <= 64 and engine.executor.state.host_used == 0
+    assert stats["host_kv_peak"] <= 64 and engine.executor.state.host_kv.used == 0
     assert host_holds_no_sequence(engine)
     if policy == "seesaw":
         assert stats["swap_in_bytes"] == stats["swap_out_bytes"] > 0
@@ -179,7 +179,29 @@ def test_abort_in_the_host_tier_frees_it_and_spares_the_others(engine, reference
             assert out.outputs[0].finish_reason == "abort"
         else:
             assert out.outputs[0].token_ids == reference[ids.index(i)]
-    assert engine.executor.state.host_used == 0 and host_holds_no_sequence(engine)
+    assert engine.executor.state.host_kv.used == 0 and host_holds_no_sequence(engine)
+
+
+def test_abort_during_a_swap_in_leaves_no_staged_copy_and_spares_the_others(engine, reference):
+    """A request aborted while the prefetcher brings its KV back: its request is cancelled
+    (every request the prefetcher still has is one the KV manager waits for; the aborted
+    one's staged copy stayed in the prefetcher's queue, holding device memory), and the
+    others' tokens are the reference's."""
+    engine.set_scheduler("seesaw")
+    ids = [engine.add_request(p, sp) for p, sp in zip(PROMPTS, params(), strict=True)]
+    kv = engine.executor.kv
+    while not kv.pending:
+        engine.step()
+    victim = next(s for s in engine.executor.state.device.values() if not kv.decodable(s))
+    engine.abort(victim.request_id)
+    assert kv.prefetcher.pending == kv.pending
+    while engine.has_unfinished():
+        engine.step()
+    outs = {i: engine.pop_output(i).outputs[0] for i in ids}
+    assert outs[victim.request_id].finish_reason == "abort"
+    assert all(outs[i].token_ids == reference[k] for k, i in enumerate(ids)
+               if i != victim.request_id)
+    assert kv.prefetcher.pending == kv.prefetcher.staged == 0 and host_holds_no_sequence(engine)
 
 
 def test_reset_stats_zeroes_the_counters(engine):
@@ -234,7 +256,7 @@ def test_a_pool_smaller_than_the_running_sequences(tight, reference, policy):
     got, stats = run_with(tight, policy)
     assert got == reference
     assert stats["device_kv_capacity"] == 128 and 0 < stats["device_kv_peak"] <= 128
-    assert tight.executor.state.free_blocks == 8  # every block back in the pool
+    assert tight.executor.state.device_kv.pool.num_free == 8  # every block back in the pool
     if policy == "prefill_first":  # admits while prompts fit, then the sequences grow
         assert stats["preemptions"] >= 1
 
@@ -304,8 +326,9 @@ def test_aborting_a_request_with_a_token_in_flight_frees_it_once(engine, referen
     assert [outs[i].outputs[0].token_ids for i in ids if i != victim.request_id] == [
         r for i, r in zip(ids, reference, strict=True) if i != victim.request_id]
     state = engine.executor.state
-    assert sorted(state._free_slots) == list(range(engine.max_num_seqs))  # every slot, once
-    assert state.free_blocks == state.num_blocks
+    # every slot, once
+    assert sorted(state.device_kv._free_slots) == list(range(engine.max_num_seqs))
+    assert state.device_kv.pool.num_free == state.device_kv.num_blocks
 
 
 # ---- TD-Pipe: the predictor learns from each landed run's own finishes -----------------------

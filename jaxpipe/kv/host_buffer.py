@@ -20,7 +20,7 @@ where the backend has it. KV is written in the shardings of the layout that prod
 (prefill) and read back in the shardings of the layout that consumes it (decode): the re-shard
 happens on the way through the host. Lengths are rounded up to whole chunks, so the copy
 programs compile once per layout. This buffer stores and loads bytes and counts no capacity:
-the scheduler state charges the tier each sequence's rounded tokens (`SchedulerState.host_size`,
+the scheduler state charges the tier each sequence's rounded tokens (`HostLedger.size`,
 what the host memory really holds) and refuses a move that would overfill it.
 """
 
@@ -100,37 +100,57 @@ def host_memory_kind() -> str | None:
 class Prefetcher:
     """A thread that moves requested sequences host -> device while decode runs.
 
-    `request(id, shardings)` queues a sequence; the thread pops its host entry, device_puts each
-    chunk's K and V to the pair of shardings given (the decode layout's, from
-    `Runner.kv_staging`) and waits for the copy, then the sequence shows up in `ready()`. The
-    caller inserts ready sequences into free slots between decode steps (device buffers are
-    only ever mutated by the caller's thread)."""
+    `request(id, shardings)` queues a sequence and returns its ticket; the thread pops its
+    host entry, device_puts each chunk's K and V to the pair of shardings given (the decode
+    layout's, from `Runner.kv_staging`) and waits for the copy, then the ticket shows up in
+    `ready()`. The caller inserts ready sequences into free slots between decode steps
+    (device buffers are only ever mutated by the caller's thread). `cancel(ticket)` forgets
+    a request (its sequence was aborted): whether it is queued, being staged or staged, its
+    staged copy is never kept, and its host entry is not popped if it was not yet (a later
+    request for the same id, after the id was freed and reused, gets its own)."""
 
     def __init__(self, host: HostKVBuffer):
         self.host = host
         self._todo: queue.Queue = queue.Queue()
-        self._ready: queue.Queue = queue.Queue()
-        self.pending = 0
+        self._lock = threading.Condition()
+        self._staged: dict[int, tuple] = {}  # ticket -> (id, tokens, staged) | exception
+        self._cancelled: set[int] = set()  # requested, then cancelled before it was staged
+        self._tickets = 0
+        self.pending = 0  # requested, neither handed out by `ready` nor cancelled
         self.seconds = 0.0
         self._thread = threading.Thread(target=self._loop, name="jaxpipe-prefetch", daemon=True)
         self._thread.start()
 
-    def request(self, seq_id: str, shardings: list | None = None) -> None:
-        self.pending += 1
-        self._todo.put((seq_id, shardings))
+    def request(self, seq_id: str, shardings: list | None = None) -> int:
+        """Queue `seq_id`'s host entry for staging; returns its ticket."""
+        with self._lock:
+            ticket, self._tickets = self._tickets, self._tickets + 1
+            self.pending += 1
+        self._todo.put((ticket, seq_id, shardings))
+        return ticket
 
-    def ready(self, block: bool = False) -> list[tuple[str, int, list]]:
-        """(id, tokens, staged arrays) of every sequence delivered so far; `block`: wait for
-        at least one if any is pending."""
-        out = []
-        if block and self.pending:
-            out.append(self._ready.get())
-        while True:
-            try:
-                out.append(self._ready.get_nowait())
-            except queue.Empty:
-                break
-        self.pending -= len(out)
+    def cancel(self, ticket: int) -> None:
+        """Forget a request not handed out yet: its staged copy (if any) is freed now, or
+        never made or kept."""
+        with self._lock:
+            if self._staged.pop(ticket, None) is None:
+                self._cancelled.add(ticket)
+            self.pending -= 1
+
+    @property
+    def staged(self) -> int:
+        """Requests staged on the device and not handed out yet."""
+        return len(self._staged)
+
+    def ready(self, block: bool = False) -> list[tuple[int, str, int, list]]:
+        """(ticket, id, tokens, staged arrays) of every request staged so far; `block`: wait
+        for at least one if any is pending."""
+        with self._lock:
+            if block:
+                self._lock.wait_for(lambda: self._staged or not self.pending)
+            out = list(self._staged.values())
+            self._staged.clear()
+            self.pending -= len(out)
         for item in out:
             if isinstance(item, BaseException):
                 raise item
@@ -142,30 +162,49 @@ class Prefetcher:
 
     def _loop(self) -> None:
         while (job := self._todo.get()) is not None:
+            ticket, seq_id, shardings = job
             try:
-                self._ready.put(self._fetch(*job))
+                result = self._fetch(ticket, seq_id, shardings)
             except BaseException as e:  # surfaced to the caller by ready()
-                self._ready.put(e)
+                result = e
+            with self._lock:
+                if ticket in self._cancelled:
+                    self._cancelled.discard(ticket)  # cancelled while it was staged: dropped
+                else:
+                    self._staged[ticket] = result
+                    self._lock.notify_all()
 
-    def _fetch(self, seq_id: str, shardings):
+    def _fetch(self, ticket: int, seq_id: str, shardings):
+        """Stage `seq_id`'s entry for `ticket`: (ticket, id, tokens, staged arrays); staged
+        None if the request was cancelled or the entry dropped (aborted) before its turn."""
         start = time.perf_counter()
-        try:
-            tokens, staged = stage(self.host, seq_id, shardings)
-        except KeyError:  # dropped (aborted) before its turn
-            return seq_id, 0, None
+        with self._lock:  # a cancel either comes first (nothing popped) or finds it popped
+            entry = None if ticket in self._cancelled else self.host.entries.get(seq_id)
+            if entry is not None:
+                self.host.pop(seq_id)
+        if entry is None:
+            return ticket, seq_id, 0, None
+        staged = stage_entry(self.host, seq_id, entry, shardings)
         self.seconds += time.perf_counter() - start
-        return seq_id, tokens, staged
+        return ticket, seq_id, entry.tokens, staged
 
 
 def stage(host: HostKVBuffer, seq_id: str, shardings: list | None) -> tuple[int, list]:
-    """Pop `seq_id`'s entry (KeyError if the tier does not hold it) and put its chunks on the
-    device, K's in shardings[0] and V's in shardings[1] (None: the shardings they were read
-    in); waits for the copies. Returns (real tokens, staged arrays)."""
+    """Pop `seq_id`'s entry (KeyError if the tier does not hold it) and `stage_entry` it.
+    Returns (real tokens, staged arrays)."""
     entry = host.pop(seq_id)
+    return entry.tokens, stage_entry(host, seq_id, entry, shardings)
+
+
+def stage_entry(host: HostKVBuffer, seq_id: str, entry: HostEntry, shardings: list | None
+                ) -> list:
+    """Put a popped entry's chunks on the device, K's in shardings[0] and V's in shardings[1]
+    (None: the shardings they were read in); waits for the copies. Returns the staged
+    arrays."""
     staged = []
     for i, a in enumerate(entry.arrays):
         dst = shardings[i % 2] if shardings else a.sharding.with_memory_kind("device")
         staged.append(jax.device_put(a, dst))
     jax.block_until_ready(staged)
     host.landed(seq_id, sum(a.nbytes for a in entry.arrays))
-    return entry.tokens, staged
+    return staged

@@ -1,7 +1,7 @@
 """Where each sequence's KV is: device blocks, the host tier, or on its way between them.
 
-The scheduler decides *that* a sequence moves, and its state is the ledger of the device
-pool's blocks and slots (`SeqInfo.blocks`, `SeqInfo.slot`: only the state gives them out);
+The scheduler decides *that* a sequence moves, and its device ledger is the one of the
+pool's blocks and slots (`SeqInfo.blocks`, `SeqInfo.slot`: only the ledger gives them out);
 this object moves the bytes for the engine: between the pool, the host KV tier
 (`HostKVBuffer`) and the prefetcher thread that brings sequences back.
 
@@ -12,9 +12,10 @@ this object moves the bytes for the engine: between the pool, the host KV tier
   swap_in(seq)         ask the prefetcher for the KV (returns at once); it goes into the
                        slot and blocks the state gave when it recorded the swap-in
   deliver(block)       insert whatever the prefetcher has staged; the ids now decodable
-  drop(seq)            forget its KV wherever it is (finished, aborted, recompute)
+  drop(seq)            forget its KV wherever it is (finished, aborted, recompute): a
+                       swap-in on its way is cancelled, its staged copy freed at once
   move_blocks(moves)   the prefix cache's host-tier moves, as the state recorded them
-                       (`SchedulerState.take_moves`): evicted blocks read out into a host
+                       (`HostLedger.take_moves`): evicted blocks read out into a host
                        group (`Spill`), a group's block copied into a device block (`Fetch`),
                        a group freed (`Forget`); groups are host entries keyed ("prefix", g)
 
@@ -47,7 +48,7 @@ class KVManager:
         self.mirror = mirror
         self.host = HostKVBuffer()
         self.prefetcher = Prefetcher(self.host) if host_tier and mirror is None else None
-        self._incoming: dict[str, Sequence] = {}  # swap-in requested, not inserted yet
+        self._incoming: dict[str, tuple[Sequence, int]] = {}  # swap-in requested: its ticket
         self._outgoing: dict[str, tuple[list[int], int]] = {}  # swap-out queued: blocks, tokens
         self.swap_seconds = 0.0  # this thread's time in swap dispatch, inserts and waits
         self.prefix_bytes_out = self.prefix_bytes_in = 0  # the prefix cache's host copies
@@ -94,8 +95,8 @@ class KVManager:
         if self.mirror is not None:
             self._swap_in_here(seq)
             return
-        self._incoming[seq.request_id] = seq
-        self.prefetcher.request(seq.request_id, self.runner.kv_staging())
+        ticket = self.prefetcher.request(seq.request_id, self.runner.kv_staging())
+        self._incoming[seq.request_id] = (seq, ticket)
 
     def _swap_in_here(self, seq: Sequence) -> None:
         """Swap `seq` in on this thread (several processes: no prefetcher)."""
@@ -108,26 +109,30 @@ class KVManager:
 
     def deliver(self, block: bool = False) -> list[Sequence]:
         """Insert every staged swap-in into its slot (`block`: wait for at least one);
-        returns the sequences inserted (each also passed to `on_insert`). A swap-in dropped
-        while it was staged is discarded here: its device copy goes with it."""
+        returns the sequences inserted (each also passed to `on_insert`)."""
         if self.prefetcher is None or not self.prefetcher.pending:
             return []
         self.flush()  # queued reads of freed blocks come before writes into them
         start = time.perf_counter()
         done = []
-        for seq_id, _, staged in self.prefetcher.ready(block=block):
-            seq = self._incoming.pop(seq_id, None)
-            if staged is not None and seq is not None and seq.slot is not None:  # else aborted
-                self.runner.kv_insert(seq.blocks, staged)
-                self.on_insert(seq)
-                done.append(seq)
+        for ticket, seq_id, _, staged in self.prefetcher.ready(block=block):
+            seq, asked = self._incoming.pop(seq_id)
+            if staged is None or asked != ticket:
+                raise RuntimeError(f"swap-in of {seq_id!r}: the prefetcher staged ticket "
+                                   f"{ticket} with {'no' if staged is None else 'a'} copy, "
+                                   f"ticket {asked} was asked for")
+            self.runner.kv_insert(seq.blocks, staged)
+            self.on_insert(seq)
+            done.append(seq)
         self.swap_seconds += time.perf_counter() - start
         return done
 
     def drop(self, seq: Sequence) -> None:
-        """Forget `seq`'s host KV, queued swap-out and pending swap-in (the state frees its
-        blocks and slot when it records the finish or preemption)."""
-        self._incoming.pop(seq.request_id, None)  # a late delivery is then discarded
+        """Forget `seq`'s host KV, queued swap-out and pending swap-in, staged or not (the
+        state frees its blocks and slot when it records the finish or preemption)."""
+        incoming = self._incoming.pop(seq.request_id, None)
+        if incoming is not None:
+            self.prefetcher.cancel(incoming[1])
         self._outgoing.pop(seq.request_id, None)
         if self.mirror is not None and seq.request_id in self.host.entries:
             self.mirror("drop", seq.request_id)

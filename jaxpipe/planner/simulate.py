@@ -147,8 +147,8 @@ class SimExecutor(StepExecutor):
         src, dst = self.cost[state.phase], self.cost[Phase(action.phase)]
         start = max(self.clock, self.link)
         dt = src.reshard_seconds(dst.layout)
-        if dt and state.device_used:  # KV on the devices is re-sharded through the host
-            dt += 2 * src.swap_seconds(state.device_used)
+        if dt and state.device_kv.used:  # KV on the devices is re-sharded through the host
+            dt += 2 * src.swap_seconds(state.device_kv.used)
         self.clock = start + dt
         self.stats.transitions += 1
         self.stats.reshard_seconds += dt
@@ -165,8 +165,8 @@ class SimExecutor(StepExecutor):
 
     def record_host(self, state: SchedulerState) -> None:
         timeline = self.stats.host_timeline
-        if not timeline or timeline[-1][1] != state.host_used:
-            timeline.append((self.clock, state.host_used))
+        if not timeline or timeline[-1][1] != state.host_kv.used:
+            timeline.append((self.clock, state.host_kv.used))
 
 
 class PipelinedSimExecutor(SimExecutor):
@@ -323,7 +323,7 @@ def _make_state(model: ModelConfig, w: Workload, cost_p: CostModel, cost_d: Cost
                          f"KV beside the weights; the longest request needs {w.max_len}")
     state = SchedulerState(device_kv, MAX_NUM_SEQS * cost_d.layout.pp,
                            host_kv_tokens(model, host_kv_gb))
-    state.add_all(SeqInfo(i, p, o) for i, (p, o) in enumerate(w.requests))
+    state.add(*(SeqInfo(i, p, o) for i, (p, o) in enumerate(w.requests)))
     return state
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from jaxpipe.scheduler.state import SeqInfo
+    from jaxpipe.scheduler.seq_info import SeqInfo
 
 
 class Kind(enum.Enum):

@@ -25,9 +25,11 @@ class DecodeFirst(Policy):
         if not state.device and not state.host:
             self._closed = False
         if not self._closed:
-            reserved = sum(state.device_size(s.expected_total) for s in state.device.values())
-            batch = self._admit(state, state.device_kv_tokens - reserved,
-                                lambda seq: state.device_size(seq.expected_total))
+            chunk = self.max_prefill_tokens
+            reserved = sum(state.device_kv.peak(s, s.expected_total, chunk)
+                           for s in state.device.values())
+            batch = self._admit(state, state.device_kv.capacity - reserved,
+                                lambda seq: state.device_kv.peak(seq, seq.expected_total, chunk))
             if batch:
                 return self._in_phase(state, Phase.PREFILL, Run(prefill=batch))
         swap = swap_in_batch(state, self._device_room(state))

@@ -12,7 +12,7 @@ leave). A hit copies its block into a device block and keeps the host copy (the 
 evicted from the device again; then it is already on the host and costs no copy).
 
 The ledger records what the bytes must do as `moves`, in order, for the engine to carry out
-before anything else touches the pool (`SchedulerState.take_moves`):
+before anything else touches the pool (`HostLedger.take_moves`):
 
   Spill(group, blocks)         read these device blocks, just evicted, into a new host group
   Fetch(group, index, block)   copy the group's block `index` into device block `block`

@@ -13,7 +13,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from jaxpipe.scheduler.actions import Action, Preempt, Run, Switch
-from jaxpipe.scheduler.state import Phase, SchedulerState, SeqInfo
+from jaxpipe.scheduler.seq_info import SeqInfo
+from jaxpipe.scheduler.state import Phase, SchedulerState
 
 DEFAULT_PREFILL_TOKENS = 8192  # prompt tokens in one prefill step (all pipeline micro-batches)
 DEFAULT_WATERMARK = 0.01  # fraction of device KV kept free at admission (vLLM's default)
@@ -69,7 +70,7 @@ class Policy:
                 batch.append((seq, min(seq.to_prefill, budget)))
                 budget -= batch[-1][1]
                 room -= reserve(seq)
-        slots = state.free_slots
+        slots = state.device_kv.free_slots
         for seq in state.waiting:
             need = reserve(seq)
             if budget <= 0 or slots <= 0 or need > room:
@@ -83,30 +84,45 @@ class Policy:
     def _device_room(self, state: SchedulerState) -> int:
         """Device KV tokens new admissions may take: what is free, less a watermark and the
         next token's growth of every running sequence (an empty store is all room)."""
+        kv = state.device_kv
         if not state.device:
-            return state.device_free
-        growth = sum(state.growth(s) for s in state.device.values())
-        return state.device_free - int(self.watermark * state.device_kv_tokens) - growth
+            return kv.free
+        return kv.free - int(self.watermark * kv.capacity) - next_growth(state)
+
+
+def next_growth(state: SchedulerState) -> int:
+    """Device tokens the device sequences take on at their next decode step."""
+    return sum(state.device_kv.growth(s) for s in state.device.values())
 
 
 def growth_victims(state: SchedulerState) -> list[SeqInfo]:
     """Newest device sequences to evict so every remaining one can write one more KV token."""
-    need = sum(state.growth(s) for s in state.device.values()) - state.device_free
+    need = next_growth(state) - state.device_kv.free
     victims: list[SeqInfo] = []
     for seq in reversed(list(state.device.values())):
         if need <= 0:
             break
         victims.append(seq)
-        need -= state.device_size(seq.computed) + state.growth(seq)
+        need -= state.device_kv.held(seq) + state.device_kv.growth(seq)
     return victims
+
+
+def prefill_rest(state: SchedulerState, chunk: int) -> int:
+    """Device tokens the device sequences still in their prefill take to finish it (and hold
+    their first sampled token), `chunk` tokens at a time: kept for them, not free for new
+    prompts."""
+    kv = state.device_kv
+    return sum(min(kv.new_blocks(s, s.context_len + 1) * kv.blocks.unit,
+                   kv.need(s, s.context_len + 1, chunk))
+               for s in state.device.values() if s.in_prefill)
 
 
 def swap_in_batch(state: SchedulerState, room: int) -> list[SeqInfo]:
     """Host-tier sequences (FIFO) that fit free device slots and `room` tokens (KV + 1)."""
     batch: list[SeqInfo] = []
-    slots = state.free_slots
+    slots = state.device_kv.free_slots
     for seq in state.host.values():
-        need = state.device_size(seq.computed + 1)
+        need = state.device_kv.resume(seq)
         if len(batch) >= slots or need > room:
             break
         batch.append(seq)
@@ -120,7 +136,7 @@ def preempt_or_decode(state: SchedulerState, swap: bool) -> Action | None:
     `swap` evicts to the host tier when it has room, else victims are recomputed later."""
     victims = growth_victims(state)
     if victims:
-        fits_host = sum(state.host_size(s.computed) for s in victims) <= state.host_free
+        fits_host = sum(state.host_kv.size(s.computed) for s in victims) <= state.host_kv.free
         return Preempt(victims, "swap" if swap and fits_host else "recompute")
     idle = state.idle()
     return Run(decode=idle) if idle else None

@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Iterable
 
-from jaxpipe.scheduler.state import SeqInfo
+from jaxpipe.scheduler.seq_info import SeqInfo
 
 DEFAULT_PRIOR = 256  # tokens predicted before any request finished
 MIN_COUNT = 8  # finished requests a prompt-length bucket needs before it is used

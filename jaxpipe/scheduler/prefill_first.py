@@ -16,7 +16,8 @@ from __future__ import annotations
 
 from jaxpipe.scheduler.actions import Action, Preempt, Run, SwapIn
 from jaxpipe.scheduler.policy import Policy, growth_victims, preempt_or_decode, swap_in_batch
-from jaxpipe.scheduler.state import Phase, SchedulerState, SeqInfo
+from jaxpipe.scheduler.seq_info import SeqInfo
+from jaxpipe.scheduler.state import Phase, SchedulerState
 
 PREEMPT_MODES = ("recompute", "swap")
 
@@ -41,9 +42,8 @@ class PrefillFirst(Policy):
             action = self._mixed_step(state)
             return self._in_phase(state, Phase.DECODE, action) if isinstance(action, Run) \
                 else action
-        batch = self._admit(state, self._device_room(state),
-                            lambda seq: state.device_size(seq.context_len + 1)
-                            - state.device_size(seq.computed))
+        batch = self._admit(state, self._device_room(state), lambda seq: state.device_kv.need(
+            seq, seq.context_len + 1, self.max_prefill_tokens))
         if batch:
             return self._in_phase(state, Phase.PREFILL, Run(prefill=batch))
         action = preempt_or_decode(state, swap=self.preempt_mode == "swap")
@@ -55,21 +55,22 @@ class PrefillFirst(Policy):
         """Decode all running sequences and prefill chunks within the token budget."""
         victims = growth_victims(state)
         if victims:
-            host = sum(state.host_size(s.computed) for s in victims)
-            fits = self.preempt_mode == "swap" and host <= state.host_free
+            host = sum(state.host_kv.size(s.computed) for s in victims)
+            fits = self.preempt_mode == "swap" and host <= state.host_kv.free
             return Preempt(victims, "swap" if fits else "recompute")
         idle = state.idle()
         decode = [s for s in idle if not s.in_prefill]
         budget = self.max_prefill_tokens - len(decode)
-        free = state.device_free - sum(state.growth(s) for s in decode)
+        free = state.device_kv.free - sum(state.device_kv.growth(s) for s in decode)
         chunks: list[tuple[SeqInfo, int]] = []
         for seq in [s for s in idle if s.in_prefill]:
             budget, free = self._add_chunk(state, chunks, seq, budget, free)
         room = min(free, self._device_room(state))
-        slots = state.free_slots
+        slots = state.device_kv.free_slots
         for seq in state.waiting:
-            if budget <= 0 or slots <= 0 or state.device_size(seq.to_prefill + 1) > room:
-                break  # vLLM admits a prompt only if all of its KV fits
+            need = state.device_kv.need(seq, seq.context_len + 1, self.max_prefill_tokens)
+            if budget <= 0 or slots <= 0 or need > room:
+                break  # vLLM admits a prompt only if all of its KV fits (its peak: a window)
             budget, room = self._add_chunk(state, chunks, seq, budget, room)
             slots -= 1
         if chunks or decode:
@@ -85,10 +86,10 @@ class PrefillFirst(Policy):
                    room: int) -> tuple[int, int]:
         """Add the longest chunk of `seq` within `budget` tokens whose whole blocks fit
         `room` device tokens; returns what is left of both."""
-        held = state.device_size(seq.computed)
-        fits = held - seq.computed + max(room, 0) // state.device_unit * state.device_unit
-        n = min(seq.to_prefill, budget, fits)
+        kv, unit = state.device_kv, state.device_kv.blocks.unit
+        tail = kv.blocks.size(seq.computed) - seq.computed  # what its last block has left
+        n = min(seq.to_prefill, budget, tail + max(room, 0) // unit * unit)
         if n <= 0:
             return budget, room
         chunks.append((seq, n))
-        return budget - n, room - (state.device_size(seq.computed + n) - held)
+        return budget - n, room - kv.new_blocks(seq, seq.computed + n) * unit

@@ -40,9 +40,13 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from jaxpipe.scheduler.host_prefix import HostPrefixCache
-    from jaxpipe.scheduler.state import SeqInfo
+    from jaxpipe.scheduler.seq_info import SeqInfo
 
 ROOT = bytes(32)  # the parent hash of a sequence's first block
+# The entry of a block a sequence gave back while it goes on (its window has moved past it):
+# out of every pool's range (jaxpipe.kv.device_cache.OUT_OF_RANGE, the int32 maximum), so a
+# block table carries it as it is: attention never reads it, a write there is dropped.
+FREED = 2**31 - 1
 
 
 def block_hash(parent: bytes, token_ids: Sequence[int], key: bytes) -> bytes:
@@ -113,7 +117,13 @@ class BlockPool:
 
     def data_blocks(self) -> list[int]:
         """Blocks whose KV is worth keeping (held, or cached), ascending: what a re-shard
-        moves."""
+        moves. Moving the cached ones too costs a device-to-device copy of their bytes at
+        each switch, against computing a block again when it is next hit: 2 x params FLOP a
+        token against its KV bytes, 17 kFLOP per byte (SmolLM2-1.7B, no GQA) to 120 k
+        (Llama-3-8B), where an H100 computes about 2 kFLOP in the time NVLink moves a byte
+        (300 per HBM byte). A moved block pays if one in 8 to one in hundreds is hit again;
+        dropped, `seesaw` (a switch every cycle) would keep its cache for one prefill phase
+        only."""
         return sorted({*self.held(), *self._hash_of})
 
     # ---- giving out and taking back ------------------------------------------------------
@@ -137,20 +147,28 @@ class BlockPool:
 
     def drop(self, seq: SeqInfo) -> None:
         """`seq` leaves the device store: drop one reference to each of its blocks (in
-        position order). A block nobody holds any more goes to the LRU if it is cached, else
-        to the free list; both in reverse order, so a chain's last blocks are given out
-        (evicted) first. Its blocks still waiting for token ids stay uncached."""
+        position order; entries given back already, `FREED`, are skipped). A block nobody
+        holds any more goes to the LRU if it is cached, else to the free list; both in
+        reverse order, so a chain's last blocks are given out (evicted) first. Its blocks
+        still waiting for token ids stay uncached."""
         self._unhashed.pop(seq, None)
         for block in reversed(seq.blocks):
-            if self._refs[block] < 1:
-                raise RuntimeError(f"block {block} dropped but nobody holds it")
-            self._refs[block] -= 1
-            if self._refs[block] == 0:
-                self.num_held -= 1
-                if block in self._hash_of:
-                    self._lru[block] = None
-                else:
-                    self._free.append(block)
+            if block != FREED:
+                self.release(block)
+
+    def release(self, block: int) -> None:
+        """Drop one reference to `block` (a sequence gives it back: it leaves the device, or
+        its window has moved past the block); nobody's any more, it goes to the LRU if it is
+        cached, else to the free list."""
+        if self._refs[block] < 1:
+            raise RuntimeError(f"block {block} dropped but nobody holds it")
+        self._refs[block] -= 1
+        if self._refs[block] == 0:
+            self.num_held -= 1
+            if block in self._hash_of:
+                self._lru[block] = None
+            else:
+                self._free.append(block)
 
     def store_evicted(self, keep: bytes | None = None) -> None:
         """Hand the hit blocks evicted since the last call to the host tier (its `Spill` moves
@@ -268,7 +286,7 @@ class BlockPool:
         for index in range(len(seq.block_hashes), min(full, len(chain))):
             digest, block = chain[index], seq.blocks[index]
             seq.block_hashes.append(digest)
-            if digest not in self._by_hash:
+            if block != FREED and digest not in self._by_hash:  # FREED: given back already
                 self._by_hash[digest] = block
                 self._hash_of[block] = digest
         return len(seq.block_hashes) >= full

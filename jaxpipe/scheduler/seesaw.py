@@ -33,24 +33,24 @@ class Seesaw(Policy):
         self._parked = False  # the running batch was just parked in the host tier
 
     def schedule(self, state: SchedulerState) -> Action | None:
-        if state.host_kv_tokens < 1:
+        if state.host_kv.capacity < 1:
             raise ValueError("the seesaw policy needs a host KV tier: host_kv_tokens is 0")
         if state.phase is Phase.PREFILL:
             return self._prefill_phase(state)
         return self._decode_phase(state)
 
     def _prefill_phase(self, state: SchedulerState) -> Action | None:
-        room = min(state.host_free, state.device_free)
+        room = min(state.host_kv.free, state.device_kv.free)
         batch = self._admit(state, room, lambda seq: max(
-            state.host_size(seq.context_len),
-            state.device_size(seq.context_len) - state.device_size(seq.computed)))
+            state.host_kv.size(seq.context_len),
+            state.device_kv.need(seq, seq.context_len, self.max_prefill_tokens)))
         if batch:
             return Run(prefill=batch, prefill_to_host=True)
         if state.host or state.device:
             return Switch(Phase.DECODE.value)
         if state.waiting:
             seq = state.waiting[0]
-            raise ValueError(f"host KV tier of {state.host_kv_tokens} tokens cannot hold the "
+            raise ValueError(f"host KV tier of {state.host_kv.capacity} tokens cannot hold the "
                              f"{seq.to_prefill}-token prompt of {seq.seq_id!r}; enlarge it")
         return None
 
@@ -58,10 +58,10 @@ class Seesaw(Policy):
         if self._parked or (state.waiting and not state.host and not state.device):
             self._parked = False
             return Switch(Phase.PREFILL.value)
-        limit = min(state.host_free, self.park_fraction * state.host_kv_tokens)
-        parked = sum(state.host_size(s.computed) for s in state.device.values())
+        limit = min(state.host_kv.free, self.park_fraction * state.host_kv.capacity)
+        parked = sum(state.host_kv.size(s.computed) for s in state.device.values())
         if state.waiting and not state.host and \
-                parked + state.host_size(state.waiting[0].to_prefill) <= limit:
+                parked + state.host_kv.size(state.waiting[0].to_prefill) <= limit:
             self._parked = True  # park the running batch (leaving room for a prompt), switch
             return Preempt(list(state.device.values()), "swap")
         swap = swap_in_batch(state, self._device_room(state))

@@ -1,6 +1,6 @@
 """One request's record: the scheduler's token counts (`SeqInfo`) plus what the engine needs
 to serve it (its tokens, sampling parameters, stop checker, outcome and timings); its device
-slot and blocks are `SeqInfo`'s, given by the `SchedulerState`.
+slot and blocks are `SeqInfo`'s, given by the `SchedulerState`'s device ledger.
 
 The engine puts its `Sequence` objects straight into the `SchedulerState`, so the policies,
 the executor and the KV manager all read the same record; the simulator uses plain
@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from jaxpipe.scheduler.state import SeqInfo
+from jaxpipe.scheduler.seq_info import SeqInfo
 
 
 @dataclass(eq=False)

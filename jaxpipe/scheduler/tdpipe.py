@@ -35,13 +35,14 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
 from typing import Protocol
 
 from jaxpipe.scheduler.actions import Action, Preempt, Run
-from jaxpipe.scheduler.policy import Policy, growth_victims
+from jaxpipe.scheduler.policy import Policy, growth_victims, next_growth, prefill_rest
 from jaxpipe.scheduler.predictor import make_predictor
-from jaxpipe.scheduler.state import Location, SchedulerState, SeqInfo
+from jaxpipe.scheduler.seq_info import SeqInfo
+from jaxpipe.scheduler.state import SchedulerState
 
 # Decision points (decode steps ahead): the paper's 32, 64, ..., 1024, and 1, 2, 4, 8, 16 before
 # them: usage peaks early (every sequence grows, few finish), and a sequence finishing within 32
@@ -80,7 +81,7 @@ def add_usage(state: SchedulerState, usage: list[int], seq: SeqInfo, predicted: 
     for i, p in enumerate(points):
         if p > left:
             break
-        usage[i] += state.device_size(seq.context_len + p)
+        usage[i] += state.device_kv.peak(seq, seq.context_len + p)
 
 
 class TDPipe(Policy):
@@ -115,9 +116,7 @@ class TDPipe(Policy):
         self.switches = 0  # phase changes, both ways
         # (first prediction, actual) of the newest finished sequences (TD-Pipe's Fig. 14)
         self.predictions: deque[tuple[int, int]] = deque(maxlen=KEEP_PREDICTIONS)
-        self._usage: list[int] | None = None  # Algorithm 1's kvUsage for this prefill phase
         self._returned: deque[list[SeqInfo]] = deque()  # returned batches' survivors
-        self._partway: dict[Hashable, SeqInfo] = {}  # a long prompt between its chunks
         self._phase_start = 0  # decode requests when the decode phase began
         self._phase_done = 0  # of them, finished since
 
@@ -138,30 +137,27 @@ class TDPipe(Policy):
 
     def _enter(self, phase: str, state: SchedulerState) -> None:
         self.phase, self.switches = phase, self.switches + 1
-        self._usage = None
         self._returned.clear()
         self._phase_start = sum(not s.in_prefill for s in state.device.values())
         self._phase_done = 0
 
     def _prefill(self, state: SchedulerState) -> tuple[Run | None, bool]:
-        """(the next prefill micro-batch, whether the phase is over). Whole prompts, a prompt
-        longer than the budget in chunks; while one is part-way no other is admitted (its
-        remaining KV is not reserved yet)."""
-        if self._usage is None and self.predictor is not None:
-            running = [(s, self._predict(s)) for s in state.device.values()]
-            self._usage = future_usage(state, running, self.points)
-        for seq in list(self._partway.values()):
-            if seq.seq_id in state.busy:
-                return None, False  # its next chunk waits for the one in flight
-            del self._partway[seq.seq_id]
-            if seq.location is Location.DEVICE and seq.in_prefill:
-                return self._chunk(seq, self.max_prefill_tokens), False
-        budget, room, slots = self.max_prefill_tokens, state.device_free, state.free_slots
+        """(the next prefill micro-batch, whether the phase is over). A prompt part-way
+        through its prefill (on the device, idle: whoever cut its chunk, this policy or the
+        prefix cache's admission) goes on first, alone; else whole waiting prompts, a prompt
+        longer than the budget in chunks. The rest of every part-way prompt's KV is kept
+        free for it (`prefill_rest`), so its next chunk always fits."""
+        partway = [s for s in state.idle() if s.in_prefill]
+        if partway:
+            return self._chunk(partway[0], self.max_prefill_tokens), False
+        usage = self._usage(state)
+        budget, slots = self.max_prefill_tokens, state.device_kv.free_slots
+        room = state.device_kv.free - prefill_rest(state, budget)
         chunks: list[tuple[SeqInfo, int]] = []
         for seq in state.waiting:
-            need = state.device_size(seq.to_prefill + 1)
+            need = state.device_kv.need(seq, seq.context_len + 1, self.max_prefill_tokens)
             if (slots <= 0 or need > room or (chunks and seq.to_prefill > budget)
-                    or not self._fits(state, seq, room)):
+                    or not self._fits(state, seq, room, usage)):
                 break
             if seq.to_prefill > budget:  # a long prompt: alone, in chunks
                 return self._chunk(seq, budget), False
@@ -169,24 +165,38 @@ class TDPipe(Policy):
             budget, room, slots = budget - seq.to_prefill, room - need, slots - 1
         return (Run(prefill=chunks), False) if chunks else (None, True)
 
-    def _chunk(self, seq: SeqInfo, budget: int) -> Run:
-        if seq.to_prefill > budget:
-            self._partway[seq.seq_id] = seq
+    @staticmethod
+    def _chunk(seq: SeqInfo, budget: int) -> Run:
         return Run(prefill=[(seq, min(seq.to_prefill, budget))])
 
-    def _fits(self, state: SchedulerState, seq: SeqInfo, room: int) -> bool:
-        """Algorithm 1's check for one more prompt (admitting it if so), or the occupancy
-        ratio without a predictor. A prompt that fits an empty store is admitted whatever
-        the ratio says: alone it can only wait for itself."""
+    def _usage(self, state: SchedulerState) -> list[int] | None:
+        """Algorithm 1's kvUsage of the device sequences (running ones, and the prompts
+        admitted so far this phase), read afresh from the state: a sequence that finished
+        since counts no more (None without a predictor)."""
         if self.predictor is None:
-            used = state.device_kv_tokens - room
-            return used == 0 or used + state.device_size(seq.prompt_len) <= \
-                self.occupancy * state.device_kv_tokens
-        usage = list(self._usage)
-        add_usage(state, usage, seq, self._predict(seq), self.points)
-        if max(usage, default=0) > state.device_kv_tokens:
+            return None
+        return future_usage(state, [(s, self._predict(s)) for s in state.device.values()],
+                            self.points)
+
+    def _fits(self, state: SchedulerState, seq: SeqInfo, room: int,
+              usage: list[int] | None) -> bool:
+        """Algorithm 1's check for one more prompt (adding it to `usage` if so), or the
+        occupancy ratio without a predictor; `room`: what the micro-batch leaves new prompts
+        so far. The ratio counts every block held, kept or charged, and the next
+        decode step's growth of every device sequence (else a prompt admitted into the
+        growth's room is preempted at once and admitted again: a livelock). A prompt is
+        admitted whatever the ratio says into a store that holds nothing: alone it can only
+        wait for itself."""
+        kv = state.device_kv
+        if usage is None:
+            used = kv.num_blocks * kv.blocks.unit - room + next_growth(state)  # whole blocks
+            need = kv.need(seq, seq.context_len + 1, self.max_prefill_tokens)
+            return used == 0 or used + need <= self.occupancy * kv.capacity
+        grown = list(usage)
+        add_usage(state, grown, seq, self._predict(seq), self.points)
+        if max(grown, default=0) > kv.capacity:
             return False
-        self._usage = usage
+        usage[:] = grown
         return True
 
     def _predict(self, seq: SeqInfo) -> int:
@@ -234,7 +244,7 @@ class TDPipe(Policy):
 
     # ---- decode -> prefill ----------------------------------------------------------------
     def _should_prefill(self, state: SchedulerState) -> bool:
-        if not state.waiting and not self._partway:
+        if not state.waiting and not any(s.in_prefill for s in state.device.values()):
             return False
         live = [s for s in state.device.values() if not s.in_prefill]
         if not live:
@@ -254,9 +264,9 @@ class TDPipe(Policy):
         """1 - bubble / total of switching now (§3.5): the pending prefills are the waiting
         prompts in micro-batches of `max_prefill_tokens`, as many as the free KV holds."""
         t = self.timing
-        batches, tokens, room = [], 0, state.device_free
+        batches, tokens, room = [], 0, state.device_kv.free
         for seq in state.waiting:
-            need = state.device_size(seq.prompt_len + 1)
+            need = state.device_kv.peak(seq, seq.prompt_len + 1, self.max_prefill_tokens)
             if need > room:
                 break
             room -= need

@@ -21,9 +21,10 @@ import math
 from dataclasses import dataclass
 
 from jaxpipe.scheduler.actions import Action, Preempt, Run
-from jaxpipe.scheduler.policy import Policy, growth_victims
+from jaxpipe.scheduler.policy import Policy, growth_victims, next_growth, prefill_rest
 from jaxpipe.scheduler.prefill_first import PrefillFirst
-from jaxpipe.scheduler.state import Phase, SchedulerState, SeqInfo
+from jaxpipe.scheduler.seq_info import SeqInfo
+from jaxpipe.scheduler.state import Phase, SchedulerState
 
 
 @dataclass(frozen=True)
@@ -66,7 +67,14 @@ def decode_budget(running: int, depth: int) -> int:
 class Throttle(Policy):
     """One throttled mixed micro-batch per call: #D decode tokens, then #P prompt tokens, #P
     capped so that the micro-batch keeps within `max_prefill_tokens` (the engine's step budget
-    over pp: #MaxP alone let one micro-batch outgrow the step it runs in)."""
+    over pp: #MaxP alone let one micro-batch outgrow the step it runs in).
+
+    A waiting prompt is admitted only if all of its KV fits what the device sequences leave
+    (vLLM's rule, as `prefill_first`'s): the rest of every part-way prompt's KV and the next
+    token of every device sequence are kept for them. So KV_free counts the part-way prompts'
+    KV as taken, and the KV threshold suspends admissions only: a part-way prompt goes on
+    at #MinP tokens or more (stopping it frees nothing; with nothing decoding it held its
+    blocks for ever, and the newest was preempted and admitted again in a loop)."""
 
     name = "throttle"
 
@@ -84,7 +92,8 @@ class Throttle(Policy):
         waiting = sum(s.to_prefill for s in state.waiting)
         waiting += sum(s.to_prefill for s in idle if s.in_prefill)
         running = sum(not s.in_prefill for s in state.device.values())
-        kv_free = state.device_free / state.device_kv_tokens
+        kv_free = (state.device_kv.free - prefill_rest(state, self.max_prefill_tokens)
+                   ) / state.device_kv.capacity
         return prefill_budget(waiting, kv_free, self.knobs), decode_budget(running, self.depth)
 
     def schedule(self, state: SchedulerState) -> Action | None:
@@ -94,26 +103,36 @@ class Throttle(Policy):
         p, d = self.budgets(state)
         idle = state.idle()
         decode = [s for s in idle if not s.in_prefill][:d]
-        p = min(p, self.max_prefill_tokens - len(decode))  # the micro-batch's token budget
-        room = state.device_free - sum(state.growth(s) for s in decode)
-        chunks = self._chunks(state, idle, p, room)
+        cap = self.max_prefill_tokens - len(decode)  # the micro-batch's token budget
+        chunks = self._chunks(state, idle, decode, min(p, cap),
+                              min(max(p, self.knobs.min_prefill, 1), cap))
         if chunks or decode:
             return self._in_phase(state, Phase.DECODE, Run(prefill=chunks, decode=decode))
         if state.busy or not state.device:
             return None  # wait for the micro-batches in flight (or for nothing: done)
         return Preempt([list(state.device.values())[-1]], "recompute")
 
-    def _chunks(self, state: SchedulerState, idle: list[SeqInfo], budget: int, room: int
-                ) -> list[tuple[SeqInfo, int]]:
-        """Prompt chunks within `budget` tokens and `room` device tokens: part-way prompts
-        first, then waiting ones (FIFO) while device slots are free."""
+    def _chunks(self, state: SchedulerState, idle: list[SeqInfo], decode: list[SeqInfo],
+                budget: int, partway_budget: int) -> list[tuple[SeqInfo, int]]:
+        """Prompt chunks: part-way prompts first, within `partway_budget` tokens (never
+        suspended), then waiting ones (FIFO) within what is left of `budget` (#P) while
+        device slots are free and all of each one's KV fits what the device sequences leave
+        (`prefill_rest`, and the next token of each)."""
         chunks: list[tuple[SeqInfo, int]] = []
+        kv, most = state.device_kv, self.max_prefill_tokens
+        room = kv.free - sum(kv.growth(s) for s in decode)
         for seq in [s for s in idle if s.in_prefill]:
-            budget, room = PrefillFirst._add_chunk(state, chunks, seq, budget, room)
-        slots = state.free_slots
+            partway_budget, room = PrefillFirst._add_chunk(state, chunks, seq, partway_budget,
+                                                           room)
+        budget -= sum(n for _, n in chunks)
+        room = kv.free - prefill_rest(state, most) - next_growth(state)
+        slots = kv.free_slots
         for seq in state.waiting:
-            if budget <= 0 or slots <= 0 or room < state.device_unit:
+            need = kv.need(seq, seq.context_len + 1, most)
+            if budget <= 0 or slots <= 0 or need > room:
                 break
-            budget, room = PrefillFirst._add_chunk(state, chunks, seq, budget, room)
+            budget, _ = PrefillFirst._add_chunk(state, chunks, seq, budget, room)
+            room -= need
             slots -= 1
         return chunks
+

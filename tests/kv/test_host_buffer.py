@@ -64,10 +64,10 @@ def test_swap_out_then_in_to_another_slot_is_exact(dtype):
     if host.memory_kind:
         assert host.entries["a"].arrays[0].sharding.memory_kind == host.memory_kind
     prefetch = Prefetcher(host)
-    prefetch.request("a")
-    [(seq_id, tokens, staged)] = prefetch.ready(block=True)
+    ticket = prefetch.request("a")
+    [(got, seq_id, tokens, staged)] = prefetch.ready(block=True)
     prefetch.close()
-    assert (seq_id, tokens, host.entries) == ("a", 11, {})
+    assert (got, seq_id, tokens, host.entries) == (ticket, "a", 11, {})
     caches = insert(caches, 3, staged)
     for (k0, v0), c in zip(before, caches, strict=True):
         np.testing.assert_array_equal(dense(c.k)[3, :, :11], k0[1, :, :11])
@@ -111,6 +111,22 @@ def test_a_sequence_dropped_before_its_fetch_is_delivered_empty():
     host.drop("a")
     prefetch = Prefetcher(host)
     prefetch.request("a")
-    [(seq_id, tokens, staged)] = prefetch.ready(block=True)
+    [(_, seq_id, tokens, staged)] = prefetch.ready(block=True)
     prefetch.close()
     assert (seq_id, tokens, staged, host.entries) == ("a", 0, None, {})
+
+
+def test_a_request_cancelled_before_its_turn_leaves_the_host_entry():
+    """Cancelled while queued: the thread never pops the entry (a later request for the same
+    id, reused, finds its own) and nothing is handed out or kept."""
+    host = HostKVBuffer()
+    swap_out(host, "a", filled_caches(), 0, 8)
+    prefetch = Prefetcher(host)
+    gate = threading.Event()
+    real_fetch = prefetch._fetch
+    prefetch._fetch = lambda *args: (gate.wait(5), real_fetch(*args))[1]
+    prefetch.cancel(prefetch.request("a"))
+    gate.set()
+    prefetch.close()  # the thread has run the job when it joins
+    assert prefetch.pending == 0 and prefetch.staged == 0 and prefetch.ready() == []
+    assert "a" in host.entries

@@ -17,16 +17,20 @@ class FakeRunner:
 
     def __init__(self):
         self.log: list[tuple] = []
+        self.inserted: list[float] = []  # the value of each insert's arrays
 
     def kv_extract(self, blocks, tokens):
+        """Arrays of one value per extract: 1.0, 2.0, ... (so an insert says whose KV)."""
         self.log.append(("extract", tuple(blocks), tokens))
-        return [jnp.zeros((1, 1, 16, 2), jnp.float32)] * 2 * -(-tokens // 16)
+        value = sum(e[0] == "extract" for e in self.log)
+        return [jnp.full((1, 1, 16, 2), value, jnp.float32)] * 2 * -(-tokens // 16)
 
     def kv_staging(self):
         return None
 
     def kv_insert(self, blocks, arrays):
         self.log.append(("insert", tuple(blocks)))
+        self.inserted.append(float(arrays[0][0, 0, 0, 0]))
 
 
 def manager():
@@ -79,21 +83,48 @@ def test_a_swap_in_reads_queued_swap_outs_before_it_writes_blocks():
     kv.close()
 
 
-def test_a_swap_in_aborted_in_flight_leaves_no_staged_copy():
-    """`a` is dropped (aborted) while the prefetcher stages its KV: the staged arrays are
-    discarded at the next delivery, not kept until some later swap-in, and never inserted."""
+def wait_until(condition) -> None:
+    """Poll `condition` (the prefetcher thread's progress) for up to 10 s."""
+    deadline = time.monotonic() + 10
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert condition()
+
+
+def test_a_swap_in_aborted_once_staged_leaves_no_staged_copy():
+    """`a` is dropped (aborted) after the prefetcher staged its KV: the staged arrays are
+    freed at once (they stayed in the prefetcher's queue, holding device memory, until some
+    later delivery), the request is no longer pending, and nothing is inserted."""
     runner, kv = manager()
     a = seq("a", [0, 1])
     kv.swap_out(a, 20)
     kv.flush()
     kv.swap_in(a)
+    wait_until(lambda: kv.prefetcher.staged == 1)
     kv.drop(a)
-    deadline = time.monotonic() + 10
-    while kv.prefetcher._ready.empty() and time.monotonic() < deadline:  # staged, unclaimed
-        time.sleep(0.01)
-    assert kv.deliver() == []
-    assert kv.prefetcher.pending == 0 and kv.prefetcher._ready.empty()
-    assert not any(e[0] == "insert" for e in runner.log)
+    assert kv.prefetcher.staged == 0 and kv.prefetcher.pending == 0 and kv.pending == 0
+    assert kv.deliver() == [] and not any(e[0] == "insert" for e in runner.log)
+    kv.close()
+
+
+def test_a_request_id_reused_after_an_abort_gets_its_own_kv():
+    """`a` is aborted while its swap-in is staged; its id is freed and a new request takes it
+    (`Engine.release`, then a caller's own request_id), is swapped out and in: it gets its
+    own KV. The aborted one's staged copy, left in the queue, was handed to the new one."""
+    runner, kv = manager()
+    old = seq("a", [0, 1])
+    kv.swap_out(old, 20)
+    kv.flush()  # extract 1: the old request's KV
+    kv.swap_in(old)
+    wait_until(lambda: any(e[1:] == ("in", "a") for e in kv.host.events))
+    kv.drop(old)
+    new = seq("a", [2, 3])
+    kv.swap_out(new, 20)
+    kv.flush()  # extract 2: the new request's KV
+    new.blocks, new.slot = [5, 6], 1
+    kv.swap_in(new)
+    assert kv.deliver(block=True) == [new]
+    assert runner.inserted == [2.0] and runner.log[-1] == ("insert", (5, 6))
     kv.close()
 
 

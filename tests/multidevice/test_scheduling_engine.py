@@ -78,7 +78,7 @@ def test_seesaw_swaps_through_the_host_and_preempts(runs, workload):
     stats = engine.stats()
     prompts, _ = workload
     # Every prompt's KV went out to the host tier (rounded per sequence) and came back.
-    rounded = sum(engine.executor.state.host_size(len(p)) for p in prompts)
+    rounded = sum(engine.executor.state.host_kv.size(len(p)) for p in prompts)
     per_token = stats["swap_out_bytes"] / rounded
     assert per_token >= 2 * TINY.num_layers * TINY.num_kv_heads * TINY.head_dim * 4
     assert stats["swap_in_bytes"] == stats["swap_out_bytes"]
@@ -100,7 +100,8 @@ def test_tiers_never_overfill_and_every_request_ends_once(runs, workload, policy
     engine, outputs = runs[policy]
     stats = engine.stats()
     assert 0 < stats["device_kv_peak"] <= DEVICE_KV
-    assert engine.executor.state.free_blocks == DEVICE_KV // 16  # every block back in the pool
+    # every block back in the pool
+    assert engine.executor.state.device_kv.pool.num_free == DEVICE_KV // 16
     assert stats["host_kv_peak"] <= HOST_KV == stats["host_kv_capacity"]
     assert all(used <= HOST_KV for _, used in stats["host_timeline"])
     assert stats["host_timeline"][-1][1] == 0 and host_holds_no_sequence(engine)
@@ -114,7 +115,7 @@ def test_seesaw_switches_rarely(runs, workload):
     prompts, _ = workload
     seesaw = runs["seesaw"][0].stats()
     state = runs["seesaw"][0].executor.state
-    prompt_kv = sum(state.host_size(len(p)) for p in prompts)
+    prompt_kv = sum(state.host_kv.size(len(p)) for p in prompts)
     assert seesaw["to_decode"] <= math.ceil(prompt_kv / HOST_KV) + 1
     # prefill_first's mixed steps all run on the decode layout: one switch, at the start.
     assert runs["prefill_first"][0].stats()["transitions"] == 1
@@ -164,7 +165,8 @@ def test_pipelined_policies_match_one_device(pipelined_runs, reference, name):
     assert tokens(outputs) == reference
     stats = engine.stats()
     assert 0 < stats["device_kv_peak"] <= DEVICE_KV == stats["device_kv_capacity"]
-    assert engine.executor.state.free_blocks == DEVICE_KV // 16 and not engine.executor.state.busy
+    state = engine.executor.state
+    assert state.device_kv.pool.num_free == DEVICE_KV // 16 and not state.busy
     assert engine.executor.state.num_finished == len(outputs)  # each exactly once
     assert stats["transitions"] == 0  # one layout: the prefill one
     policy = engine.executor.policy

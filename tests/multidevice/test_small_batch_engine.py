@@ -64,5 +64,5 @@ def test_every_policy_matches_one_device_on_a_small_batch(engine, reference, wor
     stats = engine.stats()
     assert stats["finished_requests"] == len(reference)
     assert 0 < stats["max_step_tokens"] <= SMALL_BATCH["max_num_batched_tokens"]
-    assert engine.executor.state.free_blocks == SMALL_BATCH["kv_cache_tokens"] // 16
+    assert engine.executor.state.device_kv.pool.num_free == SMALL_BATCH["kv_cache_tokens"] // 16
     assert engine.executor.policy.depth == (4 if policy in ("tdpipe", "throttle") else 1)

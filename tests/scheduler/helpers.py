@@ -7,6 +7,7 @@ import random
 from dataclasses import dataclass, field
 
 from jaxpipe.scheduler import Driver, Kind, Policy, SchedulerState, SeqInfo, StepExecutor
+from jaxpipe.scheduler.prefix_cache import FREED
 
 
 @dataclass
@@ -57,7 +58,7 @@ class TraceExecutor(StepExecutor):
         trace.actions.append(run.kind.value)
         self.flying.append(run)
         trace.max_in_flight = max(trace.max_in_flight, len(self.flying))
-        trace.max_device_used = max(trace.max_device_used, state.device_used)
+        trace.max_device_used = max(trace.max_device_used, state.device_kv.used)
         trace.launched.append(([s.seq_id for s in run.decode],
                                [s.seq_id for s, _ in run.prefill]))
         if self.finishes is not None:
@@ -83,31 +84,41 @@ class TraceExecutor(StepExecutor):
 
 
 def check_ledger(state: SchedulerState, trace: Trace) -> None:
-    """Peaks into `trace`, and the ledger's invariants: each device sequence is charged its
-    KV rounded up to whole blocks, no more, and the blocks are distinct: held by one sequence
-    each, or free; likewise slots, one per device sequence within max_device_seqs."""
-    trace.max_host_used = max(trace.max_host_used, state.host_used)
-    trace.max_device_used = max(trace.max_device_used, state.device_used)
-    assert state.device_used == sum(state.device_size(s.computed)
-                                    for s in state.device.values())
-    held = [b for s in state.device.values() for b in s.blocks]
-    assert all(len(s.blocks) * state.device_unit == state.device_size(s.computed)
-               for s in state.device.values())
-    assert len(set(held)) == len(held) == state.num_blocks - state.free_blocks
+    """Peaks into `trace`, and the ledger's invariants: each device sequence has an entry
+    per block of its KV rounded up to whole blocks, no more, and holds them from the one its
+    next query's window starts in (the entries before are FREED; with a window, at most
+    ceil(window / block) + 1 blocks); the blocks are distinct: held by one sequence each, or
+    free; likewise slots, one per device sequence within max_device_seqs."""
+    trace.max_host_used = max(trace.max_host_used, state.host_kv.used)
+    trace.max_device_used = max(trace.max_device_used, state.device_kv.used)
+    assert state.device_kv.used == sum(state.device_kv.held(s) for s in state.device.values())
+    held = [b for s in state.device.values() for b in s.blocks if b != FREED]
+    unit = state.device_kv.blocks.unit
+    for s in state.device.values():
+        assert len(s.blocks) * unit == state.device_kv.blocks.size(s.computed)
+        first = min(state.device_kv.blocks.first_live(s.computed), len(s.blocks))
+        assert s.behind == first and set(s.blocks[:first]) <= {FREED}
+        assert FREED not in s.blocks[first:]
+        if state.device_kv.blocks.window:
+            assert len(s.blocks) - first <= -(-state.device_kv.blocks.window // unit) + 1
+    assert len(set(held)) == len(held) == state.device_kv.num_blocks - state.device_kv.pool.num_free
     assert not any(s.blocks for s in [*state.waiting, *state.host.values()])
     slots = [s.slot for s in state.device.values()]
-    assert len(set(slots)) == len(slots) == state.max_device_seqs - state.free_slots
-    assert all(0 <= s < state.max_device_seqs for s in slots)
+    assert len(set(slots)) == len(slots) == state.device_kv.max_seqs - state.device_kv.free_slots
+    assert all(0 <= s < state.device_kv.max_seqs for s in slots)
     assert all(s.slot is None for s in [*state.waiting, *state.host.values()])
 
 
 def run_policy(policy: Policy, seqs: list[SeqInfo], device_kv: int, slots: int,
-               host_kv: int = 0, unit: int = 1) -> tuple[SchedulerState, Trace]:
+               host_kv: int = 0, unit: int = 1, window: int = 0
+               ) -> tuple[SchedulerState, Trace]:
     """Drive `policy` until every sequence ran to its `max_output_len`, one step landing
-    before the next; both tiers charge whole `unit`s of tokens (the engine's KV blocks).
-    The ledger is checked after every action."""
-    state = SchedulerState(device_kv, slots, host_kv, host_unit=unit, device_unit=unit)
-    state.add_all(seqs)
+    before the next; both tiers charge whole `unit`s of tokens (the engine's KV blocks),
+    every layer reads through a sliding `window` (0: none). The ledger is checked after
+    every action."""
+    state = SchedulerState(device_kv, slots, host_kv, host_unit=unit, device_unit=unit,
+                           window=window)
+    state.add(*seqs)
     trace = Trace()
     original_apply = state.apply
 
@@ -131,7 +142,7 @@ def run_pipelined(policy: Policy, seqs: list[SeqInfo], device_kv: int, slots: in
     """Up to `depth` micro-batches in flight (host-driven ticks); every sequence runs to its
     `max_output_len` unless `finishes(run, state)` names the ids that end in it."""
     state = SchedulerState(device_kv, slots, 0, host_unit=unit, device_unit=unit)
-    state.add_all(seqs)
+    state.add(*seqs)
     trace = Trace()
     Driver(policy, state, TraceExecutor(trace, depth, finishes)).run()
     return state, trace

@@ -62,7 +62,7 @@ class Recorder(StepExecutor):
 def decoding(n: int, output: int = 10, host: int = 0) -> tuple[SchedulerState, list[SeqInfo]]:
     state = SchedulerState(1000, 8, host)
     seqs = [SeqInfo(i, 4, output) for i in range(n)]
-    state.add_all(seqs)
+    state.add(*seqs)
     state.apply(Run(prefill=[(s, 4) for s in seqs]))  # each sampled its first token
     return state, seqs
 

@@ -50,7 +50,7 @@ def test_every_request_finishes_once_with_all_its_tokens(config, seed):
     assert sorted(trace.finished) == list(range(40))  # each id exactly once
     assert all(s.location is Location.FINISHED for s in seqs)
     assert all(s.generated == s.max_output_len for s in seqs)
-    assert state.device_used == 0 and state.host_used == 0
+    assert state.device_kv.used == 0 and state.host_kv.used == 0
     assert trace.max_host_used <= HOST_KV and trace.max_device_used <= DEVICE_KV
 
 
@@ -98,7 +98,7 @@ def test_seesaw_switches_rarely(seed):
 def test_seesaw_alternates_phases_and_prefills_into_the_host_tier():
     seqs = make_seqs(30, seed=3)
     state = SchedulerState(DEVICE_KV, SLOTS, HOST_KV)
-    state.add_all(seqs)
+    state.add(*seqs)
     first = make_policy("seesaw").schedule(state)
     assert isinstance(first, Run) and first.prefill_to_host and not first.decode
     _, trace = run_policy(make_policy("seesaw"), make_seqs(30, seed=3), DEVICE_KV, SLOTS,
@@ -132,7 +132,7 @@ class Watched(TraceExecutor):
 
 def drive_watched(policy, seqs, executor) -> SchedulerState:
     state = SchedulerState(DEVICE_KV, SLOTS)
-    state.add_all(seqs)
+    state.add(*seqs)
     Driver(policy, state, executor).run()
     return state
 

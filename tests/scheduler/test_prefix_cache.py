@@ -23,7 +23,7 @@ from jaxpipe.scheduler import (
     make_policy,
 )
 from jaxpipe.scheduler.host_prefix import Fetch, Forget, Spill
-from jaxpipe.scheduler.prefix_cache import ROOT, BlockPool, block_hash, extra_key_digest
+from jaxpipe.scheduler.prefix_cache import FREED, ROOT, BlockPool, block_hash, extra_key_digest
 
 UNIT = 4
 
@@ -40,7 +40,7 @@ def cached_state(blocks=16, slots=4, **kwargs) -> SchedulerState:
 def prefill(state: SchedulerState, *seqs: Sequence) -> Run:
     """Prefill `seqs` whole in one run (launched, then applied); returns the run."""
     run = Run(prefill=[(s, s.to_prefill) for s in seqs])
-    state.add_all(s for s in seqs if s.location is Location.WAITING and s not in state.waiting)
+    state.add(*(s for s in seqs if s.location is Location.WAITING and s not in state.waiting))
     state.launch(run)
     state.apply(run)
     return run
@@ -95,7 +95,7 @@ def test_a_whole_prompt_of_full_blocks_recomputes_its_last_block():
     state, a, b = alike(8)
     assert b.cached_tokens == 4 and b.blocks[0] == a.blocks[0] and b.blocks[1] != a.blocks[1]
     assert b.block_hashes == a.block_hashes  # its own copy of block 1 stays uncached
-    assert b.blocks[1] not in state.block_pool.cached()
+    assert b.blocks[1] not in state.device_kv.pool.cached()
 
 
 def test_shared_blocks_are_counted_once_and_references_return_to_zero():
@@ -103,14 +103,14 @@ def test_shared_blocks_are_counted_once_and_references_return_to_zero():
     a, b, c = seq("a", range(9)), seq("b", range(9)), seq("c", [*range(8), 50])
     prefill(state, a)
     prefill(state, b, c)
-    pool = state.block_pool
+    pool = state.device_kv.pool
     assert [pool.refs(x) for x in a.blocks] == [3, 3, 1]
-    assert state.device_used == (2 + 3) * UNIT  # a's 3 blocks, and b's and c's own last
+    assert state.device_kv.used == (2 + 3) * UNIT  # a's 3 blocks, and b's and c's own last
     state.apply(Run(), finished=["a", "b"])
     assert [pool.refs(x) for x in c.blocks] == [1, 1, 1]
     state.abort("c")
-    assert pool.num_held == 0 and state.device_used == 0
-    assert state.free_blocks == state.num_blocks and len(pool.unreferenced_cached()) == 2
+    assert pool.num_held == 0 and state.device_kv.used == 0
+    assert pool.num_free == state.device_kv.num_blocks and len(pool.unreferenced_cached()) == 2
     assert (pool.queried_tokens, pool.hit_tokens) == (27, 16)
 
 
@@ -127,7 +127,7 @@ def test_a_sequence_whose_prefix_its_step_computes_waits_for_the_next_step():
     assert b.cached_tokens == 8 and b.blocks[:2] == a.blocks[:2] and run.prefill == [(b, 1)]
     c, d = seq("c", range(20, 29)), seq("d", range(70, 79))
     e = seq("e", range(20, 29))
-    state.add_all([c, d, e])
+    state.add(c, d, e)
     first, second = Run(prefill=[(c, 9)]), Run(prefill=[(d, 9), (e, 9)])
     state.launch(first)
     state.launch(second)
@@ -149,9 +149,9 @@ def test_unreferenced_cached_blocks_are_evicted_least_recently_used_first():
     prefill(state, b)
     a_blocks, b_blocks = list(a.blocks), list(b.blocks)
     state.apply(Run(), finished=["a", "b"])
-    pool = state.block_pool
+    pool = state.device_kv.pool
     assert pool.unreferenced_cached() == [a_blocks[1], a_blocks[0], b_blocks[1], b_blocks[0]]
-    assert state.free_blocks == 7 and state.device_used == 0
+    assert state.device_kv.pool.num_free == 7 and state.device_kv.used == 0
     free = list(reversed(pool.free_list()))  # in the order they are given out
     c = seq("c", range(100, 115))
     prefill(state, c)
@@ -170,7 +170,7 @@ def test_a_block_someone_holds_is_never_given_out():
     b = seq("b", range(8))
     state.add(b)
     state.launch(Run(prefill=[(b, 8)]))  # hits a's first block, takes the last free one
-    assert b.blocks[0] == a.blocks[0] and state.free_blocks == 0
+    assert b.blocks[0] == a.blocks[0] and state.device_kv.pool.num_free == 0
     c = seq("c", range(30, 34))
     state.add(c)
     with pytest.raises(RuntimeError, match="overfilled"):
@@ -188,13 +188,13 @@ def test_a_prefix_revives_cached_blocks_only_as_far_as_the_pool_has_room():
     prefill(state, a)
     a_blocks = list(a.blocks)
     state.apply(Run(), finished=["a"])
-    assert state.free_blocks == 5
+    assert state.device_kv.pool.num_free == 5
     b = seq("b", [*range(16), *range(200, 212)])
     state.add(b)
     run = Run(prefill=[(b, 16)])
     state.launch(run)
     assert (b.cached_tokens, run.prefill) == (16, [(b, 4)])
-    assert b.blocks[:4] == a_blocks[:4] and state.free_blocks == 0
+    assert b.blocks[:4] == a_blocks[:4] and state.device_kv.pool.num_free == 0
 
 
 def test_a_small_chunk_revives_a_prefix_from_the_room_the_run_leaves():
@@ -209,7 +209,7 @@ def test_a_small_chunk_revives_a_prefix_from_the_room_the_run_leaves():
     run = Run(prefill=[(b, 2)])
     state.launch(run)
     assert (b.cached_tokens, run.prefill) == (12, [(b, 1)])
-    assert state.free_blocks == 16 - 4
+    assert state.device_kv.pool.num_free == 16 - 4
 
 
 def test_a_released_prefix_is_found_again_and_a_switch_keeps_it():
@@ -224,7 +224,7 @@ def test_a_released_prefix_is_found_again_and_a_switch_keeps_it():
         state.apply(Run(decode=[a]))
     assert a.computed == 9 and len(a.block_hashes) == 2
     state.apply(Preempt([a], "recompute"))
-    assert a.blocks == [] and len(state.block_pool.unreferenced_cached()) == 2
+    assert a.blocks == [] and len(state.device_kv.pool.unreferenced_cached()) == 2
     a.output_token_ids.append(9)
     run = Run(prefill=[(a, a.to_prefill)])
     state.launch(run)
@@ -233,13 +233,13 @@ def test_a_released_prefix_is_found_again_and_a_switch_keeps_it():
     z = seq("z", range(40, 45))
     prefill(state, z)
     state.apply(Run(), finished=["z"])
-    lru = state.block_pool.unreferenced_cached()
+    lru = state.device_kv.pool.unreferenced_cached()
     assert len(lru) == 1
-    cached = state.block_pool.cached()
-    assert state.moved_blocks() == sorted({*a.blocks, *lru})
+    cached = state.device_kv.pool.cached()
+    assert state.device_kv.pool.data_blocks() == sorted({*a.blocks, *lru})
     state.apply(Switch("decode"))
-    assert state.block_pool.unreferenced_cached() == lru
-    assert state.block_pool.cached() == cached
+    assert state.device_kv.pool.unreferenced_cached() == lru
+    assert state.device_kv.pool.cached() == cached
 
 
 def test_outputs_are_cached_once_their_tokens_are_known():
@@ -250,7 +250,7 @@ def test_outputs_are_cached_once_their_tokens_are_known():
     assert a.computed == 4 and a.block_hashes == []
     a.output_token_ids += [3, 4]
     state.apply(Run(decode=[a]))
-    assert len(a.block_hashes) == 1 and a.blocks[0] in state.block_pool.cached()
+    assert len(a.block_hashes) == 1 and a.blocks[0] in state.device_kv.pool.cached()
 
 
 def test_a_sequence_back_from_the_host_tier_hashes_its_blocks_at_its_first_decode():
@@ -278,7 +278,7 @@ def test_plain_seqinfos_and_caching_off_never_hit():
     prefill(off, seq("a", range(9)))
     b = seq("b", range(9))
     prefill(off, b)
-    assert b.cached_tokens == 0 and off.block_pool.cached() == {}
+    assert b.cached_tokens == 0 and off.device_kv.pool.cached() == {}
 
 
 # ---- the property test ----------------------------------------------------------------------
@@ -316,9 +316,12 @@ class Driver:
     group holds (`host_holds`, moved as the state's `take_moves` say) to check both tiers.
     The pool (12 or 24 blocks), the host tier (none, one or two groups, 8 or 40 blocks) and
     its group size (1 or 2 blocks) are drawn, so blocks go to the host tier and come back,
-    and a full tier evicts groups while blocks are copied back."""
+    and a full tier evicts groups while blocks are copied back. With a sliding `window`
+    every run is launched and its KV written before it is applied (as the engine's step
+    writes it before the blocks behind the window are given back)."""
 
-    def __init__(self, seed: int, caching: bool, policy: str = "prefill_first"):
+    def __init__(self, seed: int, caching: bool, policy: str = "prefill_first",
+                 window: int = 0):
         self.rng = rng = random.Random(seed)
         group = rng.choice([1, 2])
         host = rng.choice([0, group, 2 * group, 8, 40])  # one or two groups: a full tier
@@ -326,7 +329,7 @@ class Driver:
             host = max(host, 10)
         self.state = SchedulerState(rng.choice([12, 24]) * UNIT, 6, host * UNIT,
                                     host_unit=group * UNIT,
-                                    device_unit=UNIT, prefix_caching=caching)
+                                    device_unit=UNIT, prefix_caching=caching, window=window)
         self.policy = draw_policy(policy, rng)
         # tdpipe and throttle preempt by recompute only and never swap in: so does this
         # driver; seesaw and decode_first decode what they swap in (seesaw parks only whole
@@ -350,12 +353,12 @@ class Driver:
 
     def move(self) -> None:
         """Carry out the host tier's block moves, in order, as the engine's KV manager does."""
-        for m in self.state.take_moves():
+        for m in self.state.host_kv.take_moves():
             if isinstance(m, Spill):
                 self.host_holds[m.group] = [self.holds[b] for b in m.blocks]
             elif isinstance(m, Fetch):
                 # held: by its new holder, and by any sequence admitted after it that shares it
-                assert self.state.block_pool.refs(m.block) >= 1
+                assert self.state.device_kv.pool.refs(m.block) >= 1
                 self.holds[m.block] = self.host_holds[m.group][m.index]
             else:
                 del self.host_holds[m.group]
@@ -387,7 +390,7 @@ class Driver:
     def preempt(self) -> None:
         victim = self.rng.choice(list(self.state.device.values()))
         swap = self.swaps and (self.swaps_prefills or not victim.in_prefill) and \
-            self.state.host_size(victim.computed) <= self.state.host_free
+            self.state.host_kv.size(victim.computed) <= self.state.host_kv.free
         self.state.apply(Preempt([victim], "swap" if swap and self.rng.random() < 0.5
                                  else "recompute"))
         self.move()
@@ -406,7 +409,7 @@ class Driver:
         runs = [action]
         # engine-like: launch (a second run rides along), apply; a run whose prefills go to
         # the host tier is launched first (its KV is written in the blocks it takes there)
-        if self.rng.random() < 0.5 or action.prefill_to_host:
+        if self.rng.random() < 0.5 or action.prefill_to_host or self.state.device_kv.blocks.window:
             self.state.launch(action)
             second = self.policy.schedule(self.state) if self.rides else None
             # (not beside a run to the host tier: its room is only charged as it is applied)
@@ -420,14 +423,17 @@ class Driver:
 
     def apply(self, run: Run) -> None:
         before = {s.seq_id: s.generated for s in run.seqs}
-        if run.prefill_to_host:  # written before its completed prefills leave the device
+        early = run.prefill_to_host or self.state.device_kv.blocks.window  # written as launched
+        if early:  # before its prefills leave the device, or its window moves on
             for s, n in run.prefill:
                 self.write(s, s.computed, s.computed + n)
+            for s in run.decode:
+                self.write(s, s.computed, s.computed + 1)
         self.state.apply(run)
         self.move()
-        for s, n in run.prefill if not run.prefill_to_host else ():
+        for s, n in run.prefill if not early else ():
             self.write(s, s.computed - n, s.computed)  # `n` trimmed past the cached prefix
-        for s in run.decode:
+        for s in run.decode if not early else ():
             self.write(s, s.computed - 1, s.computed)
         sampled = [s for s in run.seqs if s.generated > before[s.seq_id]]
         ended = [s.seq_id for s in sampled
@@ -443,25 +449,29 @@ class Driver:
         self.policy.landed(run, finished, self.state)
 
     def write(self, s: Sequence, start: int, stop: int) -> None:
-        """KV rows [start, stop) of `s` written: never into a block someone else holds."""
+        """KV rows [start, stop) of `s` written: never into a block someone else holds
+        (rows behind its window, FREED, are dropped: a swap-in's)."""
         truth = self.truth[s.seq_id]
         for pos in range(start, stop):
             block = s.blocks[pos // UNIT]
-            assert self.state.block_pool.refs(block) == 1, "wrote a shared block"
+            if block == FREED:
+                continue
+            assert self.state.device_kv.pool.refs(block) == 1, "wrote a shared block"
             if pos % UNIT == 0:
                 self.holds.pop(block, None)
             if pos % UNIT == UNIT - 1:
                 self.holds[block] = tuple(truth[:pos + 1])
 
     def check(self) -> None:
-        state, pool = self.state, self.state.block_pool
-        holders = Counter(b for s in state.device.values() for b in s.blocks)
+        state, pool = self.state, self.state.device_kv.pool
+        holders = Counter(b for s in state.device.values() for b in s.blocks if b != FREED)
         free, lru = pool.free_list(), pool.unreferenced_cached()
-        referenced = [b for b in range(state.num_blocks) if pool.refs(b)]
-        assert sorted(free + lru + referenced) == list(range(state.num_blocks))
-        assert all(pool.refs(b) == holders[b] for b in range(state.num_blocks))
-        assert all(len(set(s.blocks)) == len(s.blocks) for s in state.device.values())
-        assert state.device_used == len(holders) * UNIT == pool.num_held * UNIT
+        referenced = [b for b in range(state.device_kv.num_blocks) if pool.refs(b)]
+        assert sorted(free + lru + referenced) == list(range(state.device_kv.num_blocks))
+        assert all(pool.refs(b) == holders[b] for b in range(state.device_kv.num_blocks))
+        assert all(len(set(s.blocks) - {FREED}) == len(s.blocks) - s.behind
+                   for s in state.device.values())
+        assert state.device_kv.used == len(holders) * UNIT == pool.num_held * UNIT
         assert all(len(s.blocks) == -(-s.computed // UNIT) for s in state.device.values())
         assert not any(s.blocks or s.block_hashes
                        for s in [*state.waiting, *state.host.values()])
@@ -469,15 +479,17 @@ class Driver:
         assert set(lru) <= set(cached) and len(set(cached.values())) == len(cached)
         for block, digest in cached.items():  # a cached block holds the prefix its hash names
             assert chain(self.holds[block]) == digest
-        host = state.host_cache
+        host = state.host_kv.cache
         if host is not None:  # a host group holds the prefixes its hashes name
-            assert state.host_used + host.used <= state.host_kv_tokens
+            assert state.host_kv.used + host.used <= state.host_kv.capacity
             assert set(host.groups()) == set(self.host_holds)
             for group, hashes in host.groups().items():
                 assert [chain(h) for h in self.host_holds[group]] == hashes
         for s in state.device.values():  # and a sequence's full blocks hold its own prefix
             truth = tuple(self.truth[s.seq_id])
-            for i in range(s.computed // UNIT):
+            first = state.device_kv.blocks.first_live(s.computed)  # the rest: given back
+            assert s.blocks[:first] == [FREED] * first and FREED not in s.blocks[first:]
+            for i in range(first, s.computed // UNIT):
                 assert self.holds.get(s.blocks[i]) == truth[:(i + 1) * UNIT]
 
 
@@ -489,12 +501,38 @@ def test_random_traffic_keeps_every_block_accounted_and_shared_correctly(seed):
     """Each policy over 4 seeds."""
     driver = Driver(seed, caching=True, policy=POLICY_NAMES[seed % len(POLICY_NAMES)])
     driver.run()
-    state, pool = driver.state, driver.state.block_pool
-    assert pool.num_held == 0 and state.device_used == 0 and state.host_used == 0
-    assert all(pool.refs(b) == 0 for b in range(state.num_blocks))
-    assert state.free_blocks == state.num_blocks and state.num_finished == 30
+    state, pool = driver.state, driver.state.device_kv.pool
+    assert pool.num_held == 0 and state.device_kv.used == 0 and state.host_kv.used == 0
+    assert all(pool.refs(b) == 0 for b in range(state.device_kv.num_blocks))
+    assert state.device_kv.pool.num_free == state.device_kv.num_blocks and state.num_finished == 30
     assert pool.hit_tokens > 0
     HOST_HITS[seed] = pool.host_hit_tokens
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_random_traffic_with_a_window_gives_back_what_it_passed(seed):
+    """As above with every layer reading through a sliding window of 3, 5 or 9 tokens
+    (blocks of 4): blocks behind each sequence's window are given back (cached ones to the
+    LRU) as it goes, through prefix hits, swaps and both preemptions, every policy; a
+    sequence never holds more than ceil(window / 4) + 1 blocks once its run is applied."""
+    window = random.Random(seed).choice([3, 5, 9])
+    driver = Driver(seed, caching=True, policy=POLICY_NAMES[seed % len(POLICY_NAMES)],
+                    window=window)
+    bound, most, behind = -(-window // UNIT) + 1, [0], [0]
+    check = driver.check
+
+    def check_bounded():
+        check()
+        for s in driver.state.device.values():
+            most[0] = max(most[0], len(s.blocks) - s.behind)
+            behind[0] = max(behind[0], s.behind)
+            assert len(s.blocks) - s.behind <= bound or s.seq_id in driver.state.busy
+
+    driver.check = check_bounded
+    driver.run()
+    state = driver.state
+    assert state.device_kv.pool.num_held == 0 and state.num_finished == 30
+    assert 0 < most[0] <= bound and behind[0] > 0
 
 
 def test_random_traffic_hits_in_the_host_tier():
@@ -503,15 +541,15 @@ def test_random_traffic_hits_in_the_host_tier():
         if seed not in HOST_HITS:
             driver = Driver(seed, caching=True, policy=POLICY_NAMES[seed % len(POLICY_NAMES)])
             driver.run()
-            HOST_HITS[seed] = driver.state.block_pool.host_hit_tokens
+            HOST_HITS[seed] = driver.state.device_kv.pool.host_hit_tokens
     assert sum(HOST_HITS.values()) > 0
 
 
 def test_random_traffic_with_caching_off_hits_nothing():
     driver = Driver(0, caching=False)
     driver.run()
-    assert driver.state.block_pool.cached() == {}
-    assert driver.state.free_blocks == driver.state.num_blocks
+    assert driver.state.device_kv.pool.cached() == {}
+    assert driver.state.device_kv.pool.num_free == driver.state.device_kv.num_blocks
 
 
 def test_evicted_blocks_go_to_the_host_tier_and_come_back():
@@ -528,23 +566,23 @@ def test_evicted_blocks_go_to_the_host_tier_and_come_back():
     state.apply(Run(), finished=["a"])
     prefill(state, seq("a2", [*range(8), 5]))  # hits both
     state.apply(Run(), finished=["a2"])
-    assert state.take_moves() == []
+    assert state.host_kv.take_moves() == []
     prefill(state, seq("b", range(50, 63), max_tokens=3))  # the 2 free blocks, then a's
-    assert state.take_moves() == [Spill(0, tuple(reversed(a_blocks)))]
-    assert state.host_cache.groups() == {0: list(reversed(a_hashes))}
+    assert state.host_kv.take_moves() == [Spill(0, tuple(reversed(a_blocks)))]
+    assert state.host_kv.cache.groups() == {0: list(reversed(a_hashes))}
     state.apply(Run(), finished=["b"])
     c = seq("c", range(9))
     run = prefill(state, c)
-    moves = state.take_moves()  # b's blocks, never hit, are evicted for them: no Spill
+    moves = state.host_kv.take_moves()  # b's blocks, never hit, are evicted for them: no Spill
     assert [(m.group, m.index, m.block) for m in moves] == [(0, 1, c.blocks[0]),
                                                             (0, 0, c.blocks[1])]
     assert c.cached_tokens == 8 and run.prefill == [(c, 1)] and c.block_hashes == a_hashes
-    pool = state.block_pool
+    pool = state.device_kv.pool
     assert pool.host_hit_tokens == 8 and pool.hit_tokens == 16  # a2's on the device, c's here
-    assert state.host_cache.groups()[0] == list(reversed(a_hashes))  # the copy stays
+    assert state.host_kv.cache.groups()[0] == list(reversed(a_hashes))  # the copy stays
     state.apply(Preempt([c], "swap"))  # c's 9 tokens take the tier's 16 (units of 8)
-    assert {type(m) for m in state.take_moves()} == {Forget}
-    assert state.host_cache.used == 0 and state.host_used == 16
+    assert {type(m) for m in state.host_kv.take_moves()} == {Forget}
+    assert state.host_kv.cache.used == 0 and state.host_kv.used == 16
 
 
 def test_blocks_never_hit_are_forgotten_when_evicted_not_spilled():
@@ -559,8 +597,8 @@ def test_blocks_never_hit_are_forgotten_when_evicted_not_spilled():
     state.apply(Run(), finished=["b"])
     c = seq("c", range(9))
     prefill(state, c)
-    assert state.take_moves() == [] and state.host_cache.groups() == {}
-    assert state.block_pool.evictions == 4 and state.host_cache.stored_blocks == 0
+    assert state.host_kv.take_moves() == [] and state.host_kv.cache.groups() == {}
+    assert state.device_kv.pool.evictions == 4 and state.host_kv.cache.stored_blocks == 0
     assert c.cached_tokens == 0
 
 
@@ -581,13 +619,14 @@ def test_a_copy_back_that_evicts_a_block_keeps_the_group_it_reads():
     b_blocks = list(b.blocks[:2])
     state.apply(Run(), finished=["b", "d"])
     prefill(state, seq("g", range(70, 81), 3))  # the 2 free blocks, then evicts A
-    assert list(state.host_cache.groups()) == [0] and state.block_pool.free_list() == []
-    state.take_moves()
+    assert list(state.host_kv.cache.groups()) == [0] and state.device_kv.pool.free_list() == []
+    state.host_kv.take_moves()
     c = seq("c", [*range(4), 97], 3)
     prefill(state, c)
     assert c.cached_tokens == UNIT and c.blocks[0] == b_blocks[1]  # B's block, evicted
-    assert state.take_moves() == [Fetch(0, 0, c.blocks[0]), Forget(0), Spill(1, (b_blocks[0],))]
-    assert c.blocks[1] == b_blocks[0] and list(state.host_cache.groups()) == [1]
+    assert state.host_kv.take_moves() == [Fetch(0, 0, c.blocks[0]), Forget(0),
+                                          Spill(1, (b_blocks[0],))]
+    assert c.blocks[1] == b_blocks[0] and list(state.host_kv.cache.groups()) == [1]
 
 
 def test_each_block_is_hashed_once(monkeypatch):

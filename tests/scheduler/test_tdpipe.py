@@ -6,17 +6,17 @@ from __future__ import annotations
 
 import pytest
 
-from jaxpipe.scheduler import Location, Run, SchedulerState, SeqInfo, make_policy
+from jaxpipe.scheduler import Driver, Location, Run, SchedulerState, SeqInfo, make_policy
 from jaxpipe.scheduler.predictor import Learned, accumulated_error
 from jaxpipe.scheduler.tdpipe import future_usage
-from scheduler.helpers import LinearTiming, make_seqs, run_pipelined
+from scheduler.helpers import LinearTiming, Trace, TraceExecutor, make_seqs, run_pipelined
 
 
 def decoding_state(n: int, capacity: int = 100_000, prompt: int = 10, output: int = 50):
     """n sequences on the device past their prefill (prompt tokens of KV each)."""
     state = SchedulerState(device_kv_tokens=capacity, max_device_seqs=1024)
     seqs = [SeqInfo(i, prompt, output) for i in range(n)]
-    state.add_all(seqs)
+    state.add(*seqs)
     state.apply(Run(prefill=[(s, prompt) for s in seqs]))
     return state, seqs
 
@@ -26,7 +26,7 @@ def test_algorithm_1_stops_where_future_usage_would_exceed_capacity():
     decode step 32 and 164 at step 64, so 1000 tokens of KV take 6 (984), not 7 (1148),
     although 9 prompts fit the store right now (9 x 101 = 909)."""
     state = SchedulerState(device_kv_tokens=1000, max_device_seqs=64)
-    state.add_all(SeqInfo(i, 100, 64) for i in range(10))
+    state.add(*(SeqInfo(i, 100, 64) for i in range(10)))
     assert future_usage(state, [(s, 64) for s in list(state.waiting)[:6]], (32, 64, 96)) == \
         [6 * 132, 6 * 164, 0]
     policy = make_policy("tdpipe", pipeline_depth=2, predictor="oracle", finish_ratio=0.5,
@@ -42,7 +42,7 @@ def test_algorithm_1_counts_the_running_sequences():
     """Two running sequences predicted to go on for 64 more tokens (context 10 + p) take
     2 x 74 at step 64, leaving room for 5 prompts (5 x 164 + 148 = 968 <= 1000)."""
     state, _ = decoding_state(2, capacity=1000, prompt=10, output=65)
-    state.add_all(SeqInfo(f"w{i}", 100, 64) for i in range(10))
+    state.add(*(SeqInfo(f"w{i}", 100, 64) for i in range(10)))
     policy = make_policy("tdpipe", pipeline_depth=2, predictor="oracle", finish_ratio=0.5,
                          max_prefill_tokens=10_000)
     run = policy.schedule(state)
@@ -51,7 +51,7 @@ def test_algorithm_1_counts_the_running_sequences():
 
 def test_occupancy_ratio_without_a_predictor():
     state = SchedulerState(device_kv_tokens=1000, max_device_seqs=64)
-    state.add_all(SeqInfo(i, 100, 500) for i in range(10))
+    state.add(*(SeqInfo(i, 100, 500) for i in range(10)))
     policy = make_policy("tdpipe", pipeline_depth=2, predictor=None, occupancy=0.5,
                          finish_ratio=0.5, max_prefill_tokens=10_000)
     run = policy.schedule(state)
@@ -111,7 +111,7 @@ def test_intensity_switch_fires_where_the_formula_says():
 
     for b in (10, 75, 76, 100, 256):
         state, _ = decoding_state(4 * b)
-        state.add_all([SeqInfo("a", 1000, 5), SeqInfo("b", 1000, 5)])
+        state.add(SeqInfo("a", 1000, 5), SeqInfo("b", 1000, 5))
         policy = make_policy("tdpipe", pipeline_depth=4, timing=timing,
                              max_prefill_tokens=4096)
         policy.phase = "decode"
@@ -150,7 +150,7 @@ def test_the_predictor_learns_from_exactly_the_finishes_it_is_handed():
     its launch. Finished sequences leave the state, so the predictor learns from what
     `landed` is handed: 0 and 1, with their first predictions, and nothing else."""
     state = SchedulerState(device_kv_tokens=10_000, max_device_seqs=64)
-    state.add_all(SeqInfo(i, 10, 3) for i in range(8))
+    state.add(*(SeqInfo(i, 10, 3) for i in range(8)))
     policy = make_policy("tdpipe", pipeline_depth=2, predictor=Recording(), finish_ratio=1.0,
                          max_prefill_tokens=80)
     prefill = policy.schedule(state)
@@ -201,7 +201,7 @@ def test_every_request_finishes_once_under_pipelining(options, seed):
     assert sorted(trace.finished) == list(range(40))
     assert all(s.location is Location.FINISHED and s.generated == s.max_output_len
                for s in seqs)
-    assert trace.max_device_used <= 240 and state.device_used == 0
+    assert trace.max_device_used <= 240 and state.device_kv.used == 0
     assert policy.switches >= 2  # prefill -> decode -> prefill at least once
     # Temporal disaggregation: no micro-batch mixes prompts and decode tokens.
     assert not any(decode and prefill for decode, prefill in trace.launched)
@@ -217,3 +217,55 @@ def test_a_prompt_over_the_occupancy_ratio_runs_alone_on_an_empty_store():
     state, trace = run_pipelined(policy, seqs, device_kv=1000, slots=8, depth=2, unit=1)
     assert sorted(trace.finished) == list(range(5))
     assert trace.max_device_used <= 1000
+
+
+def test_a_prompt_over_the_occupancy_ratio_runs_on_a_store_of_whole_blocks():
+    """1000 tokens in blocks of 16 are 62 blocks (992 tokens): measured in the store's tokens
+    the empty store looked 8 tokens full, so a 950-token prompt (over the 0.9 ratio) was never
+    admitted and the policy stalled with nothing running. Every request must be served."""
+    seqs = [SeqInfo(0, 950, 40)] + [SeqInfo(i, 20, 10) for i in range(1, 5)]
+    policy = make_policy("tdpipe", pipeline_depth=2, max_prefill_tokens=2000, predictor=None,
+                         occupancy=0.9, finish_ratio=0.5)
+    state, trace = run_pipelined(policy, seqs, device_kv=1000, slots=8, depth=2, unit=16)
+    assert sorted(trace.finished) == list(range(5))
+    assert trace.max_device_used <= 992
+
+
+def test_no_predictor_leaves_room_for_the_running_sequences_to_grow():
+    """A 4-block store (blocks of 16), two micro-batches in flight: 10% headroom is less than
+    a block, so counting only the blocks held, a recomputed prompt was admitted into the room
+    the running sequence needs at its next step, preempted as the newest at once, admitted
+    again, and so on for ever. Counting the next step's growth, every request finishes."""
+    seqs = [SeqInfo(i, p, o) for i, (p, o) in enumerate([(2, 17), (14, 20), (14, 4), (56, 1)])]
+    policy = make_policy("tdpipe", pipeline_depth=2, max_prefill_tokens=16, predictor=None,
+                         timing=LinearTiming())
+    state = SchedulerState(64, 2, device_unit=16)
+    state.add(*seqs)
+    Driver(policy, state, TraceExecutor(Trace(), depth=2)).run(max_steps=5_000)
+    assert all(s.location is Location.FINISHED for s in seqs)
+
+
+def test_algorithm_1_forgets_a_sequence_that_finished_in_the_prefill_phase():
+    """Oracle predictions: the first 90-token prompt generates 1 token, so it finishes with
+    its prefill; the store (100 tokens) is then empty, and the second must be admitted (the
+    phase's kvUsage, kept from before, counted the first for ever: nothing admitted, nothing
+    to decode, a stall)."""
+    seqs = [SeqInfo(0, 90, 1), SeqInfo(1, 90, 1)]
+    policy = make_policy("tdpipe", pipeline_depth=1, predictor="oracle", finish_ratio=0.5,
+                         max_prefill_tokens=100)
+    state, trace = run_pipelined(policy, seqs, device_kv=100, slots=2, depth=1)
+    assert sorted(trace.finished) == [0, 1]
+
+
+def test_a_prompt_left_part_way_by_someone_else_goes_on():
+    """A prompt whose first chunk the state cut short (the prefix cache's admission does,
+    to pay for the blocks it revives) is on the device, idle, still in its prefill: its next
+    chunk comes first, whoever cut it (nothing waits, nothing decodes: it was a stall)."""
+    state = SchedulerState(device_kv_tokens=1000, max_device_seqs=4)
+    seq = SeqInfo("a", 50, 5)
+    state.add(seq)
+    state.apply(Run(prefill=[(seq, 10)]))
+    policy = make_policy("tdpipe", pipeline_depth=2, predictor="oracle", finish_ratio=0.5,
+                         max_prefill_tokens=64)
+    run = policy.schedule(state)
+    assert run.prefill == [(seq, 40)] and policy.phase == "prefill"

@@ -7,9 +7,9 @@ import math
 
 import pytest
 
-from jaxpipe.scheduler import Location, Run, SchedulerState, SeqInfo, make_policy
+from jaxpipe.scheduler import Driver, Location, Run, SchedulerState, SeqInfo, make_policy
 from jaxpipe.scheduler.throttle import ThrottleKnobs, decode_budget, prefill_budget
-from scheduler.helpers import make_seqs, run_pipelined
+from scheduler.helpers import Trace, TraceExecutor, make_seqs, run_pipelined
 
 KNOBS = ThrottleKnobs()  # #T 8, #MaxP 2048, #MinP 32, KV_thresh 0.05
 
@@ -61,11 +61,11 @@ def test_one_micro_batch_carries_the_throttled_tokens():
     KV 80% free: #P = min(2000/8, 2048*0.75/0.95) = 250 prompt tokens."""
     state = SchedulerState(device_kv_tokens=10_000, max_device_seqs=64)
     running = [SeqInfo(f"r{i}", 100, 50) for i in range(10)]
-    state.add_all(running)
+    state.add(*running)
     state.apply(Run(prefill=[(s, 100) for s in running]))  # now decoding, 1010 tokens held
-    state.add_all(SeqInfo(f"w{i}", 200, 10) for i in range(10))
+    state.add(*(SeqInfo(f"w{i}", 200, 10) for i in range(10)))
     policy = make_policy("throttle", pipeline_depth=4)
-    kv_free = state.device_free / state.device_kv_tokens
+    kv_free = state.device_kv.free / state.device_kv.capacity
     assert kv_free == pytest.approx(0.9)
     p = math.ceil(min(2000 / 8, 2048 * (kv_free - 0.05) / 0.95))
     assert policy.budgets(state) == (p, 3)
@@ -88,5 +88,42 @@ def test_every_request_finishes_once_under_pipelining(depth, seed):
     assert sorted(trace.finished) == list(range(40))
     assert all(s.location is Location.FINISHED and s.generated == s.max_output_len
                for s in seqs)
-    assert trace.max_device_used <= 240 and state.device_used == 0
+    assert trace.max_device_used <= 240 and state.device_kv.used == 0
     assert trace.max_in_flight == depth or depth == 1
+
+
+def drive(policy, seqs, device_kv: int, slots: int, depth: int, unit: int) -> SchedulerState:
+    """`run_pipelined` with a bound on the steps: a livelock fails instead of running on."""
+    state = SchedulerState(device_kv, slots, device_unit=unit)
+    state.add(*seqs)
+    Driver(policy, state, TraceExecutor(Trace(), depth)).run(max_steps=5_000)
+    return state
+
+
+def test_a_prompt_alone_in_a_small_store_is_never_suspended():
+    """A 54-token prompt in a 4-block store (blocks of 16), prefilled in chunks of 16: after
+    49 tokens it holds every block, KV_free is 0 < KV_thresh and prefill was suspended; with
+    nothing decoding the policy preempted it (the newest) and admitted it again, for ever.
+    Its KV was counted when it was admitted: it goes on, and finishes."""
+    seq = SeqInfo(0, 54, 8)
+    policy = make_policy("throttle", pipeline_depth=1, max_prefill_tokens=16,
+                         knobs=ThrottleKnobs(min_prefill=0))
+    state = drive(policy, [seq], device_kv=64, slots=8, depth=1, unit=16)
+    assert seq.location is Location.FINISHED and state.num_finished == 1
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_every_request_finishes_in_a_store_too_small_for_its_slots(depth):
+    """32 slots over a 4-block store: prompts were admitted a block at a time while a slot
+    and a block were free, so part-way prompts filled the store, prefill was suspended below
+    KV_thresh and the newest was preempted and admitted again in a loop. A prompt is now
+    admitted only if all of its KV fits."""
+    sizes = [(29, 30), (15, 25), (8, 38), (15, 39), (8, 1), (3, 28), (29, 31), (8, 15),
+             (54, 8), (11, 1), (10, 33)]
+    seqs = [SeqInfo(i, p, o) for i, (p, o) in enumerate(sizes)]
+    policy = make_policy("throttle", pipeline_depth=depth, max_prefill_tokens=16,
+                         knobs=ThrottleKnobs(min_prefill=0))
+    state = drive(policy, seqs, device_kv=64, slots=32, depth=depth, unit=16)
+    assert all(s.location is Location.FINISHED and s.generated == s.max_output_len
+               for s in seqs)
+    assert state.device_kv.used == 0
