@@ -11,7 +11,7 @@ import time
 
 import numpy as np
 
-from jaxpipe.model import loading
+from jaxpipe.model import loading, orbax_dir
 from jaxpipe.model.presets import resolve_model
 
 
@@ -30,7 +30,7 @@ def main() -> None:
         import ml_dtypes
 
         values = {k: np.asarray(v).astype(ml_dtypes.bfloat16) for k, v in values.items()}
-    loading.save_orbax(args.output, cfg, values, args.dtype)
+    orbax_dir.save_orbax(args.output, cfg, values, args.dtype)
     tokenizer = loading.load_tokenizer(source)
     if tokenizer is not None:
         tokenizer.save(args.output)
