@@ -41,7 +41,7 @@ def keep_value(_cfg, _name: str, value):
     return value
 
 
-def one_rope(c: dict) -> tuple[dict, float | None]:
+def one_rope(c: dict) -> dict:
     """Every layer's RoPE from `rope_scaling` / `rope_parameters` (no per-layer-type one)."""
     rope = c.get("rope_scaling") or c.get("rope_parameters") or {}
     nested = sorted(k for k, v in rope.items() if isinstance(v, dict))
@@ -49,7 +49,7 @@ def one_rope(c: dict) -> tuple[dict, float | None]:
         raise ValueError(f"config.json rope_parameters per layer type {nested} are not "
                          f"supported for {c.get('architectures')}; supported: one RoPE for "
                          "every layer (Gemma 3: one per layer type)")
-    return rope, None
+    return rope
 
 
 def sliding_layers(c: dict, window, default_types: Callable[[int], list[str]]
@@ -99,7 +99,7 @@ class Family:
     has_experts: a mixture of experts (a GGUF of it has `{arch}.expert_count`).
     hf_defaults: the values HF's config class assumes for keys config.json leaves out.
     hf_act_key: config.json's key of the MLP's activation.
-    hf_rope: config.json -> (the global layers' RoPE dict, the sliding layers' own base).
+    hf_rope: config.json -> the RoPE dict (`rope_config.rope_scaling`'s) of its global layers.
     hf_window: config.json -> (sliding window, the layers it applies to).
     hf_fields, gguf_fields: the ModelConfig fields the family reads from config.json / GGUF
         metadata beyond the ones every family has (`hf_dir.hf_config`, `gguf_file.gguf_config`).
@@ -117,7 +117,7 @@ class Family:
     has_experts: bool = False
     hf_defaults: Mapping[str, Any] = field(default_factory=dict)
     hf_act_key: str = "hidden_act"
-    hf_rope: Callable[[dict], tuple[dict, float | None]] = one_rope
+    hf_rope: Callable[[dict], dict] = one_rope
     hf_window: Callable[[dict], tuple[int | None, tuple[int, ...]]] = window_on_every_layer
     hf_fields: Callable[[dict], Fields] = no_fields
     gguf_fields: Callable[[GGUFMetadata], Fields] = no_fields

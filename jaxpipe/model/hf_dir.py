@@ -27,13 +27,12 @@ def hf_config(config_json: dict) -> ModelConfig:
     family = families.for_hf_config(config_json)
     c = {**family.hf_defaults, **config_json}
     _refuse_unsupported(c, family)
-    rope, local_theta = family.hf_rope(c)
+    rope = family.hf_rope(c)
     window, sliding = family.hf_window(c)
     fields = _common_fields(c) | dict(
         rope_theta=float(rope.get("rope_theta") or c.get("rope_theta") or 10000.0),
         rope_scaling=rope_config.rope_scaling(rope, c), mlp_act=_activation(c, family),
-        sliding_window=window, sliding_layers=sliding,
-        rope_local_theta=local_theta if sliding else None)
+        sliding_window=window, sliding_layers=sliding)
     head_dim = fields["head_dim"]
     rotary = int(head_dim * float(rope.get("partial_rotary_factor")
                                    or c.get("partial_rotary_factor") or 1.0))

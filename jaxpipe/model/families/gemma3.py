@@ -15,20 +15,33 @@ GGUF_NAMES = {**gemma2.GGUF_NAMES, **per_layer("blk.{i}.", {
 HF_DEFAULTS = {**gemma2.HF_DEFAULTS, "rope_theta": 1e6, "attn_logit_softcapping": None,
                "final_logit_softcapping": None}
 LOCAL_THETA = 10000.0  # Gemma3TextConfig's rope_local_base_freq, llama.cpp's
+window = gemma2.window(6)
 
 
-def hf_rope(c: dict) -> tuple[dict, float]:
-    """(the global layers' RoPE, the sliding layers' base): `rope_parameters` nested by layer
-    type, or one dict for the global layers and `rope_local_base_freq`. The sliding layers'
-    must be plain RoPE."""
+def _ropes(c: dict) -> tuple[dict, dict]:
+    """(the global layers' RoPE dict, the sliding layers'): `rope_parameters` nested by layer
+    type, or one dict (the global layers') beside `rope_local_base_freq`."""
     rope = c.get("rope_scaling") or c.get("rope_parameters") or {}
     nested = {k: v for k, v in rope.items() if isinstance(v, dict)}
-    local = nested.get("sliding_attention") or {}
+    return nested.get("full_attention", rope if not nested else {}), (
+        nested.get("sliding_attention") or {})
+
+
+def hf_rope(c: dict) -> dict:
+    """The global layers' RoPE."""
+    return _ropes(c)[0]
+
+
+def hf_fields(c: dict) -> dict:
+    """Gemma 2's, and where there are sliding layers their own base (`rope_local_theta`),
+    which must be plain RoPE."""
+    local = _ropes(c)[1]
     if local.get("rope_type", local.get("type", "default")) != "default":
         raise ValueError(f"config.json rope_parameters.sliding_attention {local} is not "
                          "supported; supported: plain RoPE (rope_type default)")
-    rope = nested.get("full_attention", rope if not nested else {})
-    return rope, float(local.get("rope_theta") or c.get("rope_local_base_freq", LOCAL_THETA))
+    _, sliding = window(c)
+    theta = float(local.get("rope_theta") or c.get("rope_local_base_freq", LOCAL_THETA))
+    return gemma2.hf_fields(c) | ({"rope_local_theta": theta} if sliding else {})
 
 
 def gguf_fields(meta) -> dict:
@@ -48,5 +61,5 @@ FAMILY = Family(
     name="gemma3", hf_architectures=("Gemma3ForCausalLM",), hf_model_types=("gemma3_text",),
     gguf_architectures=("gemma3",), hf_names=HF_NAMES, gguf_names=GGUF_NAMES,
     features={"sandwich_norms": True, "qk_norm": True}, hf_defaults=HF_DEFAULTS,
-    hf_act_key="hidden_activation", hf_rope=hf_rope, hf_window=gemma2.window(6),
-    hf_fields=gemma2.hf_fields, gguf_fields=gguf_fields, hf_value=gemma2.norms_plus_one)
+    hf_act_key="hidden_activation", hf_rope=hf_rope, hf_window=window, hf_fields=hf_fields,
+    gguf_fields=gguf_fields, hf_value=gemma2.norms_plus_one)

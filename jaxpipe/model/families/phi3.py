@@ -16,12 +16,12 @@ GGUF_NAMES = {**llama.GGUF_NAMES, **per_layer("blk.{i}.", {
 LONGROPE_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
 
 
-def hf_rope(c: dict) -> tuple[dict, None]:
+def hf_rope(c: dict) -> dict:
     """One RoPE; HF's Phi-3 reads the older types "su" and "yarn" as LongRoPE."""
-    rope, _ = one_rope(c)
+    rope = one_rope(c)
     if rope.get("rope_type", rope.get("type")) in ("su", "yarn"):
         rope = {**rope, "rope_type": "longrope"}
-    return rope, None
+    return rope
 
 
 def gguf_fields(meta) -> dict:
