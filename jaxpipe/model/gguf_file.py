@@ -35,6 +35,7 @@ class GGUFMetadata:
 
     @cached_property
     def tensor_names(self) -> frozenset[str]:
+        """Every tensor's name."""
         return frozenset(t.name for t in self.reader.tensors)
 
     def tensor_shape(self, name: str) -> tuple[int, ...]:

@@ -63,6 +63,7 @@ def gguf_gemma(meta, pattern: int, caps: tuple, big_layers: int) -> dict:
 
 
 def gguf_fields(meta) -> dict:
+    """Gemma's, a window on every other layer, soft-caps 50 / 30 where the file has none."""
     return gguf_gemma(meta, pattern=2, caps=(50.0, 30.0), big_layers=46)
 
 

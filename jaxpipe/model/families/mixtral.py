@@ -20,6 +20,7 @@ HF_NAMES = {**llama.HF_NAMES, **qwen2_moe.HF_EXPERTS, **per_layer("model.layers.
 
 
 def hf_fields(c: dict) -> dict:
+    """The experts (`intermediate_size` wide), top-k renormalised, no shared expert."""
     return dict(num_experts=expert_count(c, 8), num_experts_per_tok=c["num_experts_per_tok"],
                 moe_intermediate_size=c["intermediate_size"], norm_topk_prob=True,
                 intermediate_size=0)
