@@ -87,8 +87,17 @@ def stack(cfg: ModelConfig, tensors: dict[str, np.ndarray]) -> dict[str, np.ndar
         values["w_down"] = layers("down", lambda w: w.T)
     if cfg.is_moe:
         values |= _experts(cfg, get)
+    if not cfg.tie_embeddings:
+        values["lm_head"] = get("lm_head").T
+    return values | _optional(cfg, layers)
+
+
+def _optional(cfg: ModelConfig, layers) -> dict[str, np.ndarray]:
+    """The switches' own parameters: q/k/v biases, q/k norms, Gemma's sandwich norms."""
+    K, D = cfg.num_kv_heads, cfg.head_dim
+    values = {}
     if cfg.qkv_bias:
-        values["bq"] = layers("q_bias", lambda b: b.reshape(H, D))
+        values["bq"] = layers("q_bias", lambda b: b.reshape(cfg.num_heads, D))
         values["bkv"] = np.stack([layers(f"{n}_bias", lambda b: b.reshape(K, D)) for n in "kv"],
                                  axis=1)  # [L, 2, Hkv, D]
     if cfg.qk_norm:
@@ -96,8 +105,6 @@ def stack(cfg: ModelConfig, tensors: dict[str, np.ndarray]) -> dict[str, np.ndar
     if cfg.sandwich_norms:
         values["post_attn_norm"] = layers("post_attn_norm")
         values["post_mlp_norm"] = layers("post_mlp_norm")
-    if not cfg.tie_embeddings:
-        values["lm_head"] = get("lm_head").T
     return values
 
 
