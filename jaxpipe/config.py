@@ -64,7 +64,8 @@ class RopeScaling:
 class ModelConfig:
     """Architecture of a decoder of the Llama family and its relatives (Mistral, Qwen2/2.5,
     Qwen3, Gemma, Phi, and the mixtures of experts Qwen2/3-MoE and Mixtral). Hashable:
-    usable as a static jit argument.
+    usable as a static jit argument. Each family's module (`jaxpipe/model/families/`) says
+    which of these switches it turns on and reads them from its checkpoints.
 
     qkv_bias: the q, k and v projections add a bias (Qwen2/2.5).
     qk_norm: q and k are RMS-normalised per head (a [head_dim] weight each) before RoPE

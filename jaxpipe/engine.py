@@ -512,7 +512,7 @@ def _load(config: EngineConfig, dtype) -> tuple[ModelConfig, Decoder | Path, Tok
         cfg = loading.source_config(source)  # the metadata alone: the weights are not read
         return cfg, init_random(cfg, config.seed, dtype), tokenizer
     if source.kind == "orbax":
-        return loading.orbax_config(source.path), source.path, tokenizer
+        return loading.source_config(source), source.path, tokenizer
     start = time.perf_counter()
     cfg, values = loading.load_weights(source)
     model = Decoder(cfg, dtype=dtype, values=values)

@@ -45,7 +45,7 @@ from jaxpipe.kernels.dispatch import (
 from jaxpipe.kv import device_cache
 from jaxpipe.kv.device_cache import BLOCK, KVCache, storage_dtype
 from jaxpipe.layout import Layout
-from jaxpipe.model import loading
+from jaxpipe.model import orbax_dir
 from jaxpipe.sampling import SamplingTensors
 from jaxpipe.step_inputs import StepInputs
 
@@ -608,7 +608,7 @@ class Runner:
             return place.pack(jax.device_put({k: v.astype(dtype) for k, v in padded.items()},
                                              place.params))
         target = sharding.restore_target(self.config, self.plan, place.layout, place.mesh, dtype)
-        cfg, values = loading.load_orbax(weights, target)
+        cfg, values = orbax_dir.load_orbax(weights, target)
         if cfg != self.config:
             raise ValueError(f"orbax checkpoint {weights} holds {cfg}, expected {self.config}")
         return place.pack(sharding.pad_on_device(self.config, values, self.plan, place.params))

@@ -346,7 +346,7 @@ def timed_reshard(tree, shardings) -> tuple[object, float]:
 
 def restore_target(cfg: ModelConfig, plan: PaddingPlan, layout: Layout, mesh: Mesh, dtype):
     """name -> ShapeDtypeStruct with sharding: the target for orbax to restore an (unpadded)
-    checkpoint straight into `layout`'s shardings (`loading.load_orbax(path, target)`).
+    checkpoint straight into `layout`'s shardings (`orbax_dir.load_orbax(path, target)`).
 
     Axes the plan pads are restored whole (padding needs the whole axis) and split by
     `pad_on_device` right after; every other axis is read shard by shard. With an identity

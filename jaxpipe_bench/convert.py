@@ -34,7 +34,7 @@ def convert(config: ConvertConfig, log: Callable[[str], None] = print) -> None:
     """Write `config.model`'s weights (in `config.dtype`) and tokenizer to `config.output`."""
     import numpy as np
 
-    from jaxpipe.model import loading
+    from jaxpipe.model import loading, orbax_dir
     from jaxpipe.model.presets import resolve_model
 
     start = time.perf_counter()
@@ -44,7 +44,7 @@ def convert(config: ConvertConfig, log: Callable[[str], None] = print) -> None:
         import ml_dtypes
 
         values = {k: np.asarray(v).astype(ml_dtypes.bfloat16) for k, v in values.items()}
-    loading.save_orbax(config.output, cfg, values, config.dtype)
+    orbax_dir.save_orbax(config.output, cfg, values, config.dtype)
     tokenizer = loading.load_tokenizer(source)
     if tokenizer is not None:
         tokenizer.save(config.output)

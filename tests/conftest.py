@@ -78,14 +78,14 @@ def tiny_smollm2(tiny_smollm2_with) -> str:
 def write_tiny_smollm2(path: Path, **fields) -> str:
     """Save TINY_SMOLLM2 (with `fields` changed) at `path` with SmolLM2's tokenizer; its path."""
     from jaxpipe.config import ModelConfig
-    from jaxpipe.model import decoder, loading
+    from jaxpipe.model import decoder, orbax_dir
     from jaxpipe.tokenizer import Tokenizer
 
     cfg = ModelConfig(**{**TINY_SMOLLM2, **fields})
     values = decoder.numpy_random_values(cfg, seed=0)
     scale = {"embed": 25.0, "final_norm": 0.3}  # numpy_random_values: N(0, 0.02^2), ones
     values = {k: v * scale.get(k, 1.0) for k, v in values.items()}
-    loading.save_orbax(path, cfg, values, "float32")
+    orbax_dir.save_orbax(path, cfg, values, "float32")
     Tokenizer.from_gguf(gguf_dir() / GGUF_FILE).save(path)
     return str(path)
 

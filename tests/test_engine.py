@@ -18,7 +18,7 @@ import pytest
 
 from jaxpipe import Engine, EngineConfig, SamplingParams
 from jaxpipe.config import ModelConfig
-from jaxpipe.model import decoder, loading
+from jaxpipe.model import decoder, orbax_dir
 from jaxpipe.scheduler import SeqInfo
 
 EOS = 2  # <|im_end|>
@@ -583,7 +583,7 @@ TINY = ModelConfig(vocab_size=251, hidden_size=37, intermediate_size=53, num_lay
 def tiny(tmp_path_factory):
     """An engine on TINY's random weights (no tokenizer): 16 rows, steps of up to 32 tokens."""
     path = tmp_path_factory.mktemp("tiny") / "ckpt"
-    loading.save_orbax(path, TINY, decoder.numpy_random_values(TINY, seed=0), "float32")
+    orbax_dir.save_orbax(path, TINY, decoder.numpy_random_values(TINY, seed=0), "float32")
     engine = Engine(EngineConfig(model=str(path), dtype="float32", max_model_len=32,
                                  max_num_seqs=16, max_num_batched_tokens=32, warmup=False,
                                  show_progress=False))

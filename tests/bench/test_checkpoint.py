@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from jaxpipe.model.loading import load_hf_dir
+from jaxpipe.model.hf_dir import load_hf_dir
 from jaxpipe_bench.checkpoint import bf16_bits, hf_config, tensor_shapes, write_safetensors
 
 TINY = {"hidden_size": 12, "intermediate_size": 20, "num_layers": 3, "num_heads": 3,

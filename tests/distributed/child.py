@@ -45,10 +45,10 @@ def workload(shared: bool = False):
 def save_tiny(path) -> None:
     """The tiny model with seeded random weights as an orbax checkpoint at `path`."""
     from jaxpipe.config import ModelConfig
-    from jaxpipe.model import decoder, loading
+    from jaxpipe.model import decoder, orbax_dir
 
     cfg = ModelConfig(**TINY)
-    loading.save_orbax(path, cfg, decoder.numpy_random_values(cfg, seed=3), "float32")
+    orbax_dir.save_orbax(path, cfg, decoder.numpy_random_values(cfg, seed=3), "float32")
 
 
 def main(argv=None) -> int:

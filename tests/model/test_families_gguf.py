@@ -18,7 +18,7 @@ pytest.importorskip("gguf")
 from hf_families import NEW_TOKENS, PROMPTS, assert_forward_matches_hf, hf_greedy, write, write_gguf  # noqa: E402
 
 from jaxpipe import Engine, EngineConfig, SamplingParams  # noqa: E402
-from jaxpipe.model import loading  # noqa: E402
+from jaxpipe.model import gguf_file, hf_dir  # noqa: E402
 
 # What transformers' GGUF reader assumes where a file has no key, so that it can be the
 # reference: head_dim hidden / heads (qwen2, phi3) or Qwen3Config's 128; Gemma's
@@ -61,8 +61,8 @@ def test_transformers_reads_the_file_as_the_same_model(gguf_pair):
 
 def test_gguf_loads_the_weights_and_architecture_of_the_hf_directory(gguf_pair):
     _, path, file = gguf_pair
-    hf_cfg, hf_values = loading.load_hf_dir(path)
-    cfg, values = loading.load_gguf(file)
+    hf_cfg, hf_values = hf_dir.load_hf_dir(path)
+    cfg, values = gguf_file.load_gguf(file)
     # The file has no tokenizer and the HF directory no special tokens; GGUF stores the norm
     # epsilon and LongRoPE's factors as float32: compare the rest exactly.
     assert cfg.rms_norm_eps == pytest.approx(hf_cfg.rms_norm_eps, rel=1e-6)
@@ -96,4 +96,4 @@ def test_gguf_logits_match_hf(gguf_pair):
     sums in another order put 2 of gemma3's 15,060 logits (3.35 and -6.11) 1.2e-4 from
     HF's (3.6e-5 relative), where the avx2 machines stayed within 1e-4."""
     model, _, file = gguf_pair
-    assert_forward_matches_hf(model, *loading.load_gguf(file), rtol=1e-5)
+    assert_forward_matches_hf(model, *gguf_file.load_gguf(file), rtol=1e-5)

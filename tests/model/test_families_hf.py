@@ -27,7 +27,7 @@ from hf_families import (  # noqa: E402
 )
 
 from jaxpipe import Engine, EngineConfig, SamplingParams, step_inputs  # noqa: E402
-from jaxpipe.model import loading  # noqa: E402
+from jaxpipe.model import hf_dir, orbax_dir  # noqa: E402
 from jaxpipe.model.presets import resolve_model  # noqa: E402
 from jaxpipe.step_inputs import Piece  # noqa: E402
 
@@ -77,7 +77,7 @@ def one_row_engine(checkpoints):
 
 def test_config_reads_the_family_switches(family):
     name, _, path = family
-    cfg = loading.hf_config(json.loads((path / "config.json").read_text()))
+    cfg = hf_dir.hf_config(json.loads((path / "config.json").read_text()))
     assert cfg.qkv_bias == name.startswith("qwen2")
     assert cfg.qk_norm == (name in ("qwen3", "gemma3"))
     assert cfg.head_dim == {"qwen3": 24}.get(name, 16) and cfg.num_heads == 6
@@ -99,7 +99,7 @@ def test_config_reads_the_family_switches(family):
 
 def test_forward_logits_match_hf(family):
     _, hf_model, path = family
-    assert_forward_matches_hf(hf_model, *loading.load_hf_dir(path), atol=LOGITS_ATOL)
+    assert_forward_matches_hf(hf_model, *hf_dir.load_hf_dir(path), atol=LOGITS_ATOL)
 
 
 @pytest.mark.parametrize("name, attention", [(n, "auto") for n in sorted(FAMILIES)]
@@ -156,9 +156,9 @@ def test_orbax_conversion_keeps_every_switch(checkpoints, hf_tokens, name, tmp_p
     checkpoint's engine gives HF's tokens, its architecture (windows, per-layer RoPE,
     LongRoPE factors) read back equal."""
     family = checkpoints(name)
-    cfg, values = loading.load_hf_dir(family[2])
-    loading.save_orbax(tmp_path / "ckpt", cfg, values, "float32")
-    assert loading.orbax_config(tmp_path / "ckpt") == cfg
+    cfg, values = hf_dir.load_hf_dir(family[2])
+    orbax_dir.save_orbax(tmp_path / "ckpt", cfg, values, "float32")
+    assert orbax_dir.orbax_config(tmp_path / "ckpt") == cfg
     engine = Engine(EngineConfig(model=str(tmp_path / "ckpt"), max_num_seqs=4, **FAST))
     outs = engine.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY)
     assert [list(o.outputs[0].token_ids) for o in outs] == hf_tokens(family)
@@ -188,4 +188,4 @@ def test_unsupported_config_values_fail_naming_the_field(change, match):
     config = {**hf_families.SMALL, "architectures": ["LlamaForCausalLM"], "model_type": "llama",
               **change}
     with pytest.raises(ValueError, match=match):
-        loading.hf_config(config)
+        hf_dir.hf_config(config)

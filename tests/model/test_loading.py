@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from jaxpipe import Engine, EngineConfig, SamplingParams
-from jaxpipe.model import loading
+from jaxpipe.model import loading, orbax_dir
+from jaxpipe.model.hf_dir import hf_config
 from jaxpipe.model.presets import resolve_model
 from jaxpipe.tokenizer import Tokenizer
 
@@ -38,7 +39,7 @@ def hf_dir(hf_model, gguf_path, tmp_path_factory):
 
 def test_gguf_config_matches_transformers(gguf_weights, hf_model):
     cfg, _ = gguf_weights
-    assert cfg == loading.hf_config(hf_model.config.to_dict())
+    assert cfg == hf_config(hf_model.config.to_dict())
     assert cfg.num_params() == sum(p.numel() for p in hf_model.parameters())
 
 
@@ -76,9 +77,9 @@ def _kwargs(engine) -> dict:
 
 def test_orbax_round_trip(tmp_path, gguf_weights):
     cfg, values = gguf_weights
-    loading.save_orbax(tmp_path / "ckpt", cfg, values, "float32")
+    orbax_dir.save_orbax(tmp_path / "ckpt", cfg, values, "float32")
     assert resolve_model(str(tmp_path / "ckpt")).kind == "orbax"
-    restored_cfg, restored = loading.load_orbax(tmp_path / "ckpt")
+    restored_cfg, restored = orbax_dir.load_orbax(tmp_path / "ckpt")
     assert restored_cfg == cfg
     assert set(restored) == set(values)
     for name, value in values.items():

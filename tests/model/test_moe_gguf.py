@@ -20,7 +20,7 @@ from hf_families import PROMPTS, assert_forward_matches_hf, hf_greedy  # noqa: E
 from hf_moe import GGUF_ARCH, write, write_gguf  # noqa: E402
 
 from jaxpipe import Engine, EngineConfig, SamplingParams  # noqa: E402
-from jaxpipe.model import loading  # noqa: E402
+from jaxpipe.model import gguf_file, hf_dir  # noqa: E402
 
 NEW_TOKENS = 16
 
@@ -51,8 +51,8 @@ def test_the_file_has_llama_cpps_expert_tensors(gguf_pair):
 
 def test_gguf_loads_the_weights_and_architecture_of_the_hf_directory(gguf_pair):
     _, _, path, file = gguf_pair
-    hf_cfg, hf_values = loading.load_hf_dir(path)
-    cfg, values = loading.load_gguf(file)
+    hf_cfg, hf_values = hf_dir.load_hf_dir(path)
+    cfg, values = gguf_file.load_gguf(file)
     # The file has a tokenizer and the HF directory no special tokens; GGUF stores the norm
     # epsilon as float32: compare the rest exactly.
     assert cfg.rms_norm_eps == pytest.approx(hf_cfg.rms_norm_eps, rel=1e-6)
@@ -65,7 +65,7 @@ def test_gguf_loads_the_weights_and_architecture_of_the_hf_directory(gguf_pair):
 
 def test_gguf_logits_match_hf(gguf_pair):
     _, model, _, file = gguf_pair
-    assert_forward_matches_hf(model, *loading.load_gguf(file))
+    assert_forward_matches_hf(model, *gguf_file.load_gguf(file))
 
 
 def test_engine_on_the_gguf_gives_hf_greedy_tokens(gguf_pair):
@@ -96,7 +96,7 @@ def test_transformers_reads_the_file_as_the_same_model(gguf_pair):
 @pytest.mark.parametrize("arch, experts, match", [
     ("qwen3moe", None, r"GGUF qwen3moe has no qwen3moe.expert_count \(or 0\)"),
     ("qwen2", 4, r"GGUF qwen2 with qwen2.expert_count=4 is not supported; experts are "
-                 r"supported in: llama, mistral, qwen3moe, qwen2moe"),
+                 r"supported in: llama, mistral, qwen2moe, qwen3moe"),
 ])
 def test_expert_metadata_jaxpipe_cannot_run_fails_naming_the_key(tmp_path, arch, experts, match):
     w = gguf.GGUFWriter(str(tmp_path / "m.gguf"), arch)
@@ -110,7 +110,7 @@ def test_expert_metadata_jaxpipe_cannot_run_fails_naming_the_key(tmp_path, arch,
     w.write_kv_data_to_file()
     w.close()
     with pytest.raises(ValueError, match=match):
-        loading.gguf_config(gguf.GGUFReader(str(tmp_path / "m.gguf")))
+        gguf_file.gguf_config(gguf.GGUFReader(str(tmp_path / "m.gguf")))
 
 
 def test_a_layer_without_experts_fails_naming_it(tmp_path):
@@ -131,4 +131,4 @@ def test_a_layer_without_experts_fails_naming_it(tmp_path):
     w.close()
     with pytest.raises(ValueError, match=r"GGUF qwen3moe layer 1 has no experts \(no "
                                          r"blk.1.ffn_gate_exps.weight\)"):
-        loading.gguf_config(gguf.GGUFReader(str(tmp_path / "m.gguf")))
+        gguf_file.gguf_config(gguf.GGUFReader(str(tmp_path / "m.gguf")))

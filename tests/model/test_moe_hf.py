@@ -28,7 +28,7 @@ from hf_moe import EAGER, MODELS, SMALL, write  # noqa: E402
 
 from jaxpipe import Engine, EngineConfig, SamplingParams  # noqa: E402
 from jaxpipe.config import ModelConfig  # noqa: E402
-from jaxpipe.model import loading, moe  # noqa: E402
+from jaxpipe.model import hf_dir, moe  # noqa: E402
 
 LOGITS_ATOL = 1e-4
 NEW_TOKENS = 16
@@ -40,7 +40,7 @@ checkpoints = checkpoint_fixture(write)
 
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_config_reads_the_experts(checkpoints, name):
-    cfg = loading.hf_config(json.loads((checkpoints(name)[2] / "config.json").read_text()))
+    cfg = hf_dir.hf_config(json.loads((checkpoints(name)[2] / "config.json").read_text()))
     want = {"qwen3_moe": (8, 2, 23, True, 0, (), 0), "qwen2_moe": (6, 3, 19, False, 37, (), 0),
             "mixtral": (5, 2, 29, True, 0, (), 0),
             "qwen2_moe_mixed": (6, 3, 19, False, 37, (0, 2), 50),
@@ -56,7 +56,7 @@ def test_mixed_layers_store_zero_experts_and_padded_mlps(checkpoints):
     """A dense layer's experts, router and shared gate are zero; the shared expert (37
     wide) is zero-padded to the dense layers' 50 columns, where the dense layers' own
     MLPs are whole."""
-    cfg, values = loading.load_hf_dir(checkpoints("qwen2_moe_mixed")[2])
+    cfg, values = hf_dir.load_hf_dir(checkpoints("qwen2_moe_mixed")[2])
     assert cfg.mlp_width == 50 and values["w_gate_up"].shape[-1] == 50
     for name in ("router", "w_experts_gate_up", "w_experts_down", "shared_gate"):
         assert not values[name][[0, 2]].any() and values[name][[1, 3]].all(), name
@@ -68,7 +68,7 @@ def test_mixed_layers_store_zero_experts_and_padded_mlps(checkpoints):
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_forward_logits_match_hf(checkpoints, name):
     _, model, path = checkpoints(name)
-    assert_forward_matches_hf(model, *loading.load_hf_dir(path), atol=LOGITS_ATOL)
+    assert_forward_matches_hf(model, *hf_dir.load_hf_dir(path), atol=LOGITS_ATOL)
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
@@ -106,7 +106,7 @@ def test_fused_expert_names_load_alike(checkpoints, name, tmp_path):
     assert any(n.endswith("mlp.experts.gate_up_proj") for n in state)
     save_file({n: t.contiguous() for n, t in state.items()}, tmp_path / "model.safetensors")
     (tmp_path / "config.json").write_text((path / "config.json").read_text())
-    fused, split = loading.load_hf_dir(tmp_path)[1], loading.load_hf_dir(path)[1]
+    fused, split = hf_dir.load_hf_dir(tmp_path)[1], hf_dir.load_hf_dir(path)[1]
     assert fused.keys() == split.keys()
     for n in split:
         np.testing.assert_array_equal(fused[n], split[n], err_msg=n)
@@ -115,7 +115,7 @@ def test_fused_expert_names_load_alike(checkpoints, name, tmp_path):
 def test_routing_spreads_over_the_experts(checkpoints):
     """The drawn routers are not trivial: the prompts' tokens reach most experts."""
     _, model, path = checkpoints("qwen3_moe")
-    cfg, values = loading.load_hf_dir(path)
+    cfg, values = hf_dir.load_hf_dir(path)
     h = np.asarray(model.model.embed_tokens(torch.tensor(PROMPTS[3])).detach())
     _, experts = moe.route(jnp.asarray(h), jnp.asarray(values["router"][0]), 2, True)
     assert len(set(np.asarray(experts).ravel().tolist())) >= cfg.num_experts - 1
@@ -279,7 +279,7 @@ def test_bad_expert_configs_fail_naming_the_field(change, match):
 def test_unsupported_moe_configs_fail_naming_the_field(checkpoints, change, match):
     config = json.loads((checkpoints("qwen3_moe")[2] / "config.json").read_text())
     with pytest.raises(ValueError, match=match):
-        loading.hf_config({**config, **change})
+        hf_dir.hf_config({**config, **change})
 
 
 @DISPATCHES

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from jaxpipe import Engine, EngineConfig
-from jaxpipe.model.loading import hf_config
+from jaxpipe.model.hf_dir import hf_config
 from jaxpipe.model.presets import preset_names, resolve_model
 
 MODELS_DIR = Path(__file__).resolve().parents[2] / "models"
@@ -28,7 +28,7 @@ PUBLIC_CONFIGS = {
     "codellama-34b": dict(_LLAMA2, hidden_size=8192, intermediate_size=22016,
                           num_hidden_layers=48, num_attention_heads=64, num_key_value_heads=8,
                           max_position_embeddings=16384, rope_theta=1000000.0),
-    # The other families (model/loading.py's switches).
+    # The other families (model/families/).
     "mistral-7b": dict(architectures=["MistralForCausalLM"], model_type="mistral",
                        bos_token_id=1, eos_token_id=2, hidden_act="silu", hidden_size=4096,
                        intermediate_size=14336, max_position_embeddings=32768,

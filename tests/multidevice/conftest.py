@@ -20,7 +20,7 @@ collect_ignore = ([] if all(importlib.util.find_spec(m) for m in ("torch", "tran
                         "test_moe_grouped_layouts.py", "test_moe_ep.py"])
 
 from jaxpipe.config import ModelConfig  # noqa: E402
-from jaxpipe.model import decoder, loading  # noqa: E402
+from jaxpipe.model import decoder, loading, orbax_dir  # noqa: E402
 from jaxpipe.model.presets import resolve_model  # noqa: E402
 
 # Prime sizes, so a swapped or mis-padded axis fails loudly. 5 layers split unevenly over any
@@ -47,7 +47,7 @@ def tiny_values() -> dict[str, np.ndarray]:
 @pytest.fixture(scope="session")
 def tiny_orbax(tmp_path_factory, tiny_values):
     path = tmp_path_factory.mktemp("tiny") / "ckpt"
-    loading.save_orbax(path, TINY, tiny_values, "float32")
+    orbax_dir.save_orbax(path, TINY, tiny_values, "float32")
     return path
 
 
@@ -70,6 +70,6 @@ def smollm2_orbax(tmp_path_factory, smollm2, smollm2_source):
     """SmolLM2 as an orbax checkpoint with its tokenizer (loads in about a second)."""
     cfg, values = smollm2
     path = tmp_path_factory.mktemp("smollm2") / "ckpt"
-    loading.save_orbax(path, cfg, values, "float32")
+    orbax_dir.save_orbax(path, cfg, values, "float32")
     loading.load_tokenizer(smollm2_source).save(path)
     return path

@@ -13,7 +13,7 @@ from conftest import PAIRS, TINY
 from prefix_workload import host_holds_no_sequence
 
 from jaxpipe import Engine, EngineConfig, SamplingParams, step_inputs
-from jaxpipe.model import decoder, loading
+from jaxpipe.model import decoder, loading, orbax_dir
 from jaxpipe.model.decoder import Decoder
 from jaxpipe.step_inputs import Piece
 
@@ -195,7 +195,7 @@ def tiny_qwen_orbax(tmp_path_factory):
     cfg = dataclasses.replace(TINY, qkv_bias=True, qk_norm=True, sliding_window=7,
                               sliding_layers=(1, 3, 4))
     path = tmp_path_factory.mktemp("tiny_qwen") / "ckpt"
-    loading.save_orbax(path, cfg, decoder.numpy_random_values(cfg, seed=4), "float32")
+    orbax_dir.save_orbax(path, cfg, decoder.numpy_random_values(cfg, seed=4), "float32")
     return path
 
 

@@ -19,7 +19,7 @@ from hf_moe import write
 from jaxpipe import Engine, EngineConfig, SamplingParams, step_inputs
 from jaxpipe.buckets import Buckets
 from jaxpipe.layout import Layout
-from jaxpipe.model import loading, moe
+from jaxpipe.model import hf_dir, moe
 from jaxpipe.runner import Runner
 from jaxpipe.step_inputs import Piece
 
@@ -45,7 +45,7 @@ def test_prompt_logits_match_hf(checkpoints, monkeypatch, name, layout, dispatch
     monkeypatch.setitem(moe.DISPATCH, "cpu", dispatch)
     jax.clear_caches()  # no step traced on the other dispatch is reused
     _, model, path = checkpoints(name)
-    cfg, values = loading.load_hf_dir(path)
+    cfg, values = hf_dir.load_hf_dir(path)
     parsed = Layout.parse(layout)
     runner = Runner(cfg, values, Buckets.for_engine(8, 256, 256), 8, 256, jnp.float32,
                     {"prefill": parsed, "decode": parsed}, jax.devices()[:8], 32)

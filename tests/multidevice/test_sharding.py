@@ -18,7 +18,7 @@ from jaxpipe import sharding
 from jaxpipe.buckets import Buckets
 from jaxpipe.config import ModelConfig
 from jaxpipe.layout import Layout
-from jaxpipe.model import decoder, loading
+from jaxpipe.model import decoder, orbax_dir
 from jaxpipe.runner import Runner, weight_copies
 from jaxpipe.sharding import RULES
 
@@ -182,14 +182,14 @@ def test_orbax_restore_lands_in_final_shardings_when_nothing_pads(tmp_path):
     cfg = ModelConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_layers=4,
                       num_heads=8, num_kv_heads=4, head_dim=4)
     values = decoder.numpy_random_values(cfg, seed=1)
-    loading.save_orbax(tmp_path / "ckpt", cfg, values, "float32")
+    orbax_dir.save_orbax(tmp_path / "ckpt", cfg, values, "float32")
     layout = Layout(pp=2, tp=4)
     plan = sharding.plan_padding(cfg, [layout])
     assert plan.is_identity
     mesh = sharding.make_mesh(layout)
     target = sharding.restore_target(cfg, plan, layout, mesh, jnp.float32)
     final = sharding.param_shardings(cfg, plan, layout, mesh)
-    _, restored = loading.load_orbax(tmp_path / "ckpt", target)
+    _, restored = orbax_dir.load_orbax(tmp_path / "ckpt", target)
     for name, arr in restored.items():
         assert arr.sharding == final[name], name
         np.testing.assert_array_equal(np.asarray(arr), values[name])
