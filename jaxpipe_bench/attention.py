@@ -1,20 +1,28 @@
-"""The ragged-span attention kernel against the XLA path, on SmolLM2's head shapes.
+"""The ragged-span attention kernel against the XLA path, per layer, on a model's head shapes.
 
 `measure_spans` times the C++ kernel (`kernels.ragged_attention`) on one step of spans
-(decode: one query per row; prefill: chunks of queries) against its jnp `reference` (each
-token gathers its row's positions through the table), on the same bf16 (u16) pool, block
-table (`identity`: row b's blocks are b*MB..(b+1)*MB-1; `shuffled`: scattered over the pool)
-and data, one layer. Medians of calls timed in turns, same process.
+(decode: one query per row; prefill: chunks of queries) on its default path, on each kernel
+path asked for by name (`paths`: e.g. "portable", what a windowed call on a bf16 pool ran
+before the avx512_bf16 path took windows, against "avx512_bf16"), and its jnp `reference`
+(each token gathers its row's positions through the table; `xla=False` leaves it out: it
+gathers [T, Hkv, MB * BS, D] f32 per K and V), all on the same bf16 (u16) pool, block table
+(`identity`: row b's blocks are b*MB..(b+1)*MB-1; `shuffled`: scattered over the pool) and
+data, one layer, with a sliding `window` (0: none). Medians of calls timed in turns, same
+process.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
+from functools import partial
 
 import numpy as np
 
-HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64  # SmolLM2-135M
+HEADS = {  # name -> (query heads, kv heads, head dim)
+    "smollm2": (9, 3, 64),  # SmolLM2-135M
+    "mistral": (32, 8, 128),  # Mistral-7B
+}
 
 
 def _interleaved_medians(calls: dict, repeats: int) -> dict:
@@ -37,42 +45,63 @@ SPAN_CASES = {  # name -> (q_len per row, kv_len per row)
     "decode 32x512": ([1] * 32, [512] * 32),
     "prefill 4x256 after 256": ([256] * 4, [512] * 4),
     "prefill 1x512": ([512], [512]),
+    "decode 64x2048": ([1] * 64, [2048] * 64),
+    "decode 256x2048": ([1] * 256, [2048] * 256),
+    "prefill 1x512 after 1536": ([512], [2048]),
 }
 
 
 def measure_spans(name: str, q_len: list[int], kv_len: list[int], block_size: int = 16,
-                  table: str = "shuffled", repeats: int = 5, seed: int = 0) -> dict:
+                  table: str = "shuffled", repeats: int = 5, seed: int = 0, window: int = 0,
+                  heads: str = "smollm2", paths: tuple[str, ...] = (),
+                  xla: bool = True) -> dict:
     """One step of spans (row r: q_len[r] queries ending at position kv_len[r] - 1, rows laid
-    out in q in order): milliseconds per layer for the ragged kernel and the XLA reference."""
+    out in q in order) over the last `window` keys of each query (0: all), with `heads`'
+    shapes (a key of HEADS): milliseconds per layer of the kernel ("ragged": its default
+    path; each of `paths` by name) and of the XLA reference (if `xla`)."""
     import jax
     import jax.numpy as jnp
 
     from jaxpipe.kernels import ragged_attention as ra
 
+    num_heads, kv_heads, head_dim = HEADS[heads]
     rng = np.random.default_rng(seed)
     rows, tokens = len(q_len), int(sum(q_len))
     blocks = block_table(rows, -(-max(kv_len) // block_size), table, rng)  # [R, MB]
-    pool = (blocks.size, KV_HEADS, block_size, HEAD_DIM)  # [NB, Hkv, BS, D]
-    k = jnp.asarray(rng.integers(0x3c00, 0x3f80, pool), jnp.uint16)
-    v = jnp.asarray(rng.integers(0x3c00, 0x3f80, pool), jnp.uint16)
-    q = jnp.asarray(rng.normal(size=(tokens, HEADS, HEAD_DIM)), jnp.float32)
+    pool = (blocks.size, kv_heads, block_size, head_dim)  # [NB, Hkv, BS, D]
+    k, v = (jnp.asarray(rng.integers(0x3c00, 0x3f80, pool, dtype=np.uint16)) for _ in "kv")
+    q = jnp.asarray(rng.normal(size=(tokens, num_heads, head_dim)), jnp.float32)
     spans = [jnp.asarray(x, jnp.int32) for x in (blocks, np.cumsum([0, *q_len[:-1]]), q_len,
                                                   kv_len)]
-    args = (q, k, v, *spans)
-    calls = {"ragged": (jax.jit(ra.ragged_attention), args), "xla": (jax.jit(ra.reference), args)}
+    args = (q, k, v, *spans, jnp.int32(0), jnp.int32(window))
+
+    def call(fn):  # window traced, as the step passes it
+        return jax.jit(lambda *a: fn(*a[:-1], window=a[-1])), args
+
+    calls = {"ragged": call(ra.ragged_attention)}
+    calls |= {p: call(partial(ra.ragged_attention, path=p)) for p in paths}
+    if xla:
+        calls["xla"] = call(ra.reference)
     t = _interleaved_medians(calls, repeats)
-    return {"case": name, "rows": rows, "tokens": tokens, "mean_kv": float(np.mean(kv_len)),
-            "table": table, "block_size": block_size, "xla_ms": t["xla"] * 1e3,
-            "ragged_ms": t["ragged"] * 1e3, "vs_xla": t["xla"] / t["ragged"]}
+    return {"case": name, "heads": heads, "window": window, "rows": rows, "tokens": tokens,
+            "mean_kv": float(np.mean(kv_len)), "table": table, "block_size": block_size,
+            "path": ra.path_for(k.dtype, head_dim), "ms": {c: s * 1e3 for c, s in t.items()}}
 
 
 def format_spans(points: list[dict]) -> str:
-    head = (f"{'case':<24} {'table':>9} {'tokens':>6} {'mean kv':>7} {'XLA ref ms':>10} "
-            f"{'ragged ms':>9} {'vs XLA':>7}")
+    """The points as a table: milliseconds per layer of each timed call, and the default
+    path's speedup over the slowest of them."""
+    calls = list(dict.fromkeys(c for p in points for c in p["ms"]))
+    head = (f"{'case':<26} {'heads':>8} {'window':>6} {'table':>9} {'tokens':>6} "
+            f"{'mean kv':>7} " + " ".join(f"{c + ' ms':>15}" for c in calls)
+            + f" {'vs slowest':>10}")
     lines = [head, "-" * len(head)]
     for p in points:
-        lines.append(f"{p['case']:<24} {p['table']:>9} {p['tokens']:>6} {p['mean_kv']:>7.0f} "
-                     f"{p['xla_ms']:>10.2f} {p['ragged_ms']:>9.2f} {p['vs_xla']:>6.1f}x")
+        ms = p["ms"]
+        cells = " ".join(f"{ms[c]:>15.2f}" if c in ms else f"{'-':>15}" for c in calls)
+        lines.append(f"{p['case']:<26} {p['heads']:>8} {p['window']:>6} {p['table']:>9} "
+                     f"{p['tokens']:>6} {p['mean_kv']:>7.0f} {cells} "
+                     f"{max(ms.values()) / ms['ragged']:>9.2f}x")
     return "\n".join(lines)
 
 
