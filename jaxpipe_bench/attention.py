@@ -22,6 +22,7 @@ import numpy as np
 HEADS = {  # name -> (query heads, kv heads, head dim)
     "smollm2": (9, 3, 64),  # SmolLM2-135M
     "mistral": (32, 8, 128),  # Mistral-7B
+    "gemma": (8, 4, 256),  # Gemma 2 2B, Gemma 3 4B
 }
 
 

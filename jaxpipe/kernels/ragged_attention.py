@@ -42,10 +42,10 @@ one kv head: each K/V block is read once for all of them, and blocks past the ti
 positions (or its window) and a prefill chunk reads each block once per tile (figures in
 scripts/bench_attention.py). The kernel has paths (`PATHS`; `paths()` says which this build
 has): "portable" loops for every call, and "avx2" (decode rows) and "avx512_bf16" (decode rows
-and prefill tiles, vdpbf16ps) for bf16 pools of head dim 64 or 128; each honours the window,
-softcap and scale. A call runs `path_for`'s path unless it names one (`path`), and fails if
-that one cannot run it. A custom call cannot be partitioned by the SPMD partitioner: on a
-sharded layout call it inside `jax.shard_map`, heads split over the tensor-parallel axis.
+and prefill tiles, vdpbf16ps) for bf16 pools of head dim 64, 128 or 256; each honours the
+window, softcap and scale. A call runs `path_for`'s path unless it names one (`path`), and
+fails if that one cannot run it. A custom call cannot be partitioned by the SPMD partitioner:
+on a sharded layout call it inside `jax.shard_map`, heads split over the tensor-parallel axis.
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ SOURCE = Path(__file__).with_name("ragged_attention.cc")
 TARGET = "jaxpipe_ragged_attention"
 WRITE_TARGET = "jaxpipe_ragged_attention_write"
 PATHS = ("portable", "avx2", "avx512_bf16")  # ragged_attention.cc's Path, by index
-VECTOR_DIMS = (64, 128)  # the head dims the avx paths take (on bf16 pools)
+VECTOR_DIMS = (64, 128, 256)  # the head dims the avx paths take (on bf16 pools)
 
 
 @functools.cache
@@ -89,7 +89,7 @@ def available() -> bool:
 def paths() -> tuple[str, ...]:
     """The kernel's paths this machine's build has, in `PATHS` order; () without the kernel.
     "portable" runs every call; "avx2" (decode rows; tiles of several queries on the portable
-    code) and "avx512_bf16" (every tile) take bf16 pools with head dim 64 or 128."""
+    code) and "avx512_bf16" (every tile) take bf16 pools with head dim 64, 128 or 256."""
     lib = _library()
     if lib is None:
         return ()

@@ -292,9 +292,10 @@ def test_causal_attention_options(window):
 
 # ---- each path of the C++ kernel, asked for by name (`attention_path`) -----------------------
 
-# GQA groups of 5, 7, 13 and 1 at the head dims the avx paths take; 13 * 16 query vectors
-# fill the avx512_bf16 tiles' 48-vector passes, then one of 16.
-PATH_DIMS = [(64, 10, 2), (128, 7, 1), (64, 39, 3), (128, 3, 3)]
+# GQA groups of 5, 7, 13, 1 and 2 at the head dims the avx paths take (256: Gemma 2 2B's
+# 8 / 4 heads); 13 * 16 query vectors fill the avx512_bf16 tiles' 48-vector passes, then one
+# of 16.
+PATH_DIMS = [(64, 10, 2), (128, 7, 1), (64, 39, 3), (128, 3, 3), (256, 8, 4)]
 # A pool at the engine's block size (16) with rows longer than a tile: decode at the end of a
 # full row (row 0) and mid-row (row 1), a chunk of 37 queries after 60 keys (row 2: three
 # tiles), a chunk of 16 at the end of a full row (row 3), a whole 50-token prompt (row 4), an
@@ -367,7 +368,7 @@ def test_kernel_paths_with_windows_match_numpy(attention_path, storage, head_dim
 
 @pytest.mark.parametrize("storage,head_dim,heads,kv_heads", [
     (jnp.float32, 64, 10, 2), (jnp.uint16, 64, 10, 2), (jnp.bfloat16, 128, 7, 1),
-    (jnp.uint16, 64, 39, 3)])
+    (jnp.uint16, 64, 39, 3), (jnp.uint16, 256, 8, 4)])
 def test_kernel_paths_on_long_rows(attention_path, storage, head_dim, heads, kv_heads):
     """Each path at block size 16 on rows of up to 128 keys: windows shorter than a block,
     of one block, one past it, of two blocks and one, of a tile's reach, longer than a row."""
@@ -378,7 +379,7 @@ def test_kernel_paths_on_long_rows(attention_path, storage, head_dim, heads, kv_
 
 
 @pytest.mark.parametrize("storage,head_dim", [(jnp.float32, 64), (jnp.uint16, 64),
-                                              (jnp.uint16, 128)])
+                                              (jnp.uint16, 128), (jnp.uint16, 256)])
 @pytest.mark.parametrize("window", [1, 16, 20, 33])
 def test_kernel_paths_never_read_blocks_before_the_window(attention_path, storage, head_dim,
                                                           window):
@@ -457,14 +458,14 @@ def test_kernel_paths_scan_alternating_windows(attention_path):
 
 
 def test_default_path_is_the_last_that_takes_the_pool():
-    """A bf16 pool of head dim 64 or 128 runs the last built path by default (avx512_bf16
-    where this CPU has it); f32 pools and other head dims the portable one."""
+    """A bf16 pool of head dim 64, 128 or 256 runs the last built path by default
+    (avx512_bf16 where this CPU has it); f32 pools and other head dims the portable one."""
     if not ra.available():
         pytest.skip("the C++ kernel cannot be built here")
     assert ra.paths()[0] == "portable"
     for dtype in (jnp.uint16, jnp.bfloat16):
-        assert ra.path_for(dtype, 64) == ra.path_for(dtype, 128) == ra.paths()[-1]
-        assert ra.path_for(dtype, 16) == "portable"
+        assert all(ra.path_for(dtype, d) == ra.paths()[-1] for d in (64, 128, 256))
+        assert ra.path_for(dtype, 16) == ra.path_for(dtype, 192) == "portable"
     assert ra.path_for(jnp.float32, 64) == "portable"
 
 
