@@ -1,8 +1,11 @@
-"""Attention per layer: the paged ragged-span C++ kernel vs its XLA reference (logic and flags:
-`AttentionBenchConfig` in jaxpipe_bench.attention).
+"""Attention per layer: the paged ragged-span C++ kernel (its default path, and paths asked for
+by name) vs its XLA reference (logic and flags: `AttentionBenchConfig` in
+jaxpipe_bench.attention).
 
   python scripts/bench_attention.py --json out/attention.json
   python scripts/bench_attention.py --tables identity,shuffled --repeats 10
+  python scripts/bench_attention.py --heads mistral --windows 512 --paths portable \
+      --cases "decode 64x2048,prefill 1x512 after 1536" --no-xla
 """
 
 from __future__ import annotations

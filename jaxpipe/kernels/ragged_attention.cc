@@ -25,29 +25,30 @@
 //
 // A task is (query tile, kv head): up to kTile consecutive queries of one span and the G = H /
 // Hkv query heads of one kv head, so each K/V block is read once for G * kTile queries. Two
-// passes over the tile's keys, from the block of its first query's window start to its last
-// query's position (scores, then the probability-weighted sum of values): blocks outside are
-// never read; keys of a query's causal future inside the tile, or before its own window
-// start, are scored and then get probability 0. Tasks, heaviest first, are shared out over XLA's
-// intra-op thread pool. With a bf16 cache, q and the probabilities are rounded to bf16 before
-// their dots, as the XLA reference (`decoder.decode_attention`) does; accumulation is float32.
+// passes over the tile's keys, from its first query's window start (the portable code: from
+// that block's start) to its last query's position (scores, then the probability-weighted sum
+// of values): a block wholly before the first query's window start is never read, nor its
+// table entry looked at, whatever it holds (a scheduler may free and reuse such blocks), and
+// neither is a block whose entry is outside [0, NB); keys of a query's causal future inside
+// the tile, or before its own window start, are scored and then get probability 0. Tasks,
+// heaviest first, are shared out over XLA's intra-op thread pool. With a bf16 cache, q and the
+// probabilities are rounded to bf16 before their dots, as the XLA reference
+// (`decoder.decode_attention`) does; accumulation is float32.
 //
-// Two implementations of a task. With a bf16 (u16) pool, D = 64 or 128 and avx512_bf16
-// (`fast::`): vdpbf16ps products of bf16 pairs, keys in vector lanes for a decode task, the
-// tile's query vectors in lanes for a tile of several queries (see there); `bench_attention.py`
+// Paths (the `path` attribute, `jaxpipe_attention_paths`; -1: the last built that takes the
+// call). With a bf16 (u16) pool, D = 64, 128 or 256 and avx512_bf16 ("avx512_bf16", `fast::`):
+// vdpbf16ps products of bf16 pairs, keys in vector lanes for a decode task, the tile's query
+// vectors in lanes for a tile of several queries (see there); `bench_attention.py`
 // on SmolLM2's heads: decode 32 rows x 512 keys 1.11 -> 0.79 ms (timed in turns with the XLA
 // path; 0.27 ms back to back, K and V in L3), a 4 x 256-query prefill after 256 keys
 // 8.05 -> 2.36 ms. Out of cache a decode call reads K and V at 23-27 GB/s (the f32 path
 // 17-18): rows are prefetched 32 positions ahead, a row's lines at a time as rows are used
-// (whole blocks prefetched at once two blocks ahead ran at 14-15 GB/s). Otherwise (f32 pools,
-// other head dims, no avx512_bf16) f32 code: a decode task does G dots per key; a tile of
-// several queries scores 16 keys at a time against a transposed copy and, for a compile-time
-// D, sums values with its outputs held in registers. A bf16 pool on AVX2 (no avx512_bf16)
-// runs decode tasks in `avx2::` and tiles of several queries on the generic path.
-//
-// Windows, soft caps and scales: the generic path and `avx2::` honour all three; `fast::`
-// honours scale and softcap, and a call with a window (> 0) falls back to the generic path
-// there (no avx512_bf16 CPU to test its window bounds on when they were added).
+// (whole blocks prefetched at once two blocks ahead ran at 14-15 GB/s). The same pools on
+// AVX2 + FMA ("avx2"): decode tasks in `avx2::`, tiles of several queries on the portable
+// code. Otherwise ("portable": f32 pools, other head dims, or asked for) f32 code: a decode
+// task does G dots per key; a tile of several queries scores 16 keys at a time against a
+// transposed copy and, for a compile-time D, sums values with its outputs held in registers.
+// Every path honours windows, soft caps and scales.
 #include <algorithm>
 #include <array>
 #include <atomic>
@@ -55,6 +56,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <string>
 #include <thread>
 #include <type_traits>
 #include <utility>
@@ -168,18 +170,35 @@ struct Paged {
   }
 };
 
-// A paged (row, head)'s positions 0, 1, 2, ... in order, without a division by the block size
-// per position (one costs more than the position's dot products).
+// A paged (row, head)'s positions from, from + 1, ... in order, without a division by the
+// block size per position (one costs more than the position's dot products). A position whose
+// block's table entry is outside [0, NB) is not read: it gives `missing` (a row of zeros). A
+// tile's keys hold such a block only between one query's keys and a later query's window.
 template <typename T>
 struct Cursor {
   const Paged<T>& paged;
-  int64_t dim, block = 0, offset = 0;
+  int64_t dim, block, offset;
+  const T* missing;
+  Cursor(const Paged<T>& p, int64_t d, int64_t from, const T* zeros)
+      : paged(p), dim(d), block(from / p.block_size), offset(from % p.block_size),
+        missing(zeros) {}
   const T* next() {
-    const T* at = paged.block(block) + offset * dim;
+    const T* at = paged.ok(block) ? paged.block(block) + offset * dim : missing;
     if (++offset == paged.block_size) offset = 0, ++block;
     return at;
   }
 };
+
+// fn(block j, its first row o, rows n, their index from `from`) for the positions from ..
+// end - 1, a block (or the part of one inside them) at a time.
+template <typename F>
+inline void each_block(int64_t from, int64_t end, int64_t block_size, F&& fn) {
+  for (int64_t t = from; t < end;) {
+    const int64_t j = t / block_size, o = t % block_size, n = std::min(block_size - o, end - t);
+    fn(j, o, n, t - from);
+    t += n;
+  }
+}
 
 // Positions lo .. hi - 1 cut before the first of their blocks whose table entry is outside
 // [0, NB) (never read): the new hi (lo if that is lo's block).
@@ -562,6 +581,9 @@ inline __m512 exp_nonpositive(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
+// Stands in for the rows of a block outside the pool (`Cursor`): D <= 256 bf16 zeros.
+alignas(64) constexpr uint16_t kZeroRow[256] = {};
+
 inline uint32_t bf16_pair(float lo, float hi) {
   const auto bits = [](float f) {
     uint32_t b;
@@ -577,7 +599,7 @@ struct Work {
   std::vector<float> st;     // [keys, MP]: scores, then unnormalised probabilities
   std::vector<uint32_t> pp;  // [keys / 2, MP]: probabilities as bf16 pairs along keys
   std::vector<uint32_t> vp;  // [keys / 2, D]: V rows 2j, 2j + 1 interleaved
-  std::vector<int32_t> seen; // [MP]: keys each query vector sees
+  std::vector<int32_t> lo, hi;  // [MP]: each query vector's keys lo .. hi - 1 (of st's rows)
   std::vector<float> out;    // [M, D]
   std::vector<__m512i> qv;   // [G, D / 32]: a decode query's heads as bf16 pairs
 };
@@ -630,39 +652,44 @@ void score_tail(const uint16_t* k, const uint32_t* qt, int64_t mp, float scale, 
   score_rows<R, NV, D>(k, qt, mp, scale, st);
 }
 
-// S^T for the row's keys 0 .. len - 1, block by block (rows of a block are contiguous).
+// S^T for the row's keys from .. end - 1 (st row i: key from + i), block by block (rows of a
+// block are contiguous); a block outside the pool is skipped (its rows of st are left as they
+// were: no query sees them).
 template <int NV, int D>
-void scores(const Paged<uint16_t>& k, int64_t len, const uint32_t* qt, int64_t mp, float scale,
-            float* st) {
+void scores(const Paged<uint16_t>& k, int64_t from, int64_t end, const uint32_t* qt, int64_t mp,
+            float scale, float* st) {
   constexpr int R = NV == 1 ? 8 : NV == 2 ? 10 : 8;
-  for (int64_t j = 0, t = 0; t < len; ++j, t += k.block_size) {
-    if (const uint16_t* ahead = k.after(j + 1, len))  // the block after next: 2 in flight
+  each_block(from, end, k.block_size, [&](int64_t j, int64_t o, int64_t n, int64_t at) {
+    if (!k.ok(j)) return;
+    if (const uint16_t* ahead = k.after(j + 1, end))  // the block after next: 2 in flight
       for (int64_t b = 0; b < k.block_size * D * 2; b += 64)
         _mm_prefetch(reinterpret_cast<const char*>(ahead) + b, _MM_HINT_T0);
-    const uint16_t* block = k.block(j);
-    const int64_t n = std::min(k.block_size, len - t);
+    const uint16_t* block = k.block(j) + o * D;
     for (int64_t r = 0; r < n; r += R)
-      score_tail<R, NV, D>(block + r * D, qt, mp, scale, st + (t + r) * mp,
+      score_tail<R, NV, D>(block + r * D, qt, mp, scale, st + (at + r) * mp,
                            std::min<int64_t>(R, n - r));
-  }
+  });
 }
 
-// Softmax down each query lane of st [len, mp] over its seen keys (lanes past them: 0), the
-// probabilities as bf16 pairs along keys into pp [ceil(len / 2), mp].
-void softmax_pairs(float* st, int64_t len, int64_t mp, const int32_t* seen, uint32_t* pp) {
+// Softmax down each query lane c of st [len, mp] over its keys lo[c] .. hi[c] - 1 (the others:
+// 0), the probabilities as bf16 pairs along keys into pp [ceil(len / 2), mp].
+void softmax_pairs(float* st, int64_t len, int64_t mp, const int32_t* lo, const int32_t* hi,
+                   uint32_t* pp) {
   const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
                                          24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17,
                                          1, 16, 0);
   for (int64_t c = 0; c < mp; c += 16) {
-    const __m512i lim = _mm512_loadu_si512(seen + c);
+    const __m512i first = _mm512_loadu_si512(lo + c), end = _mm512_loadu_si512(hi + c);
+    auto inside = [&](int64_t t) {  // the lanes that see key t
+      const __m512i at = _mm512_set1_epi32(int(t));
+      return _mm512_mask_cmpgt_epi32_mask(_mm512_cmple_epi32_mask(first, at), end, at);
+    };
     __m512 mx = _mm512_set1_ps(-INFINITY);
-    for (int64_t t = 0; t < len; ++t) {
-      const __mmask16 in = _mm512_cmpgt_epi32_mask(lim, _mm512_set1_epi32(int(t)));
-      mx = _mm512_mask_max_ps(mx, in, mx, _mm512_loadu_ps(st + t * mp + c));
-    }
+    for (int64_t t = 0; t < len; ++t)
+      mx = _mm512_mask_max_ps(mx, inside(t), mx, _mm512_loadu_ps(st + t * mp + c));
     __m512 sum = _mm512_setzero_ps();
     for (int64_t t = 0; t < len; ++t) {
-      const __mmask16 in = _mm512_cmpgt_epi32_mask(lim, _mm512_set1_epi32(int(t)));
+      const __mmask16 in = inside(t);
       const __m512 e = _mm512_maskz_mov_ps(
           in, exp_nonpositive(_mm512_maskz_sub_ps(in, _mm512_loadu_ps(st + t * mp + c), mx)));
       sum = _mm512_add_ps(sum, e);
@@ -680,15 +707,16 @@ void softmax_pairs(float* st, int64_t len, int64_t mp, const int32_t* seen, uint
   }
 }
 
-// vp[j * D + 2d + e] = v row (2j + e), dim d: value rows paired along keys (row len: zeros).
+// vp[j * D + 2d + e] = v row (2j + e), dim d, of the values from .. from + len - 1: value rows
+// paired along keys (row len, and the rows of blocks outside the pool: zeros).
 template <int D>
-void value_pairs(const Paged<uint16_t>& v, int64_t len, int64_t d_stride, uint32_t* vp) {
+void value_pairs(const Paged<uint16_t>& v, int64_t from, int64_t len, uint32_t* vp) {
   static_assert(D % 32 == 0, "whole vectors of 32 dims");
   const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9,
                                       40, 8, 39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1,
                                       32, 0);
   const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
-  Cursor<uint16_t> rows{v, d_stride}, ahead{v, d_stride};  // ahead: 32 positions on
+  Cursor<uint16_t> rows{v, D, from, kZeroRow}, ahead{v, D, from, kZeroRow};  // ahead: 32 on
   for (int64_t i = 0; i < 32 && i < len; ++i) ahead.next();
   for (int64_t t = 0; t < len; t += 2) {
     for (int64_t i = t + 32; i < t + 34 && i < len; ++i) prefetch_row(ahead.next(), 0, D);
@@ -703,62 +731,79 @@ void value_pairs(const Paged<uint16_t>& v, int64_t len, int64_t d_stride, uint32
   }
 }
 
-// out rows 0 .. R - 1 (D floats each) = sum over key pairs j of pp[j * mp + r] . vp[j].
-template <int R, int D>
+// Columns c0 .. c0 + DC - 1 of out rows 0 .. R - 1 (D floats each) = sum over key pairs j of
+// pp[j * mp + r] . vp[j] (DC columns a pass: R * DC / 16 accumulators in registers).
+template <int R, int D, int DC>
 inline void value_rows(const uint32_t* pp, int64_t mp, const uint32_t* vp, int64_t pairs,
-                       float* out) {
-  constexpr int NC = D / 16;
+                       int64_t c0, float* out) {
+  constexpr int NC = DC / 16;
   __m512 acc[R][NC];
   unroll<R>([&](auto r) { unroll<NC>([&](auto c) { acc[r][c] = _mm512_setzero_ps(); }); });
   for (int64_t j = 0; j < pairs; ++j) {
     __m512i w[NC];
-    unroll<NC>([&](auto c) { w[c] = _mm512_loadu_si512(vp + j * D + 16 * c); });
+    unroll<NC>([&](auto c) { w[c] = _mm512_loadu_si512(vp + j * D + c0 + 16 * c); });
     unroll<R>([&](auto r) {
       const __m512bh x = (__m512bh)_mm512_set1_epi32(static_cast<int>(pp[j * mp + r]));
       unroll<NC>([&](auto c) { acc[r][c] = _mm512_dpbf16_ps(acc[r][c], (__m512bh)w[c], x); });
     });
   }
-  unroll<R>([&](auto r) { unroll<NC>([&](auto c) { _mm512_storeu_ps(out + r * D + 16 * c, acc[r][c]); }); });
+  unroll<R>([&](auto r) {
+    unroll<NC>([&](auto c) { _mm512_storeu_ps(out + r * D + c0 + 16 * c, acc[r][c]); });
+  });
 }
 
-template <int R, int D>
-void value_tail(const uint32_t* pp, int64_t mp, const uint32_t* vp, int64_t pairs, float* out,
-                int64_t rows) {
+template <int R, int D, int DC>
+void value_tail(const uint32_t* pp, int64_t mp, const uint32_t* vp, int64_t pairs, int64_t c0,
+                float* out, int64_t rows) {
   if constexpr (R > 1) {
-    if (rows < R) return value_tail<R - 1, D>(pp, mp, vp, pairs, out, rows);
+    if (rows < R) return value_tail<R - 1, D, DC>(pp, mp, vp, pairs, c0, out, rows);
   }
-  value_rows<R, D>(pp, mp, vp, pairs, out);
+  value_rows<R, D, DC>(pp, mp, vp, pairs, c0, out);
 }
 
-// Query vectors m0 .. m0 + mc - 1 (mc <= 16 * NV) of a task.
+// w.lo, w.hi [mp] <- the keys query vectors m0 + c (c < mc; query tile.lo + m / G) see,
+// counted from the task's first key tile.from (its first query's window start); lanes past mc
+// see none.
+void key_lanes(const Span& span, const Tile& tile, const Shape& s, int64_t window, int64_t m0,
+               int64_t mc, int64_t mp, Work& w) {
+  const int64_t g_count = s.heads / s.kv_heads;
+  w.lo.assign(mp, 0);
+  w.hi.assign(mp, 0);
+  for (int64_t c = 0; c < mc; ++c) {
+    const Range keys = keys_of(span, tile.lo + (m0 + c) / g_count, s, window);
+    w.lo[c] = int32_t(keys.lo - tile.from);
+    w.hi[c] = int32_t(keys.hi - tile.from);
+  }
+}
+
+// Query vectors m0 .. m0 + mc - 1 (mc <= 16 * NV) of a task, over the keys tile.from ..
+// tile.keys - 1: blocks before the first query's window start are not read.
 template <int NV, int D>
 void attend_nv(const Inputs<uint16_t>& in, const Shape& s, const Span& span, const Tile& tile,
                int64_t h, int64_t m0, int64_t mc, Work& w) {
-  const int64_t g_count = s.heads / s.kv_heads, token = span.start + tile.lo, len = tile.keys;
+  const int64_t token = span.start + tile.lo, len = tile.keys - tile.from;
   const int64_t mp = 16 * NV, pairs = (len + 1) / 2;
   w.qt.resize(D / 2 * mp);
   w.st.resize(std::max<int64_t>(len, 1) * mp);
   w.pp.resize(std::max<int64_t>(pairs, 1) * mp);
   w.vp.resize(std::max<int64_t>(pairs, 1) * D);
-  w.seen.assign(mp, 0);
   w.out.resize(mc * D);
-  // Query lo + m / G sees keys 0 .. its position (no window here: `run` sends calls with one
-  // to the generic path).
-  for (int64_t c = 0; c < mc; ++c)
-    w.seen[c] = int32_t(keys_of(span, tile.lo + (m0 + c) / g_count, s, 0).hi);
+  key_lanes(span, tile, s, in.opt.window, m0, mc, mp, w);
   load_qt(in.q, s, token, h, m0, mc, mp, w.qt.data());
   const int32_t* table = in.table + tile.row * s.max_blocks;
   const int64_t head = h * s.block_size * D, stride = s.kv_heads * s.block_size * D;
   const Paged<uint16_t> k{in.k + head, table, stride, s.block_size, s.blocks};
   const Paged<uint16_t> v{in.v + head, table, stride, s.block_size, s.blocks};
-  scores<NV, D>(k, len, w.qt.data(), mp, scale_of(in.opt.scale, D), w.st.data());
+  scores<NV, D>(k, tile.from, tile.keys, w.qt.data(), mp, scale_of(in.opt.scale, D),
+                w.st.data());
   soft_cap(w.st.data(), len * mp, in.opt.softcap);
-  softmax_pairs(w.st.data(), len, mp, w.seen.data(), w.pp.data());
-  value_pairs<D>(v, len, D, w.vp.data());
-  constexpr int R = D == 64 ? 6 : 3;
-  for (int64_t c = 0; c < mc; c += R)
-    value_tail<R, D>(w.pp.data() + c, mp, w.vp.data(), pairs, w.out.data() + c * D,
-                     std::min<int64_t>(R, mc - c));
+  softmax_pairs(w.st.data(), len, mp, w.lo.data(), w.hi.data(), w.pp.data());
+  value_pairs<D>(v, tile.from, len, w.vp.data());
+  constexpr int DC = D < 128 ? D : 128, R = DC == 64 ? 6 : 3;  // R * DC / 16 accumulators
+  for (int64_t c0 = 0; c0 < D; c0 += DC)
+    for (int64_t c = 0; c < mc; c += R)
+      value_tail<R, D, DC>(w.pp.data() + c, mp, w.vp.data(), pairs, c0, w.out.data() + c * D,
+                           std::min<int64_t>(R, mc - c));
   for (int64_t c = 0; c < mc; ++c)
     std::copy(w.out.data() + c * D, w.out.data() + (c + 1) * D,
               in.out + vector_at(s, token, h, m0 + c));
@@ -792,13 +837,13 @@ inline __m512 lanes_total(const __m512 (&v)[16]) {
   return halves(halves(b[0], b[1]), halves(b[2], b[3]));
 }
 
-// st[g * ls + t] = scale * q_g . k_t for the G heads and keys 0 .. len - 1.
+// st[g * ls + t] = scale * q_g . k_(from + t) for the G heads and keys from .. from + len - 1.
 template <int D>
-void decode_scores(const Paged<uint16_t>& k, int64_t len, const __m512i* qv, int64_t g_count,
-                   int64_t ls, float scale_f, float* st) {
+void decode_scores(const Paged<uint16_t>& k, int64_t from, int64_t len, const __m512i* qv,
+                   int64_t g_count, int64_t ls, float scale_f, float* st) {
   constexpr int NP = D / 32;  // vectors of 32 bf16 per row
   const __m512 scale = _mm512_set1_ps(scale_f);
-  Cursor<uint16_t> cursor{k, D}, ahead{k, D};  // ahead: 32 positions on, prefetched
+  Cursor<uint16_t> cursor{k, D, from, kZeroRow}, ahead{k, D, from, kZeroRow};  // ahead: 32 on
   for (int64_t i = 0; i < 32 && i < len; ++i) ahead.next();
   for (int64_t t0 = 0; t0 < len; t0 += 16) {
     const int64_t n = std::min<int64_t>(16, len - t0);
@@ -850,11 +895,11 @@ void decode_softmax(float* st, int64_t len, int64_t ls, int64_t g_count, int64_t
   }
 }
 
-// out[g] = sum over key pairs j of pp[g * lp + j] . (V rows 2j, 2j + 1 interleaved), for the
-// GS heads g0 .. g0 + GS - 1.
+// out[g] = sum over key pairs j of pp[g * lp + j] . (V rows from + 2j, from + 2j + 1
+// interleaved), for the GS heads g0 .. g0 + GS - 1.
 template <int GS, int D>
-void decode_values(const Paged<uint16_t>& v, int64_t len, const uint32_t* pp, int64_t lp,
-                   int64_t g0, float* out) {
+void decode_values(const Paged<uint16_t>& v, int64_t from, int64_t len, const uint32_t* pp,
+                   int64_t lp, int64_t g0, float* out) {
   constexpr int NC = D / 16;
   const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9,
                                       40, 8, 39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1,
@@ -862,7 +907,7 @@ void decode_values(const Paged<uint16_t>& v, int64_t len, const uint32_t* pp, in
   const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
   __m512 acc[GS][NC];
   unroll<GS>([&](auto g) { unroll<NC>([&](auto c) { acc[g][c] = _mm512_setzero_ps(); }); });
-  Cursor<uint16_t> rows{v, D}, ahead{v, D};  // ahead: 32 positions on, prefetched
+  Cursor<uint16_t> rows{v, D, from, kZeroRow}, ahead{v, D, from, kZeroRow};  // ahead: 32 on
   for (int64_t i = 0; i < 32 && i < len; ++i) ahead.next();
   for (int64_t t = 0; t < len; t += 2) {
     for (int64_t i = t + 32; i < t + 34 && i < len; ++i) prefetch_row(ahead.next(), 0, D);
@@ -885,27 +930,35 @@ void decode_values(const Paged<uint16_t>& v, int64_t len, const uint32_t* pp, in
   });
 }
 
+// out [G, D]: the G heads' weighted values, kMost heads a pass (kMost * D / 16 accumulators in
+// registers; at D = 256 one head a pass, V read once per head: two heads a pass over half the
+// columns each ran at 1.2x the portable path's time, this at 1.07x, on Gemma's 8 / 4 x 256
+// heads, 64 rows x 1024 keys).
 template <int D>
-void decode_values_for(const Paged<uint16_t>& v, int64_t len, const uint32_t* pp, int64_t lp,
-                       int64_t g_count, float* out) {
-  constexpr int kMost = D == 64 ? 5 : 2;  // heads a pass: kMost * D / 16 accumulators
+void decode_values_for(const Paged<uint16_t>& v, int64_t from, int64_t len, const uint32_t* pp,
+                       int64_t lp, int64_t g_count, float* out) {
+  constexpr int kMost = D == 64 ? 5 : D == 128 ? 2 : 1;
   for (int64_t g0 = 0; g0 < g_count; g0 += kMost) {
+    auto pass = [&](auto gs) {
+      decode_values<decltype(gs)::value, D>(v, from, len, pp, lp, g0, out);
+    };
     switch (std::min<int64_t>(kMost, g_count - g0)) {
-      case 1: decode_values<1, D>(v, len, pp, lp, g0, out); break;
-      case 2: decode_values<2, D>(v, len, pp, lp, g0, out); break;
-      case 3: if constexpr (kMost >= 3) decode_values<3, D>(v, len, pp, lp, g0, out); break;
-      case 4: if constexpr (kMost >= 4) decode_values<4, D>(v, len, pp, lp, g0, out); break;
-      default: if constexpr (kMost >= 5) decode_values<5, D>(v, len, pp, lp, g0, out); break;
+      case 1: pass(std::integral_constant<int, 1>{}); break;
+      case 2: if constexpr (kMost >= 2) pass(std::integral_constant<int, 2>{}); break;
+      case 3: if constexpr (kMost >= 3) pass(std::integral_constant<int, 3>{}); break;
+      case 4: if constexpr (kMost >= 4) pass(std::integral_constant<int, 4>{}); break;
+      default: if constexpr (kMost >= 5) pass(std::integral_constant<int, 5>{}); break;
     }
   }
 }
 
-// A one-query task: the G heads of kv head h over the row's keys 0 .. tile.keys - 1 (no
-// window here: `run` sends calls with one to the generic path).
+// A one-query task: the G heads of kv head h over the query's keys tile.from .. tile.keys - 1
+// (its window, which may begin inside a block; blocks before it are not read).
 template <int D>
 void decode(const Inputs<uint16_t>& in, const Shape& s, const Span& span, const Tile& tile,
             int64_t h, Work& w) {
-  const int64_t g_count = s.heads / s.kv_heads, token = span.start + tile.lo, len = tile.keys;
+  const int64_t g_count = s.heads / s.kv_heads, token = span.start + tile.lo;
+  const int64_t from = tile.from, len = tile.keys - tile.from;
   if (len <= 0) {
     for (int64_t g = 0; g < g_count; ++g)
       std::fill_n(in.out + vector_at(s, token, h, g), D, 0.f);
@@ -928,15 +981,16 @@ void decode(const Inputs<uint16_t>& in, const Shape& s, const Span& span, const 
       qv[g * NP + c] = (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + 32 * c + 16),
                                                     _mm512_loadu_ps(x + 32 * c));
   }
-  decode_scores<D>(k, len, qv.data(), g_count, ls, scale_of(in.opt.scale, D), w.st.data());
+  decode_scores<D>(k, from, len, qv.data(), g_count, ls, scale_of(in.opt.scale, D),
+                   w.st.data());
   soft_cap(w.st.data(), g_count * ls, in.opt.softcap);
   decode_softmax(w.st.data(), len, ls, g_count, lp, w.pp.data());
-  decode_values_for<D>(v, len, w.pp.data(), lp, g_count, w.out.data());
+  decode_values_for<D>(v, from, len, w.pp.data(), lp, g_count, w.out.data());
   for (int64_t g = 0; g < g_count; ++g)
     std::copy_n(w.out.data() + g * D, D, in.out + vector_at(s, token, h, g));
 }
 
-// One task (a tile of one span, kv head h) on a bf16 pool with D = 64 or 128: its query
+// One task (a tile of one span, kv head h) on a bf16 pool with D = 64, 128 or 256: its query
 // vectors 48 at a time (the scores' register tile holds 3 vectors of 16 query lanes).
 template <int D>
 void attend_tile(const Inputs<uint16_t>& in, const Shape& s, const Span& span,
@@ -957,7 +1011,7 @@ void attend_tile(const Inputs<uint16_t>& in, const Shape& s, const Span& span,
 }  // namespace fast
 #endif  // __AVX512BF16__
 
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512BF16__)
+#if defined(__AVX2__) && defined(__FMA__)
 // ---- bf16 pools on AVX2 + FMA: decode rows ------------------------------------------------------
 //
 // A one-query task (the G heads of one kv head over its row's keys): each block of K (then of
@@ -1094,17 +1148,6 @@ struct Work {
   std::vector<float> q, st, rows, out;  // q [G, D], st [G, ls], rows [8-rounded BS, D], out [G, D]
 };
 
-// fn(block j, its first row o, rows n, their index from `from`) for the positions from ..
-// end - 1, a block (or the part of one inside them) at a time.
-template <typename F>
-inline void each_block(int64_t from, int64_t end, int64_t block_size, F&& fn) {
-  for (int64_t t = from; t < end;) {
-    const int64_t j = t / block_size, o = t % block_size, n = std::min(block_size - o, end - t);
-    fn(j, o, n, t - from);
-    t += n;
-  }
-}
-
 // A one-query task: the G heads of kv head h over the query's keys tile.from .. tile.keys - 1
 // (its window, which may begin inside a block). A block's scores are stored 8 keys at a time
 // from its first key read (any block size): those past them are overwritten by the next
@@ -1148,61 +1191,96 @@ void decode(const Inputs<uint16_t>& in, const Shape& s, const Span& span, const 
 }
 
 }  // namespace avx2
-#endif  // AVX2 without avx512_bf16
+#endif  // AVX2 and FMA
 
+// The kernel's paths (the `path` attribute; ragged_attention.PATHS names them by index):
+// the portable loops run every call; avx2 (decode rows) and avx512_bf16 (decode rows and
+// tiles of several queries) run calls on a bf16 pool with D = 64, 128 or 256 where built.
+enum Path : int64_t { kPortable = 0, kAvx2 = 1, kAvx512Bf16 = 2 };
+
+constexpr uint32_t kBuiltPaths = (1u << kPortable)
+#if defined(__AVX2__) && defined(__FMA__)
+                                 | (1u << kAvx2)
+#endif
+#ifdef __AVX512BF16__
+                                 | (1u << kAvx512Bf16)
+#endif
+    ;
+
+// The path a call on a pool of `bf16` (or f32) elements and head dim `dim` runs: `path`, or
+// (< 0) the last this build has that can run it; -1 if `path` is not built or cannot run it.
+int64_t path_for(int64_t path, bool bf16, int64_t dim) {
+  const bool vector = bf16 && (dim == 64 || dim == 128 || dim == 256);  // the avx* paths' own
+  if (path < 0) return vector ? 31 - __builtin_clz(kBuiltPaths) : int64_t{kPortable};
+  if (path >= 32 || !(kBuiltPaths >> path & 1u)) return -1;
+  return path == kPortable || vector ? path : -1;
+}
+
+// (tile, kv head; -1: all of them): a decode row's kv heads in one task, one after the other:
+// they share each block's record (kv heads are adjacent in the pool), so a row's reads stay
+// close together.
+[[maybe_unused]] std::vector<std::pair<int64_t, int64_t>> row_tasks(
+    const std::vector<Tile>& tiles, const Shape& s) {
+  std::vector<std::pair<int64_t, int64_t>> tasks;
+  for (int64_t i = 0; i < int64_t(tiles.size()); ++i) {
+    if (tiles[i].hi - tiles[i].lo == 1)
+      tasks.emplace_back(i, -1);
+    else
+      for (int64_t h = 0; h < s.kv_heads; ++h) tasks.emplace_back(i, h);
+  }
+  return tasks;
+}
+
+// The tiles' tasks on the avx512_bf16 path (a bf16 pool, D = 64, 128 or 256).
+template <int D>
+void run_avx512_bf16(ffi::ThreadPool& pool, const Inputs<uint16_t>& in,
+                     const std::vector<Span>& spans, const std::vector<Tile>& tiles,
+                     const Shape& s) {
+#ifdef __AVX512BF16__
+  const auto tasks = row_tasks(tiles, s);
+  parallel_for(pool, int64_t(tasks.size()), [&](int64_t t) {
+    thread_local fast::Work work;
+    const auto [i, h] = tasks[t];
+    const Tile& tile = tiles[i];
+    for (int64_t head = std::max<int64_t>(h, 0); head < (h < 0 ? s.kv_heads : h + 1); ++head)
+      fast::attend_tile<D>(in, s, spans[tile.row], tile, head, work);
+  });
+#endif
+}
+
+// The tiles' tasks on the avx2 path: decode rows in `avx2::`, tiles of several queries on the
+// portable code.
+template <int D>
+void run_avx2(ffi::ThreadPool& pool, const Inputs<uint16_t>& in, const std::vector<Span>& spans,
+              const std::vector<Tile>& tiles, const Shape& s) {
+#if defined(__AVX2__) && defined(__FMA__)
+  const auto tasks = row_tasks(tiles, s);
+  parallel_for(pool, int64_t(tasks.size()), [&](int64_t t) {
+    const auto [i, h] = tasks[t];
+    const Tile& tile = tiles[i];
+    if (h >= 0) {
+      thread_local Scratch scratch;
+      return attend_tile<D, uint16_t>(in, s, spans[tile.row], tile, h, scratch);
+    }
+    thread_local avx2::Work work;
+    for (int64_t head = 0; head < s.kv_heads; ++head)
+      avx2::decode<D>(in, s, spans[tile.row], tile, head, work);
+  });
+#endif
+}
+
+// The call's tiles on `path` (path_for's answer: one that runs this call).
 template <typename T>
 void run(ffi::ThreadPool& pool, const Inputs<T>& in, const std::vector<Span>& spans,
-         const Shape& s) {
+         const Shape& s, int64_t path) {
   const std::vector<Tile> tiles = tiles_of(spans, s, in.opt.window);
   zero_uncovered(spans, tiles, s, in.out);
   auto each = [&](auto dim) {
     constexpr int kDim = decltype(dim)::value;
-#ifdef __AVX512BF16__
     if constexpr (std::is_same_v<T, uint16_t> && kDim > 0) {
-      // With a window, the generic path (see the top of the file).
-      if (in.opt.window <= 0) {
-        // A decode row's kv heads in one task, one after the other: they share each block's
-        // record (kv heads are adjacent in the pool), so a row's reads stay close together.
-        std::vector<std::pair<int64_t, int64_t>> tasks;  // (tile, kv head; -1: all of them)
-        for (int64_t i = 0; i < int64_t(tiles.size()); ++i) {
-          if (tiles[i].hi - tiles[i].lo == 1)
-            tasks.emplace_back(i, -1);
-          else
-            for (int64_t h = 0; h < s.kv_heads; ++h) tasks.emplace_back(i, h);
-        }
-        return parallel_for(pool, int64_t(tasks.size()), [&](int64_t t) {
-          thread_local fast::Work work;
-          const auto [i, h] = tasks[t];
-          const Tile& tile = tiles[i];
-          for (int64_t head = std::max<int64_t>(h, 0); head < (h < 0 ? s.kv_heads : h + 1); ++head)
-            fast::attend_tile<kDim>(in, s, spans[tile.row], tile, head, work);
-        });
-      }
+      if (path == kAvx512Bf16) return run_avx512_bf16<kDim>(pool, in, spans, tiles, s);
+      if (path == kAvx2) return run_avx2<kDim>(pool, in, spans, tiles, s);
     }
-#elif defined(__AVX2__) && defined(__FMA__)
-    if constexpr (std::is_same_v<T, uint16_t> && kDim > 0) {
-      // Decode rows on AVX2 (all of a row's kv heads in one task, as above); tiles of several
-      // queries on the generic path.
-      std::vector<std::pair<int64_t, int64_t>> tasks;  // (tile, kv head; -1: all of them)
-      for (int64_t i = 0; i < int64_t(tiles.size()); ++i) {
-        if (tiles[i].hi - tiles[i].lo == 1)
-          tasks.emplace_back(i, -1);
-        else
-          for (int64_t h = 0; h < s.kv_heads; ++h) tasks.emplace_back(i, h);
-      }
-      return parallel_for(pool, int64_t(tasks.size()), [&](int64_t t) {
-        const auto [i, h] = tasks[t];
-        const Tile& tile = tiles[i];
-        if (h >= 0) {
-          thread_local Scratch scratch;
-          return attend_tile<kDim, T>(in, s, spans[tile.row], tile, h, scratch);
-        }
-        thread_local avx2::Work work;
-        for (int64_t head = 0; head < s.kv_heads; ++head)
-          avx2::decode<kDim>(in, s, spans[tile.row], tile, head, work);
-      });
-    }
-#endif
     parallel_for(pool, int64_t(tiles.size()) * s.kv_heads, [&](int64_t task) {
       const Tile& tile = tiles[task / s.kv_heads];
       thread_local Scratch scratch;
@@ -1213,6 +1291,8 @@ void run(ffi::ThreadPool& pool, const Inputs<T>& in, const std::vector<Span>& sp
     each(std::integral_constant<int, 64>{});
   else if (s.dim == 128)
     each(std::integral_constant<int, 128>{});
+  else if (s.dim == 256)
+    each(std::integral_constant<int, 256>{});
   else
     each(std::integral_constant<int, 0>{});
 }
@@ -1314,6 +1394,7 @@ struct Args {
   int32_t layer;
   float* out;
   Options opt;
+  int64_t path;  // the `path` attribute (< 0: path_for's choice)
 };
 
 // The spans of a call, clamped as the contract says.
@@ -1340,12 +1421,19 @@ void run_layer(ffi::ThreadPool& pool, Args a, const Shape& s,
     rope_and_write<T>(pool, q, kv, cos, sin, a.table, spans, s, a.out, k, v);
     a.q = a.out;  // each task reads its queries before it writes their outputs
   }
-  run<T>(pool, Inputs<T>{a.q, k, v, a.table, a.out, a.opt}, spans, s);
+  run<T>(pool, Inputs<T>{a.q, k, v, a.table, a.out, a.opt}, spans, s, a.path);
 }
 
+// Runs the call on the path it asks for (checked before anything is written), by k/v's type.
 template <typename... Fresh>
-ffi::Error dispatch(ffi::ThreadPool& pool, ffi::DataType type, const Args& a, const Shape& s,
+ffi::Error dispatch(ffi::ThreadPool& pool, ffi::DataType type, Args a, const Shape& s,
                     const Fresh*... fresh) {
+  const int64_t asked = a.path;
+  a.path = path_for(asked, type != ffi::F32, s.dim);
+  if (a.path < 0)
+    return ffi::Error::InvalidArgument(
+        "ragged_attention: path " + std::to_string(asked) + " is not built here or cannot run "
+        "this call (the avx paths take bf16 pools with head dim 64, 128 or 256)");
   switch (type) {
     case ffi::F32:
       run_layer<float>(pool, a, s, fresh...);
@@ -1363,6 +1451,7 @@ ffi::Error dispatch(ffi::ThreadPool& pool, ffi::DataType type, const Args& a, co
 struct Scalars {
   ffi::BufferR0<ffi::S32> layer, window;
   float scale, softcap;
+  int64_t path;
 };
 
 Args args_of(ffi::Buffer<ffi::F32>& q, void* k, void* v, ffi::Buffer<ffi::S32>& table,
@@ -1370,7 +1459,7 @@ Args args_of(ffi::Buffer<ffi::F32>& q, void* k, void* v, ffi::Buffer<ffi::S32>& 
              ffi::Buffer<ffi::S32>& kv_len, const Scalars& c, float* out) {
   return Args{q.typed_data(), k, v, table.typed_data(), q_start.typed_data(),
               q_len.typed_data(), kv_len.typed_data(), *c.layer.typed_data(), out,
-              Options{*c.window.typed_data(), c.scale, c.softcap}};
+              Options{*c.window.typed_data(), c.scale, c.softcap}, c.path};
 }
 
 ffi::Error RaggedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k,
@@ -1378,13 +1467,13 @@ ffi::Error RaggedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ff
                                ffi::Buffer<ffi::S32> q_start, ffi::Buffer<ffi::S32> q_len,
                                ffi::Buffer<ffi::S32> kv_len, ffi::BufferR0<ffi::S32> layer,
                                ffi::BufferR0<ffi::S32> window, ffi::ResultBuffer<ffi::F32> out,
-                               float scale, float softcap) {
+                               float scale, float softcap, int64_t path) {
   Shape s;
   if (const char* error = shape_of(q, k, v, table, q_start, q_len, kv_len, s))
     return ffi::Error::InvalidArgument(error);
   return dispatch(pool, k.element_type(),
                   args_of(q, k.untyped_data(), v.untyped_data(), table, q_start, q_len, kv_len,
-                          Scalars{layer, window, scale, softcap}, out->typed_data()),
+                          Scalars{layer, window, scale, softcap, path}, out->typed_data()),
                   s);
 }
 
@@ -1396,7 +1485,7 @@ ffi::Error RaggedAttentionWriteImpl(
     ffi::Buffer<ffi::S32> table, ffi::Buffer<ffi::S32> q_start, ffi::Buffer<ffi::S32> q_len,
     ffi::Buffer<ffi::S32> kv_len, ffi::BufferR0<ffi::S32> layer, ffi::BufferR0<ffi::S32> window,
     ffi::ResultBuffer<ffi::F32> out, ffi::Result<ffi::AnyBuffer> k_out,
-    ffi::Result<ffi::AnyBuffer> v_out, float scale, float softcap) {
+    ffi::Result<ffi::AnyBuffer> v_out, float scale, float softcap, int64_t path) {
   Shape s;
   if (const char* error = shape_of(q, k, v, table, q_start, q_len, kv_len, s))
     return ffi::Error::InvalidArgument(error);
@@ -1412,7 +1501,7 @@ ffi::Error RaggedAttentionWriteImpl(
                                           sin.typed_data()};
   return dispatch(pool, k.element_type(),
                   args_of(q, k_out->untyped_data(), v_out->untyped_data(), table, q_start,
-                          q_len, kv_len, Scalars{layer, window, scale, softcap},
+                          q_len, kv_len, Scalars{layer, window, scale, softcap, path},
                           out->typed_data()),
                   s, &fresh);
 }
@@ -1433,7 +1522,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpipeRaggedAttention, RaggedAttentionImpl,
                                   .Arg<ffi::BufferR0<ffi::S32>>()  // window
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<float>("scale")
-                                  .Attr<float>("softcap"));
+                                  .Attr<float>("softcap")
+                                  .Attr<int64_t>("path"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpipeRaggedAttentionWrite, RaggedAttentionWriteImpl,
                               ffi::Ffi::Bind()
@@ -1454,4 +1544,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpipeRaggedAttentionWrite, RaggedAttentionWriteI
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<float>("scale")
-                                  .Attr<float>("softcap"));
+                                  .Attr<float>("softcap")
+                                  .Attr<int64_t>("path"));
+
+// Bit i set: path i (Path above) is compiled into this build (-march=native).
+extern "C" uint32_t jaxpipe_attention_paths() { return kBuiltPaths; }

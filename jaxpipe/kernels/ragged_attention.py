@@ -12,8 +12,12 @@ the call. Decode is q_len = 1, kv_len = position + 1.
 Three options shape the attention (defaults: the plain causal softmax(q.k / sqrt(D)) v):
   - window (a traced i32 scalar, so that it can vary per layer in a `lax.scan`; <= 0: none):
     HF's sliding window, query p attends only over keys p - window < t <= p (the last
-    `window`, its own included). The kernels read no block wholly before their queries'
-    earliest window start, so a long context costs the window, not the context;
+    `window`, its own included). Blocks wholly before a span's first query's window start
+    are never read, whatever their table entries hold, on every path of the C++ kernel and
+    in the Pallas kernel: a scheduler may free the blocks behind a sequence's window, and
+    their entries may then name another sequence's block or lie out of range. A long
+    context costs the window, not the context. (The XLA path, `reference`, masks instead:
+    it reads every entry, clamped into the pool, and needs what they hold to be finite);
   - scale (static; None: 1 / sqrt(D)): the logits are scale * q.k (Gemma:
     query_pre_attn_scalar ** -0.5);
   - softcap (static; <= 0: none): the logits become softcap * tanh(logit / softcap) (Gemma
@@ -35,14 +39,18 @@ Out-of-range inputs are defined, never read out of bounds:
 The kernel's task is a tile of up to 16 queries of one span and the G = H / Hkv query heads of
 one kv head: each K/V block is read once for all of them, and blocks past the tile's last query
 (or before its first query's window) are never read, so a decode row reads its own kv_len
-positions (or its window) and a prefill chunk reads each
-block once per tile (figures in scripts/bench_attention.py). A custom call cannot be
-partitioned by the SPMD partitioner: on a sharded layout call it inside `jax.shard_map`, heads
-split over the tensor-parallel axis.
+positions (or its window) and a prefill chunk reads each block once per tile (figures in
+scripts/bench_attention.py). The kernel has paths (`PATHS`; `paths()` says which this build
+has): "portable" loops for every call, and "avx2" (decode rows) and "avx512_bf16" (decode rows
+and prefill tiles, vdpbf16ps) for bf16 pools of head dim 64, 128 or 256; each honours the
+window, softcap and scale. A call runs `path_for`'s path unless it names one (`path`), and
+fails if that one cannot run it. A custom call cannot be partitioned by the SPMD partitioner:
+on a sharded layout call it inside `jax.shard_map`, heads split over the tensor-parallel axis.
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import math
 from pathlib import Path
@@ -58,19 +66,54 @@ from jaxpipe.model import decoder
 SOURCE = Path(__file__).with_name("ragged_attention.cc")
 TARGET = "jaxpipe_ragged_attention"
 WRITE_TARGET = "jaxpipe_ragged_attention_write"
+PATHS = ("portable", "avx2", "avx512_bf16")  # ragged_attention.cc's Path, by index
+VECTOR_DIMS = (64, 128, 256)  # the head dims the avx paths take (on bf16 pools)
 
 
 @functools.cache
+def _library() -> ctypes.CDLL | None:
+    what = "the ragged attention kernel"
+    lib = register(SOURCE, "JaxpipeRaggedAttention", TARGET, what)
+    if lib is not None and register(SOURCE, "JaxpipeRaggedAttentionWrite", WRITE_TARGET, what):
+        return lib
+    return None
+
+
 def available() -> bool:
     """Build (once per machine) and register the kernels; False, with a warning, if they
     cannot be built."""
-    what = "the ragged attention kernel"
-    return bool(register(SOURCE, "JaxpipeRaggedAttention", TARGET, what)
-                and register(SOURCE, "JaxpipeRaggedAttentionWrite", WRITE_TARGET, what))
+    return _library() is not None
+
+
+@functools.cache
+def paths() -> tuple[str, ...]:
+    """The kernel's paths this machine's build has, in `PATHS` order; () without the kernel.
+    "portable" runs every call; "avx2" (decode rows; tiles of several queries on the portable
+    code) and "avx512_bf16" (every tile) take bf16 pools with head dim 64, 128 or 256."""
+    lib = _library()
+    if lib is None:
+        return ()
+    lib.jaxpipe_attention_paths.restype = ctypes.c_uint32
+    mask = lib.jaxpipe_attention_paths()
+    return tuple(name for i, name in enumerate(PATHS) if mask >> i & 1)
+
+
+def path_for(kv_dtype, head_dim: int) -> str | None:
+    """The path a call on a pool of `kv_dtype` with head dim `head_dim` runs by default: the
+    last of `paths()` that takes it; None without the kernel."""
+    usable = [p for p in paths() if takes(p, kv_dtype, head_dim)]
+    return usable[-1] if usable else None
+
+
+def takes(path: str, kv_dtype, head_dim: int) -> bool:
+    """Whether kernel path `path` runs a pool of `kv_dtype` and head dim `head_dim`."""
+    bf16 = jnp.dtype(kv_dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.uint16))
+    return path == "portable" or (bf16 and head_dim in VECTOR_DIMS)
 
 
 def ragged_attention(q, k, v, table, q_start, q_len, kv_len, layer=0, *, window=0,
-                     softcap: float = 0.0, scale: float | None = None) -> jax.Array:
+                     softcap: float = 0.0, scale: float | None = None,
+                     path: str | None = None) -> jax.Array:
     """Causal attention of each row's span of query tokens over its paged keys and values.
 
     q [T, H, D] f32: the step's query tokens; k, v [L, NB, Hkv, BS, D] (f32, bf16, or bf16
@@ -79,9 +122,9 @@ def ragged_attention(q, k, v, table, q_start, q_len, kv_len, layer=0, *, window=
     are tokens q_start[r] .. q_start[r] + q_len[r] - 1 at positions kv_len[r] - q_len[r] ..
     kv_len[r] - 1, query i attending over keys 0 .. kv_len[r] - q_len[r] + i (q_len 0: idle
     row); layer: python int or traced i32 scalar; window (int or traced i32 scalar, <= 0:
-    none), softcap (<= 0: none) and scale (None: 1 / sqrt(D)): see the module docstring.
-    Returns [T, H, D] f32, zeros for tokens in no span. Out-of-range inputs: see the module
-    docstring."""
+    none), softcap (<= 0: none) and scale (None: 1 / sqrt(D)): see the module docstring;
+    path: one of `paths()` that takes the pool (None: `path_for`'s). Returns [T, H, D] f32,
+    zeros for tokens in no span. Out-of-range inputs: see the module docstring."""
     if not available():  # builds and registers the kernel on first use
         raise RuntimeError("the ragged attention kernel cannot be built here; use reference()")
     k, v = _as_pool(k), _as_pool(v)
@@ -90,11 +133,12 @@ def ragged_attention(q, k, v, table, q_start, q_len, kv_len, layer=0, *, window=
     i32 = functools.partial(jnp.asarray, dtype=jnp.int32)
     return jax.ffi.ffi_call(TARGET, out)(q.astype(jnp.float32), k, v, i32(table), i32(q_start),
                                          i32(q_len), i32(kv_len), i32(layer), i32(window),
-                                         **_attributes(softcap, scale))
+                                         **_attributes(softcap, scale, path, k))
 
 
 def write_and_attend(q, kv, cos, sin, k, v, table, q_start, q_len, kv_len, layer=0, *,
-                     window=0, softcap: float = 0.0, scale: float | None = None):
+                     window=0, softcap: float = 0.0, scale: float | None = None,
+                     path: str | None = None):
     """The step's own keys and values written into the pool, then `ragged_attention`, in one
     kernel call: q [T, H, D] and kv [T, 2, Hkv, D] (k, v) f32 are the step's projections
     before RoPE; cos, sin [T, D/2] f32 the rotation of each token's position. Each span token
@@ -102,7 +146,7 @@ def write_and_attend(q, kv, cos, sin, k, v, table, q_start, q_len, kv_len, layer
     k and v written at its position of layer `layer` (in the pool's storage dtype; a position
     whose block's table entry is out of range is not written), then the spans attend.
     Returns (out [T, H, D] f32, k, v): the pool updated in place (donate it: the call aliases
-    its outputs to the pool). window, softcap, scale: as `ragged_attention`.
+    its outputs to the pool). window, softcap, scale, path: as `ragged_attention`.
     `write_and_attend_reference` is the same in plain jnp."""
     if not available():
         raise RuntimeError("the ragged attention kernel cannot be built here; use "
@@ -120,7 +164,7 @@ def write_and_attend(q, kv, cos, sin, k, v, table, q_start, q_len, kv_len, layer
     f32 = functools.partial(jnp.asarray, dtype=jnp.float32)
     out, k5, v5 = jax.ffi.ffi_call(WRITE_TARGET, shapes, input_output_aliases={4: 1, 5: 2})(
         f32(q), f32(kv), f32(cos), f32(sin), k5, v5, i32(table), i32(q_start), i32(q_len),
-        i32(kv_len), i32(layer), i32(window), **_attributes(softcap, scale))
+        i32(kv_len), i32(layer), i32(window), **_attributes(softcap, scale, path, k5))
     return out, k5.reshape(k.shape), v5.reshape(v.shape)
 
 
@@ -217,16 +261,24 @@ def key_ranges(table, rows, positions, num_blocks: int, block_size: int, window=
     return jnp.where(live, lo, 0), jnp.where(live, hi, 0)
 
 
-def _attributes(softcap: float, scale: float | None) -> dict:
+def _attributes(softcap: float, scale: float | None, path: str | None, pool) -> dict:
     """The kernel's attributes: scale (0: 1 / sqrt(D), computed in the kernel as before the
-    option existed) and softcap (0: none), as float32."""
+    option existed) and softcap (0: none), as float32; path (PATHS index; -1: `path_for`'s,
+    chosen in the kernel) for the pool [L, NB, Hkv, BS, D]."""
     if scale is not None and not (math.isfinite(scale) and scale > 0):
         raise ValueError(f"ragged_attention: scale must be a finite number > 0 (or None for "
                          f"1 / sqrt(head_dim)); got {scale!r}")
     if not math.isfinite(softcap):
         raise ValueError(f"ragged_attention: softcap must be finite (<= 0: none); got "
                          f"{softcap!r}")
-    return {"scale": np.float32(scale or 0.0), "softcap": np.float32(max(softcap, 0.0))}
+    if path is not None and not (path in paths() and takes(path, pool.dtype, pool.shape[-1])):
+        raise ValueError(f"ragged_attention: path {path!r} cannot run a {pool.dtype} pool of "
+                         f"head dim {pool.shape[-1]} here; this machine has "
+                         f"{', '.join(paths())}, and the avx paths take bf16 pools of head "
+                         f"dim {' or '.join(map(str, VECTOR_DIMS))}")
+    return {"scale": np.float32(scale or 0.0), "softcap": np.float32(max(softcap, 0.0)),
+            "path": np.int64(-1 if path is None else PATHS.index(path))}
+
 
 
 def _as_pool(x):

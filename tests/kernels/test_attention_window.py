@@ -28,6 +28,7 @@ from kernels.attention_cases import (
     Q_START,
     UNCOVERED,
     R,
+    T,
     close,
     f64,
     i32,
@@ -57,17 +58,18 @@ def impl(request):
 
 
 @functools.cache
-def jitted(name, softcap, scale):
-    """One implementation under jit, softcap and scale static: compiled once per shape, then
-    run for every window, table and span (all traced)."""
-    return jax.jit(partial(IMPLS[name], softcap=softcap, scale=scale))
+def jitted(name, softcap, scale, path=None):
+    """One implementation under jit, softcap and scale (and the C++ kernel's path) static:
+    compiled once per shape, then run for every window, table and span (all traced)."""
+    return jax.jit(partial(IMPLS[name], softcap=softcap, scale=scale,
+                           **({"path": path} if path else {})))
 
 
 def run(name, q, k, v, table, q_start=Q_START, q_len=Q_LEN, kv_len=KV_LEN, layer=0, window=0,
-        softcap=0.0, scale=None):
-    """One implementation under jit: spans, table, layer and window traced; softcap and scale
-    static."""
-    fn = jitted(name, softcap, scale)
+        softcap=0.0, scale=None, path=None):
+    """One implementation under jit: spans, table, layer and window traced; softcap, scale and
+    path (the C++ kernel's; None: its default) static."""
+    fn = jitted(name, softcap, scale, path)
     return np.asarray(fn(q, k, v, *i32(table, q_start, q_len, kv_len), jnp.int32(layer),
                          window=jnp.int32(window)))
 
@@ -286,3 +288,194 @@ def test_causal_attention_options(window):
         q, k, v, window=jnp.int32(window))
     close(np.asarray(static), exact)
     close(np.asarray(traced), exact)
+
+
+# ---- each path of the C++ kernel, asked for by name (`attention_path`) -----------------------
+
+# GQA groups of 5, 7, 13, 1 and 2 at the head dims the avx paths take (256: Gemma 2 2B's
+# 8 / 4 heads); 13 * 16 query vectors fill the avx512_bf16 tiles' 48-vector passes, then one
+# of 16.
+PATH_DIMS = [(64, 10, 2), (128, 7, 1), (64, 39, 3), (128, 3, 3), (256, 8, 4)]
+# A pool at the engine's block size (16) with rows longer than a tile: decode at the end of a
+# full row (row 0) and mid-row (row 1), a chunk of 37 queries after 60 keys (row 2: three
+# tiles), a chunk of 16 at the end of a full row (row 3), a whole 50-token prompt (row 4), an
+# idle row (5). Rows use 48 of the 53 blocks; NaN fills the rest where asked.
+L_BS, L_MB, L_NB = 16, 8, 53
+L_Q_LEN = [1, 1, 37, 16, 50, 0]
+L_KV_LEN = [L_BS * L_MB, 70, 97, 128, 50, 9]
+L_Q_START = [104, 0, 1, 38, 54, 0]
+L_T = 105
+L_SPANS = dict(q_start=L_Q_START, q_len=L_Q_LEN, kv_len=L_KV_LEN)
+
+
+def skip_unless_taken(path, storage, head_dim):
+    if not ra.takes(path, storage, head_dim):
+        pytest.skip(f"the {path} path does not take {jnp.dtype(storage)} pools of head dim "
+                    f"{head_dim}")
+
+
+def tolerances(storage):
+    """(against float64, against the XLA path): bf16 pools round q and the probabilities to
+    bf16 as the XLA path does (a probability on the other side of a rounding boundary: ~3e-3
+    on these values)."""
+    return (2e-5, 2e-5) if storage == jnp.float32 else (3e-2, 5e-3)
+
+
+def long_inputs(storage, head_dim, heads, kv_heads, seed):
+    """q [L_T, H, D] f32, k, v [1, L_NB, Hkv, L_BS, D] in `storage`, table [6, L_MB] over
+    all but 5 blocks, and those 5 unused blocks."""
+    rng = np.random.default_rng(seed)
+    q = rng.normal(size=(L_T, heads, head_dim)).astype(np.float32)
+    k, v = (rng.normal(size=(1, L_NB, kv_heads, L_BS, head_dim)).astype(np.float32)
+            for _ in range(2))
+    perm = rng.permutation(L_NB).astype(np.int32)
+    store = jnp.zeros((1,), storage)
+    table = perm[:6 * L_MB].reshape(6, L_MB)
+    return (jnp.asarray(q), to_storage(jnp.asarray(k), store), to_storage(jnp.asarray(v), store),
+            table, perm[6 * L_MB:])
+
+
+def check_windows(path, storage, q, k, v, table, windows, spans):
+    """The C++ kernel on `path` against float64 NumPy and the XLA path for each window, with
+    and without a softcap; a window shorter than the rows changes the result."""
+    exact_tol, xla_tol = tolerances(storage)
+    for softcap in (0.0, 2.0):
+        full = want(q, k, v, table, **spans, softcap=softcap)
+        for window in windows:
+            got = run("cpu", q, k, v, table, **spans, window=window, softcap=softcap, path=path)
+            expected = want(q, k, v, table, **spans, window=window, softcap=softcap)
+            np.testing.assert_allclose(got, expected, atol=exact_tol, rtol=exact_tol)
+            np.testing.assert_allclose(got, run("xla", q, k, v, table, **spans, window=window,
+                                                softcap=softcap), atol=xla_tol, rtol=xla_tol)
+            if 0 < window < max(spans["kv_len"]):
+                assert not np.allclose(got, full, atol=0.1)
+
+
+@pytest.mark.parametrize("storage", [jnp.float32, jnp.uint16])
+@pytest.mark.parametrize("head_dim,heads,kv_heads", PATH_DIMS)
+def test_kernel_paths_with_windows_match_numpy(attention_path, storage, head_dim, heads,
+                                               kv_heads):
+    """Each path on the shared cases (BS = 5: decode, chunks after a prefix, a whole row,
+    spans of several tiles): windows of one key, inside a block, of a block, crossing block
+    edges (7, 13), longer than a tile (17), the whole row (40) and beyond."""
+    skip_unless_taken(attention_path, storage, head_dim)
+    q, k, v = inputs(storage, seed=31, head_dim=head_dim, heads=heads, kv_heads=kv_heads)
+    table = shuffled_table(seed=31)
+    spans = dict(q_start=Q_START, q_len=Q_LEN, kv_len=KV_LEN)
+    check_windows(attention_path, storage, q, k, v, table, (1, 3, BS, 7, 13, 17, CAP, 1000),
+                  spans)
+
+
+@pytest.mark.parametrize("storage,head_dim,heads,kv_heads", [
+    (jnp.float32, 64, 10, 2), (jnp.uint16, 64, 10, 2), (jnp.bfloat16, 128, 7, 1),
+    (jnp.uint16, 64, 39, 3), (jnp.uint16, 256, 8, 4)])
+def test_kernel_paths_on_long_rows(attention_path, storage, head_dim, heads, kv_heads):
+    """Each path at block size 16 on rows of up to 128 keys: windows shorter than a block,
+    of one block, one past it, of two blocks and one, of a tile's reach, longer than a row."""
+    skip_unless_taken(attention_path, storage, head_dim)
+    q, k, v, table, _ = long_inputs(storage, head_dim, heads, kv_heads, seed=32)
+    check_windows(attention_path, storage, q, k, v, table, (1, 15, 16, 17, 33, 64, 200),
+                  L_SPANS)
+
+
+@pytest.mark.parametrize("storage,head_dim", [(jnp.float32, 64), (jnp.uint16, 64),
+                                              (jnp.uint16, 128), (jnp.uint16, 256)])
+@pytest.mark.parametrize("window", [1, 16, 20, 33])
+def test_kernel_paths_never_read_blocks_before_the_window(attention_path, storage, head_dim,
+                                                          window):
+    """What a scheduler that frees blocks behind the window leaves: each row's blocks wholly
+    before its first query's window start name unused blocks full of NaN, or lie outside the
+    pool (-1, NB, 2^31 - 1). No path reads them: the output is bit for bit the clean one."""
+    skip_unless_taken(attention_path, storage, head_dim)
+    q, k, v, table, unused = long_inputs(storage, head_dim, 9, 3, seed=33)
+    clean = run("cpu", q, k, v, table, **L_SPANS, window=window, softcap=2.0,
+                path=attention_path)
+    k2, v2 = (np.array(x, np.float32) for x in f64(k, v))
+    k2[0, unused], v2[0, unused] = np.nan, np.nan
+    k2, v2 = (to_storage(jnp.asarray(x), jnp.zeros((1,), storage)) for x in (k2, v2))
+    freed = table.copy()
+    stand_ins = [*unused, -1, L_NB, 2**31 - 1]
+    count = 0
+    for r, (n, kv) in enumerate(zip(L_Q_LEN, L_KV_LEN, strict=True)):
+        for j in range(max(0, kv - n - window + 1) // L_BS if n else 0):
+            freed[r, j] = stand_ins[count % len(stand_ins)]
+            count += 1
+    assert count >= 8
+    got = run("cpu", q, k2, v2, freed, **L_SPANS, window=window, softcap=2.0,
+              path=attention_path)
+    np.testing.assert_array_equal(got, clean)
+
+
+@pytest.mark.parametrize("storage,head_dim", [(jnp.float32, 64), (jnp.uint16, 64)])
+def test_kernel_paths_skip_out_of_range_blocks_inside_a_tile(attention_path, storage,
+                                                             head_dim):
+    """test_out_of_range_table_entries_with_a_window on each path: row 4's block 3 out of
+    range lies inside tiles whose later queries' windows start past it (their output is the
+    clean one, bit for bit); queries whose window starts in it see nothing."""
+    skip_unless_taken(attention_path, storage, head_dim)
+    q, k, v = inputs(storage, seed=34, head_dim=head_dim, heads=9, kv_heads=3)
+    table = shuffled_table(seed=34)
+    clean = run("cpu", q, k, v, table, window=7, path=attention_path)
+    bad = table.copy()
+    bad[4, 3], bad[3, 0] = NB, -1
+    got = run("cpu", q, k, v, bad, window=7, path=attention_path)
+    exact_tol, _ = tolerances(storage)
+    np.testing.assert_allclose(got, want(q, k, v, bad, window=7), atol=exact_tol,
+                               rtol=exact_tol)
+    tokens = {p: 1 + p - 6 for p in range(6, 35)}  # row 4: position -> token
+    assert not got[[tokens[p] for p in range(21, 26)]].any()
+    np.testing.assert_array_equal(got[[tokens[p] for p in range(26, 35)]],
+                                  clean[[tokens[p] for p in range(26, 35)]])
+    np.testing.assert_array_equal(got[74:87], clean[74:87])  # row 3
+
+
+def test_kernel_paths_scan_alternating_windows(attention_path):
+    """Gemma 2/3's use, fused as the step calls it: `write_and_attend` in a `lax.scan` over a
+    bf16 pool's layers, windowed (5, 17) and global layers alternating (the window a scan
+    input), soft-capped, against `write_and_attend_reference` layer by layer."""
+    _, k, v = inputs(jnp.uint16, seed=35, layers=4, head_dim=64, heads=10, kv_heads=2)
+    rng = np.random.default_rng(35)
+    q = jnp.asarray(rng.normal(size=(T, 10, 64)), jnp.float32)
+    kv = jnp.asarray(rng.normal(size=(4, T, 2, 2, 64)), jnp.float32)
+    angles = rng.uniform(-7, 7, size=(T, 32))
+    cos, sin = (jnp.asarray(f(angles), jnp.float32) for f in (np.cos, np.sin))
+    spans = i32(shuffled_table(seed=35), Q_START, Q_LEN, KV_LEN)
+    windows = jnp.asarray([5, 0, 17, 0], jnp.int32)
+
+    def layers(fn):
+        def body(pool, xs):
+            layer, window, kv_l = xs
+            out, *pool = fn(q, kv_l, cos, sin, *pool, *spans, layer, window=window)
+            return tuple(pool), out
+
+        return jax.jit(lambda k, v: jax.lax.scan(body, (k, v), (jnp.arange(4), windows, kv)))
+
+    (k1, v1), got = layers(partial(ra.write_and_attend, softcap=2.0, path=attention_path))(k, v)
+    (k2, v2), ref = layers(partial(ra.write_and_attend_reference, softcap=2.0))(k, v)
+    for mine, theirs in ((k1, k2), (v1, v2)):  # one bf16 rounding of the same rotation
+        np.testing.assert_allclose(*f64(mine, theirs), rtol=2**-7, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=5e-3, rtol=5e-3)
+
+
+def test_default_path_is_the_last_that_takes_the_pool():
+    """A bf16 pool of head dim 64, 128 or 256 runs the last built path by default
+    (avx512_bf16 where this CPU has it); f32 pools and other head dims the portable one."""
+    if not ra.available():
+        pytest.skip("the C++ kernel cannot be built here")
+    assert ra.paths()[0] == "portable"
+    for dtype in (jnp.uint16, jnp.bfloat16):
+        assert all(ra.path_for(dtype, d) == ra.paths()[-1] for d in (64, 128, 256))
+        assert ra.path_for(dtype, 16) == ra.path_for(dtype, 192) == "portable"
+    assert ra.path_for(jnp.float32, 64) == "portable"
+
+
+@pytest.mark.parametrize("storage,head_dim,path", [(jnp.float32, 64, "avx512_bf16"),
+                                                   (jnp.uint16, 16, "avx2"),
+                                                   (jnp.uint16, 64, "amx")])
+def test_a_path_that_cannot_run_the_call_is_named(storage, head_dim, path):
+    if not ra.available():
+        pytest.skip("the C++ kernel cannot be built here")
+    q, k, v = inputs(storage, head_dim=head_dim)
+    spans = i32(shuffled_table(), Q_START, Q_LEN, KV_LEN)
+    with pytest.raises(ValueError, match=f"path '{path}' cannot run"):
+        ra.ragged_attention(q, k, v, *spans, window=7, path=path)

@@ -62,9 +62,10 @@ def test_token_rows_places_each_token():
 
 @pytest.mark.parametrize("storage", [jnp.uint16, jnp.bfloat16])
 @pytest.mark.parametrize("head_dim,heads,kv_heads", [(64, 9, 3), (64, 8, 1), (64, 6, 6),
-                                                     (128, 8, 2), (128, 9, 3), (16, 6, 2)])
+                                                     (128, 8, 2), (128, 9, 3), (256, 8, 4),
+                                                     (16, 6, 2)])
 def test_bf16_pool_matches_the_xla_path(storage, head_dim, heads, kv_heads):
-    """bf16 pools: the avx512_bf16 path (head dims 64 and 128; decode spans and tiles of up to
+    """bf16 pools: the avx512_bf16 path (head dims 64, 128, 256; decode spans and tiles of up to
     16 queries, 48 query vectors at a time) and the generic one (16). Both round q and the
     probabilities to bf16 as the XLA path does, so they differ from it by summation order
     and by a probability that lands on the other side of a bf16 rounding boundary (2^-8 of
