@@ -1,7 +1,26 @@
 """jaxpipe: throughput-first LLM inference in JAX.
 
+The package is a stack of layers, lowest first; a module imports only from its own layer or
+below (`LAYERS`, enforced over every import, function-local ones included, by
+tests/test_imports.py):
+
+    config     validated settings: EngineConfig, ModelConfig, layouts, meshes, the cluster
+    kernels    attention and matmul kernels (C++ on CPU, Pallas on GPU) and their jnp math
+    model      the decoder, MoE, one module per family, loaders per file format, tokenizer
+    scheduler  pure Python: the ledger, the policies, the loop shared with the simulator
+    planner    cost model, layout choice, the simulator over the real policies
+    request    what a caller asks for and gets back: SamplingParams, validation, outputs
+    kv         moves KV bytes: the device pool, the host tier, the prefetcher
+    runtime    the device side: the runner, its step programs, sharding, samplers, sizing,
+               kernel choice, several processes
+    engine     the engine core (executor, step builder, output processor, stats) and Engine
+    process    child processes: the lifeline, a follower's supervisor
+    protocol   the gRPC wire protocol (jaxpipe.proto and its generated code)
+    batch      JSONL batch jobs (`python -m jaxpipe.batch`)
+    serve      gRPC and OpenAI HTTP front ends (`python -m jaxpipe.serve`)
+
 The public names load on first use (PEP 562), so that importing a module that needs no jax
-(`jaxpipe.config_flags`, `jaxpipe.config_checks`, the scheduler) does not load jax."""
+(`jaxpipe.config.flags`, `jaxpipe.config.checks`, the scheduler) does not load jax."""
 
 from __future__ import annotations
 
@@ -9,18 +28,23 @@ import importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from jaxpipe.config import EngineConfig
-    from jaxpipe.engine import Engine
-    from jaxpipe.outputs import CompletionOutput, RequestOutput, StreamDelta
-    from jaxpipe.sampling import SamplingParams
+    from jaxpipe.config.engine import EngineConfig
+    from jaxpipe.engine.engine import Engine
+    from jaxpipe.request.outputs import CompletionOutput, RequestOutput, StreamDelta
+    from jaxpipe.request.params import SamplingParams
 
 __all__ = ["Engine", "EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput",
            "StreamDelta"]
 __version__ = "0.1.0"
 
-_HOMES = {"Engine": "jaxpipe.engine", "EngineConfig": "jaxpipe.config",
-          "SamplingParams": "jaxpipe.sampling", "RequestOutput": "jaxpipe.outputs",
-          "CompletionOutput": "jaxpipe.outputs", "StreamDelta": "jaxpipe.outputs"}
+# The layers, lowest first (a name per subpackage; the module docstring says what each holds).
+# planner and request share a layer, as process and protocol do: neither imports the other.
+LAYERS = (("config",), ("kernels",), ("model",), ("scheduler",), ("planner", "request"),
+          ("kv",), ("runtime",), ("engine",), ("process", "protocol"), ("batch",), ("serve",))
+
+_HOMES = {"Engine": "jaxpipe.engine.engine", "EngineConfig": "jaxpipe.config.engine",
+          "SamplingParams": "jaxpipe.request.params", "RequestOutput": "jaxpipe.request.outputs",
+          "CompletionOutput": "jaxpipe.request.outputs", "StreamDelta": "jaxpipe.request.outputs"}
 
 
 def __getattr__(name: str):

@@ -25,8 +25,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from jaxpipe.config import Attention, Dtype, EngineConfig, Sampler
-from jaxpipe.config_checks import check_choices
+from jaxpipe.config.checks import check_choices
+from jaxpipe.config.engine import Attention, EngineConfig, Sampler
+from jaxpipe.config.model import Dtype
 from jaxpipe_bench.matmul import DEFAULT_SHAPES
 from jaxpipe_bench.report import machine_info, render, throughput, write_json
 from jaxpipe_bench.workload import (
@@ -60,7 +61,7 @@ def parse_peers(text: str) -> tuple[str, ...]:
 @dataclass(frozen=True)
 class BenchConfig:
     """Everything a benchmark run depends on; each entry below is also its flag's help
-    (jaxpipe.config_flags).
+    (jaxpipe.config.flags).
 
     num_prompts: requests in the seeded workload.
     seed: the workload's seed.

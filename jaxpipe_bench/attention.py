@@ -21,7 +21,7 @@ from typing import Literal
 
 import numpy as np
 
-from jaxpipe.config_checks import check_counts
+from jaxpipe.config.checks import check_counts
 from jaxpipe_bench.cli import check_names
 
 HEADS = {  # name -> (query heads, kv heads, head dim)
@@ -65,7 +65,7 @@ HeadShapes = Literal[tuple(HEADS)]
 
 @dataclass(frozen=True)
 class AttentionBenchConfig:
-    """What `scripts/bench_attention.py` times (its flags, jaxpipe.config_flags).
+    """What `scripts/bench_attention.py` times (its flags, jaxpipe.config.flags).
 
     cases: the span cases (SPAN_CASES), comma-separated
     tables: the block tables: identity (row b's blocks in order) or shuffled (scattered)

@@ -27,12 +27,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from jaxpipe import synthetic_step
-from jaxpipe.config import EngineConfig, ModelConfig
-from jaxpipe.config_checks import check_counts
-from jaxpipe.layout import Layout
-from jaxpipe.meshes import MESH_DIR, Hardware, load_mesh
+from jaxpipe.config.checks import check_counts
+from jaxpipe.config.engine import EngineConfig
+from jaxpipe.config.layout import Layout
+from jaxpipe.config.meshes import MESH_DIR, Hardware, load_mesh
+from jaxpipe.config.model import ModelConfig
 from jaxpipe.planner.costmodel import CostModel
+from jaxpipe.runtime import synthetic_step
 
 PREFILL_BATCHES = (1, 4, 16)
 PROMPT_LEN = 128
@@ -45,7 +46,7 @@ REPEATS = 5  # timed steps per shape
 
 @dataclass(frozen=True)
 class CalibrateConfig:
-    """What `scripts/calibrate_cpu.py` does (its flags, jaxpipe.config_flags).
+    """What `scripts/calibrate_cpu.py` does (its flags, jaxpipe.config.flags).
 
     json_path: write the results as JSON here (none: only the tables)
     write_preset: set the measured constants in meshes/cpu-1.toml, and the same machine split
@@ -217,7 +218,7 @@ def step_call(runner, shape: Shape) -> Callable[[], Any]:
 
 def make_engine(shapes: Iterable[Shape], model: str = EngineConfig.model, **overrides):
     """An engine (bf16, one CPU device, no warm-up) with room for every shape."""
-    from jaxpipe.engine import Engine
+    from jaxpipe.engine.engine import Engine
 
     shapes = list(shapes)
     longest = max(s.tokens for s in shapes)

@@ -21,7 +21,7 @@ from typing import Literal
 
 import numpy as np
 
-from jaxpipe.config_checks import check_choices
+from jaxpipe.config.checks import check_choices
 
 # TinyLlama-1.1B's layer shape (22 layers of 2048 wide, 4 KV heads), SmolLM2's vocabulary.
 LLAMA_1B = {
@@ -53,7 +53,7 @@ Family = Literal[tuple(sorted(FAMILIES))]
 
 @dataclass(frozen=True)
 class CheckpointConfig:
-    """The checkpoint `scripts/make_checkpoint.py` writes (its arguments, jaxpipe.config_flags).
+    """The checkpoint `scripts/make_checkpoint.py` writes (its arguments, jaxpipe.config.flags).
 
     out: directory to write
     seed: seeds the weights

@@ -1,6 +1,6 @@
 """Command lines of the scripts: one flag (or positional argument) per field of a config
-dataclass (jaxpipe.config_flags), the cpu-8 model benchmarks' runner, and the checks the
-scripts' configs share beyond jaxpipe.config_checks' (tuples of sizes, of names, shapes
+dataclass (jaxpipe.config.flags), the cpu-8 model benchmarks' runner, and the checks the
+scripts' configs share beyond jaxpipe.config.checks' (tuples of sizes, of names, shapes
 written 'KxN').
 """
 
@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from jaxpipe.config_flags import add_flags, config_from_args
+from jaxpipe.config.flags import add_flags, config_from_args
 
 
 def parser(doc: str) -> argparse.ArgumentParser:
@@ -64,7 +64,7 @@ def run_model_bench(doc: str, config_cls, run: Callable, format_record: Callable
     devices, load the model, `run(cfg, values, config)`, print `format_record(record)` and
     write the record as JSON to `config.out_path`."""
     config = parse(doc, config_cls, group="benchmark")
-    from jaxpipe import sharding
+    from jaxpipe.runtime import sharding
 
     sharding.ensure_cpu_devices(8)  # before anything starts JAX's backend
     from jaxpipe.model import loading

@@ -162,7 +162,8 @@ def report(cfg: ReportConfig) -> dict:
     fns.sort(key=lambda x: -x[1])
     cls.sort(key=lambda x: -x[1])
     lengths = sorted(n for _, n in fns)
-    engine = root / "engine.py"
+    engine = next((p for p in (root / "engine" / "engine.py", root / "engine.py") if p.exists()),
+                  root / "engine.py")
     return {
         "root": str(root), "modules": len(mods),
         "root_modules": sorted(p.name for p in root.glob("*.py") if p.name != "__init__.py"),

@@ -9,13 +9,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from jaxpipe.config import Dtype
-from jaxpipe.config_checks import check_choices
+from jaxpipe.config.checks import check_choices
+from jaxpipe.config.model import Dtype
 
 
 @dataclass(frozen=True)
 class ConvertConfig:
-    """What `scripts/convert.py` converts (its arguments, jaxpipe.config_flags).
+    """What `scripts/convert.py` converts (its arguments, jaxpipe.config.flags).
 
     model: preset name, .gguf file or HF directory
     output: directory to write the orbax checkpoint into

@@ -7,8 +7,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from jaxpipe.config import Dtype, EngineConfig
-from jaxpipe.config_checks import check_choices, check_counts
+from jaxpipe.config.checks import check_choices, check_counts
+from jaxpipe.config.engine import EngineConfig
+from jaxpipe.config.model import Dtype
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -22,7 +23,7 @@ QUESTIONS = [
 
 @dataclass(frozen=True)
 class DemoConfig:
-    """The demo's model and answers (`scripts/demo.py`'s flags, jaxpipe.config_flags).
+    """The demo's model and answers (`scripts/demo.py`'s flags, jaxpipe.config.flags).
 
     model: a preset name or a path (EngineConfig.model)
     dtype: EngineConfig.dtype

@@ -35,7 +35,7 @@ from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from jaxpipe.config_checks import check_choices, check_counts
+from jaxpipe.config.checks import check_choices, check_counts
 from jaxpipe.model import decoder, moe
 from jaxpipe_bench.checkpoint import QWEN3_MOE_1B
 from jaxpipe_bench.cli import check_sizes
@@ -50,7 +50,7 @@ WAYS = ("psum", "a2a")
 
 @dataclass(frozen=True)
 class EpExchangeConfig:
-    """What `scripts/bench_ep_exchange.py` times (its flags, jaxpipe.config_flags).
+    """What `scripts/bench_ep_exchange.py` times (its flags, jaxpipe.config.flags).
 
     tokens: the token counts T (each a multiple of ep)
     ep: expert shards (devices used)

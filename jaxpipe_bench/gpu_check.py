@@ -27,8 +27,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from jaxpipe.config import EngineConfig
-from jaxpipe.config_checks import check_counts
+from jaxpipe.config.checks import check_counts
+from jaxpipe.config.engine import EngineConfig
 
 PROMPTS = ("What is the capital of France?", "Write a haiku about the sea.",
            "Explain photosynthesis in two sentences.", "List three prime numbers.",
@@ -294,7 +294,7 @@ def roofline(cfg: CheckConfig, log=print) -> dict:
 def decode_seconds(runner, batch: int, context: int, repeats: int) -> float:
     """Median seconds of the runner's decode step of `batch` rows at position `context` - 1
     (compiled first)."""
-    from jaxpipe.synthetic_step import step_call
+    from jaxpipe.runtime.synthetic_step import step_call
 
     step = step_call(runner, batch, 1, start=context - 1)
     step()  # compile

@@ -20,14 +20,15 @@ from dataclasses import asdict, dataclass, field
 import jax
 import jax.numpy as jnp
 
-from jaxpipe.buckets import Buckets
-from jaxpipe.config import Dtype, EngineConfig, ModelConfig
-from jaxpipe.config_checks import check_choices, check_counts
+from jaxpipe.config.checks import check_choices, check_counts
+from jaxpipe.config.engine import EngineConfig
+from jaxpipe.config.layout import Layout
+from jaxpipe.config.model import Dtype, ModelConfig
 from jaxpipe.kv.device_cache import blocks_for
-from jaxpipe.layout import Layout
-from jaxpipe.runner import Runner
-from jaxpipe.sharding import timed_reshard
-from jaxpipe.synthetic_step import median_seconds, step_call
+from jaxpipe.runtime.buckets import Buckets
+from jaxpipe.runtime.runner import Runner
+from jaxpipe.runtime.sharding import timed_reshard
+from jaxpipe.runtime.synthetic_step import median_seconds, step_call
 from jaxpipe_bench.cli import check_sizes
 
 PAIRS = (("pp=8", "tp=8"), ("pp=4,tp=2", "tp=4,pp=2"), ("pp=2,tp=4", "tp=8"),
@@ -37,7 +38,7 @@ PAIRS = (("pp=8", "tp=8"), ("pp=4,tp=2", "tp=4,pp=2"), ("pp=2,tp=4", "tp=8"),
 @dataclass(frozen=True)
 class LayoutBenchConfig:
     """What to measure (sizes kept small: 8 virtual devices share two cores here); each entry
-    is also its flag's help (scripts/bench_reshard.py's flags, jaxpipe.config_flags).
+    is also its flag's help (scripts/bench_reshard.py's flags, jaxpipe.config.flags).
 
     model: the model, a preset name or a path (EngineConfig.model).
     out_path: where the record's JSON is written.

@@ -14,7 +14,7 @@ from packaging.utils import canonicalize_name
 
 @dataclass(frozen=True)
 class LockDriftConfig:
-    """The lock `scripts/lock_drift.py` compares with (its argument, jaxpipe.config_flags).
+    """The lock `scripts/lock_drift.py` compares with (its argument, jaxpipe.config.flags).
 
     lock: the lock file, e.g. requirements/test.lock
     """

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpipe.config_checks import check_counts
+from jaxpipe.config.checks import check_counts
 from jaxpipe.kernels import matmul as mm
 from jaxpipe_bench.cli import check_sizes, dims
 
@@ -28,7 +28,7 @@ STACK_BYTES = 100 * 2**20  # weights per timed call: well past the 32 MiB L3
 
 @dataclass(frozen=True)
 class MatmulKernelConfig:
-    """What `scripts/bench_matmul_kernel.py` times (its flags, jaxpipe.config_flags).
+    """What `scripts/bench_matmul_kernel.py` times (its flags, jaxpipe.config.flags).
 
     rows: the row counts M
     shapes: the weight shapes, each KxN

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpipe.config_checks import check_counts
+from jaxpipe.config.checks import check_counts
 from jaxpipe.model import moe
 from jaxpipe_bench.cli import check_sizes, dims
 
@@ -33,7 +33,7 @@ DISPATCHES = ("dense", "ragged", "grouped")
 
 @dataclass(frozen=True)
 class MoeKernelConfig:
-    """What `scripts/bench_moe_kernel.py` times (its flags, jaxpipe.config_flags).
+    """What `scripts/bench_moe_kernel.py` times (its flags, jaxpipe.config.flags).
 
     tokens: the token counts T
     cases: the expert shapes, each XxKxExF (experts, top-k, hidden, intermediate)

@@ -1,5 +1,5 @@
 """The same workload on one process of 8 devices (`cpu-8`) and on a cluster of 2 processes x 4
-(jaxpipe.distributed, gloo on 127.0.0.1), with the leader's control channel per step.
+(jaxpipe.runtime.distributed, gloo on 127.0.0.1), with the leader's control channel per step.
 
 Each run is a child process (`python -m jaxpipe_bench.multihost child ...`): JAX fixes a
 process's devices and cluster when it starts. The leader child generates the workload twice
@@ -22,8 +22,9 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from jaxpipe.config import Dtype, EngineConfig, Scheduler
-from jaxpipe.config_checks import check_choices, check_counts
+from jaxpipe.config.checks import check_choices, check_counts
+from jaxpipe.config.engine import EngineConfig, Scheduler
+from jaxpipe.config.model import Dtype
 from jaxpipe_bench.workload import SEED, make_workload
 
 
@@ -71,7 +72,7 @@ def child(cfg: MultihostConfig, out: str | None, cluster: dict) -> None:
     """One process of a run: the leader (or the only process) times the workload; a
     follower follows."""
     from jaxpipe import Engine, EngineConfig, SamplingParams
-    from jaxpipe.engine import follow
+    from jaxpipe.engine.engine import follow
 
     config = EngineConfig(**engine_kwargs(cfg), **cluster)
     if config.process_id:

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxpipe.config_checks import check_counts
+from jaxpipe.config.checks import check_counts
 
 BLOCK = 16  # tokens per pool block, as the engine's pool
 

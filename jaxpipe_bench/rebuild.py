@@ -10,14 +10,14 @@ import resource
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from jaxpipe.config_checks import check_counts
+from jaxpipe.config.checks import check_counts
 
 _CPU_MESH = re.compile(r"^cpu-([1-9][0-9]*)$")
 
 
 @dataclass(frozen=True)
 class RebuildConfig:
-    """The engines `scripts/rebuild_engines.py` builds in turn (its flags, jaxpipe.config_flags).
+    """The engines `scripts/rebuild_engines.py` builds in turn (its flags, jaxpipe.config.flags).
 
     meshes: the engines' meshes, cpu-N presets, one engine each, in order
     requests: greedy requests each engine generates
@@ -54,7 +54,7 @@ def peak_gib() -> float:
 
 def run(config: RebuildConfig, log: Callable[[str], None] = print) -> None:
     """Build, use and close one engine per mesh in turn, logging the RSS after each stage."""
-    from jaxpipe import sharding
+    from jaxpipe.runtime import sharding
 
     sharding.ensure_cpu_devices(config.devices())  # before anything starts JAX's backend
     from jaxpipe import Engine, SamplingParams

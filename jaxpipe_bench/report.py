@@ -56,7 +56,8 @@ def machine_info() -> dict:
     """CPU (model, the ISA extensions that matter to its kernels, the bf16 kernel's paths
     built for it) and library versions, plus the load average: other work on a shared
     machine skews every number here, and the JSON should say so when it happened."""
-    from jaxpipe.kernels import dispatch, matmul
+    from jaxpipe.kernels import matmul
+    from jaxpipe.runtime import kernel_choice as dispatch
 
     return {
         "cpu_count": os.cpu_count(),
@@ -199,11 +200,11 @@ def write_json(result: Any, path: str | Path) -> Path:
 
 
 def write_points(path: str | None, points: list[dict]) -> None:
-    """A kernel benchmark's points with the machine they ran on (`kernels.dispatch.machine`),
+    """A kernel benchmark's points with the machine they ran on (`runtime.kernel_choice.machine`),
     as JSON at `path` (nothing when None); the directory is made if missing."""
     if path is None:
         return
-    from jaxpipe.kernels.dispatch import machine
+    from jaxpipe.runtime.kernel_choice import machine
 
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps({"machine": machine(), "points": points}, indent=2))

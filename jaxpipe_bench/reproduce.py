@@ -16,9 +16,9 @@ import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from jaxpipe.config_checks import check_counts
-from jaxpipe.layout import Layout
-from jaxpipe.meshes import MeshPreset, load_mesh
+from jaxpipe.config.checks import check_counts
+from jaxpipe.config.layout import Layout
+from jaxpipe.config.meshes import MeshPreset, load_mesh
 from jaxpipe.model.presets import resolve_model
 from jaxpipe.planner.planner import candidate_layouts, choose_layouts, layout_name, paper_label
 from jaxpipe.planner.simulate import simulate
@@ -29,7 +29,7 @@ QUICK = 4  # --quick simulates 1/QUICK of the requests
 
 @dataclass(frozen=True)
 class ReproduceConfig:
-    """One paper reproduction's run (the flags of scripts/reproduce_*.py, jaxpipe.config_flags).
+    """One paper reproduction's run (the flags of scripts/reproduce_*.py, jaxpipe.config.flags).
 
     json_path: write the results as JSON here (none: only the tables)
     quick: a quarter of the requests (a smoke run)

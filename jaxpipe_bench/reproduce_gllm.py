@@ -21,8 +21,8 @@ paper's Azure dataset is left out (no length statistics beyond its ratios to Sha
 
 from __future__ import annotations
 
-from jaxpipe.layout import Layout
-from jaxpipe.meshes import load_mesh
+from jaxpipe.config.layout import Layout
+from jaxpipe.config.meshes import load_mesh
 from jaxpipe.model.presets import resolve_model
 from jaxpipe.planner.simulate import simulate
 from jaxpipe.planner.workloads import synthetic

@@ -11,7 +11,7 @@ layer's output) is in `jaxpipe.planner.costmodel`'s docstring.
 
 from __future__ import annotations
 
-from jaxpipe.meshes import load_mesh
+from jaxpipe.config.meshes import load_mesh
 from jaxpipe.model.presets import resolve_model
 from jaxpipe.planner.planner import paper_label
 from jaxpipe.planner.workloads import synthetic

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import statistics
 
-from jaxpipe.layout import Layout
-from jaxpipe.meshes import load_mesh
+from jaxpipe.config.layout import Layout
+from jaxpipe.config.meshes import load_mesh
 from jaxpipe.model.presets import resolve_model
 from jaxpipe.planner.simulate import simulate
 from jaxpipe.planner.workloads import synthetic

@@ -16,25 +16,26 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpipe import runner, sampling
-from jaxpipe.config import EngineConfig
-from jaxpipe.config_checks import check_counts
-from jaxpipe.host_sampler import HostSampler
-from jaxpipe.synthetic_step import median_seconds
+from jaxpipe.config.checks import check_counts
+from jaxpipe.config.engine import EngineConfig
+from jaxpipe.request.params import SamplingParams
+from jaxpipe.runtime import runner, sampling
+from jaxpipe.runtime.host_sampler import HostSampler
+from jaxpipe.runtime.synthetic_step import median_seconds
 from jaxpipe_bench.cli import check_sizes
 
 VOCAB = 49152
 CASES = {
-    "greedy": sampling.SamplingParams(temperature=0.0),
-    "top-p/k": sampling.SamplingParams(temperature=0.8, top_p=0.9, top_k=50),
-    "penalties": sampling.SamplingParams(temperature=0.8, repetition_penalty=1.2,
+    "greedy": SamplingParams(temperature=0.0),
+    "top-p/k": SamplingParams(temperature=0.8, top_p=0.9, top_k=50),
+    "penalties": SamplingParams(temperature=0.8, repetition_penalty=1.2,
                                          presence_penalty=0.5),
 }
 
 
 @dataclass(frozen=True)
 class SamplerBenchConfig:
-    """What `scripts/bench_sampler.py` times (its flags, jaxpipe.config_flags).
+    """What `scripts/bench_sampler.py` times (its flags, jaxpipe.config.flags).
 
     rows: the batch rows sampled in one step
     threads: the host sampler's worker threads (EngineConfig.sampler_threads)

@@ -15,8 +15,9 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from jaxpipe.config import Dtype, EngineConfig
-from jaxpipe.config_checks import check_choices, check_counts
+from jaxpipe.config.checks import check_choices, check_counts
+from jaxpipe.config.engine import EngineConfig
+from jaxpipe.config.model import Dtype
 from jaxpipe_bench import _generate, check_outputs, default_max_model_len, warmup_requests
 from jaxpipe_bench.report import machine_info, throughput
 from jaxpipe_bench.workload import (
@@ -116,7 +117,7 @@ def run_all(config: SchedulersConfig, log=print) -> list[dict]:
     """Every run of `config` on 8 virtual CPU devices over one seeded workload (the default
     model's vocabulary), a table logged and the JSON at `config.out_path` rewritten after each
     run (a run that is stopped keeps the ones before it)."""
-    from jaxpipe import sharding
+    from jaxpipe.runtime import sharding
 
     sharding.ensure_cpu_devices(8)  # before anything starts JAX's backend
     vocab, special = gguf_vocab(default_gguf_path())

@@ -50,7 +50,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
-from jaxpipe.config_checks import check_choices, check_counts
+from jaxpipe.config.checks import check_choices, check_counts
 
 CALL_DEADLINE = 180.0  # seconds; a call that takes longer is a hang
 PAUSES = {"unavailable": 0.25, "rate_limited": 1.0}  # seconds a client waits after these

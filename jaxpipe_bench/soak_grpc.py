@@ -17,8 +17,8 @@ from contextlib import AbstractContextManager
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from jaxpipe.serve import jaxpipe_pb2 as pb
-from jaxpipe.serve import jaxpipe_pb2_grpc as pb_grpc
+from jaxpipe.protocol import jaxpipe_pb2 as pb
+from jaxpipe.protocol import jaxpipe_pb2_grpc as pb_grpc
 
 CANCEL_MAX_TOKENS = 64  # long enough that a cancel lands mid-stream
 

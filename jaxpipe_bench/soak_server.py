@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from jaxpipe.config_flags import add_flags, config_from_args
+from jaxpipe.config.flags import add_flags, config_from_args
 from jaxpipe_bench.soak import Soak, SoakConfig, SoakResult
 
 SERVER_ARGS = ["--max-model-len", "512", "--max-num-seqs", "32", "--restart-backoff", "1",
@@ -23,7 +23,7 @@ MAX_REQUESTS = 100_000  # scripts/soak.py's cap on calls (--max-requests); SoakC
 
 @dataclass(frozen=True)
 class SoakCommand:
-    """scripts/soak.py's own arguments, beside SoakConfig's flags (jaxpipe.config_flags).
+    """scripts/soak.py's own arguments, beside SoakConfig's flags (jaxpipe.config.flags).
 
     minutes: how long the clients issue calls (SoakConfig.seconds, in minutes)
     log: the server's output

@@ -17,8 +17,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from jaxpipe.config import Dtype, EngineConfig
-from jaxpipe.config_checks import check_choices, check_counts
+from jaxpipe.config.checks import check_choices, check_counts
+from jaxpipe.config.engine import EngineConfig
+from jaxpipe.config.model import Dtype
 from jaxpipe_bench.workload import SEED, Request
 
 # name -> the techniques it switches on (each adds one to the one before; Engine.set_overlap etc.)

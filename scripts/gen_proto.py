@@ -1,7 +1,8 @@
-"""Regenerate jaxpipe/serve/jaxpipe_pb2*.py from jaxpipe/serve/jaxpipe.proto (needs grpcio-tools).
+"""Regenerate jaxpipe/protocol/jaxpipe_pb2*.py from jaxpipe/protocol/jaxpipe.proto (needs
+grpcio-tools).
 
 Run from anywhere: `python scripts/gen_proto.py`. The proto is compiled with the repository root
-as include path, so the generated gRPC module imports `jaxpipe.serve.jaxpipe_pb2` (a package
+as include path, so the generated gRPC module imports `jaxpipe.protocol.jaxpipe_pb2` (a package
 import that works after `pip install`).
 """
 
@@ -17,7 +18,7 @@ from grpc_tools import protoc  # noqa: E402
 
 from jaxpipe_bench import cli  # noqa: E402
 
-PROTO = "jaxpipe/serve/jaxpipe.proto"
+PROTO = "jaxpipe/protocol/jaxpipe.proto"
 
 
 def main() -> int:

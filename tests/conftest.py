@@ -77,9 +77,9 @@ def tiny_smollm2(tiny_smollm2_with) -> str:
 
 def write_tiny_smollm2(path: Path, **fields) -> str:
     """Save TINY_SMOLLM2 (with `fields` changed) at `path` with SmolLM2's tokenizer; its path."""
-    from jaxpipe.config import ModelConfig
+    from jaxpipe.config.model import ModelConfig
     from jaxpipe.model import decoder, orbax_dir
-    from jaxpipe.tokenizer import Tokenizer
+    from jaxpipe.model.tokenizer import Tokenizer
 
     cfg = ModelConfig(**{**TINY_SMOLLM2, **fields})
     values = decoder.numpy_random_values(cfg, seed=0)
@@ -202,8 +202,8 @@ class ServerProcess:
     def engine_pid(self) -> int:
         import grpc
 
-        from jaxpipe.serve import jaxpipe_pb2 as pb
-        from jaxpipe.serve import jaxpipe_pb2_grpc as pb_grpc
+        from jaxpipe.protocol import jaxpipe_pb2 as pb
+        from jaxpipe.protocol import jaxpipe_pb2_grpc as pb_grpc
 
         with grpc.insecure_channel(self.address) as channel:
             return pb_grpc.GenerationStub(channel).GetServerInfo(pb.ServerInfoRequest()).engine_pid

@@ -214,7 +214,7 @@ def test_bad_job_flag_is_a_usage_error(flags, message, capsys):
 
 def test_job_flags_build_the_job_config():
     from jaxpipe.batch.__main__ import build_parser
-    from jaxpipe.config_flags import config_from_args
+    from jaxpipe.config.flags import config_from_args
 
     p = build_parser()
     args = p.parse_args(["in.jsonl", "-o", "out.jsonl", "--server", "h:1", "--no-progress",

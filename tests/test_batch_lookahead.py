@@ -37,7 +37,7 @@ def test_windows_are_consecutive_slices_each_in_its_own_order():
 
 def test_the_lookahead_is_a_job_flag():
     from jaxpipe.batch.__main__ import build_parser
-    from jaxpipe.config_flags import config_from_args
+    from jaxpipe.config.flags import config_from_args
 
     p = build_parser()
     args = p.parse_args(["in.jsonl", "-o", "out.jsonl", "--prefix-lookahead", "8"])

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from jaxpipe.buckets import Buckets, round_up
+from jaxpipe.runtime.buckets import Buckets, round_up
 
 
 def test_sampled_rows_are_powers_of_two_then_multiples_of_32_capped_at_max_rows():

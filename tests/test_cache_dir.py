@@ -1,8 +1,8 @@
 from pathlib import Path
 
-from jaxpipe.cache_dir import cache_dir
-from jaxpipe.config import _default_cache_dir
-from jaxpipe.kernels import dispatch
+from jaxpipe.config.cache_dir import cache_dir
+from jaxpipe.config.engine import _default_cache_dir
+from jaxpipe.runtime import kernel_choice as dispatch
 
 
 def test_xdg_cache_home_is_the_base(monkeypatch, tmp_path):

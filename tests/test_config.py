@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from jaxpipe import Engine, EngineConfig
-from jaxpipe.config import ModelConfig, RopeScaling
-from jaxpipe.layout import Layout
+from jaxpipe.config.layout import Layout
+from jaxpipe.config.model import ModelConfig, RopeScaling
 
 FAST = dict(warmup=False, show_progress=False)
 
@@ -65,7 +65,7 @@ def test_engine_config_defaults_are_valid():
 
 
 def test_layouts_default_to_the_mesh_preset_and_can_be_overridden():
-    from jaxpipe.layout import Layout
+    from jaxpipe.config.layout import Layout
 
     config = EngineConfig(mesh="cpu-8")
     assert (config.prefill, config.decode) == (Layout(pp=4, tp=2), Layout(tp=8))
@@ -155,8 +155,8 @@ def test_group_size_and_kv_bytes():
 
 
 def test_auto_layouts_are_the_planners_choice():
-    from jaxpipe.engine import _resolve_layouts
-    from jaxpipe.meshes import load_mesh
+    from jaxpipe.config.meshes import load_mesh
+    from jaxpipe.engine.engine import _resolve_layouts
     from jaxpipe.planner import choose_layouts
 
     smol = ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
@@ -169,7 +169,7 @@ def test_auto_layouts_are_the_planners_choice():
 
 
 def test_matmul_names_xla_or_a_kernel_path():
-    from jaxpipe.config import MATMULS
+    from jaxpipe.config.engine import MATMULS
     from jaxpipe.kernels.matmul import PATHS
 
     assert MATMULS == ("auto", "xla", *PATHS)

@@ -8,7 +8,7 @@ from typing import Literal
 
 import pytest
 
-from jaxpipe.config_checks import check_choices, check_counts
+from jaxpipe.config.checks import check_choices, check_counts
 
 
 @dataclass

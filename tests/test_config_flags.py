@@ -1,4 +1,4 @@
-"""Flags derived from config dataclasses (jaxpipe/config_flags.py): every EngineConfig field has
+"""Flags derived from config dataclasses (jaxpipe/config/flags.py): every EngineConfig field has
 a flag with its docstring text and default, values reach the config with the field's type, and
 a value the config refuses is the parser's error naming it."""
 
@@ -11,14 +11,8 @@ from typing import Literal
 
 import pytest
 
-from jaxpipe.config import EngineConfig
-from jaxpipe.config_flags import (
-    add_flags,
-    config_from_args,
-    config_kwargs,
-    field_docs,
-    flag_fields,
-)
+from jaxpipe.config.engine import EngineConfig
+from jaxpipe.config.flags import add_flags, config_from_args, config_kwargs, field_docs, flag_fields
 
 
 @pytest.fixture

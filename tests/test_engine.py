@@ -17,7 +17,7 @@ import random
 import pytest
 
 from jaxpipe import Engine, EngineConfig, SamplingParams
-from jaxpipe.config import ModelConfig
+from jaxpipe.config.model import ModelConfig
 from jaxpipe.model import decoder, orbax_dir
 from jaxpipe.scheduler import SeqInfo
 
@@ -520,7 +520,7 @@ def test_a_stop_string_the_worker_finds_late_cuts_the_request_back(engine, promp
     the stop string, then cuts back to it. Same output as the check on the engine's thread."""
     import time
 
-    from jaxpipe import stopping
+    from jaxpipe.request import stopping
 
     word = plain["poem"].text.split()[6]
     params = greedy(PLAIN_TOKENS, stop=[word], logprobs=1)

@@ -9,9 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxpipe.host_sampler import HostSampler, host_logprobs
-from jaxpipe.sampling import (
-    SamplingParams,
+from jaxpipe.request.params import SamplingParams
+from jaxpipe.runtime.host_sampler import HostSampler, host_logprobs
+from jaxpipe.runtime.sampling import (
     build_sampling_tensors,
     compute_logprobs,
     sample,

@@ -10,7 +10,7 @@ An edge A -> B means that running A's imports starts (or needs the finished) B:
   `from a.b import name` where `name` is not a module needs a.b's __init__ to have defined it,
   so it is an edge to a.b even when a.b is A's own package; where a.b loads `name` lazily
   (jaxpipe's public names, its `_HOMES`), it is an edge to the module `name` comes from too
-  (`from jaxpipe import Engine` starts jaxpipe.engine; `import jaxpipe` alone does not).
+  (`from jaxpipe import Engine` starts jaxpipe.engine.engine; `import jaxpipe` alone does not).
 Imports under `if TYPE_CHECKING:` never run and are not edges.
 
 Which imports count: module-level ones (including those in class bodies and top-level
@@ -204,7 +204,7 @@ def test_a_cycle_written_in_files_is_found(tmp_path):
 @pytest.mark.parametrize("module_level", [True, False], ids=["module-level", "all"])
 def test_the_package_has_no_import_cycle(module_level):
     g = graph(module_level)
-    assert len(g) > 50 and "jaxpipe.executor" in g["jaxpipe.engine"]
+    assert len(g) > 50 and "jaxpipe.engine.executor" in g["jaxpipe.engine.engine"]
     cycle = find_cycle(g)
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
@@ -225,7 +225,7 @@ def test_import_jaxpipe_and_its_public_names_reach_no_tool_statically():
     reached = closure(g, PACKAGE)
     for home in set(lazy_homes().values()):
         reached |= closure(g, home)
-    assert "jaxpipe.executor" in reached
+    assert "jaxpipe.engine.executor" in reached
     assert sorted(m for m in reached if m.startswith(TOOLS)) == []
 
 
@@ -264,10 +264,10 @@ def _loads_jax(code: str) -> bool:
 
 @pytest.mark.parametrize("code", [
     "import jaxpipe",
-    "import jaxpipe.config_checks, jaxpipe.config_flags",
+    "import jaxpipe.config.checks, jaxpipe.config.flags",
     "import jaxpipe.scheduler",
     "import jaxpipe_bench.soak",  # the soak driver's imports (scripts/soak.py)
-    "from jaxpipe.config_flags import add_flags, config_from_args\n"
+    "from jaxpipe.config.flags import add_flags, config_from_args\n"
     "from jaxpipe_bench.soak import Soak, SoakConfig\nSoakConfig()",
 ])
 def test_jax_free_modules_load_no_jax(code):
@@ -276,7 +276,7 @@ def test_jax_free_modules_load_no_jax(code):
 
 def test_the_public_names_load_on_use_and_are_listed():
     script = ("import sys, jaxpipe\nfrom jaxpipe import Engine, SamplingParams\n"
-              "assert Engine.__module__ == 'jaxpipe.engine' and jaxpipe.Engine is Engine\n"
+              "assert Engine.__module__ == 'jaxpipe.engine.engine' and jaxpipe.Engine is Engine\n"
               "assert set(jaxpipe.__all__) <= set(dir(jaxpipe))\n"
               "assert jaxpipe.__version__\n"
               "try:\n    jaxpipe.Nope\nexcept AttributeError as e:\n    print(e)\n")
@@ -295,3 +295,79 @@ def test_building_and_running_an_engine_loads_no_tool(tiny_smollm2):
             "e.generate(prompt_token_ids=[1, 2, 3], sampling_params=SamplingParams("
             "max_tokens=2, temperature=0.0), use_tqdm=False)\ne.close()")
     assert _tool_modules_after(code) == []
+
+
+# ---- the layers (jaxpipe.LAYERS) ------------------------------------------------------------
+
+
+def layer_index(module: str, layers=None) -> int | None:
+    """The layer of `jaxpipe.<sub>...` in `layers` (default: jaxpipe.LAYERS); None for the
+    package's own __init__ (the public names' facade)."""
+    from jaxpipe import LAYERS
+
+    parts = module.split(".")
+    if len(parts) == 1:
+        return None
+    for i, names in enumerate(layers or LAYERS):
+        if parts[1] in names:
+            return i
+    raise AssertionError(f"{module}: {parts[1]} is in no layer of jaxpipe.LAYERS")
+
+
+def upward_imports(g: dict[str, set[str]], layers=None) -> list[str]:
+    """Every edge of `g` from a module to one of a higher layer."""
+    out = []
+    for a, targets in sorted(g.items()):
+        for b in sorted(targets):
+            la, lb = layer_index(a, layers), layer_index(b, layers)
+            if la is not None and lb is not None and lb > la:
+                out.append(f"{a} -> {b}")
+    return out
+
+
+def test_every_import_goes_down_the_layers():
+    """Every import of the package, function-local ones included, is of a module of the same
+    layer or a lower one (jaxpipe.LAYERS), and every module lives in a subpackage of a layer:
+    the root holds only the public names."""
+    g = graph(module_level=False)
+    assert upward_imports(g) == []
+    assert [m for m in g if m.count(".") == 1 and m.split(".")[1] not in
+            {n for names in __import__("jaxpipe").LAYERS for n in names}] == []
+
+
+def test_an_upward_import_is_found():
+    g = {"p.low.a": {"p.high.b"}, "p.high.b": {"p.low.a"}, "p": {"p.high.b"}}
+    assert upward_imports(g, layers=(("low",), ("high",))) == ["p.low.a -> p.high.b"]
+
+
+def test_imports_inside_functions_say_why():
+    """An import inside a function is a lazy load (an optional dependency, or one kept off a
+    path that must stay light, e.g. `--help` without jax): each says why, in a `# lazy:`
+    comment on its line or above it in its group of imports."""
+    unexplained = []
+    for name, path in modules().items():
+        if path.name.endswith("_pb2_grpc.py"):
+            continue
+        lines = path.read_text().splitlines()
+        for node in import_nodes(ast.parse(path.read_text()), module_level=False):
+            if _inside_function(path, node) and not _says_why(lines, node.lineno - 1):
+                unexplained.append(f"{name}:{node.lineno}")
+    assert unexplained == []
+
+
+def _says_why(lines: list[str], i: int) -> bool:
+    """Whether line i, or a line of the imports, comments and blank lines right above it,
+    holds a `# lazy:` comment."""
+    first = True
+    while i >= 0 and (first or not lines[i].strip()
+                      or lines[i].lstrip().startswith(("import ", "from ", "#"))):
+        if "# lazy:" in lines[i]:
+            return True
+        first, i = False, i - 1
+    return False
+
+
+def _inside_function(path: Path, node) -> bool:
+    tree = ast.parse(path.read_text())
+    return any(node.lineno in range(fn.lineno, fn.end_lineno + 1)
+               for fn in ast.walk(tree) if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)))

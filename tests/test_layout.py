@@ -1,8 +1,8 @@
-"""The layout text and its degrees (jaxpipe/layout.py)."""
+"""The layout text and its degrees (jaxpipe/config/layout.py)."""
 
 import pytest
 
-from jaxpipe.layout import Layout
+from jaxpipe.config.layout import Layout
 
 
 def test_ep_is_an_axis_counted_in_the_device_product():

@@ -19,7 +19,7 @@ CHILD = ("from jaxpipe import lifeline; lifeline.die_with_parent(); "
 # their pids, then waits to be killed.
 PARENT = f"""
 import subprocess, sys, threading, time
-from jaxpipe import lifeline
+from jaxpipe.process import lifeline
 
 child = [sys.executable, "-c", {CHILD!r}]
 procs = []

@@ -1,10 +1,10 @@
-"""Memory as the OS sees it (jaxpipe/memory.py): a cleared array gives its pages back."""
+"""Memory as the OS sees it (jaxpipe/runtime/memory.py): a cleared array gives its pages back."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
-from jaxpipe import memory
+from jaxpipe.runtime import memory
 
 GIB = 2**30
 

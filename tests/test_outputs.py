@@ -1,16 +1,16 @@
-"""The one sequence-to-output path (jaxpipe/outputs.py): `Completion.to_output` in isolation,
-and `Engine.pop_output` / `generate` / `stream` on the shared SmolLM2 engine, every field of the
-vLLM-shaped result checked against the tokenizer's plain decode and string operations; the
-streamed deltas are the same whether stop strings are checked on the detokenizer worker or on
-the engine's thread."""
+"""The one sequence-to-output path (jaxpipe/request/outputs.py): `Completion.to_output` in
+isolation, and `Engine.pop_output` / `generate` / `stream` on the shared SmolLM2 engine, every
+field of the vLLM-shaped result checked against the tokenizer's plain decode and string
+operations; the streamed deltas are the same whether stop strings are checked on the
+detokenizer worker or on the engine's thread."""
 
 from __future__ import annotations
 
 import pytest
 
 from jaxpipe import SamplingParams
-from jaxpipe.outputs import Completion, TokenDelta
-from jaxpipe.requests import Prepared
+from jaxpipe.request.outputs import Completion, TokenDelta
+from jaxpipe.request.validate import Prepared
 
 POEM = [{"role": "user", "content": "Write a short poem about the sea."}]
 

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxpipe import pipeline
+from jaxpipe.runtime import pipeline
 
 
 def reference_logits(cfg, values: dict, hidden: np.ndarray) -> np.ndarray:
@@ -45,9 +45,9 @@ def test_packed_lm_head_gives_the_reference_logits(gguf_weights, rows, path):
     float64 NumPy on the same bf16 values; `unpack_program` gives back the natural tree."""
     import jax
 
+    from jaxpipe.config.layout import Layout
     from jaxpipe.kernels import matmul
-    from jaxpipe.layout import Layout
-    from jaxpipe.sharding import make_mesh
+    from jaxpipe.runtime.sharding import make_mesh
 
     if path not in matmul.paths():
         pytest.skip(f"this machine's kernel build has no {path} path (it has "

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from jaxpipe.requests import Limits, RequestError, prepare
+from jaxpipe.request.validate import Limits, RequestError, prepare
 
 LIMITS = Limits(max_model_len=64, vocab_size=49152)
 GOOD = {"temperature": 0.0, "max_tokens": 4}

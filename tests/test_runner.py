@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 
 from jaxpipe.kernels import ragged_attention
-from jaxpipe.runner import attention_impl
+from jaxpipe.runtime.runner import attention_impl
 
 CPU, GPU = [SimpleNamespace(platform="cpu")], [SimpleNamespace(platform="gpu")]
 
@@ -34,7 +34,7 @@ def test_f32_steps_ask_for_full_precision_dots(tiny_smollm2, monkeypatch, dtype,
     import jax
 
     from jaxpipe import Engine, EngineConfig
-    from jaxpipe.synthetic_step import padding_inputs
+    from jaxpipe.runtime.synthetic_step import padding_inputs
 
     asked = []
     real = jax.default_matmul_precision

@@ -1,4 +1,5 @@
-"""Tests of jaxpipe.sampling: parameter validation, the device sampler against an independent
+"""Tests of SamplingParams (jaxpipe.request.params) and the device sampler
+(jaxpipe.runtime.sampling): parameter validation, the device sampler against an independent
 NumPy reference, determinism / batch independence, and empirical distributions."""
 
 from __future__ import annotations
@@ -10,8 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxpipe.sampling import (
-    SamplingParams,
+from jaxpipe.request.params import SamplingParams
+from jaxpipe.runtime.sampling import (
     SamplingTensors,
     _candidates,
     build_sampling_tensors,

@@ -10,10 +10,11 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from jaxpipe import Engine, EngineConfig, sharding
-from jaxpipe.config import ModelConfig
-from jaxpipe.layout import Layout
+from jaxpipe import Engine, EngineConfig
+from jaxpipe.config.layout import Layout
+from jaxpipe.config.model import ModelConfig
 from jaxpipe.model import decoder
+from jaxpipe.runtime import sharding
 
 SMOLLM2 = ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
                       num_heads=9, num_kv_heads=3, head_dim=64, tie_embeddings=True)

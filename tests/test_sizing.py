@@ -1,4 +1,4 @@
-"""How the engine divides memory (jaxpipe/sizing.py): explicit settings win, defaults take a
+"""How the engine divides memory (jaxpipe/runtime/sizing.py): explicit settings win, defaults take a
 fraction of the free memory after the weights and the activation reserve, the reserve bounds
 what XLA says the largest step needs, and the pool's blocks, the sequences and the host tier's
 tokens follow from the budget."""
@@ -10,10 +10,11 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from jaxpipe import memory, sizing
-from jaxpipe.config import EngineConfig, ModelConfig
-from jaxpipe.layout import Layout
-from jaxpipe.synthetic_step import padding_inputs
+from jaxpipe.config.engine import EngineConfig
+from jaxpipe.config.layout import Layout
+from jaxpipe.config.model import ModelConfig
+from jaxpipe.runtime import memory, sizing
+from jaxpipe.runtime.synthetic_step import padding_inputs
 
 CPU = [SimpleNamespace(platform="cpu")]
 GIB = 2**30
@@ -78,7 +79,7 @@ def test_activation_reserve_bounds_xla_temporaries_of_the_largest_steps(packed):
     programs at 1024 and 4096 tokens is below the reserve the budget subtracts, with the bf16
     kernel's packed weights and with XLA's dots, and not wildly below the latter (the reserve
     is not a blanket; the kernel's steps need less)."""
-    from jaxpipe.engine import Engine
+    from jaxpipe.engine.engine import Engine
     from jaxpipe.kernels import matmul
 
     if packed and not matmul.paths():
@@ -107,7 +108,7 @@ def test_a_pool_budget_beyond_what_the_sequences_can_use_is_capped_and_leaves_th
     """kv_cache_gb=64 with 8 sequences of 256 tokens: the pool is what they can use, and the
     host tier's default share is computed from that pool, not from the 64 GiB asked (on the
     two-layer SmolLM2 of tests/conftest.py: the sizing does not depend on the model's depth)."""
-    from jaxpipe.engine import Engine
+    from jaxpipe.engine.engine import Engine
 
     engine = Engine(model=tiny_smollm2, kv_cache_gb=64.0, max_model_len=256, max_num_seqs=8,
                     warmup=False, show_progress=False)

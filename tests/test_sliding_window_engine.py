@@ -17,8 +17,8 @@ import hf_families  # noqa: E402
 from hf_families import NEW_TOKENS, PROMPTS, WINDOW, hf_greedy, write  # noqa: E402
 
 from jaxpipe import Engine, EngineConfig, SamplingParams  # noqa: E402
-from jaxpipe.config import ModelConfig  # noqa: E402
-from jaxpipe.executor import every_layer_window  # noqa: E402
+from jaxpipe.config.model import ModelConfig  # noqa: E402
+from jaxpipe.engine.executor import every_layer_window  # noqa: E402
 
 POOL = 160  # tokens: 10 blocks, one max_model_len sequence; PROMPTS + 24 tokens need 18
 checkpoints = hf_families.checkpoint_fixture(write)

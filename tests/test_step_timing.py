@@ -6,11 +6,11 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from jaxpipe import pipeline
-from jaxpipe.buckets import Buckets
 from jaxpipe.kv.device_cache import blocks_for
-from jaxpipe.step_timing import timed_steps
-from jaxpipe.synthetic_step import uniform_inputs
+from jaxpipe.runtime import pipeline
+from jaxpipe.runtime.buckets import Buckets
+from jaxpipe.runtime.step_timing import timed_steps
+from jaxpipe.runtime.synthetic_step import uniform_inputs
 
 
 @dataclass

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 
 from jaxpipe import SamplingParams
-from jaxpipe.outputs import Completion, token_delta
+from jaxpipe.model.tokenizer import Tokenizer
+from jaxpipe.request.outputs import Completion, token_delta
+from jaxpipe.request.stopping import StopChecker, TextStream, final_text
 from jaxpipe.scheduler import Sequence
-from jaxpipe.stopping import StopChecker, TextStream, final_text
-from jaxpipe.tokenizer import Tokenizer
 
 EOS = 2
 EOS_IDS = frozenset({EOS})

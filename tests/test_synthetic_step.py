@@ -6,9 +6,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from jaxpipe.buckets import Buckets
 from jaxpipe.kv.device_cache import BLOCK
-from jaxpipe.synthetic_step import median_seconds, padding_inputs, uniform_inputs
+from jaxpipe.runtime.buckets import Buckets
+from jaxpipe.runtime.synthetic_step import median_seconds, padding_inputs, uniform_inputs
 
 
 def _runner(num_blocks: int = 64):

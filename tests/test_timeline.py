@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from jaxpipe import timeline
+from jaxpipe.engine.engine import timeline
 
 
 class Clock:

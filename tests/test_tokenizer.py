@@ -1,4 +1,4 @@
-"""jaxpipe.tokenizer against the HF `transformers` reference (AutoTokenizer on the same file).
+"""jaxpipe.model.tokenizer against the HF `transformers` reference (AutoTokenizer on the same file).
 
 Where transformers releases disagree, the tests pin what jaxpipe implements instead of
 following the installed release: BOS/EOS are added as the checkpoint's own metadata says
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from jaxpipe.tokenizer import IncrementalDetokenizer, Tokenizer
+from jaxpipe.model.tokenizer import IncrementalDetokenizer, Tokenizer
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -455,7 +455,7 @@ def _encode_growth(tok: Tokenizer, in_use, threads: int = 8, words: int = 12_000
 def test_a_server_threads_bpe_caches_stay_small(gguf_dir):
     """Each thread's BPE merge cache holds at most BPE_CACHE_WORDS words: with the library's
     10,000, 8 request threads that each see 12,000 new words keep over 10 MB of cached words."""
-    from jaxpipe.tokenizer import BPE_CACHE_WORDS
+    from jaxpipe.model.tokenizer import BPE_CACHE_WORDS
 
     in_use = _malloc_in_use()
     if in_use is None:

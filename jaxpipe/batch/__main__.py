@@ -9,8 +9,8 @@ import os
 import sys
 
 from jaxpipe.batch.job import BatchJobConfig
-from jaxpipe.config import EngineConfig
-from jaxpipe.config_flags import add_flags, config_from_args, config_kwargs
+from jaxpipe.config.engine import EngineConfig
+from jaxpipe.config.flags import add_flags, config_from_args, config_kwargs
 
 EPILOG = """\
 Input lines: {"custom_id": "...", "method": "POST", "url": "/v1/chat/completions" or
@@ -41,6 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _runner(job: BatchJobConfig, engine: dict):
+    # lazy: --help and bad arguments answer without loading jax
     from jaxpipe.batch.runners import LocalRunner, RemoteRunner
 
     if job.server:
@@ -55,12 +56,14 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
     kwargs = config_kwargs(EngineConfig, args)
     if not config.server and config_from_args(EngineConfig, args, parser).process_id:
-        from jaxpipe import follower
+        # lazy: a follower process (--process-id) needs neither the job nor its runners
+        from jaxpipe.process import follower
 
         return follower.run(kwargs, restarts=0)  # the leader's job reads and writes the files
+    # lazy: --help and bad arguments answer without loading jax
     from jaxpipe.batch.job import Job
     from jaxpipe.batch.runners import ServerError
-    from jaxpipe.distributed import FollowerLost
+    from jaxpipe.runtime.distributed import FollowerLost
 
     job = Job(args.input, args.output, config.max_line_bytes, progress=config.progress)
     try:

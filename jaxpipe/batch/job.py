@@ -13,12 +13,14 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from tqdm.auto import tqdm
+
 from jaxpipe.batch import jobfile
 from jaxpipe.batch.lookahead import DEFAULT_LOOKAHEAD
 from jaxpipe.batch.openai import BatchLine, Failed, Finished, error_record, parse_line
 from jaxpipe.batch.openai import success_record as ok_record
-from jaxpipe.config_checks import check_counts
-from jaxpipe.requests import RequestError
+from jaxpipe.config.checks import check_counts
+from jaxpipe.request.validate import RequestError
 
 
 @dataclass(frozen=True)
@@ -88,7 +90,6 @@ class Job:
 
     def run(self, runner) -> Summary:
         """Run every pending line; records are flushed as they are written."""
-        from tqdm.auto import tqdm
 
         self.summary.start = time.perf_counter()
         self._model = runner.model

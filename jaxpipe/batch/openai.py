@@ -2,7 +2,7 @@
 
 In:  {"custom_id": str, "method": "POST", "url": "/v1/chat/completions" | "/v1/completions",
       "body": {...}}  -- one prompt per line, no streaming; bodies are read by
-      jaxpipe.openai_format, the same reader as the HTTP front end's.
+      jaxpipe.request.openai, the same reader as the HTTP front end's.
 Out: {"id", "custom_id", "response": {"status_code": 200, "request_id", "body": {...}},
       "error": null}, or {"id", "custom_id", "response": null, "error": {"code", "message",
       "param"}} (plus "line" for lines that could not be read as a request).
@@ -14,9 +14,9 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from jaxpipe.openai_format import CHAT_URL, COMPLETIONS_URL, body_key, read_body
-from jaxpipe.outputs import Completion
-from jaxpipe.requests import RequestError
+from jaxpipe.request.openai import CHAT_URL, COMPLETIONS_URL, body_key, read_body
+from jaxpipe.request.outputs import Completion
+from jaxpipe.request.validate import RequestError
 
 LINE_KEYS = {"custom_id", "method", "url", "body"}
 

@@ -1,6 +1,6 @@
-"""Who runs a batch job's requests: an `Engine` in this process (`LocalRunner`), a running
-`python -m jaxpipe.serve` (`RemoteRunner`, over GenerateBatch), or, inside that server, its
-engine client (`ClientRunner`, for the HTTP Batch API). All take a stream of
+"""Who runs a batch job's requests: an `Engine` in this process (`LocalRunner`) or a running
+`python -m jaxpipe.serve` (`RemoteRunner`, over GenerateBatch); inside that server, the HTTP
+Batch API's `serve.batch_runner.ClientRunner` keeps the same contract. All take a stream of
 `BatchLine`s and call `emit(line, Finished | Failed)` once per line, from the calling thread,
 keeping at most `max_in_flight` requests outstanding so the input is never loaded whole."""
 
@@ -12,9 +12,9 @@ import threading
 from collections.abc import Callable, Iterator
 
 from jaxpipe.batch.lookahead import DEFAULT_LOOKAHEAD, in_windows
-from jaxpipe.batch.openai import BatchLine, Failed, Finished
-from jaxpipe.outputs import Completion, token_delta
-from jaxpipe.requests import Limits, RequestError, prepare, sampling_params
+from jaxpipe.batch.openai import BatchLine, Failed, Finished, body_field
+from jaxpipe.request.outputs import Completion, token_delta
+from jaxpipe.request.validate import Limits, RequestError, prepare, sampling_params
 
 Emit = Callable[[BatchLine, Finished | Failed], None]
 
@@ -38,6 +38,7 @@ class LocalRunner:
     def from_config(cls, engine_kwargs: dict, max_in_flight: int,
                     prefix_lookahead: int = DEFAULT_LOOKAHEAD) -> LocalRunner:
         """Build the Engine from EngineConfig fields."""
+        # lazy: a job sent to a server never loads jax: only this runner builds an Engine
         from jaxpipe import Engine, EngineConfig
 
         return cls(Engine(EngineConfig(**{"show_progress": False, **engine_kwargs})),
@@ -46,6 +47,7 @@ class LocalRunner:
     def run(self, items: Iterator[BatchLine], emit: Emit) -> None:
         """Feed `items` to the engine (in the prefix cache's order within each lookahead
         window) and emit each result as its request finishes."""
+        # lazy: a job sent to a server never loads jax
         from jaxpipe.kv.device_cache import BLOCK
 
         ready = in_windows(self._prepared(items, emit), lambda x: x[1].prompt_token_ids,
@@ -91,72 +93,6 @@ class LocalRunner:
         live[rid] = (item, Completion(prep, self.engine.tokenizer))
 
 
-class ClientRunner:
-    """Runs requests on a serving process's engine through its `EngineClient`, beside the live
-    traffic: the HTTP Batch API's jobs (jaxpipe/serve/batches.py), as one `ThreadCall` per
-    run. `cancel()` aborts what is in flight and stops taking input."""
-
-    def __init__(self, client, tokenizer, model: str, prefix: str, max_in_flight: int):
-        self.client, self.tokenizer, self.model = client, tokenizer, model
-        self.prefix, self.max_in_flight = prefix, max_in_flight
-        self._cancelled = threading.Event()
-
-    def cancel(self) -> None:
-        self._cancelled.set()
-
-    def run(self, items: Iterator[BatchLine], emit: Emit) -> None:
-        """Feed `items` to the engine and emit each result as its request finishes; raises
-        ServerError if the engine is or goes down (the job resumes later)."""
-        from jaxpipe.serve.engine_calls import ThreadCall
-        from jaxpipe.serve.engine_client import EngineUnavailable
-
-        call = ThreadCall(self.client, self.prefix)
-        live: dict[int, tuple[BatchLine, Completion]] = {}  # by index in the call
-        more = True
-        try:
-            while (more or live) and not self._cancelled.is_set():
-                while more and len(live) < self.max_in_flight:
-                    item = next(items, None)
-                    more = item is not None
-                    if more:
-                        self._add(item, call, live, emit)
-                if live:
-                    self._take(call.next(timeout=0.2), live, emit)  # wakes to notice cancel()
-        except EngineUnavailable as e:
-            raise ServerError(str(e)) from None
-        finally:
-            call.abort_unfinished()
-
-    def _add(self, item: BatchLine, call, live: dict, emit: Emit) -> None:
-        info = self.client.info
-        if info is None:
-            raise ServerError(self.client.unavailable_reason())
-        try:
-            prep = prepare(item.kind, item.prompt, item.sampling, self.tokenizer,
-                           Limits(info.max_model_len, info.vocab_size))
-        except RequestError as e:
-            emit(item, Failed.from_error(e))
-            return
-        live[call.submit(prep)] = (item, Completion(prep, self.tokenizer))
-
-    @staticmethod
-    def _take(taken, live: dict, emit: Emit) -> None:
-        from jaxpipe.serve import messages as m
-
-        if taken is None:
-            return
-        index, msg = taken
-        item, completion = live[index]
-        if isinstance(msg, m.Rejected):
-            del live[index]
-            emit(item, Failed("invalid_argument", msg.message, None))
-            return
-        completion.add(msg)
-        if completion.finished:
-            del live[index]
-            emit(item, Finished.of(completion))
-
-
 class ServerError(RuntimeError):
     """The server failed a whole call (e.g. UNAVAILABLE); the job stops and can be resumed."""
 
@@ -166,10 +102,11 @@ class RemoteRunner:
     `calls` calls in flight."""
 
     def __init__(self, address: str, max_in_flight: int, chunk: int = 32, timeout: float = 30):
+        # lazy: only a job sent to a server speaks gRPC
         import grpc
 
-        from jaxpipe.serve import jaxpipe_pb2 as pb
-        from jaxpipe.serve import jaxpipe_pb2_grpc as pb_grpc
+        from jaxpipe.protocol import jaxpipe_pb2 as pb
+        from jaxpipe.protocol import jaxpipe_pb2_grpc as pb_grpc
 
         self.pb, self.grpc = pb, grpc
         self.channel = grpc.insecure_channel(address)
@@ -254,7 +191,6 @@ class RemoteRunner:
 
     @staticmethod
     def _outcome(r) -> Finished | Failed:
-        from jaxpipe.batch.openai import body_field
 
         if r.WhichOneof("result") == "error":
             return Failed(r.error.code.lower(), r.error.message, body_field(r.error.field))

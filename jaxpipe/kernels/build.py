@@ -22,7 +22,7 @@ from pathlib import Path
 import jax
 import jaxlib
 
-from jaxpipe.cache_dir import cache_dir
+from jaxpipe.config.cache_dir import cache_dir
 
 log = logging.getLogger(__name__)
 

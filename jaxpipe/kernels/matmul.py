@@ -5,7 +5,7 @@ in their natural order).
 The kernel has several paths (`PATHS`), each compiled in where the CPU runs it: "portable"
 (plain loops), "avx2" (bf16 pairs widened to f32 in registers, FMA), "avx512_bf16"
 (vdpbf16ps) and "amx" (AMX tiles, tdpbf16ps). `paths()` lists this machine's; which one (or
-XLA's dot) runs a given shape and row count is measured, not assumed (`kernels/dispatch.py`).
+XLA's dot) runs a given shape and row count is measured, not assumed (`runtime/kernel_choice.py`).
 
 Why a kernel and an order of its own (default workload, SmolLM2-135M bf16, one CPU device;
 `scripts/profile_step.py` and `scripts/bench_matmul_kernel.py`): XLA's dot of a layer's
@@ -84,7 +84,7 @@ class StackedWeight:
     call. In panel order for `bf16_matmul` (the step's packed weights), in natural order for
     `grouped_matmul` (an MoE layer's experts). Has what the model uses of a weight: shape,
     dtype, reshape (recorded, applied on use); `value()` is the slice itself, for XLA's ops;
-    `path(rows)` names the kernel path a call of `rows` rows runs (`kernels/dispatch.py`;
+    `path(rows)` names the kernel path a call of `rows` rows runs (`runtime/kernel_choice.py`;
     None: the kernel's default)."""
 
     def __init__(self, stack: jax.Array, layer: jax.Array,

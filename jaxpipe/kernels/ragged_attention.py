@@ -59,9 +59,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxpipe.kernels import attention_math
 from jaxpipe.kernels.build import register
-from jaxpipe.kv.device_cache import OUT_OF_RANGE, from_storage, gather, to_storage
-from jaxpipe.model import decoder
+from jaxpipe.kernels.paged import OUT_OF_RANGE, from_storage, gather, to_storage
 
 SOURCE = Path(__file__).with_name("ragged_attention.cc")
 TARGET = "jaxpipe_ragged_attention"
@@ -171,13 +171,13 @@ def write_and_attend(q, kv, cos, sin, k, v, table, q_start, q_len, kv_len, layer
 def write_and_attend_reference(q, kv, cos, sin, k, v, table, q_start, q_len, kv_len, layer=0,
                                max_kv: int | None = None, *, window=0, softcap: float = 0.0,
                                scale: float | None = None):
-    """`write_and_attend` in plain jnp: `decoder.apply_rope`, a scatter of each span token's
+    """`write_and_attend` in plain jnp: `attention_math.apply_rope`, a scatter of each span token's
     k and v at its position (`token_rows`), then `reference`."""
     k5, v5 = _as_pool(k), _as_pool(v)
     num_layers, num_blocks, _, block_size, _ = k5.shape
     full = (jnp.concatenate([cos, cos], -1)[:, None], jnp.concatenate([sin, sin], -1)[:, None])
-    q = decoder.apply_rope(q.astype(jnp.float32), *full)
-    new_k, new_v = decoder.apply_rope(kv[:, 0].astype(jnp.float32), *full), kv[:, 1]
+    q = attention_math.apply_rope(q.astype(jnp.float32), *full)
+    new_k, new_v = attention_math.apply_rope(kv[:, 0].astype(jnp.float32), *full), kv[:, 1]
     rows, pos = token_rows(q_start, q_len, kv_len, q.shape[0], table.shape[1] * block_size)
     block = jnp.asarray(table)[jnp.maximum(rows, 0), jnp.maximum(pos, 0) // block_size]
     bad = (rows < 0) | (block < 0) | (block >= num_blocks)
@@ -194,7 +194,7 @@ def reference(q, k, v, table, q_start, q_len, kv_len, layer=0, max_kv: int | Non
               window=0, softcap: float = 0.0, scale: float | None = None) -> jax.Array:
     """`ragged_attention` in plain jnp (the XLA path; jit-able with traced spans, layer and
     window): each token gathers its row's first `max_kv` positions (static, default MB * BS;
-    it must cover the longest kv_len) and attends with `decoder.decode_attention`'s math (q
+    it must cover the longest kv_len) and attends with `attention_math.decode_attention`'s math (q
     cast to the cache dtype, probabilities to the value dtype, softmax in f32) over its keys
     (`key_ranges`): the window is a mask here, not a read bound. Memory: [T, Hkv, max_kv, D]
     per k and v."""
@@ -215,7 +215,7 @@ def reference(q, k, v, table, q_start, q_len, kv_len, layer=0, max_kv: int | Non
     # Keys first .. keys - 1: the window of that length ending at keys - 1.
     span = window if isinstance(window, int) and window <= 0 else jnp.where(
         jnp.asarray(window) > 0, keys - first, 0)
-    out = decoder.decode_attention(q.astype(jnp.float32), tokens(k), tokens(v), keys - 1,
+    out = attention_math.decode_attention(q.astype(jnp.float32), tokens(k), tokens(v), keys - 1,
                                    window=span, softcap=softcap, scale=scale)
     return jnp.where((keys > first)[:, None, None], out, 0.0)
 

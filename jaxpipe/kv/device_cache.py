@@ -13,10 +13,9 @@ HND inside a block keeps each (block, head) contiguous over tokens, which is wha
 reads (measured on CPU: attention's einsum over an NHD cache ran 4x slower than over HND). The
 pool is donated to each step and updated in place.
 
-bf16 caches are *stored* on CPU as their uint16 bit patterns: XLA's CPU backend upcasts bf16
-buffers to f32 around a dynamic-update-slice or scatter, turning each one-token write into a
-copy of the whole cache (measured: 84 ms per layer write at 64 slots x 2048 tokens, vs 0.01 ms
-as u16). `to_storage` / `from_storage` are the only places that know this.
+The pool's storage dtype (bf16 as u16 bits on CPU), `OUT_OF_RANGE` and the gather through a
+block table are the kernels' (`kernels/paged.py`): every attention path reads the pool the same
+way.
 """
 
 from __future__ import annotations
@@ -26,9 +25,9 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from jaxpipe.config import ModelConfig
+from jaxpipe.config.model import ModelConfig
+from jaxpipe.kernels.paged import storage_dtype
 
 BLOCK = 16  # tokens per KV block
 
@@ -38,27 +37,6 @@ class KVCache(NamedTuple):
 
     k: jax.Array  # [L, NB, Hkv, BLOCK, D]
     v: jax.Array  # [L, NB, Hkv, BLOCK, D]
-
-
-def storage_dtype(dtype, platform: str = "cpu") -> jnp.dtype:
-    """The dtype cache buffers are kept in for a compute dtype on `platform`: bf16 as its u16
-    bits on CPU (the module docstring), as itself elsewhere."""
-    bf16 = jnp.dtype(dtype) == jnp.bfloat16
-    return jnp.dtype(jnp.uint16) if bf16 and platform == "cpu" else jnp.dtype(dtype)
-
-
-def to_storage(x: jax.Array, cache: jax.Array) -> jax.Array:
-    """Values about to be written into `cache` (any float dtype) -> the cache's storage dtype."""
-    if cache.dtype == jnp.uint16:
-        return jax.lax.bitcast_convert_type(x.astype(jnp.bfloat16), jnp.uint16)
-    return x.astype(cache.dtype)
-
-
-def from_storage(x: jax.Array) -> jax.Array:
-    """A slice read from the cache -> its compute dtype (free: a bitcast)."""
-    if x.dtype == jnp.uint16:
-        return jax.lax.bitcast_convert_type(x, jnp.bfloat16)
-    return x
 
 
 def blocks_for(tokens: int) -> int:
@@ -72,25 +50,6 @@ def allocate(cfg: ModelConfig, num_blocks: int, dtype) -> tuple[KVCache, ...]:
     store = storage_dtype(dtype)
     return tuple(KVCache(jnp.zeros(shape, store), jnp.zeros(shape, store))
                  for _ in range(cfg.num_layers))
-
-
-# ---- addressing tokens through a block table ---------------------------------------------------
-
-
-OUT_OF_RANGE = np.iinfo(np.int32).max  # a block id past every pool: writes there are dropped
-
-
-def gather(x, table, length: int):
-    """Positions 0..length-1 of each table row: x [NB, Hkv, BS, D] (BS: the pool's block
-    size, BLOCK in the engine), table [b, MB] -> [b, Hkv, length, D]. Blocks past the table,
-    or out of range, read clipped garbage (callers mask positions past each row's length)."""
-    bs = x.shape[2]
-    nb = -(-length // bs)
-    cols = jnp.minimum(jnp.arange(nb), table.shape[1] - 1)
-    blocks = jnp.take(x, table[:, cols], axis=0, mode="clip")  # [b, nb, Hkv, BS, D]
-    b, _, hkv, _, d = blocks.shape
-    out = blocks.transpose(0, 2, 1, 3, 4).reshape(b, hkv, nb * bs, d)
-    return out[:, :, :length]
 
 
 # ---- one sequence in and out (the host KV tier's copies) -----------------------------------------

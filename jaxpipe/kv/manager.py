@@ -27,7 +27,8 @@ from __future__ import annotations
 
 import time
 
-from jaxpipe.kv.device_cache import BLOCK, OUT_OF_RANGE
+from jaxpipe.kernels.paged import OUT_OF_RANGE
+from jaxpipe.kv.device_cache import BLOCK
 from jaxpipe.kv.host_buffer import HostKVBuffer, Prefetcher, stage
 from jaxpipe.scheduler import Sequence
 from jaxpipe.scheduler.host_prefix import Fetch, Move, Spill

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import numpy as np
 
-    from jaxpipe.config import ModelConfig
+    from jaxpipe.config.model import ModelConfig
     from jaxpipe.model.gguf_file import GGUFMetadata
 
 # A hook's config fields: ModelConfig keyword arguments.

@@ -9,8 +9,9 @@ from functools import cached_property
 from pathlib import Path
 
 import numpy as np
+from gguf import GGUFReader, quants
 
-from jaxpipe.config import ModelConfig
+from jaxpipe.config.model import ModelConfig
 from jaxpipe.model import families, tensors
 from jaxpipe.model.family import Family, rename
 
@@ -100,7 +101,6 @@ def gguf_config(reader) -> ModelConfig:
 
 def load_gguf(path: Path) -> tuple[ModelConfig, dict[str, np.ndarray]]:
     """Read and dequantize a GGUF file."""
-    from gguf import GGUFReader, quants
 
     reader = GGUFReader(str(path))
     family, cfg = gguf_family(reader), gguf_config(reader)

@@ -8,8 +8,9 @@ import json
 from pathlib import Path
 
 import numpy as np
+from safetensors import safe_open
 
-from jaxpipe.config import ModelConfig
+from jaxpipe.config.model import ModelConfig
 from jaxpipe.model import families, rope_config, tensors
 from jaxpipe.model.family import Family, rename
 
@@ -92,7 +93,6 @@ def load_hf_dir(path: Path) -> tuple[ModelConfig, dict[str, np.ndarray]]:
 
 def _read_file(file: Path, family: Family, cfg: ModelConfig) -> dict[str, np.ndarray]:
     """One safetensors file's tensors under jaxpipe's names, their values fixed."""
-    from safetensors import safe_open
 
     out = {}
     with safe_open(str(file), framework="flax") as f:

@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import json
 
-from jaxpipe.config import ModelConfig
+from gguf import GGUFReader
+
+from jaxpipe.config.model import ModelConfig
 from jaxpipe.model import gguf_file, hf_dir, orbax_dir
+from jaxpipe.model.tokenizer import Tokenizer
 
 
 def load_weights(source) -> tuple[ModelConfig, dict]:
@@ -27,7 +30,6 @@ def source_config(source) -> ModelConfig:
     if source.config is not None:
         return source.config
     if source.kind == "gguf":
-        from gguf import GGUFReader
 
         return gguf_file.gguf_config(GGUFReader(str(source.path)))
     if source.kind == "hf":
@@ -39,7 +41,6 @@ def source_config(source) -> ModelConfig:
 
 def load_tokenizer(source):
     """The tokenizer that goes with a resolved `ModelSource`, or None (architecture-only)."""
-    from jaxpipe.tokenizer import Tokenizer
 
     if source.kind == "gguf":
         return Tokenizer.from_gguf(source.path)

@@ -36,6 +36,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxpipe.kernels import matmul
+
 
 def route(h, w_router, k: int, normalize: bool):
     """Router: h [T, E] f32, w_router [E, X] -> (weights [T, k] f32, experts [T, k] i32).
@@ -91,7 +93,6 @@ def experts_mlp(h, weights, experts, w_gate_up, w_down, dispatch: str | None = N
 
 def _value(w):
     """An array as itself; a layer of a stack (`StackedWeight`) as its slice (a copy)."""
-    from jaxpipe.kernels import matmul
 
     return w.value() if isinstance(w, matmul.StackedWeight) else w
 
@@ -99,7 +100,6 @@ def _value(w):
 def _in_place(w):
     """(w, None) for an array [G, K, N]; (the stack [L, G, K, N], the layer) for a
     `StackedWeight`: `grouped_matmul`'s w and layer, so that no slice is copied."""
-    from jaxpipe.kernels import matmul
 
     return (w.stacked(), w.layer) if isinstance(w, matmul.StackedWeight) else (w, None)
 
@@ -107,7 +107,6 @@ def _in_place(w):
 def grouped_fits(w_gate_up, w_down) -> bool:
     """Whether the grouped kernel runs these weights: bf16, E and F even (the kernel pairs
     rows of K), and the kernel built here."""
-    from jaxpipe.kernels import matmul
 
     e, f = w_gate_up.shape[1], w_down.shape[1]
     return (w_gate_up.dtype == w_down.dtype == jnp.bfloat16 and e % 2 == 0 and f % 2 == 0
@@ -135,7 +134,6 @@ def _grouped(h, weights, experts, w_gate_up, w_down):
     gate fused into the first product (pairs of ids >= X, sorted last past every
     segment, are not multiplied: the kernel gives zeros); then back to their places and
     summed over the k slots. Call inside `shard_map` on a sharded layout (a custom call)."""
-    from jaxpipe.kernels import matmul
 
     t, k = experts.shape
     x, d = w_gate_up.shape[0], w_gate_up.shape[1]

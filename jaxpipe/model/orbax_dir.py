@@ -7,12 +7,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from jaxpipe.config import ModelConfig
+from jaxpipe.config.model import ModelConfig
 from jaxpipe.model.presets import ORBAX_MARKER
 
 
 def save_orbax(path: Path, cfg: ModelConfig, values: dict, dtype: str) -> None:
     """Write converted weights as an orbax checkpoint plus the architecture as JSON."""
+    # lazy: orbax (tensorstore) loads only when a checkpoint is written or read
     import orbax.checkpoint as ocp
 
     path = Path(path).resolve()
@@ -32,6 +33,7 @@ def orbax_config(path: Path) -> ModelConfig:
 def load_orbax(path: Path, target: dict | None = None) -> tuple[ModelConfig, dict]:
     """Restore an orbax checkpoint. `target` (name -> ShapeDtypeStruct with sharding) restores
     straight into those shardings; without it, arrays land on the default device."""
+    # lazy: orbax (tensorstore) loads only when a checkpoint is written or read
     import orbax.checkpoint as ocp
 
     path = Path(path).resolve()

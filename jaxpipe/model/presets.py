@@ -11,7 +11,7 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
-from jaxpipe.config import ModelConfig
+from jaxpipe.config.model import ModelConfig
 
 PRESET_DIR = Path(__file__).resolve().parents[2] / "models"
 ORBAX_MARKER = "jaxpipe_model.json"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from jaxpipe.config import RopeScaling
+from jaxpipe.config.model import RopeScaling
 
 
 def rope_scaling(rope: dict, c: dict) -> RopeScaling | None:

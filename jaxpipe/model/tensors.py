@@ -26,7 +26,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from jaxpipe.config import ModelConfig
+from jaxpipe.config.model import ModelConfig
 
 _FUSED = re.compile(r"layers\.(\d+)\.(qkv|gate_up|experts\.(?:gate_up|gate|up|down))")
 

@@ -66,9 +66,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from jaxpipe.config import ModelConfig
-from jaxpipe.layout import Layout
-from jaxpipe.meshes import Hardware
+from jaxpipe.config.layout import Layout
+from jaxpipe.config.meshes import Hardware
+from jaxpipe.config.model import ModelConfig
 
 BYTES = 2  # bf16 weights, activations and KV
 MEMORY_UTILIZATION = 0.9  # usable fraction of device memory (vLLM's gpu_memory_utilization)

@@ -18,9 +18,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from jaxpipe.config import ModelConfig
-from jaxpipe.layout import Layout
-from jaxpipe.meshes import MeshPreset
+from jaxpipe.config.layout import Layout
+from jaxpipe.config.meshes import MeshPreset
+from jaxpipe.config.model import ModelConfig
 from jaxpipe.planner.costmodel import CostModel
 from jaxpipe.planner.workloads import Workload, make_workload
 

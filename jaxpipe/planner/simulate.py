@@ -24,15 +24,16 @@ from __future__ import annotations
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 
-from jaxpipe.config import ModelConfig
-from jaxpipe.layout import Layout
-from jaxpipe.meshes import MeshPreset
+from jaxpipe.config.layout import Layout
+from jaxpipe.config.meshes import MeshPreset
+from jaxpipe.config.model import ModelConfig
 from jaxpipe.planner.costmodel import CostModel
 from jaxpipe.planner.planner import (
     HOST_KV_GB,
     MAX_NUM_SEQS,
     PREFILL_TOKENS_PER_MICROBATCH,
     host_kv_tokens,
+    layout_name,
 )
 from jaxpipe.planner.workloads import Workload
 from jaxpipe.scheduler import (
@@ -289,7 +290,6 @@ def simulate(model: ModelConfig, mesh: MeshPreset, workload: Workload, policy: s
     micro-batches at once (`CostModel.step_time`), as the engine's in-program ticks run.
     `prefill_first` on a single layout defaults to chunked prefill (the paper's vLLM baseline).
     Raises ValueError if a layout cannot hold the weights plus the longest request."""
-    from jaxpipe.planner.planner import layout_name
 
     decode = decode or prefill
     pipelined = pipelined or policy in PIPELINED_POLICIES

@@ -2,7 +2,7 @@
 
 The policy interface — `SchedulerState`, four actions, `make_policy(...)` with `seesaw`,
 `prefill_first`, `decode_first`, `tdpipe` (TD-Pipe) and `throttle` (gLLM) — is what the
-engine (jaxpipe/executor.py) and the simulator in `jaxpipe.planner` both drive through one
+engine (jaxpipe/engine/executor.py) and the simulator in `jaxpipe.planner` both drive through one
 loop, `loop.py`'s `Driver` (its docstring shows it), each as a `StepExecutor`.
 `Sequence` is the engine's record of one request: a `SeqInfo` with its tokens.
 

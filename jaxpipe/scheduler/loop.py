@@ -1,5 +1,5 @@
 """The one loop over a policy, the scheduler state and an executor: the engine's
-(jaxpipe/executor.py), the simulator's (jaxpipe/planner/simulate.py) and the tests' drivers.
+(jaxpipe/engine/executor.py), the simulator's (jaxpipe/planner/simulate.py) and the tests' drivers.
 
 ```python
 state = SchedulerState(device_kv_tokens, max_device_seqs, host_kv_tokens)

@@ -2,7 +2,7 @@
 
 A policy reads the `SchedulerState` and returns the next action (`Run | Switch | SwapIn |
 Preempt`, or None: nothing to do now). The loop that asks it and carries the actions out is
-`jaxpipe.scheduler.loop.Driver`, the same for the engine (jaxpipe/executor.py, over its
+`jaxpipe.scheduler.loop.Driver`, the same for the engine (jaxpipe/engine/executor.py, over its
 `Sequence` records, which are `SeqInfo`s) and the simulator (jaxpipe/planner/simulate.py). A
 run is applied to the state when it is launched; its finished sequences leave the state when
 it lands, and a policy that learns from them gets exactly each run's own in `landed`.

@@ -18,7 +18,7 @@ process over ZeroMQ.
     messages.py         the typed, versioned control messages between the two
     metrics.py          the Prometheus registry (its own port, or /metrics on the HTTP one)
 
-Shared with batch jobs and the engine: request validation (jaxpipe/requests.py), OpenAI
-bodies (jaxpipe/openai_format.py), stop strings and detokenization (jaxpipe/stopping.py),
-and a sequence's deltas folded into its output (jaxpipe/outputs.py: token_delta, Completion).
+Shared with batch jobs and the engine (the request side, `jaxpipe/request/`): validation
+(validate.py), OpenAI bodies (openai.py), stop strings and detokenization (stopping.py), and a
+sequence's deltas folded into its output (outputs.py: token_delta, Completion).
 """

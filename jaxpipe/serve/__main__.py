@@ -7,8 +7,8 @@ import argparse
 import logging
 import sys
 
-from jaxpipe.config import EngineConfig
-from jaxpipe.config_flags import add_flags, config_from_args, config_kwargs
+from jaxpipe.config.engine import EngineConfig
+from jaxpipe.config.flags import add_flags, config_from_args, config_kwargs
 from jaxpipe.serve.config import ServerConfig
 
 EPILOG = """\
@@ -43,9 +43,11 @@ def main(argv=None) -> int:
     config, level = parse_args(argv)
     logging.basicConfig(level=level, format="%(asctime)s serve %(levelname)s %(message)s")
     if EngineConfig(**config.engine).process_id:  # a follower: no gRPC, the leader's steps
-        from jaxpipe import follower
+        # lazy: a follower process (--process-id) needs none of the server
+        from jaxpipe.process import follower
 
         return follower.run(config.engine, config.engine_restarts, config.restart_backoff)
+    # lazy: --help and bad arguments answer without loading the server
     from jaxpipe.serve.server import serve
 
     return serve(config)

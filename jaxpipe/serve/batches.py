@@ -23,6 +23,8 @@ import uuid
 from collections.abc import Callable
 
 from jaxpipe.batch import jobfile
+from jaxpipe.batch.job import Job
+from jaxpipe.batch.runners import ServerError
 
 log = logging.getLogger("jaxpipe.serve")
 
@@ -191,8 +193,6 @@ class Batches:
     def _run(self, batch_id: str) -> None:
         """The job's thread: run until every line has a record (or it is cancelled), then
         write the output and error files."""
-        from jaxpipe.batch.job import Job
-        from jaxpipe.batch.runners import ServerError
 
         batch = self.get(batch_id)
         source = self.files.path(batch["input_file_id"])

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 @dataclass
 class ServerConfig:
     """Front-end settings; `engine` holds the EngineConfig fields for the engine process. Each
-    entry below is also its flag's help (jaxpipe.config_flags). At least one front end is on.
+    entry below is also its flag's help (jaxpipe.config.flags). At least one front end is on.
 
     host: address gRPC listens on.
     port: port gRPC listens on; 0 picks a free one, None (--no-grpc) runs no gRPC front end.

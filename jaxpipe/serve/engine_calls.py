@@ -5,7 +5,7 @@ early (client gone, engine lost, error, job cancelled), which frees the sequence
 `EngineCall` is that bookkeeping; its two thin adapters differ only in how they wait for the
 next item: `ThreadCall` on a job or RPC thread (a plain queue), `LoopCall` on the asyncio loop
 (items handed over with `call_soon_threadsafe`). Each request's deltas are folded into its
-output by `jaxpipe.outputs.Completion`, the same for every front end.
+output by `jaxpipe.request.outputs.Completion`, the same for every front end.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import queue
 import threading
 from collections.abc import AsyncIterator, Iterable
 
-from jaxpipe.requests import Prepared
+from jaxpipe.request.validate import Prepared
 from jaxpipe.serve import messages as m
 from jaxpipe.serve.engine_client import EngineClient, EngineLost, EngineUnavailable
 

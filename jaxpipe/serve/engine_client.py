@@ -27,13 +27,13 @@ from dataclasses import dataclass
 
 import zmq
 
-from jaxpipe import lifeline
+from jaxpipe.process import lifeline
+from jaxpipe.process.lifeline import STABLE_SECONDS
 from jaxpipe.serve import messages as m
 
 log = logging.getLogger("jaxpipe.serve")
 
 POLL_MS = 100
-STABLE_SECONDS = 60.0  # an engine up this long has its restart count reset
 
 
 class EngineUnavailable(RuntimeError):

@@ -23,8 +23,9 @@ import sys
 
 import zmq
 
-from jaxpipe import lifeline
-from jaxpipe.outputs import token_delta
+from jaxpipe.process import lifeline
+from jaxpipe.request.outputs import token_delta
+from jaxpipe.request.params import SamplingParams
 from jaxpipe.serve import messages as m
 
 log = logging.getLogger("jaxpipe.serve.engine")
@@ -84,7 +85,6 @@ class EngineLoop:
             log.error("unexpected control message %s", type(msg).__name__)
 
     def _add(self, msg: m.AddRequest) -> None:
-        from jaxpipe.sampling import SamplingParams
 
         if msg.request_id in self.sent:
             self._send(m.Rejected(msg.request_id, f"request id {msg.request_id!r} is in use"))
@@ -150,6 +150,7 @@ def main(argv=None) -> int:
     args = _parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s engine %(levelname)s %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front end decides when we stop
+    # lazy: after die_with_parent: a child whose front end dies while jax loads must not linger
     from jaxpipe import Engine, EngineConfig
 
     engine = Engine(EngineConfig(**json.loads(args.config)))

@@ -27,10 +27,11 @@ import uuid
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from jaxpipe.openai_format import CHAT_URL, COMPLETIONS_URL, Body, body_key, read_body
-from jaxpipe.outputs import Completion
-from jaxpipe.requests import Limits, RequestError, prepare
+from jaxpipe.request.openai import CHAT_URL, COMPLETIONS_URL, Body, body_key, read_body
+from jaxpipe.request.outputs import Completion
+from jaxpipe.request.validate import Limits, RequestError, prepare
 from jaxpipe.serve import messages as m
 from jaxpipe.serve import openai_responses as r
 from jaxpipe.serve.engine_calls import LoopCall
@@ -176,7 +177,6 @@ class HttpFrontEnd:
     def prometheus(self) -> Response:
         """Prometheus text (the same registry as --metrics-port); sync: FastAPI runs it in a
         worker thread, since a scrape waits on the engine's stats answer."""
-        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
         return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
@@ -328,6 +328,7 @@ class HttpServer:
     main thread, which stops it (`stop`: finish in-flight calls, up to `drain_timeout` s)."""
 
     def __init__(self, app, host: str, port: int, drain_timeout: float):
+        # lazy: uvicorn loads only when an HTTP port is served
         import uvicorn
 
         self.where = f"{host}:{port}"

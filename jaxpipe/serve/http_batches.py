@@ -19,7 +19,7 @@ import json
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-from jaxpipe.openai_format import CHAT_URL, COMPLETIONS_URL
+from jaxpipe.request.openai import CHAT_URL, COMPLETIONS_URL
 from jaxpipe.serve.batches import WINDOW, Batches, FileStore
 from jaxpipe.serve.http import ApiError
 

@@ -12,7 +12,7 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 
-from jaxpipe.outputs import TokenDelta  # defined beside the Completion that folds it
+from jaxpipe.request.outputs import TokenDelta  # defined beside the Completion that folds it
 
 PROTOCOL_VERSION = 1
 

@@ -8,7 +8,7 @@ decoded text (special tokens kept), as vLLM reports them.
 
 from __future__ import annotations
 
-from jaxpipe.openai_format import CHAT_URL
+from jaxpipe.request.openai import CHAT_URL
 
 ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 413: "invalid_request_error",
                429: "rate_limit_error", 503: "service_unavailable"}

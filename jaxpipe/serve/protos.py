@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from google.protobuf.unknown_fields import UnknownFieldSet
 
-from jaxpipe.requests import RequestError
-from jaxpipe.serve import jaxpipe_pb2 as pb
+from jaxpipe.protocol import jaxpipe_pb2 as pb
+from jaxpipe.request.validate import RequestError
 
 _SCALARS = [f.name for f in pb.SamplingParams.DESCRIPTOR.fields if f.name not in
             ("stop", "stop_token_ids")]

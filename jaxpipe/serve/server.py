@@ -19,13 +19,18 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from jaxpipe.config import EngineConfig
-from jaxpipe.serve import jaxpipe_pb2 as pb
-from jaxpipe.serve import jaxpipe_pb2_grpc as pb_grpc
+from jaxpipe.config.engine import EngineConfig
+from jaxpipe.model.loading import load_tokenizer
+from jaxpipe.model.presets import resolve_model
+from jaxpipe.protocol import jaxpipe_pb2 as pb
+from jaxpipe.protocol import jaxpipe_pb2_grpc as pb_grpc
+from jaxpipe.serve.batch_runner import ClientRunner
+from jaxpipe.serve.batches import Batches, FileStore
 from jaxpipe.serve.config import ServerConfig
 from jaxpipe.serve.engine_client import EngineClient, EngineUnavailable
 from jaxpipe.serve.http import HttpFrontEnd, HttpServer
-from jaxpipe.serve.metrics import ServerMetrics
+from jaxpipe.serve.http_batches import BatchRoutes
+from jaxpipe.serve.metrics import SCRAPE_TIMEOUT, ServerMetrics, serve_metrics
 from jaxpipe.serve.service import GenerationService
 
 log = logging.getLogger("jaxpipe.serve")
@@ -61,8 +66,6 @@ def _grpc_server(config: ServerConfig, service: GenerationService,
 
 
 def _load_tokenizer(model: str):
-    from jaxpipe.model.loading import load_tokenizer
-    from jaxpipe.model.presets import resolve_model
 
     return load_tokenizer(resolve_model(model))
 
@@ -94,7 +97,6 @@ def _wait_for_engine(client: EngineClient, stop: threading.Event) -> bool:
 
 def _metrics(client: EngineClient) -> ServerMetrics:
     """What /metrics renders (metrics.py), on either endpoint."""
-    from jaxpipe.serve.metrics import SCRAPE_TIMEOUT
 
     def engine_stats():
         stats = client.stats(timeout=SCRAPE_TIMEOUT)
@@ -107,7 +109,6 @@ def _start_metrics(config: ServerConfig, registry) -> object | None:
     """The separate Prometheus endpoint, when asked for; its HTTP server or None."""
     if config.metrics_port is None:
         return None
-    from jaxpipe.serve.metrics import serve_metrics
 
     http, port = serve_metrics(config.metrics_port, config.metrics_host, registry)
     log.info("metrics on http://%s:%d/metrics", config.metrics_host, port)
@@ -138,9 +139,6 @@ class _FrontEnds:
 
 def _add_batch_api(config: ServerConfig, front: HttpFrontEnd, stop: threading.Event) -> None:
     """The Batch API's routes and jobs (batches.py), resuming the jobs left unfinished."""
-    from jaxpipe.batch.runners import ClientRunner
-    from jaxpipe.serve.batches import Batches, FileStore
-    from jaxpipe.serve.http_batches import BatchRoutes
 
     client = front.client
 

@@ -15,10 +15,10 @@ from dataclasses import dataclass
 
 import grpc
 
-from jaxpipe.outputs import Completion
-from jaxpipe.requests import Limits, Prepared, RequestError, prepare
-from jaxpipe.serve import jaxpipe_pb2 as pb
-from jaxpipe.serve import jaxpipe_pb2_grpc as pb_grpc
+from jaxpipe.protocol import jaxpipe_pb2 as pb
+from jaxpipe.protocol import jaxpipe_pb2_grpc as pb_grpc
+from jaxpipe.request.outputs import Completion
+from jaxpipe.request.validate import Limits, Prepared, RequestError, prepare
 from jaxpipe.serve import messages as m
 from jaxpipe.serve import protos
 from jaxpipe.serve.engine_calls import ThreadCall

@@ -7,10 +7,10 @@ import shutil
 
 import pytest
 
-from jaxpipe import meshes
-from jaxpipe.config import ModelConfig
-from jaxpipe.layout import Layout
-from jaxpipe.meshes import Hardware, load_mesh
+from jaxpipe.config import meshes
+from jaxpipe.config.layout import Layout
+from jaxpipe.config.meshes import Hardware, load_mesh
+from jaxpipe.config.model import ModelConfig
 from jaxpipe.planner.costmodel import CostModel
 from jaxpipe_bench import calibrate
 from jaxpipe_bench.calibrate import Shape
@@ -74,8 +74,8 @@ def test_steps_timed_are_the_shapes_predicted():
     16 rows of one token attending over the 256 positions the cost model's decode reads."""
     from types import SimpleNamespace
 
-    from jaxpipe.buckets import Buckets
-    from jaxpipe.synthetic_step import uniform_inputs
+    from jaxpipe.runtime.buckets import Buckets
+    from jaxpipe.runtime.synthetic_step import uniform_inputs
 
     runner = SimpleNamespace(buckets=Buckets.for_engine(16, 512, 512), num_blocks=256,
                              max_blocks=32, microbatches=lambda tokens: 1)

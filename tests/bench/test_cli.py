@@ -1,5 +1,5 @@
 """The scripts' flags come from their config dataclasses (jaxpipe_bench/cli.py over
-jaxpipe.config_flags): the flag names and commands the scripts' docstrings and the README quote
+jaxpipe.config.flags): the flag names and commands the scripts' docstrings and the README quote
 reach the configs, values they refuse are usage errors, and no script parses by hand."""
 
 import re
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from jaxpipe.config import EngineConfig
+from jaxpipe.config.engine import EngineConfig
 from jaxpipe_bench import cli
 from jaxpipe_bench.layouts import LayoutBenchConfig
 
@@ -224,7 +224,7 @@ def test_soak_flags_minutes_server_args_and_the_scripts_request_cap():
 def test_reshard_profile_and_reproduce_moe_defaults_show_in_help():
     import argparse
 
-    from jaxpipe.config_flags import add_flags
+    from jaxpipe.config.flags import add_flags
     from jaxpipe_bench import BenchConfig, profile, reproduce_moe
     from jaxpipe_bench.reproduce import ReproduceConfig
 

@@ -190,7 +190,7 @@ def tiny_hf_dir(tmp_path_factory):
     from conftest import GGUF_FILE, gguf_dir
     from test_checkpoint import TINY
 
-    from jaxpipe.tokenizer import Tokenizer
+    from jaxpipe.model.tokenizer import Tokenizer
     from jaxpipe_bench.checkpoint import hf_config, tensor_shapes, write_safetensors
 
     out = tmp_path_factory.mktemp("tiny_hf")

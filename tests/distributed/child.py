@@ -44,7 +44,7 @@ def workload(shared: bool = False):
 
 def save_tiny(path) -> None:
     """The tiny model with seeded random weights as an orbax checkpoint at `path`."""
-    from jaxpipe.config import ModelConfig
+    from jaxpipe.config.model import ModelConfig
     from jaxpipe.model import decoder, orbax_dir
 
     cfg = ModelConfig(**TINY)
@@ -64,7 +64,7 @@ def main(argv=None) -> int:
     p.add_argument("--prefix-caching", action="store_true")
     a = p.parse_args(argv)
     from jaxpipe import Engine, EngineConfig
-    from jaxpipe.engine import follow
+    from jaxpipe.engine.engine import follow
 
     schedulers = a.schedulers.split(",")
     config = EngineConfig(model=a.model, prefill=a.prefill, decode=a.decode,

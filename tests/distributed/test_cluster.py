@@ -23,8 +23,8 @@ from child import save_tiny, workload
 from conftest import SERVE_ARGS, ServerProcess
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from jaxpipe.serve import jaxpipe_pb2 as pb
-from jaxpipe.serve import jaxpipe_pb2_grpc as pb_grpc
+from jaxpipe.protocol import jaxpipe_pb2 as pb
+from jaxpipe.protocol import jaxpipe_pb2_grpc as pb_grpc
 from jaxpipe_bench.multihost import clean_env, cluster_port
 
 CHILD = Path(__file__).with_name("child.py")

@@ -8,30 +8,32 @@ import pickle
 
 import pytest
 
-from jaxpipe import Engine, EngineConfig, distributed
-from jaxpipe.engine import follow
+from jaxpipe import Engine, EngineConfig
+from jaxpipe.config.cluster import Cluster, check_same, cluster_of, shared_fields
+from jaxpipe.engine.engine import follow
+from jaxpipe.runtime import distributed
 
 CLUSTER = dict(mesh="cpu-8", coordinator="127.0.0.1:9876", num_processes=2)
 
 
 def test_settings_come_from_the_config_or_from_jax_environment_variables(monkeypatch):
     config = EngineConfig(**CLUSTER, process_id=1)
-    assert distributed.cluster(config) == distributed.Cluster("127.0.0.1:9876", 2, 1)
-    assert distributed.cluster(config).control_port == 9877
+    assert cluster_of(config) == Cluster("127.0.0.1:9876", 2, 1)
+    assert cluster_of(config).control_port == 9877
     monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "10.0.0.1:1234")
     monkeypatch.setenv("JAX_NUM_PROCESSES", "2")
     monkeypatch.setenv("JAX_PROCESS_ID", "0")
     config = EngineConfig(mesh="cpu-8")
-    assert distributed.cluster(config) == distributed.Cluster("10.0.0.1:1234", 2, 0)
-    assert distributed.cluster(EngineConfig(mesh="cpu-8", process_id=1)).process_id == 1
+    assert cluster_of(config) == Cluster("10.0.0.1:1234", 2, 0)
+    assert cluster_of(EngineConfig(mesh="cpu-8", process_id=1)).process_id == 1
     monkeypatch.setenv("JAX_NUM_PROCESSES", "two")
     with pytest.raises(ValueError, match="JAX_NUM_PROCESSES='two'"):
         EngineConfig(mesh="cpu-8")
 
 
 def test_one_process_is_no_cluster():
-    assert distributed.cluster(EngineConfig()) is None
-    assert distributed.cluster(EngineConfig(coordinator="h:1", num_processes=1,
+    assert cluster_of(EngineConfig()) is None
+    assert cluster_of(EngineConfig(coordinator="h:1", num_processes=1,
                                             process_id=0)) is None
 
 
@@ -61,12 +63,12 @@ def test_a_follower_takes_no_requests_and_a_leader_does_not_follow():
 
 
 def test_settings_that_differ_between_leader_and_follower_are_named():
-    leader = distributed.shared_fields(EngineConfig(**CLUSTER, process_id=0))
-    same = distributed.shared_fields(EngineConfig(**CLUSTER, process_id=1, warmup=False))
-    distributed.check_same(leader, same)  # process_id and warmup may differ
-    other = distributed.shared_fields(EngineConfig(**CLUSTER, process_id=1, dtype="float32"))
+    leader = shared_fields(EngineConfig(**CLUSTER, process_id=0))
+    same = shared_fields(EngineConfig(**CLUSTER, process_id=1, warmup=False))
+    check_same(leader, same)  # process_id and warmup may differ
+    other = shared_fields(EngineConfig(**CLUSTER, process_id=1, dtype="float32"))
     with pytest.raises(ValueError, match="dtype='float32' \\(leader: 'bfloat16'\\)"):
-        distributed.check_same(leader, other)
+        check_same(leader, other)
 
 
 # ---- mirroring ---------------------------------------------------------------------------------

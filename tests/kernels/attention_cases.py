@@ -12,7 +12,7 @@ import numpy as np
 
 from jaxpipe.kernels import pallas_attention as pa
 from jaxpipe.kernels import ragged_attention as ra
-from jaxpipe.kv.device_cache import from_storage, to_storage
+from jaxpipe.kernels.paged import from_storage, to_storage
 
 # Every implementation of the ragged-span contract: the C++ kernel, Pallas in its
 # interpreter, the XLA path.

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from jaxpipe.kernels import ragged_attention as ra
-from jaxpipe.kv.device_cache import to_storage
+from jaxpipe.kernels.paged import to_storage
 from jaxpipe.model import decoder
 from kernels.attention_cases import (
     BS,

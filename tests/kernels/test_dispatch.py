@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from jaxpipe.kernels import dispatch
-from jaxpipe.kernels.dispatch import NATURAL_ORDER, PANEL_ORDER, XLA, Dispatch, Matmul
+from jaxpipe.runtime import kernel_choice as dispatch
+from jaxpipe.runtime.kernel_choice import NATURAL_ORDER, PANEL_ORDER, XLA, Dispatch, Matmul
 
 WQ = Matmul("wq", 576, 576)
 

@@ -13,9 +13,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxpipe.kernels import dispatch
 from jaxpipe.kernels import matmul as mm
 from jaxpipe.model import moe
+from jaxpipe.runtime import kernel_choice as dispatch
 
 pytestmark = pytest.mark.skipif(not mm.available(), reason="kernel cannot be built here")
 

@@ -155,7 +155,7 @@ def test_stacked_weight_picks_its_layer_in_place(path):
 
 def test_inside_shard_map():
     """The engine calls it inside `jax.shard_map` (a custom call cannot be partitioned)."""
-    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))  # as jaxpipe.sharding
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))  # as jaxpipe.runtime.sharding
     spec = jax.sharding.PartitionSpec
     fn = jax.jit(jax.shard_map(mm.bf16_matmul, mesh=mesh, in_specs=(spec(), spec(None, "tp")),
                                out_specs=spec(None, "tp")))

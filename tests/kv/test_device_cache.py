@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxpipe.kv.device_cache import from_storage, storage_dtype, to_storage
+from jaxpipe.kernels.paged import from_storage, storage_dtype, to_storage
 
 
 def test_bf16_is_stored_as_u16_bits_on_cpu_only():

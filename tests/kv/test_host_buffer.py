@@ -10,10 +10,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxpipe.buckets import pow2_buckets, round_up
-from jaxpipe.config import ModelConfig
+from jaxpipe.config.model import ModelConfig
 from jaxpipe.kv import device_cache
 from jaxpipe.kv.host_buffer import HostKVBuffer, Prefetcher, host_memory_kind
+from jaxpipe.runtime.buckets import pow2_buckets, round_up
 
 CFG = ModelConfig(vocab_size=97, hidden_size=40, intermediate_size=56, num_layers=3,
                   num_heads=6, num_kv_heads=2, head_dim=8)

@@ -132,7 +132,7 @@ def test_prefix_cache_moves_run_in_order_and_are_mirrored():
     """The ledger's host-tier moves: a spill reads its blocks into a group entry, a fetch
     writes one block of the group (its other places out of range) and keeps the entry, a
     forget frees it; a follower is sent each move first, as the swaps' own messages."""
-    from jaxpipe.kv.device_cache import OUT_OF_RANGE
+    from jaxpipe.kernels.paged import OUT_OF_RANGE
     from jaxpipe.scheduler.host_prefix import Fetch, Forget, Spill
 
     runner, sent = FakeRunner(), []

@@ -26,10 +26,11 @@ from hf_families import (  # noqa: E402
     write,
 )
 
-from jaxpipe import Engine, EngineConfig, SamplingParams, step_inputs  # noqa: E402
+from jaxpipe import Engine, EngineConfig, SamplingParams  # noqa: E402
 from jaxpipe.model import hf_dir, orbax_dir  # noqa: E402
 from jaxpipe.model.presets import resolve_model  # noqa: E402
-from jaxpipe.step_inputs import Piece  # noqa: E402
+from jaxpipe.runtime import step_inputs  # noqa: E402
+from jaxpipe.runtime.step_inputs import Piece  # noqa: E402
 
 LOGITS_ATOL = 1e-4
 FAST = dict(dtype="float32", max_model_len=160, warmup=False, show_progress=False)

@@ -193,9 +193,9 @@ def runner(gguf_weights):
     """A one-device runner (f32, XLA attention: the reference path) over a 21-block pool."""
     import jax
 
-    from jaxpipe.buckets import Buckets
-    from jaxpipe.layout import Layout
-    from jaxpipe.runner import Runner
+    from jaxpipe.config.layout import Layout
+    from jaxpipe.runtime.buckets import Buckets
+    from jaxpipe.runtime.runner import Runner
 
     cfg, values = gguf_weights
     one = {"prefill": Layout(), "decode": Layout()}
@@ -224,7 +224,7 @@ POOL = 21
 
 def run_step(runner, pieces) -> np.ndarray:
     """Logits [len(pieces), V] of each piece's last token, all pieces in one ragged step."""
-    from jaxpipe import step_inputs
+    from jaxpipe.runtime import step_inputs
 
     tokens = runner.buckets.tokens(sum(len(p.tokens) for p in pieces))
     inputs = step_inputs.build(pieces, tokens, 1, runner.buckets.rows(tokens),
@@ -233,7 +233,7 @@ def run_step(runner, pieces) -> np.ndarray:
 
 
 def piece(ids, start: int, row: int):
-    from jaxpipe.step_inputs import Piece
+    from jaxpipe.runtime.step_inputs import Piece
 
     return Piece(list(ids), start, list(TABLE[row]))
 

@@ -13,7 +13,7 @@ from jaxpipe import Engine, EngineConfig, SamplingParams
 from jaxpipe.model import loading, orbax_dir
 from jaxpipe.model.hf_dir import hf_config
 from jaxpipe.model.presets import resolve_model
-from jaxpipe.tokenizer import Tokenizer
+from jaxpipe.model.tokenizer import Tokenizer
 
 pytest.importorskip("torch")
 

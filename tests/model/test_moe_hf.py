@@ -27,7 +27,7 @@ from hf_families import (  # noqa: E402
 from hf_moe import EAGER, MODELS, SMALL, write  # noqa: E402
 
 from jaxpipe import Engine, EngineConfig, SamplingParams  # noqa: E402
-from jaxpipe.config import ModelConfig  # noqa: E402
+from jaxpipe.config.model import ModelConfig  # noqa: E402
 from jaxpipe.model import hf_dir, moe  # noqa: E402
 
 LOGITS_ATOL = 1e-4

@@ -19,7 +19,7 @@ collect_ignore = ([] if all(importlib.util.find_spec(m) for m in ("torch", "tran
                   else ["test_families_layouts.py", "test_moe_layouts.py",
                         "test_moe_grouped_layouts.py", "test_moe_ep.py"])
 
-from jaxpipe.config import ModelConfig  # noqa: E402
+from jaxpipe.config.model import ModelConfig  # noqa: E402
 from jaxpipe.model import decoder, loading, orbax_dir  # noqa: E402
 from jaxpipe.model.presets import resolve_model  # noqa: E402
 

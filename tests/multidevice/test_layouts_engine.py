@@ -12,10 +12,11 @@ import pytest
 from conftest import PAIRS, TINY
 from prefix_workload import host_holds_no_sequence
 
-from jaxpipe import Engine, EngineConfig, SamplingParams, step_inputs
+from jaxpipe import Engine, EngineConfig, SamplingParams
 from jaxpipe.model import decoder, loading, orbax_dir
 from jaxpipe.model.decoder import Decoder
-from jaxpipe.step_inputs import Piece
+from jaxpipe.runtime import step_inputs
+from jaxpipe.runtime.step_inputs import Piece
 
 FAST = dict(dtype="float32", max_model_len=128, max_num_seqs=8, warmup=False,
             show_progress=False)
@@ -177,7 +178,7 @@ def test_close_frees_the_engine_and_refuses_new_work(tiny_orbax):
 def test_a_kv_pool_larger_than_free_memory_fails_at_construction(tiny_orbax, monkeypatch):
     """The budget is checked against the memory the devices have free (CPU: MemAvailable,
     pretended small here) before the pool is allocated, naming the setting and the bytes."""
-    from jaxpipe import memory
+    from jaxpipe.runtime import memory
 
     assert memory.host_available_bytes() > 2**20  # this machine's real figure is read
     monkeypatch.setattr(memory, "host_available_bytes", lambda: 4096)

@@ -16,12 +16,13 @@ import torch
 from hf_families import PROMPTS, checkpoint_fixture, hf_greedy
 from hf_moe import write
 
-from jaxpipe import Engine, EngineConfig, SamplingParams, step_inputs
-from jaxpipe.buckets import Buckets
-from jaxpipe.layout import Layout
+from jaxpipe import Engine, EngineConfig, SamplingParams
+from jaxpipe.config.layout import Layout
 from jaxpipe.model import hf_dir, moe
-from jaxpipe.runner import Runner
-from jaxpipe.step_inputs import Piece
+from jaxpipe.runtime import step_inputs
+from jaxpipe.runtime.buckets import Buckets
+from jaxpipe.runtime.runner import Runner
+from jaxpipe.runtime.step_inputs import Piece
 
 NEW_TOKENS = 12
 LOGITS_ATOL = 1e-4

@@ -13,8 +13,9 @@ import transformers
 from hf_families import PROMPTS, draw_every_parameter
 from hf_moe import EAGER, SMALL
 
-from jaxpipe import Engine, EngineConfig, SamplingParams, runner
+from jaxpipe import Engine, EngineConfig, SamplingParams
 from jaxpipe.model import moe
+from jaxpipe.runtime import runner
 
 
 # The last two pairs change ep: a replicated weight's shards are where both layouts put them,

@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 from conftest import TINY
 
-from jaxpipe import pipeline, step_inputs
-from jaxpipe.buckets import Buckets
-from jaxpipe.layout import Layout
+from jaxpipe.config.layout import Layout
 from jaxpipe.model.decoder import Decoder
-from jaxpipe.runner import Runner
-from jaxpipe.step_inputs import Piece
+from jaxpipe.runtime import pipeline, step_inputs
+from jaxpipe.runtime.buckets import Buckets
+from jaxpipe.runtime.runner import Runner
+from jaxpipe.runtime.step_inputs import Piece
 
 LENGTHS = [16, 9, 3, 12, 1, 17, 7, 10]
 POOL, MAX_LEN = 37, 64

@@ -14,13 +14,13 @@ from conftest import PAIRS, TINY
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxpipe import sharding
-from jaxpipe.buckets import Buckets
-from jaxpipe.config import ModelConfig
-from jaxpipe.layout import Layout
+from jaxpipe.config.layout import Layout
+from jaxpipe.config.model import ModelConfig
 from jaxpipe.model import decoder, orbax_dir
-from jaxpipe.runner import Runner, weight_copies
-from jaxpipe.sharding import RULES
+from jaxpipe.runtime import sharding
+from jaxpipe.runtime.buckets import Buckets
+from jaxpipe.runtime.runner import Runner, weight_copies
+from jaxpipe.runtime.sharding import RULES
 
 DEVICES = 8
 

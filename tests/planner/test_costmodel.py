@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from jaxpipe.config import ModelConfig
-from jaxpipe.layout import Layout
-from jaxpipe.meshes import Hardware, load_mesh
+from jaxpipe.config.layout import Layout
+from jaxpipe.config.meshes import Hardware, load_mesh
+from jaxpipe.config.model import ModelConfig
 from jaxpipe.model.presets import resolve_model
 from jaxpipe.planner.costmodel import CostModel
 

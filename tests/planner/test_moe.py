@@ -8,11 +8,11 @@ import dataclasses
 import numpy as np
 import pytest
 
-from jaxpipe import plan as plan_cli
-from jaxpipe.config import ModelConfig
-from jaxpipe.layout import Layout
-from jaxpipe.meshes import Hardware, load_mesh
+from jaxpipe.config.layout import Layout
+from jaxpipe.config.meshes import Hardware, load_mesh
+from jaxpipe.config.model import ModelConfig
 from jaxpipe.model.presets import resolve_model
+from jaxpipe.planner import cli as plan_cli
 from jaxpipe.planner import layout_name, plan
 from jaxpipe.planner.costmodel import CostModel, expected_distinct_experts
 from jaxpipe.planner.planner import candidate_layouts, pair_throughput, paper_label

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from jaxpipe import plan as plan_cli
-from jaxpipe.layout import Layout
-from jaxpipe.meshes import load_mesh
+from jaxpipe.config.layout import Layout
+from jaxpipe.config.meshes import load_mesh
 from jaxpipe.model.presets import resolve_model
 from jaxpipe.planner import choose_layouts, layout_name, make_workload, plan
+from jaxpipe.planner import cli as plan_cli
 from jaxpipe.planner.planner import candidate_layouts, feasible, paper_label
 from jaxpipe.planner.workloads import constant, synthetic
 from jaxpipe_bench.reproduce import submesh

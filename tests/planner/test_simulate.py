@@ -8,8 +8,8 @@ import math
 import pytest
 from scheduler.helpers import run_policy
 
-from jaxpipe.layout import Layout
-from jaxpipe.meshes import load_mesh
+from jaxpipe.config.layout import Layout
+from jaxpipe.config.meshes import load_mesh
 from jaxpipe.model.presets import resolve_model
 from jaxpipe.planner.costmodel import CostModel
 from jaxpipe.planner.planner import MAX_NUM_SEQS, host_kv_tokens

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import random
 
-from jaxpipe.buckets import Buckets
+from jaxpipe.runtime.buckets import Buckets
 from jaxpipe.scheduler import Driver, Run, SchedulerState, SeqInfo, StepExecutor, make_policy
 from jaxpipe.scheduler.throttle import ThrottleKnobs
 from scheduler.helpers import LinearTiming

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from jaxpipe.kv.device_cache import OUT_OF_RANGE
+from jaxpipe.kernels.paged import OUT_OF_RANGE
 from jaxpipe.scheduler import Location, Preempt, Run, SchedulerState, SeqInfo, SwapIn, make_policy
 from jaxpipe.scheduler.prefix_cache import FREED
 from scheduler.helpers import run_policy

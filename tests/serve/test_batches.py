@@ -10,7 +10,7 @@ import os
 import pytest
 from scripted_engine import MODEL, ScriptedEngine, until
 
-from jaxpipe.batch.runners import ClientRunner
+from jaxpipe.serve.batch_runner import ClientRunner
 from jaxpipe.serve.batches import Batches, FileStore
 from jaxpipe.serve.http import HttpFrontEnd, HttpServer
 from jaxpipe.serve.http_batches import BatchRoutes

@@ -9,8 +9,8 @@ import asyncio
 import pytest
 from scripted_engine import ScriptedEngine
 
-from jaxpipe.outputs import Completion
-from jaxpipe.requests import Limits, prepare
+from jaxpipe.request.outputs import Completion
+from jaxpipe.request.validate import Limits, prepare
 from jaxpipe.serve.engine_calls import LoopCall, ThreadCall
 from jaxpipe.serve.engine_client import EngineUnavailable
 

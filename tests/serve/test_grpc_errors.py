@@ -7,8 +7,8 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from jaxpipe.serve import jaxpipe_pb2 as pb
-from jaxpipe.serve import jaxpipe_pb2_grpc as pb_grpc
+from jaxpipe.protocol import jaxpipe_pb2 as pb
+from jaxpipe.protocol import jaxpipe_pb2_grpc as pb_grpc
 
 OK = pb.SamplingParams(temperature=0.0, max_tokens=3)
 

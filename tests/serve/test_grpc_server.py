@@ -15,8 +15,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from jaxpipe import SamplingParams
-from jaxpipe.serve import jaxpipe_pb2 as pb
-from jaxpipe.serve import jaxpipe_pb2_grpc as pb_grpc
+from jaxpipe.protocol import jaxpipe_pb2 as pb
+from jaxpipe.protocol import jaxpipe_pb2_grpc as pb_grpc
 
 TOKENS = 5
 SUBJECTS = ["The capital of France is", "Water boils at", "My favourite colour is",

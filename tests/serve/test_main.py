@@ -1,5 +1,5 @@
 """`python -m jaxpipe.serve`'s flags: one per ServerConfig and EngineConfig field
-(jaxpipe.config_flags), with the field's default, and the spellings the README uses."""
+(jaxpipe.config.flags), with the field's default, and the spellings the README uses."""
 
 from __future__ import annotations
 

@@ -11,8 +11,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from jaxpipe import SamplingParams
-from jaxpipe.serve import jaxpipe_pb2 as pb
-from jaxpipe.serve import jaxpipe_pb2_grpc as pb_grpc
+from jaxpipe.protocol import jaxpipe_pb2 as pb
+from jaxpipe.protocol import jaxpipe_pb2_grpc as pb_grpc
 from jaxpipe.serve.metrics import COUNTERS, EngineCollector, Outcomes, ServerMetrics
 
 

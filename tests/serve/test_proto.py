@@ -14,7 +14,7 @@ def test_generated_code_is_up_to_date(tmp_path):
     protoc = pytest.importorskip("grpc_tools.protoc")
     code = protoc.main(["grpc_tools.protoc", f"-I{ROOT}", f"--python_out={tmp_path}",
                         f"--pyi_out={tmp_path}", f"--grpc_python_out={tmp_path}",
-                        str(ROOT / "jaxpipe/serve/jaxpipe.proto")])
+                        str(ROOT / "jaxpipe/protocol/jaxpipe.proto")])
     assert code == 0
     for name in GENERATED:
         fresh = (tmp_path / "jaxpipe/serve" / name).read_text()
@@ -23,7 +23,7 @@ def test_generated_code_is_up_to_date(tmp_path):
 
 
 def test_api_is_package_jaxpipe_v1():
-    from jaxpipe.serve import jaxpipe_pb2 as pb
+    from jaxpipe.protocol import jaxpipe_pb2 as pb
 
     assert pb.DESCRIPTOR.package == "jaxpipe.v1"
     assert set(pb.DESCRIPTOR.services_by_name["Generation"].methods_by_name) == {

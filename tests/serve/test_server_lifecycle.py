@@ -18,8 +18,8 @@ from conftest import ServerProcess, gguf_dir
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from scripted_engine import until
 
-from jaxpipe.serve import jaxpipe_pb2 as pb
-from jaxpipe.serve import jaxpipe_pb2_grpc as pb_grpc
+from jaxpipe.protocol import jaxpipe_pb2 as pb
+from jaxpipe.protocol import jaxpipe_pb2_grpc as pb_grpc
 
 # Long enough that the tiny model (a few ms a step) is still generating when the engine is
 # killed or the server told to drain: prompt (chat template included, ~35 tokens) + 200 fit

@@ -4,7 +4,7 @@ default, and the sliding layers' own plain RoPE (`rope_local_theta`): HF's
 
 from __future__ import annotations
 
-from jaxpipe.config import RopeScaling
+from jaxpipe.config.model import RopeScaling
 from jaxpipe.model.families import gemma2
 from jaxpipe.model.family import Family, per_layer
 

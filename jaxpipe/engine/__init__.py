@@ -1,0 +1,9 @@
+"""The engine: requests in, tokens out.
+
+    engine.py           Engine: generate / chat / stream / add_request / step / abort
+    executor.py         the engine core: schedule -> launch -> land through the scheduler's loop
+    step_builder.py     a scheduled run -> the runner's step inputs and sampling plan
+    output_processor.py a step's tokens on the host, and how sequences end
+    stats.py            the counters Engine.stats() reports
+    timeline.py         when each step was dispatched, finished and landed
+"""

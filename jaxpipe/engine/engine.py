@@ -1,0 +1,562 @@
+"""The engine: requests in, tokens out. Loading the model, validating requests, generate /
+chat / stream and outputs live here; `step()` is the executor's (executor.py):
+
+    action = policy.schedule(state)   # Run (prompt chunks + decode tokens) | Switch | SwapIn
+                                      # | Preempt
+    launch(run) / execute(action)     # a ragged step dispatched (step_builder.py), or a
+                                      # re-shard or a KV move
+    land()                            # tokens appended, stops checked (output_processor.py)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import time
+from collections.abc import Iterator
+from collections.abc import Sequence as Seq
+from functools import partial
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm.auto import tqdm
+
+from jaxpipe.config.cluster import Cluster, check_same, cluster_of, shared_fields
+from jaxpipe.config.engine import POLICY_KNOBS, EngineConfig
+from jaxpipe.config.layout import Layout
+from jaxpipe.config.meshes import MeshPreset, load_mesh
+from jaxpipe.config.model import ModelConfig
+from jaxpipe.engine.executor import Executor
+from jaxpipe.engine.step_builder import sampling_plan
+from jaxpipe.kernels.paged import storage_dtype
+from jaxpipe.kv.device_cache import BLOCK
+from jaxpipe.model import loading
+from jaxpipe.model.decoder import Decoder, init_random, param_decls
+from jaxpipe.model.presets import resolve_model
+from jaxpipe.model.tokenizer import Tokenizer
+from jaxpipe.request import validate as requests
+from jaxpipe.request.outputs import Completion, RequestOutput, StreamDelta, token_delta
+from jaxpipe.request.params import SamplingParams
+from jaxpipe.request.stopping import StopChecker
+from jaxpipe.runtime import distributed, sharding, sizing
+from jaxpipe.runtime import kernel_choice as dispatch
+from jaxpipe.runtime.buckets import Buckets
+from jaxpipe.runtime.kernel_choice import Dispatch
+from jaxpipe.runtime.runner import (
+    Runner,
+    attention_cases,
+    attention_impl,
+    packed_head_bytes,
+    weight_copies,
+)
+from jaxpipe.runtime.synthetic_step import padding_inputs
+from jaxpipe.scheduler import (
+    Sequence,
+)
+from jaxpipe.scheduler.prefix_order import admission_order
+
+log = logging.getLogger("jaxpipe")
+
+
+class Engine:
+    """Offline / batch LLM generation. See README for the full contract."""
+
+    def __init__(self, config: EngineConfig | None = None, **overrides):
+        """Load the model, allocate the KV store and compile the steps (warm-up)."""
+        self.config = config = config or EngineConfig(**overrides)
+        self.mesh = load_mesh(config.mesh)
+        self.cluster = cluster_of(config)
+        if self.cluster is not None and not self.cluster.is_leader:
+            raise ValueError(f"EngineConfig.process_id={config.process_id} is a follower: it "
+                             "takes no requests; run jaxpipe.engine.engine.follow(config) there "
+                             "(the CLIs do, given --process-id)")
+        devices = _mesh_devices(self.mesh, self.cluster)  # before any other JAX use
+        leader = distributed.Leader(self.cluster) if self.cluster is not None else None
+        try:
+            model = self._build(config, devices, leader)
+        except BaseException as e:
+            if leader is not None:  # the followers are waiting for the runner's sizes
+                leader.send("abort", f"{type(e).__name__}: {e}")
+                leader.close()
+            raise
+        del model  # its arrays are the runner's now (padded, in the layout): free these
+        if leader is not None:
+            self.runner = distributed.MirroredRunner(self.runner, leader)
+        self._eos = frozenset(self.model_config.eos_token_ids)
+        self._seeds = np.random.default_rng(config.seed)
+        self._ids = itertools.count()
+        self._requests: dict[str, Sequence] = {}
+        self.closed = False
+        self._detok_on = config.detok_worker  # set_detok_worker flips it
+        self.executor = Executor(config, self.runner, self.buckets, self.max_num_seqs,
+                                 self.max_model_len, self.budget.host_bytes or 0.0)
+        if config.warmup:
+            self.warmup()
+
+    def _build(self, config: EngineConfig, devices: list, leader) -> Decoder | Path:
+        """Load the model, size the KV pool and make the runner (the leader tells the
+        followers the sizes first). Returns the loaded model, for the caller to drop."""
+        self.dtype, self.model_config, model, self.tokenizer, self.max_model_len, \
+            self.layouts = _prepare(config, len(devices))
+        self.limits = requests.Limits(self.max_model_len, self.model_config.vocab_size)
+        self.dispatch = _dispatch(config, self.model_config, self.dtype, devices)
+        weight_bytes = _weight_bytes(self.model_config, self.dtype, self.layouts, devices,
+                                     self.dispatch)
+        sizes = sizing.size(config, self.model_config, self.dtype, self.layouts, devices,
+                            weight_bytes, self.max_model_len)
+        self.budget, self.max_num_seqs, self.num_blocks = (
+            sizes.budget, sizes.max_num_seqs, sizes.num_blocks)
+        if leader is not None:
+            leader.send("setup", {"max_num_seqs": self.max_num_seqs,
+                                  "num_blocks": self.num_blocks,
+                                  "dispatch": self.dispatch and self.dispatch.timings,
+                                  "config": shared_fields(config)})
+        self.buckets = Buckets.for_engine(self.max_num_seqs, self.max_model_len,
+                                          config.max_num_batched_tokens)
+        self.runner = _make_runner(config, self.model_config, model, self.buckets,
+                                   self.max_num_seqs, self.max_model_len, self.dtype, devices,
+                                   self.layouts, self.num_blocks, self.dispatch)
+        return model
+
+    # ---- public API ---------------------------------------------------------------------------
+
+    def add_request(self, prompt: str | None = None, params: SamplingParams | None = None, *,
+                    prompt_token_ids: Seq[int] | None = None, request_id: str | None = None,
+                    ) -> str:
+        """Queue one request; returns its id. Raises ValueError on bad input (nothing queued).
+        Its stop strings are checked on the engine's thread, so every token `step` hands
+        back is final (`generate` and `stream` use the detokenizer worker instead)."""
+        self._check_open()
+        ids = self._prompt_ids(prompt, prompt_token_ids)
+        return self._add(prompt, params, ids, request_id, None)
+
+    def _add(self, prompt, params, ids, request_id, worker, seed=None) -> str:
+        """Queue one request: `ids` its prompt's token ids, checked (`_prompt_ids`); `seed`
+        drawn already, for a request whose params give none."""
+        self._check_open()
+        params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(
+                f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        max_tokens = requests.max_tokens(ids, params, self.limits)
+        request_id = str(next(self._ids)) if request_id is None else str(request_id)
+        if request_id in self._requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        if params.seed is not None:
+            seed = params.seed
+        elif seed is None:
+            seed = self._draw_seed()
+        seq = Sequence.create(request_id, ids, params, seed, max_tokens, prompt=prompt,
+                              stop=StopChecker(self.tokenizer, ids, params, self._eos,
+                                               worker),
+                              arrival_time=time.perf_counter())
+        self.executor.add(seq)
+        self._requests[request_id] = seq
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request; it finishes with finish_reason "abort"."""
+        seq = self._requests.get(request_id)
+        if seq is not None and not seq.is_finished:
+            self.executor.abort(seq)
+
+    def release(self, request_id: str) -> None:
+        """Forget a finished (or aborted) request so its memory is freed. For callers that drive
+        `add_request` / `step` themselves, such as a server; `generate` and `stream` do this."""
+        seq = self._requests.get(request_id)
+        if seq is not None and seq.is_finished:
+            del self._requests[request_id]
+
+    def has_unfinished(self) -> bool:
+        return self.executor.has_work()
+
+    def step(self) -> list[Sequence]:
+        """Do the scheduling policy's next action (see executor.py); returns the sequences
+        that got a token."""
+        self._check_open()
+        return self.executor.step()
+
+    def generate(self, prompts: str | Seq[str] | None = None,
+                 sampling_params: SamplingParams | Seq[SamplingParams] | None = None, *,
+                 prompt_token_ids: Seq[int] | Seq[Seq[int]] | None = None,
+                 use_tqdm: bool | None = None) -> list[RequestOutput]:
+        """Generate for every prompt (text or token ids); outputs in input order."""
+        prompts, token_lists = _normalise_prompts(prompts, prompt_token_ids)
+        n = len(prompts) if prompts is not None else len(token_lists)
+        prompts = prompts if prompts is not None else [None] * n
+        token_lists = token_lists if token_lists is not None else [None] * n
+        return self._generate_all(prompts, token_lists, _per_request(sampling_params, n), use_tqdm)
+
+    def chat(self, conversations: Seq[dict] | Seq[Seq[dict]],
+             sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+             use_tqdm: bool | None = None) -> list[RequestOutput]:
+        """Apply the model's chat template to each conversation and generate."""
+        self._need_tokenizer("chat")
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]
+        prompts = [self.tokenizer.apply_chat_template(list(c), add_generation_prompt=True)
+                   for c in conversations]
+        token_lists = [self.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
+        params = _per_request(sampling_params, len(prompts))
+        return self._generate_all(prompts, token_lists, params, use_tqdm)
+
+    def stream(self, prompt: str | Seq[int], params: SamplingParams | None = None,
+               ) -> Iterator[StreamDelta]:
+        """Yield the new tokens and text of one request as they are generated."""
+        text, token_ids = (prompt, None) if isinstance(prompt, str) else (None, list(prompt))
+        self._check_open()
+        rid = self._add(text, params, self._prompt_ids(text, token_ids), None,
+                        self._detok_worker())
+        seq = self._requests[rid]
+        completion = Completion(seq, self.tokenizer, stream=True)
+        try:
+            while not seq.is_finished:
+                self.step()
+                if not seq.stop.settled(seq):
+                    continue  # the worker found a stop string: the next step ends it there
+                delta = token_delta(seq, len(completion.token_ids))
+                if delta.token_ids or seq.is_finished:
+                    new_text = completion.add(delta)
+                    yield StreamDelta(rid, delta.token_ids, new_text, delta.finish_reason)
+        finally:
+            self.abort(rid)
+            self._requests.pop(rid, None)
+
+    def set_scheduler(self, name: str, **knobs) -> None:
+        """Switch the scheduling policy of an idle engine (a name `EngineConfig.scheduler`
+        accepts), e.g. to compare policies on the same loaded model. knobs: the policy's
+        fields of `EngineConfig` (throttle_*, tdpipe_*) for this policy, validated as there;
+        the others keep the engine's config."""
+        self._check_idle("set_scheduler")
+        if unknown := sorted(set(knobs) - set(POLICY_KNOBS)):
+            raise ValueError(f"set_scheduler takes the policy knobs {POLICY_KNOBS}, "
+                             f"got {unknown}")
+        self.executor.set_policy(dataclasses.replace(self.config, scheduler=name, **knobs))
+
+    def set_overlap(self, on: bool) -> None:
+        """Overlap each step with the previous one's landing, or land each step before the
+        next (`EngineConfig.overlap`, its initial value), on an idle engine."""
+        self._check_idle("set_overlap")
+        self.executor.set_overlap(on)
+
+    def set_detok_worker(self, on: bool) -> None:
+        """Check stop strings on the detokenizer worker or on the engine's thread
+        (`EngineConfig.detok_worker`, its initial value) for the requests added from now."""
+        self._detok_on = bool(on)
+
+    def stats(self) -> dict:
+        """Counters since the engine started or `reset_stats()` (JSON-serialisable); see
+        `EngineStats.snapshot` for what each one means."""
+        return self.executor.stats()
+
+    def reset_stats(self) -> None:
+        """Zero every counter of `stats()` (the compile counters are the runner's own)."""
+        self.executor.reset_stats()
+
+    def close(self) -> None:
+        """Stop the engine's threads and free its memory: the weights, the device KV pool
+        and the host KV tier. Unfinished requests are aborted. A closed engine refuses new
+        work; closing twice is harmless. `with Engine(...) as engine:` closes on exit."""
+        if self.closed:
+            return
+        for seq in list(self._requests.values()):
+            if not seq.is_finished:
+                self.executor.abort(seq)
+        self.executor.close()
+        self.closed = True
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError("this Engine is closed (Engine.close()); create a new one")
+
+    def warmup(self) -> None:
+        """Compile the step for every token bucket in the current phase's layout, and the LM
+        head and greedy sampler for every number of sampled rows, so that the hot loop never
+        stops to compile (JAX's persistent cache makes this seconds after the first run).
+        A warm-up step is all padding: it writes no KV and no penalty state."""
+
+        tokens, rows = self.buckets.step_tokens, self.buckets.sample_row_buckets()
+        with tqdm(total=len(tokens) + len(rows), desc="jaxpipe: compiling", unit="shape",
+                  disable=not self.config.show_progress) as bar:
+            for t in tokens:
+                self.runner.hidden(padding_inputs(self.runner, t))
+                bar.update()
+            for n in rows:  # the head and sampler read [max_rows, E]: any step feeds them
+                plan = sampling_plan([], n)
+                self.runner.step(padding_inputs(self.runner, tokens[0]),
+                                 np.full(n, self.max_num_seqs, np.int32), plan)
+                bar.update()
+
+    # ---- helpers ------------------------------------------------------------------------------
+
+    def _generate_all(self, prompts, token_lists, params, use_tqdm) -> list[RequestOutput]:
+        """Queue every request or none (every prompt is checked, once, before any is queued;
+        a bad sampling param rolls back those queued before it), in the prefix cache's order
+        when it is on (`_admission_order`), run them to completion and return their outputs
+        in input order. Request ids and drawn seeds follow the input order whatever the
+        queue's."""
+        self._check_open()
+        token_lists = [self._prompt_ids(p, t) for p, t in zip(prompts, token_lists, strict=True)]
+        order = self._admission_order(token_lists)
+        rids = [str(next(self._ids)) for _ in params]
+        seeds = [None if getattr(sp, "seed", None) is not None else self._draw_seed()
+                 for sp in params]
+        queued: list[str] = []
+        try:
+            for i in order:
+                queued.append(self._add(prompts[i], params[i], token_lists[i], rids[i],
+                                        self._detok_worker(), seeds[i]))
+        except BaseException:
+            for rid in queued:
+                self.abort(rid)
+                self._requests.pop(rid, None)
+            raise
+        self._drain(queued, self.config.show_progress if use_tqdm is None else use_tqdm)
+        return [self.pop_output(i) for i in rids]
+
+    def _admission_order(self, token_lists: list[list[int]]) -> list[int]:
+        """The order to queue a list of prompts (token ids) in: with the prefix cache on,
+        prompts sharing a prefix run close together and each shared prefix is computed a
+        step ahead of its group (`prefix_order.admission_order`); else the input order."""
+        if not self.config.prefix_caching or len(token_lists) < 2:
+            return list(range(len(token_lists)))
+        return admission_order(token_lists, BLOCK)
+
+    def _draw_seed(self) -> int:
+        """The next seed of the engine's stream, for a request whose params give none."""
+        return int(self._seeds.integers(2**32))
+
+    def _drain(self, ids: list[str], progress: bool) -> None:
+        """Step until every request in `ids` has finished, with an optional progress bar."""
+
+        pending = {i for i in ids}
+        bar = tqdm(total=len(ids), desc="jaxpipe: generating", unit="req", disable=not progress)
+        try:
+            while pending:
+                if not self.has_unfinished():
+                    raise RuntimeError(f"requests {sorted(pending)[:5]} were lost by the scheduler")
+                for seq in self.step():
+                    if seq.is_finished and seq.request_id in pending:
+                        pending.discard(seq.request_id)
+                        bar.update(1)
+                        bar.set_postfix(tok=self.executor.generated_tokens, refresh=False)
+                pending = {i for i in pending if not self._requests[i].is_finished}
+        except BaseException:
+            for rid in pending:  # never leave orphans behind in the engine
+                self.abort(rid)
+            raise
+        finally:
+            bar.close()
+
+    def pop_output(self, request_id: str) -> RequestOutput:
+        """The output of a finished request, which the engine then forgets (as `release`).
+        For callers that drive `add_request` / `step` themselves."""
+        seq = self._requests.get(request_id)
+        if seq is None:
+            raise KeyError(f"no request {request_id!r} in the engine (never added, or its "
+                           "output was already taken)")
+        if not seq.is_finished:
+            raise RuntimeError(f"request {request_id!r} has not finished; step() until it has")
+        del self._requests[request_id]
+        completion = Completion(seq, self.tokenizer)
+        completion.add(token_delta(seq))
+        metrics = {"arrival": seq.arrival_time, "first_token": seq.first_token_time,
+                   "finished": seq.finish_time}
+        return completion.to_output(seq.request_id, seq.prompt, metrics)
+
+    def _prompt_ids(self, prompt, prompt_token_ids) -> list[int]:
+        """Token ids win when both are given (chat passes its rendered text for the output).
+        Checked by `requests.py`, the validator the server and batch jobs use too."""
+        if prompt_token_ids is not None:
+            kind, value = "token_ids", prompt_token_ids
+        elif prompt is None:
+            raise ValueError("give a prompt (text) or prompt_token_ids")
+        else:
+            kind, value = "text", prompt
+        return requests.prompt_token_ids(kind, value, self.tokenizer, self.limits)
+
+    def _detok_worker(self):
+        return self.executor.detok if self._detok_on else None
+
+    def _check_idle(self, what: str) -> None:
+        if self.has_unfinished():
+            raise RuntimeError(f"{what} needs an idle engine: requests are in flight")
+
+    def _need_tokenizer(self, what: str) -> None:
+        if self.tokenizer is None:
+            raise ValueError(f"model {self.config.model!r} has no tokenizer; {what} need one "
+                             "(use prompt_token_ids)")
+
+
+# ---- module helpers ---------------------------------------------------------------------------
+
+
+def _enable_compilation_cache(path: str | None) -> None:
+    if path:
+        jax.config.update("jax_compilation_cache_dir", path)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+
+
+def follow(config: EngineConfig) -> None:
+    """Be a follower of a multi-process engine (process_id > 0; see distributed.py): join the
+    cluster, load the same model, make the runner with the sizes the leader chose, then run
+    the leader's calls until it closes."""
+    cluster = cluster_of(config)
+    if cluster is None or cluster.is_leader:
+        raise ValueError("follow() runs a follower: give EngineConfig a coordinator, "
+                         "num_processes > 1 and process_id > 0")
+    devices = _mesh_devices(load_mesh(config.mesh), cluster)
+    channel = distributed.FollowerChannel(cluster)
+    dtype, model_config, model, _, max_len, layouts = _prepare(config, len(devices))
+    name, sizes = channel.recv()
+    if name != "setup":
+        channel.close()
+        raise RuntimeError(f"the leader (process 0) failed to start: {sizes}")
+    check_same(sizes["config"], shared_fields(config))
+    buckets = Buckets.for_engine(sizes["max_num_seqs"], max_len, config.max_num_batched_tokens)
+    # The leader's measured choices, so that every process compiles the same programs.
+    timings = sizes["dispatch"]
+    chosen = None if timings is None else Dispatch(_forced(config), timings=timings)
+    runner = _make_runner(config, model_config, model, buckets, sizes["max_num_seqs"], max_len,
+                          dtype, devices, layouts, sizes["num_blocks"], chosen)
+    del model
+    log.info("process %d follows the leader at %s", cluster.process_id, cluster.coordinator)
+    distributed.Follower(runner, channel).serve()
+
+
+def _prepare(config: EngineConfig, num_devices: int):
+    """What every process derives alike from the config: dtype, architecture, the loaded
+    model, tokenizer, max_model_len and the two layouts."""
+    _enable_compilation_cache(config.compilation_cache_dir)
+    dtype = jnp.dtype(config.dtype)
+    model_config, model, tokenizer = _load(config, dtype)
+    max_len = _max_model_len(config, model_config)
+    layouts = _resolve_layouts(config, model_config, num_devices)
+    return dtype, model_config, model, tokenizer, max_len, layouts
+
+
+def _mesh_devices(mesh: MeshPreset, cluster: Cluster | None = None) -> list:
+    """The devices of a mesh preset, over every process of `cluster` (joined here); a cpu-N
+    preset adds virtual CPU devices if JAX has not started yet (a clear error if it has, with
+    fewer)."""
+    if cluster is not None:
+        distributed.initialize(cluster, mesh.num_devices // cluster.num_processes,
+                               mesh.platform)
+    elif mesh.platform == "cpu" and mesh.num_devices > 1:
+        sharding.ensure_cpu_devices(mesh.num_devices)
+    devices = jax.devices("cpu" if mesh.platform == "cpu" else None)
+    if len(devices) < mesh.num_devices or (mesh.platform != "cpu"
+                                           and devices[0].platform == "cpu"):
+        raise RuntimeError(f"mesh {mesh.name!r} needs {mesh.num_devices} {mesh.platform} "
+                           f"devices; found {len(devices)} {devices[0].platform} device(s)")
+    return devices[: mesh.num_devices]
+
+
+def _make_runner(config: EngineConfig, cfg: ModelConfig, model: Decoder | Path,
+                 buckets: Buckets, num_slots: int, max_len: int, dtype, devices: list,
+                 layouts: dict, num_blocks: int, chosen: Dispatch | None) -> Runner:
+    """The runner over `layouts` of `devices` (one device: pp=1,tp=1 for both phases).
+    `model` is a path when an orbax checkpoint is to be restored straight into shardings."""
+    weights = model if isinstance(model, Path) else {
+        name: getattr(model, name)[...] for name in param_decls(cfg)}
+    return Runner(cfg, weights, buckets, num_slots, max_len, dtype, layouts, devices,
+                  num_blocks, attention=config.attention, sampler=config.sampler,
+                  sampler_threads=config.sampler_threads, dispatch=chosen)
+
+
+def _forced(config: EngineConfig) -> str | None:
+    """The matmul implementation the config names, or None to measure."""
+    return None if config.matmul == "auto" else config.matmul
+
+
+def _dispatch(config: EngineConfig, cfg: ModelConfig, dtype, devices: list) -> Dispatch | None:
+    """This machine's measured kernel choices on CPU (None elsewhere), with the attention
+    measured now if the config leaves it to the machine: every process of a cluster then
+    gets the same timings from the leader."""
+    if devices[0].platform != "cpu":
+        return None
+    chosen = dispatch.for_machine(_forced(config))
+    if config.attention == "auto":
+        attention_impl("auto", devices, partial(chosen.attention, attention_cases(cfg),
+                                                storage_dtype(dtype, "cpu")))
+    return chosen
+
+
+def _resolve_layouts(config: EngineConfig, cfg: ModelConfig, num_devices: int) -> dict:
+    """The two layouts, with "auto" replaced by the planner's choice (cost model, sharegpt);
+    one device runs both phases on pp=1,tp=1."""
+    if num_devices == 1:
+        return {"prefill": Layout(), "decode": Layout()}
+    layouts = {"prefill": config.prefill, "decode": config.decode}
+    if "auto" in layouts.values():
+        # lazy: the planner loads only for "auto" layouts (`import jaxpipe` reaches no tool)
+        from jaxpipe.planner import choose_layouts
+
+        chosen = dict(zip(("prefill", "decode"),
+                          choose_layouts(cfg, load_mesh(config.mesh), "sharegpt"), strict=True))
+        layouts = {k: chosen[k] if v == "auto" else v for k, v in layouts.items()}
+    return {k: Layout.parse(v) for k, v in layouts.items()}
+
+
+def _load(config: EngineConfig, dtype) -> tuple[ModelConfig, Decoder | Path, Tokenizer | None]:
+    """Architecture, weights and tokenizer. An orbax checkpoint is not read here: its path is
+    returned, for the runner to restore straight into the layout's shardings."""
+    source = resolve_model(config.model)
+    tokenizer = loading.load_tokenizer(source)
+    if config.random_weights:
+        cfg = loading.source_config(source)  # the metadata alone: the weights are not read
+        return cfg, init_random(cfg, config.seed, dtype), tokenizer
+    if source.kind == "orbax":
+        return loading.source_config(source), source.path, tokenizer
+    start = time.perf_counter()
+    cfg, values = loading.load_weights(source)
+    model = Decoder(cfg, dtype=dtype, values=values)
+    log.info("loaded %s in %.1f s", source.name, time.perf_counter() - start)
+    return cfg, model, tokenizer
+
+
+def _max_model_len(config: EngineConfig, cfg: ModelConfig) -> int:
+    limit, what = cfg.context_limit
+    if config.max_model_len is None:
+        return min(limit, 2048)
+    if config.max_model_len > limit:
+        raise ValueError(f"EngineConfig.max_model_len={config.max_model_len} exceeds the model's "
+                         f"{what}")
+    return config.max_model_len
+
+
+def _weight_bytes(cfg: ModelConfig, dtype, layouts: dict, devices, dispatch) -> int:
+    """Bytes of the weights the runner will hold: every copy it keeps, the packed LM head
+    included."""
+    packed = packed_head_bytes(cfg, dtype, layouts, devices, dispatch)
+    return (sizing.model_bytes(cfg, dtype) + packed) * weight_copies(layouts, devices)
+
+
+def _normalise_prompts(prompts, prompt_token_ids):
+    if (prompts is None) == (prompt_token_ids is None):
+        raise ValueError("give exactly one of prompts or prompt_token_ids")
+    if prompts is not None:
+        return ([prompts] if isinstance(prompts, str) else list(prompts)), None
+    ids = list(prompt_token_ids)
+    if ids and not isinstance(ids[0], (list, tuple, np.ndarray)):
+        ids = [ids]  # one prompt given as a flat list of ints
+    return None, ids
+
+
+def _per_request(params, n: int) -> list[SamplingParams]:
+    if params is None or isinstance(params, SamplingParams):
+        return [params or SamplingParams()] * n
+    params = list(params)
+    if len(params) != n:
+        raise ValueError(f"got {len(params)} sampling params for {n} prompts; give one, or one "
+                         "per prompt")
+    return params

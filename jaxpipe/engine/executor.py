@@ -1,0 +1,369 @@
+"""The engine core: one step is schedule -> launch -> land, through the scheduler's one loop.
+
+    driver.step()          # jaxpipe.scheduler.loop.Driver, the simulator's loop too:
+      policy.schedule      #   Run | Switch | SwapIn | Preempt (a pipelined policy: pp runs,
+                           #   merged into one step)
+      launch(runs)         #   step_builder: pieces, inputs, sampling plan; dispatched, then
+                           #   applied to the state at once by the driver
+      land(flight)         #   output_processor: tokens appended, stops checked; the driver
+                           #   finishes the sequences that ended and tells the policy (`landed`)
+      execute(action)      #   any other action: a re-shard or a KV move
+
+This class is the loop's executor (`StepExecutor`) for the engine. Overlap
+(`EngineConfig.overlap`): a Run is applied to the state when its step is dispatched, and the
+step before it lands (tokens appended, stop checks) only after that, so the host's work runs
+while the device computes; decode tokens not yet on the host are fed from the step in flight
+on the device. Any other action waits for the step in flight to land first.
+
+Words kept to one meaning here: a step *lands* when its tokens are on the host (and so do the
+runs it carried: `Policy.landed`); a sequence is *freed* when its slot and KV go back to the
+pool (at dispatch when its token in flight is certainly its last: the driver's rule, `free`
+here drops its KV); a *plan* is a step's `SamplingPlan`; *release* is left to
+`Engine.release` (a finished request's output forgotten).
+
+The policy sees only token counts (`SchedulerState`: its queues and the ledgers of device
+blocks and slots, `device_kv`, and host-tier tokens, `host_kv`); `KVManager` (jaxpipe/kv/)
+moves the bytes: the host KV tier and the prefetcher. The counters and the step timeline
+are `EngineStats`' (engine_stats.py). `_scheduling` and `_policy` below build the
+state, the policy and the KV manager.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from jaxpipe.config.engine import EngineConfig
+from jaxpipe.config.model import ModelConfig
+from jaxpipe.engine.output_processor import OutputProcessor
+from jaxpipe.engine.stats import EngineStats
+from jaxpipe.engine.step_builder import Step, StepBuilder
+from jaxpipe.engine.timeline import StepRecord, Timeline
+from jaxpipe.kv.device_cache import BLOCK
+from jaxpipe.kv.manager import KVManager
+from jaxpipe.request.stopping import DetokWorker
+from jaxpipe.runtime import sizing, step_timing
+from jaxpipe.runtime.buckets import Buckets
+from jaxpipe.runtime.distributed import MirroredRunner
+from jaxpipe.runtime.runner import Dispatched, HostSampled, Runner, StepOutput
+from jaxpipe.scheduler import (
+    Action,
+    Driver,
+    Kind,
+    Preempt,
+    Run,
+    SchedulerState,
+    Sequence,
+    StepExecutor,
+    make_policy,
+)
+from jaxpipe.scheduler.throttle import ThrottleKnobs
+
+PIPELINED = ("tdpipe", "throttle")  # policies that form one micro-batch per schedule call
+
+
+class Executor(StepExecutor):
+    """The engine's executor of the scheduler's loop: the scheduler state and its policy, a
+    step builder, the runner, an output processor and the engine's stats."""
+
+    merge = True  # a pipelined policy's pp micro-batches run as one step
+
+    def __init__(self, config: EngineConfig, runner: Runner, buckets: Buckets, num_slots: int,
+                 max_model_len: int, host_bytes: float):
+        """The policy's actions carry the engine's `Sequence` records themselves.
+        host_bytes: the host KV tier's budget (sizing.size; host_kv_tokens wins)."""
+        self.config, self.runner, self.buckets = config, runner, buckets
+        self.state, policy, self.kv = _scheduling(config, runner, buckets, num_slots,
+                                                  max_model_len, host_bytes)
+        self.driver = Driver(policy, self.state, self)
+        self.max_step_tokens = buckets.max_tokens
+        self.builder = StepBuilder(runner, buckets, self.state, self.kv)
+        self.kv.on_insert = self.builder.restore_penalties
+        self.engine_stats = EngineStats(runner, self.state, self.kv)
+        self.detok = DetokWorker()  # used by the requests added while config.detok_worker
+        self.output = OutputProcessor(self.state, self.kv, self.detok, self.engine_stats,
+                                      max_model_len)
+        self._flight: Flight | None = None  # the newest step dispatched and not yet landed
+        self._landed: list[Sequence] = []  # sequences that got a token in this step() call
+        self._overlap = config.overlap  # set_overlap flips it on an idle engine
+
+    def step(self) -> list[Sequence]:
+        """Run the policy's next action (`Driver.step`: schedule, then `launch` and `land`,
+        or `execute`, below); returns the sequences that got a token (with overlap, those of
+        the step before the one this call dispatched)."""
+        self._landed = []
+        self.driver.step()
+        self.engine_stats.note_host()
+        return self._landed
+
+    # ---- the engine's controls ----------------------------------------------------------------
+
+    @property
+    def overlap(self) -> bool:
+        """Whether a step is dispatched before the previous one's tokens are on the host
+        (`EngineConfig.overlap`; the pipelined policies already keep pp micro-batches in
+        each step and land every step before scheduling the next)."""
+        return self._overlap and self.policy.depth == 1
+
+    @property
+    def in_flight(self) -> int:
+        """Steps left in flight while the next is scheduled (the driver's)."""
+        return int(self.overlap)
+
+    def set_overlap(self, on: bool) -> None:
+        """Overlap steps from now on, or land each before the next (Engine.set_overlap)."""
+        self._overlap = bool(on)
+
+    @property
+    def policy(self):
+        return self.driver.policy
+
+    @policy.setter
+    def policy(self, policy) -> None:
+        self.driver.policy = policy
+
+    def set_policy(self, config: EngineConfig) -> None:
+        """Schedule with `config`'s policy (its scheduler and knobs) from now on."""
+        self.policy = _policy(config.scheduler, config, self.runner, self.buckets,
+                              self.state.host_kv.capacity)
+
+    def has_work(self) -> bool:
+        """Whether a request is unfinished: in the scheduler state, or (already freed: its
+        last token) in the step in flight."""
+        flight = self._flight
+        return self.state.has_work() or (
+            flight is not None and any(not s.is_finished for s in flight.freed))
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new request's sequence."""
+        self.state.add(seq)
+        self.engine_stats.added(seq)
+
+    def abort(self, seq: Sequence) -> None:
+        self.state.abort(seq.request_id)
+        self.output.finish(seq, "abort")
+        self.engine_stats.note_host()
+
+    def close(self) -> None:
+        """Wait for the step in flight, stop the threads and free the device and host KV."""
+        if self._flight is not None:
+            self._flight.out.wait()
+            self._flight = None
+        self.kv.close()
+        self.detok.close()
+        self.runner.close()
+
+    def stats(self) -> dict:
+        """Counters since the engine started or `reset_stats()` (`EngineStats.snapshot`
+        says what each one means)."""
+        return self.engine_stats.snapshot()
+
+    def reset_stats(self) -> None:
+        """Zero every counter of `stats()` (the compile counters are the runner's own)."""
+        self.engine_stats.reset()
+
+    @property
+    def timeline(self) -> Timeline:
+        return self.engine_stats.timeline
+
+    @property
+    def generated_tokens(self) -> int:
+        return self.engine_stats.counts["generated_tokens"]
+
+    # ---- the loop's callbacks: schedule, launch, land -----------------------------------------
+
+    def scheduled(self, start: float, state: SchedulerState) -> None:
+        self.timeline.part("schedule", start)
+
+    def ready(self, run: Run) -> Run:
+        """`run` less the decodes whose KV is still being swapped in (none may wait in a
+        pipelined policy's micro-batch)."""
+        start = time.perf_counter()
+        run = self.builder.ready(run, launched=self.policy.depth > 1)
+        self.timeline.part("build", start)
+        return run
+
+    def launch(self, runs: list[Run], state: SchedulerState) -> Flight | None:
+        """Build and dispatch one ragged step: every prompt chunk and decode token of `runs`
+        in one batch (`step_builder.py`); the driver then applies it to the state at once
+        (a sequence's next token is in flight; its stop is learnt when it lands). With
+        `prefill_to_host` each completed prefill's KV then goes to the host tier
+        (asynchronously: later steps overlap the copies)."""
+        start = time.perf_counter()
+        step = self.builder.build(runs[0] if len(runs) == 1 else _merge(runs), self._flight)
+        if step is None:
+            return None
+        start = self.timeline.part("build", start)
+        plan = self.builder.plan(step)
+        start = self._ready_to_dispatch(step, self.timeline.part("sample", start))
+        prev = self._flight.out if self._flight is not None else None
+        out = self.runner.dispatch(step.inputs, step.slots, plan, prev)
+        record = self.timeline.dispatch("step", start, len(step.run.decode),
+                                        step.run.prefill_tokens, out)
+        self.timeline.part("dispatch", start, record)
+        for seq, tokens in step.to_host:
+            self.kv.swap_out(seq, tokens)  # its blocks, before the state records the move
+        self.engine_stats.dispatched(step)
+        self._flight = Flight(runs, step.sampled, out, record)
+        return self._flight
+
+    def _ready_to_dispatch(self, step: Step, start: float) -> float:
+        """What must be done before `step` is dispatched: a host-sampled step in flight whose
+        tokens `step` feeds is sampled (the device waits for the host sampler), and queued
+        swap-outs are read out of the pool before `step` reuses their blocks, once the step
+        in flight (which wrote them) is done: the wait is the device's, timed as the
+        timeline's, and swap_seconds only the reads; then the prefix cache's host-tier moves
+        (blocks `step` overwrites read out, blocks it reads copied back). Returns now."""
+        flight = self._flight
+        if step.feeds and isinstance(flight.out, HostSampled):
+            _, start = self._bring(flight)
+        if not self.kv.outgoing:
+            self.kv.move_blocks(self.state.host_kv.take_moves())
+            return start
+        if flight is not None and flight.out is not None:
+            flight.out.wait()
+            self.timeline.finished(flight.record, start)
+        self.kv.flush()
+        self.kv.move_blocks(self.state.host_kv.take_moves())
+        return time.perf_counter()
+
+    def free(self, flight: Flight, seqs: list[Sequence]) -> None:
+        """The driver freed `seqs` at dispatch (their token in `flight` is certainly their
+        last): their KV goes now, so the next step may admit others in their place (device
+        work runs in dispatch order: the step in flight still reads it). They finish, with
+        that token, when it lands."""
+        flight.freed = seqs
+        for seq in seqs:
+            self.kv.drop(seq)
+
+    def land(self, flight: Flight, state: SchedulerState) -> set[str]:
+        """Bring `flight`'s tokens to the host and process them (`OutputProcessor`); returns
+        the ids of its sequences that ended (by their own token, or a stop string found
+        now): the driver finishes them and tells the policy each run's own."""
+        if self._flight is flight:
+            self._flight = None
+        out, start = self._bring(flight)
+        landed, ended = self.output.process(flight.sampled, out)
+        self._landed += landed
+        self.engine_stats.landed(flight.runs, flight.record)
+        self.timeline.part("postprocess", start, flight.record)
+        return ended
+
+    def _bring(self, flight: Flight) -> tuple[StepOutput, float]:
+        """Wait for the step in flight and bring its results to the host (a host-sampled
+        step is sampled here, once). Returns (results, now)."""
+        start = time.perf_counter()
+        flight.out.wait()
+        self.timeline.waited(flight.record, start)
+        start = time.perf_counter()
+        out = flight.out.fetch()
+        return out, self.timeline.part("sample", start, flight.record)
+
+    # ---- the other actions: a re-shard or a KV move -------------------------------------------
+
+    def execute(self, action: Action, state: SchedulerState) -> None:
+        """Do a Switch / SwapIn / Preempt (the driver records it in the state: a swap-in
+        first, so the KV goes into the blocks it gave; the others after)."""
+        record = self.timeline.dispatch(action.kind.value, time.perf_counter())
+        self.kv.flush()  # a switch moves only held blocks; swaps and preemptions reuse them
+        self.kv.move_blocks(self.state.host_kv.take_moves())  # a swap-in's new blocks evicted some
+        if action.kind is Kind.SWAP_IN:
+            for seq in action.seqs:
+                self.kv.swap_in(seq)
+        elif action.kind is Kind.SWITCH:
+            moved = self.runner.set_phase(action.phase, self.state.device_kv.pool.data_blocks())
+            self.engine_stats.switched(action.phase, moved)
+        else:
+            self._preempt(action)
+        self.timeline.done(record)
+
+    def _preempt(self, action: Preempt) -> None:
+        """Evict device sequences: KV to the host tier ("swap", queued from the blocks the
+        state still gives them) or dropped ("recompute": the prompt and outputs so far are
+        prefilled again later)."""
+        for seq in action.seqs:
+            if action.mode == "swap":
+                self.kv.swap_out(seq, seq.computed)
+            else:
+                self.kv.drop(seq)
+        self.engine_stats.preempted(len(action.seqs))
+
+
+# ---- how the engine's scheduling is built -----------------------------------------------------
+
+
+def _scheduling(config: EngineConfig, runner: Runner, buckets: Buckets, num_slots: int,
+                max_len: int, host_bytes: float) -> tuple[SchedulerState, object, KVManager]:
+    """The scheduler state and policy, and the KV manager with its host tier."""
+    pool_tokens = runner.num_blocks * BLOCK
+    host_tokens = sizing.host_tokens(config, host_bytes, runner.cache, pool_tokens)
+    # The host tier keeps each sequence in whole swap chunks (`Runner.kv_chunk`).
+    state = SchedulerState(pool_tokens, num_slots, host_tokens, host_unit=runner.kv_chunk,
+                           device_unit=BLOCK, prefix_caching=config.prefix_caching,
+                           cache_key=cache_key(config), window=every_layer_window(runner.config))
+    policy = _policy(config.scheduler, config, runner, buckets, host_tokens)
+    mirror = runner.leader.send if isinstance(runner, MirroredRunner) else None
+    return state, policy, KVManager(runner, host_tokens > 0, mirror=mirror)
+
+
+def every_layer_window(cfg: ModelConfig) -> int:
+    """The sliding window every layer attends through, so that blocks behind it can be given
+    back (Mistral's); 0 when any layer reads the whole context (Gemma's global layers: the
+    one block table serves every layer, and they keep every block)."""
+    every = set(cfg.sliding_layers) >= set(range(cfg.num_layers))
+    return cfg.sliding_window if cfg.sliding_window and every else 0
+
+
+def cache_key(config: EngineConfig) -> tuple:
+    """What besides the tokens makes a prefix cache's KV what it is: the model (its weights:
+    random ones by their seed) and the dtype."""
+    seed = config.seed if config.random_weights else None
+    return (config.model, config.dtype, seed)
+
+
+def _policy(name: str, config: EngineConfig, runner: Runner, buckets: Buckets,
+            host_tokens: int):
+    """A policy that switches layouts if the runner's two differ, with the step's token
+    budget for prompt chunks. "auto": seesaw over two layouts and a host tier, else
+    prefill_first (continuous batching: nothing to gain from phases on one layout).
+    tdpipe and throttle form pp micro-batches per step on the prefill layout."""
+    layouts = runner.layouts
+    two = layouts["prefill"] != layouts["decode"]
+    if name == "auto":
+        name = "seesaw" if two and host_tokens > 0 else "prefill_first"
+    budget = min(config.max_num_batched_tokens, buckets.max_tokens)
+    if name not in PIPELINED:
+        return make_policy(name, two_layouts=two, max_prefill_tokens=budget)
+    depth = layouts["prefill"].pp
+    opts = {"pipeline_depth": depth, "max_prefill_tokens": max(1, budget // depth)}
+    if name == "throttle":
+        opts["knobs"] = ThrottleKnobs(config.throttle_iterations, config.throttle_max_prefill,
+                                      config.throttle_min_prefill, config.throttle_kv_thresh)
+    else:
+        opts["predictor"] = config.tdpipe_predictor
+        opts["finish_ratio"] = config.tdpipe_finish_ratio
+        if config.tdpipe_finish_ratio is None:
+            opts["timing"] = step_timing.load_or_measure(runner, buckets, depth,
+                                                         config.model, config.dtype)
+    return make_policy(name, **opts)
+
+
+@dataclass
+class Flight:
+    """A dispatched step on its way: the runs it carries, its sampled sequences (row order),
+    the runner's handle and its timeline record."""
+
+    runs: list[Run]
+    sampled: list[Sequence]
+    out: Dispatched | HostSampled
+    record: StepRecord
+    freed: list[Sequence] = field(default_factory=list)  # freed at dispatch: their last token
+
+    def __post_init__(self):
+        self.rows = {seq: i for i, seq in enumerate(self.sampled)}  # seq -> its sampled row
+
+
+def _merge(runs: list[Run]) -> Run:
+    """One step's worth of micro-batches as one Run."""
+    return Run(prefill=[p for r in runs for p in r.prefill],
+               decode=[s for r in runs for s in r.decode])

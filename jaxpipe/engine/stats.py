@@ -1,0 +1,209 @@
+"""The engine's counters and step timeline: what `Engine.stats()` reports.
+
+`EngineStats` is told what happened and counts it; it decides nothing:
+
+  added(seq)              a request queued
+  dispatched(step)        a ragged step went to the device (`step_builder.Step`)
+  landed(runs, record)    a step's tokens are on the host: its seconds, split prefill / decode
+  generated(n)            tokens appended (negative: cut back to a stop string)
+  finished(reason)        a request ended ("stop", "length", "abort")
+  switched / preempted    a layout switch, sequences evicted from the device
+  note_host()             the host tier's occupancy, when it changed
+
+It reads the gauges of the moment (queues, KV in use) from the scheduler state and the KV
+manager, and the swap, compile, control-channel and prefix-cache counters from their owners
+(the prefix cache's are the block pool's), as differences from what they were at `reset()`.
+The step timeline is `timeline.py`'s.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+from jaxpipe.engine.timeline import StepRecord, Timeline
+from jaxpipe.kv.device_cache import BLOCK
+from jaxpipe.scheduler import Run, Sequence
+
+_COUNTERS = ("prefill_seconds", "decode_seconds", "steps", "decode_steps", "prefill_tokens",
+             "prefill_chunks", "decode_tokens", "step_tokens", "step_tokens_padded",
+             "max_step_tokens", "generated_tokens", "fed_steps", "finished_requests", "to_decode",
+             "to_prefill", "reshards", "reshard_seconds", "reshard_weights_seconds",
+             "reshard_kv_seconds", "reshard_kv_blocks", "preemptions", "added_requests",
+             "prompt_tokens")
+
+
+class EngineStats:
+    """Counters since the engine started or `reset()`, the step timeline and the host tier's
+    occupancy timeline, over one runner, scheduler state and KV manager."""
+
+    def __init__(self, runner, state, kv):
+        self.runner, self.state, self.kv = runner, state, kv
+        self.reset()
+
+    def reset(self) -> None:
+        """Zero every counter (the compile counters are the runner's own) and start a new
+        timeline. The device and host KV peaks restart from what is in use now."""
+        self.counts = {k: 0.0 if k.endswith("seconds") else 0 for k in _COUNTERS}
+        self.finish_reasons: dict[str, int] = {}
+        host = self.kv.host
+        self._base = {"out": host.bytes_out, "in": host.bytes_in, "swap": self.kv.swap_seconds,
+                      "prefetch": self._prefetch_seconds(), **self._prefix_cache(),
+                      **self.runner.control_stats()}
+        self.state.device_kv.reset_peak()
+        self.state.host_kv.reset_peak()
+        self._t0 = self._last_fetch = time.perf_counter()
+        self.timeline = Timeline()
+        self._host_timeline: deque = deque([(0.0, self.state.host_kv.used)], maxlen=100_000)
+
+    # ---- what happened -------------------------------------------------------------------------
+
+    def added(self, seq: Sequence) -> None:
+        self.counts["added_requests"] += 1
+        self.counts["prompt_tokens"] += len(seq.prompt_token_ids)
+
+    def dispatched(self, step) -> None:
+        """A built step (`step_builder.Step`) went to the device (its seconds are counted
+        when it lands)."""
+        c, run = self.counts, step.run
+        c["steps"] += 1
+        c["prefill_chunks"] += len(run.prefill)
+        c["prefill_tokens"] += run.prefill_tokens
+        c["decode_tokens"] += len(run.decode)
+        c["decode_steps"] += bool(run.decode)
+        c["step_tokens"] += step.tokens
+        c["step_tokens_padded"] += step.padded
+        c["max_step_tokens"] = max(c["max_step_tokens"], step.tokens)
+        c["fed_steps"] += step.feeds
+
+    def landed(self, runs: list[Run], record: StepRecord) -> None:
+        """A step's tokens reached the host: its seconds (since it started or the step before
+        landed, whichever is later), split between prefill and decode by their share of its
+        tokens."""
+        seconds = record.fetched - max(record.dispatch, self._last_fetch)
+        self._last_fetch = record.fetched
+        prefill = sum(r.prefill_tokens for r in runs)
+        decoded = sum(len(r.decode) for r in runs)
+        share = prefill / (prefill + decoded) if prefill + decoded else 0.0
+        self.counts["prefill_seconds"] += seconds * share
+        self.counts["decode_seconds"] += seconds * (1 - share)
+
+    def generated(self, n: int) -> None:
+        self.counts["generated_tokens"] += n
+
+    def finished(self, reason: str) -> None:
+        self.counts["finished_requests"] += 1
+        self.finish_reasons[reason] = self.finish_reasons.get(reason, 0) + 1
+
+    def switched(self, phase: str, moved) -> None:
+        """A switch to `phase`'s layout; `moved`: what `Runner.set_phase` moved, or None."""
+        if phase != self.state.phase.value:
+            self.counts[f"to_{phase}"] += 1
+        if moved is not None:
+            self.counts["reshards"] += 1
+            self.counts["reshard_seconds"] += moved.seconds
+            self.counts["reshard_weights_seconds"] += moved.weights_seconds
+            self.counts["reshard_kv_seconds"] += moved.kv_seconds
+            self.counts["reshard_kv_blocks"] += moved.kv_blocks
+
+    def preempted(self, n: int) -> None:
+        self.counts["preemptions"] += n
+
+    def note_host(self) -> None:
+        """A point of the host tier's occupancy timeline, if it changed."""
+        used = self.state.host_kv.used
+        if self._host_timeline[-1][1] != used:
+            self._host_timeline.append((round(time.perf_counter() - self._t0, 6), used))
+
+    # ---- the report ----------------------------------------------------------------------------
+
+    def snapshot(self) -> dict:
+        """Counters since the engine started or `reset_stats()` (JSON-serialisable).
+
+        transitions: layout phase switches (prefill->decode plus decode->prefill); reshards /
+        reshard_seconds: the ones that moved something, split into reshard_weights_seconds and
+        reshard_kv_seconds (the blocks live sequences hold, reshard_kv_blocks of them, moved
+        into the new layout's empty pool, whose making is counted too); swap_*: the host KV tier
+        (swap_seconds is the engine thread's time in swap dispatch, inserts and waits;
+        prefetch_seconds the prefetcher thread's, which overlaps decode); padding_waste: the
+        fraction of the steps' tokens that were bucket padding; max_step_tokens: the most real
+        tokens one step carried; prefill_chunks: prompt pieces prefilled (a prompt split over k
+        steps counts k); prefill_seconds / decode_seconds: step time split by each kind's share
+        of the step's tokens; mean_decode_batch: decode tokens per step that had any;
+        host_timeline: [seconds, host tier tokens] at each change; device_kv_peak /
+        device_kv_capacity: tokens of the device KV pool (whole blocks) in use at most / in all;
+        preemptions: sequences evicted from the device (parked, or outgrowing the pool);
+        device_idle_fraction,
+        decode_wall_seconds, decode_idle_seconds, host_seconds, host_ms_per_step: the step
+        timeline's (`timeline.py`); fed_steps: steps that took some input token from the step
+        before on the device (overlap); added_requests / prompt_tokens: requests queued and
+        their prompts' tokens; finish_reasons: finished requests by reason ("stop",
+        "length", "abort"); step_latency: each step's dispatch-to-tokens-on-host seconds as
+        histogram counts by kind ("prefill", "decode", "mixed") over step_latency_bounds;
+        kernels: what runs the step (`Runner.kernel_choices`: the attention and each matmul's
+        implementation by row count, as measured on this machine);
+        control_messages, control_bytes, control_seconds (several processes only): the
+        leader's calls sent to each follower, their pickled bytes and the seconds sending;
+        prefix_cache_queried_tokens / prefix_cache_hit_tokens: context tokens looked up in
+        the prefix cache as sequences entered the device (a recomputed one again) / found
+        cached there (whole blocks), prefix_cache_hit_rate the second over the first (0
+        with `prefix_caching` off), prefix_cache_device_hit_tokens /
+        prefix_cache_host_hit_tokens: the hit tokens found in the device pool / copied back
+        from the host tier, prefix_cache_evictions: cached blocks nobody held given out for
+        new KV (each kept in the host tier where it has room:
+        prefix_cache_host_stored_blocks), prefix_cache_host_evictions: blocks the host tier
+        forgot, prefix_cache_host_bytes_out / _in: their bytes copied there / back.
+        Gauges of the moment (not reset): waiting_requests, device_requests, host_requests
+        (sequences queued, on the device, parked in the host tier), device_kv_used and
+        host_kv_used (tokens)."""
+        s = dict(self.counts)
+        host = self.kv.host
+        s["transitions"] = s["to_decode"] + s["to_prefill"]
+        s["compile_seconds"] = self.runner.compile_seconds
+        s["compiled_shapes"] = len(self.runner.compiled)
+        s["kernels"] = self.runner.kernel_choices()
+        steps = s["decode_steps"]
+        s["mean_decode_batch"] = s["decode_tokens"] / steps if steps else 0.0
+        padded = s["step_tokens_padded"]
+        s["padding_waste"] = 1 - s["step_tokens"] / padded if padded else 0.0
+        s["swap_out_bytes"] = host.bytes_out - self._base["out"]
+        s["swap_in_bytes"] = host.bytes_in - self._base["in"]
+        s["swap_seconds"] = self.kv.swap_seconds - self._base["swap"]
+        s["prefetch_seconds"] = self._prefetch_seconds() - self._base["prefetch"]
+        s["device_kv_capacity"] = self.runner.num_blocks * BLOCK
+        s["device_kv_peak"] = self.state.device_kv.peak_blocks * BLOCK
+        s["host_kv_capacity"] = self.state.host_kv.capacity
+        s["host_kv_peak"] = self.state.host_kv.peak
+        s["host_timeline"] = [list(p) for p in self._host_timeline]
+        s["finish_reasons"] = dict(self.finish_reasons)
+        s.update(self._gauges())
+        s.update(self.timeline.stats())
+        s.update({k: v - self._base[k] for k, v in self.runner.control_stats().items()})
+        s.update({k: v - self._base[k] for k, v in self._prefix_cache().items()})
+        queried = s["prefix_cache_queried_tokens"]
+        s["prefix_cache_hit_rate"] = s["prefix_cache_hit_tokens"] / queried if queried else 0.0
+        s["prefix_cache_device_hit_tokens"] = (s["prefix_cache_hit_tokens"]
+                                               - s["prefix_cache_host_hit_tokens"])
+        return s
+
+    def _prefix_cache(self) -> dict:
+        """The block pool's prefix-cache counters (since the engine started)."""
+        pool, host = self.state.device_kv.pool, self.state.host_kv.cache
+        return {"prefix_cache_queried_tokens": pool.queried_tokens,
+                "prefix_cache_hit_tokens": pool.hit_tokens,
+                "prefix_cache_host_hit_tokens": pool.host_hit_tokens,
+                "prefix_cache_evictions": pool.evictions,
+                "prefix_cache_host_stored_blocks": host.stored_blocks if host else 0,
+                "prefix_cache_host_evictions": host.evictions if host else 0,
+                "prefix_cache_host_bytes_out": self.kv.prefix_bytes_out,
+                "prefix_cache_host_bytes_in": self.kv.prefix_bytes_in}
+
+    def _gauges(self) -> dict:
+        """What the engine holds now (not counters: `reset` leaves them)."""
+        st = self.state
+        return {"waiting_requests": len(st.waiting), "device_requests": len(st.device),
+                "host_requests": len(st.host), "device_kv_used": st.device_kv.used,
+                "host_kv_used": st.host_kv.used}
+
+    def _prefetch_seconds(self) -> float:
+        return self.kv.prefetcher.seconds if self.kv.prefetcher else 0.0

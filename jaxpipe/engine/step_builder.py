@@ -1,0 +1,145 @@
+"""From a scheduled `Run` to what the runner dispatches: pieces, step inputs, a sampling plan.
+
+    step = builder.build(run, flight)    # one piece per prompt chunk and decode token
+    plan = sampling_plan(step.sampled, rows)
+
+A prompt chunk is its next context tokens, from `computed` (past a cached prefix: see
+`SchedulerState`'s prefix caching; a sequence entering the device first gets its slot's penalty
+state); a decode token is the sequence's newest token, from the host or, still in flight, fed
+from the step in flight's sampled row on the device. Decode sequences whose KV is still being
+swapped in sit this step out (the prefetcher keeps working meanwhile): `ready` takes them out
+before the scheduler state gives the run the blocks it writes (`SchedulerState.launch`), which
+the pieces then read from each sequence. Sampled rows come first (`step_inputs.py`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from jaxpipe.kv.manager import KVManager
+from jaxpipe.request.params import SamplingParams
+from jaxpipe.runtime import sampling, step_inputs
+from jaxpipe.runtime.buckets import Buckets
+from jaxpipe.runtime.runner import Runner, SamplingPlan
+from jaxpipe.runtime.step_inputs import Piece, StepInputs
+from jaxpipe.scheduler import Run, SchedulerState, Sequence
+
+
+@dataclass
+class Step:
+    """One ragged step, built: the run it carries (only the decodes that are ready), the
+    sequences it samples (in row order), its inputs and token counts."""
+
+    run: Run
+    sampled: list[Sequence]
+    to_host: list[tuple[Sequence, int]]  # completed prefills bound for the host tier: tokens
+    inputs: StepInputs
+    tokens: int  # real tokens
+    padded: int  # tokens with the bucket's padding
+    feeds: bool  # some token comes from the step in flight's sampled rows on the device
+
+    @property
+    def slots(self) -> np.ndarray:
+        return np.array([s.slot for s in self.sampled], np.int32)
+
+
+class StepBuilder:
+    """Builds steps over one runner's token buckets, the blocks and slots the scheduler state
+    gave each sequence, and the KV manager's swap-ins."""
+
+    def __init__(self, runner: Runner, buckets: Buckets, state: SchedulerState, kv: KVManager):
+        self.runner, self.buckets, self.state, self.kv = runner, buckets, state, kv
+
+    def ready(self, action: Run, launched: bool = False) -> Run:
+        """`action` less the decodes whose KV is still being swapped in (they join a later
+        step). `launched`: its micro-batches were launched already, so none may wait."""
+        decode = self._ready_decodes(action.decode)
+        if launched and len(decode) < len(action.decode):
+            raise RuntimeError("a micro-batch decodes sequences whose KV is not on the device")
+        return Run(prefill=action.prefill, decode=decode, prefill_to_host=action.prefill_to_host)
+
+    def build(self, run: Run, flight) -> Step | None:
+        """The step of `run`, whose sequences hold the blocks it writes (None if it is
+        empty). `flight`: the step in flight (its sampled rows feed decode tokens the host
+        has not seen)."""
+        prefill = [self._prefill_piece(seq, n) for seq, n in run.prefill]
+        pieces = [p for p in prefill if p[2]]
+        pieces += [self._decode_piece(seq, flight) for seq in run.decode]
+        pieces += [p for p in prefill if not p[2]]  # sampled rows first
+        if not pieces:
+            return None
+        real = sum(len(piece.tokens) for _, piece, _ in pieces)
+        tokens = self.buckets.tokens(real)
+        inputs = step_inputs.build([piece for _, piece, _ in pieces], tokens,
+                                   self.runner.microbatches(tokens), self.buckets.rows(tokens),
+                                   self.runner.max_blocks)
+        to_host = [(seq, piece.start + len(piece.tokens)) for seq, piece, done in prefill
+                   if done and run.prefill_to_host]  # all but the token being sampled
+        sampled = [seq for seq, _, samples in pieces if samples]
+        return Step(run, sampled, to_host, inputs, real, tokens,
+                    any(p.feed >= 0 for _, p, _ in pieces))
+
+    def plan(self, step: Step) -> SamplingPlan:
+        """The sampling plan of `step`'s sampled rows, in a row bucket."""
+        return sampling_plan(step.sampled, self.buckets.sample_rows(len(step.sampled)))
+
+    def restore_penalties(self, seq: Sequence) -> None:
+        """`seq` took a slot (its prefill starts, or its KV was swapped in): its penalty
+        state follows it into the slot's row. The KV manager calls this on every insert."""
+        if sampling.uses_penalties([seq.params]):
+            self.runner.restore_penalties(seq.slot, seq.prompt_token_ids, seq.output_token_ids)
+
+    def _ready_decodes(self, seqs: list[Sequence]) -> list[Sequence]:
+        """The decode sequences whose KV is in the device pool (waits for a swap-in only
+        when none is)."""
+        if not seqs:
+            return []
+        self.kv.deliver()
+        ready = [s for s in seqs if self.kv.decodable(s)]
+        if not ready and self.kv.pending:
+            self.kv.deliver(block=True)
+            ready = [s for s in seqs if self.kv.decodable(s)]
+        if not ready:
+            raise RuntimeError(f"decode of {len(seqs)} sequences, none of them on the device")
+        return ready
+
+    def _prefill_piece(self, seq: Sequence, n: int) -> tuple[Sequence, Piece, bool]:
+        """(seq, piece, samples) for the next `n` context tokens of `seq`'s prefill (a
+        sequence that has just entered the device gets its slot's penalty state when it uses
+        penalties). The chunk starts at `computed`: past a cached prefix, whose shared blocks
+        lead `seq.blocks`, so its attention reads them."""
+        if seq.computed == seq.cached_tokens:  # its first chunk since it entered the device
+            self.restore_penalties(seq)
+        context = seq.prompt_token_ids + seq.output_token_ids
+        start = seq.computed
+        piece = Piece(context[start:start + n], start, list(seq.blocks))
+        return seq, piece, start + n == len(context)
+
+    def _decode_piece(self, seq: Sequence, flight) -> tuple[Sequence, Piece, bool]:
+        """(seq, piece, True): `seq`'s newest token at its position: from the host, or (its
+        token still in flight) from the step in flight's sampled row on the device."""
+        position = seq.context_len - 1
+        blocks = list(seq.blocks)
+        if len(seq.output_token_ids) == seq.generated:
+            return seq, Piece([seq.last_token], position, blocks), True
+        row = flight.rows.get(seq, -1) if flight is not None else -1
+        if row < 0:
+            raise RuntimeError(f"{seq.request_id!r}'s newest token is in no step in flight")
+        return seq, Piece([0], position, blocks, feed=row), True
+
+
+def sampling_plan(seqs: list[Sequence], rows: int) -> SamplingPlan:
+    """Sampling inputs of `seqs`, padded with neutral rows to `rows`."""
+    neutral = SamplingParams(temperature=0.0)
+    pad = rows - len(seqs)
+    params = [s.params for s in seqs] + [neutral] * pad
+    seeds = [s.seed for s in seqs] + [0] * pad
+    steps = [s.generated for s in seqs] + [0] * pad  # tokens sampled before (in flight too)
+    banned = [s.stop.banned(s.generated) for s in seqs] + [[]] * pad
+    tensors = sampling.build_sampling_tensors(params, seeds, steps, banned, rows)
+    mode = sampling.sampling_mode(s.params for s in seqs)
+    penalties = sampling.uses_penalties(s.params for s in seqs)
+    wanted = [s.params.logprobs for s in seqs if s.params.logprobs is not None]
+    return SamplingPlan(tensors, mode, penalties, max(wanted) if wanted else None)

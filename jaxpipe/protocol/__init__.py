@@ -1,0 +1,5 @@
+"""The gRPC wire protocol (`jaxpipe.proto`, service `jaxpipe.v1.Generation`) and the code
+protoc generates from it (`scripts/gen_proto.py`): the server (`jaxpipe.serve`) answers it and
+batch jobs sent to a server (`jaxpipe.batch.runners.RemoteRunner`) speak it, so it sits below
+both.
+"""

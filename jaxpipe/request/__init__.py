@@ -1,0 +1,10 @@
+"""The request side: what a caller asks for and what it gets back, above the scheduler and the
+model (it knows their sequences and tokenizer) and below the engine.
+
+    params.py     SamplingParams (vLLM's names and meanings)
+    validate.py   a client's request -> what the engine accepts, or a RequestError naming the
+                  field (the one validator of the engine, the server and batch jobs)
+    openai.py     OpenAI request bodies -> what validate.prepare takes
+    stopping.py   when a request ends, and its text (EOS, stop ids and strings, min/max)
+    outputs.py    what a caller gets back: vLLM-shaped outputs and streaming deltas
+"""

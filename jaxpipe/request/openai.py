@@ -1,0 +1,128 @@
+"""OpenAI request bodies (`/v1/chat/completions`, `/v1/completions`) -> what `requests.prepare`
+takes: the prompt kind, one or more prompts, and `SamplingParams` fields.
+
+The one reader of OpenAI bodies, for the HTTP front end (jaxpipe.serve.http) and batch lines
+(jaxpipe.batch.openai). Sampling fields use OpenAI's names plus vLLM's extras (top_k, min_p,
+repetition_penalty, min_tokens, stop_token_ids, ignore_eos, skip_special_tokens); a key this
+server does not know is refused, never silently ignored. Errors name the body key
+(`RequestError.field`, e.g. "messages" or "stream_options.include_usage").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from jaxpipe.request.validate import RequestError
+
+CHAT_URL, COMPLETIONS_URL = "/v1/chat/completions", "/v1/completions"
+# OpenAI / vLLM body key -> SamplingParams field (the same name unless listed).
+SAMPLING_KEYS = {"max_tokens": "max_tokens", "max_completion_tokens": "max_tokens",
+                 "temperature": "temperature", "top_p": "top_p", "n": "n", "stop": "stop",
+                 "seed": "seed", "presence_penalty": "presence_penalty",
+                 "frequency_penalty": "frequency_penalty", "top_k": "top_k", "min_p": "min_p",
+                 "repetition_penalty": "repetition_penalty", "min_tokens": "min_tokens",
+                 "stop_token_ids": "stop_token_ids", "ignore_eos": "ignore_eos",
+                 "skip_special_tokens": "skip_special_tokens"}
+_COMMON_KEYS = {"model", "user", "stream", "stream_options"}
+CHAT_KEYS = set(SAMPLING_KEYS) | _COMMON_KEYS | {"messages", "logprobs", "top_logprobs"}
+COMPLETION_KEYS = ((set(SAMPLING_KEYS) - {"max_completion_tokens"}) | _COMMON_KEYS
+                   | {"prompt", "logprobs", "echo"})
+
+
+@dataclass(frozen=True)
+class Body:
+    """What one request body asks for. `prompts` has one entry per prompt (a completion body may
+    list several; a chat body is one conversation)."""
+
+    kind: str  # "text" | "chat" | "token_ids"
+    prompts: list
+    sampling: dict
+    model: str | None
+    stream: bool
+    include_usage: bool  # stream_options.include_usage: a last chunk with the usage
+    echo: bool  # completions: the prompt's text before the completion's
+    top_logprobs: int | None  # how many alternatives each token's logprobs list (None: off)
+
+
+def read_body(url: str, body: dict) -> Body:
+    """A decoded body of `url` -> Body, or RequestError naming the offending key."""
+    if not isinstance(body, dict):
+        raise RequestError("body", "the request body must be a JSON object")
+    allowed = CHAT_KEYS if url == CHAT_URL else COMPLETION_KEYS
+    unknown = sorted(set(body) - allowed)
+    if unknown:
+        raise RequestError(unknown[0], f"unknown key for {url}; accepted: "
+                           f"{', '.join(sorted(allowed))}")
+    # null means "not given": SamplingParams' default applies (as for an absent key)
+    sampling = {SAMPLING_KEYS[k]: v for k, v in body.items()
+                if k in SAMPLING_KEYS and v is not None}
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise RequestError("model", f"must be a string, got {model!r}")
+    stream, include_usage = _stream_flags(body)
+    if url == CHAT_URL:
+        kind, prompts, top = _chat(body)
+        echo = False
+    else:
+        kind, prompts, top = _completion(body)
+        echo = _flag(body, "echo")
+    if top is not None:
+        sampling["logprobs"] = top
+    return Body(kind, prompts, sampling, model, stream, include_usage, echo, top)
+
+
+def _flag(body: dict, key: str) -> bool:
+    value = body.get(key)
+    if value is not None and not isinstance(value, bool):
+        raise RequestError(key, f"must be true or false, got {value!r}")
+    return bool(value)
+
+
+def _stream_flags(body: dict) -> tuple[bool, bool]:
+    stream, options = _flag(body, "stream"), body.get("stream_options")
+    if options is None:
+        return stream, False
+    if not stream:
+        raise RequestError("stream_options", "only allowed when stream is true")
+    if not isinstance(options, dict) or set(options) - {"include_usage"}:
+        raise RequestError("stream_options", "give {\"include_usage\": true | false}")
+    return stream, _flag(options, "include_usage")
+
+
+def _chat(body: dict) -> tuple[str, list, int | None]:
+    if "messages" not in body:
+        raise RequestError("messages", "a chat request needs messages")
+    top = body.get("top_logprobs")
+    if top is not None and not body.get("logprobs"):
+        raise RequestError("top_logprobs", "only allowed when logprobs is true")
+    return "chat", [body["messages"]], (top or 0) if _flag(body, "logprobs") else None
+
+
+def _completion(body: dict) -> tuple[str, list, int | None]:
+    if "prompt" not in body:
+        raise RequestError("prompt", "a completion request needs a prompt")
+    prompt = body["prompt"]
+    if isinstance(prompt, str):
+        kind, prompts = "text", [prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        kind, prompts = "text", prompt
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, list) for p in prompt):
+        kind, prompts = "token_ids", prompt
+    elif isinstance(prompt, list):
+        kind, prompts = "token_ids", [prompt]
+    else:
+        raise RequestError("prompt", "must be a string, a list of strings, a list of token "
+                           "ids or a list of lists of token ids")
+    return kind, prompts, body.get("logprobs")
+
+
+def body_key(field: str) -> str | None:
+    """A validation error's field (as `requests.prepare` names it) -> the body key it is about
+    (None when the error is not about one key)."""
+    head, _, rest = field.partition(".")
+    if head == "sampling":
+        return rest
+    for ours, theirs in (("text", "prompt"), ("token_ids", "prompt"), ("chat", "messages")):
+        if field.startswith(ours):
+            return theirs + field[len(ours):]
+    return None

@@ -1,0 +1,155 @@
+"""`SamplingParams`: how a request wants its tokens chosen, with vLLM's fields, defaults and
+meanings, validated once in `__post_init__` (each error names the field and what is accepted).
+The device and host samplers that act on them are `runtime/sampler.py` and
+`runtime/host_sampler.py`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+GREEDY_EPS = 1e-5  # temperature below this is greedy (as vLLM's _SAMPLING_EPS)
+MAX_LOGPROBS = 20
+
+
+# ----------------------------------------------------------------------------------------------
+# Host side: request parameters
+# ----------------------------------------------------------------------------------------------
+
+
+def is_int(value) -> bool:
+    return isinstance(value, int | np.integer) and not isinstance(value, bool | np.bool_)
+
+
+def _check_int(name: str, value, allow_none: bool = False) -> int | None:
+    if value is None and allow_none:
+        return None
+    if not is_int(value):
+        kind = "an integer or None" if allow_none else "an integer"
+        raise TypeError(f"{name} must be {kind}, got {type(value).__name__} {value!r}")
+    return int(value)
+
+
+def _check_float(name: str, value) -> float:
+    if isinstance(value, bool | np.bool_) or not isinstance(value, int | float | np.number):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+    return value
+
+
+def _check_bool(name: str, value) -> bool:
+    if not isinstance(value, bool | np.bool_):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
+    return bool(value)
+
+
+def _normalise_stop(value) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list | tuple):
+        raise TypeError(f"stop must be a str, a list of str or None, got {value!r}")
+    for item in items:
+        if not isinstance(item, str) or not item:
+            raise ValueError(f"stop must contain only non-empty strings, got {item!r}")
+    return tuple(items)
+
+
+def _normalise_stop_token_ids(value) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, list | tuple):
+        raise TypeError(f"stop_token_ids must be a list of int or None, got {value!r}")
+    for item in value:
+        if not is_int(item) or item < 0:
+            raise ValueError(f"stop_token_ids must contain only ints >= 0, got {item!r}")
+    return tuple(int(i) for i in value)
+
+
+@dataclass
+class SamplingParams:
+    """Per-request sampling parameters: vLLM's names, defaults and meanings.
+
+    `top_k=-1` is normalised to 0 (off); `stop` and `stop_token_ids` are normalised to tuples.
+    Invalid values raise ValueError (TypeError for wrong types) naming the field, the value and
+    the accepted range.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: str | list[str] | tuple[str, ...] | None = None
+    stop_token_ids: list[int] | tuple[int, ...] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self):
+        self._validate_floats()
+        self._validate_ints()
+        self.stop = _normalise_stop(self.stop)
+        self.stop_token_ids = _normalise_stop_token_ids(self.stop_token_ids)
+        self.ignore_eos = _check_bool("ignore_eos", self.ignore_eos)
+        self.skip_special_tokens = _check_bool("skip_special_tokens", self.skip_special_tokens)
+
+    def _validate_floats(self):
+        f = {name: _check_float(name, getattr(self, name)) for name in (
+            "temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+            "frequency_penalty")}
+        if f["temperature"] < 0:
+            raise ValueError(f"temperature must be >= 0, got {f['temperature']}")
+        if not 0 < f["top_p"] <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {f['top_p']}")
+        if not 0 <= f["min_p"] <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {f['min_p']}")
+        if f["repetition_penalty"] <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {f['repetition_penalty']}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= f[name] <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {f[name]}")
+        for name, value in f.items():
+            setattr(self, name, value)
+
+    def _validate_ints(self):
+        self.n = _check_int("n", self.n)
+        if self.n != 1:
+            raise ValueError(f"n must be 1 (only n=1 is supported), got {self.n}")
+        self.top_k = _check_int("top_k", self.top_k)
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be -1 or 0 (off) or >= 1, got {self.top_k}")
+        self.top_k = max(self.top_k, 0)
+        self.seed = _check_int("seed", self.seed, allow_none=True)
+        if self.seed is not None and not 0 <= self.seed < 2**32:
+            raise ValueError(f"seed must be in [0, 2**32) or None, got {self.seed}")
+        self.max_tokens = _check_int("max_tokens", self.max_tokens, allow_none=True)
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1 or None, got {self.max_tokens}")
+        self.min_tokens = _check_int("min_tokens", self.min_tokens)
+        upper = "max_tokens" if self.max_tokens is not None else "inf"
+        if self.min_tokens < 0 or self.min_tokens > (self.max_tokens or math.inf):
+            raise ValueError(f"min_tokens must be in [0, {upper}={self.max_tokens}], "
+                             f"got {self.min_tokens}")
+        self.logprobs = _check_int("logprobs", self.logprobs, allow_none=True)
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be None or in [0, {MAX_LOGPROBS}], "
+                             f"got {self.logprobs}")
+
+    @property
+    def greedy(self) -> bool:
+        """True when the request decodes greedily (temperature below 1e-5, as in vLLM)."""
+        return self.temperature < GREEDY_EPS
+
+

@@ -1,0 +1,148 @@
+"""Turning a client's request into what the engine accepts, or a `RequestError` naming the field.
+
+The one validator of requests: `Engine` (add_request, generate, chat, stream), the gRPC front
+end and the JSONL batch jobs all refuse exactly the same inputs with the same messages.
+A prompt is given as one of three kinds:
+
+    "text"       a string, tokenized with the model's tokenizer (special tokens added)
+    "chat"       [{"role", "content"}, ...], rendered with the model's chat template
+    "token_ids"  a list of token ids
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import numpy as np
+
+from jaxpipe.request.params import SamplingParams
+
+PROMPT_KINDS = ("text", "chat", "token_ids")
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
+
+
+class RequestError(ValueError):
+    """A bad request: `field` names what is wrong (e.g. "sampling.top_p")."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What the running engine accepts."""
+
+    max_model_len: int
+    vocab_size: int
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A validated request: prompt ids and sampling parameters (also as a JSON-able dict)."""
+
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    params_dict: dict
+
+
+def prepare(kind: str | None, value, sampling: dict, tokenizer, limits: Limits) -> Prepared:
+    """Validate one request and tokenize its prompt, or raise RequestError."""
+    params = sampling_params(sampling)
+    if params.stop and tokenizer is None:
+        raise RequestError("sampling.stop", "stop strings need a tokenizer; this model has none "
+                           "(use stop_token_ids)")
+    ids = prompt_token_ids(kind, value, tokenizer, limits)
+    max_tokens(ids, params, limits)
+    as_dict = {k: list(v) if isinstance(v, tuple) else v
+               for k, v in dataclasses.asdict(params).items()}
+    return Prepared(ids, params, as_dict)
+
+
+def max_tokens(ids: list[int], params: SamplingParams, limits: Limits) -> int:
+    """The tokens the request may generate: its max_tokens, or all the room max_model_len
+    leaves after the prompt; RequestError when max_tokens asks for more than that."""
+    room = limits.max_model_len - len(ids)
+    if params.max_tokens is None:
+        return room
+    if params.max_tokens > room:
+        raise RequestError("sampling.max_tokens", f"max_tokens={params.max_tokens} with a "
+                           f"{len(ids)}-token prompt exceeds max_model_len="
+                           f"{limits.max_model_len}; at most {room}")
+    return params.max_tokens
+
+
+def sampling_params(fields: dict) -> SamplingParams:
+    """`SamplingParams(**fields)`, with errors naming the field as "sampling.<name>"."""
+    unknown = sorted(set(fields) - set(SAMPLING_FIELDS))
+    if unknown:
+        raise RequestError(f"sampling.{unknown[0]}", f"unknown sampling parameter; accepted: "
+                           f"{', '.join(SAMPLING_FIELDS)}")
+    try:
+        return SamplingParams(**fields)
+    except (ValueError, TypeError) as e:
+        first = str(e).split(" ", 1)[0]
+        name = first if first in SAMPLING_FIELDS else "params"
+        raise RequestError(f"sampling.{name}", str(e)) from None
+
+
+def prompt_token_ids(kind: str | None, value, tokenizer, limits: Limits) -> list[int]:
+    """The prompt's token ids, checked against the vocabulary and max_model_len."""
+    if kind not in PROMPT_KINDS:
+        raise RequestError("prompt", f"give a prompt as one of {', '.join(PROMPT_KINDS)}")
+    if kind != "token_ids" and tokenizer is None:
+        raise RequestError(kind, "this model has no tokenizer; give the prompt as token_ids")
+    if kind == "text":
+        ids = _text_ids(value, tokenizer)
+    elif kind == "chat":
+        ids = _chat_ids(value, tokenizer)
+    else:
+        ids = _checked_ids(value, limits.vocab_size)
+    if len(ids) >= limits.max_model_len:
+        raise RequestError(kind, f"the prompt has {len(ids)} tokens; max_model_len is "
+                           f"{limits.max_model_len}, which must leave room for one new token")
+    return ids
+
+
+def _text_ids(text, tokenizer) -> list[int]:
+    if not isinstance(text, str):
+        raise RequestError("text", f"must be a string, got {type(text).__name__}")
+    if not text:
+        raise RequestError("text", "the prompt is empty")
+    return tokenizer.encode(text)
+
+
+def _chat_ids(messages, tokenizer) -> list[int]:
+    if not isinstance(messages, list) or not messages:
+        raise RequestError("chat", "give a non-empty list of messages")
+    for i, msg in enumerate(messages):
+        if not isinstance(msg, dict):
+            raise RequestError(f"chat[{i}]", "each message is an object with role and content")
+        if msg.get("role") not in CHAT_ROLES:
+            raise RequestError(f"chat[{i}].role", f"must be one of {', '.join(CHAT_ROLES)}, "
+                               f"got {msg.get('role')!r}")
+        if not isinstance(msg.get("content"), str):
+            raise RequestError(f"chat[{i}].content", "must be a string")
+    if tokenizer.chat_template is None:
+        raise RequestError("chat", "this model has no chat template; give text or token_ids")
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def _checked_ids(ids, vocab_size: int) -> list[int]:
+    """A list of ints (numpy integers and arrays welcome) inside the vocabulary."""
+    if isinstance(ids, (str, bytes, dict)) or not hasattr(ids, "__len__"):
+        raise RequestError("token_ids", "give a non-empty list of token ids")
+    if not len(ids):
+        raise RequestError("token_ids", "the prompt is empty: give at least one token id")
+    out = []
+    for i, tok in enumerate(ids):
+        if isinstance(tok, (bool, np.bool_)) or not isinstance(tok, (int, np.integer)) \
+                or not 0 <= tok < vocab_size:
+            raise RequestError(f"token_ids[{i}]", f"token id {tok!r} is outside the vocabulary "
+                               f"[0, {vocab_size})")
+        out.append(int(tok))
+    return out

@@ -1,0 +1,264 @@
+"""One engine over several processes: JAX's multi-controller runtime plus the leader's plans.
+
+Every process (one per host) runs `jax.distributed.initialize` against the coordinator
+(process 0's `HOST:PORT`; gloo collectives on CPU, NCCL on GPU) and then sees the global
+mesh: the devices of all processes, process 0's first. Each process issues the same jitted
+programs over that mesh in the same order, and XLA's collectives move the data between them.
+
+Process 0, the leader, runs the scheduler and the front ends. Everything it does on the
+devices goes through `MirroredRunner` and the KV manager's mirror hook, which send each call
+(the step's ragged batch, block tables and sampling inputs; layout switches; swaps; penalty
+state) to the followers over a ZeroMQ control channel on port PORT+1 before running it
+locally. A follower (`Follower.serve`) runs the identical call on its own runner: it never
+schedules. The host KV tier is split the same way: a swapped-out sequence's arrays are global
+arrays, so each process holds (and moves) only its own shards of them.
+
+  cluster(config)            the Cluster of an EngineConfig (None: one process)
+  initialize(cluster, n, p)  jax.distributed.initialize, n local devices on platform p
+  Leader(cluster)            the leader's end of the control channel (send, stats)
+  FollowerChannel(cluster)   a follower's end (recv)
+  MirroredRunner(runner, leader)   the leader's runner: calls sent, then run locally
+  Follower(runner, channel).serve()  a follower's loop, until the leader closes
+"""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import pickle
+import time
+
+import jax
+import zmq
+from jax._src import distributed as jax_distributed
+
+from jaxpipe.config.cluster import Cluster
+from jaxpipe.kv.host_buffer import HostKVBuffer, stage
+
+CONNECT_SECONDS = 300.0  # how long the leader waits for every follower to say hello
+KEEP_STEPS = 4
+# A process that stops answering JAX's coordination service for this long is declared dead,
+# and every other process of the cluster then stops (JAX terminates it): the bound on how
+# long a leader can hang in a collective with a dead follower.
+HEARTBEAT_SECONDS = 10  # dispatched steps a follower keeps for the next step's `prev`
+
+
+class FollowerLost(RuntimeError):
+    """A follower process is gone: the engine cannot run another step."""
+
+
+def initialize(cluster: Cluster, local_devices: int, platform: str) -> None:
+    """Join the cluster (before any other JAX use in this process): `local_devices` of
+    `platform` each; CPU devices are virtual and talk over gloo."""
+
+    if jax_distributed.global_state.client is not None:
+        if (jax.process_count(), jax.process_index()) != (cluster.num_processes,
+                                                          cluster.process_id):
+            raise RuntimeError(f"this process already joined a cluster as process "
+                               f"{jax.process_index()} of {jax.process_count()}")
+        return
+    if platform == "cpu":
+        jax.config.update("jax_num_cpu_devices", local_devices)
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(cluster.coordinator, cluster.num_processes, cluster.process_id,
+                               heartbeat_timeout_seconds=HEARTBEAT_SECONDS)
+
+
+# ---- the control channel ---------------------------------------------------------------------
+
+
+class Leader:
+    """Process 0's end: a ROUTER socket every follower's DEALER connects to. `send` pickles a
+    call once and queues it to every follower (in order: each follower runs the calls in the
+    order they were sent); `stats()` counts messages, bytes and the seconds spent sending."""
+
+    def __init__(self, cluster: Cluster, connect_seconds: float = CONNECT_SECONDS):
+
+        self.cluster = cluster
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.SNDHWM, 0)  # never drop a call
+        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a vanished follower raises
+        self._sock.bind(f"tcp://*:{cluster.control_port}")
+        self.peers = self._await_followers(connect_seconds)
+        self.messages = self.bytes = 0
+        self.seconds = 0.0
+        self.closed = False
+        atexit.register(self._at_exit)
+
+    def _await_followers(self, seconds: float) -> list[bytes]:
+        """The followers' identities, once every one has said hello (in process order)."""
+
+        want = set(range(1, self.cluster.num_processes))
+        peers: dict[int, bytes] = {}
+        deadline = time.monotonic() + seconds
+        while set(peers) != want:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self._sock.poll(int(left * 1000), zmq.POLLIN):
+                raise TimeoutError(f"followers {sorted(want - set(peers))} did not connect to "
+                                   f"the control channel (port {self.cluster.control_port}) "
+                                   f"within {seconds:.0f} s")
+            identity, payload = self._sock.recv_multipart()
+            peers[pickle.loads(payload)] = identity
+        return [peers[i] for i in sorted(peers)]
+
+    def send(self, *call) -> None:
+        """Queue `call` (a name and its arguments) to every follower."""
+
+        start = time.perf_counter()
+        payload = pickle.dumps(call, protocol=pickle.HIGHEST_PROTOCOL)
+        for process, identity in enumerate(self.peers, start=1):
+            try:
+                self._sock.send_multipart([identity, payload], copy=False)
+            except zmq.ZMQError as e:
+                raise FollowerLost(f"follower process {process} is gone (control channel: "
+                                   f"{e}); the engine cannot step; restart every process "
+                                   "of the cluster") from None
+        self.messages += 1
+        self.bytes += len(payload)
+        self.seconds += time.perf_counter() - start
+
+    def stats(self) -> dict:
+        """Control messages sent so far: count, bytes (to each follower) and send seconds."""
+        return {"control_messages": self.messages, "control_bytes": self.bytes,
+                "control_seconds": self.seconds}
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            atexit.unregister(self._at_exit)
+            self._sock.close(linger=2000)
+            self._ctx.term()
+
+    def _at_exit(self) -> None:
+        """An engine left open at exit: release the followers, whose exit JAX's shutdown
+        barrier waits for."""
+        if not self.closed:
+            try:
+                self.send("close")
+            except FollowerLost:
+                pass
+            self.close()
+
+
+class FollowerChannel:
+    """A follower's end: says hello with its process id, then receives calls in order."""
+
+    def __init__(self, cluster: Cluster):
+
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.RCVHWM, 0)
+        self._sock.connect(f"tcp://{cluster.host}:{cluster.control_port}")
+        self._sock.send(pickle.dumps(cluster.process_id))
+
+    def recv(self) -> tuple:
+        return pickle.loads(self._sock.recv())
+
+    def close(self) -> None:
+        self._sock.close(linger=0)
+        self._ctx.term()
+
+
+# ---- mirroring the leader's device work --------------------------------------------------------
+
+
+class MirroredRunner:
+    """The leader's runner: each call that touches the devices is sent to the followers,
+    then run on the local runner; the rest is the local runner's (`__getattr__`). A
+    dispatched step carries `step_id`, by which followers find the `prev` of the next."""
+
+    def __init__(self, runner, leader: Leader):
+        self._runner, self.leader = runner, leader
+        self._steps = itertools.count()
+
+    def __getattr__(self, name):
+        return getattr(self._runner, name)
+
+    def dispatch(self, inputs, slots, plan, prev=None):
+        step = next(self._steps)
+        self.leader.send("dispatch", step, inputs, slots, plan, getattr(prev, "step_id", None))
+        out = self._runner.dispatch(inputs, slots, plan, prev)
+        out.step_id = step
+        return out
+
+    def hidden(self, inputs):  # no `prev`: only warm-up and timing call it, feeding nothing
+        self.leader.send("hidden", inputs)
+        return self._runner.hidden(inputs)
+
+    def logits(self, inputs, rows):
+        self.leader.send("logits", inputs, rows)
+        return self._runner.logits(inputs, rows)
+
+    def step(self, inputs, slots, plan):
+        self.leader.send("step", inputs, slots, plan)
+        return self._runner.step(inputs, slots, plan)
+
+    def set_phase(self, phase, live_blocks=None):
+        self.leader.send("set_phase", phase, live_blocks)
+        return self._runner.set_phase(phase, live_blocks)
+
+    def set_sampler(self, sampler):
+        self.leader.send("set_sampler", sampler)
+        return self._runner.set_sampler(sampler)
+
+    def restore_penalties(self, slot, prompt, output):
+        self.leader.send("restore_penalties", slot, prompt, output)
+        return self._runner.restore_penalties(slot, prompt, output)
+
+    def control_stats(self) -> dict:
+        """The leader's calls sent to the followers (`Leader.stats`)."""
+        return self.leader.stats()
+
+    def close(self):
+        self.leader.send("close")
+        self._runner.close()
+        self.leader.close()
+
+
+class Follower:
+    """A follower process's loop: run each call the leader sends on the local runner, the
+    host KV tier's shards kept in `host` (the leader's scheduler state counts its capacity)."""
+
+    def __init__(self, runner, channel: FollowerChannel):
+
+        self.runner, self.channel = runner, channel
+        self.host = HostKVBuffer()
+        self.steps: dict[int, object] = {}
+
+    def serve(self) -> None:
+        """Until the leader sends "close" (then the runner is closed too)."""
+        try:
+            while True:
+                name, *args = self.channel.recv()
+                if name == "close":
+                    self.runner.close()
+                    return
+                handler = getattr(self, "_" + name, None)
+                if handler is not None:
+                    handler(*args)
+                else:
+                    getattr(self.runner, name)(*args)
+        finally:
+            self.channel.close()
+
+    def _dispatch(self, step, inputs, slots, plan, prev):
+        self.steps[step] = self.runner.dispatch(inputs, slots, plan, self.steps.get(prev))
+        self.steps.pop(step - KEEP_STEPS, None)
+
+    def _swap_out(self, seq_id, blocks, tokens):
+        self.host.put(seq_id, self.runner.kv_extract(blocks, tokens), tokens)
+
+    def _swap_in(self, seq_id, blocks):
+
+        _, staged = stage(self.host, seq_id, self.runner.kv_staging())
+        self.runner.kv_insert(blocks, staged)
+
+    def _prefix_fetch(self, key, ids):
+        self.runner.kv_insert(ids, self.host.entries[key].arrays)
+
+    def _abort(self, message):
+        raise RuntimeError(f"the leader (process 0) failed: {message}")
+
+    def _drop(self, seq_id):
+        self.host.drop(seq_id)

@@ -1,0 +1,430 @@
+"""Which implementation runs each of the step's matmuls, and its attention, on this machine:
+every candidate the machine can run is timed on the model's own shapes, once per machine, and
+the fastest is used. A CPU flag only says which candidates exist (`matmul.paths()`: the
+kernel's paths compiled for this CPU); it never picks one.
+
+Matmul candidates, for a bf16 weight [K, N] (one device's shard) and a number of rows M:
+"xla" (XLA's dot on the weight in natural order, sliced from the stacked layers as the step
+does) and each kernel path (`kernels/matmul.py`, the weight in panel order). A weight is
+stored in one order, so its order is chosen first, by the summed time over the measured row
+counts of the best candidate reading each order; each row count then runs the fastest
+candidate that reads that order. A step of T tokens uses the choice measured at the smallest
+measured row count >= T (the largest past them). Attention candidates: "kernel" (the C++
+ragged-span kernel, which also writes the step's K/V) and "xla" (its jnp reference), timed on
+a decode and a prefill step of the model's heads; the lower sum wins. MoE experts
+(`model/moe.py`) candidates: "dense" (every expert on every token, XLA's dots) and "grouped"
+(the C++ grouped kernel on the kernel's default path, `matmul.grouped_matmul`), timed at a few
+token counts of the model's expert shapes (`EXPERT_TOKENS`: rows per expert T * k / X from
+well under one, decode, to many, prefill), on a stack of layers read at a traced layer index
+as the step reads them (grouped in place, dense on a slice); a step takes the choice at the
+nearest count at or above its own tokens. XLA's `ragged_dot` is not a candidate on CPU: it
+lowers to k times the dense dispatch's FLOPs there (`scripts/bench_moe_kernel.py` times all
+three).
+
+Timings are cached in `~/.cache/jaxpipe/dispatch/` under a key of the CPU model, its flags,
+jaxlib's version and the kernels' sources; a new entry is measured the first time an engine
+needs it (a few seconds per weight shape). `python -m jaxpipe.runtime.kernel_choice` prints the
+table for a model. `EngineConfig.matmul` names one implementation for every matmul instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import hashlib
+import json
+import os
+import platform
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import jaxlib
+import numpy as np
+
+from jaxpipe.config.cache_dir import cache_dir
+from jaxpipe.config.engine import EngineConfig
+from jaxpipe.kernels import matmul, ragged_attention
+from jaxpipe.kernels.build import cpu_flags
+from jaxpipe.kernels.paged import to_storage
+from jaxpipe.kv.device_cache import BLOCK
+from jaxpipe.model import moe
+from jaxpipe.model.loading import source_config
+from jaxpipe.model.presets import resolve_model
+
+XLA = "xla"
+ROWS = (1, 8, 32, 64, 128, 256, 512, 2048)  # the row counts each matmul is timed at
+HEAD_ROWS = (1, 8, 32, 64, 128, 256)  # the LM head's (it runs on the sampled rows only)
+EXPERT_TOKENS = (1, 8, 64, 256)  # the token counts each MoE layer's experts are timed at
+PANEL_ORDER, NATURAL_ORDER = "panel", "natural"
+
+
+@dataclasses.dataclass(frozen=True)
+class Matmul:
+    """One weight's multiplication as a device runs it: its shard [K, N] (`gated`: N holds
+    the gate and up halves and the product is silu(gate) * up)."""
+
+    name: str
+    k: int
+    n: int
+    gated: bool = False
+
+    def key(self) -> str:
+        return f"{self.name}:{self.k}x{self.n}{':gated' if self.gated else ''}"
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionCase:
+    """A step's attention as the timing runs it: `rows` sequences of `q_len` new tokens
+    after `context` tokens each, H query heads over Hkv kv heads of head_dim D."""
+
+    heads: int
+    kv_heads: int
+    head_dim: int
+    rows: int
+    q_len: int
+    context: int
+
+    def key(self) -> str:
+        return (f"attention:{self.heads}/{self.kv_heads}x{self.head_dim}:"
+                f"{self.rows}x{self.q_len}@{self.context}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertsCase:
+    """An MoE layer's experts on one device: X `experts` of hidden E -> gated `inter` F ->
+    E, each token to `k` of them, bf16 weights."""
+
+    experts: int
+    k: int
+    hidden: int
+    inter: int
+
+    def key(self) -> str:
+        return f"experts:{self.experts}x{self.hidden}x{self.inter}:top{self.k}"
+
+
+def candidates() -> tuple[str, ...]:
+    """The matmul implementations this machine can run: XLA's dot and the kernel's paths."""
+    return (XLA, *matmul.paths())
+
+
+def order_of(impl: str) -> str:
+    """The weight order an implementation reads."""
+    return NATURAL_ORDER if impl == XLA else PANEL_ORDER
+
+
+def nearest_rows(rows: int, measured: Iterable[int] = ROWS) -> int:
+    """The measured row count whose choice a matmul of `rows` rows takes: the smallest >= rows,
+    else the largest."""
+    measured = sorted(measured)
+    return next((m for m in measured if m >= rows), measured[-1])
+
+
+def choose_order(seconds: dict[int, dict[str, float]]) -> str:
+    """A weight's order from its timings {rows: {impl: seconds}}: the order whose best
+    implementation has the lower total over the row counts (natural on a tie)."""
+    def total(order: str) -> float:
+        best = [min((s for i, s in by_impl.items() if order_of(i) == order), default=np.inf)
+                for by_impl in seconds.values()]
+        return float(sum(best))
+
+    return PANEL_ORDER if total(PANEL_ORDER) < total(NATURAL_ORDER) else NATURAL_ORDER
+
+
+def choose_impl(by_impl: dict[str, float], order: str) -> str:
+    """The fastest implementation reading `order` among timings {impl: seconds}."""
+    usable = {i: s for i, s in by_impl.items() if order_of(i) == order}
+    if not usable:
+        raise ValueError(f"no implementation reading the {order} order was timed: {by_impl}")
+    return min(usable, key=usable.get)
+
+
+class Dispatch:
+    """The measured choices for one machine (`table`), or one forced implementation.
+
+    `force`: None (measure), "xla", or a kernel path of `matmul.paths()`. Timings come from
+    `timings` (injected: tests) or are measured and cached as shapes are asked for."""
+
+    def __init__(self, force: str | None = None, timings: dict[str, dict] | None = None,
+                 cache: Path | None = None):
+        if force is not None and force not in candidates():
+            raise ValueError(f"matmul={force!r} cannot run here; this machine has "
+                             f"{', '.join(candidates())}")
+        self.force = force
+        self.cache = cache if timings is None else None
+        self.timings: dict[str, dict] = dict(timings or {})
+        if self.cache is not None and self.cache.is_file():
+            self.timings.update(json.loads(self.cache.read_text()).get("timings", {}))
+
+    # -- matmuls -----------------------------------------------------------------------------
+
+    def seconds(self, mm: Matmul) -> dict[int, dict[str, float]]:
+        """{rows: {impl: seconds}} of `mm`, measuring (and caching) it the first time."""
+        if mm.key() not in self.timings:
+            rows = HEAD_ROWS if mm.name == "lm_head" else ROWS
+            self.timings[mm.key()] = {str(m): time_matmul(mm, m) for m in rows}
+            self._save()
+        return {int(m): by_impl for m, by_impl in self.timings[mm.key()].items()}
+
+    def order(self, mm: Matmul) -> str:
+        """The order `mm`'s weight is kept in."""
+        if self.force is not None:
+            return order_of(self.force)
+        return choose_order(self.seconds(mm))
+
+    def impl(self, mm: Matmul, rows: int) -> str:
+        """The implementation a call of `rows` rows runs (one reading `order(mm)`)."""
+        if self.force is not None:
+            return self.force
+        seconds = self.seconds(mm)
+        return choose_impl(seconds[nearest_rows(rows, seconds)], self.order(mm))
+
+    # -- attention ---------------------------------------------------------------------------
+
+    def attention(self, cases: Iterable[AttentionCase], kv_dtype) -> str:
+        """"kernel" or "xla": the lower total time over `cases` (decode and prefill steps)."""
+        totals = {"kernel": 0.0, XLA: 0.0}
+        for case in cases:
+            key = f"{case.key()}:{jnp.dtype(kv_dtype).name}"
+            if key not in self.timings:
+                self.timings[key] = time_attention(case, kv_dtype)
+                self._save()
+            for impl, s in self.timings[key].items():
+                totals[impl] += s
+        return min(totals, key=totals.get)
+
+    # -- MoE experts ------------------------------------------------------------------------
+
+    def experts(self, case: ExpertsCase, tokens: int) -> str:
+        """"dense" or "grouped" for a step of `tokens` tokens: the faster at the nearest
+        measured token count (measured and cached the first time). A forced "xla" is dense,
+        a forced kernel path grouped."""
+        if self.force is not None:
+            return "dense" if self.force == XLA else "grouped"
+        if case.key() not in self.timings:
+            self.timings[case.key()] = {str(t): time_experts(case, t) for t in EXPERT_TOKENS}
+            self._save()
+        by_tokens = {int(t): s for t, s in self.timings[case.key()].items()}
+        seconds = by_tokens[nearest_rows(tokens, by_tokens)]
+        return min(seconds, key=seconds.get)
+
+    # -- the table ---------------------------------------------------------------------------
+
+    def rows(self, matmuls: Iterable[Matmul]) -> list[dict]:
+        """One record per (matmul, measured row count): GFLOP/s of each candidate, the
+        order and the choice."""
+        out = []
+        for mm in matmuls:
+            order = self.order(mm)
+            for m, by_impl in sorted(self.seconds(mm).items()):
+                flops = 2.0 * m * mm.k * mm.n
+                out.append({"matmul": mm.key(), "rows": m, "order": order,
+                            "chosen": self.impl(mm, m),
+                            "gflops": {i: flops / s / 1e9 for i, s in by_impl.items()}})
+        return out
+
+    def _save(self) -> None:
+        if self.cache is None:
+            return
+        self.cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.cache.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"machine": machine(), "timings": self.timings}, indent=1))
+        tmp.replace(self.cache)
+
+
+def format_table(records: list[dict]) -> str:
+    """The dispatcher's choices as a fixed-width table (GFLOP/s of each candidate)."""
+    impls = sorted({i for r in records for i in r["gflops"]}, key=lambda i: (i != XLA, i))
+    head = f"{'matmul [K x N]':<28} {'rows':>5} " + " ".join(f"{i:>12}" for i in impls)
+    lines = [head + f" {'order':>8} {'chosen':>12}", "-" * (len(head) + 22)]
+    for r in records:
+        cells = " ".join(f"{r['gflops'].get(i, float('nan')):>12.1f}" for i in impls)
+        lines.append(f"{r['matmul']:<28} {r['rows']:>5} {cells} {r['order']:>8} "
+                     f"{r['chosen']:>12}")
+    return "\n".join(lines)
+
+
+# -- the machine and its cache ---------------------------------------------------------------
+
+
+def machine() -> dict:
+    """What the timings depend on: the CPU (model and flags), jaxlib, the kernels' sources."""
+    model = next((line.split(":", 1)[1].strip() for line in _cpuinfo().splitlines()
+                  if line.startswith("model name")), platform.processor())
+    sources = b"".join(p.read_bytes() for p in (matmul.SOURCE, ragged_attention.SOURCE))
+    return {"cpu": model, "isa": isa(), "jaxlib": jaxlib.__version__,
+            "flags": hashlib.sha256(cpu_flags().encode()).hexdigest()[:12],
+            "kernels": hashlib.sha256(sources).hexdigest()[:12]}
+
+
+def isa() -> list[str]:
+    """The matmul-relevant ISA extensions the CPU reports (what a benchmark names)."""
+    flags = set(cpu_flags().split())
+    return [f for f in ("amx_bf16", "avx512_bf16", "avx512f", "avx2", "fma") if f in flags]
+
+
+def _cpuinfo() -> str:
+    try:
+        return Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+
+
+def cache_path() -> Path:
+    """This machine's timings file."""
+    key = hashlib.sha256(json.dumps(machine(), sort_keys=True).encode()).hexdigest()[:16]
+    return cache_dir("dispatch") / f"{key}.json"
+
+
+def experts_dispatch(tokens: int, k: int, w_gate_up, w_down,
+                     chosen: Dispatch | None = None) -> str:
+    """The MoE experts' dispatch for a step (`moe.experts_mlp`'s chooser, called at trace
+    time): "grouped" or "dense", this machine's faster for T = `tokens` tokens on these
+    shapes (timed once per machine at a few token counts and cached; a step takes the choice
+    of the nearest count at or above its own); dense where the grouped kernel cannot run;
+    the platform's default (`moe.DISPATCH`) off CPU or where it names one dispatch.
+    `chosen`: the engine's dispatcher (None: `for_machine()`), whose forced matmul
+    (EngineConfig.matmul) decides: "xla" dense, a kernel path grouped. Across processes
+    (multi-host) every process must trace the same program while each would time on its
+    own: there, unforced, grouped, faster at every point `model/moe.py`'s docstring lists."""
+
+    default = moe.dispatch_for(jax.default_backend())
+    if default != "measured":  # not CPU, or one dispatch set for every step
+        return default
+    if not moe.grouped_fits(w_gate_up, w_down):
+        return "dense"
+    chosen = chosen or for_machine()
+    if chosen.force is None and jax.process_count() > 1:
+        return "grouped"
+    x, e, _, f = w_gate_up.shape
+    case = ExpertsCase(experts=x, k=k, hidden=e, inter=f)
+    with jax.ensure_compile_time_eval():  # a first measurement runs now, not in the trace
+        return chosen.experts(case, tokens)
+
+
+@functools.cache
+def for_machine(force: str | None = None) -> Dispatch:
+    """The process's dispatcher: this machine's cached timings, measured as needed."""
+    return Dispatch(force, cache=cache_path())
+
+
+# -- timing ----------------------------------------------------------------------------------
+
+
+def _seconds(fn, *args, min_seconds: float = 0.01, repeats: int = 3) -> float:
+    """The fastest of `repeats` timings of `fn(*args)`, after a first call that compiles;
+    each timing runs enough calls to last `min_seconds`. The minimum, since what slows a run
+    on a shared machine is other work."""
+    jax.block_until_ready(fn(*args))
+    best, inner = np.inf, 1
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(inner):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        seconds = (time.perf_counter() - start) / inner
+        best, inner = min(best, seconds), max(1, int(min_seconds / max(seconds, 1e-6)))
+    return float(best)
+
+
+def time_matmul(mm: Matmul, rows: int, layers: int = 2) -> dict[str, float]:
+    """Seconds per call of each candidate for `mm` at `rows` rows, on a stack of `layers`
+    weights read at a traced layer index, as the step reads them."""
+    rng = np.random.default_rng(0)
+    w = jnp.asarray(rng.normal(size=(layers, mm.k, mm.n)), jnp.bfloat16)
+    x = jnp.asarray(rng.normal(size=(rows, mm.k)), jnp.float32)
+    layer = jnp.int32(layers - 1)
+
+    def xla(x, w, layer):
+        w_l = jax.lax.dynamic_index_in_dim(w, layer, keepdims=False)
+        return (matmul.gated_reference if mm.gated else matmul.reference)(x, w_l)
+
+    out = {XLA: _seconds(jax.jit(xla), x, w, layer)}
+    packed = matmul.pack(w)
+    for path in matmul.paths():
+        fn = jax.jit(functools.partial(matmul.bf16_matmul, gated=mm.gated, path=path))
+        out[path] = _seconds(fn, x, packed, layer)
+    return out
+
+
+def time_experts(case: ExpertsCase, tokens: int, layers: int = 2) -> dict[str, float]:
+    """Seconds per call of `moe.experts_mlp` on the "dense" and "grouped" dispatches for
+    `tokens` tokens routed by a random router (bf16 weights), on a stack of `layers` layers'
+    experts read at a traced layer index, as the step reads them (`matmul.StackedWeight`:
+    grouped reads it in place, dense slices it)."""
+
+    rng = np.random.default_rng(0)
+    c = case
+    h = jnp.asarray(rng.normal(size=(tokens, c.hidden)), jnp.float32)
+    router = jnp.asarray(rng.normal(size=(c.hidden, c.experts)), jnp.float32)
+    gate_up = jnp.asarray(rng.normal(size=(layers, c.experts, c.hidden, 2, c.inter))
+                          / c.hidden ** 0.5, jnp.bfloat16)
+    down = jnp.asarray(rng.normal(size=(layers, c.experts, c.inter, c.hidden)) / c.inter ** 0.5,
+                       jnp.bfloat16)
+    weights, experts = moe.route(h, router, c.k, True)
+    layer = jnp.int32(layers - 1)
+
+    def run(h, weights, experts, gate_up, down, layer, dispatch):
+        return moe.experts_mlp(h, weights, experts, matmul.StackedWeight(gate_up, layer),
+                               matmul.StackedWeight(down, layer), dispatch)
+
+    return {d: _seconds(jax.jit(functools.partial(run, dispatch=d)), h, weights, experts,
+                        gate_up, down, layer) for d in ("dense", "grouped")}
+
+
+def time_attention(case: AttentionCase, kv_dtype) -> dict[str, float]:
+    """Seconds per call of the kernel (`write_and_attend`) and the XLA reference for one
+    step of `case` (each row's keys in its own blocks of the pool)."""
+
+    rng = np.random.default_rng(0)
+    c = case
+    per_row = -(-(c.context + c.q_len) // BLOCK)
+    tokens = c.rows * c.q_len
+    pool_shape = (1, c.rows * per_row, c.kv_heads, BLOCK, c.head_dim)
+    zeros = jnp.zeros(pool_shape, jnp.float32)
+    k = to_storage(jnp.asarray(rng.normal(size=pool_shape), jnp.float32), zeros.astype(kv_dtype))
+    v = to_storage(jnp.asarray(rng.normal(size=pool_shape), jnp.float32), zeros.astype(kv_dtype))
+    q = jnp.asarray(rng.normal(size=(tokens, c.heads, c.head_dim)), jnp.float32)
+    kv = jnp.asarray(rng.normal(size=(tokens, 2, c.kv_heads, c.head_dim)), jnp.float32)
+    angles = jnp.asarray(rng.uniform(size=(tokens, c.head_dim // 2)), jnp.float32)
+    table = jnp.arange(c.rows * per_row, dtype=jnp.int32).reshape(c.rows, per_row)
+    q_start = jnp.arange(c.rows, dtype=jnp.int32) * c.q_len
+    q_len = jnp.full((c.rows,), c.q_len, jnp.int32)
+    kv_len = jnp.full((c.rows,), c.context + c.q_len, jnp.int32)
+    args = (q, kv, jnp.cos(angles), jnp.sin(angles), k, v, table, q_start, q_len, kv_len)
+    ref = functools.partial(ragged_attention.write_and_attend_reference,
+                            max_kv=per_row * BLOCK)
+    out = {XLA: _seconds(jax.jit(ref), *args)}
+    if ragged_attention.available():
+        out["kernel"] = _seconds(jax.jit(ragged_attention.write_and_attend), *args)
+    return out
+
+
+def main() -> None:
+    """Print the dispatcher's table for a model preset's shapes on one device."""
+
+
+    p = argparse.ArgumentParser(description=main.__doc__)
+    p.add_argument("--model", default=EngineConfig.model)
+    args = p.parse_args()
+    cfg = source_config(resolve_model(args.model))
+    d = for_machine()
+    print(f"{machine()}\n{format_table(d.rows(model_matmuls(cfg)))}")
+
+
+def model_matmuls(cfg, tp: int = 1) -> list[Matmul]:
+    """The step's matmuls of a model on one device of a tp-way split (unpadded shapes; no
+    dense MLP's for an MoE model without a shared expert, whose experts are XLA's)."""
+    e, h, kv, d = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    f, v = cfg.mlp_width, cfg.vocab_size
+    mlp = [Matmul("w_gate_up", e, 2 * f // tp, gated=True), Matmul("w_down", f // tp, e)]
+    return [Matmul("wq", e, h * d // tp), Matmul("wkv", e, 2 * kv * d // tp),
+            Matmul("wo", h * d // tp, e), *(mlp if f else []), Matmul("lm_head", e, v // tp)]
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,444 @@
+"""The step's program on a mesh: one ragged token batch, GPipe over `pp`, tensor parallelism
+over `tp` inside each stage. One device is the mesh `pp=1,tp=1` running the same program.
+
+A step is one flat batch of T tokens (`step_inputs.py`): each sequence contributes a chunk of
+its context or one decode token, at its own positions, with its own block-table row. The batch
+flows through the stages as M micro-batches of T/M tokens in M + pp - 1 ticks (`gpipe`); after
+each tick the activations move one stage on with `lax.ppermute`. Inside a stage, per layer:
+project q/k/v for every token, write each token's K/V into its sequence's blocks, then attend
+each sequence's span over its paged KV (causal inside the span; `attend`), then the MLP. A
+stage with no micro-batch in a tick (pipeline fill and drain) computes on garbage and writes
+its KV to an out-of-range block, which the scatter drops.
+
+The step is one `jax.shard_map` over the whole mesh, manual over every axis, so every
+collective is spelled out: each device holds its stage's layers (`layers` over pp), its
+share of heads / mlp columns (over tp), whose partial products are summed with `psum`, and
+under ep its share of an MoE layer's experts (over ep: the tokens routed to them, outputs
+summed with a `psum` over ep; everything else is computed alike on the ep devices). The
+last stage keeps the residual of each sequence's last token in the step ([R, E]); only those
+go through the LM head (`logits_program`: the bf16 kernel on each device's vocab shard, or
+XLA's dot partitioned from the vocab-split weights).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Mapping
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from jaxpipe.config.layout import Layout
+from jaxpipe.config.model import ModelConfig
+from jaxpipe.kernels import attention_math, matmul, pallas_attention, ragged_attention
+from jaxpipe.kernels.matmul import StackedWeight
+from jaxpipe.kernels.paged import OUT_OF_RANGE, to_storage
+from jaxpipe.kv.device_cache import BLOCK, KVCache
+from jaxpipe.model import decoder
+from jaxpipe.model.decoder import LAYER_PARAMS, HeadParams, LayerParams, param_decls
+from jaxpipe.runtime import kernel_choice as dispatch
+from jaxpipe.runtime import sharding
+from jaxpipe.runtime.kernel_choice import Matmul
+from jaxpipe.runtime.step_inputs import StepInputs
+
+# The weights the step reads in panel order, each with its kernel path for a number of rows
+# (`runtime/kernel_choice.py`); the others are XLA's.
+KernelPaths = Mapping[str, Callable[[int], str]]
+
+
+def gpipe(stage_fn, xs, state, acc, *, num_stages: int, collect):
+    """Run micro-batches xs [M, ...] through the stages (call inside `shard_map`).
+
+    stage_fn(x, m, valid, state) -> (y, state): this device's layers on micro-batch m; `valid`
+        is False in bubble ticks (the stage must then leave `state` unchanged in effect).
+    collect(acc, y, m) -> acc: what the last stage keeps of micro-batch m's output.
+    Returns (acc, the same on every device; the final state)."""
+    stage = lax.axis_index("pp")
+    m_count = xs.shape[0]
+    shift = [(i, (i + 1) % num_stages) for i in range(num_stages)]
+
+    def tick(t, carry):
+        act, acc, state = carry
+        m = t - stage
+        valid = (m >= 0) & (m < m_count)
+        m = jnp.clip(m, 0, m_count - 1)
+        x = jnp.where(stage == 0, xs[m], act)
+        y, state = stage_fn(x, m, valid, state)
+        keep = valid & (stage == num_stages - 1)
+        acc = jnp.where(keep, collect(acc, y, m), acc)
+        act = lax.ppermute(y, "pp", shift) if num_stages > 1 else y
+        return act, acc, state
+
+    carry = (jnp.zeros_like(xs[0]), acc, state)
+    _, acc, state = lax.fori_loop(0, m_count + num_stages - 1, tick, carry)
+    # Only the last stage collected anything: the sum over stages is a broadcast of it.
+    return (lax.psum(acc, "pp") if num_stages > 1 else acc), state
+
+
+def token_slots(table, rows, positions):
+    """Where each token's K/V goes: (blocks [T], offsets [T]) for tokens of rows [T] (R: no
+    row) at positions [T], through table [R, MB]. No row, or past the table: out of range."""
+    none = jnp.full((1, table.shape[1]), OUT_OF_RANGE, table.dtype)
+    index = positions // BLOCK
+    blocks = jnp.concatenate([table, none])[rows, jnp.minimum(index, table.shape[1] - 1)]
+    return jnp.where(index < table.shape[1], blocks, OUT_OF_RANGE), positions % BLOCK
+
+
+def attend(q, k, v, mb: dict, layer, *, attention: str, max_kv: int, window=0,
+           softcap: float = 0.0, scale: float | None = None):
+    """Each span's queries q [Tm, H, D] over its row's paged KV (k, v [Ls, NB, Hkv, BLOCK,
+    D], read at `layer`), each over its last `window` keys (0: all), scores scaled by
+    `scale` (None: 1/sqrt(D)) and soft-capped at `softcap` (0: not); mb: this micro-batch's
+    table, spans, rows and positions.
+    `attention`: "pallas" (the Pallas kernel), "pallas-interpret" (it, in Pallas'
+    interpreter) or "xla" (the reference, keys bounded by static `max_kv`). ("cpu": see
+    `stage_layers`.)"""
+    if attention.startswith("pallas"):
+        fn = partial(pallas_attention.pallas_attention,
+                     interpret=attention == "pallas-interpret")
+    else:
+        fn = partial(ragged_attention.reference, max_kv=max_kv)
+    return fn(q, k, v, mb["table"], mb["q_start"], mb["q_len"], mb["kv_len"], layer,
+              window=window, softcap=softcap, scale=scale)
+
+
+def kernel_dot(x, w: StackedWeight):
+    """`decoder._matmul`'s dot with the C++ bf16 kernel on a weight in panel order
+    (`kernels/matmul.py`), on the path measured fastest for x's rows. Call inside
+    `shard_map`."""
+    return matmul.bf16_matmul(x, w.stacked(), w.layer, path=w.path(x.shape[0]))
+
+
+def kernel_gated(x, w: StackedWeight):
+    """`decoder.gated_mlp`'s fused gate: the kernel's `gated` mode (the [M, 2F] product is never
+    written). Call inside `shard_map`."""
+    return matmul.bf16_matmul(x, w.stacked(), w.layer, gated=True, path=w.path(x.shape[0]))
+
+
+# The layer weights the step multiplies by, and how many of their axes after "layers" are
+# contracted (decoder.py's `_matmul` calls): with `packed`, those axes are K and the rest N.
+MATMUL_PARAMS = {"wq": 1, "wkv": 1, "wo": 2, "w_gate_up": 1, "w_down": 1}
+
+
+# An MoE layer's experts, which the grouped kernel reads in place (natural order; the
+# other dispatches slice them, `model/moe.py`): a slice per layer would copy every expert's
+# weights on every step.
+EXPERT_PARAMS = ("w_experts_gate_up", "w_experts_down")
+
+
+def layer_params(layers: LayerParams, j, packed: KernelPaths) -> LayerParams:
+    """Layer j's weights: slices, and the `packed` ones and the experts as `StackedWeight`s
+    (None stays None: a parameter this config has not)."""
+    def one(name, a):
+        if a is None:
+            return None
+        if name in packed:
+            return StackedWeight(a, j, packed[name])
+        return StackedWeight(a, j) if name in EXPERT_PARAMS else a[j]
+
+    return LayerParams(*(one(name, a) for name, a in zip(LAYER_PARAMS, layers, strict=True)))
+
+
+def local_matmuls(shardings: dict) -> dict[str, Matmul]:
+    """Each matmul weight's multiplication on one device (its shard as [K, N]; the fused
+    gate where its halves are whole panel pairs), from the weights' `NamedSharding`s and
+    padded shapes: name -> (sharding, shape). Only weights whose shard has an even K, what
+    panel order pairs. A weight the model has not (an MoE model's dense MLP) is left out
+    of `shardings` and of the result."""
+    out = {}
+    for name, (place, shape) in shardings.items():
+        contracted = MATMUL_PARAMS[name]
+        local = place.shard_shape(shape)
+        k, n = math.prod(local[1:1 + contracted]), math.prod(local[1 + contracted:])
+        if k % 2 == 0:
+            out[name] = Matmul(name, k, n, gated=name == "w_gate_up"
+                               and local[-1] % matmul.PANEL == 0)
+    return out
+
+
+def reorder_local(layers: dict, fn) -> dict:
+    """`fn` (`matmul.pack` or `unpack`) on each weight of `layers` (name -> this device's
+    stacked block of a matmul weight, [L', ...]) as [L', K', N'], shape kept. Call inside
+    `shard_map`."""
+    out = {}
+    for name, w in layers.items():
+        k = math.prod(w.shape[1:1 + MATMUL_PARAMS[name]])
+        out[name] = fn(w.reshape(w.shape[0], k, -1)).reshape(w.shape)
+    return out
+
+
+HEAD_AXES = ("embed", "vocab")  # the LM head as the kernel reads it: [E, V]
+
+
+def local_head(shardings: dict, shapes: dict) -> Matmul | None:
+    """The LM head's multiplication on one device, [E, V'] (tied: the embedding's shard
+    transposed), from the weights' `NamedSharding`s and padded shapes; None for an odd E,
+    which panel order cannot pair."""
+    name = "lm_head" if "lm_head" in shardings else "embed"
+    local = shardings[name].shard_shape(shapes[name])
+    e, v = local if name == "lm_head" else local[::-1]
+    return Matmul("lm_head", e, v) if e % 2 == 0 else None
+
+
+def _layers_program(cfg: ModelConfig, layout: Layout, mesh, names: Iterable[str], fn):
+    """shard_map(layers) -> layers with each device's shards of the matmul weights `names`
+    reordered by `fn` (`matmul.pack` / `unpack`), shapes and shardings kept."""
+    decls = param_decls(cfg)
+    specs = {n: sharding.spec(decls[n].axes, layout) for n in names}
+    return jax.shard_map(lambda ws: reorder_local(ws, fn), mesh=mesh, in_specs=(specs,),
+                         out_specs=specs, check_vma=False)
+
+
+def pack_program(cfg: ModelConfig, layout: Layout, mesh, names: Iterable[str], head: bool):
+    """jit(params in natural order, donated) -> params as the step reads them: each device's
+    shards of the matmul weights `names` in panel order (`matmul.pack`); with `head`, the LM
+    head [E, V] in panel order too, as "lm_head" (tied embeddings: a copy of the embedding's
+    transpose; the lookup keeps reading "embed")."""
+    decls = param_decls(cfg)
+    head_in = sharding.spec(decls["lm_head" if "lm_head" in decls else "embed"].axes, layout)
+    head_out = sharding.spec(HEAD_AXES, layout)
+
+    def local_head(w):  # this device's [V', E] (tied) or [E, V'] -> [E, V'] in panel order
+        return matmul.pack(w if "lm_head" in decls else w.T)
+
+    layers = _layers_program(cfg, layout, mesh, names, matmul.pack)
+    lm_head = jax.shard_map(local_head, mesh=mesh, in_specs=(head_in,), out_specs=head_out,
+                            check_vma=False)
+
+    def run(params):
+        out = params | layers({n: params[n] for n in names})
+        if head:
+            out["lm_head"] = lm_head(params.get("lm_head", params["embed"]))
+        return out
+
+    return jax.jit(run, donate_argnums=0)
+
+
+def unpack_program(cfg: ModelConfig, layout: Layout, mesh, names: Iterable[str], head: bool):
+    """The inverse of `pack_program` (a new tree; params not donated): natural order, and no
+    "lm_head" for tied embeddings."""
+    decls = param_decls(cfg)
+    head_spec = sharding.spec(HEAD_AXES, layout)
+    layers = _layers_program(cfg, layout, mesh, names, matmul.unpack)
+    lm_head = jax.shard_map(matmul.unpack, mesh=mesh, in_specs=(head_spec,),
+                            out_specs=head_spec, check_vma=False)
+
+    def run(params):
+        out = params | layers({n: params[n] for n in names})
+        if head and "lm_head" in decls:
+            out["lm_head"] = lm_head(params["lm_head"])
+        elif head:
+            del out["lm_head"]
+        return out
+
+    return jax.jit(run)
+
+
+def kernel_rope(cfg: ModelConfig, q, kv, cos, sin):
+    """(q, kv, cos, sin) as `write_and_attend` takes them, whose rotation covers whole heads:
+    with a partial `rotary_dim` (Phi), q and k are rotated here and the kernel is handed
+    the identity rotation. q [T, H, D], kv [T, 2, Hkv, D], cos, sin [T, R/2]."""
+    if (cfg.rotary_dim or cfg.head_dim) == cfg.head_dim:
+        return q, kv, cos, sin
+    cos2, sin2 = (jnp.concatenate([a, a], axis=-1)[:, None] for a in (cos, sin))  # [T, 1, R]
+    q = attention_math.apply_rope(q, cos2, sin2)
+    kv = jnp.stack([attention_math.apply_rope(kv[:, 0], cos2, sin2), kv[:, 1]], axis=1)
+    half = (q.shape[0], cfg.head_dim // 2)
+    return q, kv, jnp.ones(half, jnp.float32), jnp.zeros(half, jnp.float32)
+
+
+def stage_layers(cfg: ModelConfig, layers: LayerParams, x, mb: dict, cache: KVCache, reduce,
+                 *, attention: str, max_kv: int, unroll: bool, packed: KernelPaths,
+                 windows: tuple[int, ...] = (), shard: decoder.ExpertShard | None = None,
+                 moe_layers: tuple[bool, ...] = (), experts: Callable | None = None):
+    """This stage's layers over one micro-batch x [Tm, E] (mb: see `attend`); each token's
+    K/V is written into its blocks (`token_slots`) before the spans attend. `attention`: see
+    `attend` ("cpu": the C++ kernel also rotates q and k and writes k and v itself,
+    `ragged_attention.write_and_attend`); `packed`: the matmul weights in panel order, for
+    the C++ bf16 kernel, each with the kernel path for a number of rows; `windows`: every
+    padded layer's sliding window (0: none; `sharding.layer_windows`), () for none at all;
+    `shard`: this device's experts under expert parallelism (`decoder.mlp`); `moe_layers`:
+    whether each padded layer runs its experts (`sharding.layer_experts`), () where every
+    layer of the model is alike; `experts`: the experts' dispatch chooser
+    (`moe.experts_mlp`'s; None: `kernels/dispatch.experts_dispatch` unforced)."""
+    positions = mb["positions"]
+    count = layers.wq.shape[0]
+    table = jnp.asarray(windows or (0,), jnp.int32)
+
+    softcap = cfg.attn_softcap or 0.0
+
+    experts_table = jnp.asarray(moe_layers or (True,))
+
+    def window(j):  # layer j of this stage: padded layer stage * count + j
+        return table[lax.axis_index("pp") * count + j] if any(windows) else 0
+
+    def moe_layer(j):  # as `window`; True (static) where every layer is alike
+        return experts_table[lax.axis_index("pp") * count + j] if moe_layers else True
+
+    def dot(x, w):
+        return kernel_dot(x, w) if isinstance(w, StackedWeight) else decoder.xla_dot(x, w)
+
+    if attention == "cpu":
+        angles = decoder.rope_angles(cfg, positions)  # [Tm, D/2], once for every layer
+        local_angles = (decoder.rope_angles(cfg, positions, local=True)
+                        if cfg.rope_local_theta is not None and any(windows) else None)
+
+        def attend_layer(p, x, k, v, j):
+            q, kv = decoder.projections(cfg, p, x, dot)
+            w = window(j)
+            cos, sin = angles
+            if local_angles is not None:  # Gemma 3: the sliding layers' own RoPE base
+                cos, sin = (jnp.where(w > 0, a, b)
+                            for a, b in zip(local_angles, angles, strict=True))
+            q, kv, cos, sin = kernel_rope(cfg, q, kv, cos, sin)
+            return ragged_attention.write_and_attend(
+                q, kv, cos, sin, k, v, mb["table"], mb["q_start"], mb["q_len"], mb["kv_len"], j,
+                window=w, softcap=softcap, scale=cfg.attn_scale)
+    else:
+        blocks, offsets = token_slots(mb["table"], mb["rows"], positions)
+
+        def attend_layer(p, x, k, v, j):
+            q, kn, vn = decoder.qkv(cfg, p, x, positions, dot, window(j) > 0)
+            k = k.at[j, blocks, :, offsets].set(to_storage(kn, k), mode="drop")
+            v = v.at[j, blocks, :, offsets].set(to_storage(vn, v), mode="drop")
+            return attend(q, k, v, mb, j, attention=attention, max_kv=max_kv,
+                          window=window(j), softcap=softcap, scale=cfg.attn_scale), k, v
+
+    # The fused gate needs this device's gate and up halves in whole panel pairs.
+    gated = (kernel_gated if "w_gate_up" in packed and cfg.mlp_act == "silu"
+             and layers.w_gate_up.shape[-1] % matmul.PANEL == 0 else None)
+
+    def layer(carry, j):
+        x, k, v = carry
+        p = layer_params(layers, j, packed)
+        attn, k, v = attend_layer(p, x, k, v, j)
+        x = decoder.attn_out_mlp(cfg, p, x, attn, reduce, dot, gated, shard,
+                                 experts or dispatch.experts_dispatch, moe_layer(j))
+        return (x, k, v), None
+
+    (x, k, v), _ = lax.scan(layer, (x, *cache), jnp.arange(count), unroll=unroll)
+    return x, KVCache(k, v)
+
+
+def _specs(cfg: ModelConfig, layout: Layout):
+    decls = param_decls(cfg)
+    layer_specs = LayerParams(*(sharding.spec(decls[n].axes, layout) if n in decls else None
+                                for n in LAYER_PARAMS))
+    kv = sharding.spec(sharding.KV_AXES, layout)
+    return layer_specs, KVCache(kv, kv)
+
+
+def split_params(params: dict) -> tuple[LayerParams, HeadParams]:
+    """The stacked layer weights and the head (embedding, final norm, LM head)."""
+    head = HeadParams(params["embed"], params["final_norm"], params.get("lm_head"))
+    return LayerParams(*(params.get(n) for n in LAYER_PARAMS)), head
+
+
+def _micro(inputs: dict, m, valid):
+    """Micro-batch m's inputs; in a bubble tick (`valid` False) its tokens write nothing and
+    its spans are empty."""
+    rows = jnp.where(valid, inputs["rows"][m], inputs["table"].shape[0])
+    return {"table": inputs["table"], "rows": rows, "positions": inputs["positions"][m],
+            "q_start": inputs["q_start"][m], "q_len": jnp.where(valid, inputs["q_len"][m], 0),
+            "kv_len": inputs["kv_len"][m]}
+
+
+def expert_shard(layout: Layout) -> decoder.ExpertShard | None:
+    """This device's experts under `layout` (call inside `shard_map`): its index along `ep`,
+    whose partial MoE outputs are summed with a psum over ep; None without ep."""
+    if layout.ep == 1:
+        return None
+    return decoder.ExpertShard(lax.axis_index("ep"), partial(lax.psum, axis_name="ep"))
+
+
+def step_program(cfg: ModelConfig, layout: Layout, mesh, *, attention: str, max_kv: int,
+                 out_rows: int, packed: KernelPaths | None = None, unroll: bool = True,
+                 windows: tuple[int, ...] = (), moe_layers: tuple[bool, ...] = (),
+                 experts: Callable | None = None):
+    """jit(params, cache, inputs: StepInputs, prev [out_rows] i32: the previous step's sampled
+    tokens, for `inputs.feed`) -> (hidden [out_rows, E] f32: the residual of
+    each row's last token, zeros past the step's R rows; cache (donated)). `max_kv`: the XLA
+    attention's static key bound (ignored by the kernels, which read each row's own length).
+    `out_rows` (>= R) is fixed for every token bucket, so the LM head compiles once per
+    number of sampled rows, whatever the step's size. `packed`, `windows`, `moe_layers`,
+    `experts`: see `stage_layers`."""
+    packed = packed or {}
+    layer_specs, cache_specs = _specs(cfg, layout)
+    reduce = partial(lax.psum, axis_name="tp") if layout.tp > 1 else None
+    keys = ("rows", "positions", "table", "q_start", "q_len", "kv_len", "last")
+
+    def body(layers, xs, inputs, cache):
+        tm = xs.shape[1]
+        shard = expert_shard(layout)
+
+        def stage_fn(x, m, valid, cache):
+            return stage_layers(cfg, layers, x, _micro(inputs, m, valid), cache, reduce,
+                                attention=attention, max_kv=max_kv, unroll=unroll,
+                                packed=packed, windows=windows, shard=shard,
+                                moe_layers=moe_layers, experts=experts)
+
+        def collect(acc, y, m):  # rows whose last token is in micro-batch m
+            last = inputs["last"]
+            return jnp.where((last // tm == m)[:, None], y[last % tm], acc)
+
+        acc = jnp.zeros((inputs["last"].shape[0], xs.shape[2]), jnp.float32)
+        return gpipe(stage_fn, xs, cache, acc, num_stages=layout.pp, collect=collect)
+
+    staged = jax.shard_map(body, mesh=mesh, check_vma=False,
+                           in_specs=(layer_specs, P(), {k: P() for k in keys}, cache_specs),
+                           out_specs=(P(), cache_specs))
+
+    def step(params, cache, inputs: StepInputs, prev):
+        layers, head = split_params(params)
+        xs = decoder.embed(head, fed_tokens(inputs, prev), cfg.embed_scale)  # [M, Tm, E]
+        hidden, cache = staged(layers, xs, {k: getattr(inputs, k) for k in keys}, cache)
+        return jnp.pad(hidden, ((0, out_rows - hidden.shape[0]), (0, 0))), cache
+
+    return jax.jit(step, donate_argnames="cache")
+
+
+def fed_tokens(inputs: StepInputs, prev):
+    """The step's token ids: `inputs.tokens`, except where `inputs.feed` names a row of the
+    previous step's sampled tokens `prev` (still on the device) to take instead."""
+    fed = jnp.take(prev, jnp.maximum(inputs.feed, 0), mode="clip")
+    return jnp.where(inputs.feed >= 0, fed, inputs.tokens)
+
+
+# The LM head runs on at least this many rows: for one row XLA's CPU dot takes a matrix-vector
+# path that ran SmolLM2's 49152x576 bf16 head in 33.8 ms, against 1.9 ms for two rows.
+HEAD_MIN_ROWS = 2
+
+
+def logits_program(cfg: ModelConfig, vocab: int, layout: Layout | None = None, mesh=None,
+                   packed: Callable[[int], str] | None = None):
+    """jit(params, hidden [R, E], rows=static n) -> logits [n, vocab] f32 of the first n rows
+    (the sampled ones): the LM head only where a token is sampled. `packed`: params hold the
+    head as the bf16 kernel reads it ("lm_head" [E, V] in panel order, `pack_program`), each
+    device multiplies its vocab shard on `mesh` (`layout`'s) on the kernel path
+    `packed(rows)`; otherwise XLA partitions the head's dot from the vocab-split weights."""
+
+    def head(h, w):
+        return jax.shard_map(partial(matmul.bf16_matmul, path=packed(h.shape[0])), mesh=mesh,
+                             in_specs=(P(), sharding.spec(HEAD_AXES, layout)),
+                             out_specs=sharding.spec((None, "vocab"), layout),
+                             check_vma=False)(h, w)
+
+    def logits(params, hidden, rows: int):
+        _, params_head = split_params(params)
+        if packed:
+            h = decoder.rms_norm(hidden[:rows], params_head.final_norm, cfg.rms_norm_eps)
+            return attention_math.softcap(head(h, params["lm_head"])[:, :vocab], cfg.final_softcap)
+        n = max(rows, HEAD_MIN_ROWS)
+        if hidden.shape[0] < n:
+            hidden = jnp.pad(hidden, ((0, n - hidden.shape[0]), (0, 0)))
+        return decoder.logits(cfg, params_head, hidden[:n])[:rows, :vocab]
+
+    return jax.jit(logits, static_argnames="rows")
+
+
+def microbatches(tokens: int, most: int) -> int:
+    """The largest number of equal micro-batches of `tokens` tokens that is at most `most`."""
+    return max(d for d in range(1, min(tokens, most) + 1) if tokens % d == 0)
