@@ -1,8 +1,11 @@
-"""Memory as the OS sees it (jaxpipe/memory.py): a cleared array gives its pages back."""
+"""Memory as the OS sees it (jaxpipe/memory.py): a cleared array gives its pages back, a zeroed
+one takes none until written."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
+
+import pytest
 
 from jaxpipe import memory
 
@@ -43,3 +46,40 @@ def test_a_cleared_array_reads_as_zeros_and_costs_memory_only_once_written():
     y = jax.block_until_ready(write(x))
     assert rss_bytes() - after < 0.1 * y.nbytes  # one row of 256 was committed, not all
     assert int(y[7, 0, 0]) == 3 and not np.asarray(y[:7]).any() and not np.asarray(y[8:]).any()
+
+
+def test_zeros_take_no_memory_until_written_and_a_donated_write_stays_in_place():
+    """A 512 MiB `memory.zeros` array costs no RSS, reads as zeros, and a program that takes
+    it donated writes one row of it in place (the same buffer, that row's pages only)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jaxpipe.kernels import empty
+
+    if not empty.available():
+        pytest.skip("no C++ compiler: the pool's zeros are written, then cleared")
+    sharding = NamedSharding(jax.make_mesh((1,), ("x",)), P())
+    before = rss_bytes()
+    x = memory.zeros((256, 1024, 1024), jnp.uint16, sharding)
+    assert rss_bytes() - before < 0.05 * x.nbytes
+    buffer = x.unsafe_buffer_pointer()
+    write = jax.jit(lambda c: c.at[7].set(3), donate_argnums=0)
+    y = jax.block_until_ready(write(x))
+    assert y.unsafe_buffer_pointer() == buffer and rss_bytes() - before < 0.05 * y.nbytes
+    assert int(y[7, 0, 0]) == 3 and not np.asarray(y[:7]).any() and not np.asarray(y[8:]).any()
+
+
+def test_zeros_without_the_allocation_kernel_are_written_then_cleared(monkeypatch):
+    """Where `kernels/empty.cc` cannot be built the zeros are XLA's, in the same sharding."""
+    import jax
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    monkeypatch.setattr(memory.empty, "available", lambda: False)
+    sharding = NamedSharding(jax.make_mesh((1,), ("x",)), P())
+    x = memory.zeros((3, 4099), np.int32, sharding)
+    assert x.sharding == sharding and x.dtype == np.int32 and not np.asarray(x).any()
