@@ -28,8 +28,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpipe.config import ModelConfig
-
 BLOCK = 16  # tokens per KV block
 
 
@@ -64,14 +62,6 @@ def from_storage(x: jax.Array) -> jax.Array:
 def blocks_for(tokens: int) -> int:
     """Blocks that hold `tokens` positions."""
     return -(-tokens // BLOCK)
-
-
-def allocate(cfg: ModelConfig, num_blocks: int, dtype) -> tuple[KVCache, ...]:
-    """Zeroed per-layer block pools of `num_blocks` blocks."""
-    shape = (num_blocks, cfg.num_kv_heads, BLOCK, cfg.head_dim)
-    store = storage_dtype(dtype)
-    return tuple(KVCache(jnp.zeros(shape, store), jnp.zeros(shape, store))
-                 for _ in range(cfg.num_layers))
 
 
 # ---- addressing tokens through a block table ---------------------------------------------------
