@@ -46,6 +46,7 @@ from jaxpipe.kv import device_cache
 from jaxpipe.kv.device_cache import BLOCK, KVCache, storage_dtype
 from jaxpipe.layout import Layout
 from jaxpipe.model import loading
+from jaxpipe.model.decoder import param_decls
 from jaxpipe.sampling import SamplingTensors
 from jaxpipe.step_inputs import StepInputs
 
@@ -590,11 +591,11 @@ class Runner:
         """Padded weights in the current layout: from host/device arrays (padded on the host),
         or restored from an orbax checkpoint straight into the layout's shardings."""
         place = self.placements[self.phase]
-        if isinstance(weights, dict):
-            padded = sharding.pad_values(self.config, {k: np.asarray(v)
-                                                       for k, v in weights.items()}, self.plan)
-            return place.pack(jax.device_put({k: v.astype(dtype) for k, v in padded.items()},
-                                             place.params))
+        if isinstance(weights, dict):  # one at a time: each host copy goes before the next
+            placed = {name: jax.device_put(
+                sharding.pad_value(decl, weights[name], self.plan).astype(dtype),
+                place.params[name]) for name, decl in param_decls(self.config).items()}
+            return place.pack(placed)
         target = sharding.restore_target(self.config, self.plan, place.layout, place.mesh, dtype)
         cfg, values = loading.load_orbax(weights, target)
         if cfg != self.config:
