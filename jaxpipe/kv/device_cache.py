@@ -26,9 +26,6 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxpipe.config.model import ModelConfig
-from jaxpipe.kernels.paged import storage_dtype
-
 BLOCK = 16  # tokens per KV block
 
 
@@ -42,14 +39,6 @@ class KVCache(NamedTuple):
 def blocks_for(tokens: int) -> int:
     """Blocks that hold `tokens` positions."""
     return -(-tokens // BLOCK)
-
-
-def allocate(cfg: ModelConfig, num_blocks: int, dtype) -> tuple[KVCache, ...]:
-    """Zeroed per-layer block pools of `num_blocks` blocks."""
-    shape = (num_blocks, cfg.num_kv_heads, BLOCK, cfg.head_dim)
-    store = storage_dtype(dtype)
-    return tuple(KVCache(jnp.zeros(shape, store), jnp.zeros(shape, store))
-                 for _ in range(cfg.num_layers))
 
 
 # ---- one sequence in and out (the host KV tier's copies) -----------------------------------------

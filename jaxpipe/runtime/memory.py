@@ -1,4 +1,5 @@
-"""Memory as the OS and the devices see it: what is free, and how freed pages go back.
+"""Memory as the OS and the devices see it: what is free, how freed pages go back, and zeroed
+arrays whose pages are taken only as they are written.
 
 CPU devices (virtual ones included) share the host's RAM: `MemAvailable` of /proc/meminfo.
 An accelerator reports its own: `bytes_limit - bytes_in_use` of `Device.memory_stats()`,
@@ -9,8 +10,16 @@ How the engine divides that memory (KV pool, host tier, sequences) is `jaxpipe.r
 from __future__ import annotations
 
 import ctypes
+import functools
+import math
 import mmap
 from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+
+from jaxpipe.kernels import empty
 
 MEMINFO = Path("/proc/meminfo")
 
@@ -45,6 +54,29 @@ def clear(array) -> bool:
         ctypes.memset(start, 0, first - start)
         ctypes.memset(last, 0, end - last)
     return True
+
+
+def zeros(shape: tuple[int, ...], dtype, sharding: NamedSharding) -> jax.Array:
+    """A zeroed array in `sharding` (its buffers its own, so a program may take it donated and
+    write it in place). On CPU under Linux it costs no memory until written: each shard is
+    allocated unwritten (`kernels/empty.cc`) and `clear`ed, so its pages are the OS's zero
+    pages until a block is written. A program that writes the zeros takes every page at once
+    until `clear` gives them back: a default engine (a 6.7 GiB KV pool) peaked at 4.5 GB of
+    RSS at start that way, 1.55 GB this way. Where the allocation cannot be built (no C++
+    compiler) the zeros are written, then cleared; off CPU they are written."""
+    lazy = (math.prod(shape) > 0 and all(d.platform == "cpu" for d in sharding.device_set)
+            and _madvise() is not None and empty.available())
+    if lazy:
+        array = jax.block_until_ready(empty.empty(shape, dtype, sharding))
+    else:
+        array = jax.block_until_ready(_filled(tuple(shape), jnp.dtype(dtype), sharding)())
+    clear(array)
+    return array
+
+
+@functools.cache
+def _filled(shape: tuple[int, ...], dtype, sharding: NamedSharding):
+    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
 
 
 MADV_DONTNEED = 4

@@ -35,6 +35,7 @@ from jaxpipe.kernels.paged import OUT_OF_RANGE, storage_dtype
 from jaxpipe.kv import device_cache
 from jaxpipe.kv.device_cache import BLOCK, KVCache
 from jaxpipe.model import orbax_dir
+from jaxpipe.model.decoder import param_decls
 from jaxpipe.runtime import memory, pipeline, sampling, sharding
 from jaxpipe.runtime.buckets import Buckets, round_up
 from jaxpipe.runtime.host_sampler import HostSampler, host_logprobs
@@ -201,8 +202,7 @@ class Placement:
                                               self.head_path)
         kv = sharding.kv_sharding(cfg, plan, layout, self.mesh, num_blocks)
         self.cache = KVCache(kv, kv)
-        shape = sharding.kv_shape(cfg, plan, num_blocks)
-        self._zeros = jax.jit(lambda: jnp.zeros(shape, kv_dtype), out_shardings=kv)
+        self._kv_shape, self._kv_dtype = sharding.kv_shape(cfg, plan, num_blocks), kv_dtype
         spec = sharding.spec(("layers", "kv_heads", "seq", "head_dim"), layout)
         self.staging = [NamedSharding(self.mesh, spec)] * 2  # one sequence's K, V
         self.spare: KVCache | None = None  # this layout's zeroed pool, kept by `keep`
@@ -218,22 +218,18 @@ class Placement:
 
     def empty_cache(self) -> KVCache:
         """A zeroed KV pool in this layout's sharding: the one `keep` kept, else one created
-        directly in the sharding (never whole on one device). On CPU its pages go back to the
-        OS until blocks are written (`memory.clear`)."""
+        directly in the sharding (never whole on one device). On CPU it takes no memory until
+        blocks are written (`memory.zeros`)."""
         if self.spare is not None:
             cache, self.spare = self.spare, None
             return cache
-        arrays = []
-        for _ in range(2):  # one at a time: at most one array's pages are held at once
-            arrays.append(jax.block_until_ready(self._zeros()))
-            memory.clear(arrays[-1])
-        return KVCache(*arrays)
+        return KVCache(*(memory.zeros(self._kv_shape, self._kv_dtype, self.cache.k)
+                         for _ in range(2)))
 
     def keep(self, cache: KVCache, readers: list[jax.Array]) -> None:
         """Zero `cache` (this layout's pool, which the runner leaves) and keep it for the next
-        `empty_cache`: on CPU, creating a zeroed pool writes every byte of it (0.5 s for
-        2.2 GiB here), while `memory.clear` gives its pages back to the OS, so a kept pool
-        costs neither time nor memory until blocks are written. Off CPU it is freed. Its
+        `empty_cache`: `memory.clear` gives its pages back to the OS, so a kept pool costs
+        neither time nor memory until blocks are written. Off CPU it is freed. Its
         buffers must be its own, as the runner's programs make them. `readers`: outputs of
         programs that may still be reading the pool (swap-outs the host tier dispatched);
         the pool is cleared only once they are done."""
@@ -331,9 +327,9 @@ class Runner:
             sampler == "host") else None
         rows = 0 if self.host_sampler else self.num_slots  # the host sampler keeps its own
         replicated = NamedSharding(self.placements[self.phase].mesh, P())
-        zeros = np.zeros((rows, self.config.vocab_size), np.int32)
-        self.prompt_mask = jax.device_put(zeros.astype(bool), replicated)
-        self.out_counts = jax.device_put(zeros, replicated)
+        shape = (rows, self.config.vocab_size)  # a copy per device: 0.5 GB of them on cpu-8
+        self.prompt_mask = memory.zeros(shape, bool, replicated)
+        self.out_counts = memory.zeros(shape, np.int32, replicated)
 
     @property
     def layout(self) -> Layout:
@@ -603,11 +599,11 @@ class Runner:
         """Padded weights in the current layout: from host/device arrays (padded on the host),
         or restored from an orbax checkpoint straight into the layout's shardings."""
         place = self.placements[self.phase]
-        if isinstance(weights, dict):
-            padded = sharding.pad_values(self.config, {k: np.asarray(v)
-                                                       for k, v in weights.items()}, self.plan)
-            return place.pack(jax.device_put({k: v.astype(dtype) for k, v in padded.items()},
-                                             place.params))
+        if isinstance(weights, dict):  # one at a time: each host copy goes before the next
+            placed = {name: jax.device_put(
+                sharding.pad_value(decl, weights[name], self.plan).astype(dtype),
+                place.params[name]) for name, decl in param_decls(self.config).items()}
+            return place.pack(placed)
         target = sharding.restore_target(self.config, self.plan, place.layout, place.mesh, dtype)
         cfg, values = orbax_dir.load_orbax(weights, target)
         if cfg != self.config:

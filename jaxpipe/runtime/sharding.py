@@ -174,14 +174,17 @@ def layer_experts(cfg: ModelConfig, plan: PaddingPlan) -> tuple[bool, ...]:
 
 def pad_values(cfg: ModelConfig, values: dict, plan: PaddingPlan) -> dict[str, np.ndarray]:
     """Host arrays (name -> array, as `param_decls` declares) -> padded host arrays."""
-    out = {}
-    for name, decl in param_decls(cfg).items():
-        a = np.asarray(values[name])
-        for dim, axis in enumerate(decl.axes):
-            if axis in plan.index:
-                a = _take_or_zero(a, plan.index[axis], dim)
-        out[name] = a
-    return out
+    return {name: pad_value(decl, values[name], plan)
+            for name, decl in param_decls(cfg).items()}
+
+
+def pad_value(decl, value, plan: PaddingPlan) -> np.ndarray:
+    """The host array of the parameter `decl` declares -> padded (itself where nothing pads)."""
+    a = np.asarray(value)
+    for dim, axis in enumerate(decl.axes):
+        if axis in plan.index:
+            a = _take_or_zero(a, plan.index[axis], dim)
+    return a
 
 
 def pad_on_device(cfg: ModelConfig, values: dict, plan: PaddingPlan,

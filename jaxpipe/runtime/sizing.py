@@ -19,7 +19,7 @@ from jaxpipe.kv import device_cache
 from jaxpipe.runtime import memory, sharding
 
 ACCELERATOR_UTILIZATION = 0.9
-# CPU: the pool's pages are taken only as blocks are written (`memory.clear`), so a pool sized
+# CPU: the pool's pages are taken only as blocks are written (`memory.zeros`), so a pool sized
 # for a full batch (256 rows of a few hundred tokens: ~8 GiB of SmolLM2 bf16 KV on a 24 GiB
 # machine) costs memory only as the batch fills it.
 CPU_UTILIZATION = 0.4
@@ -32,12 +32,16 @@ DEFAULT_MAX_NUM_SEQS = 256  # vLLM's default
 @dataclass(frozen=True)
 class Budget:
     """Bytes the engine may give its device KV pool and its host KV tier, and what set them
-    (for messages): an explicit setting, or a fraction of the free memory."""
+    (for messages): an explicit setting, or a fraction of the free memory; and what the rest
+    of the engine was counted as taking: its weights (every copy it keeps) and the activation
+    reserve of its largest step."""
 
     pool_bytes: float
     pool_setting: str
     host_bytes: float
     host_setting: str
+    weight_bytes: int = 0
+    reserve_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -82,7 +86,7 @@ def utilization(config, devices) -> float:
     memory after the weights (vLLM's `gpu_memory_utilization`); 0.4 of the host's available
     RAM for CPU devices, which share it with the host KV tier, the compiled programs, the OS
     and other programs (the pool's pages are taken only as blocks are written,
-    `memory.clear`)."""
+    `memory.zeros`)."""
     if config.memory_utilization is not None:
         return config.memory_utilization
     return CPU_UTILIZATION if devices[0].platform == "cpu" else ACCELERATOR_UTILIZATION
@@ -129,7 +133,7 @@ def plan(config, devices, weight_bytes: int, reserve_bytes: int, block_bytes: in
         pool, pool_setting = config.kv_cache_gb * 2**30, f"kv_cache_gb={config.kv_cache_gb}"
     else:
         pool, pool_setting = _pool_from_free(config, devices, weight_bytes, reserve_bytes)
-    return Budget(pool, pool_setting, 0.0, "")
+    return Budget(pool, pool_setting, 0.0, "", weight_bytes, reserve_bytes)
 
 
 def max_num_seqs(config, budget: Budget, block_bytes: int) -> int:

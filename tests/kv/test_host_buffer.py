@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from jaxpipe.config.model import ModelConfig
+from jaxpipe.kernels import paged
 from jaxpipe.kv import device_cache
 from jaxpipe.kv.host_buffer import HostKVBuffer, Prefetcher, host_memory_kind
 from jaxpipe.runtime.buckets import pow2_buckets, round_up
@@ -25,7 +26,7 @@ TABLE = np.random.default_rng(1).permutation(13)[:SLOTS * 2].reshape(SLOTS, 2).a
 
 def dense(x) -> np.ndarray:
     """A block pool [NB, Hkv, 16, D] seen per slot: [SLOTS, Hkv, SEQ, D]."""
-    return np.asarray(device_cache.gather(x, jnp.asarray(TABLE), SEQ))
+    return np.asarray(paged.gather(x, jnp.asarray(TABLE), SEQ))
 
 
 def bucket(n: int) -> int:
@@ -45,13 +46,15 @@ def insert(caches, slot: int, staged):
 
 
 def filled_caches(dtype=jnp.float32, seed=0) -> list:
+    """A pool of 13 blocks per layer [NB, Hkv, BLOCK, D] of random values, as stored."""
     rng = np.random.default_rng(seed)
-    caches = []
-    for c in device_cache.allocate(CFG, 13, dtype):
-        k = device_cache.to_storage(jnp.asarray(rng.normal(size=c.k.shape)), c.k)
-        v = device_cache.to_storage(jnp.asarray(rng.normal(size=c.v.shape)), c.v)
-        caches.append(device_cache.KVCache(k, v))
-    return caches
+    pool = jax.ShapeDtypeStruct((13, CFG.num_kv_heads, device_cache.BLOCK, CFG.head_dim),
+                                device_cache.storage_dtype(dtype))
+
+    def filled():
+        return device_cache.to_storage(jnp.asarray(rng.normal(size=pool.shape)), pool)
+
+    return [device_cache.KVCache(filled(), filled()) for _ in range(CFG.num_layers)]
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
