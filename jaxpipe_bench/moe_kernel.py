@@ -28,7 +28,7 @@ from jaxpipe_bench.cli import check_sizes, dims
 CASES: tuple[tuple[int, int, int, int], ...] = ((8, 2, 256, 512), (64, 8, 256, 512),
                                                  (64, 8, 1024, 768))
 TOKENS: tuple[int, ...] = (8, 64, 512)
-DISPATCHES = ("dense", "ragged", "grouped")
+EXPERTS_PATHS = ("dense", "ragged", "grouped")
 
 
 @dataclass(frozen=True)
@@ -86,7 +86,7 @@ def measure(x: int, k: int, e: int, f: int, tokens: int, rounds: int,
     """One point: each dispatch's median ms over `rounds` interleaved rounds."""
     args = _inputs(x, k, e, f, tokens)
     dense_flop = 2 * tokens * x * 3 * e * f
-    names = [d for d in DISPATCHES if d != "ragged" or k * dense_flop <= ragged_max_gflop * 1e9]
+    names = [d for d in EXPERTS_PATHS if d != "ragged" or k * dense_flop <= ragged_max_gflop * 1e9]
     fns = {d: jax.jit(functools.partial(moe.experts_mlp, dispatch=d)) for d in names}
     for fn in fns.values():
         jax.block_until_ready(fn(*args))  # compile, warm up
@@ -107,11 +107,11 @@ def measure(x: int, k: int, e: int, f: int, tokens: int, rounds: int,
 def format_table(points: list[dict]) -> str:
     """A fixed-width table, one line per point (ms, and useful GFLOP/s in brackets)."""
     head = (f"{'X k E F':>18} {'T':>5} {'rows/X':>7} " +
-            " ".join(f"{d + ' ms (GF/s)':>20}" for d in DISPATCHES) + f" {'dense/grouped':>13}")
+            " ".join(f"{d + ' ms (GF/s)':>20}" for d in EXPERTS_PATHS) + f" {'dense/grouped':>13}")
     lines = [head]
     for p in points:
         cells = " ".join(f"{p['ms'][d]:>10.2f} ({p['gflops'][d]:>6.1f})" if d in p["ms"]
-                         else f"{'-':>20}" for d in DISPATCHES)
+                         else f"{'-':>20}" for d in EXPERTS_PATHS)
         case = f"{p['x']} {p['k']} {p['e']} {p['f']}"
         lines.append(f"{case:>18} {p['tokens']:>5} {p['rows_per_expert']:>7.2f} {cells} "
                      f"{p['dense_over_grouped']:>13.2f}")

@@ -72,7 +72,7 @@ def child(cfg: MultihostConfig, out: str | None, cluster: dict) -> None:
     """One process of a run: the leader (or the only process) times the workload; a
     follower follows."""
     from jaxpipe import Engine, EngineConfig, SamplingParams
-    from jaxpipe.engine.engine import follow
+    from jaxpipe.engine.builder import follow
 
     config = EngineConfig(**engine_kwargs(cfg), **cluster)
     if config.process_id:

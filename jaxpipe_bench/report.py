@@ -57,12 +57,12 @@ def machine_info() -> dict:
     built for it) and library versions, plus the load average: other work on a shared
     machine skews every number here, and the JSON should say so when it happened."""
     from jaxpipe.kernels import matmul
-    from jaxpipe.runtime import kernel_choice as dispatch
+    from jaxpipe.runtime import kernel_choice
 
     return {
         "cpu_count": os.cpu_count(),
         "cpu_model": _cpu_model(),
-        "isa": dispatch.isa(),
+        "isa": kernel_choice.isa(),
         "kernel_paths": list(matmul.paths()),
         "platform": platform.platform(),
         "python": platform.python_version(),

@@ -156,7 +156,7 @@ def test_group_size_and_kv_bytes():
 
 def test_auto_layouts_are_the_planners_choice():
     from jaxpipe.config.meshes import load_mesh
-    from jaxpipe.engine.engine import _resolve_layouts
+    from jaxpipe.engine.builder import _resolve_layouts
     from jaxpipe.planner import choose_layouts
 
     smol = ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,

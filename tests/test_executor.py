@@ -221,12 +221,12 @@ def test_set_scheduler_needs_an_idle_engine(engine):
     with pytest.raises(RuntimeError, match="idle"):
         engine.set_scheduler("decode_first")
     engine.abort(rid)
-    engine.release(rid)
+    engine.forget(rid)
     with pytest.raises(RuntimeError, match="set_overlap needs an idle engine"):
         rid = engine.add_request(PROMPTS[0], params()[0])
         engine.set_overlap(False)
     engine.abort(rid)
-    engine.release(rid)
+    engine.forget(rid)
     with pytest.raises(ValueError, match="policy knobs"):
         engine.set_scheduler("tdpipe", max_num_seqs=2)
     with pytest.raises(ValueError, match="tdpipe_finish_ratio"):

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-import numpy as np
 import pytest
 
 from jaxpipe.config.engine import EngineConfig
@@ -29,11 +28,11 @@ def gpu(limit: int, used: int):
 def test_explicit_sizes_win(monkeypatch):
     monkeypatch.setattr(memory, "host_available_bytes", lambda: 100 * GIB)
     config = EngineConfig(kv_cache_gb=2.0, host_kv_gb=0.5)
-    b = sizing.plan(config, CPU, GIB, GIB, BLOCK_BYTES)
+    b = sizing.budget_for(config, CPU, GIB, GIB, BLOCK_BYTES)
     b = sizing.with_host_tier(b, config, CPU, GIB, GIB)
     assert (b.pool_bytes, b.host_bytes) == (2 * GIB, 0.5 * GIB)
     assert b.pool_setting == "kv_cache_gb=2.0"
-    b = sizing.plan(EngineConfig(kv_cache_tokens=20, kv_cache_gb=9.0), CPU, 0, 0, BLOCK_BYTES)
+    b = sizing.budget_for(EngineConfig(kv_cache_tokens=20, kv_cache_gb=9.0), CPU, 0, 0, BLOCK_BYTES)
     assert b.pool_bytes == 2 * BLOCK_BYTES  # whole blocks; tokens win over GiB
 
 
@@ -41,21 +40,21 @@ def test_cpu_defaults_take_four_tenths_of_available_ram(monkeypatch):
     """CPU: pool = 0.4 of (MemAvailable - weights - reserve); the host tier 0.1 of what is
     left after the pool and the weights."""
     monkeypatch.setattr(memory, "host_available_bytes", lambda: 41.5 * GIB)
-    b = sizing.plan(EngineConfig(), CPU, GIB, GIB // 2, BLOCK_BYTES)
+    b = sizing.budget_for(EngineConfig(), CPU, GIB, GIB // 2, BLOCK_BYTES)
     assert b.pool_bytes == pytest.approx(16 * GIB)
     # the host tier counts the pool the engine really made (capped by max_num_seqs)
     b = sizing.with_host_tier(b, EngineConfig(), CPU, 3 * GIB, GIB)
     assert b.host_bytes == pytest.approx(0.1 * (41.5 - 3 - 1) * GIB)
     assert "memory_utilization=0.4 of the 41.5 GiB free (host RAM, MemAvailable)" in \
         b.pool_setting
-    b = sizing.plan(EngineConfig(memory_utilization=0.5), CPU, GIB, 0, BLOCK_BYTES)
+    b = sizing.budget_for(EngineConfig(memory_utilization=0.5), CPU, GIB, 0, BLOCK_BYTES)
     assert b.pool_bytes == pytest.approx(20.25 * GIB)
 
 
 def test_accelerator_defaults_take_nine_tenths_of_free_device_memory(monkeypatch):
     monkeypatch.setattr(memory, "host_available_bytes", lambda: 64 * GIB)
     devices = [gpu(80 * GIB, 10 * GIB), gpu(80 * GIB, 10 * GIB)]
-    b = sizing.plan(EngineConfig(), devices, 2 * GIB, GIB, BLOCK_BYTES)
+    b = sizing.budget_for(EngineConfig(), devices, 2 * GIB, GIB, BLOCK_BYTES)
     assert b.pool_bytes == pytest.approx(0.9 * (140 - 3) * GIB)
     b = sizing.with_host_tier(b, EngineConfig(), devices, b.pool_bytes, 2 * GIB)
     assert b.host_bytes == pytest.approx(6.4 * GIB)  # the pool is not in host RAM
@@ -63,7 +62,7 @@ def test_accelerator_defaults_take_nine_tenths_of_free_device_memory(monkeypatch
 
 def test_a_budget_smaller_than_the_weights_is_empty_not_negative(monkeypatch):
     monkeypatch.setattr(memory, "host_available_bytes", lambda: GIB)
-    assert sizing.plan(EngineConfig(), CPU, GIB, GIB, BLOCK_BYTES).pool_bytes == 0
+    assert sizing.budget_for(EngineConfig(), CPU, GIB, GIB, BLOCK_BYTES).pool_bytes == 0
 
 
 @pytest.mark.parametrize("value", [0, 1.5, -0.1, True, "half"])
@@ -151,11 +150,10 @@ def test_check_fits_names_the_setting_when_pool_and_weights_exceed_the_free_memo
 
 
 def test_host_tokens_is_the_setting_else_the_budget_at_the_pools_bytes_per_token():
-    cache = [np.zeros((4, 64, 3), np.uint16), np.zeros((4, 64, 3), np.uint16)]  # 64 tokens
     per_token = 2 * 4 * 3 * 2
-    assert sizing.host_tokens(EngineConfig(), 10 * per_token + 5, cache, 64) == 10
-    assert sizing.host_tokens(EngineConfig(host_kv_gb=0), 0.0, cache, 64) == 0
-    assert sizing.host_tokens(EngineConfig(host_kv_tokens=123), 10 * per_token, cache, 64) == 123
+    assert sizing.host_tokens(EngineConfig(), 10 * per_token + 5, per_token) == 10
+    assert sizing.host_tokens(EngineConfig(host_kv_gb=0), 0.0, per_token) == 0
+    assert sizing.host_tokens(EngineConfig(host_kv_tokens=123), 10 * per_token, per_token) == 123
 
 
 def test_size_of_a_small_model_from_explicit_settings(monkeypatch):
@@ -172,6 +170,7 @@ def test_size_of_a_small_model_from_explicit_settings(monkeypatch):
     assert sizing.block_bytes(model, jnp.dtype(jnp.bfloat16), {"p": one}) == block
     assert (sizes.max_num_seqs, sizes.num_blocks) == (63, 63)  # ceil(1000 / 16) blocks
     assert sizes.budget.pool_bytes == 63 * block and sizes.budget.host_bytes == GIB
+    assert sizes.host_tokens == GIB // (block // 16)  # the host tier at the pool's token bytes
     capped = sizing.size(EngineConfig(kv_cache_tokens=1000, max_num_seqs=2), model,
                          jnp.dtype(jnp.bfloat16), {"prefill": one}, CPU, 10_000, 128)
     assert (capped.max_num_seqs, capped.num_blocks) == (2, 16)  # 2 sequences of 8 blocks

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from jaxpipe.engine.engine import timeline
+from jaxpipe.engine import timeline
 
 
 class Clock:

@@ -65,7 +65,7 @@ class LocalRunner:
                     item, completion = live.pop(seq.request_id)
                     completion.add(token_delta(seq))
                     emit(item, Finished.of(completion))
-                    self.engine.release(seq.request_id)
+                    self.engine.forget(seq.request_id)
 
     def _prepared(self, items: Iterator[BatchLine], emit: Emit) -> Iterator[tuple]:
         """(line, its `Prepared` request) for each of `items` that validates; the others

@@ -1,6 +1,6 @@
 """Where jaxpipe keeps what it builds or measures once per machine: `$XDG_CACHE_HOME/jaxpipe/`,
 `~/.cache/jaxpipe/` when that is unset or empty, one subdirectory per kind (`xla` compiled
-programs, `kernels` C++ kernels, `dispatch` kernel timings, `timing` TD-Pipe step times).
+programs, `kernels` C++ kernels, `kernel_choice` kernel timings, `timing` TD-Pipe step times).
 `jaxpipe_peers` keeps its own copy of the rule: it imports nothing from jaxpipe."""
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
     engine.py           Engine: generate / chat / stream / add_request / step / abort
     executor.py         the engine core: schedule -> launch -> land through the scheduler's loop
-    step_builder.py     a scheduled run -> the runner's step inputs and sampling plan
+    step_builder.py     a scheduled run -> the runner's step and sampling inputs
     output_processor.py a step's tokens on the host, and how sequences end
     stats.py            the counters Engine.stats() reports
     timeline.py         when each step was dispatched, finished and landed

@@ -16,42 +16,21 @@ import logging
 import time
 from collections.abc import Iterator
 from collections.abc import Sequence as Seq
-from functools import partial
-from pathlib import Path
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from jaxpipe.config.cluster import Cluster, check_same, cluster_of, shared_fields
+from jaxpipe.config.cluster import cluster_of
 from jaxpipe.config.engine import POLICY_KNOBS, EngineConfig
-from jaxpipe.config.layout import Layout
-from jaxpipe.config.meshes import MeshPreset, load_mesh
-from jaxpipe.config.model import ModelConfig
-from jaxpipe.engine.executor import Executor
-from jaxpipe.engine.step_builder import sampling_plan
-from jaxpipe.kernels.paged import storage_dtype
+from jaxpipe.config.meshes import load_mesh
+from jaxpipe.engine import builder
+from jaxpipe.engine.step_builder import sampling_inputs_for
 from jaxpipe.kv.device_cache import BLOCK
-from jaxpipe.model import loading
-from jaxpipe.model.decoder import Decoder, init_random, param_decls
-from jaxpipe.model.presets import resolve_model
-from jaxpipe.model.tokenizer import Tokenizer
 from jaxpipe.request import validate as requests
 from jaxpipe.request.outputs import Completion, RequestOutput, StreamDelta, token_delta
 from jaxpipe.request.params import SamplingParams
 from jaxpipe.request.stopping import StopChecker
-from jaxpipe.runtime import distributed, sharding, sizing
-from jaxpipe.runtime import kernel_choice as dispatch
-from jaxpipe.runtime.buckets import Buckets
-from jaxpipe.runtime.kernel_choice import Dispatch
-from jaxpipe.runtime.runner import (
-    Runner,
-    attention_cases,
-    attention_impl,
-    packed_head_bytes,
-    weight_copies,
-)
+from jaxpipe.runtime import distributed
 from jaxpipe.runtime.synthetic_step import padding_inputs
 from jaxpipe.scheduler import (
     Sequence,
@@ -65,61 +44,44 @@ class Engine:
     """Offline / batch LLM generation. See README for the full contract."""
 
     def __init__(self, config: EngineConfig | None = None, **overrides):
-        """Load the model, allocate the KV store and compile the steps (warm-up)."""
+        """Load the model, size memory, build the runner and the executor (builder.py), and
+        compile the steps (warm-up)."""
         self.config = config = config or EngineConfig(**overrides)
         self.mesh = load_mesh(config.mesh)
         self.cluster = cluster_of(config)
         if self.cluster is not None and not self.cluster.is_leader:
             raise ValueError(f"EngineConfig.process_id={config.process_id} is a follower: it "
-                             "takes no requests; run jaxpipe.engine.engine.follow(config) there "
-                             "(the CLIs do, given --process-id)")
-        devices = _mesh_devices(self.mesh, self.cluster)  # before any other JAX use
+                             "takes no requests; run jaxpipe.engine.builder.follow(config) "
+                             "there (the CLIs do, given --process-id)")
+        devices = builder.mesh_devices(self.mesh, self.cluster)  # before any other JAX use
         leader = distributed.Leader(self.cluster) if self.cluster is not None else None
         try:
-            model = self._build(config, devices, leader)
+            parts = builder.build(config, devices, leader)
         except BaseException as e:
             if leader is not None:  # the followers are waiting for the runner's sizes
                 leader.send("abort", f"{type(e).__name__}: {e}")
                 leader.close()
             raise
-        del model  # its arrays are the runner's now (padded, in the layout): free these
-        if leader is not None:
-            self.runner = distributed.MirroredRunner(self.runner, leader)
+        self._take(parts)
         self._eos = frozenset(self.model_config.eos_token_ids)
         self._seeds = np.random.default_rng(config.seed)
         self._ids = itertools.count()
         self._requests: dict[str, Sequence] = {}
         self.closed = False
         self._detok_on = config.detok_worker  # set_detok_worker flips it
-        self.executor = Executor(config, self.runner, self.buckets, self.max_num_seqs,
-                                 self.max_model_len, self.budget.host_bytes or 0.0)
         if config.warmup:
             self.warmup()
 
-    def _build(self, config: EngineConfig, devices: list, leader) -> Decoder | Path:
-        """Load the model, size the KV pool and make the runner (the leader tells the
-        followers the sizes first). Returns the loaded model, for the caller to drop."""
-        self.dtype, self.model_config, model, self.tokenizer, self.max_model_len, \
-            self.layouts = _prepare(config, len(devices))
-        self.limits = requests.Limits(self.max_model_len, self.model_config.vocab_size)
-        self.dispatch = _dispatch(config, self.model_config, self.dtype, devices)
-        weight_bytes = _weight_bytes(self.model_config, self.dtype, self.layouts, devices,
-                                     self.dispatch)
-        sizes = sizing.size(config, self.model_config, self.dtype, self.layouts, devices,
-                            weight_bytes, self.max_model_len)
+    def _take(self, parts: builder.Parts) -> None:
+        """The built parts, as the engine's attributes."""
+        self.dtype, self.model_config, self.tokenizer = (parts.dtype, parts.model_config,
+                                                         parts.tokenizer)
+        self.max_model_len, self.layouts, self.kernels = (parts.max_model_len, parts.layouts,
+                                                          parts.kernels)
         self.budget, self.max_num_seqs, self.num_blocks = (
-            sizes.budget, sizes.max_num_seqs, sizes.num_blocks)
-        if leader is not None:
-            leader.send("setup", {"max_num_seqs": self.max_num_seqs,
-                                  "num_blocks": self.num_blocks,
-                                  "dispatch": self.dispatch and self.dispatch.timings,
-                                  "config": shared_fields(config)})
-        self.buckets = Buckets.for_engine(self.max_num_seqs, self.max_model_len,
-                                          config.max_num_batched_tokens)
-        self.runner = _make_runner(config, self.model_config, model, self.buckets,
-                                   self.max_num_seqs, self.max_model_len, self.dtype, devices,
-                                   self.layouts, self.num_blocks, self.dispatch)
-        return model
+            parts.sizes.budget, parts.sizes.max_num_seqs, parts.sizes.num_blocks)
+        self.buckets, self.runner, self.executor = parts.buckets, parts.runner, parts.executor
+        self.limits = requests.Limits(self.max_model_len, self.model_config.vocab_size)
 
     # ---- public API ---------------------------------------------------------------------------
 
@@ -163,7 +125,7 @@ class Engine:
         if seq is not None and not seq.is_finished:
             self.executor.abort(seq)
 
-    def release(self, request_id: str) -> None:
+    def forget(self, request_id: str) -> None:
         """Forget a finished (or aborted) request so its memory is freed. For callers that drive
         `add_request` / `step` themselves, such as a server; `generate` and `stream` do this."""
         seq = self._requests.get(request_id)
@@ -291,9 +253,9 @@ class Engine:
                 self.runner.hidden(padding_inputs(self.runner, t))
                 bar.update()
             for n in rows:  # the head and sampler read [max_rows, E]: any step feeds them
-                plan = sampling_plan([], n)
+                sampling_inputs = sampling_inputs_for([], n)
                 self.runner.step(padding_inputs(self.runner, tokens[0]),
-                                 np.full(n, self.max_num_seqs, np.int32), plan)
+                                 np.full(n, self.max_num_seqs, np.int32), sampling_inputs)
                 bar.update()
 
     # ---- helpers ------------------------------------------------------------------------------
@@ -358,7 +320,7 @@ class Engine:
             bar.close()
 
     def pop_output(self, request_id: str) -> RequestOutput:
-        """The output of a finished request, which the engine then forgets (as `release`).
+        """The output of a finished request, which the engine then forgets (as `forget`).
         For callers that drive `add_request` / `step` themselves."""
         seq = self._requests.get(request_id)
         if seq is None:
@@ -398,147 +360,6 @@ class Engine:
 
 
 # ---- module helpers ---------------------------------------------------------------------------
-
-
-def _enable_compilation_cache(path: str | None) -> None:
-    if path:
-        jax.config.update("jax_compilation_cache_dir", path)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-
-
-def follow(config: EngineConfig) -> None:
-    """Be a follower of a multi-process engine (process_id > 0; see distributed.py): join the
-    cluster, load the same model, make the runner with the sizes the leader chose, then run
-    the leader's calls until it closes."""
-    cluster = cluster_of(config)
-    if cluster is None or cluster.is_leader:
-        raise ValueError("follow() runs a follower: give EngineConfig a coordinator, "
-                         "num_processes > 1 and process_id > 0")
-    devices = _mesh_devices(load_mesh(config.mesh), cluster)
-    channel = distributed.FollowerChannel(cluster)
-    dtype, model_config, model, _, max_len, layouts = _prepare(config, len(devices))
-    name, sizes = channel.recv()
-    if name != "setup":
-        channel.close()
-        raise RuntimeError(f"the leader (process 0) failed to start: {sizes}")
-    check_same(sizes["config"], shared_fields(config))
-    buckets = Buckets.for_engine(sizes["max_num_seqs"], max_len, config.max_num_batched_tokens)
-    # The leader's measured choices, so that every process compiles the same programs.
-    timings = sizes["dispatch"]
-    chosen = None if timings is None else Dispatch(_forced(config), timings=timings)
-    runner = _make_runner(config, model_config, model, buckets, sizes["max_num_seqs"], max_len,
-                          dtype, devices, layouts, sizes["num_blocks"], chosen)
-    del model
-    log.info("process %d follows the leader at %s", cluster.process_id, cluster.coordinator)
-    distributed.Follower(runner, channel).serve()
-
-
-def _prepare(config: EngineConfig, num_devices: int):
-    """What every process derives alike from the config: dtype, architecture, the loaded
-    model, tokenizer, max_model_len and the two layouts."""
-    _enable_compilation_cache(config.compilation_cache_dir)
-    dtype = jnp.dtype(config.dtype)
-    model_config, model, tokenizer = _load(config, dtype)
-    max_len = _max_model_len(config, model_config)
-    layouts = _resolve_layouts(config, model_config, num_devices)
-    return dtype, model_config, model, tokenizer, max_len, layouts
-
-
-def _mesh_devices(mesh: MeshPreset, cluster: Cluster | None = None) -> list:
-    """The devices of a mesh preset, over every process of `cluster` (joined here); a cpu-N
-    preset adds virtual CPU devices if JAX has not started yet (a clear error if it has, with
-    fewer)."""
-    if cluster is not None:
-        distributed.initialize(cluster, mesh.num_devices // cluster.num_processes,
-                               mesh.platform)
-    elif mesh.platform == "cpu" and mesh.num_devices > 1:
-        sharding.ensure_cpu_devices(mesh.num_devices)
-    devices = jax.devices("cpu" if mesh.platform == "cpu" else None)
-    if len(devices) < mesh.num_devices or (mesh.platform != "cpu"
-                                           and devices[0].platform == "cpu"):
-        raise RuntimeError(f"mesh {mesh.name!r} needs {mesh.num_devices} {mesh.platform} "
-                           f"devices; found {len(devices)} {devices[0].platform} device(s)")
-    return devices[: mesh.num_devices]
-
-
-def _make_runner(config: EngineConfig, cfg: ModelConfig, model: Decoder | Path,
-                 buckets: Buckets, num_slots: int, max_len: int, dtype, devices: list,
-                 layouts: dict, num_blocks: int, chosen: Dispatch | None) -> Runner:
-    """The runner over `layouts` of `devices` (one device: pp=1,tp=1 for both phases).
-    `model` is a path when an orbax checkpoint is to be restored straight into shardings."""
-    weights = model if isinstance(model, Path) else {
-        name: getattr(model, name)[...] for name in param_decls(cfg)}
-    return Runner(cfg, weights, buckets, num_slots, max_len, dtype, layouts, devices,
-                  num_blocks, attention=config.attention, sampler=config.sampler,
-                  sampler_threads=config.sampler_threads, dispatch=chosen)
-
-
-def _forced(config: EngineConfig) -> str | None:
-    """The matmul implementation the config names, or None to measure."""
-    return None if config.matmul == "auto" else config.matmul
-
-
-def _dispatch(config: EngineConfig, cfg: ModelConfig, dtype, devices: list) -> Dispatch | None:
-    """This machine's measured kernel choices on CPU (None elsewhere), with the attention
-    measured now if the config leaves it to the machine: every process of a cluster then
-    gets the same timings from the leader."""
-    if devices[0].platform != "cpu":
-        return None
-    chosen = dispatch.for_machine(_forced(config))
-    if config.attention == "auto":
-        attention_impl("auto", devices, partial(chosen.attention, attention_cases(cfg),
-                                                storage_dtype(dtype, "cpu")))
-    return chosen
-
-
-def _resolve_layouts(config: EngineConfig, cfg: ModelConfig, num_devices: int) -> dict:
-    """The two layouts, with "auto" replaced by the planner's choice (cost model, sharegpt);
-    one device runs both phases on pp=1,tp=1."""
-    if num_devices == 1:
-        return {"prefill": Layout(), "decode": Layout()}
-    layouts = {"prefill": config.prefill, "decode": config.decode}
-    if "auto" in layouts.values():
-        # lazy: the planner loads only for "auto" layouts (`import jaxpipe` reaches no tool)
-        from jaxpipe.planner import choose_layouts
-
-        chosen = dict(zip(("prefill", "decode"),
-                          choose_layouts(cfg, load_mesh(config.mesh), "sharegpt"), strict=True))
-        layouts = {k: chosen[k] if v == "auto" else v for k, v in layouts.items()}
-    return {k: Layout.parse(v) for k, v in layouts.items()}
-
-
-def _load(config: EngineConfig, dtype) -> tuple[ModelConfig, Decoder | Path, Tokenizer | None]:
-    """Architecture, weights and tokenizer. An orbax checkpoint is not read here: its path is
-    returned, for the runner to restore straight into the layout's shardings."""
-    source = resolve_model(config.model)
-    tokenizer = loading.load_tokenizer(source)
-    if config.random_weights:
-        cfg = loading.source_config(source)  # the metadata alone: the weights are not read
-        return cfg, init_random(cfg, config.seed, dtype), tokenizer
-    if source.kind == "orbax":
-        return loading.source_config(source), source.path, tokenizer
-    start = time.perf_counter()
-    cfg, values = loading.load_weights(source)
-    model = Decoder(cfg, dtype=dtype, values=values)
-    log.info("loaded %s in %.1f s", source.name, time.perf_counter() - start)
-    return cfg, model, tokenizer
-
-
-def _max_model_len(config: EngineConfig, cfg: ModelConfig) -> int:
-    limit, what = cfg.context_limit
-    if config.max_model_len is None:
-        return min(limit, 2048)
-    if config.max_model_len > limit:
-        raise ValueError(f"EngineConfig.max_model_len={config.max_model_len} exceeds the model's "
-                         f"{what}")
-    return config.max_model_len
-
-
-def _weight_bytes(cfg: ModelConfig, dtype, layouts: dict, devices, dispatch) -> int:
-    """Bytes of the weights the runner will hold: every copy it keeps, the packed LM head
-    included."""
-    packed = packed_head_bytes(cfg, dtype, layouts, devices, dispatch)
-    return (sizing.model_bytes(cfg, dtype) + packed) * weight_copies(layouts, devices)
 
 
 def _normalise_prompts(prompts, prompt_token_ids):

@@ -3,7 +3,7 @@
     driver.step()          # jaxpipe.scheduler.loop.Driver, the simulator's loop too:
       policy.schedule      #   Run | Switch | SwapIn | Preempt (a pipelined policy: pp runs,
                            #   merged into one step)
-      launch(runs)         #   step_builder: pieces, inputs, sampling plan; dispatched, then
+      launch(runs)         #   step_builder: pieces, step and sampling inputs; dispatched, then
                            #   applied to the state at once by the driver
       land(flight)         #   output_processor: tokens appended, stops checked; the driver
                            #   finishes the sequences that ended and tells the policy (`landed`)
@@ -15,17 +15,20 @@ step before it lands (tokens appended, stop checks) only after that, so the host
 while the device computes; decode tokens not yet on the host are fed from the step in flight
 on the device. Any other action waits for the step in flight to land first.
 
-Words kept to one meaning here: a step *lands* when its tokens are on the host (and so do the
-runs it carried: `Policy.landed`); a sequence is *freed* when its slot and KV go back to the
-pool (at dispatch when its token in flight is certainly its last: the driver's rule, `free`
-here drops its KV); a *plan* is a step's `SamplingPlan`; *release* is left to
-`Engine.release` (a finished request's output forgotten).
+Words kept to one meaning across the package: a step *lands* when its tokens are on the host
+(and so do the runs it carried: `Policy.landed`); a sequence is *freed* when its slot and KV
+go back to the pool (at dispatch when its token in flight is certainly its last: the driver's
+rule, `free` here drops its KV); *dispatch* is a device program started asynchronously (JAX's
+word: a step, a copy); *release* gives something back where it came from (a block to the
+pool, a host tier's tokens, freed pages to the OS); a finished request's output is
+*forgotten* (`Engine.forget`); a *plan* is the planner's (a layout choice), never a step's
+(a step has *sampling inputs*) nor a memory budget's.
 
 The policy sees only token counts (`SchedulerState`: its queues and the ledgers of device
 blocks and slots, `device_kv`, and host-tier tokens, `host_kv`); `KVManager` (jaxpipe/kv/)
 moves the bytes: the host KV tier and the prefetcher. The counters and the step timeline
-are `EngineStats`' (engine_stats.py). `_scheduling` and `_policy` below build the
-state, the policy and the KV manager.
+are `EngineStats`' (stats.py). The engine's builder (builder.py) makes the state, the policy
+and the KV manager with `scheduler_state` and `policy_for` below.
 """
 
 from __future__ import annotations
@@ -42,9 +45,8 @@ from jaxpipe.engine.timeline import StepRecord, Timeline
 from jaxpipe.kv.device_cache import BLOCK
 from jaxpipe.kv.manager import KVManager
 from jaxpipe.request.stopping import DetokWorker
-from jaxpipe.runtime import sizing, step_timing
+from jaxpipe.runtime import step_timing
 from jaxpipe.runtime.buckets import Buckets
-from jaxpipe.runtime.distributed import MirroredRunner
 from jaxpipe.runtime.runner import Dispatched, HostSampled, Runner, StepOutput
 from jaxpipe.scheduler import (
     Action,
@@ -68,17 +70,16 @@ class Executor(StepExecutor):
 
     merge = True  # a pipelined policy's pp micro-batches run as one step
 
-    def __init__(self, config: EngineConfig, runner: Runner, buckets: Buckets, num_slots: int,
-                 max_model_len: int, host_bytes: float):
-        """The policy's actions carry the engine's `Sequence` records themselves.
-        host_bytes: the host KV tier's budget (sizing.size; host_kv_tokens wins)."""
+    def __init__(self, config: EngineConfig, runner: Runner, buckets: Buckets,
+                 state: SchedulerState, policy, kv: KVManager, max_model_len: int):
+        """Run `policy` over `state` on `runner`, the KV bytes moved by `kv` (all made by
+        `builder.make_executor`). The policy's actions carry the engine's `Sequence` records
+        themselves."""
         self.config, self.runner, self.buckets = config, runner, buckets
-        self.state, policy, self.kv = _scheduling(config, runner, buckets, num_slots,
-                                                  max_model_len, host_bytes)
+        self.state, self.kv = state, kv
         self.driver = Driver(policy, self.state, self)
         self.max_step_tokens = buckets.max_tokens
         self.builder = StepBuilder(runner, buckets, self.state, self.kv)
-        self.kv.on_insert = self.builder.restore_penalties
         self.engine_stats = EngineStats(runner, self.state, self.kv)
         self.detok = DetokWorker()  # used by the requests added while config.detok_worker
         self.output = OutputProcessor(self.state, self.kv, self.detok, self.engine_stats,
@@ -124,8 +125,8 @@ class Executor(StepExecutor):
 
     def set_policy(self, config: EngineConfig) -> None:
         """Schedule with `config`'s policy (its scheduler and knobs) from now on."""
-        self.policy = _policy(config.scheduler, config, self.runner, self.buckets,
-                              self.state.host_kv.capacity)
+        self.policy = policy_for(config.scheduler, config, self.runner, self.buckets,
+                                 self.state.host_kv.capacity)
 
     def has_work(self) -> bool:
         """Whether a request is unfinished: in the scheduler state, or (already freed: its
@@ -194,10 +195,10 @@ class Executor(StepExecutor):
         if step is None:
             return None
         start = self.timeline.part("build", start)
-        plan = self.builder.plan(step)
+        sampling_inputs = self.builder.sampling_inputs(step)
         start = self._ready_to_dispatch(step, self.timeline.part("sample", start))
         prev = self._flight.out if self._flight is not None else None
-        out = self.runner.dispatch(step.inputs, step.slots, plan, prev)
+        out = self.runner.dispatch(step.inputs, step.slots, sampling_inputs, prev)
         record = self.timeline.dispatch("step", start, len(step.run.decode),
                                         step.run.prefill_tokens, out)
         self.timeline.part("dispatch", start, record)
@@ -292,18 +293,14 @@ class Executor(StepExecutor):
 # ---- how the engine's scheduling is built -----------------------------------------------------
 
 
-def _scheduling(config: EngineConfig, runner: Runner, buckets: Buckets, num_slots: int,
-                max_len: int, host_bytes: float) -> tuple[SchedulerState, object, KVManager]:
-    """The scheduler state and policy, and the KV manager with its host tier."""
-    pool_tokens = runner.num_blocks * BLOCK
-    host_tokens = sizing.host_tokens(config, host_bytes, runner.cache, pool_tokens)
-    # The host tier keeps each sequence in whole swap chunks (`Runner.kv_chunk`).
-    state = SchedulerState(pool_tokens, num_slots, host_tokens, host_unit=runner.kv_chunk,
-                           device_unit=BLOCK, prefix_caching=config.prefix_caching,
-                           cache_key=cache_key(config), window=every_layer_window(runner.config))
-    policy = _policy(config.scheduler, config, runner, buckets, host_tokens)
-    mirror = runner.leader.send if isinstance(runner, MirroredRunner) else None
-    return state, policy, KVManager(runner, host_tokens > 0, mirror=mirror)
+def scheduler_state(config: EngineConfig, runner: Runner, num_slots: int,
+                    host_tokens: int) -> SchedulerState:
+    """The scheduler's ledgers: the runner's device pool, `num_slots` slots and a host tier
+    of `host_tokens` tokens (kept in whole swap chunks, `Runner.kv_chunk`)."""
+    return SchedulerState(runner.num_blocks * BLOCK, num_slots, host_tokens,
+                          host_unit=runner.kv_chunk, device_unit=BLOCK,
+                          prefix_caching=config.prefix_caching, cache_key=cache_key(config),
+                          window=every_layer_window(runner.config))
 
 
 def every_layer_window(cfg: ModelConfig) -> int:
@@ -321,8 +318,8 @@ def cache_key(config: EngineConfig) -> tuple:
     return (config.model, config.dtype, seed)
 
 
-def _policy(name: str, config: EngineConfig, runner: Runner, buckets: Buckets,
-            host_tokens: int):
+def policy_for(name: str, config: EngineConfig, runner: Runner, buckets: Buckets,
+               host_tokens: int):
     """A policy that switches layouts if the runner's two differ, with the step's token
     budget for prompt chunks. "auto": seesaw over two layouts and a host tier, else
     prefill_first (continuous batching: nothing to gain from phases on one layout).

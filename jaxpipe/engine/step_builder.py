@@ -1,7 +1,7 @@
-"""From a scheduled `Run` to what the runner dispatches: pieces, step inputs, a sampling plan.
+"""From a scheduled `Run` to what the runner dispatches: pieces, step inputs, sampling inputs.
 
     step = builder.build(run, flight)    # one piece per prompt chunk and decode token
-    plan = sampling_plan(step.sampled, rows)
+    sampling_inputs = sampling_inputs_for(step.sampled, rows)
 
 A prompt chunk is its next context tokens, from `computed` (past a cached prefix: see
 `SchedulerState`'s prefix caching; a sequence entering the device first gets its slot's penalty
@@ -22,7 +22,7 @@ from jaxpipe.kv.manager import KVManager
 from jaxpipe.request.params import SamplingParams
 from jaxpipe.runtime import sampling, step_inputs
 from jaxpipe.runtime.buckets import Buckets
-from jaxpipe.runtime.runner import Runner, SamplingPlan
+from jaxpipe.runtime.runner import Runner, SamplingInputs
 from jaxpipe.runtime.step_inputs import Piece, StepInputs
 from jaxpipe.scheduler import Run, SchedulerState, Sequence
 
@@ -81,15 +81,10 @@ class StepBuilder:
         return Step(run, sampled, to_host, inputs, real, tokens,
                     any(p.feed >= 0 for _, p, _ in pieces))
 
-    def plan(self, step: Step) -> SamplingPlan:
-        """The sampling plan of `step`'s sampled rows, in a row bucket."""
-        return sampling_plan(step.sampled, self.buckets.sample_rows(len(step.sampled)))
+    def sampling_inputs(self, step: Step) -> SamplingInputs:
+        """The sampling inputs of `step`'s sampled rows, in a row bucket."""
+        return sampling_inputs_for(step.sampled, self.buckets.sample_rows(len(step.sampled)))
 
-    def restore_penalties(self, seq: Sequence) -> None:
-        """`seq` took a slot (its prefill starts, or its KV was swapped in): its penalty
-        state follows it into the slot's row. The KV manager calls this on every insert."""
-        if sampling.uses_penalties([seq.params]):
-            self.runner.restore_penalties(seq.slot, seq.prompt_token_ids, seq.output_token_ids)
 
     def _ready_decodes(self, seqs: list[Sequence]) -> list[Sequence]:
         """The decode sequences whose KV is in the device pool (waits for a swap-in only
@@ -111,7 +106,7 @@ class StepBuilder:
         penalties). The chunk starts at `computed`: past a cached prefix, whose shared blocks
         lead `seq.blocks`, so its attention reads them."""
         if seq.computed == seq.cached_tokens:  # its first chunk since it entered the device
-            self.restore_penalties(seq)
+            restore_penalties(self.runner, seq)
         context = seq.prompt_token_ids + seq.output_token_ids
         start = seq.computed
         piece = Piece(context[start:start + n], start, list(seq.blocks))
@@ -130,7 +125,7 @@ class StepBuilder:
         return seq, Piece([0], position, blocks, feed=row), True
 
 
-def sampling_plan(seqs: list[Sequence], rows: int) -> SamplingPlan:
+def sampling_inputs_for(seqs: list[Sequence], rows: int) -> SamplingInputs:
     """Sampling inputs of `seqs`, padded with neutral rows to `rows`."""
     neutral = SamplingParams(temperature=0.0)
     pad = rows - len(seqs)
@@ -142,4 +137,11 @@ def sampling_plan(seqs: list[Sequence], rows: int) -> SamplingPlan:
     mode = sampling.sampling_mode(s.params for s in seqs)
     penalties = sampling.uses_penalties(s.params for s in seqs)
     wanted = [s.params.logprobs for s in seqs if s.params.logprobs is not None]
-    return SamplingPlan(tensors, mode, penalties, max(wanted) if wanted else None)
+    return SamplingInputs(tensors, mode, penalties, max(wanted) if wanted else None)
+
+
+def restore_penalties(runner, seq: Sequence) -> None:
+    """`seq` took a slot (its prefill starts, or its KV was swapped in): its penalty state
+    follows it into the slot's row on `runner`. The KV manager calls this on every insert."""
+    if sampling.uses_penalties([seq.params]):
+        runner.restore_penalties(seq.slot, seq.prompt_token_ids, seq.output_token_ids)

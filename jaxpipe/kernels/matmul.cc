@@ -29,7 +29,7 @@
 // to bf16 before the dot; vdpbf16ps treats bf16 denormals (below 1.2e-38) as zero.
 //
 // Paths (the `path` attribute; `jaxpipe_matmul_paths` says which this build has, and
-// matmul.py's dispatcher picks among them by timing them here):
+// the runtime's kernel choice (runtime/kernel_choice.py) picks among them by timing them here):
 //   0 portable     plain loops, exact products and f32 sums, any CPU
 //   1 avx2         AVX2 + FMA: a 32-byte load is 8 columns x 2 k's of bf16 pairs, widened
 //                  to f32 in registers (the low half by a shift, the high half by a mask) and
@@ -573,7 +573,7 @@ uint32_t usable_paths() {
   return kBuiltPaths;
 }
 
-// fn(P{}) with `path`'s struct (`path` < 0: the fastest this build has; the dispatcher passes
+// fn(P{}) with `path`'s struct (`path` < 0: the fastest this build has; the kernel choice passes
 // its measured choice); false if this build or process cannot run that path.
 template <typename F>
 bool with_path(int64_t path, F&& fn) {
@@ -626,7 +626,7 @@ struct Segment {
 // L2-sized buffer once, then runs the path's panel code over all of the segment's rows, so an
 // expert's weight is read from memory once per call however many rows it has, and an expert
 // no row chose is never read. Weights stay in natural order: the same arrays the dense and
-// ragged dispatches read (model/moe.py), so the dispatch can differ between step sizes.
+// ragged paths read (model/moe.py), so the path can differ between step sizes.
 template <typename P>
 void grouped(ffi::ThreadPool& pool, const float* x, const std::vector<Segment>& segs, float* y,
              int64_t m, int64_t k, int64_t n, bool gated) {

@@ -124,7 +124,7 @@ def bf16_matmul(x, w, layer=None, *, gated: bool = False, path: str | None = Non
     and up projections, `gated_reference`), computed panel by panel without writing the
     [..., N] product; N must be a multiple of 2 * PANEL.
 
-    `path`: one of `paths()`; None: the last of them (the dispatcher passes its measured
+    `path`: one of `paths()`; None: the last of them (the kernel choice passes its measured
     choice)."""
     if not available():  # builds and registers the kernel on first use
         raise RuntimeError("the bf16 matmul kernel cannot be built here; use reference()")

@@ -21,7 +21,7 @@ entry is out of range (only possible with a window, between one query's keys and
 query's window start) is read at a clamped index, its keys masked for every query and its
 values zeroed.
 
-Numerics follow the XLA path (`decoder.decode_attention`): q cast to the cache dtype, scores
+Numerics follow the XLA path (`attention_math.decode_attention`): q cast to the cache dtype, scores
 (times the scale, soft-capped if asked) and the softmax in f32, probabilities cast to the
 value dtype for P @ V, accumulation in f32. The probabilities are rounded before
 normalisation (online softmax), so a bf16 pool agrees with the XLA path to bf16 rounding, not

@@ -1426,7 +1426,7 @@ void run_layer(ffi::ThreadPool& pool, Args a, const Shape& s,
 
 // Runs the call on the path it asks for (checked before anything is written), by k/v's type.
 template <typename... Fresh>
-ffi::Error dispatch(ffi::ThreadPool& pool, ffi::DataType type, Args a, const Shape& s,
+ffi::Error run_typed(ffi::ThreadPool& pool, ffi::DataType type, Args a, const Shape& s,
                     const Fresh*... fresh) {
   const int64_t asked = a.path;
   a.path = path_for(asked, type != ffi::F32, s.dim);
@@ -1471,7 +1471,7 @@ ffi::Error RaggedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ff
   Shape s;
   if (const char* error = shape_of(q, k, v, table, q_start, q_len, kv_len, s))
     return ffi::Error::InvalidArgument(error);
-  return dispatch(pool, k.element_type(),
+  return run_typed(pool, k.element_type(),
                   args_of(q, k.untyped_data(), v.untyped_data(), table, q_start, q_len, kv_len,
                           Scalars{layer, window, scale, softcap, path}, out->typed_data()),
                   s);
@@ -1499,7 +1499,7 @@ ffi::Error RaggedAttentionWriteImpl(
     return ffi::Error::InvalidArgument("write_and_attend: the pool outputs must alias k, v");
   const std::array<const float*, 4> fresh{q.typed_data(), kv.typed_data(), cos.typed_data(),
                                           sin.typed_data()};
-  return dispatch(pool, k.element_type(),
+  return run_typed(pool, k.element_type(),
                   args_of(q, k_out->untyped_data(), v_out->untyped_data(), table, q_start,
                           q_len, kv_len, Scalars{layer, window, scale, softcap, path},
                           out->typed_data()),

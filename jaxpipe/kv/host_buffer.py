@@ -74,7 +74,7 @@ class HostKVBuffer:
         with self._lock:
             return self.entries.pop(seq_id)
 
-    def landed(self, seq_id: str, nbytes: int) -> None:
+    def arrived(self, seq_id: str, nbytes: int) -> None:
         """Count a popped entry's `nbytes` as swapped in (called by the prefetcher thread)."""
         with self._lock:
             self.bytes_in += nbytes
@@ -206,5 +206,5 @@ def stage_entry(host: HostKVBuffer, seq_id: str, entry: HostEntry, shardings: li
         dst = shardings[i % 2] if shardings else a.sharding.with_memory_kind("device")
         staged.append(jax.device_put(a, dst))
     jax.block_until_ready(staged)
-    host.landed(seq_id, sum(a.nbytes for a in entry.arrays))
+    host.arrived(seq_id, sum(a.nbytes for a in entry.arrays))
     return staged

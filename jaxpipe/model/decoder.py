@@ -286,7 +286,7 @@ def mlp(cfg: ModelConfig, p: LayerParams, h, dot=None, gated=None,
     where the layer has one, the shared expert (the dense MLP) times sigmoid(h . shared_gate).
     `dot`, `gated`: see `_matmul` and `gated_mlp` (the dense MLP's); `shard`: this device's
     experts under expert parallelism (None: it holds them all); `experts`: the experts'
-    dispatch (`moe.experts_mlp`'s `dispatch`; None: the platform's default); `moe_layer`:
+    path (`moe.experts_mlp`'s `path`; None: the platform's default); `moe_layer`:
     whether an MoE model's layer runs its experts or its dense MLP (`cfg.dense_layers`): a
     bool, or a traced one (a stacked layer's), where `lax.cond` runs only the layer's own
     path."""
@@ -333,8 +333,8 @@ def _moe_mlp(cfg: ModelConfig, p: LayerParams, h, dot, gated, shard, experts):
 def local_experts(weights, experts, index, count: int):
     """The routing as shard `index` of `count` experts each sees it: weights / experts [T, k]
     -> the same with ids local to the shard, and for every choice of another shard's expert
-    the id `count` (out of range: every dispatch skips it, `moe.experts_mlp`) and a weight
-    0. Shapes stay [T, k]; the grouped dispatch multiplies only the shard's own pairs, the
+    the id `count` (out of range: every path skips it, `moe.experts_mlp`) and a weight
+    0. Shapes stay [T, k]; the grouped path multiplies only the shard's own pairs, the
     ragged one still runs all T*k rows (memory split, not its FLOPs), the dense one runs the
     shard's experts on every token."""
     local = experts - index * count

@@ -15,7 +15,7 @@ from jaxpipe.model.tokenizer import Tokenizer
 
 
 def load_weights(source) -> tuple[ModelConfig, dict]:
-    """Dispatch on a resolved `ModelSource`."""
+    """Route on a resolved `ModelSource`."""
     loaders = {"gguf": gguf_file.load_gguf, "hf": hf_dir.load_hf_dir,
                "orbax": orbax_dir.load_orbax}
     if source.kind not in loaders:

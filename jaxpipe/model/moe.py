@@ -3,22 +3,22 @@ top-k experts, each expert is a gated MLP, their outputs are summed weighted by 
 probabilities. Every token reaches all k of its experts (nothing is dropped), and no shape
 depends on the routing.
 
-Three dispatches, the same numbers (`experts_mlp`):
+Three paths, the same numbers (`experts_mlp`):
   - "ragged" (sorted segments): the T*k (token, expert) pairs sorted by expert, so each
     expert's tokens are one contiguous segment, and `jax.lax.ragged_dot` multiplies each
     segment by its expert's weights (group sizes are data, shapes static: [T*k, ...]). On
     GPU and TPU XLA lowers ragged_dot to a grouped matmul: k/X of the dense FLOPs. On CPU
     JAX lowers it to a dense batched dot over X masked copies of the T*k rows: k times the
-    dense dispatch's FLOPs.
+    dense path's FLOPs.
   - "dense": every expert on every token, weighted by the zero-padded gates [T, X]: X/k
     times the useful FLOPs, and every expert's weights read.
   - "grouped" (CPU, bf16 weights, E and F even): the same sorted segments through the C++
     grouped kernel (`kernels/matmul.py: grouped_matmul`): each expert's rows times its own
     weight only (k/X of the dense FLOPs; an expert no token chose is not read), the gate
     fused into the first product, on the bf16 matmul kernel's path code.
-`DISPATCH` picks by platform when the caller names none: ragged off CPU (not measured there
+`EXPERTS_PATH` picks by platform when the caller names none: ragged off CPU (not measured there
 yet); "measured" on CPU, which is dense when called directly, while the engine's step
-passes a chooser (`kernels/dispatch.experts_dispatch`, called at trace time): grouped or
+passes a chooser (`runtime/kernel_choice.experts_path`, called at trace time): grouped or
 dense, whichever timed faster on these expert shapes at the nearest token count at or above
 the step's (once per machine, cached), dense where the grouped kernel cannot run. Medians of
 15 interleaved rounds (3 for E=1024) on the 2-core AMD EPYC (avx2 + FMA only, no avx512),
@@ -54,40 +54,40 @@ def route(h, w_router, k: int, normalize: bool):
     return weights, experts
 
 
-DISPATCH = {"cpu": "measured"}  # platform -> dispatch; others: "ragged"
-DISPATCHES = ("ragged", "dense", "grouped")
+EXPERTS_PATH = {"cpu": "measured"}  # platform -> how its experts run; others: "ragged"
+EXPERTS_PATHS = ("ragged", "dense", "grouped")
 
 
-def dispatch_for(platform: str) -> str:
-    """The experts' dispatch on a platform ("cpu", "gpu", "tpu") when none is named;
-    "measured": the step's chooser decides (`kernels/dispatch.experts_dispatch`)."""
-    return DISPATCH.get(platform, "ragged")
+def experts_path_for(platform: str) -> str:
+    """The experts' path on a platform ("cpu", "gpu", "tpu") when none is named;
+    "measured": the step's chooser decides (`runtime/kernel_choice.experts_path`)."""
+    return EXPERTS_PATH.get(platform, "ragged")
 
 
-def experts_mlp(h, weights, experts, w_gate_up, w_down, dispatch: str | None = None):
+def experts_mlp(h, weights, experts, w_gate_up, w_down, path: str | None = None):
     """sum_j weights[t, j] * expert_{experts[t, j]}(h[t]), each expert silu(h @ gate) * (h @ up)
     @ down. h [T, E] f32, weights / experts [T, k], w_gate_up [X, E, 2, F], w_down [X, F, E]
     -> [T, E] f32 (accumulated in f32; activations cast to the weights' dtype). A choice of
     an expert id >= X (another shard's expert, `decoder.local_experts`) is skipped: it
-    adds nothing and, in the sorted dispatches, sorts past every real segment. `dispatch`:
-    one of DISPATCHES, or a chooser `(tokens, k, w_gate_up, w_down) -> one of them` called
+    adds nothing and, in the sorted paths, sorts past every real segment. `path`:
+    one of EXPERTS_PATHS, or a chooser `(tokens, k, w_gate_up, w_down) -> one of them` called
     at trace time; None: JAX's default backend's. The weights may be one layer of the
     stacked layers' (`kernels/matmul.StackedWeight`, the step's): the grouped kernel reads
-    them in place, the other dispatches slice them out."""
-    dispatch = dispatch or dispatch_for(jax.default_backend())
-    if callable(dispatch):
-        dispatch = dispatch(h.shape[0], experts.shape[1], w_gate_up, w_down)
-    if dispatch == "measured":  # no chooser given: the one every shape runs
-        dispatch = "dense"
-    if dispatch not in DISPATCHES:
-        raise ValueError(f"MoE dispatch {dispatch!r} is not one of "
-                         f"{', '.join(map(repr, DISPATCHES))} or a chooser")
-    if dispatch == "grouped" and not grouped_fits(w_gate_up, w_down):
-        raise ValueError(f"MoE dispatch 'grouped' needs the bf16 kernel, bf16 weights and an "
+    them in place, the other paths slice them out."""
+    path = path or experts_path_for(jax.default_backend())
+    if callable(path):
+        path = path(h.shape[0], experts.shape[1], w_gate_up, w_down)
+    if path == "measured":  # no chooser given: the one every shape runs
+        path = "dense"
+    if path not in EXPERTS_PATHS:
+        raise ValueError(f"MoE path {path!r} is not one of "
+                         f"{', '.join(map(repr, EXPERTS_PATHS))} or a chooser")
+    if path == "grouped" and not grouped_fits(w_gate_up, w_down):
+        raise ValueError(f"MoE path 'grouped' needs the bf16 kernel, bf16 weights and an "
                          f"even E and F; got w_gate_up {w_gate_up.shape} {w_gate_up.dtype}")
-    if dispatch != "grouped":
+    if path != "grouped":
         w_gate_up, w_down = _value(w_gate_up), _value(w_down)
-    fn = {"ragged": _ragged, "dense": _dense, "grouped": _grouped}[dispatch]
+    fn = {"ragged": _ragged, "dense": _dense, "grouped": _grouped}[path]
     return fn(h, weights, experts, w_gate_up, w_down)
 
 

@@ -49,7 +49,7 @@ replicated over ep, so every ep device holds all T tokens of the micro-batch, ru
 attention, the router and the shared expert on all of them, and runs its own X/ep experts
 on the tokens routed to them; one `psum` over the ep group then sums the [T, E] partial
 outputs of the routed experts, once per MoE layer (before the tp all-reduce of the MLP,
-which T_nw already prices). No token is dispatched (no all-to-all). So attention is
+which T_nw already prices). No token is sent to another device (no all-to-all). So attention is
 computed ep times over (its terms divide by tp only), each ep group stores every sequence's
 KV (KV capacity divides by ep), and T_ep is a ring all-reduce of the [T, E] rows over ep
 devices at the mesh's all-reduce bus bandwidth for degree ep, priced as T_nw's are, at 2

@@ -49,7 +49,7 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s follower %(levelname)s %(message)s")
     # lazy: the supervisor stays jax-free: only the child (main) builds the engine
     from jaxpipe import EngineConfig
-    from jaxpipe.engine.engine import follow
+    from jaxpipe.engine.builder import follow
 
     follow(EngineConfig(**{"show_progress": False, **json.loads(argv[0])}))
     return 0

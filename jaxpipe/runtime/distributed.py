@@ -163,22 +163,60 @@ class FollowerChannel:
 # ---- mirroring the leader's device work --------------------------------------------------------
 
 
+def _local(name: str, doc: str = "the local runner's"):
+    """A property of `MirroredRunner` reading the local runner's `name`: state or a method
+    that touches no device the followers hold (or whose device work the KV manager mirrors)."""
+    return property(lambda self: getattr(self._runner, name), doc=f"{name}: {doc}")
+
+
 class MirroredRunner:
-    """The leader's runner: each call that touches the devices is sent to the followers,
-    then run on the local runner; the rest is the local runner's (`__getattr__`). A
-    dispatched step carries `step_id`, by which followers find the `prev` of the next."""
+    """The leader's runner: each call that touches the devices is sent to the followers, then
+    run on the local runner; everything else is the local runner's, each name listed here (a
+    runner method missing here fails `tests/distributed/test_settings.py`, so a new device
+    call cannot silently skip the followers). A dispatched step carries `step_id`, by which
+    followers find the `prev` of the next."""
 
     def __init__(self, runner, leader: Leader):
         self._runner, self.leader = runner, leader
         self._steps = itertools.count()
 
-    def __getattr__(self, name):
-        return getattr(self._runner, name)
+    # The local runner's state and its calls that move no follower's data: swaps go through
+    # the KV manager, whose mirror hook sends them; the rest only reads.
+    attention = _local("attention")
+    buckets = _local("buckets")
+    cache = _local("cache")
+    compile_seconds = _local("compile_seconds")
+    compiled = _local("compiled")
+    config = _local("config")
+    host_sampler = _local("host_sampler")
+    keep_weights = _local("keep_weights")
+    kv_chunk = _local("kv_chunk")
+    layouts = _local("layouts")
+    max_blocks = _local("max_blocks")
+    max_len = _local("max_len")
+    num_blocks = _local("num_blocks")
+    num_slots = _local("num_slots")
+    out_counts = _local("out_counts")
+    padding = _local("padding")
+    params = _local("params")
+    phase = _local("phase")
+    placements = _local("placements")
+    precision = _local("precision")
+    prompt_mask = _local("prompt_mask")
+    sampler = _local("sampler")
+    sampler_threads = _local("sampler_threads")
+    layout = _local("layout")
+    microbatches = _local("microbatches")
+    kernel_choices = _local("kernel_choices")
+    kv_extract = _local("kv_extract", "the local runner's (the KV manager mirrors swaps)")
+    kv_staging = _local("kv_staging", "the local runner's (the KV manager mirrors swaps)")
+    kv_insert = _local("kv_insert", "the local runner's (the KV manager mirrors swaps)")
 
-    def dispatch(self, inputs, slots, plan, prev=None):
+    def dispatch(self, inputs, slots, sampling_inputs, prev=None):
         step = next(self._steps)
-        self.leader.send("dispatch", step, inputs, slots, plan, getattr(prev, "step_id", None))
-        out = self._runner.dispatch(inputs, slots, plan, prev)
+        self.leader.send("dispatch", step, inputs, slots, sampling_inputs,
+                         getattr(prev, "step_id", None))
+        out = self._runner.dispatch(inputs, slots, sampling_inputs, prev)
         out.step_id = step
         return out
 
@@ -190,9 +228,9 @@ class MirroredRunner:
         self.leader.send("logits", inputs, rows)
         return self._runner.logits(inputs, rows)
 
-    def step(self, inputs, slots, plan):
-        self.leader.send("step", inputs, slots, plan)
-        return self._runner.step(inputs, slots, plan)
+    def step(self, inputs, slots, sampling_inputs):
+        self.leader.send("step", inputs, slots, sampling_inputs)
+        return self._runner.step(inputs, slots, sampling_inputs)
 
     def set_phase(self, phase, live_blocks=None):
         self.leader.send("set_phase", phase, live_blocks)
@@ -242,8 +280,9 @@ class Follower:
         finally:
             self.channel.close()
 
-    def _dispatch(self, step, inputs, slots, plan, prev):
-        self.steps[step] = self.runner.dispatch(inputs, slots, plan, self.steps.get(prev))
+    def _dispatch(self, step, inputs, slots, sampling_inputs, prev):
+        self.steps[step] = self.runner.dispatch(inputs, slots, sampling_inputs,
+                                                self.steps.get(prev))
         self.steps.pop(step - KEEP_STEPS, None)
 
     def _swap_out(self, seq_id, blocks, tokens):

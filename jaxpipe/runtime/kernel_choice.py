@@ -18,10 +18,10 @@ token counts of the model's expert shapes (`EXPERT_TOKENS`: rows per expert T * 
 well under one, decode, to many, prefill), on a stack of layers read at a traced layer index
 as the step reads them (grouped in place, dense on a slice); a step takes the choice at the
 nearest count at or above its own tokens. XLA's `ragged_dot` is not a candidate on CPU: it
-lowers to k times the dense dispatch's FLOPs there (`scripts/bench_moe_kernel.py` times all
+lowers to k times the dense path's FLOPs there (`scripts/bench_moe_kernel.py` times all
 three).
 
-Timings are cached in `~/.cache/jaxpipe/dispatch/` under a key of the CPU model, its flags,
+Timings are cached in `~/.cache/jaxpipe/kernel_choice/` under a key of the CPU model, its flags,
 jaxlib's version and the kernels' sources; a new entry is measured the first time an engine
 needs it (a few seconds per weight shape). `python -m jaxpipe.runtime.kernel_choice` prints the
 table for a model. `EngineConfig.matmul` names one implementation for every matmul instead.
@@ -143,7 +143,7 @@ def choose_impl(by_impl: dict[str, float], order: str) -> str:
     return min(usable, key=usable.get)
 
 
-class Dispatch:
+class KernelChoice:
     """The measured choices for one machine (`table`), or one forced implementation.
 
     `force`: None (measure), "xla", or a kernel path of `matmul.paths()`. Timings come from
@@ -237,7 +237,7 @@ class Dispatch:
 
 
 def format_table(records: list[dict]) -> str:
-    """The dispatcher's choices as a fixed-width table (GFLOP/s of each candidate)."""
+    """The kernel choices as a fixed-width table (GFLOP/s of each candidate)."""
     impls = sorted({i for r in records for i in r["gflops"]}, key=lambda i: (i != XLA, i))
     head = f"{'matmul [K x N]':<28} {'rows':>5} " + " ".join(f"{i:>12}" for i in impls)
     lines = [head + f" {'order':>8} {'chosen':>12}", "-" * (len(head) + 22)]
@@ -277,23 +277,23 @@ def _cpuinfo() -> str:
 def cache_path() -> Path:
     """This machine's timings file."""
     key = hashlib.sha256(json.dumps(machine(), sort_keys=True).encode()).hexdigest()[:16]
-    return cache_dir("dispatch") / f"{key}.json"
+    return cache_dir("kernel_choice") / f"{key}.json"
 
 
-def experts_dispatch(tokens: int, k: int, w_gate_up, w_down,
-                     chosen: Dispatch | None = None) -> str:
-    """The MoE experts' dispatch for a step (`moe.experts_mlp`'s chooser, called at trace
+def experts_path(tokens: int, k: int, w_gate_up, w_down,
+                     chosen: KernelChoice | None = None) -> str:
+    """The MoE experts' path for a step (`moe.experts_mlp`'s chooser, called at trace
     time): "grouped" or "dense", this machine's faster for T = `tokens` tokens on these
     shapes (timed once per machine at a few token counts and cached; a step takes the choice
     of the nearest count at or above its own); dense where the grouped kernel cannot run;
-    the platform's default (`moe.DISPATCH`) off CPU or where it names one dispatch.
-    `chosen`: the engine's dispatcher (None: `for_machine()`), whose forced matmul
+    the platform's default (`moe.EXPERTS_PATH`) off CPU or where it names one path.
+    `chosen`: the engine's kernel choice (None: `for_machine()`), whose forced matmul
     (EngineConfig.matmul) decides: "xla" dense, a kernel path grouped. Across processes
     (multi-host) every process must trace the same program while each would time on its
     own: there, unforced, grouped, faster at every point `model/moe.py`'s docstring lists."""
 
-    default = moe.dispatch_for(jax.default_backend())
-    if default != "measured":  # not CPU, or one dispatch set for every step
+    default = moe.experts_path_for(jax.default_backend())
+    if default != "measured":  # not CPU, or one path set for every step
         return default
     if not moe.grouped_fits(w_gate_up, w_down):
         return "dense"
@@ -307,9 +307,9 @@ def experts_dispatch(tokens: int, k: int, w_gate_up, w_down,
 
 
 @functools.cache
-def for_machine(force: str | None = None) -> Dispatch:
-    """The process's dispatcher: this machine's cached timings, measured as needed."""
-    return Dispatch(force, cache=cache_path())
+def for_machine(force: str | None = None) -> KernelChoice:
+    """The process's kernel choice: this machine's cached timings, measured as needed."""
+    return KernelChoice(force, cache=cache_path())
 
 
 # -- timing ----------------------------------------------------------------------------------
@@ -352,7 +352,7 @@ def time_matmul(mm: Matmul, rows: int, layers: int = 2) -> dict[str, float]:
 
 
 def time_experts(case: ExpertsCase, tokens: int, layers: int = 2) -> dict[str, float]:
-    """Seconds per call of `moe.experts_mlp` on the "dense" and "grouped" dispatches for
+    """Seconds per call of `moe.experts_mlp` on the "dense" and "grouped" paths for
     `tokens` tokens routed by a random router (bf16 weights), on a stack of `layers` layers'
     experts read at a traced layer index, as the step reads them (`matmul.StackedWeight`:
     grouped reads it in place, dense slices it)."""
@@ -368,11 +368,11 @@ def time_experts(case: ExpertsCase, tokens: int, layers: int = 2) -> dict[str, f
     weights, experts = moe.route(h, router, c.k, True)
     layer = jnp.int32(layers - 1)
 
-    def run(h, weights, experts, gate_up, down, layer, dispatch):
+    def run(h, weights, experts, gate_up, down, layer, path):
         return moe.experts_mlp(h, weights, experts, matmul.StackedWeight(gate_up, layer),
-                               matmul.StackedWeight(down, layer), dispatch)
+                               matmul.StackedWeight(down, layer), path)
 
-    return {d: _seconds(jax.jit(functools.partial(run, dispatch=d)), h, weights, experts,
+    return {d: _seconds(jax.jit(functools.partial(run, path=d)), h, weights, experts,
                         gate_up, down, layer) for d in ("dense", "grouped")}
 
 
@@ -405,7 +405,7 @@ def time_attention(case: AttentionCase, kv_dtype) -> dict[str, float]:
 
 
 def main() -> None:
-    """Print the dispatcher's table for a model preset's shapes on one device."""
+    """Print the kernel choices' table for a model preset's shapes on one device."""
 
 
     p = argparse.ArgumentParser(description=main.__doc__)

@@ -39,9 +39,8 @@ from jaxpipe.kernels.paged import OUT_OF_RANGE, to_storage
 from jaxpipe.kv.device_cache import BLOCK, KVCache
 from jaxpipe.model import decoder
 from jaxpipe.model.decoder import LAYER_PARAMS, HeadParams, LayerParams, param_decls
-from jaxpipe.runtime import kernel_choice as dispatch
-from jaxpipe.runtime import sharding
-from jaxpipe.runtime.kernel_choice import Matmul
+from jaxpipe.runtime import kernel_choice, sharding
+from jaxpipe.runtime.kernel_choice import PANEL_ORDER, KernelChoice, Matmul
 from jaxpipe.runtime.step_inputs import StepInputs
 
 # The weights the step reads in panel order, each with its kernel path for a number of rows
@@ -124,7 +123,7 @@ MATMUL_PARAMS = {"wq": 1, "wkv": 1, "wo": 2, "w_gate_up": 1, "w_down": 1}
 
 
 # An MoE layer's experts, which the grouped kernel reads in place (natural order; the
-# other dispatches slice them, `model/moe.py`): a slice per layer would copy every expert's
+# other paths slice them, `model/moe.py`): a slice per layer would copy every expert's
 # weights on every step.
 EXPERT_PARAMS = ("w_experts_gate_up", "w_experts_down")
 
@@ -262,8 +261,8 @@ def stage_layers(cfg: ModelConfig, layers: LayerParams, x, mb: dict, cache: KVCa
     padded layer's sliding window (0: none; `sharding.layer_windows`), () for none at all;
     `shard`: this device's experts under expert parallelism (`decoder.mlp`); `moe_layers`:
     whether each padded layer runs its experts (`sharding.layer_experts`), () where every
-    layer of the model is alike; `experts`: the experts' dispatch chooser
-    (`moe.experts_mlp`'s; None: `kernels/dispatch.experts_dispatch` unforced)."""
+    layer of the model is alike; `experts`: the experts' path chooser
+    (`moe.experts_mlp`'s; None: `kernels/kernel_choice.experts_path` unforced)."""
     positions = mb["positions"]
     count = layers.wq.shape[0]
     table = jnp.asarray(windows or (0,), jnp.int32)
@@ -316,7 +315,7 @@ def stage_layers(cfg: ModelConfig, layers: LayerParams, x, mb: dict, cache: KVCa
         p = layer_params(layers, j, packed)
         attn, k, v = attend_layer(p, x, k, v, j)
         x = decoder.attn_out_mlp(cfg, p, x, attn, reduce, dot, gated, shard,
-                                 experts or dispatch.experts_dispatch, moe_layer(j))
+                                 experts or kernel_choice.experts_path, moe_layer(j))
         return (x, k, v), None
 
     (x, k, v), _ = lax.scan(layer, (x, *cache), jnp.arange(count), unroll=unroll)
@@ -442,3 +441,20 @@ def logits_program(cfg: ModelConfig, vocab: int, layout: Layout | None = None, m
 def microbatches(tokens: int, most: int) -> int:
     """The largest number of equal micro-batches of `tokens` tokens that is at most `most`."""
     return max(d for d in range(1, min(tokens, most) + 1) if tokens % d == 0)
+
+
+def kernel_matmuls(cfg: ModelConfig, padding: sharding.Padding, shardings: dict,
+                   kernels: KernelChoice | None) -> tuple[dict[str, Matmul], Matmul | None]:
+    """The matmuls of a layout (its weights' `shardings`) that `kernels` gives to the bf16
+    kernel, measuring them first if they are new: the layer weights (name -> the local
+    multiplication) and the LM head (None: XLA's)."""
+    if kernels is None:
+        return {}, None
+    shapes = sharding.padded_shapes(cfg, padding)
+    local = local_matmuls({n: (shardings[n], shapes[n]) for n in MATMUL_PARAMS
+                                    if n in shardings})
+    layers = {n: mm for n, mm in local.items() if kernels.order(mm) == PANEL_ORDER}
+    head = local_head(shardings, shapes)
+    if head is None or kernels.order(head) != PANEL_ORDER:
+        head = None
+    return layers, head

@@ -36,17 +36,15 @@ from jaxpipe.kv import device_cache
 from jaxpipe.kv.device_cache import BLOCK, KVCache
 from jaxpipe.model import orbax_dir
 from jaxpipe.model.decoder import param_decls
-from jaxpipe.runtime import memory, pipeline, sampling, sharding
+from jaxpipe.runtime import memory, pipeline, sampling, sharding, sizing
 from jaxpipe.runtime.buckets import Buckets, round_up
 from jaxpipe.runtime.host_sampler import HostSampler, host_logprobs
 from jaxpipe.runtime.kernel_choice import (
     HEAD_ROWS,
-    PANEL_ORDER,
     ROWS,
     AttentionCase,
-    Dispatch,
-    Matmul,
-    experts_dispatch,
+    KernelChoice,
+    experts_path,
 )
 from jaxpipe.runtime.sampling import SamplingTensors
 from jaxpipe.runtime.step_inputs import StepInputs
@@ -80,7 +78,7 @@ class StepOutput:
 
 
 @dataclass(frozen=True)
-class SamplingPlan:
+class SamplingInputs:
     """Host-built sampling inputs of one step plus its static switches."""
 
     tensors: SamplingTensors
@@ -117,9 +115,10 @@ class HostSampled:
     the host sampler once (when the next step needs its tokens, or when it lands) and puts
     the tokens on the device too, for the next step to take its inputs from."""
 
-    def __init__(self, logits: jax.Array, lp, slots: np.ndarray, plan: SamplingPlan,
+    def __init__(self, logits: jax.Array, lp, slots: np.ndarray,
+                 sampling_inputs: SamplingInputs,
                  sampler: HostSampler, put):
-        self.logits, self.lp, self.slots, self.plan = logits, lp, slots, plan
+        self.logits, self.lp, self.slots, self.sampling_inputs = logits, lp, slots, sampling_inputs
         self._sampler, self._put = sampler, put  # put: host tokens -> padded device tokens
         self._out: StepOutput | None = None
         self._tokens: jax.Array | None = None
@@ -145,10 +144,10 @@ class HostSampled:
     def sample(self) -> StepOutput:
         """Sample the step's rows on the host (once; waits for the logits)."""
         if self._out is None:
-            n, plan = len(self.slots), self.plan
+            n, sampling_inputs = len(self.slots), self.sampling_inputs
             x = np.asarray(self.logits)[:n]
-            tokens = self._sampler.sample(x, self.slots, plan.tensors, plan.mode,
-                                          plan.penalties)
+            si = sampling_inputs
+            tokens = self._sampler.sample(x, self.slots, si.tensors, si.mode, si.penalties)
             self._out = StepOutput(tokens)
             if self.lp is not None:
                 lse, top_ids, top_lp = (np.asarray(a)[:n] for a in self.lp)
@@ -180,19 +179,19 @@ def _set_penalty_row(prompt_mask, out_counts, slot, mask_row, count_row):
 class Placement:
     """One layout's mesh and the shardings of everything that moves between layouts."""
 
-    def __init__(self, cfg: ModelConfig, plan: sharding.PaddingPlan, layout: Layout, devices,
-                 num_blocks: int, kv_dtype, dispatch: Dispatch | None = None):
-        """`dispatch`: the bf16 weights' measured choices; the matmul weights whose chosen
+    def __init__(self, cfg: ModelConfig, padding: sharding.Padding, layout: Layout, devices,
+                 num_blocks: int, kv_dtype, kernels: KernelChoice | None = None):
+        """`kernels`: the bf16 weights' measured choices; the matmul weights whose chosen
         implementation is the bf16 kernel (`self.packed`, and the LM head: `self.head_path`)
         are kept in its panel order (`kernels/matmul.py`), each device's shards reordered.
         None: XLA's dot on natural order (f32 weights, or no kernels)."""
         self.layout = layout
         self.mesh = sharding.make_mesh(layout, devices)
-        self.params = sharding.param_shardings(cfg, plan, layout, self.mesh)
-        layers, head = kernel_matmuls(cfg, plan, self.params, dispatch)
-        self.packed = {n: partial(dispatch.impl, mm) for n, mm in layers.items()}
-        self.head_path = None if head is None else partial(dispatch.impl, head)
-        self.experts = partial(experts_dispatch, chosen=dispatch)  # the experts' chooser
+        self.params = sharding.param_shardings(cfg, padding, layout, self.mesh)
+        layers, head = pipeline.kernel_matmuls(cfg, padding, self.params, kernels)
+        self.packed = {n: partial(kernels.impl, mm) for n, mm in layers.items()}
+        self.head_path = None if head is None else partial(kernels.impl, head)
+        self.experts = partial(experts_path, chosen=kernels)  # the experts' chooser
         self._pack = self._unpack = None  # None: the step reads the natural order
         if self.packed or self.head_path:
             args = (cfg, layout, self.mesh, tuple(self.packed), self.head_path is not None)
@@ -200,9 +199,9 @@ class Placement:
                                         pipeline.unpack_program(*args))
         self.logits = pipeline.logits_program(cfg, cfg.vocab_size, layout, self.mesh,
                                               self.head_path)
-        kv = sharding.kv_sharding(cfg, plan, layout, self.mesh, num_blocks)
+        kv = sharding.kv_sharding(cfg, padding, layout, self.mesh, num_blocks)
         self.cache = KVCache(kv, kv)
-        self._kv_shape, self._kv_dtype = sharding.kv_shape(cfg, plan, num_blocks), kv_dtype
+        self._kv_shape, self._kv_dtype = sharding.kv_shape(cfg, padding, num_blocks), kv_dtype
         spec = sharding.spec(("layers", "kv_heads", "seq", "head_dim"), layout)
         self.staging = [NamedSharding(self.mesh, spec)] * 2  # one sequence's K, V
         self.spare: KVCache | None = None  # this layout's zeroed pool, kept by `keep`
@@ -258,11 +257,11 @@ class Runner:
     def __init__(self, cfg: ModelConfig, weights: dict | Path, buckets: Buckets,
                  num_slots: int, max_len: int, dtype, layouts: dict[str, Layout], devices,
                  num_blocks: int, attention: str = "auto", sampler: str = "device",
-                 sampler_threads: int = 2, dispatch: Dispatch | None = None):
+                 sampler_threads: int = 2, kernels: KernelChoice | None = None):
         """`weights`: unpadded weights (name -> host or device array, as `param_decls`), or
         the path of an orbax checkpoint to restore straight into the prefill layout.
         `sampler`: "device" (the sampling program) or "host" (`host_sampler.py` on
-        `sampler_threads` worker threads). `dispatch`: which implementation runs each
+        `sampler_threads` worker threads). `kernels`: which implementation runs each
         matmul and the attention, measured on this machine (None: XLA's dot, and the C++
         attention kernel where it builds)."""
         for phase, layout in layouts.items():
@@ -277,20 +276,20 @@ class Runner:
         if devices[0].platform == "cpu":
             memory.keep_freed_memory()
         kv_dtype = storage_dtype(dtype, devices[0].platform)
-        self.attention = attention_impl(attention, devices, dispatch and partial(
-            dispatch.attention, attention_cases(cfg), kv_dtype))
+        self.attention = attention_impl(attention, devices, kernels and partial(
+            kernels.attention, attention_cases(cfg), kv_dtype))
         self.num_slots, self.max_len, self.num_blocks = num_slots, max_len, num_blocks
         self.max_blocks = device_cache.blocks_for(max_len)
         self.kv_chunk = kv_chunk_tokens(max_len)
         self.layouts = dict(layouts)
-        self.plan = sharding.plan_padding(cfg, self.layouts.values())
-        weights_dispatch = dispatch if jnp.dtype(dtype) == jnp.bfloat16 else None
-        self.placements = {p: Placement(cfg, self.plan, self.layouts[p], devices, num_blocks,
-                                        kv_dtype, weights_dispatch)
+        self.padding = sharding.padding_for(cfg, self.layouts.values())
+        weight_kernels = kernels if jnp.dtype(dtype) == jnp.bfloat16 else None
+        self.placements = {p: Placement(cfg, self.padding, self.layouts[p], devices, num_blocks,
+                                        kv_dtype, weight_kernels)
                            for p in PHASES}
         self.phase = "prefill"
         self.params = self._place_weights(weights, dtype)
-        self.keep_weights = weight_copies(self.layouts, devices) > 1
+        self.keep_weights = sizing.weight_copies(self.layouts, devices) > 1
         self._kept_weights: dict[str, dict] = {}  # phase -> its layout's weights, not in use
         self.cache = self.placements[self.phase].empty_cache()
         self.host_sampler: HostSampler | None = None
@@ -406,33 +405,35 @@ class Runner:
         """Micro-batches a step of `tokens` tokens flows through the stages in."""
         return pipeline.microbatches(tokens, self.layout.pp)
 
-    def step(self, inputs: StepInputs, slots: np.ndarray, plan: SamplingPlan) -> StepOutput:
+    def step(self, inputs: StepInputs, slots: np.ndarray,
+             sampling_inputs: SamplingInputs) -> StepOutput:
         """Run one ragged step and wait for its tokens (see `dispatch`)."""
-        return self.dispatch(inputs, slots, plan).fetch()
+        return self.dispatch(inputs, slots, sampling_inputs).fetch()
 
-    def dispatch(self, inputs: StepInputs, slots: np.ndarray, plan: SamplingPlan,
+    def dispatch(self, inputs: StepInputs, slots: np.ndarray, sampling_inputs: SamplingInputs,
                  prev: Dispatched | None = None) -> Dispatched | HostSampled:
         """Start one ragged step (returns at once); sample a token for the first len(slots)
-        rows (their penalty state is that of `slots`). `plan` has one entry per sampled row,
-        padded to `buckets.sample_rows`. `prev`: the step before, whose sampled tokens
+        rows (their penalty state is that of `slots`). `sampling_inputs` has one entry per
+        sampled row, padded to `buckets.sample_rows`. `prev`: the step before, whose sampled tokens
         `inputs.feed` refers to (it may still be running)."""
         n = len(slots)
         if n == 0:  # only prompt chunks that do not end their prompt: nothing to sample
             return Dispatched(self.hidden(inputs, prev), 0)
-        rows = plan.tensors.temperature.shape[0]
+        rows = sampling_inputs.tensors.temperature.shape[0]
         logits = self.logits(inputs, rows, prev)
         if self.host_sampler is not None:
-            lp = None if plan.num_logprobs is None else self._logprob_parts(
-                logits, num=plan.num_logprobs)
-            out = HostSampled(logits, lp, np.asarray(slots), plan, self.host_sampler,
+            lp = None if sampling_inputs.num_logprobs is None else self._logprob_parts(
+                logits, num=sampling_inputs.num_logprobs)
+            out = HostSampled(logits, lp, np.asarray(slots), sampling_inputs, self.host_sampler,
                               self._put_tokens)
             self._unsampled = [h for h in self._unsampled if not h.sampled] + [out]
             return out
         padded = np.full(rows, self.num_slots, np.int32)
         padded[:n] = slots
         tokens, lp, self.prompt_mask, self.out_counts = self._sample(
-            logits, self.prompt_mask, self.out_counts, padded, plan.tensors, mode=plan.mode,
-            penalties=plan.penalties, num_logprobs=plan.num_logprobs)
+            logits, self.prompt_mask, self.out_counts, padded, sampling_inputs.tensors,
+            mode=sampling_inputs.mode, penalties=sampling_inputs.penalties,
+            num_logprobs=sampling_inputs.num_logprobs)
         return Dispatched(tokens, n, tokens, lp)
 
     def logits(self, inputs: StepInputs, rows: int, prev: Dispatched | None = None
@@ -478,8 +479,8 @@ class Runner:
             self._programs[key] = pipeline.step_program(
                 self.config, place.layout, place.mesh, attention=self.attention, max_kv=max_kv,
                 out_rows=self.buckets.max_rows, packed=place.packed, experts=place.experts,
-                windows=sharding.layer_windows(self.config, self.plan),
-                moe_layers=sharding.layer_experts(self.config, self.plan))
+                windows=sharding.layer_windows(self.config, self.padding),
+                moe_layers=sharding.layer_experts(self.config, self.padding))
         return self._programs[key]
 
     def _once(self, key: tuple, fn, *args, **kwargs):
@@ -504,7 +505,7 @@ class Runner:
 
     def kernel_choices(self) -> dict:
         """What runs the step in the current layout: the attention ("kernel": the C++ one),
-        and each matmul weight's implementation at the dispatcher's measured row counts
+        and each matmul weight's implementation at the kernel choice's measured row counts
         ("xla": XLA's dot on natural order; else a bf16 kernel path)."""
         place = self.placements[self.phase]
 
@@ -601,55 +602,14 @@ class Runner:
         place = self.placements[self.phase]
         if isinstance(weights, dict):  # one at a time: each host copy goes before the next
             placed = {name: jax.device_put(
-                sharding.pad_value(decl, weights[name], self.plan).astype(dtype),
+                sharding.pad_value(decl, weights[name], self.padding).astype(dtype),
                 place.params[name]) for name, decl in param_decls(self.config).items()}
             return place.pack(placed)
-        target = sharding.restore_target(self.config, self.plan, place.layout, place.mesh, dtype)
+        target = sharding.restore_target(self.config, self.padding, place.layout, place.mesh, dtype)
         cfg, values = orbax_dir.load_orbax(weights, target)
         if cfg != self.config:
             raise ValueError(f"orbax checkpoint {weights} holds {cfg}, expected {self.config}")
-        return place.pack(sharding.pad_on_device(self.config, values, self.plan, place.params))
-
-
-def weight_copies(layouts: dict[str, Layout], devices) -> int:
-    """Copies of the weights a runner holds: on CPU one per distinct layout, since a switch
-    back to a layout then reuses the weights it had instead of re-sharding them (device
-    memory is host memory there: Seesaw reloads a switch's weight shards from a host copy,
-    and the layout left is that copy); one elsewhere, where device memory is the KV pool's."""
-    return len(set(layouts.values())) if devices[0].platform == "cpu" else 1
-
-
-def kernel_matmuls(cfg: ModelConfig, plan: sharding.PaddingPlan, shardings: dict,
-                   dispatch: Dispatch | None) -> tuple[dict[str, Matmul], Matmul | None]:
-    """The matmuls of a layout (its weights' `shardings`) that `dispatch` gives to the bf16
-    kernel, measuring them first if they are new: the layer weights (name -> the local
-    multiplication) and the LM head (None: XLA's)."""
-    if dispatch is None:
-        return {}, None
-    shapes = sharding.padded_shapes(cfg, plan)
-    local = pipeline.local_matmuls({n: (shardings[n], shapes[n]) for n in pipeline.MATMUL_PARAMS
-                                    if n in shardings})
-    layers = {n: mm for n, mm in local.items() if dispatch.order(mm) == PANEL_ORDER}
-    head = pipeline.local_head(shardings, shapes)
-    if head is None or dispatch.order(head) != PANEL_ORDER:
-        head = None
-    return layers, head
-
-
-def packed_head_bytes(cfg: ModelConfig, dtype, layouts: dict[str, Layout], devices,
-                      dispatch: Dispatch | None) -> int:
-    """Bytes a runner adds to the weights: the LM head's copy in panel order when the head is
-    tied to the embedding and the kernel multiplies it in some layout. Measures (through
-    `dispatch`) every matmul of every layout it has not seen, so that a runner made next
-    finds them measured."""
-    dispatch = dispatch if jnp.dtype(dtype) == jnp.bfloat16 else None
-    plan = sharding.plan_padding(cfg, layouts.values())
-    heads = [kernel_matmuls(cfg, plan, sharding.param_shardings(
-        cfg, plan, layout, sharding.make_mesh(layout, devices)), dispatch)[1]
-        for layout in set(layouts.values())]
-    if not cfg.tie_embeddings or not any(heads):
-        return 0
-    return cfg.hidden_size * cfg.vocab_size * jnp.dtype(dtype).itemsize
+        return place.pack(sharding.pad_on_device(self.config, values, self.padding, place.params))
 
 
 def kv_chunk_tokens(max_len: int) -> int:
@@ -662,7 +622,7 @@ def attention_impl(attention: str, devices, choose=None) -> str:
     """The step's attention for `EngineConfig.attention` on `devices`: "cpu" (the C++
     kernels), "pallas" (the Pallas kernel, GPU), "pallas-interpret" (it, interpreted: any
     backend, slow, for tests) or "xla". "auto": Pallas on GPU; on CPU, where the C++ kernels
-    build, `choose()` ("kernel" or "xla": the dispatcher's measurement; None: the kernels),
+    build, `choose()` ("kernel" or "xla": the kernel choice's measurement; None: the kernels),
     else XLA; "kernel": the C++ kernels or an error."""
     platform = devices[0].platform
     if attention in ("xla", "pallas-interpret"):
@@ -686,7 +646,7 @@ def attention_impl(attention: str, devices, choose=None) -> str:
 
 
 def attention_cases(cfg: ModelConfig) -> list[AttentionCase]:
-    """The steps the attention dispatch is timed on: 64 decode rows after 512 tokens, and a
+    """The steps the attention kernels is timed on: 64 decode rows after 512 tokens, and a
     256-token prompt chunk."""
     heads = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
     return [AttentionCase(*heads, rows=64, q_len=1, context=512),

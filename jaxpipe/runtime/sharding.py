@@ -13,7 +13,7 @@ them (the others' gates zeroed) and the partial outputs are summed over ep (`psu
 `pipeline.step_program` and `decoder.ExpertShard`). A dense model refuses ep > 1.
 
 JAX refuses uneven splits, so sizes that a layout's degree does not divide are padded once, on
-the host, into a form every layout of the engine divides (`PaddingPlan`):
+the host, into a form every layout of the engine divides (`Padding`):
   - layers: identity layers (every weight zero: x + 0 + 0 == x exactly) fill each short stage;
   - heads: KV heads are replicated and query heads zero-padded so each TP shard holds whole
     GQA groups; a zero query head attends somewhere, but its `wo` rows are zero, so the
@@ -63,7 +63,7 @@ KV_AXES = ("layers", "kv_blocks", "kv_heads", "seq", "head_dim")
 
 
 @dataclass(frozen=True)
-class PaddingPlan:
+class Padding:
     """Source index of every padded position along each padded logical axis (-1: zero).
 
     `index[axis][i]` is the original index feeding padded position i. Axes not in `index` are
@@ -87,7 +87,7 @@ class PaddingPlan:
                 "vocab_size": self.size("vocab", cfg.vocab_size)}
 
 
-def plan_padding(cfg: ModelConfig, layouts: Iterable[Layout]) -> PaddingPlan:
+def padding_for(cfg: ModelConfig, layouts: Iterable[Layout]) -> Padding:
     """The smallest padding every layout in `layouts` divides evenly."""
     layouts = list(layouts)
     pp = math.lcm(*(lo.pp for lo in layouts))
@@ -97,7 +97,7 @@ def plan_padding(cfg: ModelConfig, layouts: Iterable[Layout]) -> PaddingPlan:
         raise ValueError(f"layouts {', '.join(map(str, layouts))}: expert parallelism (ep > 1) "
                          "needs a mixture-of-experts model, and this one is dense; use tp or pp")
     q_src, kv_src = _head_plan(cfg.num_heads, cfg.num_kv_heads, tp)
-    return PaddingPlan({
+    return Padding({
         "layers": _layer_plan(cfg.num_layers, pp),
         "heads": q_src,
         "kv_heads": kv_src,
@@ -153,41 +153,41 @@ def _head_plan(heads: int, kv_heads: int, tp: int) -> tuple[tuple[int, ...], tup
     return tuple(q_src), tuple(kv_src)
 
 
-def layer_windows(cfg: ModelConfig, plan: PaddingPlan) -> tuple[int, ...]:
+def layer_windows(cfg: ModelConfig, padding: Padding) -> tuple[int, ...]:
     """Each padded layer's sliding window (0: none, identity layers too), in the padded
     order a pipeline's stages hold them; () when no layer has one."""
     if not cfg.sliding_layers:
         return ()
-    src = plan.index.get("layers", tuple(range(cfg.num_layers)))
+    src = padding.index.get("layers", tuple(range(cfg.num_layers)))
     return tuple(cfg.sliding_window if i in cfg.sliding_layers else 0 for i in src)
 
 
-def layer_experts(cfg: ModelConfig, plan: PaddingPlan) -> tuple[bool, ...]:
+def layer_experts(cfg: ModelConfig, padding: Padding) -> tuple[bool, ...]:
     """Whether each padded layer runs its experts (False: its dense MLP; identity layers
     too, whose zero MLP is the cheaper no-op), in the padded order a pipeline's stages
     hold them; () unless the model mixes dense and MoE layers (`cfg.dense_layers`)."""
     if not cfg.dense_layers:
         return ()
-    src = plan.index.get("layers", tuple(range(cfg.num_layers)))
+    src = padding.index.get("layers", tuple(range(cfg.num_layers)))
     return tuple(i >= 0 and i not in cfg.dense_layers for i in src)
 
 
-def pad_values(cfg: ModelConfig, values: dict, plan: PaddingPlan) -> dict[str, np.ndarray]:
+def pad_values(cfg: ModelConfig, values: dict, padding: Padding) -> dict[str, np.ndarray]:
     """Host arrays (name -> array, as `param_decls` declares) -> padded host arrays."""
-    return {name: pad_value(decl, values[name], plan)
+    return {name: pad_value(decl, values[name], padding)
             for name, decl in param_decls(cfg).items()}
 
 
-def pad_value(decl, value, plan: PaddingPlan) -> np.ndarray:
+def pad_value(decl, value, padding: Padding) -> np.ndarray:
     """The host array of the parameter `decl` declares -> padded (itself where nothing pads)."""
     a = np.asarray(value)
     for dim, axis in enumerate(decl.axes):
-        if axis in plan.index:
-            a = _take_or_zero(a, plan.index[axis], dim)
+        if axis in padding.index:
+            a = _take_or_zero(a, padding.index[axis], dim)
     return a
 
 
-def pad_on_device(cfg: ModelConfig, values: dict, plan: PaddingPlan,
+def pad_on_device(cfg: ModelConfig, values: dict, padding: Padding,
                   shardings: dict[str, NamedSharding]) -> dict:
     """Device arrays (unpadded) -> padded arrays, computed by XLA straight into `shardings`."""
     def pad(values):
@@ -195,8 +195,8 @@ def pad_on_device(cfg: ModelConfig, values: dict, plan: PaddingPlan,
         for name, decl in param_decls(cfg).items():
             a = values[name]
             for dim, axis in enumerate(decl.axes):
-                if axis in plan.index:
-                    a = _take_or_zero(a, plan.index[axis], dim, jnp)
+                if axis in padding.index:
+                    a = _take_or_zero(a, padding.index[axis], dim, jnp)
             out[name] = a
         return out
 
@@ -212,9 +212,9 @@ def _take_or_zero(a, src: tuple[int, ...], axis: int, xp=np):
     return xp.where(keep, out, xp.zeros((), a.dtype))
 
 
-def padded_shapes(cfg: ModelConfig, plan: PaddingPlan) -> dict[str, tuple[int, ...]]:
+def padded_shapes(cfg: ModelConfig, padding: Padding) -> dict[str, tuple[int, ...]]:
     """name -> padded shape of every parameter."""
-    return {name: tuple(plan.size(ax, n) for ax, n in zip(d.axes, d.shape, strict=True))
+    return {name: tuple(padding.size(ax, n) for ax, n in zip(d.axes, d.shape, strict=True))
             for name, d in param_decls(cfg).items()}
 
 
@@ -251,27 +251,27 @@ def named_sharding(mesh: Mesh, layout: Layout, axes: tuple, shape: tuple[int, ..
         if mesh_axis is not None and size % getattr(layout, mesh_axis):
             raise ValueError(f"{what}: axis {axis!r} of size {size} does not split over "
                              f"{mesh_axis}={getattr(layout, mesh_axis)} (layout {layout}); "
-                             "pad it first (sharding.plan_padding)")
+                             "pad it first (sharding.padding_for)")
     return NamedSharding(mesh, s)
 
 
-def param_shardings(cfg: ModelConfig, plan: PaddingPlan, layout: Layout,
+def param_shardings(cfg: ModelConfig, padding: Padding, layout: Layout,
                     mesh: Mesh) -> dict[str, NamedSharding]:
     """name -> NamedSharding of every (padded) parameter under `layout`."""
-    shapes = padded_shapes(cfg, plan)
+    shapes = padded_shapes(cfg, padding)
     return {name: named_sharding(mesh, layout, d.axes, shapes[name], f"parameter {name!r}")
             for name, d in param_decls(cfg).items()}
 
 
-def kv_shape(cfg: ModelConfig, plan: PaddingPlan, num_blocks: int):
+def kv_shape(cfg: ModelConfig, padding: Padding, num_blocks: int):
     """Shape of the stacked KV block pool, K or V: [L', NB, Hkv', BLOCK, D]."""
-    return (plan.size("layers", cfg.num_layers), num_blocks,
-            plan.size("kv_heads", cfg.num_kv_heads), BLOCK, cfg.head_dim)
+    return (padding.size("layers", cfg.num_layers), num_blocks,
+            padding.size("kv_heads", cfg.num_kv_heads), BLOCK, cfg.head_dim)
 
 
-def kv_sharding(cfg: ModelConfig, plan: PaddingPlan, layout: Layout, mesh: Mesh,
+def kv_sharding(cfg: ModelConfig, padding: Padding, layout: Layout, mesh: Mesh,
                 num_blocks: int) -> NamedSharding:
-    return named_sharding(mesh, layout, KV_AXES, kv_shape(cfg, plan, num_blocks), "KV store")
+    return named_sharding(mesh, layout, KV_AXES, kv_shape(cfg, padding, num_blocks), "KV store")
 
 
 # ---- moving between layouts ----------------------------------------------------------------------
@@ -347,24 +347,24 @@ def timed_reshard(tree, shardings) -> tuple[object, float]:
     return out, time.perf_counter() - start
 
 
-def restore_target(cfg: ModelConfig, plan: PaddingPlan, layout: Layout, mesh: Mesh, dtype):
+def restore_target(cfg: ModelConfig, padding: Padding, layout: Layout, mesh: Mesh, dtype):
     """name -> ShapeDtypeStruct with sharding: the target for orbax to restore an (unpadded)
     checkpoint straight into `layout`'s shardings (`orbax_dir.load_orbax(path, target)`).
 
-    Axes the plan pads are restored whole (padding needs the whole axis) and split by
+    Axes padding pads are restored whole (padding needs the whole axis) and split by
     `pad_on_device` right after; every other axis is read shard by shard. With an identity
-    plan the restored arrays are already in their final shardings."""
+    padding the restored arrays are already in their final shardings."""
     out = {}
     for name, d in param_decls(cfg).items():
-        axes = tuple(None if _is_padded(plan, ax, n) else ax
+        axes = tuple(None if _is_padded(padding, ax, n) else ax
                      for ax, n in zip(d.axes, d.shape, strict=True))
         s = named_sharding(mesh, layout, axes, d.shape, f"parameter {name!r}")
         out[name] = jax.ShapeDtypeStruct(d.shape, dtype, sharding=s)
     return out
 
 
-def _is_padded(plan: PaddingPlan, axis: str, size: int) -> bool:
-    return axis in plan.index and list(plan.index[axis]) != list(range(size))
+def _is_padded(padding: Padding, axis: str, size: int) -> bool:
+    return axis in padding.index and list(padding.index[axis]) != list(range(size))
 
 
 # ---- devices -------------------------------------------------------------------------------------

@@ -1,8 +1,9 @@
 """How the engine divides memory: the device KV pool's blocks, the sequences on the device at
 once, the host KV tier's tokens, and whether the pool and the weights fit.
 
-The engine calls `size` once, with the bytes of its weights; the executor
-calls `host_tokens` once, with the pool it was given. Explicit settings win (kv_cache_tokens,
+The engine's builder (`engine/builder.py`) calls `size` once, with the bytes of its weights:
+every figure (the pool's blocks, the sequences, the host tier's tokens) comes from that one
+call. Explicit settings win (kv_cache_tokens,
 then kv_cache_gb; host_kv_tokens, then host_kv_gb); defaults take a fraction of the free
 memory (`jaxpipe.runtime.memory`, which reads it) after the weights and the activation reserve.
 """
@@ -13,10 +14,13 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-import jax
+import jax.numpy as jnp
 
+from jaxpipe.config.layout import Layout
+from jaxpipe.config.model import ModelConfig
 from jaxpipe.kv import device_cache
-from jaxpipe.runtime import memory, sharding
+from jaxpipe.runtime import memory, pipeline, sharding
+from jaxpipe.runtime.kernel_choice import KernelChoice
 
 ACCELERATOR_UTILIZATION = 0.9
 # CPU: the pool's pages are taken only as blocks are written (`memory.zeros`), so a pool sized
@@ -47,11 +51,13 @@ class Budget:
 @dataclass(frozen=True)
 class Sizes:
     """What `size` decided: the budget (the host tier's counted from the pool really made),
-    the sequences on the device at once and the device pool's blocks."""
+    the sequences on the device at once, the device pool's blocks and the host tier's
+    tokens."""
 
     budget: Budget
     max_num_seqs: int
     num_blocks: int
+    host_tokens: int
 
 
 def size(config, model, dtype, layouts: dict, devices, weight_bytes: int,
@@ -64,21 +70,29 @@ def size(config, model, dtype, layouts: dict, devices, weight_bytes: int,
     reserve = activation_bytes(model, max(config.max_num_batched_tokens,
                                           config.max_num_seqs or 0),
                                config.max_num_seqs or DEFAULT_MAX_NUM_SEQS)
-    budget = plan(config, devices, weight_bytes, reserve, block)
+    budget = budget_for(config, devices, weight_bytes, reserve, block)
     seqs = max_num_seqs(config, budget, block)
     blocks = num_blocks(budget, seqs, max_len, block)
     check_fits(budget, blocks * block, weight_bytes, devices)
     budget = with_host_tier(budget, config, devices, blocks * block, weight_bytes)
-    return Sizes(budget, seqs, blocks)
+    return Sizes(budget, seqs, blocks, host_tokens(config, budget.host_bytes,
+                                                   token_bytes(model, dtype, layouts)))
 
 
-def host_tokens(config, host_bytes: float, cache, pool_tokens: int) -> int:
-    """Tokens the host KV tier holds: host_kv_tokens, else `host_bytes` at the device pool's
-    bytes per token (`cache`: the pool's arrays, `pool_tokens` tokens, padding included)."""
+def host_tokens(config, host_bytes: float, per_token: int) -> int:
+    """Tokens the host KV tier holds: host_kv_tokens, else `host_bytes` at `per_token` bytes a
+    token (`token_bytes`)."""
     if config.host_kv_tokens is not None:
         return config.host_kv_tokens
-    per_token = sum(x.nbytes for x in jax.tree.leaves(cache)) // pool_tokens
     return int(host_bytes // per_token)
+
+
+def token_bytes(model, dtype, layouts: dict) -> int:
+    """Bytes of one token's K and V (every layer, the padded layers and KV heads) in one copy
+    of the pool: what the host tier keeps of a swapped-out token (the pool's ep replicas are
+    one array)."""
+    ep = max(lo.ep for lo in layouts.values())
+    return block_bytes(model, dtype, layouts) // ep // device_cache.BLOCK
 
 
 def utilization(config, devices) -> float:
@@ -101,7 +115,7 @@ def activation_bytes(model, tokens: int, rows: int) -> int:
     Checked against XLA's `memory_analysis` in the tests."""
     e, f, d, v = model.hidden_size, model.mlp_width, model.head_dim, model.vocab_size
     per_token = 3 * e + (2 * model.num_heads + 2 * model.num_kv_heads) * d + 3 * f
-    # Experts, as the CPU's dense dispatch runs them (model/moe.py): every expert's gate, up
+    # Experts, as the CPU's dense path runs them (model/moe.py): every expert's gate, up
     # and product, and its output, for every token.
     per_token += model.num_experts * (3 * model.moe_intermediate_size + e)
     return 4 * (ACTIVATION_FACTOR * tokens * per_token + 3 * rows * v + v * e)
@@ -116,12 +130,13 @@ def block_bytes(model, dtype, layouts: dict) -> int:
     """Bytes of one KV block (K and V, every layer), as stored: with the layers and KV heads
     the layouts pad to (SmolLM2 on tp=8: 8 KV heads for 3, 32 layers for 30 — 2.8x the
     unpadded bytes), times the largest ep degree (the pool is replicated over ep)."""
-    shape = sharding.kv_shape(model, sharding.plan_padding(model, layouts.values()), 1)
+    shape = sharding.kv_shape(model, sharding.padding_for(model, layouts.values()), 1)
     ep = max(lo.ep for lo in layouts.values())
     return 2 * math.prod(shape) * dtype.itemsize * ep
 
 
-def plan(config, devices, weight_bytes: int, reserve_bytes: int, block_bytes: int) -> Budget:
+def budget_for(config, devices, weight_bytes: int, reserve_bytes: int,
+               block_bytes: int) -> Budget:
     """The device pool's budget: kv_cache_tokens, then kv_cache_gb, else `utilization` of
     the devices' free memory after the weights and `reserve_bytes`. The host tier's is filled
     in by `with_host_tier` once the pool's real size is known."""
@@ -202,3 +217,34 @@ def _pool_from_free(config, devices, weight_bytes: int, reserve_bytes: int):
                f"less {weight_bytes / 2**30:.2f} GiB of weights and "
                f"{reserve_bytes / 2**30:.2f} GiB of activations")
     return max(0.0, pool), setting
+
+
+def weight_bytes(cfg, dtype, layouts: dict, devices, kernels) -> int:
+    """Bytes of the weights a runner holds: every copy it keeps (`weight_copies`), the packed
+    LM head (`packed_head_bytes`) included."""
+    packed = packed_head_bytes(cfg, dtype, layouts, devices, kernels)
+    return (model_bytes(cfg, dtype) + packed) * weight_copies(layouts, devices)
+
+
+def weight_copies(layouts: dict[str, Layout], devices) -> int:
+    """Copies of the weights a runner holds: on CPU one per distinct layout, since a switch
+    back to a layout then reuses the weights it had instead of re-sharding them (device
+    memory is host memory there: Seesaw reloads a switch's weight shards from a host copy,
+    and the layout left is that copy); one elsewhere, where device memory is the KV pool's."""
+    return len(set(layouts.values())) if devices[0].platform == "cpu" else 1
+
+
+def packed_head_bytes(cfg: ModelConfig, dtype, layouts: dict[str, Layout], devices,
+                      kernels: KernelChoice | None) -> int:
+    """Bytes a runner adds to the weights: the LM head's copy in panel order when the head is
+    tied to the embedding and the kernel multiplies it in some layout. Measures (through
+    `kernels`) every matmul of every layout it has not seen, so that a runner made next
+    finds them measured."""
+    kernels = kernels if jnp.dtype(dtype) == jnp.bfloat16 else None
+    padding = sharding.padding_for(cfg, layouts.values())
+    heads = [pipeline.kernel_matmuls(cfg, padding, sharding.param_shardings(
+        cfg, padding, layout, sharding.make_mesh(layout, devices)), kernels)[1]
+        for layout in set(layouts.values())]
+    if not cfg.tie_embeddings or not any(heads):
+        return 0
+    return cfg.hidden_size * cfg.vocab_size * jnp.dtype(dtype).itemsize

@@ -44,7 +44,7 @@ if TYPE_CHECKING:
 
 ROOT = bytes(32)  # the parent hash of a sequence's first block
 # The entry of a block a sequence gave back while it goes on (its window has moved past it):
-# out of every pool's range (jaxpipe.kv.device_cache.OUT_OF_RANGE, the int32 maximum), so a
+# out of every pool's range (jaxpipe.kernels.paged.OUT_OF_RANGE, the int32 maximum), so a
 # block table carries it as it is: attention never reads it, a write there is dropped.
 FREED = 2**31 - 1
 

@@ -102,7 +102,7 @@ class EngineLoop:
         if request_id not in self.sent:
             return  # already finished: its final delta is on its way
         self.engine.abort(request_id)
-        self.engine.release(request_id)
+        self.engine.forget(request_id)
         del self.sent[request_id]
         self.counts["aborted"] += 1
         self._send(m.Outputs([m.TokenDelta(request_id, [], None, "abort", None)]))
@@ -118,7 +118,7 @@ class EngineLoop:
         self.counts["generated"] += len(delta.token_ids)
         if seq.is_finished:
             del self.sent[seq.request_id]
-            self.engine.release(seq.request_id)
+            self.engine.forget(seq.request_id)
             self.counts["finished"] += 1
         return delta
 

@@ -64,7 +64,7 @@ def main(argv=None) -> int:
     p.add_argument("--prefix-caching", action="store_true")
     a = p.parse_args(argv)
     from jaxpipe import Engine, EngineConfig
-    from jaxpipe.engine.engine import follow
+    from jaxpipe.engine.builder import follow
 
     schedulers = a.schedulers.split(",")
     config = EngineConfig(model=a.model, prefill=a.prefill, decode=a.decode,

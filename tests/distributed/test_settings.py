@@ -10,7 +10,7 @@ import pytest
 
 from jaxpipe import Engine, EngineConfig
 from jaxpipe.config.cluster import Cluster, check_same, cluster_of, shared_fields
-from jaxpipe.engine.engine import follow
+from jaxpipe.engine.builder import follow
 from jaxpipe.runtime import distributed
 
 CLUSTER = dict(mesh="cpu-8", coordinator="127.0.0.1:9876", num_processes=2)
@@ -132,3 +132,45 @@ def test_the_follower_runs_the_leaders_device_calls_in_order():
     assert (first.step_id, second.step_id) == (0, 1)
     assert [c[1][:3] for c in remote.calls[:2]] == [c[1][:3] for c in local.calls[:2]]
     assert remote.calls[2] == local.calls[2] == ("set_phase", ("decode", [3, 4]))
+
+
+def _public_surface(cls) -> set[str]:
+    """A class's public methods and properties, and every public attribute its methods set
+    on `self` (read statically)."""
+    import ast
+    import inspect
+    import textwrap
+
+    names = {n for n, v in vars(cls).items() if not n.startswith("_")
+             and (callable(v) or isinstance(v, property))}
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    names |= {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)
+              and isinstance(n.value, ast.Name) and n.value.id == "self"
+              and isinstance(n.ctx, ast.Store) and not n.attr.startswith("_")}
+    return names
+
+
+def test_the_mirrored_runner_names_every_runner_method_and_attribute():
+    """No `__getattr__` forwarding: each public method and attribute of the runner is defined
+    on the leader's runner (mirrored to the followers, or read locally), so a new device call
+    added to the runner fails here until it is mirrored, rather than silently skipping the
+    followers."""
+    from jaxpipe.runtime.runner import Runner
+
+    assert "__getattr__" not in vars(distributed.MirroredRunner)
+    missing = _public_surface(Runner) - set(vars(distributed.MirroredRunner))
+    assert missing == set()
+
+
+def test_a_runner_method_missing_on_the_mirrored_runner_is_found():
+    class Grown:
+        def __init__(self):
+            self.cache = None
+
+        def dispatch(self):
+            pass
+
+        def new_device_call(self):
+            pass
+
+    assert _public_surface(Grown) - set(vars(distributed.MirroredRunner)) == {"new_device_call"}

@@ -3,7 +3,7 @@ implementation (the C++ CPU kernel "cpu", the Pallas kernel in interpret mode
 "pallas-interpret", the XLA path "xla") against the float64 NumPy reference
 (attention_cases.numpy_attention), with the window traced; the read bound of the kernels
 (blocks wholly before a tile's earliest window start are never read); and the same options in
-`decoder.causal_attention`, the whole-sequence reference."""
+`attention_math.causal_attention`, the whole-sequence reference."""
 
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxpipe.kernels import attention_math
 from jaxpipe.kernels import ragged_attention as ra
 from jaxpipe.kernels.paged import to_storage
-from jaxpipe.model import decoder
 from kernels.attention_cases import (
     BS,
     CAP,
@@ -269,7 +269,7 @@ def test_bad_scale_is_named(scale):
 
 @pytest.mark.parametrize("window", [0, 1, 6, 100])
 def test_causal_attention_options(window):
-    """`decoder.causal_attention` (Decoder.forward's) with a window (static, and traced
+    """`attention_math.causal_attention` (Decoder.forward's) with a window (static, and traced
     under jit), softcap and scale, against float64 NumPy, query by query; chunks of 16 split
     the 37 queries."""
     rng = np.random.default_rng(29)
@@ -283,8 +283,8 @@ def test_causal_attention_options(window):
                 s = k[b, lo:t + 1, h // 3].astype(np.float64) @ q[b, t, h] * 0.3
                 e = np.exp(1.5 * np.tanh(s / 1.5) - 1.5)
                 exact[b, t, h] = (e / e.sum()) @ v[b, lo:t + 1, h // 3]
-    static = decoder.causal_attention(q, k, v, 16, window=window, **options)
-    traced = jax.jit(partial(decoder.causal_attention, chunk=16, **options))(
+    static = attention_math.causal_attention(q, k, v, 16, window=window, **options)
+    traced = jax.jit(partial(attention_math.causal_attention, chunk=16, **options))(
         q, k, v, window=jnp.int32(window))
     close(np.asarray(static), exact)
     close(np.asarray(traced), exact)

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from jaxpipe.runtime import kernel_choice as dispatch
-from jaxpipe.runtime.kernel_choice import NATURAL_ORDER, PANEL_ORDER, XLA, Dispatch, Matmul
+from jaxpipe.runtime import kernel_choice
+from jaxpipe.runtime.kernel_choice import NATURAL_ORDER, PANEL_ORDER, XLA, KernelChoice, Matmul
 
 WQ = Matmul("wq", 576, 576)
 
@@ -21,8 +21,8 @@ def test_the_kernel_wins_small_rows_and_xla_large_ones_as_on_an_amx_xeon():
     seconds = {1: {XLA: 4.0, "avx512_bf16": 1.0}, 16: {XLA: 5.0, "avx512_bf16": 2.0},
                64: {XLA: 4.0, "avx512_bf16": 8.0}, 256: {XLA: 10.0, "avx512_bf16": 30.0}}
     # Totals: natural 23, panel 41: one order per weight, the one with the lower total.
-    assert dispatch.choose_order(seconds) == NATURAL_ORDER
-    d = Dispatch(timings={WQ.key(): timings(seconds)})
+    assert kernel_choice.choose_order(seconds) == NATURAL_ORDER
+    d = KernelChoice(timings={WQ.key(): timings(seconds)})
     assert d.order(WQ) == NATURAL_ORDER
     assert [d.impl(WQ, m) for m in (1, 16, 200, 5000)] == [XLA] * 4
 
@@ -31,7 +31,7 @@ def test_each_row_count_takes_the_fastest_path_of_the_weights_order():
     seconds = {1: {XLA: 9.0, "portable": 2.0, "avx2": 3.0},
                8: {XLA: 9.0, "portable": 5.0, "avx2": 1.0},
                64: {XLA: 2.0, "portable": 9.0, "avx2": 4.0}}
-    d = Dispatch(timings={WQ.key(): timings(seconds)})
+    d = KernelChoice(timings={WQ.key(): timings(seconds)})
     assert d.order(WQ) == PANEL_ORDER  # panel 2 + 1 + 4 = 7 < natural 20
     # XLA is fastest at 64 rows but reads the other order: the best panel path runs there.
     assert [d.impl(WQ, m) for m in (1, 2, 8, 9, 64, 4096)] == [
@@ -39,25 +39,25 @@ def test_each_row_count_takes_the_fastest_path_of_the_weights_order():
 
 
 def test_a_step_takes_the_choice_of_the_nearest_measured_row_count_at_or_above():
-    assert [dispatch.nearest_rows(m, (1, 8, 32)) for m in (1, 2, 8, 9, 32, 33, 999)] == [
+    assert [kernel_choice.nearest_rows(m, (1, 8, 32)) for m in (1, 2, 8, 9, 32, 33, 999)] == [
         1, 8, 8, 32, 32, 32, 32]
 
 
 def test_a_tie_keeps_natural_order():
-    assert dispatch.choose_order({1: {XLA: 1.0, "avx2": 1.0}}) == NATURAL_ORDER
+    assert kernel_choice.choose_order({1: {XLA: 1.0, "avx2": 1.0}}) == NATURAL_ORDER
 
 
 def test_forcing_one_implementation():
-    d = Dispatch(force=XLA, timings={})
+    d = KernelChoice(force=XLA, timings={})
     assert (d.order(WQ), d.impl(WQ, 64)) == (NATURAL_ORDER, XLA)
     with pytest.raises(ValueError, match=r"matmul='amx' cannot run here; this machine has xla"):
-        Dispatch(force="amx", timings={})
+        KernelChoice(force="amx", timings={})
 
 
 def test_attention_takes_the_lower_total():
-    case = dispatch.AttentionCase(9, 3, 64, rows=64, q_len=1, context=512)
-    prefill = dispatch.AttentionCase(9, 3, 64, rows=1, q_len=256, context=0)
-    d = Dispatch(timings={f"{case.key()}:uint16": {"kernel": 1.0, XLA: 3.0},
+    case = kernel_choice.AttentionCase(9, 3, 64, rows=64, q_len=1, context=512)
+    prefill = kernel_choice.AttentionCase(9, 3, 64, rows=1, q_len=256, context=0)
+    d = KernelChoice(timings={f"{case.key()}:uint16": {"kernel": 1.0, XLA: 3.0},
                           f"{prefill.key()}:uint16": {"kernel": 2.0, XLA: 2.5}})
     assert d.attention([case, prefill], "uint16") == "kernel"  # 3 against 5.5
     d.timings[f"{prefill.key()}:uint16"] = {"kernel": 5.0, XLA: 0.5}
@@ -65,13 +65,13 @@ def test_attention_takes_the_lower_total():
 
 
 def test_experts_take_the_faster_dispatch_at_the_nearest_token_count():
-    case = dispatch.ExpertsCase(experts=64, k=8, hidden=256, inter=512)
+    case = kernel_choice.ExpertsCase(experts=64, k=8, hidden=256, inter=512)
     by_tokens = {1: {"dense": 1.0, "grouped": 3.0}, 8: {"dense": 4.0, "grouped": 2.0},
                  256: {"dense": 9.0, "grouped": 1.0}}
-    d = Dispatch(timings={case.key(): timings(by_tokens)})
+    d = KernelChoice(timings={case.key(): timings(by_tokens)})
     assert [d.experts(case, t) for t in (1, 2, 8, 9, 4096)] == [
         "dense", "grouped", "grouped", "grouped", "grouped"]
-    assert Dispatch(force=XLA, timings={}).experts(case, 8) == "dense"
+    assert KernelChoice(force=XLA, timings={}).experts(case, 8) == "dense"
 
 
 def test_timings_are_measured_once_and_cached_per_machine(tmp_path, monkeypatch):
@@ -81,33 +81,33 @@ def test_timings_are_measured_once_and_cached_per_machine(tmp_path, monkeypatch)
         calls.append((mm.key(), rows))
         return {XLA: 1.0 / rows, "avx2": 0.5 / rows}
 
-    monkeypatch.setattr(dispatch, "time_matmul", fake_time)
-    monkeypatch.setattr(dispatch.matmul, "paths", lambda: ("portable", "avx2"))
-    cache = tmp_path / "dispatch.json"
-    first = Dispatch(cache=cache)
+    monkeypatch.setattr(kernel_choice, "time_matmul", fake_time)
+    monkeypatch.setattr(kernel_choice.matmul, "paths", lambda: ("portable", "avx2"))
+    cache = tmp_path / "kernel_choice.json"
+    first = KernelChoice(cache=cache)
     assert first.order(WQ) == PANEL_ORDER and first.impl(WQ, 3) == "avx2"
-    assert [rows for _, rows in calls] == list(dispatch.ROWS)
-    again = Dispatch(cache=cache)  # a new process on the same machine
-    assert again.impl(WQ, 3) == "avx2" and len(calls) == len(dispatch.ROWS)
+    assert [rows for _, rows in calls] == list(kernel_choice.ROWS)
+    again = KernelChoice(cache=cache)  # a new process on the same machine
+    assert again.impl(WQ, 3) == "avx2" and len(calls) == len(kernel_choice.ROWS)
     head = Matmul("lm_head", 576, 49152)
     again.order(head)
-    assert [rows for key, rows in calls if key == head.key()] == list(dispatch.HEAD_ROWS)
+    assert [rows for key, rows in calls if key == head.key()] == list(kernel_choice.HEAD_ROWS)
 
 
 def test_the_cache_key_names_the_cpu_and_the_kernels():
-    machine = dispatch.machine()
+    machine = kernel_choice.machine()
     assert set(machine) == {"cpu", "isa", "jaxlib", "flags", "kernels"}
-    assert dispatch.cache_path().parent.name == "dispatch"
+    assert kernel_choice.cache_path().parent.name == "dispatch"
 
 
 def test_the_table_names_every_candidate_and_the_choice():
     seconds = {1: {XLA: 2e-3, "avx2": 1e-3}, 64: {XLA: 1e-3, "avx2": 4e-3}}
-    d = Dispatch(timings={WQ.key(): timings(seconds)})
+    d = KernelChoice(timings={WQ.key(): timings(seconds)})
     records = d.rows([WQ])
     assert [(r["rows"], r["order"], r["chosen"]) for r in records] == [
         (1, NATURAL_ORDER, XLA), (64, NATURAL_ORDER, XLA)]
     assert records[0]["gflops"]["avx2"] == pytest.approx(2 * 576 * 576 / 1e-3 / 1e9)
-    text = dispatch.format_table(records)
+    text = kernel_choice.format_table(records)
     assert "wq:576x576" in text and "avx2" in text and "natural" in text
 
 
@@ -115,9 +115,9 @@ def mixed_timings(cfg, kernel_wins: set[str], path: str) -> dict[str, dict]:
     """Injected timings for a model's matmuls on one device: the kernel path `path` wins
     for the weights named in `kernel_wins`, XLA for the others."""
     out = {}
-    for mm in dispatch.model_matmuls(cfg):
+    for mm in kernel_choice.model_matmuls(cfg):
         fast, slow = (path, XLA) if mm.name in kernel_wins else (XLA, path)
-        rows = dispatch.HEAD_ROWS if mm.name == "lm_head" else dispatch.ROWS
+        rows = kernel_choice.HEAD_ROWS if mm.name == "lm_head" else kernel_choice.ROWS
         out[mm.key()] = timings({m: {fast: 1.0, slow: 2.0} for m in rows})
     return out
 
@@ -138,11 +138,11 @@ def test_a_mixed_choice_packs_only_the_kernels_weights_and_keeps_the_tokens(monk
         pytest.skip("the bf16 kernel does not build here")
     model = tiny_smollm2_with(intermediate_size=matmul.PANEL)
     cfg = source_config(resolve_model(model))
-    injected = Dispatch(timings=mixed_timings(cfg, {"wq", "w_gate_up", "lm_head"},
+    injected = KernelChoice(timings=mixed_timings(cfg, {"wq", "w_gate_up", "lm_head"},
                                               matmul.paths()[-1]))
     kwargs = dict(model=model, dtype="bfloat16", max_model_len=128, max_num_seqs=4, warmup=False,
                   show_progress=False)
-    monkeypatch.setattr(dispatch, "for_machine", lambda force=None: injected)
+    monkeypatch.setattr(kernel_choice, "for_machine", lambda force=None: injected)
     mixed = Engine(EngineConfig(**kwargs))
     place = mixed.runner.placements["decode"]
     assert set(place.packed) == {"wq", "w_gate_up"} and place.head_path is not None

@@ -15,7 +15,7 @@ import pytest
 
 from jaxpipe.kernels import matmul as mm
 from jaxpipe.model import moe
-from jaxpipe.runtime import kernel_choice as dispatch
+from jaxpipe.runtime import kernel_choice
 
 pytestmark = pytest.mark.skipif(not mm.available(), reason="kernel cannot be built here")
 
@@ -164,7 +164,7 @@ def on_layer(h, weights, experts, gate_up, down, layer, dispatch):
                            mm.StackedWeight(down, layer), dispatch)
 
 
-@pytest.mark.parametrize("name", moe.DISPATCHES)
+@pytest.mark.parametrize("name", moe.EXPERTS_PATHS)
 def test_a_layer_of_the_stacked_experts_equals_its_slice(name):
     """The step hands the experts as layer j of the stack (`matmul.StackedWeight`): every
     dispatch gives what it gives on the slice itself (grouped reads the stack in place)."""
@@ -202,8 +202,8 @@ def test_grouped_dispatch_refuses_what_the_kernel_cannot_run():
                                          r"\(2, 10, 2, 7\) bfloat16"):
         moe.experts_mlp(h, weights, experts, w_gate_up, w_down, "grouped")
     # F odd, or f32 weights: dense, no measurement either
-    assert dispatch.experts_dispatch(3, 1, w_gate_up, w_down) == "dense"
-    assert dispatch.experts_dispatch(3, 1, w_gate_up.astype(jnp.float32)[..., :6],
+    assert kernel_choice.experts_path(3, 1, w_gate_up, w_down) == "dense"
+    assert kernel_choice.experts_path(3, 1, w_gate_up.astype(jnp.float32)[..., :6],
                                      w_down.astype(jnp.float32)[:, :6]) == "dense"
 
 
@@ -212,8 +212,8 @@ def test_a_forced_matmul_decides_the_experts_dispatch(force, want, tmp_path):
     """EngineConfig.matmul reaches the experts: the engine's dispatcher, forced, picks the
     dispatch with no measurement (an empty cache stays empty)."""
     w_gate_up, w_down = jnp.zeros((4, 8, 2, 6), jnp.bfloat16), jnp.zeros((4, 6, 8), jnp.bfloat16)
-    chosen = dispatch.Dispatch(force, cache=tmp_path / "timings.json")
-    assert dispatch.experts_dispatch(16, 2, w_gate_up, w_down, chosen) == want
+    chosen = kernel_choice.KernelChoice(force, cache=tmp_path / "timings.json")
+    assert kernel_choice.experts_path(16, 2, w_gate_up, w_down, chosen) == want
     assert not chosen.timings
 
 
@@ -237,7 +237,7 @@ def test_engine_step_on_the_grouped_dispatch_gives_the_dense_dispatchs_tokens(tm
     model.save_pretrained(tmp_path, safe_serialization=True)
     tokens = {}
     for name in ("dense", "grouped"):
-        monkeypatch.setitem(moe.DISPATCH, "cpu", name)
+        monkeypatch.setitem(moe.EXPERTS_PATH, "cpu", name)
         jax.clear_caches()  # no step traced on the other dispatch is reused
         engine = Engine(EngineConfig(model=str(tmp_path), dtype="bfloat16", max_model_len=160,
                                      max_num_seqs=4, max_num_batched_tokens=32, warmup=False,

@@ -49,10 +49,10 @@ def filled_caches(dtype=jnp.float32, seed=0) -> list:
     """A pool of 13 blocks per layer [NB, Hkv, BLOCK, D] of random values, as stored."""
     rng = np.random.default_rng(seed)
     pool = jax.ShapeDtypeStruct((13, CFG.num_kv_heads, device_cache.BLOCK, CFG.head_dim),
-                                device_cache.storage_dtype(dtype))
+                                paged.storage_dtype(dtype))
 
     def filled():
-        return device_cache.to_storage(jnp.asarray(rng.normal(size=pool.shape)), pool)
+        return paged.to_storage(jnp.asarray(rng.normal(size=pool.shape)), pool)
 
     return [device_cache.KVCache(filled(), filled()) for _ in range(CFG.num_layers)]
 

@@ -109,7 +109,7 @@ def test_a_swap_in_aborted_once_staged_leaves_no_staged_copy():
 
 def test_a_request_id_reused_after_an_abort_gets_its_own_kv():
     """`a` is aborted while its swap-in is staged; its id is freed and a new request takes it
-    (`Engine.release`, then a caller's own request_id), is swapped out and in: it gets its
+    (`Engine.forget`, then a caller's own request_id), is swapped out and in: it gets its
     own KV. The aborted one's staged copy, left in the queue, was handed to the new one."""
     runner, kv = manager()
     old = seq("a", [0, 1])

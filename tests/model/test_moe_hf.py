@@ -88,7 +88,7 @@ def test_engine_on_the_ragged_dispatch_matches_hf(checkpoints, monkeypatch):
     on this CPU: HF's greedy tokens."""
     import jax
 
-    monkeypatch.setitem(moe.DISPATCH, "cpu", "ragged")
+    monkeypatch.setitem(moe.EXPERTS_PATH, "cpu", "ragged")
     jax.clear_caches()  # no step traced on the dense dispatch by an earlier test is reused
     test_engine_greedy_tokens_match_hf(checkpoints, "qwen2_moe")
     jax.clear_caches()
@@ -161,7 +161,7 @@ def run(h, w_router, w_gate_up, w_down, k, normalize, dispatch):
     return np.asarray(experts), np.asarray(out)
 
 
-DISPATCHES = pytest.mark.parametrize("dispatch", ["dense", "ragged"])
+EXPERTS_PATHS = pytest.mark.parametrize("dispatch", ["dense", "ragged"])
 
 
 def check(h, ws, k, normalize, dispatch):
@@ -172,14 +172,14 @@ def check(h, ws, k, normalize, dispatch):
     return got_experts
 
 
-@DISPATCHES
+@EXPERTS_PATHS
 @pytest.mark.parametrize("k, normalize", [(1, False), (2, True), (3, False), (6, True)])
 def test_experts_match_float64(dispatch, k, normalize):
     h = np.random.default_rng(1).standard_normal((13, D))
     check(h, weights(2), k, normalize, dispatch)
 
 
-@DISPATCHES
+@EXPERTS_PATHS
 def test_every_token_to_one_expert(dispatch):
     """Expert 4's router column dominates: all 9 tokens go to it (k=1), one segment of 9."""
     w_router, *rest = weights(3)
@@ -191,7 +191,7 @@ def test_every_token_to_one_expert(dispatch):
     assert (experts == 4).all()
 
 
-@DISPATCHES
+@EXPERTS_PATHS
 def test_an_expert_no_token_chooses(dispatch):
     """Experts 0 and 5 are never chosen (empty segments at both ends of the sort)."""
     w_router, *rest = weights(5)
@@ -202,7 +202,7 @@ def test_an_expert_no_token_chooses(dispatch):
     assert not np.isin(experts, [0, 5]).any() and len(np.unique(experts)) == 4
 
 
-@DISPATCHES
+@EXPERTS_PATHS
 def test_ties_go_to_the_lower_expert_index(dispatch):
     """Exactly equal probabilities (equal router columns): the lower expert index wins a
     tie at the k-th place. torch.topk breaks such ties in an order of its own (on CPU,
@@ -282,7 +282,7 @@ def test_unsupported_moe_configs_fail_naming_the_field(checkpoints, change, matc
         hf_dir.hf_config({**config, **change})
 
 
-@DISPATCHES
+@EXPERTS_PATHS
 def test_bf16_experts_in_a_scan_over_stacked_layers(dispatch):
     """bf16 weights sliced from a stack inside `lax.scan`, as the engine's step runs them
     (XLA's CPU backend once refused a bf16 x bf16 -> f32 batched dot there): within bf16's

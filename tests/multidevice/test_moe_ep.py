@@ -43,7 +43,7 @@ checkpoints = checkpoint_fixture(write)  # name -> (name, HF model in f32, direc
 def test_prompt_logits_match_hf(checkpoints, monkeypatch, name, layout, dispatch):
     """Every prompt in one ragged step on `layout`: its last token's logits are HF's, on the
     CPU's dense dispatch and on the sorted-segment one GPU and TPU take."""
-    monkeypatch.setitem(moe.DISPATCH, "cpu", dispatch)
+    monkeypatch.setitem(moe.EXPERTS_PATH, "cpu", dispatch)
     jax.clear_caches()  # no step traced on the other dispatch is reused
     _, model, path = checkpoints(name)
     cfg, values = hf_dir.load_hf_dir(path)

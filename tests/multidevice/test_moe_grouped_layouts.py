@@ -37,7 +37,7 @@ def test_grouped_dispatch_on_a_layout_pair_gives_the_dense_tokens(tmp_path, monk
     monkeypatch.setattr(runner, "weight_copies", lambda layouts, devices: 1)
     tokens = {}
     for dispatch in ("dense", "grouped"):
-        monkeypatch.setitem(moe.DISPATCH, "cpu", dispatch)
+        monkeypatch.setitem(moe.EXPERTS_PATH, "cpu", dispatch)
         jax.clear_caches()  # no step traced on the other dispatch is reused
         engine = Engine(EngineConfig(model=str(tmp_path), mesh="cpu-8", prefill=prefill,
                                      decode=decode, dtype="bfloat16", max_model_len=160,

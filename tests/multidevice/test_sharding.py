@@ -184,7 +184,7 @@ def test_orbax_restore_lands_in_final_shardings_when_nothing_pads(tmp_path):
     values = decoder.numpy_random_values(cfg, seed=1)
     orbax_dir.save_orbax(tmp_path / "ckpt", cfg, values, "float32")
     layout = Layout(pp=2, tp=4)
-    plan = sharding.plan_padding(cfg, [layout])
+    plan = sharding.padding_for(cfg, [layout])
     assert plan.is_identity
     mesh = sharding.make_mesh(layout)
     target = sharding.restore_target(cfg, plan, layout, mesh, jnp.float32)
