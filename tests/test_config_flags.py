@@ -140,12 +140,12 @@ def test_scheduler_flags_reach_engine_config(parser, capsys):
 
 
 def test_fixed_choice_fields_list_the_choices_their_validation_accepts(parser, capsys):
-    from jaxpipe import config
+    from jaxpipe.config import engine, model
 
     options = {a.dest: a for a in parser._actions}
-    for name, accepted in [("dtype", config.DTYPES), ("attention", config.ATTENTION),
-                           ("matmul", config.MATMULS), ("scheduler", config.SCHEDULERS),
-                           ("tdpipe_predictor", config.PREDICTORS), ("sampler", config.SAMPLERS)]:
+    for name, accepted in [("dtype", model.DTYPES), ("attention", engine.ATTENTION),
+                           ("matmul", engine.MATMULS), ("scheduler", engine.SCHEDULERS),
+                           ("tdpipe_predictor", engine.PREDICTORS), ("sampler", engine.SAMPLERS)]:
         assert tuple(options[name].choices) == accepted, name
         flag = "--" + name.replace("_", "-")
         assert "{" + ",".join(accepted) + "}" in parser.format_help(), name

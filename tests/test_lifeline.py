@@ -13,7 +13,7 @@ from pathlib import Path
 from conftest import exited
 
 ROOT = Path(__file__).resolve().parents[1]
-CHILD = ("from jaxpipe import lifeline; lifeline.die_with_parent(); "
+CHILD = ("from jaxpipe.process import lifeline; lifeline.die_with_parent(); "
          "import time; time.sleep(300)")
 # Spawns one child with the lifeline (from a short-lived thread) and one without, prints
 # their pids, then waits to be killed.

@@ -17,8 +17,8 @@ def test_generated_code_is_up_to_date(tmp_path):
                         str(ROOT / "jaxpipe/protocol/jaxpipe.proto")])
     assert code == 0
     for name in GENERATED:
-        fresh = (tmp_path / "jaxpipe/serve" / name).read_text()
-        assert fresh == (ROOT / "jaxpipe/serve" / name).read_text(), \
+        fresh = (tmp_path / "jaxpipe/protocol" / name).read_text()
+        assert fresh == (ROOT / "jaxpipe/protocol" / name).read_text(), \
             f"{name} is stale: run python scripts/gen_proto.py"
 
 
