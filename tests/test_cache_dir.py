@@ -24,4 +24,4 @@ def test_unset_or_empty_xdg_falls_back_to_home_cache(monkeypatch, tmp_path):
 def test_every_cache_of_the_package_is_under_it(monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     assert Path(_default_cache_dir()) == tmp_path / "jaxpipe" / "xla"
-    assert kernel_choice.cache_path().parent == tmp_path / "jaxpipe" / "dispatch"
+    assert kernel_choice.cache_path().parent == tmp_path / "jaxpipe" / "kernel_choice"

@@ -87,15 +87,19 @@ def test_zeros_without_the_allocation_kernel_are_written_then_cleared(monkeypatc
     assert x.sharding == sharding and x.dtype == np.int32 and not np.asarray(x).any()
 
 
-# An engine's start, measured in a child process (a fresh ru_maxrss; cpu-8 sets its device count
-# before JAX starts): its peak RSS, the budget it was sized with, and its pool.
+# An engine's start, measured in a child process (cpu-8 sets its device count before JAX
+# starts): its peak RSS, the budget it was sized with, and its pool. The peak is the process's
+# own high-water mark (VmHWM): ru_maxrss would carry over the parent's from before the exec
+# (Linux keeps the larger across execve), so a child of a large test worker would report the
+# worker's size.
 START = """
-import json, resource, sys
+import json, sys
 from jaxpipe import Engine, SamplingParams
 from jaxpipe.kernels import empty
 
 def peak():
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
 
 engine = Engine(**json.loads(sys.argv[1]), warmup=False, show_progress=False)
 built = peak()

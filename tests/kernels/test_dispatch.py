@@ -97,7 +97,7 @@ def test_timings_are_measured_once_and_cached_per_machine(tmp_path, monkeypatch)
 def test_the_cache_key_names_the_cpu_and_the_kernels():
     machine = kernel_choice.machine()
     assert set(machine) == {"cpu", "isa", "jaxlib", "flags", "kernels"}
-    assert kernel_choice.cache_path().parent.name == "dispatch"
+    assert kernel_choice.cache_path().parent.name == "kernel_choice"
 
 
 def test_the_table_names_every_candidate_and_the_choice():

@@ -2,7 +2,7 @@
 bf16-rounded inputs, on each of its paths this machine's build has (the others are skipped,
 saying so): groups of 0 rows (an expert no token chooses) at either end and between, all rows
 in one group, uneven groups, rows past the groups; the fused gate. Then `model/moe.py`'s
-"grouped" dispatch against its "dense" one and a float64 reference of the experts."""
+"grouped" path against its "dense" one and a float64 reference of the experts."""
 
 from __future__ import annotations
 
@@ -88,11 +88,11 @@ def test_bad_shapes_fail_naming_them():
         mm.grouped_matmul(x, w, np.zeros(3, np.int32), 0)
 
 
-# ---- model/moe.py's grouped dispatch -------------------------------------------------------
+# ---- model/moe.py's grouped path -------------------------------------------------------
 
 
 def experts_reference(h, weights, experts, w_gate_up, w_down) -> np.ndarray:
-    """float64 of the bf16 weights and bf16-rounded activations, as both dispatches round."""
+    """float64 of the bf16 weights and bf16-rounded activations, as both paths round."""
     def bf16(a):
         return np.asarray(jnp.asarray(a, jnp.float32).astype(jnp.bfloat16), np.float64)
 
@@ -106,16 +106,16 @@ def experts_reference(h, weights, experts, w_gate_up, w_down) -> np.ndarray:
 
 
 @pytest.mark.parametrize("x, k, tokens", [(8, 2, 1), (8, 2, 13), (16, 4, 40)])
-def test_grouped_dispatch_equals_dense_and_float64(x, k, tokens):
+def test_grouped_path_equals_dense_and_float64(x, k, tokens):
     e, f = 48, 80
     rng = np.random.default_rng(x * tokens)
     h = jnp.asarray(rng.normal(size=(tokens, e)), jnp.float32)
     w_gate_up = jnp.asarray(rng.normal(size=(x, e, 2, f)) / e ** 0.5, jnp.bfloat16)
     w_down = jnp.asarray(rng.normal(size=(x, f, e)) / f ** 0.5, jnp.bfloat16)
     weights, experts = moe.route(h, jnp.asarray(rng.normal(size=(e, x)), jnp.float32), k, True)
-    run = jax.jit(moe.experts_mlp, static_argnames="dispatch")
-    got = np.asarray(run(h, weights, experts, w_gate_up, w_down, dispatch="grouped"))
-    dense = np.asarray(run(h, weights, experts, w_gate_up, w_down, dispatch="dense"))
+    run = jax.jit(moe.experts_mlp, static_argnames="path")
+    got = np.asarray(run(h, weights, experts, w_gate_up, w_down, path="grouped"))
+    dense = np.asarray(run(h, weights, experts, w_gate_up, w_down, path="dense"))
     want = experts_reference(h, weights, experts, w_gate_up, w_down)
     scale = np.abs(want).max()
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-2 * scale)
@@ -125,7 +125,7 @@ def test_grouped_dispatch_equals_dense_and_float64(x, k, tokens):
 @pytest.mark.parametrize("name", ["grouped", "dense", "ragged"])
 def test_expert_shards_sum_to_the_whole(name):
     """Under expert parallelism each of 2 shards sees another shard's choices as the
-    out-of-range id (`decoder.local_experts`), which every dispatch skips: the shards'
+    out-of-range id (`decoder.local_experts`), which every path skips: the shards'
     outputs sum to the float64 whole, and a shard whose experts no token chose gives 0."""
     from jaxpipe.model.decoder import local_experts
 
@@ -135,18 +135,18 @@ def test_expert_shards_sum_to_the_whole(name):
     w_gate_up = jnp.asarray(rng.normal(size=(x, e, 2, f)) / e ** 0.5, jnp.bfloat16)
     w_down = jnp.asarray(rng.normal(size=(x, f, e)) / f ** 0.5, jnp.bfloat16)
     weights, experts = moe.route(h, jnp.asarray(rng.normal(size=(e, x)), jnp.float32), k, True)
-    run = jax.jit(moe.experts_mlp, static_argnames="dispatch")
+    run = jax.jit(moe.experts_mlp, static_argnames="path")
     parts = []
     for index in range(2):
         w, ids = local_experts(weights, experts, index, x // 2)
         assert ((ids == x // 2) == (experts // (x // 2) != index)).all()
         parts.append(np.asarray(run(h, w, ids, w_gate_up[index * 4:index * 4 + 4],
-                                    w_down[index * 4:index * 4 + 4], dispatch=name)))
+                                    w_down[index * 4:index * 4 + 4], path=name)))
     want = experts_reference(h, weights, experts, w_gate_up, w_down)
     np.testing.assert_allclose(parts[0] + parts[1], want, rtol=0,
                                atol=1e-2 * np.abs(want).max())
     none = jnp.full_like(experts, x // 2)  # every choice another shard's
-    assert not np.asarray(run(h, weights, none, w_gate_up[:4], w_down[:4], dispatch=name)).any()
+    assert not np.asarray(run(h, weights, none, w_gate_up[:4], w_down[:4], path=name)).any()
 
 
 def stacked_experts(layers: int, x: int, e: int, f: int, tokens: int, k: int):
@@ -159,19 +159,19 @@ def stacked_experts(layers: int, x: int, e: int, f: int, tokens: int, k: int):
     return h, weights, experts, gate_up, down
 
 
-def on_layer(h, weights, experts, gate_up, down, layer, dispatch):
+def on_layer(h, weights, experts, gate_up, down, layer, path):
     return moe.experts_mlp(h, weights, experts, mm.StackedWeight(gate_up, layer),
-                           mm.StackedWeight(down, layer), dispatch)
+                           mm.StackedWeight(down, layer), path)
 
 
 @pytest.mark.parametrize("name", moe.EXPERTS_PATHS)
 def test_a_layer_of_the_stacked_experts_equals_its_slice(name):
     """The step hands the experts as layer j of the stack (`matmul.StackedWeight`): every
-    dispatch gives what it gives on the slice itself (grouped reads the stack in place)."""
+    path gives what it gives on the slice itself (grouped reads the stack in place)."""
     h, weights, experts, gate_up, down = stacked_experts(3, 8, 48, 80, 13, 2)
-    run = jax.jit(on_layer, static_argnames="dispatch")
+    run = jax.jit(on_layer, static_argnames="path")
     for layer in range(3):
-        got = run(h, weights, experts, gate_up, down, jnp.int32(layer), dispatch=name)
+        got = run(h, weights, experts, gate_up, down, jnp.int32(layer), path=name)
         want = moe.experts_mlp(h, weights, experts, gate_up[layer], down[layer], name)
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
@@ -209,8 +209,8 @@ def test_grouped_dispatch_refuses_what_the_kernel_cannot_run():
 
 @pytest.mark.parametrize("force, want", [("xla", "dense"), (mm.paths()[0], "grouped")])
 def test_a_forced_matmul_decides_the_experts_dispatch(force, want, tmp_path):
-    """EngineConfig.matmul reaches the experts: the engine's dispatcher, forced, picks the
-    dispatch with no measurement (an empty cache stays empty)."""
+    """EngineConfig.matmul reaches the experts: the engine's kernel choice, forced, picks the
+    path with no measurement (an empty cache stays empty)."""
     w_gate_up, w_down = jnp.zeros((4, 8, 2, 6), jnp.bfloat16), jnp.zeros((4, 6, 8), jnp.bfloat16)
     chosen = kernel_choice.KernelChoice(force, cache=tmp_path / "timings.json")
     assert kernel_choice.experts_path(16, 2, w_gate_up, w_down, chosen) == want
@@ -221,7 +221,7 @@ def test_engine_step_on_the_grouped_dispatch_gives_the_dense_dispatchs_tokens(tm
                                                                                 monkeypatch):
     """A bf16 Qwen3-MoE (even expert widths, which the kernel needs) through the engine's
     step (the layer scan inside `shard_map`, chunked prefill, decode): greedy tokens of the
-    grouped dispatch equal the dense one's (which tests/model/test_moe_hf.py checks against
+    grouped path equal the dense one's (which tests/model/test_moe_hf.py checks against
     HF)."""
     transformers = pytest.importorskip("transformers")
     from hf_families import PROMPTS, draw_every_parameter
@@ -238,7 +238,7 @@ def test_engine_step_on_the_grouped_dispatch_gives_the_dense_dispatchs_tokens(tm
     tokens = {}
     for name in ("dense", "grouped"):
         monkeypatch.setitem(moe.EXPERTS_PATH, "cpu", name)
-        jax.clear_caches()  # no step traced on the other dispatch is reused
+        jax.clear_caches()  # no step traced on the other path is reused
         engine = Engine(EngineConfig(model=str(tmp_path), dtype="bfloat16", max_model_len=160,
                                      max_num_seqs=4, max_num_batched_tokens=32, warmup=False,
                                      show_progress=False))

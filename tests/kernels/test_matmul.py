@@ -82,7 +82,7 @@ def test_matches_float64(m, k, n, path):
 
 @pytest.mark.parametrize("k,n", [(522, 129), (66, 17)])
 def test_rows_past_the_largest_bucket(k, n, path):
-    """2053 rows, a prime past the dispatcher's largest measured count (2048): many row
+    """2053 rows, a prime past the kernel choice's largest measured count (2048): many row
     chunks, the last one ragged."""
     x, w = inputs(2053, k, n, seed=k)
     close(np.asarray(mm.bf16_matmul(x, mm.pack(w), path=path)), numpy_matmul(x, w), x, w)

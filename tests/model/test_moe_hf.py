@@ -3,7 +3,7 @@ transformers on tiny checkpoints it writes with every parameter drawn (routers i
 tokens spread over the experts): prompt logits of the cache-free forward and greedy tokens
 (f32) through the engine's paged step on one device, dense layers among the MoE ones
 included; and the router and experts
-(`model/moe.py`, both dispatches) against a float64 NumPy reference on the edge cases: ties
+(`model/moe.py`, both paths) against a float64 NumPy reference on the edge cases: ties
 in the router's probabilities, every token to one expert, an expert no token chooses."""
 
 from __future__ import annotations
@@ -84,12 +84,12 @@ def test_engine_greedy_tokens_match_hf(checkpoints, name):
 
 
 def test_engine_on_the_ragged_dispatch_matches_hf(checkpoints, monkeypatch):
-    """The sorted-segment dispatch (`ragged_dot`, what GPU and TPU take) in the engine's step
+    """The sorted-segment path (`ragged_dot`, what GPU and TPU take) in the engine's step
     on this CPU: HF's greedy tokens."""
     import jax
 
     monkeypatch.setitem(moe.EXPERTS_PATH, "cpu", "ragged")
-    jax.clear_caches()  # no step traced on the dense dispatch by an earlier test is reused
+    jax.clear_caches()  # no step traced on the dense path by an earlier test is reused
     test_engine_greedy_tokens_match_hf(checkpoints, "qwen2_moe")
     jax.clear_caches()
 
@@ -152,21 +152,21 @@ def weights(seed: int, router_scale: float = 1.0):
             rng.standard_normal((X, D, 2, F)) / D ** 0.5, rng.standard_normal((X, F, D)) / F ** 0.5)
 
 
-def run(h, w_router, w_gate_up, w_down, k, normalize, dispatch):
+def run(h, w_router, w_gate_up, w_down, k, normalize, path):
     gates, experts = moe.route(jnp.asarray(h, jnp.float32), jnp.asarray(w_router, jnp.float32),
                                k, normalize)
     out = moe.experts_mlp(jnp.asarray(h, jnp.float32), gates, experts,
                           jnp.asarray(w_gate_up, jnp.float32), jnp.asarray(w_down, jnp.float32),
-                          dispatch)
+                          path)
     return np.asarray(experts), np.asarray(out)
 
 
-EXPERTS_PATHS = pytest.mark.parametrize("dispatch", ["dense", "ragged"])
+EXPERTS_PATHS = pytest.mark.parametrize("path", ["dense", "ragged"])
 
 
-def check(h, ws, k, normalize, dispatch):
+def check(h, ws, k, normalize, path):
     want_experts, want = reference(h, *ws, k, normalize)
-    got_experts, got = run(h, *ws, k, normalize, dispatch)
+    got_experts, got = run(h, *ws, k, normalize, path)
     np.testing.assert_array_equal(np.sort(got_experts, -1), np.sort(want_experts, -1))
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
     return got_experts
@@ -174,36 +174,36 @@ def check(h, ws, k, normalize, dispatch):
 
 @EXPERTS_PATHS
 @pytest.mark.parametrize("k, normalize", [(1, False), (2, True), (3, False), (6, True)])
-def test_experts_match_float64(dispatch, k, normalize):
+def test_experts_match_float64(path, k, normalize):
     h = np.random.default_rng(1).standard_normal((13, D))
-    check(h, weights(2), k, normalize, dispatch)
+    check(h, weights(2), k, normalize, path)
 
 
 @EXPERTS_PATHS
-def test_every_token_to_one_expert(dispatch):
+def test_every_token_to_one_expert(path):
     """Expert 4's router column dominates: all 9 tokens go to it (k=1), one segment of 9."""
     w_router, *rest = weights(3)
     w_router[:, 4] = 0.0
     h = np.random.default_rng(4).standard_normal((9, D))
     h[:, 0] = 1.0
     w_router[0, 4] = 50.0
-    experts = check(h, (w_router, *rest), 1, False, dispatch)
+    experts = check(h, (w_router, *rest), 1, False, path)
     assert (experts == 4).all()
 
 
 @EXPERTS_PATHS
-def test_an_expert_no_token_chooses(dispatch):
+def test_an_expert_no_token_chooses(path):
     """Experts 0 and 5 are never chosen (empty segments at both ends of the sort)."""
     w_router, *rest = weights(5)
     h = np.random.default_rng(6).standard_normal((11, D))
     h[:, 1] = 1.0
     w_router[1, [0, 5]] = -50.0
-    experts = check(h, (w_router, *rest), 2, True, dispatch)
+    experts = check(h, (w_router, *rest), 2, True, path)
     assert not np.isin(experts, [0, 5]).any() and len(np.unique(experts)) == 4
 
 
 @EXPERTS_PATHS
-def test_ties_go_to_the_lower_expert_index(dispatch):
+def test_ties_go_to_the_lower_expert_index(path):
     """Exactly equal probabilities (equal router columns): the lower expert index wins a
     tie at the k-th place. torch.topk breaks such ties in an order of its own (on CPU,
     libstdc++'s selection order: [0.3] * 6, k=2 gives experts 3 and 5), so HF and jaxpipe
@@ -215,7 +215,7 @@ def test_ties_go_to_the_lower_expert_index(dispatch):
     w_router[:, 5] = w_router[:, 2]
     h = np.random.default_rng(8).standard_normal((12, D))
     for k in (1, 2, 3):
-        experts = check(h, (w_router, *rest), k, True, dispatch)
+        experts = check(h, (w_router, *rest), k, True, path)
         assert not ({3, 5} & set(experts[:, :1].ravel().tolist()))  # never first over 1, 2
 
 
@@ -283,7 +283,7 @@ def test_unsupported_moe_configs_fail_naming_the_field(checkpoints, change, matc
 
 
 @EXPERTS_PATHS
-def test_bf16_experts_in_a_scan_over_stacked_layers(dispatch):
+def test_bf16_experts_in_a_scan_over_stacked_layers(path):
     """bf16 weights sliced from a stack inside `lax.scan`, as the engine's step runs them
     (XLA's CPU backend once refused a bf16 x bf16 -> f32 batched dot there): within bf16's
     rounding of the float64 reference."""
@@ -296,7 +296,7 @@ def test_bf16_experts_in_a_scan_over_stacked_layers(dispatch):
     def body(x, j):  # a residual stream through two layers
         w_router, w_gate_up, w_down = (w[j] for w in stacked)
         gates, experts = moe.route(x, w_router, 2, True)
-        return x + moe.experts_mlp(x, gates, experts, w_gate_up, w_down, dispatch), None
+        return x + moe.experts_mlp(x, gates, experts, w_gate_up, w_down, path), None
 
     got = np.asarray(jax.jit(lambda h: jax.lax.scan(body, h, jnp.arange(2))[0])(
         jnp.asarray(h, jnp.float32)))

@@ -37,14 +37,14 @@ PAIRS = [("qwen3_moe", "ep=4,tp=2", "ep=2,tp=4"), ("mixtral", "ep=8", "pp=2,ep=2
 checkpoints = checkpoint_fixture(write)  # name -> (name, HF model in f32, directory)
 
 
-@pytest.mark.parametrize("name, layout, dispatch", [
+@pytest.mark.parametrize("name, layout, path", [
     ("mixtral", "ep=8", "dense"), ("qwen3_moe", "ep=2,tp=4", "dense"),
     ("qwen3_moe", "ep=4,tp=2", "ragged")])
-def test_prompt_logits_match_hf(checkpoints, monkeypatch, name, layout, dispatch):
+def test_prompt_logits_match_hf(checkpoints, monkeypatch, name, layout, path):
     """Every prompt in one ragged step on `layout`: its last token's logits are HF's, on the
-    CPU's dense dispatch and on the sorted-segment one GPU and TPU take."""
-    monkeypatch.setitem(moe.EXPERTS_PATH, "cpu", dispatch)
-    jax.clear_caches()  # no step traced on the other dispatch is reused
+    CPU's dense path and on the sorted-segment one GPU and TPU take."""
+    monkeypatch.setitem(moe.EXPERTS_PATH, "cpu", path)
+    jax.clear_caches()  # no step traced on the other path is reused
     _, model, path = checkpoints(name)
     cfg, values = hf_dir.load_hf_dir(path)
     parsed = Layout.parse(layout)

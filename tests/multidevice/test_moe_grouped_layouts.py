@@ -1,6 +1,6 @@
-"""The grouped MoE dispatch (the C++ grouped kernel inside each device's `shard_map`) on a
+"""The grouped MoE path (the C++ grouped kernel inside each device's `shard_map`) on a
 cpu-8 layout pair, re-sharding between prefill and decode: bf16 greedy tokens equal the dense
-dispatch's on the same layouts (which tests/multidevice/test_moe_layouts.py checks against
+path's on the same layouts (which tests/multidevice/test_moe_layouts.py checks against
 HF). Expert width 48: 12 and 6 columns per device at tp=4 and 8, even, as the kernel needs.
 Under ep each device's grouped kernel skips the other shards' choices (the out-of-range id
 `decoder.local_experts` gives them)."""
@@ -36,9 +36,9 @@ def test_grouped_dispatch_on_a_layout_pair_gives_the_dense_tokens(tmp_path, monk
     # As off CPU: no copy kept per layout, so each switch unpacks, re-shards and packs.
     monkeypatch.setattr(runner, "weight_copies", lambda layouts, devices: 1)
     tokens = {}
-    for dispatch in ("dense", "grouped"):
-        monkeypatch.setitem(moe.EXPERTS_PATH, "cpu", dispatch)
-        jax.clear_caches()  # no step traced on the other dispatch is reused
+    for path in ("dense", "grouped"):
+        monkeypatch.setitem(moe.EXPERTS_PATH, "cpu", path)
+        jax.clear_caches()  # no step traced on the other path is reused
         engine = Engine(EngineConfig(model=str(tmp_path), mesh="cpu-8", prefill=prefill,
                                      decode=decode, dtype="bfloat16", max_model_len=160,
                                      max_num_seqs=4, max_num_batched_tokens=32, warmup=False,
@@ -46,7 +46,7 @@ def test_grouped_dispatch_on_a_layout_pair_gives_the_dense_tokens(tmp_path, monk
         greedy = SamplingParams(temperature=0.0, max_tokens=12)
         outs = [o for prompts in (PROMPTS[:2], PROMPTS[2:])  # the second from decode's layout
                 for o in engine.generate(prompt_token_ids=prompts, sampling_params=greedy)]
-        tokens[dispatch] = [list(o.outputs[0].token_ids) for o in outs]
+        tokens[path] = [list(o.outputs[0].token_ids) for o in outs]
         stats = engine.stats()  # prefill -> decode -> prefill -> decode, weights moved each time
         assert stats["reshards"] >= 3 and stats["reshard_weights_seconds"] > 0
         engine.close()
