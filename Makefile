@@ -26,8 +26,8 @@ UV_COMPILE  := $(VENV)/bin/uv pip compile --upgrade --quiet --python-version $(L
 # greedy parity, the peers' protocol) and the engine's; LATEST_DEPS_TESTS=tests for them all.
 VENV_NEWEST ?= .venv-newest
 PY_NEWEST   := $(VENV_NEWEST)/bin/python
-LATEST_DEPS_TESTS ?= tests/test_tokenizer.py tests/model tests/bench/test_peers.py \
-	tests/test_engine.py
+LATEST_DEPS_TESTS ?= tests/model tests/bench/test_peers.py \
+	tests/engine/test_engine.py
 
 # The newest JAX the package supports, on Python 3.12 (jax >= 0.11 has no Python 3.11 wheels):
 #   make test-jax-latest   a second venv and the tests that need no torch
@@ -78,7 +78,8 @@ $(VENV_LATEST)/.test: pyproject.toml
 test-jax-latest: $(VENV_LATEST)/.test
 	$(VENV_LATEST)/bin/python -c "import jax; print('jax', jax.__version__)"
 	$(VENV_LATEST)/bin/python -m pytest -q -p no:cacheprovider $(PARALLEL) tests/kernels tests/kv \
-		tests/test_engine.py tests/test_executor.py tests/test_multidevice.py
+		tests/runtime/test_kernel_choice.py tests/engine/test_engine.py tests/engine/test_executor.py \
+		tests/test_multidevice.py
 
 # The lock files, regenerated from pyproject.toml's test extra and requirements/peers.in at the
 # newest releases they admit. Review the diff, run `make test`, commit.

@@ -1,5 +1,5 @@
 """Requests that share prefixes at every offset that matters to a block-level prefix cache
-(16-token blocks): the workload of tests/test_prefix_caching.py and
+(16-token blocks): the workload of tests/engine/test_prefix_caching.py and
 tests/multidevice/test_prefix_caching_engine.py."""
 
 from __future__ import annotations

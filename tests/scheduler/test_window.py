@@ -3,7 +3,7 @@ sequence gives back the blocks its next query's window has moved past (their ent
 out of every pool's range), so it holds at most ceil(window / block) + 1 blocks as it
 decodes; admission reserves that peak, not the length; swaps bring back only the blocks past
 the window; a recompute starts over. The prefix cache's random traffic with a window is in
-test_prefix_cache.py; the engine's tokens against HF in tests/test_sliding_window_engine.py."""
+test_prefix_cache.py; the engine's tokens against HF in tests/engine/test_sliding_window.py."""
 
 from __future__ import annotations
 

@@ -133,7 +133,7 @@ def start(**kwargs) -> dict:
     from pathlib import Path
 
     gguf_dir()
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
     done = subprocess.run([sys.executable, "-c", START, json.dumps(kwargs)], text=True,
                           capture_output=True, timeout=1200, env=env)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from conftest import exited
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CHILD = ("from jaxpipe.process import lifeline; lifeline.die_with_parent(); "
          "import time; time.sleep(300)")
 # Spawns one child with the lifeline (from a short-lived thread) and one without, prints

@@ -19,7 +19,7 @@ from jaxpipe.batch.__main__ import main as batch_main
 from jaxpipe.batch.job import BatchJobConfig, Job
 from jaxpipe.batch.runners import LocalRunner
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CHAT = [{"role": "user", "content": "What is 2+2?"}]
 
 
