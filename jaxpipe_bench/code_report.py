@@ -143,6 +143,30 @@ def cycles(deps: dict[str, set[str]]) -> list[list[str]]:
     return sorted(out)
 
 
+def layers(root: Path) -> tuple[tuple[str, ...], ...] | None:
+    """The package's written layer order (`LAYERS` in its __init__, read statically), or None
+    where it has none."""
+    init = root / "__init__.py"
+    if not init.exists():
+        return None
+    for node in ast.parse(init.read_text()).body:
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "LAYERS"
+                                                for t in node.targets):
+            return ast.literal_eval(node.value)
+    return None
+
+
+def upward(deps: dict[str, set[str]], order) -> list[str]:
+    """Imports from an area to one of a higher layer of `order` (areas outside every layer,
+    root modules among them, count as violations too)."""
+    index = {name: i for i, names in enumerate(order) for name in names}
+
+    def layer(area_name: str):
+        return index.get(area_name.split(".")[1] if "." in area_name else "", len(order))
+
+    return sorted(f"{a} -> {b}" for a, bs in deps.items() for b in bs if layer(b) > layer(a))
+
+
 def report(cfg: ReportConfig) -> dict:
     """Every figure of the report for the package at `cfg.root`."""
     root = Path(cfg.root)
@@ -175,6 +199,8 @@ def report(cfg: ReportConfig) -> dict:
             w.startswith((root.name, ".")) for _, w in local),
         "two_way_package_pairs": two_way(deps),
         "import_cycles": cycles(deps),
+        "layers": layers(root),
+        "upward_imports": None if layers(root) is None else upward(deps, layers(root)),
         "engine_py_lines": len(engine.read_text().splitlines()) if engine.exists() else None,
     }
 
@@ -195,6 +221,12 @@ def format_report(r: dict) -> str:
     groups = r["import_cycles"]
     lines.append(f"groups of packages and root modules that import each other in a cycle: "
                  f"{len(groups)}" + "".join(f"\n  {' -> '.join(g)}" for g in groups))
+    if r["layers"] is None:
+        lines.append("layer order: none written down")
+    else:
+        lines.append(f"imports going up the layer order ({len(r['layers'])} layers, every "
+                     f"import counted): {len(r['upward_imports'])}"
+                     + "".join(f"\n  {x}" for x in r["upward_imports"]))
     lines.append(f"engine.py: {r['engine_py_lines']} lines")
     return "\n".join(lines)
 
