@@ -15,7 +15,7 @@ from hf_moe import EAGER, SMALL
 
 from jaxpipe import Engine, EngineConfig, SamplingParams
 from jaxpipe.model import moe
-from jaxpipe.runtime import runner
+from jaxpipe.runtime import sizing
 
 
 # The last two pairs change ep: a replicated weight's shards are where both layouts put them,
@@ -25,7 +25,7 @@ from jaxpipe.runtime import runner
                                              ("pp=2,ep=2,tp=2", "ep=2,tp=4"),
                                              ("ep=2,tp=4", "ep=4,tp=2"),
                                              ("pp=2,ep=4", "ep=2,tp=4")])
-def test_grouped_dispatch_on_a_layout_pair_gives_the_dense_tokens(tmp_path, monkeypatch,
+def test_grouped_path_on_a_layout_pair_gives_the_dense_tokens(tmp_path, monkeypatch,
                                                                   prefill, decode):
     config = transformers.Qwen3MoeConfig(**SMALL, num_experts=8, num_experts_per_tok=2,
                                          moe_intermediate_size=48, intermediate_size=50,
@@ -34,7 +34,7 @@ def test_grouped_dispatch_on_a_layout_pair_gives_the_dense_tokens(tmp_path, monk
     draw_every_parameter(model, seed=4)
     model.save_pretrained(tmp_path, safe_serialization=True)
     # As off CPU: no copy kept per layout, so each switch unpacks, re-shards and packs.
-    monkeypatch.setattr(runner, "weight_copies", lambda layouts, devices: 1)
+    monkeypatch.setattr(sizing, "weight_copies", lambda layouts, devices: 1)
     tokens = {}
     for path in ("dense", "grouped"):
         monkeypatch.setitem(moe.EXPERTS_PATH, "cpu", path)

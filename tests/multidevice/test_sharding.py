@@ -19,7 +19,8 @@ from jaxpipe.config.model import ModelConfig
 from jaxpipe.model import decoder, orbax_dir
 from jaxpipe.runtime import sharding
 from jaxpipe.runtime.buckets import Buckets
-from jaxpipe.runtime.runner import Runner, weight_copies
+from jaxpipe.runtime.runner import Runner
+from jaxpipe.runtime.sizing import weight_copies
 from jaxpipe.runtime.sharding import RULES
 
 DEVICES = 8
