@@ -20,8 +20,8 @@ from jaxpipe.model import decoder, orbax_dir
 from jaxpipe.runtime import sharding
 from jaxpipe.runtime.buckets import Buckets
 from jaxpipe.runtime.runner import Runner
-from jaxpipe.runtime.sizing import weight_copies
 from jaxpipe.runtime.sharding import RULES
+from jaxpipe.runtime.sizing import weight_copies
 
 DEVICES = 8
 
