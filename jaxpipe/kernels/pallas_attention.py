@@ -94,13 +94,22 @@ def pallas_attention(q, k, v, table, q_start, q_len, kv_len, layer=0, *, window=
     cut = tiles or tiles_for(jax.devices()[0].device_kind)
     tiles = _tiles(table, q_start, q_len, kv_len, num_tokens, num_blocks, block, window, cut.tq)
     q_tiles = _gather_queries(q.astype(jnp.float32), tiles, kv_heads, cut.tq)
-    n, m = q_tiles.shape[0], q_tiles.shape[2]
-    bounds = _vector_bounds(tiles, g, m)
+    bounds = _vector_bounds(tiles, g, q_tiles.shape[2])
     layer = jnp.clip(jnp.asarray(layer, jnp.int32), 0, num_layers - 1).reshape(1)
     kernel = functools.partial(_kernel, block=block, scale=1 / math.sqrt(d) if scale is None
                                else scale, softcap=softcap)
+    out = _call_kernel(kernel, cut, interpret, tiles["meta"], layer,
+                       jnp.asarray(table, jnp.int32), q_tiles, bounds, k, v)
+    return _scatter_outputs(out, tiles, num_tokens, heads, g, cut.tq)
+
+
+def _call_kernel(kernel, cut: Tiles, interpret: bool, meta, layer, table, q_tiles, bounds, k, v):
+    """`kernel` over the grid (tile, kv head): each program gets its tile's query vectors
+    (q_tiles [n, Hkv, M, D]) and their key bounds (bounds [n, 2, M]), and the whole of the
+    rest (meta [n, 3], layer [1], table [R, MB], the pools k, v); out [n, Hkv, M, D] f32."""
+    n, kv_heads, m, d = q_tiles.shape
     whole = pl.no_block_spec  # the whole array: the kernel indexes it (pool, table, scalars)
-    out = pl.pallas_call(
+    return pl.pallas_call(
         kernel,
         grid=(n, kv_heads),
         in_specs=[whole, whole, whole,
@@ -111,8 +120,7 @@ def pallas_attention(q, k, v, table, q_start, q_len, kv_len, layer=0, *, window=
         out_shape=jax.ShapeDtypeStruct((n, kv_heads, m, d), jnp.float32),
         interpret=interpret,
         compiler_params=None if interpret else _triton_params(cut),
-    )(tiles["meta"], layer, jnp.asarray(table, jnp.int32), q_tiles, bounds, k, v)
-    return _scatter_outputs(out, tiles, num_tokens, heads, g, cut.tq)
+    )(meta, layer, table, q_tiles, bounds, k, v)
 
 
 def _triton_params(cut: Tiles):
