@@ -186,47 +186,56 @@ class EngineConfig:
     process_id: int | None = None
 
     def __post_init__(self):
-        if not isinstance(self.model, (str, os.PathLike)) or not str(self.model):
-            raise ValueError(
-                f"EngineConfig.model must be a preset name or a path, got {self.model!r}")
-        _set(self, "model", str(self.model))
-        if self.dtype not in DTYPES:
-            raise ValueError(f"EngineConfig.dtype must be one of {DTYPES}, got {self.dtype!r}")
-        if self.max_num_seqs is not None:
-            _check_int("max_num_seqs", self.max_num_seqs, 1, 4096)
-        _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 16, 1 << 20)
-        if self.max_model_len is not None:
-            _check_int("max_model_len", self.max_model_len, 2, 1 << 20)
-        _check_int("seed", self.seed, 0, 2**32 - 1)
-        _check_number("kv_cache_gb", self.kv_cache_gb, "a positive number or None",
-                      lambda x: x > 0)
-        _check_number("memory_utilization", self.memory_utilization, "a number in (0, 1] or None",
-                      lambda x: 0 < x <= 1)
-        if self.attention not in ATTENTION:
-            raise ValueError(f"EngineConfig.attention must be one of {ATTENTION}, "
-                             f"got {self.attention!r}")
-        if self.matmul not in MATMULS:
-            raise ValueError(f"EngineConfig.matmul must be one of {MATMULS}, "
-                             f"got {self.matmul!r}")
-        _check_number("host_kv_gb", self.host_kv_gb, "a number >= 0 or None", lambda x: x >= 0)
-        if self.host_kv_tokens is not None:
-            _check_int("host_kv_tokens", self.host_kv_tokens, 0, 1 << 40)
-        if self.kv_cache_tokens is not None:
-            _check_int("kv_cache_tokens", self.kv_cache_tokens, 1, 1 << 40)
-        for name in ("overlap", "detok_worker", "prefix_caching"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"EngineConfig.{name} must be a bool, "
-                                 f"got {getattr(self, name)!r}")
-        if self.sampler not in SAMPLERS:
-            raise ValueError(f"EngineConfig.sampler must be one of {SAMPLERS}, "
-                             f"got {self.sampler!r}")
-        _check_int("sampler_threads", self.sampler_threads, 1, 256)
+        self._check_model()
+        self._check_batch()
+        self._check_memory()
+        self._check_step()
         self.check_scheduler(self.scheduler)
         self._check_policy_knobs()
         if self.compilation_cache_dir is not None:
             _set(self, "compilation_cache_dir", str(Path(self.compilation_cache_dir).expanduser()))
         self._check_layouts()
         self._check_cluster()
+
+    def _check_model(self) -> None:
+        """The model as a str, and its dtype."""
+        if not isinstance(self.model, (str, os.PathLike)) or not str(self.model):
+            raise ValueError(
+                f"EngineConfig.model must be a preset name or a path, got {self.model!r}")
+        _set(self, "model", str(self.model))
+        _check_choice("dtype", self.dtype, DTYPES)
+
+    def _check_batch(self) -> None:
+        """The batch's limits: sequences on the device, tokens a step, tokens a sequence."""
+        if self.max_num_seqs is not None:
+            _check_int("max_num_seqs", self.max_num_seqs, 1, 4096)
+        _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 16, 1 << 20)
+        if self.max_model_len is not None:
+            _check_int("max_model_len", self.max_model_len, 2, 1 << 20)
+
+    def _check_memory(self) -> None:
+        """The device KV pool's and the host KV tier's sizes."""
+        _check_number("kv_cache_gb", self.kv_cache_gb, "a positive number or None",
+                      lambda x: x > 0)
+        if self.kv_cache_tokens is not None:
+            _check_int("kv_cache_tokens", self.kv_cache_tokens, 1, 1 << 40)
+        _check_number("memory_utilization", self.memory_utilization, "a number in (0, 1] or None",
+                      lambda x: 0 < x <= 1)
+        _check_number("host_kv_gb", self.host_kv_gb, "a number >= 0 or None", lambda x: x >= 0)
+        if self.host_kv_tokens is not None:
+            _check_int("host_kv_tokens", self.host_kv_tokens, 0, 1 << 40)
+
+    def _check_step(self) -> None:
+        """How a step runs: its kernels, the sampler and its seed, the on/off switches."""
+        _check_choice("attention", self.attention, ATTENTION)
+        _check_choice("matmul", self.matmul, MATMULS)
+        _check_choice("sampler", self.sampler, SAMPLERS)
+        _check_int("sampler_threads", self.sampler_threads, 1, 256)
+        _check_int("seed", self.seed, 0, 2**32 - 1)
+        for name in ("overlap", "detok_worker", "prefix_caching"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"EngineConfig.{name} must be a bool, "
+                                 f"got {getattr(self, name)!r}")
 
     def _check_cluster(self) -> None:
         """Fill the cluster settings from JAX's environment variables and check them."""
@@ -239,9 +248,7 @@ class EngineConfig:
 
     def check_scheduler(self, name: str) -> None:
         """Refuse a policy name this config cannot run (unknown, or seesaw with no host tier)."""
-        if name not in SCHEDULERS:
-            raise ValueError(f"EngineConfig.scheduler must be one of {SCHEDULERS}, "
-                             f"got {name!r}")
+        _check_choice("scheduler", name, SCHEDULERS)
         if name == "seesaw" and (self.host_kv_tokens == 0 or (
                 self.host_kv_tokens is None and self.host_kv_gb == 0)):
             raise ValueError("EngineConfig.scheduler='seesaw' buffers finished prefills in the "
@@ -258,9 +265,7 @@ class EngineConfig:
                 and 0 <= self.throttle_kv_thresh < 1):
             raise ValueError(f"EngineConfig.throttle_kv_thresh must be in [0, 1), "
                              f"got {self.throttle_kv_thresh!r}")
-        if self.tdpipe_predictor not in PREDICTORS:
-            raise ValueError(f"EngineConfig.tdpipe_predictor must be one of {PREDICTORS}, "
-                             f"got {self.tdpipe_predictor!r}")
+        _check_choice("tdpipe_predictor", self.tdpipe_predictor, PREDICTORS)
         ratio = self.tdpipe_finish_ratio
         if ratio is not None and (isinstance(ratio, bool) or not (
                 isinstance(ratio, (int, float)) and 0 < ratio <= 1)):
@@ -289,6 +294,11 @@ class EngineConfig:
 def _set(config: EngineConfig, name: str, value) -> None:
     """Normalise a field of the frozen config, in `__post_init__` only."""
     object.__setattr__(config, name, value)
+
+
+def _check_choice(name: str, value, choices: tuple) -> None:
+    if value not in choices:
+        raise ValueError(f"EngineConfig.{name} must be one of {choices}, got {value!r}")
 
 
 def _check_number(name: str, value, accepted: str, ok) -> None:

@@ -211,7 +211,7 @@ class Engine:
 
     def stats(self) -> dict:
         """Counters since the engine started or `reset_stats()` (JSON-serialisable); see
-        `EngineStats.snapshot` for what each one means."""
+        `jaxpipe.engine.stats` for what each one means."""
         return self.executor.stats()
 
     def reset_stats(self) -> None:

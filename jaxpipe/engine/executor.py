@@ -155,7 +155,7 @@ class Executor(StepExecutor):
         self.runner.close()
 
     def stats(self) -> dict:
-        """Counters since the engine started or `reset_stats()` (`EngineStats.snapshot`
+        """Counters since the engine started or `reset_stats()` (`jaxpipe.engine.stats`
         says what each one means)."""
         return self.engine_stats.snapshot()
 

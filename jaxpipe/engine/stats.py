@@ -14,6 +14,50 @@ It reads the gauges of the moment (queues, KV in use) from the scheduler state a
 manager, and the swap, compile, control-channel and prefix-cache counters from their owners
 (the prefix cache's are the block pool's), as differences from what they were at `reset()`.
 The step timeline is `timeline.py`'s.
+
+What `snapshot()` (`Engine.stats()`) reports, JSON-serialisable; counters since the engine
+started or `reset()` unless said otherwise:
+
+  steps: steps dispatched; decode_steps: those with decode tokens; mean_decode_batch: decode
+    tokens per step that had any; prefill_chunks: prompt pieces prefilled (a prompt split
+    over k steps counts k); max_step_tokens: the most real tokens one step carried;
+    padding_waste: the fraction of the steps' tokens that were bucket padding; fed_steps:
+    steps that took some input token from the step before on the device (overlap);
+    prefill_seconds / decode_seconds: step time split by each kind's share of the step's
+    tokens.
+  device_idle_fraction, decode_wall_seconds, decode_idle_seconds, host_seconds,
+    host_ms_per_step: the step timeline's (`timeline.py`); step_latency: each step's
+    dispatch-to-tokens-on-host seconds as histogram counts by kind ("prefill", "decode",
+    "mixed") over step_latency_bounds.
+  added_requests / prompt_tokens: requests queued and their prompts' tokens; finish_reasons:
+    finished requests by reason ("stop", "length", "abort"); preemptions: sequences evicted
+    from the device (parked, or outgrowing the pool).
+  transitions: layout phase switches (prefill->decode plus decode->prefill); reshards /
+    reshard_seconds: the ones that moved something, split into reshard_weights_seconds and
+    reshard_kv_seconds (the blocks live sequences hold, reshard_kv_blocks of them, moved into
+    the new layout's empty pool, whose making is counted too).
+  compile_seconds, compiled_shapes: the runner's compilation (never reset); kernels: what runs
+    the step (`Runner.kernel_choices`: the attention and each matmul's implementation by row
+    count, as measured on this machine).
+  swap_*: the host KV tier (swap_seconds is the engine thread's time in swap dispatch,
+    inserts and waits; prefetch_seconds the prefetcher thread's, which overlaps decode);
+    host_timeline: [seconds, host tier tokens] at each change; device_kv_peak /
+    device_kv_capacity: tokens of the device KV pool (whole blocks) in use at most / in all;
+    host_kv_peak / host_kv_capacity: the host tier's, in tokens.
+  control_messages, control_bytes, control_seconds (several processes only): the leader's
+    calls sent to each follower, their pickled bytes and the seconds sending.
+  prefix_cache_queried_tokens / prefix_cache_hit_tokens: context tokens looked up in the
+    prefix cache as sequences entered the device (a recomputed one again) / found cached
+    there (whole blocks), prefix_cache_hit_rate the second over the first (0 with
+    `prefix_caching` off), prefix_cache_device_hit_tokens / prefix_cache_host_hit_tokens:
+    the hit tokens found in the device pool / copied back from the host tier,
+    prefix_cache_evictions: cached blocks nobody held given out for new KV (each kept in the
+    host tier where it has room: prefix_cache_host_stored_blocks),
+    prefix_cache_host_evictions: blocks the host tier forgot, prefix_cache_host_bytes_out /
+    _in: their bytes copied there / back.
+  Gauges of the moment (not reset): waiting_requests, device_requests, host_requests
+    (sequences queued, on the device, parked in the host tier), device_kv_used and
+    host_kv_used (tokens).
 """
 
 from __future__ import annotations
@@ -46,9 +90,8 @@ class EngineStats:
         timeline. The device and host KV peaks restart from what is in use now."""
         self.counts = {k: 0.0 if k.endswith("seconds") else 0 for k in _COUNTERS}
         self.finish_reasons: dict[str, int] = {}
-        host = self.kv.host
-        self._base = {"out": host.bytes_out, "in": host.bytes_in, "swap": self.kv.swap_seconds,
-                      "prefetch": self._prefetch_seconds(), **self._prefix_cache(),
+        # what the counters kept by their owners were at reset (`_since_reset`)
+        self._base = {**self._swap_totals(), **self._prefix_cache(),
                       **self.runner.control_stats()}
         self.state.device_kv.reset_peak()
         self.state.host_kv.reset_peak()
@@ -118,73 +161,47 @@ class EngineStats:
     # ---- the report ----------------------------------------------------------------------------
 
     def snapshot(self) -> dict:
-        """Counters since the engine started or `reset_stats()` (JSON-serialisable).
-
-        transitions: layout phase switches (prefill->decode plus decode->prefill); reshards /
-        reshard_seconds: the ones that moved something, split into reshard_weights_seconds and
-        reshard_kv_seconds (the blocks live sequences hold, reshard_kv_blocks of them, moved
-        into the new layout's empty pool, whose making is counted too); swap_*: the host KV tier
-        (swap_seconds is the engine thread's time in swap dispatch, inserts and waits;
-        prefetch_seconds the prefetcher thread's, which overlaps decode); padding_waste: the
-        fraction of the steps' tokens that were bucket padding; max_step_tokens: the most real
-        tokens one step carried; prefill_chunks: prompt pieces prefilled (a prompt split over k
-        steps counts k); prefill_seconds / decode_seconds: step time split by each kind's share
-        of the step's tokens; mean_decode_batch: decode tokens per step that had any;
-        host_timeline: [seconds, host tier tokens] at each change; device_kv_peak /
-        device_kv_capacity: tokens of the device KV pool (whole blocks) in use at most / in all;
-        preemptions: sequences evicted from the device (parked, or outgrowing the pool);
-        device_idle_fraction,
-        decode_wall_seconds, decode_idle_seconds, host_seconds, host_ms_per_step: the step
-        timeline's (`timeline.py`); fed_steps: steps that took some input token from the step
-        before on the device (overlap); added_requests / prompt_tokens: requests queued and
-        their prompts' tokens; finish_reasons: finished requests by reason ("stop",
-        "length", "abort"); step_latency: each step's dispatch-to-tokens-on-host seconds as
-        histogram counts by kind ("prefill", "decode", "mixed") over step_latency_bounds;
-        kernels: what runs the step (`Runner.kernel_choices`: the attention and each matmul's
-        implementation by row count, as measured on this machine);
-        control_messages, control_bytes, control_seconds (several processes only): the
-        leader's calls sent to each follower, their pickled bytes and the seconds sending;
-        prefix_cache_queried_tokens / prefix_cache_hit_tokens: context tokens looked up in
-        the prefix cache as sequences entered the device (a recomputed one again) / found
-        cached there (whole blocks), prefix_cache_hit_rate the second over the first (0
-        with `prefix_caching` off), prefix_cache_device_hit_tokens /
-        prefix_cache_host_hit_tokens: the hit tokens found in the device pool / copied back
-        from the host tier, prefix_cache_evictions: cached blocks nobody held given out for
-        new KV (each kept in the host tier where it has room:
-        prefix_cache_host_stored_blocks), prefix_cache_host_evictions: blocks the host tier
-        forgot, prefix_cache_host_bytes_out / _in: their bytes copied there / back.
-        Gauges of the moment (not reset): waiting_requests, device_requests, host_requests
-        (sequences queued, on the device, parked in the host tier), device_kv_used and
-        host_kv_used (tokens)."""
+        """Counters since the engine started or `reset()`, and gauges of the moment
+        (JSON-serialisable); the module docstring says what each key means."""
         s = dict(self.counts)
-        host = self.kv.host
         s["transitions"] = s["to_decode"] + s["to_prefill"]
-        s["compile_seconds"] = self.runner.compile_seconds
-        s["compiled_shapes"] = len(self.runner.compiled)
-        s["kernels"] = self.runner.kernel_choices()
-        steps = s["decode_steps"]
-        s["mean_decode_batch"] = s["decode_tokens"] / steps if steps else 0.0
-        padded = s["step_tokens_padded"]
-        s["padding_waste"] = 1 - s["step_tokens"] / padded if padded else 0.0
-        s["swap_out_bytes"] = host.bytes_out - self._base["out"]
-        s["swap_in_bytes"] = host.bytes_in - self._base["in"]
-        s["swap_seconds"] = self.kv.swap_seconds - self._base["swap"]
-        s["prefetch_seconds"] = self._prefetch_seconds() - self._base["prefetch"]
-        s["device_kv_capacity"] = self.runner.num_blocks * BLOCK
-        s["device_kv_peak"] = self.state.device_kv.peak_blocks * BLOCK
-        s["host_kv_capacity"] = self.state.host_kv.capacity
-        s["host_kv_peak"] = self.state.host_kv.peak
-        s["host_timeline"] = [list(p) for p in self._host_timeline]
+        s.update(self._compiled())
+        s.update(_step_means(s))
+        s.update(self._since_reset(self._swap_totals()))
+        s.update(self._kv_occupancy())
         s["finish_reasons"] = dict(self.finish_reasons)
         s.update(self._gauges())
         s.update(self.timeline.stats())
-        s.update({k: v - self._base[k] for k, v in self.runner.control_stats().items()})
-        s.update({k: v - self._base[k] for k, v in self._prefix_cache().items()})
-        queried = s["prefix_cache_queried_tokens"]
-        s["prefix_cache_hit_rate"] = s["prefix_cache_hit_tokens"] / queried if queried else 0.0
-        s["prefix_cache_device_hit_tokens"] = (s["prefix_cache_hit_tokens"]
-                                               - s["prefix_cache_host_hit_tokens"])
+        s.update(self._since_reset(self.runner.control_stats()))
+        s.update(self._since_reset(self._prefix_cache()))
+        s.update(_prefix_cache_rates(s))
         return s
+
+    def _since_reset(self, totals: dict) -> dict:
+        """Counters their owners keep since the engine started, as differences from `reset()`."""
+        return {k: v - self._base[k] for k, v in totals.items()}
+
+    def _compiled(self) -> dict:
+        """The runner's compilation counters (never reset) and its kernel choices."""
+        return {"compile_seconds": self.runner.compile_seconds,
+                "compiled_shapes": len(self.runner.compiled),
+                "kernels": self.runner.kernel_choices()}
+
+    def _swap_totals(self) -> dict:
+        """The host KV tier's traffic and the seconds spent on it (since the engine started)."""
+        host, prefetcher = self.kv.host, self.kv.prefetcher
+        return {"swap_out_bytes": host.bytes_out, "swap_in_bytes": host.bytes_in,
+                "swap_seconds": self.kv.swap_seconds,
+                "prefetch_seconds": prefetcher.seconds if prefetcher else 0.0}
+
+    def _kv_occupancy(self) -> dict:
+        """The device pool's and the host tier's sizes and peaks (tokens), and the host
+        tier's occupancy timeline."""
+        st = self.state
+        return {"device_kv_capacity": self.runner.num_blocks * BLOCK,
+                "device_kv_peak": st.device_kv.peak_blocks * BLOCK,
+                "host_kv_capacity": st.host_kv.capacity, "host_kv_peak": st.host_kv.peak,
+                "host_timeline": [list(p) for p in self._host_timeline]}
 
     def _prefix_cache(self) -> dict:
         """The block pool's prefix-cache counters (since the engine started)."""
@@ -205,5 +222,16 @@ class EngineStats:
                 "host_requests": len(st.host), "device_kv_used": st.device_kv.used,
                 "host_kv_used": st.host_kv.used}
 
-    def _prefetch_seconds(self) -> float:
-        return self.kv.prefetcher.seconds if self.kv.prefetcher else 0.0
+
+def _step_means(s: dict) -> dict:
+    """Per-step figures of the counters `s`: decode batch size, padding share."""
+    steps, padded = s["decode_steps"], s["step_tokens_padded"]
+    return {"mean_decode_batch": s["decode_tokens"] / steps if steps else 0.0,
+            "padding_waste": 1 - s["step_tokens"] / padded if padded else 0.0}
+
+
+def _prefix_cache_rates(s: dict) -> dict:
+    """The prefix cache's hit rate and its hits in the device pool, from the counters `s`."""
+    queried, hits = s["prefix_cache_queried_tokens"], s["prefix_cache_hit_tokens"]
+    return {"prefix_cache_hit_rate": hits / queried if queried else 0.0,
+            "prefix_cache_device_hit_tokens": hits - s["prefix_cache_host_hit_tokens"]}

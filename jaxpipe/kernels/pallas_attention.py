@@ -94,13 +94,22 @@ def pallas_attention(q, k, v, table, q_start, q_len, kv_len, layer=0, *, window=
     cut = tiles or tiles_for(jax.devices()[0].device_kind)
     tiles = _tiles(table, q_start, q_len, kv_len, num_tokens, num_blocks, block, window, cut.tq)
     q_tiles = _gather_queries(q.astype(jnp.float32), tiles, kv_heads, cut.tq)
-    n, m = q_tiles.shape[0], q_tiles.shape[2]
-    bounds = _vector_bounds(tiles, g, m)
+    bounds = _vector_bounds(tiles, g, q_tiles.shape[2])
     layer = jnp.clip(jnp.asarray(layer, jnp.int32), 0, num_layers - 1).reshape(1)
     kernel = functools.partial(_kernel, block=block, scale=1 / math.sqrt(d) if scale is None
                                else scale, softcap=softcap)
+    out = _call_kernel(kernel, cut, interpret, tiles["meta"], layer,
+                       jnp.asarray(table, jnp.int32), q_tiles, bounds, k, v)
+    return _scatter_outputs(out, tiles, num_tokens, heads, g, cut.tq)
+
+
+def _call_kernel(kernel, cut: Tiles, interpret: bool, meta, layer, table, q_tiles, bounds, k, v):
+    """`kernel` over the grid (tile, kv head): each program gets its tile's query vectors
+    (q_tiles [n, Hkv, M, D]) and their key bounds (bounds [n, 2, M]), and the whole of the
+    rest (meta [n, 3], layer [1], table [R, MB], the pools k, v); out [n, Hkv, M, D] f32."""
+    n, kv_heads, m, d = q_tiles.shape
     whole = pl.no_block_spec  # the whole array: the kernel indexes it (pool, table, scalars)
-    out = pl.pallas_call(
+    return pl.pallas_call(
         kernel,
         grid=(n, kv_heads),
         in_specs=[whole, whole, whole,
@@ -111,8 +120,7 @@ def pallas_attention(q, k, v, table, q_start, q_len, kv_len, layer=0, *, window=
         out_shape=jax.ShapeDtypeStruct((n, kv_heads, m, d), jnp.float32),
         interpret=interpret,
         compiler_params=None if interpret else _triton_params(cut),
-    )(tiles["meta"], layer, jnp.asarray(table, jnp.int32), q_tiles, bounds, k, v)
-    return _scatter_outputs(out, tiles, num_tokens, heads, g, cut.tq)
+    )(meta, layer, table, q_tiles, bounds, k, v)
 
 
 def _triton_params(cut: Tiles):
@@ -205,7 +213,6 @@ def _kernel(meta_ref, layer_ref, table_ref, q_ref, bounds_ref, k_ref, v_ref, o_r
     m_rows = q.shape[0]
 
     def step(j, carry):
-        m_prev, l_prev, acc = carry
         entry = table_ref[row, j]
         b = jnp.clip(entry, 0, num_blocks - 1)  # out of range: no query's keys (masked)
         kb, vb = _values(k_ref[layer, b, h]), _values(v_ref[layer, b, h])  # [BS, D]
@@ -216,20 +223,27 @@ def _kernel(meta_ref, layer_ref, table_ref, q_ref, bounds_ref, k_ref, v_ref, o_r
             s = softcap * jnp.tanh(s / softcap)
         k_pos = j * block + jnp.arange(block, dtype=jnp.int32)
         ok = (k_pos[None, :] >= lo[:, None]) & (k_pos[None, :] < hi[:, None])
-        s = jnp.where(ok, s, -jnp.inf)
-        m_new = jnp.maximum(m_prev, s.max(axis=1))
-        base = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-        p = jnp.exp(s - base[:, None])
-        alpha = jnp.exp(m_prev - base)
-        pv = jax.lax.dot_general(p.astype(vb.dtype), vb, (((1,), (0,)), ((), ())),
-                                 preferred_element_type=jnp.float32)
-        return m_new, alpha * l_prev + p.sum(axis=1), alpha[:, None] * acc + pv
+        return _online_softmax(carry, jnp.where(ok, s, -jnp.inf), vb)
 
     init = (jnp.full((m_rows,), -jnp.inf, jnp.float32), jnp.zeros((m_rows,), jnp.float32),
             jnp.zeros(q.shape, jnp.float32))
     _, l_sum, acc = jax.lax.fori_loop(first, num, step, init)
     o_ref[0, 0] = jnp.where(l_sum[:, None] > 0, acc / jnp.where(l_sum > 0, l_sum, 1.0)[:, None],
                             0.0)
+
+
+def _online_softmax(carry, s, vb):
+    """One block's step of the online softmax: the running max [M], sum [M] and
+    accumulator [M, D] (f32) of `carry` updated with the scores s [M, BS] (-inf: not one of
+    the vector's keys) and the block's values vb [BS, D]."""
+    m_prev, l_prev, acc = carry
+    m_new = jnp.maximum(m_prev, s.max(axis=1))
+    base = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # no key so far: -inf - -inf is nan
+    p = jnp.exp(s - base[:, None])
+    alpha = jnp.exp(m_prev - base)
+    pv = jax.lax.dot_general(p.astype(vb.dtype), vb, (((1,), (0,)), ((), ())),
+                             preferred_element_type=jnp.float32)
+    return m_new, alpha * l_prev + p.sum(axis=1), alpha[:, None] * acc + pv
 
 
 def _values(x):

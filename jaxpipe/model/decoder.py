@@ -63,23 +63,52 @@ def param_decls(cfg: ModelConfig) -> dict[str, ParamDecl]:
     parameters, and each layer's padding of its MLP, 3 * E * |F_dense - F_shared|;
     all-MoE and dense models pay nothing.
     """
-    L, E, H, K, D, F, V = (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads,
-                           cfg.head_dim, cfg.mlp_width, cfg.vocab_size)
+    E, V = cfg.hidden_size, cfg.vocab_size
+    # The order is the seeded random init's draw order (`init_random`, `numpy_random_values`):
+    # moving a parameter changes the seeded weights of those after it.
     decls = {
         "embed": ParamDecl((V, E), ("vocab", "embed"), "normal"),
+        **_attention_decls(cfg),
+        **_mlp_decls(cfg),
+        "final_norm": ParamDecl((E,), ("embed",), "ones"),
+        **moe_decls(cfg),
+        **_optional_decls(cfg),
+    }
+    if not cfg.tie_embeddings:
+        decls["lm_head"] = ParamDecl((E, V), ("embed", "vocab"), "fan_in", E)
+    return decls
+
+
+def _attention_decls(cfg: ModelConfig) -> dict[str, ParamDecl]:
+    """Every family's attention block: its input norm, the q projection, the fused k/v
+    projection (pair axis first) and the output projection."""
+    L, E, H, K, D = cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    return {
         "attn_norm": ParamDecl((L, E), ("layers", "embed"), "ones"),
         "wq": ParamDecl((L, E, H, D), ("layers", "embed", "heads", "head_dim"), "fan_in", E),
         "wkv": ParamDecl((L, E, 2, K, D), ("layers", "embed", "kv_pair", "kv_heads", "head_dim"),
                          "fan_in", E),
         "wo": ParamDecl((L, H, D, E), ("layers", "heads", "head_dim", "embed"), "fan_in", H * D),
-        "mlp_norm": ParamDecl((L, E), ("layers", "embed"), "ones"),
-        "w_gate_up": ParamDecl((L, E, 2, F), ("layers", "embed", "gate_up", "mlp"), "fan_in", E),
-        "w_down": ParamDecl((L, F, E), ("layers", "mlp", "embed"), "fan_in", F),
-        "final_norm": ParamDecl((E,), ("embed",), "ones"),
-        **moe_decls(cfg),
     }
-    if not F:
-        del decls["w_gate_up"], decls["w_down"]
+
+
+def _mlp_decls(cfg: ModelConfig) -> dict[str, ParamDecl]:
+    """The MLP block's input norm, and the dense MLP (fused gate/up, down) where
+    `cfg.mlp_width` is not 0."""
+    L, E, F = cfg.num_layers, cfg.hidden_size, cfg.mlp_width
+    decls = {"mlp_norm": ParamDecl((L, E), ("layers", "embed"), "ones")}
+    if F:
+        decls["w_gate_up"] = ParamDecl((L, E, 2, F), ("layers", "embed", "gate_up", "mlp"),
+                                       "fan_in", E)
+        decls["w_down"] = ParamDecl((L, F, E), ("layers", "mlp", "embed"), "fan_in", F)
+    return decls
+
+
+def _optional_decls(cfg: ModelConfig) -> dict[str, ParamDecl]:
+    """The parameters only some families have, as the config asks: q/k/v biases, per-head
+    q/k norms, and the norms of the attention and MLP outputs (Gemma's sandwich)."""
+    L, E, H, K, D = cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    decls = {}
     if cfg.qkv_bias:
         decls["bq"] = ParamDecl((L, H, D), ("layers", "heads", "head_dim"), "zeros")
         decls["bkv"] = ParamDecl((L, 2, K, D), ("layers", "kv_pair", "kv_heads", "head_dim"),
@@ -90,8 +119,6 @@ def param_decls(cfg: ModelConfig) -> dict[str, ParamDecl]:
     if cfg.sandwich_norms:
         decls["post_attn_norm"] = ParamDecl((L, E), ("layers", "embed"), "ones")
         decls["post_mlp_norm"] = ParamDecl((L, E), ("layers", "embed"), "ones")
-    if not cfg.tie_embeddings:
-        decls["lm_head"] = ParamDecl((E, V), ("embed", "vocab"), "fan_in", E)
     return decls
 
 

@@ -264,47 +264,60 @@ class Runner:
         `sampler_threads` worker threads). `kernels`: which implementation runs each
         matmul and the attention, measured on this machine (None: XLA's dot, and the C++
         attention kernel where it builds)."""
-        for phase, layout in layouts.items():
-            if layout.dp > 1:
-                raise ValueError(f"{phase} layout {layout}: dp > 1 is not supported yet; "
-                                 "use pp*tp*ep = the mesh's device count")
-        if num_blocks < 1:
-            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        _check_runner_args(layouts, num_blocks)
         self.config, self.buckets = cfg, buckets
+        self.num_slots, self.max_len, self.num_blocks = num_slots, max_len, num_blocks
+        self.max_blocks = device_cache.blocks_for(max_len)
+        self.kv_chunk = kv_chunk_tokens(max_len)
+        self._init_placements(dtype, layouts, devices, attention, kernels)
+        self._init_device_state(weights, dtype, devices)
+        self._init_sampling(sampler, sampler_threads)
+        self._init_programs()
+
+    def _init_placements(self, dtype, layouts: dict[str, Layout], devices, attention: str,
+                         kernels: KernelChoice | None) -> None:
+        """The step's matmul precision and attention, and each phase's `Placement`."""
         # f32 means f32 on every backend: GPUs multiply f32 in TF32 unless told otherwise.
         self.precision = "highest" if jnp.dtype(dtype) == jnp.float32 else None
         if devices[0].platform == "cpu":
             memory.keep_freed_memory()
         kv_dtype = storage_dtype(dtype, devices[0].platform)
         self.attention = attention_impl(attention, devices, kernels and partial(
-            kernels.attention, attention_cases(cfg), kv_dtype))
-        self.num_slots, self.max_len, self.num_blocks = num_slots, max_len, num_blocks
-        self.max_blocks = device_cache.blocks_for(max_len)
-        self.kv_chunk = kv_chunk_tokens(max_len)
+            kernels.attention, attention_cases(self.config), kv_dtype))
         self.layouts = dict(layouts)
-        self.padding = sharding.padding_for(cfg, self.layouts.values())
+        self.padding = sharding.padding_for(self.config, self.layouts.values())
         weight_kernels = kernels if jnp.dtype(dtype) == jnp.bfloat16 else None
-        self.placements = {p: Placement(cfg, self.padding, self.layouts[p], devices, num_blocks,
-                                        kv_dtype, weight_kernels)
+        self.placements = {p: Placement(self.config, self.padding, self.layouts[p], devices,
+                                        self.num_blocks, kv_dtype, weight_kernels)
                            for p in PHASES}
+
+    def _init_device_state(self, weights: dict | Path, dtype, devices) -> None:
+        """The weights and an empty KV pool, in the prefill layout."""
         self.phase = "prefill"
         self.params = self._place_weights(weights, dtype)
         self.keep_weights = sizing.weight_copies(self.layouts, devices) > 1
         self._kept_weights: dict[str, dict] = {}  # phase -> its layout's weights, not in use
         self.cache = self.placements[self.phase].empty_cache()
+        self._reading: list[jax.Array] = []  # `kv_extract` outputs maybe still being read
+
+    def _init_sampling(self, sampler: str, sampler_threads: int) -> None:
+        """The sampler (`set_sampler`), the penalty state and the sampling programs."""
         self.host_sampler: HostSampler | None = None
         self.sampler: str | None = None
         self.sampler_threads = sampler_threads
         self._unsampled: list[HostSampled] = []  # dispatched, not yet host-sampled
-        self._reading: list[jax.Array] = []  # `kv_extract` outputs maybe still being read
         self.set_sampler(sampler)
         self._logprob_parts = jax.jit(sampling.logprob_parts, static_argnames=("num",))
-        self._sample = jax.jit(partial(_sample, out_rows=buckets.max_rows),
+        self._sample = jax.jit(partial(_sample, out_rows=self.buckets.max_rows),
                                static_argnames=_STATIC,
                                donate_argnames=("prompt_mask", "out_counts"))
-        self._no_prev: dict[str, jax.Array] = {}  # per phase: `prev` of a step with no feed
         self._set_penalties = jax.jit(_set_penalty_row,
                                       donate_argnames=("prompt_mask", "out_counts"))
+
+    def _init_programs(self) -> None:
+        """The step programs' cache and the compile counters; the current layout's swap
+        programs compiled (`_warm_swaps`)."""
+        self._no_prev: dict[str, jax.Array] = {}  # per phase: `prev` of a step with no feed
         self._programs: dict[tuple, object] = {}
         self.compiled: set[tuple] = set()
         self.compile_seconds = 0.0
@@ -610,6 +623,16 @@ class Runner:
         if cfg != self.config:
             raise ValueError(f"orbax checkpoint {weights} holds {cfg}, expected {self.config}")
         return place.pack(sharding.pad_on_device(self.config, values, self.padding, place.params))
+
+
+def _check_runner_args(layouts: dict[str, Layout], num_blocks: int) -> None:
+    """Refuse layouts with data parallelism (not supported yet) and an empty KV pool."""
+    for phase, layout in layouts.items():
+        if layout.dp > 1:
+            raise ValueError(f"{phase} layout {layout}: dp > 1 is not supported yet; "
+                             "use pp*tp*ep = the mesh's device count")
+    if num_blocks < 1:
+        raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
 
 
 def kv_chunk_tokens(max_len: int) -> int:
