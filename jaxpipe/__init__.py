@@ -13,7 +13,8 @@ tests/test_imports.py):
     kv         moves KV bytes: the device pool, the host tier, the prefetcher
     runtime    the device side: the runner, its step programs, sharding, samplers, sizing,
                kernel choice, several processes
-    engine     the engine core (executor, step builder, output processor, stats) and Engine
+    engine     Engine, its builder, and the engine core (executor, step builder, output
+               processor, stats, timeline)
     process    child processes: the lifeline, a follower's supervisor
     protocol   the gRPC wire protocol (jaxpipe.proto and its generated code)
     batch      JSONL batch jobs (`python -m jaxpipe.batch`)

@@ -1,1 +1,15 @@
-"""Hand-written CPU kernels, called from jitted code through `jax.ffi`."""
+"""The step's attention and matmul kernels and the plain-jnp math they are checked against,
+below the model: hand-written C++ CPU kernels called from jitted code through `jax.ffi` (built
+once per machine), and a Pallas attention kernel for GPUs.
+
+    attention_math.py    attention and RoPE in jnp: the model's math, every kernel's reference
+    paged.py             the paged KV pool as every attention path reads it: block tables,
+                         OUT_OF_RANGE, the storage dtype (bf16 as u16 bits on CPU)
+    ragged_attention.py  ragged query spans over the paged pool: the C++ kernel
+                         (ragged_attention.cc) and the same contract in jnp (`reference`)
+    pallas_attention.py  that contract in Pallas (Triton on GPU; interpreted on CPU for tests)
+    matmul.py            x @ w with bf16 weights in panel order (matmul.cc), and the MoE
+                         experts' grouped matmul
+    empty.py             an array XLA allocates and no program writes (empty.cc)
+    build.py             compiles a C++ kernel once per machine and registers its handler
+"""

@@ -6,10 +6,29 @@ engine (jaxpipe/engine/executor.py) and the simulator in `jaxpipe.planner` both 
 loop, `loop.py`'s `Driver` (its docstring shows it), each as a `StepExecutor`.
 `Sequence` is the engine's record of one request: a `SeqInfo` with its tokens.
 
-The state, by concern: `state.py` (the queues, and the only moves), `device_ledger.py` (the
-device store's blocks and slots, over `prefix_cache.py`'s reference-counted `BlockPool`;
-`blocks.py` its arithmetic), `host_ledger.py` (the host tier's tokens and the prefix cache's
-groups there, `host_prefix.py`), `admission.py` (prefix hits and deferral on entering).
+    loop.py           the one loop (`Driver`) over a policy, the state and an executor
+    actions.py        what a policy asks for: Run | Switch | SwapIn | Preempt
+    policy.py         the policy interface (`Policy`) and the helpers policies share
+    registry.py       policies by name (`make_policy`, `POLICIES`)
+    seesaw.py         prefill into the host KV tier until it is full, decode out of it
+    prefill_first.py  continuous batching with chunked prefill
+    decode_first.py   static batching: fill a batch, decode it to the end
+    tdpipe.py         TD-Pipe: long prefill and decode phases over pp micro-batches
+    predictor.py      tdpipe's output-length predictors
+    throttle.py       gLLM: each micro-batch's prompt tokens throttled
+    seq_info.py       one request as the scheduler sees it (`SeqInfo`)
+    sequence.py       the engine's record of one request (`Sequence`)
+    prefix_order.py   the order to queue a known list of prompts in, for the prefix cache
+
+The state, by concern:
+
+    state.py          the queues, and the only moves (`SchedulerState`)
+    device_ledger.py  the device store's blocks and slots
+    prefix_cache.py   its reference-counted `BlockPool`, caching full blocks by hash
+    blocks.py         positions -> blocks: the device ledger's arithmetic
+    host_ledger.py    the host tier's tokens, and the prefix cache's groups there
+    host_prefix.py    those groups (the prefix cache's second tier)
+    admission.py      prefix hits and deferral as waiting sequences enter the device store
 """
 
 from jaxpipe.scheduler.actions import Action, Kind, Preempt, Run, SwapIn, Switch

@@ -2,7 +2,7 @@
 reflection) and an OpenAI-compatible HTTP front end in one process, talking to an engine
 process over ZeroMQ.
 
-    jaxpipe.proto       the API; jaxpipe_pb2*.py are generated from it (scripts/gen_proto.py)
+    __main__.py         `python -m jaxpipe.serve`: the command line
     config.py           ServerConfig
     server.py           the front-end process: gRPC server, HTTP server, health, drain
     service.py          the Generation service: validate, submit, stream results
@@ -12,13 +12,15 @@ process over ZeroMQ.
     openai_responses.py OpenAI's response, chunk, logprobs and error shapes
     batches.py          the Batch API's files and jobs under --batch-dir (resumable)
     http_batches.py     the Batch API's HTTP routes
+    batch_runner.py     the Batch API's runner: a job's requests on this server's engine
     protos.py           protobuf <-> Python values
     engine_client.py    the front end's side of the ZeroMQ link; spawns the engine process
     engine_process.py   the engine process: the device loop
     messages.py         the typed, versioned control messages between the two
     metrics.py          the Prometheus registry (its own port, or /metrics on the HTTP one)
 
-Shared with batch jobs and the engine (the request side, `jaxpipe/request/`): validation
+The API is `jaxpipe/protocol/`'s (jaxpipe.proto and its generated code). Shared with batch
+jobs and the engine (the request side, `jaxpipe/request/`): validation
 (validate.py), OpenAI bodies (openai.py), stop strings and detokenization (stopping.py), and a
 sequence's deltas folded into its output (outputs.py: token_delta, Completion).
 """
