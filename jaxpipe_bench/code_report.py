@@ -1,7 +1,8 @@
 """What a newcomer meets in the package, read statically (`scripts/code_report.py`): the
 longest functions, the classes with the most methods, imports inside functions, packages (and
-root modules) that import each other both ways or in a cycle, every import counted (those
-inside functions too), the modules at the package root, and `engine.py`'s length.
+root modules) that import each other both ways or in a cycle, and imports going up the
+package's written layer order (`LAYERS`), every import counted (those inside functions too),
+the modules at the package root, and `engine.py`'s length.
 
 Run it on two checkouts (`--root OLD/jaxpipe`, `--root NEW/jaxpipe`) for before/after figures
 from the same code. Only the files are read (ast); nothing is imported.

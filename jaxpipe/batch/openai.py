@@ -104,7 +104,7 @@ def parse_body(url: str, body: dict) -> tuple[str, object, dict]:
 
 
 def body_field(field: str) -> str:
-    """A validation error's field (as jaxpipe.serve names it) -> the request body's key."""
+    """A validation error's field (as `validate.prepare` names it) -> the request body's key."""
     key = body_key(field)
     return field if key is None else f"body.{key}"
 

@@ -1,11 +1,12 @@
-"""The engine: requests in, tokens out. Loading the model, validating requests, generate /
-chat / stream and outputs live here; `step()` is the executor's (executor.py):
+"""The engine: requests in, tokens out. Validating requests, generate / chat / stream and
+outputs live here; the model, memory and every part are built by builder.py, and `step()` is
+the executor's (executor.py):
 
     action = policy.schedule(state)   # Run (prompt chunks + decode tokens) | Switch | SwapIn
                                       # | Preempt
-    launch(run) / execute(action)     # a ragged step dispatched (step_builder.py), or a
+    launch(runs) / execute(action)    # a ragged step dispatched (step_builder.py), or a
                                       # re-shard or a KV move
-    land()                            # tokens appended, stops checked (output_processor.py)
+    land(flight)                      # tokens appended, stops checked (output_processor.py)
 """
 
 from __future__ import annotations
@@ -337,7 +338,7 @@ class Engine:
 
     def _prompt_ids(self, prompt, prompt_token_ids) -> list[int]:
         """Token ids win when both are given (chat passes its rendered text for the output).
-        Checked by `requests.py`, the validator the server and batch jobs use too."""
+        Checked by `request/validate.py`, the validator the server and batch jobs use too."""
         if prompt_token_ids is not None:
             kind, value = "token_ids", prompt_token_ids
         elif prompt is None:

@@ -1,10 +1,10 @@
 """A follower process of a multi-process engine, as the CLIs run it: `python -m jaxpipe.serve`
 and `python -m jaxpipe.batch` given `--process-id N` (N > 0) run this instead of their own
-work. It follows the leader (`engine.follow`) until the leader closes the engine; when the
-cluster fails instead (a process died, so JAX stopped every other one), it rejoins in a fresh
-child process, up to `restarts` times in a row, so a leader that restarts finds it again. The
-child dies with the supervisor (`lifeline`), so a killed supervisor leaves no follower behind
-holding the devices and its place in the cluster.
+work. It follows the leader (`engine.builder.follow`) until the leader closes the engine; when
+the cluster fails instead (a process died, so JAX stopped every other one), it rejoins in a
+fresh child process, up to `restarts` times in a row, so a leader that restarts finds it again.
+The child dies with the supervisor (`lifeline`), so a killed supervisor leaves no follower
+behind holding the devices and its place in the cluster.
 """
 
 from __future__ import annotations

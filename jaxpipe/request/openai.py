@@ -1,4 +1,4 @@
-"""OpenAI request bodies (`/v1/chat/completions`, `/v1/completions`) -> what `requests.prepare`
+"""OpenAI request bodies (`/v1/chat/completions`, `/v1/completions`) -> what `validate.prepare`
 takes: the prompt kind, one or more prompts, and `SamplingParams` fields.
 
 The one reader of OpenAI bodies, for the HTTP front end (jaxpipe.serve.http) and batch lines
@@ -117,7 +117,7 @@ def _completion(body: dict) -> tuple[str, list, int | None]:
 
 
 def body_key(field: str) -> str | None:
-    """A validation error's field (as `requests.prepare` names it) -> the body key it is about
+    """A validation error's field (as `validate.prepare` names it) -> the body key it is about
     (None when the error is not about one key)."""
     head, _, rest = field.partition(".")
     if head == "sampling":

@@ -1,6 +1,6 @@
 """`SamplingParams`: how a request wants its tokens chosen, with vLLM's fields, defaults and
 meanings, validated once in `__post_init__` (each error names the field and what is accepted).
-The device and host samplers that act on them are `runtime/sampler.py` and
+The device and host samplers that act on them are `runtime/sampling.py` and
 `runtime/host_sampler.py`.
 """
 

@@ -1,4 +1,5 @@
-"""One engine over several processes: JAX's multi-controller runtime plus the leader's plans.
+"""One engine over several processes: JAX's multi-controller runtime plus the leader's calls
+mirrored to the followers.
 
 Every process (one per host) runs `jax.distributed.initialize` against the coordinator
 (process 0's `HOST:PORT`; gloo collectives on CPU, NCCL on GPU) and then sees the global
@@ -11,9 +12,9 @@ devices goes through `MirroredRunner` and the KV manager's mirror hook, which se
 state) to the followers over a ZeroMQ control channel on port PORT+1 before running it
 locally. A follower (`Follower.serve`) runs the identical call on its own runner: it never
 schedules. The host KV tier is split the same way: a swapped-out sequence's arrays are global
-arrays, so each process holds (and moves) only its own shards of them.
+arrays, so each process holds (and moves) only its own shards of them. The cluster's
+settings (`Cluster`, `cluster_of(config)`: None for one process) are `config/cluster.py`'s.
 
-  cluster(config)            the Cluster of an EngineConfig (None: one process)
   initialize(cluster, n, p)  jax.distributed.initialize, n local devices on platform p
   Leader(cluster)            the leader's end of the control channel (send, stats)
   FollowerChannel(cluster)   a follower's end (recv)
@@ -36,11 +37,11 @@ from jaxpipe.config.cluster import Cluster
 from jaxpipe.kv.host_buffer import HostKVBuffer, stage
 
 CONNECT_SECONDS = 300.0  # how long the leader waits for every follower to say hello
-KEEP_STEPS = 4
+KEEP_STEPS = 4  # dispatched steps a follower keeps for the next step's `prev`
 # A process that stops answering JAX's coordination service for this long is declared dead,
 # and every other process of the cluster then stops (JAX terminates it): the bound on how
 # long a leader can hang in a collective with a dead follower.
-HEARTBEAT_SECONDS = 10  # dispatched steps a follower keeps for the next step's `prev`
+HEARTBEAT_SECONDS = 10
 
 
 class FollowerLost(RuntimeError):
@@ -131,8 +132,8 @@ class Leader:
             self._ctx.term()
 
     def _at_exit(self) -> None:
-        """An engine left open at exit: release the followers, whose exit JAX's shutdown
-        barrier waits for."""
+        """An engine left open at exit: tell the followers to close, as JAX's shutdown
+        barrier waits for their exit."""
         if not self.closed:
             try:
                 self.send("close")

@@ -1,7 +1,7 @@
-"""How the next token is chosen: request-level sampling parameters and the device sampler.
+"""How the next token is chosen on the device: the device sampler of a request's
+`SamplingParams` (`request/params.py`: vLLM's fields, defaults and meanings, validated there).
 
-`SamplingParams` mirrors vLLM's fields, defaults and meanings, validated once in
-`__post_init__`. The device side is pure `jax.numpy` and jit-friendly: the host packs one row per
+The sampler is pure `jax.numpy` and jit-friendly: the host packs one row per
 sequence into `SamplingTensors` (`build_sampling_tensors`), picks a static `mode`
 (`sampling_mode`) and calls `sample`. This module knows nothing about scheduling.
 

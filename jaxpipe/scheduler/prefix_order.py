@@ -5,10 +5,10 @@ Prompts that share their first block form one group, its members sorted by their
 (so that those sharing a longer prefix are next to each other); the groups keep the input
 order of their first members, so a prompt that shares nothing keeps its place and a workload
 without sharing runs in its own order. The cache shares only blocks written in an earlier
-step (`SchedulerState` defers a request whose next block another request of the same step is
-computing), so a group queued back to back would wait a step behind its first request;
-instead each group's first prompt is queued ahead, right before the previous group's others,
-so its prefix is written (and cached) by the time its own group arrives.
+step (the state's admission, `admission.py`, defers a request whose next block another request
+of the same step is computing), so a group queued back to back would wait a step behind its
+first request; instead each group's first prompt is queued ahead, right before the previous
+group's others, so its prefix is written (and cached) by the time its own group arrives.
 """
 
 from __future__ import annotations

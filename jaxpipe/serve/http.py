@@ -5,8 +5,8 @@ in the same process and over the same `EngineClient`.
 Built on FastAPI + uvicorn: the ASGI stack vLLM, SGLang and TGI's router serve this API with,
 so its SSE, disconnect and graceful-shutdown behaviour is the one every OpenAI client is tested
 against. Bodies are read as plain JSON and checked by the validators gRPC and batch jobs use
-(`openai_format.read_body`, then `requests.prepare`), not by pydantic models of their own: one
-set of rules and messages for every front end.
+(`request.openai.read_body`, then `request.validate.prepare`), not by pydantic models of their
+own: one set of rules and messages for every front end.
 
 Every accepted call ends with one response or one error: 400 naming the body key (`param`),
 404 for another model, 413 for an oversized body, 429 with Retry-After past
