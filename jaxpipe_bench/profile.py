@@ -8,7 +8,7 @@ trace saw is put in a family by the instruction it ran in its module:
   matmuls    the step's projections: the C++ bf16 matmul kernel's calls and XLA's dot fusions
   attention  the step's ragged attention kernel calls
   other      every other op of the step: norms, RoPE, residual adds, KV writes, the
-             embedding, copies (XLA's copies of weight slices land here)
+             embedding, copies (XLA's copies of weight slices count here)
   lm_head    the logits program (the LM head on the sampled rows)
   sampling   the sampling programs (and the logprob parts)
   swaps      the KV moves between the pool and the host tier, and everything else

@@ -20,7 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from jaxpipe.protocol import jaxpipe_pb2 as pb
 from jaxpipe.protocol import jaxpipe_pb2_grpc as pb_grpc
 
-CANCEL_MAX_TOKENS = 64  # long enough that a cancel lands mid-stream
+CANCEL_MAX_TOKENS = 64  # long enough that a cancel arrives mid-stream
 
 
 class GrpcCalls:

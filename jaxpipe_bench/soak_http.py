@@ -29,7 +29,7 @@ CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 OUTCOMES = {503: "unavailable", 429: "rate_limited", 400: "invalid_argument",
             404: "invalid_argument"}
 REFUSALS = ("unavailable", "rate_limited")  # what any call may get
-CANCEL_MAX_TOKENS = 64  # long enough that a cancel lands mid-stream
+CANCEL_MAX_TOKENS = 64  # long enough that a cancel arrives mid-stream
 CANCEL_DELAY = 0.5  # seconds a cancel reads at most before it closes the stream
 # the engine's load on /metrics: metric name -> the label values whose samples count
 LOAD = {"jaxpipe_kv_tokens_used": ("device", "host"),

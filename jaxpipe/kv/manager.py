@@ -193,6 +193,6 @@ class KVManager:
             self.host.drop(seq_id)
 
     def _settle(self, seq: Sequence) -> None:
-        """Wait until `seq`'s own swap-in (if any) has landed in its slot."""
+        """Wait until `seq`'s own swap-in (if any) has arrived in its slot."""
         while seq.request_id in self._incoming:
             self.deliver(block=True)

@@ -77,7 +77,7 @@ def window_on_every_layer(c: dict) -> tuple[int | None, tuple[int, ...]]:
 
 def expert_count(c: dict, default: int) -> int:
     """An HF MoE config's expert count: transformers writes `num_experts` or
-    `num_local_experts` (its attribute map aliases them) by release; `default` where neither
+    `num_local_experts` (its attribute map aliases them), by version; `default` where neither
     is set (the config class's)."""
     return c.get("num_experts") or c.get("num_local_experts") or default
 

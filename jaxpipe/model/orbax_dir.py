@@ -32,7 +32,7 @@ def orbax_config(path: Path) -> ModelConfig:
 
 def load_orbax(path: Path, target: dict | None = None) -> tuple[ModelConfig, dict]:
     """Restore an orbax checkpoint. `target` (name -> ShapeDtypeStruct with sharding) restores
-    straight into those shardings; without it, arrays land on the default device."""
+    straight into those shardings; without it, arrays are placed on the default device."""
     # lazy: orbax (tensorstore) loads only when a checkpoint is written or read
     import orbax.checkpoint as ocp
 

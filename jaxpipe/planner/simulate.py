@@ -10,7 +10,7 @@ runs the scheduler's one loop (`jaxpipe.scheduler.Driver`, as the engine does) o
 - `Switch`: waits for the host link to drain, then loads the new weight shards; KV still on the
   devices is re-sharded through the host (out and back in).
 - `SwapIn` / `Preempt(swap)`: KV copies on the host link, overlapping later steps; a step that
-  decodes a swapped-in sequence starts no earlier than its copy lands.
+  decodes a swapped-in sequence starts no earlier than its copy arrives.
 
 Every request runs to its output length (as with ignore_eos), so token counts are fixed by the
 workload, and each is freed when the run with its last token is launched (as the engine frees
@@ -86,7 +86,7 @@ class SimExecutor(StepExecutor):
         self.cost = {Phase.PREFILL: prefill_cost, Phase.DECODE: decode_cost}
         self.clock = 0.0  # seconds since the start
         self.link = 0.0  # when the host link finishes its queued copies
-        self.kv_ready: dict[Hashable, float] = {}  # swapped-in sequence -> when its KV lands
+        self.kv_ready: dict[Hashable, float] = {}  # swapped-in sequence -> when its KV arrives
         self.stats = SimStats()
 
     def scheduled(self, start: float, state: SchedulerState) -> None:
@@ -134,7 +134,7 @@ class SimExecutor(StepExecutor):
         return [s.seq_id for s in sampling if s.generated + 1 >= s.max_output_len]
 
     def _copy(self, cm: CostModel, tokens: float, out: bool) -> float:
-        """Queue a KV copy of `tokens` on the host link; return when it lands."""
+        """Queue a KV copy of `tokens` on the host link; return when it is done."""
         seconds = cm.swap_seconds(tokens)
         self.link = max(self.link, self.clock) + seconds
         self.stats.swap_seconds += seconds

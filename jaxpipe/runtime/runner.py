@@ -577,7 +577,7 @@ class Runner:
 
     def kv_staging(self) -> list:
         """The current layout's shardings for `kv_extract`'s arrays (K, V of one chunk): a
-        sequence swapped in lands directly in the shards that will read it."""
+        sequence swapped in arrives directly in the shards that will read it."""
         return self.placements[self.phase].staging
 
     def kv_insert(self, blocks: list[int], arrays: list[jax.Array]) -> None:

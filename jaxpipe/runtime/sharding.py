@@ -96,9 +96,9 @@ def padding_for(cfg: ModelConfig, layouts: Iterable[Layout]) -> Padding:
     if ep > 1 and not cfg.is_moe:
         raise ValueError(f"layouts {', '.join(map(str, layouts))}: expert parallelism (ep > 1) "
                          "needs a mixture-of-experts model, and this one is dense; use tp or pp")
-    q_src, kv_src = _head_plan(cfg.num_heads, cfg.num_kv_heads, tp)
+    q_src, kv_src = _head_sources(cfg.num_heads, cfg.num_kv_heads, tp)
     return Padding({
-        "layers": _layer_plan(cfg.num_layers, pp),
+        "layers": _layer_sources(cfg.num_layers, pp),
         "heads": q_src,
         "kv_heads": kv_src,
         "mlp": _zero_pad(cfg.mlp_width, tp),
@@ -112,7 +112,7 @@ def _zero_pad(size: int, multiple: int) -> tuple[int, ...]:
     return tuple(range(size)) + (-1,) * (-size % multiple)
 
 
-def _layer_plan(num_layers: int, pp: int) -> tuple[int, ...]:
+def _layer_sources(num_layers: int, pp: int) -> tuple[int, ...]:
     """Stages of equal length: the first `L % pp` stages hold one more real layer, the others
     end with an identity layer (uneven stage assignment, made even by padding)."""
     per_stage = -(-num_layers // pp)
@@ -125,7 +125,7 @@ def _layer_plan(num_layers: int, pp: int) -> tuple[int, ...]:
     return tuple(src)
 
 
-def _head_plan(heads: int, kv_heads: int, tp: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def _head_sources(heads: int, kv_heads: int, tp: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(query-head sources, KV-head sources) so that `tp` divides both counts and each shard's
     query heads use only that shard's KV heads (padded query head i uses KV head i // G').
 

@@ -194,7 +194,7 @@ class SchedulerState:
 
     def _prefill(self, seq: SeqInfo, num_tokens: int, to_host: bool) -> None:
         """Advance a prefill by `num_tokens` and cache its full blocks; a completed prefill
-        samples a token and lands on the device (or in the host tier if `to_host`)."""
+        samples a token and stays on the device (or goes to the host tier if `to_host`)."""
         if not 1 <= num_tokens <= seq.to_prefill:
             raise RuntimeError(f"prefill chunk of {num_tokens} tokens for {seq.seq_id!r} "
                                f"which has {seq.to_prefill} left")
