@@ -4,7 +4,7 @@
   - "psum" (the engine's, `decoder._moe_mlp` with `pipeline.expert_shard`): every device
     holds all T tokens [T, E] (attention replicated over ep), routes them, runs its own X/ep
     experts on the tokens routed to them (`decoder.local_experts`: other shards' choices get
-    an out-of-range id the dispatch skips), and one `psum` over ep sums the [T, E] f32
+    an out-of-range id the experts skip), and one `psum` over ep sums the [T, E] f32
     partial outputs: every device ends with all T rows.
   - "a2a": the tokens split over ep (data-parallel attention, T/ep rows a device); each
     device routes its rows, `lax.all_to_all` sends each (token, expert) pair's row to the
@@ -55,7 +55,7 @@ class EpExchangeConfig:
     tokens: the token counts T (each a multiple of ep)
     ep: expert shards (devices used)
     rounds: interleaved rounds of each point (the median is kept)
-    dispatch: the experts' dispatch (none: grouped where its kernel builds, else dense)
+    path: the experts' path (none: grouped where its kernel builds, else dense)
     capacity_factor: all-to-all buffer rows at this multiple of the balanced share (pairs past
         it dropped); none: no drop
     json_path: write the points here, with the machine (none: only the table)
@@ -64,7 +64,7 @@ class EpExchangeConfig:
     tokens: tuple[int, ...] = TOKENS
     ep: int = EP
     rounds: int = 7
-    dispatch: Literal["grouped", "dense", "ragged"] | None = None
+    path: Literal["grouped", "dense", "ragged"] | None = None
     capacity_factor: float | None = None
     json_path: str | None = field(default=None, metadata={"flags": ("--json",)})
 
@@ -78,17 +78,17 @@ class EpExchangeConfig:
 
 
 def run(config: EpExchangeConfig, log=print) -> tuple[str, list[dict]]:
-    """(the dispatch used, one point per token count), each point logged as its table line
+    """(the experts' path used, one point per token count), each point logged as its table line
     when done."""
     from jaxpipe.kernels import matmul
 
-    dispatch = config.dispatch or ("grouped" if matmul.available() else "dense")
+    path = config.path or ("grouped" if matmul.available() else "dense")
     points = []
     for t in config.tokens:
         cap = capacity_for(t, config.ep, SHAPE["k"], config.capacity_factor)
-        points.append(measure(t, config.ep, config.rounds, dispatch, cap))
+        points.append(measure(t, config.ep, config.rounds, path, cap))
         log(format_table(points[-1:]).splitlines()[1])
-    return dispatch, points
+    return path, points
 
 
 def ep_mesh(ep: int) -> Mesh:
@@ -100,7 +100,7 @@ def ep_mesh(ep: int) -> Mesh:
     return Mesh(np.array(devices[:ep]), ("ep",))
 
 
-def psum_layer(mesh: Mesh, k: int, dispatch: str = "dense"):
+def psum_layer(mesh: Mesh, k: int, path: str = "dense"):
     """jit(h [T, E], router [E, X], w_gate_up [X, E, 2, F], w_down [X, F, E]) -> [T, E] f32,
     the engine's way: h replicated, experts split over ep, one psum of the partial outputs."""
 
@@ -108,14 +108,14 @@ def psum_layer(mesh: Mesh, k: int, dispatch: str = "dense"):
         weights, chosen = moe.route(h, router, k, True)  # [T, k]
         weights, chosen = decoder.local_experts(weights, chosen, lax.axis_index("ep"),
                                                 gate_up.shape[0])
-        out = moe.experts_mlp(h, weights, chosen, gate_up, down, dispatch)  # [T, E] partial
+        out = moe.experts_mlp(h, weights, chosen, gate_up, down, path)  # [T, E] partial
         return lax.psum(out, "ep")
 
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), P("ep"), P("ep")),
                                  out_specs=P(), check_vma=False))
 
 
-def a2a_layer(mesh: Mesh, k: int, dispatch: str = "dense", capacity: int | None = None):
+def a2a_layer(mesh: Mesh, k: int, path: str = "dense", capacity: int | None = None):
     """jit(h [T, E], router, w_gate_up, w_down) -> ([T, E] f32, dropped pairs i32), the
     all-to-all way: h split over ep by rows, each pair's row sent to its expert's device and
     back (`capacity`: see the module docstring)."""
@@ -133,7 +133,7 @@ def a2a_layer(mesh: Mesh, k: int, dispatch: str = "dense", capacity: int | None 
         recv = lax.all_to_all(send, "ep", 0, 0, tiled=True)  # [ep, C, E] from each source
         recv_ids = lax.all_to_all(ids, "ep", 0, 0, tiled=True)
         out = moe.experts_mlp(recv.reshape(ep * cap, -1), jnp.ones((ep * cap, 1)),
-                              recv_ids.reshape(-1, 1), gate_up, down, dispatch)
+                              recv_ids.reshape(-1, 1), gate_up, down, path)
         back = lax.all_to_all(out.reshape(ep, cap, -1), "ep", 0, 0, tiled=True)
         products = back.at[dest, slot].get(mode="fill", fill_value=0.0)  # [T/ep*k, E]
         combined = jnp.einsum("tk,tkd->td", weights, products.reshape(h.shape[0], k, -1))
@@ -182,12 +182,12 @@ def _time(fn, args, rounds: int) -> list[float]:
     return times
 
 
-def measure(tokens: int, ep: int, rounds: int, dispatch: str, capacity: int | None = None,
+def measure(tokens: int, ep: int, rounds: int, path: str, capacity: int | None = None,
             shape: dict | None = None) -> dict:
     """One point: both ways' median ms over `rounds` interleaved rounds (after a warm-up
     call each), and the largest difference between their outputs, asserted within 2% of the
     output's largest value unless pairs were dropped: the bf16 weights' rounding (the dense
-    dispatch rounds the gated activations to bf16 with the router weight inside in "psum",
+    path rounds the gated activations to bf16 with the router weight inside in "psum",
     with 1 in "a2a", whose weights multiply afterwards)."""
     s = shape or SHAPE
     if tokens % ep or s["experts"] % ep:
@@ -195,8 +195,8 @@ def measure(tokens: int, ep: int, rounds: int, dispatch: str, capacity: int | No
                          f"({s['experts']})")
     mesh = ep_mesh(ep)
     args = layer_inputs(tokens, s["experts"], s["hidden"], s["width"])
-    fns = {"psum": psum_layer(mesh, s["k"], dispatch),
-           "a2a": a2a_layer(mesh, s["k"], dispatch, capacity)}
+    fns = {"psum": psum_layer(mesh, s["k"], path),
+           "a2a": a2a_layer(mesh, s["k"], path, capacity)}
     want, (got, dropped) = fns["psum"](*args), fns["a2a"](*args)
     diff = float(jnp.max(jnp.abs(want - got)))
     scale = float(jnp.max(jnp.abs(want)))
@@ -208,7 +208,7 @@ def measure(tokens: int, ep: int, rounds: int, dispatch: str, capacity: int | No
         for w in WAYS:
             times[w] += _time(fns[w], args, 1)
     ms = {w: statistics.median(t) * 1e3 for w, t in times.items()}
-    return {"tokens": tokens, "ep": ep, **s, "dispatch": dispatch, "rounds": rounds,
+    return {"tokens": tokens, "ep": ep, **s, "path": path, "rounds": rounds,
             "capacity": capacity or tokens // ep * s["k"], "dropped": int(dropped),
             "max_abs_diff": diff, "ms": ms, "a2a_over_psum": ms["a2a"] / ms["psum"],
             "bytes_sent_per_device": exchange_bytes(tokens, s["hidden"], s["k"], ep,

@@ -1,10 +1,10 @@
-"""MoE experts on the CPU: `model/moe.py`'s three dispatches ("dense": every expert on every
+"""MoE experts on the CPU: `model/moe.py`'s three paths ("dense": every expert on every
 token; "ragged": XLA's `ragged_dot` on the sorted pairs; "grouped": the C++ grouped kernel on
 them) per expert shape and token count.
 
-Each point times one jitted `experts_mlp` call per dispatch in interleaved rounds (dense,
+Each point times one jitted `experts_mlp` call per path in interleaved rounds (dense,
 ragged, grouped, dense, ...) so that a contended machine's slow spells fall on all of them, and
-reports each dispatch's median ms and its GFLOP/s of useful work (the k experts each token
+reports each path's median ms and its GFLOP/s of useful work (the k experts each token
 chose: 2 * T * k * 3 * E * F). "ragged" is left out where its CPU lowering (k times the dense
 FLOPs) would exceed `ragged_max_gflop`.
 """
@@ -83,11 +83,11 @@ def _inputs(x: int, k: int, e: int, f: int, tokens: int, seed: int = 0):
 
 def measure(x: int, k: int, e: int, f: int, tokens: int, rounds: int,
             ragged_max_gflop: float) -> dict:
-    """One point: each dispatch's median ms over `rounds` interleaved rounds."""
+    """One point: each path's median ms over `rounds` interleaved rounds."""
     args = _inputs(x, k, e, f, tokens)
     dense_flop = 2 * tokens * x * 3 * e * f
     names = [d for d in EXPERTS_PATHS if d != "ragged" or k * dense_flop <= ragged_max_gflop * 1e9]
-    fns = {d: jax.jit(functools.partial(moe.experts_mlp, dispatch=d)) for d in names}
+    fns = {d: jax.jit(functools.partial(moe.experts_mlp, path=d)) for d in names}
     for fn in fns.values():
         jax.block_until_ready(fn(*args))  # compile, warm up
     times = {d: [] for d in names}

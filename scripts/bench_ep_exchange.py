@@ -1,5 +1,5 @@
 """One MoE layer's expert-parallel exchange two ways on virtual CPU devices: the engine's psum
-of [T, E] over ep against an all-to-all dispatch and combine (logic and flags:
+of [T, E] over ep against an all-to-all exchange there and back (logic and flags:
 `EpExchangeConfig` in jaxpipe_bench.ep_exchange). The 1B Qwen3-MoE checkpoint's layer shapes.
 
   XLA_FLAGS=--xla_force_host_platform_device_count=8 \\
@@ -22,8 +22,8 @@ from jaxpipe_bench.report import write_points  # noqa: E402
 
 def main() -> None:
     config = cli.parse(__doc__, ep_exchange.EpExchangeConfig)
-    dispatch, points = ep_exchange.run(config, partial(print, flush=True))
-    print(f"dispatch {dispatch}, {len(jax.devices())} devices, median of {config.rounds} "
+    path, points = ep_exchange.run(config, partial(print, flush=True))
+    print(f"experts' path {path}, {len(jax.devices())} devices, median of {config.rounds} "
           "interleaved rounds")
     print(ep_exchange.format_table(points))
     write_points(config.json_path, points)

@@ -147,7 +147,7 @@ def test_the_default_gguf_is_the_default_models():
      {"tokens": (8, 64), "expert_shapes": [(8, 2, 256, 512)], "ragged_max_gflop": 5.0}),
     ("ep_exchange", "EpExchangeConfig", ["--ep", "8", "--tokens", "8,64,512",
                                          "--capacity-factor", "1.5"],
-     {"ep": 8, "tokens": (8, 64, 512), "capacity_factor": 1.5, "dispatch": None}),
+     {"ep": 8, "tokens": (8, 64, 512), "capacity_factor": 1.5, "path": None}),
     ("sampler", "SamplerBenchConfig", ["--rows", "64", "256", "--threads", "2", "--repeats", "9"],
      {"rows": (64, 256), "threads": 2, "repeats": 9}),
     ("calibrate", "CalibrateConfig", ["--json", "c.json", "--write-preset"],

@@ -1,5 +1,5 @@
 """The two expert-parallel exchanges of `jaxpipe_bench/ep_exchange.py` (the engine's psum of
-replicated tokens, and an all-to-all dispatch of token-split rows) against a float64 NumPy
+replicated tokens, and an all-to-all exchange of token-split rows) against a float64 NumPy
 MoE layer, at tiny prime-sized shapes on ep=2, 4 and 8 (f32 weights)."""
 
 from __future__ import annotations
