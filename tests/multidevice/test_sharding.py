@@ -174,7 +174,7 @@ def test_indivisible_split_raises_instead_of_replicating():
 def test_orbax_restores_into_the_layout(tiny_orbax, tiny_values):
     r = runner(tiny_orbax, "pp=4,tp=2", "tp=8")
     assert_on_layout(r, "prefill")
-    padded = sharding.pad_values(TINY, tiny_values, r.plan)
+    padded = sharding.pad_values(TINY, tiny_values, r.padding)
     for name, arr in r.params.items():
         np.testing.assert_array_equal(np.asarray(arr), padded[name], err_msg=name)
 
@@ -185,11 +185,11 @@ def test_orbax_restore_lands_in_final_shardings_when_nothing_pads(tmp_path):
     values = decoder.numpy_random_values(cfg, seed=1)
     orbax_dir.save_orbax(tmp_path / "ckpt", cfg, values, "float32")
     layout = Layout(pp=2, tp=4)
-    plan = sharding.padding_for(cfg, [layout])
-    assert plan.is_identity
+    padding = sharding.padding_for(cfg, [layout])
+    assert padding.is_identity
     mesh = sharding.make_mesh(layout)
-    target = sharding.restore_target(cfg, plan, layout, mesh, jnp.float32)
-    final = sharding.param_shardings(cfg, plan, layout, mesh)
+    target = sharding.restore_target(cfg, padding, layout, mesh, jnp.float32)
+    final = sharding.param_shardings(cfg, padding, layout, mesh)
     _, restored = orbax_dir.load_orbax(tmp_path / "ckpt", target)
     for name, arr in restored.items():
         assert arr.sharding == final[name], name

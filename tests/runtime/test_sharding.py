@@ -22,10 +22,10 @@ TINY = ModelConfig(vocab_size=251, hidden_size=37, intermediate_size=53, num_lay
                    num_heads=14, num_kv_heads=7, head_dim=6)
 
 
-def check_heads(plan: sharding.Padding, cfg: ModelConfig, tp: int) -> None:
+def check_heads(padding: sharding.Padding, cfg: ModelConfig, tp: int) -> None:
     """Every query head appears once; each padded query head uses (through its padded KV head)
     the KV head it used before; each TP shard holds whole groups."""
-    q, kv = plan.index["heads"], plan.index["kv_heads"]
+    q, kv = padding.index["heads"], padding.index["kv_heads"]
     assert sorted(h for h in q if h >= 0) == list(range(cfg.num_heads))
     assert len(q) % tp == 0 and len(kv) % tp == 0 and len(q) % len(kv) == 0
     g_pad = len(q) // len(kv)
@@ -37,9 +37,9 @@ def check_heads(plan: sharding.Padding, cfg: ModelConfig, tp: int) -> None:
 @pytest.mark.parametrize("tp, heads, kv_heads", [(1, 9, 3), (2, 12, 4), (4, 12, 4),
                                                  (8, 16, 8)])
 def test_smollm2_head_padding(tp, heads, kv_heads):
-    plan = sharding.padding_for(SMOLLM2, [Layout(tp=tp)])
-    assert (len(plan.index["heads"]), len(plan.index["kv_heads"])) == (heads, kv_heads)
-    check_heads(plan, SMOLLM2, tp)
+    padding = sharding.padding_for(SMOLLM2, [Layout(tp=tp)])
+    assert (len(padding.index["heads"]), len(padding.index["kv_heads"])) == (heads, kv_heads)
+    check_heads(padding, SMOLLM2, tp)
 
 
 @pytest.mark.parametrize("tp", [2, 4, 8])
@@ -48,13 +48,13 @@ def test_prime_head_padding(tp):
 
 
 def test_uneven_pipeline_stages_are_padded_with_identity_layers():
-    plan = sharding.padding_for(SMOLLM2, [Layout(pp=8), Layout(tp=8)])
-    layers = plan.index["layers"]
+    padding = sharding.padding_for(SMOLLM2, [Layout(pp=8), Layout(tp=8)])
+    layers = padding.index["layers"]
     assert len(layers) == 32
     stages = [layers[i:i + 4] for i in range(0, 32, 4)]
     assert [sum(s >= 0 for s in st) for st in stages] == [4, 4, 4, 4, 4, 4, 3, 3]
     assert [s for s in layers if s >= 0] == list(range(30))
-    # One plan serves both layouts of an engine: pp=2 and pp=4 split it evenly too.
+    # One padding serves both layouts of an engine: pp=2 and pp=4 split it evenly too.
     assert len(sharding.padding_for(SMOLLM2, [Layout(pp=2), Layout(pp=4)]).index["layers"]) == 32
 
 
@@ -67,13 +67,13 @@ def test_divisible_layouts_need_no_padding():
 def test_padded_model_gives_the_unpadded_logits(layouts):
     """Head padding, KV-head replication, identity layers, mlp and vocab padding together:
     the padded model on one device equals the unpadded one (whole-sequence forward)."""
-    plan = sharding.padding_for(TINY, [Layout.parse(lo) for lo in layouts])
+    padding = sharding.padding_for(TINY, [Layout.parse(lo) for lo in layouts])
     values = decoder.numpy_random_values(TINY, seed=5)
     model = decoder.Decoder(TINY, values=values)
-    sizes = plan.padded_config(TINY)
+    sizes = padding.padded_config(TINY)
     assert sizes["num_layers"] > TINY.num_layers and sizes["num_kv_heads"] > TINY.num_kv_heads
     padded_cfg = ModelConfig(**{**TINY.to_dict(), **sizes})
-    padded = decoder.Decoder(padded_cfg, values=sharding.pad_values(TINY, values, plan))
+    padded = decoder.Decoder(padded_cfg, values=sharding.pad_values(TINY, values, padding))
     rng = np.random.default_rng(0)
     tokens = jnp.asarray(rng.integers(0, TINY.vocab_size, (2, 8)), jnp.int32)
     want, got = np.asarray(model.forward(tokens)), np.asarray(padded.forward(tokens))
@@ -109,12 +109,12 @@ def test_experts_split_over_ep_and_the_router_never(layout, experts):
 
 
 def test_experts_pad_with_zero_experts_for_every_ep_degree():
-    """5 experts: padded to 8 for ep=4 and ep=8 (one plan serves both layouts), kept at 5
+    """5 experts: padded to 8 for ep=4 and ep=8 (one padding serves both layouts), kept at 5
     without ep; the router is never padded, so a zero expert can never be chosen."""
-    plan = sharding.padding_for(MIXTRAL_TINY, [Layout(ep=4, tp=2), Layout(ep=8)])
-    assert plan.index["experts"] == (0, 1, 2, 3, 4, -1, -1, -1)
-    assert "router" not in plan.index
-    shapes = sharding.padded_shapes(MIXTRAL_TINY, plan)
+    padding = sharding.padding_for(MIXTRAL_TINY, [Layout(ep=4, tp=2), Layout(ep=8)])
+    assert padding.index["experts"] == (0, 1, 2, 3, 4, -1, -1, -1)
+    assert "router" not in padding.index
+    shapes = sharding.padded_shapes(MIXTRAL_TINY, padding)
     assert shapes["w_experts_gate_up"] == (2, 8, 37, 2, 30)  # moe_mlp 29 -> 30 for tp=2
     assert shapes["router"] == (2, 37, 5)
     plain = sharding.padding_for(MIXTRAL_TINY, [Layout(tp=2)])
@@ -134,7 +134,7 @@ def test_layer_experts_follow_the_padded_layers():
                 num_kv_heads=1, head_dim=8, num_experts=4, num_experts_per_tok=2,
                 moe_intermediate_size=8)
     mixed = ModelConfig(**base, dense_layers=(1,), dense_intermediate_size=12)
-    plan = sharding.padding_for(mixed, [Layout.parse("pp=2")])
-    assert sharding.layer_experts(mixed, plan) == (True, False, True, False)
-    assert sharding.layer_experts(ModelConfig(**base), plan) == ()
+    padding = sharding.padding_for(mixed, [Layout.parse("pp=2")])
+    assert sharding.layer_experts(mixed, padding) == (True, False, True, False)
+    assert sharding.layer_experts(ModelConfig(**base), padding) == ()
     assert mixed.mlp_width == 12 and decoder.param_decls(mixed)["w_gate_up"].shape[-1] == 12
