@@ -19,13 +19,28 @@ the server serves again after the kill; and RSS stays flat.
 RSS is sampled every second, front end and engine. "Before" is the 90th percentile over the
 `rss_window` seconds that end at the kill, "after" the same over the run's last `rss_window`
 seconds, counting only samples taken at least `settle` seconds after the engine serves again
-(too few such samples is a breach: the run was too short for its restart). The front end lives
-through the run, and its RSS must stay within `rss_tolerance`; so must the total when no engine
-was killed. Across a kill the engine is a new process, whose working size differs from its
-predecessor's with nothing growing (CI: 2.21 -> 2.52 GiB; an HTTP run: a restarted engine that
-settled 0.18 GiB above the first and stayed flat while it served), so the total gets
-`restart_tolerance` there: what a restart must not do is come back grossly larger. A leak
-within one engine is the no-kill soak's to show (`scripts/soak.py --no-kill`).
+(too few such samples is a breach: the run was too short for its restart). The front end
+lives through the run, and its RSS must stay within `rss_tolerance`; so must the total when no
+engine was killed.
+Across a kill the engine is a new process, and the two engines compared are made alike: a
+soak that kills the engine first restarts it once before its clients start, and compares
+that engine with the one after the kill. Both load their programs from JAX's persistent
+compilation cache, where the server's first engine, on a cold cache, compiled them, and the
+two ways differ in memory (`jaxpipe.serve.programs`): an engine built from the cache holds
+each program's HLO besides (127 MB of heap for SmolLM2's 42 programs), one that compiled keeps
+more freed compiler memory in malloc's arenas instead (492 against 254-281 MB free in them).
+Their sum varied from run to run, so the first engine's RSS against a restarted one's did
+too (equal, or 76 MB below it here): the unexplained part of "a restarted engine settles
+higher". Two restarted engines hold the same heap to 3 MB (1,160 and 1,163 MB in use; RSS
+1.85 -> 1.84 GiB, 2-core AMD EPYC, HTTP, 8 clients, a cold cache). An HTTP soak reports how
+each engine compared got its programs (`SoakResult.programs`). What still differs is how far
+each engine has used its KV pool through when its window is taken: the heap in use stays
+flat (+21 MB) while RSS climbs by the pool's pages as blocks are first written (+300 MB;
+prefix caching keeps every full block cached until no never-written block is left), and a
+short run's windows catch both engines in that climb (the 90 s HTTP test: 2.34 -> 2.54 GiB).
+So the total gets `restart_tolerance` across a kill: what a restart must not do is come back
+grossly larger. A leak within one engine is the no-kill soak's to show
+(`scripts/soak.py --no-kill`).
 The windows compare warm engines: an engine that still compiles, or a restarted one still
 loading, is not at its working size (a "before" window taken while the first engine still
 compiled its shapes made 1.92 -> 2.23 GiB). A busy engine's RSS is bimodal: samples a second
@@ -76,7 +91,7 @@ class SoakConfig:
     seed: seeds the clients' choices of call and prompt
     rss_tolerance: the front end's allowed RSS growth, and the total's with no kill
     restart_tolerance: the total's allowed RSS growth across an engine kill (a new engine
-        process)
+        process, which may be further into using its KV pool through)
     max_requests: calls issued at most, over all clients (None: no cap; scripts/soak.py's
         default: soak_server.MAX_REQUESTS)
     """
@@ -123,6 +138,10 @@ class SoakResult:
     seconds: float = 0.0
     rss_samples: list = field(default_factory=list)  # (seconds into the run, front end, total)
     prefix_cache: dict = field(default_factory=dict)  # the last engine's, at the end (HTTP)
+    first_restart_seconds: float | None = None  # the restart before the run (with a kill)
+    # How the engine compared before the kill and the one after got their programs
+    # ({"compiled": n, "loaded": n from the persistent cache}; HTTP only)
+    programs: tuple[dict, dict] = ({}, {})
 
     def table(self) -> str:
         rows = [f"{'kind':<10}{'outcome':<14}{'calls':>8}"]
@@ -133,6 +152,11 @@ class SoakResult:
                     f"again {_fmt(self.restart_seconds)} s later; RSS {gib[0]:.2f} -> {gib[1]:.2f}"
                     f" GiB (front end {gib[2]:.2f} -> {gib[3]:.2f}); serves after: "
                     f"{self.serves_after}; violations: {len(self.violations)}")
+        if any(self.programs):
+            before, after = (f"{p.get('compiled', '-')} + {p.get('loaded', '-')}"
+                             for p in self.programs)
+            rows.append(f"programs compiled + loaded from the persistent compilation cache: "
+                        f"the engine before the kill {before}, after it {after}")
         if self.prefix_cache.get("queried_tokens"):
             hit, queried = self.prefix_cache["hit_tokens"], self.prefix_cache["queried_tokens"]
             rows.append(f"prefix cache (the last engine): {hit:.0f} of {queried:.0f} prompt "
@@ -206,6 +230,10 @@ class Calls(Protocol):
         """The engine's prefix-cache counters since it started ("queried_tokens",
         "hit_tokens"); {} where the transport does not report them."""
 
+    def programs(self) -> dict[str, float]:
+        """How the engine process got its compiled programs ("compiled", "loaded" from the
+        persistent compilation cache); {} where the transport does not report them."""
+
 
 def make_calls(config: SoakConfig, target: str, tally: Tally) -> Calls:
     """The `Calls` of `config.transport` against `target` (gRPC host:port, or HTTP base URL)."""
@@ -236,6 +264,8 @@ class Soak:
 
     def run(self) -> SoakResult:
         cfg, res = self.config, self.result
+        if cfg.kill_at is not None:  # the engines compared are both restarted ones
+            res.first_restart_seconds = self._restart_engine()[1]
         start = time.monotonic()
         stop_at = start + cfg.seconds
         threads = [threading.Thread(target=self._client, args=(i, stop_at), daemon=True)
@@ -257,15 +287,22 @@ class Soak:
         done.set()
         sampler.join()
         self._check_idle()
-        try:
-            res.prefix_cache = self.calls.prefix_cache()
-        except Exception as e:  # noqa: BLE001 -- informational: a failed scrape is no breach
-            res.prefix_cache = {"error": f"{type(e).__name__}: {e}"}
+        res.prefix_cache = self._scrape(self.calls.prefix_cache)
+        if cfg.kill_at is not None:
+            res.programs = (res.programs[0], self._scrape(self.calls.programs))
         res.serves_after = self.calls.serves()
         if not res.serves_after:
             self.tally.violation("the server does not serve after the run")
         self._compare_rss(samples)
         return res
+
+    @staticmethod
+    def _scrape(read) -> dict:
+        """`read()`, informational: a failed scrape is no breach, its error is the answer."""
+        try:
+            return read()
+        except Exception as e:  # noqa: BLE001
+            return {"error": f"{type(e).__name__}: {e}"}
 
     def _check_idle(self) -> None:
         """The engine must hold nothing once every call has ended (cancelled ones included)."""
@@ -342,22 +379,31 @@ class Soak:
 
     def _kill_and_wait(self, when: float, start: float) -> None:
         """At `when`, SIGKILL the engine process; then wait until the server serves again."""
+        time.sleep(max(when - time.monotonic(), 0))
+        programs = self._scrape(self.calls.programs)
+        killed, self.result.restart_seconds = self._restart_engine()
+        if killed is not None:
+            self.result.killed_at = killed - start
+            self.result.programs = (programs, {})
+
+    def _restart_engine(self) -> tuple[float | None, float | None]:
+        """SIGKILL the engine process and wait until the server serves again: (when it was
+        killed, the seconds it took to serve again); None for what did not happen (a breach
+        is recorded)."""
         import psutil
 
-        time.sleep(max(when - time.monotonic(), 0))
         pid = self.engine_pid()
         if pid is None:
             self.tally.violation("no engine process to kill")
-            return
+            return None, None
         psutil.Process(pid).send_signal(signal.SIGKILL)
         killed = time.monotonic()
-        self.result.killed_at = killed - start
         while time.monotonic() - killed < 300:
             time.sleep(0.5)
             if time.monotonic() - killed > 1 and self.calls.serving():
-                self.result.restart_seconds = time.monotonic() - killed
-                return
+                return killed, time.monotonic() - killed
         self.tally.violation("the engine was not serving again 300 s after the kill")
+        return killed, None
 
     # ---- one client ---------------------------------------------------------------------------
 

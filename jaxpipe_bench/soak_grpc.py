@@ -64,6 +64,9 @@ class GrpcCalls:
     def prefix_cache(self) -> dict[str, float]:
         return {}  # GetServerInfo does not carry the cache's counters (/metrics does)
 
+    def programs(self) -> dict[str, float]:
+        return {}  # nor where the engine's programs came from
+
     def engine_load(self) -> dict[str, float]:
         with grpc.insecure_channel(self.address) as ch:
             info = pb_grpc.GenerationStub(ch).GetServerInfo(pb.ServerInfoRequest(), timeout=10)

@@ -37,6 +37,7 @@ LOAD = {"jaxpipe_kv_tokens_used": ("device", "host"),
 # the prefix cache's counters on /metrics -> their names in SoakResult.prefix_cache
 CACHE = {"jaxpipe_prefix_cache_queried_tokens": "queried_tokens",
          "jaxpipe_prefix_cache_hit_tokens": "hit_tokens"}
+PROGRAMS = "jaxpipe_programs"  # the engine's programs by where they came from
 
 
 class HttpCalls:
@@ -88,6 +89,9 @@ class HttpCalls:
 
     def prefix_cache(self) -> dict[str, float]:
         return prefix_cache(httpx.get(self.url + "/metrics", timeout=30).text)
+
+    def programs(self) -> dict[str, float]:
+        return programs(httpx.get(self.url + "/metrics", timeout=30).text)
 
     # ---- the kinds ----------------------------------------------------------------------------
 
@@ -247,6 +251,14 @@ def prefix_cache(metrics_text: str) -> dict[str, float]:
     (an engine that did not answer)."""
     return {CACHE[name]: s.value for s in _samples(metrics_text)
             if (name := s.name.removesuffix("_total")) in CACHE}
+
+
+def programs(metrics_text: str) -> dict[str, float]:
+    """How the engine process got its compiled programs ("compiled", "loaded" from the
+    persistent compilation cache), from a /metrics scrape; {} where the scrape has none."""
+    names = {"compiled": "compiled", "cache": "loaded"}
+    return {names[s.labels["source"]]: s.value for s in _samples(metrics_text)
+            if s.name == PROGRAMS and s.labels.get("source") in names}
 
 
 def _samples(metrics_text: str):

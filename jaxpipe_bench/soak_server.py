@@ -126,4 +126,6 @@ def record(config: SoakConfig, result: SoakResult) -> dict:
             "rss_before": result.rss_before, "rss_after": result.rss_after,
             "front_end_rss": list(result.front_end_rss),
             "seconds": result.seconds, "prefix_cache": result.prefix_cache,
+            "first_restart_seconds": result.first_restart_seconds,
+            "programs": list(result.programs),
             "rss_samples": [list(s) for s in result.rss_samples]}

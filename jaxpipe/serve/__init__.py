@@ -16,6 +16,8 @@ process over ZeroMQ.
     protos.py           protobuf <-> Python values
     engine_client.py    the front end's side of the ZeroMQ link; spawns the engine process
     engine_process.py   the engine process: the device loop
+    programs.py         where the engine process's programs came from (compiled, or loaded
+                        from the persistent compilation cache: they differ in memory)
     messages.py         the typed, versioned control messages between the two
     metrics.py          the Prometheus registry (its own port, or /metrics on the HTTP one)
 

@@ -245,8 +245,10 @@ class EngineClient:
             self.info = msg
             self._ready_at = time.monotonic()
             self.ready.set()
-            log.info("engine ready: pid %d, model %s, max_model_len %d, max_num_seqs %d",
-                     msg.pid, msg.model, msg.max_model_len, msg.max_num_seqs)
+            log.info("engine ready: pid %d, model %s, max_model_len %d, max_num_seqs %d; "
+                     "programs: %d compiled, %d loaded from the persistent compilation cache",
+                     msg.pid, msg.model, msg.max_model_len, msg.max_num_seqs,
+                     msg.programs_compiled, msg.programs_loaded)
             self._on_health(True)
 
     def _route(self, request_id: str, item, final: bool) -> None:

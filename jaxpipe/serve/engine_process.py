@@ -36,8 +36,9 @@ IDLE_POLL_MS = 100
 class EngineLoop:
     """Serve one `Engine` over a pair of sockets until told to stop."""
 
-    def __init__(self, engine, inbox: zmq.Socket, outbox: zmq.Socket):
-        self.engine = engine
+    def __init__(self, engine, inbox: zmq.Socket, outbox: zmq.Socket, programs=None):
+        """`programs`: the process's `Programs` counter (None: not counted, reported as 0)."""
+        self.engine, self.programs = engine, programs
         self.inbox, self.outbox = inbox, outbox
         self.sent: dict[str, int] = {}  # live request id -> output tokens already sent
         self.counts = {"finished": 0, "aborted": 0, "generated": 0}
@@ -56,8 +57,14 @@ class EngineLoop:
 
     def _ready(self) -> m.Ready:
         e = self.engine
+        programs = self._programs()
         return m.Ready(pid=os.getpid(), model=e.config.model, max_model_len=e.max_model_len,
-                       vocab_size=e.model_config.vocab_size, max_num_seqs=e.max_num_seqs)
+                       vocab_size=e.model_config.vocab_size, max_num_seqs=e.max_num_seqs,
+                       programs_compiled=programs["compiled"],
+                       programs_loaded=programs["loaded"])
+
+    def _programs(self) -> dict[str, int]:
+        return self.programs.counts() if self.programs else {"compiled": 0, "loaded": 0}
 
     def _receive(self, timeout_ms: int) -> None:
         if not self.inbox.poll(timeout_ms):
@@ -123,13 +130,13 @@ class EngineLoop:
         return delta
 
     def _stats(self) -> m.Stats:
+        engine = {k: v for k, v in self.engine.stats().items() if k != "host_timeline"}
+        engine.update({f"programs_{k}": n for k, n in self._programs().items()})
         return m.Stats(unfinished_requests=len(self.sent),
                        engine_has_unfinished=self.engine.has_unfinished(),
                        finished_requests=self.counts["finished"],
                        aborted_requests=self.counts["aborted"],
-                       generated_tokens=self.counts["generated"],
-                       engine={k: v for k, v in self.engine.stats().items()
-                               if k != "host_timeline"})
+                       generated_tokens=self.counts["generated"], engine=engine)
 
     def _send(self, msg) -> None:
         self.outbox.send(m.encode(msg))
@@ -152,7 +159,9 @@ def main(argv=None) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front end decides when we stop
     # lazy: after die_with_parent: a child whose front end dies while jax loads must not linger
     from jaxpipe import Engine, EngineConfig
+    from jaxpipe.serve.programs import Programs
 
+    programs = Programs()  # before the engine compiles (or loads) anything
     engine = Engine(EngineConfig(**json.loads(args.config)))
     ctx = zmq.Context()
     inbox, outbox = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
@@ -161,7 +170,7 @@ def main(argv=None) -> int:
     inbox.connect(args.inbox)
     outbox.connect(args.outbox)
     try:
-        EngineLoop(engine, inbox, outbox).run()
+        EngineLoop(engine, inbox, outbox, programs).run()
     finally:
         inbox.close()
         outbox.close()

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from jaxpipe.request.outputs import TokenDelta  # defined beside the Completion that folds it
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: Ready says how the engine got its programs
 
 
 class ProtocolError(ValueError):
@@ -55,13 +55,17 @@ class Shutdown:
 
 @dataclass(frozen=True)
 class Ready:
-    """The engine is loaded; what the front end needs to validate requests."""
+    """The engine is loaded; what the front end needs to validate requests, and how the
+    engine got its programs (`jaxpipe.serve.programs`: compiled, or loaded from the persistent
+    compilation cache; the loaded ones take more memory)."""
 
     pid: int
     model: str
     max_model_len: int
     vocab_size: int
     max_num_seqs: int
+    programs_compiled: int = 0
+    programs_loaded: int = 0
 
 
 @dataclass(frozen=True)

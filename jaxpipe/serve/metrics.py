@@ -64,6 +64,10 @@ GAUGES = {
                              "upper bound of the device's idle share of decode time", {}),
     "prefix_cache_hit_rate": ("prefix_cache_hit_rate", "prefix cache hit tokens over queried "
                               "tokens since the engine's stats were last reset", {}),
+    "programs_compiled": ("programs", "the engine process's compiled programs by where they "
+                          "came from: compiled there, or loaded from the persistent "
+                          "compilation cache", {"source": "compiled"}),
+    "programs_loaded": ("programs", "", {"source": "cache"}),
 }
 
 

@@ -3,12 +3,13 @@ of streamed, batch, cancelled and malformed requests, the engine process killed 
 in; and 32 HTTP clients for 90 s (streamed, plain, cancelled and malformed completions, the
 same kill). Every accepted request ends with exactly one result or one error, the server
 serves again after the restart, the front end's RSS once the restarted engine has served a
-while is within 10% of its RSS just before the kill, and the total (a new engine process)
-within 25% (90th percentiles of per-second samples: a busy engine's RSS is bimodal, 15% apart,
-within seconds). Both engines warm up (every step shape compiled and run) before they serve, as
-a production server's do, so that both windows see an engine at its working size; a small step
-budget keeps that warm-up short. Once the run is over the engine must hold no request and no
-KV (cancelled ones freed theirs). The SSE checks of the HTTP soak are unit-tested here too."""
+while is within 10% of its RSS just before the kill, and the total (a new engine process,
+compared with the one restarted before the run) within 25% (90th percentiles of per-second
+samples: a busy engine's RSS is bimodal, 15% apart, within seconds). Both engines warm up
+(every step shape compiled and run) before they serve, as a production server's do, so that
+both windows see an engine at its working size; a small step budget keeps that warm-up short.
+Once the run is over the engine must hold no request and no KV (cancelled ones freed theirs).
+The SSE checks of the HTTP soak are unit-tested here too."""
 
 from __future__ import annotations
 
@@ -16,18 +17,18 @@ import pytest
 from conftest import ServerProcess, gguf_dir
 
 from jaxpipe_bench.soak import Soak, SoakConfig
-from jaxpipe_bench.soak_http import SseEvents, engine_load, prefix_cache
+from jaxpipe_bench.soak_http import SseEvents, engine_load, prefix_cache, programs
 
 SERVER_FLAGS = ("--restart-backoff", "1", "--max-num-seqs", "32", "--warmup",
                 "--max-num-batched-tokens", "256")
 
 
-def soaked(tmp_path, transport: str, **config):
-    """A soak (`SoakConfig(transport, **config)`) with an engine kill against a fresh server:
-    its result, once no violation, a kill and its restart and serving afterwards are
-    asserted."""
+def soaked(tmp_path, transport: str, *flags: str, **config):
+    """A soak (`SoakConfig(transport, **config)`) with an engine kill against a fresh server
+    (SERVER_FLAGS and `flags`): its result, once no violation, both kills (the one before
+    the run too) and their restarts and serving afterwards are asserted."""
     gguf_dir()
-    server = ServerProcess(*SERVER_FLAGS, log_path=tmp_path / "server.log")
+    server = ServerProcess(*SERVER_FLAGS, *flags, log_path=tmp_path / "server.log")
     try:
         server.wait_serving()
         address = server.address if transport == "grpc" else server.http_url
@@ -39,6 +40,7 @@ def soaked(tmp_path, transport: str, **config):
     finally:
         server.stop()
     assert result.killed_at is not None and result.restart_seconds is not None
+    assert result.first_restart_seconds is not None
     assert result.serves_after
     assert sum(n for (_, outcome), n in result.calls.items() if outcome == "unavailable") > 0
     assert result.calls[("malformed", "invalid_argument")] > 0
@@ -54,10 +56,20 @@ def test_soak_with_an_engine_kill(tmp_path):
 
 @pytest.mark.slow
 def test_http_soak_with_an_engine_kill(tmp_path):
-    result = soaked(tmp_path, "http", clients=32, seconds=90.0)
+    # An empty compilation cache, as CI's first run of these flags has: the server's first
+    # engine compiles its programs and each engine after it loads them, holding each one's
+    # HLO besides (jaxpipe.serve.programs). The soak compares two engines that loaded them;
+    # on main it compared the first with the one after it (CI: 2.21 -> 2.52 GiB).
+    result = soaked(tmp_path, "http", "--compilation-cache-dir", str(tmp_path / "xla"),
+                    clients=32, seconds=90.0)
     assert result.calls[("stream", "ok")] > 0 and result.calls[("plain", "ok")] > 0
     # The cache is on by default and every chat opens with the template's system prompt.
     assert 0 < result.prefix_cache["hit_tokens"] < result.prefix_cache["queried_tokens"]
+    # Both engines compared loaded (nearly) all their programs, the first engine none: a few
+    # are compiled as serving first asks for them (4 of 46 in an 8-client run).
+    before, after = result.programs
+    assert before["loaded"] > before["compiled"] and after["loaded"] > after["compiled"], \
+        result.programs
 
 
 def _events(*data: str) -> SseEvents:
@@ -164,6 +176,9 @@ def test_engine_load_reads_kv_and_queues_from_metrics():
                                   "prefix_cache_hit_tokens": 288, "prefix_cache_evictions": 3}))
     assert cached == {"queried_tokens": 640.0, "hit_tokens": 288.0}
     assert prefix_cache(scrape(None)) == {}
+    assert programs(scrape({**idle, "programs_compiled": 2, "programs_loaded": 40})) == {
+        "compiled": 2.0, "loaded": 40.0}
+    assert programs(scrape(None)) == {}
 
 
 @pytest.mark.parametrize("config, message", [

@@ -15,6 +15,8 @@ EXAMPLES = [
     m.QueryStats(),
     m.Shutdown(),
     m.Ready(pid=7, model="smollm2-135m", max_model_len=256, vocab_size=49152, max_num_seqs=8),
+    m.Ready(pid=8, model="smollm2-135m", max_model_len=256, vocab_size=49152, max_num_seqs=8,
+            programs_compiled=3, programs_loaded=39),
     m.Outputs([m.TokenDelta("a", [5, 6], [[[5, -0.1], [9, -2.5]], [[6, -0.2]]]),
                m.TokenDelta("b", [], None, "stop", "\n"), m.TokenDelta("c", [2], None, "stop", 2)]),
     m.Rejected("r2", "prompt token ids [99999] are outside the vocabulary"),
@@ -33,12 +35,16 @@ def test_wire_format_is_versioned_json():
     assert raw == {"v": m.PROTOCOL_VERSION, "type": "Abort", "body": {"request_id": "x"}}
 
 
+def _raw(kind: str, body: dict) -> bytes:
+    """A message of this version as it would travel, `kind` and `body` as given."""
+    return json.dumps({"v": m.PROTOCOL_VERSION, "type": kind, "body": body}).encode()
+
+
 @pytest.mark.parametrize("data, match", [
     (json.dumps({"v": 99, "type": "Abort", "body": {"request_id": "x"}}).encode(), "version 99"),
-    (json.dumps({"v": 1, "type": "Exec", "body": {}}).encode(), "unknown control message type"),
-    (json.dumps({"v": 1, "type": "Abort", "body": {"request_id": "x", "cmd": 1}}).encode(),
-     r"no fields \['cmd'\]"),
-    (json.dumps({"v": 1, "type": "Abort", "body": {}}).encode(), "bad Abort message"),
+    (_raw("Exec", {}), "unknown control message type"),
+    (_raw("Abort", {"request_id": "x", "cmd": 1}), r"no fields \['cmd'\]"),
+    (_raw("Abort", {}), "bad Abort message"),
     (pickle.dumps(m.Abort("x")), "not JSON"),
     (b"[1, 2]", "version None"),
 ])

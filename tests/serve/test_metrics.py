@@ -123,6 +123,10 @@ def test_server_metrics_follow_a_known_workload(grpc_server):
     assert moved("jaxpipe_time_per_output_token_seconds_count", front_end="grpc") == several
     assert after[("jaxpipe_generation_tokens_total", ())] == server_info.generated_tokens
     assert after[("jaxpipe_engine_up", ())] == 1
+    # the engine process built its programs, compiled or from the persistent cache
+    programs = {source: after[("jaxpipe_programs", (("source", source),))]
+                for source in ("compiled", "cache")}
+    assert sum(programs.values()) > 0, programs
 
 
 def test_collector_renders_the_prefix_cache():
