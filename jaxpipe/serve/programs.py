@@ -27,6 +27,7 @@ class Programs:
     """Counts this process's compiled programs by origin, from the moment it is made."""
 
     def __init__(self):
+        # lazy: only the engine process counts (jax); the front ends import serve jax-free
         import jax
 
         self._requested = self._loaded = 0
