@@ -183,6 +183,7 @@ class PipelinedSimExecutor(SimExecutor):
         super().__init__(cost, cost)
         self.stages = [0.0] * cost.layout.pp  # when each stage is next free
         self.in_flight = cost.layout.pp - 1  # in flight while the next one is formed
+        self.flow_depth = cost.layout.pp  # a one-micro-batch policy's run is split over them
         self.busy_seconds = 0.0  # stage-seconds of work (for the pipeline utilisation)
 
     def launch(self, runs: list[Run], state: SchedulerState) -> tuple[float, list, list]:
