@@ -213,6 +213,7 @@ class MirroredRunner:
     kv_staging = _local("kv_staging", "the local runner's (the KV manager mirrors swaps)")
     kv_insert = _local("kv_insert", "the local runner's (the KV manager mirrors swaps)")
     in_flight = _local("in_flight")
+    lowered = _local("lowered", "the local runner's (inspection only: it runs nothing)")
     flow_counts = _local("flow_counts")
     stage_times = _local("stage_times")
     tick_records = _local("tick_records")
