@@ -34,6 +34,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxpipe.config.layout import Layout
@@ -431,7 +432,11 @@ def logits_program(cfg: ModelConfig, vocab: int, layout: Layout | None = None, m
         n = max(rows, HEAD_MIN_ROWS)
         if hidden.shape[0] < n:
             hidden = jnp.pad(hidden, ((0, n - hidden.shape[0]), (0, 0)))
-        return decoder.logits(cfg, params_head, hidden[:n])[:rows, :vocab]
+        out = decoder.logits(cfg, params_head, hidden[:n])
+        if mesh is not None:  # every device computes its own logits, not all of them
+            out = jax.lax.with_sharding_constraint(out, NamedSharding(
+                mesh, sharding.logits_spec(layout, out.shape[-1])))
+        return out[:rows, :vocab]
 
     return jax.jit(logits, static_argnames="rows")
 

@@ -7,15 +7,18 @@ reference's, and the pipeline fills once and drains once."""
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import TINY
+from jax.sharding import PartitionSpec as P
 
 from jaxpipe.config.layout import Layout
 from jaxpipe.model.decoder import Decoder
-from jaxpipe.runtime import step_inputs
+from jaxpipe.runtime import sharding, step_inputs
 from jaxpipe.runtime.buckets import Buckets
 from jaxpipe.runtime.runner import Runner
 from jaxpipe.runtime.step_inputs import Piece
@@ -162,3 +165,29 @@ def test_stages_exchange_only_fixed_shape_activations(tiny_values, layout, token
     calls = set(re.findall(r"custom_call @(\w+)", text))
     assert all(c.startswith("jaxpipe_") or c in ("Sharding", "SPMDFullToShardShape",
                                                  "SPMDShardToFullShape") for c in calls), calls
+
+
+
+@pytest.mark.parametrize("layout", ["pp=8", "pp=4,tp=2", "pp=2,tp=4", "tp=8"])
+def test_every_device_computes_its_own_slice_of_the_logits(tiny_values, prompts, forward,
+                                                           layout):
+    """The LM head's dot runs on each device over its own slice of the (padded) vocabulary,
+    over pp too where the head's weights are whole on every stage (TINY's 251 tokens pad to
+    256 columns: 8 slices), and the logits are the single-device forward's."""
+    runner = make_runner(tiny_values, layout, "xla")
+    place = runner.placements[runner.phase]
+    hidden = runner.hidden(build(runner, [Piece(prompts[0], 0, list(TABLE[0]))]))
+    logits = place.logits(runner.params, hidden, rows=1)
+    np.testing.assert_allclose(np.asarray(logits)[0], forward(prompts[0]), atol=2e-5)
+    padded = runner.padding.size("vocab", TINY.vocab_size)
+    assert padded == 256
+    hlo = place.logits.lower(runner.params, hidden, rows=1).compile().as_text()
+    assert re.search(r"f32\[2,32\]\S* (dot|fusion)\(", hlo), hlo
+
+
+def test_the_logits_split_over_the_axes_that_divide_the_vocabulary():
+    assert sharding.logits_spec(Layout(pp=8), 49152) == P(None, ("pp",))
+    assert sharding.logits_spec(Layout(pp=4, tp=2), 49152) == P(None, ("tp", "pp"))
+    assert sharding.logits_spec(Layout(pp=4, tp=2), 252) == P(None, ("tp",))  # 8 does not divide
+    assert sharding.logits_spec(Layout(pp=8), 251) == P(None, None)
+    assert sharding.logits_spec(Layout(tp=8), 256) == P(None, ("tp",))
