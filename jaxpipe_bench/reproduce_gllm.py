@@ -36,7 +36,7 @@ SCENARIOS = (("4xL20, Qwen2.5-14B", "l20x4-pcie", "qwen2.5-14b"),
 TP, PP = Layout(tp=4), Layout(pp=4)
 # vLLM's virtual engines and gLLM schedule a micro-batch once the one before it on the same
 # sequences landed: pp - 1 in flight while one is formed, not the engine's pp.
-FLOW = {"pipelined": True, "in_flight": PP.pp - 1}
+FLOW = {"pipelined": True}  # pp - 1 in flight while one is formed, as the engine
 CHUNKED = {"chunked": True, "max_prefill_tokens": 2048}
 METHODS = {  # name -> (policy, layout, options)
     "vLLM (PP, Sarathi)": ("prefill_first", PP, {**CHUNKED, **FLOW}),

@@ -32,9 +32,7 @@ SCENARIOS = (("L20 + 13B", "l20x4-pcie", "llama2-13b"), ("L20 + 32B", "l20x4-pci
              ("A100 + 32B", "a100x4-pcie", "qwen2.5-32b"),
              ("A100 + 70B", "a100x4-pcie", "llama2-70b"))
 TP, PP = Layout(tp=4), Layout(pp=4)
-# The paper's systems schedule a stage's next micro-batch once its previous one landed (vLLM's
-# virtual engines, TD-Pipe): pp - 1 in flight while one is formed, not the engine's pp.
-FLOW = {"pipelined": True, "in_flight": PP.pp - 1}
+FLOW = {"pipelined": True}  # pp - 1 in flight while one is formed, as the engine
 METHODS = {  # name -> (policy, layout, options)
     "TP+SB": ("prefill_first", TP, {"chunked": False}),
     "TP+HB": ("prefill_first", TP, {"chunked": True}),

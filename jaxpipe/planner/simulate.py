@@ -192,12 +192,12 @@ class PipelinedSimExecutor(SimExecutor):
 
     The host is one worker (`host`: when it is next free): it prepares each micro-batch
     before it enters stage 0 and, with the host sampler, samples each one that lands.
-    `in_flight` pp (the engine's rule, the default) lands micro-batch k-pp and forms k+1 while
-    the stages run k: host work is hidden while it is shorter than a stage. `in_flight` pp - 1
-    forms k+1 only once k-pp+1 left the last stage, and (`HostCost.stages_wait`) every later
-    stage prepares its own input before its forward (the engine's one tick program; vLLM's
-    PP, SiPipe's intra-stage bubble): host time on the critical path of every stage.
-    With pp in flight free sequences may form an extra, smaller micro-batch (hostcost.py)."""
+    `in_flight` pp - 1 (the engine's rule, the default) forms k+1 only once k-pp+1 left the
+    last stage, and (`HostCost.stages_wait`) every later stage prepares its own input before
+    its forward (the engine's one tick program; vLLM's PP, SiPipe's intra-stage bubble): host
+    time on the critical path of every stage. `in_flight` pp lands micro-batch k-pp and forms
+    k+1 while the stages run k: host work is hidden while it is shorter than a stage, but free
+    sequences may form an extra, smaller micro-batch (hostcost.py)."""
 
     chained = False  # a micro-batch's tokens are back only when it leaves the last stage
 
@@ -205,7 +205,7 @@ class PipelinedSimExecutor(SimExecutor):
         super().__init__(cost, cost, host)
         pp = cost.layout.pp
         self.stages = [0.0] * pp  # when each stage is next free
-        self.in_flight = pp if in_flight is None else in_flight
+        self.in_flight = pp - 1 if in_flight is None else in_flight
         if self.in_flight not in (pp - 1, pp):
             raise ValueError(f"in_flight={in_flight}: accepted pp - 1 = {pp - 1} (host on the "
                              f"critical path) or pp = {pp} (host overlapped)")
@@ -343,8 +343,8 @@ def simulate(model: ModelConfig, mesh: MeshPreset, workload: Workload, policy: s
     micro-batches at once (`CostModel.step_time`), as the engine's in-program ticks run.
     `prefill_first` on a single layout defaults to chunked prefill (the paper's vLLM baseline).
     `host_cost`: the host's time per micro-batch (hostcost.py; default none); `in_flight`:
-    the pipelined executor's micro-batches in flight while the next is formed (pp, the
-    default: host work overlapped; pp - 1: on the critical path).
+    the pipelined executor's micro-batches in flight while the next is formed (pp - 1, the
+    engine's and the default: host work on the critical path; pp: overlapped).
     Raises ValueError if a layout cannot hold the weights plus the longest request."""
 
     decode = decode or prefill
