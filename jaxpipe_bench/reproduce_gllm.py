@@ -34,13 +34,16 @@ SCENARIOS = (("4xL20, Qwen2.5-14B", "l20x4-pcie", "qwen2.5-14b"),
              ("4xL20, Qwen2.5-32B", "l20x4-pcie", "qwen2.5-32b"),
              ("4xA800 net, Llama3.1-100B", "a800x4-net", "llama3.1-100b"))
 TP, PP = Layout(tp=4), Layout(pp=4)
+# vLLM's virtual engines and gLLM schedule a micro-batch once the one before it on the same
+# sequences landed: pp - 1 in flight while one is formed, not the engine's pp.
+FLOW = {"pipelined": True}  # pp - 1 in flight while one is formed, as the engine
 CHUNKED = {"chunked": True, "max_prefill_tokens": 2048}
 METHODS = {  # name -> (policy, layout, options)
-    "vLLM (PP, Sarathi)": ("prefill_first", PP, {**CHUNKED, "pipelined": True}),
+    "vLLM (PP, Sarathi)": ("prefill_first", PP, {**CHUNKED, **FLOW}),
     "SGLang (TP, Sarathi)": ("prefill_first", TP, CHUNKED),
-    "gLLM": ("throttle", PP, {}),
-    "gLLM w/o WT": ("throttle", PP, {"knobs": ThrottleKnobs(iterations=1)}),
-    "gLLM w/o UT": ("throttle", PP, {"knobs": ThrottleKnobs(by_kv=False)}),
+    "gLLM": ("throttle", PP, FLOW),
+    "gLLM w/o WT": ("throttle", PP, {"knobs": ThrottleKnobs(iterations=1), **FLOW}),
+    "gLLM w/o UT": ("throttle", PP, {"knobs": ThrottleKnobs(by_kv=False), **FLOW}),
 }
 PAPER = ("gLLM over vLLM: maximum throughput (processing capacity) +29% to +150% intra-node "
          "(Fig. 10), +11% to +398% cross-node (Fig. 13), near-linear scaling to 4 GPUs "

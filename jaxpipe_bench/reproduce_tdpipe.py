@@ -32,12 +32,13 @@ SCENARIOS = (("L20 + 13B", "l20x4-pcie", "llama2-13b"), ("L20 + 32B", "l20x4-pci
              ("A100 + 32B", "a100x4-pcie", "qwen2.5-32b"),
              ("A100 + 70B", "a100x4-pcie", "llama2-70b"))
 TP, PP = Layout(tp=4), Layout(pp=4)
+FLOW = {"pipelined": True}  # pp - 1 in flight while one is formed, as the engine
 METHODS = {  # name -> (policy, layout, options)
     "TP+SB": ("prefill_first", TP, {"chunked": False}),
     "TP+HB": ("prefill_first", TP, {"chunked": True}),
-    "PP+SB": ("prefill_first", PP, {"chunked": False, "pipelined": True}),
-    "PP+HB": ("prefill_first", PP, {"chunked": True, "pipelined": True}),
-    "TD-Pipe": ("tdpipe", PP, {}),
+    "PP+SB": ("prefill_first", PP, {"chunked": False, **FLOW}),
+    "PP+HB": ("prefill_first", PP, {"chunked": True, **FLOW}),
+    "TD-Pipe": ("tdpipe", PP, FLOW),
 }
 # §4.2, 4-GPU cases: the most TD-Pipe gains over each baseline across the four scenarios.
 PAPER_BEST = {"TP+SB": 1.91, "TP+HB": 1.90, "PP+SB": 2.73, "PP+HB": 2.21}
@@ -89,7 +90,7 @@ def ablations(num_requests: int = NUM_REQUESTS) -> list[dict]:
         model, mesh = _scenario(scenario)
         tps, errors, extra = {}, {}, {}
         for name, opts in ABLATIONS.items():
-            result = simulate(model, mesh, w, "tdpipe", PP, **opts)
+            result = simulate(model, mesh, w, "tdpipe", PP, **FLOW, **opts)
             tps[name] = result.throughput
             policy = result.policy_object
             extra[name] = {"switches": policy.switches, "utilisation": result.utilisation,

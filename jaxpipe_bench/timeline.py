@@ -128,7 +128,7 @@ def run_variants(engine, workload: Sequence[Request], variants: Sequence[str], r
             if trace_dir:
                 path = Path(trace_dir) / f"timeline_{name.strip('+')}_{rep + 1}.json"
                 path.parent.mkdir(parents=True, exist_ok=True)
-                path.write_text(json.dumps(engine.executor.timeline.chrome_trace()))
+                path.write_text(json.dumps(engine.executor.chrome_trace()))
     return {name: _median(runs) for name, runs in rows.items()}
 
 

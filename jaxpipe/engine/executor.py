@@ -68,7 +68,6 @@ class Executor(StepExecutor):
     """The engine's executor of the scheduler's loop: the scheduler state and its policy, a
     step builder, the runner, an output processor and the engine's stats."""
 
-    merge = True  # a pipelined policy's pp micro-batches run as one step
 
     def __init__(self, config: EngineConfig, runner: Runner, buckets: Buckets,
                  state: SchedulerState, policy, kv: KVManager, max_model_len: int):
@@ -100,16 +99,42 @@ class Executor(StepExecutor):
     # ---- the engine's controls ----------------------------------------------------------------
 
     @property
+    def flowing(self) -> bool:
+        """Whether the current layout pipelines: each step is a micro-batch flowing through
+        its pp stages (`runtime/flow.py`), up to pp in flight, and a sequence waits for its
+        micro-batch to leave the last stage before it joins another."""
+        return self.runner.layout.pp > 1
+
+    @property
+    def chained(self) -> bool:
+        """Whether a sequence in the step in flight may join the next (its token fed on the
+        device): on one stage only."""
+        return not self.flowing
+
+    @property
+    def merge(self) -> bool:
+        """Whether one step carries a pipelined policy's micro-batches: on one stage (over
+        pp stages they flow one by one)."""
+        return not self.flowing
+
+    @property
+    def flow_depth(self) -> int:
+        """Stages a step flows through (the driver splits a one-micro-batch policy's run
+        over them)."""
+        return self.runner.layout.pp
+
+    @property
     def overlap(self) -> bool:
         """Whether a step is dispatched before the previous one's tokens are on the host
-        (`EngineConfig.overlap`; the pipelined policies already keep pp micro-batches in
-        each step and land every step before scheduling the next)."""
-        return self._overlap and self.policy.depth == 1
+        (`EngineConfig.overlap`; one stage only: a flowing pipeline keeps pp - 1 micro-batches
+        in flight anyway)."""
+        return self._overlap and not self.flowing
 
     @property
     def in_flight(self) -> int:
-        """Steps left in flight while the next is scheduled (the driver's)."""
-        return int(self.overlap)
+        """Steps left in flight while the next is scheduled (the driver's): pp - 1 micro-
+        batches over pp stages, else one with overlap."""
+        return self.runner.layout.pp - 1 if self.flowing else int(self.overlap)
 
     def set_overlap(self, on: bool) -> None:
         """Overlap steps from now on, or land each before the next (Engine.set_overlap)."""
@@ -167,6 +192,11 @@ class Executor(StepExecutor):
     def timeline(self) -> Timeline:
         return self.engine_stats.timeline
 
+    def chrome_trace(self) -> dict:
+        """The step timeline and each layout's pipeline stages as one Perfetto trace."""
+        self.runner.stage_times()  # (polls the ticks still running)
+        return self.timeline.chrome_trace(self.runner.tick_records())
+
     @property
     def generated_tokens(self) -> int:
         return self.engine_stats.counts["generated_tokens"]
@@ -191,21 +221,25 @@ class Executor(StepExecutor):
         `prefill_to_host` each completed prefill's KV then goes to the host tier
         (asynchronously: later steps overlap the copies)."""
         start = time.perf_counter()
-        step = self.builder.build(runs[0] if len(runs) == 1 else _merge(runs), self._flight)
+        feeder = None if self.flowing else self._flight
+        step = self.builder.build(runs[0] if len(runs) == 1 else _merge(runs), feeder)
         if step is None:
             return None
         start = self.timeline.part("build", start)
         sampling_inputs = self.builder.sampling_inputs(step)
         start = self._ready_to_dispatch(step, self.timeline.part("sample", start))
-        prev = self._flight.out if self._flight is not None else None
+        prev = feeder.out if feeder is not None else None
         out = self.runner.dispatch(step.inputs, step.slots, sampling_inputs, prev)
         record = self.timeline.dispatch("step", start, len(step.run.decode),
                                         step.run.prefill_tokens, out)
         self.timeline.part("dispatch", start, record)
-        for seq, tokens in step.to_host:
-            self.kv.swap_out(seq, tokens)  # its blocks, before the state records the move
-        self.engine_stats.dispatched(step)
         self._flight = Flight(runs, step.sampled, out, record)
+        if self.flowing:  # its KV is whole when it leaves the last stage: out at land
+            self._flight.to_host = step.to_host
+        else:
+            for seq, tokens in step.to_host:
+                self.kv.swap_out(seq, tokens)  # its blocks, before the state records it
+        self.engine_stats.dispatched(step)
         return self._flight
 
     def _ready_to_dispatch(self, step: Step, start: float) -> float:
@@ -221,8 +255,8 @@ class Executor(StepExecutor):
         if not self.kv.outgoing:
             self.kv.move_blocks(self.state.host_kv.take_moves())
             return start
-        if flight is not None and flight.out is not None:
-            flight.out.wait()
+        if flight is not None and flight.out is not None and not self.flowing:
+            flight.out.wait()  # (flowing: only micro-batches that left queue swap-outs)
             self.timeline.finished(flight.record, start)
         self.kv.flush()
         self.kv.move_blocks(self.state.host_kv.take_moves())
@@ -245,6 +279,9 @@ class Executor(StepExecutor):
             self._flight = None
         out, start = self._bring(flight)
         landed, ended = self.output.process(flight.sampled, out)
+        for seq, tokens in flight.to_host:  # the state moves them when the run returns
+            if seq.request_id not in ended:
+                self.kv.swap_out(seq, tokens)
         self._landed += landed
         self.engine_stats.landed(flight.runs, flight.record)
         self.timeline.part("postprocess", start, flight.record)
@@ -355,6 +392,7 @@ class Flight:
     out: Dispatched | HostSampled
     record: StepRecord
     freed: list[Sequence] = field(default_factory=list)  # freed at dispatch: their last token
+    to_host: list = field(default_factory=list)  # (seq, tokens): prefills to swap out at land
 
     def __post_init__(self):
         self.rows = {seq: i for i, seq in enumerate(self.sampled)}  # seq -> its sampled row

@@ -55,6 +55,11 @@ started or `reset()` unless said otherwise:
     host tier where it has room: prefix_cache_host_stored_blocks),
     prefix_cache_host_evictions: blocks the host tier forgot, prefix_cache_host_bytes_out /
     _in: their bytes copied there / back.
+  pipeline_stage_busy_seconds / pipeline_stage_idle_seconds: per layout phase, each pipeline
+    stage's seconds running a micro-batch / none, over pipeline_wall_seconds (the ticks'
+    time and the host's gaps between them while a micro-batch was in flight; on one stage
+    the one stage's); pipeline_bubble_fraction: the stages' idle time over pp x the wall
+    time, every layout (`runtime/flow.py` times the ticks).
   Gauges of the moment (not reset): waiting_requests, device_requests, host_requests
     (sequences queued, on the device, parked in the host tier), device_kv_used and
     host_kv_used (tokens).
@@ -93,6 +98,7 @@ class EngineStats:
         # what the counters kept by their owners were at reset (`_since_reset`)
         self._base = {**self._swap_totals(), **self._prefix_cache(),
                       **self.runner.control_stats()}
+        self._stage_base = self.runner.stage_times()
         self.state.device_kv.reset_peak()
         self.state.host_kv.reset_peak()
         self._t0 = self._last_fetch = time.perf_counter()
@@ -175,7 +181,25 @@ class EngineStats:
         s.update(self._since_reset(self.runner.control_stats()))
         s.update(self._since_reset(self._prefix_cache()))
         s.update(_prefix_cache_rates(s))
+        s.update(self._pipeline())
         return s
+
+    def _pipeline(self) -> dict:
+        """Per layout (phase) of the step's pipeline: each stage's busy and idle seconds and
+        the pipeline's wall time since `reset()` (`runtime/flow.py` counts them), and the
+        bubble fraction over every layout: the stages' time without a micro-batch over the
+        stages' time (pp x wall)."""
+        busy, idle, wall = {}, {}, {}
+        for phase, t in self.runner.stage_times().items():
+            base = self._stage_base.get(phase, {"busy": [0.0] * t["stages"], "wall": 0.0})
+            wall[phase] = t["wall"] - base["wall"]
+            busy[phase] = [b - b0 for b, b0 in zip(t["busy"], base["busy"], strict=True)]
+            idle[phase] = [wall[phase] - b for b in busy[phase]]
+        stage_seconds = sum(wall[p] * len(busy[p]) for p in wall)
+        return {"pipeline_stage_busy_seconds": busy, "pipeline_stage_idle_seconds": idle,
+                "pipeline_wall_seconds": wall,
+                "pipeline_bubble_fraction": (sum(map(sum, idle.values())) / stage_seconds
+                                             if stage_seconds else 0.0)}
 
     def _since_reset(self, totals: dict) -> dict:
         """Counters their owners keep since the engine started, as differences from `reset()`."""

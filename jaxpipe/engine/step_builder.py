@@ -73,8 +73,7 @@ class StepBuilder:
         real = sum(len(piece.tokens) for _, piece, _ in pieces)
         tokens = self.buckets.tokens(real)
         inputs = step_inputs.build([piece for _, piece, _ in pieces], tokens,
-                                   self.runner.microbatches(tokens), self.buckets.rows(tokens),
-                                   self.runner.max_blocks)
+                                   self.buckets.rows(tokens), self.runner.max_blocks)
         to_host = [(seq, piece.start + len(piece.tokens)) for seq, piece, done in prefill
                    if done and run.prefill_to_host]  # all but the token being sampled
         sampled = [seq for seq, _, samples in pieces if samples]

@@ -143,12 +143,25 @@ class Timeline:
                                      "sum": self.latency_sum[k]} for k in STEP_KINDS},
                 "step_latency_bounds": list(LATENCY_BOUNDS)}
 
-    def chrome_trace(self) -> dict:
+    def chrome_trace(self, ticks: dict | None = None) -> dict:
         """The kept records as Chrome trace events (open in ui.perfetto.dev or
-        chrome://tracing): one track for the device's steps, one for the host's parts."""
+        chrome://tracing): one track for the device's steps, one for the host's parts, and,
+        given the runner's pipeline `ticks` (phase -> `flow.TickRecord`s), one track per
+        stage of each layout with its micro-batches as slices; switches and swaps are marked
+        across every track."""
         def us(t: float) -> float:
             return round((t - self.t0) * 1e6, 1)
 
+        events = self._device_and_host_events(us)
+        for pid, (phase, records) in enumerate(sorted((ticks or {}).items()), start=1):
+            events += _stage_events(pid, phase, records, us)
+        for r in self.records:
+            if r.name != "step":
+                events.append({"ph": "i", "s": "g", "pid": 0, "tid": 0, "name": r.name,
+                               "ts": us(r.dispatch)})
+        return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+    def _device_and_host_events(self, us) -> list[dict]:
         events = [{"ph": "M", "pid": 0, "tid": tid, "name": "thread_name",
                    "args": {"name": name}} for tid, name in ((0, "device"), (1, "host"))]
         for r in self.records:
@@ -159,7 +172,26 @@ class Timeline:
         for name, start, end in self.spans:
             events.append({"ph": "X", "pid": 0, "tid": 1, "name": name, "ts": us(start),
                            "dur": max(us(end) - us(start), 0.0)})
-        return {"traceEvents": events, "displayTimeUnit": "ms"}
+        return events
+
+
+def _stage_events(pid: int, phase: str, records: list, us) -> list[dict]:
+    """Trace events of one layout's pipeline: a process per layout, a thread per stage, a
+    slice per micro-batch in each tick that ran one (ticks not yet seen finished: none)."""
+    stages = len(records[0].slots) if records else 0
+    events = [{"ph": "M", "pid": pid, "name": "process_name",
+               "args": {"name": f"pipeline ({phase} layout)"}}]
+    events += [{"ph": "M", "pid": pid, "tid": s, "name": "thread_name",
+                "args": {"name": f"stage {s}"}} for s in range(stages)]
+    for r in records:
+        if r.ready is None:
+            continue
+        for stage, mb in enumerate(r.slots):
+            if mb is not None:
+                events.append({"ph": "X", "pid": pid, "tid": stage, "name": f"mb {mb}",
+                               "ts": us(r.start), "dur": max(us(r.ready) - us(r.start), 0.0),
+                               "args": {"micro_batch": mb}})
+    return events
 
 
 def _label(record: StepRecord) -> str:

@@ -225,13 +225,17 @@ class Decoder(nnx.Module):
         x = embed(head, tokens, cfg.embed_scale)
         positions = jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
         for i in range(cfg.num_layers):
+            local = i in cfg.sliding_layers
+
+            def attention(q, kv, local=local):
+                q, k, v = rotate(cfg, q, kv, positions, local)
+                return causal_attention(q, k, v, window=cfg.sliding_window if local else 0,
+                                        softcap=cfg.attn_softcap or 0.0,
+                                        scale=cfg.attn_scale), None
+
             with jax.named_scope(f"layer{i}"):
-                p = self.layer(i)
-                q, k, v = qkv(cfg, p, x, positions, local=i in cfg.sliding_layers)
-                window = cfg.sliding_window if i in cfg.sliding_layers else 0
-                attn = causal_attention(q, k, v, window=window,
-                                        softcap=cfg.attn_softcap or 0.0, scale=cfg.attn_scale)
-                x = attn_out_mlp(cfg, p, x, attn, moe_layer=i not in cfg.dense_layers)
+                x, _ = layer(cfg, self.layer(i), x, attention,
+                             moe_layer=i not in cfg.dense_layers)
         b, t, e = x.shape
         return logits(cfg, head, x.reshape(b * t, e)).reshape(b, t, -1)
 
@@ -266,10 +270,23 @@ def _matmul(x, w, n: int = 1, dot=None):
     return y.reshape(*lead, *out)
 
 
-def qkv(cfg: ModelConfig, p: LayerParams, x, positions, dot=None, local=False):
-    """x [..., E], positions [...] -> roped q [..., H, D], roped k and v [..., Hkv, D] (f32).
-    `dot`: see `_matmul`; `local`: see `rope_angles`."""
+def layer(cfg: ModelConfig, p: LayerParams, x, attention, reduce=None, dot=None, gated=None,
+          shard: ExpertShard | None = None, experts=None, moe_layer=True):
+    """One decoder layer, the one composition every caller runs (the whole-sequence forward
+    here, a pipeline stage's ragged step in `runtime/pipeline.py`): x [..., E] -> (x, what
+    `attention` wrote). `attention(q, kv)` takes the projections before RoPE (q [..., H, D],
+    kv [..., 2, Hkv, D], `projections`) and returns (attn [..., H, D], anything it wrote: a
+    step's paged KV; None here); it rotates (`rotate`), stores and attends as its caller's
+    kernels do. `reduce`, `dot`, `gated`, `shard`, `experts`, `moe_layer`: see
+    `attn_out_mlp`."""
     q, kv = projections(cfg, p, x, dot)
+    attn, written = attention(q, kv)
+    return attn_out_mlp(cfg, p, x, attn, reduce, dot, gated, shard, experts, moe_layer), written
+
+
+def rotate(cfg: ModelConfig, q, kv, positions, local=False):
+    """Projections q [..., H, D], kv [..., 2, Hkv, D] at positions [...] -> roped q, roped k
+    and v [..., Hkv, D]. `local`: see `rope_angles`."""
     cos, sin = rope_tables(cfg, positions, local)  # [..., 1, D]
     return apply_rope(q, cos, sin), apply_rope(kv[..., 0, :, :], cos, sin), kv[..., 1, :, :]
 

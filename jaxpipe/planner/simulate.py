@@ -7,6 +7,9 @@ runs the scheduler's one loop (`jaxpipe.scheduler.Driver`, as the engine does) o
 - `Run`: one step on the current layout (prefill layout in the prefill phase, else decode),
   landing at once; completed prefills sent to the host tier are copied out on the host link in
   the background. `PipelinedSimExecutor` keeps up to pp micro-batches in flight instead.
+- Host time (`HostCost`, hostcost.py): the host prepares each step before it starts and, with
+  the host sampler, samples it when it lands; the single-step executor waits for both, the
+  pipelined one overlaps them with the stages as far as its `in_flight` allows.
 - `Switch`: waits for the host link to drain, then loads the new weight shards; KV still on the
   devices is re-sharded through the host (out and back in).
 - `SwapIn` / `Preempt(swap)`: KV copies on the host link, overlapping later steps; a step that
@@ -28,6 +31,7 @@ from jaxpipe.config.layout import Layout
 from jaxpipe.config.meshes import MeshPreset
 from jaxpipe.config.model import ModelConfig
 from jaxpipe.planner.costmodel import CostModel
+from jaxpipe.planner.hostcost import NO_HOST, HostCost
 from jaxpipe.planner.planner import (
     HOST_KV_GB,
     MAX_NUM_SEQS,
@@ -70,6 +74,7 @@ class SimStats:
     decode_steps: int = 0
     decode_rows: int = 0
     tokens_generated: int = 0
+    host_seconds: float = 0.0  # host work: preparing micro-batches and host sampling
     padding_waste: float = 0.0
     host_timeline: list[tuple[float, int]] = field(default_factory=list)  # (s, tokens)
 
@@ -80,10 +85,12 @@ class SimStats:
 
 class SimExecutor(StepExecutor):
     """Carries out scheduler actions against a clock using one CostModel per phase; each
-    step lands as soon as it is launched."""
+    step lands as soon as it is launched, the host's time for it on the critical path."""
 
-    def __init__(self, prefill_cost: CostModel, decode_cost: CostModel):
+    def __init__(self, prefill_cost: CostModel, decode_cost: CostModel,
+                 host: HostCost = NO_HOST):
         self.cost = {Phase.PREFILL: prefill_cost, Phase.DECODE: decode_cost}
+        self.host_cost = host
         self.clock = 0.0  # seconds since the start
         self.link = 0.0  # when the host link finishes its queued copies
         self.kv_ready: dict[Hashable, float] = {}  # swapped-in sequence -> when its KV arrives
@@ -116,8 +123,14 @@ class SimExecutor(StepExecutor):
         pairs += sum(s.computed + 1 for s in action.decode)
         kv = sum(s.computed + n for s, n in action.prefill)  # rows read + written
         kv += sum(s.computed + 1 for s in action.decode)
-        start = max([self.clock] + [self.kv_ready.pop(s.seq_id, 0.0) for s in action.decode])
+        sampling = action.sampling()
+        host = self.host_cost.prepare(len(action.seqs)) + self.host_cost.host_sample(
+            len(sampling))
+        self.stats.host_seconds += host
+        start = max([self.clock + host]
+                    + [self.kv_ready.pop(s.seq_id, 0.0) for s in action.decode])
         dt = cm.step_time(len(action.seqs), tokens, pairs, kv, dependent=bool(action.decode))
+        dt += self.host_cost.device_sample(len(sampling))
         self.clock = start + dt
         if action.decode and len(action.decode) >= action.prefill_tokens:
             self.stats.decode_seconds += dt
@@ -126,7 +139,6 @@ class SimExecutor(StepExecutor):
         if action.decode:
             self.stats.decode_steps += 1
             self.stats.decode_rows += len(action.decode)
-        sampling = action.sampling()
         self.stats.tokens_generated += len(sampling)
         if action.prefill_to_host:
             done = [s for s, n in action.prefill if n == s.to_prefill]
@@ -171,46 +183,85 @@ class SimExecutor(StepExecutor):
 
 
 class PipelinedSimExecutor(SimExecutor):
-    """Micro-batches through `pp` stages with host-driven ticks, up to pp in flight (each
-    formed by the policy as one leaves; a sequence waits for its micro-batch to land): a
-    micro-batch enters stage s when it left stage s-1 and stage s is free; each stage takes
-    the cost model's `stage_time` for the micro-batch's tokens. The clock is the scheduler's:
-    it advances to a micro-batch's exit when that micro-batch lands."""
+    """Micro-batches through `pp` stages with host-driven ticks, up to `in_flight` in flight
+    while the host forms the next (each formed by the policy as one leaves; a sequence waits
+    for its micro-batch to land): a micro-batch enters stage s when it left stage s-1 and
+    stage s is free; each stage takes the cost model's `stage_time` for the micro-batch's
+    tokens (the last stage also the device sampler's time). The clock is the scheduler's: it
+    advances to a micro-batch's exit (and its host sampling) when that micro-batch lands.
+
+    The host is one worker (`host`: when it is next free): it prepares each micro-batch
+    before it enters stage 0 and, with the host sampler, samples each one that lands.
+    `in_flight` pp - 1 (the engine's rule, the default) forms k+1 only once k-pp+1 left the
+    last stage, and (`HostCost.stages_wait`) every later stage prepares its own input before
+    its forward (the engine's one tick program; vLLM's PP, SiPipe's intra-stage bubble): host
+    time on the critical path of every stage. `in_flight` pp lands micro-batch k-pp and forms
+    k+1 while the stages run k: host work is hidden while it is shorter than a stage, but free
+    sequences may form an extra, smaller micro-batch (hostcost.py)."""
 
     chained = False  # a micro-batch's tokens are back only when it leaves the last stage
 
-    def __init__(self, cost: CostModel):
-        super().__init__(cost, cost)
-        self.stages = [0.0] * cost.layout.pp  # when each stage is next free
-        self.in_flight = cost.layout.pp - 1  # in flight while the next one is formed
+    def __init__(self, cost: CostModel, host: HostCost = NO_HOST, in_flight: int | None = None):
+        super().__init__(cost, cost, host)
+        pp = cost.layout.pp
+        self.stages = [0.0] * pp  # when each stage is next free
+        self.in_flight = pp - 1 if in_flight is None else in_flight
+        if self.in_flight not in (pp - 1, pp):
+            raise ValueError(f"in_flight={in_flight}: accepted pp - 1 = {pp - 1} (host on the "
+                             f"critical path) or pp = {pp} (host overlapped)")
+        self.flow_depth = pp  # a one-micro-batch policy's run is split over them
         self.busy_seconds = 0.0  # stage-seconds of work (for the pipeline utilisation)
+        self.host = 0.0  # when the host is next free
+
+    @property
+    def host_blocking(self) -> bool:
+        """Host work on the critical path (each stage prepares its input after its last
+        forward) rather than overlapped with the stages."""
+        return self.in_flight < len(self.stages) and self.host_cost.stages_wait
 
     def launch(self, runs: list[Run], state: SchedulerState) -> tuple[float, list, list]:
-        """Queue the micro-batch on the stages; the handle: (when it leaves the last stage,
-        the sequences it samples, the ids it ends)."""
+        """Prepare the micro-batch on the host, then queue it on the stages; the handle:
+        (when it leaves the last stage, the sequences it samples, the ids it ends)."""
         (run,) = runs
+        dt = self._stage_time(run, state)
+        sampling = run.sampling()
+        prepare = self.host_cost.prepare(len(run.seqs))
+        self.host = max(self.clock, self.host) + prepare
+        self.stats.host_seconds += prepare
+        stall = prepare if self.host_blocking else 0.0
+        last = dt + self.host_cost.device_sample(len(sampling))
+        t = max([self.host] + [self.kv_ready.pop(s.seq_id, 0.0) for s in run.decode])
+        for i, free in enumerate(self.stages):
+            work = last if i == len(self.stages) - 1 else dt
+            t = max(t, free) + work + (stall if i else 0.0)
+            self.stages[i] = t
+        self.busy_seconds += dt * (len(self.stages) - 1) + last
+        return t, sampling, [s.seq_id for s in sampling if s.generated + 1 >= s.max_output_len]
+
+    def _stage_time(self, run: Run, state: SchedulerState) -> float:
+        """The cost model's time of `run` on one stage; counted as prefill or decode."""
         cm = self.cost[state.phase]
         tokens = run.prefill_tokens + len(run.decode)
         pairs = sum(n * s.computed + n * (n + 1) / 2 for s, n in run.prefill)
         pairs += sum(s.computed + 1 for s in run.decode)
         kv = sum(s.computed + n for s, n in run.prefill) + sum(s.computed + 1 for s in run.decode)
         dt = cm.stage_time(tokens, pairs, kv, len(run.sampling()))
-        t = max([self.clock] + [self.kv_ready.pop(s.seq_id, 0.0) for s in run.decode])
-        for i, free in enumerate(self.stages):
-            t = max(t, free) + dt
-            self.stages[i] = t
-        self.busy_seconds += dt * len(self.stages)
         if run.decode and len(run.decode) >= run.prefill_tokens:
             self.stats.decode_seconds += dt
             self.stats.decode_steps += 1
             self.stats.decode_rows += len(run.decode)
         else:
             self.stats.prefill_seconds += dt
-        sampling = run.sampling()
-        return t, sampling, [s.seq_id for s in sampling if s.generated + 1 >= s.max_output_len]
+        return dt
 
     def land(self, handle: tuple[float, list, list], state: SchedulerState) -> list[Hashable]:
+        """The micro-batch left the last stage at `done`; the host sampler samples it then
+        (after the host's earlier work)."""
         done, sampling, ended = handle
+        sample = self.host_cost.host_sample(len(sampling))
+        if sample:
+            done = self.host = max(done, self.host) + sample
+            self.stats.host_seconds += sample
         self.clock = max(self.clock, done)
         self.stats.tokens_generated += len(sampling)
         return ended
@@ -269,7 +320,8 @@ class SimResult:
             "swap_out_bytes": st.swap_out_bytes, "swap_in_bytes": st.swap_in_bytes,
             "swap_seconds": st.swap_seconds, "mean_decode_batch": st.mean_decode_batch,
             "preemptions": st.preemptions, "padding_waste": st.padding_waste,
-            "tokens_generated": st.tokens_generated, "utilisation": self.utilisation,
+            "tokens_generated": st.tokens_generated, "host_seconds": st.host_seconds,
+            "utilisation": self.utilisation,
             "host_timeline": _downsample(st.host_timeline),
         }
 
@@ -281,7 +333,8 @@ def _downsample(timeline: list, points: int = TIMELINE_POINTS) -> list:
 
 def simulate(model: ModelConfig, mesh: MeshPreset, workload: Workload, policy: str,
              prefill: Layout, decode: Layout | None = None, host_kv_gb: float = HOST_KV_GB,
-             pipelined: bool = False, **policy_options) -> SimResult:
+             pipelined: bool = False, host_cost: HostCost = NO_HOST,
+             in_flight: int | None = None, **policy_options) -> SimResult:
     """Serve `workload` with `policy` on `prefill` (and `decode`, default the same) layouts.
 
     `pipelined`: micro-batches with host-driven ticks on one layout (`PipelinedSimExecutor`:
@@ -289,6 +342,9 @@ def simulate(model: ModelConfig, mesh: MeshPreset, workload: Workload, policy: s
     and gLLM run; `tdpipe` and `throttle` always run so. Otherwise a step is all pp
     micro-batches at once (`CostModel.step_time`), as the engine's in-program ticks run.
     `prefill_first` on a single layout defaults to chunked prefill (the paper's vLLM baseline).
+    `host_cost`: the host's time per micro-batch (hostcost.py; default none); `in_flight`:
+    the pipelined executor's micro-batches in flight while the next is formed (pp - 1, the
+    engine's and the default: host work on the critical path; pp: overlapped).
     Raises ValueError if a layout cannot hold the weights plus the longest request."""
 
     decode = decode or prefill
@@ -302,7 +358,8 @@ def simulate(model: ModelConfig, mesh: MeshPreset, workload: Workload, policy: s
         opts.setdefault("timing", CostTiming(cost_p, workload.mean_prompt
                                              + workload.mean_output / 2, workload.mean_prompt))
     pol = make_policy(policy, **opts)
-    executor = PipelinedSimExecutor(cost_p) if pipelined else SimExecutor(cost_p, cost_d)
+    executor = (PipelinedSimExecutor(cost_p, host_cost, in_flight) if pipelined
+                else SimExecutor(cost_p, cost_d, host_cost))
     Driver(pol, state, executor).run()
     executor.record_host(state)
     seconds = max(executor.clock, executor.link)

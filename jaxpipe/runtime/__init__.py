@@ -2,7 +2,8 @@
 
     runner.py          the runner: weights, the paged KV pool, compiled step programs, the
                        sampler, for the current layout; it decides nothing
-    pipeline.py        the step's program on a mesh (stages over pp, tp inside each)
+    pipeline.py        the tick program on a mesh (stages over pp, tp inside each)
+    flow.py            the micro-batches in flight through the stages, and their clock
     sharding.py        logical axes -> mesh axes per layout, padding, re-sharding
     sampling.py        the device sampler (SamplingParams packed into tensors)
     host_sampler.py    the same choices in NumPy on worker threads (SiPipe)

@@ -35,6 +35,7 @@ from jax._src import distributed as jax_distributed
 
 from jaxpipe.config.cluster import Cluster
 from jaxpipe.kv.host_buffer import HostKVBuffer, stage
+from jaxpipe.runtime.flow import Pending
 
 CONNECT_SECONDS = 300.0  # how long the leader waits for every follower to say hello
 KEEP_STEPS = 4  # dispatched steps a follower keeps for the next step's `prev`
@@ -207,11 +208,15 @@ class MirroredRunner:
     sampler = _local("sampler")
     sampler_threads = _local("sampler_threads")
     layout = _local("layout")
-    microbatches = _local("microbatches")
     kernel_choices = _local("kernel_choices")
     kv_extract = _local("kv_extract", "the local runner's (the KV manager mirrors swaps)")
     kv_staging = _local("kv_staging", "the local runner's (the KV manager mirrors swaps)")
     kv_insert = _local("kv_insert", "the local runner's (the KV manager mirrors swaps)")
+    in_flight = _local("in_flight")
+    lowered = _local("lowered", "the local runner's (inspection only: it runs nothing)")
+    flow_counts = _local("flow_counts")
+    stage_times = _local("stage_times")
+    tick_records = _local("tick_records")
 
     def dispatch(self, inputs, slots, sampling_inputs, prev=None):
         step = next(self._steps)
@@ -219,7 +224,13 @@ class MirroredRunner:
                          getattr(prev, "step_id", None))
         out = self._runner.dispatch(inputs, slots, sampling_inputs, prev)
         out.step_id = step
+        if isinstance(out, Pending):  # its idle ticks run on every process alike
+            out.drain = self.drain_one
         return out
+
+    def drain_one(self):
+        self.leader.send("drain_one")
+        return self._runner.drain_one()
 
     def hidden(self, inputs):  # no `prev`: only warm-up and timing call it, feeding nothing
         self.leader.send("hidden", inputs)
@@ -228,6 +239,10 @@ class MirroredRunner:
     def logits(self, inputs, rows):
         self.leader.send("logits", inputs, rows)
         return self._runner.logits(inputs, rows)
+
+    def logits_many(self, steps):
+        self.leader.send("logits_many", steps)
+        return self._runner.logits_many(steps)
 
     def step(self, inputs, slots, sampling_inputs):
         self.leader.send("step", inputs, slots, sampling_inputs)

@@ -1,14 +1,18 @@
-"""The step's program on a mesh: one ragged token batch, GPipe over `pp`, tensor parallelism
-over `tp` inside each stage. One device is the mesh `pp=1,tp=1` running the same program.
+"""The step's program on a mesh: one pipeline tick of ragged token batches, one micro-batch per
+stage over `pp`, tensor parallelism over `tp` inside each stage. One device is the mesh
+`pp=1,tp=1` running the same program, where a tick is a whole step.
 
-A step is one flat batch of T tokens (`step_inputs.py`): each sequence contributes a chunk of
-its context or one decode token, at its own positions, with its own block-table row. The batch
-flows through the stages as M micro-batches of T/M tokens in M + pp - 1 ticks (`gpipe`); after
-each tick the activations move one stage on with `lax.ppermute`. Inside a stage, per layer:
-project q/k/v for every token, write each token's K/V into its sequence's blocks, then attend
-each sequence's span over its paged KV (causal inside the span; `attend`), then the MLP. A
-stage with no micro-batch in a tick (pipeline fill and drain) computes on garbage and writes
-its KV to an out-of-range block, which the scatter drops.
+A micro-batch is one flat batch of T tokens (`step_inputs.py`): each sequence contributes a
+chunk of its context or one decode token, at its own positions, with its own block-table row.
+Micro-batches flow through the stages across ticks (`tick_program`; the host side is
+`runtime/flow.py`): in one tick stage s runs the micro-batch that entered s ticks earlier,
+and after it the activations move one stage on with `lax.ppermute`, carried to the next tick
+in a donated buffer. Nothing drains between steps: a stage idles only while the pipeline
+fills or drains (a layout switch, the work running out), on an idle micro-batch whose KV
+writes go to an out-of-range block, which the scatter drops. Inside a stage, per layer (the
+decoder's own `decoder.layer`): project q/k/v for every token, write each token's K/V into its
+sequence's blocks, attend each sequence's span over its paged KV (causal inside the span;
+`StepAttention`), then the output projection and the MLP.
 
 The step is one `jax.shard_map` over the whole mesh, manual over every axis, so every
 collective is spelled out: each device holds its stage's layers (`layers` over pp), its
@@ -22,6 +26,7 @@ XLA's dot partitioned from the vocab-split weights).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Iterable, Mapping
 from functools import partial
@@ -29,6 +34,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxpipe.config.layout import Layout
@@ -41,40 +47,10 @@ from jaxpipe.model import decoder
 from jaxpipe.model.decoder import LAYER_PARAMS, HeadParams, LayerParams, param_decls
 from jaxpipe.runtime import kernel_choice, sharding
 from jaxpipe.runtime.kernel_choice import PANEL_ORDER, KernelChoice, Matmul
-from jaxpipe.runtime.step_inputs import StepInputs
 
 # The weights the step reads in panel order, each with its kernel path for a number of rows
 # (`runtime/kernel_choice.py`); the others are XLA's.
 KernelPaths = Mapping[str, Callable[[int], str]]
-
-
-def gpipe(stage_fn, xs, state, acc, *, num_stages: int, collect):
-    """Run micro-batches xs [M, ...] through the stages (call inside `shard_map`).
-
-    stage_fn(x, m, valid, state) -> (y, state): this device's layers on micro-batch m; `valid`
-        is False in bubble ticks (the stage must then leave `state` unchanged in effect).
-    collect(acc, y, m) -> acc: what the last stage keeps of micro-batch m's output.
-    Returns (acc, the same on every device; the final state)."""
-    stage = lax.axis_index("pp")
-    m_count = xs.shape[0]
-    shift = [(i, (i + 1) % num_stages) for i in range(num_stages)]
-
-    def tick(t, carry):
-        act, acc, state = carry
-        m = t - stage
-        valid = (m >= 0) & (m < m_count)
-        m = jnp.clip(m, 0, m_count - 1)
-        x = jnp.where(stage == 0, xs[m], act)
-        y, state = stage_fn(x, m, valid, state)
-        keep = valid & (stage == num_stages - 1)
-        acc = jnp.where(keep, collect(acc, y, m), acc)
-        act = lax.ppermute(y, "pp", shift) if num_stages > 1 else y
-        return act, acc, state
-
-    carry = (jnp.zeros_like(xs[0]), acc, state)
-    _, acc, state = lax.fori_loop(0, m_count + num_stages - 1, tick, carry)
-    # Only the last stage collected anything: the sum over stages is a broadcast of it.
-    return (lax.psum(acc, "pp") if num_stages > 1 else acc), state
 
 
 def token_slots(table, rows, positions):
@@ -249,77 +225,111 @@ def kernel_rope(cfg: ModelConfig, q, kv, cos, sin):
     return q, kv, jnp.ones(half, jnp.float32), jnp.zeros(half, jnp.float32)
 
 
-def stage_layers(cfg: ModelConfig, layers: LayerParams, x, mb: dict, cache: KVCache, reduce,
-                 *, attention: str, max_kv: int, unroll: bool, packed: KernelPaths,
-                 windows: tuple[int, ...] = (), shard: decoder.ExpertShard | None = None,
-                 moe_layers: tuple[bool, ...] = (), experts: Callable | None = None):
-    """This stage's layers over one micro-batch x [Tm, E] (mb: see `attend`); each token's
-    K/V is written into its blocks (`token_slots`) before the spans attend. `attention`: see
-    `attend` ("cpu": the C++ kernel also rotates q and k and writes k and v itself,
-    `ragged_attention.write_and_attend`); `packed`: the matmul weights in panel order, for
-    the C++ bf16 kernel, each with the kernel path for a number of rows; `windows`: every
-    padded layer's sliding window (0: none; `sharding.layer_windows`), () for none at all;
-    `shard`: this device's experts under expert parallelism (`decoder.mlp`); `moe_layers`:
-    whether each padded layer runs its experts (`sharding.layer_experts`), () where every
-    layer of the model is alike; `experts`: the experts' path chooser
-    (`moe.experts_mlp`'s; None: `kernels/kernel_choice.experts_path` unforced)."""
-    positions = mb["positions"]
+@dataclasses.dataclass(frozen=True)
+class StageOptions:
+    """How a stage runs its layers. `attention`: see `attend` ("cpu": the C++ kernel, which
+    also rotates q and k and writes k and v itself, `ragged_attention.write_and_attend`);
+    `max_kv`: the XLA attention's static key bound; `packed`: the matmul weights in panel
+    order, for the C++ bf16 kernel, each with the kernel path for a number of rows;
+    `windows`: every padded layer's sliding window (0: none; `sharding.layer_windows`), ()
+    for none at all; `moe_layers`: whether each padded layer runs its experts
+    (`sharding.layer_experts`), () where every layer of the model is alike; `experts`: the
+    experts' path chooser (`moe.experts_mlp`'s; None: `kernel_choice.experts_path`)."""
+
+    attention: str
+    max_kv: int
+    unroll: bool = True
+    packed: KernelPaths = dataclasses.field(default_factory=dict)
+    windows: tuple[int, ...] = ()
+    moe_layers: tuple[bool, ...] = ()
+    experts: Callable | None = None
+
+
+def stage_layers(cfg: ModelConfig, layers: LayerParams, x, mb: dict, cache: KVCache,
+                 layout: Layout, opts: StageOptions):
+    """This stage's layers over one micro-batch x [Tm, E] (mb: see `attend`): each is the
+    decoder's own `decoder.layer`, with the step's paged attention (`StepAttention`: each
+    token's K/V written into its blocks before the spans attend), the matmul kernels, the
+    tp psum and, under ep, this device's experts. Call inside `shard_map`."""
     count = layers.wq.shape[0]
-    table = jnp.asarray(windows or (0,), jnp.int32)
-
-    softcap = cfg.attn_softcap or 0.0
-
-    experts_table = jnp.asarray(moe_layers or (True,))
-
-    def window(j):  # layer j of this stage: padded layer stage * count + j
-        return table[lax.axis_index("pp") * count + j] if any(windows) else 0
-
-    def moe_layer(j):  # as `window`; True (static) where every layer is alike
-        return experts_table[lax.axis_index("pp") * count + j] if moe_layers else True
-
-    def dot(x, w):
-        return kernel_dot(x, w) if isinstance(w, StackedWeight) else decoder.xla_dot(x, w)
-
-    if attention == "cpu":
-        angles = decoder.rope_angles(cfg, positions)  # [Tm, D/2], once for every layer
-        local_angles = (decoder.rope_angles(cfg, positions, local=True)
-                        if cfg.rope_local_theta is not None and any(windows) else None)
-
-        def attend_layer(p, x, k, v, j):
-            q, kv = decoder.projections(cfg, p, x, dot)
-            w = window(j)
-            cos, sin = angles
-            if local_angles is not None:  # Gemma 3: the sliding layers' own RoPE base
-                cos, sin = (jnp.where(w > 0, a, b)
-                            for a, b in zip(local_angles, angles, strict=True))
-            q, kv, cos, sin = kernel_rope(cfg, q, kv, cos, sin)
-            return ragged_attention.write_and_attend(
-                q, kv, cos, sin, k, v, mb["table"], mb["q_start"], mb["q_len"], mb["kv_len"], j,
-                window=w, softcap=softcap, scale=cfg.attn_scale)
-    else:
-        blocks, offsets = token_slots(mb["table"], mb["rows"], positions)
-
-        def attend_layer(p, x, k, v, j):
-            q, kn, vn = decoder.qkv(cfg, p, x, positions, dot, window(j) > 0)
-            k = k.at[j, blocks, :, offsets].set(to_storage(kn, k), mode="drop")
-            v = v.at[j, blocks, :, offsets].set(to_storage(vn, v), mode="drop")
-            return attend(q, k, v, mb, j, attention=attention, max_kv=max_kv,
-                          window=window(j), softcap=softcap, scale=cfg.attn_scale), k, v
-
+    attention = StepAttention(cfg, mb, opts, count)
+    reduce = partial(lax.psum, axis_name="tp") if layout.tp > 1 else None
+    shard, experts = expert_shard(layout), opts.experts or kernel_choice.experts_path
     # The fused gate needs this device's gate and up halves in whole panel pairs.
-    gated = (kernel_gated if "w_gate_up" in packed and cfg.mlp_act == "silu"
+    gated = (kernel_gated if "w_gate_up" in opts.packed and cfg.mlp_act == "silu"
              and layers.w_gate_up.shape[-1] % matmul.PANEL == 0 else None)
 
-    def layer(carry, j):
+    def body(carry, j):
         x, k, v = carry
-        p = layer_params(layers, j, packed)
-        attn, k, v = attend_layer(p, x, k, v, j)
-        x = decoder.attn_out_mlp(cfg, p, x, attn, reduce, dot, gated, shard,
-                                 experts or kernel_choice.experts_path, moe_layer(j))
+        x, (k, v) = decoder.layer(cfg, layer_params(layers, j, opts.packed), x,
+                                  partial(attention, k=k, v=v, j=j), reduce, _dot, gated,
+                                  shard, experts, attention.moe_layer(j))
         return (x, k, v), None
 
-    (x, k, v), _ = lax.scan(layer, (x, *cache), jnp.arange(count), unroll=unroll)
+    (x, k, v), _ = lax.scan(body, (x, *cache), jnp.arange(count), unroll=opts.unroll)
     return x, KVCache(k, v)
+
+
+def _dot(x, w):
+    """The matmul of a packed weight on the C++ kernel, of any other on XLA."""
+    return kernel_dot(x, w) if isinstance(w, StackedWeight) else decoder.xla_dot(x, w)
+
+
+class StepAttention:
+    """A ragged step's attention for `decoder.layer`, in layer j of this stage (the padded
+    model's layer stage * count + j): `(q, kv, k=, v=, j=) -> (attn, (k, v))` rotates q and
+    k, writes k and v into the blocks of their rows and attends each span over its paged KV
+    (k, v: the stage's pools). Call inside `shard_map`."""
+
+    def __init__(self, cfg: ModelConfig, mb: dict, opts: StageOptions, count: int):
+        self.cfg, self.mb, self.opts, self.count = cfg, mb, opts, count
+        self.windows = jnp.asarray(opts.windows or (0,), jnp.int32)
+        self.experts = jnp.asarray(opts.moe_layers or (True,))
+        if opts.attention == "cpu":  # the angles once for every layer
+            self.angles = decoder.rope_angles(cfg, mb["positions"])  # [Tm, D/2]
+            self.local_angles = (decoder.rope_angles(cfg, mb["positions"], local=True)
+                                 if cfg.rope_local_theta is not None and any(opts.windows)
+                                 else None)
+        else:
+            self.slots = token_slots(mb["table"], mb["rows"], mb["positions"])
+
+    def _padded(self, j):
+        return lax.axis_index("pp") * self.count + j
+
+    def window(self, j):
+        return self.windows[self._padded(j)] if any(self.opts.windows) else 0
+
+    def moe_layer(self, j):
+        """Whether layer j runs its experts (True, static, where every layer is alike)."""
+        return self.experts[self._padded(j)] if self.opts.moe_layers else True
+
+    def __call__(self, q, kv, *, k, v, j):
+        if self.opts.attention == "cpu":
+            return self._kernel(q, kv, k, v, j)
+        return self._xla(q, kv, k, v, j)
+
+    def _kernel(self, q, kv, k, v, j):
+        cfg, mb, w = self.cfg, self.mb, self.window(j)
+        cos, sin = self.angles
+        if self.local_angles is not None:  # Gemma 3: the sliding layers' own RoPE base
+            cos, sin = (jnp.where(w > 0, a, b)
+                        for a, b in zip(self.local_angles, self.angles, strict=True))
+        q, kv, cos, sin = kernel_rope(cfg, q, kv, cos, sin)
+        attn, k, v = ragged_attention.write_and_attend(
+            q, kv, cos, sin, k, v, mb["table"], mb["q_start"], mb["q_len"], mb["kv_len"], j,
+            window=w, softcap=cfg.attn_softcap or 0.0, scale=cfg.attn_scale)
+        return attn, (k, v)
+
+    def _xla(self, q, kv, k, v, j):
+        cfg, w = self.cfg, self.window(j)
+        q, kn, vn = decoder.rotate(cfg, q, kv, self.mb["positions"], w > 0)
+        blocks, offsets = self.slots
+        k = k.at[j, blocks, :, offsets].set(to_storage(kn, k), mode="drop")
+        v = v.at[j, blocks, :, offsets].set(to_storage(vn, v), mode="drop")
+        attn = attend(q, k, v, self.mb, j, attention=self.opts.attention,
+                      max_kv=self.opts.max_kv, window=w, softcap=cfg.attn_softcap or 0.0,
+                      scale=cfg.attn_scale)
+        return attn, (k, v)
 
 
 def _specs(cfg: ModelConfig, layout: Layout):
@@ -336,15 +346,6 @@ def split_params(params: dict) -> tuple[LayerParams, HeadParams]:
     return LayerParams(*(params.get(n) for n in LAYER_PARAMS)), head
 
 
-def _micro(inputs: dict, m, valid):
-    """Micro-batch m's inputs; in a bubble tick (`valid` False) its tokens write nothing and
-    its spans are empty."""
-    rows = jnp.where(valid, inputs["rows"][m], inputs["table"].shape[0])
-    return {"table": inputs["table"], "rows": rows, "positions": inputs["positions"][m],
-            "q_start": inputs["q_start"][m], "q_len": jnp.where(valid, inputs["q_len"][m], 0),
-            "kv_len": inputs["kv_len"][m]}
-
-
 def expert_shard(layout: Layout) -> decoder.ExpertShard | None:
     """This device's experts under `layout` (call inside `shard_map`): its index along `ep`,
     whose partial MoE outputs are summed with a psum over ep; None without ep."""
@@ -353,57 +354,55 @@ def expert_shard(layout: Layout) -> decoder.ExpertShard | None:
     return decoder.ExpertShard(lax.axis_index("ep"), partial(lax.psum, axis_name="ep"))
 
 
-def step_program(cfg: ModelConfig, layout: Layout, mesh, *, attention: str, max_kv: int,
-                 out_rows: int, packed: KernelPaths | None = None, unroll: bool = True,
-                 windows: tuple[int, ...] = (), moe_layers: tuple[bool, ...] = (),
-                 experts: Callable | None = None):
-    """jit(params, cache, inputs: StepInputs, prev [out_rows] i32: the previous step's sampled
-    tokens, for `inputs.feed`) -> (hidden [out_rows, E] f32: the residual of
-    each row's last token, zeros past the step's R rows; cache (donated)). `max_kv`: the XLA
-    attention's static key bound (ignored by the kernels, which read each row's own length).
-    `out_rows` (>= R) is fixed for every token bucket, so the LM head compiles once per
-    number of sampled rows, whatever the step's size. `packed`, `windows`, `moe_layers`,
-    `experts`: see `stage_layers`."""
-    packed = packed or {}
+def tick_program(cfg: ModelConfig, layout: Layout, mesh, opts: StageOptions, out_rows: int):
+    """jit(params, cache, act, inputs: TickInputs, prev [out_rows] i32: the last sampled
+    tokens, for the new micro-batch's `feed`) -> (hidden [out_rows, E] f32: the residual of
+    each row's last token of the micro-batch leaving the last stage, zeros past its R rows;
+    cache, act (both donated)).
+
+    One tick of the flowing pipeline: stage s runs the micro-batch in slot s of `inputs` (slot
+    0: the one entering, embedded here; slot s > 0: the one that left stage s - 1 last tick,
+    whose activations `act` [pp, Tm, E] carries), then every stage's output moves one stage on
+    (`lax.ppermute`) into the returned `act`. An idle slot's tokens write no KV (rows = R).
+    On one stage (pp = 1) a tick is a whole step. `opts`: how the stages run their layers
+    (`StageOptions`); `out_rows` (>= R) is fixed for every bucket, so the LM head compiles
+    once per number of sampled rows."""
     layer_specs, cache_specs = _specs(cfg, layout)
-    reduce = partial(lax.psum, axis_name="tp") if layout.tp > 1 else None
     keys = ("rows", "positions", "table", "q_start", "q_len", "kv_len", "last")
+    shift = [(i, (i + 1) % layout.pp) for i in range(layout.pp)]
 
-    def body(layers, xs, inputs, cache):
-        tm = xs.shape[1]
-        shard = expert_shard(layout)
+    def body(layers, x0, act, slots, cache):
+        stage = lax.axis_index("pp")
+        mine = {k: v[0] for k, v in slots.items()}  # this stage's slot
+        x = jnp.where(stage == 0, x0, act[0])
+        y, cache = stage_layers(cfg, layers, x, mine, cache, layout, opts)
+        hidden = jnp.where(stage == layout.pp - 1, y[mine["last"]], 0.0)  # [R, E]
+        if layout.pp > 1:  # only the last stage's rows are non-zero: the sum broadcasts them
+            hidden, y = lax.psum(hidden, "pp"), lax.ppermute(y, "pp", shift)
+        return hidden, y[None], cache
 
-        def stage_fn(x, m, valid, cache):
-            return stage_layers(cfg, layers, x, _micro(inputs, m, valid), cache, reduce,
-                                attention=attention, max_kv=max_kv, unroll=unroll,
-                                packed=packed, windows=windows, shard=shard,
-                                moe_layers=moe_layers, experts=experts)
-
-        def collect(acc, y, m):  # rows whose last token is in micro-batch m
-            last = inputs["last"]
-            return jnp.where((last // tm == m)[:, None], y[last % tm], acc)
-
-        acc = jnp.zeros((inputs["last"].shape[0], xs.shape[2]), jnp.float32)
-        return gpipe(stage_fn, xs, cache, acc, num_stages=layout.pp, collect=collect)
-
+    slot = P("pp")
     staged = jax.shard_map(body, mesh=mesh, check_vma=False,
-                           in_specs=(layer_specs, P(), {k: P() for k in keys}, cache_specs),
-                           out_specs=(P(), cache_specs))
+                           in_specs=(layer_specs, P(), slot, {k: slot for k in keys},
+                                     cache_specs),
+                           out_specs=(P(), slot, cache_specs))
 
-    def step(params, cache, inputs: StepInputs, prev):
+    def tick(params, cache, act, inputs, prev):
         layers, head = split_params(params)
-        xs = decoder.embed(head, fed_tokens(inputs, prev), cfg.embed_scale)  # [M, Tm, E]
-        hidden, cache = staged(layers, xs, {k: getattr(inputs, k) for k in keys}, cache)
-        return jnp.pad(hidden, ((0, out_rows - hidden.shape[0]), (0, 0))), cache
+        x0 = decoder.embed(head, fed_tokens(inputs.tokens[0], inputs.feed[0], prev),
+                           cfg.embed_scale)  # [Tm, E]: the entering micro-batch
+        hidden, act, cache = staged(layers, x0, act, {k: getattr(inputs, k) for k in keys},
+                                    cache)
+        return jnp.pad(hidden, ((0, out_rows - hidden.shape[0]), (0, 0))), cache, act
 
-    return jax.jit(step, donate_argnames="cache")
+    return jax.jit(tick, donate_argnames=("cache", "act"))
 
 
-def fed_tokens(inputs: StepInputs, prev):
-    """The step's token ids: `inputs.tokens`, except where `inputs.feed` names a row of the
-    previous step's sampled tokens `prev` (still on the device) to take instead."""
-    fed = jnp.take(prev, jnp.maximum(inputs.feed, 0), mode="clip")
-    return jnp.where(inputs.feed >= 0, fed, inputs.tokens)
+def fed_tokens(tokens, feed, prev):
+    """Token ids `tokens`, except where `feed` names a row of the previous step's sampled
+    tokens `prev` (still on the device) to take instead."""
+    fed = jnp.take(prev, jnp.maximum(feed, 0), mode="clip")
+    return jnp.where(feed >= 0, fed, tokens)
 
 
 # The LM head runs on at least this many rows: for one row XLA's CPU dot takes a matrix-vector
@@ -433,14 +432,13 @@ def logits_program(cfg: ModelConfig, vocab: int, layout: Layout | None = None, m
         n = max(rows, HEAD_MIN_ROWS)
         if hidden.shape[0] < n:
             hidden = jnp.pad(hidden, ((0, n - hidden.shape[0]), (0, 0)))
-        return decoder.logits(cfg, params_head, hidden[:n])[:rows, :vocab]
+        out = decoder.logits(cfg, params_head, hidden[:n])
+        if mesh is not None:  # every device computes its own logits, not all of them
+            out = jax.lax.with_sharding_constraint(out, NamedSharding(
+                mesh, sharding.logits_spec(layout, out.shape[-1])))
+        return out[:rows, :vocab]
 
     return jax.jit(logits, static_argnames="rows")
-
-
-def microbatches(tokens: int, most: int) -> int:
-    """The largest number of equal micro-batches of `tokens` tokens that is at most `most`."""
-    return max(d for d in range(1, min(tokens, most) + 1) if tokens % d == 0)
 
 
 def kernel_matmuls(cfg: ModelConfig, padding: sharding.Padding, shardings: dict,

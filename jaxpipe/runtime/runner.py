@@ -36,8 +36,9 @@ from jaxpipe.kv import device_cache
 from jaxpipe.kv.device_cache import BLOCK, KVCache
 from jaxpipe.model import orbax_dir
 from jaxpipe.model.decoder import param_decls
-from jaxpipe.runtime import memory, pipeline, sampling, sharding, sizing
+from jaxpipe.runtime import memory, pipeline, sampling, sharding, sizing, step_inputs
 from jaxpipe.runtime.buckets import Buckets, round_up
+from jaxpipe.runtime.flow import Flow, MicroBatch, Pending
 from jaxpipe.runtime.host_sampler import HostSampler, host_logprobs
 from jaxpipe.runtime.kernel_choice import (
     HEAD_ROWS,
@@ -171,6 +172,15 @@ def _sample(logits, prompt_mask, out_counts, slots, tensors, *, mode, penalties,
     return jnp.pad(tokens, (0, out_rows - tokens.shape[0])), lp, prompt_mask, out_counts
 
 
+def _resize_program(act_sharding: NamedSharding):
+    """jit(act [pp, T, E], tokens: static) -> [pp, tokens, E]: cut, or padded with zeros."""
+    def resize(act, tokens):
+        t = act.shape[1]
+        return act[:, :tokens] if t >= tokens else jnp.pad(act, ((0, 0), (0, tokens - t),
+                                                                  (0, 0)))
+    return jax.jit(resize, static_argnames="tokens", out_shardings=act_sharding)
+
+
 def _set_penalty_row(prompt_mask, out_counts, slot, mask_row, count_row):
     """One slot's penalty state: which tokens its prompt has, how often each was output."""
     return prompt_mask.at[slot].set(mask_row), out_counts.at[slot].set(count_row)
@@ -204,6 +214,7 @@ class Placement:
         self._kv_shape, self._kv_dtype = sharding.kv_shape(cfg, padding, num_blocks), kv_dtype
         spec = sharding.spec(("layers", "kv_heads", "seq", "head_dim"), layout)
         self.staging = [NamedSharding(self.mesh, spec)] * 2  # one sequence's K, V
+        self.act_sharding = NamedSharding(self.mesh, P("pp"))  # [pp, T, E]: a slot per stage
         self.spare: KVCache | None = None  # this layout's zeroed pool, kept by `keep`
 
     def pack(self, params: dict) -> dict:
@@ -318,6 +329,10 @@ class Runner:
         """The step programs' cache and the compile counters; the current layout's swap
         programs compiled (`_warm_swaps`)."""
         self._no_prev: dict[str, jax.Array] = {}  # per phase: `prev` of a step with no feed
+        self._flows: dict[str, Flow] = {}  # per phase: the micro-batches in its pipeline
+        self._act: dict[str, jax.Array] = {}  # per phase: activations carried between stages
+        self._resize: dict = {}  # act sharding -> its resize program
+        self._feed: jax.Array | None = None  # the entering step's `prev` tokens
         self._programs: dict[tuple, object] = {}
         self.compiled: set[tuple] = set()
         self.compile_seconds = 0.0
@@ -355,6 +370,9 @@ class Runner:
         keeps the pool a layout had, zeroed, where that is free). None moves the whole pool."""
         if phase == self.phase:
             return None
+        if self.in_flight():
+            raise RuntimeError(f"a layout switch needs an empty pipeline; {self.in_flight()} "
+                               "micro-batches are in flight (drain them first)")
         left, old, self.phase = self.phase, self.placements[self.phase], phase
         place = self.placements[phase]
         params, weights_seconds = self._weights_in(place, phase, left)
@@ -412,11 +430,7 @@ class Runner:
             cache = device_cache.write_blocks(cache, ids, staged, block_axis=1)
         return cache, count
 
-    # ---- the step ---------------------------------------------------------------------------
-
-    def microbatches(self, tokens: int) -> int:
-        """Micro-batches a step of `tokens` tokens flows through the stages in."""
-        return pipeline.microbatches(tokens, self.layout.pp)
+    # ---- the step: micro-batches flowing through the stages ----------------------------------
 
     def step(self, inputs: StepInputs, slots: np.ndarray,
              sampling_inputs: SamplingInputs) -> StepOutput:
@@ -424,52 +438,141 @@ class Runner:
         return self.dispatch(inputs, slots, sampling_inputs).fetch()
 
     def dispatch(self, inputs: StepInputs, slots: np.ndarray, sampling_inputs: SamplingInputs,
-                 prev: Dispatched | None = None) -> Dispatched | HostSampled:
-        """Start one ragged step (returns at once); sample a token for the first len(slots)
-        rows (their penalty state is that of `slots`). `sampling_inputs` has one entry per
-        sampled row, padded to `buckets.sample_rows`. `prev`: the step before, whose sampled tokens
-        `inputs.feed` refers to (it may still be running)."""
-        n = len(slots)
+                 prev: Dispatched | None = None) -> Dispatched | HostSampled | Pending:
+        """Start one ragged step, a micro-batch entering the first stage (returns at once);
+        sample a token for its first len(slots) rows (their penalty state is that of `slots`)
+        when it leaves the last one. `sampling_inputs` has one entry per sampled row, padded
+        to `buckets.sample_rows` (None: nothing sampled). `prev`: the step before, whose sampled
+        tokens `inputs.feed` refers to (it may still be running; one stage only). On one
+        stage the results are the step's own (`Dispatched`, or `HostSampled`); with more, a
+        `Pending` filled when the micro-batch leaves (its `wait` drains the pipeline)."""
+        flow = self._flow()
+        mb = MicroBatch(inputs, np.asarray(slots), sampling_inputs, Pending(self.drain_one))
+        self._feed = prev.tokens if prev is not None and prev.tokens is not None else None
+        # (a host-sampled step not yet sampled feeds nothing: the executor samples it first
+        # when this step takes tokens from it)
+        flow.enter(mb)
+        self._feed = None
+        return mb.pending.done if mb.pending.done is not None else mb.pending
+
+    def in_flight(self) -> int:
+        """Micro-batches dispatched that have not left the last stage."""
+        flow = self._flows.get(self.phase)
+        return flow.in_flight if flow is not None else 0
+
+    def drain_one(self) -> None:
+        """One idle tick: every micro-batch in flight one stage nearer the exit."""
+        self._flow().drain()
+
+    def flow_counts(self) -> dict:
+        """Ticks run and stage-ticks with and without a micro-batch, over every layout."""
+        flows = self._flows.values()
+        return {"ticks": sum(f.ticks for f in flows),
+                "busy_slots": sum(f.busy_slots for f in flows),
+                "idle_slots": sum(f.idle_slots for f in flows)}
+
+    def stage_times(self) -> dict:
+        """Per phase: its stages' busy seconds and its pipeline's wall time (`StageClock`),
+        counted up to the ticks seen finished now."""
+        for flow in self._flows.values():
+            flow.clock.poll()
+        return {phase: flow.clock.totals() for phase, flow in self._flows.items()}
+
+    def tick_records(self) -> dict:
+        """Per phase: the ticks kept for the trace (`flow.TickRecord`)."""
+        return {phase: list(flow.clock.records) for phase, flow in self._flows.items()}
+
+    def logits(self, inputs: StepInputs, rows: int, prev: Dispatched | None = None
+               ) -> jax.Array:
+        """Run one step through every stage; logits [rows, V] f32 of the last token of rows
+        0..rows-1 (the LM head runs on those rows only)."""
+        return self._head_logits(self.hidden(inputs, prev), rows)
+
+    def hidden(self, inputs: StepInputs, prev: Dispatched | None = None) -> jax.Array:
+        """Run one step through every stage (the pipeline drained after it): the residual
+        [max_rows, E] of each row's last token (KV written)."""
+        out = self.dispatch(inputs, np.zeros(0, np.int32), None, prev)
+        return (out.result() if isinstance(out, Pending) else out).done
+
+    def logits_many(self, steps: list[tuple[StepInputs, int]]) -> list[jax.Array]:
+        """`logits` of several steps flowing through the stages one after another (the
+        pipeline drained after the last): each one's logits [rows, V]."""
+        pending = [self.dispatch(inputs, np.zeros(0, np.int32), None) for inputs, _ in steps]
+        hidden = [(p.result() if isinstance(p, Pending) else p).done for p in pending]
+        return [self._head_logits(h, rows) for h, (_, rows) in zip(hidden, steps, strict=True)]
+
+    def _head_logits(self, hidden: jax.Array, rows: int) -> jax.Array:
+        """The LM head over the first `rows` rows of a step's `hidden` [max_rows, E]."""
+        return self._once(("logits", self.phase, rows), self.placements[self.phase].logits,
+                          self.params, hidden, rows=rows)
+
+    def _flow(self) -> Flow:
+        if self.phase not in self._flows:
+            self._flows[self.phase] = Flow(self.layout.pp, self._tick)
+        return self._flows[self.phase]
+
+    def _tick(self, slots: list[MicroBatch | None]):
+        """One pipeline tick over the micro-batches of `slots` (slot s: stage s's; None: an
+        idle one), each padded to the largest's buckets; the results of the one leaving (the
+        last slot's), or None."""
+        real = [mb.inputs for mb in slots if mb is not None]
+        tokens, rows = max(x.num_tokens for x in real), max(x.num_rows for x in real)
+        inputs = step_inputs.stack([mb and mb.inputs for mb in slots], tokens, rows)
+        max_kv = 0 if self.attention != "xla" else round_up(
+            min(int(inputs.kv_len.max()), self.max_len), self.buckets.kv_len)
+        key = (self.phase, tokens, rows, max_kv)
+        fed = self._feed if self._feed is not None else self._zeros()
+        hidden, self.cache, self._act[self.phase] = self._once(
+            key, self._program(max_kv), self.params, self.cache, self._carried(tokens), inputs,
+            fed)
+        leaving = slots[-1]
+        return (None if leaving is None else self._results(hidden, leaving)), hidden
+
+    def lowered(self, inputs: StepInputs):
+        """The tick program lowered for `inputs` entering an empty pipeline (at the runner's
+        matmul precision), for inspection: its HLO text, its compiled memory analysis."""
+        tick = step_inputs.stack([inputs] + [None] * (self.layout.pp - 1), inputs.num_tokens,
+                                 inputs.num_rows)
+        max_kv = 0 if self.attention != "xla" else self.max_len
+        with jax.default_matmul_precision(self.precision):
+            return self._program(max_kv).lower(self.params, self.cache,
+                                               self._carried(inputs.num_tokens), tick,
+                                               self._zeros())
+
+    def _carried(self, tokens: int) -> jax.Array:
+        """The activations carried between the stages [pp, tokens, E]: padded (or cut) to a
+        tick of `tokens` tokens; the micro-batches in flight are no longer than that."""
+        act = self._act.get(self.phase)
+        if act is None or act.shape[1] != tokens:
+            place = self.placements[self.phase]
+            resize = self._resize.setdefault(place.act_sharding, _resize_program(
+                place.act_sharding))
+            act = resize(act if act is not None else jnp.zeros(
+                (self.layout.pp, 0, self.config.hidden_size), jnp.float32), tokens)
+        return act
+
+    def _results(self, hidden: jax.Array, mb: MicroBatch) -> Dispatched | HostSampled:
+        """Sample the rows of micro-batch `mb`, which left the last stage with `hidden`."""
+        n = len(mb.slots)
         if n == 0:  # only prompt chunks that do not end their prompt: nothing to sample
-            return Dispatched(self.hidden(inputs, prev), 0)
+            return Dispatched(hidden, 0)
+        sampling_inputs = mb.sampling_inputs
         rows = sampling_inputs.tensors.temperature.shape[0]
-        logits = self.logits(inputs, rows, prev)
+        logits = self._head_logits(hidden, rows)
         if self.host_sampler is not None:
             lp = None if sampling_inputs.num_logprobs is None else self._logprob_parts(
                 logits, num=sampling_inputs.num_logprobs)
-            out = HostSampled(logits, lp, np.asarray(slots), sampling_inputs, self.host_sampler,
+            out = HostSampled(logits, lp, mb.slots, sampling_inputs, self.host_sampler,
                               self._put_tokens)
             self._unsampled = [h for h in self._unsampled if not h.sampled] + [out]
             return out
         padded = np.full(rows, self.num_slots, np.int32)
-        padded[:n] = slots
+        padded[:n] = mb.slots
         tokens, lp, self.prompt_mask, self.out_counts = self._sample(
             logits, self.prompt_mask, self.out_counts, padded, sampling_inputs.tensors,
             mode=sampling_inputs.mode, penalties=sampling_inputs.penalties,
             num_logprobs=sampling_inputs.num_logprobs)
         return Dispatched(tokens, n, tokens, lp)
-
-    def logits(self, inputs: StepInputs, rows: int, prev: Dispatched | None = None
-               ) -> jax.Array:
-        """Run the step's model part; logits [rows, V] f32 of the last token of rows
-        0..rows-1 (the LM head runs on those rows only)."""
-        hidden = self.hidden(inputs, prev)
-        return self._once(("logits", self.phase, rows), self.placements[self.phase].logits,
-                          self.params, hidden, rows=rows)
-
-    def hidden(self, inputs: StepInputs, prev: Dispatched | None = None) -> jax.Array:
-        """The step's model part: the residual [max_rows, E] of each row's last token (KV
-        written)."""
-        m, tm = inputs.tokens.shape
-        max_kv = 0 if self.attention != "xla" else round_up(
-            min(int(inputs.kv_len.max()), self.max_len), self.buckets.kv_len)
-        key = (self.phase, m * tm, m, inputs.table.shape[0], max_kv)
-        fn = self._program(max_kv)
-        fed = prev.tokens if prev is not None and prev.tokens is not None else self._zeros()
-        # (a host-sampled step not yet sampled feeds nothing: the executor samples it first
-        # when this step takes tokens from it)
-        hidden, self.cache = self._once(key, fn, self.params, self.cache, inputs, fed)
-        return hidden
 
     def _put_tokens(self, tokens: np.ndarray) -> jax.Array:
         """Host-sampled tokens as a `prev` for the next step (padded to max_rows)."""
@@ -489,11 +592,12 @@ class Runner:
         key = (self.phase, max_kv)
         if key not in self._programs:
             place = self.placements[self.phase]
-            self._programs[key] = pipeline.step_program(
-                self.config, place.layout, place.mesh, attention=self.attention, max_kv=max_kv,
-                out_rows=self.buckets.max_rows, packed=place.packed, experts=place.experts,
+            opts = pipeline.StageOptions(
+                self.attention, max_kv, packed=place.packed, experts=place.experts,
                 windows=sharding.layer_windows(self.config, self.padding),
                 moe_layers=sharding.layer_experts(self.config, self.padding))
+            self._programs[key] = pipeline.tick_program(
+                self.config, place.layout, place.mesh, opts, out_rows=self.buckets.max_rows)
         return self._programs[key]
 
     def _once(self, key: tuple, fn, *args, **kwargs):
@@ -537,7 +641,7 @@ class Runner:
             self.host_sampler.close()
             self.host_sampler = None
         state = (self.params, self._kept_weights, self.cache, self.prompt_mask,
-                 self.out_counts, self._no_prev)
+                 self.out_counts, self._no_prev, self._act)
         for array in jax.tree.leaves(state):
             if not array.is_deleted():
                 array.delete()

@@ -1,19 +1,21 @@
-"""The ragged step's inputs, built on the host: one flat batch of tokens under a token budget.
+"""The ragged step's inputs, built on the host: one flat batch of tokens under a token budget,
+and the stack of them a pipeline tick runs.
 
-A step is a list of *pieces*: each is one sequence's consecutive tokens at consecutive
-positions — a chunk of its context (chunked prefill, any length) or its one decode token. The
-pieces are laid end to end into a flat batch of T tokens (T a bucket; only the tail is padding)
-and cut into M equal micro-batches for the pipeline stages (M = 1 without one). A piece that
-straddles a cut is two spans, one per micro-batch: micro-batch m + 1 passes every stage after
-micro-batch m, so its attention already sees the KV the first part wrote.
+A step (a micro-batch, when the layout pipelines) is a list of *pieces*: each is one
+sequence's consecutive tokens at consecutive positions — a chunk of its context (chunked
+prefill, any length) or its one decode token. The pieces are laid end to end into a flat batch
+of T tokens (T a bucket; only the tail is padding). Row r of the step is piece r: its
+block-table row and its span (q_start, q_len, kv_len: the kernel's contract in
+`kernels/ragged_attention.py`). Rows are ordered so that the pieces that sample a token come
+first (`last[:n_sample]`).
 
-Row r of the step is piece r: its block-table row, and one span per micro-batch (q_start,
-q_len, kv_len: the kernel's contract in `kernels/ragged_attention.py`). Rows are ordered so
-that the pieces that sample a token come first (`last[:n_sample]`).
+A pipeline tick runs the micro-batches in flight, one per stage (`stack`): the same arrays with
+a leading axis of one slot per stage, each micro-batch padded to the tick's token and row
+buckets; a slot with no micro-batch holds an idle one, whose tokens write no KV.
 
 A decode piece may take its token from the previous step's sampled tokens on the device
 (`Piece.feed`): that is how a step is dispatched before the host has seen the last one's
-tokens (overlap, `executor.py`).
+tokens (overlap, `engine/executor.py`).
 """
 
 from __future__ import annotations
@@ -36,36 +38,42 @@ class Piece(NamedTuple):
 
 
 class StepInputs(NamedTuple):
-    """Device inputs of one step. T tokens in M micro-batches of Tm; R rows; MB blocks a row."""
+    """Device inputs of one step of T tokens and R rows of MB blocks (a tick's stack: the same
+    with a leading axis of one slot per stage)."""
 
-    tokens: np.ndarray  # [M, Tm] i32
-    positions: np.ndarray  # [M, Tm] i32
-    rows: np.ndarray  # [M, Tm] i32: each token's row; R for padding (it writes no KV)
+    tokens: np.ndarray  # [T] i32
+    positions: np.ndarray  # [T] i32
+    rows: np.ndarray  # [T] i32: each token's row; R for padding (it writes no KV)
     table: np.ndarray  # [R, MB] i32: each row's blocks (OUT_OF_RANGE past them)
-    q_start: np.ndarray  # [M, R] i32: where row r's span starts in micro-batch m
-    q_len: np.ndarray  # [M, R] i32: its length (0: the row has no token in m)
-    kv_len: np.ndarray  # [M, R] i32: keys the span's last token attends to (its position + 1)
-    last: np.ndarray  # [R] i32: flat index (m * Tm + i) of each row's last token
-    feed: np.ndarray  # [M, Tm] i32: row of the previous step's sampled tokens to take each
-    # token from (-1: use `tokens`)
+    q_start: np.ndarray  # [R] i32: where row r's span starts
+    q_len: np.ndarray  # [R] i32: its length (0: an idle row)
+    kv_len: np.ndarray  # [R] i32: keys the span's last token attends to (its position + 1)
+    last: np.ndarray  # [R] i32: index of each row's last token
+    feed: np.ndarray  # [T] i32: row of the previous step's sampled tokens to take each token
+    # from (-1: use `tokens`)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.tokens.shape[-1]
+
+    @property
+    def num_rows(self) -> int:
+        return self.table.shape[-2]
 
 
-def build(pieces: list[Piece], num_tokens: int, microbatches: int, num_rows: int,
-          max_blocks: int) -> StepInputs:
-    """Lay `pieces` (rows 0..n-1, in order) into a batch of `num_tokens` tokens in
-    `microbatches` micro-batches, with `num_rows` rows of `max_blocks` table entries."""
+def build(pieces: list[Piece], num_tokens: int, num_rows: int, max_blocks: int) -> StepInputs:
+    """Lay `pieces` (rows 0..n-1, in order) into a batch of `num_tokens` tokens with
+    `num_rows` rows of `max_blocks` table entries."""
     total = sum(len(p.tokens) for p in pieces)
-    if total > num_tokens or len(pieces) > num_rows or num_tokens % microbatches:
+    if total > num_tokens or len(pieces) > num_rows:
         raise ValueError(f"{len(pieces)} pieces of {total} tokens do not fit a step of "
-                         f"{num_tokens} tokens, {num_rows} rows, {microbatches} micro-batches")
+                         f"{num_tokens} tokens and {num_rows} rows")
     tokens = np.zeros(num_tokens, np.int32)
     feed = np.full(num_tokens, -1, np.int32)
     positions = np.zeros(num_tokens, np.int32)
     rows = np.full(num_tokens, num_rows, np.int32)
     table = np.full((num_rows, max_blocks), OUT_OF_RANGE, np.int32)
-    starts = np.zeros(num_rows, np.int64)
-    ends = np.zeros(num_rows, np.int64)
-    first_pos = np.zeros(num_rows, np.int64)
+    q_start, q_len, kv_len = (np.zeros(num_rows, np.int32) for _ in range(3))
     at = 0
     for r, piece in enumerate(pieces):
         n = len(piece.tokens)
@@ -74,22 +82,40 @@ def build(pieces: list[Piece], num_tokens: int, microbatches: int, num_rows: int
         positions[at:at + n] = np.arange(piece.start, piece.start + n)
         rows[at:at + n] = r
         table[r, :len(piece.blocks)] = piece.blocks
-        starts[r], ends[r], first_pos[r] = at, at + n, piece.start
+        q_start[r], q_len[r], kv_len[r] = at, n, piece.start + n
         at += n
-    tm = num_tokens // microbatches
-    spans = _spans(starts, ends, first_pos, microbatches, tm)
-    last = np.where(ends > starts, ends - 1, 0).astype(np.int32)
-    shape = (microbatches, tm)
-    return StepInputs(tokens.reshape(shape), positions.reshape(shape), rows.reshape(shape),
-                      table, *spans, last, feed.reshape(shape))
+    last = np.where(q_len > 0, q_start + q_len - 1, 0).astype(np.int32)
+    return StepInputs(tokens, positions, rows, table, q_start, q_len, kv_len, last, feed)
 
 
-def _spans(starts, ends, first_pos, microbatches: int, tm: int):
-    """Each row's span within each micro-batch: (q_start, q_len, kv_len), each [M, R]."""
-    lo = np.arange(microbatches)[:, None] * tm  # [M, 1]
-    s = np.clip(starts[None, :], lo, lo + tm)  # [M, R]
-    e = np.clip(ends[None, :], lo, lo + tm)
-    q_len = e - s
-    kv_len = np.where(q_len > 0, first_pos[None, :] + (e - starts[None, :]), 0)
-    return ((s - lo).astype(np.int32), q_len.astype(np.int32), kv_len.astype(np.int32))
+def idle(num_tokens: int, num_rows: int, max_blocks: int) -> StepInputs:
+    """A step with no token: every row idle, every token padding (it writes no KV)."""
+    return build([], num_tokens, num_rows, max_blocks)
 
+
+def stack(slots: list[StepInputs | None], num_tokens: int, num_rows: int) -> StepInputs:
+    """One tick's inputs: the micro-batch of each slot (None: an idle one), each padded to
+    `num_tokens` tokens and `num_rows` rows, stacked along a leading slot axis."""
+    max_blocks = next(s.table.shape[1] for s in slots if s is not None)
+    padded = [pad(s, num_tokens, num_rows) if s is not None
+              else idle(num_tokens, num_rows, max_blocks) for s in slots]
+    return StepInputs(*(np.stack(parts) for parts in zip(*padded, strict=True)))
+
+
+def pad(inputs: StepInputs, num_tokens: int, num_rows: int) -> StepInputs:
+    """`inputs` with more padding tokens and idle rows (padding tokens point at the new R)."""
+    t, r = inputs.num_tokens, inputs.num_rows
+    if (t, r) == (num_tokens, num_rows):
+        return inputs
+    if t > num_tokens or r > num_rows:
+        raise ValueError(f"a step of {t} tokens and {r} rows does not fit {num_tokens} tokens "
+                         f"and {num_rows} rows")
+    rows = np.where(inputs.rows >= r, num_rows, inputs.rows)
+    more_t, more_r = (0, num_tokens - t), (0, num_rows - r)
+    return StepInputs(
+        np.pad(inputs.tokens, more_t), np.pad(inputs.positions, more_t),
+        np.pad(rows, more_t, constant_values=num_rows),
+        np.pad(inputs.table, (more_r, (0, 0)), constant_values=OUT_OF_RANGE),
+        np.pad(inputs.q_start, more_r), np.pad(inputs.q_len, more_r),
+        np.pad(inputs.kv_len, more_r), np.pad(inputs.last, more_r),
+        np.pad(inputs.feed, more_t, constant_values=-1))

@@ -42,11 +42,26 @@ class Run:
     def prefill_tokens(self) -> int:
         return sum(n for _, n in self.prefill)
 
+    def split(self, pieces: int) -> list[Run]:
+        """This run as up to `pieces` runs of about as many tokens each (none empty): decodes
+        dealt round-robin, each prompt chunk to the piece with the fewest tokens so far. A
+        sequence stays in one piece. (How a one-micro-batch policy's run fills a pipeline.)"""
+        parts = [Run(prefill_to_host=self.prefill_to_host) for _ in range(max(1, pieces))]
+        for i, seq in enumerate(self.decode):
+            parts[i % len(parts)].decode.append(seq)
+        for seq, n in sorted(self.prefill, key=lambda p: -p[1]):
+            min(parts, key=_tokens).prefill.append((seq, n))
+        return [p for p in parts if p.seqs]
+
     def sampling(self) -> list[SeqInfo]:
         """Sequences that sample a token in this step: completed prefills and every decode.
         (Call before `SchedulerState.apply`, which advances the counts.)"""
         done = [s for s, n in self.prefill if n == s.to_prefill]
         return done + list(self.decode)
+
+
+def _tokens(run: Run) -> int:
+    return run.prefill_tokens + len(run.decode)
 
 
 @dataclass

@@ -32,6 +32,8 @@ class DecodeFirst(Policy):
                                 lambda seq: state.device_kv.peak(seq, seq.expected_total, chunk))
             if batch:
                 return self._in_phase(state, Phase.PREFILL, Run(prefill=batch))
+        elif partial := self._continue_prefills(state):  # admitted before it closed
+            return self._in_phase(state, Phase.PREFILL, Run(prefill=partial))
         swap = swap_in_batch(state, self._device_room(state))
         if swap:
             return SwapIn(swap)

@@ -14,8 +14,9 @@ One `Driver.step`:
                          # step, when the executor merges them), each launched on the state:
                          # it takes the blocks the run writes; its sequences are busy
     launch(runs)         # the executor starts the step; the state records it at once (a
-                         # sequence's next token is in flight) and frees each sequence whose
-                         # token in flight is certainly its last (its max_output_len)
+                         # sequence's next token is in flight) and, on one stage, frees each
+                         # sequence whose token in flight is certainly its last (its
+                         # max_output_len)
     land()               # the steps in flight beyond `executor.in_flight`, oldest first: the
                          # executor says which of their sequences ended; the state finishes
                          # them; the policy hears each run's own (`Policy.landed`)
@@ -27,15 +28,17 @@ The rule is one for every executor: a run is applied at launch, its sequences fi
 The policy only reads the state and returns actions; `SchedulerState` does the bookkeeping,
 so the engine and the simulator cannot disagree about where a sequence is.
 
-How many steps stay in flight is the executor's: the engine keeps one while it schedules the
-next (overlap: the device feeds the tokens in flight to the next step, so their sequences may
-join it: `chained`), or none; a pipelined simulator keeps pp - 1 micro-batches in flight
-(host-driven ticks: a sequence waits for its micro-batch to leave the last stage).
+How many steps stay in flight is the executor's: on one stage the engine keeps one while it
+schedules the next (overlap: the device feeds the tokens in flight to the next step, so their
+sequences may join it: `chained`), or none; over pp stages the engine and the pipelined
+simulator keep pp - 1 micro-batches in flight while the next one is formed (the pipeline never
+drains: a sequence waits for its micro-batch to leave the last stage, `chained` False).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections import deque
 from collections.abc import Hashable, Iterable
@@ -53,6 +56,7 @@ class StepExecutor:
     chained = True  # a sequence in a step in flight may join the next one (fed on the device)
     merge = False  # one step carries up to policy.depth micro-batches (the engine)
     max_step_tokens: int | None = None  # the token budget of a merged step
+    flow_depth = 1  # stages a step flows through: a one-micro-batch policy's run is split
 
     def ready(self, run: Run) -> Run:
         """`run` less what cannot go yet (before the state launches it)."""
@@ -112,11 +116,12 @@ class Driver:
     def step(self) -> bool:
         """One turn of the loop; False if the policy had nothing to do and nothing was in
         flight to wait for."""
-        runs, action = self._form()
-        if runs:
-            self._launch(runs)
-            while len(self.in_flight) > self.executor.in_flight:
-                self._land()
+        steps, action = self._form()
+        if steps:
+            for runs in steps:
+                self._launch(runs)
+                while len(self.in_flight) > self.executor.in_flight:
+                    self._land()
         elif action is None:
             if not self.in_flight:
                 return False
@@ -127,11 +132,12 @@ class Driver:
             self._execute(action)
         return True
 
-    def _form(self) -> tuple[list[Run], Action | None]:
-        """The next step's runs, each launched on the state, and the policy's last answer.
+    def _form(self) -> tuple[list[list[Run]], Action | None]:
+        """The next steps' runs, each launched on the state, and the policy's last answer.
         A merged step takes up to policy.depth micro-batches, stopping at an action that is
         not a Run or at one that would take it past `max_step_tokens` (left unlaunched: the
-        policy forms it again next step)."""
+        policy forms it again next step). Over pipeline stages (`executor.flow_depth` > 1) a
+        one-micro-batch policy's run is split (`_pieces`), each piece a step of its own."""
         runs: list[Run] = []
         action = None
         per_step = self.policy.depth if self.executor.merge else 1
@@ -145,9 +151,27 @@ class Driver:
             run = self.executor.ready(action)
             if runs and budget is not None and _tokens(runs + [run]) > budget:
                 break
-            self.state.launch(run)
-            runs.append(run)
-        return runs, action
+            pieces = self._pieces(run)
+            for piece in pieces:
+                self.state.launch(piece)
+            runs.extend(pieces)
+        if len(runs) > 1 and not self.executor.merge:
+            return [[run] for run in runs], action
+        return ([runs] if runs else []), action
+
+    def _pieces(self, run: Run) -> list[Run]:
+        """`run` as the micro-batches it flows in: itself, unless the executor pipelines
+        (`flow_depth` stages) and the policy forms one micro-batch per step (depth 1). Then
+        a run of at least twice a stage's share of the sequences (1 / flow_depth of those on
+        the device) is split into pieces of about that share, so that every stage has work.
+        A piece returns alone, about one share, and its next run stays whole."""
+        depth = self.executor.flow_depth
+        if depth <= 1 or self.policy.depth > 1:
+            return [run]
+        share = math.ceil(max(len(self.state.device), len(run.seqs)) / depth)
+        if len(run.seqs) < 2 * share:
+            return [run]
+        return run.split(min(depth, len(run.seqs) // share))
 
     def _launch(self, runs: list[Run]) -> None:
         """Start the step and record it in the state at once; free the sequences whose
@@ -156,7 +180,12 @@ class Driver:
         handle = self.executor.launch(runs, self.state)
         for run in runs:
             self.state.apply(run, busy=not self.executor.chained)
-        last = [s for s in sampled if s.generated >= s.max_output_len]
+        # Free each sequence whose token in flight is certainly its last, so the next step
+        # may take its room; not while micro-batches flow through stages (`chained` False):
+        # its KV is whole only when its micro-batch leaves the last stage, and a block freed
+        # earlier could be read out (a prefix-cache spill) before the later stages wrote it.
+        last = ([s for s in sampled if s.generated >= s.max_output_len]
+                if self.executor.chained else [])
         self.state.finish(s.seq_id for s in last)
         if handle is not None:
             self.executor.free(handle, last)
@@ -178,11 +207,13 @@ class Driver:
 
     def _execute(self, action: Action) -> None:
         """Do a Switch / SwapIn / Preempt decided before the steps in flight landed, less the
-        sequences that ended meanwhile. A swap-in is recorded first (the state gives the
+        sequences that ended or moved meanwhile (a micro-batch's prefills for the host tier
+        go there when it lands). A swap-in is recorded first (the state gives the
         blocks its KV goes into), a switch or preemption after (its KV is read from them)."""
-        if action.kind in (Kind.SWAP_IN, Kind.PREEMPT):
+        if action.kind in (Kind.SWAP_IN, Kind.PREEMPT):  # still where the action found them
+            where = Location.HOST if action.kind is Kind.SWAP_IN else Location.DEVICE
             action = dataclasses.replace(
-                action, seqs=[s for s in action.seqs if s.location is not Location.FINISHED])
+                action, seqs=[s for s in action.seqs if s.location is where])
         if action.kind is Kind.SWAP_IN:
             self.state.apply(action)
             self.executor.execute(action, self.state)

@@ -63,13 +63,9 @@ class Policy:
         part-way through a prefill (their reservation is taken from `room`), then waiting
         ones (FIFO) while a device slot is free and their whole prefill's `reserve(seq)` fits
         what is left of `room`. A prompt longer than the budget left gets a chunk of it."""
-        batch: list[tuple[SeqInfo, int]] = []
-        budget = self.max_prefill_tokens
-        for seq in state.idle():
-            if seq.in_prefill and budget > 0:
-                batch.append((seq, min(seq.to_prefill, budget)))
-                budget -= batch[-1][1]
-                room -= reserve(seq)
+        batch = self._continue_prefills(state)
+        budget = self.max_prefill_tokens - sum(n for _, n in batch)
+        room -= sum(reserve(seq) for seq, _ in batch)
         slots = state.device_kv.free_slots
         for seq in state.waiting:
             need = reserve(seq)
@@ -79,6 +75,18 @@ class Policy:
             budget -= batch[-1][1]
             room -= need
             slots -= 1
+        return batch
+
+    def _continue_prefills(self, state: SchedulerState) -> list[tuple[SeqInfo, int]]:
+        """The next chunks of the idle device sequences part-way through a prefill, within
+        the token budget (over pipeline stages a prompt's chunks may land apart from the
+        rest of its batch)."""
+        batch: list[tuple[SeqInfo, int]] = []
+        budget = self.max_prefill_tokens
+        for seq in state.idle():
+            if seq.in_prefill and budget > 0:
+                batch.append((seq, min(seq.to_prefill, budget)))
+                budget -= batch[-1][1]
         return batch
 
     def _device_room(self, state: SchedulerState) -> int:
@@ -138,5 +146,5 @@ def preempt_or_decode(state: SchedulerState, swap: bool) -> Action | None:
     if victims:
         fits_host = sum(state.host_kv.size(s.computed) for s in victims) <= state.host_kv.free
         return Preempt(victims, "swap" if swap and fits_host else "recompute")
-    idle = state.idle()
+    idle = [s for s in state.idle() if not s.in_prefill]  # (a prompt part-way: no token)
     return Run(decode=idle) if idle else None

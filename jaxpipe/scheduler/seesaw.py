@@ -46,6 +46,8 @@ class Seesaw(Policy):
             state.device_kv.need(seq, seq.context_len, self.max_prefill_tokens)))
         if batch:
             return Run(prefill=batch, prefill_to_host=True)
+        if state.busy:  # prefills still in the pipeline reach the host tier when they land
+            return None
         if state.host or state.device:
             return Switch(Phase.DECODE.value)
         if state.waiting:

@@ -69,6 +69,7 @@ class SchedulerState:
         self.device: dict[Hashable, SeqInfo] = {}  # insertion order = admission order
         self.host: dict[Hashable, SeqInfo] = {}  # insertion order = swap-out order (FIFO)
         self.busy: set[Hashable] = set()  # sequences in a launched, not yet applied, Run
+        self._to_host_on_return: dict[int, list[SeqInfo]] = {}  # id(run) -> its prefills
         self.num_finished = 0  # sequences that ended or were aborted (they are not kept)
         self._arrivals = 0
 
@@ -117,9 +118,13 @@ class SchedulerState:
         changes only the phase: a re-shard moves the held and the cached blocks
         (`BlockPool.data_blocks`), nothing is lost."""
         if action.kind is Kind.RUN:
-            self._apply_run(action)
+            done = self._apply_run(action, to_host=action.prefill_to_host and not busy)
             if busy:
                 self.busy.update(s.seq_id for s in action.seqs)
+                if action.prefill_to_host:  # charged now, moved when the run returns
+                    for seq in done:
+                        self.host_kv.hold(seq)
+                    self._to_host_on_return[id(action)] = done
         elif action.kind is Kind.SWITCH:
             self.phase = Phase(action.phase)
         else:
@@ -129,8 +134,17 @@ class SchedulerState:
         return self.finish(finished)
 
     def returned(self, run: Run) -> None:
-        """`run`'s micro-batch landed: its sequences may join another (see `apply`'s busy)."""
+        """`run`'s micro-batch landed: its sequences may join another (see `apply`'s busy),
+        and the prefills it completed for the host tier go there now (their KV is whole only
+        once the micro-batch left the last stage, so their blocks are held until then)."""
         self.busy.difference_update(s.seq_id for s in run.seqs)
+        for seq in self._to_host_on_return.pop(id(run), ()):
+            if seq.location is Location.DEVICE:
+                self._to_host(seq, charged=True)
+            else:  # it ended meanwhile: its charge goes
+                self.host_kv.release(seq)
+        self.device_kv.settle()
+        self.host_kv.check()
 
     def finish(self, seq_ids: Iterable[Hashable]) -> list[SeqInfo]:
         """Record that these sequences ended after their run was applied (an executor that
@@ -170,13 +184,14 @@ class SchedulerState:
         for seq in self.admission.admit(run):
             self._to_device(seq)
 
-    def _apply_run(self, run: Run) -> None:
+    def _apply_run(self, run: Run, to_host: bool) -> list[SeqInfo]:
+        """Record `run`; returns the prefills it completed (those of `to_host` went there)."""
         self.busy.difference_update(s.seq_id for s in run.seqs)
         if any(seq.location is Location.WAITING for seq, _ in run.prefill):
             self._admit(run)  # a run applied without `launch` (tests)
         self.admission.applied()
-        for seq, num_tokens in run.prefill:
-            self._prefill(seq, num_tokens, run.prefill_to_host)
+        completed = [seq for seq, num_tokens in run.prefill
+                     if self._prefill(seq, num_tokens, to_host)]
         pool, unit, filled = self.device_kv.pool, self.device_kv.blocks.unit, []
         for seq in run.decode:
             if seq.location is not Location.DEVICE or seq.in_prefill:
@@ -191,10 +206,12 @@ class SchedulerState:
             if pool.caching and (seq.computed % unit == 0 or not seq.block_hashes):
                 filled.append(seq)
         pool.cache_full(filled)
+        return completed
 
-    def _prefill(self, seq: SeqInfo, num_tokens: int, to_host: bool) -> None:
+    def _prefill(self, seq: SeqInfo, num_tokens: int, to_host: bool) -> bool:
         """Advance a prefill by `num_tokens` and cache its full blocks; a completed prefill
-        samples a token and stays on the device (or goes to the host tier if `to_host`)."""
+        samples a token and stays on the device (or goes to the host tier if `to_host`).
+        Returns whether it completed."""
         if not 1 <= num_tokens <= seq.to_prefill:
             raise RuntimeError(f"prefill chunk of {num_tokens} tokens for {seq.seq_id!r} "
                                f"which has {seq.to_prefill} left")
@@ -206,6 +223,8 @@ class SchedulerState:
             seq.generated += 1
             if to_host:
                 self._to_host(seq)
+            return True
+        return False
 
     def _move(self, action: SwapIn | Preempt) -> None:
         """A swap-in (host tier -> device store) or a preemption: to the host tier ("swap")
@@ -239,10 +258,12 @@ class SchedulerState:
         seq.location = Location.DEVICE
         self.device_kv.extend(seq, seq.computed)
 
-    def _to_host(self, seq: SeqInfo) -> None:
-        """`seq`'s KV goes to the host tier: it leaves the device store."""
+    def _to_host(self, seq: SeqInfo, charged: bool = False) -> None:
+        """`seq`'s KV goes to the host tier: it leaves the device store (`charged`: the tier
+        counted it already, when its run was applied)."""
         del self.device[seq.seq_id]
         self.device_kv.leave(seq)
         self.host[seq.seq_id] = seq
-        self.host_kv.hold(seq)
+        if not charged:
+            self.host_kv.hold(seq)
         seq.location = Location.HOST

@@ -62,6 +62,9 @@ GAUGES = {
     "host_kv_capacity": ("kv_tokens_capacity", "", {"tier": "host"}),
     "device_idle_fraction": ("device_idle_fraction",
                              "upper bound of the device's idle share of decode time", {}),
+    "pipeline_bubble_fraction": ("pipeline_bubble_fraction", "the pipeline stages' time "
+                                 "without a micro-batch over pp x the pipeline's wall time "
+                                 "since the engine's stats were last reset", {}),
     "prefix_cache_hit_rate": ("prefix_cache_hit_rate", "prefix cache hit tokens over queried "
                               "tokens since the engine's stats were last reset", {}),
     "programs_compiled": ("programs", "the engine process's compiled programs by where they "
@@ -106,6 +109,7 @@ class EngineCollector:
         for key, (name, help_text) in COUNTERS.items():
             yield CounterMetricFamily(PREFIX + name, help_text, value=float(stats.get(key, 0)))
         yield from _gauges(stats)
+        yield _stages(stats)
         yield _reshard(stats)
         yield from _latency(stats)
 
@@ -129,6 +133,18 @@ def _gauges(stats: dict):
             families[name] = GaugeMetricFamily(PREFIX + name, help_text, labels=list(labels))
         families[name].add_metric(list(labels.values()), float(stats.get(key, 0)))
     return families.values()
+
+
+def _stages(stats: dict) -> GaugeMetricFamily:
+    family = GaugeMetricFamily(PREFIX + "pipeline_stage_seconds", "each pipeline stage's "
+                               "seconds running a micro-batch (busy) or none (idle) since the "
+                               "engine's stats were last reset, by layout phase",
+                               labels=["phase", "stage", "state"])
+    for state in ("busy", "idle"):
+        for phase, seconds in sorted(stats.get(f"pipeline_stage_{state}_seconds", {}).items()):
+            for stage, value in enumerate(seconds):
+                family.add_metric([phase, str(stage), state], float(value))
+    return family
 
 
 def _reshard(stats: dict) -> CounterMetricFamily:

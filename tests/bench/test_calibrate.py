@@ -78,13 +78,13 @@ def test_steps_timed_are_the_shapes_predicted():
     from jaxpipe.runtime.synthetic_step import uniform_inputs
 
     runner = SimpleNamespace(buckets=Buckets.for_engine(16, 512, 512), num_blocks=256,
-                             max_blocks=32, microbatches=lambda tokens: 1)
+                             max_blocks=32)
     prefill = uniform_inputs(runner, *calibrate.step_args(Shape("prefill", 4, 128)))
-    assert prefill.q_len[0, :4].tolist() == [128] * 4 == prefill.kv_len[0, :4].tolist()
+    assert prefill.q_len[:4].tolist() == [128] * 4 == prefill.kv_len[:4].tolist()
     assert (prefill.rows < 4).sum() == 4 * 128
     decode = uniform_inputs(runner, *calibrate.step_args(Shape("decode", 16, 256)))
-    assert decode.q_len[0, :16].tolist() == [1] * 16
-    assert decode.kv_len[0, :16].tolist() == [256] * 16
+    assert decode.q_len[:16].tolist() == [1] * 16
+    assert decode.kv_len[:16].tolist() == [256] * 16
     assert decode.positions.reshape(-1)[:16].tolist() == [255] * 16
 
 

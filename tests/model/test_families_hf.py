@@ -137,7 +137,7 @@ def test_windowed_families_chunked_prefill_logits_match_hf(checkpoints, one_row_
         part = ids[start:start + chunk]
         tokens = engine.buckets.tokens(len(part))
         inputs = step_inputs.build([Piece(part, start, blocks)], tokens,
-                                   runner.microbatches(tokens), engine.buckets.rows(tokens),
+                                   engine.buckets.rows(tokens),
                                    runner.max_blocks)
         got = np.asarray(runner.logits(inputs, 1))[0]
         np.testing.assert_allclose(got, want[start + len(part) - 1], rtol=0, atol=LOGITS_ATOL,

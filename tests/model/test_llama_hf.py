@@ -227,7 +227,7 @@ def run_step(runner, pieces) -> np.ndarray:
     from jaxpipe.runtime import step_inputs
 
     tokens = runner.buckets.tokens(sum(len(p.tokens) for p in pieces))
-    inputs = step_inputs.build(pieces, tokens, 1, runner.buckets.rows(tokens),
+    inputs = step_inputs.build(pieces, tokens, runner.buckets.rows(tokens),
                                runner.max_blocks)
     return np.asarray(runner.logits(inputs, len(pieces)))
 

@@ -52,8 +52,7 @@ def test_prompt_logits_match_hf(checkpoints, monkeypatch, name, layout, path):
                     {"prefill": parsed, "decode": parsed}, jax.devices()[:8], 32)
     pieces = [Piece(ids, 0, list(range(8 * i, 8 * i + 8))) for i, ids in enumerate(PROMPTS)]
     tokens = runner.buckets.tokens(sum(len(p.tokens) for p in pieces))
-    inputs = step_inputs.build(pieces, tokens, runner.microbatches(tokens),
-                               runner.buckets.rows(tokens), runner.max_blocks)
+    inputs = step_inputs.build(pieces, tokens, runner.buckets.rows(tokens), runner.max_blocks)
     got = np.asarray(runner.logits(inputs, len(PROMPTS)))
     experts = runner.params["w_experts_gate_up"]  # [L, X', E, 2, F']: X' = 8 for both models
     assert experts.sharding.shard_shape(experts.shape)[1] == 8 // parsed.ep
@@ -74,3 +73,21 @@ def test_ep_layout_pair_matches_hf(checkpoints, name, prefill, decode):
     assert [list(o.outputs[0].token_ids) for o in outs] == [
         hf_greedy(model, ids, NEW_TOKENS) for ids in PROMPTS]
     assert engine.stats()["reshards"] >= 1
+
+
+@pytest.mark.parametrize("name", ["qwen2_moe_mixed", "mixtral"])
+def test_ep2_pp4_flowing_matches_hf(checkpoints, name):
+    """Both phases on pp=4,ep=2 under throttle: micro-batches flow through four stages, each
+    exchanging its tokens between two expert groups, and give HF's greedy tokens."""
+    _, model, path = checkpoints(name)
+    engine = Engine(EngineConfig(model=str(path), mesh="cpu-8", prefill="pp=4,ep=2",
+                                 decode="pp=4,ep=2", scheduler="throttle", dtype="float32",
+                                 max_model_len=160, max_num_seqs=4, max_num_batched_tokens=32,
+                                 warmup=False, show_progress=False))
+    outs = engine.generate(prompt_token_ids=PROMPTS,
+                           sampling_params=SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS))
+    assert [list(o.outputs[0].token_ids) for o in outs] == [
+        hf_greedy(model, ids, NEW_TOKENS) for ids in PROMPTS]
+    counts = engine.runner.flow_counts()
+    assert counts["busy_slots"] > counts["ticks"]  # micro-batches in flight together
+    engine.close()

@@ -1,20 +1,24 @@
 """The ragged step on every layout against the single-device whole-sequence forward pass, on a
 tiny model with prime-sized dimensions (so every layout pads: identity layers, replicated KV
-heads, zero query heads, mlp and vocab columns). Prompts are prefilled in ragged chunks that
-straddle the pipeline's micro-batches, then decoded greedily; every sampled row's logits must
-equal the reference's."""
+heads, zero query heads, mlp and vocab columns). Prompts are prefilled in ragged chunks, then
+decoded greedily; every sampled row's logits must equal the reference's. Micro-batches flow
+through the stages several at once (`runtime/flow.py`): each one's logits are still the
+reference's, and the pipeline fills once and drains once."""
 
 from __future__ import annotations
+
+import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import TINY
+from jax.sharding import PartitionSpec as P
 
 from jaxpipe.config.layout import Layout
 from jaxpipe.model.decoder import Decoder
-from jaxpipe.runtime import pipeline, step_inputs
+from jaxpipe.runtime import sharding, step_inputs
 from jaxpipe.runtime.buckets import Buckets
 from jaxpipe.runtime.runner import Runner
 from jaxpipe.runtime.step_inputs import Piece
@@ -49,10 +53,12 @@ def make_runner(values, layout: str, attention: str) -> Runner:
 
 def run(runner: Runner, pieces: list[Piece], sampled: int) -> np.ndarray:
     """Logits of the first `sampled` pieces' last tokens, every piece in one step."""
+    return np.asarray(runner.logits(build(runner, pieces), sampled))
+
+
+def build(runner: Runner, pieces: list[Piece]) -> step_inputs.StepInputs:
     tokens = runner.buckets.tokens(sum(len(p.tokens) for p in pieces))
-    inputs = step_inputs.build(pieces, tokens, runner.microbatches(tokens),
-                               runner.buckets.rows(tokens), runner.max_blocks)
-    return np.asarray(runner.logits(inputs, sampled))
+    return step_inputs.build(pieces, tokens, runner.buckets.rows(tokens), runner.max_blocks)
 
 
 # The Pallas kernel (interpreted: slow) on the layouts that split heads over tp in shard_map.
@@ -94,24 +100,25 @@ def test_ragged_steps_match_the_single_device_forward(tiny_values, prompts, forw
             np.testing.assert_allclose(logits[i], forward(s), atol=2e-5, err_msg=f"seq {i}")
 
 
-def test_microbatches_split_tokens_evenly():
-    assert pipeline.microbatches(64, 8) == 8
-    assert pipeline.microbatches(24, 8) == 8
-    assert pipeline.microbatches(12, 8) == 6
-    assert pipeline.microbatches(7, 4) == 1
-
-
-def test_spans_straddling_microbatches():
-    """A piece cut by a micro-batch boundary becomes one span in each, with kv_len counting
-    the keys up to each part's end."""
-    table = [3, 5]
-    inputs = step_inputs.build([Piece([1] * 5, 0, table), Piece([2] * 6, 10, table)], 16, 2,
-                               4, 4)
-    assert inputs.q_start.tolist() == [[0, 5, 0, 0], [0, 0, 0, 0]]
-    assert inputs.q_len.tolist() == [[5, 3, 0, 0], [0, 3, 0, 0]]
-    assert inputs.kv_len.tolist() == [[5, 13, 0, 0], [0, 16, 0, 0]]
-    assert inputs.last.tolist() == [4, 10, 0, 0]
-    assert inputs.rows.reshape(-1).tolist() == [0] * 5 + [1] * 6 + [4] * 5
+@pytest.mark.parametrize("layout", ["pp=8", "pp=4,tp=2", "pp=2,tp=4"])
+def test_micro_batches_in_flight_together_each_match_the_forward(tiny_values, prompts,
+                                                                 forward, layout):
+    """Each prompt is one micro-batch, all dispatched before any is fetched: up to pp flow
+    through the stages at once (their KV writes interleaved tick by tick), and each one's
+    last-token logits are the single-device forward's. The pipeline filled once and drained
+    once: pp - 1 idle stage-ticks at each end, none between."""
+    runner = make_runner(tiny_values, layout, "auto")
+    pp = Layout.parse(layout).pp
+    handles = [runner.dispatch(build(runner, [Piece(p, 0, list(TABLE[i]))]),
+                               np.zeros(0, np.int32), None) for i, p in enumerate(prompts)]
+    hidden = [(h.result() if hasattr(h, "result") else h).done for h in handles]
+    for i, h in enumerate(hidden):
+        got = np.asarray(runner._head_logits(h, 1))[0]
+        np.testing.assert_allclose(got, forward(prompts[i]), atol=2e-5, err_msg=f"seq {i}")
+    counts = runner.flow_counts()
+    assert counts["ticks"] == len(prompts) + pp - 1
+    assert counts["busy_slots"] == len(prompts) * pp
+    assert counts["idle_slots"] == pp * (pp - 1)
 
 
 @pytest.mark.parametrize("layout", ["pp=1,tp=1", "pp=2,tp=4"])
@@ -138,22 +145,49 @@ def test_bf16_step_with_the_cpu_kernels_matches_xla(tiny_values, prompts, layout
 @pytest.mark.parametrize("layout", ["pp=2,tp=4", "pp=8", "pp=4,tp=2"])
 @pytest.mark.parametrize("tokens", [16, 64])
 def test_stages_exchange_only_fixed_shape_activations(tiny_values, layout, tokens):
-    """Between stages a step moves one [Tm, E] activation per tick and nothing else: no
-    per-step metadata (tables, spans, lengths enter once, replicated, as program inputs), no
-    host round trip (send / recv / infeed / outfeed / callbacks). Its shape depends only on
-    the token bucket, so the receiver never waits for a description of what comes."""
+    """Between stages a tick moves one [T, E] activation and nothing else: no per-step
+    metadata (each stage's micro-batch's tables, spans and lengths enter as program inputs,
+    one slot per stage), no host round trip (send / recv / infeed / outfeed / callbacks). Its
+    shape depends only on the token bucket, so the receiver never waits for a description of
+    what comes."""
     import re
 
     runner = make_runner(tiny_values, layout, "auto")
     pieces = [Piece([1, 2, 3], 0, [0]), Piece([4], 5, [1])]
-    inputs = step_inputs.build(pieces, tokens, runner.microbatches(tokens),
-                               runner.buckets.rows(tokens), runner.max_blocks)
+    inputs = step_inputs.build(pieces, tokens, runner.buckets.rows(tokens), runner.max_blocks)
+    tick = step_inputs.stack([inputs] * Layout.parse(layout).pp, tokens, inputs.num_rows)
     fn = runner._program(0 if runner.attention != "xla" else MAX_LEN)
-    text = fn.lower(runner.params, runner.cache, inputs, runner._zeros()).as_text()
+    text = fn.lower(runner.params, runner.cache, runner._carried(tokens), tick,
+                    runner._zeros()).as_text()
     moves = re.findall(r"stablehlo\.collective_permute.*:\s*\((tensor<[^>]*>)\)", text)
-    tm = tokens // runner.microbatches(tokens)
-    assert moves == [f"tensor<{tm}x{TINY.hidden_size}xf32>"]
+    assert moves == [f"tensor<{tokens}x{TINY.hidden_size}xf32>"]
     assert not re.search(r"\b(send|recv|infeed|outfeed)\b", text)
     calls = set(re.findall(r"custom_call @(\w+)", text))
     assert all(c.startswith("jaxpipe_") or c in ("Sharding", "SPMDFullToShardShape",
                                                  "SPMDShardToFullShape") for c in calls), calls
+
+
+
+@pytest.mark.parametrize("layout", ["pp=8", "pp=4,tp=2", "pp=2,tp=4", "tp=8"])
+def test_every_device_computes_its_own_slice_of_the_logits(tiny_values, prompts, forward,
+                                                           layout):
+    """The LM head's dot runs on each device over its own slice of the (padded) vocabulary,
+    over pp too where the head's weights are whole on every stage (TINY's 251 tokens pad to
+    256 columns: 8 slices), and the logits are the single-device forward's."""
+    runner = make_runner(tiny_values, layout, "xla")
+    place = runner.placements[runner.phase]
+    hidden = runner.hidden(build(runner, [Piece(prompts[0], 0, list(TABLE[0]))]))
+    logits = place.logits(runner.params, hidden, rows=1)
+    np.testing.assert_allclose(np.asarray(logits)[0], forward(prompts[0]), atol=2e-5)
+    padded = runner.padding.size("vocab", TINY.vocab_size)
+    assert padded == 256
+    hlo = place.logits.lower(runner.params, hidden, rows=1).compile().as_text()
+    assert re.search(r"f32\[2,32\]\S* (dot|fusion)\(", hlo), hlo
+
+
+def test_the_logits_split_over_the_axes_that_divide_the_vocabulary():
+    assert sharding.logits_spec(Layout(pp=8), 49152) == P(None, ("pp",))
+    assert sharding.logits_spec(Layout(pp=4, tp=2), 49152) == P(None, ("tp", "pp"))
+    assert sharding.logits_spec(Layout(pp=4, tp=2), 252) == P(None, ("tp",))  # 8 does not divide
+    assert sharding.logits_spec(Layout(pp=8), 251) == P(None, None)
+    assert sharding.logits_spec(Layout(tp=8), 256) == P(None, ("tp",))

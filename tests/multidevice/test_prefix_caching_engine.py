@@ -41,8 +41,8 @@ def cached(tiny_orbax):
 @pytest.mark.parametrize("policy", ["seesaw", "prefill_first", "throttle"])
 def test_two_layouts_give_the_uncached_tokens(cached, reference, policy):
     """seesaw prefills on pp=4,tp=2 and decodes on tp=8; prefill_first's mixed steps run on
-    tp=8 after one switch; throttle runs 4 micro-batches a step on pp=4,tp=2 (sequences of
-    one step share nothing written in it)."""
+    tp=8 after one switch; throttle's micro-batches flow through pp=4,tp=2's stages (a
+    sequence reads no block a micro-batch still in flight writes)."""
     cached.set_scheduler(policy)
     first, second = check_waves(cached, reference)
     assert first["prefix_cache_hit_tokens"] > 0 and second["prefix_cache_hit_tokens"] > 0

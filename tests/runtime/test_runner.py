@@ -45,9 +45,7 @@ def test_f32_steps_ask_for_full_precision_dots(tiny_smollm2, monkeypatch, dtype,
         inputs = padding_inputs(runner, 8)
         runner.hidden(inputs)
         assert asked and set(asked) == {None if want is None else "highest"}
-        with real(runner.precision):
-            text = runner._program(0).lower(runner.params, runner.cache, inputs,
-                                            runner._zeros()).as_text()
+        text = runner.lowered(inputs).as_text()
     dots = [line for line in text.splitlines() if "dot_general" in line]
     assert dots
     assert all(("HIGHEST" in line) == (want is not None) for line in dots)

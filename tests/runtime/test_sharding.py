@@ -60,7 +60,9 @@ def test_uneven_pipeline_stages_are_padded_with_identity_layers():
 
 def test_divisible_layouts_need_no_padding():
     assert sharding.padding_for(SMOLLM2, [Layout(pp=2), Layout(pp=4)]).is_identity is False
-    assert sharding.padding_for(SMOLLM2, [Layout(pp=5), Layout(pp=2, tp=3)]).is_identity
+    assert sharding.padding_for(SMOLLM2, [Layout(pp=3), Layout(pp=2, tp=3)]).is_identity
+    # the vocabulary pads to every device of a layout (the logits split over them all)
+    assert not sharding.padding_for(SMOLLM2, [Layout(pp=5), Layout(pp=2, tp=3)]).is_identity
 
 
 @pytest.mark.parametrize("layouts", [["pp=8", "tp=8"], ["pp=4,tp=2", "tp=4,pp=2"]])

@@ -90,9 +90,7 @@ def test_activation_reserve_bounds_xla_temporaries_of_the_largest_steps(packed):
     try:
         assert bool(runner.placements["prefill"].packed) == packed
         for tokens in (1024, 4096):
-            fn = runner._program(0)
-            step = padding_inputs(runner, tokens)
-            temp = fn.lower(runner.params, runner.cache, step, runner._zeros()).compile(
+            temp = runner.lowered(padding_inputs(runner, tokens)).compile(
             ).memory_analysis().temp_size_in_bytes
             reserve = sizing.activation_bytes(engine.model_config, tokens, 64)
             assert temp <= reserve, (tokens, temp, reserve)

@@ -13,7 +13,7 @@ from jaxpipe.runtime.synthetic_step import median_seconds, padding_inputs, unifo
 
 def _runner(num_blocks: int = 64):
     return SimpleNamespace(buckets=Buckets.for_engine(8, 256, 512), num_blocks=num_blocks,
-                           max_blocks=16, microbatches=lambda tokens: 1)
+                           max_blocks=16)
 
 
 def test_padding_step_has_the_bucket_and_no_row():
@@ -28,8 +28,8 @@ def test_padding_step_has_the_bucket_and_no_row():
 
 def test_uniform_decode_rows_sit_at_the_contexts_end_in_their_own_blocks():
     step = uniform_inputs(_runner(), 3, 1, start=2 * BLOCK + 4)
-    assert step.q_len[0, :3].tolist() == [1, 1, 1]
-    assert step.kv_len[0, :3].tolist() == [2 * BLOCK + 5] * 3
+    assert step.q_len[:3].tolist() == [1, 1, 1]
+    assert step.kv_len[:3].tolist() == [2 * BLOCK + 5] * 3
     assert step.table[1, :3].tolist() == [3, 4, 5]  # three blocks per row, row 1's next
 
 

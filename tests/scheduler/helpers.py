@@ -49,11 +49,12 @@ class TraceExecutor(StepExecutor):
 
     def __init__(self, trace: Trace, depth: int = 1, finishes=None):
         self.trace, self.finishes = trace, finishes
-        self.in_flight, self.chained = depth - 1, depth == 1
+        self.in_flight, self.chained, self.flow_depth = depth - 1, depth == 1, depth
         self.flying: list = []
 
     def launch(self, runs, state):
         (run,) = runs
+        assert not any(s.in_prefill for s in run.decode), "a decode before its first token"
         trace = self.trace
         trace.actions.append(run.kind.value)
         self.flying.append(run)
@@ -94,8 +95,9 @@ def check_ledger(state: SchedulerState, trace: Trace) -> None:
     assert state.device_kv.used == sum(state.device_kv.held(s) for s in state.device.values())
     held = [b for s in state.device.values() for b in s.blocks if b != FREED]
     unit = state.device_kv.blocks.unit
-    for s in state.device.values():
-        assert len(s.blocks) * unit == state.device_kv.blocks.size(s.computed)
+    for s in state.device.values():  # (a piece launched, not yet applied, holds more)
+        held_tokens, need = len(s.blocks) * unit, state.device_kv.blocks.size(s.computed)
+        assert held_tokens == need or (s.seq_id in state.busy and held_tokens > need)
         first = min(state.device_kv.blocks.first_live(s.computed), len(s.blocks))
         assert s.behind == first and set(s.blocks[:first]) <= {FREED}
         assert FREED not in s.blocks[first:]
@@ -110,12 +112,13 @@ def check_ledger(state: SchedulerState, trace: Trace) -> None:
 
 
 def run_policy(policy: Policy, seqs: list[SeqInfo], device_kv: int, slots: int,
-               host_kv: int = 0, unit: int = 1, window: int = 0
+               host_kv: int = 0, unit: int = 1, window: int = 0, stages: int = 1
                ) -> tuple[SchedulerState, Trace]:
     """Drive `policy` until every sequence ran to its `max_output_len`, one step landing
-    before the next; both tiers charge whole `unit`s of tokens (the engine's KV blocks),
-    every layer reads through a sliding `window` (0: none). The ledger is checked after
-    every action."""
+    before the next (over `stages` > 1: that many micro-batches in flight, host ticks, the
+    driver splitting a one-micro-batch policy's runs); both tiers charge whole `unit`s of
+    tokens (the engine's KV blocks), every layer reads through a sliding `window` (0: none).
+    The ledger is checked after every action."""
     state = SchedulerState(device_kv, slots, host_kv, host_unit=unit, device_unit=unit,
                            window=window)
     state.add(*seqs)
@@ -128,7 +131,7 @@ def run_policy(policy: Policy, seqs: list[SeqInfo], device_kv: int, slots: int,
         return done
 
     state.apply = apply
-    Driver(policy, state, TraceExecutor(trace)).run()
+    Driver(policy, state, TraceExecutor(trace, stages)).run()
     check_ledger(state, trace)
     return state, trace
 

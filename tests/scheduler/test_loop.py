@@ -145,3 +145,48 @@ def test_a_merged_step_keeps_to_its_depth_and_token_budget():
     executor.max_step_tokens = 5
     driver.step()
     assert executor.seen[-3] == ("launch", [(i, 2) for i in range(3)])
+
+
+def test_over_stages_a_one_micro_batch_run_is_split_into_shares():
+    """Over 4 stages (3 in flight, host ticks), a depth-1 policy's run of 8 decodes goes as
+    4 micro-batches of 2, each its own step; a share that returns (2 of the device's 8, one
+    stage's share) goes whole. Every sequence is in exactly one micro-batch in flight."""
+    state, seqs = decoding(8)
+    policy = Scripted(lambda st: Run(decode=st.idle()) if st.idle() else None)
+    executor = Recorder(in_flight=3, chained=False)
+    executor.flow_depth = 4
+    driver = Driver(policy, state, executor)
+    driver.step()
+    launches = [ids for what, ids in executor.seen if what == "launch"]
+    assert [[i for i, _ in ids] for ids in launches] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert executor.seen[-1] == ("land", [0, 4]) and len(driver.in_flight) == 3
+    driver.step()  # the two that landed: one share, not split again
+    assert executor.seen[-3:] == [("launch", [(0, 2), (4, 2)]), ("free", []), ("land", [1, 5])]
+    assert state.busy == {2, 6, 3, 7, 0, 4}
+
+
+def test_a_run_under_two_shares_and_a_pipelined_policy_s_run_stay_whole():
+    state, _ = decoding(8)
+    executor = Recorder(in_flight=3, chained=False)
+    executor.flow_depth = 4
+    three = Scripted(lambda st: Run(decode=st.idle()[:3]) if st.idle() else None)
+    Driver(three, state, executor).step()
+    assert executor.seen[0] == ("launch", [(0, 1), (1, 1), (2, 1)])
+    state, _ = decoding(8)
+    executor = Recorder(in_flight=3, chained=False)
+    executor.flow_depth = 4
+    deep = Scripted(lambda st: Run(decode=st.idle()) if st.idle() else None, depth=4)
+    Driver(deep, state, executor).step()
+    assert executor.seen[0] == ("launch", [(i, 1) for i in range(8)])
+
+
+def test_split_deals_decodes_round_robin_and_prompts_to_the_lightest_piece():
+    a, b, c, d, e = (SeqInfo(i, 100, 10) for i in range(5))
+    run = Run(prefill=[(a, 50), (b, 8), (c, 40)], decode=[d, e], prefill_to_host=True)
+    pieces = run.split(3)
+    assert [([s.seq_id for s, _ in p.prefill], [s.seq_id for s in p.decode]) for p in pieces] \
+        == [([2], [3]), ([1], [4]), ([0], [])]  # 50 to the empty piece, 40 and 8 after
+    assert all(p.prefill_to_host for p in pieces)
+    assert [len(p.seqs) for p in run.split(9)] == [1] * 5  # no empty piece
+    (whole,) = run.split(1)
+    assert sorted(s.seq_id for s in whole.seqs) == [0, 1, 2, 3, 4]

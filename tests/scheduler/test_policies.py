@@ -21,6 +21,7 @@ CONFIGS = {
     "prefill_first_chunked_two_layouts": ("prefill_first", {"two_layouts": True}),
     "prefill_first_two_layouts": ("prefill_first", {"chunked": False, "two_layouts": True}),
     "decode_first": ("decode_first", {}),
+    "decode_first_chunked": ("decode_first", {"max_prefill_tokens": 48}),
     "decode_first_two_layouts": ("decode_first", {"two_layouts": True}),
 }
 
@@ -52,6 +53,21 @@ def test_every_request_finishes_once_with_all_its_tokens(config, seed):
     assert all(s.generated == s.max_output_len for s in seqs)
     assert state.device_kv.used == 0 and state.host_kv.used == 0
     assert trace.max_host_used <= HOST_KV and trace.max_device_used <= DEVICE_KV
+
+
+@pytest.mark.parametrize("config", sorted(CONFIGS))
+def test_over_four_stages_every_request_finishes_once_and_the_pipeline_fills(config):
+    """The driver splits each policy's runs over 4 stages (host ticks): every request still
+    ends once with all its tokens, no decode goes before a prompt's last chunk (a prompt's
+    chunks may land apart from the rest of its batch), and up to 4 micro-batches fly."""
+    name, options = CONFIGS[config]
+    seqs = make_seqs(40, 0)
+    state, trace = run_policy(make_policy(name, **options), seqs, DEVICE_KV, SLOTS, HOST_KV,
+                              stages=4)
+    assert sorted(trace.finished) == list(range(40))
+    assert all(s.generated == s.max_output_len for s in seqs)
+    assert state.device_kv.used == 0 and state.host_kv.used == 0
+    assert trace.max_in_flight == 4
 
 
 @pytest.mark.parametrize("config", sorted(c for c in CONFIGS if "chunked" not in c))
