@@ -8,7 +8,9 @@ Each run builds its engine (warm-up compile), runs a few warm-up requests, reset
 times one greedy `generate` over the workload; it reports output tok/s, the pipeline's bubble
 fraction and stage times (`runtime/flow.py`), and a hash of every output token, which must be
 the same on every layout (f32: the layouts compute the same numbers). One cpu-8 run can write
-its Perfetto trace (`Executor.chrome_trace`).
+its Perfetto trace (`Executor.chrome_trace`). Then it times what one step (one device) or one
+tick (pp stages) costs alone for decode micro-batches of `step_rows` rows (`step_costs`): where
+a pipelined layout's time goes when its ratio falls short.
 """
 
 from __future__ import annotations
@@ -45,6 +47,8 @@ class FlowBenchConfig:
     layouts: cpu-1 (one device), or cpu-8 layouts, each run with one layout for both phases
     schedulers: the policies, each run on every layout
     max_num_seqs: EngineConfig.max_num_seqs
+    step_rows: rows of the decode micro-batches timed alone after each run (ms per step on one
+        device, per tick over pp stages; none: skipped)
     trace: write the Perfetto trace of the first cpu-8 run here
     json_path: where the JSON goes (rewritten after every run)
     """
@@ -58,11 +62,16 @@ class FlowBenchConfig:
     layouts: tuple[str, ...] = (ONE_DEVICE, "pp=8", "pp=4,tp=2")
     schedulers: tuple[str, ...] = ("throttle", "tdpipe")
     max_num_seqs: int = 128
+    step_rows: tuple[int, ...] = (16, 128)
     trace: str | None = None
     json_path: str = field(default="out/bench_pipeline.json", metadata={"flags": ("--json",)})
 
     def __post_init__(self):
         check_counts(self, "num_prompts", "input_len", "output_len", "max_num_seqs")
+        too_many = [r for r in self.step_rows if not 0 < r <= self.max_num_seqs]
+        if too_many:
+            raise ValueError(f"step_rows {too_many}: each must be in 1..max_num_seqs="
+                             f"{self.max_num_seqs}")
 
 
 def engine_config(cfg: FlowBenchConfig, layout: str, scheduler: str) -> dict:
@@ -94,6 +103,7 @@ def run_one(cfg: FlowBenchConfig, layout: str, scheduler: str, trace: str | None
         Path(trace).parent.mkdir(parents=True, exist_ok=True)
         Path(trace).write_text(json.dumps(engine.executor.chrome_trace()))
     digest = hashlib.sha256(json.dumps([list(o.outputs[0].token_ids) for o in outs]).encode())
+    step_ms = step_costs(engine.executor.runner, cfg.step_rows, cfg.input_len + cfg.output_len // 2)
     engine.close()
     return {"layout": layout, "scheduler": scheduler, "elapsed_s": elapsed,
             "output_tok_s": cfg.num_prompts * cfg.output_len / elapsed,
@@ -101,7 +111,22 @@ def run_one(cfg: FlowBenchConfig, layout: str, scheduler: str, trace: str | None
             "pipeline_stage_busy_seconds": stats["pipeline_stage_busy_seconds"],
             "pipeline_wall_seconds": stats["pipeline_wall_seconds"],
             "mean_decode_batch": stats["mean_decode_batch"], "steps": stats["steps"],
-            "host_ms_per_step": stats["host_ms_per_step"], "tokens_sha256": digest.hexdigest()}
+            "host_ms_per_step": stats["host_ms_per_step"], "step_ms": step_ms,
+            "tokens_sha256": digest.hexdigest()}
+
+
+def step_costs(runner, rows: tuple[int, ...], context: int, repeats: int = 3) -> dict:
+    """rows -> ms of one decode step of that many rows at `context` positions (one stage),
+    or of one tick (pp stages: pp micro-batches of that many rows fill and drain the pipeline
+    in 2pp - 1 ticks, each tick timed as their mean), medians of `repeats`."""
+    # (here, not at the top: the parent process never imports jax, `_child`'s reason)
+    from jaxpipe.runtime.synthetic_step import median_seconds, step_call
+
+    pp = runner.layout.pp
+    ticks = 2 * pp - 1 if pp > 1 else 1
+    return {str(r): 1e3 * median_seconds(step_call(runner, r * pp, 1, start=context - 1,
+                                                   microbatches=pp), repeats) / ticks
+            for r in rows}
 
 
 def run(cfg: FlowBenchConfig, log=print) -> dict:
@@ -148,6 +173,13 @@ def format_ratios(record: dict) -> str:
     for x in record.get("ratios", []):
         lines.append(f"{x['scheduler']:<9} {x['layout']:<10} {x['vs_one_device']:7.2f}x "
                      f"{x['pipeline_bubble_fraction']:7.3f} {x['same_tokens']}")
+    costs = [r for r in record.get("runs", []) if r.get("step_ms")]
+    if costs:
+        lines.append("ms of one decode step (one device) or tick (pp stages), by rows "
+                     "per micro-batch:")
+        for r in costs:
+            lines.append(f"{r['scheduler']:<9} {r['layout']:<10} " + "  ".join(
+                f"{rows} rows {ms:6.1f}" for rows, ms in r["step_ms"].items()))
     return "\n".join(lines)
 
 
