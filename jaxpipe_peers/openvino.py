@@ -125,20 +125,28 @@ def _export_ir(hf_dir: Path, ir_dir: Path, log: Log) -> None:
     tmp.rename(ir_dir)
 
 
+def ensure_hf(model: Path, log: Log = print, root: Path | None = None) -> Path:
+    """The float32 HF checkpoint of `model`: itself when it is an HF directory, else its GGUF
+    dequantized once into the peers' cache (also what scripts/eval_harness.py's HF run reads)."""
+    if model.is_dir():
+        return model
+    base = peer_cache_dir(model, root)
+    hf_dir = base / "hf-float32"
+    if not (hf_dir / "config.json").exists():
+        base.mkdir(parents=True, exist_ok=True)
+        _export_hf(model, hf_dir, log)
+    return hf_dir
+
+
 def ensure_ir(model: Path, log: Log = print, root: Path | None = None) -> Path:
     """The cached OpenVINO IR directory for `model` (a GGUF file, dequantized to an HF
     checkpoint first, or an HF directory), converting what is missing."""
-    base = peer_cache_dir(model, root)
-    ir_dir = base / "openvino-fp16"
-    hf_dir = model if model.is_dir() else base / "hf-float32"
+    ir_dir = peer_cache_dir(model, root) / "openvino-fp16"
     if (ir_dir / "openvino_model.xml").exists():
         log(f"[openvino] reusing the cached IR in {ir_dir}")
         return ir_dir
-    base.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    if not (hf_dir / "config.json").exists():
-        _export_hf(model, hf_dir, log)
-    _export_ir(hf_dir, ir_dir, log)
+    _export_ir(ensure_hf(model, log, root), ir_dir, log)
     log(f"[openvino] converted in {time.perf_counter() - start:.1f}s")
     return ir_dir
 
