@@ -6,6 +6,8 @@ Examples:
   python scripts/bench_throughput.py --peers openvino,hf          # + OpenVINO GenAI (bench extra)
   python scripts/bench_throughput.py --num-prompts 16 --hf-batch-sizes 8,16
   python scripts/bench_throughput.py --input-len 128 --output-len 128 --skip-hf
+  python scripts/bench_throughput.py --num-prompts 64 --input-range 256-1024 --output-len 256 \
+      --samples 8 --peers openvino                                # a rollout: n=8 at temperature 1
 The logic and the flags (`BenchConfig`) live in `jaxpipe_bench`; this file only parses them.
 """
 
