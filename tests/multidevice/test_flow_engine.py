@@ -13,7 +13,8 @@ import json
 
 import numpy as np
 import pytest
-from conftest import TINY
+from conftest import TINY, greedy_workload, one_device_tokens, one_layout_engine
+from prefix_workload import tokens
 
 from jaxpipe import Engine, EngineConfig, SamplingParams
 
@@ -26,35 +27,21 @@ HOST_KV = 256
 
 @pytest.fixture(scope="module")
 def workload():
-    rng = np.random.default_rng(3)
-    prompts = [rng.integers(0, TINY.vocab_size - 1, rng.integers(3, 30)).tolist()
-               for _ in range(12)]
-    params = [SamplingParams(temperature=0.0, max_tokens=int(n), ignore_eos=True)
-              for n in rng.integers(3, 16, len(prompts))]
-    return prompts, params
-
-
-def tokens(outputs) -> list[list[int]]:
-    return [list(o.outputs[0].token_ids) for o in outputs]
+    return greedy_workload(3, 12, prompt_tokens=(3, 30), new_tokens=(3, 16))
 
 
 @pytest.fixture(scope="module")
 def reference(tiny_orbax, workload):
-    engine = Engine(EngineConfig(model=str(tiny_orbax), max_num_seqs=16, prefix_caching=False,
-                                 **FAST))
-    prompts, params = workload
-    out = tokens(engine.generate(prompt_token_ids=prompts, sampling_params=params))
-    engine.close()
-    return out
+    return one_device_tokens(tiny_orbax, workload, max_num_seqs=16, **FAST)
 
 
 @pytest.fixture(scope="module")
 def engines(tiny_orbax):
     """layout -> an engine on cpu-8 with both phases on it (its policy set per test)."""
-    out = {layout: Engine(EngineConfig(
-        model=str(tiny_orbax), mesh="cpu-8", prefill=layout, decode=layout, max_num_seqs=8,
-        kv_cache_tokens=DEVICE_KV, host_kv_tokens=HOST_KV, tdpipe_finish_ratio=0.5, **FAST))
-        for layout in LAYOUTS}
+    out = {layout: one_layout_engine(tiny_orbax, layout, max_num_seqs=8,
+                                     kv_cache_tokens=DEVICE_KV, host_kv_tokens=HOST_KV,
+                                     tdpipe_finish_ratio=0.5, **FAST)
+           for layout in LAYOUTS}
     yield out
     for engine in out.values():
         engine.close()
@@ -119,9 +106,8 @@ def test_no_stage_runs_an_empty_micro_batch_between_the_fill_and_the_drain(tiny_
     """32 like requests under throttle on pp=4,tp=2, room for all: the pipeline fills in
     its first 3 ticks, every stage then runs a micro-batch in every tick, and it drains once,
     in the last 3 ticks."""
-    engine = Engine(EngineConfig(model=str(tiny_orbax), mesh="cpu-8", prefill="pp=4,tp=2",
-                                 decode="pp=4,tp=2", max_num_seqs=32, scheduler="throttle",
-                                 **FAST))
+    engine = one_layout_engine(tiny_orbax, "pp=4,tp=2", max_num_seqs=32, scheduler="throttle",
+                               **FAST)
     rng = np.random.default_rng(5)
     prompts = [rng.integers(0, TINY.vocab_size - 1, 8).tolist() for _ in range(32)]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
