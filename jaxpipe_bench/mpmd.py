@@ -14,7 +14,7 @@
 Both run the engine's own stage (`pipeline.stage_layers`: `decoder.layer` with the paged
 attention, the tp psum inside a stage) on the same padded weights (`sharding.pad_values`),
 the same KV pools and the same per-micro-batch inputs (`step_inputs.build`, passed as NumPy
-on every call, as `Runner._tick` does), so they compute the same activations (`agreement`)
+on every call, as `Ticks._tick` does), so they compute the same activations (`agreement`)
 and the timings compare equal work. The embedding: spmd's tick embeds the entering tokens
 (a gather of T rows, as the engine's does); mpmd's first stage starts from those
 activations, precomputed and resident. Left out of both: the LM head and sampling.
