@@ -205,8 +205,8 @@ class Executor(StepExecutor):
 
     def chrome_trace(self) -> dict:
         """The step timeline and each layout's pipeline stages as one Perfetto trace."""
-        self.runner.stage_times()  # (polls the ticks still running)
-        return self.timeline.chrome_trace(self.runner.tick_records())
+        self.runner.ticks.stage_times()  # (polls the ticks still running)
+        return self.timeline.chrome_trace(self.runner.ticks.records())
 
     @property
     def generated_tokens(self) -> int:
