@@ -36,7 +36,15 @@ from jaxpipe.kv import device_cache
 from jaxpipe.kv.device_cache import BLOCK, KVCache
 from jaxpipe.model import orbax_dir
 from jaxpipe.model.decoder import param_decls
-from jaxpipe.runtime import memory, pipeline, sampling, sharding, sizing, step_inputs
+from jaxpipe.runtime import (
+    memory,
+    pipeline,
+    prompt_scores,
+    sampling,
+    sharding,
+    sizing,
+    step_inputs,
+)
 from jaxpipe.runtime.buckets import Buckets, round_up
 from jaxpipe.runtime.flow import Flow, MicroBatch, Pending
 from jaxpipe.runtime.host_sampler import HostSampler, host_logprobs
@@ -76,6 +84,7 @@ class StepOutput:
     logprob: np.ndarray | None = None  # [n] f32: logprob of each sampled token
     top_ids: np.ndarray | None = None  # [n, num] i32
     top_logprobs: np.ndarray | None = None  # [n, num] f32
+    prompt: prompt_scores.PromptScores | None = None  # the step's prompt positions' scores
 
 
 @dataclass(frozen=True)
@@ -94,6 +103,7 @@ class Dispatched:
 
     def __init__(self, done: jax.Array, n: int, tokens: jax.Array | None = None, lp=None):
         self.done, self.n, self.tokens, self.lp = done, n, tokens, lp
+        self.prompt = None  # (device parts, count) of its prompt scores (`_score_prompt`)
 
     def ready(self) -> bool:
         """Whether the device has finished the step (never blocks)."""
@@ -107,8 +117,8 @@ class Dispatched:
         """The step's results on the host (waits for the device)."""
         if self.tokens is None:
             self.wait()
-            return StepOutput(np.zeros(0, np.int32))
-        return _to_host(self.tokens, self.lp, self.n)
+            return _with_prompt(StepOutput(np.zeros(0, np.int32)), self.prompt)
+        return _with_prompt(_to_host(self.tokens, self.lp, self.n), self.prompt)
 
 
 class HostSampled:
@@ -123,6 +133,7 @@ class HostSampled:
         self._sampler, self._put = sampler, put  # put: host tokens -> padded device tokens
         self._out: StepOutput | None = None
         self._tokens: jax.Array | None = None
+        self.prompt = None  # (device parts, count) of its prompt scores
 
     def ready(self) -> bool:
         return self.logits.is_ready()
@@ -154,6 +165,7 @@ class HostSampled:
                 lse, top_ids, top_lp = (np.asarray(a)[:n] for a in self.lp)
                 self._out.logprob = host_logprobs(x, tokens, lse)
                 self._out.top_ids, self._out.top_logprobs = top_ids, top_lp
+            _with_prompt(self._out, self.prompt)
         return self._out
 
     fetch = sample
@@ -438,16 +450,19 @@ class Runner:
         return self.dispatch(inputs, slots, sampling_inputs).fetch()
 
     def dispatch(self, inputs: StepInputs, slots: np.ndarray, sampling_inputs: SamplingInputs,
-                 prev: Dispatched | None = None) -> Dispatched | HostSampled | Pending:
+                 prev: Dispatched | None = None, score: prompt_scores.PromptScore | None = None
+                 ) -> Dispatched | HostSampled | Pending:
         """Start one ragged step, a micro-batch entering the first stage (returns at once);
         sample a token for its first len(slots) rows (their penalty state is that of `slots`)
         when it leaves the last one. `sampling_inputs` has one entry per sampled row, padded
         to `buckets.sample_rows` (None: nothing sampled). `prev`: the step before, whose sampled
         tokens `inputs.feed` refers to (it may still be running; one stage only). On one
         stage the results are the step's own (`Dispatched`, or `HostSampled`); with more, a
-        `Pending` filled when the micro-batch leaves (its `wait` drains the pipeline)."""
+        `Pending` filled when the micro-batch leaves (its `wait` drains the pipeline).
+        `score`: its prompt positions to score (`prompt_scores.py`; results: `StepOutput.prompt`)."""
         flow = self._flow()
-        mb = MicroBatch(inputs, np.asarray(slots), sampling_inputs, Pending(self.drain_one))
+        mb = MicroBatch(inputs, np.asarray(slots), sampling_inputs, Pending(self.drain_one),
+                        score=score)
         self._feed = prev.tokens if prev is not None and prev.tokens is not None else None
         # (a host-sampled step not yet sampled feeds nothing: the executor samples it first
         # when this step takes tokens from it)
@@ -520,13 +535,19 @@ class Runner:
         inputs = step_inputs.stack([mb and mb.inputs for mb in slots], tokens, rows)
         max_kv = 0 if self.attention != "xla" else round_up(
             min(int(inputs.kv_len.max()), self.max_len), self.buckets.kv_len)
-        key = (self.phase, tokens, rows, max_kv)
+        leaving = slots[-1]
+        score = None if leaving is None or leaving.score is None else leaving.score.index
+        key = (self.phase, tokens, rows, max_kv, 0 if score is None else len(score))
         fed = self._feed if self._feed is not None else self._zeros()
         hidden, self.cache, self._act[self.phase] = self._once(
             key, self._program(max_kv), self.params, self.cache, self._carried(tokens), inputs,
-            fed)
-        leaving = slots[-1]
-        return (None if leaving is None else self._results(hidden, leaving)), hidden
+            fed, score)
+        if leaving is None:
+            return None, hidden
+        out = self._results(hidden, leaving)
+        if leaving.score is not None:
+            out.prompt = self._score_prompt(hidden, leaving.score)
+        return out, hidden
 
     def lowered(self, inputs: StepInputs):
         """The tick program lowered for `inputs` entering an empty pipeline (at the runner's
@@ -573,6 +594,15 @@ class Runner:
             mode=sampling_inputs.mode, penalties=sampling_inputs.penalties,
             num_logprobs=sampling_inputs.num_logprobs)
         return Dispatched(tokens, n, tokens, lp)
+
+    def _score_prompt(self, hidden: jax.Array, score: prompt_scores.PromptScore):
+        """The LM head and log-softmax over the prompt positions `score` kept after the
+        rows in `hidden` [max_rows + S, E]: (device parts, count) for `prompt_scores.to_host`."""
+        width = len(score.index)
+        kept = hidden[self.buckets.max_rows:]
+        logits = self._once(("prompt_logits", self.phase, width),
+                            self.placements[self.phase].logits, self.params, kept, rows=width)
+        return prompt_scores.scores(logits, score.target, num=score.num), score.count
 
     def _put_tokens(self, tokens: np.ndarray) -> jax.Array:
         """Host-sampled tokens as a `prev` for the next step (padded to max_rows)."""
@@ -778,6 +808,13 @@ def attention_cases(cfg: ModelConfig) -> list[AttentionCase]:
     heads = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
     return [AttentionCase(*heads, rows=64, q_len=1, context=512),
             AttentionCase(*heads, rows=1, q_len=256, context=0)]
+
+
+def _with_prompt(out: StepOutput, prompt) -> StepOutput:
+    """`out` with its step's prompt scores on the host (prompt: (device parts, count))."""
+    if prompt is not None and out.prompt is None:
+        out.prompt = prompt_scores.to_host(*prompt)
+    return out
 
 
 def _to_host(tokens, lp, n: int) -> StepOutput:
