@@ -108,6 +108,7 @@ class Completion:
     def __init__(self, prep: Prepared | Sequence, tokenizer, *, stream: bool = False,
                  echo: str = "", timer=None):
         self.prep, self.tokenizer, self.echo, self.timer = prep, tokenizer, echo, timer
+        self.echo_text = echo  # the echo, kept after it went out
         self.stream = None if tokenizer is None or not stream else TextStream(
             tokenizer, prep.prompt_token_ids, prep.params.skip_special_tokens, prep.params.stop)
         self.token_ids: list[int] = []

@@ -459,7 +459,7 @@ class Runner:
         tokens `inputs.feed` refers to (it may still be running; one stage only). On one
         stage the results are the step's own (`Dispatched`, or `HostSampled`); with more, a
         `Pending` filled when the micro-batch leaves (its `wait` drains the pipeline).
-        `score`: its prompt positions to score (`prompt_scores.py`; results: `StepOutput.prompt`)."""
+        `score`: its prompt positions to score (`prompt_scores.py`; `StepOutput.prompt`)."""
         flow = self._flow()
         mb = MicroBatch(inputs, np.asarray(slots), sampling_inputs, Pending(self.drain_one),
                         score=score)
