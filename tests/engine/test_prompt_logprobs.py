@@ -16,7 +16,7 @@ import hf_families  # noqa: E402
 from conftest import ENGINE_KWARGS  # noqa: E402
 
 from jaxpipe import Engine, EngineConfig, SamplingParams  # noqa: E402
-from jaxpipe.scheduler import make_policy  # noqa: E402
+from jaxpipe.scheduler import Kind, Preempt, make_policy  # noqa: E402
 
 ATOL = 1e-4
 K = 5
@@ -129,6 +129,44 @@ def test_families(checkpoints, name, chunk):
         check_engine(engine, TINY_PROMPT, want, -(-len(TINY_PROMPT) // CHUNK) if chunk else 1)
     finally:
         engine.close()
+
+
+class RecomputeTwice:
+    """7-token chunks; the first sequence is preempted by recompute (its KV dropped, its
+    prompt and outputs prefilled again) once mid-prefill and once while it decodes."""
+
+    depth = 1
+
+    def __init__(self):
+        self.inner = make_policy("prefill_first", max_prefill_tokens=CHUNK)
+        self.victims: list[str] = []
+
+    def schedule(self, state):
+        action = self.inner.schedule(state)
+        if action is None or action.kind is not Kind.RUN:
+            return action
+        for seq in [s for s, _ in action.prefill] + action.decode:
+            first = len(self.victims) == 0 and seq.computed >= 2 * CHUNK
+            if first or (len(self.victims) == 1 and seq.generated == 2):
+                self.victims.append(seq.seq_id)
+                return Preempt([seq], "recompute")
+        return action
+
+    def landed(self, run, finished, state):
+        self.inner.landed(run, finished, state)
+
+
+def test_recompute_preemption_neither_loses_nor_repeats_entries(checkpoints):
+    _, model, path = checkpoints("qwen2")
+    engine = Engine(EngineConfig(model=str(path), **TINY))
+    try:
+        engine.executor.policy = policy = RecomputeTwice()
+        out = scored(engine, TINY_PROMPT, max_tokens=4)
+        assert len(policy.victims) == 2 and engine.stats()["preemptions"] == 2
+        assert engine.stats()["prefill_tokens"] > 2 * len(TINY_PROMPT)
+    finally:
+        engine.close()
+    assert_matches_hf(out, TINY_PROMPT, hf_log_softmax(model, TINY_PROMPT))
 
 
 def test_prompt_logprobs_and_max_tokens_are_checked():
