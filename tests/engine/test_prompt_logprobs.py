@@ -131,6 +131,19 @@ def test_families(checkpoints, name, chunk):
         engine.close()
 
 
+@pytest.mark.parametrize("settings", [dict(sampler="host"), dict(overlap=False)],
+                         ids=["host_sampler", "no_overlap"])
+def test_host_sampler_and_no_overlap(checkpoints, settings):
+    """The host sampler's steps and steps landed one by one carry the scores alike."""
+    _, model, path = checkpoints("qwen2")
+    engine = chunked(Engine(EngineConfig(model=str(path), **TINY, **settings)))
+    try:
+        out = scored(engine, TINY_PROMPT)
+    finally:
+        engine.close()
+    assert_matches_hf(out, TINY_PROMPT, hf_log_softmax(model, TINY_PROMPT))
+
+
 class RecomputeTwice:
     """7-token chunks; the first sequence is preempted by recompute (its KV dropped, its
     prompt and outputs prefilled again) once mid-prefill and once while it decodes."""
