@@ -88,11 +88,13 @@ def token_delta(seq, start: int = 0) -> TokenDelta:
 
 def prompt_delta(seq) -> dict:
     """A `Sequence`'s prompt logprobs as `TokenDelta` fields ({}: it asked for none)."""
-    if seq.prompt_logprobs is None:
+    if seq.params.prompt_logprobs is None:
         return {}
+    scored = seq.prompt_logprobs or [None] * seq.prompt_len  # (none: a one-token prompt)
     entries = [None if e is None else [[int(t), float(lp)] for t, lp in e.items()]
-               for e in seq.prompt_logprobs]
-    return {"prompt_logprobs": entries, "prompt_ranks": list(seq.prompt_ranks)}
+               for e in scored]
+    return {"prompt_logprobs": entries,
+            "prompt_ranks": list(seq.prompt_ranks or [None] * seq.prompt_len)}
 
 
 class Completion:

@@ -139,7 +139,8 @@ class SamplingParams:
         self._validate_prompt_logprobs()
         self.min_tokens = _check_int("min_tokens", self.min_tokens)
         upper = "max_tokens" if self.max_tokens is not None else "inf"
-        if self.min_tokens < 0 or self.min_tokens > (self.max_tokens or math.inf):
+        if self.min_tokens < 0 or self.min_tokens > (
+                math.inf if self.max_tokens is None else self.max_tokens):
             raise ValueError(f"min_tokens must be in [0, {upper}={self.max_tokens}], "
                              f"got {self.min_tokens}")
         self.logprobs = _check_int("logprobs", self.logprobs, allow_none=True)

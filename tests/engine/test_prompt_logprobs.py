@@ -182,9 +182,17 @@ def test_recompute_preemption_neither_loses_nor_repeats_entries(checkpoints):
     assert_matches_hf(out, TINY_PROMPT, hf_log_softmax(model, TINY_PROMPT))
 
 
+def test_a_one_token_prompt_has_nothing_to_score(engine):
+    out = scored(engine, [504], max_tokens=1)
+    assert out.prompt_logprobs == [None] and out.prompt_ranks == [None]
+    assert len(out.outputs[0].token_ids) == 1
+
+
 def test_prompt_logprobs_and_max_tokens_are_checked():
     with pytest.raises(ValueError, match=r"prompt_logprobs must be None or in \[0, 20\]"):
         SamplingParams(prompt_logprobs=21)
     with pytest.raises(ValueError, match="max_tokens must be an int >= 1 or None"):
         SamplingParams(max_tokens=0)
     assert SamplingParams(max_tokens=0, prompt_logprobs=0).max_tokens == 0
+    with pytest.raises(ValueError, match="min_tokens must be in"):
+        SamplingParams(max_tokens=0, prompt_logprobs=0, min_tokens=1)
