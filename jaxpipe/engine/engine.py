@@ -113,10 +113,11 @@ class Engine:
             seed = params.seed
         elif seed is None:
             seed = self._draw_seed()
-        seq = Sequence.create(request_id, ids, params, seed, max_tokens, prompt=prompt,
+        seq = Sequence.create(request_id, ids, params, seed, max(max_tokens, 1), prompt=prompt,
                               stop=StopChecker(self.tokenizer, ids, params, self._eos,
                                                worker),
-                              arrival_time=time.perf_counter())
+                              arrival_time=time.perf_counter(),
+                              reads_cache=params.prompt_logprobs is None)
         self.executor.add(seq)
         self._requests[request_id] = seq
         return request_id

@@ -240,11 +240,11 @@ class Executor(StepExecutor):
         sampling_inputs = self.builder.sampling_inputs(step)
         start = self._ready_to_dispatch(step, self.timeline.part("sample", start))
         prev = feeder.out if feeder is not None else None
-        out = self.runner.dispatch(step.inputs, step.slots, sampling_inputs, prev)
+        out = self.runner.dispatch(step.inputs, step.slots, sampling_inputs, prev, step.score)
         record = self.timeline.dispatch("step", start, len(step.run.decode),
                                         step.run.prefill_tokens, out)
         self.timeline.part("dispatch", start, record)
-        self._flight = Flight(runs, step.sampled, out, record)
+        self._flight = Flight(runs, step.sampled, out, record, scored=step.scored)
         if self.flowing:  # its KV is whole when it leaves the last stage: out at land
             self._flight.to_host = step.to_host
         else:
@@ -289,6 +289,7 @@ class Executor(StepExecutor):
         if self._flight is flight:
             self._flight = None
         out, start = self._bring(flight)
+        self.output.record_prompt(flight.scored, out)
         landed, ended = self.output.process(flight.sampled, out)
         for seq, tokens in flight.to_host:  # the state moves them when the run returns
             if seq.request_id not in ended:
@@ -404,6 +405,7 @@ class Flight:
     record: StepRecord
     freed: list[Sequence] = field(default_factory=list)  # freed at dispatch: their last token
     to_host: list = field(default_factory=list)  # (seq, tokens): prefills to swap out at land
+    scored: list = field(default_factory=list)  # (seq, prompt token index) of its prompt scores
 
     def __post_init__(self):
         self.rows = {seq: i for i, seq in enumerate(self.sampled)}  # seq -> its sampled row

@@ -60,6 +60,9 @@ class OutputProcessor:
         """Append row i's token to its sequence for each (i, seq); logprobs, stop checks."""
         now = time.perf_counter()
         for i, seq in rows:
+            if seq.params.max_tokens == 0:  # scored its prompt: it ends with no output
+                self.finish(seq, "length")
+                continue
             token = int(out.tokens[i])
             seq.output_token_ids.append(token)
             if seq.first_token_time is None:
@@ -69,7 +72,21 @@ class OutputProcessor:
             reason = seq.stop.check(seq, self.max_model_len)
             if reason is not None:
                 self.finish(seq, reason)
-        self.stats.generated(len(rows))
+        self.stats.generated(sum(seq.params.max_tokens != 0 for _, seq in rows))
+
+    def record_prompt(self, scored: list[tuple[Sequence, int]], out: StepOutput) -> None:
+        """Record a step's prompt scores (row i: the prompt token scored[i][1] of
+        scored[i][0]) by position: a position scored twice (recomputed) is written again."""
+        for i, (seq, t) in enumerate(scored):
+            if seq.prompt_logprobs is None:
+                seq.prompt_logprobs, seq.prompt_ranks = ([None] * seq.prompt_len,
+                                                         [None] * seq.prompt_len)
+            token, num = seq.prompt_token_ids[t], seq.params.prompt_logprobs
+            entry = {token: float(out.prompt.logprob[i])}
+            for tid, lp in zip(out.prompt.top_ids[i][:num], out.prompt.top_logprobs[i][:num],
+                               strict=True):
+                entry.setdefault(int(tid), float(lp))
+            seq.prompt_logprobs[t], seq.prompt_ranks[t] = entry, int(out.prompt.rank[i])
 
     def _stop_string_matches(self) -> list[Sequence]:
         """End the running requests whose stop string the detokenizer worker found (cut back

@@ -14,13 +14,13 @@ the pieces then read from each sequence. Sampled rows come first (`step_inputs.p
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from jaxpipe.kv.manager import KVManager
 from jaxpipe.request.params import SamplingParams
-from jaxpipe.runtime import sampling, step_inputs
+from jaxpipe.runtime import prompt_scores, sampling, step_inputs
 from jaxpipe.runtime.buckets import Buckets
 from jaxpipe.runtime.runner import Runner, SamplingInputs
 from jaxpipe.runtime.step_inputs import Piece, StepInputs
@@ -39,6 +39,9 @@ class Step:
     tokens: int  # real tokens
     padded: int  # tokens with the bucket's padding
     feeds: bool  # some token comes from the step in flight's sampled rows on the device
+    score: prompt_scores.PromptScore | None = None  # its prompt positions to score
+    scored: list[tuple[Sequence, int]] = field(default_factory=list)  # what each scores:
+    # (sequence, index of the prompt token)
 
     @property
     def slots(self) -> np.ndarray:
@@ -77,8 +80,10 @@ class StepBuilder:
         to_host = [(seq, piece.start + len(piece.tokens)) for seq, piece, done in prefill
                    if done and run.prefill_to_host]  # all but the token being sampled
         sampled = [seq for seq, _, samples in pieces if samples]
-        return Step(run, sampled, to_host, inputs, real, tokens,
+        step = Step(run, sampled, to_host, inputs, real, tokens,
                     any(p.feed >= 0 for _, p, _ in pieces))
+        step.score, step.scored = prompt_positions(pieces, inputs)
+        return step
 
     def sampling_inputs(self, step: Step) -> SamplingInputs:
         """The sampling inputs of `step`'s sampled rows, in a row bucket."""
@@ -122,6 +127,25 @@ class StepBuilder:
         if row < 0:
             raise RuntimeError(f"{seq.request_id!r}'s newest token is in no step in flight")
         return seq, Piece([0], position, blocks, feed=row), True
+
+
+def prompt_positions(pieces: list[tuple[Sequence, Piece, bool]], inputs: StepInputs
+                     ) -> tuple[prompt_scores.PromptScore | None, list[tuple[Sequence, int]]]:
+    """The step's prompt positions that score the prompt token after them, of the sequences
+    asking for prompt logprobs (row r: pieces[r]), skipping tokens scored already (a
+    recompute after preemption), and (sequence, prompt token index) of each."""
+    entries, scored, num = [], [], 0
+    for r, (seq, piece, _) in enumerate(pieces):
+        if seq.params.prompt_logprobs is None:
+            continue
+        num = max(num, seq.params.prompt_logprobs)
+        done = seq.prompt_logprobs or [None] * seq.prompt_len
+        for p in prompt_scores.positions(piece.start, len(piece.tokens), seq.prompt_len):
+            if done[p + 1] is None:
+                entries.append((int(inputs.q_start[r]) + p - piece.start,
+                                seq.prompt_token_ids[p + 1]))
+                scored.append((seq, p + 1))
+    return prompt_scores.build(entries, num), scored
 
 
 def sampling_inputs_for(seqs: list[Sequence], rows: int) -> SamplingInputs:

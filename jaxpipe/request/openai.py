@@ -73,6 +73,9 @@ def read_body(url: str, body: dict) -> Body:
         echo = _flag(body, "echo")
     if top is not None:
         sampling["logprobs"] = top
+    if echo and (top is not None or sampling.get("max_tokens") == 0):
+        sampling["prompt_logprobs"] = top or 0  # the echoed prompt's logprobs; max_tokens=0
+        # scores the prompt without generating
     return Body(kind, prompts, sampling, model, stream, include_usage, echo, top)
 
 

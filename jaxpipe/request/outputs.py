@@ -37,6 +37,10 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: dict = field(default_factory=dict)
+    # SamplingParams.prompt_logprobs: per prompt token, None for the first, then {id: logprob}
+    # with the prompt's token first and the top k after it; and each prompt token's rank
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_ranks: list[int | None] | None = None
 
 
 @dataclass
@@ -61,6 +65,10 @@ class TokenDelta:
     logprobs: list[list[list[float]]] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # in the first delta, with prompt_logprobs: per prompt token None (the first) or
+    # [[id, logprob], ...] with the prompt's token first; and each prompt token's rank
+    prompt_logprobs: list[list[list[float]] | None] | None = None
+    prompt_ranks: list[int | None] | None = None
 
 
 def token_delta(seq, start: int = 0) -> TokenDelta:
@@ -71,9 +79,22 @@ def token_delta(seq, start: int = 0) -> TokenDelta:
     if seq.logprobs is not None:
         logprobs = [[[int(t), float(lp)] for t, lp in entry.items()]
                     for entry in seq.logprobs[start:]]
+    prompt = prompt_delta(seq) if start == 0 else {}
     if not seq.is_finished:
-        return TokenDelta(seq.request_id, new, logprobs)
-    return TokenDelta(seq.request_id, new, logprobs, seq.finish_reason, seq.stop_reason)
+        return TokenDelta(seq.request_id, new, logprobs, **prompt)
+    return TokenDelta(seq.request_id, new, logprobs, seq.finish_reason, seq.stop_reason,
+                      **prompt)
+
+
+def prompt_delta(seq) -> dict:
+    """A `Sequence`'s prompt logprobs as `TokenDelta` fields ({}: it asked for none)."""
+    if seq.params.prompt_logprobs is None:
+        return {}
+    scored = seq.prompt_logprobs or [None] * seq.prompt_len  # (none: a one-token prompt)
+    entries = [None if e is None else [[int(t), float(lp)] for t, lp in e.items()]
+               for e in scored]
+    return {"prompt_logprobs": entries,
+            "prompt_ranks": list(seq.prompt_ranks or [None] * seq.prompt_len)}
 
 
 class Completion:
@@ -89,6 +110,7 @@ class Completion:
     def __init__(self, prep: Prepared | Sequence, tokenizer, *, stream: bool = False,
                  echo: str = "", timer=None):
         self.prep, self.tokenizer, self.echo, self.timer = prep, tokenizer, echo, timer
+        self.echo_text = echo  # the echo, kept after it went out
         self.stream = None if tokenizer is None or not stream else TextStream(
             tokenizer, prep.prompt_token_ids, prep.params.skip_special_tokens, prep.params.stop,
             prep.params.include_stop_str_in_output)
@@ -97,6 +119,8 @@ class Completion:
         self.text = ""
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
+        self.prompt_logprobs: list | None = None  # per prompt token (TokenDelta's)
+        self.prompt_ranks: list | None = None
 
     @property
     def finished(self) -> bool:
@@ -111,6 +135,8 @@ class Completion:
         """Fold in one delta; returns the new text (the echo first)."""
         self.token_ids += delta.token_ids
         self.logprobs += delta.logprobs or []
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs, self.prompt_ranks = delta.prompt_logprobs, delta.prompt_ranks
         self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
         new = self._new_text(delta)
         if self.timer is not None:
@@ -129,8 +155,10 @@ class Completion:
             logprobs = [{int(t): lp for t, lp in entry} for entry in logprobs]
         completion = CompletionOutput(0, self.text, list(self.token_ids), self.finish_reason,
                                       self.stop_reason, logprobs)
+        prompt_lp = None if self.prompt_logprobs is None else [
+            None if e is None else {int(t): lp for t, lp in e} for e in self.prompt_logprobs]
         return RequestOutput(request_id, prompt, list(self.prep.prompt_token_ids), [completion],
-                             self.finished, metrics)
+                             self.finished, metrics, prompt_lp, self.prompt_ranks)
 
     def _new_text(self, delta: TokenDelta) -> str:
         if self.tokenizer is None:

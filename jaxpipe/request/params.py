@@ -147,6 +147,7 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens
     include_stop_str_in_output: bool = False  # keep a matched stop string in the text
     best_of: int | None = None  # refused unless None or n (vLLM V1 dropped it)
+    prompt_logprobs: int | None = None  # each prompt token's logprob and the top k (vLLM's)
 
     def __post_init__(self):
         self._validate_floats()
@@ -206,17 +207,31 @@ class SamplingParams:
         if self.seed is not None and not 0 <= self.seed < 2**32:
             raise ValueError(f"seed must be in [0, 2**32) or None, got {self.seed}")
         self.max_tokens = _check_int("max_tokens", self.max_tokens, allow_none=True)
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1 or None, got {self.max_tokens}")
+        self._validate_prompt_logprobs()
         self.min_tokens = _check_int("min_tokens", self.min_tokens)
         upper = "max_tokens" if self.max_tokens is not None else "inf"
-        if self.min_tokens < 0 or self.min_tokens > (self.max_tokens or math.inf):
+        if self.min_tokens < 0 or self.min_tokens > (
+                math.inf if self.max_tokens is None else self.max_tokens):
             raise ValueError(f"min_tokens must be in [0, {upper}={self.max_tokens}], "
                              f"got {self.min_tokens}")
         self.logprobs = _check_int("logprobs", self.logprobs, allow_none=True)
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be None or in [0, {MAX_LOGPROBS}], "
                              f"got {self.logprobs}")
+
+    def _validate_prompt_logprobs(self):
+        """prompt_logprobs in [0, MAX_LOGPROBS] or None; max_tokens=0 (score the prompt, no
+        output) only with prompt_logprobs."""
+        self.prompt_logprobs = _check_int("prompt_logprobs", self.prompt_logprobs,
+                                          allow_none=True)
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"prompt_logprobs must be None or in [0, {MAX_LOGPROBS}], "
+                             f"got {self.prompt_logprobs}")
+        lowest = 0 if self.prompt_logprobs is not None else 1
+        if self.max_tokens is not None and self.max_tokens < lowest:
+            accepted = ("an int >= 0 (0: score the prompt only) or None" if lowest == 0 else
+                        "an int >= 1 or None (0 only with prompt_logprobs)")
+            raise ValueError(f"max_tokens must be {accepted}, got {self.max_tokens}")
 
     @property
     def greedy(self) -> bool:

@@ -8,6 +8,7 @@
     sharding.py        logical axes -> mesh axes per layout, padding, re-sharding
     sampling.py        the device sampler (SamplingParams packed into tensors)
     host_sampler.py    the same choices in NumPy on worker threads (SiPipe)
+    prompt_scores.py   prompt logprobs: the positions a step scores, their log-softmax
     step_inputs.py     a ragged step's inputs, built on the host
     buckets.py         the static shapes the step compiles for
     sizing.py          how memory is divided: weights, activations, the pool, the host tier

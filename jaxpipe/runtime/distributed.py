@@ -216,11 +216,11 @@ class MirroredRunner:
     ticks = _local("ticks", "the local runner's (counts and records; its idle ticks run through "
                    "drain_one, mirrored)")
 
-    def dispatch(self, inputs, slots, sampling_inputs, prev=None):
+    def dispatch(self, inputs, slots, sampling_inputs, prev=None, score=None):
         step = next(self._steps)
         self.leader.send("dispatch", step, inputs, slots, sampling_inputs,
-                         getattr(prev, "step_id", None))
-        out = self._runner.dispatch(inputs, slots, sampling_inputs, prev)
+                         getattr(prev, "step_id", None), score)
+        out = self._runner.dispatch(inputs, slots, sampling_inputs, prev, score)
         out.step_id = step
         if isinstance(out, Pending):  # its idle ticks run on every process alike
             out.drain = self.drain_one
@@ -294,9 +294,9 @@ class Follower:
         finally:
             self.channel.close()
 
-    def _dispatch(self, step, inputs, slots, sampling_inputs, prev):
+    def _dispatch(self, step, inputs, slots, sampling_inputs, prev, score=None):
         self.steps[step] = self.runner.dispatch(inputs, slots, sampling_inputs,
-                                                self.steps.get(prev))
+                                                self.steps.get(prev), score)
         self.steps.pop(step - KEEP_STEPS, None)
 
     def _swap_out(self, seq_id, blocks, tokens):

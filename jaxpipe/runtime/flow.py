@@ -79,6 +79,7 @@ class MicroBatch:
     sampling_inputs: object
     pending: Pending
     id: int = -1  # its number in the flow, from 0 (`Flow.enter`)
+    score: object = None  # its prompt positions to score (`prompt_scores.PromptScore`)
 
 
 @dataclass

@@ -366,17 +366,20 @@ def tick_program(cfg: ModelConfig, layout: Layout, mesh, opts: StageOptions, out
     (`lax.ppermute`) into the returned `act`. An idle slot's tokens write no KV (rows = R).
     On one stage (pp = 1) a tick is a whole step. `opts`: how the stages run their layers
     (`StageOptions`); `out_rows` (>= R) is fixed for every bucket, so the LM head compiles
-    once per number of sampled rows."""
+    once per number of sampled rows. `score` [S] i32 (None: S = 0): token indices of the
+    leaving micro-batch whose residuals follow the rows' in `hidden` ([out_rows + S, E]):
+    the prompt positions that score the next prompt token (`prompt_scores.py`)."""
     layer_specs, cache_specs = _specs(cfg, layout)
     keys = ("rows", "positions", "table", "q_start", "q_len", "kv_len", "last")
     shift = [(i, (i + 1) % layout.pp) for i in range(layout.pp)]
 
-    def body(layers, x0, act, slots, cache):
+    def body(layers, x0, act, slots, cache, score):
         stage = lax.axis_index("pp")
         mine = {k: v[0] for k, v in slots.items()}  # this stage's slot
         x = jnp.where(stage == 0, x0, act[0])
         y, cache = stage_layers(cfg, layers, x, mine, cache, layout, opts)
-        hidden = jnp.where(stage == layout.pp - 1, y[mine["last"]], 0.0)  # [R, E]
+        kept = jnp.concatenate([y[mine["last"]], y[score]])  # [R + S, E]
+        hidden = jnp.where(stage == layout.pp - 1, kept, 0.0)
         if layout.pp > 1:  # only the last stage's rows are non-zero: the sum broadcasts them
             hidden, y = lax.psum(hidden, "pp"), lax.ppermute(y, "pp", shift)
         return hidden, y[None], cache
@@ -384,16 +387,19 @@ def tick_program(cfg: ModelConfig, layout: Layout, mesh, opts: StageOptions, out
     slot = P("pp")
     staged = jax.shard_map(body, mesh=mesh, check_vma=False,
                            in_specs=(layer_specs, P(), slot, {k: slot for k in keys},
-                                     cache_specs),
+                                     cache_specs, P()),
                            out_specs=(P(), slot, cache_specs))
 
-    def tick(params, cache, act, inputs, prev):
+    def tick(params, cache, act, inputs, prev, score=None):
         layers, head = split_params(params)
         x0 = decoder.embed(head, fed_tokens(inputs.tokens[0], inputs.feed[0], prev),
                            cfg.embed_scale)  # [Tm, E]: the entering micro-batch
+        score = jnp.zeros(0, jnp.int32) if score is None else score
         hidden, act, cache = staged(layers, x0, act, {k: getattr(inputs, k) for k in keys},
-                                    cache)
-        return jnp.pad(hidden, ((0, out_rows - hidden.shape[0]), (0, 0))), cache, act
+                                    cache, score)
+        rows = hidden.shape[0] - score.shape[0]
+        return jnp.concatenate([jnp.pad(hidden[:rows], ((0, out_rows - rows), (0, 0))),
+                                hidden[rows:]]), cache, act
 
     return jax.jit(tick, donate_argnames=("cache", "act"))
 

@@ -36,7 +36,15 @@ from jaxpipe.kv import device_cache
 from jaxpipe.kv.device_cache import BLOCK, KVCache
 from jaxpipe.model import orbax_dir
 from jaxpipe.model.decoder import param_decls
-from jaxpipe.runtime import memory, pipeline, sampling, sharding, sizing, step_inputs
+from jaxpipe.runtime import (
+    memory,
+    pipeline,
+    prompt_scores,
+    sampling,
+    sharding,
+    sizing,
+    step_inputs,
+)
 from jaxpipe.runtime.buckets import Buckets, round_up
 from jaxpipe.runtime.flow import MicroBatch, Pending
 from jaxpipe.runtime.host_sampler import HostSampler, host_logprobs
@@ -77,6 +85,7 @@ class StepOutput:
     logprob: np.ndarray | None = None  # [n] f32: logprob of each sampled token
     top_ids: np.ndarray | None = None  # [n, num] i32
     top_logprobs: np.ndarray | None = None  # [n, num] f32
+    prompt: prompt_scores.PromptScores | None = None  # the step's prompt positions' scores
 
 
 @dataclass(frozen=True)
@@ -95,6 +104,7 @@ class Dispatched:
 
     def __init__(self, done: jax.Array, n: int, tokens: jax.Array | None = None, lp=None):
         self.done, self.n, self.tokens, self.lp = done, n, tokens, lp
+        self.prompt = None  # (device parts, count) of its prompt scores (`_score_prompt`)
 
     def ready(self) -> bool:
         """Whether the device has finished the step (never blocks)."""
@@ -108,8 +118,8 @@ class Dispatched:
         """The step's results on the host (waits for the device)."""
         if self.tokens is None:
             self.wait()
-            return StepOutput(np.zeros(0, np.int32))
-        return _to_host(self.tokens, self.lp, self.n)
+            return _with_prompt(StepOutput(np.zeros(0, np.int32)), self.prompt)
+        return _with_prompt(_to_host(self.tokens, self.lp, self.n), self.prompt)
 
 
 class HostSampled:
@@ -124,6 +134,7 @@ class HostSampled:
         self._sampler, self._put = sampler, put  # put: host tokens -> padded device tokens
         self._out: StepOutput | None = None
         self._tokens: jax.Array | None = None
+        self.prompt = None  # (device parts, count) of its prompt scores
 
     def ready(self) -> bool:
         return self.logits.is_ready()
@@ -155,6 +166,7 @@ class HostSampled:
                 lse, top_ids, top_lp = (np.asarray(a)[:n] for a in self.lp)
                 self._out.logprob = host_logprobs(x, tokens, lse)
                 self._out.top_ids, self._out.top_logprobs = top_ids, top_lp
+            _with_prompt(self._out, self.prompt)
         return self._out
 
     fetch = sample
@@ -430,15 +442,18 @@ class Runner:
         return self.dispatch(inputs, slots, sampling_inputs).fetch()
 
     def dispatch(self, inputs: StepInputs, slots: np.ndarray, sampling_inputs: SamplingInputs,
-                 prev: Dispatched | None = None) -> Dispatched | HostSampled | Pending:
+                 prev: Dispatched | None = None, score: prompt_scores.PromptScore | None = None
+                 ) -> Dispatched | HostSampled | Pending:
         """Start one ragged step, a micro-batch entering the first stage (returns at once);
         sample a token for its first len(slots) rows (their penalty state is that of `slots`)
         when it leaves the last one. `sampling_inputs` has one entry per sampled row, padded
         to `buckets.sample_rows` (None: nothing sampled). `prev`: the step before, whose sampled
         tokens `inputs.feed` refers to (it may still be running; one stage only). On one
         stage the results are the step's own (`Dispatched`, or `HostSampled`); with more, a
-        `Pending` filled when the micro-batch leaves (its `wait` drains the pipeline)."""
-        mb = MicroBatch(inputs, np.asarray(slots), sampling_inputs, Pending(self.drain_one))
+        `Pending` filled when the micro-batch leaves (its `wait` drains the pipeline).
+        `score`: its prompt positions to score (`prompt_scores.py`; `StepOutput.prompt`)."""
+        mb = MicroBatch(inputs, np.asarray(slots), sampling_inputs, Pending(self.drain_one),
+                        score=score)
         self._feed = prev.tokens if prev is not None and prev.tokens is not None else None
         # (a host-sampled step not yet sampled feeds nothing: the executor samples it first
         # when this step takes tokens from it)
@@ -475,16 +490,19 @@ class Runner:
         return self._once(("logits", self.phase, rows), self.placements[self.phase].logits,
                           self.params, hidden, rows=rows)
 
-    def _run_tick(self, inputs: StepInputs, act: jax.Array) -> tuple[jax.Array, jax.Array]:
+    def _run_tick(self, inputs: StepInputs, act: jax.Array, score: jax.Array | None
+                  ) -> tuple[jax.Array, jax.Array]:
         """The current layout's tick program on a tick's stacked `inputs` and the carried
         activations `act` (donated), with the KV pool: (hidden of the rows leaving the last
-        stage, the activations for the next tick)."""
+        stage, then those of its prompt positions `score` (None: none), the activations for
+        the next tick)."""
         max_kv = 0 if self.attention != "xla" else round_up(
             min(int(inputs.kv_len.max()), self.max_len), self.buckets.kv_len)
-        key = (self.phase, inputs.num_tokens, inputs.num_rows, max_kv)
+        key = (self.phase, inputs.num_tokens, inputs.num_rows, max_kv,
+               0 if score is None else len(score))
         fed = self._feed if self._feed is not None else self._zeros()
         hidden, self.cache, act = self._once(key, self._program(max_kv), self.params,
-                                             self.cache, act, inputs, fed)
+                                             self.cache, act, inputs, fed, score)
         return hidden, act
 
     def lowered(self, inputs: StepInputs):
@@ -499,7 +517,14 @@ class Runner:
                 self._zeros())
 
     def _results(self, hidden: jax.Array, mb: MicroBatch) -> Dispatched | HostSampled:
-        """Sample the rows of micro-batch `mb`, which left the last stage with `hidden`."""
+        """Sample the rows of micro-batch `mb`, which left the last stage with `hidden`, and
+        score its prompt positions (`mb.score`)."""
+        out = self._sampled(hidden, mb)
+        if mb.score is not None:
+            out.prompt = self._score_prompt(hidden, mb.score)
+        return out
+
+    def _sampled(self, hidden: jax.Array, mb: MicroBatch) -> Dispatched | HostSampled:
         n = len(mb.slots)
         if n == 0:  # only prompt chunks that do not end their prompt: nothing to sample
             return Dispatched(hidden, 0)
@@ -520,6 +545,15 @@ class Runner:
             mode=sampling_inputs.mode, penalties=sampling_inputs.penalties,
             num_logprobs=sampling_inputs.num_logprobs)
         return Dispatched(tokens, n, tokens, lp)
+
+    def _score_prompt(self, hidden: jax.Array, score: prompt_scores.PromptScore):
+        """The LM head and log-softmax over the prompt positions `score` kept after the
+        rows in `hidden` [max_rows + S, E]: (device parts, count) for `prompt_scores.to_host`."""
+        width = len(score.index)
+        kept = hidden[self.buckets.max_rows:]
+        logits = self._once(("prompt_logits", self.phase, width),
+                            self.placements[self.phase].logits, self.params, kept, rows=width)
+        return prompt_scores.scores(logits, score.target, num=score.num), score.count
 
     def _put_tokens(self, tokens: np.ndarray) -> jax.Array:
         """Host-sampled tokens as a `prev` for the next step (padded to max_rows)."""
@@ -726,6 +760,13 @@ def attention_cases(cfg: ModelConfig) -> list[AttentionCase]:
     heads = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
     return [AttentionCase(*heads, rows=64, q_len=1, context=512),
             AttentionCase(*heads, rows=1, q_len=256, context=0)]
+
+
+def _with_prompt(out: StepOutput, prompt) -> StepOutput:
+    """`out` with its step's prompt scores on the host (prompt: (device parts, count))."""
+    if prompt is not None and out.prompt is None:
+        out.prompt = prompt_scores.to_host(*prompt)
+    return out
 
 
 def _to_host(tokens, lp, n: int) -> StepOutput:

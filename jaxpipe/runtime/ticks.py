@@ -25,9 +25,10 @@ from jaxpipe.runtime import step_inputs
 from jaxpipe.runtime.flow import Flow, MicroBatch
 from jaxpipe.runtime.step_inputs import StepInputs
 
-# (stacked inputs of the tick, carried activations [pp, T, E], donated) -> (hidden
-# [max_rows, E] of the rows leaving the last stage, the activations for the next tick)
-Run = Callable[[StepInputs, jax.Array], tuple[jax.Array, jax.Array]]
+# (stacked inputs of the tick, carried activations [pp, T, E], donated, the leaving
+# micro-batch's prompt positions to score or None) -> (hidden [max_rows + S, E] of the rows
+# leaving the last stage and of those positions, the activations for the next tick)
+Run = Callable[[StepInputs, jax.Array, jax.Array | None], tuple[jax.Array, jax.Array]]
 
 
 def _resize_program(act_sharding: NamedSharding):
@@ -122,6 +123,7 @@ class Ticks:
         real = [mb.inputs for mb in slots if mb is not None]
         tokens, rows = max(x.num_tokens for x in real), max(x.num_rows for x in real)
         inputs = step_inputs.stack([mb and mb.inputs for mb in slots], tokens, rows)
-        hidden, self._act[phase] = self._run(inputs, self.carried(phase, tokens))
         leaving = slots[-1]
+        score = None if leaving is None or leaving.score is None else leaving.score.index
+        hidden, self._act[phase] = self._run(inputs, self.carried(phase, tokens), score)
         return (None if leaving is None else self._results(hidden, leaving)), hidden

@@ -70,6 +70,9 @@ class Admission:
         Reviving a block nobody held spends one: from the `spare` blocks the run leaves
         free, then from the chunk's own charge (shortening it). Returns (its first chunk,
         the spare blocks left for the sequences after it)."""
+        if not seq.reads_cache:
+            seq.cached_tokens = 0
+            return min(chunk, seq.to_prefill), spare
         blocks = self.device_kv.blocks
         charged = blocks.count(chunk)  # what the policy charged the chunk, from position 0
         last = (seq.context_len - 1) // blocks.unit  # the block of its last context token

@@ -40,6 +40,8 @@ class SeqInfo:
     behind: int = 0  # of them, leading ones given back (FREED): behind every layer's window
     slot: int | None = None  # its device slot while it is in the device store
     cached_tokens: int = 0  # tokens of its context its last admission found in the prefix cache
+    reads_cache: bool = True  # False: takes no cached prefix (prompt logprobs score every
+    # position, so each is computed; its blocks are still cached for others)
     block_hashes: list[bytes] = field(default_factory=list, repr=False)  # of blocks[:len(this)]
     # The hashes of its context's first full blocks of known tokens, as far as the prefix
     # cache has hashed them (a memo: a block's tokens never change, so each is hashed once).

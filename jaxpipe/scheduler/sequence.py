@@ -29,6 +29,10 @@ class Sequence(SeqInfo):
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     logprobs: list[dict[int, float]] | None = None
+    # params.prompt_logprobs: per prompt position, its token's {id: logprob} then the top k
+    # (None for the first token, and until scored), and its token's rank
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_ranks: list[int | None] | None = None
     arrival_time: float = 0.0
     first_token_time: float | None = None
     finish_time: float | None = None

@@ -250,9 +250,6 @@ class HttpFrontEnd:
     def _echo(self, body: Body, prompt) -> str:
         if not body.echo:
             return ""
-        if body.top_logprobs is not None:
-            raise RequestError("echo", "echo with logprobs needs the prompt's logprobs, which "
-                               "this server does not compute")
         if body.kind == "text":
             return prompt
         return "" if self.tokenizer is None else self.tokenizer.decode(list(prompt), False)
@@ -273,10 +270,8 @@ class HttpFrontEnd:
             raise ApiError(503, str(e)) from None
         except RequestError as e:
             raise ApiError(400, f"{e.field}: {e.message}", e.field) from None
-        top = body.top_logprobs or 0
         out = r.envelope(url, rid, self.model, int(time.time()), [
-            r.choice(url, i, c.text, c.finish_reason,
-                     r.logprobs(url, c.logprobs, top, self.tokenizer))
+            r.choice(url, i, c.text, c.finish_reason, self._logprobs(url, body, c, c))
             for i, c in enumerate(choices)])
         out["usage"] = self._usage(choices)
         self._log_done(url, rid, out["usage"], start)
@@ -286,14 +281,13 @@ class HttpFrontEnd:
                       choices: list[Completion]):
         """The SSE events of a streamed call: chunks, the usage chunk if asked, [DONE]. An
         engine lost mid-stream ends it with an error event (the status line is long gone)."""
-        created, start, top = int(time.time()), time.perf_counter(), body.top_logprobs or 0
+        created, start = int(time.time()), time.perf_counter()
         started: set[int] = set()  # choices with a chunk sent (a chat stream's first has the role)
         try:
             async for index, delta in _deltas(call):
                 c = choices[index]
-                offset = len(c.text)
                 text = c.add(delta)
-                lp = r.logprobs(url, delta.logprobs or [], top, self.tokenizer, offset)
+                lp = self._logprobs(url, body, c, delta, len(c.text) - len(text))
                 if text or lp or delta.finish_reason is not None or index not in started:
                     yield sse(r.envelope(url, rid, self.model, created, [r.choice(
                         url, index, text, delta.finish_reason, lp, chunk=True,
@@ -311,6 +305,19 @@ class HttpFrontEnd:
             yield sse({**last, "usage": usage})
         yield sse("[DONE]")
         self._log_done(url, rid, usage, start)
+
+    def _logprobs(self, url: str, body: Body, c: Completion, new, offset: int = 0
+                  ) -> dict | None:
+        """The logprobs object of `new` (a whole `Completion`, or a delta of `c`'s) at text
+        offset `offset`: with echo, the prompt's tokens first when `new` carries them."""
+        top = body.top_logprobs or 0
+        if not (body.echo and body.top_logprobs is not None and new.prompt_logprobs):
+            return r.logprobs(url, new.logprobs or [], top, self.tokenizer, offset)
+        prompt = r.echo_logprobs(c.prep.prompt_token_ids, new.prompt_logprobs, self.tokenizer,
+                                 offset)
+        rest = r.logprobs(url, new.logprobs or [], top, self.tokenizer,
+                          offset + len(c.echo_text))
+        return r.joined(prompt, rest)
 
     @staticmethod
     def _usage(choices: list[Completion]) -> dict:

@@ -83,6 +83,29 @@ def _chat_logprobs(entries: list, top: int, tokenizer) -> dict:
     return {"content": content}
 
 
+def echo_logprobs(prompt_ids: list[int], entries: list, tokenizer, text_offset: int = 0
+                  ) -> dict:
+    """An echoed prompt's part of a completion's logprobs (OpenAI's legacy shape, which
+    lm-evaluation-harness reads): its tokens, their logprobs and alternatives (None for the
+    first token), and text offsets. `entries`: per prompt token, None or [[id, logprob], ...]
+    with the prompt's token first (`messages.TokenDelta.prompt_logprobs`)."""
+    out: dict = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for token_id, per_token in zip(prompt_ids, entries, strict=True):
+        text = _token(tokenizer, token_id)
+        out["tokens"].append(text)
+        out["token_logprobs"].append(None if per_token is None else per_token[0][1])
+        out["top_logprobs"].append(None if per_token is None else {
+            _token(tokenizer, t): v for t, v in per_token})
+        out["text_offset"].append(text_offset)
+        text_offset += len(text)
+    return out
+
+
+def joined(first: dict, then: dict | None) -> dict:
+    """Two completion logprobs objects one after the other (`then` None: none)."""
+    return first if then is None else {k: first[k] + then[k] for k in first}
+
+
 def _completion_logprobs(entries: list, tokenizer, text_offset: int) -> dict:
     """{"tokens", "token_logprobs", "top_logprobs": [{token: logprob}], "text_offset"}."""
     out: dict = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}

@@ -63,6 +63,12 @@ def logprobs_proto(entries) -> list[pb.TokenLogprobs]:
                                       for t, lp in per_token]) for per_token in entries]
 
 
+def prompt_logprobs_proto(entries) -> list[pb.TokenLogprobs]:
+    """Per prompt token None (the first) or [[id, logprob], ...] -> TokenLogprobs messages
+    (None: an empty one)."""
+    return logprobs_proto([per_token or [] for per_token in entries or []])
+
+
 def usage_proto(prompt_tokens: int, completion_tokens: int) -> pb.Usage:
     return pb.Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                     total_tokens=prompt_tokens + completion_tokens)

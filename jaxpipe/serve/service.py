@@ -76,7 +76,8 @@ class GenerationService(pb_grpc.GenerationServicer):
     def _response(request, item: m.TokenDelta, text: str, c: Completion) -> pb.GenerateResponse:
         resp = pb.GenerateResponse(request_id=request.request_id, token_ids=item.token_ids,
                                    logprobs=protos.logprobs_proto(item.logprobs or []),
-                                   text=text)
+                                   text=text, prompt_logprobs=protos.prompt_logprobs_proto(
+                                       item.prompt_logprobs))
         if item.finish_reason is None:
             return resp
         resp.finish_reason = item.finish_reason
@@ -169,6 +170,7 @@ class GenerationService(pb_grpc.GenerationServicer):
         out = pb.Completion(text=c.text, token_ids=c.token_ids, finish_reason=c.finish_reason,
                             logprobs=protos.logprobs_proto(c.logprobs),
                             prompt_token_ids=prompt_ids,
+                            prompt_logprobs=protos.prompt_logprobs_proto(c.prompt_logprobs),
                             usage=protos.usage_proto(len(prompt_ids), len(c.token_ids)))
         protos.set_stop_reason(out, c.stop_reason)
         return out

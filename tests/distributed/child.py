@@ -26,9 +26,10 @@ SIZES = dict(mesh="cpu-8", max_num_seqs=8, kv_cache_tokens=96, host_kv_tokens=19
              compilation_cache_dir=None)
 
 
-def workload(shared: bool = False):
+def workload(shared: bool = False, prompt_logprobs: int | None = None):
     """12 greedy requests; `shared`: every other prompt starts with one 32-token stem (a
-    prefix cache shares it, and a small pool evicts it to the host tier)."""
+    prefix cache shares it, and a small pool evicts it to the host tier); `prompt_logprobs`:
+    every other request asks for them."""
     from jaxpipe import SamplingParams
 
     rng = np.random.default_rng(0)
@@ -37,7 +38,8 @@ def workload(shared: bool = False):
         stem = rng.integers(0, VOCAB - 1, 32).tolist()
         prompts = [stem + p[:8] if i % 2 else p for i, p in enumerate(prompts)]
     lengths = rng.integers(4, 20, len(prompts))
-    params = [SamplingParams(temperature=0.0, max_tokens=int(n), ignore_eos=i % 2 == 0)
+    params = [SamplingParams(temperature=0.0, max_tokens=int(n), ignore_eos=i % 2 == 0,
+                             prompt_logprobs=prompt_logprobs if i % 2 else None)
               for i, n in enumerate(lengths)]
     return prompts, params
 
@@ -62,6 +64,7 @@ def main(argv=None) -> int:
     p.add_argument("--num-processes", type=int)
     p.add_argument("--process-id", type=int)
     p.add_argument("--prefix-caching", action="store_true")
+    p.add_argument("--prompt-logprobs", type=int)
     a = p.parse_args(argv)
     from jaxpipe import Engine, EngineConfig
     from jaxpipe.engine.builder import follow
@@ -74,7 +77,7 @@ def main(argv=None) -> int:
     if a.process_id:
         follow(config)
         return 0
-    prompts, params = workload(a.prefix_caching)
+    prompts, params = workload(a.prefix_caching, a.prompt_logprobs)
     runs = {}
     with Engine(config) as engine:
         for name in schedulers:
@@ -83,6 +86,10 @@ def main(argv=None) -> int:
             outs = engine.generate(prompt_token_ids=prompts, sampling_params=params)
             runs[name] = {"tokens": [o.outputs[0].token_ids for o in outs],
                           "stats": engine.stats()}
+            if a.prompt_logprobs is not None:  # per request, per prompt token: [[id, lp], ...]
+                runs[name]["prompt_logprobs"] = [
+                    o.prompt_logprobs and [e and list(e.items()) for e in o.prompt_logprobs]
+                    for o in outs]
     with open(a.out, "w") as f:
         json.dump(runs, f)
     return 0

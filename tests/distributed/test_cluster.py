@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import grpc
+import numpy as np
 import psutil
 import pytest
 from child import save_tiny, workload
@@ -77,6 +78,26 @@ def run(model: str, tmp: Path, prefill: str, decode: str, processes: int,
                       for log in logs)
     assert codes == [0] * processes, tails
     return json.loads(out.read_text())
+
+
+def test_two_processes_give_the_prompt_logprobs_of_one(tiny, tmp_path):
+    """Requests asking for prompt logprobs beside others, the prefill's pp crossing the
+    process boundary: the leader sends each step's scored positions to the follower."""
+    args = ("pp=8", "tp=8")
+    one = run(tiny, tmp_path, *args, 1, "--prompt-logprobs", "3")
+    two = run(tiny, tmp_path, *args, 2, "--prompt-logprobs", "3")
+    for name in SCHEDULERS:
+        assert two[name]["tokens"] == one[name]["tokens"], name
+        got, want = two[name]["prompt_logprobs"], one[name]["prompt_logprobs"]
+        assert [g is None for g in got] == [i % 2 == 0 for i in range(len(got))]
+        for g, w in zip(got, want, strict=True):
+            assert (g is None) == (w is None)
+            for ge, we in zip(g or [], w or [], strict=True):
+                assert (ge is None) == (we is None)
+                if ge is not None:
+                    assert [t for t, _ in ge] == [t for t, _ in we]
+                    np.testing.assert_allclose([v for _, v in ge], [v for _, v in we],
+                                               atol=1e-4, rtol=0)
 
 
 @pytest.mark.parametrize(("prefill", "decode"), PAIRS)

@@ -29,9 +29,11 @@ class FakeRunner:
 
     def __init__(self):
         self.seen = []  # per tick: (tokens of the stack, the carried activations it got)
+        self.scored = []  # per tick: the prompt positions it was asked to keep
 
-    def run(self, inputs, act):
+    def run(self, inputs, act, score):
         self.seen.append((inputs.num_tokens, np.asarray(act)))
+        self.scored.append(None if score is None else list(score))
         return jnp.asarray(inputs.q_len.sum(axis=1)), act + 1
 
     def results(self, hidden, mb):
@@ -45,9 +47,9 @@ def make_ticks(pp: int = 2) -> tuple[Ticks, FakeRunner]:
     return Ticks({"prefill": place, "decode": place}, HIDDEN, runner.run, runner.results), runner
 
 
-def micro(ticks: Ticks, tokens: int) -> MicroBatch:
+def micro(ticks: Ticks, tokens: int, score=None) -> MicroBatch:
     inputs = step_inputs.build([Piece(list(range(tokens)), 0, [0])], tokens, 1, 1)
-    return MicroBatch(inputs, np.zeros(1, np.int32), None, Pending(ticks.drain))
+    return MicroBatch(inputs, np.zeros(1, np.int32), None, Pending(ticks.drain), score=score)
 
 
 def test_a_tick_stacks_the_micro_batches_in_flight_and_carries_their_activations():
@@ -79,3 +81,12 @@ def test_only_one_phase_holds_micro_batches_and_an_empty_pipeline_does_not_drain
     ticks.enter("decode", micro(ticks, 2))
     assert ticks.in_flight() == 1
     ticks.close()
+
+
+def test_the_tick_a_micro_batch_leaves_in_keeps_its_prompt_positions():
+    ticks, runner = make_ticks(pp=2)
+    ticks.enter("prefill", micro(ticks, 4, score=SimpleNamespace(index=[0, 2])))
+    ticks.enter("prefill", micro(ticks, 3))
+    ticks.drain()
+    # entering: nothing leaves; then the scored one leaves, then the plain one
+    assert runner.scored == [None, [0, 2], None]
