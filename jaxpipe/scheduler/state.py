@@ -85,11 +85,14 @@ class SchedulerState:
     def add(self, *seqs: SeqInfo) -> None:
         """Queue new requests; refuse one that could never fit the device store."""
         for seq in seqs:
-            need = self.device_kv.blocks.size(seq.prompt_len + seq.max_output_len)
+            end = seq.prompt_len + seq.max_output_len
+            need = self.device_kv.blocks.size(end) + len(seq.forks) * self.device_kv.fork_size(
+                seq, end)
             if need > self.device_kv.capacity:
                 raise ValueError(
-                    f"sequence {seq.seq_id!r} needs up to {seq.prompt_len + seq.max_output_len}"
-                    f" tokens of KV but the device store holds {self.device_kv.capacity}")
+                    f"sequence {seq.seq_id!r} needs up to {need} tokens of KV (its "
+                    f"{1 + len(seq.forks)} samples) but the device store holds "
+                    f"{self.device_kv.capacity}")
             seq.arrival, self._arrivals = self._arrivals, self._arrivals + 1
             self.waiting.append(seq)
 
@@ -221,10 +224,26 @@ class SchedulerState:
         self.device_kv.slide(seq)
         if seq.to_prefill == 0:
             seq.generated += 1
+            self._fork(seq, to_host)
             if to_host:
                 self._to_host(seq)
             return True
         return False
+
+    def _fork(self, seq: SeqInfo, to_host: bool) -> None:
+        """`seq`'s prompt is prefilled: its request's other samples (n > 1) enter the
+        device store sharing its prompt's blocks (`DeviceLedger.fork`), each to compute the
+        last prompt token and sample from there; one that finds no slot or block, or whose
+        parent goes to the host tier, waits first in line to prefill the prompt itself."""
+        forks, seq.forks, wait = seq.forks, [], []
+        for child in forks:
+            child.arrival = seq.arrival
+            if not to_host and self.device_kv.fork(seq, child):
+                self.device[child.seq_id] = child
+                child.location = Location.DEVICE
+            else:
+                wait.append(child)
+        self.waiting.extendleft(reversed(wait))
 
     def _move(self, action: SwapIn | Preempt) -> None:
         """A swap-in (host tier -> device store) or a preemption: to the host tier ("swap")
