@@ -13,6 +13,7 @@ import numpy as np
 
 GREEDY_EPS = 1e-5  # temperature below this is greedy (as vLLM's _SAMPLING_EPS)
 MAX_LOGPROBS = 20
+MAX_N = 128  # samples of one request (each takes a device slot while it decodes)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -125,8 +126,8 @@ class SamplingParams:
 
     def _validate_ints(self):
         self.n = _check_int("n", self.n)
-        if self.n != 1:
-            raise ValueError(f"n must be 1 (only n=1 is supported), got {self.n}")
+        if not 1 <= self.n <= MAX_N:
+            raise ValueError(f"n must be in [1, {MAX_N}], got {self.n}")
         self.top_k = _check_int("top_k", self.top_k)
         if self.top_k < -1:
             raise ValueError(f"top_k must be -1 or 0 (off) or >= 1, got {self.top_k}")

@@ -162,7 +162,10 @@ class DeviceLedger:
 
     def leave(self, seq: SeqInfo) -> None:
         """`seq` leaves the device store: it drops its references to its blocks and gives
-        back its slot."""
+        back its slot. A copy on write into its blocks not issued yet is dropped (the
+        engine issues the copies before it moves a sequence's KV anywhere)."""
+        if self._copies:
+            self._cancel_copies(set(seq.blocks))
         self.pool.drop(seq)
         seq.blocks, seq.block_hashes, seq.behind = [], [], 0
         heapq.heappush(self._free_slots, seq.slot)
@@ -188,7 +191,7 @@ class DeviceLedger:
             self.pool.share(copy)
             child.blocks.append(copy)
             self._copies.append((source, copy))
-        child.computed = parent.prompt_len - 1
+        child.computed = child.cached_tokens = parent.prompt_len - 1
         child.block_hashes = list(parent.block_hashes[:full])
         child.hash_chain = list(parent.hash_chain[:parent.prompt_len // self.blocks.unit])
         self.peak_blocks = max(self.peak_blocks, self.pool.num_held)
@@ -202,6 +205,12 @@ class DeviceLedger:
             self.pool.release(source)
             self.pool.release(copy)
         return copies
+
+    def _cancel_copies(self, blocks: set[int]) -> None:
+        for source, copy in [c for c in self._copies if c[1] in blocks]:
+            self._copies.remove((source, copy))
+            self.pool.release(source)
+            self.pool.release(copy)
 
     def reset_peak(self) -> None:
         """Restart `peak_blocks` from what is held now (a stats reset)."""
