@@ -46,6 +46,11 @@ class Sequence(SeqInfo):
         """Its id in the scheduler (a sample past the first: ("sample", request id, i))."""
         return self.seq_id
 
+    @property
+    def group_id(self) -> str:
+        """Its request's id (the caller's)."""
+        return self.seq_id if self.index == 0 else self.seq_id[1]
+
     def fork_samples(self, n: int, make) -> None:
         """Make this first sample of a request the parent of `n - 1` more: `make(i)` is
         sample i, which forks from it when its prompt is prefilled (`SchedulerState`)."""
