@@ -133,3 +133,31 @@ def test_bad_n_is_refused_naming_the_field(n):
 def test_stream_refuses_n_above_one(tiny):
     with pytest.raises(ValueError, match="n=2"):
         next(tiny.stream(prompt(5), SamplingParams(n=2)))
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(kv_cache_tokens=512),  # preemption recomputes
+    dict(kv_cache_tokens=512, host_kv_tokens=4096),  # preemption swaps to the host tier
+    dict(kv_cache_tokens=1024, host_kv_tokens=4096, scheduler="seesaw"),  # prefills parked
+], ids=["recompute", "swap", "seesaw"])
+def test_samples_through_preemption_swaps_and_the_host_tier(tiny_smollm2, kwargs):
+    """Two greedy requests of n=3 outgrow a small pool together (each fits alone): samples are
+    preempted (recomputed or swapped out and back) while their siblings keep the shared
+    blocks; under seesaw every prefill goes to the host tier and the samples prefill the
+    prompt themselves. Every sample equals its prompt's greedy output alone; no block is
+    left held."""
+    from conftest import ENGINE_KWARGS
+
+    engine = Engine(EngineConfig(**{**ENGINE_KWARGS, "model": tiny_smollm2, **kwargs}))
+    try:
+        ids = [prompt(40, first=7000), prompt(45, first=8000)]
+        greedy = dict(temperature=0.0, max_tokens=60, ignore_eos=True)
+        alone = [one(engine, p, SamplingParams(**greedy)).outputs[0].token_ids for p in ids]
+        engine.reset_stats()
+        outs = engine.generate(prompt_token_ids=ids, sampling_params=SamplingParams(n=3, **greedy))
+        assert [[c.token_ids for c in o.outputs] for o in outs] == [[a] * 3 for a in alone]
+        if "scheduler" not in kwargs:
+            assert engine.stats()["preemptions"] > 0
+        assert held(engine) == 0
+    finally:
+        engine.close()
