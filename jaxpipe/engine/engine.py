@@ -112,9 +112,6 @@ class Engine:
             seed = params.seed
         elif seed is None:
             seed = self._draw_seed()
-        if params.n > 1 and self.executor.flowing:
-            raise ValueError(f"n={params.n}: samples of one request are not supported on the "
-                             f"flowing pipeline (mesh {self.config.mesh!r}); use n=1")
         now = time.perf_counter()
 
         def sample(i: int) -> Sequence:  # sample i: its own seed stream (seed + i)
