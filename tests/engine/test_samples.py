@@ -161,3 +161,28 @@ def test_samples_through_preemption_swaps_and_the_host_tier(tiny_smollm2, kwargs
         assert held(engine) == 0
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("sampler", ["device", "host"])
+def test_samples_keep_their_own_penalty_state_and_logprobs(tiny_smollm2, tiny, sampler):
+    """Penalties count each sample's own outputs (its slot's state starts from the prompt),
+    on the device sampler and the host one; logprobs come per sample."""
+    from conftest import ENGINE_KWARGS
+
+    engine = tiny if sampler == "device" else Engine(EngineConfig(
+        **{**ENGINE_KWARGS, "model": tiny_smollm2, "sampler": "host"}))
+    try:
+        ids = prompt(37, first=9000)
+        params = dict(temperature=0.9, max_tokens=10, repetition_penalty=1.3, logprobs=2,
+                      presence_penalty=0.5, frequency_penalty=0.4)
+        out = one(engine, ids, SamplingParams(n=3, seed=11, **params)).outputs
+        alone = [one(engine, ids, SamplingParams(seed=11 + i, **params)).outputs[0]
+                 for i in range(3)]
+        assert [c.token_ids for c in out] == [a.token_ids for a in alone]
+        for got, want in zip(out, alone, strict=True):
+            assert [list(e) for e in got.logprobs] == [list(e) for e in want.logprobs]
+            assert [v for e in got.logprobs for v in e.values()] == pytest.approx(
+                [v for e in want.logprobs for v in e.values()], abs=1e-4)
+    finally:
+        if engine is not tiny:
+            engine.close()
