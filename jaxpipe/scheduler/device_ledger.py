@@ -58,6 +58,7 @@ class DeviceLedger:
         # Copies on write for forked samples, not issued yet: (source, destination) blocks,
         # both held by the copy until `take_copies` (so neither is given out before it runs).
         self._copies: list[tuple[int, int]] = []
+        self.forked = self.fork_copies = 0  # samples forked sharing blocks, blocks copied
 
     # ---- reading: what the store holds, and what a sequence takes ----------------------------
     @property
@@ -191,6 +192,8 @@ class DeviceLedger:
             self.pool.share(copy)
             child.blocks.append(copy)
             self._copies.append((source, copy))
+            self.fork_copies += 1
+        self.forked += 1
         child.computed = child.cached_tokens = parent.prompt_len - 1
         child.block_hashes = list(parent.block_hashes[:full])
         child.hash_chain = list(parent.hash_chain[:parent.prompt_len // self.blocks.unit])

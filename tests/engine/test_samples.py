@@ -83,6 +83,7 @@ def test_the_prompt_is_counted_and_prefilled_once(tiny):
     stats = tiny.stats()
     assert stats["prompt_tokens"] == len(ids) and stats["added_requests"] == 1
     assert stats["prefill_tokens"] == len(ids) + 7
+    assert stats["forked_samples"] == 7 and stats["fork_copied_blocks"] == 7
     assert stats["generated_tokens"] == 8 * 4
 
 
