@@ -115,6 +115,16 @@ def test_samples_finish_on_their_own_stops(tiny):
     assert out[1].finish_reason == "stop"
 
 
+def test_samples_whose_first_token_is_their_last(tiny):
+    """max_tokens=1: the first sample is freed as its only token is dispatched, while its
+    siblings still share (and copy) its prompt's blocks."""
+    ids = prompt(3 * BLOCK + 9, first=4000)
+    single = one(tiny, ids, SamplingParams(temperature=0.0, max_tokens=1)).outputs[0]
+    out = one(tiny, ids, SamplingParams(temperature=0.0, max_tokens=1, n=4))
+    assert [c.token_ids for c in out.outputs] == [single.token_ids] * 4
+    assert held(tiny) == 0
+
+
 def test_more_samples_than_rows_still_end_each_once(tiny):
     """n = 12 on eight rows: the samples without a slot at the fork prefill the prompt
     themselves, later; greedy, they all equal the single output."""
@@ -160,6 +170,10 @@ def test_samples_through_preemption_swaps_and_the_host_tier(tiny_smollm2, kwargs
         if "scheduler" not in kwargs:
             assert engine.stats()["preemptions"] > 0
         assert held(engine) == 0
+        with pytest.raises(ValueError, match="16 samples.* device store holds"):
+            engine.add_request(prompt_token_ids=prompt(100),
+                               params=SamplingParams(n=16, max_tokens=100))
+        assert not engine.has_unfinished()
     finally:
         engine.close()
 
