@@ -67,6 +67,10 @@ class BenchConfig:
     seed: the workload's seed.
     input_len: fixed prompt length (None: lognormal, ShareGPT-like).
     output_len: fixed output length (None: lognormal, ShareGPT-like).
+    input_range: LO-HI: prompt lengths drawn uniformly in LO..HI (instead of input_len).
+    samples: completions per prompt: > 1 is a rollout, each prompt's samples drawn at
+        temperature 1 with the request's seed (jaxpipe's SamplingParams.n, OpenVINO's
+        num_return_sequences; HF runs each prompt that many times); 1: greedy.
     dtype: the engines' compute dtype.
     model: jaxpipe's model (a preset name or a path).
     peer_model: the peers' model and the workload's vocabulary: a GGUF file or an HF directory
@@ -108,6 +112,8 @@ class BenchConfig:
     seed: int = SEED
     input_len: int | None = None
     output_len: int | None = None
+    input_range: str | None = None
+    samples: int = 1
     dtype: Dtype = EngineConfig.dtype
     model: str = EngineConfig.model
     peer_model: str | None = field(default=None, metadata={"flags": ("--peer-model", "--gguf")})
@@ -140,6 +146,12 @@ class BenchConfig:
         object.__setattr__(self, "peers", parse_peers(",".join(self.peers)))
         if self.shared_prefix is not None:
             parse_shared_prefix(self.shared_prefix)
+        if self.input_range is not None and self.input_len is not None:
+            raise ValueError("give input_len or input_range, not both")
+        _ = self.prompt_range  # raises on a malformed input_range
+        if isinstance(self.samples, bool) or not isinstance(self.samples, int) \
+                or self.samples < 1:
+            raise ValueError(f"samples must be an integer >= 1, got {self.samples!r}")
         check_choices(self)
         for name in ("hf_batch_sizes", "ov_batched_tokens"):
             if not getattr(self, name) or min(getattr(self, name)) < 1:
@@ -147,6 +159,17 @@ class BenchConfig:
         if self.skip_jaxpipe and not self.active_peers:
             raise ValueError("--skip-jaxpipe with no peers (--peers '' or --skip-hf) measures "
                              "nothing")
+
+    @property
+    def prompt_range(self) -> tuple[int, int] | None:
+        """input_range "LO-HI" as (LO, HI) (None when not given)."""
+        if self.input_range is None:
+            return None
+        lo, _, hi = self.input_range.partition("-")
+        if not (lo.isdigit() and hi.isdigit() and 1 <= int(lo) <= int(hi)):
+            raise ValueError(f"input_range must be LO-HI with 1 <= LO <= HI (e.g. 256-1024), "
+                             f"got {self.input_range!r}")
+        return int(lo), int(hi)
 
     @property
     def active_peers(self) -> tuple[str, ...]:
@@ -180,7 +203,7 @@ def warmup_requests(workload: Sequence[Request], n: int, max_output: int = 16) -
     warmed by them would otherwise make the timed run look faster than it is.
     """
     return [
-        Request(tuple(reversed(r.prompt_token_ids)), min(r.output_len, max_output))
+        Request(tuple(reversed(r.prompt_token_ids)), min(r.output_len, max_output), r.samples)
         for r in workload[:n]
     ]
 
@@ -194,9 +217,10 @@ def check_outputs(outs: Sequence[Any], workload: Sequence[Request]) -> None:
     if len(outs) != len(workload):
         raise RuntimeError(f"engine returned {len(outs)} outputs for {len(workload)} requests")
     for i, (out, req) in enumerate(zip(outs, workload, strict=True)):
-        got = len(out.outputs[0].token_ids)
-        if got != req.output_len:
-            raise RuntimeError(f"request {i}: got {got} output tokens, expected {req.output_len}")
+        got = [len(o.token_ids) for o in out.outputs]
+        if got != [req.output_len] * req.samples:
+            raise RuntimeError(f"request {i}: got {got} output tokens, expected "
+                               f"{req.samples} x {req.output_len}")
         prompt = getattr(out, "prompt_token_ids", None)
         if prompt is not None and tuple(prompt) != req.prompt_token_ids:
             raise RuntimeError(f"request {i}: output is for a different prompt (order mixed up?)")
@@ -204,14 +228,15 @@ def check_outputs(outs: Sequence[Any], workload: Sequence[Request]) -> None:
 
 def _generate(engine: Any, requests: Sequence[Request], progress: bool = False,
               stop: str | None = None) -> list[Any]:
-    """Greedy, ignore_eos generation of `requests` through the public Engine API
-    (`progress`: the engine's progress bar, for runs that take many minutes; `stop`: a stop
-    string for every request)."""
+    """Greedy (a rollout's samples: temperature 1, seeded by the request's index), ignore_eos
+    generation of `requests` through the public Engine API (`progress`: the engine's progress
+    bar, for runs that take many minutes; `stop`: a stop string for every request)."""
     from jaxpipe import SamplingParams
 
     params = [
-        SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True, stop=stop)
-        for r in requests
+        SamplingParams(n=r.samples, temperature=1.0 if r.samples > 1 else 0.0, seed=i,
+                       max_tokens=r.output_len, ignore_eos=True, stop=stop)
+        for i, r in enumerate(requests)
     ]
     return engine.generate(
         prompt_token_ids=[list(r.prompt_token_ids) for r in requests],
@@ -379,7 +404,8 @@ def bench_workload(cfg: BenchConfig, vocab_size: int,
     """The run's requests (`make_workload`, behind `share_prefixes`' prefixes under
     `shared_prefix`) and those shared prefixes (none without it)."""
     workload = make_workload(
-        cfg.num_prompts, cfg.seed, vocab_size, cfg.input_len, cfg.output_len, special_ids
+        cfg.num_prompts, cfg.seed, vocab_size, cfg.input_len, cfg.output_len, special_ids,
+        cfg.prompt_range, cfg.samples
     )
     if cfg.shared_prefix is None:
         return workload, []

@@ -1,9 +1,10 @@
 """The flowing pipeline two ways (issue 48's design choice, `scripts/bench_mpmd.py`):
 
-  - "spmd", design (b), the engine's: one jitted program per tick over the whole [pp, tp]
-    mesh (`jax.shard_map`): every stage runs its slot's micro-batch, then `lax.ppermute`
-    moves the activations one stage on into a donated [pp, T, E] buffer carried to the next
-    tick. Every slot is padded to the largest micro-batch in flight (T tokens, R rows).
+  - "spmd", design (b), the engine's: the engine's own tick program
+    (`pipeline.tick_program`, what its Runner dispatches) over the whole [pp, tp] mesh: every
+    stage runs its slot's micro-batch, then `lax.ppermute` moves the activations one stage on
+    into a donated [pp, T, E] buffer carried to the next tick. Every slot is padded to the
+    largest micro-batch in flight (T tokens, R rows).
   - "mpmd", design (a): one jitted program per stage on its own sub-mesh of tp devices,
     holding only that stage's layers and KV; a tick dispatches the pp stage programs in
     pipeline order (stage s on micro-batch k - s), each on its micro-batch's own size, and
@@ -13,9 +14,10 @@
 Both run the engine's own stage (`pipeline.stage_layers`: `decoder.layer` with the paged
 attention, the tp psum inside a stage) on the same padded weights (`sharding.pad_values`),
 the same KV pools and the same per-micro-batch inputs (`step_inputs.build`, passed as NumPy
-on every call, as `Runner._tick` does), so they compute the same activations (`agreement`)
-and the timings compare equal work. Left out of both: the embedding (the entering
-micro-batch's activations are resident, precomputed), the LM head and sampling.
+on every call, as `Ticks._tick` does), so they compute the same activations (`agreement`)
+and the timings compare equal work. The embedding: spmd's tick embeds the entering tokens
+(a gather of T rows, as the engine's does); mpmd's first stage starts from those
+activations, precomputed and resident. Left out of both: the LM head and sampling.
 
 Every micro-batch is decode: T rows of one token at position `context - 1` (each row's table
 covers `context` keys). A case names the sizes of the micro-batches as they enter, cycling:
@@ -33,14 +35,14 @@ from dataclasses import dataclass, field
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxpipe.config.layout import Layout
 from jaxpipe.config.model import ModelConfig
 from jaxpipe.kv.device_cache import BLOCK, KVCache
-from jaxpipe.model.decoder import LAYER_PARAMS, LayerParams, param_decls
+from jaxpipe.model import decoder
+from jaxpipe.model.decoder import LAYER_PARAMS, HeadParams, LayerParams, param_decls
 from jaxpipe.runtime import pipeline, sharding, step_inputs
 from jaxpipe.runtime.step_inputs import Piece, StepInputs
 
@@ -100,7 +102,7 @@ class Workload:
 
     sizes: tuple[int, ...]
     context: int
-    hidden: int
+    vocab: int
 
     @property
     def blocks_per_row(self) -> int:
@@ -121,22 +123,22 @@ class Workload:
 
     def inputs(self, k: int) -> StepInputs:
         """Micro-batch k's inputs (T = R = its size)."""
-        return _decode_inputs(self.size(k), self.context, self.blocks_per_row)
+        return _decode_inputs(self.tokens(self.size(k)), self.context, self.blocks_per_row)
 
-    def x0(self, size: int) -> np.ndarray:
-        """The entering activations [size, E] f32 of a micro-batch of `size` (seeded)."""
-        return np.random.default_rng(size).standard_normal((size, self.hidden)).astype(
-            np.float32)
-
-
-_INPUTS: dict[tuple[int, int, int], StepInputs] = {}
+    def tokens(self, size: int) -> tuple[int, ...]:
+        """The token ids fed in by a micro-batch of `size` rows (seeded)."""
+        return tuple(int(t) for t in np.random.default_rng(size).integers(0, self.vocab, size))
 
 
-def _decode_inputs(rows: int, context: int, blocks: int) -> StepInputs:
-    key = (rows, context, blocks)
+_INPUTS: dict[tuple, StepInputs] = {}
+
+
+def _decode_inputs(tokens: tuple[int, ...], context: int, blocks: int) -> StepInputs:
+    key = (tokens, context, blocks)
     if key not in _INPUTS:
-        pieces = [Piece([0], context - 1, list(range(r * blocks, (r + 1) * blocks)))
-                  for r in range(rows)]
+        rows = len(tokens)
+        pieces = [Piece([t], context - 1, list(range(r * blocks, (r + 1) * blocks)))
+                  for r, t in enumerate(tokens)]
         _INPUTS[key] = step_inputs.build(pieces, rows, rows, blocks)
     return _INPUTS[key]
 
@@ -162,32 +164,6 @@ def zeros_cache(shape: tuple[int, ...], place: NamedSharding) -> KVCache:
     return KVCache(zeros(), zeros())
 
 
-def spmd_tick_program(cfg: ModelConfig, layout: Layout, mesh, opts: pipeline.StageOptions):
-    """jit(layers, x0 [T, E], act [pp, T, E], slots {KEYS: [pp, ...]}, cache) -> (hidden
-    [R, E]: the residual of each row's last token of the micro-batch leaving the last stage,
-    act, cache (both donated)): `pipeline.tick_program`'s body, less the embedding of the
-    entering tokens (x0 is given) and the LM head's padding."""
-    kv = sharding.spec(sharding.KV_AXES, layout)
-    shift = [(i, (i + 1) % layout.pp) for i in range(layout.pp)]
-
-    def body(layers, x0, act, slots, cache):
-        stage = lax.axis_index("pp")
-        mine = {k: v[0] for k, v in slots.items()}
-        x = jnp.where(stage == 0, x0, act[0])
-        y, cache = pipeline.stage_layers(cfg, layers, x, mine, cache, layout, opts)
-        hidden = jnp.where(stage == layout.pp - 1, y[mine["last"]], 0.0)
-        if layout.pp > 1:
-            hidden, y = lax.psum(hidden, "pp"), lax.ppermute(y, "pp", shift)
-        return hidden, y[None], cache
-
-    slot = P("pp")
-    staged = jax.shard_map(body, mesh=mesh, check_vma=False,
-                           in_specs=(layer_specs(cfg, layout), P(), slot,
-                                     {k: slot for k in KEYS}, KVCache(kv, kv)),
-                           out_specs=(P(), slot, KVCache(kv, kv)))
-    return jax.jit(staged, donate_argnums=(2, 4))
-
-
 def stage_program(cfg: ModelConfig, layout: Layout, mesh, opts: pipeline.StageOptions,
                   last: bool):
     """jit(layers, x [Tm, E], mb {KEYS}, cache) -> (y [Tm, E], or with `last` the residual
@@ -211,32 +187,33 @@ def _fields(inputs: StepInputs) -> dict:
 
 
 class Spmd:
-    """Design (b): one tick program over the whole mesh, every slot padded to the workload's
-    `tick_tokens` tokens and rows; `tick(t)` -> the hidden of micro-batch t - (pp - 1)
-    ([tick_tokens, E], its first rows real) or None while the pipeline fills."""
+    """Design (b): the engine's tick program (`pipeline.tick_program`) over the whole mesh,
+    every slot padded to the workload's `tick_tokens` tokens and rows; `tick(t)` -> the
+    hidden of micro-batch t - (pp - 1) ([tick_tokens, E], its first rows real) or None while
+    the pipeline fills."""
 
-    def __init__(self, cfg: ModelConfig, layout: Layout, padded: dict, work: Workload,
+    def __init__(self, cfg: ModelConfig, layout: Layout, values: dict, work: Workload,
                  opts: pipeline.StageOptions, devices):
         self.pp, self.work, self.mesh = layout.pp, work, sharding.make_mesh(layout, devices)
         padding = sharding.padding_for(cfg, [layout])
-        self.layers = place_layers(cfg, padded, layout, self.mesh)
+        places = sharding.param_shardings(cfg, padding, layout, self.mesh)
+        self.params = {n: jax.device_put(sharding.pad_value(d, values[n], padding), places[n])
+                       for n, d in param_decls(cfg).items()}
         self.cache = zeros_cache(sharding.kv_shape(cfg, padding, work.num_blocks),
                                  sharding.kv_sharding(cfg, padding, layout, self.mesh,
                                                       work.num_blocks))
         tokens = work.tick_tokens
-        entering = NamedSharding(self.mesh, P())
-        self.x0 = {n: jax.device_put(np.pad(work.x0(n), ((0, tokens - n), (0, 0))), entering)
-                   for n in set(work.sizes)}
-        self.act = jax.device_put(np.zeros((layout.pp, tokens, work.hidden), np.float32),
-                                  NamedSharding(self.mesh, P("pp")))
-        self.program = spmd_tick_program(cfg, layout, self.mesh, opts)
+        act = np.zeros((layout.pp, tokens, cfg.hidden_size), np.float32)  # [pp, T, E]
+        self.act = jax.device_put(act, NamedSharding(self.mesh, P("pp")))
+        self.prev = jax.device_put(np.zeros(tokens, np.int32), NamedSharding(self.mesh, P()))
+        self.program = pipeline.tick_program(cfg, layout, self.mesh, opts, out_rows=tokens)
 
     def tick(self, t: int):
         tokens = self.work.tick_tokens
         slots = [self.work.inputs(t - s) if t >= s else None for s in range(self.pp)]
         stacked = step_inputs.stack(slots, tokens, tokens)
-        hidden, self.act, self.cache = self.program(
-            self.layers, self.x0[self.work.size(t)], self.act, _fields(stacked), self.cache)
+        hidden, self.cache, self.act = self.program(self.params, self.cache, self.act, stacked,
+                                                    self.prev)
         return hidden if t >= self.pp - 1 else None
 
     def state(self) -> list:
@@ -249,9 +226,10 @@ class Mpmd:
     fills) and `device_put`s its output to stage s + 1; -> the hidden [R, E] of micro-batch
     t - (pp - 1), or None."""
 
-    def __init__(self, cfg: ModelConfig, layout: Layout, padded: dict, work: Workload,
+    def __init__(self, cfg: ModelConfig, layout: Layout, values: dict, work: Workload,
                  opts: pipeline.StageOptions, devices):
         pp, tp = layout.pp, layout.tp
+        padded = padded_layers(cfg, values, layout)
         stage = Layout(tp=tp)
         padding = sharding.padding_for(cfg, [layout])
         shape = sharding.kv_shape(cfg, padding, work.num_blocks)
@@ -268,7 +246,10 @@ class Mpmd:
             self.layers.append(place_layers(cfg, mine, stage, mesh))
             self.caches.append(zeros_cache(shape, NamedSharding(mesh, kv)))
             self.programs.append(stage_program(cfg, stage, mesh, opts, last=s == pp - 1))
-        self.x0 = {n: jax.device_put(work.x0(n), self.places[0]) for n in set(work.sizes)}
+        head = HeadParams(jnp.asarray(values["embed"]), None, None)
+        self.x0 = {n: jax.device_put(decoder.embed(head, jnp.asarray(work.tokens(n)),
+                                                   cfg.embed_scale), self.places[0])
+                   for n in set(work.sizes)}
         self.carry: list = [None] * pp
 
     def tick(self, t: int):
@@ -307,10 +288,9 @@ def build(cfg: ModelConfig, values: dict, layout: Layout, work: Workload,
         raise ValueError(f"layout {layout} needs pp*tp = {layout.num_devices} devices (no ep "
                          f"or dp); JAX sees {len(devices)} (on CPU: XLA_FLAGS="
                          "--xla_force_host_platform_device_count=8)")
-    padded = padded_layers(cfg, values, layout)
     opts = pipeline.StageOptions(attention, max_kv=work.blocks_per_row * BLOCK)
-    return {"spmd": Spmd(cfg, layout, padded, work, opts, devices),
-            "mpmd": Mpmd(cfg, layout, padded, work, opts, devices)}
+    return {"spmd": Spmd(cfg, layout, values, work, opts, devices),
+            "mpmd": Mpmd(cfg, layout, values, work, opts, devices)}
 
 
 def run_ticks(design: Spmd | Mpmd, start: int, count: int) -> list:
@@ -347,7 +327,7 @@ def measure(cfg: ModelConfig, values: dict, layout: Layout, case: str,
     ran (compiled) every micro-batch size through the whole pipeline (`warmup_s`: that
     run's seconds, mostly compilation: spmd compiles one program, mpmd pp per size)."""
     sizes = case_sizes(case)
-    work = Workload(sizes, config.context, cfg.hidden_size)
+    work = Workload(sizes, config.context, cfg.vocab_size)
     designs = build(cfg, values, layout, work)
     start = layout.pp + 2 * len(sizes)
     warm_s, diff = warm(designs, work, layout.pp, start)

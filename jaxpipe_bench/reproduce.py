@@ -57,6 +57,25 @@ def write_results(config: ReproduceConfig, results, log: Callable[[str], None]) 
         log(f"wrote {write_json(results, config.json_path)}")
 
 
+Table = tuple[Callable[[int], list], Callable[[list], str]]  # (rows at n requests, their table)
+
+
+def report_tables(config: ReproduceConfig, num_requests: int, tables: dict[str, Table],
+                  log: Callable[[str], None] = print) -> dict:
+    """Each of `tables` at `config`'s request count (`num_requests` its default): the tables
+    logged in order, a blank line between; the results (`num_requests` and each table's rows
+    under its key) written as `config` asks."""
+    n = config.requests(num_requests)
+    results = {"num_requests": n}
+    for i, (key, (rows_at, format_rows)) in enumerate(tables.items()):
+        results[key] = rows_at(n)
+        if i:
+            log("")
+        log(format_rows(results[key]))
+    write_results(config, results, log)
+    return results
+
+
 FIG13_OUTPUTS = (1, 16, 64, 128, 256, 512, 1024)
 FIG13_LAYOUTS = (Layout(pp=8), Layout(pp=4, tp=2), Layout(pp=2, tp=4), Layout(tp=8))
 FIG13_REQUESTS = 256

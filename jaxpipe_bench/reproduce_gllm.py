@@ -27,7 +27,7 @@ from jaxpipe.model.presets import resolve_model
 from jaxpipe.planner.simulate import simulate
 from jaxpipe.planner.workloads import synthetic
 from jaxpipe.scheduler.throttle import ThrottleKnobs
-from jaxpipe_bench.reproduce import ReproduceConfig, write_results
+from jaxpipe_bench.reproduce import ReproduceConfig, report_tables
 
 NUM_REQUESTS = 2000
 SCENARIOS = (("4xL20, Qwen2.5-14B", "l20x4-pcie", "qwen2.5-14b"),
@@ -82,11 +82,5 @@ def format_compare(rows: list[dict]) -> str:
 
 
 def report(config: ReproduceConfig, log=print) -> dict:
-    """The comparison at `config`'s request count: the table logged, the results written as
-    `config` asks."""
-    n = config.requests(NUM_REQUESTS)
-    rows = compare(n)
-    log(format_compare(rows))
-    results = {"num_requests": n, "compare": rows}
-    write_results(config, results, log)
-    return results
+    """The comparison at `config`'s request count, logged and written as `config` asks."""
+    return report_tables(config, NUM_REQUESTS, {"compare": (compare, format_compare)}, log)

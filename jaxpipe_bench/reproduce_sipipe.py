@@ -37,7 +37,7 @@ from jaxpipe.model.presets import resolve_model
 from jaxpipe.planner.hostcost import SIPIPE, VLLM_PP
 from jaxpipe.planner.simulate import simulate
 from jaxpipe.planner.workloads import synthetic
-from jaxpipe_bench.reproduce import ReproduceConfig, write_results
+from jaxpipe_bench.reproduce import ReproduceConfig, report_tables
 
 NUM_REQUESTS = 2000
 MESH = "h100x8-nvlink"
@@ -102,11 +102,5 @@ def format_compare(rows: list[dict]) -> str:
 
 
 def report(config: ReproduceConfig, log=print) -> dict:
-    """The comparison at `config`'s request count: the table logged, the results written as
-    `config` asks."""
-    n = config.requests(NUM_REQUESTS)
-    rows = compare(n)
-    log(format_compare(rows))
-    results = {"num_requests": n, "compare": rows}
-    write_results(config, results, log)
-    return results
+    """The comparison at `config`'s request count, logged and written as `config` asks."""
+    return report_tables(config, NUM_REQUESTS, {"compare": (compare, format_compare)}, log)

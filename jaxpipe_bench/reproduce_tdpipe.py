@@ -25,7 +25,7 @@ from jaxpipe.model.presets import resolve_model
 from jaxpipe.planner.simulate import simulate
 from jaxpipe.planner.workloads import synthetic
 from jaxpipe.scheduler.predictor import accumulated_error
-from jaxpipe_bench.reproduce import ReproduceConfig, write_results
+from jaxpipe_bench.reproduce import ReproduceConfig, report_tables
 
 NUM_REQUESTS = 2000
 SCENARIOS = (("L20 + 13B", "l20x4-pcie", "llama2-13b"), ("L20 + 32B", "l20x4-pcie", "qwen2.5-32b"),
@@ -142,14 +142,7 @@ def format_ablations(rows: list[dict]) -> str:
 
 
 def report(config: ReproduceConfig, log=print) -> dict:
-    """Fig. 11 and the ablations at `config`'s request count: both tables logged, the results
-    written as `config` asks."""
-    n = config.requests(NUM_REQUESTS)
-    overall_rows = overall(n)
-    log(format_overall(overall_rows))
-    ablation_rows = ablations(n)
-    log("")
-    log(format_ablations(ablation_rows))
-    results = {"num_requests": n, "overall": overall_rows, "ablations": ablation_rows}
-    write_results(config, results, log)
-    return results
+    """Fig. 11 and the ablations at `config`'s request count, logged and written as `config`
+    asks."""
+    return report_tables(config, NUM_REQUESTS, {"overall": (overall, format_overall),
+                                                "ablations": (ablations, format_ablations)}, log)

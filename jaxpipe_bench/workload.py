@@ -57,32 +57,42 @@ def make_workload(
     input_len: int | None = None,
     output_len: int | None = None,
     special_ids: Iterable[int] = (),
+    input_range: tuple[int, int] | None = None,
+    samples: int = 1,
 ) -> list[Request]:
     """Build a deterministic workload of `num_prompts` requests.
 
     Lengths are ShareGPT-like lognormals (see module constants) unless `input_len` /
-    `output_len` fix them. Prompt tokens are uniform over `range(vocab_size)` minus
-    `special_ids`, so no prompt contains BOS/EOS/chat-control tokens. Everything is determined by
-    `seed`.
+    `output_len` fix them, or `input_range` (lo, hi) draws prompt lengths uniformly in it;
+    `samples`: the completions each request asks for (a rollout). Prompt tokens are uniform
+    over `range(vocab_size)` minus `special_ids`, so no prompt contains BOS/EOS/chat-control
+    tokens. Everything is determined by `seed`.
     """
     if num_prompts < 1:
         raise ValueError(f"num_prompts must be >= 1, got {num_prompts}")
     for name, value in (("input_len", input_len), ("output_len", output_len)):
         if value is not None and value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
+    if input_range is not None and not 1 <= input_range[0] <= input_range[1]:
+        raise ValueError(f"input_range must be (lo, hi) with 1 <= lo <= hi, got {input_range}")
+    if samples < 1:
+        raise ValueError(f"samples must be >= 1, got {samples}")
     allowed = _allowed_ids(vocab_size, special_ids)
     rng = np.random.default_rng(seed)
     # Draw lengths first, in a fixed order, so a given seed always yields the same lengths.
-    prompt_lens = _draw_lengths(
-        rng, num_prompts, input_len, PROMPT_LEN_MEDIAN, PROMPT_LEN_SIGMA, PROMPT_LEN_BOUNDS
-    )
+    if input_range is not None:
+        prompt_lens = rng.integers(input_range[0], input_range[1] + 1, size=num_prompts)
+    else:
+        prompt_lens = _draw_lengths(
+            rng, num_prompts, input_len, PROMPT_LEN_MEDIAN, PROMPT_LEN_SIGMA, PROMPT_LEN_BOUNDS
+        )
     output_lens = _draw_lengths(
         rng, num_prompts, output_len, OUTPUT_LEN_MEDIAN, OUTPUT_LEN_SIGMA, OUTPUT_LEN_BOUNDS
     )
     tokens = allowed[rng.integers(0, allowed.size, size=int(prompt_lens.sum()))]
     starts = np.concatenate(([0], np.cumsum(prompt_lens)[:-1]))
     return [
-        Request(tuple(int(t) for t in tokens[s : s + p]), int(o))
+        Request(tuple(int(t) for t in tokens[s : s + p]), int(o), samples)
         for s, p, o in zip(starts, prompt_lens, output_lens, strict=True)
     ]
 
@@ -133,7 +143,7 @@ def share_prefixes(
     prefixes = [tuple(int(t) for t in allowed[rng.integers(0, allowed.size, size=int(n))])
                 for n in sizes]
     which = rng.permutation(np.arange(len(workload)) % num_prefixes)
-    shared = [Request(prefixes[k] + r.prompt_token_ids, r.output_len)
+    shared = [Request(prefixes[k] + r.prompt_token_ids, r.output_len, r.samples)
               for k, r in zip(which, workload, strict=True)]
     return shared, prefixes
 

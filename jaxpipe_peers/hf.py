@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from jaxpipe_peers.protocol import Request, best_point, seconds_per_call, throughput
@@ -63,8 +64,10 @@ def _left_pad(batch: Sequence[Request], pad_id: int) -> tuple[Any, Any]:
     return input_ids, attention_mask
 
 
-def _generate_batch(model: Any, batch: Sequence[Request], pad_id: int) -> int:
-    """Greedy-generate one static batch; return the number of token slots HF computed."""
+def _generate_batch(model: Any, batch: Sequence[Request], pad_id: int,
+                    sampled: bool = False) -> int:
+    """Generate one static batch, greedy or (`sampled`) at temperature 1; return the number of
+    token slots HF computed."""
     input_ids, attention_mask = (x.to(model.device) for x in _left_pad(batch, pad_id))
     new_tokens = max(r.output_len for r in batch)
     out = model.generate(
@@ -72,7 +75,10 @@ def _generate_batch(model: Any, batch: Sequence[Request], pad_id: int) -> int:
         attention_mask=attention_mask,
         max_new_tokens=new_tokens,
         min_new_tokens=new_tokens,  # never stop at EOS: every row runs to the batch maximum
-        do_sample=False,
+        do_sample=sampled,
+        temperature=1.0,
+        top_k=None,
+        top_p=1.0,
         pad_token_id=pad_id,
     )
     if out.shape[1] != input_ids.shape[1] + new_tokens:
@@ -114,13 +120,16 @@ def run_hf(
     if model is None or pad_id is None:
         model, pad_id = load_hf_model(model_dir, gguf_file, dtype)
     torch.set_num_threads(os.cpu_count() or 1)
+    # a rollout's samples: one row each (HF shares no prompt between rows), sampled
+    sampled = any(r.samples > 1 for r in workload)
+    rows = [replace(r, samples=1) for r in workload for _ in range(r.samples)]
     done: list[Request] = []
     computed_tokens = 0
     start = time.perf_counter()
     with torch.inference_mode():
-        for i in range(0, len(workload), batch_size):
-            batch = workload[i : i + batch_size]
-            computed_tokens += _generate_batch(model, batch, pad_id)
+        for i in range(0, len(rows), batch_size):
+            batch = rows[i : i + batch_size]
+            computed_tokens += _generate_batch(model, batch, pad_id, sampled)
             done.extend(batch)
             if max_seconds is not None and time.perf_counter() - start > max_seconds:
                 break
@@ -130,7 +139,7 @@ def run_hf(
         engine="hf",
         dtype=dtype,
         batch_size=batch_size,
-        truncated=len(done) < len(workload),
+        truncated=len(done) < len(rows),
         computed_token_slots=computed_tokens,
         torch_threads=torch.get_num_threads(),
     )

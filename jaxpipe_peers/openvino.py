@@ -125,20 +125,28 @@ def _export_ir(hf_dir: Path, ir_dir: Path, log: Log) -> None:
     tmp.rename(ir_dir)
 
 
+def ensure_hf(model: Path, log: Log = print, root: Path | None = None) -> Path:
+    """The float32 HF checkpoint of `model`: itself when it is an HF directory, else its GGUF
+    dequantized once into the peers' cache (also what scripts/eval_harness.py's HF run reads)."""
+    if model.is_dir():
+        return model
+    base = peer_cache_dir(model, root)
+    hf_dir = base / "hf-float32"
+    if not (hf_dir / "config.json").exists():
+        base.mkdir(parents=True, exist_ok=True)
+        _export_hf(model, hf_dir, log)
+    return hf_dir
+
+
 def ensure_ir(model: Path, log: Log = print, root: Path | None = None) -> Path:
     """The cached OpenVINO IR directory for `model` (a GGUF file, dequantized to an HF
     checkpoint first, or an HF directory), converting what is missing."""
-    base = peer_cache_dir(model, root)
-    ir_dir = base / "openvino-fp16"
-    hf_dir = model if model.is_dir() else base / "hf-float32"
+    ir_dir = peer_cache_dir(model, root) / "openvino-fp16"
     if (ir_dir / "openvino_model.xml").exists():
         log(f"[openvino] reusing the cached IR in {ir_dir}")
         return ir_dir
-    base.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    if not (hf_dir / "config.json").exists():
-        _export_hf(model, hf_dir, log)
-    _export_ir(hf_dir, ir_dir, log)
+    _export_ir(ensure_hf(model, log, root), ir_dir, log)
     log(f"[openvino] converted in {time.perf_counter() - start:.1f}s")
     return ir_dir
 
@@ -156,18 +164,22 @@ def kv_bytes_per_token(hf_config: dict, kv_precision: str) -> int:
 def cache_size_gb(workload: Sequence[Request], bytes_per_token: int, max_num_seqs: int) -> int:
     """KV pool size in whole GB: room for the `max_num_seqs` longest requests at full length
     with 25% slack for block rounding, clamped to `_CACHE_GB_BOUNDS`."""
-    lengths = sorted((r.prompt_len + r.output_len for r in workload), reverse=True)
+    lengths = sorted((r.prompt_len + r.output_len * r.samples for r in workload), reverse=True)
     need = 1.25 * sum(lengths[:max_num_seqs]) * bytes_per_token / 2**30
     return int(min(max(-(-need // 1), _CACHE_GB_BOUNDS[0]), _CACHE_GB_BOUNDS[1]))
 
 
-def _generation_config(genai: Any, output_len: int) -> Any:
-    """Greedy, never stopping early: exactly `output_len` new tokens."""
+def _generation_config(genai: Any, request: Request, seed: int) -> Any:
+    """Never stopping early: exactly `output_len` new tokens; greedy, or `samples` > 1
+    sequences drawn at temperature 1 (multinomial) seeded with `seed`."""
     cfg = genai.GenerationConfig()
-    cfg.do_sample = False
+    cfg.do_sample = request.samples > 1
+    if cfg.do_sample:
+        cfg.temperature, cfg.top_p, cfg.top_k = 1.0, 1.0, 0
+        cfg.num_return_sequences, cfg.rng_seed = request.samples, seed
     cfg.ignore_eos = True
-    cfg.max_new_tokens = output_len
-    cfg.min_new_tokens = output_len
+    cfg.max_new_tokens = request.output_len
+    cfg.min_new_tokens = request.output_len
     return cfg
 
 
@@ -177,14 +189,15 @@ def _generate(pipe: Any, requests: Sequence[Request]) -> None:
 
     ov, genai = require("openvino"), require("openvino_genai")
     ids = [ov.Tensor(np.asarray([r.prompt_token_ids], dtype=np.int64)) for r in requests]
-    configs = [_generation_config(genai, r.output_len) for r in requests]
+    configs = [_generation_config(genai, r, i) for i, r in enumerate(requests)]
     results = pipe.generate(ids, configs)
     if len(results) != len(requests):
         raise RuntimeError(f"OpenVINO returned {len(results)} results for {len(requests)}")
     for i, (res, req) in enumerate(zip(results, requests, strict=True)):
-        got = len(res.m_generation_ids[0])
-        if got != req.output_len:
-            raise RuntimeError(f"OpenVINO request {i}: {got} tokens, expected {req.output_len}")
+        got = [len(ids) for ids in res.m_generation_ids]
+        if got != [req.output_len] * req.samples:
+            raise RuntimeError(f"OpenVINO request {i}: {got} tokens, expected {req.samples} x "
+                               f"{req.output_len}")
 
 
 def build_pipeline(

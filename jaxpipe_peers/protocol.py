@@ -21,10 +21,13 @@ VERSIONED = ("torch", "transformers", "openvino", "openvino-genai", "optimum-int
 
 @dataclass(frozen=True)
 class Request:
-    """One benchmark request: a prompt and exactly how many tokens to generate for it."""
+    """One benchmark request: a prompt and exactly how many tokens to generate for it;
+    `samples` > 1: that many completions of the prompt (a rollout: vLLM's `n`, OpenVINO's
+    num_return_sequences), each `output_len` tokens sampled at temperature 1."""
 
     prompt_token_ids: tuple[int, ...]
     output_len: int
+    samples: int = 1
 
     @property
     def prompt_len(self) -> int:
@@ -34,9 +37,10 @@ class Request:
 
 def throughput(requests: Sequence[Request], elapsed_s: float) -> dict:
     """requests/s, total (prompt + output) tok/s and output tok/s for `requests` served in
-    `elapsed_s` seconds. Output tokens are the requests' own output_len, nothing more."""
+    `elapsed_s` seconds. Output tokens are the requests' own output_len (times their samples),
+    nothing more; a prompt counts once however many samples it has."""
     prompt_tokens = sum(r.prompt_len for r in requests)
-    output_tokens = sum(r.output_len for r in requests)
+    output_tokens = sum(r.output_len * r.samples for r in requests)
     return {
         "num_requests": len(requests),
         "prompt_tokens": prompt_tokens,
@@ -89,13 +93,16 @@ def versions() -> dict:
 
 
 def requests_to_json(requests: Sequence[Request]) -> list:
-    """[[prompt ids], output_len] per request: the job file's spelling of a workload."""
-    return [[list(r.prompt_token_ids), r.output_len] for r in requests]
+    """[[prompt ids], output_len(, samples when > 1)] per request: the job file's spelling of a
+    workload."""
+    return [[list(r.prompt_token_ids), r.output_len] + ([r.samples] if r.samples > 1 else [])
+            for r in requests]
 
 
 def requests_from_json(rows: Sequence[Sequence[Any]]) -> list[Request]:
     """The inverse of `requests_to_json`."""
-    return [Request(tuple(int(i) for i in ids), int(out)) for ids, out in rows]
+    return [Request(tuple(int(i) for i in row[0]), int(row[1]), int(row[2]) if len(row) > 2 else 1)
+            for row in rows]
 
 
 def read_json(path: str | os.PathLike) -> dict:

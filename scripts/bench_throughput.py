@@ -6,6 +6,9 @@ Examples:
   python scripts/bench_throughput.py --peers openvino,hf          # + OpenVINO GenAI (bench extra)
   python scripts/bench_throughput.py --num-prompts 16 --hf-batch-sizes 8,16
   python scripts/bench_throughput.py --input-len 128 --output-len 128 --skip-hf
+  # a rollout: 64 prompts, 8 samples each at temperature 1, against OpenVINO GenAI
+  python scripts/bench_throughput.py --num-prompts 64 --input-range 256-1024 \\
+      --output-len 256 --samples 8 --peers openvino
 The logic and the flags (`BenchConfig`) live in `jaxpipe_bench`; this file only parses them.
 """
 

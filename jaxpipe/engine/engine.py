@@ -93,7 +93,7 @@ class Engine:
         Its stop strings are checked on the engine's thread, so every token `step` hands
         back is final (`generate` and `stream` use the detokenizer worker instead)."""
         self._check_open()
-        ids = self._prompt_ids(prompt, prompt_token_ids)
+        ids = self._prompt_ids(prompt, prompt_token_ids, params)
         return self._add(prompt, params, ids, request_id, None)
 
     def _add(self, prompt, params, ids, request_id, worker, seed=None) -> str:
@@ -104,6 +104,7 @@ class Engine:
         if not isinstance(params, SamplingParams):
             raise TypeError(
                 f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        requests.check_vocab(params, self.limits)
         max_tokens = requests.max_tokens(ids, params, self.limits)
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self._requests:
@@ -180,7 +181,7 @@ class Engine:
         if params is not None and params.n > 1:
             raise ValueError(f"n={params.n}: Engine.stream yields one sample's tokens; use "
                              "generate (or the server's streamed choices) for n > 1")
-        rid = self._add(text, params, self._prompt_ids(text, token_ids), None,
+        rid = self._add(text, params, self._prompt_ids(text, token_ids, params), None,
                         self._detok_worker())
         seq = self._requests[rid]
         completion = Completion(seq, self.tokenizer, stream=True)
@@ -276,7 +277,8 @@ class Engine:
         in input order. Request ids and drawn seeds follow the input order whatever the
         queue's."""
         self._check_open()
-        token_lists = [self._prompt_ids(p, t) for p, t in zip(prompts, token_lists, strict=True)]
+        token_lists = [self._prompt_ids(p, t, sp)
+                       for p, t, sp in zip(prompts, token_lists, params, strict=True)]
         order = self._admission_order(token_lists)
         rids = [str(next(self._ids)) for _ in params]
         seeds = [None if getattr(sp, "seed", None) is not None else self._draw_seed()
@@ -349,16 +351,18 @@ class Engine:
         return RequestOutput(request_id, seq.prompt, list(seq.prompt_token_ids), outputs, True,
                              metrics)
 
-    def _prompt_ids(self, prompt, prompt_token_ids) -> list[int]:
+    def _prompt_ids(self, prompt, prompt_token_ids, params=None) -> list[int]:
         """Token ids win when both are given (chat passes its rendered text for the output).
-        Checked by `request/validate.py`, the validator the server and batch jobs use too."""
+        Checked by `request/validate.py`, the validator the server and batch jobs use too;
+        only the last `params.truncate_prompt_tokens` are kept when it is set."""
         if prompt_token_ids is not None:
             kind, value = "token_ids", prompt_token_ids
         elif prompt is None:
             raise ValueError("give a prompt (text) or prompt_token_ids")
         else:
             kind, value = "text", prompt
-        return requests.prompt_token_ids(kind, value, self.tokenizer, self.limits)
+        truncate = getattr(params, "truncate_prompt_tokens", None)
+        return requests.prompt_token_ids(kind, value, self.tokenizer, self.limits, truncate)
 
     def _detok_worker(self):
         return self.executor.detok if self._detok_on else None

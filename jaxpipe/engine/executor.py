@@ -86,6 +86,7 @@ class Executor(StepExecutor):
         self._flight: Flight | None = None  # the newest step dispatched and not yet landed
         self._landed: list[Sequence] = []  # sequences that got a token in this step() call
         self._overlap = config.overlap  # set_overlap flips it on an idle engine
+        self._history: set[Sequence] = set()  # unfinished requests with multi-token bad words
 
     def step(self) -> list[Sequence]:
         """Run the policy's next action (`Driver.step`: schedule, then `launch` and `land`,
@@ -133,8 +134,16 @@ class Executor(StepExecutor):
     @property
     def in_flight(self) -> int:
         """Steps left in flight while the next is scheduled (the driver's): pp - 1 micro-
-        batches over pp stages, else one with overlap."""
-        return self.runner.layout.pp - 1 if self.flowing else int(self.overlap)
+        batches over pp stages, else one with overlap, unless a request's bad word of several
+        tokens needs its newest tokens on the host to know its next ban (`needs_history`):
+        each step then lands before the next is built."""
+        if self.flowing:  # a sequence waits for its micro-batch to land anyway
+            return self.runner.layout.pp - 1
+        return int(self.overlap and not self._needs_history())
+
+    def _needs_history(self) -> bool:
+        self._history = {s for s in self._history if not s.is_finished}
+        return bool(self._history)
 
     def set_overlap(self, on: bool) -> None:
         """Overlap steps from now on, or land each before the next (Engine.set_overlap)."""
@@ -164,6 +173,8 @@ class Executor(StepExecutor):
         """Queue a new request's sequence."""
         self.state.add(seq)
         self.engine_stats.added(seq)
+        if seq.stop.needs_history:
+            self._history.add(seq)
 
     def abort(self, seq: Sequence) -> None:
         self.state.abort(seq.request_id)
@@ -194,8 +205,8 @@ class Executor(StepExecutor):
 
     def chrome_trace(self) -> dict:
         """The step timeline and each layout's pipeline stages as one Perfetto trace."""
-        self.runner.stage_times()  # (polls the ticks still running)
-        return self.timeline.chrome_trace(self.runner.tick_records())
+        self.runner.ticks.stage_times()  # (polls the ticks still running)
+        return self.timeline.chrome_trace(self.runner.ticks.records())
 
     @property
     def generated_tokens(self) -> int:

@@ -99,7 +99,7 @@ class EngineStats:
         # what the counters kept by their owners were at reset (`_since_reset`)
         self._base = {**self._swap_totals(), **self._prefix_cache(),
                       **self.runner.control_stats()}
-        self._stage_base = self.runner.stage_times()
+        self._stage_base = self.runner.ticks.stage_times()
         self.state.device_kv.reset_peak()
         self.state.host_kv.reset_peak()
         self._t0 = self._last_fetch = time.perf_counter()
@@ -191,7 +191,7 @@ class EngineStats:
         bubble fraction over every layout: the stages' time without a micro-batch over the
         stages' time (pp x wall)."""
         busy, idle, wall = {}, {}, {}
-        for phase, t in self.runner.stage_times().items():
+        for phase, t in self.runner.ticks.stage_times().items():
             base = self._stage_base.get(phase, {"busy": [0.0] * t["stages"], "wall": 0.0})
             wall[phase] = t["wall"] - base["wall"]
             busy[phase] = [b - b0 for b, b0 in zip(t["busy"], base["busy"], strict=True)]

@@ -131,7 +131,7 @@ def sampling_inputs_for(seqs: list[Sequence], rows: int) -> SamplingInputs:
     params = [s.params for s in seqs] + [neutral] * pad
     seeds = [s.seed for s in seqs] + [0] * pad
     steps = [s.generated for s in seqs] + [0] * pad  # tokens sampled before (in flight too)
-    banned = [s.stop.banned(s.generated) for s in seqs] + [[]] * pad
+    banned = [s.stop.banned(s.generated, s.output_token_ids) for s in seqs] + [[]] * pad
     tensors = sampling.build_sampling_tensors(params, seeds, steps, banned, rows)
     mode = sampling.sampling_mode(s.params for s in seqs)
     penalties = sampling.uses_penalties(s.params for s in seqs)

@@ -3,7 +3,9 @@ takes: the prompt kind, one or more prompts, and `SamplingParams` fields.
 
 The one reader of OpenAI bodies, for the HTTP front end (jaxpipe.serve.http) and batch lines
 (jaxpipe.batch.openai). Sampling fields use OpenAI's names plus vLLM's extras (top_k, min_p,
-repetition_penalty, min_tokens, stop_token_ids, ignore_eos, skip_special_tokens); a key this
+repetition_penalty, min_tokens, stop_token_ids, ignore_eos, skip_special_tokens,
+allowed_token_ids, bad_words, truncate_prompt_tokens, include_stop_str_in_output; best_of is
+read to be refused unless it equals n); logit_bias keys are token ids as strings; a key this
 server does not know is refused, never silently ignored. Errors name the body key
 (`RequestError.field`, e.g. "messages" or "stream_options.include_usage").
 """
@@ -23,6 +25,9 @@ SAMPLING_KEYS = {"max_tokens": "max_tokens", "max_completion_tokens": "max_token
                  "repetition_penalty": "repetition_penalty", "min_tokens": "min_tokens",
                  "stop_token_ids": "stop_token_ids", "ignore_eos": "ignore_eos",
                  "skip_special_tokens": "skip_special_tokens"}
+SAMPLING_KEYS.update({k: k for k in (
+    "logit_bias", "allowed_token_ids", "bad_words", "truncate_prompt_tokens",
+    "include_stop_str_in_output", "best_of")})
 _COMMON_KEYS = {"model", "user", "stream", "stream_options"}
 CHAT_KEYS = set(SAMPLING_KEYS) | _COMMON_KEYS | {"messages", "logprobs", "top_logprobs"}
 COMPLETION_KEYS = ((set(SAMPLING_KEYS) - {"max_completion_tokens"}) | _COMMON_KEYS

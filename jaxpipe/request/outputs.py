@@ -90,7 +90,8 @@ class Completion:
                  echo: str = "", timer=None):
         self.prep, self.tokenizer, self.echo, self.timer = prep, tokenizer, echo, timer
         self.stream = None if tokenizer is None or not stream else TextStream(
-            tokenizer, prep.prompt_token_ids, prep.params.skip_special_tokens, prep.params.stop)
+            tokenizer, prep.prompt_token_ids, prep.params.skip_special_tokens, prep.params.stop,
+            prep.params.include_stop_str_in_output)
         self.token_ids: list[int] = []
         self.logprobs: list = []  # per token [[id, logprob], ...], sampled token first
         self.text = ""
@@ -144,4 +145,4 @@ class Completion:
         if not self.finished:
             return ""
         return final_text(self.tokenizer, self.token_ids, self.prep.params.skip_special_tokens,
-                          delta.stop_reason)
+                          delta.stop_reason, self.prep.params.include_stop_str_in_output)

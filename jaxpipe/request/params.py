@@ -14,6 +14,7 @@ import numpy as np
 GREEDY_EPS = 1e-5  # temperature below this is greedy (as vLLM's _SAMPLING_EPS)
 MAX_LOGPROBS = 20
 MAX_N = 128  # samples of one request (each takes a device slot while it decodes)
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for logit_bias values: [-100, 100]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -72,11 +73,55 @@ def _normalise_stop_token_ids(value) -> tuple[int, ...]:
     return tuple(int(i) for i in value)
 
 
+def _normalise_logit_bias(value) -> dict[int, float] | None:
+    """{token id: bias}; ids may be strings of ints (OpenAI's JSON keys)."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise TypeError(f"logit_bias must be a dict {{token_id: bias}} or None, got {value!r}")
+    out = {}
+    for key, bias in value.items():
+        tok = int(key) if isinstance(key, str) and key.strip().lstrip("-").isdigit() else key
+        if not is_int(tok) or tok < 0:
+            raise ValueError(f"logit_bias keys must be token ids (ints >= 0), got {key!r}")
+        bias = _check_float("logit_bias", bias)
+        if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, "
+                             f"{MAX_LOGIT_BIAS:g}], got {bias} for token {tok}")
+        out[int(tok)] = bias
+    return out
+
+
+def _normalise_allowed(value) -> tuple[int, ...] | None:
+    if value is None:
+        return None
+    if not isinstance(value, list | tuple) or not value:
+        raise ValueError(f"allowed_token_ids must be a non-empty list of token ids or None, "
+                         f"got {value!r}")
+    for item in value:
+        if not is_int(item) or item < 0:
+            raise ValueError(f"allowed_token_ids must contain only ints >= 0, got {item!r}")
+    return tuple(sorted({int(i) for i in value}))
+
+
+def _normalise_bad_words(value) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, list | tuple):
+        raise TypeError(f"bad_words must be a list of str or None, got {value!r}")
+    for item in value:
+        if not isinstance(item, str) or not item.strip():
+            raise ValueError(f"bad_words must contain only non-blank strings, got {item!r}")
+    return tuple(value)
+
+
 @dataclass
 class SamplingParams:
     """Per-request sampling parameters: vLLM's names, defaults and meanings.
 
-    `top_k=-1` is normalised to 0 (off); `stop` and `stop_token_ids` are normalised to tuples.
+    `top_k=-1` is normalised to 0 (off); `stop`, `stop_token_ids`, `bad_words` and
+    `allowed_token_ids` (sorted, unique) are normalised to tuples, `logit_bias` keys to ints.
+    `best_of` is accepted only as None or n: vLLM V1 dropped it.
     Invalid values raise ValueError (TypeError for wrong types) naming the field, the value and
     the accepted range.
     """
@@ -97,6 +142,12 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None  # added to the raw logits, in [-100, 100]
+    allowed_token_ids: list[int] | tuple[int, ...] | None = None  # only these may be sampled
+    bad_words: list[str] | tuple[str, ...] | None = None  # words never generated
+    truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens
+    include_stop_str_in_output: bool = False  # keep a matched stop string in the text
+    best_of: int | None = None  # refused unless None or n (vLLM V1 dropped it)
 
     def __post_init__(self):
         self._validate_floats()
@@ -105,6 +156,26 @@ class SamplingParams:
         self.stop_token_ids = _normalise_stop_token_ids(self.stop_token_ids)
         self.ignore_eos = _check_bool("ignore_eos", self.ignore_eos)
         self.skip_special_tokens = _check_bool("skip_special_tokens", self.skip_special_tokens)
+        self._validate_token_lists()
+
+    def _validate_token_lists(self):
+        """logit_bias, allowed_token_ids, bad_words, truncate_prompt_tokens,
+        include_stop_str_in_output and best_of (ids are checked against the vocabulary by
+        `validate.check_vocab`, which knows the model)."""
+        self.logit_bias = _normalise_logit_bias(self.logit_bias)
+        self.allowed_token_ids = _normalise_allowed(self.allowed_token_ids)
+        self.bad_words = _normalise_bad_words(self.bad_words)
+        self.truncate_prompt_tokens = _check_int("truncate_prompt_tokens",
+                                                 self.truncate_prompt_tokens, allow_none=True)
+        if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens < 1:
+            raise ValueError(f"truncate_prompt_tokens must be >= 1 or None, "
+                             f"got {self.truncate_prompt_tokens}")
+        self.include_stop_str_in_output = _check_bool("include_stop_str_in_output",
+                                                      self.include_stop_str_in_output)
+        self.best_of = _check_int("best_of", self.best_of, allow_none=True)
+        if self.best_of is not None and self.best_of not in (1, self.n):
+            raise ValueError(f"best_of must be None or equal to n={self.n}, got {self.best_of}: "
+                             "vLLM V1 dropped best_of; ask for n completions instead")
 
     def _validate_floats(self):
         f = {name: _check_float(name, getattr(self, name)) for name in (

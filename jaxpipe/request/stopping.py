@@ -1,4 +1,5 @@
-"""When a request ends, and its text: EOS, stop token ids, stop strings, min/max tokens.
+"""When a request ends, and its text: EOS, stop token ids, stop strings, min/max tokens; and
+the ids a request may not sample next (stop ids before min_tokens, its bad words).
 
 The one home of stop strings and incremental detokenization, for the engine, the server's
 front end and batch jobs: `final_text` (a completion's text, cut before its stop string) and
@@ -26,15 +27,30 @@ from jaxpipe.request.params import SamplingParams
 
 
 def final_text(tokenizer: Tokenizer, token_ids: Sequence[int], skip_special_tokens: bool,
-               stop_reason: int | str | None) -> str:
+               stop_reason: int | str | None, include_stop: bool = False) -> str:
     """A completion's whole text: its ids decoded, cut before the stop string that ended it
-    (`stop_reason` as a string)."""
+    (`stop_reason` as a string), or just after it when `include_stop`
+    (`include_stop_str_in_output`)."""
     text = tokenizer.decode(list(token_ids), skip_special_tokens)
     if isinstance(stop_reason, str):
         idx = text.find(stop_reason)
         if idx >= 0:
-            return text[:idx]
+            return text[:idx + len(stop_reason) if include_stop else idx]
     return text
+
+
+def bad_words_token_ids(tokenizer: Tokenizer, words: Sequence[str]) -> list[list[int]]:
+    """vLLM's tokenization of `bad_words`: each word as it is written (leading spaces
+    stripped) and with one leading space, the latter kept only when it is a different token
+    sequence of the same length (a word-start token)."""
+    out: list[list[int]] = []
+    for word in words:
+        plain = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        out.append(plain)
+        if len(spaced) == len(plain) and spaced[0] != plain[0]:
+            out.append(spaced)
+    return [ids for ids in out if ids]
 
 
 class TextStream:
@@ -43,8 +59,9 @@ class TextStream:
     characters are held back: they may still become the start of a stop string."""
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int],
-                 skip_special_tokens: bool, stop: Sequence[str]):
+                 skip_special_tokens: bool, stop: Sequence[str], include_stop: bool = False):
         self.tokenizer, self.skip_special_tokens = tokenizer, skip_special_tokens
+        self.include_stop = include_stop
         self._detok = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens)
         self._hold = max((len(x) for x in stop), default=1) - 1
         self.ids: list[int] = []
@@ -77,7 +94,7 @@ class TextStream:
         """Feed the last ids; the rest of the final text."""
         self.ids.extend(token_ids)
         return self.take(final_text(self.tokenizer, self.ids, self.skip_special_tokens,
-                                    stop_reason))
+                                    stop_reason, self.include_stop))
 
 
 class DetokWorker:
@@ -143,6 +160,9 @@ class StopChecker:
         if params.stop and tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this model has none "
                              "(use stop_token_ids)")
+        if params.bad_words and tokenizer is None:
+            raise ValueError("bad_words need a tokenizer; this model has none "
+                             "(use logit_bias with -100)")
         self.params = params
         self.tokenizer = tokenizer
         self._prompt_ids = prompt_ids
@@ -153,10 +173,31 @@ class StopChecker:
         self._last: Future | None = None  # the worker's newest job for this request
         self.match: int | None = None  # output index whose token completed a stop string
         self._stop_string: str | None = None  # the first stop string found
+        words = bad_words_token_ids(tokenizer, params.bad_words) if params.bad_words else []
+        self._bad_single = sorted({w[0] for w in words if len(w) == 1})
+        self._bad_multi = [w for w in words if len(w) > 1]
 
-    def banned(self, generated: int) -> list[int]:
-        """Token ids the sampler must not pick next: stop ids until min_tokens is reached."""
-        return sorted(self.stop_ids) if generated < self.params.min_tokens else []
+    @property
+    def needs_history(self) -> bool:
+        """Whether `banned` reads the newest output tokens (a bad word of several tokens):
+        the request's next step may be built only once its tokens in flight have landed."""
+        return bool(self._bad_multi)
+
+    def banned(self, generated: int, output: Sequence[int] = ()) -> list[int]:
+        """Token ids the sampler must not pick next: stop ids until min_tokens is reached,
+        single-token bad words, and the last token of each multi-token bad word whose other
+        tokens end `output` (vLLM's rule; `output` must hold all `generated` tokens then)."""
+        ids = set(self._bad_single)
+        if generated < self.params.min_tokens:
+            ids |= self.stop_ids
+        if self._bad_multi:
+            if len(output) != generated:
+                raise RuntimeError(f"bad words need the {generated} output tokens on the host, "
+                                   f"{len(output)} are there")
+            ids |= {w[-1] for w in self._bad_multi
+                    if len(w) - 1 <= len(output) and list(output[len(output) - len(w) + 1:])
+                    == w[:-1]}
+        return sorted(ids)
 
     def check(self, seq, max_model_len: int) -> str | None:
         """Reason the sequence ends after its newest token ("stop" / "length"), or None.

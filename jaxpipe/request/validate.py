@@ -55,11 +55,26 @@ def prepare(kind: str | None, value, sampling: dict, tokenizer, limits: Limits) 
     if params.stop and tokenizer is None:
         raise RequestError("sampling.stop", "stop strings need a tokenizer; this model has none "
                            "(use stop_token_ids)")
-    ids = prompt_token_ids(kind, value, tokenizer, limits)
+    if params.bad_words and tokenizer is None:
+        raise RequestError("sampling.bad_words", "bad_words need a tokenizer; this model has "
+                           "none (use logit_bias with -100)")
+    check_vocab(params, limits)
+    ids = prompt_token_ids(kind, value, tokenizer, limits, params.truncate_prompt_tokens)
     max_tokens(ids, params, limits)
     as_dict = {k: list(v) if isinstance(v, tuple) else v
                for k, v in dataclasses.asdict(params).items()}
     return Prepared(ids, params, as_dict)
+
+
+def check_vocab(params: SamplingParams, limits: Limits) -> None:
+    """RequestError unless every id of logit_bias and allowed_token_ids is in the vocabulary."""
+    v = limits.vocab_size
+    for name, ids in (("logit_bias", params.logit_bias or ()),
+                      ("allowed_token_ids", params.allowed_token_ids or ())):
+        bad = [i for i in ids if i >= v]
+        if bad:
+            raise RequestError(f"sampling.{name}", f"token id {bad[0]} is outside the "
+                               f"vocabulary [0, {v})")
 
 
 def max_tokens(ids: list[int], params: SamplingParams, limits: Limits) -> int:
@@ -89,8 +104,10 @@ def sampling_params(fields: dict) -> SamplingParams:
         raise RequestError(f"sampling.{name}", str(e)) from None
 
 
-def prompt_token_ids(kind: str | None, value, tokenizer, limits: Limits) -> list[int]:
-    """The prompt's token ids, checked against the vocabulary and max_model_len."""
+def prompt_token_ids(kind: str | None, value, tokenizer, limits: Limits,
+                     truncate: int | None = None) -> list[int]:
+    """The prompt's token ids, checked against the vocabulary and max_model_len: only its
+    last `truncate` ids when that is given (`truncate_prompt_tokens`)."""
     if kind not in PROMPT_KINDS:
         raise RequestError("prompt", f"give a prompt as one of {', '.join(PROMPT_KINDS)}")
     if kind != "token_ids" and tokenizer is None:
@@ -101,6 +118,8 @@ def prompt_token_ids(kind: str | None, value, tokenizer, limits: Limits) -> list
         ids = _chat_ids(value, tokenizer)
     else:
         ids = _checked_ids(value, limits.vocab_size)
+    if truncate is not None:
+        ids = ids[-truncate:]
     if len(ids) >= limits.max_model_len:
         raise RequestError(kind, f"the prompt has {len(ids)} tokens; max_model_len is "
                            f"{limits.max_model_len}, which must leave room for one new token")

@@ -4,6 +4,7 @@
                        sampler, for the current layout; it decides nothing
     pipeline.py        the tick program on a mesh (stages over pp, tp inside each)
     flow.py            the micro-batches in flight through the stages, and their clock
+    ticks.py           each layout's flow and carried activations; a tick's inputs stacked
     sharding.py        logical axes -> mesh axes per layout, padding, re-sharding
     sampling.py        the device sampler (SamplingParams packed into tensors)
     host_sampler.py    the same choices in NumPy on worker threads (SiPipe)

@@ -212,11 +212,9 @@ class MirroredRunner:
     kv_extract = _local("kv_extract", "the local runner's (the KV manager mirrors swaps)")
     kv_staging = _local("kv_staging", "the local runner's (the KV manager mirrors swaps)")
     kv_insert = _local("kv_insert", "the local runner's (the KV manager mirrors swaps)")
-    in_flight = _local("in_flight")
     lowered = _local("lowered", "the local runner's (inspection only: it runs nothing)")
-    flow_counts = _local("flow_counts")
-    stage_times = _local("stage_times")
-    tick_records = _local("tick_records")
+    ticks = _local("ticks", "the local runner's (counts and records; its idle ticks run through "
+                   "drain_one, mirrored)")
 
     def dispatch(self, inputs, slots, sampling_inputs, prev=None):
         step = next(self._steps)

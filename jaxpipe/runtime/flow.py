@@ -132,8 +132,8 @@ class StageClock:
 
 @dataclass
 class Flow:
-    """One layout's micro-batches in flight. `tick(entering)` is the runner's: it runs one
-    pipeline tick with `entering` (or an idle micro-batch) entering stage 0 and returns the
+    """One layout's micro-batches in flight. `tick(slots)` is `ticks.Ticks`'s: it runs one
+    pipeline tick with slots[0] (or an idle micro-batch) entering stage 0 and returns the
     results of the micro-batch that left the last stage (None: none did)."""
 
     stages: int

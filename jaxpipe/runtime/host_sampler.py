@@ -104,15 +104,28 @@ class HostSampler:
         self._pool.shutdown(wait=True)
 
     def _rows(self, logits, slots, t: SamplingTensors, u, mode: str, penalties: bool):
-        x = np.array(logits, _F32)  # own copy: banned ids and penalties are written into it
-        rows, cols = np.nonzero(t.banned >= 0)
-        x[rows, t.banned[rows, cols]] = _NEG_INF
+        x = np.array(logits, _F32)  # own copy: biases, bans and penalties are written into it
+        apply_id_lists(x, t)
         if penalties:
             for i, slot in enumerate(slots):
                 if self._seen[slot] is not None:
                     self._seen[slot].apply(x[i], t.repetition_penalty[i],
                                            t.frequency_penalty[i], t.presence_penalty[i])
         return sample_penalised(x, t, u, mode)
+
+
+def apply_id_lists(x: np.ndarray, t: SamplingTensors) -> None:
+    """The device sampler's first steps, in place on x [b, V] f32: logit_bias added, every
+    id outside a row's allowed list -inf (rows that list any), banned ids -inf."""
+    rows, cols = np.nonzero(t.bias_ids >= 0)
+    x[rows, t.bias_ids[rows, cols]] += t.bias[rows, cols]
+    for r in np.flatnonzero(np.any(t.allowed >= 0, axis=-1)):
+        ids = t.allowed[r][t.allowed[r] >= 0]
+        kept = x[r, ids]
+        x[r] = _NEG_INF
+        x[r, ids] = kept
+    rows, cols = np.nonzero(t.banned >= 0)
+    x[rows, t.banned[rows, cols]] = _NEG_INF
 
 
 def _rows_of(t: SamplingTensors, a: int, b: int) -> SamplingTensors:

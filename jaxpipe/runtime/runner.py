@@ -38,7 +38,7 @@ from jaxpipe.model import orbax_dir
 from jaxpipe.model.decoder import param_decls
 from jaxpipe.runtime import memory, pipeline, sampling, sharding, sizing, step_inputs
 from jaxpipe.runtime.buckets import Buckets, round_up
-from jaxpipe.runtime.flow import Flow, MicroBatch, Pending
+from jaxpipe.runtime.flow import MicroBatch, Pending
 from jaxpipe.runtime.host_sampler import HostSampler, host_logprobs
 from jaxpipe.runtime.kernel_choice import (
     HEAD_ROWS,
@@ -49,6 +49,7 @@ from jaxpipe.runtime.kernel_choice import (
 )
 from jaxpipe.runtime.sampling import SamplingTensors
 from jaxpipe.runtime.step_inputs import StepInputs
+from jaxpipe.runtime.ticks import Ticks
 
 PHASES = ("prefill", "decode")
 _STATIC = ("mode", "penalties", "num_logprobs")
@@ -170,15 +171,6 @@ def _sample(logits, prompt_mask, out_counts, slots, tensors, *, mode, penalties,
         out_counts = out_counts.at[slots, tokens].add(1, mode="drop")
     lp = None if num_logprobs is None else sampling.compute_logprobs(logits, tokens, num_logprobs)
     return jnp.pad(tokens, (0, out_rows - tokens.shape[0])), lp, prompt_mask, out_counts
-
-
-def _resize_program(act_sharding: NamedSharding):
-    """jit(act [pp, T, E], tokens: static) -> [pp, tokens, E]: cut, or padded with zeros."""
-    def resize(act, tokens):
-        t = act.shape[1]
-        return act[:, :tokens] if t >= tokens else jnp.pad(act, ((0, 0), (0, tokens - t),
-                                                                  (0, 0)))
-    return jax.jit(resize, static_argnames="tokens", out_shardings=act_sharding)
 
 
 def _set_penalty_row(prompt_mask, out_counts, slot, mask_row, count_row):
@@ -326,12 +318,11 @@ class Runner:
                                       donate_argnames=("prompt_mask", "out_counts"))
 
     def _init_programs(self) -> None:
-        """The step programs' cache and the compile counters; the current layout's swap
-        programs compiled (`_warm_swaps`)."""
+        """The step programs' cache, the pipelines' ticks and the compile counters; the
+        current layout's swap programs compiled (`_warm_swaps`)."""
         self._no_prev: dict[str, jax.Array] = {}  # per phase: `prev` of a step with no feed
-        self._flows: dict[str, Flow] = {}  # per phase: the micro-batches in its pipeline
-        self._act: dict[str, jax.Array] = {}  # per phase: activations carried between stages
-        self._resize: dict = {}  # act sharding -> its resize program
+        self.ticks = Ticks(self.placements, self.config.hidden_size, self._run_tick,
+                           self._results)
         self._feed: jax.Array | None = None  # the entering step's `prev` tokens
         self._programs: dict[tuple, object] = {}
         self.compiled: set[tuple] = set()
@@ -370,9 +361,10 @@ class Runner:
         keeps the pool a layout had, zeroed, where that is free). None moves the whole pool."""
         if phase == self.phase:
             return None
-        if self.in_flight():
-            raise RuntimeError(f"a layout switch needs an empty pipeline; {self.in_flight()} "
-                               "micro-batches are in flight (drain them first)")
+        if self.ticks.in_flight():
+            raise RuntimeError(f"a layout switch needs an empty pipeline; "
+                               f"{self.ticks.in_flight()} micro-batches are in flight (drain "
+                               "them first)")
         left, old, self.phase = self.phase, self.placements[self.phase], phase
         place = self.placements[phase]
         params, weights_seconds = self._weights_in(place, phase, left)
@@ -446,41 +438,18 @@ class Runner:
         tokens `inputs.feed` refers to (it may still be running; one stage only). On one
         stage the results are the step's own (`Dispatched`, or `HostSampled`); with more, a
         `Pending` filled when the micro-batch leaves (its `wait` drains the pipeline)."""
-        flow = self._flow()
         mb = MicroBatch(inputs, np.asarray(slots), sampling_inputs, Pending(self.drain_one))
         self._feed = prev.tokens if prev is not None and prev.tokens is not None else None
         # (a host-sampled step not yet sampled feeds nothing: the executor samples it first
         # when this step takes tokens from it)
-        flow.enter(mb)
+        self.ticks.enter(self.phase, mb)
         self._feed = None
         return mb.pending.done if mb.pending.done is not None else mb.pending
 
-    def in_flight(self) -> int:
-        """Micro-batches dispatched that have not left the last stage."""
-        flow = self._flows.get(self.phase)
-        return flow.in_flight if flow is not None else 0
-
     def drain_one(self) -> None:
-        """One idle tick: every micro-batch in flight one stage nearer the exit."""
-        self._flow().drain()
-
-    def flow_counts(self) -> dict:
-        """Ticks run and stage-ticks with and without a micro-batch, over every layout."""
-        flows = self._flows.values()
-        return {"ticks": sum(f.ticks for f in flows),
-                "busy_slots": sum(f.busy_slots for f in flows),
-                "idle_slots": sum(f.idle_slots for f in flows)}
-
-    def stage_times(self) -> dict:
-        """Per phase: its stages' busy seconds and its pipeline's wall time (`StageClock`),
-        counted up to the ticks seen finished now."""
-        for flow in self._flows.values():
-            flow.clock.poll()
-        return {phase: flow.clock.totals() for phase, flow in self._flows.items()}
-
-    def tick_records(self) -> dict:
-        """Per phase: the ticks kept for the trace (`flow.TickRecord`)."""
-        return {phase: list(flow.clock.records) for phase, flow in self._flows.items()}
+        """One idle tick: every micro-batch in flight one stage nearer the exit (a device call
+        the mirrored runner sends its followers too)."""
+        self.ticks.drain()
 
     def logits(self, inputs: StepInputs, rows: int, prev: Dispatched | None = None
                ) -> jax.Array:
@@ -506,27 +475,17 @@ class Runner:
         return self._once(("logits", self.phase, rows), self.placements[self.phase].logits,
                           self.params, hidden, rows=rows)
 
-    def _flow(self) -> Flow:
-        if self.phase not in self._flows:
-            self._flows[self.phase] = Flow(self.layout.pp, self._tick)
-        return self._flows[self.phase]
-
-    def _tick(self, slots: list[MicroBatch | None]):
-        """One pipeline tick over the micro-batches of `slots` (slot s: stage s's; None: an
-        idle one), each padded to the largest's buckets; the results of the one leaving (the
-        last slot's), or None."""
-        real = [mb.inputs for mb in slots if mb is not None]
-        tokens, rows = max(x.num_tokens for x in real), max(x.num_rows for x in real)
-        inputs = step_inputs.stack([mb and mb.inputs for mb in slots], tokens, rows)
+    def _run_tick(self, inputs: StepInputs, act: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """The current layout's tick program on a tick's stacked `inputs` and the carried
+        activations `act` (donated), with the KV pool: (hidden of the rows leaving the last
+        stage, the activations for the next tick)."""
         max_kv = 0 if self.attention != "xla" else round_up(
             min(int(inputs.kv_len.max()), self.max_len), self.buckets.kv_len)
-        key = (self.phase, tokens, rows, max_kv)
+        key = (self.phase, inputs.num_tokens, inputs.num_rows, max_kv)
         fed = self._feed if self._feed is not None else self._zeros()
-        hidden, self.cache, self._act[self.phase] = self._once(
-            key, self._program(max_kv), self.params, self.cache, self._carried(tokens), inputs,
-            fed)
-        leaving = slots[-1]
-        return (None if leaving is None else self._results(hidden, leaving)), hidden
+        hidden, self.cache, act = self._once(key, self._program(max_kv), self.params,
+                                             self.cache, act, inputs, fed)
+        return hidden, act
 
     def lowered(self, inputs: StepInputs):
         """The tick program lowered for `inputs` entering an empty pipeline (at the runner's
@@ -535,21 +494,9 @@ class Runner:
                                  inputs.num_rows)
         max_kv = 0 if self.attention != "xla" else self.max_len
         with jax.default_matmul_precision(self.precision):
-            return self._program(max_kv).lower(self.params, self.cache,
-                                               self._carried(inputs.num_tokens), tick,
-                                               self._zeros())
-
-    def _carried(self, tokens: int) -> jax.Array:
-        """The activations carried between the stages [pp, tokens, E]: padded (or cut) to a
-        tick of `tokens` tokens; the micro-batches in flight are no longer than that."""
-        act = self._act.get(self.phase)
-        if act is None or act.shape[1] != tokens:
-            place = self.placements[self.phase]
-            resize = self._resize.setdefault(place.act_sharding, _resize_program(
-                place.act_sharding))
-            act = resize(act if act is not None else jnp.zeros(
-                (self.layout.pp, 0, self.config.hidden_size), jnp.float32), tokens)
-        return act
+            return self._program(max_kv).lower(
+                self.params, self.cache, self.ticks.carried(self.phase, inputs.num_tokens), tick,
+                self._zeros())
 
     def _results(self, hidden: jax.Array, mb: MicroBatch) -> Dispatched | HostSampled:
         """Sample the rows of micro-batch `mb`, which left the last stage with `hidden`."""
@@ -640,8 +587,9 @@ class Runner:
         if self.host_sampler is not None:
             self.host_sampler.close()
             self.host_sampler = None
+        self.ticks.close()
         state = (self.params, self._kept_weights, self.cache, self.prompt_mask,
-                 self.out_counts, self._no_prev, self._act)
+                 self.out_counts, self._no_prev)
         for array in jax.tree.leaves(state):
             if not array.is_deleted():
                 array.delete()

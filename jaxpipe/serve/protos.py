@@ -12,8 +12,8 @@ from google.protobuf.unknown_fields import UnknownFieldSet
 from jaxpipe.protocol import jaxpipe_pb2 as pb
 from jaxpipe.request.validate import RequestError
 
-_SCALARS = [f.name for f in pb.SamplingParams.DESCRIPTOR.fields if f.name not in
-            ("stop", "stop_token_ids")]
+_SCALARS = [f.name for f in pb.SamplingParams.DESCRIPTOR.fields if not f.is_repeated]
+_LISTS = ("stop", "stop_token_ids", "allowed_token_ids", "bad_words")  # empty: not set
 
 
 def check_known_fields(msg, path: str = "") -> None:
@@ -25,7 +25,7 @@ def check_known_fields(msg, path: str = "") -> None:
                            f"unknown field number {number} in {msg.DESCRIPTOR.full_name}; "
                            "is the client's jaxpipe.proto newer than the server's?")
     for field, value in msg.ListFields():
-        if field.message_type is None:
+        if field.message_type is None or field.message_type.GetOptions().map_entry:
             continue
         name = f"{path}.{field.name}" if path else field.name
         if field.is_repeated:
@@ -51,10 +51,9 @@ def sampling_of(msg) -> dict:
     """The SamplingParams fields a request sets (unset ones keep SamplingParams' defaults)."""
     s = msg.sampling
     fields = {name: getattr(s, name) for name in _SCALARS if s.HasField(name)}
-    if s.stop:
-        fields["stop"] = list(s.stop)
-    if s.stop_token_ids:
-        fields["stop_token_ids"] = list(s.stop_token_ids)
+    fields.update({name: list(getattr(s, name)) for name in _LISTS if getattr(s, name)})
+    if s.logit_bias:
+        fields["logit_bias"] = dict(s.logit_bias)
     return fields
 
 

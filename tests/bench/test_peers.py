@@ -222,3 +222,37 @@ def test_hf_peer_runs_a_job_through_files(tiny_hf_dir):
     assert all(p["num_requests"] == 3 and p["output_tokens"] == 10 for p in result["points"])
     assert result["best"] in result["points"]
     assert result["versions"]["transformers"] == importlib.metadata.version("transformers")
+
+
+def test_a_rollout_request_travels_with_its_samples():
+    from jaxpipe_peers.protocol import requests_from_json, requests_to_json
+
+    requests = [Request((1, 2), 3, samples=8), Request((4,), 2)]
+    rows = requests_to_json(requests)
+    assert rows[1] == [[4], 2]  # a plain request keeps the old spelling
+    assert requests_from_json(rows) == requests
+
+
+def test_openvino_samples_a_rollout_and_decodes_the_rest_greedily():
+    genai = SimpleNamespace(GenerationConfig=SimpleNamespace)
+    rollout = ov._generation_config(genai, Request((1,), 7, samples=8), seed=3)
+    assert (rollout.do_sample, rollout.num_return_sequences, rollout.rng_seed) == (True, 8, 3)
+    assert (rollout.temperature, rollout.max_new_tokens, rollout.min_new_tokens) == (1.0, 7, 7)
+    greedy = ov._generation_config(genai, Request((1,), 7), seed=3)
+    assert greedy.do_sample is False and not hasattr(greedy, "num_return_sequences")
+
+
+def test_the_kv_pool_counts_every_sample():
+    per_token = 1 << 16  # 4 x 2000 tokens x 1.25: 0.6 GiB -> 1; with 8 samples 2.9 GiB -> 3
+    one = ov.cache_size_gb([Request((1,) * 1000, 1000)] * 4, per_token, 4)
+    eight = ov.cache_size_gb([Request((1,) * 1000, 1000, samples=8)] * 4, per_token, 4)
+    assert (one, eight) == (1, 3)
+
+
+def test_hf_runs_a_rollout_one_row_per_sample(tiny_hf_dir):
+    from jaxpipe_peers.hf import run_hf
+
+    result = run_hf([Request((5, 6, 7), 3, samples=3), Request((8, 9), 3)], 8, "float32",
+                    str(tiny_hf_dir), None)
+    assert (result["num_requests"], result["output_tokens"]) == (4, 12)
+    assert result["computed_token_slots"] == 4 * (3 + 3)  # one batch of 4 rows, padded to 3

@@ -204,7 +204,7 @@ def test_run_jaxpipe_rejects_short_outputs(fake_engine):
 
     fake_engine.short_by = 1
     workload = make_workload(3, 0, VOCAB, input_len=10, output_len=5)
-    with pytest.raises(RuntimeError, match="got 4 output tokens, expected 5"):
+    with pytest.raises(RuntimeError, match=r"got \[4\] output tokens, expected 1 x 5"):
         run_jaxpipe(BenchConfig(warmup_prompts=0), workload, log=lambda _: None)
 
 
@@ -234,3 +234,56 @@ def test_warmup_requests_share_no_prefix():
         w.prompt_token_ids[:16] != r.prompt_token_ids[:16]
         for w, r in zip(warm, workload[:2], strict=True)
     )
+
+
+def test_a_rollout_workload_draws_prompt_lengths_in_its_range_and_asks_for_samples():
+    workload = make_workload(64, 0, VOCAB, output_len=256, input_range=(256, 1024), samples=8)
+    lens = [r.prompt_len for r in workload]
+    assert min(lens) >= 256 and max(lens) <= 1024 and len(set(lens)) > 32
+    assert {r.samples for r in workload} == {8}
+    with pytest.raises(ValueError, match="input_range"):
+        make_workload(2, 0, VOCAB, input_range=(9, 8))
+    with pytest.raises(ValueError, match="samples"):
+        make_workload(2, 0, VOCAB, samples=0)
+
+
+def test_throughput_counts_each_sample_and_each_prompt_once():
+    t = throughput([Request((1, 2, 3), 10, samples=4), Request((4,), 30)], 2.0)
+    assert t["output_tokens"] == 70 and t["prompt_tokens"] == 4
+
+
+def test_the_rollout_flags_are_parsed_and_checked():
+    from jaxpipe_bench import BenchConfig
+
+    assert BenchConfig(input_range="256-1024", samples=8).prompt_range == (256, 1024)
+    for bad in ("1024-256", "0-5", "x-9", "12"):
+        with pytest.raises(ValueError, match="input_range"):
+            BenchConfig(input_range=bad)
+    with pytest.raises(ValueError, match="not both"):
+        BenchConfig(input_range="1-2", input_len=4)
+    with pytest.raises(ValueError, match="samples"):
+        BenchConfig(samples=0)
+
+
+def test_a_rollout_asks_the_engine_for_n_seeded_samples_and_checks_them(fake_engine):
+    from jaxpipe_bench import check_outputs, run_jaxpipe
+
+    asked = []
+
+    def generate(self, prompt_token_ids, sampling_params, use_tqdm=True):
+        asked.extend(sampling_params)
+        return [SimpleNamespace(prompt_token_ids=p, outputs=[
+            SimpleNamespace(token_ids=[5] * s.max_tokens) for _ in range(s.n)])
+            for p, s in zip(prompt_token_ids, sampling_params, strict=True)]
+
+    fake_engine.generate = generate
+    from jaxpipe_bench import BenchConfig
+
+    workload = make_workload(3, 0, VOCAB, input_len=10, output_len=5, samples=4)
+    result, _ = run_jaxpipe(BenchConfig(warmup_prompts=0), workload, log=lambda _: None)
+    assert result["output_tokens"] == 3 * 4 * 5
+    assert [(s.n, s.temperature, s.seed) for s in asked] == [(4, 1.0, i) for i in range(3)]
+    one_short = [SimpleNamespace(prompt_token_ids=list(r.prompt_token_ids), outputs=[
+        SimpleNamespace(token_ids=[5] * 5)] * 3) for r in workload]
+    with pytest.raises(RuntimeError, match="expected 4 x 5"):
+        check_outputs(one_short, workload)

@@ -19,6 +19,9 @@ collect_ignore = ([] if all(importlib.util.find_spec(m) for m in ("torch", "tran
                   else ["test_families_layouts.py", "test_moe_layouts.py",
                         "test_moe_grouped_layouts.py", "test_moe_ep.py"])
 
+from prefix_workload import tokens  # noqa: E402
+
+from jaxpipe import Engine, EngineConfig, SamplingParams  # noqa: E402
 from jaxpipe.config.model import ModelConfig  # noqa: E402
 from jaxpipe.model import decoder, loading, orbax_dir  # noqa: E402
 from jaxpipe.model.presets import resolve_model  # noqa: E402
@@ -31,6 +34,40 @@ TINY = ModelConfig(vocab_size=251, hidden_size=37, intermediate_size=53, num_lay
 # The layout pairs (prefill, decode) the issue names.
 PAIRS = [("pp=8", "tp=8"), ("pp=4,tp=2", "tp=4,pp=2"), ("pp=2,tp=4", "tp=8"),
          ("pp=8", "pp=2,tp=4")]
+
+
+Workload = tuple[list[list[int]], list[SamplingParams]]  # prompts, each one's params
+
+
+def greedy_workload(seed: int, count: int, prompt_tokens: tuple[int, int],
+                    new_tokens: tuple[int, int]) -> Workload:
+    """`count` greedy requests (ignoring EOS) of TINY's tokens, seeded: prompts of
+    `prompt_tokens` (low, high: high excluded) tokens, each generating `new_tokens` (likewise)."""
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(0, TINY.vocab_size - 1, rng.integers(*prompt_tokens)).tolist()
+               for _ in range(count)]
+    params = [SamplingParams(temperature=0.0, max_tokens=int(n), ignore_eos=True)
+              for n in rng.integers(*new_tokens, count)]
+    return prompts, params
+
+
+def one_layout_engine(model, layout: str, **fields) -> Engine:
+    """An engine of the checkpoint `model` on the 8 devices with prefill and decode both on
+    `layout` (the pipeline flowing in every phase); `fields`: the rest of its `EngineConfig`."""
+    return Engine(EngineConfig(model=str(model), mesh="cpu-8", prefill=layout, decode=layout,
+                               **fields))
+
+
+def one_device_tokens(model, workload: Workload, **fields) -> list[list[int]]:
+    """The reference of the engines on 8 devices: the single-device engine's tokens for
+    `workload` (the checkpoint `model`, the prefix cache off, `fields` the rest of its
+    `EngineConfig`)."""
+    engine = Engine(EngineConfig(model=str(model), prefix_caching=False, **fields))
+    try:
+        prompts, params = workload
+        return tokens(engine.generate(prompt_token_ids=prompts, sampling_params=params))
+    finally:
+        engine.close()
 
 
 @pytest.fixture(scope="session", autouse=True)

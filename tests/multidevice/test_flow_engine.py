@@ -13,7 +13,8 @@ import json
 
 import numpy as np
 import pytest
-from conftest import TINY
+from conftest import TINY, greedy_workload, one_device_tokens, one_layout_engine
+from prefix_workload import tokens
 
 from jaxpipe import Engine, EngineConfig, SamplingParams
 
@@ -26,35 +27,21 @@ HOST_KV = 256
 
 @pytest.fixture(scope="module")
 def workload():
-    rng = np.random.default_rng(3)
-    prompts = [rng.integers(0, TINY.vocab_size - 1, rng.integers(3, 30)).tolist()
-               for _ in range(12)]
-    params = [SamplingParams(temperature=0.0, max_tokens=int(n), ignore_eos=True)
-              for n in rng.integers(3, 16, len(prompts))]
-    return prompts, params
-
-
-def tokens(outputs) -> list[list[int]]:
-    return [list(o.outputs[0].token_ids) for o in outputs]
+    return greedy_workload(3, 12, prompt_tokens=(3, 30), new_tokens=(3, 16))
 
 
 @pytest.fixture(scope="module")
 def reference(tiny_orbax, workload):
-    engine = Engine(EngineConfig(model=str(tiny_orbax), max_num_seqs=16, prefix_caching=False,
-                                 **FAST))
-    prompts, params = workload
-    out = tokens(engine.generate(prompt_token_ids=prompts, sampling_params=params))
-    engine.close()
-    return out
+    return one_device_tokens(tiny_orbax, workload, max_num_seqs=16, **FAST)
 
 
 @pytest.fixture(scope="module")
 def engines(tiny_orbax):
     """layout -> an engine on cpu-8 with both phases on it (its policy set per test)."""
-    out = {layout: Engine(EngineConfig(
-        model=str(tiny_orbax), mesh="cpu-8", prefill=layout, decode=layout, max_num_seqs=8,
-        kv_cache_tokens=DEVICE_KV, host_kv_tokens=HOST_KV, tdpipe_finish_ratio=0.5, **FAST))
-        for layout in LAYOUTS}
+    out = {layout: one_layout_engine(tiny_orbax, layout, max_num_seqs=8,
+                                     kv_cache_tokens=DEVICE_KV, host_kv_tokens=HOST_KV,
+                                     tdpipe_finish_ratio=0.5, **FAST)
+           for layout in LAYOUTS}
     yield out
     for engine in out.values():
         engine.close()
@@ -69,11 +56,11 @@ def test_every_policy_on_every_pipelined_layout_matches_one_device(engines, refe
     engine.reset_stats()
     prompts, params = workload
     assert tokens(engine.generate(prompt_token_ids=prompts, sampling_params=params)) == reference
-    counts, stats = engine.runner.flow_counts(), engine.stats()
+    counts, stats = engine.runner.ticks.counts(), engine.stats()
     assert counts["busy_slots"] > counts["ticks"]  # micro-batches were in flight together
     state = engine.executor.state
     assert not state.busy and state.device_kv.pool.num_free == DEVICE_KV // 16
-    assert engine.runner.in_flight() == 0 and stats["fed_steps"] == 0
+    assert engine.runner.ticks.in_flight() == 0 and stats["fed_steps"] == 0
     if policy in ("throttle", "prefill_first", "seesaw"):  # they admit more than fits
         assert stats["preemptions"] > 0
 
@@ -87,7 +74,7 @@ def test_aborts_while_in_flight_spare_the_others(engines, reference, workload):
     ids = [engine.add_request(prompt_token_ids=p, params=q)
            for p, q in zip(prompts, params, strict=True)]
     state = engine.executor.state
-    while engine.runner.in_flight() < 2 or len(state.busy) < 2:
+    while engine.runner.ticks.in_flight() < 2 or len(state.busy) < 2:
         engine.step()
     victims = sorted(state.busy)[:2]
     for rid in victims:
@@ -146,20 +133,19 @@ def test_no_stage_runs_an_empty_micro_batch_between_the_fill_and_the_drain(tiny_
     """32 like requests under throttle on pp=4,tp=2, room for all: the pipeline fills in
     its first 3 ticks, every stage then runs a micro-batch in every tick, and it drains once,
     in the last 3 ticks."""
-    engine = Engine(EngineConfig(model=str(tiny_orbax), mesh="cpu-8", prefill="pp=4,tp=2",
-                                 decode="pp=4,tp=2", max_num_seqs=32, scheduler="throttle",
-                                 **FAST))
+    engine = one_layout_engine(tiny_orbax, "pp=4,tp=2", max_num_seqs=32, scheduler="throttle",
+                               **FAST)
     rng = np.random.default_rng(5)
     prompts = [rng.integers(0, TINY.vocab_size - 1, 8).tolist() for _ in range(32)]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     engine.generate(prompt_token_ids=prompts, sampling_params=params)
-    records = engine.runner.tick_records()["prefill"]
+    records = engine.runner.ticks.records()["prefill"]
     empty = [[s for s, mb in enumerate(r.slots) if mb is None] for r in records]
     assert empty[:3] == [[1, 2, 3], [2, 3], [3]]  # the fill
     n = len(records)
     assert drains(records) == [[n - 3, n - 2, n - 1]]  # the drain, once, at the end
     assert not any(empty[3:n - 3]), "a stage ran an empty micro-batch mid-flow"
-    counts = engine.runner.flow_counts()
+    counts = engine.runner.ticks.counts()
     assert counts["idle_slots"] == 2 * (1 + 2 + 3)
     assert 0 < engine.stats()["pipeline_bubble_fraction"] < 1
     engine.close()
@@ -175,7 +161,7 @@ def test_seesaw_drains_its_prefill_pipeline_only_to_switch(tiny_orbax, workload)
                                  host_kv_tokens=80, scheduler="seesaw", **FAST))
     prompts, params = workload
     engine.generate(prompt_token_ids=prompts, sampling_params=params)
-    records = engine.runner.tick_records()["prefill"]
+    records = engine.runner.ticks.records()["prefill"]
     for run in drains(records):  # each drain empties the pipeline, then a switch follows
         assert all(mb is None for mb in records[run[-1]].slots[:-1])
     assert len(drains(records)) == engine.stats()["to_decode"] >= 2  # one per prefill stretch

@@ -160,7 +160,7 @@ def overlapped_really(engine, layout: str | None) -> bool:
     in flight together (more stage-ticks ran one than there were ticks)."""
     if not layout or Layout.parse(layout).pp == 1:
         return engine.stats()["fed_steps"] > 0
-    counts = engine.runner.flow_counts()
+    counts = engine.runner.ticks.counts()
     return engine.stats()["fed_steps"] == 0 and counts["busy_slots"] > counts["ticks"]
 
 

@@ -88,6 +88,6 @@ def test_ep2_pp4_flowing_matches_hf(checkpoints, name):
                            sampling_params=SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS))
     assert [list(o.outputs[0].token_ids) for o in outs] == [
         hf_greedy(model, ids, NEW_TOKENS) for ids in PROMPTS]
-    counts = engine.runner.flow_counts()
+    counts = engine.runner.ticks.counts()
     assert counts["busy_slots"] > counts["ticks"]  # micro-batches in flight together
     engine.close()

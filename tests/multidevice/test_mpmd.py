@@ -16,7 +16,7 @@ from jaxpipe.config.layout import Layout
 from jaxpipe_bench import mpmd
 
 # Sizes 3 and 5 alternating: spmd pads every slot to 5 tokens, mpmd runs each as it is.
-WORK = mpmd.Workload((3, 5), context=21, hidden=TINY.hidden_size)
+WORK = mpmd.Workload((3, 5), context=21, vocab=TINY.vocab_size)
 TICKS = 10
 
 

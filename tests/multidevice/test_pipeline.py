@@ -115,7 +115,7 @@ def test_micro_batches_in_flight_together_each_match_the_forward(tiny_values, pr
     for i, h in enumerate(hidden):
         got = np.asarray(runner._head_logits(h, 1))[0]
         np.testing.assert_allclose(got, forward(prompts[i]), atol=2e-5, err_msg=f"seq {i}")
-    counts = runner.flow_counts()
+    counts = runner.ticks.counts()
     assert counts["ticks"] == len(prompts) + pp - 1
     assert counts["busy_slots"] == len(prompts) * pp
     assert counts["idle_slots"] == pp * (pp - 1)
@@ -157,7 +157,7 @@ def test_stages_exchange_only_fixed_shape_activations(tiny_values, layout, token
     inputs = step_inputs.build(pieces, tokens, runner.buckets.rows(tokens), runner.max_blocks)
     tick = step_inputs.stack([inputs] * Layout.parse(layout).pp, tokens, inputs.num_rows)
     fn = runner._program(0 if runner.attention != "xla" else MAX_LEN)
-    text = fn.lower(runner.params, runner.cache, runner._carried(tokens), tick,
+    text = fn.lower(runner.params, runner.cache, runner.ticks.carried(runner.phase, tokens), tick,
                     runner._zeros()).as_text()
     moves = re.findall(r"stablehlo\.collective_permute.*:\s*\((tensor<[^>]*>)\)", text)
     assert moves == [f"tensor<{tokens}x{TINY.hidden_size}xf32>"]

@@ -8,37 +8,27 @@ used to fail at start: its measured prefill steps took 32 prompts into a 16-row 
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
-from conftest import TINY
-
-from jaxpipe import Engine, EngineConfig, SamplingParams
+from conftest import greedy_workload, one_device_tokens, one_layout_engine
+from prefix_workload import tokens
 
 FAST = dict(dtype="float32", max_model_len=192, warmup=False, show_progress=False)
-SMALL_BATCH = dict(mesh="cpu-8", prefill="pp=4,tp=2", decode="pp=4,tp=2", max_num_seqs=16,
-                   kv_cache_tokens=2048, max_num_batched_tokens=2048, host_kv_tokens=1024,
-                   prefix_caching=True)
+SMALL_BATCH = dict(max_num_seqs=16, kv_cache_tokens=2048, max_num_batched_tokens=2048,
+                   host_kv_tokens=1024, prefix_caching=True)  # on pp=4,tp=2
 POLICIES = ["tdpipe", "throttle", "seesaw", "prefill_first", "decode_first"]
 
 
 @pytest.fixture(scope="module")
 def workload():
     """32 greedy requests: prompts of 20-160 tokens, 4-24 new tokens."""
-    rng = np.random.default_rng(7)
-    prompts = [rng.integers(0, TINY.vocab_size - 1, rng.integers(20, 161)).tolist()
-               for _ in range(32)]
-    params = [SamplingParams(temperature=0.0, max_tokens=int(n), ignore_eos=True)
-              for n in rng.integers(4, 25, len(prompts))]
-    return prompts, params
+    return greedy_workload(7, 32, prompt_tokens=(20, 161), new_tokens=(4, 25))
 
 
 @pytest.fixture(scope="module")
 def reference(tiny_orbax, workload):
-    """Greedy tokens of the single-device engine, every request in its own slot, the cache
-    off."""
-    engine = Engine(EngineConfig(model=str(tiny_orbax), max_num_seqs=32,
-                                 scheduler="prefill_first", prefix_caching=False, **FAST))
-    return tokens(engine.generate(prompt_token_ids=workload[0], sampling_params=workload[1]))
+    """Greedy tokens of the single-device engine, every request in its own slot."""
+    return one_device_tokens(tiny_orbax, workload, max_num_seqs=32, scheduler="prefill_first",
+                             **FAST)
 
 
 @pytest.fixture(scope="module")
@@ -47,12 +37,8 @@ def engine(tiny_orbax, tmp_path_factory):
     table cached (an empty cache directory), as a new user starts it."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("cache")))
-        yield Engine(EngineConfig(model=str(tiny_orbax), scheduler="tdpipe", **SMALL_BATCH,
-                                  **FAST))
-
-
-def tokens(outputs) -> list[list[int]]:
-    return [o.outputs[0].token_ids for o in outputs]
+        yield one_layout_engine(tiny_orbax, "pp=4,tp=2", scheduler="tdpipe", **SMALL_BATCH,
+                                **FAST)
 
 
 @pytest.mark.parametrize("policy", POLICIES)

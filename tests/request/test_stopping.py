@@ -173,3 +173,76 @@ def test_final_text_without_a_stop_string_is_the_decoded_text(tok):
     ids = tok.encode("Hello there", add_special_tokens=False) + [2]
     assert final_text(tok, ids, True, 2) == "Hello there"
     assert final_text(tok, ids, False, None).endswith("<|im_end|>")
+
+
+@pytest.mark.parametrize("text, stops", STOP_CASES)
+def test_include_stop_str_in_output_keeps_the_stop_string(tok, prompt_ids, text, stops):
+    ids = tok.encode(text) + [EOS]
+    found = [(text.index(s), s) for s in stops if s in text]
+    want = text[:min(found)[0] + len(min(found)[1])] if found else text
+    for stream in (False, True):
+        seq, _, completion, deltas = feed(tok, prompt_ids, ids, stream=stream, stop=stops,
+                                          include_stop_str_in_output=True)
+        assert completion.text == want
+        if stream:
+            assert "".join(deltas) == want
+
+
+def _vllm_bad_word_bans(words: list[list[int]], output: list[int]) -> set[int]:
+    """vLLM V1's `_apply_bad_words_single_batch`, restated: the last token of each word whose
+    other tokens end the output so far."""
+    bans = set()
+    for word in words:
+        if len(word) > len(output) + 1:
+            continue
+        prefix = len(word) - 1
+        if (output[-prefix:] if prefix else []) == word[:-1]:
+            bans.add(word[-1])
+    return bans
+
+
+def test_bad_words_are_tokenized_as_vllm_does(tok):
+    from jaxpipe.request.stopping import bad_words_token_ids
+
+    words = ["Paris", "the capital of France", "unbelievably", " world"]
+    want = []
+    for w in words:  # each as written and with a leading space when that is another word
+        plain = tok.encode(w.lstrip(), add_special_tokens=False)
+        spaced = tok.encode(" " + w.lstrip(), add_special_tokens=False)
+        want += [plain] + ([spaced] if len(spaced) == len(plain) and spaced[0] != plain[0]
+                           else [])
+    assert bad_words_token_ids(tok, words) == want
+    assert [7042] in want and [38634] in want  # " Paris" and "Paris" are both single tokens
+
+
+def test_bad_words_ban_single_tokens_always_and_a_last_token_after_its_prefix(tok, prompt_ids):
+    import random
+
+    from jaxpipe.request.stopping import bad_words_token_ids
+
+    words = ["Paris", "the capital of France", "unbelievably"]
+    ids = bad_words_token_ids(tok, words)
+    p = SamplingParams(bad_words=words, min_tokens=2)
+    checker = StopChecker(tok, prompt_ids, p, EOS_IDS)
+    assert checker.needs_history
+    assert not StopChecker(tok, prompt_ids, SamplingParams(bad_words=["Paris"]),
+                           EOS_IDS).needs_history
+    rng = random.Random(0)
+    pool = sorted({t for w in ids for t in w}) + [5, 6, 7]
+    for trial in range(300):
+        output = [rng.choice(pool) for _ in range(rng.randint(0, 6))]
+        if trial % 3 == 0:  # end with a word's prefix
+            word = rng.choice([w for w in ids if len(w) > 1])
+            output += word[:-1]
+        want = _vllm_bad_word_bans(ids, output) | (set(EOS_IDS) if len(output) < 2 else set())
+        assert checker.banned(len(output), output) == sorted(want)
+    assert checker.banned(3, [9, 1195, 3575]) == [7042, 38634]  # singles only: prefix short
+    assert checker.banned(4, [9, 1195, 3575, 282]) == [4649, 7042, 38634]
+    assert checker.banned(4, [9, 260, 3575, 282]) == [4649, 7042, 38634]
+    with pytest.raises(RuntimeError, match="on the host"):
+        checker.banned(3, [1, 2])  # a token still in flight: the ban cannot be known
+
+
+def test_bad_words_need_a_tokenizer(prompt_ids):
+    with pytest.raises(ValueError, match="bad_words need a tokenizer"):
+        StopChecker(None, prompt_ids, SamplingParams(bad_words=["x"]), EOS_IDS)
