@@ -147,7 +147,7 @@ class Job:
             self._record(record, ok=False)
             return
         self.summary.prompt_tokens += len(outcome.prompt_token_ids)
-        self.summary.completion_tokens += len(outcome.token_ids)
+        self.summary.completion_tokens += outcome.completion_tokens
         self._record(ok_record(item, outcome, self._model), ok=True)
 
     def _record(self, record: dict, ok: bool) -> None:

@@ -44,13 +44,22 @@ class Finished:
     finish_reason: str
     stop_reason: int | str | None
     logprobs: list | None  # per token [[id, logprob], ...], sampled token first
+    others: tuple[Finished, ...] = ()  # n > 1: samples 1..n-1 (this one is sample 0)
 
     @classmethod
-    def of(cls, c: Completion) -> Finished:
-        """The record of a finished Completion (how both in-process and serving runners build
-        it)."""
+    def of(cls, c: Completion, *others: Completion) -> Finished:
+        """The record of a finished Completion, and of its request's other samples (how both
+        in-process and serving runners build it)."""
         return cls(c.prep.prompt_token_ids, c.token_ids, c.text, c.finish_reason, c.stop_reason,
-                   c.requested_logprobs)
+                   c.requested_logprobs, tuple(cls.of(o) for o in others))
+
+    @property
+    def samples(self) -> tuple[Finished, ...]:
+        return (self, *self.others)
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.samples)
 
 
 @dataclass(frozen=True)
@@ -112,22 +121,27 @@ def body_field(field: str) -> str:
 def success_record(item: BatchLine, result: Finished, model: str) -> dict:
     """The output record of a completed request (`model`: the body's model, else the engine's)."""
     rid = f"req_{uuid.uuid4().hex[:24]}"
-    usage = {"prompt_tokens": len(result.prompt_token_ids),
-             "completion_tokens": len(result.token_ids),
-             "total_tokens": len(result.prompt_token_ids) + len(result.token_ids)}
-    choice = {"index": 0, "finish_reason": result.finish_reason,
-              "stop_reason": result.stop_reason, "token_ids": result.token_ids,
-              "logprobs": _logprobs(result.logprobs)}
-    if item.url == CHAT_URL:
-        choice["message"] = {"role": "assistant", "content": result.text}
-        body = {"id": f"chatcmpl-{rid}", "object": "chat.completion"}
-    else:
-        choice["text"] = result.text
-        body = {"id": f"cmpl-{rid}", "object": "text_completion"}
-    body.update(created=int(time.time()), model=item.model or model, choices=[choice],
-                usage=usage)
+    usage = {"prompt_tokens": len(result.prompt_token_ids),  # once for its n samples
+             "completion_tokens": result.completion_tokens,
+             "total_tokens": len(result.prompt_token_ids) + result.completion_tokens}
+    chat = item.url == CHAT_URL
+    body = ({"id": f"chatcmpl-{rid}", "object": "chat.completion"} if chat else
+            {"id": f"cmpl-{rid}", "object": "text_completion"})
+    body.update(created=int(time.time()), model=item.model or model,
+                choices=[_choice(i, s, chat) for i, s in enumerate(result.samples)], usage=usage)
     return {"id": f"batch_{rid}", "custom_id": item.custom_id,
             "response": {"status_code": 200, "request_id": rid, "body": body}, "error": None}
+
+
+def _choice(index: int, result: Finished, chat: bool) -> dict:
+    choice = {"index": index, "finish_reason": result.finish_reason,
+              "stop_reason": result.stop_reason, "token_ids": result.token_ids,
+              "logprobs": _logprobs(result.logprobs)}
+    if chat:
+        choice["message"] = {"role": "assistant", "content": result.text}
+    else:
+        choice["text"] = result.text
+    return choice
 
 
 def error_record(custom_id: str | None, code: str, message: str, param: str | None,

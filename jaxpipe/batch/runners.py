@@ -52,7 +52,7 @@ class LocalRunner:
 
         ready = in_windows(self._prepared(items, emit), lambda x: x[1].prompt_token_ids,
                            self.lookahead, BLOCK)
-        live: dict[str, tuple[BatchLine, Completion]] = {}
+        live: dict[str, tuple[BatchLine, list[Completion]]] = {}  # one Completion a sample
         more = True
         while more or live:
             while more and len(live) < self.max_in_flight:
@@ -61,11 +61,17 @@ class LocalRunner:
                 if more:
                     self._add(*taken, live, emit)
             for seq in self.engine.step():
-                if seq.is_finished and seq.request_id in live:
-                    item, completion = live.pop(seq.request_id)
-                    completion.add(token_delta(seq))
-                    emit(item, Finished.of(completion))
-                    self.engine.forget(seq.request_id)
+                if seq.is_finished and seq.group_id in live:
+                    self._finished(seq, live, emit)
+
+    def _finished(self, seq, live: dict, emit: Emit) -> None:
+        """Sample `seq` finished: fold it in; emit its request once all n have."""
+        item, completions = live[seq.group_id]
+        completions[seq.index].add(token_delta(seq))
+        if all(c.finished for c in completions):
+            del live[seq.group_id]
+            emit(item, Finished.of(*completions))
+            self.engine.forget(seq.group_id)
 
     def _prepared(self, items: Iterator[BatchLine], emit: Emit) -> Iterator[tuple]:
         """(line, its `Prepared` request) for each of `items` that validates; the others
@@ -90,7 +96,8 @@ class LocalRunner:
         except (ValueError, TypeError) as e:
             emit(item, Failed("invalid_argument", str(e), None))
             return
-        live[rid] = (item, Completion(prep, self.engine.tokenizer))
+        live[rid] = (item, [Completion(prep, self.engine.tokenizer)
+                            for _ in range(prep.params.n)])
 
 
 class ServerError(RuntimeError):

@@ -113,26 +113,32 @@ class Engine:
             seed = params.seed
         elif seed is None:
             seed = self._draw_seed()
-        seq = Sequence.create(request_id, ids, params, seed, max(max_tokens, 1), prompt=prompt,
-                              stop=StopChecker(self.tokenizer, ids, params, self._eos,
-                                               worker),
-                              arrival_time=time.perf_counter(),
-                              reads_cache=params.prompt_logprobs is None)
+        now = time.perf_counter()
+
+        def sample(i: int) -> Sequence:  # sample i: its own seed stream (seed + i)
+            return Sequence.create(request_id if i == 0 else ("sample", request_id, i), ids,
+                                   params, (seed + i) % 2**32, max(max_tokens, 1), prompt=prompt,
+                                   stop=StopChecker(self.tokenizer, ids, params, self._eos,
+                                                    worker), arrival_time=now, index=i,
+                                   reads_cache=params.prompt_logprobs is None)
+
+        seq = sample(0)
+        seq.fork_samples(params.n, sample)
         self.executor.add(seq)
         self._requests[request_id] = seq
         return request_id
 
     def abort(self, request_id: str) -> None:
         """Stop a request; it finishes with finish_reason "abort"."""
-        seq = self._requests.get(request_id)
-        if seq is not None and not seq.is_finished:
-            self.executor.abort(seq)
+        for seq in self._requests[request_id].group if request_id in self._requests else ():
+            if not seq.is_finished:  # every sample (those not forked yet included)
+                self.executor.abort(seq)
 
     def forget(self, request_id: str) -> None:
         """Forget a finished (or aborted) request so its memory is freed. For callers that drive
         `add_request` / `step` themselves, such as a server; `generate` and `stream` do this."""
         seq = self._requests.get(request_id)
-        if seq is not None and seq.is_finished:
+        if seq is not None and seq.request_finished:
             del self._requests[request_id]
 
     def has_unfinished(self) -> bool:
@@ -173,6 +179,9 @@ class Engine:
         """Yield the new tokens and text of one request as they are generated."""
         text, token_ids = (prompt, None) if isinstance(prompt, str) else (None, list(prompt))
         self._check_open()
+        if params is not None and params.n > 1:
+            raise ValueError(f"n={params.n}: Engine.stream yields one sample's tokens; use "
+                             "generate (or the server's streamed choices) for n > 1")
         rid = self._add(text, params, self._prompt_ids(text, token_ids, params), None,
                         self._detok_worker())
         seq = self._requests[rid]
@@ -227,9 +236,8 @@ class Engine:
         work; closing twice is harmless. `with Engine(...) as engine:` closes on exit."""
         if self.closed:
             return
-        for seq in list(self._requests.values()):
-            if not seq.is_finished:
-                self.executor.abort(seq)
+        for request_id in list(self._requests):
+            self.abort(request_id)
         self.executor.close()
         self.closed = True
 
@@ -310,12 +318,12 @@ class Engine:
             while pending:
                 if not self.has_unfinished():
                     raise RuntimeError(f"requests {sorted(pending)[:5]} were lost by the scheduler")
-                for seq in self.step():
-                    if seq.is_finished and seq.request_id in pending:
-                        pending.discard(seq.request_id)
-                        bar.update(1)
-                        bar.set_postfix(tok=self.executor.generated_tokens, refresh=False)
-                pending = {i for i in pending if not self._requests[i].is_finished}
+                self.step()
+                done = {i for i in pending if self._requests[i].request_finished}
+                if done:
+                    pending -= done
+                    bar.update(len(done))
+                    bar.set_postfix(tok=self.executor.generated_tokens, refresh=False)
         except BaseException:
             for rid in pending:  # never leave orphans behind in the engine
                 self.abort(rid)
@@ -330,14 +338,20 @@ class Engine:
         if seq is None:
             raise KeyError(f"no request {request_id!r} in the engine (never added, or its "
                            "output was already taken)")
-        if not seq.is_finished:
+        if not seq.request_finished:
             raise RuntimeError(f"request {request_id!r} has not finished; step() until it has")
         del self._requests[request_id]
-        completion = Completion(seq, self.tokenizer)
-        completion.add(token_delta(seq))
-        metrics = {"arrival": seq.arrival_time, "first_token": seq.first_token_time,
-                   "finished": seq.finish_time}
-        return completion.to_output(seq.request_id, seq.prompt, metrics)
+        completions = []
+        for sample in seq.group:  # index 0..n-1
+            completions.append(Completion(sample, self.tokenizer))
+            completions[-1].add(token_delta(sample))
+        outputs = [c.completion_output(s.index) for c, s in zip(completions, seq.group,
+                                                                   strict=True)]
+        firsts = [s.first_token_time for s in seq.group if s.first_token_time is not None]
+        metrics = {"arrival": seq.arrival_time, "first_token": min(firsts, default=None),
+                   "finished": max(s.finish_time for s in seq.group)}
+        return RequestOutput(request_id, seq.prompt, list(seq.prompt_token_ids), outputs, True,
+                             metrics, *completions[0].prompt_output())
 
     def _prompt_ids(self, prompt, prompt_token_ids, params=None) -> list[int]:
         """Token ids win when both are given (chat passes its rendered text for the output).

@@ -264,14 +264,20 @@ class Executor(StepExecutor):
         if step.feeds and isinstance(flight.out, HostSampled):
             _, start = self._bring(flight)
         if not self.kv.outgoing:
-            self.kv.move_blocks(self.state.host_kv.take_moves())
+            self._move_blocks()
             return start
         if flight is not None and flight.out is not None and not self.flowing:
             flight.out.wait()  # (flowing: only micro-batches that left queue swap-outs)
             self.timeline.finished(flight.record, start)
         self.kv.flush()
-        self.kv.move_blocks(self.state.host_kv.take_moves())
+        self._move_blocks()
         return time.perf_counter()
+
+    def _move_blocks(self) -> None:
+        """The prefix cache's host-tier moves, then the copies on write of samples forked
+        since the last step (their blocks may have been evicted: read out first)."""
+        self.kv.move_blocks(self.state.host_kv.take_moves())
+        self.kv.copy_blocks(self.state.device_kv.take_copies())
 
     def free(self, flight: Flight, seqs: list[Sequence]) -> None:
         """The driver freed `seqs` at dispatch (their token in `flight` is certainly their
@@ -317,6 +323,7 @@ class Executor(StepExecutor):
         record = self.timeline.dispatch(action.kind.value, time.perf_counter())
         self.kv.flush()  # a switch moves only held blocks; swaps and preemptions reuse them
         self.kv.move_blocks(self.state.host_kv.take_moves())  # a swap-in's new blocks evicted some
+        self.kv.copy_blocks(self.state.device_kv.take_copies())  # before a sample moves
         if action.kind is Kind.SWAP_IN:
             for seq in action.seqs:
                 self.kv.swap_in(seq)

@@ -54,7 +54,8 @@ started or `reset()` unless said otherwise:
     prefix_cache_evictions: cached blocks nobody held given out for new KV (each kept in the
     host tier where it has room: prefix_cache_host_stored_blocks),
     prefix_cache_host_evictions: blocks the host tier forgot, prefix_cache_host_bytes_out /
-    _in: their bytes copied there / back.
+    _in: their bytes copied there / back. forked_samples / fork_copied_blocks: samples of
+    n > 1 requests that shared their prompt's blocks / the partly filled blocks they copied.
   pipeline_stage_busy_seconds / pipeline_stage_idle_seconds: per layout phase, each pipeline
     stage's seconds running a micro-batch / none, over pipeline_wall_seconds (the ticks'
     time and the host's gaps between them while a micro-batch was in flight; on one stage
@@ -237,7 +238,9 @@ class EngineStats:
                 "prefix_cache_host_stored_blocks": host.stored_blocks if host else 0,
                 "prefix_cache_host_evictions": host.evictions if host else 0,
                 "prefix_cache_host_bytes_out": self.kv.prefix_bytes_out,
-                "prefix_cache_host_bytes_in": self.kv.prefix_bytes_in}
+                "prefix_cache_host_bytes_in": self.kv.prefix_bytes_in,
+                "forked_samples": self.state.device_kv.forked,
+                "fork_copied_blocks": self.state.device_kv.fork_copies}
 
     def _gauges(self) -> dict:
         """What the engine holds now (not counters: `reset` leaves them)."""

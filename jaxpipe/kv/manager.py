@@ -14,6 +14,7 @@ this object moves the bytes for the engine: between the pool, the host KV tier
   deliver(block)       insert whatever the prefetcher has staged; the ids now decodable
   drop(seq)            forget its KV wherever it is (finished, aborted, recompute): a
                        swap-in on its way is cancelled, its staged copy freed at once
+  copy_blocks(copies)  forked samples' copies on write, device block to device block
   move_blocks(moves)   the prefix cache's host-tier moves, as the state recorded them
                        (`HostLedger.take_moves`): evicted blocks read out into a host
                        group (`Spill`), a group's block copied into a device block (`Fetch`),
@@ -158,6 +159,18 @@ class KVManager:
                     self.mirror("drop", key)
                 self.host.drop(key)
         self.swap_seconds += time.perf_counter() - start
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy each (source, destination) device block: a forked sample's copy on write of
+        its prompt's last, partly filled block (dispatched, not waited for). Several
+        processes repeat it as a prefix group's read-out, copy back and drop."""
+        for source, copy in copies:
+            if self.mirror is not None:
+                key = ("copy", source, copy)
+                self.mirror("swap_out", key, [source], BLOCK)
+                self.mirror("prefix_fetch", key, [copy])
+                self.mirror("drop", key)
+            self.runner.kv_insert([copy], self.runner.kv_extract([source], BLOCK))
 
     def _spill(self, key: tuple, blocks: list[int]) -> None:
         """Evicted device `blocks` -> a new host group (one swap chunk's extract)."""

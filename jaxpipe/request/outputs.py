@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 
 @dataclass
 class CompletionOutput:
-    """One generated completion (jaxpipe generates n=1 per request)."""
+    """One generated completion: sample `index` of its request's n."""
 
     index: int
     text: str
@@ -150,15 +150,25 @@ class Completion:
     def to_output(self, request_id: str, prompt: str | None, metrics: dict) -> RequestOutput:
         """The finished completion as the vLLM-shaped `RequestOutput` (its logprobs one
         {token id: logprob} dict per token, the sampled token first)."""
+        return RequestOutput(request_id, prompt, list(self.prep.prompt_token_ids),
+                             [self.completion_output(0)], self.finished, metrics,
+                             *self.prompt_output())
+
+    def prompt_output(self) -> tuple[list | None, list | None]:
+        """(prompt_logprobs as `RequestOutput` has them: {id: logprob} per prompt token, None
+        first; prompt_ranks), both None unless the request asked for them."""
+        if self.prompt_logprobs is None:
+            return None, None
+        return [None if e is None else {int(t): lp for t, lp in e}
+                for e in self.prompt_logprobs], self.prompt_ranks
+
+    def completion_output(self, index: int) -> CompletionOutput:
+        """The completion as sample `index`'s `CompletionOutput`."""
         logprobs = self.requested_logprobs
         if logprobs is not None:
             logprobs = [{int(t): lp for t, lp in entry} for entry in logprobs]
-        completion = CompletionOutput(0, self.text, list(self.token_ids), self.finish_reason,
-                                      self.stop_reason, logprobs)
-        prompt_lp = None if self.prompt_logprobs is None else [
-            None if e is None else {int(t): lp for t, lp in e} for e in self.prompt_logprobs]
-        return RequestOutput(request_id, prompt, list(self.prep.prompt_token_ids), [completion],
-                             self.finished, metrics, prompt_lp, self.prompt_ranks)
+        return CompletionOutput(index, self.text, list(self.token_ids), self.finish_reason,
+                                self.stop_reason, logprobs)
 
     def _new_text(self, delta: TokenDelta) -> str:
         if self.tokenizer is None:

@@ -13,6 +13,7 @@ import numpy as np
 
 GREEDY_EPS = 1e-5  # temperature below this is greedy (as vLLM's _SAMPLING_EPS)
 MAX_LOGPROBS = 20
+MAX_N = 128  # samples of one request (each takes a device slot while it decodes)
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for logit_bias values: [-100, 100]
 
 
@@ -197,8 +198,8 @@ class SamplingParams:
 
     def _validate_ints(self):
         self.n = _check_int("n", self.n)
-        if self.n != 1:
-            raise ValueError(f"n must be 1 (only n=1 is supported), got {self.n}")
+        if not 1 <= self.n <= MAX_N:
+            raise ValueError(f"n must be in [1, {MAX_N}], got {self.n}")
         self.top_k = _check_int("top_k", self.top_k)
         if self.top_k < -1:
             raise ValueError(f"top_k must be -1 or 0 (off) or >= 1, got {self.top_k}")
@@ -208,6 +209,9 @@ class SamplingParams:
             raise ValueError(f"seed must be in [0, 2**32) or None, got {self.seed}")
         self.max_tokens = _check_int("max_tokens", self.max_tokens, allow_none=True)
         self._validate_prompt_logprobs()
+        if self.prompt_logprobs is not None and self.n > 1:
+            raise ValueError(f"prompt_logprobs needs n=1 (the prompt is scored once; ask for "
+                             f"the samples in another request), got n={self.n}")
         self.min_tokens = _check_int("min_tokens", self.min_tokens)
         upper = "max_tokens" if self.max_tokens is not None else "inf"
         if self.min_tokens < 0 or self.min_tokens > (

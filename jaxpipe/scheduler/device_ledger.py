@@ -55,6 +55,10 @@ class DeviceLedger:
         self.num_blocks = pool.num_blocks
         self._free_slots = list(range(max_seqs))  # a heap: lowest slot first
         self.peak_blocks = 0  # the most blocks held at once
+        # Copies on write for forked samples, not issued yet: (source, destination) blocks,
+        # both held by the copy until `take_copies` (so neither is given out before it runs).
+        self._copies: list[tuple[int, int]] = []
+        self.forked = self.fork_copies = 0  # samples forked sharing blocks, blocks copied
 
     # ---- reading: what the store holds, and what a sequence takes ----------------------------
     @property
@@ -89,6 +93,19 @@ class DeviceLedger:
         the rest of its prefill in chunks of at most `chunk`, then a token at a time. Every
         block without a window; with one, what a step reads: a first chunk from position 0
         its own blocks, any other chunk or a decode its window before it too."""
+        return self._own_peak(seq, tokens, chunk) + len(seq.forks) * self.fork_size(seq, tokens)
+
+    def fork_size(self, seq: SeqInfo, tokens: int) -> int:
+        """Tokens a sample forked from `seq` holds of its own up to `tokens` (its copy of
+        the prompt's last, partly filled block on; the full blocks before it are shared)."""
+        return max(self.blocks.size(tokens) - self.shared_blocks(seq) * self.blocks.unit, 0)
+
+    def shared_blocks(self, seq: SeqInfo) -> int:
+        """The full blocks of `seq`'s prompt short of its last token: what a sample forked
+        from it shares (it computes the last prompt token itself, for its own logits)."""
+        return (seq.prompt_len - 1) // self.blocks.unit
+
+    def _own_peak(self, seq: SeqInfo, tokens: int, chunk: int) -> int:
         blocks, full = self.blocks, self.blocks.size(tokens)
         if not blocks.window:
             return full
@@ -146,11 +163,57 @@ class DeviceLedger:
 
     def leave(self, seq: SeqInfo) -> None:
         """`seq` leaves the device store: it drops its references to its blocks and gives
-        back its slot."""
+        back its slot. A copy on write into its blocks not issued yet is dropped (the
+        engine issues the copies before it moves a sequence's KV anywhere)."""
+        if self._copies:
+            self._cancel_copies(set(seq.blocks))
         self.pool.drop(seq)
         seq.blocks, seq.block_hashes, seq.behind = [], [], 0
         heapq.heappush(self._free_slots, seq.slot)
         seq.slot = None
+
+    def fork(self, parent: SeqInfo, child: SeqInfo) -> bool:
+        """`child`, a sample of `parent`'s request, joins the device store sharing
+        `parent`'s prompt: a reference to each full block before its last prompt token, and
+        a copy (on write: queued, `take_copies`) of the partly filled block that token is
+        in, which the child computes again for its own logits. False (nothing taken) when
+        no slot or block is free, or `parent`'s window gave blocks back already."""
+        full = self.shared_blocks(parent)
+        partial = (parent.prompt_len - 1) % self.blocks.unit != 0
+        if parent.behind or not self._free_slots or self.pool.num_free < partial:
+            return False
+        self.enter(child)
+        child.blocks = list(parent.blocks[:full])
+        for block in child.blocks:
+            self.pool.share(block)
+        if partial:
+            source, copy = parent.blocks[full], self.pool.take()
+            self.pool.share(source)
+            self.pool.share(copy)
+            child.blocks.append(copy)
+            self._copies.append((source, copy))
+            self.fork_copies += 1
+        self.forked += 1
+        child.computed = child.cached_tokens = parent.prompt_len - 1
+        child.block_hashes = list(parent.block_hashes[:full])
+        child.hash_chain = list(parent.hash_chain[:parent.prompt_len // self.blocks.unit])
+        self.peak_blocks = max(self.peak_blocks, self.pool.num_held)
+        return True
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """The queued copies on write, (source, destination) blocks, for the executor to
+        issue now, before anything else touches the pool; their holds are dropped."""
+        copies, self._copies = self._copies, []
+        for source, copy in copies:
+            self.pool.release(source)
+            self.pool.release(copy)
+        return copies
+
+    def _cancel_copies(self, blocks: set[int]) -> None:
+        for source, copy in [c for c in self._copies if c[1] in blocks]:
+            self._copies.remove((source, copy))
+            self.pool.release(source)
+            self.pool.release(copy)
 
     def reset_peak(self) -> None:
         """Restart `peak_blocks` from what is held now (a stats reset)."""

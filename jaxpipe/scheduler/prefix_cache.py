@@ -170,6 +170,12 @@ class BlockPool:
             else:
                 self._free.append(block)
 
+    def share(self, block: int) -> None:
+        """One more reference to a held `block` (a forked sample shares its prompt's)."""
+        if self._refs[block] < 1:
+            raise RuntimeError(f"block {block} shared but nobody holds it")
+        self._ref(block)
+
     def store_evicted(self, keep: bytes | None = None) -> None:
         """Hand the hit blocks evicted since the last call to the host tier (its `Spill` moves
         read them before anything writes them again); `keep`: see `HostPrefixCache.store`."""

@@ -46,6 +46,9 @@ class SeqInfo:
     # The hashes of its context's first full blocks of known tokens, as far as the prefix
     # cache has hashed them (a memo: a block's tokens never change, so each is hashed once).
     hash_chain: list[bytes] = field(default_factory=list, repr=False)
+    # n > 1: the other samples of its request, not in the state yet; they fork from it when
+    # its prompt's prefill completes, sharing its prompt's blocks (`SchedulerState._fork`).
+    forks: list[SeqInfo] = field(default_factory=list, repr=False)
 
     def __post_init__(self):
         if self.prompt_len < 1 or self.max_output_len < 1:

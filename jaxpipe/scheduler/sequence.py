@@ -36,6 +36,8 @@ class Sequence(SeqInfo):
     arrival_time: float = 0.0
     first_token_time: float | None = None
     finish_time: float | None = None
+    index: int = 0  # which of its request's n samples it is
+    samples: list[Sequence] | None = None  # the first sample's: all n (None when n = 1)
 
     @classmethod
     def create(cls, request_id: str, prompt_token_ids: list[int], params: Any, seed: int,
@@ -45,7 +47,30 @@ class Sequence(SeqInfo):
 
     @property
     def request_id(self) -> str:
+        """Its id in the scheduler (a sample past the first: ("sample", request id, i))."""
         return self.seq_id
+
+    @property
+    def group_id(self) -> str:
+        """Its request's id (the caller's)."""
+        return self.seq_id if self.index == 0 else self.seq_id[1]
+
+    def fork_samples(self, n: int, make) -> None:
+        """Make this first sample of a request the parent of `n - 1` more: `make(i)` is
+        sample i, which forks from it when its prompt is prefilled (`SchedulerState`)."""
+        if n > 1:
+            self.forks = [make(i) for i in range(1, n)]
+            self.samples = [self, *self.forks]
+
+    @property
+    def group(self) -> list[Sequence]:
+        """Its request's samples, in index order (the first sample's; itself when n = 1)."""
+        return self.samples or [self]
+
+    @property
+    def request_finished(self) -> bool:
+        """Whether every sample of its request has finished (the first sample's)."""
+        return all(s.is_finished for s in self.group)
 
     @property
     def max_tokens(self) -> int:

@@ -70,6 +70,7 @@ class SchedulerState:
         self.host: dict[Hashable, SeqInfo] = {}  # insertion order = swap-out order (FIFO)
         self.busy: set[Hashable] = set()  # sequences in a launched, not yet applied, Run
         self._to_host_on_return: dict[int, list[SeqInfo]] = {}  # id(run) -> its prefills
+        self._fork_on_return: dict[int, list[SeqInfo]] = {}  # id(run) -> prefills with forks
         self.num_finished = 0  # sequences that ended or were aborted (they are not kept)
         self._arrivals = 0
 
@@ -85,11 +86,14 @@ class SchedulerState:
     def add(self, *seqs: SeqInfo) -> None:
         """Queue new requests; refuse one that could never fit the device store."""
         for seq in seqs:
-            need = self.device_kv.blocks.size(seq.prompt_len + seq.max_output_len)
+            end = seq.prompt_len + seq.max_output_len
+            need = self.device_kv.blocks.size(end) + len(seq.forks) * self.device_kv.fork_size(
+                seq, end)
             if need > self.device_kv.capacity:
                 raise ValueError(
-                    f"sequence {seq.seq_id!r} needs up to {seq.prompt_len + seq.max_output_len}"
-                    f" tokens of KV but the device store holds {self.device_kv.capacity}")
+                    f"sequence {seq.seq_id!r} needs up to {need} tokens of KV (its "
+                    f"{1 + len(seq.forks)} samples) but the device store holds "
+                    f"{self.device_kv.capacity}")
             seq.arrival, self._arrivals = self._arrivals, self._arrivals + 1
             self.waiting.append(seq)
 
@@ -118,8 +122,9 @@ class SchedulerState:
         changes only the phase: a re-shard moves the held and the cached blocks
         (`BlockPool.data_blocks`), nothing is lost."""
         if action.kind is Kind.RUN:
-            done = self._apply_run(action, to_host=action.prefill_to_host and not busy)
+            done = self._apply_run(action, action.prefill_to_host and not busy, fork=not busy)
             if busy:
+                self._fork_on_return[id(action)] = [s for s in done if s.forks]
                 self.busy.update(s.seq_id for s in action.seqs)
                 if action.prefill_to_host:  # charged now, moved when the run returns
                     for seq in done:
@@ -138,6 +143,8 @@ class SchedulerState:
         and the prefills it completed for the host tier go there now (their KV is whole only
         once the micro-batch left the last stage, so their blocks are held until then)."""
         self.busy.difference_update(s.seq_id for s in run.seqs)
+        for seq in self._fork_on_return.pop(id(run), ()):  # its prompt's KV is whole now
+            self._fork(seq, to_host=seq.location is not Location.DEVICE or run.prefill_to_host)
         for seq in self._to_host_on_return.pop(id(run), ()):
             if seq.location is Location.DEVICE:
                 self._to_host(seq, charged=True)
@@ -172,10 +179,18 @@ class SchedulerState:
                 self.waiting.remove(seq)
                 seq.location = Location.FINISHED
                 self.num_finished += 1
-                return seq
+                return self._drop_forks(seq)
         if seq_id in self.device or seq_id in self.host:
-            return self.finish([seq_id])[0]
+            return self._drop_forks(self.finish([seq_id])[0])
         return None
+
+    def _drop_forks(self, seq: SeqInfo) -> SeqInfo:
+        """An aborted request's samples that had not forked yet end with it."""
+        for child in seq.forks:
+            child.location = Location.FINISHED
+        self.num_finished += len(seq.forks)
+        seq.forks = []
+        return seq
 
     # ---- the moves -----------------------------------------------------------------------
     def _admit(self, run: Run) -> None:
@@ -184,14 +199,14 @@ class SchedulerState:
         for seq in self.admission.admit(run):
             self._to_device(seq)
 
-    def _apply_run(self, run: Run, to_host: bool) -> list[SeqInfo]:
+    def _apply_run(self, run: Run, to_host: bool, fork: bool = True) -> list[SeqInfo]:
         """Record `run`; returns the prefills it completed (those of `to_host` went there)."""
         self.busy.difference_update(s.seq_id for s in run.seqs)
         if any(seq.location is Location.WAITING for seq, _ in run.prefill):
             self._admit(run)  # a run applied without `launch` (tests)
         self.admission.applied()
         completed = [seq for seq, num_tokens in run.prefill
-                     if self._prefill(seq, num_tokens, to_host)]
+                     if self._prefill(seq, num_tokens, to_host, fork)]
         pool, unit, filled = self.device_kv.pool, self.device_kv.blocks.unit, []
         for seq in run.decode:
             if seq.location is not Location.DEVICE or seq.in_prefill:
@@ -208,10 +223,11 @@ class SchedulerState:
         pool.cache_full(filled)
         return completed
 
-    def _prefill(self, seq: SeqInfo, num_tokens: int, to_host: bool) -> bool:
+    def _prefill(self, seq: SeqInfo, num_tokens: int, to_host: bool, fork: bool) -> bool:
         """Advance a prefill by `num_tokens` and cache its full blocks; a completed prefill
-        samples a token and stays on the device (or goes to the host tier if `to_host`).
-        Returns whether it completed."""
+        samples a token, its request's other samples fork from it (unless not `fork`: its
+        micro-batch is still in the pipeline, they fork when it returns) and it stays on the
+        device (or goes to the host tier if `to_host`). Returns whether it completed."""
         if not 1 <= num_tokens <= seq.to_prefill:
             raise RuntimeError(f"prefill chunk of {num_tokens} tokens for {seq.seq_id!r} "
                                f"which has {seq.to_prefill} left")
@@ -221,10 +237,28 @@ class SchedulerState:
         self.device_kv.slide(seq)
         if seq.to_prefill == 0:
             seq.generated += 1
+            if fork:
+                self._fork(seq, to_host)
             if to_host:
                 self._to_host(seq)
             return True
         return False
+
+    def _fork(self, seq: SeqInfo, to_host: bool) -> None:
+        """`seq`'s prompt is prefilled: its request's other samples (n > 1) enter the
+        device store sharing its prompt's blocks (`DeviceLedger.fork`), each to compute the
+        last prompt token and sample from there; one that finds no slot or block, or whose
+        parent goes to the host tier (or has left the device), waits first in line to
+        prefill the prompt itself."""
+        forks, seq.forks, wait = seq.forks, [], []
+        for child in forks:
+            child.arrival = seq.arrival
+            if not to_host and self.device_kv.fork(seq, child):
+                self.device[child.seq_id] = child
+                child.location = Location.DEVICE
+            else:
+                wait.append(child)
+        self.waiting.extendleft(reversed(wait))
 
     def _move(self, action: SwapIn | Preempt) -> None:
         """A swap-in (host tier -> device store) or a preemption: to the host tier ("swap")

@@ -34,7 +34,8 @@ class ClientRunner:
         """Feed `items` to the engine and emit each result as its request finishes; raises
         ServerError if the engine is or goes down (the job resumes later)."""
         call = ThreadCall(self.client, self.prefix)
-        live: dict[int, tuple[BatchLine, Completion]] = {}  # by index in the call
+        # by index in the call: a request's n samples share its list of Completions
+        live: dict[int, tuple[BatchLine, list[Completion], int]] = {}
         more = True
         try:
             while (more or live) and not self._cancelled.is_set():
@@ -60,21 +61,25 @@ class ClientRunner:
         except RequestError as e:
             emit(item, Failed.from_error(e))
             return
-        live[call.submit(prep)] = (item, Completion(prep, self.tokenizer))
+        first, n = call.submit(prep), prep.params.n
+        completions = [Completion(prep, self.tokenizer) for _ in range(n)]
+        live.update({first + i: (item, completions, first) for i in range(n)})
 
     @staticmethod
     def _take(taken, live: dict, emit: Emit) -> None:
         if taken is None:
             return
         index, msg = taken
-        item, completion = live[index]
+        item, completions, first = live[index]
         if isinstance(msg, m.Rejected):
-            del live[index]
+            for i in range(len(completions)):
+                del live[first + i]
             emit(item, Failed("invalid_argument", msg.message, None))
             return
-        completion.add(msg)
-        if completion.finished:
-            del live[index]
-            emit(item, Finished.of(completion))
+        completions[index - first].add(msg)
+        if all(c.finished for c in completions):
+            for i in range(len(completions)):
+                del live[first + i]
+            emit(item, Finished.of(*completions))
 
 

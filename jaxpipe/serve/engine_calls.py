@@ -24,27 +24,34 @@ Item = m.TokenDelta | m.Rejected
 
 
 class EngineCall:
-    """The engine requests of one call, each known by its index in the call (the order they
-    were submitted). `EngineClient`'s receiver thread puts their items on `out`; the calling
-    thread takes them; `abort_unfinished` may come from any thread."""
+    """The engine requests of one call, each sample known by its index in the call (the order
+    they were submitted; a request of n samples takes n indices in a row, as OpenAI numbers
+    the choices of a list of prompts). `EngineClient`'s receiver thread puts their items on
+    `out`; the calling thread takes them; `abort_unfinished` may come from any thread."""
 
     def __init__(self, client: EngineClient, prefix: str, out):
         self.client, self.prefix, self.out = client, prefix, out
         self._count = itertools.count()
         self._lock = threading.Lock()  # guards unfinished
-        self.unfinished: dict[str, int] = {}  # request id -> index
+        self.unfinished: dict[str, int] = {}  # sample key (messages.sample_key) -> index
 
     def submit(self, prep: Prepared) -> int:
-        """Queue one request; returns its index. EngineUnavailable if the engine is down."""
+        """Queue one request; returns the index of its first sample (the others follow).
+        EngineUnavailable if the engine is down."""
+        n = prep.params.n
         index = next(self._count)
+        for _ in range(n - 1):
+            next(self._count)
         rid = f"{self.prefix}-{index}"
+        keys = m.sample_keys(rid, n)
         with self._lock:
-            self.unfinished[rid] = index
+            self.unfinished.update({key: index + i for i, key in enumerate(keys)})
         try:
             self.client.submit(rid, prep.prompt_token_ids, prep.params_dict, self.out)
         except EngineUnavailable:
             with self._lock:
-                del self.unfinished[rid]
+                for key in keys:
+                    del self.unfinished[key]
             raise
         return index
 
@@ -75,6 +82,9 @@ class EngineCall:
         with self._lock:
             index = (self.unfinished.pop if final else self.unfinished.get)(item.request_id,
                                                                            None)
+            if isinstance(item, m.Rejected):  # its other samples never start
+                for key in [k for k in self.unfinished if k.startswith(f"{item.request_id}/")]:
+                    del self.unfinished[key]
         return None if index is None else (index, item)
 
 

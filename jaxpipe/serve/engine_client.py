@@ -130,20 +130,25 @@ class EngineClient:
 
     def submit(self, request_id: str, prompt_token_ids: list[int], params: dict,
                out: queue.Queue) -> None:
-        """Send one request; its TokenDelta / Rejected / EngineLost items arrive on `out`."""
+        """Send one request; its TokenDelta / Rejected / EngineLost items arrive on `out`
+        (with n > 1 each sample's deltas under its `messages.sample_key`)."""
         with self._lock:
             if self.dead.is_set() or not self.ready.is_set():
                 raise EngineUnavailable(self.unavailable_reason())
-            self._queues[request_id] = out
+            keys = m.sample_keys(request_id, params.get("n", 1))
+            for key in keys:  # each sample's deltas come under its key
+                self._queues[key] = out
             try:
                 self._requests.send(m.encode(m.AddRequest(request_id, prompt_token_ids, params)),
                                     zmq.NOBLOCK)
             except zmq.Again:
-                del self._queues[request_id]
+                for key in keys:
+                    del self._queues[key]
                 raise EngineUnavailable("the engine process is not accepting requests") from None
 
     def abort(self, request_id: str) -> None:
-        """Cancel a request if it is still pending (its final 'abort' delta follows)."""
+        """Cancel a request if it is still pending (its final 'abort' deltas follow);
+        `request_id`: any of its sample keys."""
         if request_id in self._queues:
             self._send(m.Abort(request_id), quiet=True)
 
@@ -239,6 +244,9 @@ class EngineClient:
                 self._route(delta.request_id, delta, final=delta.finish_reason is not None)
         elif isinstance(msg, m.Rejected):
             self._route(msg.request_id, msg, final=True)
+            with self._lock:  # its other samples' keys (n > 1) hear nothing more
+                for key in [k for k in self._queues if k.startswith(f"{msg.request_id}/")]:
+                    del self._queues[key]
         elif isinstance(msg, m.Stats):
             self._stats.put(msg)
         elif isinstance(msg, m.Ready):

@@ -15,6 +15,7 @@ or at once when the front end (its parent) disappears (`lifeline`), even mid-ste
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -40,7 +41,8 @@ class EngineLoop:
         """`programs`: the process's `Programs` counter (None: not counted, reported as 0)."""
         self.engine, self.programs = engine, programs
         self.inbox, self.outbox = inbox, outbox
-        self.sent: dict[str, int] = {}  # live request id -> output tokens already sent
+        self.sent: dict[str, int] = {}  # live sample key -> output tokens already sent
+        self.requests: dict[str, str] = {}  # live sample key -> its request's id
         self.counts = {"finished": 0, "aborted": 0, "generated": 0}
         self.stopping = False
 
@@ -52,8 +54,8 @@ class EngineLoop:
             self._receive(0 if busy else IDLE_POLL_MS)
             if self.engine.has_unfinished():
                 self._step()
-        for rid in list(self.sent):
-            self._abort(rid)
+        for key in list(self.sent):
+            self._abort(key)
 
     def _ready(self) -> m.Ready:
         e = self.engine
@@ -93,46 +95,53 @@ class EngineLoop:
 
     def _add(self, msg: m.AddRequest) -> None:
 
-        if msg.request_id in self.sent:
-            self._send(m.Rejected(msg.request_id, f"request id {msg.request_id!r} is in use"))
-            return
         try:
             params = SamplingParams(**msg.params)
+            keys = m.sample_keys(msg.request_id, params.n)
+            if any(key in self.sent for key in keys):
+                raise ValueError(f"request id {msg.request_id!r} is in use")
             self.engine.add_request(None, params, prompt_token_ids=msg.prompt_token_ids,
                                     request_id=msg.request_id)
         except (ValueError, TypeError) as e:
             self._send(m.Rejected(msg.request_id, str(e)))
             return
-        self.sent[msg.request_id] = 0
+        for key in keys:
+            self.sent[key], self.requests[key] = 0, msg.request_id
 
-    def _abort(self, request_id: str) -> None:
-        if request_id not in self.sent:
+    def _abort(self, key: str) -> None:
+        """Abort the request that sample `key` belongs to: every sample still running."""
+        request_id = self.requests.get(key)
+        if request_id is None:
             return  # already finished: its final delta is on its way
         self.engine.abort(request_id)
         self.engine.forget(request_id)
-        del self.sent[request_id]
+        keys = [k for k, rid in self.requests.items() if rid == request_id]
+        for k in keys:
+            del self.sent[k], self.requests[k]
         self.counts["aborted"] += 1
-        self._send(m.Outputs([m.TokenDelta(request_id, [], None, "abort", None)]))
+        self._send(m.Outputs([m.TokenDelta(k, [], None, "abort", None) for k in keys]))
 
     def _step(self) -> None:
-        deltas = [self._delta(seq) for seq in self.engine.step() if seq.request_id in self.sent]
+        deltas = [self._delta(seq) for seq in self.engine.step() if _key(seq) in self.sent]
         if deltas:
             self._send(m.Outputs(deltas))
 
     def _delta(self, seq) -> m.TokenDelta:
-        delta = token_delta(seq, self.sent[seq.request_id])
-        self.sent[seq.request_id] += len(delta.token_ids)
+        key = _key(seq)
+        delta = dataclasses.replace(token_delta(seq, self.sent[key]), request_id=key)
+        self.sent[key] += len(delta.token_ids)
         self.counts["generated"] += len(delta.token_ids)
         if seq.is_finished:
-            del self.sent[seq.request_id]
-            self.engine.forget(seq.request_id)
-            self.counts["finished"] += 1
+            request_id = self.requests.pop(key)
+            del self.sent[key]
+            self.engine.forget(request_id)  # once all its samples have finished
+            self.counts["finished"] += request_id not in self.requests.values()
         return delta
 
     def _stats(self) -> m.Stats:
         engine = {k: v for k, v in self.engine.stats().items() if k != "host_timeline"}
         engine.update({f"programs_{k}": n for k, n in self._programs().items()})
-        return m.Stats(unfinished_requests=len(self.sent),
+        return m.Stats(unfinished_requests=len(set(self.requests.values())),
                        engine_has_unfinished=self.engine.has_unfinished(),
                        finished_requests=self.counts["finished"],
                        aborted_requests=self.counts["aborted"],
@@ -140,6 +149,11 @@ class EngineLoop:
 
     def _send(self, msg) -> None:
         self.outbox.send(m.encode(msg))
+
+
+def _key(seq) -> str:
+    """The key a sample's deltas travel under (`messages.sample_key`)."""
+    return m.sample_key(seq.group_id, seq.index)
 
 
 def _parse_args(argv):

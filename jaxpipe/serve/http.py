@@ -114,6 +114,15 @@ async def _deltas(call: LoopCall):
         yield index, item
 
 
+def _requests(choices: list[Completion]) -> list:
+    """The requests behind the choices (a request's n samples are n choices in a row)."""
+    preps, i = [], 0
+    while i < len(choices):
+        preps.append(choices[i].prep)
+        i += choices[i].prep.params.n
+    return preps
+
+
 def sse(data: dict | str) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
 
@@ -227,7 +236,8 @@ class HttpFrontEnd:
             raise ApiError(400, f"the request body is not valid JSON: {e}") from None
 
     def _read(self, url: str, raw) -> tuple[Body, list[Completion]]:
-        """The body and one streamed Completion per prompt, or ApiError 400 / 404."""
+        """The body and one streamed Completion per choice (n per prompt, prompt-major), or
+        ApiError 400 / 404."""
         try:
             body = read_body(url, raw)
             if body.model is not None and body.model != self.model:
@@ -239,10 +249,11 @@ class HttpFrontEnd:
             if info is None:
                 raise ApiError(503, self.client.unavailable_reason())
             limits = Limits(info.max_model_len, info.vocab_size)
-            return body, [Completion(prepare(body.kind, p, body.sampling, self.tokenizer, limits),
-                                     self.tokenizer, stream=True, echo=self._echo(body, p),
+            preps = [(prepare(body.kind, p, body.sampling, self.tokenizer, limits), p)
+                     for p in body.prompts]
+            return body, [Completion(prep, self.tokenizer, stream=True, echo=self._echo(body, p),
                                      timer=self.metrics.latency.timer("http"))
-                          for p in body.prompts]
+                          for prep, p in preps for _ in range(prep.params.n)]
         except RequestError as e:
             param = body_key(e.field) or e.field
             raise ApiError(400, f"{param}: {e.message}", param) from None
@@ -256,7 +267,7 @@ class HttpFrontEnd:
 
     def _submit(self, call: LoopCall, choices: list[Completion]) -> None:
         try:
-            call.submit_all(c.prep for c in choices)
+            call.submit_all(_requests(choices))
         except EngineUnavailable as e:
             raise ApiError(503, str(e)) from None
 
@@ -321,7 +332,7 @@ class HttpFrontEnd:
 
     @staticmethod
     def _usage(choices: list[Completion]) -> dict:
-        return r.usage(sum(len(c.prep.prompt_token_ids) for c in choices),
+        return r.usage(sum(len(prep.prompt_token_ids) for prep in _requests(choices)),
                        sum(len(c.token_ids) for c in choices))
 
     @staticmethod

@@ -17,6 +17,16 @@ from jaxpipe.request.outputs import TokenDelta  # defined beside the Completion 
 PROTOCOL_VERSION = 2  # 2: Ready says how the engine got its programs
 
 
+def sample_key(request_id: str, index: int) -> str:
+    """The id a request's sample `index` travels under in `TokenDelta`s (n > 1): the
+    request's own id for sample 0, "<request id>/<index>" for the others."""
+    return request_id if index == 0 else f"{request_id}/{index}"
+
+
+def sample_keys(request_id: str, n: int) -> list[str]:
+    return [sample_key(request_id, i) for i in range(n)]
+
+
 class ProtocolError(ValueError):
     """A control message that this side cannot decode."""
 
@@ -26,7 +36,8 @@ class ProtocolError(ValueError):
 
 @dataclass(frozen=True)
 class AddRequest:
-    """Queue one validated request. `params` holds `SamplingParams` fields (JSON values)."""
+    """Queue one validated request. `params` holds `SamplingParams` fields (JSON values);
+    with n > 1 its samples' deltas come under `sample_keys(request_id, n)`."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -35,7 +46,8 @@ class AddRequest:
 
 @dataclass(frozen=True)
 class Abort:
-    """Stop a request (client cancelled); the engine answers with a finished `TokenDelta`."""
+    """Stop a request (client cancelled; `request_id` may be any of its sample keys); the
+    engine answers with a finished `TokenDelta` for each sample still running."""
 
     request_id: str
 

@@ -191,8 +191,12 @@ class GenerationService(pb_grpc.GenerationServicer):
         protos.check_known_fields(msg)
         info = self.client.info
         kind, value = protos.prompt_of(msg)
-        return prepare(kind, value, protos.sampling_of(msg), self.tokenizer,
+        prep = prepare(kind, value, protos.sampling_of(msg), self.tokenizer,
                        Limits(info.max_model_len, info.vocab_size))
+        if prep.params.n > 1:  # a GenerateResponse / BatchResult carries one completion
+            raise RequestError("sampling.n", f"gRPC serves n=1, got n={prep.params.n}; send "
+                               "n requests with seeds seed + i, or use the HTTP API's n")
+        return prep
 
     def _call(self, prefix: str, context) -> ThreadCall:
         """The engine requests of this RPC, aborted however the RPC ends (client gone)."""

@@ -128,6 +128,32 @@ def test_in_process_job_gives_one_record_per_line(engine, want, job_input, tmp_p
     assert len(records(output)) == 24
 
 
+def test_a_line_with_n_gives_n_choices_and_counts_its_prompt_once(engine, tmp_path):
+    """n=3 seeded: choice i equals a request seeded seed + i (generate, n=1); n=2 greedy chat:
+    both choices are the greedy answer; usage counts the prompt once and every sample's
+    tokens."""
+    path, output = tmp_path / "n.jsonl", tmp_path / "out.jsonl"
+    write_input(path, [line("n3", prompt="Fact 9:", max_tokens=5, temperature=1.0, seed=5, n=3),
+                       line("chat2", "/v1/chat/completions", messages=CHAT, max_tokens=6,
+                            temperature=0, n=2)])
+    summary = Job(str(path), str(output), 4096, progress=False).run(
+        LocalRunner(engine, max_in_flight=4))
+    assert (summary.succeeded, summary.failed) == (2, 0)
+    by_id = {r["custom_id"]: r["response"]["body"] for r in records(output)}
+    alone = [engine.generate("Fact 9:", SamplingParams(temperature=1.0, max_tokens=5,
+                                                       seed=5 + i))[0] for i in range(3)]
+    body = by_id["n3"]
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2]
+    assert [c["token_ids"] for c in body["choices"]] == [a.outputs[0].token_ids for a in alone]
+    assert [c["text"] for c in body["choices"]] == [a.outputs[0].text for a in alone]
+    assert body["usage"]["prompt_tokens"] == len(alone[0].prompt_token_ids)
+    assert body["usage"]["completion_tokens"] == sum(len(a.outputs[0].token_ids) for a in alone)
+    [single] = engine.chat(CHAT, SamplingParams(temperature=0, max_tokens=6))
+    chat = by_id["chat2"]
+    assert [c["message"]["content"] for c in chat["choices"]] == [single.outputs[0].text] * 2
+    assert chat["usage"]["prompt_tokens"] == len(single.prompt_token_ids)
+
+
 def test_server_mode_matches(grpc_server, want, job_input, tmp_path):
     output = tmp_path / "out.jsonl"
     code = batch_main([str(job_input), "-o", str(output), "--server", grpc_server.address,

@@ -44,6 +44,17 @@ def workload(shared: bool = False, prompt_logprobs: int | None = None):
     return prompts, params
 
 
+def samples_workload():
+    """6 greedy requests of n=2 samples, small enough for both samples to fit the pool."""
+    from jaxpipe import SamplingParams
+
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, VOCAB - 1, rng.integers(3, 22)).tolist() for _ in range(6)]
+    params = [SamplingParams(temperature=0.0, max_tokens=int(n), ignore_eos=True, n=2)
+              for n in rng.integers(3, 9, len(prompts))]
+    return prompts, params
+
+
 def save_tiny(path) -> None:
     """The tiny model with seeded random weights as an orbax checkpoint at `path`."""
     from jaxpipe.config.model import ModelConfig
@@ -65,6 +76,7 @@ def main(argv=None) -> int:
     p.add_argument("--process-id", type=int)
     p.add_argument("--prefix-caching", action="store_true")
     p.add_argument("--prompt-logprobs", type=int)
+    p.add_argument("--samples", action="store_true", help="requests of n=2 (samples_workload)")
     a = p.parse_args(argv)
     from jaxpipe import Engine, EngineConfig
     from jaxpipe.engine.builder import follow
@@ -77,7 +89,8 @@ def main(argv=None) -> int:
     if a.process_id:
         follow(config)
         return 0
-    prompts, params = workload(a.prefix_caching, a.prompt_logprobs)
+    prompts, params = samples_workload() if a.samples else workload(a.prefix_caching,
+                                                                      a.prompt_logprobs)
     runs = {}
     with Engine(config) as engine:
         for name in schedulers:
@@ -85,6 +98,7 @@ def main(argv=None) -> int:
             engine.reset_stats()
             outs = engine.generate(prompt_token_ids=prompts, sampling_params=params)
             runs[name] = {"tokens": [o.outputs[0].token_ids for o in outs],
+                          "samples": [[c.token_ids for c in o.outputs] for o in outs],
                           "stats": engine.stats()}
             if a.prompt_logprobs is not None:  # per request, per prompt token: [[id, lp], ...]
                 runs[name]["prompt_logprobs"] = [

@@ -130,6 +130,19 @@ def test_followers_mirror_the_prefix_cache_host_tier(tiny, tmp_path):
     assert sum(s["prefix_cache_host_hit_tokens"] for s in stats) > 0
 
 
+def test_followers_mirror_the_copies_on_write_of_samples(tiny, tmp_path):
+    """Requests of n=2 greedy samples: the samples share their prompt's blocks and copy the
+    last partly filled one on every process; the same tokens as one process, each sample
+    the same as its sibling (greedy)."""
+    one = run(tiny, tmp_path, *PAIRS[0], 1, "--samples")
+    two = run(tiny, tmp_path, *PAIRS[0], 2, "--samples")
+    for name in SCHEDULERS:
+        assert two[name]["samples"] == one[name]["samples"], name
+        assert all(a == b for a, b in one[name]["samples"]), name
+    stats = two["prefill_first"]["stats"]  # (seesaw's samples prefill themselves)
+    assert stats["forked_samples"] > 0 and stats["fork_copied_blocks"] > 0
+
+
 # ---- the server, and a follower that dies ------------------------------------------------------
 
 LONG = pb.SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)

@@ -445,7 +445,7 @@ INVALID_PARAMS = [  # (kwargs, the field the error must name)
     (dict(presence_penalty=3.0), "presence_penalty"),
     (dict(stop=[""]), "stop"),
     (dict(stop_token_ids=[-5]), "stop_token_ids"),
-    (dict(n=2), "n"),
+    (dict(n=0), "n"),
 ]
 
 

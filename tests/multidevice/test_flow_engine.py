@@ -90,6 +90,33 @@ def test_aborts_while_in_flight_spare_the_others(engines, reference, workload):
     assert not state.busy and state.device_kv.pool.num_free == DEVICE_KV // 16
 
 
+@pytest.mark.parametrize("layout", ["pp=8", "pp=2,tp=4"])
+@pytest.mark.parametrize("policy", ["throttle", "prefill_first"])
+def test_samples_fork_when_their_prompt_leaves_the_pipeline(engines, layout, policy):
+    """n=3 greedy samples of three prompts (the last blocks partly filled: copied on write)
+    in the small pool: they fork once the prompt's micro-batch has left the last stage (its
+    KV whole in every stage) and each equals the prompt's n=1 greedy output."""
+    engine = engines[layout]
+    engine.set_scheduler(policy)
+    rng = np.random.default_rng(11)
+    prompts = [rng.integers(0, TINY.vocab_size - 1, n).tolist() for n in (20, 9, 18)]
+    greedy = dict(temperature=0.0, max_tokens=6, ignore_eos=True)
+    alone = tokens(engine.generate(prompt_token_ids=prompts,
+                                   sampling_params=SamplingParams(**greedy)))
+    forked, fork = [], engine.executor.state.device_kv.fork
+    engine.executor.state.device_kv.fork = lambda parent, child: forked.append(
+        fork(parent, child)) or forked[-1]
+    try:
+        outs = engine.generate(prompt_token_ids=prompts,
+                               sampling_params=SamplingParams(n=3, **greedy))
+    finally:
+        del engine.executor.state.device_kv.fork
+    assert [[list(c.token_ids) for c in o.outputs] for o in outs] == [[a] * 3 for a in alone]
+    assert any(forked)  # some samples shared their prompt's blocks (others found no room)
+    state = engine.executor.state
+    assert not state.busy and state.device_kv.pool.num_free == DEVICE_KV // 16
+
+
 def drains(records) -> list[list[int]]:
     """The ticks with nothing entering (draining), as runs of consecutive tick indices."""
     runs: list[list[int]] = []

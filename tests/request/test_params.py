@@ -91,3 +91,9 @@ def test_bad_words_need_a_tokenizer():
     with pytest.raises(RequestError, match="tokenizer") as info:
         prepare("token_ids", [1], {"bad_words": ["x"]}, None, LIMITS)
     assert info.value.field == "sampling.bad_words"
+
+
+def test_prompt_logprobs_are_refused_with_several_samples():
+    with pytest.raises(ValueError, match=r"^prompt_logprobs needs n=1.*got n=2"):
+        SamplingParams(n=2, prompt_logprobs=1)
+    assert SamplingParams(n=2).prompt_logprobs is None

@@ -50,7 +50,7 @@ def test_text_chat_and_ids_tokenize_like_the_engine(tokenizer):
     ("token_ids", [1], {"presence_penalty": -2.5}, "sampling.presence_penalty"),
     ("token_ids", [1], {"frequency_penalty": 3.0}, "sampling.frequency_penalty"),
     ("token_ids", [1], {"repetition_penalty": 0.0}, "sampling.repetition_penalty"),
-    ("token_ids", [1], {"n": 2}, "sampling.n"),
+    ("token_ids", [1], {"n": 0}, "sampling.n"),
     ("token_ids", [1], {"logprobs": 21}, "sampling.logprobs"),
     ("token_ids", [1], {"temperature": "hot"}, "sampling.temperature"),
     ("token_ids", [1], {"beam_width": 4}, "sampling.beam_width"),

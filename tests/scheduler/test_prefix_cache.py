@@ -321,7 +321,7 @@ class Driver:
     writes it before the blocks behind the window are given back)."""
 
     def __init__(self, seed: int, caching: bool, policy: str = "prefill_first",
-                 window: int = 0):
+                 window: int = 0, samples: bool = False):
         self.rng = rng = random.Random(seed)
         group = rng.choice([1, 2])
         host = rng.choice([0, group, 2 * group, 8, 40])  # one or two groups: a full tier
@@ -347,12 +347,28 @@ class Driver:
             out = rng.randint(1, 12)
             self.arrivals.append(seq(f"r{i}", prompt, out))
             self.truth[f"r{i}"] = prompt + [rng.randrange(30) for _ in range(out)]
+        if samples:
+            self.draw_samples(random.Random(seed + 1000))
         self.late: list[Sequence] = []  # sampled, its token not received yet
         self.holds: dict[int, tuple] = {}
         self.host_holds: dict[int, list[tuple]] = {}  # group -> what its blocks hold
 
+    def draw_samples(self, rng: random.Random) -> None:
+        """Give half the requests 1 to 3 more samples (n = 2..4) with outputs of their own,
+        as many as the device store could hold together."""
+        kv = self.state.device_kv
+        for parent in self.arrivals:
+            end = parent.prompt_len + parent.max_output_len
+            most = (kv.capacity - kv.blocks.size(end)) // max(kv.fork_size(parent, end), 1)
+            for k in range(1, min(rng.randint(1, 3), most) + 1 if rng.random() < 0.5 else 1):
+                sid, out = f"{parent.seq_id}.{k}", rng.randint(1, 12)
+                parent.forks.append(seq(sid, parent.prompt_token_ids, out))
+                self.truth[sid] = parent.prompt_token_ids + [rng.randrange(30) for _ in range(out)]
+
     def move(self) -> None:
-        """Carry out the host tier's block moves, in order, as the engine's KV manager does."""
+        """Carry out the host tier's block moves, in order, as the engine's KV manager does,
+        then the copies on write of forked samples (a block a copy writes may have been
+        evicted for it: read out first)."""
         for m in self.state.host_kv.take_moves():
             if isinstance(m, Spill):
                 self.host_holds[m.group] = [self.holds[b] for b in m.blocks]
@@ -362,6 +378,9 @@ class Driver:
                 self.holds[m.block] = self.host_holds[m.group][m.index]
             else:
                 del self.host_holds[m.group]
+        for _, copy in self.state.device_kv.take_copies():
+            assert self.state.device_kv.pool.refs(copy) >= 1
+            self.holds.pop(copy, None)  # a partly filled block: nothing cached in it
 
     def run(self) -> None:
         while self.arrivals or self.state.has_work():
@@ -409,7 +428,7 @@ class Driver:
         runs = [action]
         # engine-like: launch (a second run rides along), apply; a run whose prefills go to
         # the host tier is launched first (its KV is written in the blocks it takes there)
-        if self.rng.random() < 0.5 or action.prefill_to_host or self.state.device_kv.blocks.window:
+        if self.rng.random() < 0.5 or self.early(action):
             self.state.launch(action)
             second = self.policy.schedule(self.state) if self.rides else None
             # (not beside a run to the host tier: its room is only charged as it is applied)
@@ -421,9 +440,15 @@ class Driver:
         for run in runs:
             self.apply(run)
 
+    def early(self, run: Run) -> bool:
+        """Whether `run`'s KV is written as it is launched: before its prefills leave the
+        device, its window moves on, or its samples fork and share its prompt's blocks."""
+        return bool(run.prefill_to_host or self.state.device_kv.blocks.window
+                    or any(s.forks for s, _ in run.prefill))
+
     def apply(self, run: Run) -> None:
         before = {s.seq_id: s.generated for s in run.seqs}
-        early = run.prefill_to_host or self.state.device_kv.blocks.window  # written as launched
+        early = self.early(run)  # written as launched
         if early:  # before its prefills leave the device, or its window moves on
             for s, n in run.prefill:
                 self.write(s, s.computed, s.computed + n)
@@ -661,3 +686,38 @@ def test_a_chain_stops_at_the_first_block_with_a_token_not_back():
     assert len(pool.chain(s, 3)) == 1  # tokens 4..7: 7 is not back
     s.output_token_ids += [7, 8, 9]
     assert pool.chain(s, 3) == [chain(tuple(range(4 * (i + 1)))) for i in range(2)]
+
+
+@pytest.mark.parametrize("window", [0, 5])
+@pytest.mark.parametrize("seed", range(20))
+def test_random_traffic_with_n_samples_shares_prompts_and_returns_every_block(seed, window):
+    """Requests of n = 2..4 samples among the traffic above (each policy, aborts, both
+    preemptions, the host tier, the prefix cache): a request's samples fork from its prompt's
+    prefill sharing its full blocks (no block is written while shared: `write` checks) and
+    copying the partly filled one; at the end every reference is gone and every sample of
+    every request ended exactly once (with its request, if that was aborted before its
+    prefill completed). With a sliding window (5 tokens, blocks of 4) a prompt whose window
+    gave blocks back already has its samples prefill it themselves."""
+    driver = Driver(seed, caching=True, policy=POLICY_NAMES[seed % len(POLICY_NAMES)],
+                    window=window, samples=True)
+    everyone = [s for p in driver.arrivals for s in [p, *p.forks]]
+    assert len(everyone) > 30
+    forked = Counter()
+    fork = driver.state.device_kv.fork
+
+    def counting_fork(parent, child):
+        shared = fork(parent, child)
+        forked[shared] += 1
+        return shared
+
+    driver.state.device_kv.fork = counting_fork
+    driver.run()
+    state, pool = driver.state, driver.state.device_kv.pool
+    assert pool.num_held == 0 and state.device_kv.used == 0 and state.host_kv.used == 0
+    assert all(pool.refs(b) == 0 for b in range(state.device_kv.num_blocks))
+    assert pool.num_free == state.device_kv.num_blocks
+    assert state.num_finished == len(everyone)
+    assert all(s.location is Location.FINISHED for s in everyone)
+    # seesaw parks each prefill in the host tier: its samples prefill the prompt themselves
+    if not window:
+        assert forked[True] > 0 if driver.policy.name != "seesaw" else not forked

@@ -14,7 +14,8 @@ MODEL = "scripted"
 
 class ScriptedEngine:
     """EngineClient's surface. Each request gets its first and last prompt ids back as two
-    deltas, unless `hold` is set: then it waits until aborted or `lose()` kills the engine."""
+    deltas (sample i of n: its first + i), unless `hold` is set: then it waits until aborted
+    or `lose()` kills the engine."""
 
     def __init__(self):
         self.info = m.Ready(pid=1, model=MODEL, max_model_len=64, vocab_size=1000,
@@ -37,10 +38,12 @@ class ScriptedEngine:
         if self.hold:
             self.pending[rid] = out
             return
-        threading.Thread(target=self._answer, args=(rid, ids, out)).start()
+        for i, key in enumerate(m.sample_keys(rid, params.get("n", 1))):
+            threading.Thread(target=self._answer, args=(key, [ids[0] + i, *ids[1:]], out)).start()
 
     @staticmethod
     def _answer(rid: str, ids: list[int], out) -> None:
+        """Sample i of a request (n > 1) answers its first prompt id + i, then its last."""
         out.put(m.TokenDelta(rid, [ids[0]], [[[ids[0], -0.5]]]))
         out.put(m.TokenDelta(rid, [ids[-1]], [[[ids[-1], -0.25]]], "length"))
 

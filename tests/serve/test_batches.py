@@ -90,6 +90,23 @@ def test_round_trip_every_custom_id_once_and_errors_in_the_error_file(served):
     assert errors[None]["code"] == "invalid_json"
 
 
+def test_a_line_with_n_gives_its_samples_as_choices(served):
+    """A request of n=3 samples among single ones: one record with choices 0..2 (sample i's
+    tokens, as the scripted engine answers under each sample's key), usage counting its
+    prompt once."""
+    client, _, _ = served
+    source = upload(client, GOOD[:3] + [request_line("n3", prompt=[40, 9, 7], n=3)])
+    batch = client.batches.create(input_file_id=source.id, endpoint="/v1/completions",
+                                  completion_window="24h")
+    batch = wait_status(client, batch.id)
+    assert (batch.status, batch.request_counts.completed) == ("completed", 4)
+    body = next(r for r in records(client, batch.output_file_id)
+                if r["custom_id"] == "n3")["response"]["body"]
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2]
+    assert [c["token_ids"] for c in body["choices"]] == [[40, 7], [41, 7], [42, 7]]
+    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 6, "total_tokens": 9}
+
+
 def test_cancel_aborts_what_is_in_flight(served):
     client, engine, _ = served
     engine.hold = True

@@ -170,3 +170,44 @@ def test_health_and_latency_metrics_on_the_http_port(client, grpc_server):
         key = f"jaxpipe_{name}_seconds_count"
         assert after[key] - before.get(key, 0) == 2, name
     assert "jaxpipe_engine_up 1.0" in scrape(grpc_server.http_url)
+
+
+def test_chat_with_n_plain_and_streamed(client):
+    """n=3 greedy: three choices indexed 0..2, each the n=1 answer; usage counts the prompt
+    once; the streamed chunks carry each choice's index and add up to the same."""
+    kw = dict(model=MODEL, messages=CHAT, temperature=0, max_tokens=8)
+    single = client.chat.completions.create(**kw)
+    plain = client.chat.completions.create(**kw, n=3)
+    assert [c.index for c in plain.choices] == [0, 1, 2]
+    assert [c.message.content for c in plain.choices] == [single.choices[0].message.content] * 3
+    assert plain.usage.prompt_tokens == single.usage.prompt_tokens
+    assert plain.usage.completion_tokens == 3 * single.usage.completion_tokens
+    texts, reasons, roles = ["", "", ""], [[], [], []], [0, 0, 0]
+    chunks = list(client.chat.completions.create(**kw, n=3, stream=True,
+                                                 stream_options={"include_usage": True}))
+    for chunk in chunks:
+        for c in chunk.choices:
+            texts[c.index] += c.delta.content or ""
+            roles[c.index] += c.delta.role == "assistant"
+            reasons[c.index] += [c.finish_reason] if c.finish_reason else []
+    assert texts == [c.message.content for c in plain.choices]
+    assert roles == [1, 1, 1] and reasons == [[c.finish_reason] for c in plain.choices]
+    assert chunks[-1].usage == plain.usage
+
+
+def test_completions_with_n_over_a_list_of_prompts_are_prompt_major(client):
+    """Two prompts, n=2, seeded: choice 2j + i is prompt j's sample i, which equals an n=1
+    request seeded seed + i; plain and streamed agree."""
+    kw = dict(model=MODEL, temperature=1.0, max_tokens=6)
+    prompts, seed = PROMPTS[:2], 77
+    listed = client.completions.create(prompt=prompts, n=2, seed=seed, **kw)
+    assert [c.index for c in listed.choices] == [0, 1, 2, 3]
+    alone = [client.completions.create(prompt=p, seed=seed + i, **kw)
+             for p in prompts for i in range(2)]
+    assert [c.text for c in listed.choices] == [a.choices[0].text for a in alone]
+    assert listed.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone[::2])
+    texts = [""] * 4
+    for chunk in client.completions.create(prompt=prompts, n=2, seed=seed, stream=True, **kw):
+        for c in chunk.choices:
+            texts[c.index] += c.text
+    assert texts == [c.text for c in listed.choices]
