@@ -146,7 +146,7 @@ def test_normalisation():
 
 
 @pytest.mark.parametrize("field,value", [
-    ("n", 2), ("n", 0), ("n", 1.0),
+    ("n", 129), ("n", 0), ("n", 1.0),
     ("temperature", -0.1), ("temperature", "hot"), ("temperature", float("nan")),
     ("temperature", float("inf")), ("temperature", None),
     ("top_p", 0.0), ("top_p", 1.5), ("top_p", -0.2), ("top_p", True),
