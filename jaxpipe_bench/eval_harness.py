@@ -189,14 +189,15 @@ def start_server(log: Path) -> tuple[subprocess.Popen, str]:
 
 
 def wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> str:
-    """The served model's name, once `url`/v1/models answers; SystemExit if the server dies
-    or takes longer than `timeout` seconds."""
+    """The served model's name, once `url`/health says the engine serves (200, not 503 while
+    it loads and compiles); SystemExit if the server dies or takes longer than `timeout`."""
     end = time.monotonic() + timeout
     while time.monotonic() < end and proc.poll() is None:
         try:
+            urllib.request.urlopen(f"{url}/health", timeout=5).close()
             with urllib.request.urlopen(f"{url}/v1/models", timeout=5) as r:
                 return json.load(r)["data"][0]["id"]
-        except OSError:
+        except OSError:  # refused, or an HTTPError 503
             time.sleep(1)
     raise SystemExit(f"the server at {url} did not serve within {timeout:.0f}s")
 
