@@ -166,6 +166,7 @@ def describe_workload(workload: Sequence[Request]) -> dict:
         "prompt_len": _length_stats([r.prompt_len for r in workload]),
         "output_len": _length_stats([r.output_len for r in workload]),
         "max_seq_len": max(r.prompt_len + r.output_len for r in workload),
+        "samples": _length_stats([r.samples for r in workload]),  # completions per prompt
     }
 
 

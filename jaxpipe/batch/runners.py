@@ -10,6 +10,7 @@ import itertools
 import queue
 import threading
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 
 from jaxpipe.batch.lookahead import DEFAULT_LOOKAHEAD, in_windows
 from jaxpipe.batch.openai import BatchLine, Failed, Finished, body_field
@@ -189,9 +190,19 @@ class RemoteRunner:
 
     def _call(self, chunk: dict, results: queue.Queue) -> None:
         request = self.pb.BatchRequest(items=[proto for _, proto in chunk.values()])
+        samples: dict[str, dict[int, Finished]] = {}  # an item of n samples: n results
         try:
             for r in self.stub.GenerateBatch(request):
-                results.put(("result", (chunk[r.custom_id][0], self._outcome(r))))
+                item, proto = chunk[r.custom_id]
+                outcome = self._outcome(r)
+                if isinstance(outcome, Failed):
+                    results.put(("result", (item, outcome)))
+                    continue
+                got = samples.setdefault(r.custom_id, {})
+                got[r.completion.index] = outcome
+                if len(got) == (proto.sampling.n or 1):
+                    first, *others = (got[i] for i in sorted(got))
+                    results.put(("result", (item, replace(first, others=tuple(others)))))
             results.put(("done", None))
         except self.grpc.RpcError as e:
             results.put(("failed", f"GenerateBatch failed: {e.code().name}: {e.details()}"))

@@ -176,25 +176,25 @@ class Engine:
 
     def stream(self, prompt: str | Seq[int], params: SamplingParams | None = None,
                ) -> Iterator[StreamDelta]:
-        """Yield the new tokens and text of one request as they are generated."""
+        """Yield the new tokens and text of one request as they are generated (n > 1: of each
+        sample, `StreamDelta.index` saying whose; each sample's last delta has its finish)."""
         text, token_ids = (prompt, None) if isinstance(prompt, str) else (None, list(prompt))
         self._check_open()
-        if params is not None and params.n > 1:
-            raise ValueError(f"n={params.n}: Engine.stream yields one sample's tokens; use "
-                             "generate (or the server's streamed choices) for n > 1")
         rid = self._add(text, params, self._prompt_ids(text, token_ids, params), None,
                         self._detok_worker())
         seq = self._requests[rid]
-        completion = Completion(seq, self.tokenizer, stream=True)
+        completions = [Completion(s, self.tokenizer, stream=True) for s in seq.group]
         try:
-            while not seq.is_finished:
+            while not seq.request_finished:
                 self.step()
-                if not seq.stop.settled(seq):
-                    continue  # the worker found a stop string: the next step ends it there
-                delta = token_delta(seq, len(completion.token_ids))
-                if delta.token_ids or seq.is_finished:
-                    new_text = completion.add(delta)
-                    yield StreamDelta(rid, delta.token_ids, new_text, delta.finish_reason)
+                for sample, completion in zip(seq.group, completions, strict=True):
+                    if completion.finished or not sample.stop.settled(sample):
+                        continue  # (the worker found a stop string: the next step ends it)
+                    delta = token_delta(sample, len(completion.token_ids))
+                    if delta.token_ids or sample.is_finished:
+                        new_text = completion.add(delta)
+                        yield StreamDelta(rid, delta.token_ids, new_text, delta.finish_reason,
+                                          sample.index)
         finally:
             self.abort(rid)
             self._requests.pop(rid, None)

@@ -51,6 +51,7 @@ class StreamDelta:
     token_ids: list[int]
     text: str
     finish_reason: str | None = None
+    index: int = 0  # which of the request's n samples
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,7 @@ class _Pending:
     custom_id: str
     start: float
     completion: Completion
+    index: int = 0  # which of the item's n samples
 
 
 class GenerationService(pb_grpc.GenerationServicer):
@@ -62,22 +63,26 @@ class GenerationService(pb_grpc.GenerationServicer):
             log.info("Generate %s rejected: %s", call.prefix, e)
             self.outcomes.add("invalid")
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        self._submit(call, prep, context)
-        c = Completion(prep, self.tokenizer, stream=True, timer=timer)
+        first = self._submit(call, prep, context)
+        # one Completion per sample (n > 1: each message's `index` says whose it is)
+        samples = [Completion(prep, self.tokenizer, stream=True, timer=timer if i == 0 else None)
+                   for i in range(prep.params.n)]
         while (taken := self._next(call, context)) is not None:
-            item = taken[1]
+            index, item = taken[0] - first, taken[1]
+            c = samples[index]
             text = c.add(item)
-            yield self._response(request, item, text, c)
-            if c.finished:
-                self._log_done("Generate", call.prefix, c, start)
+            yield self._response(request, item, text, c, index)
+            if all(s.finished for s in samples):
+                self._log_done("Generate", call.prefix, samples[0], start)
                 return
 
     @staticmethod
-    def _response(request, item: m.TokenDelta, text: str, c: Completion) -> pb.GenerateResponse:
+    def _response(request, item: m.TokenDelta, text: str, c: Completion,
+                  index: int = 0) -> pb.GenerateResponse:
         resp = pb.GenerateResponse(request_id=request.request_id, token_ids=item.token_ids,
                                    logprobs=protos.logprobs_proto(item.logprobs or []),
                                    text=text, prompt_logprobs=protos.prompt_logprobs_proto(
-                                       item.prompt_logprobs))
+                                       item.prompt_logprobs), index=index)
         if item.finish_reason is None:
             return resp
         resp.finish_reason = item.finish_reason
@@ -132,9 +137,11 @@ class GenerationService(pb_grpc.GenerationServicer):
             log.info("GenerateBatch item %r rejected: %s", cid, e)
             self.outcomes.add("invalid")
             return protos.error_result(cid, "INVALID_ARGUMENT", e.field, e.message)
-        p = _Pending(cid, time.perf_counter(), Completion(
-            prep, self.tokenizer, timer=self.latency.timer("grpc")))
-        pending[self._submit(call, prep, context)] = p
+        start, timer = time.perf_counter(), self.latency.timer("grpc")
+        first = self._submit(call, prep, context)
+        for i in range(prep.params.n):  # one result per sample, `completion.index` i
+            pending[first + i] = _Pending(cid, start, Completion(
+                prep, self.tokenizer, timer=timer if i == 0 else None), i)
         return None
 
     def _batch_step(self, call: ThreadCall, pending: dict, context) -> pb.BatchResult | None:
@@ -152,8 +159,9 @@ class GenerationService(pb_grpc.GenerationServicer):
             return None
         index, item = taken
         p = pending[index]
-        if isinstance(item, m.Rejected):
-            del pending[index]
+        if isinstance(item, m.Rejected):  # its other samples never start: one error for all
+            for key in [k for k, q in pending.items() if q.custom_id == p.custom_id]:
+                del pending[key]
             self.outcomes.add("invalid")
             return protos.error_result(p.custom_id, "INVALID_ARGUMENT", "request", item.message)
         p.completion.add(item)
@@ -162,16 +170,18 @@ class GenerationService(pb_grpc.GenerationServicer):
         del pending[index]
         self._log_done("GenerateBatch", f"{item.request_id} ({p.custom_id})", p.completion,
                        p.start)
-        return pb.BatchResult(custom_id=p.custom_id, completion=self._completion(p.completion))
+        return pb.BatchResult(custom_id=p.custom_id,
+                              completion=self._completion(p.completion, p.index))
 
     @staticmethod
-    def _completion(c: Completion) -> pb.Completion:
+    def _completion(c: Completion, index: int = 0) -> pb.Completion:
         prompt_ids = c.prep.prompt_token_ids
         out = pb.Completion(text=c.text, token_ids=c.token_ids, finish_reason=c.finish_reason,
                             logprobs=protos.logprobs_proto(c.logprobs),
                             prompt_token_ids=prompt_ids,
                             prompt_logprobs=protos.prompt_logprobs_proto(c.prompt_logprobs),
-                            usage=protos.usage_proto(len(prompt_ids), len(c.token_ids)))
+                            usage=protos.usage_proto(len(prompt_ids), len(c.token_ids)),
+                            index=index)
         protos.set_stop_reason(out, c.stop_reason)
         return out
 
@@ -193,9 +203,6 @@ class GenerationService(pb_grpc.GenerationServicer):
         kind, value = protos.prompt_of(msg)
         prep = prepare(kind, value, protos.sampling_of(msg), self.tokenizer,
                        Limits(info.max_model_len, info.vocab_size))
-        if prep.params.n > 1:  # a GenerateResponse / BatchResult carries one completion
-            raise RequestError("sampling.n", f"gRPC serves n=1, got n={prep.params.n}; send "
-                               "n requests with seeds seed + i, or use the HTTP API's n")
         return prep
 
     def _call(self, prefix: str, context) -> ThreadCall:

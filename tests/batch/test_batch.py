@@ -128,17 +128,34 @@ def test_in_process_job_gives_one_record_per_line(engine, want, job_input, tmp_p
     assert len(records(output)) == 24
 
 
+N_LINES = [line("n3", prompt="Fact 9:", max_tokens=5, temperature=1.0, seed=5, n=3),
+           line("chat2", "/v1/chat/completions", messages=CHAT, max_tokens=6, temperature=0,
+                n=2)]
+
+
 def test_a_line_with_n_gives_n_choices_and_counts_its_prompt_once(engine, tmp_path):
     """n=3 seeded: choice i equals a request seeded seed + i (generate, n=1); n=2 greedy chat:
     both choices are the greedy answer; usage counts the prompt once and every sample's
     tokens."""
     path, output = tmp_path / "n.jsonl", tmp_path / "out.jsonl"
-    write_input(path, [line("n3", prompt="Fact 9:", max_tokens=5, temperature=1.0, seed=5, n=3),
-                       line("chat2", "/v1/chat/completions", messages=CHAT, max_tokens=6,
-                            temperature=0, n=2)])
+    write_input(path, N_LINES)
     summary = Job(str(path), str(output), 4096, progress=False).run(
         LocalRunner(engine, max_in_flight=4))
     assert (summary.succeeded, summary.failed) == (2, 0)
+    check_n_output(output, engine)
+
+
+def test_server_mode_gives_n_choices_too(grpc_server, engine, tmp_path):
+    """The same n lines through --server: GenerateBatch's n results per item, by index."""
+    path, output = tmp_path / "n.jsonl", tmp_path / "out.jsonl"
+    write_input(path, N_LINES)
+    code = batch_main([str(path), "-o", str(output), "--server", grpc_server.address,
+                       "--max-line-bytes", "4096", "--no-progress"])
+    assert code == 0
+    check_n_output(output, engine)
+
+
+def check_n_output(output, engine) -> None:
     by_id = {r["custom_id"]: r["response"]["body"] for r in records(output)}
     alone = [engine.generate("Fact 9:", SamplingParams(temperature=1.0, max_tokens=5,
                                                        seed=5 + i))[0] for i in range(3)]

@@ -141,9 +141,19 @@ def test_bad_n_is_refused_naming_the_field(n):
         SamplingParams(n=n)
 
 
-def test_stream_refuses_n_above_one(tiny):
-    with pytest.raises(ValueError, match="n=2"):
-        next(tiny.stream(prompt(5), SamplingParams(n=2)))
+def test_stream_yields_each_sample_by_index_as_generate_returns_them(tiny):
+    ids, params = prompt(2 * BLOCK + 7), SamplingParams(n=3, seed=11, temperature=1.0,
+                                                        max_tokens=6)
+    want = one(tiny, ids, params).outputs
+    tokens, finishes = {}, {}
+    for delta in tiny.stream(ids, params):
+        assert delta.index not in finishes  # nothing after a sample's finish
+        tokens.setdefault(delta.index, []).extend(delta.token_ids)
+        if delta.finish_reason is not None:
+            finishes[delta.index] = delta.finish_reason
+    assert tokens == {c.index: c.token_ids for c in want}
+    assert finishes == {c.index: c.finish_reason for c in want}
+    assert held(tiny) == 0
 
 
 @pytest.mark.parametrize("kwargs", [

@@ -44,7 +44,7 @@ BAD = {  # name -> (GenerateRequest fields, the field the error must name)
                           "sampling.frequency_penalty"),
     "repetition_penalty": ({"text": "Hi", "sampling": sp(repetition_penalty=-1.0)},
                            "sampling.repetition_penalty"),
-    "n > 1": ({"text": "Hi", "sampling": sp(n=3)}, "sampling.n"),
+    "n > 128": ({"text": "Hi", "sampling": sp(n=129)}, "sampling.n"),
     "logprobs > 20": ({"text": "Hi", "sampling": sp(logprobs=50)}, "sampling.logprobs"),
     "seed too large": ({"text": "Hi", "sampling": sp(seed=2**40)}, "sampling.seed"),
     "oversized request": ({"text": "x" * 70_000, "sampling": OK}, "request"),

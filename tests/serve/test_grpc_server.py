@@ -144,6 +144,24 @@ def test_generate_batch_16_items_per_item_params_equal_engine_generate(stub, eng
     assert any(by_id[cid].completion.stop_string == " " for cid, _, _ in cases)
 
 
+def test_n_samples_stream_and_batch_each_sample_equal_to_engine_generate(stub, engine):
+    # seeded at temperature 1: sample i is the engine's sample i (seed + i), by its index
+    sampling = dict(temperature=1.0, seed=7, max_tokens=TOKENS, n=3)
+    [want] = engine.generate(PROMPTS[0], SamplingParams(**sampling))
+    streamed = {}
+    for resp in stub.Generate(pb.GenerateRequest(text=PROMPTS[0], sampling=pb.SamplingParams(
+            **sampling)), timeout=300):
+        streamed.setdefault(resp.index, []).extend(resp.token_ids)
+    assert streamed == {o.index: o.token_ids for o in want.outputs}
+    item = pb.BatchItem(custom_id="x", text=PROMPTS[0], sampling=pb.SamplingParams(**sampling))
+    results = list(stub.GenerateBatch(pb.BatchRequest(items=[item]), timeout=300))
+    assert sorted((r.custom_id, r.completion.index) for r in results) == [("x", i)
+                                                                          for i in range(3)]
+    assert {r.completion.index: list(r.completion.token_ids) for r in results} == \
+        {o.index: o.token_ids for o in want.outputs}
+    assert len({tuple(o.token_ids) for o in want.outputs}) > 1  # the samples differ
+
+
 def test_chat_and_token_id_prompts(stub, engine):
     [want] = engine.chat(CHAT, SamplingParams(temperature=0.0, max_tokens=24))
     chat = pb.Chat(messages=[pb.ChatMessage(**m) for m in CHAT])
