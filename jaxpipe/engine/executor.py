@@ -323,14 +323,14 @@ class Executor(StepExecutor):
         record = self.timeline.dispatch(action.kind.value, time.perf_counter())
         self.kv.flush()  # a switch moves only held blocks; swaps and preemptions reuse them
         self.kv.move_blocks(self.state.host_kv.take_moves())  # a swap-in's new blocks evicted some
-        self.kv.copy_blocks(self.state.device_kv.take_copies())  # before a sample moves
-        if action.kind is Kind.SWAP_IN:
+        if action.kind is Kind.SWAP_IN:  # first: samples that forked as it came back copy it
             for seq in action.seqs:
                 self.kv.swap_in(seq)
-        elif action.kind is Kind.SWITCH:
+        self.kv.copy_blocks(self.state.device_kv.take_copies())  # before a sample moves
+        if action.kind is Kind.SWITCH:
             moved = self.runner.set_phase(action.phase, self.state.device_kv.pool.data_blocks())
             self.engine_stats.switched(action.phase, moved)
-        else:
+        elif action.kind is Kind.PREEMPT:
             self._preempt(action)
         self.timeline.done(record)
 

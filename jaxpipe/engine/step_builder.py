@@ -57,7 +57,10 @@ class StepBuilder:
 
     def ready(self, action: Run, launched: bool = False) -> Run:
         """`action` less the decodes whose KV is still being swapped in (they join a later
-        step). `launched`: its micro-batches were launched already, so none may wait."""
+        step). `launched`: its micro-batches were launched already, so none may wait. A
+        prompt chunk reading blocks a swap-in is still bringing (a sample forked from its
+        parent as the parent came back) waits for it."""
+        self.kv.await_blocks(b for seq, _ in action.prefill for b in seq.blocks)
         decode = self._ready_decodes(action.decode)
         if launched and len(decode) < len(action.decode):
             raise RuntimeError("a micro-batch decodes sequences whose KV is not on the device")

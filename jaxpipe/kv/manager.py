@@ -15,6 +15,8 @@ this object moves the bytes for the engine: between the pool, the host KV tier
   drop(seq)            forget its KV wherever it is (finished, aborted, recompute): a
                        swap-in on its way is cancelled, its staged copy freed at once
   copy_blocks(copies)  forked samples' copies on write, device block to device block
+  await_blocks(blocks) insert the swap-ins on their way into any of these blocks now (a
+                       sample forked as its parent came back reads the parent's blocks)
   move_blocks(moves)   the prefix cache's host-tier moves, as the state recorded them
                        (`HostLedger.take_moves`): evicted blocks read out into a host
                        group (`Spill`), a group's block copied into a device block (`Fetch`),
@@ -65,8 +67,9 @@ class KVManager:
         blocks and slot when it records the move; `flush` reads them before anything writes
         the pool again. Queued, because the step that writes a finished prefill's KV
         has only just been dispatched: the engine flushes when that step is done, right
-        before the next one."""
-        self._settle(seq)
+        before the next one. A swap-in still bringing any of its blocks (its own, or its
+        parent's that it shares) lands first."""
+        self.await_blocks(seq.blocks)
         self._outgoing[seq.request_id] = (list(seq.blocks), tokens)
 
     @property
@@ -162,8 +165,10 @@ class KVManager:
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy each (source, destination) device block: a forked sample's copy on write of
-        its prompt's last, partly filled block (dispatched, not waited for). Several
-        processes repeat it as a prefix group's read-out, copy back and drop."""
+        its prompt's last, partly filled block (dispatched, not waited for; a source still
+        being swapped in is inserted first). Several processes repeat it as a prefix
+        group's read-out, copy back and drop."""
+        self.await_blocks(source for source, _ in copies)
         for source, copy in copies:
             if self.mirror is not None:
                 key = ("copy", source, copy)
@@ -171,6 +176,17 @@ class KVManager:
                 self.mirror("prefix_fetch", key, [copy])
                 self.mirror("drop", key)
             self.runner.kv_insert([copy], self.runner.kv_extract([source], BLOCK))
+
+    def await_blocks(self, blocks) -> None:
+        """Insert now every swap-in on its way into one of `blocks` (waiting for the
+        prefetcher): samples forked from a sequence as it came back from the host tier
+        share its blocks, and their copies and first rows read them."""
+        if not self._incoming:
+            return
+        wanted = set(blocks) - {OUT_OF_RANGE}  # (entries behind a window: no block)
+        for seq, _ in list(self._incoming.values()):
+            if wanted.intersection(seq.blocks):
+                self._settle(seq)
 
     def _spill(self, key: tuple, blocks: list[int]) -> None:
         """Evicted device `blocks` -> a new host group (one swap chunk's extract)."""
