@@ -124,9 +124,20 @@ class DeviceLedger:
 
     def resume(self, seq: SeqInfo) -> int:
         """Tokens a swapped-out `seq` takes to come back and decode one token: its blocks
-        from its window's start."""
+        from its window's start, and a block for each of its samples that fork as it comes
+        back (`comebacks`), to compute the last prompt token in."""
         first = self.blocks.first_live(seq.computed)
-        return self.blocks.size(seq.computed + 1) - first * self.blocks.unit
+        own = self.blocks.size(seq.computed + 1) - first * self.blocks.unit
+        return own + (self.comebacks(seq) - 1) * self.fork_size(seq, seq.prompt_len)
+
+    def comebacks(self, seq: SeqInfo) -> int:
+        """Slots a swapped-out `seq` takes when it comes back: its own, and one for each
+        sample waiting to fork from it (its prefill went to the host tier), as many as the
+        store has slots beside it (the rest prefill the prompt themselves); none once its
+        window gave blocks back (`fork` cannot share them)."""
+        if not seq.forks or self.blocks.first_live(seq.computed):
+            return 1
+        return 1 + min(len(seq.forks), self.max_seqs - 1)
 
     # ---- writing: only here are blocks and slots given out and taken back --------------------
     def enter(self, seq: SeqInfo) -> None:

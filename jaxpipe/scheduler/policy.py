@@ -126,25 +126,32 @@ def prefill_rest(state: SchedulerState, chunk: int) -> int:
 
 
 def swap_in_batch(state: SchedulerState, room: int) -> list[SeqInfo]:
-    """Host-tier sequences (FIFO) that fit free device slots and `room` tokens (KV + 1)."""
+    """Host-tier sequences (FIFO) that fit free device slots and `room` tokens (KV + 1),
+    with the samples that fork from them as they come back (`DeviceLedger.comebacks`)."""
     batch: list[SeqInfo] = []
     slots = state.device_kv.free_slots
     for seq in state.host.values():
-        need = state.device_kv.resume(seq)
-        if len(batch) >= slots or need > room:
+        need, seats = state.device_kv.resume(seq), state.device_kv.comebacks(seq)
+        if seats > slots or need > room:
             break
         batch.append(seq)
         room -= need
+        slots -= seats
     return batch
 
 
 def preempt_or_decode(state: SchedulerState, swap: bool) -> Action | None:
     """Decode every device sequence, preempting the newest first if the KV cannot grow.
+    A prompt with one token left (a sample forked from its parent's prompt: its last token,
+    for its own logits) rides along as a one-token chunk, a decode's cost; other prompts
+    part-way sample no token yet and sit out.
 
     `swap` evicts to the host tier when it has room, else victims are recomputed later."""
     victims = growth_victims(state)
     if victims:
         fits_host = sum(state.host_kv.size(s.computed) for s in victims) <= state.host_kv.free
         return Preempt(victims, "swap" if swap and fits_host else "recompute")
-    idle = [s for s in state.idle() if not s.in_prefill]  # (a prompt part-way: no token)
-    return Run(decode=idle) if idle else None
+    idle = state.idle()
+    last = [(s, 1) for s in idle if s.in_prefill and s.to_prefill == 1]
+    decode = [s for s in idle if not s.in_prefill]
+    return Run(prefill=last, decode=decode) if last or decode else None

@@ -143,13 +143,13 @@ class SchedulerState:
         and the prefills it completed for the host tier go there now (their KV is whole only
         once the micro-batch left the last stage, so their blocks are held until then)."""
         self.busy.difference_update(s.seq_id for s in run.seqs)
-        for seq in self._fork_on_return.pop(id(run), ()):  # its prompt's KV is whole now
-            self._fork(seq, to_host=seq.location is not Location.DEVICE or run.prefill_to_host)
         for seq in self._to_host_on_return.pop(id(run), ()):
             if seq.location is Location.DEVICE:
                 self._to_host(seq, charged=True)
             else:  # it ended meanwhile: its charge goes
                 self.host_kv.release(seq)
+        for seq in self._fork_on_return.pop(id(run), ()):  # its prompt's KV is whole now
+            self._fork(seq)
         self.device_kv.settle()
         self.host_kv.check()
 
@@ -168,6 +168,7 @@ class SchedulerState:
                 self.device_kv.leave(seq)
             seq.location = Location.FINISHED
             self.num_finished += 1
+            self._fork(seq)  # samples still waiting to fork (it ended in the host tier)
             done.append(seq)
         return done
 
@@ -180,8 +181,10 @@ class SchedulerState:
                 seq.location = Location.FINISHED
                 self.num_finished += 1
                 return self._drop_forks(seq)
-        if seq_id in self.device or seq_id in self.host:
-            return self._drop_forks(self.finish([seq_id])[0])
+        seq = self.device.get(seq_id) or self.host.get(seq_id)
+        if seq is not None:
+            self._drop_forks(seq)
+            return self.finish([seq_id])[0]
         return None
 
     def _drop_forks(self, seq: SeqInfo) -> SeqInfo:
@@ -237,23 +240,27 @@ class SchedulerState:
         self.device_kv.slide(seq)
         if seq.to_prefill == 0:
             seq.generated += 1
-            if fork:
-                self._fork(seq, to_host)
             if to_host:
                 self._to_host(seq)
+            if fork:
+                self._fork(seq)
             return True
         return False
 
-    def _fork(self, seq: SeqInfo, to_host: bool) -> None:
+    def _fork(self, seq: SeqInfo) -> None:
         """`seq`'s prompt is prefilled: its request's other samples (n > 1) enter the
         device store sharing its prompt's blocks (`DeviceLedger.fork`), each to compute the
-        last prompt token and sample from there; one that finds no slot or block, or whose
-        parent goes to the host tier (or has left the device), waits first in line to
-        prefill the prompt itself."""
+        last prompt token and sample from there. While `seq` is in the host tier (its
+        prefill went there: `prefill_to_host`, seesaw) or waits to be recomputed, they stay
+        with it and fork when its blocks are whole on the device again (`_to_device`), so
+        the prompt is prefilled once. One that finds no slot or block, or whose parent has
+        ended, waits first in line to prefill the prompt itself."""
+        if not seq.forks or seq.location in (Location.HOST, Location.WAITING):
+            return
         forks, seq.forks, wait = seq.forks, [], []
         for child in forks:
             child.arrival = seq.arrival
-            if not to_host and self.device_kv.fork(seq, child):
+            if seq.location is Location.DEVICE and self.device_kv.fork(seq, child):
                 self.device[child.seq_id] = child
                 child.location = Location.DEVICE
             else:
@@ -281,16 +288,20 @@ class SchedulerState:
     def _to_device(self, seq: SeqInfo) -> None:
         """`seq` enters the device store: a prompt from the waiting queue (its prefix cache
         hits already taken) or a swap-in from the host tier (blocks from its window's start
-        on, for its KV to be copied into)."""
-        if seq.location is Location.WAITING:
-            self.waiting.remove(seq)
-        else:
+        on, for its KV to be copied into; the engine inserts it before its samples forked
+        here read those blocks)."""
+        swap_in = seq.location is Location.HOST
+        if swap_in:
             del self.host[seq.seq_id]
             self.host_kv.release(seq)
+        else:
+            self.waiting.remove(seq)
         self.device_kv.enter(seq)
         self.device[seq.seq_id] = seq
         seq.location = Location.DEVICE
         self.device_kv.extend(seq, seq.computed)
+        if swap_in:  # samples that waited with it in the host tier fork now
+            self._fork(seq)
 
     def _to_host(self, seq: SeqInfo, charged: bool = False) -> None:
         """`seq`'s KV goes to the host tier: it leaves the device store (`charged`: the tier

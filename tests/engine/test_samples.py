@@ -164,9 +164,9 @@ def test_stream_yields_each_sample_by_index_as_generate_returns_them(tiny):
 def test_samples_through_preemption_swaps_and_the_host_tier(tiny_smollm2, kwargs):
     """Two greedy requests of n=3 outgrow a small pool together (each fits alone): samples are
     preempted (recomputed or swapped out and back) while their siblings keep the shared
-    blocks; under seesaw every prefill goes to the host tier and the samples prefill the
-    prompt themselves. Every sample equals its prompt's greedy output alone; no block is
-    left held."""
+    blocks; under seesaw every prefill goes to the host tier and the samples fork as it
+    comes back. Every sample equals its prompt's greedy output alone; no block is left
+    held."""
     from conftest import ENGINE_KWARGS
 
     engine = Engine(EngineConfig(**{**ENGINE_KWARGS, "model": tiny_smollm2, **kwargs}))
@@ -186,6 +186,40 @@ def test_samples_through_preemption_swaps_and_the_host_tier(tiny_smollm2, kwargs
         assert not engine.has_unfinished()
     finally:
         engine.close()
+
+
+@pytest.fixture(scope="module")
+def seesaw(tiny_smollm2):
+    """The tiny engine under seesaw: every prefill goes to a host tier, then comes back."""
+    from conftest import ENGINE_KWARGS
+
+    engine = Engine(EngineConfig(**{**ENGINE_KWARGS, "model": tiny_smollm2, "scheduler": "seesaw",
+                                    "kv_cache_tokens": 1024, "host_kv_tokens": 4096}))
+    yield engine
+    engine.close()
+
+
+@pytest.mark.parametrize("length", LENGTHS)
+def test_under_seesaw_the_samples_fork_as_the_prompt_comes_back_from_the_host_tier(seesaw,
+                                                                                    length):
+    """The prompt's prefill goes to the host tier with its samples waiting on it; they fork
+    when it is swapped back in, sharing its blocks: the prompt is computed once (prefill
+    tokens: the prompt and the n - 1 last tokens again, as under the other policies). Greedy
+    samples equal the greedy n=1 output, seeded sample i an n=1 request seeded seed + i."""
+    ids = prompt(length, first=3000 + length)  # a prompt of its own: no prefix cache hit
+    seesaw.reset_stats()
+    out = one(seesaw, ids, SamplingParams(temperature=0.0, max_tokens=10, n=8))
+    stats = seesaw.stats()
+    single = one(seesaw, ids, SamplingParams(temperature=0.0, max_tokens=10)).outputs[0]
+    assert [c.token_ids for c in out.outputs] == [single.token_ids] * 8
+    assert stats["prefill_tokens"] == length + 7 and stats["forked_samples"] == 7
+    assert stats["swap_in_bytes"] > 0 and held(seesaw) == 0  # through the host tier
+    sampled, seed = dict(temperature=1.0, max_tokens=8), 1234
+    got = one(seesaw, ids, SamplingParams(n=4, seed=seed, **sampled)).outputs
+    alone = [one(seesaw, ids, SamplingParams(seed=seed + i, **sampled)).outputs[0]
+             for i in range(4)]
+    assert [c.token_ids for c in got] == [a.token_ids for a in alone]
+    assert len({tuple(c.token_ids) for c in got}) > 1 and held(seesaw) == 0
 
 
 @pytest.mark.parametrize("sampler", ["device", "host"])

@@ -91,11 +91,12 @@ def test_aborts_while_in_flight_spare_the_others(engines, reference, workload):
 
 
 @pytest.mark.parametrize("layout", ["pp=8", "pp=2,tp=4"])
-@pytest.mark.parametrize("policy", ["throttle", "prefill_first"])
+@pytest.mark.parametrize("policy", ["throttle", "prefill_first", "seesaw"])
 def test_samples_fork_when_their_prompt_leaves_the_pipeline(engines, layout, policy):
     """n=3 greedy samples of three prompts (the last blocks partly filled: copied on write)
     in the small pool: they fork once the prompt's micro-batch has left the last stage (its
-    KV whole in every stage) and each equals the prompt's n=1 greedy output."""
+    KV whole in every stage; seesaw: once the prompt comes back from the host tier) and each
+    equals the prompt's n=1 greedy output."""
     engine = engines[layout]
     engine.set_scheduler(policy)
     rng = np.random.default_rng(11)

@@ -423,7 +423,7 @@ class Driver:
             self.move()
             if action.kind.value == "swap_in":  # the host copy lands in the new blocks
                 for s in action.seqs:
-                    self.write(s, 0, s.computed)
+                    self.write(s, 0, s.computed, landing=True)
             return
         runs = [action]
         # engine-like: launch (a second run rides along), apply; a run whose prefills go to
@@ -473,15 +473,20 @@ class Driver:
         finished = self.state.finish(ended)
         self.policy.landed(run, finished, self.state)
 
-    def write(self, s: Sequence, start: int, stop: int) -> None:
+    def write(self, s: Sequence, start: int, stop: int, landing: bool = False) -> None:
         """KV rows [start, stop) of `s` written: never into a block someone else holds
-        (rows behind its window, FREED, are dropped: a swap-in's)."""
+        (rows behind its window, FREED, are dropped: a swap-in's), but for a swap-in
+        `landing`: the samples that forked from it as it came back share its prompt's
+        blocks, and read them only once it has landed (the engine waits for it)."""
         truth = self.truth[s.seq_id]
+        samples = {c.seq_id for c in self.state.device.values()
+                   if c.seq_id.startswith(f"{s.seq_id}.")} if landing else set()
         for pos in range(start, stop):
             block = s.blocks[pos // UNIT]
             if block == FREED:
                 continue
-            assert self.state.device_kv.pool.refs(block) == 1, "wrote a shared block"
+            sharing = sum(block in self.state.device[c].blocks for c in samples)
+            assert self.state.device_kv.pool.refs(block) == 1 + sharing, "wrote a shared block"
             if pos % UNIT == 0:
                 self.holds.pop(block, None)
             if pos % UNIT == UNIT - 1:
@@ -688,6 +693,50 @@ def test_a_chain_stops_at_the_first_block_with_a_token_not_back():
     assert pool.chain(s, 3) == [chain(tuple(range(4 * (i + 1)))) for i in range(2)]
 
 
+def test_under_seesaw_samples_wait_in_the_host_tier_and_fork_as_their_prompt_comes_back():
+    """A 10-token prompt of n = 3 (blocks of 4) prefilled into the host tier: its samples
+    hold nothing meanwhile; its swap-in reserves their slots and a block each (to compute
+    the last prompt token in) and they fork there, sharing its 2 full blocks and copying the
+    third; seesaw's decode step carries their one-token rows beside its decode. A prompt
+    whose first sample ends in the host tier sends its samples to prefill it themselves."""
+    state, policy = cached_state(slots=6), make_policy("seesaw")
+    parent = seq("p", range(10), max_tokens=5)
+    parent.forks = [seq(f"p.{i}", range(10), max_tokens=5) for i in (1, 2)]
+    state.add(parent)
+    run = policy.schedule(state)
+    assert run.prefill == [(parent, 10)] and run.prefill_to_host
+    state.launch(run)
+    state.apply(run)
+    assert list(state.host) == ["p"] and len(parent.forks) == 2 and not state.waiting
+    assert state.device_kv.pool.num_held == 0
+    state.apply(policy.schedule(state))  # the switch to decode
+    assert state.device_kv.resume(parent) == 3 * UNIT + 2 * UNIT
+    assert state.device_kv.comebacks(parent) == 3
+    swap = policy.schedule(state)
+    assert swap == SwapIn([parent])
+    state.apply(swap)
+    children = [state.device["p.1"], state.device["p.2"]]
+    assert not parent.forks and [c.computed for c in children] == [9, 9]
+    assert all(c.blocks[:2] == parent.blocks[:2] and c.blocks[2] != parent.blocks[2]
+               for c in children)
+    assert state.device_kv.take_copies() == [(parent.blocks[2], c.blocks[2]) for c in children]
+    step = policy.schedule(state)
+    assert step.prefill == [(c, 1) for c in children] and step.decode == [parent]
+    state.launch(step)
+    state.apply(step)
+    assert [c.generated for c in children] == [1, 1] and not any(c.in_prefill for c in children)
+    state.finish(["p", "p.1", "p.2"])
+    ended = seq("q", range(20, 30), max_tokens=5)
+    ended.forks = [seq("q.1", range(20, 30), max_tokens=5)]
+    state.add(ended)
+    state.apply(policy.schedule(state))  # the switch back to prefill
+    run = policy.schedule(state)
+    state.launch(run)
+    state.apply(run, finished=["q"])  # its first token was its last
+    assert [s.seq_id for s in state.waiting] == ["q.1"] and not state.host
+    assert state.device_kv.pool.num_held == 0 and state.host_kv.used == 0
+
+
 @pytest.mark.parametrize("window", [0, 5])
 @pytest.mark.parametrize("seed", range(20))
 def test_random_traffic_with_n_samples_shares_prompts_and_returns_every_block(seed, window):
@@ -696,21 +745,27 @@ def test_random_traffic_with_n_samples_shares_prompts_and_returns_every_block(se
     prefill sharing its full blocks (no block is written while shared: `write` checks) and
     copying the partly filled one; at the end every reference is gone and every sample of
     every request ended exactly once (with its request, if that was aborted before its
-    prefill completed). With a sliding window (5 tokens, blocks of 4) a prompt whose window
-    gave blocks back already has its samples prefill it themselves."""
+    prefill completed). Under seesaw each prefill goes to the host tier: its samples wait
+    there with it and fork when it is swapped back in (aborted, preempted and finished in
+    the host tier on the way). With a sliding window (5 tokens, blocks of 4) a prompt whose
+    window gave blocks back already has its samples prefill it themselves."""
     driver = Driver(seed, caching=True, policy=POLICY_NAMES[seed % len(POLICY_NAMES)],
                     window=window, samples=True)
     everyone = [s for p in driver.arrivals for s in [p, *p.forks]]
     assert len(everyone) > 30
-    forked = Counter()
-    fork = driver.state.device_kv.fork
+    forked, hosted = Counter(), set()  # (shared, through the host tier); parents kept there
+    fork, check = driver.state.device_kv.fork, driver.check
 
     def counting_fork(parent, child):
         shared = fork(parent, child)
-        forked[shared] += 1
+        forked[shared, parent.seq_id in hosted] += 1
         return shared
 
-    driver.state.device_kv.fork = counting_fork
+    def noting_check():
+        check()
+        hosted.update(s.seq_id for s in driver.state.host.values() if s.forks)
+
+    driver.state.device_kv.fork, driver.check = counting_fork, noting_check
     driver.run()
     state, pool = driver.state, driver.state.device_kv.pool
     assert pool.num_held == 0 and state.device_kv.used == 0 and state.host_kv.used == 0
@@ -718,6 +773,9 @@ def test_random_traffic_with_n_samples_shares_prompts_and_returns_every_block(se
     assert pool.num_free == state.device_kv.num_blocks
     assert state.num_finished == len(everyone)
     assert all(s.location is Location.FINISHED for s in everyone)
-    # seesaw parks each prefill in the host tier: its samples prefill the prompt themselves
-    if not window:
-        assert forked[True] > 0 if driver.policy.name != "seesaw" else not forked
+    if window:
+        return
+    if driver.policy.name == "seesaw":  # every fork comes back from the host tier
+        assert forked[True, True] > 0 and not forked[True, False] + forked[False, False]
+    else:
+        assert forked[True, False] > 0
