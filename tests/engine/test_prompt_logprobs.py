@@ -13,6 +13,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 import hf_families  # noqa: E402
+import hf_moe  # noqa: E402
 from conftest import ENGINE_KWARGS  # noqa: E402
 
 from jaxpipe import Engine, EngineConfig, SamplingParams  # noqa: E402
@@ -30,6 +31,7 @@ SMOL_TEXT = ("The quick brown fox jumps over the lazy dog. A journey of a thousa
              "begins with a single step, and the early bird catches the worm.")
 
 checkpoints = hf_families.checkpoint_fixture(hf_families.write)
+moe_checkpoints = hf_families.checkpoint_fixture(hf_moe.write)
 
 
 def hf_log_softmax(model, ids: list[int]) -> np.ndarray:
@@ -121,6 +123,20 @@ def test_scoring_without_output(engine, smol_ids, smol_want):
 @pytest.mark.parametrize("chunk", [False, True], ids=["single_shot", "chunk7"])
 def test_families(checkpoints, name, chunk):
     _, model, path = checkpoints(name)
+    want = hf_log_softmax(model, TINY_PROMPT)
+    engine = Engine(EngineConfig(model=str(path), **TINY))
+    try:
+        if chunk:
+            chunked(engine)
+        check_engine(engine, TINY_PROMPT, want, -(-len(TINY_PROMPT) // CHUNK) if chunk else 1)
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("name", ("qwen3_moe", "qwen2_moe", "mixtral"))
+@pytest.mark.parametrize("chunk", [False, True], ids=["single_shot", "chunk7"])
+def test_moe_families(moe_checkpoints, name, chunk):
+    _, model, path = moe_checkpoints(name)
     want = hf_log_softmax(model, TINY_PROMPT)
     engine = Engine(EngineConfig(model=str(path), **TINY))
     try:
