@@ -64,6 +64,14 @@ PROMPTS = [[5, 17, 200, 3, 99, 42, 7], list(range(30, 90)), [1, 2],
            [int(t) for t in np.random.default_rng(0).integers(0, VOCAB, 100)]]
 
 
+
+def hf_log_softmax(model, ids: list[int]) -> np.ndarray:
+    """HF's log_softmax over the vocabulary at every position of `ids`, f32 [T, V]: the
+    reference of the prompt-logprob tests (position t - 1 scores token t)."""
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0].float()
+    return torch.log_softmax(logits, dim=-1).numpy()
+
 def draw_every_parameter(model, seed: int) -> None:
     """Matrices (stacked experts' too) N(0, 1/fan_in) over their last axis, embeddings N(0, 1),
     norms 1 + N(0, 0.1), biases N(0, 0.1): nothing left at its HF initial value (a bias of 0

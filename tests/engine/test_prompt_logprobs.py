@@ -23,6 +23,7 @@ ATOL = 1e-4
 K = 5
 CHUNK = 7
 FAMILIES = ("qwen2", "qwen3", "mistral", "gemma2", "gemma3", "phi3")
+MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral")
 TINY = dict(dtype="float32", max_model_len=128, max_num_seqs=2, warmup=False,
             show_progress=False)
 # 41 tokens: two full cached blocks, and a last chunk of 6 after five of 7.
@@ -32,13 +33,6 @@ SMOL_TEXT = ("The quick brown fox jumps over the lazy dog. A journey of a thousa
 
 checkpoints = hf_families.checkpoint_fixture(hf_families.write)
 moe_checkpoints = hf_families.checkpoint_fixture(hf_moe.write)
-
-
-def hf_log_softmax(model, ids: list[int]) -> np.ndarray:
-    """HF's log_softmax over the vocabulary at every prompt position, f32 [T, V]."""
-    with torch.no_grad():
-        logits = model(torch.tensor([ids])).logits[0].float()
-    return torch.log_softmax(logits, dim=-1).numpy()
 
 
 def assert_matches_hf(out, ids: list[int], want: np.ndarray, k: int = K) -> None:
@@ -97,7 +91,7 @@ def smol_ids(hf_tokenizer):
 
 @pytest.fixture(scope="module")
 def smol_want(hf_model, smol_ids):
-    return hf_log_softmax(hf_model, smol_ids)
+    return hf_families.hf_log_softmax(hf_model, smol_ids)
 
 
 def test_smollm2_single_shot(engine, smol_ids, smol_want):
@@ -119,25 +113,14 @@ def test_scoring_without_output(engine, smol_ids, smol_want):
     assert_matches_hf(out, smol_ids, smol_want, k=1)
 
 
-@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("writer,name", [("checkpoints", n) for n in FAMILIES]
+                         + [("moe_checkpoints", n) for n in MOE_FAMILIES],
+                         ids=[*FAMILIES, *MOE_FAMILIES])
 @pytest.mark.parametrize("chunk", [False, True], ids=["single_shot", "chunk7"])
-def test_families(checkpoints, name, chunk):
-    _, model, path = checkpoints(name)
-    want = hf_log_softmax(model, TINY_PROMPT)
-    engine = Engine(EngineConfig(model=str(path), **TINY))
-    try:
-        if chunk:
-            chunked(engine)
-        check_engine(engine, TINY_PROMPT, want, -(-len(TINY_PROMPT) // CHUNK) if chunk else 1)
-    finally:
-        engine.close()
-
-
-@pytest.mark.parametrize("name", ("qwen3_moe", "qwen2_moe", "mixtral"))
-@pytest.mark.parametrize("chunk", [False, True], ids=["single_shot", "chunk7"])
-def test_moe_families(moe_checkpoints, name, chunk):
-    _, model, path = moe_checkpoints(name)
-    want = hf_log_softmax(model, TINY_PROMPT)
+def test_families(request, writer, name, chunk):
+    """Every other family, dense (hf_families) and MoE (hf_moe), against HF."""
+    _, model, path = request.getfixturevalue(writer)(name)
+    want = hf_families.hf_log_softmax(model, TINY_PROMPT)
     engine = Engine(EngineConfig(model=str(path), **TINY))
     try:
         if chunk:
@@ -157,7 +140,7 @@ def test_host_sampler_and_no_overlap(checkpoints, settings):
         out = scored(engine, TINY_PROMPT)
     finally:
         engine.close()
-    assert_matches_hf(out, TINY_PROMPT, hf_log_softmax(model, TINY_PROMPT))
+    assert_matches_hf(out, TINY_PROMPT, hf_families.hf_log_softmax(model, TINY_PROMPT))
 
 
 class RecomputeTwice:
@@ -195,7 +178,7 @@ def test_recompute_preemption_neither_loses_nor_repeats_entries(checkpoints):
         assert engine.stats()["prefill_tokens"] > 2 * len(TINY_PROMPT)
     finally:
         engine.close()
-    assert_matches_hf(out, TINY_PROMPT, hf_log_softmax(model, TINY_PROMPT))
+    assert_matches_hf(out, TINY_PROMPT, hf_families.hf_log_softmax(model, TINY_PROMPT))
 
 
 def test_a_one_token_prompt_has_nothing_to_score(engine):

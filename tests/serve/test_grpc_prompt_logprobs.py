@@ -13,6 +13,7 @@ from jaxpipe.protocol import jaxpipe_pb2 as pb
 from jaxpipe.protocol import jaxpipe_pb2_grpc as pb_grpc
 
 torch = pytest.importorskip("torch")
+from hf_families import hf_log_softmax  # noqa: E402
 
 TEXT = "Water boils at one hundred degrees Celsius at sea level"
 K = 3
@@ -31,9 +32,7 @@ def ids(hf_tokenizer):
 
 @pytest.fixture(scope="module")
 def want(hf_model, ids):
-    with torch.no_grad():
-        logits = hf_model(torch.tensor([ids])).logits[0].float()
-    return torch.log_softmax(logits, dim=-1).numpy()
+    return hf_log_softmax(hf_model, ids)
 
 
 def assert_matches_hf(entries, ids, want) -> None:

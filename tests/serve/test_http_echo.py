@@ -11,6 +11,7 @@ import pytest
 
 openai = pytest.importorskip("openai")
 torch = pytest.importorskip("torch")
+from hf_families import hf_log_softmax  # noqa: E402
 
 MODEL = "smollm2-135m"
 TEXT = "The capital of France is Paris, and the capital of Italy is"
@@ -31,9 +32,7 @@ def ids(hf_tokenizer):
 @pytest.fixture(scope="module")
 def want(hf_model, ids):
     """HF's logprob of each prompt token after the first."""
-    with torch.no_grad():
-        logits = hf_model(torch.tensor([ids])).logits[0].float()
-    lp = torch.log_softmax(logits, dim=-1).numpy()
+    lp = hf_log_softmax(hf_model, ids)
     return np.array([lp[t - 1, ids[t]] for t in range(1, len(ids))])
 
 
