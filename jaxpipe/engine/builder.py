@@ -30,6 +30,7 @@ from jaxpipe.config.meshes import MeshPreset, load_mesh
 from jaxpipe.config.model import ModelConfig
 from jaxpipe.engine.executor import Executor, policy_for, scheduler_state
 from jaxpipe.engine.step_builder import restore_penalties
+from jaxpipe.engine.structured import Constraints
 from jaxpipe.kernels.paged import storage_dtype
 from jaxpipe.kv.manager import KVManager
 from jaxpipe.model import loading
@@ -92,21 +93,23 @@ def build(config: EngineConfig, devices: list, leader: distributed.Leader | None
     if leader is not None:
         runner = distributed.MirroredRunner(runner, leader)
     executor = make_executor(config, runner, buckets, sizes, prep.max_model_len,
-                             mirror=leader.send if leader is not None else None)
+                             mirror=leader.send if leader is not None else None,
+                             tokenizer=prep.tokenizer)
     return Parts(prep.dtype, prep.model_config, prep.tokenizer, prep.max_model_len,
                  prep.layouts, kernels, sizes, buckets, runner, executor)
 
 
 def make_executor(config: EngineConfig, runner, buckets: Buckets, sizes: sizing.Sizes,
-                  max_model_len: int, mirror=None) -> Executor:
+                  max_model_len: int, mirror=None, tokenizer=None) -> Executor:
     """The scheduler state and policy, the KV manager (its host tier of `sizes.host_tokens`;
-    `mirror`: the leader's send, every KV move then reaches the followers) and the executor
-    that runs them on `runner`."""
+    `mirror`: the leader's send, every KV move then reaches the followers), the structured
+    outputs' grammars (over `tokenizer`) and the executor that runs them on `runner`."""
     state = scheduler_state(config, runner, sizes.max_num_seqs, sizes.host_tokens)
     policy = policy_for(config.scheduler, config, runner, buckets, sizes.host_tokens)
     kv = KVManager(runner, sizes.host_tokens > 0, on_insert=partial(restore_penalties, runner),
                    mirror=mirror)
-    return Executor(config, runner, buckets, state, policy, kv, max_model_len)
+    constraints = Constraints(tokenizer, runner.config.vocab_size)
+    return Executor(config, runner, buckets, state, policy, kv, max_model_len, constraints)
 
 
 def follow(config: EngineConfig) -> None:

@@ -124,6 +124,7 @@ class Engine:
 
         seq = sample(0)
         seq.fork_samples(params.n, sample)
+        self.executor.constraints.attach(seq.group)  # RequestError if it does not compile
         self.executor.add(seq)
         self._requests[request_id] = seq
         return request_id

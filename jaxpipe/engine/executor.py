@@ -41,6 +41,7 @@ from jaxpipe.config.model import ModelConfig
 from jaxpipe.engine.output_processor import OutputProcessor
 from jaxpipe.engine.stats import EngineStats
 from jaxpipe.engine.step_builder import Step, StepBuilder
+from jaxpipe.engine.structured import Constraints
 from jaxpipe.engine.timeline import StepRecord, Timeline
 from jaxpipe.kv.device_cache import BLOCK
 from jaxpipe.kv.manager import KVManager
@@ -70,15 +71,17 @@ class Executor(StepExecutor):
 
 
     def __init__(self, config: EngineConfig, runner: Runner, buckets: Buckets,
-                 state: SchedulerState, policy, kv: KVManager, max_model_len: int):
-        """Run `policy` over `state` on `runner`, the KV bytes moved by `kv` (all made by
-        `builder.make_executor`). The policy's actions carry the engine's `Sequence` records
-        themselves."""
+                 state: SchedulerState, policy, kv: KVManager, max_model_len: int,
+                 constraints: Constraints):
+        """Run `policy` over `state` on `runner`, the KV bytes moved by `kv`, the grammars of
+        structured outputs by `constraints` (all made by `builder.make_executor`). The
+        policy's actions carry the engine's `Sequence` records themselves."""
         self.config, self.runner, self.buckets = config, runner, buckets
         self.state, self.kv = state, kv
         self.driver = Driver(policy, self.state, self)
         self.max_step_tokens = buckets.max_tokens
-        self.builder = StepBuilder(runner, buckets, self.state, self.kv)
+        self.constraints = constraints
+        self.builder = StepBuilder(runner, buckets, self.state, self.kv, constraints)
         self.engine_stats = EngineStats(runner, self.state, self.kv)
         self.detok = DetokWorker()  # used by the requests added while config.detok_worker
         self.output = OutputProcessor(self.state, self.kv, self.detok, self.engine_stats,
@@ -140,6 +143,13 @@ class Executor(StepExecutor):
         if self.flowing:  # a sequence waits for its micro-batch to land anyway
             return self.runner.layout.pp - 1
         return int(self.overlap and not self._needs_history())
+
+    @staticmethod
+    def waits(seq: Sequence) -> bool:
+        """Whether `seq` sits out the step after its own even where sequences chain: a
+        constrained sequence's next mask needs its token in flight on the host (its matcher
+        advanced), so it joins the step after that (`engine/structured.py`)."""
+        return seq.grammar is not None
 
     def _needs_history(self) -> bool:
         self._history = {s for s in self._history if not s.is_finished}

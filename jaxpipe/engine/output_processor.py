@@ -15,6 +15,7 @@ from __future__ import annotations
 import time
 
 from jaxpipe.engine.stats import EngineStats
+from jaxpipe.engine.structured import Constraints
 from jaxpipe.kv.manager import KVManager
 from jaxpipe.request.stopping import DetokWorker
 from jaxpipe.runtime.runner import StepOutput
@@ -70,6 +71,8 @@ class OutputProcessor:
             if seq.params.logprobs is not None:
                 _record_logprobs(seq, out, i, token)
             reason = seq.stop.check(seq, self.max_model_len)
+            if seq.grammar is not None:  # its grammar complete: it ends here
+                reason = Constraints.advance(seq, token) if reason is None else reason
             if reason is not None:
                 self.finish(seq, reason)
         self.stats.generated(sum(seq.params.max_tokens != 0 for _, seq in rows))

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from jaxpipe.engine.structured import Constraints
 from jaxpipe.kv.manager import KVManager
 from jaxpipe.request.params import SamplingParams
 from jaxpipe.runtime import prompt_scores, sampling, step_inputs
@@ -52,8 +53,10 @@ class StepBuilder:
     """Builds steps over one runner's token buckets, the blocks and slots the scheduler state
     gave each sequence, and the KV manager's swap-ins."""
 
-    def __init__(self, runner: Runner, buckets: Buckets, state: SchedulerState, kv: KVManager):
+    def __init__(self, runner: Runner, buckets: Buckets, state: SchedulerState, kv: KVManager,
+                 constraints: Constraints | None = None):
         self.runner, self.buckets, self.state, self.kv = runner, buckets, state, kv
+        self.constraints = constraints
 
     def ready(self, action: Run, launched: bool = False) -> Run:
         """`action` less the decodes whose KV is still being swapped in (they join a later
@@ -89,8 +92,11 @@ class StepBuilder:
         return step
 
     def sampling_inputs(self, step: Step) -> SamplingInputs:
-        """The sampling inputs of `step`'s sampled rows, in a row bucket."""
-        return sampling_inputs_for(step.sampled, self.buckets.sample_rows(len(step.sampled)))
+        """The sampling inputs of `step`'s sampled rows, in a row bucket (with the token
+        bitmasks of its constrained rows)."""
+        mask = self.constraints.masks(step.sampled) if self.constraints is not None else None
+        return sampling_inputs_for(step.sampled, self.buckets.sample_rows(len(step.sampled)),
+                                   mask)
 
 
     def _ready_decodes(self, seqs: list[Sequence]) -> list[Sequence]:
@@ -151,15 +157,17 @@ def prompt_positions(pieces: list[tuple[Sequence, Piece, bool]], inputs: StepInp
     return prompt_scores.build(entries, num), scored
 
 
-def sampling_inputs_for(seqs: list[Sequence], rows: int) -> SamplingInputs:
-    """Sampling inputs of `seqs`, padded with neutral rows to `rows`."""
+def sampling_inputs_for(seqs: list[Sequence], rows: int, mask: np.ndarray | None = None
+                        ) -> SamplingInputs:
+    """Sampling inputs of `seqs`, padded with neutral rows to `rows`; `mask`: their token
+    bitmasks (`Constraints.masks`), None when none is constrained."""
     neutral = SamplingParams(temperature=0.0)
     pad = rows - len(seqs)
     params = [s.params for s in seqs] + [neutral] * pad
     seeds = [s.seed for s in seqs] + [0] * pad
     steps = [s.generated for s in seqs] + [0] * pad  # tokens sampled before (in flight too)
     banned = [s.stop.banned(s.generated, s.output_token_ids) for s in seqs] + [[]] * pad
-    tensors = sampling.build_sampling_tensors(params, seeds, steps, banned, rows)
+    tensors = sampling.build_sampling_tensors(params, seeds, steps, banned, rows, mask)
     mode = sampling.sampling_mode(s.params for s in seqs)
     penalties = sampling.uses_penalties(s.params for s in seqs)
     wanted = [s.params.logprobs for s in seqs if s.params.logprobs is not None]

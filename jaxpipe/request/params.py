@@ -6,8 +6,9 @@ The device and host samplers that act on them are `runtime/sampling.py` and
 
 from __future__ import annotations
 
+import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import numpy as np
 
@@ -116,6 +117,90 @@ def _normalise_bad_words(value) -> tuple[str, ...]:
 
 
 @dataclass
+class StructuredOutputsParams:
+    """One constraint on a request's output, by vLLM's names: `json` (a JSON schema, as a
+    dict or its JSON text), `regex`, `choice` (the output is one of these strings), `grammar`
+    (Lark, or GBNF/EBNF as llama.cpp and vLLM accept it) or `json_object=True` (any JSON
+    object). Exactly one is set. A dict given for SamplingParams.structured_outputs is read
+    as these fields. Whether the constraint compiles is checked against the model's
+    tokenizer (`request/grammar.py`)."""
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | tuple[str, ...] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def __post_init__(self):
+        given = [f.name for f in fields(self) if getattr(self, f.name) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(f"structured_outputs must set exactly one of json, regex, choice, "
+                             f"grammar, json_object; got {given or 'none'}")
+        if self.json is not None:
+            self.json = _schema(self.json)
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value.strip()):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string, "
+                                 f"got {value!r}")
+        if self.choice is not None:
+            self.choice = _choices(self.choice)
+        if self.json_object is not None:
+            self.json_object = _check_bool("structured_outputs.json_object", self.json_object)
+
+    @property
+    def kind(self) -> str:
+        """Which constraint is set: "json", "regex", "choice", "grammar" or "json_object"."""
+        return next(f.name for f in fields(self) if getattr(self, f.name) not in (None, False))
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """(kind, its text): equal for equal constraints (a schema's keys sorted)."""
+        value = getattr(self, self.kind)
+        if self.kind in ("json", "choice"):
+            return self.kind, json.dumps(value, sort_keys=True)
+        return self.kind, "" if self.kind == "json_object" else value
+
+
+def _schema(value) -> dict | bool:
+    """A JSON schema: a dict (or true/false), or its JSON text."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
+    if not isinstance(value, dict | bool):
+        raise ValueError(f"structured_outputs.json must be a JSON schema (an object), got "
+                         f"{type(value).__name__} {value!r}")
+    return value
+
+
+def _choices(value) -> tuple[str, ...]:
+    if not isinstance(value, list | tuple) or not value:
+        raise ValueError(f"structured_outputs.choice must be a non-empty list of strings, "
+                         f"got {value!r}")
+    for item in value:
+        if not isinstance(item, str) or not item:
+            raise ValueError(f"structured_outputs.choice must contain only non-empty strings, "
+                             f"got {item!r}")
+    return tuple(value)
+
+
+def _structured(value) -> StructuredOutputsParams | None:
+    if value is None or isinstance(value, StructuredOutputsParams):
+        return value
+    if not isinstance(value, dict):
+        raise TypeError(f"structured_outputs must be a StructuredOutputsParams, a dict of its "
+                        f"fields or None, got {type(value).__name__} {value!r}")
+    known = {f.name for f in fields(StructuredOutputsParams)}
+    unknown = sorted(set(value) - known)
+    if unknown:
+        raise ValueError(f"structured_outputs has no field {unknown[0]!r}; accepted: "
+                         f"{', '.join(sorted(known))}")
+    return StructuredOutputsParams(**{k: v for k, v in value.items() if v is not None})
+
+
+@dataclass
 class SamplingParams:
     """Per-request sampling parameters: vLLM's names, defaults and meanings.
 
@@ -149,6 +234,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False  # keep a matched stop string in the text
     best_of: int | None = None  # refused unless None or n (vLLM V1 dropped it)
     prompt_logprobs: int | None = None  # each prompt token's logprob and the top k (vLLM's)
+    structured_outputs: StructuredOutputsParams | dict | None = None  # one output constraint
 
     def __post_init__(self):
         self._validate_floats()
@@ -158,6 +244,7 @@ class SamplingParams:
         self.ignore_eos = _check_bool("ignore_eos", self.ignore_eos)
         self.skip_special_tokens = _check_bool("skip_special_tokens", self.skip_special_tokens)
         self._validate_token_lists()
+        self.structured_outputs = _structured(self.structured_outputs)
 
     def _validate_token_lists(self):
         """logit_bias, allowed_token_ids, bad_words, truncate_prompt_tokens,

@@ -100,7 +100,7 @@ def sampling_params(fields: dict) -> SamplingParams:
         return SamplingParams(**fields)
     except (ValueError, TypeError) as e:
         first = str(e).split(" ", 1)[0]
-        name = first if first in SAMPLING_FIELDS else "params"
+        name = first if first.split(".")[0] in SAMPLING_FIELDS else "params"
         raise RequestError(f"sampling.{name}", str(e)) from None
 
 

@@ -115,8 +115,14 @@ class HostSampler:
 
 
 def apply_id_lists(x: np.ndarray, t: SamplingTensors) -> None:
-    """The device sampler's first steps, in place on x [b, V] f32: logit_bias added, every
-    id outside a row's allowed list -inf (rows that list any), banned ids -inf."""
+    """The device sampler's first steps, in place on x [b, V] f32: a constrained row's
+    bitmask (tokens it does not allow -inf), logit_bias added, every id outside a row's
+    allowed list -inf (rows that list any), banned ids -inf."""
+    if t.mask.shape[1]:
+        bits = np.unpackbits(np.ascontiguousarray(t.mask).view(np.uint8), axis=-1,
+                             bitorder="little")[:, :x.shape[1]]  # [b, <= V]
+        x[:, :bits.shape[1]][bits == 0] = _NEG_INF
+        x[:, bits.shape[1]:] = _NEG_INF
     rows, cols = np.nonzero(t.bias_ids >= 0)
     x[rows, t.bias_ids[rows, cols]] += t.bias[rows, cols]
     for r in np.flatnonzero(np.any(t.allowed >= 0, axis=-1)):

@@ -5,7 +5,8 @@ The sampler is pure `jax.numpy` and jit-friendly: the host packs one row per
 sequence into `SamplingTensors` (`build_sampling_tensors`), picks a static `mode`
 (`sampling_mode`) and calls `sample`. This module knows nothing about scheduling.
 
-Processing order (vLLM's): logit_bias added -> allowed_token_ids (every other id -inf) ->
+Processing order (vLLM's): a constrained row's token bitmask (structured outputs: every token
+its grammar does not allow -inf) -> logit_bias added -> allowed_token_ids (every other id -inf) ->
 banned ids (stop ids before min_tokens, bad words) -> repetition / frequency / presence
 penalties -> greedy rows take the argmax -> temperature -> min_p -> top_k -> top_p -> sample
 from the renormalised distribution. logit_bias, allowed ids and banned ids are sparse per-row
@@ -70,6 +71,8 @@ class SamplingTensors(NamedTuple):
     bias_ids: jax.Array  # [B, Kb] i32 logit_bias ids (-1 = none)
     bias: jax.Array  # [B, Kb] f32 logit_bias values added to those ids
     allowed: jax.Array  # [B, Ka] i32 allowed_token_ids (-1 = none; a row with none: all)
+    mask: jax.Array  # [B, W] i32 token bitmask, bit j of word w: token 32 w + j allowed
+    # (W = 0 when no row is constrained; an unconstrained row is all ones)
 
 
 def banned_bucket(longest: int) -> int:
@@ -112,15 +115,26 @@ def _pack_bias(params: Sequence[SamplingParams], batch_size: int):
     return ids, values
 
 
+def _pack_mask(mask: np.ndarray | None, batch_size: int) -> np.ndarray:
+    """[batch_size, W] i32: the rows of `mask` [n, W], then all-ones (unconstrained) rows;
+    [batch_size, 0] when no row is constrained (the sampler then skips the mask)."""
+    if mask is None:
+        return np.zeros((batch_size, 0), np.int32)
+    out = np.full((batch_size, mask.shape[1]), -1, np.int32)
+    out[:len(mask)] = mask
+    return out
+
+
 def build_sampling_tensors(params: Sequence[SamplingParams], seeds: Sequence[int],
                            steps: Sequence[int], banned: Sequence[Sequence[int]],
-                           batch_size: int) -> SamplingTensors:
+                           batch_size: int, mask: np.ndarray | None = None) -> SamplingTensors:
     """Pack per-row parameters into numpy arrays padded to `batch_size`.
 
     `seeds[i]` is row i's seed (the engine picks one when `params[i].seed` is None), `steps[i]`
     the index of the token being sampled in that request's output, `banned[i]` the token ids
-    forbidden this step. logit_bias and allowed_token_ids come from `params`. Padding rows
-    are greedy and neutral.
+    forbidden this step. logit_bias and allowed_token_ids come from `params`. `mask`: the
+    rows' token bitmasks [len(params), W] (all ones for an unconstrained row), or None when no
+    row is constrained. Padding rows are greedy and neutral.
     """
     _check_batch(params, seeds, steps, banned, batch_size)
     bias_ids, bias = _pack_bias(params, batch_size)
@@ -144,6 +158,7 @@ def build_sampling_tensors(params: Sequence[SamplingParams], seeds: Sequence[int
         bias_ids=bias_ids,
         bias=bias,
         allowed=_pack_banned([p.allowed_token_ids or () for p in params], batch_size),
+        mask=_pack_mask(mask, batch_size),
     )
 
 
@@ -202,6 +217,19 @@ def _apply_allowed(x, allowed):
     return masked.at[rows, jnp.where(allowed >= 0, allowed, v)].set(kept, mode="drop")
 
 
+def _apply_mask(x, mask):
+    """x [B, V] with every token a row's bitmask mask [B, W] does not allow set to -inf
+    (tokens past 32 W are not allowed)."""
+    if mask.shape[1] == 0:
+        return x
+    b, v = x.shape
+    bits = (mask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1  # [B, W, 32]
+    allowed = bits.reshape(b, -1)[:, :v] != 0  # [B, min(V, 32 W)]
+    if allowed.shape[1] < v:
+        allowed = jnp.pad(allowed, ((0, 0), (0, v - allowed.shape[1])))
+    return jnp.where(allowed, x, _NEG_INF)
+
+
 def _apply_penalties(x, t: SamplingTensors, prompt_mask, output_counts):
     """vLLM's repetition (prompt + output), then frequency and presence (output) penalties."""
     counts = output_counts.astype(jnp.float32)  # [B, V]
@@ -213,9 +241,10 @@ def _apply_penalties(x, t: SamplingTensors, prompt_mask, output_counts):
 
 
 def _penalised_logits(logits, t: SamplingTensors, prompt_mask, output_counts, penalties: bool):
-    """logit_bias, allowed ids, banned ids -> -inf, then penalties if `penalties`.
-    Returns [B, V] f32."""
-    x = _apply_bias(logits.astype(jnp.float32), t.bias_ids, t.bias)
+    """The bitmask, logit_bias, allowed ids, banned ids -> -inf, then penalties if
+    `penalties`. Returns [B, V] f32."""
+    x = _apply_mask(logits.astype(jnp.float32), t.mask)
+    x = _apply_bias(x, t.bias_ids, t.bias)
     x = _apply_banned(_apply_allowed(x, t.allowed), t.banned)
     if penalties:
         x = _apply_penalties(x, t, prompt_mask, output_counts)

@@ -33,6 +33,8 @@ schedules the next (overlap: the device feeds the tokens in flight to the next s
 sequences may join it: `chained`), or none; over pp stages the engine and the pipelined
 simulator keep pp - 1 micro-batches in flight while the next one is formed (the pipeline never
 drains: a sequence waits for its micro-batch to leave the last stage, `chained` False).
+Where sequences chain, one the executor says `waits` (a constrained sequence: its next token's
+mask needs this one on the host) stays busy until its step lands and sits the next one out.
 """
 
 from __future__ import annotations
@@ -57,6 +59,11 @@ class StepExecutor:
     merge = False  # one step carries up to policy.depth micro-batches (the engine)
     max_step_tokens: int | None = None  # the token budget of a merged step
     flow_depth = 1  # stages a step flows through: a one-micro-batch policy's run is split
+
+    def waits(self, seq: SeqInfo) -> bool:
+        """Whether `seq`, sampled in a step in flight, must sit out the next step even where
+        sequences chain (its next step needs this one's token on the host)."""
+        return False
 
     def ready(self, run: Run) -> Run:
         """`run` less what cannot go yet (before the state launches it)."""
@@ -91,6 +98,7 @@ class InFlight:
 
     runs: list[Run]
     handle: object
+    held: list[Hashable] = dataclasses.field(default_factory=list)  # out until it lands
 
 
 class Driver:
@@ -189,13 +197,17 @@ class Driver:
         self.state.finish(s.seq_id for s in last)
         if handle is not None:
             self.executor.free(handle, last)
-            self.in_flight.append(InFlight(runs, handle))
+            held = [s.seq_id for s in sampled if self.executor.chained
+                    and s.location is Location.DEVICE and self.executor.waits(s)]
+            self.state.busy.update(held)  # they join again when this step lands
+            self.in_flight.append(InFlight(runs, handle, held))
 
     def _land(self) -> None:
         """The oldest step in flight lands: the sequences the executor says ended leave the
         state (those freed at launch or aborted meanwhile have left already), and the policy
         hears exactly each run's own."""
         step = self.in_flight.popleft()
+        self.state.busy.difference_update(step.held)
         ended = set(self.executor.land(step.handle, self.state))
         done = [[s for s in run.seqs if s.seq_id in ended] for run in step.runs]
         self.state.finish(s.seq_id for seqs in done for s in seqs

@@ -38,6 +38,7 @@ class Sequence(SeqInfo):
     finish_time: float | None = None
     index: int = 0  # which of its request's n samples it is
     samples: list[Sequence] | None = None  # the first sample's: all n (None when n = 1)
+    grammar: Any = None  # its output constraint's matcher (structured outputs; opaque here)
 
     @classmethod
     def create(cls, request_id: str, prompt_token_ids: list[int], params: Any, seed: int,
