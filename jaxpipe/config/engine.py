@@ -24,11 +24,13 @@ Matmul = Literal["auto", "xla", "portable", "avx2", "avx512_bf16", "amx"]
 Scheduler = Literal["auto", "seesaw", "prefill_first", "decode_first", "tdpipe", "throttle"]
 Predictor = Literal["learned", "oracle"]  # jaxpipe.scheduler.predictor
 Sampler = Literal["device", "host"]
+ConstrainedSteps = Literal["skip", "land"]  # jaxpipe/engine/structured.py
 ATTENTION = typing.get_args(Attention)
 MATMULS = typing.get_args(Matmul)
 SCHEDULERS = typing.get_args(Scheduler)
 PREDICTORS = typing.get_args(Predictor)
 SAMPLERS = typing.get_args(Sampler)
+CONSTRAINED_STEPS = typing.get_args(ConstrainedSteps)
 
 
 def _default_cache_dir() -> str:
@@ -125,6 +127,10 @@ class EngineConfig:
         step that takes its tokens is dispatched; the device waits for that, not for the rest
         of the host's work. "device" is the default (see the README's measurements).
     sampler_threads: the host sampler's worker threads.
+    constrained_steps: how structured outputs keep overlap (a constrained row's token mask
+        needs its previous token on the host): "skip" (a constrained sequence sits out the
+        step after its own; every other row keeps overlapping) or "land" (while any
+        constrained request runs, each step lands before the next is built).
     host_kv_gb: size of the host KV tier (finished prefills and preempted sequences wait there,
         in host memory, for a device slot). host_kv_tokens, when given, sets it in tokens
         instead. seesaw needs it > 0; 0 turns the tier off (preemption then recomputes).
@@ -179,6 +185,7 @@ class EngineConfig:
     detok_worker: bool = True
     sampler: Sampler = "device"
     sampler_threads: int = 2
+    constrained_steps: ConstrainedSteps = "skip"
     prefix_caching: bool = True
     memory_utilization: float | None = None
     coordinator: str | None = None
@@ -231,6 +238,7 @@ class EngineConfig:
         _check_choice("matmul", self.matmul, MATMULS)
         _check_choice("sampler", self.sampler, SAMPLERS)
         _check_int("sampler_threads", self.sampler_threads, 1, 256)
+        _check_choice("constrained_steps", self.constrained_steps, CONSTRAINED_STEPS)
         _check_int("seed", self.seed, 0, 2**32 - 1)
         for name in ("overlap", "detok_worker", "prefix_caching"):
             if not isinstance(getattr(self, name), bool):

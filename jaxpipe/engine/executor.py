@@ -90,6 +90,7 @@ class Executor(StepExecutor):
         self._landed: list[Sequence] = []  # sequences that got a token in this step() call
         self._overlap = config.overlap  # set_overlap flips it on an idle engine
         self._history: set[Sequence] = set()  # unfinished requests with multi-token bad words
+        self._constrained: set[Sequence] = set()  # unfinished constrained requests
 
     def step(self) -> list[Sequence]:
         """Run the policy's next action (`Driver.step`: schedule, then `launch` and `land`,
@@ -138,18 +139,24 @@ class Executor(StepExecutor):
     def in_flight(self) -> int:
         """Steps left in flight while the next is scheduled (the driver's): pp - 1 micro-
         batches over pp stages, else one with overlap, unless a request's bad word of several
-        tokens needs its newest tokens on the host to know its next ban (`needs_history`):
-        each step then lands before the next is built."""
+        tokens needs its newest tokens on the host to know its next ban (`needs_history`),
+        or a constrained request runs with constrained_steps "land": each step then lands
+        before the next is built."""
         if self.flowing:  # a sequence waits for its micro-batch to land anyway
             return self.runner.layout.pp - 1
-        return int(self.overlap and not self._needs_history())
+        return int(self.overlap and not self._needs_history() and not self._lands_first())
 
-    @staticmethod
-    def waits(seq: Sequence) -> bool:
+    def waits(self, seq: Sequence) -> bool:
         """Whether `seq` sits out the step after its own even where sequences chain: a
         constrained sequence's next mask needs its token in flight on the host (its matcher
-        advanced), so it joins the step after that (`engine/structured.py`)."""
-        return seq.grammar is not None
+        advanced), so it joins the step after that (constrained_steps "skip",
+        `engine/structured.py`)."""
+        return seq.grammar is not None and self.config.constrained_steps == "skip"
+
+    def _lands_first(self) -> bool:
+        """constrained_steps "land": while a constrained request runs, no step overlaps."""
+        self._constrained = {s for s in self._constrained if not s.is_finished}
+        return bool(self._constrained) and self.config.constrained_steps == "land"
 
     def _needs_history(self) -> bool:
         self._history = {s for s in self._history if not s.is_finished}
@@ -185,6 +192,8 @@ class Executor(StepExecutor):
         self.engine_stats.added(seq)
         if seq.stop.needs_history:
             self._history.add(seq)
+        if seq.grammar is not None:
+            self._constrained.update(seq.group)
 
     def abort(self, seq: Sequence) -> None:
         self.state.abort(seq.request_id)
