@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 import numpy as np
 
@@ -77,6 +78,9 @@ def main(argv=None) -> int:
     p.add_argument("--prefix-caching", action="store_true")
     p.add_argument("--prompt-logprobs", type=int)
     p.add_argument("--samples", action="store_true", help="requests of n=2 (samples_workload)")
+    p.add_argument("--structured", action="store_true",
+                   help="constrained requests beside others (tests/structured_workload.py; "
+                        "MODEL must have a tokenizer)")
     a = p.parse_args(argv)
     from jaxpipe import Engine, EngineConfig
     from jaxpipe.engine.builder import follow
@@ -96,6 +100,11 @@ def main(argv=None) -> int:
         for name in schedulers:
             engine.set_scheduler(name)
             engine.reset_stats()
+            if a.structured:
+                sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+                from structured_workload import mixed_run
+                runs[name] = {"tokens": mixed_run(engine), "stats": engine.stats()}
+                continue
             outs = engine.generate(prompt_token_ids=prompts, sampling_params=params)
             runs[name] = {"tokens": [o.outputs[0].token_ids for o in outs],
                           "samples": [[c.token_ids for c in o.outputs] for o in outs],

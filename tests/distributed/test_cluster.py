@@ -117,6 +117,20 @@ def test_two_processes_give_the_tokens_of_one(tiny, tmp_path, prefill, decode):
         assert "control_messages" not in one[name]["stats"]
 
 
+def test_the_leaders_token_masks_reach_every_process(tmp_path):
+    """Constrained requests of every kind (tests/structured_workload.py) beside others on
+    SmolLM2's tokenizer: only the leader holds the grammars; the masks travel in the sampling
+    inputs, and two processes give the tokens of one."""
+    from conftest import write_tiny_smollm2
+
+    model = write_tiny_smollm2(tmp_path / "ckpt")
+    one = run(model, tmp_path, *PAIRS[0], 1, "--structured")
+    two = run(model, tmp_path, *PAIRS[0], 2, "--structured")
+    for name in SCHEDULERS:
+        assert two[name]["tokens"] == one[name]["tokens"], name
+        assert two[name]["stats"]["preemptions"] > 0, name
+
+
 def test_followers_mirror_the_prefix_cache_host_tier(tiny, tmp_path):
     """Prompts sharing a stem, the prefix cache on, a 6-block pool: blocks evicted to the
     host tier and copied back (and moved by the switches) on every process, the same
