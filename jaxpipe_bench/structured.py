@@ -8,15 +8,17 @@ ShareGPT-like prompt and output lengths), each prompt's tokens put in the user t
 model's chat template behind an instruction to answer in JSON; max_tokens is the workload's
 output length, and both kinds of request stop at EOS (a constrained one also once its JSON is
 complete), so both are the same requests but for the constraint, and the table shows their
-mean output lengths. A constrained row's mask needs its previous token on the host, which
-overlap dispatches the next step without: `EngineConfig.constrained_steps` "skip" has a
-constrained sequence sit out the step after its own (the other rows keep overlapping) and
-"land" turns overlap off while constrained requests run. An engine is built for each, one
-after the other (never both alive), since the field cannot change on a built engine; each runs
-one untimed run of each kind (it compiles the masked sampler), then `repeats` alternating
-pairs (unconstrained, constrained), and each constrained median is compared with the
-unconstrained median of the same engine. The prefix cache is off, so no run finds the
-prompts an earlier one left behind.
+mean output lengths; `match_lengths` has each unconstrained request generate as many tokens
+as its constrained twin instead, so that both kinds do the same work.
+
+A constrained row's mask needs its previous token on the host, which overlap dispatches the
+next step without: `EngineConfig.constrained_steps` "skip" has a constrained sequence sit out
+the step after its own (the other rows keep overlapping) and "land" turns overlap off while
+constrained requests run. An engine is built for each, one after the other (never both
+alive), since the field cannot change on a built engine; each runs one untimed run of each
+kind (they compile the masked sampler too), then `repeats` alternating pairs (unconstrained,
+constrained), and each constrained median is compared with the unconstrained median of the
+same engine. The prefix cache is off, so no run finds the prompts an earlier one left behind.
 
 Per run: output tokens, wall seconds, output tok/s, mean output length, how many outputs parse
 as JSON and fit the schema (`schema_check.fits`, a check apart from the grammar engine's),
@@ -78,6 +80,10 @@ class StructuredBenchConfig:
         extraction-like object); keywords jaxpipe_bench/schema_check.py cannot check are
         refused
     instruction: the text before each prompt's tokens in the chat template's user turn
+    match_lengths: each unconstrained request generates exactly as many tokens as its
+        constrained twin did in the first engine's untimed run (ignore_eos), so both kinds do
+        the same work and the ratio is the constraint's cost alone (off: the same requests but
+        for the constraint, each stopping at EOS, its complete JSON or max_tokens)
     repeats: timed pairs (unconstrained, constrained) per engine, after one untimed run of each
         (compiles)
     max_num_seqs: the engines' batch limit (with num_prompts well above it, e.g. 512, this
@@ -94,6 +100,7 @@ class StructuredBenchConfig:
     temperature: float = 0.0
     schema: str | None = None
     instruction: str = "Answer in JSON:\n"
+    match_lengths: bool = False
     repeats: int = 3
     max_num_seqs: int = 256
     model: str = EngineConfig.model
@@ -125,18 +132,20 @@ class StructuredBenchConfig:
 def run(config: StructuredBenchConfig) -> dict:
     """Both engines' runs; the record (JSON-able), also written to `config.json_path`."""
     machine, schema, (workload, prompts) = machine_info(), config.json_schema(), requests(config)
-    params = {kind: sampling(config, workload, schema if kind == "json" else None)
-              for kind in KINDS}
+    params = {"json": sampling(config, workload, schema)}
     runs, texts = [], {}
     for steps in STEPS:
         engine = build(config, steps, max_model_len(workload, prompts))
-        try:
-            for kind in KINDS:  # compiles what the timed runs take
-                timed(engine, prompts, params[kind], schema)
+        try:  # the untimed runs compile what the timed ones take (the masked sampler too)
+            _, warm = timed(engine, prompts, params["json"], schema)
+            lengths = [len(c.token_ids) for c in warm] if config.match_lengths else None
+            params.setdefault("unconstrained", sampling(config, workload, None, lengths))
+            timed(engine, prompts, params["unconstrained"], schema)
             for _ in range(config.repeats):
                 for kind in KINDS:
-                    result, texts[f"{steps}/{kind}"] = timed(engine, prompts, params[kind], schema)
+                    result, done = timed(engine, prompts, params[kind], schema)
                     runs.append({"constrained_steps": steps, "kind": kind, **result})
+                    texts[f"{steps}/{kind}"] = [c.text for c in done]
         finally:
             engine.close()
             gc.collect()  # the next engine's KV pool is sized from the free memory
@@ -180,15 +189,17 @@ def chat_frame(tokenizer, instruction: str) -> tuple[list[int], list[int]]:
     return ids(before), ids(after)
 
 
-def sampling(config: StructuredBenchConfig, workload: Sequence[Request],
-             schema: dict | None) -> list:
+def sampling(config: StructuredBenchConfig, workload: Sequence[Request], schema: dict | None,
+             lengths: Sequence[int] | None = None) -> list:
     """Each request's SamplingParams: max_tokens its output length, the config's
-    temperature, seeded by its index, held to `schema` unless None."""
+    temperature, seeded by its index, held to `schema` unless None; with `lengths`, request
+    i generates exactly lengths[i] tokens instead (ignore_eos)."""
     from jaxpipe import SamplingParams
 
     so = None if schema is None else {"json": schema}
-    return [SamplingParams(temperature=config.temperature, seed=i, max_tokens=r.output_len,
-                           structured_outputs=so) for i, r in enumerate(workload)]
+    return [SamplingParams(temperature=config.temperature, seed=i, structured_outputs=so,
+                           max_tokens=max(lengths[i], 1) if lengths else r.output_len,
+                           ignore_eos=lengths is not None) for i, r in enumerate(workload)]
 
 
 def max_model_len(workload: Sequence[Request], prompts: Sequence[list[int]]) -> int:
@@ -206,9 +217,9 @@ def build(config: StructuredBenchConfig, constrained_steps: str, model_len: int)
                   constrained_steps=constrained_steps, show_progress=False)
 
 
-def timed(engine, prompts: list[list[int]], params: list, schema: dict
-          ) -> tuple[dict, list[str]]:
-    """One `generate` of every prompt: its figures (the module docstring's) and texts."""
+def timed(engine, prompts: list[list[int]], params: list, schema: dict) -> tuple[dict, list]:
+    """One `generate` of every prompt: its figures (the module docstring's) and the
+    completions."""
     compiled = engine.stats()["compile_seconds"]
     engine.reset_stats()
     process, thread, start = time.process_time(), time.thread_time(), time.perf_counter()
@@ -226,7 +237,7 @@ def timed(engine, prompts: list[list[int]], params: list, schema: dict
             "mean_decode_batch": stats["mean_decode_batch"], "fed_steps": stats["fed_steps"],
             "engine_thread_cpu_s": thread, "cpu_ms_per_step": 1000 * thread / steps,
             "process_cpu_s": process, "host_ms_per_step": stats["host_ms_per_step"],
-            "compile_s": stats["compile_seconds"] - compiled}, [c.text for c in done]
+            "compile_s": stats["compile_seconds"] - compiled}, done
 
 
 def parses(text: str, schema: dict) -> bool:

@@ -6,6 +6,7 @@ in jaxpipe_bench.structured).
 
   python scripts/bench_structured.py --json-path out/bench_structured.json
   python scripts/bench_structured.py --num-prompts 512      # 256 constrained rows a step
+  python scripts/bench_structured.py --match-lengths        # unconstrained: the same lengths
   python scripts/bench_structured.py --num-prompts 4 --output-len 32 --repeats 1   # a check
 """
 

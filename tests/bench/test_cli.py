@@ -167,9 +167,10 @@ def test_the_default_gguf_is_the_default_models():
     ("lock_drift", "LockDriftConfig", ["requirements/test.lock"],
      {"lock": "requirements/test.lock"}),
     ("structured", "StructuredBenchConfig", ["--num-prompts", "512", "--json-path", "s.json",
-                                             "--temperature", "1", "--output-len", "32"],
+                                             "--temperature", "1", "--output-len", "32",
+                                             "--match-lengths"],
      {"num_prompts": 512, "json_path": "s.json", "temperature": 1.0, "output_len": 32,
-      "max_num_seqs": 256, "repeats": 3}),
+      "match_lengths": True, "max_num_seqs": 256, "repeats": 3}),
 ])
 def test_the_scripts_documented_flags_reach_their_configs(module, cls, argv, want):
     import importlib

@@ -23,13 +23,16 @@ class Item(pydantic.BaseModel):
                     pydantic.Field(max_length=2)]
 
 
-def test_a_small_run_fits_the_schema_and_records_the_medians(tiny_smollm2, tmp_path):
+@pytest.mark.parametrize("match_lengths", [False, True])
+def test_a_small_run_fits_the_schema_and_records_the_medians(tiny_smollm2, tmp_path,
+                                                              match_lengths):
     schema = tmp_path / "schema.json"
     schema.write_text(json.dumps(Item.model_json_schema()))
     # at most ~40 tokens of JSON: 64 leave every constrained output room to finish
     config = StructuredBenchConfig(num_prompts=3, input_len=8, output_len=64, repeats=2,
                                    schema=str(schema), max_num_seqs=4, model=tiny_smollm2,
-                                   dtype="float32", json_path=str(tmp_path / "out.json"))
+                                   dtype="float32", json_path=str(tmp_path / "out.json"),
+                                   match_lengths=match_lengths)
     record = run(config)
     assert json.loads((tmp_path / "out.json").read_text()) == record
     for steps in ("skip", "land"):
@@ -54,6 +57,14 @@ def test_a_small_run_fits_the_schema_and_records_the_medians(tiny_smollm2, tmp_p
         if row["kind"] == "json":
             assert row["fit_schema_rate"] == row["stopped_rate"] == 1.0
             assert all(r["finish_reasons"] == {"stop": 3} for r in mine)
+    lengths = {(r["constrained_steps"], r["kind"]): r["output_tokens"] for r in runs}
+    unconstrained = {r["finish_reasons"].get("length") for r in runs
+                     if r["kind"] == "unconstrained"}
+    if match_lengths:  # as many tokens as the constrained twin, each one to its max_tokens
+        assert lengths[("skip", "unconstrained")] == lengths[("skip", "json")] < 3 * 64
+        assert unconstrained == {3}
+    else:
+        assert lengths[("skip", "unconstrained")] == 3 * 64  # the random model meets no EOS
     assert record["machine"]["cpu_model"] and record["machine"]["isa"]
     assert " json " in format_record(record) and "CPU ms/step" in format_record(record)
 
