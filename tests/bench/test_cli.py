@@ -121,9 +121,11 @@ def test_no_script_parses_its_arguments_by_hand():
 
 def test_the_default_model_and_dtype_are_the_engines():
     from jaxpipe_bench import BenchConfig, calibrate, demo, multihost, schedulers, timeline
+    from jaxpipe_bench.structured import StructuredBenchConfig
 
     for cls in (BenchConfig, LayoutBenchConfig, demo.DemoConfig, multihost.MultihostConfig,
-                schedulers.SchedulersConfig, timeline.TimelineConfig):
+                schedulers.SchedulersConfig, timeline.TimelineConfig,
+                StructuredBenchConfig):
         assert (cls().model, cls().dtype) == (EngineConfig().model, EngineConfig().dtype), cls
     assert calibrate.make_engine.__defaults__[0] == EngineConfig().model
 
@@ -164,6 +166,11 @@ def test_the_default_gguf_is_the_default_models():
      {"json_path": "g.json", "quick": True, "num_requests": 100}),
     ("lock_drift", "LockDriftConfig", ["requirements/test.lock"],
      {"lock": "requirements/test.lock"}),
+    ("structured", "StructuredBenchConfig", ["--num-prompts", "512", "--json-path", "s.json",
+                                             "--temperature", "1", "--output-len", "32",
+                                             "--match-lengths"],
+     {"num_prompts": 512, "json_path": "s.json", "temperature": 1.0, "output_len": 32,
+      "match_lengths": True, "max_num_seqs": 256, "repeats": 3}),
 ])
 def test_the_scripts_documented_flags_reach_their_configs(module, cls, argv, want):
     import importlib
@@ -190,6 +197,8 @@ def test_the_scripts_documented_flags_reach_their_configs(module, cls, argv, wan
      "RebuildConfig.meshes must be one or more cpu-N presets"),
     ("reproduce", "ReproduceConfig", ["--num-requests", "0"],
      "ReproduceConfig.num_requests must be an integer >= 1"),
+    ("structured", "StructuredBenchConfig", ["--temperature", "-1"],
+     "StructuredBenchConfig.temperature must be in [0, 2], got -1.0"),
 ])
 def test_a_value_a_script_refuses_is_a_usage_error(module, cls, argv, message, capsys):
     import importlib
