@@ -1,7 +1,8 @@
 """The request side: what a caller asks for and what it gets back, above the scheduler and the
 model (it knows their sequences and tokenizer) and below the engine.
 
-    params.py     SamplingParams (vLLM's names and meanings)
+    params.py     SamplingParams (vLLM's names and meanings), StructuredOutputsParams
+    grammar.py    output constraints compiled by llguidance against the model's tokenizer
     validate.py   a client's request -> what the engine accepts, or a RequestError naming the
                   field (the one validator of the engine, the server and batch jobs)
     openai.py     OpenAI request bodies -> what validate.prepare takes
