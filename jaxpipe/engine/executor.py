@@ -63,6 +63,7 @@ from jaxpipe.scheduler import (
 from jaxpipe.scheduler.throttle import ThrottleKnobs
 
 PIPELINED = ("tdpipe", "throttle")  # policies that form one micro-batch per schedule call
+MIN_HALF = 8  # constrained decodes that a half must have (below, a run is not halved)
 
 
 class Executor(StepExecutor):
@@ -240,9 +241,24 @@ class Executor(StepExecutor):
         """`run` less the decodes whose KV is still being swapped in (none may wait in a
         pipelined policy's micro-batch)."""
         start = time.perf_counter()
-        run = self.builder.ready(run, launched=self.policy.depth > 1)
+        run = self._halved(self.builder.ready(run, launched=self.policy.depth > 1))
         self.timeline.part("build", start)
         return run
+
+    def _halved(self, run: Run) -> Run:
+        """`run` with only half of its constrained decodes when nothing is in flight (where
+        constrained sequences sit out a step, `waits`): the other half forms the next step
+        at once, while this one runs, and the halves alternate from then on, each one's
+        tokens landing and its masks filled while the other's step runs. Left whole, a run of
+        constrained decodes alone would land every step before the next is built."""
+        if self._flight is not None or not self.in_flight:
+            return run
+        held = [s for s in run.decode if self.waits(s)]
+        if len(held) < 2 * MIN_HALF:
+            return run
+        later = set(held[len(held) // 2:])
+        return Run(prefill=run.prefill, decode=[s for s in run.decode if s not in later],
+                   prefill_to_host=run.prefill_to_host)
 
     def launch(self, runs: list[Run], state: SchedulerState) -> Flight | None:
         """Build and dispatch one ragged step: every prompt chunk and decode token of `runs`

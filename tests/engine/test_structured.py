@@ -150,3 +150,27 @@ def test_a_constraint_that_does_not_compile_is_refused_and_the_engine_serves_on(
 def test_malformed_structured_outputs_are_refused_naming_the_field(so):
     with pytest.raises((ValueError, TypeError), match="structured_outputs"):
         SamplingParams(structured_outputs=so)
+
+
+def test_a_batch_of_constrained_decodes_alternates_in_two_halves(tiny_smollm2):
+    """32 constrained sequences and nothing else: with overlap, half of them go in a step while
+    the other half's tokens land (so about twice the steps of landing each step first), and
+    every token is the same."""
+    from conftest import ENGINE_KWARGS
+
+    engine = Engine(EngineConfig(**{**ENGINE_KWARGS, "model": tiny_smollm2,
+                                    "max_num_seqs": 32}))
+    spaced = {"regex": "[a-z]( [a-z]){20}"}  # about 21 tokens each: halves stay full
+    params = [SamplingParams(structured_outputs=spaced, temperature=1.0, max_tokens=40, seed=s)
+              for s in range(32)]
+    try:
+        runs = {}
+        for overlap in (False, True):
+            engine.set_overlap(overlap)
+            engine.reset_stats()
+            outs = engine.generate(["Numbers:"] * 32, params)
+            runs[overlap] = ([o.outputs[0].token_ids for o in outs], engine.stats()["steps"])
+        assert runs[True][0] == runs[False][0]
+        assert runs[True][1] >= 1.6 * runs[False][1]
+    finally:
+        engine.close()
