@@ -8,7 +8,9 @@ bitmasks of a step's rows, and the matchers advanced by landed tokens.
 A constrained row's mask depends on its previous token, so with overlap a constrained sequence
 skips the step after its own (the executor keeps it out until its token lands,
 `Executor.waits`): the rows of the other sequences keep overlapping, and its mask is filled
-while the device runs the step it skipped. The fill runs on llguidance's own threads
+while the device runs the step it skipped. A batch of constrained decodes alone is sent in two
+halves that alternate (`Executor._halved`), so that one half's tokens land and its masks are
+filled while the other half's step runs. The fill runs on llguidance's own threads
 (`LLExecutor`, the GIL released), one call for all of a step's constrained rows. Only the
 leader holds matchers: the masks travel in the sampling inputs to every process.
 """
