@@ -6,9 +6,9 @@ A named `tool_choice` makes the whole output the arguments; "required" makes it 
 of {"name", "parameters"}, one call per item; "auto" hands it to a tool-call parser
 (`tool_parsers`). Calls found turn a "stop" into finish_reason "tool_calls" (a "length" stays:
 the arguments may be cut short). Streamed, a named call's arguments go out as the tokens come;
-"required" and "auto" calls go out whole once the output is complete, and an "auto" answer's
-text goes out as soon as it can no longer be the start of a call. The streamed pieces
-concatenate to the whole response's content and arguments.
+"required" calls one by one as their names and arguments come; "auto" calls go out whole once
+the output is complete, and an "auto" answer's text as soon as it can no longer be the start
+of a call. The streamed pieces concatenate to the whole response's content and arguments.
 """
 
 from __future__ import annotations
@@ -37,15 +37,82 @@ def parse(text: str, tools: ToolRequest, parser: str) -> Parsed:
 
 
 def _required(text: str) -> Parsed:
-    """A JSON array of {"name", "parameters"} -> one call per item (text as content if the
-    output was cut short)."""
-    try:
-        items = json.loads(text)
-    except json.JSONDecodeError:
-        return Parsed(text)
-    calls = tuple(ToolCall(item["name"], json.dumps(item["parameters"], ensure_ascii=False))
-                  for item in items if isinstance(item, dict) and "name" in item)
+    """One call per item of the array (as far as the output got: a cut-short last item is a
+    call with the arguments it has, as a cut-short named call is)."""
+    array = CallArray()
+    array.feed(text)
+    calls = tuple(ToolCall(name, args) for name, args in array.calls())
     return Parsed(None, calls) if calls else Parsed(text)
+
+
+class CallArray:
+    """Reads a "required" answer, `[{"name": ..., "parameters": {...}}, ...]`, as it grows:
+    each item's name and its parameters' raw text (their span of the output, not a
+    re-serialization, so that streamed and whole arguments are the same text)."""
+
+    def __init__(self):
+        self.text, self.depth = "", 0
+        self.in_string = self.escape = False
+        self.string_start = 0
+        self.key: str | None = None  # the item's key being read or last read
+        self.expect_key = False
+        self.items: list[list] = []  # per item: [name, parameters' start, their end]
+
+    def feed(self, text: str) -> None:
+        start, self.text = len(self.text), self.text + text
+        for i in range(start, len(self.text)):
+            self._char(i, self.text[i])
+
+    def calls(self) -> list[tuple[str, str]]:
+        """(name, arguments so far) of the items whose name has been read."""
+        return [(name, self._arguments(start, end)) for name, start, end in self.items
+                if name is not None]
+
+    def _arguments(self, start: int | None, end: int | None) -> str:
+        if start is None:
+            return ""
+        return self.text[start:len(self.text) if end is None else end].lstrip()
+
+    def _char(self, i: int, c: str) -> None:
+        if self.in_string:
+            if self.escape:
+                self.escape = False
+            elif c == "\\":
+                self.escape = True
+            elif c == '"':
+                self.in_string = False
+                if self.depth == 2:
+                    self._string(json.loads(self.text[self.string_start:i + 1]))
+        elif c == '"':
+            self.in_string, self.string_start = True, i
+        elif c in "[{":
+            self.depth += 1
+            if self.depth == 2 and c == "{":
+                self.items.append([None, None, None])
+                self.expect_key = True
+        elif c in "]}":
+            if self.depth == 2:
+                self._value_end(i)
+            self.depth -= 1
+        elif self.depth == 2 and c == ",":
+            self._value_end(i)
+            self.expect_key = True
+        elif self.depth == 2 and c == ":":
+            self.expect_key = False
+            if self.key == "parameters":
+                self.items[-1][1] = i + 1
+
+    def _string(self, value: str) -> None:
+        """A string at an item's own level: a key, or the item's name."""
+        if self.expect_key:
+            self.key = value
+        elif self.key == "name" and self.items:
+            self.items[-1][0] = value
+
+    def _value_end(self, i: int) -> None:
+        if self.key == "parameters" and self.items and self.items[-1][2] is None:
+            self.items[-1][2] = i
+        self.key = None
 
 
 def finish(reason: str | None, parsed: Parsed) -> str | None:
@@ -77,28 +144,44 @@ class ToolCallStream:
         self.tools, self.parser = tools, TOOL_PARSERS[parser]
         self.parser_name = parser
         self.text, self.sent = "", 0  # all the text so far; how much went out as content
-        self.started = False  # a named call's header is out
+        self.array = CallArray()  # named: one call; "required": the calls so far
+        self.args_sent: list[int] = []  # per call out: how much of its arguments went out
 
     def step(self, text: str, reason: str | None) -> tuple[dict, str | None]:
         """(the delta's fields, finish_reason) for `text`, the choice's next piece of output;
         `reason` is set on its last."""
         self.text += text
-        if self.tools.choice == "named":
-            return self._named(text), "tool_calls" if reason == "stop" else reason
+        if self.tools.constrained:
+            return self._forced(text, reason)
         if reason is not None:
             return self._last(reason)
         if self.tools.choice == "none":
             return self._content(len(self.text)), None
-        if self.tools.choice == "auto":
-            return self._content(self.parser.content_end(self.text)), None
-        return {}, None  # "required": whole calls at the end
+        return self._content(self.parser.content_end(self.text)), None  # "auto"
 
-    def _named(self, text: str) -> dict:
-        """The call's header with the first arguments, then the arguments as they come."""
-        if not self.started:
-            self.started = True
-            return {"tool_calls": wire_calls([ToolCall(self.tools.name, text)])}
-        return {"tool_calls": [{"index": 0, "function": {"arguments": text}}]} if text else {}
+    def _forced(self, text: str, reason: str | None) -> tuple[dict, str | None]:
+        if self.tools.choice == "named":
+            calls = [(self.tools.name, self.text)]
+        else:
+            self.array.feed(text)
+            calls = self.array.calls()
+        fields = self._calls(calls)
+        if reason is not None and not self.args_sent:  # cut short before a call: text
+            return self._last(reason)
+        return fields, "tool_calls" if reason == "stop" else reason
+
+    def _calls(self, calls: list[tuple[str, str]]) -> dict:
+        """The new part of forced calls: a call's header with its first arguments, then its
+        arguments as they come."""
+        out = []
+        for i, (name, args) in enumerate(calls):
+            if i == len(self.args_sent):
+                self.args_sent.append(len(args))
+                out += wire_calls([ToolCall(name, args)], i)
+            elif len(args) > self.args_sent[i]:
+                out.append({"index": i, "function": {"arguments": args[self.args_sent[i]:]}})
+                self.args_sent[i] = len(args)
+        return {"tool_calls": out} if out else {}
 
     def _content(self, end: int) -> dict:
         if end <= self.sent:

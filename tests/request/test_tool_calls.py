@@ -46,10 +46,9 @@ def test_required_makes_one_call_per_item():
     assert len({c["id"] for c in msg["tool_calls"]}) == 2
 
 
-def test_required_cut_short_is_content():
-    msg, finish = message('[{"name": "get_weather", "para', "length", REQUIRED, "hermes")
-    assert finish == "length" and "tool_calls" not in msg
-    assert msg["content"] == '[{"name": "get_weather", "para'
+def test_required_cut_short_before_a_name_is_content():
+    msg, finish = message('[{"name": "get_wea', "length", REQUIRED, "hermes")
+    assert (msg, finish) == ({"role": "assistant", "content": '[{"name": "get_wea'}, "length")
 
 
 def test_auto_parses_with_the_chosen_parser():
@@ -116,3 +115,38 @@ def test_auto_stream_sends_plain_text_before_the_end():
     assert stream.step("The answer is", None)[0] == {"content": "The answer is"}
     assert stream.step(" <tool", None)[0] == {}  # may become a call: held back
     assert stream.step("box> 4", None)[0] == {"content": " <toolbox> 4"}
+
+
+TRICKY = ('[{"name": "get_weather", "parameters": {"q": "a \\"}], {\\" b", "n": [1, {"x": 2}]}}, '
+          '{"name": "get_time", "parameters": {}}]')
+
+
+def test_required_arguments_are_the_outputs_own_text():
+    msg, _ = message(TRICKY, "stop", REQUIRED, "hermes")
+    assert [c["function"]["arguments"] for c in msg["tool_calls"]] == [
+        '{"q": "a \\"}], {\\" b", "n": [1, {"x": 2}]}', "{}"]
+    assert calls(msg) == [(item["name"], item["parameters"]) for item in json.loads(TRICKY)]
+
+
+def test_required_cut_short_mid_call_keeps_what_it_has():
+    msg, finish = message(TRICKY[:60], "length", REQUIRED, "hermes")
+    assert finish == "length" and msg["content"] is None
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in msg["tool_calls"]] \
+        == [("get_weather", TRICKY[39:60])]
+
+
+@pytest.mark.parametrize("size", [1, 2, 5])
+def test_required_stream_sends_calls_as_they_come(size):
+    pieces = [TRICKY[i:i + size] for i in range(0, len(TRICKY), size)]
+    stream, seen = ToolCallStream(REQUIRED, "hermes"), []
+    for i, piece in enumerate(pieces):
+        fields, _ = stream.step(piece, "stop" if i == len(pieces) - 1 else None)
+        seen += [(i, c["index"]) for c in fields.get("tool_calls", [])]
+    steps_of = {k: [step for step, index in seen if index == k] for k in (0, 1)}
+    assert len(steps_of[0]) > 2  # call 0's arguments came in pieces, ...
+    assert max(steps_of[0]) < min(steps_of[1]) < len(pieces) - 1  # ... before call 1 began
+    content, joined, finish = _streamed(REQUIRED, pieces)
+    msg, _ = message(TRICKY, "stop", REQUIRED, "hermes")
+    assert finish == "tool_calls" and content == ""
+    assert [joined[i] for i in sorted(joined)] == [
+        [c["function"]["name"], c["function"]["arguments"]] for c in msg["tool_calls"]]

@@ -99,12 +99,14 @@ def test_required_streamed_calls_equal_the_whole(client):
     kwargs = dict(model=MODEL, messages=CHAT, tools=[WEATHER, TIME], tool_choice="required",
                   temperature=0.0, max_tokens=120)
     whole = client.chat.completions.create(**kwargs).choices[0].message.tool_calls
-    calls = {}
+    calls, pieces = {}, 0
     for chunk in client.chat.completions.create(**kwargs, stream=True):
         for call in chunk.choices[0].delta.tool_calls or []:
             entry = calls.setdefault(call.index, ["", ""])
             entry[0] += call.function.name or ""
             entry[1] += call.function.arguments or ""
+            pieces += 1
+    assert pieces > len(whole) + 2  # the arguments came as they were generated
     assert [calls[i] for i in sorted(calls)] == [
         [c.function.name, c.function.arguments] for c in whole]
 
