@@ -173,15 +173,11 @@ def _message(where: str, msg) -> dict:
         raise RequestError(f"{where}.tool_call_id", "must be a string")
     if calls is None:
         return msg
-    return {**msg, "tool_calls": [_tool_call(f"{where}.tool_calls[{i}]", call)
-                                  for i, call in enumerate(_listed(where, calls))]}
-
-
-def _listed(where: str, calls) -> list:
     if not isinstance(calls, list):
         raise RequestError(f"{where}.tool_calls", "must be a list of "
                            '{"id", "type": "function", "function": {"name", "arguments"}}')
-    return calls
+    return {**msg, "tool_calls": [_tool_call(f"{where}.tool_calls[{i}]", call)
+                                  for i, call in enumerate(calls)]}
 
 
 def _tool_call(where: str, call) -> dict:

@@ -8,6 +8,10 @@ against. Bodies are read as plain JSON and checked by the validators gRPC and ba
 (`request.openai.read_body`, then `request.validate.prepare`), not by pydantic models of their
 own: one set of rules and messages for every front end.
 
+A chat request with `tools` has its tools rendered by the chat template and its answer read
+for calls (`request.tool_calls`: forced calls, or the `--tool-call-parser` for "auto"), whole
+or streamed.
+
 Every accepted call ends with one response or one error: 400 naming the body key (`param`),
 404 for another model, 413 for an oversized body, 429 with Retry-After past
 `max_concurrent_requests` calls in flight, 503 while the engine is down or the server drains.
