@@ -150,3 +150,23 @@ def test_required_stream_sends_calls_as_they_come(size):
     assert finish == "tool_calls" and content == ""
     assert [joined[i] for i in sorted(joined)] == [
         [c["function"]["name"], c["function"]["arguments"]] for c in msg["tool_calls"]]
+
+
+HERMES_FORM = (r'Checking\.\n<tool_call>\n\{"name": "get_weather", "arguments": '
+               r'\{"city": "[A-Z][a-z]{2,8}"\}\}\n</tool_call>')
+
+
+def test_engine_output_in_hermes_form_is_a_call(engine):
+    """A real engine answer held to the Hermes form by a regex (SmolLM2 writes no calls of its
+    own), read as "auto" would: one call, its city the text the model chose."""
+    from jaxpipe import SamplingParams
+
+    prompt = engine.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is the weather in Paris?"}])
+    [out] = engine.generate([prompt], [SamplingParams(
+        temperature=0.8, seed=3, max_tokens=60, structured_outputs={"regex": HERMES_FORM})])
+    text = out.outputs[0].text
+    msg, finish = message(text, out.outputs[0].finish_reason, AUTO, "hermes")
+    assert finish == "tool_calls" and msg["content"] == "Checking."
+    city = text.split('"city": "')[1].split('"')[0]
+    assert calls(msg) == [("get_weather", {"city": city})]
