@@ -6,9 +6,10 @@ A named `tool_choice` makes the whole output the arguments; "required" makes it 
 of {"name", "parameters"}, one call per item; "auto" hands it to a tool-call parser
 (`tool_parsers`). Calls found turn a "stop" into finish_reason "tool_calls" (a "length" stays:
 the arguments may be cut short). Streamed, a named call's arguments go out as the tokens come;
-"required" calls one by one as their names and arguments come; "auto" calls go out whole once
-the output is complete, and an "auto" answer's text as soon as it can no longer be the start
-of a call. The streamed pieces concatenate to the whole response's content and arguments.
+"required" calls one by one as their names and arguments come; "auto" calls whole, each once
+it is closed (hermes: at its `</tool_call>`; llama3_json: at the end), and an "auto" answer's
+text as soon as it can no longer be the start of a call. The streamed pieces concatenate to
+the whole response's content and arguments.
 """
 
 from __future__ import annotations
@@ -146,6 +147,7 @@ class ToolCallStream:
         self.text, self.sent = "", 0  # all the text so far; how much went out as content
         self.array = CallArray()  # named: one call; "required": the calls so far
         self.args_sent: list[int] = []  # per call out: how much of its arguments went out
+        self.calls_sent, self.closed_at = 0, 0  # "auto": calls out; text read for them
 
     def step(self, text: str, reason: str | None) -> tuple[dict, str | None]:
         """(the delta's fields, finish_reason) for `text`, the choice's next piece of output;
@@ -157,7 +159,20 @@ class ToolCallStream:
             return self._last(reason)
         if self.tools.choice == "none":
             return self._content(len(self.text)), None
-        return self._content(self.parser.content_end(self.text)), None  # "auto"
+        fields = self._content(self.parser.content_end(self.text))  # "auto"
+        return {**fields, **self._closed_calls()}, None
+
+    def _closed_calls(self) -> dict:
+        """An "auto" answer's calls closed since the last delta, whole."""
+        end = self.parser.calls_end(self.text)
+        if end == self.closed_at:
+            return {}
+        self.closed_at = end
+        calls = parse(self.text[:end], self.tools, self.parser_name).calls[self.calls_sent:]
+        if not calls:
+            return {}
+        first, self.calls_sent = self.calls_sent, self.calls_sent + len(calls)
+        return {"tool_calls": wire_calls(calls, first)}
 
     def _forced(self, text: str, reason: str | None) -> tuple[dict, str | None]:
         if self.tools.choice == "named":
@@ -197,6 +212,6 @@ class ToolCallStream:
         rest = (parsed.content or "")[self.sent:]
         if rest:
             fields["content"] = rest
-        if parsed.calls:
-            fields["tool_calls"] = wire_calls(parsed.calls)
+        if parsed.calls[self.calls_sent:]:
+            fields["tool_calls"] = wire_calls(parsed.calls[self.calls_sent:], self.calls_sent)
         return fields, finish(reason, parsed)

@@ -4,13 +4,15 @@ the text left as the answer, by the format the model was trained to write calls 
     parser = TOOL_PARSERS["hermes"]
     parsed = parser.parse(text)        # Parsed(content, calls)
     parser.content_end(text)           # how much of a partial text is surely plain answer
+    parser.calls_end(text)             # how much of it holds only finished calls (and text)
 
 `hermes`: Hermes / Qwen 2.5+ write `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`,
 one block per call, with free text around them. `llama3_json`: Llama 3.x answers a call with
 the bare JSON `{"name": ..., "parameters": {...}}` (optionally after `<|python_tag|>`; several
 calls separated by ";"). vLLM's parsers of the same names read the same forms. A block that is
 not a call (bad JSON, no name) is left in the content, never dropped. `content_end` lets a
-stream send the answer as it comes and hold back only what may still turn into a call.
+stream send the answer as it comes and hold back only what may still turn into a call;
+`calls_end` lets it send each call once it is closed.
 """
 
 from __future__ import annotations
@@ -88,6 +90,12 @@ class HermesParser:
         end = found if found >= 0 else len(text) - _held_prefix(text, self.start)
         return len(text[:end].rstrip())
 
+    def calls_end(self, text: str) -> int:
+        """Up to the last `</tool_call>`: the calls there are the first calls of any longer
+        text."""
+        found = text.rfind(self.end)
+        return found + len(self.end) if found >= 0 else 0
+
 
 class Llama3JsonParser:
     """A whole answer of JSON calls `{"name": ..., "parameters": {...}}`, ";"-separated,
@@ -126,6 +134,11 @@ class Llama3JsonParser:
         if not head or head.startswith(("{", self.tag)) or self.tag.startswith(head):
             return 0
         return len(text)
+
+    @staticmethod
+    def calls_end(text: str) -> int:
+        """Nothing: a call's JSON may go on (another ";"-separated call) until the end."""
+        return 0
 
 
 TOOL_PARSERS = {"hermes": HermesParser(), "llama3_json": Llama3JsonParser()}

@@ -110,6 +110,19 @@ def test_named_stream_sends_arguments_as_they_come():
     assert then == {"tool_calls": [{"index": 0, "function": {"arguments": 'ty": "Oslo"}'}}]}
 
 
+def test_auto_stream_sends_each_hermes_call_once_closed():
+    stream = ToolCallStream(AUTO, "hermes")
+    cut = HERMES_TEXT.index("</tool_call>") + len("</tool_call>")
+    fields, _ = stream.step(HERMES_TEXT[:cut - 1], None)
+    assert fields == {"content": "Sure."}
+    fields, _ = stream.step(HERMES_TEXT[cut - 1:cut + 3], None)
+    assert [(c["index"], c["function"]["name"]) for c in fields["tool_calls"]] == \
+        [(0, "get_weather")] and "content" not in fields
+    fields, finish = stream.step(HERMES_TEXT[cut + 3:], "stop")
+    assert [(c["index"], c["function"]["name"]) for c in fields["tool_calls"]] == \
+        [(1, "get_time")] and finish == "tool_calls"
+
+
 def test_auto_stream_sends_plain_text_before_the_end():
     stream = ToolCallStream(AUTO, "hermes")
     assert stream.step("The answer is", None)[0] == {"content": "The answer is"}

@@ -84,3 +84,17 @@ def test_content_end_never_lets_out_a_call(name, text):
     for i in range(len(text) + 1):
         sent = max(sent, parser.content_end(text[:i]))
         assert (final.content or "").startswith(text[:sent])
+
+
+@pytest.mark.parametrize("name", sorted(TOOL_PARSERS))
+@pytest.mark.parametrize("text", [
+    f"A <tool_call>{PARIS}</tool_call> b <tool_call>{{bad}}</tool_call> "
+    f"<tool_call>{PARIS}</tool_call> c", f"<tool_call>{PARIS}",
+    '{"name": "f", "parameters": {}}; {"name": "g", "parameters": {}}'])
+def test_calls_end_holds_the_first_calls(name, text):
+    """At every prefix, the calls up to `calls_end` are the first calls of the whole text."""
+    parser = TOOL_PARSERS[name]
+    final = parser.parse(text).calls
+    for i in range(len(text) + 1):
+        early = parser.parse(text[:parser.calls_end(text[:i])]).calls
+        assert final[:len(early)] == early
