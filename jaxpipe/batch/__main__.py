@@ -65,7 +65,8 @@ def main(argv=None) -> int:
     from jaxpipe.batch.runners import ServerError
     from jaxpipe.runtime.distributed import FollowerLost
 
-    job = Job(args.input, args.output, config.max_line_bytes, progress=config.progress)
+    job = Job(args.input, args.output, config.max_line_bytes, progress=config.progress,
+              tool_call_parser=config.tool_call_parser)
     try:
         job.run(_runner(config, kwargs))
     except (ServerError, FollowerLost) as e:

@@ -20,6 +20,7 @@ from jaxpipe.batch.lookahead import DEFAULT_LOOKAHEAD
 from jaxpipe.batch.openai import BatchLine, Failed, Finished, error_record, parse_line
 from jaxpipe.batch.openai import success_record as ok_record
 from jaxpipe.config.checks import check_counts
+from jaxpipe.request.tool_parsers import TOOL_PARSERS
 from jaxpipe.request.validate import RequestError
 
 
@@ -27,7 +28,7 @@ from jaxpipe.request.validate import RequestError
 class BatchJobConfig:
     """How a batch job runs, besides its files: `python -m jaxpipe.batch`'s own flags
     (`--server`, `--max-in-flight`, `--max-line-bytes`, `--no-progress`,
-    `--prefix-lookahead`).
+    `--prefix-lookahead`, `--tool-call-parser`).
 
     server: HOST:PORT of a running `python -m jaxpipe.serve` to send the requests to instead
         of loading the model in this process (the engine flags are then ignored)
@@ -38,6 +39,8 @@ class BatchJobConfig:
         many requests are read ahead and queued so that those sharing a prefix run close
         together (longest-prefix-match groups, jaxpipe.batch.lookahead); 1 keeps the input
         order. Records are written as requests finish, keyed by custom_id, either way
+    tool_call_parser: how a chat answer with tool_choice "auto" is read for tool calls:
+        "hermes" (Hermes / Qwen `<tool_call>` JSON) or "llama3_json" (Llama 3's JSON form)
     """
 
     server: str | None = None
@@ -45,9 +48,13 @@ class BatchJobConfig:
     max_line_bytes: int = 1 << 20
     progress: bool = True
     prefix_lookahead: int = DEFAULT_LOOKAHEAD
+    tool_call_parser: str = "hermes"
 
     def __post_init__(self):
         check_counts(self, "max_in_flight", "max_line_bytes", "prefix_lookahead")
+        if self.tool_call_parser not in TOOL_PARSERS:
+            raise ValueError(f"BatchJobConfig.tool_call_parser must be one of "
+                             f"{', '.join(TOOL_PARSERS)}, got {self.tool_call_parser!r}")
         if self.server is not None and (not isinstance(self.server, str)
                                         or not self.server.strip()):
             raise ValueError(f"BatchJobConfig.server must be HOST:PORT or None, "
@@ -82,8 +89,9 @@ class Job:
     """Runs INPUT -> OUTPUT with a runner (`LocalRunner` or `RemoteRunner`)."""
 
     def __init__(self, input_path: str, output_path: str, max_line_bytes: int,
-                 progress: bool = True):
+                 progress: bool = True, tool_call_parser: str = "hermes"):
         self.input_path, self.output_path = input_path, output_path
+        self.tool_call_parser = tool_call_parser
         self.max_line_bytes = max_line_bytes
         self.progress = progress
         self.summary = Summary()
@@ -148,7 +156,7 @@ class Job:
             return
         self.summary.prompt_tokens += len(outcome.prompt_token_ids)
         self.summary.completion_tokens += outcome.completion_tokens
-        self._record(ok_record(item, outcome, self._model), ok=True)
+        self._record(ok_record(item, outcome, self._model, self.tool_call_parser), ok=True)
 
     def _record(self, record: dict, ok: bool) -> None:
         self._writer.write(record)

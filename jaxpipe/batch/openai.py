@@ -14,8 +14,10 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from jaxpipe.request.openai import CHAT_URL, COMPLETIONS_URL, body_key, read_body
+from jaxpipe.request.openai import CHAT_URL, COMPLETIONS_URL, Body, body_key, read_body
 from jaxpipe.request.outputs import Completion
+from jaxpipe.request.tool_calls import message
+from jaxpipe.request.tools import ToolRequest
 from jaxpipe.request.validate import RequestError
 
 LINE_KEYS = {"custom_id", "method", "url", "body"}
@@ -32,6 +34,11 @@ class BatchLine:
     kind: str  # "text" | "chat" | "token_ids"
     prompt: object
     sampling: dict
+    tools: ToolRequest | None = None  # chat: the functions offered (request/tools.py)
+
+    @property
+    def template_vars(self) -> dict | None:
+        return None if self.tools is None else self.tools.template_vars()
 
 
 @dataclass(frozen=True)
@@ -92,13 +99,14 @@ def parse_line(raw: dict, line: int) -> BatchLine:
         raise RequestError("url", f"must be {CHAT_URL} or {COMPLETIONS_URL}, got {url!r}")
     if not isinstance(body, dict):
         raise RequestError("body", "must be a JSON object")
-    kind, prompt, sampling = parse_body(url, body)
-    return BatchLine(line, cid, url, str(body.get("model", "")), kind, prompt, sampling)
+    b = parse_body(url, body)
+    return BatchLine(line, cid, url, str(body.get("model", "")), b.kind, b.prompts[0],
+                     b.sampling, b.tools)
 
 
-def parse_body(url: str, body: dict) -> tuple[str, object, dict]:
-    """(prompt kind, prompt, SamplingParams fields) of a batch line's body: one prompt, no
-    streaming; errors name the key as "body.<key>"."""
+def parse_body(url: str, body: dict) -> Body:
+    """A batch line's body, read: one prompt, no streaming; errors name the key as
+    "body.<key>"."""
     try:
         b = read_body(url, body)
         if b.stream:
@@ -109,7 +117,7 @@ def parse_body(url: str, body: dict) -> tuple[str, object, dict]:
             raise RequestError("echo", "echo is not available in batch jobs")
     except RequestError as e:
         raise RequestError(f"body.{e.field}", e.message) from None
-    return b.kind, b.prompts[0], b.sampling
+    return b
 
 
 def body_field(field: str) -> str:
@@ -118,8 +126,10 @@ def body_field(field: str) -> str:
     return field if key is None else f"body.{key}"
 
 
-def success_record(item: BatchLine, result: Finished, model: str) -> dict:
-    """The output record of a completed request (`model`: the body's model, else the engine's)."""
+def success_record(item: BatchLine, result: Finished, model: str,
+                   tool_call_parser: str = "hermes") -> dict:
+    """The output record of a completed request (`model`: the body's model, else the engine's;
+    `tool_call_parser`: how an "auto" tool choice's answer is read for calls)."""
     rid = f"req_{uuid.uuid4().hex[:24]}"
     usage = {"prompt_tokens": len(result.prompt_token_ids),  # once for its n samples
              "completion_tokens": result.completion_tokens,
@@ -128,16 +138,21 @@ def success_record(item: BatchLine, result: Finished, model: str) -> dict:
     body = ({"id": f"chatcmpl-{rid}", "object": "chat.completion"} if chat else
             {"id": f"cmpl-{rid}", "object": "text_completion"})
     body.update(created=int(time.time()), model=item.model or model,
-                choices=[_choice(i, s, chat) for i, s in enumerate(result.samples)], usage=usage)
+                choices=[_choice(i, s, chat, item.tools, tool_call_parser)
+                         for i, s in enumerate(result.samples)], usage=usage)
     return {"id": f"batch_{rid}", "custom_id": item.custom_id,
             "response": {"status_code": 200, "request_id": rid, "body": body}, "error": None}
 
 
-def _choice(index: int, result: Finished, chat: bool) -> dict:
+def _choice(index: int, result: Finished, chat: bool, tools: ToolRequest | None,
+            parser: str) -> dict:
     choice = {"index": index, "finish_reason": result.finish_reason,
               "stop_reason": result.stop_reason, "token_ids": result.token_ids,
               "logprobs": _logprobs(result.logprobs)}
-    if chat:
+    if chat and tools is not None:
+        choice["message"], choice["finish_reason"] = message(
+            result.text, result.finish_reason, tools, parser)
+    elif chat:
         choice["message"] = {"role": "assistant", "content": result.text}
     else:
         choice["text"] = result.text

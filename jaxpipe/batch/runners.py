@@ -80,7 +80,7 @@ class LocalRunner:
         for item in items:
             try:
                 yield item, prepare(item.kind, item.prompt, item.sampling,
-                                    self.engine.tokenizer, self.limits)
+                                    self.engine.tokenizer, self.limits, item.template_vars)
             except RequestError as e:
                 emit(item, Failed.from_error(e))
             except (ValueError, TypeError) as e:
@@ -164,6 +164,9 @@ class RemoteRunner:
         return chunk, taken == self.chunk
 
     def _to_proto(self, item: BatchLine):
+        if item.tools is not None:
+            raise RequestError("body.tools", "tool calls are not sent over gRPC; run the job "
+                               "in this process (no --server) or through the HTTP Batch API")
         sampling_params(item.sampling)  # type and range errors, before building the proto
         sp = self.pb.SamplingParams(**{k: v for k, v in item.sampling.items()
                                        if not (k == "stop" and isinstance(v, str))})

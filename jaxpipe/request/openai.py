@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from jaxpipe.request.tools import ToolRequest, read_tools
 from jaxpipe.request.validate import RequestError
 
 CHAT_URL, COMPLETIONS_URL = "/v1/chat/completions", "/v1/completions"
@@ -30,6 +31,7 @@ SAMPLING_KEYS.update({k: k for k in (
     "include_stop_str_in_output", "best_of")})
 _COMMON_KEYS = {"model", "user", "stream", "stream_options"}
 CHAT_KEYS = set(SAMPLING_KEYS) | _COMMON_KEYS | {"messages", "logprobs", "top_logprobs"}
+CHAT_KEYS |= {"tools", "tool_choice", "parallel_tool_calls"}  # request/tools.py
 COMPLETION_KEYS = ((set(SAMPLING_KEYS) - {"max_completion_tokens"}) | _COMMON_KEYS
                    | {"prompt", "logprobs", "echo"})
 
@@ -47,6 +49,12 @@ class Body:
     include_usage: bool  # stream_options.include_usage: a last chunk with the usage
     echo: bool  # completions: the prompt's text before the completion's
     top_logprobs: int | None  # how many alternatives each token's logprobs list (None: off)
+    tools: ToolRequest | None = None  # chat: the functions offered and how calls are made
+
+    @property
+    def template_vars(self) -> dict | None:
+        """What a chat prompt's template is rendered with beyond its messages."""
+        return None if self.tools is None else self.tools.template_vars()
 
 
 def read_body(url: str, body: dict) -> Body:
@@ -73,10 +81,13 @@ def read_body(url: str, body: dict) -> Body:
         echo = _flag(body, "echo")
     if top is not None:
         sampling["logprobs"] = top
+    tools = read_tools(body) if url == CHAT_URL else None
+    if tools is not None and tools.constrained:
+        sampling["structured_outputs"] = {"json": tools.schema()}
     if echo and (top is not None or sampling.get("max_tokens") == 0):
         sampling["prompt_logprobs"] = top or 0  # the echoed prompt's logprobs; max_tokens=0
         # scores the prompt without generating
-    return Body(kind, prompts, sampling, model, stream, include_usage, echo, top)
+    return Body(kind, prompts, sampling, model, stream, include_usage, echo, top, tools)
 
 
 def _flag(body: dict, key: str) -> bool:

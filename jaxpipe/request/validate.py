@@ -5,16 +5,20 @@ end and the JSONL batch jobs all refuse exactly the same inputs with the same me
 A prompt is given as one of three kinds:
 
     "text"       a string, tokenized with the model's tokenizer (special tokens added)
-    "chat"       [{"role", "content"}, ...], rendered with the model's chat template
+    "chat"       [{"role", "content"}, ...], rendered with the model's chat template (with
+                 `template_vars` such as `tools`); an assistant message may carry
+                 `tool_calls` instead of content, a "tool" message its `tool_call_id`
     "token_ids"  a list of token ids
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
 
 import numpy as np
+from jinja2 import TemplateError
 
 from jaxpipe.request.params import SamplingParams
 
@@ -49,8 +53,10 @@ class Prepared:
     params_dict: dict
 
 
-def prepare(kind: str | None, value, sampling: dict, tokenizer, limits: Limits) -> Prepared:
-    """Validate one request and tokenize its prompt, or raise RequestError."""
+def prepare(kind: str | None, value, sampling: dict, tokenizer, limits: Limits,
+            template_vars: dict | None = None) -> Prepared:
+    """Validate one request and tokenize its prompt, or raise RequestError. `template_vars`:
+    what a chat prompt's template gets beyond the messages (e.g. `tools`)."""
     params = sampling_params(sampling)
     if params.stop and tokenizer is None:
         raise RequestError("sampling.stop", "stop strings need a tokenizer; this model has none "
@@ -59,7 +65,8 @@ def prepare(kind: str | None, value, sampling: dict, tokenizer, limits: Limits) 
         raise RequestError("sampling.bad_words", "bad_words need a tokenizer; this model has "
                            "none (use logit_bias with -100)")
     check_vocab(params, limits)
-    ids = prompt_token_ids(kind, value, tokenizer, limits, params.truncate_prompt_tokens)
+    ids = prompt_token_ids(kind, value, tokenizer, limits, params.truncate_prompt_tokens,
+                           template_vars)
     max_tokens(ids, params, limits)
     as_dict = {k: list(v) if isinstance(v, tuple) else v
                for k, v in dataclasses.asdict(params).items()}
@@ -105,7 +112,8 @@ def sampling_params(fields: dict) -> SamplingParams:
 
 
 def prompt_token_ids(kind: str | None, value, tokenizer, limits: Limits,
-                     truncate: int | None = None) -> list[int]:
+                     truncate: int | None = None, template_vars: dict | None = None
+                     ) -> list[int]:
     """The prompt's token ids, checked against the vocabulary and max_model_len: only its
     last `truncate` ids when that is given (`truncate_prompt_tokens`)."""
     if kind not in PROMPT_KINDS:
@@ -115,7 +123,7 @@ def prompt_token_ids(kind: str | None, value, tokenizer, limits: Limits,
     if kind == "text":
         ids = _text_ids(value, tokenizer)
     elif kind == "chat":
-        ids = _chat_ids(value, tokenizer)
+        ids = _chat_ids(value, tokenizer, template_vars or {})
     else:
         ids = _checked_ids(value, limits.vocab_size)
     if truncate is not None:
@@ -134,21 +142,56 @@ def _text_ids(text, tokenizer) -> list[int]:
     return tokenizer.encode(text)
 
 
-def _chat_ids(messages, tokenizer) -> list[int]:
+def _chat_ids(messages, tokenizer, template_vars: dict) -> list[int]:
     if not isinstance(messages, list) or not messages:
         raise RequestError("chat", "give a non-empty list of messages")
-    for i, msg in enumerate(messages):
-        if not isinstance(msg, dict):
-            raise RequestError(f"chat[{i}]", "each message is an object with role and content")
-        if msg.get("role") not in CHAT_ROLES:
-            raise RequestError(f"chat[{i}].role", f"must be one of {', '.join(CHAT_ROLES)}, "
-                               f"got {msg.get('role')!r}")
-        if not isinstance(msg.get("content"), str):
-            raise RequestError(f"chat[{i}].content", "must be a string")
+    messages = [_message(f"chat[{i}]", msg) for i, msg in enumerate(messages)]
     if tokenizer.chat_template is None:
         raise RequestError("chat", "this model has no chat template; give text or token_ids")
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    try:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                             **template_vars)
+    except (TemplateError, TypeError) as e:
+        raise RequestError("chat", f"the model's chat template cannot render these messages: "
+                           f"{type(e).__name__}: {e}") from None
     return tokenizer.encode(text, add_special_tokens=False)
+
+
+def _message(where: str, msg) -> dict:
+    """A checked message, as the chat template gets it (a copy: tool call arguments given
+    as JSON text become objects, as vLLM passes them, since templates write them out)."""
+    if not isinstance(msg, dict):
+        raise RequestError(where, "each message is an object with role and content")
+    if msg.get("role") not in CHAT_ROLES:
+        raise RequestError(f"{where}.role", f"must be one of {', '.join(CHAT_ROLES)}, "
+                           f"got {msg.get('role')!r}")
+    calls = msg.get("tool_calls") if msg["role"] == "assistant" else None
+    if not isinstance(msg.get("content"), str) and not (calls and msg.get("content") is None):
+        raise RequestError(f"{where}.content", "must be a string (null only beside an "
+                           "assistant's tool_calls)")
+    if msg["role"] == "tool" and not isinstance(msg.get("tool_call_id", ""), str):
+        raise RequestError(f"{where}.tool_call_id", "must be a string")
+    if calls is None:
+        return msg
+    if not isinstance(calls, list):
+        raise RequestError(f"{where}.tool_calls", "must be a list of "
+                           '{"id", "type": "function", "function": {"name", "arguments"}}')
+    return {**msg, "tool_calls": [_tool_call(f"{where}.tool_calls[{i}]", call)
+                                  for i, call in enumerate(calls)]}
+
+
+def _tool_call(where: str, call) -> dict:
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise RequestError(where, 'must be {"id", "type": "function", "function": {"name", '
+                           '"arguments"}}')
+    args = fn.get("arguments")
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except json.JSONDecodeError:
+            raise RequestError(f"{where}.function.arguments", f"is not JSON: {args!r}") from None
+    return {**call, "function": {**fn, "arguments": args}}
 
 
 def _checked_ids(ids, vocab_size: int) -> list[int]:

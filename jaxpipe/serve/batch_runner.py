@@ -57,7 +57,7 @@ class ClientRunner:
             raise ServerError(self.client.unavailable_reason())
         try:
             prep = prepare(item.kind, item.prompt, item.sampling, self.tokenizer,
-                           Limits(info.max_model_len, info.vocab_size))
+                           Limits(info.max_model_len, info.vocab_size), item.template_vars)
         except RequestError as e:
             emit(item, Failed.from_error(e))
             return

@@ -121,11 +121,11 @@ class Batches:
     blocks until the engine serves again (False: the server is stopping)."""
 
     def __init__(self, root: str, files: FileStore, runner: Callable, wait_engine: Callable,
-                 max_line_bytes: int):
+                 max_line_bytes: int, tool_call_parser: str = "hermes"):
         self.root = os.path.join(root, "batches")
         os.makedirs(self.root, exist_ok=True)
         self.files, self.runner, self.wait_engine = files, runner, wait_engine
-        self.max_line_bytes = max_line_bytes
+        self.max_line_bytes, self.tool_call_parser = max_line_bytes, tool_call_parser
         self._lock = threading.Lock()  # guards batch objects on disk
         self._runners: dict[str, object] = {}
         self._tallies: dict[str, _Tally] = {}  # by batch id
@@ -203,8 +203,8 @@ class Batches:
             runner = self._runners[batch_id] = self.runner(f"{batch_id}-{attempt}")
             attempt += 1
             try:
-                Job(source, self._records(batch_id), self.max_line_bytes, progress=False).run(
-                    runner)
+                Job(source, self._records(batch_id), self.max_line_bytes, progress=False,
+                    tool_call_parser=self.tool_call_parser).run(runner)
                 break
             except ServerError as e:
                 log.warning("batch %s paused: %s", batch_id, e)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from jaxpipe.request.tool_parsers import TOOL_PARSERS
+
 
 @dataclass
 class ServerConfig:
@@ -33,6 +35,9 @@ class ServerConfig:
         its files and jobs in this directory (None: no Batch API); jobs found there unfinished
         resume at start.
     max_file_mb: the largest Batch API upload, in MiB.
+    tool_call_parser: how a chat answer with tool_choice "auto" is read for tool calls: the
+        model's own call format, "hermes" (Hermes / Qwen `<tool_call>` JSON) or
+        "llama3_json" (Llama 3's JSON form).
     engine: EngineConfig fields (its defaults apply); their flags are EngineConfig's.
     """
 
@@ -50,6 +55,7 @@ class ServerConfig:
     metrics_host: str = "127.0.0.1"
     batch_dir: str | None = None
     max_file_mb: float = 512.0
+    tool_call_parser: str = "hermes"
     engine: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -73,6 +79,9 @@ class ServerConfig:
         _check_number("max_file_mb", self.max_file_mb, 1 << 20)
         if self.batch_dir is not None and self.http_port is None:
             raise ValueError("ServerConfig.batch_dir needs the HTTP front end (http_port)")
+        if self.tool_call_parser not in TOOL_PARSERS:
+            raise ValueError(f"ServerConfig.tool_call_parser must be one of "
+                             f"{', '.join(TOOL_PARSERS)}, got {self.tool_call_parser!r}")
         if self.metrics_port is not None:
             _check_int("metrics_port", self.metrics_port, 0, 65535)
         if self.max_request_bytes > self.max_message_bytes:

@@ -8,6 +8,10 @@ against. Bodies are read as plain JSON and checked by the validators gRPC and ba
 (`request.openai.read_body`, then `request.validate.prepare`), not by pydantic models of their
 own: one set of rules and messages for every front end.
 
+A chat request with `tools` has its tools rendered by the chat template and its answer read
+for calls (`request.tool_calls`: forced calls, or the `--tool-call-parser` for "auto"), whole
+or streamed.
+
 Every accepted call ends with one response or one error: 400 naming the body key (`param`),
 404 for another model, 413 for an oversized body, 429 with Retry-After past
 `max_concurrent_requests` calls in flight, 503 while the engine is down or the server drains.
@@ -31,6 +35,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from jaxpipe.request.openai import CHAT_URL, COMPLETIONS_URL, Body, body_key, read_body
 from jaxpipe.request.outputs import Completion
+from jaxpipe.request.tool_calls import ToolCallStream, message
 from jaxpipe.request.validate import Limits, RequestError, prepare
 from jaxpipe.serve import messages as m
 from jaxpipe.serve import openai_responses as r
@@ -131,8 +136,10 @@ class HttpFrontEnd:
     """The routes over one EngineClient; `app` is the ASGI application."""
 
     def __init__(self, client: EngineClient, tokenizer, model: str, max_request_bytes: int,
-                 max_concurrent_requests: int, metrics: ServerMetrics):
+                 max_concurrent_requests: int, metrics: ServerMetrics,
+                 tool_call_parser: str = "hermes"):
         self.client, self.tokenizer, self.model = client, tokenizer, model
+        self.tool_call_parser = tool_call_parser
         self.max_request_bytes, self.metrics = max_request_bytes, metrics
         self.outcomes = metrics.outcomes
         self.admission = Admission(max_concurrent_requests)
@@ -249,8 +256,8 @@ class HttpFrontEnd:
             if info is None:
                 raise ApiError(503, self.client.unavailable_reason())
             limits = Limits(info.max_model_len, info.vocab_size)
-            preps = [(prepare(body.kind, p, body.sampling, self.tokenizer, limits), p)
-                     for p in body.prompts]
+            preps = [(prepare(body.kind, p, body.sampling, self.tokenizer, limits,
+                              body.template_vars), p) for p in body.prompts]
             return body, [Completion(prep, self.tokenizer, stream=True, echo=self._echo(body, p),
                                      timer=self.metrics.latency.timer("http"))
                           for prep, p in preps for _ in range(prep.params.n)]
@@ -282,11 +289,18 @@ class HttpFrontEnd:
         except RequestError as e:
             raise ApiError(400, f"{e.field}: {e.message}", e.field) from None
         out = r.envelope(url, rid, self.model, int(time.time()), [
-            r.choice(url, i, c.text, c.finish_reason, self._logprobs(url, body, c, c))
-            for i, c in enumerate(choices)])
+            self._choice(url, body, i, c) for i, c in enumerate(choices)])
         out["usage"] = self._usage(choices)
         self._log_done(url, rid, out["usage"], start)
         return out
+
+    def _choice(self, url: str, body: Body, index: int, c: Completion) -> dict:
+        """One choice of a whole response; with tools, the calls its output makes."""
+        lp = self._logprobs(url, body, c, c)
+        if body.tools is None:
+            return r.choice(url, index, c.text, c.finish_reason, lp)
+        fields, finish = message(c.text, c.finish_reason, body.tools, self.tool_call_parser)
+        return r.choice(url, index, c.text, finish, lp, fields=fields)
 
     async def _events(self, url: str, rid: str, body: Body, call: LoopCall,
                       choices: list[Completion]):
@@ -294,15 +308,21 @@ class HttpFrontEnd:
         engine lost mid-stream ends it with an error event (the status line is long gone)."""
         created, start = int(time.time()), time.perf_counter()
         started: set[int] = set()  # choices with a chunk sent (a chat stream's first has the role)
+        tools = None if body.tools is None else [
+            ToolCallStream(body.tools, self.tool_call_parser) for _ in choices]
         try:
             async for index, delta in _deltas(call):
                 c = choices[index]
                 text = c.add(delta)
                 lp = self._logprobs(url, body, c, delta, len(c.text) - len(text))
-                if text or lp or delta.finish_reason is not None or index not in started:
+                fields, finish = None, delta.finish_reason
+                if tools is not None:
+                    fields, finish = tools[index].step(text, finish)
+                if (fields if tools else text) or lp or finish is not None \
+                        or index not in started:
                     yield sse(r.envelope(url, rid, self.model, created, [r.choice(
-                        url, index, text, delta.finish_reason, lp, chunk=True,
-                        first=index not in started)], chunk=True))
+                        url, index, text, finish, lp, chunk=True, first=index not in started,
+                        fields=fields)], chunk=True))
                     started.add(index)
         except (EngineUnavailable, RequestError) as e:
             status = 503 if isinstance(e, EngineUnavailable) else 400

@@ -37,15 +37,18 @@ def envelope(url: str, rid: str, model: str, created: int, choices: list, *,
 
 
 def choice(url: str, index: int, text: str, finish_reason: str | None, logprobs: dict | None,
-           *, chunk: bool = False, first: bool = False) -> dict:
-    """One entry of `choices`: a chat message (or chunk delta) or a completion's text."""
+           *, chunk: bool = False, first: bool = False, fields: dict | None = None) -> dict:
+    """One entry of `choices`: a chat message (or chunk delta) or a completion's text.
+    `fields`: the chat message's (or delta's) fields instead of {"content": text} (tool
+    calls: `request.tool_calls`)."""
     out: dict = {"index": index}
+    fields = {"content": text} if fields is None else fields
     if url != CHAT_URL:
         out["text"] = text
     elif chunk:
-        out["delta"] = {"role": "assistant", "content": text} if first else {"content": text}
+        out["delta"] = {"role": "assistant", **fields} if first else fields
     else:
-        out["message"] = {"role": "assistant", "content": text}
+        out["message"] = {"role": "assistant", **fields}
     out["logprobs"] = logprobs
     out["finish_reason"] = finish_reason
     return out

@@ -154,7 +154,8 @@ def _add_batch_api(config: ServerConfig, front: HttpFrontEnd, stop: threading.Ev
         return False
 
     files = FileStore(config.batch_dir)
-    batches = Batches(config.batch_dir, files, runner, wait_engine, config.max_request_bytes)
+    batches = Batches(config.batch_dir, files, runner, wait_engine, config.max_request_bytes,
+                      config.tool_call_parser)
     BatchRoutes(files, batches, int(config.max_file_mb * 2**20)).add_to(front.app)
     batches.resume()
     log.info("Batch API on (files and jobs in %s)", config.batch_dir)
@@ -175,7 +176,8 @@ def _start_front_ends(config: ServerConfig, client: EngineClient,
                      config.host, port)
         if config.http_port is not None:
             fronts.http_front = HttpFrontEnd(client, tokenizer, model, config.max_request_bytes,
-                                             config.max_concurrent_requests, metrics)
+                                             config.max_concurrent_requests, metrics,
+                                             config.tool_call_parser)
             if config.batch_dir is not None:
                 _add_batch_api(config, fronts.http_front, stop)
             fronts.http = HttpServer(fronts.http_front.app, config.http_host, config.http_port,

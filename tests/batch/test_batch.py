@@ -247,6 +247,8 @@ def test_help_is_complete(module, flags):
     (["--max-in-flight", "0"], "BatchJobConfig.max_in_flight must be an integer >= 1, got 0"),
     (["--max-line-bytes", "-1"], "BatchJobConfig.max_line_bytes must be an integer >= 1, got -1"),
     (["--server", " "], "BatchJobConfig.server must be HOST:PORT or None, got ' '"),
+    (["--tool-call-parser", "xml"], "BatchJobConfig.tool_call_parser must be one of hermes, "
+     "llama3_json, got 'xml'"),
 ])
 def test_bad_job_flag_is_a_usage_error(flags, message, capsys):
     with pytest.raises(SystemExit) as e:
@@ -261,7 +263,55 @@ def test_job_flags_build_the_job_config():
 
     p = build_parser()
     args = p.parse_args(["in.jsonl", "-o", "out.jsonl", "--server", "h:1", "--no-progress",
-                         "--max-in-flight", "8"])
+                         "--max-in-flight", "8", "--tool-call-parser", "llama3_json"])
     assert config_from_args(BatchJobConfig, args, p) == BatchJobConfig(
-        server="h:1", max_in_flight=8, progress=False)
+        server="h:1", max_in_flight=8, progress=False, tool_call_parser="llama3_json")
     assert config_from_args(BatchJobConfig, p.parse_args(["i", "-o", "o"]), p) == BatchJobConfig()
+
+
+WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                     "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+    "required": ["city", "days"], "additionalProperties": False}}}
+TOOL_LINES = [
+    line(cid, "/v1/chat/completions", messages=CHAT, tools=[WEATHER_TOOL], max_tokens=60,
+         temperature=0, tool_choice=choice)
+    for cid, choice in (("named", {"type": "function", "function": {"name": "get_weather"}}),
+                        ("required", "required"),
+                        ("unknown", {"type": "function", "function": {"name": "nope"}}))]
+
+
+def test_tool_lines_in_process_are_valid_calls(engine, tmp_path):
+    """Chat lines with a forced tool call: each choice's message holds calls whose arguments
+    fit the tool's schema (checked by hand); a line naming an unknown tool gets an error
+    record naming body.tool_choice."""
+    path, output = tmp_path / "tools.jsonl", tmp_path / "out.jsonl"
+    write_input(path, TOOL_LINES)
+    summary = Job(str(path), str(output), 4096, progress=False).run(
+        LocalRunner(engine, max_in_flight=4))
+    assert (summary.succeeded, summary.failed) == (2, 1)
+    by_id = {r["custom_id"]: r for r in records(output)}
+    assert by_id["unknown"]["error"]["param"] == "body.tool_choice"
+    for cid in ("named", "required"):
+        choice = by_id[cid]["response"]["body"]["choices"][0]
+        assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+        for call in choice["message"]["tool_calls"]:
+            assert call["function"]["name"] == "get_weather"
+            args = json.loads(call["function"]["arguments"])
+            assert set(args) == {"city", "days"} and isinstance(args["city"], str)
+            assert len(args["city"]) <= 12 and type(args["days"]) is int
+            assert 1 <= args["days"] <= 7
+
+
+def test_server_mode_refuses_tool_lines_clearly(grpc_server, tmp_path):
+    """gRPC carries no tools: such a line gets an error record naming body.tools, the rest of
+    the job runs."""
+    path, output = tmp_path / "tools.jsonl", tmp_path / "out.jsonl"
+    write_input(path, TOOL_LINES[:1] + [line("plain", prompt="Fact 1:", max_tokens=3)])
+    code = batch_main([str(path), "-o", str(output), "--server", grpc_server.address,
+                       "--no-progress"])
+    assert code == 0
+    by_id = {r["custom_id"]: r for r in records(output)}
+    assert by_id["named"]["error"]["param"] == "body.tools"
+    assert "HTTP Batch API" in by_id["named"]["error"]["message"]
+    assert by_id["plain"]["response"]["status_code"] == 200

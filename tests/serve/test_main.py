@@ -21,7 +21,7 @@ def test_every_server_field_has_a_flag_that_reaches_the_config():
              "max_message_mb": 32.0, "max_request_bytes": 4096, "max_concurrent_requests": 7,
              "drain_timeout": 5.0, "engine_restarts": 2, "restart_backoff": 0.5,
              "metrics_port": 9100, "metrics_host": "0.0.0.0", "batch_dir": "/tmp/b",
-             "max_file_mb": 8.0}
+             "max_file_mb": 8.0, "tool_call_parser": "llama3_json"}
     names = {f.name for f in dataclasses.fields(ServerConfig)} - {"engine"}
     assert set(given) == names  # a new field gets a case here
     argv = [a for name, value in given.items()
@@ -41,6 +41,7 @@ def test_refused_values_are_usage_errors(capsys):
     for argv, message in ((["--no-grpc", "--no-http"], "both None"),
                           (["--no-http", "--batch-dir", "x"], "batch_dir needs"),
                           (["--port", "70000"], "port must be an integer"),
+                          (["--tool-call-parser", "xml"], "tool_call_parser must be one of"),
                           (["--max-num-seqs", "0"], "max_num_seqs must be")):
         with pytest.raises(SystemExit) as info:
             parse_args(argv)
