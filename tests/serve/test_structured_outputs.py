@@ -1,7 +1,7 @@
 """Structured outputs through the shared server's front ends: OpenAI's `response_format`
 (the official client's `chat.completions.parse` with a pydantic model, JSON mode, a streamed
-schema), vLLM's `structured_outputs` in `extra_body` (regex, choice), and the gRPC
-`StructuredOutputs` message. The references are independent of the engine: pydantic's
+schema, a Batch API job), vLLM's `structured_outputs` in `extra_body` (regex, choice), and the
+gRPC `StructuredOutputs` message. The references are independent of the engine: pydantic's
 validation, `json.loads`, `re.fullmatch` and list membership; a bad schema is refused before
 the engine sees it and the server then serves on."""
 
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -30,6 +31,8 @@ BAD_SCHEMA = {"type": "object", "properties": {"x": {"type": "integr"}}}
 
 
 class City(pydantic.BaseModel):
+    model_config = pydantic.ConfigDict(extra="forbid")  # additionalProperties: false
+
     name: str = pydantic.Field(max_length=16)
     country: str = pydantic.Field(max_length=16)
     population_millions: int = pydantic.Field(ge=0, le=99)
@@ -167,3 +170,33 @@ def test_grpc_bad_schema_is_invalid_argument_naming_the_field(stub):
     assert info.value.details().startswith("sampling.structured_outputs.json: ")
     text, reason = grpc_text(stub, pb.StructuredOutputs(regex="yes|no"), "Yes or no?")
     assert text in ("yes", "no") and reason == "stop"
+
+
+def test_a_batch_api_job_with_response_format_lines(client):
+    schema = {"type": "json_schema", "json_schema": {
+        "name": "City", "schema": City.model_json_schema(), "strict": True}}
+    lines = [json.dumps({"custom_id": f"c{i}", "method": "POST", "url": "/v1/chat/completions",
+                         "body": {"model": MODEL, "messages": user(prompt), "seed": i,
+                                  "temperature": 1.0, "max_tokens": MAX_TOKENS,
+                                  "response_format": schema}})
+             for i, prompt in enumerate(PROMPTS)]
+    lines.append(json.dumps({"custom_id": "label", "method": "POST",
+                             "url": "/v1/chat/completions", "body": {
+                                 "model": MODEL, "messages": user("Is it good?"),
+                                 "max_tokens": 10, "structured_outputs": {"choice": LABELS}}}))
+    source = client.files.create(file=("in.jsonl", "\n".join(lines).encode()), purpose="batch")
+    batch = client.batches.create(input_file_id=source.id, endpoint="/v1/chat/completions",
+                                  completion_window="24h")
+    deadline = time.monotonic() + 300
+    while client.batches.retrieve(batch.id).status not in ("completed", "failed", "cancelled"):
+        assert time.monotonic() < deadline, client.batches.retrieve(batch.id)
+        time.sleep(0.5)
+    done = client.batches.retrieve(batch.id)
+    assert done.status == "completed" and done.request_counts.failed == 0
+    records = [json.loads(x) for x in client.files.content(done.output_file_id).text.splitlines()]
+    texts = {r["custom_id"]: r["response"]["body"]["choices"][0]["message"]["content"]
+             for r in records}
+    assert set(texts) == {f"c{i}" for i in range(len(PROMPTS))} | {"label"}
+    for i in range(len(PROMPTS)):
+        City.model_validate_json(texts[f"c{i}"])
+    assert texts["label"] in LABELS
