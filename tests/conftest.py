@@ -321,11 +321,13 @@ def _tail(log_path: Path) -> str:
 
 @pytest.fixture(scope="session")
 def grpc_server(tmp_path_factory):
-    """One shared server, gRPC and HTTP (f32, max_model_len=256, max_num_seqs=8; request limit
-    64 KiB, message limit 1 MiB). Tests must leave it idle and alive."""
+    """One shared server, gRPC and HTTP with the Batch API (f32, max_model_len=256,
+    max_num_seqs=8; request limit 64 KiB, message limit 1 MiB). Tests must leave it idle and
+    alive."""
     gguf_dir()
+    where = tmp_path_factory.mktemp("serve")
     server = ServerProcess("--max-request-bytes", "65536", "--max-message-mb", "1",
-                           log_path=tmp_path_factory.mktemp("serve") / "server.log")
+                           "--batch-dir", str(where / "batches"), log_path=where / "server.log")
     server.wait_serving()
     yield server
     server.stop()

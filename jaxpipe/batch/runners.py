@@ -7,6 +7,7 @@ keeping at most `max_in_flight` requests outstanding so the input is never loade
 from __future__ import annotations
 
 import itertools
+import json
 import queue
 import threading
 from collections.abc import Callable, Iterator
@@ -167,11 +168,14 @@ class RemoteRunner:
         if item.tools is not None:
             raise RequestError("body.tools", "tool calls are not sent over gRPC; run the job "
                                "in this process (no --server) or through the HTTP Batch API")
-        sampling_params(item.sampling)  # type and range errors, before building the proto
+        params = sampling_params(item.sampling)  # type and range errors, before the proto
         sp = self.pb.SamplingParams(**{k: v for k, v in item.sampling.items()
-                                       if not (k == "stop" and isinstance(v, str))})
+                                       if not (k == "stop" and isinstance(v, str))
+                                       and k != "structured_outputs"})
         if isinstance(item.sampling.get("stop"), str):
             sp.stop.append(item.sampling["stop"])
+        if params.structured_outputs is not None:
+            sp.structured_outputs.CopyFrom(_structured_proto(self.pb, params.structured_outputs))
         msg = self.pb.BatchItem(custom_id=item.custom_id, sampling=sp)
         if item.kind == "text":
             msg.text = item.prompt
@@ -221,6 +225,15 @@ class RemoteRunner:
         logprobs = [[[e.token_id, e.logprob] for e in t.entries] for t in c.logprobs] or None
         return Finished(list(c.prompt_token_ids), list(c.token_ids), c.text, c.finish_reason,
                         stop, logprobs)
+
+
+def _structured_proto(pb, so):
+    """A StructuredOutputsParams -> the proto's StructuredOutputs (a schema as JSON text)."""
+    if so.kind == "json":
+        return pb.StructuredOutputs(json=json.dumps(so.json))
+    if so.kind == "choice":
+        return pb.StructuredOutputs(choice=pb.StructuredOutputs.Choice(options=so.choice))
+    return pb.StructuredOutputs(**{so.kind: getattr(so, so.kind)})
 
 
 def _set_token_ids(msg, ids) -> None:

@@ -21,8 +21,8 @@ import llguidance
 import llguidance.numpy as llg_numpy
 import numpy as np
 
-from jaxpipe.request.grammar import Grammars, mask_width
-from jaxpipe.request.validate import RequestError
+from jaxpipe.request.errors import RequestError
+from jaxpipe.request.grammar import Grammars, grammars_for, mask_width
 from jaxpipe.scheduler import Sequence
 
 
@@ -31,7 +31,6 @@ class Constraints:
 
     def __init__(self, tokenizer, vocab_size: int, threads: int | None = None):
         self._tokenizer, self.vocab_size = tokenizer, vocab_size
-        self._grammars: Grammars | None = None  # built on the first constrained request
         self._threads = threads
         self._pool: llguidance.LLExecutor | None = None
         self.width = mask_width(vocab_size)
@@ -41,9 +40,7 @@ class Constraints:
         if self._tokenizer is None:
             raise RequestError("sampling.structured_outputs", "structured outputs need the "
                                "model's tokenizer; this model has none")
-        if self._grammars is None:
-            self._grammars = Grammars(self._tokenizer, self.vocab_size)
-        return self._grammars
+        return grammars_for(self._tokenizer, self.vocab_size)  # shared with validate.prepare
 
     def attach(self, seqs: list[Sequence]) -> None:
         """Give each of a request's samples a fresh matcher of its constraint (compiled once

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ejaxpipe/protocol/jaxpipe.proto\x12\njaxpipe.v1\"\xdf\x07\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x03H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x06 \x01(\x01H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x07 \x01(\x01H\x06\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\x03H\x07\x88\x01\x01\x12\x17\n\nmax_tokens\x18\t \x01(\x03H\x08\x88\x01\x01\x12\x17\n\nmin_tokens\x18\n \x01(\x03H\t\x88\x01\x01\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\x03\x12\x17\n\nignore_eos\x18\r \x01(\x08H\n\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0e \x01(\x03H\x0b\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x0f \x01(\x08H\x0c\x88\x01\x01\x12\x0e\n\x01n\x18\x10 \x01(\x03H\r\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x11 \x01(\x03H\x0e\x88\x01\x01\x12=\n\nlogit_bias\x18\x14 \x03(\x0b\x32).jaxpipe.v1.SamplingParams.LogitBiasEntry\x12\x19\n\x11\x61llowed_token_ids\x18\x15 \x03(\x03\x12\x11\n\tbad_words\x18\x16 \x03(\t\x12#\n\x16truncate_prompt_tokens\x18\x17 \x01(\x03H\x0f\x88\x01\x01\x12\'\n\x1ainclude_stop_str_in_output\x18\x18 \x01(\x08H\x10\x88\x01\x01\x12\x14\n\x07\x62\x65st_of\x18\x19 \x01(\x03H\x11\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x03\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seedB\r\n\x0b_max_tokensB\r\n\x0b_min_tokensB\r\n\x0b_ignore_eosB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokensB\x04\n\x02_nB\x12\n\x10_prompt_logprobsB\x19\n\x17_truncate_prompt_tokensB\x1d\n\x1b_include_stop_str_in_outputB\n\n\x08_best_of\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"1\n\x04\x43hat\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.jaxpipe.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x03\"\xba\x01\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12 \n\x04\x63hat\x18\x02 \x01(\x0b\x32\x10.jaxpipe.v1.ChatH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.jaxpipe.v1.TokenIdsH\x00\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.jaxpipe.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x05 \x01(\tB\x08\n\x06prompt\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"8\n\rTokenLogprobs\x12\'\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x16.jaxpipe.v1.TopLogprob\"O\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x03\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x03\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\x03\"\xaf\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\x0c\n\x04text\x18\x03 \x01(\t\x12+\n\x08logprobs\x18\x04 \x03(\x0b\x32\x19.jaxpipe.v1.TokenLogprobs\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x17\n\rstop_token_id\x18\x06 \x01(\x03H\x00\x12\x15\n\x0bstop_string\x18\x07 \x01(\tH\x00\x12 \n\x05usage\x18\x08 \x01(\x0b\x32\x11.jaxpipe.v1.Usage\x12\x32\n\x0fprompt_logprobs\x18\t \x03(\x0b\x32\x19.jaxpipe.v1.TokenLogprobs\x12\r\n\x05index\x18\n \x01(\x03\x42\r\n\x0bstop_reason\"\xb3\x01\n\tBatchItem\x12\x11\n\tcustom_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12 \n\x04\x63hat\x18\x03 \x01(\x0b\x32\x10.jaxpipe.v1.ChatH\x00\x12)\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x14.jaxpipe.v1.TokenIdsH\x00\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.jaxpipe.v1.SamplingParamsB\x08\n\x06prompt\"4\n\x0c\x42\x61tchRequest\x12$\n\x05items\x18\x01 \x03(\x0b\x32\x15.jaxpipe.v1.BatchItem\"\xaf\x02\n\nCompletion\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x17\n\rstop_token_id\x18\x04 \x01(\x03H\x00\x12\x15\n\x0bstop_string\x18\x05 \x01(\tH\x00\x12 \n\x05usage\x18\x06 \x01(\x0b\x32\x11.jaxpipe.v1.Usage\x12+\n\x08logprobs\x18\x07 \x03(\x0b\x32\x19.jaxpipe.v1.TokenLogprobs\x12\x18\n\x10prompt_token_ids\x18\x08 \x03(\x03\x12\x32\n\x0fprompt_logprobs\x18\t \x03(\x0b\x32\x19.jaxpipe.v1.TokenLogprobs\x12\r\n\x05index\x18\n \x01(\x03\x42\r\n\x0bstop_reason\"5\n\x05\x45rror\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\r\n\x05\x66ield\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\"|\n\x0b\x42\x61tchResult\x12\x11\n\tcustom_id\x18\x01 \x01(\t\x12,\n\ncompletion\x18\x02 \x01(\x0b\x32\x16.jaxpipe.v1.CompletionH\x00\x12\"\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x11.jaxpipe.v1.ErrorH\x00\x42\x08\n\x06result\"\x13\n\x11ServerInfoRequest\"\xab\x02\n\nServerInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x03\x12\x12\n\nvocab_size\x18\x03 \x01(\x03\x12\x14\n\x0cmax_num_seqs\x18\x04 \x01(\x03\x12\x12\n\nengine_pid\x18\x05 \x01(\x03\x12\x14\n\x0c\x65ngine_alive\x18\x06 \x01(\x08\x12\x1b\n\x13unfinished_requests\x18\x07 \x01(\x03\x12\x1d\n\x15\x65ngine_has_unfinished\x18\x08 \x01(\x08\x12\x19\n\x11\x66inished_requests\x18\t \x01(\x03\x12\x18\n\x10\x61\x62orted_requests\x18\n \x01(\x03\x12\x18\n\x10generated_tokens\x18\x0b \x01(\x03\x12\x18\n\x10protocol_version\x18\x0c \x01(\t2\xe3\x01\n\nGeneration\x12G\n\x08Generate\x12\x1b.jaxpipe.v1.GenerateRequest\x1a\x1c.jaxpipe.v1.GenerateResponse0\x01\x12\x44\n\rGenerateBatch\x12\x18.jaxpipe.v1.BatchRequest\x1a\x17.jaxpipe.v1.BatchResult0\x01\x12\x46\n\rGetServerInfo\x12\x1d.jaxpipe.v1.ServerInfoRequest\x1a\x16.jaxpipe.v1.ServerInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ejaxpipe/protocol/jaxpipe.proto\x12\njaxpipe.v1\"\x9a\x08\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x03H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x06 \x01(\x01H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x07 \x01(\x01H\x06\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\x03H\x07\x88\x01\x01\x12\x17\n\nmax_tokens\x18\t \x01(\x03H\x08\x88\x01\x01\x12\x17\n\nmin_tokens\x18\n \x01(\x03H\t\x88\x01\x01\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\x03\x12\x17\n\nignore_eos\x18\r \x01(\x08H\n\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0e \x01(\x03H\x0b\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x0f \x01(\x08H\x0c\x88\x01\x01\x12\x0e\n\x01n\x18\x10 \x01(\x03H\r\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x11 \x01(\x03H\x0e\x88\x01\x01\x12=\n\nlogit_bias\x18\x14 \x03(\x0b\x32).jaxpipe.v1.SamplingParams.LogitBiasEntry\x12\x19\n\x11\x61llowed_token_ids\x18\x15 \x03(\x03\x12\x11\n\tbad_words\x18\x16 \x03(\t\x12#\n\x16truncate_prompt_tokens\x18\x17 \x01(\x03H\x0f\x88\x01\x01\x12\'\n\x1ainclude_stop_str_in_output\x18\x18 \x01(\x08H\x10\x88\x01\x01\x12\x14\n\x07\x62\x65st_of\x18\x19 \x01(\x03H\x11\x88\x01\x01\x12\x39\n\x12structured_outputs\x18\x1a \x01(\x0b\x32\x1d.jaxpipe.v1.StructuredOutputs\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x03\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seedB\r\n\x0b_max_tokensB\r\n\x0b_min_tokensB\r\n\x0b_ignore_eosB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokensB\x04\n\x02_nB\x12\n\x10_prompt_logprobsB\x19\n\x17_truncate_prompt_tokensB\x1d\n\x1b_include_stop_str_in_outputB\n\n\x08_best_of\"\xb9\x01\n\x11StructuredOutputs\x12\x0e\n\x04json\x18\x01 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x02 \x01(\tH\x00\x12\x36\n\x06\x63hoice\x18\x03 \x01(\x0b\x32$.jaxpipe.v1.StructuredOutputs.ChoiceH\x00\x12\x11\n\x07grammar\x18\x04 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x05 \x01(\x08H\x00\x1a\x19\n\x06\x43hoice\x12\x0f\n\x07options\x18\x01 \x03(\tB\x06\n\x04kind\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"1\n\x04\x43hat\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.jaxpipe.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x03\"\xba\x01\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12 \n\x04\x63hat\x18\x02 \x01(\x0b\x32\x10.jaxpipe.v1.ChatH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.jaxpipe.v1.TokenIdsH\x00\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.jaxpipe.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x05 \x01(\tB\x08\n\x06prompt\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"8\n\rTokenLogprobs\x12\'\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x16.jaxpipe.v1.TopLogprob\"O\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x03\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x03\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\x03\"\xaf\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\x0c\n\x04text\x18\x03 \x01(\t\x12+\n\x08logprobs\x18\x04 \x03(\x0b\x32\x19.jaxpipe.v1.TokenLogprobs\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x17\n\rstop_token_id\x18\x06 \x01(\x03H\x00\x12\x15\n\x0bstop_string\x18\x07 \x01(\tH\x00\x12 \n\x05usage\x18\x08 \x01(\x0b\x32\x11.jaxpipe.v1.Usage\x12\x32\n\x0fprompt_logprobs\x18\t \x03(\x0b\x32\x19.jaxpipe.v1.TokenLogprobs\x12\r\n\x05index\x18\n \x01(\x03\x42\r\n\x0bstop_reason\"\xb3\x01\n\tBatchItem\x12\x11\n\tcustom_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12 \n\x04\x63hat\x18\x03 \x01(\x0b\x32\x10.jaxpipe.v1.ChatH\x00\x12)\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x14.jaxpipe.v1.TokenIdsH\x00\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.jaxpipe.v1.SamplingParamsB\x08\n\x06prompt\"4\n\x0c\x42\x61tchRequest\x12$\n\x05items\x18\x01 \x03(\x0b\x32\x15.jaxpipe.v1.BatchItem\"\xaf\x02\n\nCompletion\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x17\n\rstop_token_id\x18\x04 \x01(\x03H\x00\x12\x15\n\x0bstop_string\x18\x05 \x01(\tH\x00\x12 \n\x05usage\x18\x06 \x01(\x0b\x32\x11.jaxpipe.v1.Usage\x12+\n\x08logprobs\x18\x07 \x03(\x0b\x32\x19.jaxpipe.v1.TokenLogprobs\x12\x18\n\x10prompt_token_ids\x18\x08 \x03(\x03\x12\x32\n\x0fprompt_logprobs\x18\t \x03(\x0b\x32\x19.jaxpipe.v1.TokenLogprobs\x12\r\n\x05index\x18\n \x01(\x03\x42\r\n\x0bstop_reason\"5\n\x05\x45rror\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\r\n\x05\x66ield\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\"|\n\x0b\x42\x61tchResult\x12\x11\n\tcustom_id\x18\x01 \x01(\t\x12,\n\ncompletion\x18\x02 \x01(\x0b\x32\x16.jaxpipe.v1.CompletionH\x00\x12\"\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x11.jaxpipe.v1.ErrorH\x00\x42\x08\n\x06result\"\x13\n\x11ServerInfoRequest\"\xab\x02\n\nServerInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x03\x12\x12\n\nvocab_size\x18\x03 \x01(\x03\x12\x14\n\x0cmax_num_seqs\x18\x04 \x01(\x03\x12\x12\n\nengine_pid\x18\x05 \x01(\x03\x12\x14\n\x0c\x65ngine_alive\x18\x06 \x01(\x08\x12\x1b\n\x13unfinished_requests\x18\x07 \x01(\x03\x12\x1d\n\x15\x65ngine_has_unfinished\x18\x08 \x01(\x08\x12\x19\n\x11\x66inished_requests\x18\t \x01(\x03\x12\x18\n\x10\x61\x62orted_requests\x18\n \x01(\x03\x12\x18\n\x10generated_tokens\x18\x0b \x01(\x03\x12\x18\n\x10protocol_version\x18\x0c \x01(\t2\xe3\x01\n\nGeneration\x12G\n\x08Generate\x12\x1b.jaxpipe.v1.GenerateRequest\x1a\x1c.jaxpipe.v1.GenerateResponse0\x01\x12\x44\n\rGenerateBatch\x12\x18.jaxpipe.v1.BatchRequest\x1a\x17.jaxpipe.v1.BatchResult0\x01\x12\x46\n\rGetServerInfo\x12\x1d.jaxpipe.v1.ServerInfoRequest\x1a\x16.jaxpipe.v1.ServerInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,39 +34,43 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_SAMPLINGPARAMS']._serialized_start=47
-  _globals['_SAMPLINGPARAMS']._serialized_end=1038
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=691
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=739
-  _globals['_CHATMESSAGE']._serialized_start=1040
-  _globals['_CHATMESSAGE']._serialized_end=1084
-  _globals['_CHAT']._serialized_start=1086
-  _globals['_CHAT']._serialized_end=1135
-  _globals['_TOKENIDS']._serialized_start=1137
-  _globals['_TOKENIDS']._serialized_end=1160
-  _globals['_GENERATEREQUEST']._serialized_start=1163
-  _globals['_GENERATEREQUEST']._serialized_end=1349
-  _globals['_TOPLOGPROB']._serialized_start=1351
-  _globals['_TOPLOGPROB']._serialized_end=1398
-  _globals['_TOKENLOGPROBS']._serialized_start=1400
-  _globals['_TOKENLOGPROBS']._serialized_end=1456
-  _globals['_USAGE']._serialized_start=1458
-  _globals['_USAGE']._serialized_end=1537
-  _globals['_GENERATERESPONSE']._serialized_start=1540
-  _globals['_GENERATERESPONSE']._serialized_end=1843
-  _globals['_BATCHITEM']._serialized_start=1846
-  _globals['_BATCHITEM']._serialized_end=2025
-  _globals['_BATCHREQUEST']._serialized_start=2027
-  _globals['_BATCHREQUEST']._serialized_end=2079
-  _globals['_COMPLETION']._serialized_start=2082
-  _globals['_COMPLETION']._serialized_end=2385
-  _globals['_ERROR']._serialized_start=2387
-  _globals['_ERROR']._serialized_end=2440
-  _globals['_BATCHRESULT']._serialized_start=2442
-  _globals['_BATCHRESULT']._serialized_end=2566
-  _globals['_SERVERINFOREQUEST']._serialized_start=2568
-  _globals['_SERVERINFOREQUEST']._serialized_end=2587
-  _globals['_SERVERINFO']._serialized_start=2590
-  _globals['_SERVERINFO']._serialized_end=2889
-  _globals['_GENERATION']._serialized_start=2892
-  _globals['_GENERATION']._serialized_end=3119
+  _globals['_SAMPLINGPARAMS']._serialized_end=1097
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=750
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=798
+  _globals['_STRUCTUREDOUTPUTS']._serialized_start=1100
+  _globals['_STRUCTUREDOUTPUTS']._serialized_end=1285
+  _globals['_STRUCTUREDOUTPUTS_CHOICE']._serialized_start=1252
+  _globals['_STRUCTUREDOUTPUTS_CHOICE']._serialized_end=1277
+  _globals['_CHATMESSAGE']._serialized_start=1287
+  _globals['_CHATMESSAGE']._serialized_end=1331
+  _globals['_CHAT']._serialized_start=1333
+  _globals['_CHAT']._serialized_end=1382
+  _globals['_TOKENIDS']._serialized_start=1384
+  _globals['_TOKENIDS']._serialized_end=1407
+  _globals['_GENERATEREQUEST']._serialized_start=1410
+  _globals['_GENERATEREQUEST']._serialized_end=1596
+  _globals['_TOPLOGPROB']._serialized_start=1598
+  _globals['_TOPLOGPROB']._serialized_end=1645
+  _globals['_TOKENLOGPROBS']._serialized_start=1647
+  _globals['_TOKENLOGPROBS']._serialized_end=1703
+  _globals['_USAGE']._serialized_start=1705
+  _globals['_USAGE']._serialized_end=1784
+  _globals['_GENERATERESPONSE']._serialized_start=1787
+  _globals['_GENERATERESPONSE']._serialized_end=2090
+  _globals['_BATCHITEM']._serialized_start=2093
+  _globals['_BATCHITEM']._serialized_end=2272
+  _globals['_BATCHREQUEST']._serialized_start=2274
+  _globals['_BATCHREQUEST']._serialized_end=2326
+  _globals['_COMPLETION']._serialized_start=2329
+  _globals['_COMPLETION']._serialized_end=2632
+  _globals['_ERROR']._serialized_start=2634
+  _globals['_ERROR']._serialized_end=2687
+  _globals['_BATCHRESULT']._serialized_start=2689
+  _globals['_BATCHRESULT']._serialized_end=2813
+  _globals['_SERVERINFOREQUEST']._serialized_start=2815
+  _globals['_SERVERINFOREQUEST']._serialized_end=2834
+  _globals['_SERVERINFO']._serialized_start=2837
+  _globals['_SERVERINFO']._serialized_end=3136
+  _globals['_GENERATION']._serialized_start=3139
+  _globals['_GENERATION']._serialized_end=3366
 # @@protoc_insertion_point(module_scope)

@@ -1,7 +1,7 @@
 """Output constraints compiled against a model's tokenizer: what `StructuredOutputsParams`
 asks for, as llguidance matchers.
 
-    grammars = Grammars(tokenizer, vocab_size)     # one per engine (and one per front end)
+    grammars = grammars_for(tokenizer, vocab_size) # one per tokenizer and vocab, shared
     grammar = grammars.compile(params.structured_outputs)   # cached by the constraint
     matcher = grammar.matcher()                    # a fresh llguidance LLMatcher per sequence
 
@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import json
 import threading
+import weakref
 from dataclasses import dataclass
 
 import llguidance
 import numpy as np
 
+from jaxpipe.request.errors import RequestError
 from jaxpipe.request.params import StructuredOutputsParams
-from jaxpipe.request.validate import RequestError
 
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 _CACHE_SIZE = 256  # compiled constraints kept per tokenizer (least recently used dropped)
@@ -86,6 +87,22 @@ class Grammars:
         if matcher.is_error():
             raise RequestError(field, f"does not compile: {matcher.get_error()}")
         return matcher
+
+
+_SHARED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> {vocab: Grammars}
+_SHARED_LOCK = threading.Lock()
+
+
+def grammars_for(tokenizer, vocab_size: int) -> Grammars:
+    """The one `Grammars` of `tokenizer` and `vocab_size` in this process: the front ends'
+    validation (`validate.prepare`) and the engine share its llguidance tokenizer (built once,
+    ~0.2 s for SmolLM2's 49,152 tokens) and its compiled constraints. Dropped with the
+    tokenizer."""
+    with _SHARED_LOCK:
+        by_vocab = _SHARED.setdefault(tokenizer, {})
+        if vocab_size not in by_vocab:
+            by_vocab[vocab_size] = Grammars(tokenizer, vocab_size)
+        return by_vocab[vocab_size]
 
 
 def grammar_text(so: StructuredOutputsParams) -> str:

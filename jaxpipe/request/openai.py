@@ -8,14 +8,21 @@ allowed_token_ids, bad_words, truncate_prompt_tokens, include_stop_str_in_output
 read to be refused unless it equals n); logit_bias keys are token ids as strings; a key this
 server does not know is refused, never silently ignored. Errors name the body key
 (`RequestError.field`, e.g. "messages" or "stream_options.include_usage").
+
+Structured outputs, on both URLs: OpenAI's `response_format` (`{"type": "json_schema",
+"json_schema": {"name", "schema", "strict"}}`, `{"type": "json_object"}`, `{"type": "text"}`)
+and vLLM's `structured_outputs` (`json`, `regex`, `choice`, `grammar`, `json_object`) become
+SamplingParams.structured_outputs; one constraint per request. Whether it compiles is
+`validate.prepare`'s question (it has the tokenizer); its errors name "structured_outputs.<kind>".
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from jaxpipe.request.errors import RequestError
+from jaxpipe.request.params import STRUCTURED_KINDS
 from jaxpipe.request.tools import ToolRequest, read_tools
-from jaxpipe.request.validate import RequestError
 
 CHAT_URL, COMPLETIONS_URL = "/v1/chat/completions", "/v1/completions"
 # OpenAI / vLLM body key -> SamplingParams field (the same name unless listed).
@@ -29,7 +36,10 @@ SAMPLING_KEYS = {"max_tokens": "max_tokens", "max_completion_tokens": "max_token
 SAMPLING_KEYS.update({k: k for k in (
     "logit_bias", "allowed_token_ids", "bad_words", "truncate_prompt_tokens",
     "include_stop_str_in_output", "best_of")})
-_COMMON_KEYS = {"model", "user", "stream", "stream_options"}
+_COMMON_KEYS = {"model", "user", "stream", "stream_options", "response_format",
+                "structured_outputs"}
+RESPONSE_FORMATS = ("json_schema", "json_object", "text")
+JSON_SCHEMA_KEYS = {"name", "description", "schema", "strict"}  # response_format.json_schema
 CHAT_KEYS = set(SAMPLING_KEYS) | _COMMON_KEYS | {"messages", "logprobs", "top_logprobs"}
 CHAT_KEYS |= {"tools", "tool_choice", "parallel_tool_calls"}  # request/tools.py
 COMPLETION_KEYS = ((set(SAMPLING_KEYS) - {"max_completion_tokens"}) | _COMMON_KEYS
@@ -69,6 +79,7 @@ def read_body(url: str, body: dict) -> Body:
     # null means "not given": SamplingParams' default applies (as for an absent key)
     sampling = {SAMPLING_KEYS[k]: v for k, v in body.items()
                 if k in SAMPLING_KEYS and v is not None}
+    sampling.update(structured_outputs(body))
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise RequestError("model", f"must be a string, got {model!r}")
@@ -90,10 +101,10 @@ def read_body(url: str, body: dict) -> Body:
     return Body(kind, prompts, sampling, model, stream, include_usage, echo, top, tools)
 
 
-def _flag(body: dict, key: str) -> bool:
+def _flag(body: dict, key: str, where: str | None = None) -> bool:
     value = body.get(key)
     if value is not None and not isinstance(value, bool):
-        raise RequestError(key, f"must be true or false, got {value!r}")
+        raise RequestError(where or key, f"must be true or false, got {value!r}")
     return bool(value)
 
 
@@ -106,6 +117,67 @@ def _stream_flags(body: dict) -> tuple[bool, bool]:
     if not isinstance(options, dict) or set(options) - {"include_usage"}:
         raise RequestError("stream_options", "give {\"include_usage\": true | false}")
     return stream, _flag(options, "include_usage")
+
+
+def structured_outputs(body: dict) -> dict:
+    """{"structured_outputs": {kind: value}} from the body's response_format or
+    structured_outputs (nothing when neither constrains the output)."""
+    fmt, so = _response_format(body.get("response_format")), body.get("structured_outputs")
+    if so is None:
+        return {} if fmt is None else {"structured_outputs": fmt}
+    if fmt is not None:
+        raise RequestError("structured_outputs", "give one constraint: response_format or "
+                           "structured_outputs, not both")
+    if not isinstance(so, dict):
+        raise RequestError("structured_outputs", f"must be an object with one of "
+                           f"{', '.join(STRUCTURED_KINDS)}, got {so!r}")
+    unknown = sorted(set(so) - set(STRUCTURED_KINDS))
+    if unknown:
+        raise RequestError(f"structured_outputs.{unknown[0]}", f"unknown key; accepted: "
+                           f"{', '.join(STRUCTURED_KINDS)}")
+    return {"structured_outputs": so}  # SamplingParams checks it holds exactly one
+
+
+def _response_format(fmt) -> dict | None:
+    """OpenAI's response_format -> StructuredOutputsParams fields (None for "text")."""
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict) or fmt.get("type") not in RESPONSE_FORMATS:
+        got = fmt.get("type") if isinstance(fmt, dict) else fmt
+        raise RequestError("response_format.type", f"must be one of "
+                           f"{', '.join(RESPONSE_FORMATS)}, got {got!r}")
+    kind = fmt["type"]
+    allowed = {"type", "json_schema"} if kind == "json_schema" else {"type"}
+    unknown = sorted(set(fmt) - allowed)
+    if unknown:
+        raise RequestError(f"response_format.{unknown[0]}", f"unknown key for type {kind!r}; "
+                           f"accepted: {', '.join(sorted(allowed))}")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"json_object": True}
+    return {"json": _json_schema(fmt.get("json_schema"))}
+
+
+def _json_schema(spec) -> dict | bool:
+    """The schema of response_format.json_schema ({"name", "schema", "strict",
+    "description"}); `strict` may be true or false: the output is always held to the schema."""
+    where = "response_format.json_schema"
+    if not isinstance(spec, dict):
+        raise RequestError(where, "give {\"name\": ..., \"schema\": {...}, \"strict\": true}")
+    unknown = sorted(set(spec) - JSON_SCHEMA_KEYS)
+    if unknown:
+        raise RequestError(f"{where}.{unknown[0]}", f"unknown key; accepted: "
+                           f"{', '.join(sorted(JSON_SCHEMA_KEYS))}")
+    for key in ("name", "description"):
+        if key in spec and not isinstance(spec[key], str):
+            raise RequestError(f"{where}.{key}", f"must be a string, got {spec[key]!r}")
+    _flag(spec, "strict", f"{where}.strict")
+    schema = spec.get("schema")
+    if not isinstance(schema, dict | bool):
+        raise RequestError(f"{where}.schema", f"must be a JSON schema (an object), got "
+                           f"{schema!r}")
+    return schema
 
 
 def _chat(body: dict) -> tuple[str, list, int | None]:

@@ -162,6 +162,9 @@ class StructuredOutputsParams:
         return self.kind, "" if self.kind == "json_object" else value
 
 
+STRUCTURED_KINDS = tuple(f.name for f in fields(StructuredOutputsParams))
+
+
 def _schema(value) -> dict | bool:
     """A JSON schema: a dict (or true/false), or its JSON text."""
     if isinstance(value, str):

@@ -20,20 +20,12 @@ from dataclasses import dataclass
 import numpy as np
 from jinja2 import TemplateError
 
+from jaxpipe.request.errors import RequestError
 from jaxpipe.request.params import SamplingParams
 
 PROMPT_KINDS = ("text", "chat", "token_ids")
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
-
-
-class RequestError(ValueError):
-    """A bad request: `field` names what is wrong (e.g. "sampling.top_p")."""
-
-    def __init__(self, field: str, message: str):
-        super().__init__(f"{field}: {message}")
-        self.field = field
-        self.message = message
 
 
 @dataclass(frozen=True)
@@ -65,6 +57,7 @@ def prepare(kind: str | None, value, sampling: dict, tokenizer, limits: Limits,
         raise RequestError("sampling.bad_words", "bad_words need a tokenizer; this model has "
                            "none (use logit_bias with -100)")
     check_vocab(params, limits)
+    check_structured(params, tokenizer, limits)
     ids = prompt_token_ids(kind, value, tokenizer, limits, params.truncate_prompt_tokens,
                            template_vars)
     max_tokens(ids, params, limits)
@@ -82,6 +75,21 @@ def check_vocab(params: SamplingParams, limits: Limits) -> None:
         if bad:
             raise RequestError(f"sampling.{name}", f"token id {bad[0]} is outside the "
                                f"vocabulary [0, {v})")
+
+
+def check_structured(params: SamplingParams, tokenizer, limits: Limits) -> None:
+    """RequestError ("sampling.structured_outputs.<kind>") unless the request's output
+    constraint compiles against the model's tokenizer; compiled here, before the request
+    reaches the engine, into the cache the engine shares in-process."""
+    so = params.structured_outputs
+    if so is None:
+        return
+    if tokenizer is None:
+        raise RequestError("sampling.structured_outputs", "structured outputs need the model's "
+                           "tokenizer; this model has none")
+    from jaxpipe.request.grammar import grammars_for  # lazy: llguidance only when asked
+
+    grammars_for(tokenizer, limits.vocab_size).compile(so)
 
 
 def max_tokens(ids: list[int], params: SamplingParams, limits: Limits) -> int:

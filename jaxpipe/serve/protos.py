@@ -12,7 +12,8 @@ from google.protobuf.unknown_fields import UnknownFieldSet
 from jaxpipe.protocol import jaxpipe_pb2 as pb
 from jaxpipe.request.validate import RequestError
 
-_SCALARS = [f.name for f in pb.SamplingParams.DESCRIPTOR.fields if not f.is_repeated]
+_SCALARS = [f.name for f in pb.SamplingParams.DESCRIPTOR.fields
+            if not f.is_repeated and f.message_type is None]
 _LISTS = ("stop", "stop_token_ids", "allowed_token_ids", "bad_words")  # empty: not set
 
 
@@ -54,7 +55,21 @@ def sampling_of(msg) -> dict:
     fields.update({name: list(getattr(s, name)) for name in _LISTS if getattr(s, name)})
     if s.logit_bias:
         fields["logit_bias"] = dict(s.logit_bias)
+    if s.HasField("structured_outputs"):
+        fields["structured_outputs"] = structured_of(s.structured_outputs)
     return fields
+
+
+def structured_of(so: pb.StructuredOutputs) -> dict:
+    """A StructuredOutputs message -> StructuredOutputsParams fields (whether the constraint
+    compiles is `validate.prepare`'s question)."""
+    kind = so.WhichOneof("kind")
+    if kind is None:
+        raise RequestError("sampling.structured_outputs", "set one of json, regex, choice, "
+                           "grammar, json_object (or leave structured_outputs unset)")
+    if kind == "choice":
+        return {"choice": list(so.choice.options)}
+    return {kind: getattr(so, kind)}
 
 
 def logprobs_proto(entries) -> list[pb.TokenLogprobs]:

@@ -154,3 +154,35 @@ def test_a_failing_chat_template_is_a_request_error(tokenizer):
     with pytest.raises(RequestError) as info:
         prepare("chat", chat, GOOD, tokenizer, Limits(max_model_len=2048, vocab_size=49152))
     assert info.value.field == "chat" and "chat template" in info.value.message
+
+
+def test_a_constraint_is_compiled_before_the_engine_sees_it(tokenizer):
+    from jaxpipe.request.grammar import grammars_for
+
+    schema = {"type": "object", "properties": {"x": {"type": "integer"}}}
+    prep = prepare("text", "JSON:", {**GOOD, "structured_outputs": {"json": schema}},
+                   tokenizer, LIMITS)
+    grammars = grammars_for(tokenizer, LIMITS.vocab_size)
+    assert grammars is grammars_for(tokenizer, LIMITS.vocab_size)  # one per tokenizer and vocab
+    assert prep.params.structured_outputs.key in grammars._cache  # the engine reuses it
+    assert prep.params_dict["structured_outputs"]["json"] == schema
+
+
+@pytest.mark.parametrize("so, field", [
+    ({"json": {"type": "object", "properties": {"x": {"type": "integr"}}}},
+     "sampling.structured_outputs.json"),
+    ({"regex": "(unclosed"}, "sampling.structured_outputs.regex"),
+    ({"grammar": "start: undefined_rule"}, "sampling.structured_outputs.grammar"),
+])
+def test_a_constraint_that_does_not_compile_names_its_kind(tokenizer, so, field):
+    with pytest.raises(RequestError) as info:
+        prepare("text", "JSON:", {**GOOD, "structured_outputs": so}, tokenizer, LIMITS)
+    assert info.value.field == field
+    assert "does not compile" in info.value.message
+
+
+def test_a_constraint_needs_a_tokenizer():
+    with pytest.raises(RequestError) as info:
+        prepare("token_ids", [1, 2], {**GOOD, "structured_outputs": {"regex": "a+"}}, None,
+                LIMITS)
+    assert info.value.field == "sampling.structured_outputs"

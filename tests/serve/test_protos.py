@@ -59,3 +59,32 @@ def test_truncate_prompt_tokens_applies_to_a_grpc_prompt():
     kind, value = protos.prompt_of(msg)
     prep = prepare(kind, value, protos.sampling_of(msg), None, LIMITS)
     assert prep.prompt_token_ids == [2, 3]
+
+
+@pytest.mark.parametrize("so, expected", [
+    (pb.StructuredOutputs(json='{"type": "object"}'), {"json": {"type": "object"}}),
+    (pb.StructuredOutputs(regex="[0-9]+"), {"regex": "[0-9]+"}),
+    (pb.StructuredOutputs(choice=pb.StructuredOutputs.Choice(options=["yes", "no"])),
+     {"choice": ("yes", "no")}),
+    (pb.StructuredOutputs(grammar='start: "a"'), {"grammar": 'start: "a"'}),
+    (pb.StructuredOutputs(json_object=True), {"json_object": True}),
+])
+def test_structured_outputs_reach_sampling_params(so, expected):
+    params = SamplingParams(**protos.sampling_of(request(structured_outputs=so)))
+    (kind, value), = expected.items()
+    assert params.structured_outputs.kind == kind
+    assert getattr(params.structured_outputs, kind) == value
+
+
+@pytest.mark.parametrize("so, field", [
+    (pb.StructuredOutputs(), "sampling.structured_outputs"),  # none of the oneof set
+    (pb.StructuredOutputs(json="{not json"), "sampling.structured_outputs.json"),
+    (pb.StructuredOutputs(choice=pb.StructuredOutputs.Choice()),
+     "sampling.structured_outputs.choice"),
+    (pb.StructuredOutputs(json_object=False), "sampling.structured_outputs"),
+])
+def test_bad_structured_outputs_name_the_field(so, field):
+    with pytest.raises(RequestError) as info:
+        msg = request(structured_outputs=so)
+        prepare(*protos.prompt_of(msg), protos.sampling_of(msg), None, LIMITS)
+    assert info.value.field == field
