@@ -333,6 +333,15 @@ def grpc_server(tmp_path_factory):
     server.stop()
 
 
+@pytest.fixture(scope="module")
+def client(grpc_server):
+    """The official `openai` client on the shared server's HTTP port (a test module that serves
+    another server defines its own `client`)."""
+    openai = pytest.importorskip("openai")
+    return openai.OpenAI(base_url=grpc_server.http_url + "/v1", api_key="unused",
+                         max_retries=0, timeout=600)
+
+
 # Multi-device tests need 8 virtual CPU devices, and JAX fixes the device count when its
 # backend starts: they live in tests/multidevice/ and run in their own process, launched by
 # tests/test_multidevice.py (or directly: JAXPIPE_MULTIDEVICE=1 pytest tests/multidevice).

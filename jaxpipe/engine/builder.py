@@ -108,7 +108,7 @@ def make_executor(config: EngineConfig, runner, buckets: Buckets, sizes: sizing.
     policy = policy_for(config.scheduler, config, runner, buckets, sizes.host_tokens)
     kv = KVManager(runner, sizes.host_tokens > 0, on_insert=partial(restore_penalties, runner),
                    mirror=mirror)
-    constraints = Constraints(tokenizer, runner.config.vocab_size)
+    constraints = Constraints(tokenizer, runner.config.vocab_size, runner.config.eos_token_ids)
     return Executor(config, runner, buckets, state, policy, kv, max_model_len, constraints)
 
 

@@ -29,8 +29,10 @@ from jaxpipe.scheduler import Sequence
 class Constraints:
     """The grammar side of one engine: compiled constraints (cached) for its tokenizer."""
 
-    def __init__(self, tokenizer, vocab_size: int, threads: int | None = None):
-        self._tokenizer, self.vocab_size = tokenizer, vocab_size
+    def __init__(self, tokenizer, vocab_size: int, eos_ids: tuple[int, ...] = (),
+                 threads: int | None = None):
+        """`eos_ids`: the model's end tokens (each allowed wherever a grammar may end)."""
+        self._tokenizer, self.vocab_size, self._eos = tokenizer, vocab_size, tuple(eos_ids)
         self._threads = threads
         self._pool: llguidance.LLExecutor | None = None
         self.width = mask_width(vocab_size)
@@ -40,7 +42,7 @@ class Constraints:
         if self._tokenizer is None:
             raise RequestError("sampling.structured_outputs", "structured outputs need the "
                                "model's tokenizer; this model has none")
-        return grammars_for(self._tokenizer, self.vocab_size)  # shared with validate.prepare
+        return grammars_for(self._tokenizer, self.vocab_size, self._eos)
 
     def attach(self, seqs: list[Sequence]) -> None:
         """Give each of a request's samples a fresh matcher of its constraint (compiled once

@@ -47,11 +47,12 @@ class Grammar:
 class Grammars:
     """Compiles constraints for one tokenizer and keeps the last `_CACHE_SIZE` of them."""
 
-    def __init__(self, tokenizer, vocab_size: int):
+    def __init__(self, tokenizer, vocab_size: int, eos_ids: tuple[int, ...] = ()):
         """`tokenizer`: jaxpipe's `Tokenizer` (its Rust backend is what llguidance reads);
         `vocab_size`: the width of the model's logits (ids past the tokenizer's are never
-        allowed)."""
-        eos = sorted({i for i in (tokenizer.eos_token_id,) if i is not None})
+        allowed); `eos_ids`: the model's end tokens besides the tokenizer's (a chat model's
+        end of turn), each allowed wherever the grammar may end."""
+        eos = sorted({i for i in (tokenizer.eos_token_id, *eos_ids) if i is not None})
         self.tokenizer = llguidance.LLTokenizer(tokenizer.backend.to_str(), n_vocab=vocab_size,
                                                 eos_token=eos or None)
         self.vocab_size = vocab_size
@@ -89,20 +90,21 @@ class Grammars:
         return matcher
 
 
-_SHARED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> {vocab: Grammars}
+_SHARED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> {key: Grammars}
 _SHARED_LOCK = threading.Lock()
 
 
-def grammars_for(tokenizer, vocab_size: int) -> Grammars:
-    """The one `Grammars` of `tokenizer` and `vocab_size` in this process: the front ends'
-    validation (`validate.prepare`) and the engine share its llguidance tokenizer (built once,
-    ~0.2 s for SmolLM2's 49,152 tokens) and its compiled constraints. Dropped with the
-    tokenizer."""
+def grammars_for(tokenizer, vocab_size: int, eos_ids: tuple[int, ...] = ()) -> Grammars:
+    """The one `Grammars` of `tokenizer`, `vocab_size` and `eos_ids` in this process: the
+    front ends' validation (`validate.prepare`) and an engine in the same process share its
+    llguidance tokenizer (built once, ~0.2 s for SmolLM2's 49,152 tokens) and its compiled
+    constraints when they agree on the end tokens. Dropped with the tokenizer."""
+    key = (vocab_size, tuple(sorted(set(eos_ids) - {tokenizer.eos_token_id})))
     with _SHARED_LOCK:
-        by_vocab = _SHARED.setdefault(tokenizer, {})
-        if vocab_size not in by_vocab:
-            by_vocab[vocab_size] = Grammars(tokenizer, vocab_size)
-        return by_vocab[vocab_size]
+        by_key = _SHARED.setdefault(tokenizer, {})
+        if key not in by_key:
+            by_key[key] = Grammars(tokenizer, vocab_size, key[1])
+        return by_key[key]
 
 
 def grammar_text(so: StructuredOutputsParams) -> str:

@@ -174,3 +174,27 @@ def test_a_batch_of_constrained_decodes_alternates_in_two_halves(tiny_smollm2):
         assert runs[True][1] >= 1.6 * runs[False][1]
     finally:
         engine.close()
+
+
+
+def test_a_models_own_end_token_may_end_a_grammar(tiny):
+    """A model whose end of turn is not its tokenizer's EOS (Llama 3's <|eot_id|>): wherever the
+    grammar may end, the mask allows the model's end tokens too; nowhere else."""
+    from jaxpipe.engine.structured import Constraints
+    from jaxpipe.scheduler import Sequence
+
+    so = {"regex": "[a-z]+"}
+    word = tiny.tokenizer.encode("abc", add_special_tokens=False)
+
+    def allowed(constraints, consumed):
+        seq = Sequence.create("probe", [1], SamplingParams(structured_outputs=so), 0, 8)
+        constraints.attach([seq])
+        assert seq.grammar.consume_tokens(consumed)
+        bits = np.unpackbits(constraints.masks([seq])[0].view(np.uint8), bitorder="little")
+        return set(np.flatnonzero(bits).tolist())
+
+    two_ends = Constraints(tiny.tokenizer, VOCAB, eos_ids=(1, EOS))
+    assert {1, EOS} <= allowed(two_ends, word)  # "abc" may end here
+    assert not {1, EOS} & allowed(two_ends, [])  # the regex needs a letter first
+    assert EOS in allowed(tiny.executor.constraints, word)
+    assert 1 not in allowed(tiny.executor.constraints, word)  # this model ends on EOS only

@@ -24,12 +24,6 @@ PROMPTS = ["The capital of France is", "Water boils at", "Computers are"]
 
 
 @pytest.fixture(scope="module")
-def client(grpc_server):
-    return openai.OpenAI(base_url=grpc_server.http_url + "/v1", api_key="unused",
-                         max_retries=0, timeout=300)
-
-
-@pytest.fixture(scope="module")
 def stub(grpc_server):
     with grpc.insecure_channel(grpc_server.address) as channel:
         yield pb_grpc.GenerationStub(channel)

@@ -19,12 +19,6 @@ ATOL = 1e-4
 
 
 @pytest.fixture(scope="module")
-def client(grpc_server):
-    return openai.OpenAI(base_url=grpc_server.http_url + "/v1", api_key="unused",
-                         max_retries=0, timeout=300)
-
-
-@pytest.fixture(scope="module")
 def ids(hf_tokenizer):
     return hf_tokenizer.encode(TEXT, add_special_tokens=False)
 

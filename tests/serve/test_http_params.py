@@ -20,12 +20,6 @@ PROMPT = "The capital of France is"
 
 
 @pytest.fixture(scope="module")
-def client(grpc_server):
-    return openai.OpenAI(base_url=grpc_server.http_url + "/v1", api_key="unused",
-                         max_retries=0, timeout=300)
-
-
-@pytest.fixture(scope="module")
 def tok(gguf_path) -> Tokenizer:
     return Tokenizer.from_gguf(gguf_path)
 

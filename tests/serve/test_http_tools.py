@@ -44,12 +44,6 @@ class Time(BaseModel):  # TIME's parameters, by hand
 ARGUMENTS = {"get_weather": Weather, "get_time": Time}
 
 
-@pytest.fixture(scope="module")
-def client(grpc_server):
-    return openai.OpenAI(base_url=grpc_server.http_url + "/v1", api_key="unused",
-                         max_retries=0, timeout=300)
-
-
 def valid(name: str, arguments: str) -> BaseModel:
     return ARGUMENTS[name].model_validate(json.loads(arguments))
 

@@ -39,12 +39,6 @@ class City(pydantic.BaseModel):
 
 
 @pytest.fixture(scope="module")
-def client(grpc_server):
-    return openai.OpenAI(base_url=grpc_server.http_url + "/v1", api_key="unused",
-                         max_retries=0, timeout=600)
-
-
-@pytest.fixture(scope="module")
 def stub(grpc_server):
     with grpc.insecure_channel(grpc_server.address) as ch:
         yield pb_grpc.GenerationStub(ch)
