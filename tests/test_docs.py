@@ -54,9 +54,14 @@ def texts() -> dict[str, str]:
 
 @cache
 def file_names() -> frozenset[str]:
-    skip = {".git", ".venv", ".venv-peers", "node_modules"}
+    """The repository's file names, not those of its git store, its virtual environments
+    (.venv, and .venv-newest / .venv-jax-latest that `make test-latest-deps` and
+    `make test-jax-latest` leave behind) or node_modules."""
+    def skipped(part: str) -> bool:
+        return part in (".git", "node_modules") or part.startswith(".venv")
+
     return frozenset(p.name for p in REPO.rglob("*")
-                     if p.is_file() and not skip & set(p.relative_to(REPO).parts))
+                     if p.is_file() and not any(map(skipped, p.relative_to(REPO).parts)))
 
 
 def path_exists(name: str) -> bool:
