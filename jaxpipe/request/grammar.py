@@ -24,7 +24,6 @@ import weakref
 from dataclasses import dataclass
 
 import llguidance
-import numpy as np
 
 from jaxpipe.request.errors import RequestError
 from jaxpipe.request.params import StructuredOutputsParams
@@ -126,8 +125,3 @@ def mask_width(vocab_size: int) -> int:
     """int32 words of one row's token bitmask."""
     return (vocab_size + 31) // 32
 
-
-def allowed_ids(mask_row: np.ndarray) -> np.ndarray:
-    """The token ids a bitmask row [W] i32 allows (bit j of word w: token 32 w + j)."""
-    bits = np.unpackbits(np.ascontiguousarray(mask_row).view(np.uint8), bitorder="little")
-    return np.flatnonzero(bits)
