@@ -1,0 +1,522 @@
+// y = x_scale[m] * w_scale[n] * (x8 @ w8)[m, n] on the CPU (dynamic W8A8, int8_matmul.py):
+//
+//   x      [M, K]     int8, row-major contiguous: each row quantized, in [-127, 127]
+//   xs     [M]        float32: each row's scale
+//   w      [L, K, N]  int8 in "int8 panel order" (int8_matmul.py: pack), in [-127, 127]
+//   ws     [L, N]     float32: each output column's scale
+//   layer  []         int32: which of the L weights (clamped to [0, L)), read in place
+//   y      [M, N]     float32: (float(acc) * ws[n]) * xs[m], acc the exact int32 dot
+//
+// Int8 panel order: columns in panels of kPanel = 64 (the last one w_p = N % 64 wide if 64
+// does not divide N); panel p, K * w_p bytes from byte 64 * K * p, holds K / 4 "quad rows",
+// each w_p columns x 4 k's (k = 4j .. 4j + 3: one int32 lane per column), then the K % 4
+// tail rows as w_p columns x (K % 4) bytes. So one 64-byte load is 16 columns x 4 k's:
+// exactly the operand of vpdpbusd (64 multiply-adds an instruction), and of AMX's B tiles.
+//
+// x is copied into quads too, [M, ceil(K / 4)] int32 lanes, its tail quad zero-padded; a
+// task's panel tail is padded into a quad row the same way, so every path runs whole quads.
+//
+// Paths (the `path` attribute; `jaxpipe_int8_matmul_paths` says which this build has):
+//   0 portable     plain loops over int32 sums, any CPU
+//   1 avx2         vpmaddubsw + vpmaddwd (no VNNI). vpmaddubsw multiplies u8 by s8 and adds
+//                  pairs into s16 with saturation: with an unsigned operand up to 255 a
+//                  pair reaches 2 x 255 x 127 = 64770 and saturates. So the u8 operand is
+//                  |x| (at most 127) and the s8 one is w with x's sign (vpsignb): a pair is
+//                  at most 2 x 127 x 127 = 32258 < 32767, never saturated, provided w is
+//                  not -128 (quantized weights are in [-127, 127]). vpmaddwd by ones then
+//                  widens the pairs into int32 sums of 4.
+//   2 avx_vnni     vpdpbusd in its VEX form on 256-bit vectors
+//   3 avx512_vnni  vpdpbusd on 512-bit vectors
+//   4 amx_int8     AMX tiles, tdpbssd (s8 x s8): 32 rows x 32 columns in four C tiles; a
+//                  panel narrower than 64, K not a multiple of 64 or a tail runs avx512_vnni.
+//                  Compiled only where the CPU has amx_int8; untested where none ran it.
+// vpdpbusd multiplies u8 by s8 too. There the zero point goes on the weights, in registers:
+// a loaded weight vector xor 0x80 is w + 128 as u8 (one op per vector, shared by the tile's
+// rows), x stays s8, and sum_k (w + 128) x = acc + 128 sum_k x: the correction is one int32
+// per row, computed once when x is copied (`Quads`). The stored weight stays the signed int8
+// that XLA's dot (the reference) reads, and no per-column sums are kept.
+//
+// Sums are exact: |acc| <= K x 127 x 127 (+ 128 x 127 x K for the VNNI correction) fits int32
+// for K < 66,000. A task is (panel, chunk of kChunk rows), shared over XLA's thread pool.
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512VNNI__)
+#define JAXPIPE_AMX_INT8 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int64_t kPanel = 64;  // columns per panel
+constexpr int64_t kChunk = 48;  // rows per task
+
+enum Path : int64_t { kPortable = 0, kAvx2 = 1, kAvxVnni = 2, kAvx512Vnni = 3, kAmxInt8 = 4 };
+
+constexpr uint32_t kBuiltPaths = (1u << kPortable)
+#ifdef __AVX2__
+                                 | (1u << kAvx2)
+#endif
+#ifdef __AVXVNNI__
+                                 | (1u << kAvxVnni)
+#endif
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+                                 | (1u << kAvx512Vnni)
+#endif
+#ifdef JAXPIPE_AMX_INT8
+                                 | (1u << kAmxInt8)
+#endif
+    ;
+
+// One panel of one task: quad rows of `width` int32 lanes, the padded tail quad row (null
+// when 4 divides K), and the panel's column scales.
+struct Panel {
+  const int32_t* w;
+  const int32_t* tail;
+  int64_t width;
+  const float* scale;
+};
+
+// x of a task's rows as the paths read them: quads [rows, kq] (kq = ceil(K / 4), x's row
+// stride), `full` = K / 4 whole quads, then the tail; per row its scale and 128 * sum_k x.
+struct Rows {
+  const int32_t* x;
+  int64_t kq, full;
+  const int32_t* shift;
+  const float* scale;
+};
+
+// f(0), .., f(N - 1) with compile-time indices (GCC keeps arrays of vectors indexed by them
+// in registers; it spills them when loops index them).
+template <typename F, int... I>
+__attribute__((always_inline)) inline void unroll(F&& f, std::integer_sequence<int, I...>) {
+  (f(std::integral_constant<int, I>{}), ...);
+}
+template <int N, typename F>
+__attribute__((always_inline)) inline void unroll(F&& f) {
+  unroll(f, std::make_integer_sequence<int, N>{});
+}
+
+namespace portable {
+
+// y's `rows` rows x the panel's columns: int32 sums over every quad, then the scales.
+void panel_task(const Rows& x, const Panel& pn, float* y, int64_t ldy, int64_t rows) {
+  std::vector<int32_t> acc(pn.width);
+  for (int64_t m = 0; m < rows; ++m) {
+    std::fill(acc.begin(), acc.end(), 0);
+    for (int64_t j = 0; j < x.kq; ++j) {
+      int8_t xb[4];
+      std::memcpy(xb, x.x + m * x.kq + j, 4);
+      const auto* w = reinterpret_cast<const int8_t*>(j < x.full ? pn.w + j * pn.width : pn.tail);
+      for (int64_t c = 0; c < pn.width; ++c)
+        for (int t = 0; t < 4; ++t) acc[c] += int32_t{xb[t]} * int32_t{w[4 * c + t]};
+    }
+    for (int64_t c = 0; c < pn.width; ++c)
+      y[m * ldy + c] = static_cast<float>(acc[c]) * pn.scale[c] * x.scale[m];
+  }
+}
+
+}  // namespace portable
+
+#ifdef __AVX2__
+// The 256-bit paths (avx2, avx_vnni): tiles of R rows x 8 * NV columns; a panel in column
+// groups of 16, each over all the task's rows (its weights stay in L1 while the rows read
+// them). `Dot` is the path's multiply-accumulate of one quad row.
+namespace ymm {
+
+constexpr int kRowsY = 4;
+constexpr int kVecs = 2;
+
+inline __m256i lanes(int64_t n) {  // lanes 0 .. n - 1 set (n in 1..8)
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)),
+                            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+// y[R rows, cols at c0] = scales x the sums of Dot over all quads. Dot::pre(w) prepares a
+// loaded weight vector (once for all rows), Dot::add(acc, w, xq) adds one row's 4-k dots,
+// Dot::kShift says whether the row's 128 * sum_k x comes off (the VNNI zero point).
+template <typename Dot, int R, int NV>
+void tile(const Rows& x, const Panel& pn, int64_t c0, int64_t cols, float* y, int64_t ldy) {
+  const int64_t last = cols - 8 * (NV - 1);
+  const __m256i mask = lanes(last);
+  __m256i acc[R][NV];
+  unroll<R>([&](auto r) { unroll<NV>([&](auto v) { acc[r][v] = _mm256_setzero_si256(); }); });
+  // One loop over every quad, the tail's weights from its padded row: a second call site
+  // for the tail made GCC keep the accumulators in memory.
+  for (int64_t j = 0; j < x.kq; ++j) {
+    const int32_t* w = (j < x.full ? pn.w + j * pn.width : pn.tail) + c0;
+    __m256i wv[NV];
+    unroll<NV>([&](auto v) {
+      const auto* src = w + 8 * v;
+      wv[v] = Dot::pre(v + 1 < NV || last == 8 ? _mm256_loadu_si256((const __m256i*)src)
+                                               : _mm256_maskload_epi32(src, mask));
+    });
+    unroll<R>([&](auto r) {
+      const __m256i xq = _mm256_set1_epi32(x.x[r * x.kq + j]);
+      unroll<NV>([&](auto v) { acc[r][v] = Dot::add(acc[r][v], wv[v], xq); });
+    });
+  }
+  unroll<R>([&](auto r) {
+    const __m256i shift = _mm256_set1_epi32(Dot::kShift ? x.shift[r] : 0);
+    const __m256 xs = _mm256_set1_ps(x.scale[r]);
+    unroll<NV>([&](auto v) {
+      const bool whole = v + 1 < NV || last == 8;
+      const float* s = pn.scale + c0 + 8 * v;
+      const __m256 ws = whole ? _mm256_loadu_ps(s) : _mm256_maskload_ps(s, mask);
+      const __m256 f = _mm256_cvtepi32_ps(_mm256_sub_epi32(acc[r][v], shift));
+      const __m256 out = _mm256_mul_ps(_mm256_mul_ps(f, ws), xs);
+      float* dst = y + r * ldy + 8 * v;
+      if (whole)
+        _mm256_storeu_ps(dst, out);
+      else
+        _mm256_maskstore_ps(dst, mask, out);
+    });
+  });
+}
+
+template <typename Dot, int R>
+void tile_rows(const Rows& x, const Panel& pn, int64_t c0, int64_t cols, float* y, int64_t ldy,
+               int64_t rows) {
+  if constexpr (R > 1) {
+    if (rows < R) return tile_rows<Dot, R - 1>(x, pn, c0, cols, y, ldy, rows);
+  }
+  if (cols > 8)
+    tile<Dot, R, kVecs>(x, pn, c0, cols, y, ldy);
+  else
+    tile<Dot, R, 1>(x, pn, c0, cols, y, ldy);
+}
+
+template <typename Dot>
+void panel_task(const Rows& x, const Panel& pn, float* y, int64_t ldy, int64_t rows) {
+  constexpr int64_t group = 8 * kVecs;
+  for (int64_t c0 = 0; c0 < pn.width; c0 += group) {
+    const int64_t cols = std::min(group, pn.width - c0);
+    for (int64_t m = 0; m < rows; m += kRowsY) {
+      const Rows xr{x.x + m * x.kq, x.kq, x.full, x.shift + m, x.scale + m};
+      tile_rows<Dot, kRowsY>(xr, pn, c0, cols, y + m * ldy + c0, ldy,
+                             std::min<int64_t>(kRowsY, rows - m));
+    }
+  }
+}
+
+// vpsignb + vpmaddubsw + vpmaddwd: |x| (u8, <= 127) times w with x's sign (s8), pairs in s16
+// (<= 32258: no saturation), then pairs of pairs into int32.
+struct Avx2Dot {
+  static constexpr bool kShift = false;
+  static __m256i pre(__m256i w) { return w; }
+  static __m256i add(__m256i acc, __m256i w, __m256i xq) {
+    const __m256i pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(xq), _mm256_sign_epi8(w, xq));
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+  }
+};
+
+#ifdef __AVXVNNI__
+struct AvxVnniDot {  // (w + 128) as u8 times x as s8; the row's 128 * sum x comes off after
+  static constexpr bool kShift = true;
+  static __m256i pre(__m256i w) { return _mm256_xor_si256(w, _mm256_set1_epi8(-128)); }
+  static __m256i add(__m256i acc, __m256i w, __m256i xq) {
+    return _mm256_dpbusd_avx_epi32(acc, w, xq);
+  }
+};
+#endif
+
+}  // namespace ymm
+#endif
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+// vpdpbusd on 512-bit vectors: tiles of 6 rows x 64 columns (24 accumulators, 4 weights).
+namespace zmm {
+
+constexpr int kRowsZ = 6;
+
+template <int R, int NV>
+void tile(const Rows& x, const Panel& pn, float* y, int64_t ldy) {
+  const int64_t last = pn.width - 16 * (NV - 1);  // columns of the last vector, 1..16
+  const __mmask16 mask = static_cast<__mmask16>(last == 16 ? 0xffffu : (1u << last) - 1);
+  const __m512i flip = _mm512_set1_epi8(-128);
+  __m512i acc[R][NV];
+  unroll<R>([&](auto r) { unroll<NV>([&](auto v) { acc[r][v] = _mm512_setzero_si512(); }); });
+  const int32_t* __restrict xp = x.x;
+  const int32_t *pw = pn.w, *tail = pn.tail;
+  const int64_t kq = x.kq, full = x.full, width = pn.width;
+  for (int64_t j = 0; j < kq; ++j) {  // one loop, as the 256-bit tile's
+    const int32_t* w = j < full ? pw + j * width : tail;
+    __m512i wv[NV];
+    unroll<NV>([&](auto v) {
+      wv[v] = _mm512_xor_si512(flip, v + 1 < NV ? _mm512_loadu_si512(w + 16 * v)
+                                                : _mm512_maskz_loadu_epi32(mask, w + 16 * v));
+    });
+    unroll<R>([&](auto r) {
+      const __m512i xq = _mm512_set1_epi32(xp[r * kq + j]);
+      unroll<NV>([&](auto v) { acc[r][v] = _mm512_dpbusd_epi32(acc[r][v], wv[v], xq); });
+    });
+  }
+  unroll<R>([&](auto r) {
+    const __m512i shift = _mm512_set1_epi32(x.shift[r]);
+    const __m512 xs = _mm512_set1_ps(x.scale[r]);
+    unroll<NV>([&](auto v) {
+      const __mmask16 m = v + 1 < NV ? static_cast<__mmask16>(0xffffu) : mask;
+      const __m512 ws = _mm512_maskz_loadu_ps(m, pn.scale + 16 * v);
+      const __m512 f = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r][v], shift));
+      _mm512_mask_storeu_ps(y + r * ldy + 16 * v, m, _mm512_mul_ps(_mm512_mul_ps(f, ws), xs));
+    });
+  });
+}
+
+template <int R, int NV>
+void tile_rows(const Rows& x, const Panel& pn, float* y, int64_t ldy, int64_t rows) {
+  if constexpr (R > 1) {
+    if (rows < R) return tile_rows<R - 1, NV>(x, pn, y, ldy, rows);
+  }
+  tile<R, NV>(x, pn, y, ldy);
+}
+
+template <int NV>
+void panel_rows(const Rows& x, const Panel& pn, float* y, int64_t ldy, int64_t rows) {
+  for (int64_t m = 0; m < rows; m += kRowsZ) {
+    const Rows xr{x.x + m * x.kq, x.kq, x.full, x.shift + m, x.scale + m};
+    tile_rows<kRowsZ, NV>(xr, pn, y + m * ldy, ldy, std::min<int64_t>(kRowsZ, rows - m));
+  }
+}
+
+void panel_task(const Rows& x, const Panel& pn, float* y, int64_t ldy, int64_t rows) {
+  switch ((pn.width + 15) / 16) {
+    case 4: return panel_rows<4>(x, pn, y, ldy, rows);
+    case 3: return panel_rows<3>(x, pn, y, ldy, rows);
+    case 2: return panel_rows<2>(x, pn, y, ldy, rows);
+    default: return panel_rows<1>(x, pn, y, ldy, rows);
+  }
+}
+
+}  // namespace zmm
+#endif
+
+#ifdef JAXPIPE_AMX_INT8
+namespace amx {
+
+// Linux keeps the AMX tile state off until a process asks for it (once, for all its threads).
+bool permitted() {
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
+                                 18 /* XFEATURE_XTILEDATA */) == 0;
+  return ok;
+}
+
+struct TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tiles 0-3: C (16 rows x 16 int32); 4, 5: A (16 rows x 16 quads of x); 6, 7: B (16 quad
+// rows x 16 columns of the panel). Loaded per task: other code on the thread may change it.
+inline void configure() {
+  TileConfig c;
+  for (int t = 0; t < 8; ++t) c.rows[t] = 16, c.colsb[t] = 64;
+  _tile_loadconfig(&c);
+}
+
+// acc [32, 32] int32 = x's 32 rows (quads, kq apart) times the panel's columns c0 .. c0 + 31.
+inline void block(const int32_t* a, int64_t kq, const int32_t* w, int64_t c0, int64_t full,
+                  int32_t* acc) {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t j = 0; j < full; j += 16) {
+    _tile_loadd(4, a + j, 4 * kq);
+    _tile_loadd(5, a + 16 * kq + j, 4 * kq);
+    const int32_t* b = w + j * kPanel + c0;
+    _tile_loadd(6, b, 4 * kPanel);
+    _tile_loadd(7, b + 16, 4 * kPanel);
+    _tile_dpbssd(0, 4, 6);
+    _tile_dpbssd(1, 4, 7);
+    _tile_dpbssd(2, 5, 6);
+    _tile_dpbssd(3, 5, 7);
+  }
+  _tile_stored(0, acc, 128);
+  _tile_stored(1, acc + 16, 128);
+  _tile_stored(2, acc + 16 * 32, 128);
+  _tile_stored(3, acc + 16 * 32 + 16, 128);
+}
+
+void panel_task(const Rows& x, const Panel& pn, float* y, int64_t ldy, int64_t rows) {
+  if (pn.width != kPanel || pn.tail || x.full % 16 != 0)
+    return zmm::panel_task(x, pn, y, ldy, rows);
+  thread_local std::vector<int32_t> pad, acc(32 * 32);
+  configure();
+  for (int64_t m = 0; m < rows; m += 32) {
+    const int64_t mr = std::min<int64_t>(32, rows - m);
+    const int32_t* a = x.x + m * x.kq;
+    if (mr < 32) {  // a tail of fewer than 32 rows: zero rows after it
+      pad.assign(32 * x.kq, 0);
+      std::copy(a, a + mr * x.kq, pad.begin());
+      a = pad.data();
+    }
+    for (int64_t c0 = 0; c0 < kPanel; c0 += 32) {
+      block(a, x.kq, pn.w, c0, x.full, acc.data());
+      for (int64_t r = 0; r < mr; ++r)
+        for (int64_t c = 0; c < 32; ++c)
+          y[(m + r) * ldy + c0 + c] =
+              static_cast<float>(acc[r * 32 + c]) * pn.scale[c0 + c] * x.scale[m + r];
+    }
+  }
+  _tile_release();
+}
+
+}  // namespace amx
+#endif
+
+// Shares tasks 0..n-1 between the calling thread and the pool; returns when all are done.
+template <typename F>
+void parallel_for(ffi::ThreadPool& pool, int64_t n, F&& fn) {
+  struct State {
+    std::atomic<int64_t> next{0}, done{0};
+  };
+  auto state = std::make_shared<State>();
+  auto work = [state, n, &fn]() {
+    for (int64_t i = state->next.fetch_add(1); i < n; i = state->next.fetch_add(1)) {
+      fn(i);
+      state->done.fetch_add(1);
+    }
+  };
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), n) - 1;
+  // A helper that starts after all tasks are claimed touches only `state` (kept alive by
+  // its shared_ptr), never `fn`, so returning before every helper has run is safe.
+  for (int64_t i = 0; i < helpers; ++i)
+    pool.Schedule([state, n, work]() {
+      if (state->next.load() < n) work();
+    });
+  work();
+  while (state->done.load() < n) std::this_thread::yield();
+}
+
+// x [M, K] int8 as quads [M, kq] (tail zero-padded) and each row's 128 * sum_k x.
+struct Quads {
+  std::vector<int32_t> x, shift;
+  Quads(const int8_t* x8, int64_t m, int64_t k) : x(m * ((k + 3) / 4), 0), shift(m) {
+    const int64_t kq = (k + 3) / 4;
+    for (int64_t r = 0; r < m; ++r) {
+      const int8_t* row = x8 + r * k;
+      std::memcpy(x.data() + r * kq, row, k);
+      int32_t sum = 0;
+      for (int64_t i = 0; i < k; ++i) sum += row[i];
+      shift[r] = 128 * sum;
+    }
+  }
+};
+
+// Panel p's tail rows (K % 4 of them, stored as width x rem bytes) as one zero-padded quad row.
+void tail_of(const int8_t* panel, int64_t k, int64_t width, int32_t* out) {
+  const int64_t full = k / 4 * 4, rem = k - full;
+  const int8_t* t = panel + full * width;
+  for (int64_t c = 0; c < width; ++c) {
+    int8_t q[4] = {0, 0, 0, 0};
+    std::memcpy(q, t + c * rem, rem);
+    std::memcpy(out + c, q, 4);
+  }
+}
+
+// y = scales x (x @ w), w [K, N] in int8 panel order, on path `task` (a panel_task);
+// tasks are (panel, chunk of rows), panel-major so a thread's consecutive tasks share a panel.
+template <typename Task>
+void matmul(ffi::ThreadPool& pool, Task task, const int8_t* x8, const float* xs,
+            const int8_t* w, const float* ws, float* y, int64_t m, int64_t k, int64_t n) {
+  if (m == 0 || n == 0) return;
+  const Quads q(x8, m, k);
+  const int64_t kq = (k + 3) / 4, full = k / 4;
+  const int64_t panels = (n + kPanel - 1) / kPanel, chunks = (m + kChunk - 1) / kChunk;
+  parallel_for(pool, panels * chunks, [&](int64_t t) {
+    const int64_t p = t / chunks, m0 = t % chunks * kChunk, rows = std::min(kChunk, m - m0);
+    const int64_t width = std::min(kPanel, n - p * kPanel);
+    const int8_t* panel = w + p * kPanel * k;
+    thread_local std::vector<int32_t> tail(kPanel);
+    if (k % 4) tail_of(panel, k, width, tail.data());
+    const Panel pn{reinterpret_cast<const int32_t*>(panel), k % 4 ? tail.data() : nullptr, width,
+                   ws + p * kPanel};
+    const Rows xr{q.x.data() + m0 * kq, kq, full, q.shift.data() + m0, xs + m0};
+    task(xr, pn, y + m0 * n + p * kPanel, n, rows);
+  });
+}
+
+uint32_t usable_paths() {
+#ifdef JAXPIPE_AMX_INT8
+  if (!amx::permitted()) return kBuiltPaths & ~(1u << kAmxInt8);
+#endif
+  return kBuiltPaths;
+}
+
+using Task = void (*)(const Rows&, const Panel&, float*, int64_t, int64_t);
+
+// `path`'s panel task (`path` < 0: the last this build has); null if it cannot run here.
+Task task_of(int64_t path) {
+  if (path < 0) path = 31 - __builtin_clz(usable_paths());
+  if (path > 31 || !(usable_paths() >> path & 1u)) return nullptr;
+  switch (path) {
+    case kPortable: return portable::panel_task;
+#ifdef __AVX2__
+    case kAvx2: return ymm::panel_task<ymm::Avx2Dot>;
+#endif
+#ifdef __AVXVNNI__
+    case kAvxVnni: return ymm::panel_task<ymm::AvxVnniDot>;
+#endif
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    case kAvx512Vnni: return zmm::panel_task;
+#endif
+#ifdef JAXPIPE_AMX_INT8
+    case kAmxInt8: return amx::panel_task;
+#endif
+    default: return nullptr;
+  }
+}
+
+ffi::Error Int8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> x, ffi::Buffer<ffi::F32> xs,
+                          ffi::Buffer<ffi::S8> w, ffi::Buffer<ffi::F32> ws,
+                          ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y,
+                          int64_t path) {
+  auto xd = x.dimensions(), wd = w.dimensions(), sd = ws.dimensions(), yd = y->dimensions();
+  if (xd.size() != 2 || wd.size() != 3 || sd.size() != 2 || yd.size() != 2 || xd[1] != wd[1] ||
+      static_cast<int64_t>(xs.element_count()) != xd[0] || sd[0] != wd[0] || sd[1] != wd[2] ||
+      yd[0] != xd[0] || yd[1] != wd[2] || layer.element_count() != 1)
+    return ffi::Error::InvalidArgument(
+        "int8_matmul: need x [M,K] s8, xs [M], w [L,K,N] s8, ws [L,N], layer [], y [M,N]");
+  const Task task = task_of(path);
+  if (task == nullptr)
+    return ffi::Error::InvalidArgument("int8_matmul: this build has no path " +
+                                       std::to_string(path));
+  const int64_t k = wd[1], n = wd[2];
+  const int64_t l = std::clamp<int64_t>(layer.typed_data()[0], 0, wd[0] - 1);
+  matmul(pool, task, x.typed_data(), xs.typed_data(), w.typed_data() + l * k * n,
+         ws.typed_data() + l * n, y->typed_data(), xd[0], k, n);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+// Bit i set: path i (Path above) is compiled in and runs here (-march=native; AMX permitted).
+extern "C" uint32_t jaxpipe_int8_matmul_paths() { return usable_paths(); }
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpipeInt8Matmul, Int8MatmulImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("path"));
