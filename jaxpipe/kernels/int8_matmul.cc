@@ -48,9 +48,7 @@
 #include <utility>
 #include <vector>
 
-#if defined(__AVX2__)
-#include <immintrin.h>
-#endif
+#include <immintrin.h>  // _mm_prefetch on any x86-64; the paths' intrinsics where built
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512VNNI__)
 #define JAXPIPE_AMX_INT8 1
 #include <sys/syscall.h>
@@ -65,6 +63,9 @@ namespace {
 
 constexpr int64_t kPanel = 64;  // columns per panel
 constexpr int64_t kChunk = 48;  // rows per task
+// The next task's panel is prefetched (into L2, over this task's tiles) when it is a
+// different panel and two fit in L2 beside x (as the bf16 kernel: K <= 5120 here).
+constexpr int64_t kAheadMaxBytes = 320 << 10;
 
 enum Path : int64_t { kPortable = 0, kAvx2 = 1, kAvxVnni = 2, kAvx512Vnni = 3, kAmxInt8 = 4 };
 
@@ -83,13 +84,38 @@ constexpr uint32_t kBuiltPaths = (1u << kPortable)
 #endif
     ;
 
+// Bytes to bring into L2 while a task computes: the panel its thread multiplies next, so its
+// stream from memory overlaps this one's compute instead of stalling the next task's start.
+struct Ahead {
+  const char* bytes = nullptr;
+  int64_t size = 0;
+};
+
+// One tile's share of an Ahead: `per_j` lines at each of its first `iters` quad rows. (Written
+// out in each tile's loop: in a function of its own, GCC deems the prefetches side-effect free
+// and drops the calls.)
+struct AheadTile {
+  const char* p = nullptr;
+  int64_t per_j = 0, iters = 0;
+};
+
+// Tile `i` of `tiles` over `kq` quad rows: its contiguous share of a's lines.
+inline AheadTile ahead_tile(const Ahead& a, int64_t i, int64_t tiles, int64_t kq) {
+  const int64_t lines = (a.size + 63) / 64, share = (lines + tiles - 1) / tiles;
+  const int64_t mine = std::max<int64_t>(0, std::min(share, lines - i * share));
+  if (a.bytes == nullptr || mine == 0 || kq == 0) return {};
+  const int64_t per_j = (share + kq - 1) / kq;
+  return {a.bytes + 64 * i * share, per_j, (mine + per_j - 1) / per_j};
+}
+
 // One panel of one task: quad rows of `width` int32 lanes, the padded tail quad row (null
-// when 4 divides K), and the panel's column scales.
+// when 4 divides K), the panel's column scales, and what to prefetch meanwhile.
 struct Panel {
   const int32_t* w;
   const int32_t* tail;
   int64_t width;
   const float* scale;
+  Ahead ahead;
 };
 
 // x of a task's rows as the paths read them: quads [rows, kq] (kq = ceil(K / 4), x's row
@@ -151,7 +177,8 @@ inline __m256i lanes(int64_t n) {  // lanes 0 .. n - 1 set (n in 1..8)
 // loaded weight vector (once for all rows), Dot::add(acc, w, xq) adds one row's 4-k dots,
 // Dot::kShift says whether the row's 128 * sum_k x comes off (the VNNI zero point).
 template <typename Dot, int R, int NV>
-void tile(const Rows& x, const Panel& pn, int64_t c0, int64_t cols, float* y, int64_t ldy) {
+void tile(const Rows& x, const Panel& pn, int64_t c0, int64_t cols, float* y, int64_t ldy,
+          const AheadTile& ahead) {
   const int64_t last = cols - 8 * (NV - 1);
   const __m256i mask = lanes(last);
   __m256i acc[R][NV];
@@ -159,6 +186,9 @@ void tile(const Rows& x, const Panel& pn, int64_t c0, int64_t cols, float* y, in
   // One loop over every quad, the tail's weights from its padded row: a second call site
   // for the tail made GCC keep the accumulators in memory.
   for (int64_t j = 0; j < x.kq; ++j) {
+    if (j < ahead.iters)
+      for (int64_t i = 0; i < ahead.per_j; ++i)
+        _mm_prefetch(ahead.p + 64 * (j * ahead.per_j + i), _MM_HINT_T1);
     const int32_t* w = (j < x.full ? pn.w + j * pn.width : pn.tail) + c0;
     __m256i wv[NV];
     unroll<NV>([&](auto v) {
@@ -191,25 +221,28 @@ void tile(const Rows& x, const Panel& pn, int64_t c0, int64_t cols, float* y, in
 
 template <typename Dot, int R>
 void tile_rows(const Rows& x, const Panel& pn, int64_t c0, int64_t cols, float* y, int64_t ldy,
-               int64_t rows) {
+               int64_t rows, const AheadTile& ahead) {
   if constexpr (R > 1) {
-    if (rows < R) return tile_rows<Dot, R - 1>(x, pn, c0, cols, y, ldy, rows);
+    if (rows < R) return tile_rows<Dot, R - 1>(x, pn, c0, cols, y, ldy, rows, ahead);
   }
   if (cols > 8)
-    tile<Dot, R, kVecs>(x, pn, c0, cols, y, ldy);
+    tile<Dot, R, kVecs>(x, pn, c0, cols, y, ldy, ahead);
   else
-    tile<Dot, R, 1>(x, pn, c0, cols, y, ldy);
+    tile<Dot, R, 1>(x, pn, c0, cols, y, ldy, ahead);
 }
 
 template <typename Dot>
 void panel_task(const Rows& x, const Panel& pn, float* y, int64_t ldy, int64_t rows) {
   constexpr int64_t group = 8 * kVecs;
-  for (int64_t c0 = 0; c0 < pn.width; c0 += group) {
+  const int64_t groups = (pn.width + group - 1) / group;
+  const int64_t tiles = groups * ((rows + kRowsY - 1) / kRowsY);
+  for (int64_t c0 = 0, i = 0; c0 < pn.width; c0 += group) {
     const int64_t cols = std::min(group, pn.width - c0);
-    for (int64_t m = 0; m < rows; m += kRowsY) {
+    for (int64_t m = 0; m < rows; m += kRowsY, ++i) {
       const Rows xr{x.x + m * x.kq, x.kq, x.full, x.shift + m, x.scale + m};
       tile_rows<Dot, kRowsY>(xr, pn, c0, cols, y + m * ldy + c0, ldy,
-                             std::min<int64_t>(kRowsY, rows - m));
+                             std::min<int64_t>(kRowsY, rows - m),
+                             ahead_tile(pn.ahead, i, tiles, x.kq));
     }
   }
 }
@@ -245,7 +278,7 @@ namespace zmm {
 constexpr int kRowsZ = 6;
 
 template <int R, int NV>
-void tile(const Rows& x, const Panel& pn, float* y, int64_t ldy) {
+void tile(const Rows& x, const Panel& pn, float* y, int64_t ldy, const AheadTile& ahead) {
   const int64_t last = pn.width - 16 * (NV - 1);  // columns of the last vector, 1..16
   const __mmask16 mask = static_cast<__mmask16>(last == 16 ? 0xffffu : (1u << last) - 1);
   const __m512i flip = _mm512_set1_epi8(-128);
@@ -255,6 +288,9 @@ void tile(const Rows& x, const Panel& pn, float* y, int64_t ldy) {
   const int32_t *pw = pn.w, *tail = pn.tail;
   const int64_t kq = x.kq, full = x.full, width = pn.width;
   for (int64_t j = 0; j < kq; ++j) {  // one loop, as the 256-bit tile's
+    if (j < ahead.iters)
+      for (int64_t i = 0; i < ahead.per_j; ++i)
+        _mm_prefetch(ahead.p + 64 * (j * ahead.per_j + i), _MM_HINT_T1);
     const int32_t* w = j < full ? pw + j * width : tail;
     __m512i wv[NV];
     unroll<NV>([&](auto v) {
@@ -279,18 +315,21 @@ void tile(const Rows& x, const Panel& pn, float* y, int64_t ldy) {
 }
 
 template <int R, int NV>
-void tile_rows(const Rows& x, const Panel& pn, float* y, int64_t ldy, int64_t rows) {
+void tile_rows(const Rows& x, const Panel& pn, float* y, int64_t ldy, int64_t rows,
+               const AheadTile& ahead) {
   if constexpr (R > 1) {
-    if (rows < R) return tile_rows<R - 1, NV>(x, pn, y, ldy, rows);
+    if (rows < R) return tile_rows<R - 1, NV>(x, pn, y, ldy, rows, ahead);
   }
-  tile<R, NV>(x, pn, y, ldy);
+  tile<R, NV>(x, pn, y, ldy, ahead);
 }
 
 template <int NV>
 void panel_rows(const Rows& x, const Panel& pn, float* y, int64_t ldy, int64_t rows) {
-  for (int64_t m = 0; m < rows; m += kRowsZ) {
+  const int64_t tiles = (rows + kRowsZ - 1) / kRowsZ;
+  for (int64_t m = 0, i = 0; m < rows; m += kRowsZ, ++i) {
     const Rows xr{x.x + m * x.kq, x.kq, x.full, x.shift + m, x.scale + m};
-    tile_rows<kRowsZ, NV>(xr, pn, y + m * ldy, ldy, std::min<int64_t>(kRowsZ, rows - m));
+    tile_rows<kRowsZ, NV>(xr, pn, y + m * ldy, ldy, std::min<int64_t>(kRowsZ, rows - m),
+                          ahead_tile(pn.ahead, i, tiles, x.kq));
   }
 }
 
@@ -382,6 +421,8 @@ void panel_task(const Rows& x, const Panel& pn, float* y, int64_t ldy, int64_t r
 #endif
 
 // Shares tasks 0..n-1 between the calling thread and the pool; returns when all are done.
+// A thread claims its next task before it runs one: fn(i, next), next = -1 when none is left,
+// so it can prefetch what next reads.
 template <typename F>
 void parallel_for(ffi::ThreadPool& pool, int64_t n, F&& fn) {
   struct State {
@@ -389,9 +430,11 @@ void parallel_for(ffi::ThreadPool& pool, int64_t n, F&& fn) {
   };
   auto state = std::make_shared<State>();
   auto work = [state, n, &fn]() {
-    for (int64_t i = state->next.fetch_add(1); i < n; i = state->next.fetch_add(1)) {
-      fn(i);
+    for (int64_t i = state->next.fetch_add(1); i < n;) {
+      const int64_t next = state->next.fetch_add(1);
+      fn(i, next < n ? next : -1);
       state->done.fetch_add(1);
+      i = next;
     }
   };
   const int64_t helpers = std::min<int64_t>(pool.num_threads(), n) - 1;
@@ -440,14 +483,21 @@ void matmul(ffi::ThreadPool& pool, Task task, const int8_t* x8, const float* xs,
   const Quads q(x8, m, k);
   const int64_t kq = (k + 3) / 4, full = k / 4;
   const int64_t panels = (n + kPanel - 1) / kPanel, chunks = (m + kChunk - 1) / kChunk;
-  parallel_for(pool, panels * chunks, [&](int64_t t) {
+  // The thread's next task's panel, unless it is this one (another chunk of its rows).
+  auto ahead = [&](int64_t p, int64_t next) {
+    if (next < 0 || next / chunks == p || kPanel * k > kAheadMaxBytes) return Ahead{};
+    const int64_t q = next / chunks;
+    return Ahead{reinterpret_cast<const char*>(w + q * kPanel * k),
+                 std::min(kPanel, n - q * kPanel) * k};
+  };
+  parallel_for(pool, panels * chunks, [&](int64_t t, int64_t next) {
     const int64_t p = t / chunks, m0 = t % chunks * kChunk, rows = std::min(kChunk, m - m0);
     const int64_t width = std::min(kPanel, n - p * kPanel);
     const int8_t* panel = w + p * kPanel * k;
     thread_local std::vector<int32_t> tail(kPanel);
     if (k % 4) tail_of(panel, k, width, tail.data());
     const Panel pn{reinterpret_cast<const int32_t*>(panel), k % 4 ? tail.data() : nullptr, width,
-                   ws + p * kPanel};
+                   ws + p * kPanel, ahead(p, next)};
     const Rows xr{q.x.data() + m0 * kq, kq, full, q.shift.data() + m0, xs + m0};
     task(xr, pn, y + m0 * n + p * kPanel, n, rows);
   });
