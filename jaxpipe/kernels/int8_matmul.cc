@@ -6,6 +6,8 @@
 //   ws     [L, N]     float32: each output column's scale
 //   layer  []         int32: which of the L weights (clamped to [0, L)), read in place
 //   y      [M, N]     float32: (float(acc) * ws[n]) * xs[m], acc the exact int32 dot
+//   gated  attribute: y [M, N / 2] = silu(y's first N / 2 columns) * y's last N / 2 (a gated
+//          MLP's gate and up projections; N / 2 a multiple of 64), as the bf16 kernel's
 //
 // Int8 panel order: columns in panels of kPanel = 64 (the last one w_p = N % 64 wide if 64
 // does not divide N); panel p, K * w_p bytes from byte 64 * K * p, holds K / 4 "quad rows",
@@ -40,6 +42,7 @@
 // for K < 66,000. A task is (panel, chunk of kChunk rows), shared over XLA's thread pool.
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -474,32 +477,52 @@ void tail_of(const int8_t* panel, int64_t k, int64_t width, int32_t* out) {
   }
 }
 
+// y = silu(g) * u = g / (1 + exp(-g)) * u, n values (exp's argument capped at 88: below
+// g = -88 the product is 0 to float precision either way). As the bf16 kernel's.
+void gate(const float* g, const float* u, int64_t n, float* y) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) y[i] = g[i] / (1.f + std::exp(std::min(-g[i], 88.f))) * u[i];
+}
+
 // y = scales x (x @ w), w [K, N] in int8 panel order, on path `task` (a panel_task);
 // tasks are (panel, chunk of rows), panel-major so a thread's consecutive tasks share a panel.
+// `gated`: y [M, N / 2] = silu(x @ w's first N / 2 columns) * (x @ its last N / 2), (N / 2) %
+// kPanel == 0: a task multiplies a gate panel and its up panel into two L1-sized buffers and
+// writes their product, never the [M, N] one.
 template <typename Task>
 void matmul(ffi::ThreadPool& pool, Task task, const int8_t* x8, const float* xs,
-            const int8_t* w, const float* ws, float* y, int64_t m, int64_t k, int64_t n) {
+            const int8_t* w, const float* ws, float* y, int64_t m, int64_t k, int64_t n,
+            bool gated) {
   if (m == 0 || n == 0) return;
   const Quads q(x8, m, k);
-  const int64_t kq = (k + 3) / 4, full = k / 4;
-  const int64_t panels = (n + kPanel - 1) / kPanel, chunks = (m + kChunk - 1) / kChunk;
-  // The thread's next task's panel, unless it is this one (another chunk of its rows).
-  auto ahead = [&](int64_t p, int64_t next) {
+  const int64_t kq = (k + 3) / 4, full = k / 4, out_n = gated ? n / 2 : n;
+  const int64_t panels = (out_n + kPanel - 1) / kPanel, chunks = (m + kChunk - 1) / kChunk;
+  // w's panel p (its tail padded into `tail`), prefetching `ahead` while it runs.
+  auto panel = [&](int64_t p, int32_t* tail, Ahead ahead) {
+    const int64_t width = std::min(kPanel, n - p * kPanel);
+    const int8_t* at = w + p * kPanel * k;
+    if (k % 4) tail_of(at, k, width, tail);
+    return Panel{reinterpret_cast<const int32_t*>(at), k % 4 ? tail : nullptr, width,
+                 ws + p * kPanel, ahead};
+  };
+  // The thread's next task's panel (+ `shift`: the up half's), unless it is this task's.
+  auto ahead = [&](int64_t p, int64_t next, int64_t shift) {
     if (next < 0 || next / chunks == p || kPanel * k > kAheadMaxBytes) return Ahead{};
-    const int64_t q = next / chunks;
-    return Ahead{reinterpret_cast<const char*>(w + q * kPanel * k),
-                 std::min(kPanel, n - q * kPanel) * k};
+    const int64_t at = next / chunks + shift;
+    return Ahead{reinterpret_cast<const char*>(w + at * kPanel * k),
+                 std::min(kPanel, n - at * kPanel) * k};
   };
   parallel_for(pool, panels * chunks, [&](int64_t t, int64_t next) {
     const int64_t p = t / chunks, m0 = t % chunks * kChunk, rows = std::min(kChunk, m - m0);
-    const int64_t width = std::min(kPanel, n - p * kPanel);
-    const int8_t* panel = w + p * kPanel * k;
-    thread_local std::vector<int32_t> tail(kPanel);
-    if (k % 4) tail_of(panel, k, width, tail.data());
-    const Panel pn{reinterpret_cast<const int32_t*>(panel), k % 4 ? tail.data() : nullptr, width,
-                   ws + p * kPanel, ahead(p, next)};
+    thread_local std::vector<int32_t> tail(kPanel), up_tail(kPanel);
     const Rows xr{q.x.data() + m0 * kq, kq, full, q.shift.data() + m0, xs + m0};
-    task(xr, pn, y + m0 * n + p * kPanel, n, rows);
+    if (!gated)
+      return task(xr, panel(p, tail.data(), ahead(p, next, 0)), y + m0 * n + p * kPanel, n, rows);
+    thread_local std::vector<float> g(kChunk * kPanel), u(kChunk * kPanel);
+    task(xr, panel(p, tail.data(), ahead(p, next, 0)), g.data(), kPanel, rows);
+    task(xr, panel(p + panels, up_tail.data(), ahead(p, next, panels)), u.data(), kPanel, rows);
+    for (int64_t r = 0; r < rows; ++r)
+      gate(g.data() + r * kPanel, u.data() + r * kPanel, kPanel, y + (m0 + r) * out_n + p * kPanel);
   });
 }
 
@@ -537,13 +560,16 @@ Task task_of(int64_t path) {
 ffi::Error Int8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> x, ffi::Buffer<ffi::F32> xs,
                           ffi::Buffer<ffi::S8> w, ffi::Buffer<ffi::F32> ws,
                           ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y,
-                          int64_t path) {
+                          bool gated, int64_t path) {
   auto xd = x.dimensions(), wd = w.dimensions(), sd = ws.dimensions(), yd = y->dimensions();
   if (xd.size() != 2 || wd.size() != 3 || sd.size() != 2 || yd.size() != 2 || xd[1] != wd[1] ||
       static_cast<int64_t>(xs.element_count()) != xd[0] || sd[0] != wd[0] || sd[1] != wd[2] ||
-      yd[0] != xd[0] || yd[1] != wd[2] || layer.element_count() != 1)
+      yd[0] != xd[0] || yd[1] != (gated ? wd[2] / 2 : wd[2]) || layer.element_count() != 1)
     return ffi::Error::InvalidArgument(
-        "int8_matmul: need x [M,K] s8, xs [M], w [L,K,N] s8, ws [L,N], layer [], y [M,N]");
+        "int8_matmul: need x [M,K] s8, xs [M], w [L,K,N] s8, ws [L,N], layer [], y [M,N] "
+        "([M,N/2] gated)");
+  if (gated && wd[2] % (2 * kPanel) != 0)
+    return ffi::Error::InvalidArgument("int8_matmul: gated needs N a multiple of 128");
   const Task task = task_of(path);
   if (task == nullptr)
     return ffi::Error::InvalidArgument("int8_matmul: this build has no path " +
@@ -551,7 +577,7 @@ ffi::Error Int8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> x, ffi::Buf
   const int64_t k = wd[1], n = wd[2];
   const int64_t l = std::clamp<int64_t>(layer.typed_data()[0], 0, wd[0] - 1);
   matmul(pool, task, x.typed_data(), xs.typed_data(), w.typed_data() + l * k * n,
-         ws.typed_data() + l * n, y->typed_data(), xd[0], k, n);
+         ws.typed_data() + l * n, y->typed_data(), xd[0], k, n, gated);
   return ffi::Error::Success();
 }
 
@@ -569,4 +595,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpipeInt8Matmul, Int8MatmulImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<bool>("gated")
                                   .Attr<int64_t>("path"));

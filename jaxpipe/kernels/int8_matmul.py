@@ -64,19 +64,23 @@ def paths() -> tuple[str, ...]:
     return tuple(name for i, name in enumerate(PATHS) if mask >> i & 1)
 
 
-def int8_matmul(x, w, w_scale, layer=None, *, path: str | None = None) -> jax.Array:
+def int8_matmul(x, w, w_scale, layer=None, *, gated: bool = False,
+                path: str | None = None) -> jax.Array:
     """y [..., N] f32 = x @ w under dynamic W8A8: x [..., K] (any float dtype) quantized per
     row here (`int8.quantize_rows`), w [K, N] int8 codes in int8 panel order (`pack`) with
     w_scale [N] f32 (`int8.quantize_weight`), or stacks w [L, K, N], w_scale [L, N] of which
     `layer` (python int or traced i32, clamped to [0, L)) is used, read in place. Equals
     `int8.reference` on the unpacked weight (exact int32 sums, same scaling).
 
-    `path`: one of `paths()`; None: the last of them (the kernel choice passes its own)."""
+    `gated`: y [..., N/2] = silu(y's first N/2 columns) * its last N/2 (a gated MLP's gate and
+    up projections, `gated_reference`), panel by panel without writing the [..., N] product;
+    N must be a multiple of 2 * PANEL. `path`: one of `paths()`; None: the last of them (the
+    kernel choice passes its own)."""
     x_codes, x_scale = int8.quantize_rows(x)
-    return quantized_matmul(x_codes, x_scale, w, w_scale, layer, path=path)
+    return quantized_matmul(x_codes, x_scale, w, w_scale, layer, gated=gated, path=path)
 
 
-def quantized_matmul(x_codes, x_scale, w, w_scale, layer=None, *,
+def quantized_matmul(x_codes, x_scale, w, w_scale, layer=None, *, gated: bool = False,
                      path: str | None = None) -> jax.Array:
     """`int8_matmul` on rows already quantized: x_codes [..., K] int8 in [-127, 127],
     x_scale [...] f32 -> y [..., N] f32 = (f32(x_codes @ w) * w_scale) * x_scale."""
@@ -86,15 +90,27 @@ def quantized_matmul(x_codes, x_scale, w, w_scale, layer=None, *,
         raise ValueError(f"int8_matmul: path {path!r} is not built here; this machine has "
                          f"{', '.join(paths())}")
     _check(x_codes, x_scale, w, w_scale, layer)
+    if gated and w.shape[-1] % (2 * PANEL):
+        raise ValueError(f"int8_matmul: gated needs N a multiple of {2 * PANEL}; got w "
+                         f"{w.shape}")
     stack, scales = (w, w_scale) if w.ndim == 3 else (w[None], w_scale[None])
     lead, k = x_codes.shape[:-1], x_codes.shape[-1]
+    n = stack.shape[2] // 2 if gated else stack.shape[2]
     rows = x_codes.reshape(math.prod(lead), k)  # [M, K]
-    out = jax.ShapeDtypeStruct((rows.shape[0], stack.shape[2]), jnp.float32)
+    out = jax.ShapeDtypeStruct((rows.shape[0], n), jnp.float32)
     index = jnp.asarray(0 if layer is None else layer, jnp.int32)
     code = -1 if path is None else PATHS.index(path)
     y = jax.ffi.ffi_call(TARGET, out)(rows, x_scale.reshape(-1).astype(jnp.float32), stack,
-                                      scales.astype(jnp.float32), index, path=code)  # [M, N]
-    return y.reshape(*lead, stack.shape[2])
+                                      scales.astype(jnp.float32), index, gated=gated,
+                                      path=code)  # [M, N or N/2]
+    return y.reshape(*lead, n)
+
+
+def gated_reference(x, w_codes, w_scale) -> jax.Array:
+    """XLA's `int8.reference` then silu(first half of the columns) * second half."""
+    y = int8.reference(x, w_codes, w_scale)
+    half = y.shape[-1] // 2
+    return jax.nn.silu(y[..., :half]) * y[..., half:]
 
 
 def pack(w) -> jax.Array:

@@ -379,20 +379,20 @@ def time_int8_matmul(mm: Matmul, rows: int, layers: int = 2) -> dict[str, float]
     """Seconds per call of each int8 candidate for `mm` at `rows` rows (x f32, quantized per
     row inside the call), on a stack of `layers` int8 weights read at a traced layer index
     as the step reads them: XLA's int8 dot on the sliced codes (natural order), each int8
-    kernel path on the stack in place (panel order). Gated: silu(gate) * up after either."""
+    kernel path on the stack in place (panel order). Gated: silu(gate) * up after XLA's, in
+    the kernel (`gated=True`) for its paths."""
     rng = np.random.default_rng(0)
     codes, scales = int8.quantize_weight(jnp.asarray(rng.normal(size=(layers, mm.k, mm.n)),
                                                      jnp.float32))
     x = jnp.asarray(rng.normal(size=(rows, mm.k)), jnp.float32)
     layer = jnp.int32(layers - 1)
-    gate = _gate if mm.gated else (lambda y: y)
-
     def xla(x, w, s, layer):
         pick = functools.partial(jax.lax.dynamic_index_in_dim, index=layer, keepdims=False)
-        return gate(int8.reference(x, pick(w), pick(s)))
+        dot = int8_matmul.gated_reference if mm.gated else int8.reference
+        return dot(x, pick(w), pick(s))
 
     def kernel(x, w, s, layer, path):
-        return gate(int8_matmul.int8_matmul(x, w, s, layer, path=path))
+        return int8_matmul.int8_matmul(x, w, s, layer, gated=mm.gated, path=path)
 
     out = {XLA: _seconds(jax.jit(xla), x, codes, scales, layer)}
     packed = int8_matmul.pack(codes)
@@ -400,12 +400,6 @@ def time_int8_matmul(mm: Matmul, rows: int, layers: int = 2) -> dict[str, float]
         out[path] = _seconds(jax.jit(functools.partial(kernel, path=path)), x, packed, scales,
                              layer)
     return out
-
-
-def _gate(y):
-    """silu(first half of y's columns) * its second half (a gated MLP's gate and up)."""
-    half = y.shape[-1] // 2
-    return jax.nn.silu(y[..., :half]) * y[..., half:]
 
 
 def time_experts(case: ExpertsCase, tokens: int, layers: int = 2) -> dict[str, float]:

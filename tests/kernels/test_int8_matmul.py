@@ -210,6 +210,38 @@ def test_model_shapes_match_float64_and_xla(m, k, n, int8_path):
 
 
 @needs_kernel
+@pytest.mark.parametrize("m", [1, 7, 53, 300])
+@pytest.mark.parametrize("k,f", [(576, 1536), (67, 128), (1536, 64 * 3), (523, 64)])
+def test_gated_is_silu_of_gate_times_up(m, k, f, int8_path):
+    """`gated`: silu(g) * u for w = [gate | up] [K, 2F], g and u the same quantized arithmetic
+    in float64 (silu there too), and XLA's int8 path; row 0 scaled so its gates run far past
+    exp's range (its outputs are 0 or the up value, never NaN)."""
+    x, w = inputs(m, k, 2 * f, seed=m + k)
+    x[0] *= 40.0
+    y, xq, xs, wq, ws = np_w8a8(x, w)
+    g, u = y[:, :f], y[:, f:]
+    want = g / (1 + np.exp(-np.clip(g, -700, 700))) * u
+    fn = jax.jit(partial(im.quantized_matmul, gated=True, path=int8_path))
+    got = np.asarray(fn(jnp.asarray(xq), jnp.asarray(xs), im.pack(jnp.asarray(wq)),
+                        jnp.asarray(ws)))
+    assert got.shape == (m, f) and np.isfinite(got).all()
+    # g and u are f32 (relative 2^-23 off), silu' is within [-0.1, 1.1], expf a few ulps
+    bound = 1e-6 * (np.abs(g) * (np.abs(u) + 1) + np.abs(u) * (np.abs(g) + 1)) + 1e-30
+    np.testing.assert_array_less(np.abs(got - want), bound)
+    wq_j, ws_j = jnp.asarray(wq), jnp.asarray(ws)
+    xla = np.asarray(jax.jit(im.gated_reference)(jnp.asarray(x), wq_j, ws_j))
+    np.testing.assert_allclose(got, xla, rtol=1e-5, atol=1e-5 * np.abs(xla).max())
+
+
+@needs_kernel
+def test_gated_refuses_widths_it_cannot_pair():
+    x, w = inputs(3, 66, 2 * 96)
+    wq, ws = int8.quantize_weight(jnp.asarray(w))
+    with pytest.raises(ValueError, match="gated needs N a multiple of 128"):
+        im.int8_matmul(jnp.asarray(x), im.pack(wq), ws, gated=True)
+
+
+@needs_kernel
 def test_stacked_weight_picks_its_layer_in_place(int8_path):
     """w [L, K, N] and w_scale [L, N] with a traced layer index (clamped to [0, L))."""
     x, w = inputs(5, 67, 129, seed=3)
