@@ -163,12 +163,11 @@ void panel_task(const Rows& x, const Panel& pn, float* y, int64_t ldy, int64_t r
 }  // namespace portable
 
 #ifdef __AVX2__
-// The 256-bit paths (avx2, avx_vnni): tiles of R rows x 8 * NV columns; a panel in column
-// groups of 16, each over all the task's rows (its weights stay in L1 while the rows read
-// them). `Dot` is the path's multiply-accumulate of one quad row.
+// The 256-bit paths (avx2, avx_vnni): tiles of R rows (Dot::kRows) x 8 * NV columns; a
+// panel in column groups of 16, each over all the task's rows (its weights stay in L1 while
+// the rows read them). `Dot` is the path's multiply-accumulate of one quad row.
 namespace ymm {
 
-constexpr int kRowsY = 4;
 constexpr int kVecs = 2;
 
 inline __m256i lanes(int64_t n) {  // lanes 0 .. n - 1 set (n in 1..8)
@@ -238,6 +237,7 @@ template <typename Dot>
 void panel_task(const Rows& x, const Panel& pn, float* y, int64_t ldy, int64_t rows) {
   constexpr int64_t group = 8 * kVecs;
   const int64_t groups = (pn.width + group - 1) / group;
+  constexpr int kRowsY = Dot::kRows;
   const int64_t tiles = groups * ((rows + kRowsY - 1) / kRowsY);
   for (int64_t c0 = 0, i = 0; c0 < pn.width; c0 += group) {
     const int64_t cols = std::min(group, pn.width - c0);
@@ -252,7 +252,8 @@ void panel_task(const Rows& x, const Panel& pn, float* y, int64_t ldy, int64_t r
 
 // vpsignb + vpmaddubsw + vpmaddwd: |x| (u8, <= 127) times w with x's sign (s8), pairs in s16
 // (<= 32258: no saturation), then pairs of pairs into int32.
-struct Avx2Dot {
+struct Avx2Dot {  // 4 rows: 8 accumulators, 2 weights, x, |x|, ones, a temporary
+  static constexpr int kRows = 4;
   static constexpr bool kShift = false;
   static __m256i pre(__m256i w) { return w; }
   static __m256i add(__m256i acc, __m256i w, __m256i xq) {
@@ -263,6 +264,7 @@ struct Avx2Dot {
 
 #ifdef __AVXVNNI__
 struct AvxVnniDot {  // (w + 128) as u8 times x as s8; the row's 128 * sum x comes off after
+  static constexpr int kRows = 6;  // 12 accumulators, 2 weights, x, the 0x80 bytes: 16 ymm
   static constexpr bool kShift = true;
   static __m256i pre(__m256i w) { return _mm256_xor_si256(w, _mm256_set1_epi8(-128)); }
   static __m256i add(__m256i acc, __m256i w, __m256i xq) {
