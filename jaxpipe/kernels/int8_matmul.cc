@@ -1,7 +1,8 @@
 // y = x_scale[m] * w_scale[n] * (x8 @ w8)[m, n] on the CPU (dynamic W8A8, int8_matmul.py):
 //
-//   x      [M, K]     int8, row-major contiguous: each row quantized, in [-127, 127]
-//   xs     [M]        float32: each row's scale
+//   x      [M, K]     int8, row-major contiguous: each row quantized, in [-127, 127]; or
+//                     float32 rows, quantized here per row (int8.py's arithmetic, `Quads`)
+//   xs     [M]        float32: each int8 row's scale ([0] with float32 rows)
 //   w      [L, K, N]  int8 in "int8 panel order" (int8_matmul.py: pack), in [-127, 127]
 //   ws     [L, N]     float32: each output column's scale
 //   layer  []         int32: which of the L weights (clamped to [0, L)), read in place
@@ -39,7 +40,10 @@
 // that XLA's dot (the reference) reads, and no per-column sums are kept.
 //
 // Sums are exact: |acc| <= K x 127 x 127 (+ 128 x 127 x K for the VNNI correction) fits int32
-// for K < 66,000. A task is (panel, chunk of kChunk rows), shared over XLA's thread pool.
+// for K < 66,000. A task is (panel, chunk of kChunk rows), shared over XLA's thread pool;
+// a thread claims its next task first and prefetches that task's panel into L2 over this
+// task's tiles, so a panel's stream from memory overlaps the compute on the one before it (as
+// the bf16 kernel: decode's 8-96 rows are neither memory- nor compute-bound alone).
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -51,7 +55,9 @@
 #include <utility>
 #include <vector>
 
-#include <immintrin.h>  // _mm_prefetch on any x86-64; the paths' intrinsics where built
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512VNNI__)
 #define JAXPIPE_AMX_INT8 1
 #include <sys/syscall.h>
@@ -190,7 +196,7 @@ void tile(const Rows& x, const Panel& pn, int64_t c0, int64_t cols, float* y, in
   for (int64_t j = 0; j < x.kq; ++j) {
     if (j < ahead.iters)
       for (int64_t i = 0; i < ahead.per_j; ++i)
-        _mm_prefetch(ahead.p + 64 * (j * ahead.per_j + i), _MM_HINT_T1);
+        __builtin_prefetch(ahead.p + 64 * (j * ahead.per_j + i), 0, 2);  // into L2
     const int32_t* w = (j < x.full ? pn.w + j * pn.width : pn.tail) + c0;
     __m256i wv[NV];
     unroll<NV>([&](auto v) {
@@ -295,7 +301,7 @@ void tile(const Rows& x, const Panel& pn, float* y, int64_t ldy, const AheadTile
   for (int64_t j = 0; j < kq; ++j) {  // one loop, as the 256-bit tile's
     if (j < ahead.iters)
       for (int64_t i = 0; i < ahead.per_j; ++i)
-        _mm_prefetch(ahead.p + 64 * (j * ahead.per_j + i), _MM_HINT_T1);
+        __builtin_prefetch(ahead.p + 64 * (j * ahead.per_j + i), 0, 2);  // into L2
     const int32_t* w = j < full ? pw + j * width : tail;
     __m512i wv[NV];
     unroll<NV>([&](auto v) {
@@ -454,18 +460,59 @@ void parallel_for(ffi::ThreadPool& pool, int64_t n, F&& fn) {
 }
 
 // x [M, K] int8 as quads [M, kq] (tail zero-padded) and each row's 128 * sum_k x.
+// x's rows as the paths read them: codes in quads [M, kq] (tail zero-padded), each row's
+// scale and 128 * sum_k code. From codes and scales (`quantized_matmul`), or from f32 rows
+// quantized here exactly as int8.py's `_quantize` (`int8_matmul`): no separate XLA pass
+// over x, and no second op per call.
 struct Quads {
   std::vector<int32_t> x, shift;
-  Quads(const int8_t* x8, int64_t m, int64_t k) : x(m * ((k + 3) / 4), 0), shift(m) {
-    const int64_t kq = (k + 3) / 4;
+  std::vector<float> scale;
+  Quads(const int8_t* x8, const float* xs, int64_t m, int64_t k)
+      : x(m * ((k + 3) / 4), 0), shift(m), scale(xs, xs + m) {
     for (int64_t r = 0; r < m; ++r) {
-      const int8_t* row = x8 + r * k;
-      std::memcpy(x.data() + r * kq, row, k);
-      int32_t sum = 0;
-      for (int64_t i = 0; i < k; ++i) sum += row[i];
-      shift[r] = 128 * sum;
+      int8_t* codes = row_codes(r, k);
+      std::memcpy(codes, x8 + r * k, k);
+      shift[r] = 128 * sum(codes, k);
     }
   }
+  Quads(const float* xf, int64_t m, int64_t k) : x(m * ((k + 3) / 4), 0), shift(m), scale(m) {
+    for (int64_t r = 0; r < m; ++r) {
+      int8_t* codes = row_codes(r, k);
+      scale[r] = quantize(xf + r * k, k, codes);
+      shift[r] = 128 * sum(codes, k);
+    }
+  }
+  int8_t* row_codes(int64_t r, int64_t k) {
+    return reinterpret_cast<int8_t*>(x.data() + r * ((k + 3) / 4));
+  }
+  static int32_t sum(const int8_t* codes, int64_t k) {
+    int32_t total = 0;
+    for (int64_t i = 0; i < k; ++i) total += codes[i];
+    return total;
+  }
+  // codes = round(v * f32(1 / s)) in [-127, 127], s = max |v| * f32(1 / 127) (1 if 0),
+  // ties to even; returns s, or NaN for a row with inf or NaN (so are its outputs). The
+  // products are int8.py's definition: under -ffast-math neither is rewritten (a division
+  // would be), and non-finite values are found by their bits (-ffast-math assumes none).
+  static float quantize(const float* v, int64_t k, int8_t* codes) {
+    float amax = 0.f;
+    bool finite = true;
+    for (int64_t i = 0; i < k; ++i) {
+      uint32_t bits;
+      std::memcpy(&bits, v + i, 4);
+      finite &= (bits & 0x7f800000u) != 0x7f800000u;
+      amax = std::max(amax, std::fabs(v[i]));
+    }
+    const float s = amax > 0.f ? amax * kStep : 1.f, inv = 1.f / s;
+    for (int64_t i = 0; i < k; ++i)
+      codes[i] = static_cast<int8_t>(std::clamp(std::nearbyint(v[i] * inv), -127.f, 127.f));
+    if (finite) return s;
+    const uint32_t nan = 0x7fc00000u;
+    float out;
+    std::memcpy(&out, &nan, 4);
+    return out;
+  }
+  static constexpr float kStep = 1.f / 127.f;  // int8.py's STEP
 };
 
 // Panel p's tail rows (K % 4 of them, stored as width x rem bytes) as one zero-padded quad row.
@@ -492,11 +539,8 @@ void gate(const float* g, const float* u, int64_t n, float* y) {
 // kPanel == 0: a task multiplies a gate panel and its up panel into two L1-sized buffers and
 // writes their product, never the [M, N] one.
 template <typename Task>
-void matmul(ffi::ThreadPool& pool, Task task, const int8_t* x8, const float* xs,
-            const int8_t* w, const float* ws, float* y, int64_t m, int64_t k, int64_t n,
-            bool gated) {
-  if (m == 0 || n == 0) return;
-  const Quads q(x8, m, k);
+void matmul(ffi::ThreadPool& pool, Task task, const Quads& q, const int8_t* w, const float* ws,
+            float* y, int64_t m, int64_t k, int64_t n, bool gated) {
   const int64_t kq = (k + 3) / 4, full = k / 4, out_n = gated ? n / 2 : n;
   const int64_t panels = (out_n + kPanel - 1) / kPanel, chunks = (m + kChunk - 1) / kChunk;
   // w's panel p (its tail padded into `tail`), prefetching `ahead` while it runs.
@@ -517,7 +561,7 @@ void matmul(ffi::ThreadPool& pool, Task task, const int8_t* x8, const float* xs,
   parallel_for(pool, panels * chunks, [&](int64_t t, int64_t next) {
     const int64_t p = t / chunks, m0 = t % chunks * kChunk, rows = std::min(kChunk, m - m0);
     thread_local std::vector<int32_t> tail(kPanel), up_tail(kPanel);
-    const Rows xr{q.x.data() + m0 * kq, kq, full, q.shift.data() + m0, xs + m0};
+    const Rows xr{q.x.data() + m0 * kq, kq, full, q.shift.data() + m0, q.scale.data() + m0};
     if (!gated)
       return task(xr, panel(p, tail.data(), ahead(p, next, 0)), y + m0 * n + p * kPanel, n, rows);
     thread_local std::vector<float> g(kChunk * kPanel), u(kChunk * kPanel);
@@ -559,17 +603,20 @@ Task task_of(int64_t path) {
   }
 }
 
-ffi::Error Int8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> x, ffi::Buffer<ffi::F32> xs,
+// x [M, K] s8 codes with xs [M] their scales, or f32 rows (xs [0]) quantized here.
+ffi::Error Int8MatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> xs,
                           ffi::Buffer<ffi::S8> w, ffi::Buffer<ffi::F32> ws,
                           ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y,
                           bool gated, int64_t path) {
   auto xd = x.dimensions(), wd = w.dimensions(), sd = ws.dimensions(), yd = y->dimensions();
+  const bool codes = x.element_type() == ffi::S8;
   if (xd.size() != 2 || wd.size() != 3 || sd.size() != 2 || yd.size() != 2 || xd[1] != wd[1] ||
-      static_cast<int64_t>(xs.element_count()) != xd[0] || sd[0] != wd[0] || sd[1] != wd[2] ||
-      yd[0] != xd[0] || yd[1] != (gated ? wd[2] / 2 : wd[2]) || layer.element_count() != 1)
+      static_cast<int64_t>(xs.element_count()) != (codes ? xd[0] : 0) || sd[0] != wd[0] ||
+      sd[1] != wd[2] || yd[0] != xd[0] || yd[1] != (gated ? wd[2] / 2 : wd[2]) ||
+      layer.element_count() != 1 || (!codes && x.element_type() != ffi::F32))
     return ffi::Error::InvalidArgument(
-        "int8_matmul: need x [M,K] s8, xs [M], w [L,K,N] s8, ws [L,N], layer [], y [M,N] "
-        "([M,N/2] gated)");
+        "int8_matmul: need x [M,K] s8 with xs [M] (or f32 with xs [0]), w [L,K,N] s8, "
+        "ws [L,N], layer [], y [M,N] ([M,N/2] gated)");
   if (gated && wd[2] % (2 * kPanel) != 0)
     return ffi::Error::InvalidArgument("int8_matmul: gated needs N a multiple of 128");
   const Task task = task_of(path);
@@ -578,8 +625,13 @@ ffi::Error Int8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> x, ffi::Buf
                                        std::to_string(path));
   const int64_t k = wd[1], n = wd[2];
   const int64_t l = std::clamp<int64_t>(layer.typed_data()[0], 0, wd[0] - 1);
-  matmul(pool, task, x.typed_data(), xs.typed_data(), w.typed_data() + l * k * n,
-         ws.typed_data() + l * n, y->typed_data(), xd[0], k, n, gated);
+  const int64_t m = xd[0];
+  if (m == 0 || n == 0) return ffi::Error::Success();
+  const auto* data = x.untyped_data();
+  const Quads q = codes ? Quads(static_cast<const int8_t*>(data), xs.typed_data(), m, k)
+                        : Quads(static_cast<const float*>(data), m, k);
+  matmul(pool, task, q, w.typed_data() + l * k * n, ws.typed_data() + l * n, y->typed_data(),
+         m, k, n, gated);
   return ffi::Error::Success();
 }
 
@@ -591,7 +643,7 @@ extern "C" uint32_t jaxpipe_int8_matmul_paths() { return usable_paths(); }
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpipeInt8Matmul, Int8MatmulImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S8>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()

@@ -15,8 +15,9 @@ k's, 64 multiply-adds) and a panel is one sequential stream (36 KB for K = 576),
 kernel's pairs are for vdpbf16ps. K % 4 tail rows follow a panel's quads, so any K packs
 in place: `pack`/`unpack` keep the shape (and so a weight's sharding), reordering only bytes.
 
-Rows are quantized per token in XLA (`int8.quantize_rows`, fused into the step) and handed
-to the kernel as int8 codes and f32 scales; weights are int8 codes [L, K, N] and scales [L,
+Rows are quantized per token inside the kernel, as `int8.quantize_rows` does (to the bit:
+tested), so a call is one op, not an XLA pass over x and then the kernel (`quantized_matmul`
+takes codes and scales already made); weights are int8 codes [L, K, N] and scales [L,
 N], a stack of layers read in place at a traced index as the bf16 kernel reads them. Every
 path computes the same exact int32 sums as XLA's int8 dot, then (f32(acc) * s_w) * s_x. A
 custom call cannot be partitioned: on a sharded layout call it inside `jax.shard_map`.
@@ -66,41 +67,56 @@ def paths() -> tuple[str, ...]:
 
 def int8_matmul(x, w, w_scale, layer=None, *, gated: bool = False,
                 path: str | None = None) -> jax.Array:
-    """y [..., N] f32 = x @ w under dynamic W8A8: x [..., K] (any float dtype) quantized per
-    row here (`int8.quantize_rows`), w [K, N] int8 codes in int8 panel order (`pack`) with
-    w_scale [N] f32 (`int8.quantize_weight`), or stacks w [L, K, N], w_scale [L, N] of which
-    `layer` (python int or traced i32, clamped to [0, L)) is used, read in place. Equals
-    `int8.reference` on the unpacked weight (exact int32 sums, same scaling).
+    """y [..., N] f32 = x @ w under dynamic W8A8: x [..., K] (any float dtype; as f32)
+    quantized per row inside the kernel exactly as `int8.quantize_rows` does, w [K, N] int8
+    codes in int8 panel order (`pack`) with w_scale [N] f32 (`int8.quantize_weight`), or
+    stacks w [L, K, N], w_scale [L, N] of which `layer` (python int or traced i32, clamped to
+    [0, L)) is used, read in place. Equals `int8.reference` on the unpacked weight (exact
+    int32 sums, same scaling); a row with inf or NaN gives NaN.
 
     `gated`: y [..., N/2] = silu(y's first N/2 columns) * its last N/2 (a gated MLP's gate and
     up projections, `gated_reference`), panel by panel without writing the [..., N] product;
     N must be a multiple of 2 * PANEL. `path`: one of `paths()`; None: the last of them (the
     kernel choice passes its own)."""
-    x_codes, x_scale = int8.quantize_rows(x)
-    return quantized_matmul(x_codes, x_scale, w, w_scale, layer, gated=gated, path=path)
+    if not jnp.issubdtype(jnp.result_type(x), jnp.floating):
+        raise ValueError(f"int8_matmul: x must be a float array; got {jnp.result_type(x)} "
+                         f"(quantized_matmul takes int8 codes)")
+    rows = jnp.asarray(x, jnp.float32)
+    return _call(rows, jnp.zeros((0,), jnp.float32), w, w_scale, layer, gated, path)
 
 
 def quantized_matmul(x_codes, x_scale, w, w_scale, layer=None, *, gated: bool = False,
                      path: str | None = None) -> jax.Array:
     """`int8_matmul` on rows already quantized: x_codes [..., K] int8 in [-127, 127],
     x_scale [...] f32 -> y [..., N] f32 = (f32(x_codes @ w) * w_scale) * x_scale."""
+    if x_codes.dtype != jnp.int8:
+        raise ValueError(f"int8_matmul: x codes must be int8 (int8.quantize_rows); got "
+                         f"{x_codes.dtype}")
+    if jnp.shape(x_scale) != x_codes.shape[:-1]:
+        raise ValueError(f"int8_matmul: x_scale must be x's leading shape "
+                         f"{x_codes.shape[:-1]}; got {jnp.shape(x_scale)}")
+    scales = jnp.asarray(x_scale, jnp.float32).reshape(-1)
+    return _call(x_codes, scales, w, w_scale, layer, gated, path)
+
+
+def _call(x, x_scale, w, w_scale, layer, gated: bool, path: str | None) -> jax.Array:
+    """The custom call: x [..., K] (int8 codes with x_scale [M], or f32 with x_scale [0])."""
     if not available():  # builds and registers the kernel on first use
         raise RuntimeError("the int8 matmul kernel cannot be built here; use int8.reference()")
     if path is not None and path not in paths():
         raise ValueError(f"int8_matmul: path {path!r} is not built here; this machine has "
                          f"{', '.join(paths())}")
-    _check(x_codes, x_scale, w, w_scale, layer)
+    _check(x, w, w_scale, layer)
     if gated and w.shape[-1] % (2 * PANEL):
         raise ValueError(f"int8_matmul: gated needs N a multiple of {2 * PANEL}; got w "
                          f"{w.shape}")
     stack, scales = (w, w_scale) if w.ndim == 3 else (w[None], w_scale[None])
-    lead, k = x_codes.shape[:-1], x_codes.shape[-1]
+    lead, k = x.shape[:-1], x.shape[-1]
     n = stack.shape[2] // 2 if gated else stack.shape[2]
-    rows = x_codes.reshape(math.prod(lead), k)  # [M, K]
-    out = jax.ShapeDtypeStruct((rows.shape[0], n), jnp.float32)
+    out = jax.ShapeDtypeStruct((math.prod(lead), n), jnp.float32)
     index = jnp.asarray(0 if layer is None else layer, jnp.int32)
     code = -1 if path is None else PATHS.index(path)
-    y = jax.ffi.ffi_call(TARGET, out)(rows, x_scale.reshape(-1).astype(jnp.float32), stack,
+    y = jax.ffi.ffi_call(TARGET, out)(x.reshape(math.prod(lead), k), x_scale, stack,
                                       scales.astype(jnp.float32), index, gated=gated,
                                       path=code)  # [M, N or N/2]
     return y.reshape(*lead, n)
@@ -172,19 +188,16 @@ def _permute_last4(a, order: tuple[int, ...]):
     return a.transpose(*range(lead), *(lead + i for i in order))
 
 
-def _check(x_codes, x_scale, w, w_scale, layer) -> None:
-    if x_codes.ndim < 1 or w.ndim not in (2, 3) or x_codes.shape[-1] != w.shape[-2]:
+def _check(x, w, w_scale, layer) -> None:
+    if x.ndim < 1 or w.ndim not in (2, 3) or x.shape[-1] != w.shape[-2]:
         raise ValueError(f"int8_matmul: x must be [..., K] and w [K, N] or [L, K, N]; got x "
-                         f"{x_codes.shape}, w {w.shape}")
-    if w.dtype != jnp.int8 or x_codes.dtype != jnp.int8:
-        raise ValueError(f"int8_matmul: x codes and w must be int8 (int8.quantize_rows, "
-                         f"int8.quantize_weight); got {x_codes.dtype}, {w.dtype}")
+                         f"{x.shape}, w {w.shape}")
+    if w.dtype != jnp.int8:
+        raise ValueError(f"int8_matmul: w must be int8 codes (int8.quantize_weight); got "
+                         f"{w.dtype}")
     if jnp.shape(w_scale) != w.shape[:-2] + w.shape[-1:]:
         raise ValueError(f"int8_matmul: w_scale must be [N] (or [L, N] with a stack); got "
                          f"{jnp.shape(w_scale)} for w {w.shape}")
-    if jnp.shape(x_scale) != x_codes.shape[:-1]:
-        raise ValueError(f"int8_matmul: x_scale must be x's leading shape "
-                         f"{x_codes.shape[:-1]}; got {jnp.shape(x_scale)}")
     if (w.ndim == 3) != (layer is not None):
         raise ValueError(f"int8_matmul: a layer index goes with a stacked w [L, K, N] and only "
                          f"with it; got w {w.shape}, layer {layer!r}")

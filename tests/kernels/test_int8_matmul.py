@@ -255,6 +255,38 @@ def test_stacked_weight_picks_its_layer_in_place(int8_path):
 
 
 @needs_kernel
+@pytest.mark.parametrize("m,k", [(1, 576), (53, 523), (7, 3)])
+def test_rows_quantized_in_the_kernel_are_numpys_to_the_bit(m, k, int8_path):
+    """`int8_matmul` quantizes f32 rows inside the kernel: the result equals the kernel on
+    NumPy's codes and scales exactly (same int32 sums, same scalings), for rows of every
+    magnitude, ties at .5 steps (the row [127, 0.5, 1.5, 2.5, ...] has scale 1) and zeros."""
+    x, w = inputs(m, k, 70, seed=k)
+    x *= np.logspace(-30, 30, m, dtype=np.float32)[:, None]  # scales from 1e-32 to 1e28
+    x[0, :3] = [127.0, 0.5, -2.5][:k]
+    x[0, 3:] = np.resize([1.5, 2.5, -0.5], k - 3) if k > 3 else []
+    if m > 2:
+        x[m // 2] = 0
+    wq, ws = np_quantize(w, -2)
+    xq, xs = np_quantize(x, -1)
+    packed = im.pack(jnp.asarray(wq))
+    got = np.asarray(im.int8_matmul(jnp.asarray(x), packed, jnp.asarray(ws), path=int8_path))
+    want = np.asarray(im.quantized_matmul(jnp.asarray(xq), jnp.asarray(xs), packed,
+                                          jnp.asarray(ws), path=int8_path))
+    np.testing.assert_array_equal(got, want)
+
+
+@needs_kernel
+def test_a_row_with_inf_or_nan_gives_nan_and_leaves_the_others(int8_path):
+    x, w = inputs(4, 66, 70, seed=9)
+    x[1, 5], x[2, 60] = np.inf, np.nan
+    wq, ws = int8.quantize_weight(jnp.asarray(w))
+    got = np.asarray(im.int8_matmul(jnp.asarray(x), im.pack(wq), ws, path=int8_path))
+    assert np.isnan(got[1:3]).all() and np.isfinite(got[[0, 3]]).all()
+    want, *_ = np_w8a8(x[[0, 3]], w)
+    close_f32(got[[0, 3]], want)
+
+
+@needs_kernel
 def test_leading_dims_and_the_default_path():
     x, w = inputs(2 * 3 * 5, 66, 129, seed=4)
     wq, ws = int8.quantize_weight(jnp.asarray(w))
@@ -293,8 +325,10 @@ def test_bad_inputs_are_named():
     x = jnp.asarray(x)
     with pytest.raises(ValueError, match=r"x must be \[..., K\]"):
         im.int8_matmul(x[:, :6], wq, ws)
-    with pytest.raises(ValueError, match="must be int8"):
+    with pytest.raises(ValueError, match="w must be int8 codes"):
         im.int8_matmul(x, wq.astype(jnp.int32), ws)
+    with pytest.raises(ValueError, match="x must be a float array"):
+        im.int8_matmul(wq[:3], wq, ws)
     with pytest.raises(ValueError, match=r"w_scale must be \[N\]"):
         im.int8_matmul(x, wq, ws[:5])
     with pytest.raises(ValueError, match="layer index goes with a stacked w"):
