@@ -55,7 +55,7 @@
 #include <utility>
 #include <vector>
 
-#if defined(__AVX2__)
+#if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512VNNI__)
@@ -487,6 +487,7 @@ struct Quads {
   }
   static int32_t sum(const int8_t* codes, int64_t k) {
     int32_t total = 0;
+#pragma omp simd reduction(+ : total)
     for (int64_t i = 0; i < k; ++i) total += codes[i];
     return total;
   }
@@ -495,22 +496,57 @@ struct Quads {
   // products are int8.py's definition: under -ffast-math neither is rewritten (a division
   // would be), and non-finite values are found by their bits (-ffast-math assumes none).
   static float quantize(const float* v, int64_t k, int8_t* codes) {
-    float amax = 0.f;
-    bool finite = true;
-    for (int64_t i = 0; i < k; ++i) {
-      uint32_t bits;
-      std::memcpy(&bits, v + i, 4);
-      finite &= (bits & 0x7f800000u) != 0x7f800000u;
-      amax = std::max(amax, std::fabs(v[i]));
-    }
+    const auto [amax, finite] = range(v, k);
     const float s = amax > 0.f ? amax * kStep : 1.f, inv = 1.f / s;
-    for (int64_t i = 0; i < k; ++i)
-      codes[i] = static_cast<int8_t>(std::clamp(std::nearbyint(v[i] * inv), -127.f, 127.f));
+    round(v, k, inv, codes);
     if (finite) return s;
     const uint32_t nan = 0x7fc00000u;
     float out;
     std::memcpy(&out, &nan, 4);
     return out;
+  }
+  // (max |v|, whether every v is finite).
+  static std::pair<float, bool> range(const float* v, int64_t k) {
+    float amax = 0.f;
+    uint32_t special = 0;
+    int64_t i = 0;
+#ifdef __AVX512F__
+    const __m512i exp = _mm512_set1_epi32(0x7f800000);
+    __m512 vmax = _mm512_setzero_ps();
+    __mmask16 bad = 0;
+    for (; i < k; i += 16) {
+      const __mmask16 m = static_cast<__mmask16>(k - i >= 16 ? 0xffffu : (1u << (k - i)) - 1);
+      const __m512 x = _mm512_maskz_loadu_ps(m, v + i);
+      vmax = _mm512_max_ps(vmax, _mm512_abs_ps(x));
+      bad |= _mm512_cmpeq_epi32_mask(_mm512_and_si512(_mm512_castps_si512(x), exp), exp);
+    }
+    amax = _mm512_reduce_max_ps(vmax);
+    special = bad;
+#endif
+    for (; i < k; ++i) {
+      uint32_t bits;
+      std::memcpy(&bits, v + i, 4);
+      special |= (bits & 0x7f800000u) == 0x7f800000u;
+      amax = std::max(amax, std::fabs(v[i]));
+    }
+    return {amax, special == 0};
+  }
+  // codes[i] = clamp(round half to even(v[i] * inv), -127, 127).
+  static void round(const float* v, int64_t k, float inv, int8_t* codes) {
+    int64_t i = 0;
+#ifdef __AVX512F__
+    const __m512 scale = _mm512_set1_ps(inv);
+    const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
+    for (; i < k; i += 16) {
+      const __mmask16 m = static_cast<__mmask16>(k - i >= 16 ? 0xffffu : (1u << (k - i)) - 1);
+      const __m512 x = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, v + i), scale);
+      const __m512i q = _mm512_min_epi32(_mm512_max_epi32(_mm512_cvt_roundps_epi32(
+          x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), lo), hi);
+      _mm512_mask_cvtsepi32_storeu_epi8(codes + i, m, q);
+    }
+#endif
+    for (; i < k; ++i)
+      codes[i] = static_cast<int8_t>(std::clamp(std::nearbyint(v[i] * inv), -127.f, 127.f));
   }
   static constexpr float kStep = 1.f / 127.f;  // int8.py's STEP
 };
