@@ -475,12 +475,25 @@ struct Quads {
       shift[r] = 128 * sum(codes, k);
     }
   }
-  Quads(const float* xf, int64_t m, int64_t k) : x(m * ((k + 3) / 4), 0), shift(m), scale(m) {
-    for (int64_t r = 0; r < m; ++r) {
-      int8_t* codes = row_codes(r, k);
-      scale[r] = quantize(xf + r * k, k, codes);
-      shift[r] = 128 * sum(codes, k);
+  // Rows in blocks of kBlockRows over the pool once there are kParallel values (prefill),
+  // on the calling thread below that (decode: a few rows, less than a task's scheduling).
+  Quads(const float* xf, int64_t m, int64_t k, ffi::ThreadPool& pool)
+      : x(m * ((k + 3) / 4), 0), shift(m), scale(m) {
+    constexpr int64_t kBlockRows = 16, kParallel = 1 << 16;
+    auto rows = [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) {
+        int8_t* codes = row_codes(r, k);
+        scale[r] = quantize(xf + r * k, k, codes);
+        shift[r] = 128 * sum(codes, k);
+      }
+    };
+    if (m * k < kParallel) {
+      rows(0, m);
+      return;
     }
+    parallel_for(pool, (m + kBlockRows - 1) / kBlockRows, [&](int64_t b, int64_t) {
+      rows(b * kBlockRows, std::min(m, (b + 1) * kBlockRows));
+    });
   }
   int8_t* row_codes(int64_t r, int64_t k) {
     return reinterpret_cast<int8_t*>(x.data() + r * ((k + 3) / 4));
@@ -665,7 +678,7 @@ ffi::Error Int8MatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ff
   if (m == 0 || n == 0) return ffi::Error::Success();
   const auto* data = x.untyped_data();
   const Quads q = codes ? Quads(static_cast<const int8_t*>(data), xs.typed_data(), m, k)
-                        : Quads(static_cast<const float*>(data), m, k);
+                        : Quads(static_cast<const float*>(data), m, k, pool);
   matmul(pool, task, q, w.typed_data() + l * k * n, ws.typed_data() + l * n, y->typed_data(),
          m, k, n, gated);
   return ffi::Error::Success();

@@ -255,11 +255,12 @@ def test_stacked_weight_picks_its_layer_in_place(int8_path):
 
 
 @needs_kernel
-@pytest.mark.parametrize("m,k", [(1, 576), (53, 523), (7, 3)])
+@pytest.mark.parametrize("m,k", [(1, 576), (53, 523), (7, 3), (300, 523)])
 def test_rows_quantized_in_the_kernel_are_numpys_to_the_bit(m, k, int8_path):
-    """`int8_matmul` quantizes f32 rows inside the kernel: the result equals the kernel on
-    NumPy's codes and scales exactly (same int32 sums, same scalings), for rows of every
-    magnitude, ties at .5 steps (the row [127, 0.5, 1.5, 2.5, ...] has scale 1) and zeros."""
+    """`int8_matmul` quantizes f32 rows inside the kernel (on the pool from 2^16 values: 300 x
+    523): the result equals the kernel on NumPy's codes and scales exactly (same int32 sums,
+    same scalings), for rows of every magnitude, ties at .5 steps (the row [127, 0.5, 1.5,
+    2.5, ...] has scale 1) and zeros."""
     x, w = inputs(m, k, 70, seed=k)
     x *= np.logspace(-30, 30, m, dtype=np.float32)[:, None]  # scales from 1e-32 to 1e28
     x[0, :3] = [127.0, 0.5, -2.5][:k]
