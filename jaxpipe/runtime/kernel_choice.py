@@ -167,10 +167,11 @@ class KernelChoice:
 
     def __init__(self, force: str | None = None, timings: dict[str, dict] | None = None,
                  cache: Path | None = None):
-        every = dict.fromkeys((*candidates(), *candidates("int8")))
-        if force is not None and force not in every:
-            raise ValueError(f"matmul={force!r} cannot run here; this machine has "
-                             f"{', '.join(every)}")
+        if force is not None:  # (only then: listing the int8 paths builds that kernel)
+            every = dict.fromkeys((*candidates(), *candidates("int8")))
+            if force not in every:
+                raise ValueError(f"matmul={force!r} cannot run here; this machine has "
+                                 f"{', '.join(every)}")
         self.force = force
         self.cache = cache if timings is None else None
         self.timings: dict[str, dict] = dict(timings or {})
@@ -203,7 +204,9 @@ class KernelChoice:
 
     def forced(self, mm: Matmul) -> str | None:
         """The forced implementation where `mm`'s kernel has it (None: measured)."""
-        return self.force if self.force in candidates(mm.quant) else None
+        if self.force is None or self.force not in candidates(mm.quant):
+            return None
+        return self.force
 
     # -- attention ---------------------------------------------------------------------------
 
