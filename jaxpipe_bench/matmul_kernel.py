@@ -1,9 +1,12 @@
-"""The C++ bf16 matmul kernel (weights in panel order) against XLA's dot (natural order), over
-row counts M and model weight shapes.
+"""The C++ bf16 matmul kernel (weights in panel order) against XLA's dot (natural order), and
+beside them dynamic W8A8 int8 (`quantization="int8"`): XLA's int8 dot and the int8 kernel's
+paths (`kernels/int8_matmul.py`), over row counts M and model weight shapes, in one run.
 
-Each point calls the jitted matmul on `copies` distinct weights of one shape (so
-that together they overflow the L3 cache, as a model's layers do) and reports the time per
-call over all of them, and the kernel's weight bandwidth: bytes of weights read per second.
+Each point calls the jitted matmul on `copies` distinct weights of one shape (so that
+together they overflow the L3 cache, as a model's layers do: about 100 MB of bf16 weights,
+as many int8 bytes) and reports the time per call over all of them, the bf16 kernel's weight
+bandwidth, and GFLOP/s (bf16) or GOP/s (int8: multiply-adds x 2, rows quantized per token
+inside the call) of every implementation.
 """
 
 from __future__ import annotations
@@ -11,19 +14,24 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass, field
+from functools import partial
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxpipe.config.checks import check_counts
+from jaxpipe.kernels import int8
+from jaxpipe.kernels import int8_matmul as im
 from jaxpipe.kernels import matmul as mm
-from jaxpipe_bench.cli import check_sizes, dims
+from jaxpipe_bench.cli import check_names, check_sizes, dims
 
 # (K, N): SmolLM2-135M's fused q/k/v/o-sized and MLP weights, and its LM head.
 SHAPES: tuple[tuple[int, int], ...] = ((576, 3072), (1536, 576), (576, 49152))
 ROWS: tuple[int, ...] = (1, 8, 16, 32, 64, 128, 256)
 STACK_BYTES = 100 * 2**20  # weights per timed call: well past the 32 MiB L3
+# The int8 paths timed by default: the plain loops ("portable") only on request (slow).
+INT8_PATHS = ("avx2", "avx_vnni", "avx512_vnni", "amx_int8")
 
 
 @dataclass(frozen=True)
@@ -33,17 +41,21 @@ class MatmulKernelConfig:
     rows: the row counts M
     shapes: the weight shapes, each KxN
     repeats: timed calls of each (the median is kept)
+    int8_paths: the int8 kernel's paths to time beside XLA's int8 dot (those this machine's
+        build lacks are skipped)
     json_path: write the points here (none: only the table)
     """
 
     rows: tuple[int, ...] = ROWS
     shapes: tuple[str, ...] = tuple(f"{k}x{n}" for k, n in SHAPES)
     repeats: int = 5
+    int8_paths: tuple[str, ...] = INT8_PATHS
     json_path: str | None = field(default=None, metadata={"flags": ("--json",)})
 
     def __post_init__(self):
         check_sizes(self, "rows")
         check_counts(self, "repeats")
+        check_names(self, "int8_paths", im.PATHS)
         if not self.shapes:
             raise ValueError("MatmulKernelConfig.shapes must be one or more KxN, got ()")
         self.weight_shapes()
@@ -55,10 +67,14 @@ class MatmulKernelConfig:
 
 def run(config: MatmulKernelConfig, log=print) -> list[dict]:
     """One point per (shape, rows) of `config`, each logged as its table line when done."""
+    paths = tuple(p for p in config.int8_paths if p in im.paths())
+    skipped = [p for p in config.int8_paths if p not in paths]
+    if skipped:
+        log(f"int8 paths not built here, skipped: {', '.join(skipped)}")
     points = []
     for k, n in config.weight_shapes():
         for m in config.rows:
-            points.append(measure(k, n, m, config.repeats))
+            points.append(measure(k, n, m, config.repeats, int8_paths=paths))
             log(format_table(points[-1:]).splitlines()[1])
     return points
 
@@ -86,8 +102,10 @@ def _seconds(call, repeats: int) -> float:
     return statistics.median(times)
 
 
-def measure(k: int, n: int, m: int, repeats: int, seed: int = 0) -> dict:
-    """One point: XLA and kernel ms per stack of weights [K, N], and the kernel's GB/s."""
+def measure(k: int, n: int, m: int, repeats: int, seed: int = 0,
+            int8_paths: tuple[str, ...] = ()) -> dict:
+    """One point: XLA and kernel ms per stack of weights [K, N], the kernel's GB/s, and
+    `int8_ops` (GOP/s of XLA's int8 dot, "xla", and of each of `int8_paths`)."""
     copies = max(1, STACK_BYTES // (2 * k * n))
     rng = np.random.default_rng(seed)
     ws = tuple(jnp.asarray(rng.normal(size=(k, n)), jnp.bfloat16) for _ in range(copies))
@@ -99,16 +117,57 @@ def measure(k: int, n: int, m: int, repeats: int, seed: int = 0) -> dict:
     return {"k": k, "n": n, "m": m, "copies": copies, "xla_ms": xla * 1e3,
             "kernel_ms": kernel * 1e3, "kernel_gbps": 2 * k * n * copies / kernel / 1e9,
             "xla_gflops": 2 * m * k * n * copies / xla / 1e9,
-            "kernel_gflops": 2 * m * k * n * copies / kernel / 1e9, "speedup": xla / kernel}
+            "kernel_gflops": 2 * m * k * n * copies / kernel / 1e9, "speedup": xla / kernel,
+            **measure_int8(k, n, m, repeats, seed, int8_paths)}
+
+
+def measure_int8(k: int, n: int, m: int, repeats: int, seed: int,
+                 paths: tuple[str, ...]) -> dict:
+    """int8 GOP/s per implementation on `int8_copies` weights (STACK_BYTES of int8 codes):
+    XLA's int8 dot on natural-order codes, each kernel path on packed ones."""
+    copies = max(1, STACK_BYTES // (k * n))
+    rng = np.random.default_rng(seed + 1)
+    quantized = [int8.quantize_weight(jnp.asarray(rng.normal(size=(k, n)), jnp.float32))
+                 for _ in range(copies)]
+    codes, scales = tuple(q for q, _ in quantized), tuple(s for _, s in quantized)
+    packed = tuple(im.pack(q) for q in codes)
+    x = jnp.asarray(rng.normal(size=(m, k)), jnp.float32)  # [M, K]
+    ops = 2 * m * k * n * copies / 1e9
+    xla_fn = _stack_int8(int8.reference)
+    out = {"xla": ops / _seconds(lambda: xla_fn(x, codes, scales), repeats)}
+    for path in paths:
+        fn = _stack_int8(partial(im.int8_matmul, path=path))
+        out[path] = ops / _seconds(partial(fn, x, packed, scales), repeats)
+    return {"int8_copies": copies, "int8_gops": out}
+
+
+def _stack_int8(fn):
+    """jit(x, codes, scales) -> fn(x, w, s) for each weight (as `_stack`)."""
+
+    @jax.jit
+    def run(x, ws, ss):
+        return tuple(fn(x, w, s) for w, s in zip(ws, ss, strict=True))
+
+    return run
 
 
 def format_table(points: list[dict]) -> str:
-    """A fixed-width table, one line per point."""
+    """A fixed-width table, one line per point: bf16 (XLA, kernel), then int8 GOP/s (XLA's
+    int8 dot, each kernel path) and the best int8 over the best bf16."""
+    impls = list(dict.fromkeys(i for p in points for i in p.get("int8_gops", {})))
+    int8_head = "".join(f" {'i8 ' + i:>15}" for i in impls)
     lines = [f"{'weight [K, N] x copies':>24} {'M':>5} {'XLA ms':>8} {'kernel ms':>9} "
-             f"{'XLA GFLOP/s':>11} {'kernel GFLOP/s':>14} {'kernel GB/s':>11} {'speedup':>7}"]
+             f"{'XLA GFLOP/s':>11} {'kernel GFLOP/s':>14} {'kernel GB/s':>11} {'speedup':>7}"
+             + int8_head + (f" {'i8/bf16':>7}" if impls else "")]
     for p in points:
         shape = f"[{p['k']}, {p['n']}] x {p['copies']}"
-        lines.append(f"{shape:>24} {p['m']:>5} {p['xla_ms']:>8.2f} {p['kernel_ms']:>9.2f} "
-                     f"{p['xla_gflops']:>11.0f} {p['kernel_gflops']:>14.0f} "
-                     f"{p['kernel_gbps']:>11.1f} {p['speedup']:>7.2f}")
+        line = (f"{shape:>24} {p['m']:>5} {p['xla_ms']:>8.2f} {p['kernel_ms']:>9.2f} "
+                f"{p['xla_gflops']:>11.0f} {p['kernel_gflops']:>14.0f} "
+                f"{p['kernel_gbps']:>11.1f} {p['speedup']:>7.2f}")
+        gops = p.get("int8_gops", {})
+        if impls:
+            line += "".join(f" {gops.get(i, float('nan')):>15.0f}" for i in impls)
+            best_bf16 = max(p["xla_gflops"], p["kernel_gflops"])
+            line += f" {max(gops.values(), default=float('nan')) / best_bf16:>7.2f}"
+        lines.append(line)
     return "\n".join(lines)

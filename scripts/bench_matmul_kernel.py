@@ -1,5 +1,5 @@
-"""bf16 matmul: the C++ kernel vs XLA's dot per row count (logic and flags: `MatmulKernelConfig`
-in jaxpipe_bench.matmul_kernel).
+"""bf16 and int8 (W8A8) matmuls: the C++ kernels vs XLA's dots per row count (logic and
+flags: `MatmulKernelConfig` in jaxpipe_bench.matmul_kernel).
 
   python scripts/bench_matmul_kernel.py --rows 1,8,16,32,64,128,256 --json out/matmul_kernel.json
 """

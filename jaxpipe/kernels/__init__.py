@@ -10,6 +10,10 @@ once per machine), and a Pallas attention kernel for GPUs.
     pallas_attention.py  that contract in Pallas (Triton on GPU; interpreted on CPU for tests)
     matmul.py            x @ w with bf16 weights in panel order (matmul.cc), and the MoE
                          experts' grouped matmul
+    int8.py              dynamic W8A8's arithmetic in jnp: per-column weight and per-row
+                         activation quantization, XLA's int8 dot (the int8 reference)
+    int8_matmul.py       x @ w with int8 weights in int8 panel order (int8_matmul.cc): VNNI,
+                         AVX2 and AMX int8 paths
     empty.py             an array XLA allocates and no program writes (empty.cc)
     build.py             compiles a C++ kernel once per machine and registers its handler
 """

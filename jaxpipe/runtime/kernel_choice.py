@@ -8,10 +8,14 @@ Matmul candidates, for a bf16 weight [K, N] (one device's shard) and a number of
 does) and each kernel path (`kernels/matmul.py`, the weight in panel order). A weight is
 stored in one order, so its order is chosen first, by the summed time over the measured row
 counts of the best candidate reading each order; each row count then runs the fastest
-candidate that reads that order. A step of T tokens uses the choice measured at the smallest
-measured row count >= T (the largest past them). Attention candidates: "kernel" (the C++
-ragged-span kernel, which also writes the step's K/V) and "xla" (its jnp reference), timed on
-a decode and a prefill step of the model's heads; the lower sum wins. MoE experts
+candidate that reads that order. An int8 weight (`quantization="int8"`, `Matmul.quant`) is
+offered the same way, at the same row counts: "xla" (XLA's int8 dot, `kernels/int8.py`, on
+the codes in natural order) and each path of the int8 kernel (`kernels/int8_matmul.py`, codes
+in int8 panel order), rows quantized per token inside every candidate. A step of T tokens
+uses the choice measured at the smallest measured row count >= T (the largest past them).
+Attention candidates: "kernel" (the C++ ragged-span kernel, which also writes the step's
+K/V) and "xla" (its jnp reference), timed on a decode and a prefill step of the model's
+heads; the lower sum wins. MoE experts
 (`model/moe.py`) candidates: "dense" (every expert on every token, XLA's dots) and "grouped"
 (the C++ grouped kernel on the kernel's default path, `matmul.grouped_matmul`), timed at a few
 token counts of the model's expert shapes (`EXPERT_TOKENS`: rows per expert T * k / X from
@@ -47,7 +51,7 @@ import numpy as np
 
 from jaxpipe.config.cache_dir import cache_dir
 from jaxpipe.config.engine import EngineConfig
-from jaxpipe.kernels import matmul, ragged_attention
+from jaxpipe.kernels import int8, int8_matmul, matmul, ragged_attention
 from jaxpipe.kernels.build import cpu_flags
 from jaxpipe.kernels.paged import to_storage
 from jaxpipe.kv.device_cache import BLOCK
@@ -60,20 +64,29 @@ ROWS = (1, 8, 32, 64, 128, 256, 512, 2048)  # the row counts each matmul is time
 HEAD_ROWS = (1, 8, 32, 64, 128, 256)  # the LM head's (it runs on the sampled rows only)
 EXPERT_TOKENS = (1, 8, 64, 256)  # the token counts each MoE layer's experts are timed at
 PANEL_ORDER, NATURAL_ORDER = "panel", "natural"
+QUANTS = ("none", "int8")  # a weight's storage: bf16, or dynamic W8A8 int8 codes + scales
 
 
 @dataclasses.dataclass(frozen=True)
 class Matmul:
     """One weight's multiplication as a device runs it: its shard [K, N] (`gated`: N holds
-    the gate and up halves and the product is silu(gate) * up)."""
+    the gate and up halves and the product is silu(gate) * up), stored as `quant` ("none":
+    bf16; "int8": int8 codes with a scale per column, rows quantized per token)."""
 
     name: str
     k: int
     n: int
     gated: bool = False
+    quant: str = "none"
+
+    def __post_init__(self):
+        if self.quant not in QUANTS:
+            raise ValueError(f"Matmul.quant must be one of {', '.join(QUANTS)}; got "
+                             f"{self.quant!r}")
 
     def key(self) -> str:
-        return f"{self.name}:{self.k}x{self.n}{':gated' if self.gated else ''}"
+        quant = "" if self.quant == "none" else f":{self.quant}"
+        return f"{self.name}:{self.k}x{self.n}{':gated' if self.gated else ''}{quant}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,9 +120,10 @@ class ExpertsCase:
         return f"experts:{self.experts}x{self.hidden}x{self.inter}:top{self.k}"
 
 
-def candidates() -> tuple[str, ...]:
-    """The matmul implementations this machine can run: XLA's dot and the kernel's paths."""
-    return (XLA, *matmul.paths())
+def candidates(quant: str = "none") -> tuple[str, ...]:
+    """The matmul implementations this machine can run for a weight stored as `quant`: XLA's
+    dot and the paths of that weight's kernel (bf16's, or the int8 kernel's)."""
+    return (XLA, *(int8_matmul.paths() if quant == "int8" else matmul.paths()))
 
 
 def order_of(impl: str) -> str:
@@ -146,14 +160,18 @@ def choose_impl(by_impl: dict[str, float], order: str) -> str:
 class KernelChoice:
     """The measured choices for one machine (`table`), or one forced implementation.
 
-    `force`: None (measure), "xla", or a kernel path of `matmul.paths()`. Timings come from
-    `timings` (injected: tests) or are measured and cached as shapes are asked for."""
+    `force`: None (measure), "xla", or a kernel path of `matmul.paths()` or
+    `int8_matmul.paths()`; it applies to the weights whose kernel has it ("xla" to all),
+    the others are measured. Timings come from `timings` (injected: tests) or are measured
+    and cached as shapes are asked for."""
 
     def __init__(self, force: str | None = None, timings: dict[str, dict] | None = None,
                  cache: Path | None = None):
-        if force is not None and force not in candidates():
-            raise ValueError(f"matmul={force!r} cannot run here; this machine has "
-                             f"{', '.join(candidates())}")
+        if force is not None:  # (only then: listing the int8 paths builds that kernel)
+            every = dict.fromkeys((*candidates(), *candidates("int8")))
+            if force not in every:
+                raise ValueError(f"matmul={force!r} cannot run here; this machine has "
+                                 f"{', '.join(every)}")
         self.force = force
         self.cache = cache if timings is None else None
         self.timings: dict[str, dict] = dict(timings or {})
@@ -166,22 +184,29 @@ class KernelChoice:
         """{rows: {impl: seconds}} of `mm`, measuring (and caching) it the first time."""
         if mm.key() not in self.timings:
             rows = HEAD_ROWS if mm.name == "lm_head" else ROWS
-            self.timings[mm.key()] = {str(m): time_matmul(mm, m) for m in rows}
+            timer = time_int8_matmul if mm.quant == "int8" else time_matmul
+            self.timings[mm.key()] = {str(m): timer(mm, m) for m in rows}
             self._save()
         return {int(m): by_impl for m, by_impl in self.timings[mm.key()].items()}
 
     def order(self, mm: Matmul) -> str:
         """The order `mm`'s weight is kept in."""
-        if self.force is not None:
-            return order_of(self.force)
+        if self.forced(mm) is not None:
+            return order_of(self.forced(mm))
         return choose_order(self.seconds(mm))
 
     def impl(self, mm: Matmul, rows: int) -> str:
         """The implementation a call of `rows` rows runs (one reading `order(mm)`)."""
-        if self.force is not None:
-            return self.force
+        if self.forced(mm) is not None:
+            return self.forced(mm)
         seconds = self.seconds(mm)
         return choose_impl(seconds[nearest_rows(rows, seconds)], self.order(mm))
+
+    def forced(self, mm: Matmul) -> str | None:
+        """The forced implementation where `mm`'s kernel has it (None: measured)."""
+        if self.force is None or self.force not in candidates(mm.quant):
+            return None
+        return self.force
 
     # -- attention ---------------------------------------------------------------------------
 
@@ -255,7 +280,8 @@ def machine() -> dict:
     """What the timings depend on: the CPU (model and flags), jaxlib, the kernels' sources."""
     model = next((line.split(":", 1)[1].strip() for line in _cpuinfo().splitlines()
                   if line.startswith("model name")), platform.processor())
-    sources = b"".join(p.read_bytes() for p in (matmul.SOURCE, ragged_attention.SOURCE))
+    sources = b"".join(p.read_bytes() for p in (matmul.SOURCE, int8_matmul.SOURCE,
+                                                 ragged_attention.SOURCE))
     return {"cpu": model, "isa": isa(), "jaxlib": jaxlib.__version__,
             "flags": hashlib.sha256(cpu_flags().encode()).hexdigest()[:12],
             "kernels": hashlib.sha256(sources).hexdigest()[:12]}
@@ -264,7 +290,8 @@ def machine() -> dict:
 def isa() -> list[str]:
     """The matmul-relevant ISA extensions the CPU reports (what a benchmark names)."""
     flags = set(cpu_flags().split())
-    return [f for f in ("amx_bf16", "avx512_bf16", "avx512f", "avx2", "fma") if f in flags]
+    return [f for f in ("amx_bf16", "amx_int8", "avx512_bf16", "avx512_vnni", "avx_vnni",
+                        "avx512f", "avx2", "fma") if f in flags]
 
 
 def _cpuinfo() -> str:
@@ -351,6 +378,33 @@ def time_matmul(mm: Matmul, rows: int, layers: int = 2) -> dict[str, float]:
     return out
 
 
+def time_int8_matmul(mm: Matmul, rows: int, layers: int = 2) -> dict[str, float]:
+    """Seconds per call of each int8 candidate for `mm` at `rows` rows (x f32, quantized per
+    row inside the call), on a stack of `layers` int8 weights read at a traced layer index
+    as the step reads them: XLA's int8 dot on the sliced codes (natural order), each int8
+    kernel path on the stack in place (panel order). Gated: silu(gate) * up after XLA's, in
+    the kernel (`gated=True`) for its paths."""
+    rng = np.random.default_rng(0)
+    codes, scales = int8.quantize_weight(jnp.asarray(rng.normal(size=(layers, mm.k, mm.n)),
+                                                     jnp.float32))
+    x = jnp.asarray(rng.normal(size=(rows, mm.k)), jnp.float32)
+    layer = jnp.int32(layers - 1)
+    def xla(x, w, s, layer):
+        pick = functools.partial(jax.lax.dynamic_index_in_dim, index=layer, keepdims=False)
+        dot = int8_matmul.gated_reference if mm.gated else int8.reference
+        return dot(x, pick(w), pick(s))
+
+    def kernel(x, w, s, layer, path):
+        return int8_matmul.int8_matmul(x, w, s, layer, gated=mm.gated, path=path)
+
+    out = {XLA: _seconds(jax.jit(xla), x, codes, scales, layer)}
+    packed = int8_matmul.pack(codes)
+    for path in int8_matmul.paths():
+        out[path] = _seconds(jax.jit(functools.partial(kernel, path=path)), x, packed, scales,
+                             layer)
+    return out
+
+
 def time_experts(case: ExpertsCase, tokens: int, layers: int = 2) -> dict[str, float]:
     """Seconds per call of `moe.experts_mlp` on the "dense" and "grouped" paths for
     `tokens` tokens routed by a random router (bf16 weights), on a stack of `layers` layers'
@@ -410,20 +464,24 @@ def main() -> None:
 
     p = argparse.ArgumentParser(description=main.__doc__)
     p.add_argument("--model", default=EngineConfig.model)
+    p.add_argument("--quant", choices=QUANTS, default="none",
+                   help="the weights' storage: bf16 (none) or int8 (dynamic W8A8)")
     args = p.parse_args()
     cfg = source_config(resolve_model(args.model))
     d = for_machine()
-    print(f"{machine()}\n{format_table(d.rows(model_matmuls(cfg)))}")
+    print(f"{machine()}\n{format_table(d.rows(model_matmuls(cfg, quant=args.quant)))}")
 
 
-def model_matmuls(cfg, tp: int = 1) -> list[Matmul]:
+def model_matmuls(cfg, tp: int = 1, quant: str = "none") -> list[Matmul]:
     """The step's matmuls of a model on one device of a tp-way split (unpadded shapes; no
-    dense MLP's for an MoE model without a shared expert, whose experts are XLA's)."""
+    dense MLP's for an MoE model without a shared expert, whose experts are XLA's), its
+    weights stored as `quant`."""
     e, h, kv, d = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     f, v = cfg.mlp_width, cfg.vocab_size
-    mlp = [Matmul("w_gate_up", e, 2 * f // tp, gated=True), Matmul("w_down", f // tp, e)]
-    return [Matmul("wq", e, h * d // tp), Matmul("wkv", e, 2 * kv * d // tp),
-            Matmul("wo", h * d // tp, e), *(mlp if f else []), Matmul("lm_head", e, v // tp)]
+    mm = functools.partial(Matmul, quant=quant)
+    mlp = [mm("w_gate_up", e, 2 * f // tp, gated=True), mm("w_down", f // tp, e)]
+    return [mm("wq", e, h * d // tp), mm("wkv", e, 2 * kv * d // tp),
+            mm("wo", h * d // tp, e), *(mlp if f else []), mm("lm_head", e, v // tp)]
 
 
 if __name__ == "__main__":

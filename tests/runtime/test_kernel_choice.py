@@ -156,3 +156,67 @@ def test_a_mixed_choice_packs_only_the_kernels_weights_and_keeps_the_tokens(monk
     want = [o.outputs[0].token_ids for o in xla.generate(prompts, params, use_tqdm=False)]
     xla.close()
     assert got == want
+
+
+WQ8 = Matmul("wq", 576, 576, quant="int8")
+
+
+def test_an_int8_weight_is_its_own_entry_measured_by_the_int8_timer(tmp_path, monkeypatch):
+    """An int8 weight's candidates are XLA's int8 dot and the int8 kernel's paths, timed (by
+    the int8 timer, at the same row counts as bf16) under a key of their own; the choice is
+    the measurement's: the kernel where it is faster, XLA's order where that wins overall."""
+    calls = []
+
+    def fake_int8(mm, rows):
+        calls.append((mm.key(), rows))
+        fast = "avx512_vnni" if rows <= 64 else "avx_vnni"
+        return {XLA: 3.0, "avx2": 2.0, fast: 1.0, "portable": 9.0}
+
+    def no_bf16(mm, rows):
+        raise AssertionError(f"the bf16 timer ran for {mm.key()}")
+
+    monkeypatch.setattr(kernel_choice, "time_int8_matmul", fake_int8)
+    monkeypatch.setattr(kernel_choice, "time_matmul", no_bf16)
+    d = KernelChoice(cache=tmp_path / "kernel_choice.json")
+    assert WQ8.key() == "wq:576x576:int8" != WQ.key()
+    assert d.order(WQ8) == PANEL_ORDER
+    assert [d.impl(WQ8, m) for m in (1, 64, 65, 4096)] == [
+        "avx512_vnni", "avx512_vnni", "avx_vnni", "avx_vnni"]
+    assert [rows for _, rows in calls] == list(kernel_choice.ROWS)
+    head = Matmul("lm_head", 576, 49152, quant="int8")
+    d.order(head)
+    assert [rows for key, rows in calls if key == head.key()] == list(kernel_choice.HEAD_ROWS)
+
+
+def test_int8_takes_xlas_int8_dot_where_it_wins_by_measurement():
+    seconds = {1: {XLA: 1.0, "avx512_vnni": 2.0}, 256: {XLA: 1.0, "avx512_vnni": 3.0}}
+    d = KernelChoice(timings={WQ8.key(): timings(seconds)})
+    assert d.order(WQ8) == NATURAL_ORDER and d.impl(WQ8, 8) == XLA
+
+
+def test_a_forced_path_applies_to_the_weights_whose_kernel_has_it(monkeypatch):
+    """EngineConfig.matmul names one implementation: an int8 path forces int8 weights and
+    leaves bf16 ones measured, a bf16 path the reverse, "xla" both."""
+    monkeypatch.setattr(kernel_choice.int8_matmul, "paths", lambda: ("portable", "avx512_vnni"))
+    monkeypatch.setattr(kernel_choice.matmul, "paths", lambda: ("portable", "avx512_bf16"))
+    bf16 = {WQ.key(): timings({1: {XLA: 1.0, "avx512_bf16": 2.0}})}
+    int8 = {WQ8.key(): timings({1: {XLA: 2.0, "avx512_vnni": 1.0}})}
+    d = KernelChoice(force="avx512_vnni", timings={**bf16, **int8})
+    assert (d.impl(WQ8, 1), d.impl(WQ, 1)) == ("avx512_vnni", XLA)
+    d = KernelChoice(force="avx512_bf16", timings={**bf16, **int8})
+    assert (d.impl(WQ8, 1), d.impl(WQ, 1)) == ("avx512_vnni", "avx512_bf16")
+    d = KernelChoice(force=XLA, timings={})
+    assert (d.impl(WQ8, 1), d.order(WQ8)) == (XLA, NATURAL_ORDER)
+    with pytest.raises(ValueError, match=r"Matmul.quant must be one of none, int8; got 'fp8'"):
+        Matmul("wq", 576, 576, quant="fp8")
+
+
+def test_int8_timer_times_every_int8_candidate():
+    """The real timer on a tiny shape: one number per candidate (XLA's int8 dot and every
+    int8 path this machine has), gated and not."""
+    from jaxpipe.kernels import int8_matmul
+
+    for mm in (Matmul("w", 8, 70, quant="int8"), Matmul("g", 8, 128, gated=True, quant="int8")):
+        got = kernel_choice.time_int8_matmul(mm, 3)
+        assert set(got) == {XLA, *int8_matmul.paths()}
+        assert all(s > 0 for s in got.values())
