@@ -106,7 +106,8 @@ def _setting(row: dict) -> str:
     if row.get("engine") == "openvino":
         return f"batched tokens {row['max_num_batched_tokens']}"
     if row.get("engine") == "llamacpp":
-        return f"{row['threads']} threads, {row['batch_size']} sequences"
+        threads = row["threads"]
+        return f"{threads} thread{'s' * (threads != 1)}, {row['batch_size']} sequences"
     return f"batch {row['batch_size']}"
 
 

@@ -3,9 +3,9 @@ llama-cpp-python's bindings of llama.cpp's C API (built from source in the peers
 
 llama-cpp-python's `Llama` object generates one sequence at a time, so this drives the C API
 the way llama.cpp's own server does with continuous batching (`--cont-batching -np N`): one
-context whose unified KV cache holds up to `max_seqs` sequences, and a loop of `llama_decode`
-calls, each a batch of every running sequence's next token plus prompt chunks of newly admitted
-requests, up to `batch_tokens` tokens. A finished sequence's KV is removed
+context whose KV cache holds `max_seqs` sequences, each in a stream of its own, and a loop of
+`llama_decode` calls, each a batch of every running sequence's next token plus prompt chunks of
+newly admitted requests, up to `batch_tokens` tokens. A finished sequence's KV is removed
 (`llama_memory_seq_rm`) and the next request takes its sequence id. Greedy (argmax of the
 logits, in NumPy), EOS ignored: exactly output_len tokens per request. The GGUF's weights stay
 in their quantized blocks, multiplied by llama.cpp's own kernels (its reason to be here: the
@@ -17,6 +17,7 @@ only inside the functions that call it.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -31,7 +32,6 @@ Log = Callable[[str], None]
 _INSTALL_HINT = ("make bench-env (the peers' environment, from requirements/peers.lock; "
                  "llama-cpp-python builds llama.cpp from source there, with CMake)")
 DEFAULT_BATCH_TOKENS = 2048  # llama.cpp's default n_batch
-_CTX_SLACK = 1.1  # KV cells beyond the sequences' own tokens (llama.cpp rounds to 256)
 
 
 def require_llama_cpp() -> Any:
@@ -131,18 +131,20 @@ class Batcher:
 
 
 def context_size(workload: Sequence[Request], max_seqs: int) -> int:
-    """KV cells for the `max_seqs` longest requests at full length, with slack, in 256s."""
-    lengths = sorted((r.prompt_len + r.output_len for r in workload), reverse=True)
-    need = int(_CTX_SLACK * sum(lengths[:max_seqs])) + 1
-    return -(-need // 256) * 256
+    """KV cells: `max_seqs` streams, each of the longest request's length rounded up to 256
+    (llama.cpp's KV padding)."""
+    longest = max(r.prompt_len + r.output_len for r in workload)
+    return max_seqs * (-(-longest // 256) * 256)
 
 
 class Context:
     """A llama.cpp model and context on a GGUF (loaded once per sweep point), freed on exit."""
 
     def __init__(self, model_path: Path, n_ctx: int, max_seqs: int, batch_tokens: int,
-                 threads: int):
+                 threads: int, unified: bool = False):
         llama = self.llama = require_llama_cpp()
+        # llama-cpp-python forwards llama.cpp's log (every tensor, every context) to this logger
+        logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)
         llama.llama_backend_init()
         mparams = llama.llama_model_default_params()
         self.model = llama.llama_model_load_from_file(str(model_path).encode(), mparams)
@@ -152,7 +154,10 @@ class Context:
         cparams.n_ctx, cparams.n_batch, cparams.n_seq_max = n_ctx, batch_tokens, max_seqs
         cparams.n_ubatch = min(batch_tokens, 512)  # llama.cpp's default micro-batch
         cparams.n_threads = cparams.n_threads_batch = threads
-        cparams.kv_unified = True  # one pool for all sequences, as jaxpipe's paged KV
+        # A stream per sequence (unified False): a unified pool makes every sequence's attention
+        # span the cells of all of them (llama.h: "try to disable when n_seq_max > 1 ... when
+        # the sequences do not share a large prefix").
+        cparams.kv_unified = unified
         self.ctx = llama.llama_init_from_model(self.model, cparams)
         if not self.ctx:
             raise RuntimeError(f"llama.cpp could not make a context of {n_ctx} cells")

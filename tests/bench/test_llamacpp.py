@@ -64,11 +64,11 @@ def test_the_batcher_refuses_what_it_cannot_run():
         Batcher([Request((1,), 1, samples=2)], 2, 4)
 
 
-def test_context_holds_the_longest_requests():
+def test_context_has_a_stream_of_the_longest_request_per_sequence():
     work = [Request((1,) * 100, 50), Request((1,) * 10, 10), Request((1,) * 300, 100)]
-    assert context_size(work, 1) == 512  # 400 x 1.1 -> 441 -> 2 x 256
-    assert context_size(work, 2) == 768  # 550 x 1.1 -> 606
-    assert context_size(work, 8) == 768  # all three: 570 x 1.1 -> 628
+    assert context_size(work, 1) == 512  # 400 -> 2 x 256
+    assert context_size(work, 8) == 8 * 512
+    assert context_size([Request((1,) * 200, 56)], 3) == 3 * 256
 
 
 def _llama_python() -> Path:
