@@ -101,8 +101,8 @@ test-latest-deps: pyproject.toml
 bench: $(VENV)/.base
 	$(PY) scripts/bench_throughput.py
 
-# The peers' environment (OpenVINO GenAI, HF transformers at their own pins), which the
-# benchmark otherwise builds on first use.
+# The peers' environment (OpenVINO GenAI, HF transformers at their own pins, llama-cpp-python
+# built from source), which the benchmark otherwise builds on first use.
 bench-env: $(VENV)/.base
 	$(PY) -m jaxpipe_bench.peers
 

@@ -3,13 +3,13 @@ imports it; tests/test_imports.py): benchmarks, the peers' environment, the soak
 profiler, the GPU check, the cost model's calibration and the papers' reproductions.
 
 This module is the offline throughput benchmark: jaxpipe vs its peers (OpenVINO GenAI, HF
-transformers) on one seeded workload.
+transformers, llama.cpp) on one seeded workload.
 
 Entry point: `scripts/bench_throughput.py`. The pieces:
   * `workload`    -- the seeded request set (`make_workload`, `Request`);
   * `peers`       -- the peers' environment and one child process per peer, which runs
                      `jaxpipe_peers` (OpenVINO GenAI's token-budget sweep, HF's batch-size
-                     sweep) on the same workload;
+                     sweep, llama.cpp's threads x sequences sweep) on the same workload;
   * `matmul`      -- measured JAX matmul GFLOP/s and the model FLOP count;
   * `report`      -- the table, the JSON.
 This module runs jaxpipe through its public `Engine` API and ties the pieces together.
@@ -45,7 +45,7 @@ from jaxpipe_peers.protocol import requests_to_json
 
 Log = Callable[[str], None]
 
-PEER_NAMES = ("openvino", "hf")
+PEER_NAMES = ("openvino", "hf", "llamacpp")
 OV_MAX_NUM_SEQS = 256  # OpenVINO's own default; --max-num-seqs overrides it for every engine
 
 
@@ -97,10 +97,15 @@ class BenchConfig:
     hf_batch_sizes: HF's batch-size sweep (the best point is kept).
     hf_num_prompts: run HF on only the first N prompts (None: the whole workload).
     hf_max_seconds: stop each HF sweep point after about this many seconds.
-    peers: the peers to measure, a comma list of openvino and hf ('' for none).
+    peers: the peers to measure, a comma list of openvino, hf and llamacpp ('' for none).
     ov_batched_tokens: OpenVINO's max_num_batched_tokens sweep (the best point is kept).
     ov_kv_cache_precision: OpenVINO's KV cache precision (None: the compute dtype, as jaxpipe
         keeps its KV).
+    llamacpp_threads: llama.cpp's thread counts to sweep (its best point is kept).
+    llamacpp_max_seqs: llama.cpp's parallel sequences to sweep (its server's -np; the unified
+        KV cache holds that many of the longest requests).
+    llamacpp_batch_tokens: llama.cpp's tokens per llama_decode call (its n_batch): the running
+        sequences' next tokens, then prompt chunks.
     skip_hf: no hf, whatever peers says (the old spelling of leaving hf out of peers).
     skip_jaxpipe: do not run jaxpipe (peers only).
     skip_matmul: no matmul peak / FLOP/s line.
@@ -135,6 +140,9 @@ class BenchConfig:
     peers: tuple[str, ...] = ("hf",)
     ov_batched_tokens: tuple[int, ...] = (256, 512, 2048)
     ov_kv_cache_precision: Literal["bf16", "f32", "u8"] | None = None
+    llamacpp_threads: tuple[int, ...] = (1, 2)
+    llamacpp_max_seqs: tuple[int, ...] = (64,)
+    llamacpp_batch_tokens: int = 2048
     skip_hf: bool = False
     skip_jaxpipe: bool = False
     skip_matmul: bool = False
@@ -153,9 +161,14 @@ class BenchConfig:
                 or self.samples < 1:
             raise ValueError(f"samples must be an integer >= 1, got {self.samples!r}")
         check_choices(self)
-        for name in ("hf_batch_sizes", "ov_batched_tokens"):
+        for name in ("hf_batch_sizes", "ov_batched_tokens", "llamacpp_threads",
+                     "llamacpp_max_seqs"):
             if not getattr(self, name) or min(getattr(self, name)) < 1:
                 raise ValueError(f"{name} must be positive integers, got {getattr(self, name)}")
+        if self.llamacpp_batch_tokens < max(self.llamacpp_max_seqs):
+            raise ValueError(f"llamacpp_batch_tokens ({self.llamacpp_batch_tokens}) must be >= "
+                             f"every llamacpp_max_seqs {self.llamacpp_max_seqs}: each step feeds "
+                             "every running sequence a token")
         if self.skip_jaxpipe and not self.active_peers:
             raise ValueError("--skip-jaxpipe with no peers (--peers '' or --skip-hf) measures "
                              "nothing")
@@ -370,6 +383,10 @@ def _peer_job(cfg: BenchConfig, peer: str, workload: Sequence[Request], model: P
                    batched_tokens=list(cfg.ov_batched_tokens),
                    max_num_seqs=cfg.max_num_seqs or OV_MAX_NUM_SEQS,
                    kv_precision=cfg.ov_kv_cache_precision, prefix_caching=cfg.caching)
+    elif peer == "llamacpp":
+        job.update(warmup=requests_to_json(warmup_requests(workload, cfg.warmup_prompts)),
+                   threads=list(cfg.llamacpp_threads), max_seqs=list(cfg.llamacpp_max_seqs),
+                   batch_tokens=cfg.llamacpp_batch_tokens)
     else:
         job.update(batch_sizes=list(cfg.hf_batch_sizes), max_seconds=cfg.hf_max_seconds)
         if not cfg.skip_matmul:  # torch's matmul peak beside jax's, for context

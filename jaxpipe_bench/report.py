@@ -16,7 +16,7 @@ from jaxpipe_peers.protocol import best_point, throughput  # noqa: F401 -- the r
 # peer's result records its own environment's (`jaxpipe_peers.protocol.versions`).
 _VERSIONED = ("jax", "jaxlib", "flax", "numpy")
 # Peers in the order the table and the ratio lines show them: (result key, display name).
-PEERS = (("openvino", "OpenVINO"), ("hf", "HF"))
+PEERS = (("openvino", "OpenVINO"), ("hf", "HF"), ("llamacpp", "llama.cpp"))
 
 _COLUMNS = (
     # (header, width, row key, format)
@@ -105,6 +105,9 @@ def _setting(row: dict) -> str:
     """The swept knob of a peer's best row, for the ratio line."""
     if row.get("engine") == "openvino":
         return f"batched tokens {row['max_num_batched_tokens']}"
+    if row.get("engine") == "llamacpp":
+        threads = row["threads"]
+        return f"{threads} thread{'s' * (threads != 1)}, {row['batch_size']} sequences"
     return f"batch {row['batch_size']}"
 
 

@@ -1,5 +1,5 @@
-"""The throughput benchmark's peers, OpenVINO GenAI and HF transformers, in an environment of
-their own.
+"""The throughput benchmark's peers, OpenVINO GenAI, HF transformers and llama.cpp
+(llama-cpp-python), in an environment of their own.
 
 The peers need pins the test environment cannot hold (optimum-intel 2.1.0 caps transformers
 below 5.6, while the tests run against the release in `requirements/test.lock`), so they run

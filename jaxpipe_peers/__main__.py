@@ -18,6 +18,8 @@ def run(job: dict) -> dict:
         raise ValueError(f"job.peer must be one of {', '.join(PEERS)}, got {peer!r}")
     if peer == "openvino":
         from jaxpipe_peers.openvino import run_job
+    elif peer == "llamacpp":
+        from jaxpipe_peers.llamacpp import run_job
     else:
         from jaxpipe_peers.hf import run_job
     start = time.perf_counter()

@@ -14,9 +14,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-PEERS = ("openvino", "hf")
+PEERS = ("openvino", "hf", "llamacpp")
 # Distributions a peer's result records, from its own environment (None when missing).
-VERSIONED = ("torch", "transformers", "openvino", "openvino-genai", "optimum-intel", "optimum")
+VERSIONED = ("torch", "transformers", "openvino", "openvino-genai", "optimum-intel", "optimum",
+             "llama-cpp-python")
 
 
 @dataclass(frozen=True)

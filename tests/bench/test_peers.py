@@ -24,6 +24,7 @@ def _script():
 
 def test_parse_peers_orders_and_checks_names():
     assert parse_peers("hf, openvino") == ("openvino", "hf")
+    assert parse_peers("llamacpp,hf") == ("hf", "llamacpp")
     assert parse_peers("hf") == ("hf",)
     assert parse_peers("") == ()
     with pytest.raises(ValueError, match="vllm"):
@@ -36,6 +37,11 @@ def test_flags_choose_the_peers():
     assert parse(["--peers", "openvino,hf"]).active_peers == ("openvino", "hf")
     assert parse(["--peers", "openvino,hf", "--skip-hf"]).active_peers == ("openvino",)
     assert parse(["--ov-batched-tokens", "256,2048"]).ov_batched_tokens == (256, 2048)
+    cfg = parse(["--peers", "llamacpp", "--llamacpp-threads", "1,2", "--llamacpp-max-seqs", "8"])
+    assert (cfg.active_peers, cfg.llamacpp_threads, cfg.llamacpp_max_seqs) == (
+        ("llamacpp",), (1, 2), (8,))
+    with pytest.raises(SystemExit):  # a step must fit every running sequence's token
+        parse(["--llamacpp-max-seqs", "64", "--llamacpp-batch-tokens", "32"])
     with pytest.raises(SystemExit):
         parse(["--peers", "tgi"])
     with pytest.raises(SystemExit):
@@ -44,7 +50,7 @@ def test_flags_choose_the_peers():
 
 def test_config_rejects_unknown_peer():
     with pytest.raises(ValueError, match="choose from"):
-        BenchConfig(peers=("openvino", "llamacpp"))
+        BenchConfig(peers=("openvino", "vllm"))
 
 
 def test_best_point_is_highest_output_rate():
@@ -97,18 +103,21 @@ def test_report_shows_every_engine_and_a_ratio_per_peer():
 
     ov_points = [row("openvino", 40.0, max_num_batched_tokens=256),
                  row("openvino", 50.0, max_num_batched_tokens=512)]
+    llama = row("llamacpp", 20.0, threads=2, max_num_batched_tokens=2048)
     result = {"jaxpipe": row("jaxpipe", 25.0, max_num_batched_tokens=4096),
               "openvino": {"points": ov_points, "best": ov_points[1]},
-              "hf": {"points": [row("hf", 10.0)], "best": row("hf", 10.0)}}
+              "hf": {"points": [row("hf", 10.0)], "best": row("hf", 10.0)},
+              "llamacpp": {"points": [llama], "best": llama}}
     result["jaxpipe"].update(prefix_caching=True, prefix_cache_hit_rate=0.8125)
     ov_points[0]["prefix_caching"] = True
     text = render(result)
-    assert [line.split()[0] for line in text.splitlines()[3:7]] == [
-        "jaxpipe", "openvino", "openvino", "hf"]
+    assert [line.split()[0] for line in text.splitlines()[3:8]] == [
+        "jaxpipe", "openvino", "openvino", "hf", "llamacpp"]
     assert [line[-13:].strip() for line in text.splitlines()[3:7]] == [  # the last column
         "81.2% hit", "on", "-", "-"]
     assert "jaxpipe / OpenVINO (batched tokens 512): requests/s 0.50x" in text
     assert "jaxpipe / HF (batch 8): requests/s 2.50x" in text
+    assert "jaxpipe / llama.cpp (2 threads, 8 sequences): requests/s 1.25x" in text
 
 
 # -- the peers' own environment ----------------------------------------------------------------
