@@ -101,6 +101,8 @@ class BenchConfig:
     ov_batched_tokens: OpenVINO's max_num_batched_tokens sweep (the best point is kept).
     ov_kv_cache_precision: OpenVINO's KV cache precision (None: the compute dtype, as jaxpipe
         keeps its KV).
+    ov_weight_format: OpenVINO's IR weights: fp16, or int8 (NNCF's per-channel weight
+        compression, what optimum-cli gives LLMs by default; the peer of quantization int8).
     llamacpp_threads: llama.cpp's thread counts to sweep (its best point is kept).
     llamacpp_max_seqs: llama.cpp's parallel sequences to sweep (its server's -np; the unified
         KV cache holds that many of the longest requests).
@@ -140,6 +142,7 @@ class BenchConfig:
     peers: tuple[str, ...] = ("hf",)
     ov_batched_tokens: tuple[int, ...] = (256, 512, 2048)
     ov_kv_cache_precision: Literal["bf16", "f32", "u8"] | None = None
+    ov_weight_format: Literal["fp16", "int8"] = "fp16"
     llamacpp_threads: tuple[int, ...] = (1, 2)
     llamacpp_max_seqs: tuple[int, ...] = (64,)
     llamacpp_batch_tokens: int = 2048
@@ -382,7 +385,8 @@ def _peer_job(cfg: BenchConfig, peer: str, workload: Sequence[Request], model: P
         job.update(warmup=requests_to_json(warmup_requests(workload, cfg.warmup_prompts)),
                    batched_tokens=list(cfg.ov_batched_tokens),
                    max_num_seqs=cfg.max_num_seqs or OV_MAX_NUM_SEQS,
-                   kv_precision=cfg.ov_kv_cache_precision, prefix_caching=cfg.caching)
+                   kv_precision=cfg.ov_kv_cache_precision, prefix_caching=cfg.caching,
+                   weight_format=cfg.ov_weight_format)
     elif peer == "llamacpp":
         job.update(warmup=requests_to_json(warmup_requests(workload, cfg.warmup_prompts)),
                    threads=list(cfg.llamacpp_threads), max_seqs=list(cfg.llamacpp_max_seqs),

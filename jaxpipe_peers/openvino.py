@@ -96,9 +96,14 @@ def _export_hf(gguf_path: Path, hf_dir: Path, log: Log) -> None:
     tmp.rename(hf_dir)
 
 
-def _export_ir(hf_dir: Path, ir_dir: Path, log: Log) -> None:
-    """HF checkpoint -> fp16 OpenVINO IR with tokenizer/detokenizer, via `optimum-cli export
-    openvino` in a child process (its tracing memory is gone before anything is timed)."""
+WEIGHT_FORMATS = ("fp16", "int8")  # optimum-cli export openvino --weight-format
+
+
+def _export_ir(hf_dir: Path, ir_dir: Path, log: Log, weight_format: str = "fp16") -> None:
+    """HF checkpoint -> OpenVINO IR with tokenizer/detokenizer, via `optimum-cli export
+    openvino` in a child process (its tracing memory is gone before anything is timed).
+    `weight_format` "fp16", or "int8": NNCF's weight compression (int8 codes per output
+    channel, OpenVINO's default for LLMs; its CPU plugin multiplies them without expanding)."""
     require("optimum.exporters.openvino")
     require("openvino_tokenizers")
     tmp = ir_dir.with_name(ir_dir.name + ".tmp")
@@ -110,7 +115,7 @@ def _export_ir(hf_dir: Path, ir_dir: Path, log: Log) -> None:
         "export",
         "openvino",
         "--weight-format",
-        "fp16",
+        weight_format,
         "--task",
         "text-generation-with-past",
         "--model",
@@ -138,15 +143,20 @@ def ensure_hf(model: Path, log: Log = print, root: Path | None = None) -> Path:
     return hf_dir
 
 
-def ensure_ir(model: Path, log: Log = print, root: Path | None = None) -> Path:
+def ensure_ir(model: Path, log: Log = print, root: Path | None = None,
+              weight_format: str = "fp16") -> Path:
     """The cached OpenVINO IR directory for `model` (a GGUF file, dequantized to an HF
-    checkpoint first, or an HF directory), converting what is missing."""
-    ir_dir = peer_cache_dir(model, root) / "openvino-fp16"
+    checkpoint first, or an HF directory) with its weights as `weight_format`, converting
+    what is missing."""
+    if weight_format not in WEIGHT_FORMATS:
+        raise ValueError(f"OpenVINO weight format must be one of {', '.join(WEIGHT_FORMATS)}; "
+                         f"got {weight_format!r}")
+    ir_dir = peer_cache_dir(model, root) / f"openvino-{weight_format}"
     if (ir_dir / "openvino_model.xml").exists():
         log(f"[openvino] reusing the cached IR in {ir_dir}")
         return ir_dir
     start = time.perf_counter()
-    _export_ir(ensure_hf(model, log, root), ir_dir, log)
+    _export_ir(ensure_hf(model, log, root), ir_dir, log, weight_format)
     log(f"[openvino] converted in {time.perf_counter() - start:.1f}s")
     return ir_dir
 
@@ -282,17 +292,19 @@ def sweep_openvino(
     max_num_seqs: int,
     kv_precision: str | None = None,
     prefix_caching: bool = False,
+    weight_format: str = "fp16",
     log: Log = print,
 ) -> dict:
     """Convert (or reuse) the IR, run `run_openvino` at each token budget; all points + best.
 
     `kv_precision` None: `default_kv_precision` for this CPU (OpenVINO's own CPU default
     would be u8). `prefix_caching`: SchedulerConfig.enable_prefix_caching (each point builds
-    a fresh pipeline, so no point inherits another's cache).
+    a fresh pipeline, so no point inherits another's cache). `weight_format`: the IR's
+    weights (`WEIGHT_FORMATS`).
     """
     import json
 
-    ir_dir = ensure_ir(model, log)
+    ir_dir = ensure_ir(model, log, weight_format=weight_format)
     capabilities = cpu_capabilities()
     chosen = kv_precision or default_kv_precision(dtype, capabilities)
     if chosen != _OV_PRECISION[dtype] and kv_precision is None:
@@ -310,6 +322,7 @@ def sweep_openvino(
         )
         points.append(point)
     return {"points": points, "best": best_point(points), "ir_dir": str(ir_dir),
+            "weight_format": weight_format,
             "kv_cache_precision": chosen, "cpu_capabilities": capabilities}
 
 
@@ -319,5 +332,6 @@ def run_job(job: dict, requests: Sequence[Request], warmup: Sequence[Request]) -
         Path(job["model"]), requests, warmup, job["batched_tokens"], dtype=job["dtype"],
         max_num_seqs=job["max_num_seqs"], kv_precision=job.get("kv_precision"),
         prefix_caching=job.get("prefix_caching", False),
+        weight_format=job.get("weight_format", "fp16"),
         log=lambda line: print(line, flush=True),
     )

@@ -141,6 +141,43 @@ def test_kv_cache_follows_the_cpu_plugins_bf16():
     assert ov.default_kv_precision("float32", ["FP32", "BF16"]) == "f32"
 
 
+def test_openvino_ir_is_exported_and_cached_per_weight_format(tmp_path, monkeypatch):
+    hf_dir = tmp_path / "hf"
+    hf_dir.mkdir()
+    commands = []
+
+    def fake_export(cmd, check):  # optimum-cli's output: the three IR files in its last arg
+        commands.append(cmd)
+        out = Path(cmd[-1])
+        out.mkdir(parents=True)
+        for name in ("openvino_model.xml", "openvino_tokenizer.xml", "openvino_detokenizer.xml"):
+            (out / name).write_text("")
+
+    monkeypatch.setattr(ov, "require", lambda module: None)
+    monkeypatch.setattr(ov.subprocess, "run", fake_export)
+    monkeypatch.setattr(ov, "peer_cache_dir", lambda model, root=None: tmp_path / "cache")
+    quiet = lambda line: None  # noqa: E731
+    int8 = ov.ensure_ir(hf_dir, quiet, weight_format="int8")
+    fp16 = ov.ensure_ir(hf_dir, quiet)
+    assert ov.ensure_ir(hf_dir, quiet, weight_format="int8") == int8  # cached: no export
+    assert (int8.name, fp16.name) == ("openvino-int8", "openvino-fp16")
+    formats = [cmd[cmd.index("--weight-format") + 1] for cmd in commands]
+    assert formats == ["int8", "fp16"]
+    with pytest.raises(ValueError, match=r"fp16, int8; got 'int4'"):
+        ov.ensure_ir(hf_dir, quiet, weight_format="int4")
+
+
+def test_openvino_job_carries_the_weight_format():
+    from jaxpipe_bench import _peer_job
+
+    workload = [Request((1, 2, 3), 4)]
+    job = _peer_job(BenchConfig(ov_weight_format="int8", peers=("openvino",)), "openvino",
+                    workload, Path("m.gguf"))
+    assert job["weight_format"] == "int8"
+    with pytest.raises(ValueError):
+        BenchConfig(ov_weight_format="int4")
+
+
 def test_peers_package_imports_nothing_of_jaxpipe():
     # Its environment has no jax: one `import jaxpipe` there and every peer fails.
     import ast
