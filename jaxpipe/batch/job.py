@@ -20,8 +20,8 @@ from jaxpipe.batch.lookahead import DEFAULT_LOOKAHEAD
 from jaxpipe.batch.openai import BatchLine, Failed, Finished, error_record, parse_line
 from jaxpipe.batch.openai import success_record as ok_record
 from jaxpipe.config.checks import check_counts
+from jaxpipe.request.errors import RequestError
 from jaxpipe.request.tool_parsers import TOOL_PARSERS
-from jaxpipe.request.validate import RequestError
 
 
 @dataclass(frozen=True)

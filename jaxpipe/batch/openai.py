@@ -14,11 +14,11 @@ import time
 import uuid
 from dataclasses import dataclass
 
+from jaxpipe.request.errors import RequestError
 from jaxpipe.request.openai import CHAT_URL, COMPLETIONS_URL, Body, body_key, read_body
 from jaxpipe.request.outputs import Completion
 from jaxpipe.request.tool_calls import message
 from jaxpipe.request.tools import ToolRequest
-from jaxpipe.request.validate import RequestError
 
 LINE_KEYS = {"custom_id", "method", "url", "body"}
 

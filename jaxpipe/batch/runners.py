@@ -15,8 +15,9 @@ from dataclasses import replace
 
 from jaxpipe.batch.lookahead import DEFAULT_LOOKAHEAD, in_windows
 from jaxpipe.batch.openai import BatchLine, Failed, Finished, body_field
+from jaxpipe.request.errors import RequestError
 from jaxpipe.request.outputs import Completion, token_delta
-from jaxpipe.request.validate import Limits, RequestError, prepare, sampling_params
+from jaxpipe.request.validate import Limits, prepare, sampling_params
 
 Emit = Callable[[BatchLine, Finished | Failed], None]
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import llguidance
 
-from jaxpipe.request.validate import RequestError
+from jaxpipe.request.errors import RequestError
 
 CHOICES = ("none", "auto", "required")
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}  # a tool that takes no arguments

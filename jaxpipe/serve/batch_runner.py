@@ -10,8 +10,9 @@ from collections.abc import Iterator
 
 from jaxpipe.batch.openai import BatchLine, Failed, Finished
 from jaxpipe.batch.runners import Emit, ServerError
+from jaxpipe.request.errors import RequestError
 from jaxpipe.request.outputs import Completion
-from jaxpipe.request.validate import Limits, RequestError, prepare
+from jaxpipe.request.validate import Limits, prepare
 from jaxpipe.serve import messages as m
 from jaxpipe.serve.engine_calls import ThreadCall
 from jaxpipe.serve.engine_client import EngineUnavailable

@@ -33,10 +33,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from jaxpipe.request.errors import RequestError
 from jaxpipe.request.openai import CHAT_URL, COMPLETIONS_URL, Body, body_key, read_body
 from jaxpipe.request.outputs import Completion
 from jaxpipe.request.tool_calls import ToolCallStream, message
-from jaxpipe.request.validate import Limits, RequestError, prepare
+from jaxpipe.request.validate import Limits, prepare
 from jaxpipe.serve import messages as m
 from jaxpipe.serve import openai_responses as r
 from jaxpipe.serve.engine_calls import LoopCall

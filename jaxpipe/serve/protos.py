@@ -10,7 +10,7 @@ from __future__ import annotations
 from google.protobuf.unknown_fields import UnknownFieldSet
 
 from jaxpipe.protocol import jaxpipe_pb2 as pb
-from jaxpipe.request.validate import RequestError
+from jaxpipe.request.errors import RequestError
 
 _SCALARS = [f.name for f in pb.SamplingParams.DESCRIPTOR.fields
             if not f.is_repeated and f.message_type is None]

@@ -17,8 +17,9 @@ import grpc
 
 from jaxpipe.protocol import jaxpipe_pb2 as pb
 from jaxpipe.protocol import jaxpipe_pb2_grpc as pb_grpc
+from jaxpipe.request.errors import RequestError
 from jaxpipe.request.outputs import Completion
-from jaxpipe.request.validate import Limits, Prepared, RequestError, prepare
+from jaxpipe.request.validate import Limits, Prepared, prepare
 from jaxpipe.serve import messages as m
 from jaxpipe.serve import protos
 from jaxpipe.serve.engine_calls import ThreadCall

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 from jaxpipe.batch.openai import body_field, parse_line
-from jaxpipe.request.validate import Limits, RequestError, prepare
+from jaxpipe.request.errors import RequestError
+from jaxpipe.request.validate import Limits, prepare
 
 LIMITS = Limits(max_model_len=64, vocab_size=1000)
 

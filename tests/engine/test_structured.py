@@ -25,7 +25,7 @@ from structured_workload import (
 )
 
 from jaxpipe import Engine, EngineConfig, SamplingParams
-from jaxpipe.request.validate import RequestError
+from jaxpipe.request.errors import RequestError
 
 
 @pytest.fixture(scope="module")

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 
+from jaxpipe.request.errors import RequestError
 from jaxpipe.request.openai import CHAT_URL, COMPLETIONS_URL, body_key, read_body
-from jaxpipe.request.validate import RequestError, sampling_params
+from jaxpipe.request.validate import sampling_params
 
 SCHEMA = {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}
 CHAT = {"messages": [{"role": "user", "content": "hi"}]}

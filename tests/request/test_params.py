@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import pytest
 
+from jaxpipe.request.errors import RequestError
 from jaxpipe.request.params import SamplingParams
-from jaxpipe.request.validate import Limits, RequestError, prepare
+from jaxpipe.request.validate import Limits, prepare
 
 LIMITS = Limits(max_model_len=64, vocab_size=1000)
 

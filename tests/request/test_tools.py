@@ -10,9 +10,9 @@ import json
 import llguidance
 import pytest
 
+from jaxpipe.request.errors import RequestError
 from jaxpipe.request.openai import CHAT_URL, COMPLETIONS_URL, read_body
 from jaxpipe.request.tools import read_tools
-from jaxpipe.request.validate import RequestError
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "parameters": {

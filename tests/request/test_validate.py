@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from jaxpipe.model.tokenizer import Tokenizer
-from jaxpipe.request.validate import Limits, RequestError, prepare
+from jaxpipe.request.errors import RequestError
+from jaxpipe.request.validate import Limits, prepare
 
 LIMITS = Limits(max_model_len=64, vocab_size=49152)
 GOOD = {"temperature": 0.0, "max_tokens": 4}
