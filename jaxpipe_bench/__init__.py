@@ -28,6 +28,7 @@ from typing import Any, Literal
 from jaxpipe.config.checks import check_choices
 from jaxpipe.config.engine import Attention, EngineConfig, Sampler
 from jaxpipe.config.model import Dtype
+from jaxpipe_bench.engine_fields import field_choices, label
 from jaxpipe_bench.matmul import DEFAULT_SHAPES
 from jaxpipe_bench.report import machine_info, render, throughput, write_json
 from jaxpipe_bench.workload import (
@@ -113,6 +114,9 @@ class BenchConfig:
     skip_matmul: no matmul peak / FLOP/s line.
     matmul_repeats: repeats of each matmul timing.
     json_path: where the result's JSON is written.
+    engine_fields: KEY=VALUE[,VALUE...], repeated: EngineConfig fields passed to jaxpipe as
+        given (e.g. quantization=none,int8); each value is one jaxpipe run on the same
+        workload, crossed with the other fields' values, the first the baseline of the others.
     """
 
     num_prompts: int = NUM_PROMPTS
@@ -151,6 +155,8 @@ class BenchConfig:
     skip_matmul: bool = False
     matmul_repeats: int = 10
     json_path: str = field(default="out/bench_throughput.json", metadata={"flags": ("--json",)})
+    engine_fields: tuple[str, ...] = field(default=(), metadata={"flags": ("--engine-field",),
+                                                                 "repeat": True})
 
     def __post_init__(self) -> None:
         # checked, in PEER_NAMES order
@@ -172,6 +178,7 @@ class BenchConfig:
             raise ValueError(f"llamacpp_batch_tokens ({self.llamacpp_batch_tokens}) must be >= "
                              f"every llamacpp_max_seqs {self.llamacpp_max_seqs}: each step feeds "
                              "every running sequence a token")
+        field_choices(self.engine_fields)  # raises on a malformed field
         if self.skip_jaxpipe and not self.active_peers:
             raise ValueError("--skip-jaxpipe with no peers (--peers '' or --skip-hf) measures "
                              "nothing")
@@ -262,16 +269,21 @@ def _generate(engine: Any, requests: Sequence[Request], progress: bool = False,
 
 
 def run_jaxpipe(
-    cfg: BenchConfig, workload: Sequence[Request], log: Log = print
+    cfg: BenchConfig, workload: Sequence[Request], log: Log = print,
+    fields: dict[str, Any] | None = None,
 ) -> tuple[dict, Any]:
-    """Build the engine, warm it up, time `generate` over the workload.
+    """Build the engine (`fields`: EngineConfig fields over the benchmark's), warm it up, time
+    `generate` over the workload, close it.
 
     Returns (result row, the engine's ModelConfig). Engine construction (weights load, compile)
     and the warm-up are timed separately and excluded from throughput.
     """
     from jaxpipe import Engine, EngineConfig
 
-    engine_cfg = EngineConfig(**_engine_kwargs(cfg, workload))
+    fields = dict(fields or {})
+    engine_cfg = EngineConfig(**_engine_kwargs(cfg, workload) | fields)
+    if fields:
+        log(f"[jaxpipe] {label(fields)}")
     start = time.perf_counter()
     engine = Engine(engine_cfg)
     startup_s = time.perf_counter() - start
@@ -283,7 +295,8 @@ def run_jaxpipe(
     warmup_s = time.perf_counter() - start
     elapsed, stats = _timed_generate(engine, workload, log)
     result = throughput(workload, elapsed)
-    result.update(engine="jaxpipe", dtype=cfg.dtype, batch_size=engine.max_num_seqs)
+    result.update(engine="jaxpipe", dtype=engine_cfg.dtype, batch_size=engine.max_num_seqs,
+                  fields=fields)
     result.update(max_num_batched_tokens=vars(engine_cfg).get("max_num_batched_tokens"))
     result.update(engine_config=dict(vars(engine_cfg)), startup_s=startup_s, warmup_s=warmup_s)
     result.update(stats)
@@ -292,7 +305,9 @@ def run_jaxpipe(
     log(f"[jaxpipe] {result['output_tok_s']:.1f} output tok/s in {elapsed:.1f}s "
         f"(CPU: {stats['process_cpu_s']:.1f}s, of which the engine's thread "
         f"{stats['engine_thread_cpu_s']:.2f}s)")
-    return result, engine.model_config
+    model_config = engine.model_config
+    engine.close()
+    return result, model_config
 
 
 def _timed_generate(engine: Any, workload: Sequence[Request], log: Log) -> tuple[float, dict]:
@@ -447,8 +462,14 @@ def run_benchmark(cfg: BenchConfig, log: Log = print) -> dict:
     if not cfg.skip_matmul:
         result["matmul"] = _measure_matmul(cfg, log)
     if not cfg.skip_jaxpipe:
-        result["jaxpipe"], model_config = run_jaxpipe(cfg, workload, log)
-        gc.collect()  # free the engine's device buffers before HF allocates its own
+        runs = []
+        for fields in field_choices(cfg.engine_fields):
+            row, model_config = run_jaxpipe(cfg, workload, log, fields)
+            runs.append(row)
+            gc.collect()  # free the engine's device buffers before the next allocates its own
+        result["jaxpipe"] = runs[0]  # the baseline: the peers' ratios are to it
+        if len(runs) > 1:
+            result["jaxpipe_variants"] = runs[1:]
         if "matmul" in result:
             result["flops"] = _flops_summary(
                 cfg, model_config, result["jaxpipe"], result["matmul"], workload

@@ -23,7 +23,6 @@ from __future__ import annotations
 import dataclasses
 import gc
 import hashlib
-import itertools
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -35,6 +34,8 @@ import numpy as np
 
 from jaxpipe.config.engine import EngineConfig
 from jaxpipe.config.model import Dtype
+from jaxpipe_bench import engine_fields
+from jaxpipe_bench.engine_fields import field_choices
 
 Log = Callable[[str], None]
 
@@ -143,40 +144,10 @@ def summary(nll: np.ndarray) -> dict:
     return {"tokens_scored": int(nll.size), "mean_nll": mean, "perplexity": math.exp(mean)}
 
 
-def parse_value(text: str) -> Any:
-    """An --engine-field value: an int, a float, true/false, none (None), else the text."""
-    lowered = text.strip().lower()
-    if lowered in ("none", "null"):
-        return None
-    if lowered in ("true", "false"):
-        return lowered == "true"
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            pass
-    return text.strip()
-
-
-def parse_engine_field(text: str) -> tuple[str, list[Any]]:
-    """'KEY=V1,V2' -> (KEY, [V1, V2]); KEY must be an EngineConfig field."""
-    key, eq, values = text.partition("=")
-    key = key.strip().replace("-", "_")
-    known = [f.name for f in dataclasses.fields(EngineConfig)]
-    if not eq or not key or not values.strip():
-        raise ValueError(f"--engine-field takes KEY=VALUE[,VALUE...], got {text!r}")
-    if key not in known:
-        raise ValueError(f"--engine-field {key}: EngineConfig has no field {key!r}; its "
-                         f"fields: {', '.join(known)}")
-    return key, [parse_value(v) for v in values.split(",")]
-
-
 def engine_configs(dtypes: Sequence[str], fields: Sequence[str]) -> list[dict[str, Any]]:
     """The configurations to score: each dtype crossed with each field's values, in the order
     given (the first: every first value)."""
-    parsed = [parse_engine_field(f) for f in fields]
-    axes = [[("dtype", d) for d in dtypes]] + [[(k, v) for v in vs] for k, vs in parsed]
-    return [dict(choice) for choice in itertools.product(*axes)]
+    return field_choices(fields, first=[("dtype", d) for d in dtypes])
 
 
 @dataclass(frozen=True)
@@ -203,7 +174,8 @@ class PerplexityConfig:
     num_tokens: int | None = None
     hf_reference: bool = True
     json_path: str = field(default="out/perplexity.json", metadata={"flags": ("--json",)})
-    engine_fields: tuple[str, ...] = field(default=(), metadata={"flags": ("--engine-field",)})
+    engine_fields: tuple[str, ...] = field(default=(), metadata={"flags": ("--engine-field",),
+                                                                 "repeat": True})
 
     def __post_init__(self) -> None:
         if not self.dtypes:
@@ -262,7 +234,7 @@ def score_hf(cfg: PerplexityConfig, ids: Sequence[int], wins: Sequence[Window],
 
 def label(row: dict) -> str:
     """A row's configuration in one cell: engine, then its fields."""
-    return " ".join([row["engine"]] + [f"{k}={v}" for k, v in row["fields"].items()])
+    return " ".join([row["engine"], engine_fields.label(row["fields"])]).strip()
 
 
 def render(rows: Sequence[dict]) -> str:
@@ -310,24 +282,8 @@ def run(cfg: PerplexityConfig, log: Log = print) -> dict:
 
 
 def parse(doc: str, argv: list[str] | None = None) -> PerplexityConfig:
-    """The PerplexityConfig a command line describes: one flag per field, and --engine-field
+    """The PerplexityConfig a command line describes: one flag per field, --engine-field
     repeated (each occurrence one field; its commas separate values, not fields)."""
-    import argparse
-
-    from jaxpipe.config.flags import add_flags, config_from_args
     from jaxpipe_bench import cli
 
-    p = cli.parser(doc)
-    add_flags(p, PerplexityConfig, group="perplexity", skip=("engine_fields",))
-    p.add_argument("--engine-field", dest="engine_fields", action="append", metavar="KEY=VALUE",
-                   default=argparse.SUPPRESS, help=_flag_help("engine_fields"))
-    args = p.parse_args(argv)
-    if hasattr(args, "engine_fields"):
-        args.engine_fields = tuple(args.engine_fields)
-    return config_from_args(PerplexityConfig, args, p)
-
-
-def _flag_help(name: str) -> str:
-    from jaxpipe.config.flags import field_docs
-
-    return field_docs(PerplexityConfig)[name]
+    return cli.parse(doc, PerplexityConfig, argv, group="perplexity")

@@ -22,6 +22,7 @@ _COLUMNS = (
     # (header, width, row key, format)
     ("engine", 8, "engine", "{}"),
     ("dtype", 9, "dtype", "{}"),
+    ("config", 22, "config", "{}"),  # `_config_cell`
     ("batch", 6, "batch_size", "{}"),
     ("tok budget", 11, "max_num_batched_tokens", "{}"),
     ("requests", 9, "num_requests", "{}"),
@@ -83,11 +84,23 @@ def format_table(rows: Sequence[dict]) -> str:
             text = "-" if value is None else fmt.format(value)
             if key == "prefix_caching":
                 text = _prefix_cell(row)
+            if key == "config":
+                text = _config_cell(row)
             if key == "num_requests" and row.get("truncated"):
                 text += "*"
             cells.append(f"{text:>{width}}")
         lines.append(" ".join(cells))
     return "\n".join(lines)
+
+
+def _config_cell(row: dict) -> str:
+    """What a row ran beyond its engine and dtype: jaxpipe's --engine-field values, OpenVINO's
+    IR weights; "-" for none."""
+    if row.get("fields"):
+        return " ".join(f"{k}={v}" for k, v in row["fields"].items())
+    if row.get("weight_format"):
+        return f"weights {row['weight_format']}"
+    return "-"
 
 
 def _prefix_cell(row: dict) -> str:
@@ -104,7 +117,10 @@ def _prefix_cell(row: dict) -> str:
 def _setting(row: dict) -> str:
     """The swept knob of a peer's best row, for the ratio line."""
     if row.get("engine") == "openvino":
-        return f"batched tokens {row['max_num_batched_tokens']}"
+        weights = f", weights {row['weight_format']}" if row.get("weight_format") else ""
+        return f"batched tokens {row['max_num_batched_tokens']}{weights}"
+    if row.get("engine") == "jaxpipe":
+        return _config_cell(row) if row.get("fields") else "its defaults"
     if row.get("engine") == "llamacpp":
         threads = row["threads"]
         return f"{threads} thread{'s' * (threads != 1)}, {row['batch_size']} sequences"
@@ -112,7 +128,8 @@ def _setting(row: dict) -> str:
 
 
 def ratio_line(jaxpipe: dict, best: dict, name: str = "HF") -> str:
-    """The jaxpipe / best-of-peer `name` ratio for each throughput metric."""
+    """The jaxpipe / best-of-peer `name` ratio for each throughput metric (a jaxpipe run with
+    --engine-field values is named with them)."""
     parts = [
         f"{label} {jaxpipe[key] / best[key]:.2f}x"
         for label, key in (
@@ -125,7 +142,8 @@ def ratio_line(jaxpipe: dict, best: dict, name: str = "HF") -> str:
     if best["num_requests"] != jaxpipe["num_requests"]:
         done, total = best["num_requests"], jaxpipe["num_requests"]
         note = f"  ({name} measured on {done} of {total} requests)"
-    return f"jaxpipe / {name} ({_setting(best)}): " + ", ".join(parts) + note
+    ours = " ".join(["jaxpipe", _config_cell(jaxpipe)]) if jaxpipe.get("fields") else "jaxpipe"
+    return f"{ours} / {name} ({_setting(best)}): " + ", ".join(parts) + note
 
 
 def flops_line(flops: dict) -> str:
@@ -154,15 +172,19 @@ def machine_line(machine: dict, kernels: dict | None) -> str:
 def render(result: dict) -> str:
     """The human-readable report: where it ran, the table, one ratio line per peer, the
     FLOP/s line."""
-    rows = [result["jaxpipe"]] if result.get("jaxpipe") else []
+    ours = [result["jaxpipe"], *result.get("jaxpipe_variants", [])] if result.get("jaxpipe") \
+        else []
+    rows = list(ours)
     for key, _ in PEERS:
         rows.extend(result.get(key, {}).get("points", []))
     kernels = (result.get("jaxpipe") or {}).get("engine_stats", {}).get("kernels")
     lines = [machine_line(result.get("machine", {}), kernels)]
     lines += [format_table(rows)] if rows else []
+    for run in ours[1:]:  # each variant against the baseline run
+        lines.append(ratio_line(run, ours[0], "jaxpipe"))
     for key, name in PEERS:
-        if result.get("jaxpipe") and result.get(key):
-            lines.append(ratio_line(result["jaxpipe"], result[key]["best"], name))
+        for run in ours if result.get(key) else ():
+            lines.append(ratio_line(run, result[key]["best"], name))
     if result.get("flops"):
         lines.append(flops_line(result["flops"]))
     elif result.get("matmul"):

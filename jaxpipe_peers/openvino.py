@@ -315,6 +315,7 @@ def sweep_openvino(
     for tokens in batched_tokens:
         scheduler = scheduler_settings(workload, tokens, max_num_seqs, kv_bytes, prefix_caching)
         point = run_openvino(ir_dir, workload, warmup, scheduler, dtype, chosen)
+        point["weight_format"] = weight_format
         log(
             f"[openvino] batched tokens {tokens}: {point['output_tok_s']:.1f} output tok/s over "
             f"{point['num_requests']} requests in {point['elapsed_s']:.1f}s "

@@ -8,12 +8,14 @@ a `tuple[Literal[...], ...]` one or more of the literal's values; `X | None` tak
 of other types (dicts, tuples of tuples) get no flag and keep their defaults. The help is the
 field's entry in the class docstring ("    name, other: text", continued on lines indented
 deeper), so the docstring a reader of the class sees is the help a user of the command sees,
-and the default is the dataclass's. Three keys of a field's metadata shape its flag: `"flags"`,
+and the default is the dataclass's. Four keys of a field's metadata shape its flag: `"flags"`,
 names that replace `--field-name` (the first is the one help shows; `field(default=...,
 metadata={"flags": ("--json",)})` for `json_path`); `"none_flag"`, an extra flag that sets the
 field to None (ServerConfig.port's `--no-grpc`); `"positional"`, a positional argument instead
 of a flag (required where the field has no default; a tuple field takes the remaining
-arguments, each verbatim: they may be another command's flags). Plain dict keys, so a config
+arguments, each verbatim: they may be another command's flags); `"repeat"`, a tuple field's
+flag given once per value, each verbatim, commas included (`--engine-field
+quantization=none,int8 --engine-field dtype=float32`). Plain dict keys, so a config
 module (the benchmarks') can use them without importing jaxpipe.
 
 A flag reaches the config only when given (argparse.SUPPRESS), so the dataclass's own defaults
@@ -96,6 +98,9 @@ def _value_kwargs(kind, field: dataclasses.Field) -> dict:
                     "type": _one(item), "metavar": metavar}
         nargs = {"nargs": "?"} if _has_default(field) else {}
         return {"type": _first(_one(item)), "metavar": metavar, **nargs}
+    if isinstance(kind, list) and field.metadata.get("repeat"):
+        return {"action": _Repeated, "type": _first(_one(item)),
+                "metavar": choices or field.name.upper()}
     if isinstance(kind, list):
         return {"action": _Items, "nargs": "+", "type": _split(item),
                 "metavar": choices or field.name.upper()}
@@ -138,6 +143,13 @@ class _Items(argparse.Action):
 
     def __call__(self, parser, namespace, values, option_string=None):
         setattr(namespace, self.dest, tuple(v for group in values for v in group))
+
+
+class _Repeated(argparse.Action):
+    """One value per occurrence of the flag, verbatim, gathered into one tuple."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, (*getattr(namespace, self.dest, ()), values))
 
 
 def _split(item):

@@ -120,6 +120,39 @@ def test_report_shows_every_engine_and_a_ratio_per_peer():
     assert "jaxpipe / llama.cpp (2 threads, 8 sequences): requests/s 1.25x" in text
 
 
+def test_engine_fields_are_jaxpipe_runs_each_named_and_compared():
+    def row(engine, rate, **extra):
+        return {"engine": engine, "dtype": "bfloat16", "batch_size": 8, "num_requests": 8,
+                "requests_per_s": rate / 10, "total_tok_s": rate * 3, "output_tok_s": rate,
+                "elapsed_s": 1.0, **extra}
+
+    ov = row("openvino", 40.0, max_num_batched_tokens=512, weight_format="int8")
+    result = {"jaxpipe": row("jaxpipe", 20.0, fields={"quantization": "none"}),
+              "jaxpipe_variants": [row("jaxpipe", 30.0, fields={"quantization": "int8"})],
+              "openvino": {"points": [ov], "best": ov}}
+    lines = render(result).splitlines()
+    assert "quantization=int8" in lines[4] and "weights int8" in lines[5]
+    assert ("jaxpipe quantization=int8 / jaxpipe (quantization=none): requests/s 1.50x, "
+            "total tok/s 1.50x, output tok/s 1.50x" in lines)
+    assert ("jaxpipe quantization=none / OpenVINO (batched tokens 512, weights int8): "
+            "requests/s 0.50x, total tok/s 0.50x, output tok/s 0.50x" in lines)
+    assert any(line.startswith("jaxpipe quantization=int8 / OpenVINO") and "0.75x" in line
+               for line in lines)
+
+
+def test_engine_fields_flag_is_repeated_and_checked():
+    parse = _script().parse_config
+    cfg = parse(["--engine-field", "attention=xla,kernel", "--engine-field", "overlap=false"])
+    assert cfg.engine_fields == ("attention=xla,kernel", "overlap=false")
+    with pytest.raises(SystemExit):
+        parse(["--engine-field", "no_such_field=1"])
+    from jaxpipe_bench.engine_fields import field_choices
+
+    assert field_choices(cfg.engine_fields) == [
+        {"attention": "xla", "overlap": False}, {"attention": "kernel", "overlap": False}]
+    assert field_choices(()) == [{}]
+
+
 # -- the peers' own environment ----------------------------------------------------------------
 
 

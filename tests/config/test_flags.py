@@ -220,3 +220,24 @@ def test_a_command_line_default_replaces_the_field_default_in_value_and_help():
     with pytest.raises(TypeError, match="defaults for no flag"):  # a skipped field has no flag
         add_flags(argparse.ArgumentParser(), Command, skip=("out_path",),
                   defaults={"out_path": "x"})
+
+
+@dataclass
+class Repeats:
+    """A field whose flag is given once per value.
+
+    items: KEY=VALUE, repeated.
+    """
+
+    items: tuple[str, ...] = field(default=(), metadata={"flags": ("--item",), "repeat": True})
+
+
+def test_a_repeated_flag_keeps_each_value_whole_commas_included():
+    def parse(argv):
+        p = argparse.ArgumentParser()
+        add_flags(p, Repeats)
+        return config_from_args(Repeats, p.parse_args(argv), p)
+
+    assert parse([]).items == ()
+    assert parse(["--item", "a=1,2", "--item", "b=x"]).items == ("a=1,2", "b=x")
+    assert parse(["--item=c"]).items == ("c",)
