@@ -53,7 +53,8 @@ def build(source: Path) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
-    cmd = [cxx, *FLAGS, "-I", jax.ffi.include_dir(), str(source), "-o", tmp, *LIBS]
+    cmd = [cxx, *FLAGS, "-I", jax.ffi.include_dir(), "-I", str(source.parent), str(source),
+           "-o", tmp, *LIBS]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         os.unlink(tmp)
@@ -64,7 +65,11 @@ def build(source: Path) -> Path:
 
 
 def _key(source: Path, cxx: str) -> str:
+    """What the library depends on: the source, the headers beside it (cpu_kernel.h), the
+    compiler, flags, jaxlib (its FFI headers) and this CPU."""
     h = hashlib.sha256(source.read_bytes())
+    for header in sorted(source.parent.glob("*.h")):
+        h.update(header.read_bytes())
     for part in (cxx, *FLAGS, *LIBS, jaxlib.__version__, platform.machine(), cpu_flags()):
         h.update(part.encode())
     return h.hexdigest()[:16]

@@ -60,13 +60,20 @@
 #endif
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512VNNI__)
 #define JAXPIPE_AMX_INT8 1
-#include <sys/syscall.h>
-#include <unistd.h>
 #endif
 
+#include "cpu_kernel.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
+using jaxpipe_cpu::Ahead, jaxpipe_cpu::AheadTile, jaxpipe_cpu::ahead_tile, jaxpipe_cpu::gate,
+    jaxpipe_cpu::parallel_for, jaxpipe_cpu::unroll;
+#ifdef __AVX2__
+using jaxpipe_cpu::lanes;
+#endif
+#ifdef __AMX_TILE__
+using jaxpipe_cpu::amx_configure, jaxpipe_cpu::amx_permitted;
+#endif
 
 namespace {
 
@@ -93,30 +100,6 @@ constexpr uint32_t kBuiltPaths = (1u << kPortable)
 #endif
     ;
 
-// Bytes to bring into L2 while a task computes: the panel its thread multiplies next, so its
-// stream from memory overlaps this one's compute instead of stalling the next task's start.
-struct Ahead {
-  const char* bytes = nullptr;
-  int64_t size = 0;
-};
-
-// One tile's share of an Ahead: `per_j` lines at each of its first `iters` quad rows. (Written
-// out in each tile's loop: in a function of its own, GCC deems the prefetches side-effect free
-// and drops the calls.)
-struct AheadTile {
-  const char* p = nullptr;
-  int64_t per_j = 0, iters = 0;
-};
-
-// Tile `i` of `tiles` over `kq` quad rows: its contiguous share of a's lines.
-inline AheadTile ahead_tile(const Ahead& a, int64_t i, int64_t tiles, int64_t kq) {
-  const int64_t lines = (a.size + 63) / 64, share = (lines + tiles - 1) / tiles;
-  const int64_t mine = std::max<int64_t>(0, std::min(share, lines - i * share));
-  if (a.bytes == nullptr || mine == 0 || kq == 0) return {};
-  const int64_t per_j = (share + kq - 1) / kq;
-  return {a.bytes + 64 * i * share, per_j, (mine + per_j - 1) / per_j};
-}
-
 // One panel of one task: quad rows of `width` int32 lanes, the padded tail quad row (null
 // when 4 divides K), the panel's column scales, and what to prefetch meanwhile.
 struct Panel {
@@ -135,17 +118,6 @@ struct Rows {
   const int32_t* shift;
   const float* scale;
 };
-
-// f(0), .., f(N - 1) with compile-time indices (GCC keeps arrays of vectors indexed by them
-// in registers; it spills them when loops index them).
-template <typename F, int... I>
-__attribute__((always_inline)) inline void unroll(F&& f, std::integer_sequence<int, I...>) {
-  (f(std::integral_constant<int, I>{}), ...);
-}
-template <int N, typename F>
-__attribute__((always_inline)) inline void unroll(F&& f) {
-  unroll(f, std::make_integer_sequence<int, N>{});
-}
 
 namespace portable {
 
@@ -175,11 +147,6 @@ void panel_task(const Rows& x, const Panel& pn, float* y, int64_t ldy, int64_t r
 namespace ymm {
 
 constexpr int kVecs = 2;
-
-inline __m256i lanes(int64_t n) {  // lanes 0 .. n - 1 set (n in 1..8)
-  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)),
-                            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-}
 
 // y[R rows, cols at c0] = scales x the sums of Dot over all quads. Dot::pre(w) prepares a
 // loaded weight vector (once for all rows), Dot::add(acc, w, xq) adds one row's 4-k dots,
@@ -359,27 +326,6 @@ void panel_task(const Rows& x, const Panel& pn, float* y, int64_t ldy, int64_t r
 #ifdef JAXPIPE_AMX_INT8
 namespace amx {
 
-// Linux keeps the AMX tile state off until a process asks for it (once, for all its threads).
-bool permitted() {
-  static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
-                                 18 /* XFEATURE_XTILEDATA */) == 0;
-  return ok;
-}
-
-struct TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// Tiles 0-3: C (16 rows x 16 int32); 4, 5: A (16 rows x 16 quads of x); 6, 7: B (16 quad
-// rows x 16 columns of the panel). Loaded per task: other code on the thread may change it.
-inline void configure() {
-  TileConfig c;
-  for (int t = 0; t < 8; ++t) c.rows[t] = 16, c.colsb[t] = 64;
-  _tile_loadconfig(&c);
-}
-
 // acc [32, 32] int32 = x's 32 rows (quads, kq apart) times the panel's columns c0 .. c0 + 31.
 inline void block(const int32_t* a, int64_t kq, const int32_t* w, int64_t c0, int64_t full,
                   int32_t* acc) {
@@ -408,7 +354,7 @@ void panel_task(const Rows& x, const Panel& pn, float* y, int64_t ldy, int64_t r
   if (pn.width != kPanel || pn.tail || x.full % 16 != 0)
     return zmm::panel_task(x, pn, y, ldy, rows);
   thread_local std::vector<int32_t> pad, acc(32 * 32);
-  configure();
+  amx_configure();
   for (int64_t m = 0; m < rows; m += 32) {
     const int64_t mr = std::min<int64_t>(32, rows - m);
     const int32_t* a = x.x + m * x.kq;
@@ -430,34 +376,6 @@ void panel_task(const Rows& x, const Panel& pn, float* y, int64_t ldy, int64_t r
 
 }  // namespace amx
 #endif
-
-// Shares tasks 0..n-1 between the calling thread and the pool; returns when all are done.
-// A thread claims its next task before it runs one: fn(i, next), next = -1 when none is left,
-// so it can prefetch what next reads.
-template <typename F>
-void parallel_for(ffi::ThreadPool& pool, int64_t n, F&& fn) {
-  struct State {
-    std::atomic<int64_t> next{0}, done{0};
-  };
-  auto state = std::make_shared<State>();
-  auto work = [state, n, &fn]() {
-    for (int64_t i = state->next.fetch_add(1); i < n;) {
-      const int64_t next = state->next.fetch_add(1);
-      fn(i, next < n ? next : -1);
-      state->done.fetch_add(1);
-      i = next;
-    }
-  };
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), n) - 1;
-  // A helper that starts after all tasks are claimed touches only `state` (kept alive by
-  // its shared_ptr), never `fn`, so returning before every helper has run is safe.
-  for (int64_t i = 0; i < helpers; ++i)
-    pool.Schedule([state, n, work]() {
-      if (state->next.load() < n) work();
-    });
-  work();
-  while (state->done.load() < n) std::this_thread::yield();
-}
 
 // x [M, K] int8 as quads [M, kq] (tail zero-padded) and each row's 128 * sum_k x.
 // x's rows as the paths read them: codes in quads [M, kq] (tail zero-padded), each row's
@@ -575,13 +493,6 @@ void tail_of(const int8_t* panel, int64_t k, int64_t width, int32_t* out) {
   }
 }
 
-// y = silu(g) * u = g / (1 + exp(-g)) * u, n values (exp's argument capped at 88: below
-// g = -88 the product is 0 to float precision either way). As the bf16 kernel's.
-void gate(const float* g, const float* u, int64_t n, float* y) {
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) y[i] = g[i] / (1.f + std::exp(std::min(-g[i], 88.f))) * u[i];
-}
-
 // y = scales x (x @ w), w [K, N] in int8 panel order, on path `task` (a panel_task);
 // tasks are (panel, chunk of rows), panel-major so a thread's consecutive tasks share a panel.
 // `gated`: y [M, N / 2] = silu(x @ w's first N / 2 columns) * (x @ its last N / 2), (N / 2) %
@@ -623,7 +534,7 @@ void matmul(ffi::ThreadPool& pool, Task task, const Quads& q, const int8_t* w, c
 
 uint32_t usable_paths() {
 #ifdef JAXPIPE_AMX_INT8
-  if (!amx::permitted()) return kBuiltPaths & ~(1u << kAmxInt8);
+  if (!amx_permitted()) return kBuiltPaths & ~(1u << kAmxInt8);
 #endif
   return kBuiltPaths;
 }

@@ -60,13 +60,20 @@
 #endif
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #define JAXPIPE_AMX 1
-#include <sys/syscall.h>
-#include <unistd.h>
 #endif
 
+#include "cpu_kernel.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
+using jaxpipe_cpu::Ahead, jaxpipe_cpu::AheadTile, jaxpipe_cpu::ahead_tile, jaxpipe_cpu::gate,
+    jaxpipe_cpu::parallel_for, jaxpipe_cpu::unroll;
+#ifdef __AVX2__
+using jaxpipe_cpu::lanes;
+#endif
+#ifdef __AMX_TILE__
+using jaxpipe_cpu::amx_configure, jaxpipe_cpu::amx_permitted;
+#endif
 
 namespace {
 
@@ -123,39 +130,6 @@ struct Panel {
   const uint16_t* w;
   int64_t width;
 };
-
-// Bytes to bring into L2 while a task computes (the panel its thread multiplies next): tile i
-// of the task's rows prefetches its share of the lines, `per_j` lines per pair row j, so the
-// next panel's stream from memory overlaps this one's compute instead of following it.
-struct Ahead {
-  const char* bytes = nullptr;
-  int64_t size = 0;
-};
-
-struct AheadTile {
-  const char* p = nullptr;
-  int64_t per_j = 0, iters = 0;  // lines per pair row; pair rows that prefetch
-};
-
-// Tile `i` of `tiles` over `kp` pair rows: its contiguous share of a's lines.
-inline AheadTile ahead_tile(const Ahead& a, int64_t i, int64_t tiles, int64_t kp) {
-  const int64_t lines = (a.size + 63) / 64, share = (lines + tiles - 1) / tiles;
-  const int64_t mine = std::max<int64_t>(0, std::min(share, lines - i * share));
-  if (a.bytes == nullptr || mine == 0 || kp == 0) return {};
-  const int64_t per_j = (share + kp - 1) / kp;
-  return {a.bytes + 64 * i * share, per_j, (mine + per_j - 1) / per_j};
-}
-
-// f(0), .., f(N - 1) with compile-time indices, so GCC keeps arrays of vectors indexed by them
-// in registers (it spills them when loops index them).
-template <typename F, int... I>
-__attribute__((always_inline)) inline void unroll(F&& f, std::integer_sequence<int, I...>) {
-  (f(std::integral_constant<int, I>{}), ...);
-}
-template <int N, typename F>
-__attribute__((always_inline)) inline void unroll(F&& f) {
-  unroll(f, std::make_integer_sequence<int, N>{});
-}
 
 // Each path: `panel_task(x, kp, panel, y, ldy, rows, ahead)` computes y[rows, panel columns]
 // for `rows` rows of its x (`X` per row: `x_stride(kp)` elements), prefetching `ahead`.
@@ -246,12 +220,6 @@ inline int64_t x_stride(int64_t kp) { return 2 * kp; }
 constexpr int kRowsAvx2 = 5;
 constexpr int kVecs = 2;  // vectors of 8 columns per tile
 
-// Lanes 0 .. n - 1 set (n in 1..8): the mask of a partial vector's loads and stores.
-inline __m256i lanes(int64_t n) {
-  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)),
-                            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-}
-
 // y's rows 0 .. R - 1 (ldy apart) x `cols` (1 .. 8 * NV) columns of the panel starting at
 // column c0, over all kp pair rows. A pair row's 32-byte load is 8 columns x (k = 2j, 2j + 1)
 // as bf16 pairs: the shift left by 16 is k = 2j's f32, the high half masked is k = 2j + 1's.
@@ -333,27 +301,6 @@ namespace amx {
 using X = uint32_t;  // x as bf16 pairs (pairs_of): rows of A tiles
 inline int64_t x_stride(int64_t kp) { return kp; }
 
-// Linux keeps the AMX tile state off until a process asks for it (once, for all its threads).
-bool permitted() {
-  static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
-                                 18 /* XFEATURE_XTILEDATA */) == 0;
-  return ok;
-}
-
-struct TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// Tiles 0-3: C (16 rows x 16 f32); 4, 5: A (16 rows x 16 pairs); 6, 7: B (16 pair rows x 16
-// columns of pairs). Loaded at each task: other code on the thread (oneDNN) may have changed it.
-inline void configure() {
-  TileConfig c;
-  for (int t = 0; t < 8; ++t) c.rows[t] = 16, c.colsb[t] = 64;
-  _tile_loadconfig(&c);
-}
-
 // y[32 rows, 32 columns at c0] += the panel's pair rows times a [32, kp] (rows lda bytes
 // apart), kp a multiple of 16, the four C tiles stored to y (ldy floats apart).
 inline void block(const uint32_t* a, int64_t lda, const uint16_t* w, int64_t c0, int64_t kp,
@@ -386,7 +333,7 @@ void panel_task(const uint32_t* x, int64_t kp, const Panel& pn, float* y, int64_
     return bf16dp::panel_task(x, kp, pn, y, ldy, rows, ahead);
   thread_local std::vector<uint32_t> pad;  // a tail of fewer than 32 rows, zero rows after
   thread_local std::vector<float> out(32 * 32);
-  configure();
+  amx_configure();
   for (int64_t m = 0; m < rows; m += 32) {
     const int64_t mr = std::min<int64_t>(32, rows - m);
     const uint32_t* a = x + m * kp;
@@ -434,41 +381,6 @@ void panel_task(const uint32_t* x, int64_t kp, const Panel& pn, float* y, int64_
 }
 
 }  // namespace portable
-
-// y = silu(g) * u = g / (1 + exp(-g)) * u, n values (exp's argument capped at 88: below
-// g = -88 the product is 0 to float precision either way).
-void gate(const float* g, const float* u, int64_t n, float* y) {
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) y[i] = g[i] / (1.f + std::exp(std::min(-g[i], 88.f))) * u[i];
-}
-
-// Shares tasks 0..n-1 between the calling thread and the pool; returns when all are done.
-// A thread claims its next task before it runs one: fn(i, next) with next = -1 when none is
-// left, so it can prefetch what next reads.
-template <typename F>
-void parallel_for(ffi::ThreadPool& pool, int64_t n, F&& fn) {
-  struct State {
-    std::atomic<int64_t> next{0}, done{0};
-  };
-  auto state = std::make_shared<State>();
-  auto work = [state, n, &fn]() {
-    for (int64_t i = state->next.fetch_add(1); i < n;) {
-      const int64_t next = state->next.fetch_add(1);
-      fn(i, next < n ? next : -1);
-      state->done.fetch_add(1);
-      i = next;
-    }
-  };
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), n) - 1;
-  // A helper that starts after all tasks are claimed touches only `state` (kept alive by
-  // its shared_ptr), never `fn`, so returning before every helper has run is safe.
-  for (int64_t i = 0; i < helpers; ++i)
-    pool.Schedule([state, n, work]() {
-      if (state->next.load() < n) work();
-    });
-  work();
-  while (state->done.load() < n) std::this_thread::yield();
-}
 
 // x [M, K] f32 -> xr [M, K] rounded to bf16 (nearest even), kept as f32 (the avx2 path's x).
 void rounded_of(const float* x, int64_t count, float* xr) {
@@ -568,7 +480,7 @@ struct AmxPath {
 // The paths this build has and the process may run (AMX needs the kernel's permission).
 uint32_t usable_paths() {
 #ifdef JAXPIPE_AMX
-  if (!amx::permitted()) return kBuiltPaths & ~(1u << kAmx);
+  if (!amx_permitted()) return kBuiltPaths & ~(1u << kAmx);
 #endif
   return kBuiltPaths;
 }
