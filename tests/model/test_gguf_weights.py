@@ -1,4 +1,4 @@
-"""A GGUF's matrices kept in their blocks (jaxpipe/model/gguf_blocks.py): the shipped SmolLM2
+"""A GGUF's matrices kept in their blocks (jaxpipe/model/gguf_weights.py): the shipped SmolLM2
 file's blocks, decoded by the gguf package, are the dequantizing loader's weights exactly, in
 the decoder's column order (llama.cpp's Q/K rows put back); other types stay dequantized."""
 
@@ -9,7 +9,7 @@ import logging
 import numpy as np
 import pytest
 
-from jaxpipe.model import gguf_blocks
+from jaxpipe.model import gguf_weights
 from jaxpipe.model.families.llama import FAMILY as LLAMA
 from jaxpipe.model.families.llama import unpermute_qk
 from jaxpipe.model.gguf_file import load_gguf
@@ -20,7 +20,7 @@ from jaxpipe.model.presets import resolve_model
 def smollm2():
     path = resolve_model("smollm2-135m").path
     cfg, params = load_gguf(path)
-    return path, cfg, params, gguf_blocks.read_block_rows(path)
+    return path, cfg, params, gguf_weights.read_block_rows(path)
 
 
 def _columns(w: np.ndarray, contracted: int) -> np.ndarray:
@@ -48,7 +48,7 @@ def test_the_tied_head_is_the_embeddings_blocks(smollm2):
 
 def test_q4_1_blocks_take_five_sixteenths_of_bf16(smollm2):
     _, cfg, _, blocks = smollm2
-    for param in gguf_blocks.LINEAR:  # 32 weights in 20 bytes (2 f16 scales, 16 of nibbles)
+    for param in gguf_weights.LINEAR:  # 32 weights in 20 bytes (2 f16 scales, 16 of nibbles)
         rows = blocks[param]
         assert rows.nbytes * 64 == rows.data.shape[0] * rows.n * rows.k * 2 * 20
     head = blocks["lm_head"]  # Q8_0: 32 weights in 34 bytes
@@ -57,8 +57,8 @@ def test_q4_1_blocks_take_five_sixteenths_of_bf16(smollm2):
 
 def test_other_types_stay_dequantized_and_are_named(smollm2, caplog):
     path = smollm2[0]
-    with caplog.at_level(logging.INFO, logger="jaxpipe.model.gguf_blocks"):
-        kept = gguf_blocks.read_block_rows(path, kinds=("q8_0",))
+    with caplog.at_level(logging.INFO, logger="jaxpipe.model.gguf_weights"):
+        kept = gguf_weights.read_block_rows(path, kinds=("q8_0",))
     assert set(kept) == {"lm_head"}
     assert "wq stays dequantized: its GGUF types ['q4_1'] are not one of q8_0" in caplog.text
 
@@ -66,14 +66,14 @@ def test_other_types_stay_dequantized_and_are_named(smollm2, caplog):
 def test_a_row_reordering_fix_is_applied_to_the_rows_and_another_fix_refused(smollm2):
     cfg = smollm2[1]
     n = cfg.num_heads * cfg.head_dim
-    order = gguf_blocks._row_order(cfg, LLAMA, "layers.0.q", n)
+    order = gguf_weights._row_order(cfg, LLAMA, "layers.0.q", n)
     rows = np.random.default_rng(0).normal(size=(n, 3))
     np.testing.assert_array_equal(rows[order], unpermute_qk(cfg, "layers.0.q", rows))
-    assert (gguf_blocks._row_order(cfg, LLAMA, "layers.0.o", n) == np.arange(n)).all()
+    assert (gguf_weights._row_order(cfg, LLAMA, "layers.0.o", n) == np.arange(n)).all()
 
     class Scaled:
         @staticmethod
         def gguf_value(cfg, name, w):
             return w * 2.0
 
-    assert gguf_blocks._row_order(cfg, Scaled, "layers.0.q", n) is None
+    assert gguf_weights._row_order(cfg, Scaled, "layers.0.q", n) is None
