@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <memory>
 #include <thread>
+#include <type_traits>
 #include <utility>
 
 #ifdef __AVX2__
@@ -30,7 +31,7 @@ namespace ffi = xla::ffi;
 
 // Shares tasks 0..n-1 between the calling thread and the pool; returns when all are done.
 // A thread claims its next task before it runs one: fn(i, next), next = -1 when none is left,
-// so it can prefetch what next reads.
+// so it can prefetch what next reads (or fn(i), where nothing is prefetched).
 template <typename F>
 void parallel_for(ffi::ThreadPool& pool, int64_t n, F&& fn) {
   struct State {
@@ -40,7 +41,10 @@ void parallel_for(ffi::ThreadPool& pool, int64_t n, F&& fn) {
   auto work = [state, n, &fn]() {
     for (int64_t i = state->next.fetch_add(1); i < n;) {
       const int64_t next = state->next.fetch_add(1);
-      fn(i, next < n ? next : -1);
+      if constexpr (std::is_invocable_v<F, int64_t, int64_t>)
+        fn(i, next < n ? next : -1);
+      else
+        fn(i);
       state->done.fetch_add(1);
       i = next;
     }
@@ -99,7 +103,7 @@ inline void gate(const float* g, const float* u, int64_t n, float* y) {
 }
 
 #ifdef __AVX2__
-// Lanes 0 .. n - 1 set (n in 1..8): the mask of a partial vector's loads and stores.
+// Lanes 0 .. n - 1 set (n in 0..8): the mask of a partial vector's loads and stores.
 inline __m256i lanes(int64_t n) {
   return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)),
                             _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));

@@ -66,9 +66,14 @@
 #include <immintrin.h>
 #endif
 
+#include "cpu_kernel.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
+using jaxpipe_cpu::parallel_for;
+#ifdef __AVX2__
+using jaxpipe_cpu::lanes;
+#endif
 
 namespace {
 
@@ -489,30 +494,6 @@ void attend_tile(const Inputs<T>& in, const Shape& s, const Span& span, const Ti
   weighted_values<DIM>(w.scores.data(), v, from, tile.keys, m_count, count == 1, d,
                        w.out.data(), w.row.data());
   store_outputs(w.out.data(), s, token, h, count, in.out);
-}
-
-// Shares tasks 0..n-1 between the calling thread and the pool; returns when all are done.
-template <typename F>
-void parallel_for(ffi::ThreadPool& pool, int64_t n, F&& fn) {
-  struct State {
-    std::atomic<int64_t> next{0}, done{0};
-  };
-  auto state = std::make_shared<State>();
-  auto work = [state, n, &fn]() {
-    for (int64_t i; (i = state->next.fetch_add(1)) < n;) {
-      fn(i);
-      state->done.fetch_add(1);
-    }
-  };
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), n) - 1;
-  // A helper that starts after all tasks are claimed touches only `state` (kept alive by
-  // its shared_ptr), never `fn`, so returning before every helper has run is safe.
-  for (int64_t i = 0; i < helpers; ++i)
-    pool.Schedule([state, n, work]() {
-      if (state->next.load() < n) work();
-    });
-  work();
-  while (state->done.load() < n) std::this_thread::yield();
 }
 
 // The step's tiles, heaviest first: each span's queries inside [0, T), kTile at a time.
@@ -1046,12 +1027,6 @@ inline __m256 lanes_total(const __m256 (&v)[8]) {
   const __m256 b1 = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
   // b0: [v0..v3 over lanes 0-3 | v0..v3 over lanes 4-7], b1 the same for v4..v7
   return _mm256_add_ps(_mm256_permute2f128_ps(b0, b1, 0x20), _mm256_permute2f128_ps(b0, b1, 0x31));
-}
-
-// Lanes 0 .. n - 1 set (n in 0..8).
-inline __m256i lanes(int64_t n) {
-  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)),
-                            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
 
 // x rounded to bf16 (nearest even), as f32.
