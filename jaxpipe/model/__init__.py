@@ -9,6 +9,7 @@ loaders of each checkpoint format, and the tokenizer.
     rope_config.py HF's `rope_scaling` / `rope_parameters` -> `RopeScaling`
     hf_dir.py      HF checkpoint directories (config.json, *.safetensors)
     gguf_file.py   GGUF files (llama.cpp's format)
+    gguf_weights.py a GGUF's matrices kept in their quantized blocks (quantization="gguf")
     orbax_dir.py   orbax checkpoints (scripts/convert.py's)
     loading.py     a resolved model source -> its architecture, weights and tokenizer
     presets.py     where a model comes from: a preset in `models/`, or a path
