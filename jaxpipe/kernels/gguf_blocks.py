@@ -1,0 +1,161 @@
+"""The arithmetic of `quantization="gguf"`, in jnp: GGUF's quantized blocks as they are stored,
+the activations quantized as llama.cpp quantizes them for each weight format, and XLA's
+reference dot of the quantized pair (the portable path and the numerics reference every
+C++ path of `gguf_matmul` matches).
+
+A GGUF matrix of N rows (output columns) by K (input) is N rows of K / 32 blocks, each block
+32 consecutive k's of one row (ggml's block layouts, little-endian, f16 scales):
+
+- q8_0 (34 bytes): d f16, then 32 int8 codes q; w = d * q.
+- q4_0 (18 bytes): d f16, then 16 bytes: byte i holds code i in its low nibble and code
+  i + 16 in its high one; w = d * (q - 8).
+- q4_1 (20 bytes): d f16, m f16, then the 16 nibble bytes as q4_0's; w = d * q + m.
+
+A row of x [..., K] is quantized per block of 32 (llama.cpp's `quantize_row_q8_0` /
+`quantize_row_q8_1`): d = amax * f32(1 / 127) (llama.cpp divides by 127; the product is
+the one every implementation here reproduces to the bit, as `int8.py` says), codes =
+round half away from zero (C's roundf) of x * (1 / d), 0 for an all-zero block; the scale
+the dot uses is d rounded to f16 (llama.cpp stores it so). Q8_1, which q4_1 pairs with,
+also keeps s = f16(d * sum of the block's codes), for the weight's m.
+
+The dot of a row with a weight row, per block b, as llama.cpp's vec_dot: an exact integer sum
+sumi_b = sum_i qx_i qw_i (q4_0: qw - 8), then y = sum_b (dx_b dw_b) sumi_b (+ mw_b sx_b for
+q4_1), in f32. Q4_K / Q6_K (Q8_K activations) are not here yet.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+BLOCK = 32  # weights (and activation codes) per block of every format here
+STEP = np.float32(1 / 127)  # an activation block's d is amax * STEP
+
+
+@dataclasses.dataclass(frozen=True)
+class Format:
+    """A GGUF block format: its name (`Matmul.quant`), GGML type id, bytes per block of
+    BLOCK weights, and the activation quantization llama.cpp pairs it with."""
+
+    name: str
+    ggml_type: int
+    block_bytes: int
+    activations: str  # "q8_0" or "q8_1" (with the block's code sum times d)
+
+
+FORMATS = {f.name: f for f in (Format("q8_0", 8, 34, "q8_0"), Format("q4_0", 2, 18, "q8_0"),
+                               Format("q4_1", 3, 20, "q8_1"))}
+
+
+def format_of(name: str) -> Format:
+    """The Format named `name` (e.g. "q4_1"), or a clear error listing those supported."""
+    if name not in FORMATS:
+        raise ValueError(f"GGUF format {name!r} has no block kernel; supported: "
+                         f"{', '.join(FORMATS)}")
+    return FORMATS[name]
+
+
+def row_bytes(fmt: Format, k: int) -> int:
+    """Bytes of one GGUF row of K weights (K a multiple of BLOCK)."""
+    if k % BLOCK:
+        raise ValueError(f"GGUF {fmt.name}: K must be a multiple of {BLOCK}; got {k}")
+    return k // BLOCK * fmt.block_bytes
+
+
+def _f16(lo, hi) -> jax.Array:
+    """Little-endian f16 bytes (uint8 arrays) -> f32 values."""
+    bits = lo.astype(jnp.uint16) | (hi.astype(jnp.uint16) << 8)
+    return jax.lax.bitcast_convert_type(bits, jnp.float16).astype(jnp.float32)
+
+
+def _nibbles(qs) -> jax.Array:
+    """16 packed bytes [..., 16] -> 32 codes [..., 32] (low nibbles first), uint8 0..15."""
+    return jnp.concatenate([qs & 15, qs >> 4], axis=-1)
+
+
+def decode(w, fmt: Format) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+    """GGUF rows w [..., N, R] uint8 (R = K / 32 blocks of fmt.block_bytes) -> (codes
+    [..., N, K / 32, 32] int8 as the dot multiplies them (q4_0: q - 8; q4_1: 0..15), d
+    [..., N, K / 32] f32, m [..., N, K / 32] f32 for q4_1 else None)."""
+    w = jnp.asarray(w)
+    if w.dtype != jnp.uint8 or w.ndim < 2 or w.shape[-1] % fmt.block_bytes:
+        raise ValueError(f"GGUF {fmt.name}: w must be uint8 rows [..., N, blocks * "
+                         f"{fmt.block_bytes}]; got {w.dtype} {w.shape}")
+    b = w.reshape(*w.shape[:-1], w.shape[-1] // fmt.block_bytes, fmt.block_bytes)
+    d = _f16(b[..., 0], b[..., 1])
+    if fmt.name == "q8_0":
+        return jax.lax.bitcast_convert_type(b[..., 2:], jnp.int8), d, None
+    if fmt.name == "q4_0":
+        return _nibbles(b[..., 2:]).astype(jnp.int8) - 8, d, None
+    return _nibbles(b[..., 4:]).astype(jnp.int8), d, _f16(b[..., 2], b[..., 3])
+
+
+def dequantize(w, fmt: Format) -> jax.Array:
+    """GGUF rows w [..., N, R] uint8 -> weights [..., N, K] f32 (equal to
+    `gguf.quants.dequantize`: d * q, then + m)."""
+    codes, d, m = decode(w, fmt)
+    y = d[..., None] * codes.astype(jnp.float32)
+    if m is not None:
+        y = y + m[..., None]
+    return y.reshape(*y.shape[:-2], -1)
+
+
+def round_away(v) -> jax.Array:
+    """C's roundf: to nearest, halves away from zero (v - trunc(v) is exact in f32)."""
+    t = jnp.trunc(v)
+    return t + jnp.where(jnp.abs(v - t) >= 0.5, jnp.sign(v), 0)
+
+
+def quantize_rows(x, activations: str) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+    """x [..., K] (K a multiple of 32) -> llama.cpp's q8_0 / q8_1 blocks: (codes [..., K / 32,
+    32] int8, d [..., K / 32] f32 (the f16-rounded scale), s [..., K / 32] f32 =
+    f16(d * sum codes) for "q8_1", else None)."""
+    x = jnp.asarray(x, jnp.float32)
+    if x.ndim < 1 or x.shape[-1] % BLOCK:
+        raise ValueError(f"GGUF activations: x must be [..., K], K a multiple of {BLOCK}; got "
+                         f"{x.shape}")
+    blocks = x.reshape(*x.shape[:-1], x.shape[-1] // BLOCK, BLOCK)
+    d = jnp.max(jnp.abs(blocks), axis=-1) * STEP
+    inv = jnp.where(d > 0, 1 / jnp.where(d > 0, d, 1), 0)
+    codes = jnp.clip(round_away(blocks * inv[..., None]), -127, 127).astype(jnp.int8)
+    d16 = d.astype(jnp.float16).astype(jnp.float32)
+    if activations == "q8_0":
+        return codes, d16, None
+    sums = jnp.sum(codes.astype(jnp.int32), axis=-1).astype(jnp.float32)
+    return codes, d16, (d * sums).astype(jnp.float16).astype(jnp.float32)
+
+
+def quantized_reference(x_codes, x_d, x_s, w_codes, w_d, w_m) -> jax.Array:
+    """XLA's dot of a quantized pair: x (codes [M, B, 32], d [M, B], s [M, B] or None), w
+    (codes [N, B, 32], d [N, B], m [N, B] or None) -> y [M, N] f32: per block an exact int32
+    sum, then y += (dx dw) sumi (+ mw sx), block by block."""
+    def block(acc, b):
+        xq, xd, wq, wd = b[0], b[1], b[2], b[3]
+        sumi = jax.lax.dot_general(xq, wq, (((1,), (1,)), ((), ())),
+                                   preferred_element_type=jnp.int32)  # [M, N]
+        term = (xd[:, None] * wd[None, :]) * sumi.astype(jnp.float32)
+        if len(b) == 6:
+            term = term + b[5][None, :] * b[4][:, None]
+        return acc + term, None
+
+    per_block = [jnp.moveaxis(a, 1, 0) for a in (x_codes, x_d, w_codes, w_d)]
+    if w_m is not None:
+        per_block += [jnp.moveaxis(x_s, 1, 0), jnp.moveaxis(w_m, 1, 0)]
+    acc = jnp.zeros((x_codes.shape[0], w_codes.shape[0]), jnp.float32)
+    return jax.lax.scan(block, acc, tuple(per_block))[0]
+
+
+def reference(x, w, fmt: Format) -> jax.Array:
+    """x [..., K] (any float dtype) @ GGUF rows w [N, R] uint8 of format `fmt` -> [..., N]
+    f32: x quantized as llama.cpp does for `fmt`, then `quantized_reference`."""
+    w_codes, w_d, w_m = decode(w, fmt)
+    if jnp.shape(x)[-1] != w_codes.shape[-2] * BLOCK:
+        raise ValueError(f"GGUF {fmt.name}: x's K {jnp.shape(x)[-1]} is not w's "
+                         f"{w_codes.shape[-2] * BLOCK} (w {jnp.shape(w)})")
+    lead = jnp.shape(x)[:-1]
+    x_codes, x_d, x_s = quantize_rows(jnp.reshape(x, (-1, jnp.shape(x)[-1])), fmt.activations)
+    y = quantized_reference(x_codes, x_d, x_s, w_codes, w_d, w_m)
+    return y.reshape(*lead, w_codes.shape[-3])

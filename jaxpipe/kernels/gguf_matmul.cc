@@ -1,0 +1,399 @@
+// y = x @ w^T on the CPU with w in GGUF's quantized blocks, as they are stored
+// (gguf_matmul.py; the arithmetic in gguf_blocks.py):
+//
+//   x      [M, K]     float32 rows, quantized here per block of 32 as llama.cpp pairs with the
+//                     format: q8_0 codes and f16 scale (q8_0, q4_0 weights), plus q8_1's
+//                     f16(d * sum codes) (q4_1 weights)
+//   w      [L, N, R]  uint8: L stacked GGUF matrices of N rows (output columns), each row K / 32
+//                     blocks of the format (R bytes), read in place at `layer`
+//   layer  []         int32: which of the L (clamped to [0, L))
+//   y      [M, N]     float32: per block an exact int32 sum of code products, then
+//                     y += (dx dw) sumi (+ mw sx for q4_1), in f32 (llama.cpp's vec_dot)
+//
+// Blocks are decoded in registers: q4's 16 nibble bytes become one 32-byte vector (low
+// nibbles, codes 0..15, then high ones, 16..31: the order of the activation block's codes).
+// Paths (the `path` attribute; `jaxpipe_gguf_matmul_paths` says which this build has):
+//   0 portable     plain loops, any CPU
+//   1 avx2         vpmaddubsw + vpmaddwd (u8 x s8 pairs into s16, then int32)
+//   2 avx_vnni     vpdpbusd, VEX, 256-bit
+//   3 avx512_vnni  vpdpbusd, EVEX on 256-bit vectors (one block a vector) with 32 registers:
+//                  a larger tile of rows x columns than the 16-register paths
+// Both multiplies take u8 x s8. q4 codes are the u8 side as they are (0..15; q4_0's -8 comes
+// off as 8 * the block's x code sum, one int32 in lane 0); q8_0 weights go in as |w| (u8, up
+// to 128) with x carrying w's sign (vpsignb; x's codes are in [-127, 127]): a vpmaddubsw pair
+// is then at most 2 x 128 x 127 = 32512, never saturated, and every sum is exact.
+//
+// A task is (a chunk of kCols output columns, a chunk of kChunk rows), over XLA's thread pool;
+// within it, tiles of kRows rows x kCols2 columns keep their columns' blocks in L1 while all the
+// rows read them.
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int64_t kBlock = 32;
+constexpr int64_t kCols = 64;   // output columns per task
+constexpr int64_t kChunk = 48;  // rows per task
+
+enum Format : int64_t { kQ8_0 = 0, kQ4_0 = 1, kQ4_1 = 2 };
+constexpr int64_t kBlockBytes[] = {34, 18, 20};
+
+enum Path : int64_t { kPortable = 0, kAvx2 = 1, kAvxVnni = 2, kAvx512Vnni = 3 };
+
+constexpr uint32_t kBuiltPaths = (1u << kPortable)
+#ifdef __AVX2__
+                                 | (1u << kAvx2)
+#endif
+#ifdef __AVXVNNI__
+                                 | (1u << kAvxVnni)
+#endif
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+                                 | (1u << kAvx512Vnni)
+#endif
+    ;
+
+inline float f16(const uint8_t* p) {
+  _Float16 h;
+  std::memcpy(&h, p, 2);
+  return static_cast<float>(h);
+}
+
+inline float to_f16(float v) { return static_cast<float>(static_cast<_Float16>(v)); }
+
+// x's rows as llama.cpp's q8_0 / q8_1 blocks: codes [M, K], and per (row, block) [M, B]: d
+// (f16-rounded), s = f16(d * sum) (q8_1), and the code sum (q4_0's correction).
+struct Acts {
+  int64_t k, blocks;
+  std::vector<int8_t> codes;
+  std::vector<float> d, s;
+  std::vector<int32_t> sum;
+  Acts(int64_t m, int64_t k_) : k(k_), blocks(k_ / kBlock), codes(m * k_), d(m * blocks),
+                                s(m * blocks), sum(m * blocks) {}
+  // Row r's blocks (gguf_blocks.quantize_rows, to the bit): d = amax * f32(1 / 127),
+  // codes = roundf(x * (1 / d)) (0 where d is 0), clamped to [-127, 127].
+  void quantize(const float* x, int64_t r) {
+    for (int64_t b = 0; b < blocks; ++b) {
+      const float* v = x + b * kBlock;
+      int8_t* q = codes.data() + r * k + b * kBlock;
+      float amax = 0.f;
+      for (int i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(v[i]));
+      float dd = amax * kStep;
+      // A barrier: -ffast-math would rewrite 1 / (amax * kStep) as (1 / amax) * 127, off by
+      // an ulp, and a code halfway between two integers then rounds the other way.
+      asm volatile("" : "+x"(dd));
+      const float inv = dd > 0.f ? 1.f / dd : 0.f;
+      int32_t total = 0;
+      for (int i = 0; i < kBlock; ++i) {
+        const float u = v[i] * inv, t = std::trunc(u);
+        const float rounded = std::fabs(u - t) >= 0.5f ? t + std::copysign(1.f, u) : t;
+        q[i] = static_cast<int8_t>(std::clamp(rounded, -127.f, 127.f));
+        total += q[i];
+      }
+      const int64_t at = r * blocks + b;
+      d[at] = to_f16(dd);
+      s[at] = to_f16(dd * static_cast<float>(total));
+      sum[at] = total;
+    }
+  }
+  static constexpr float kStep = 1.f / 127.f;  // gguf_blocks.STEP
+};
+
+// The task's view: rows' activations from row m0, the weight rows, the output.
+struct Task {
+  const Acts* a;
+  int64_t m0;
+  const uint8_t* w;  // the layer's [N, R] bytes
+  int64_t rb;        // R: bytes per weight row
+  float* y;          // y[m0, 0]
+  int64_t ldy;
+};
+
+namespace portable {
+
+// Code i (0..31) of the block at p, as the dot multiplies it (q4_0: q - 8).
+template <int F>
+int32_t code(const uint8_t* p, int i) {
+  if constexpr (F == kQ8_0) {
+    int8_t q;
+    std::memcpy(&q, p + 2 + i, 1);
+    return q;
+  }
+  const uint8_t byte = p[(F == kQ4_1 ? 4 : 2) + i % 16];
+  return (i < 16 ? byte & 15 : byte >> 4) - (F == kQ4_0 ? 8 : 0);
+}
+
+// Not vectorized: GCC 12 turns the q8_0 sum below into vpdpbusd with the signed codes as
+// unsigned (wrong sums: found by tests/kernels/test_gguf_matmul.py), and plain loops are
+// this path's point.
+template <int F>
+__attribute__((optimize("no-tree-vectorize"))) void run(const Task& t, int64_t c0,
+                                                        int64_t cols, int64_t rows) {
+  const Acts& a = *t.a;
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t m = t.m0 + r;
+    for (int64_t c = c0; c < c0 + cols; ++c) {
+      float acc = 0.f;
+      for (int64_t b = 0; b < a.blocks; ++b) {
+        const uint8_t* p = t.w + c * t.rb + b * kBlockBytes[F];
+        const int8_t* xq = a.codes.data() + m * a.k + b * kBlock;
+        int32_t sumi = 0;
+        for (int i = 0; i < kBlock; ++i) sumi += code<F>(p, i) * int32_t{xq[i]};
+        const int64_t at = m * a.blocks + b;
+        float term = (a.d[at] * f16(p)) * static_cast<float>(sumi);
+        if constexpr (F == kQ4_1) term += f16(p + 2) * a.s[at];
+        acc += term;
+      }
+      t.y[r * t.ldy + c] = acc;
+    }
+  }
+}
+
+}  // namespace portable
+
+#ifdef __AVX2__
+namespace ymm {
+
+// u8 x s8 -> 8 int32 lanes, each the sum of 4 products: avx2's pairs then pairs of pairs.
+struct Avx2Dot {
+  static constexpr int kRows = 4, kCols2 = 2;  // 8 accumulators of 16 registers
+  static __m256i dot(__m256i u, __m256i s) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+  }
+};
+
+#ifdef __AVXVNNI__
+struct AvxVnniDot {
+  static constexpr int kRows = 4, kCols2 = 2;
+  static __m256i dot(__m256i u, __m256i s) {
+    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
+  }
+};
+#endif
+
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+struct Avx512VnniDot {  // 32 registers: 16 accumulators, 4 columns' blocks
+  static constexpr int kRows = 4, kCols2 = 4;
+  static __m256i dot(__m256i u, __m256i s) {
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+  }
+};
+#endif
+
+template <typename F, int... I>
+__attribute__((always_inline)) inline void unroll(F&& f, std::integer_sequence<int, I...>) {
+  (f(std::integral_constant<int, I>{}), ...);
+}
+template <int N, typename F>
+__attribute__((always_inline)) inline void unroll(F&& f) {
+  unroll(f, std::make_integer_sequence<int, N>{});
+}
+
+// A block's 32 codes as one vector (q4: 0..15, low nibbles then high).
+template <int F>
+inline __m256i codes(const uint8_t* p) {
+  if constexpr (F == kQ8_0) return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 2));
+  const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + (F == kQ4_1 ? 4 : 2)));
+  const __m128i lo = _mm_and_si128(q, _mm_set1_epi8(15));
+  const __m128i hi = _mm_and_si128(_mm_srli_epi16(q, 4), _mm_set1_epi8(15));
+  return _mm256_set_m128i(hi, lo);
+}
+
+inline float hsum(__m256 v) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+}
+
+// y[R rows, C columns at c0]: per block, each column's codes decoded once for all R rows.
+template <typename Dot, int F, int R, int C>
+void tile(const Task& t, int64_t r0, int64_t c0) {
+  const Acts& a = *t.a;
+  __m256 acc[R][C];
+  unroll<R>([&](auto r) { unroll<C>([&](auto c) { acc[r][c] = _mm256_setzero_ps(); }); });
+  const int8_t* x = a.codes.data() + (t.m0 + r0) * a.k;
+  const int64_t at0 = (t.m0 + r0) * a.blocks;
+  for (int64_t b = 0; b < a.blocks; ++b) {
+    __m256i wv[C], ws[C];  // q8_0: |w| and w (whose sign goes on x)
+    float dw[C], mw[C];
+    unroll<C>([&](auto c) {
+      const uint8_t* p = t.w + (c0 + c) * t.rb + b * kBlockBytes[F];
+      wv[c] = ws[c] = codes<F>(p);
+      if constexpr (F == kQ8_0) wv[c] = _mm256_abs_epi8(ws[c]);
+      dw[c] = f16(p);
+      if constexpr (F == kQ4_1) mw[c] = f16(p + 2);
+    });
+    unroll<R>([&](auto r) {
+      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + r * a.k + b * kBlock));
+      const int64_t at = at0 + r * a.blocks + b;
+      const float dx = a.d[at];
+      unroll<C>([&](auto c) {
+        __m256i p;
+        if constexpr (F == kQ8_0) {
+          p = Dot::dot(wv[c], _mm256_sign_epi8(xv, ws[c]));
+        } else {
+          p = Dot::dot(wv[c], xv);
+        }
+        if constexpr (F == kQ4_0) p = _mm256_sub_epi32(p, _mm256_setr_epi32(8 * a.sum[at], 0, 0, 0, 0, 0, 0, 0));
+        acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dx * dw[c]), acc[r][c]);
+        if constexpr (F == kQ4_1)
+          acc[r][c] = _mm256_add_ps(acc[r][c], _mm256_setr_ps(mw[c] * a.s[at], 0, 0, 0, 0, 0, 0, 0));
+      });
+    });
+  }
+  unroll<R>([&](auto r) {
+    unroll<C>([&](auto c) { t.y[(r0 + r) * t.ldy + c0 + c] = hsum(acc[r][c]); });
+  });
+}
+
+// Rows r0 .. r0 + rows - 1 (rows <= R) of columns c0 .. c0 + C - 1.
+template <typename Dot, int F, int R, int C>
+void tile_rows(const Task& t, int64_t r0, int64_t rows, int64_t c0) {
+  if constexpr (R > 1) {
+    if (rows < R) return tile_rows<Dot, F, R - 1, C>(t, r0, rows, c0);
+  }
+  tile<Dot, F, R, C>(t, r0, c0);
+}
+
+template <typename Dot, int F>
+void run(const Task& t, int64_t c0, int64_t cols, int64_t rows) {
+  constexpr int R = Dot::kRows, C = Dot::kCols2;
+  int64_t c = c0;
+  for (; c + C <= c0 + cols; c += C)
+    for (int64_t r = 0; r < rows; r += R)
+      tile_rows<Dot, F, R, C>(t, r, std::min<int64_t>(R, rows - r), c);
+  for (; c < c0 + cols; ++c)  // the last columns one at a time
+    for (int64_t r = 0; r < rows; r += R)
+      tile_rows<Dot, F, R, 1>(t, r, std::min<int64_t>(R, rows - r), c);
+}
+
+}  // namespace ymm
+#endif
+
+// Shares tasks 0..n-1 between the calling thread and the pool; returns when all are done.
+template <typename F>
+void parallel_for(ffi::ThreadPool& pool, int64_t n, F&& fn) {
+  struct State {
+    std::atomic<int64_t> next{0}, done{0};
+  };
+  auto state = std::make_shared<State>();
+  auto work = [state, n, &fn]() {
+    for (int64_t i; (i = state->next.fetch_add(1)) < n;) {
+      fn(i);
+      state->done.fetch_add(1);
+    }
+  };
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), n) - 1;
+  // A helper that starts after all tasks are claimed touches only `state` (kept alive by
+  // its shared_ptr), never `fn`, so returning before every helper has run is safe.
+  for (int64_t i = 0; i < helpers; ++i)
+    pool.Schedule([state, n, work]() {
+      if (state->next.load() < n) work();
+    });
+  work();
+  while (state->done.load() < n) std::this_thread::yield();
+}
+
+using Run = void (*)(const Task&, int64_t, int64_t, int64_t);
+
+template <int F>
+Run run_of(int64_t path) {
+  switch (path) {
+    case kPortable: return portable::run<F>;
+#ifdef __AVX2__
+    case kAvx2: return ymm::run<ymm::Avx2Dot, F>;
+#endif
+#ifdef __AVXVNNI__
+    case kAvxVnni: return ymm::run<ymm::AvxVnniDot, F>;
+#endif
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    case kAvx512Vnni: return ymm::run<ymm::Avx512VnniDot, F>;
+#endif
+    default: return nullptr;
+  }
+}
+
+// `path`'s routine for `format` (`path` < 0: the last this build has); null if none here.
+Run run_of(int64_t format, int64_t path) {
+  if (path < 0) path = 31 - __builtin_clz(kBuiltPaths);
+  if (path > 31 || !(kBuiltPaths >> path & 1u)) return nullptr;
+  switch (format) {
+    case kQ8_0: return run_of<kQ8_0>(path);
+    case kQ4_0: return run_of<kQ4_0>(path);
+    case kQ4_1: return run_of<kQ4_1>(path);
+    default: return nullptr;
+  }
+}
+
+ffi::Error GgufMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
+                          ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y,
+                          int64_t format, int64_t path) {
+  auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
+  if (format < 0 || format > kQ4_1)
+    return ffi::Error::InvalidArgument("gguf_matmul: unknown format " + std::to_string(format));
+  const int64_t bb = kBlockBytes[format];
+  if (xd.size() != 2 || wd.size() != 3 || yd.size() != 2 || xd[1] % kBlock != 0 ||
+      wd[2] != xd[1] / kBlock * bb || yd[0] != xd[0] || yd[1] != wd[1] ||
+      layer.element_count() != 1 || wd[0] < 1)
+    return ffi::Error::InvalidArgument(
+        "gguf_matmul: need x [M,K] f32 (K % 32 == 0), w [L,N,K/32*block bytes] u8, layer [], "
+        "y [M,N]");
+  const Run run = run_of(format, path);
+  if (run == nullptr)
+    return ffi::Error::InvalidArgument("gguf_matmul: this build has no path " +
+                                       std::to_string(path));
+  const int64_t m = xd[0], k = xd[1], n = wd[1], rb = wd[2];
+  if (m == 0 || n == 0) return ffi::Error::Success();
+  const int64_t l = std::clamp<int64_t>(layer.typed_data()[0], 0, wd[0] - 1);
+  Acts acts(m, k);
+  const float* xf = x.typed_data();
+  constexpr int64_t kRowBlock = 16, kParallel = 1 << 16;
+  auto quantize = [&](int64_t i) {
+    for (int64_t r = i * kRowBlock; r < std::min(m, (i + 1) * kRowBlock); ++r)
+      acts.quantize(xf + r * k, r);
+  };
+  const int64_t row_blocks = (m + kRowBlock - 1) / kRowBlock;
+  if (m * k < kParallel)
+    for (int64_t i = 0; i < row_blocks; ++i) quantize(i);
+  else
+    parallel_for(pool, row_blocks, quantize);
+  const uint8_t* wl = w.typed_data() + l * n * rb;
+  const int64_t col_tasks = (n + kCols - 1) / kCols, chunks = (m + kChunk - 1) / kChunk;
+  float* out = y->typed_data();
+  parallel_for(pool, col_tasks * chunks, [&](int64_t i) {
+    const int64_t c0 = i / chunks * kCols, m0 = i % chunks * kChunk;
+    const Task t{&acts, m0, wl, rb, out + m0 * n, n};
+    run(t, c0, std::min(kCols, n - c0), std::min(kChunk, m - m0));
+  });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+// Bit i set: path i (Path above) is compiled in (-march=native).
+extern "C" uint32_t jaxpipe_gguf_matmul_paths() { return kBuiltPaths; }
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpipeGgufMatmul, GgufMatmulImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("format")
+                                  .Attr<int64_t>("path"));
