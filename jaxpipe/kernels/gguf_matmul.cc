@@ -16,10 +16,9 @@
 //   0 portable     plain loops, any CPU
 //   1 avx2         vpmaddubsw + vpmaddwd (u8 x s8 pairs into s16, then int32)
 //   2 avx_vnni     vpdpbusd, VEX, 256-bit
-//   3 avx512_vnni  vpdpbusd, EVEX on 256-bit vectors (one block a vector) with 32 registers:
-//                  a larger tile of rows x columns than the 16-register paths
-// Both multiplies take u8 x s8. q4 codes are the u8 side as they are (0..15; q4_0's -8 comes
-// off as 8 * the block's x code sum, one int32 in lane 0); q8_0 weights go in as |w| (u8, up
+//   3 avx512_vnni  vpdpbusd on 512-bit vectors, two blocks a vector (namespace zmm)
+// The multiplies take u8 x s8. q4 codes are the u8 side as they are (0..15; q4_0's -8 comes
+// off as 8 * x's codes, lane by lane); q8_0 weights go in as |w| (u8, up
 // to 128) with x carrying w's sign (vpsignb; x's codes are in [-127, 127]): a vpmaddubsw pair
 // is then at most 2 x 128 x 127 = 32512, never saturated, and every sum is exact.
 //
@@ -63,7 +62,7 @@ constexpr uint32_t kBuiltPaths = (1u << kPortable)
 #ifdef __AVXVNNI__
                                  | (1u << kAvxVnni)
 #endif
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
                                  | (1u << kAvx512Vnni)
 #endif
     ;
@@ -77,14 +76,16 @@ inline float f16(const uint8_t* p) {
 inline float to_f16(float v) { return static_cast<float>(static_cast<_Float16>(v)); }
 
 // x's rows as llama.cpp's q8_0 / q8_1 blocks: codes [M, K], and per (row, block) [M, B]: d
-// (f16-rounded), s = f16(d * sum) (q8_1), and the code sum (q4_0's correction).
+// (f16-rounded) and s = f16(d * sum of codes) (q8_1).
+// `wide` (the 512-bit path) adds d and s as 8 lanes a block, [M, B, 8], so that one 64-byte
+// load is a block pair's: d8 = d in all 8 lanes; s8 = s in lane 0, zeros after.
 struct Acts {
   int64_t k, blocks;
   std::vector<int8_t> codes;
-  std::vector<float> d, s;
-  std::vector<int32_t> sum;
-  Acts(int64_t m, int64_t k_) : k(k_), blocks(k_ / kBlock), codes(m * k_), d(m * blocks),
-                                s(m * blocks), sum(m * blocks) {}
+  std::vector<float> d, s, d8, s8;
+  Acts(int64_t m, int64_t k_, bool wide)
+      : k(k_), blocks(k_ / kBlock), codes(m * k_), d(m * blocks), s(m * blocks),
+        d8(wide ? 8 * m * blocks : 0), s8(d8.size()) {}
   // Row r's blocks (gguf_blocks.quantize_rows, to the bit): d = amax * f32(1 / 127),
   // codes = roundf(x * (1 / d)) (0 where d is 0), clamped to [-127, 127].
   void quantize(const float* x, int64_t r) {
@@ -108,7 +109,10 @@ struct Acts {
       const int64_t at = r * blocks + b;
       d[at] = to_f16(dd);
       s[at] = to_f16(dd * static_cast<float>(total));
-      sum[at] = total;
+      if (!d8.empty()) {
+        std::fill(d8.begin() + 8 * at, d8.begin() + 8 * at + 8, d[at]);
+        s8[8 * at] = s[at];
+      }
     }
   }
   static constexpr float kStep = 1.f / 127.f;  // gguf_blocks.STEP
@@ -186,14 +190,6 @@ struct AvxVnniDot {
 };
 #endif
 
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-struct Avx512VnniDot {  // 32 registers: 16 accumulators, 4 columns' blocks
-  static constexpr int kRows = 4, kCols2 = 4;
-  static __m256i dot(__m256i u, __m256i s) {
-    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
-  }
-};
-#endif
 
 template <typename F, int... I>
 __attribute__((always_inline)) inline void unroll(F&& f, std::integer_sequence<int, I...>) {
@@ -242,6 +238,8 @@ void tile(const Task& t, int64_t r0, int64_t c0) {
       const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + r * a.k + b * kBlock));
       const int64_t at = at0 + r * a.blocks + b;
       const float dx = a.d[at];
+      __m256i shift;  // q4_0: each lane's 8 x its 4 x codes (lane by lane, as zmm's)
+      if constexpr (F == kQ4_0) shift = Dot::dot(_mm256_set1_epi8(8), xv);
       unroll<C>([&](auto c) {
         __m256i p;
         if constexpr (F == kQ8_0) {
@@ -249,7 +247,7 @@ void tile(const Task& t, int64_t r0, int64_t c0) {
         } else {
           p = Dot::dot(wv[c], xv);
         }
-        if constexpr (F == kQ4_0) p = _mm256_sub_epi32(p, _mm256_setr_epi32(8 * a.sum[at], 0, 0, 0, 0, 0, 0, 0));
+        if constexpr (F == kQ4_0) p = _mm256_sub_epi32(p, shift);
         acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dx * dw[c]), acc[r][c]);
         if constexpr (F == kQ4_1)
           acc[r][c] = _mm256_add_ps(acc[r][c], _mm256_setr_ps(mw[c] * a.s[at], 0, 0, 0, 0, 0, 0, 0));
@@ -283,6 +281,119 @@ void run(const Task& t, int64_t c0, int64_t cols, int64_t rows) {
 }
 
 }  // namespace ymm
+#endif
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+// 512-bit vpdpbusd, two blocks a vector: lanes 0-7 hold block b's sums, 8-15 block b + 1's,
+// so each scale vector is [b's x 8, b + 1's x 8]. AVX-512 has no vpsignb, so q8_0 weights go
+// in as w xor 0x80 = w + 128 (u8) and 128 * x's codes come off, as q4_0's 8 * x does, lane by
+// lane (one vpdpbusd of 128s or 8s by x per row, shared by the columns): every lane's int32 is
+// then its own 4 products' sum, small, so its conversion and scaling round as the magnitudes
+// of the products, not of a shifted sum. An odd last block runs as a pair, its second half 0.
+namespace zmm {
+
+template <typename F, int... I>
+__attribute__((always_inline)) inline void unroll(F&& f, std::integer_sequence<int, I...>) {
+  (f(std::integral_constant<int, I>{}), ...);
+}
+template <int N, typename F>
+__attribute__((always_inline)) inline void unroll(F&& f) {
+  unroll(f, std::make_integer_sequence<int, N>{});
+}
+
+constexpr int kRows = 6, kCols2 = 2;
+
+// Blocks b and b + 1 (`both` false: b only, zeros after) of the row at p: codes as the u8
+// operand, 64 bytes.
+template <int F>
+inline __m512i codes2(const uint8_t* p, bool both) {
+  constexpr int64_t bb = kBlockBytes[F];
+  if constexpr (F == kQ8_0) {
+    const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 2));
+    const __m256i hi = both ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + bb + 2))
+                            : _mm256_set1_epi8(-128);  // 0 after the flip
+    const __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+    return _mm512_xor_si512(w, _mm512_set1_epi8(-128));
+  }
+  constexpr int64_t off = F == kQ4_1 ? 4 : 2;
+  const __m128i q0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + off));
+  const __m128i q1 =
+      both ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + bb + off)) : _mm_setzero_si128();
+  const __m256i q = _mm256_set_m128i(q1, q0);
+  const __m256i lo = _mm256_and_si256(q, _mm256_set1_epi8(15));
+  const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), _mm256_set1_epi8(15));
+  // [lo b, lo b+1, hi b, hi b+1] -> [lo b, hi b, lo b+1, hi b+1]: each block's 32 codes in order
+  const __m512i z = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+  return _mm512_shuffle_i64x2(z, z, _MM_SHUFFLE(3, 1, 2, 0));
+}
+
+inline __m512 pair(float a, float b) {
+  return _mm512_insertf32x8(_mm512_set1_ps(a), _mm256_set1_ps(b), 1);
+}
+
+template <int F, int R, int C>
+void tile(const Task& t, int64_t r0, int64_t c0) {
+  const Acts& a = *t.a;
+  constexpr int64_t bb = kBlockBytes[F];
+  __m512 acc[R][C];
+  unroll<R>([&](auto r) { unroll<C>([&](auto c) { acc[r][c] = _mm512_setzero_ps(); }); });
+  const int64_t row0 = t.m0 + r0;
+  for (int64_t b = 0; b < a.blocks; b += 2) {
+    const bool both = b + 1 < a.blocks;
+    const __mmask64 xmask = both ? ~0ull : 0xffffffffull;
+    const __mmask16 smask = both ? 0xffff : 0x00ff;
+    __m512i wv[C];
+    __m512 dw[C], mw[C];
+    unroll<C>([&](auto c) {
+      const uint8_t* p = t.w + (c0 + c) * t.rb + b * bb;
+      wv[c] = codes2<F>(p, both);
+      dw[c] = pair(f16(p), both ? f16(p + bb) : 0.f);
+      if constexpr (F == kQ4_1) mw[c] = pair(f16(p + 2), both ? f16(p + bb + 2) : 0.f);
+    });
+    unroll<R>([&](auto r) {
+      const int64_t at = (row0 + r) * a.blocks + b;
+      const __m512i xv = _mm512_maskz_loadu_epi8(xmask, a.codes.data() + (row0 + r) * a.k + b * kBlock);
+      const __m512 dx = _mm512_maskz_loadu_ps(smask, a.d8.data() + 8 * at);
+      __m512i shift = _mm512_setzero_si512();  // each lane's 128 or 8 x its 4 x codes
+      if constexpr (F != kQ4_1)
+        shift = _mm512_dpbusd_epi32(shift, _mm512_set1_epi8(F == kQ8_0 ? -128 : 8), xv);
+      __m512 xs;
+      if constexpr (F == kQ4_1) xs = _mm512_maskz_loadu_ps(smask, a.s8.data() + 8 * at);
+      unroll<C>([&](auto c) {
+        __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv[c], xv);
+        if constexpr (F != kQ4_1) p = _mm512_sub_epi32(p, shift);
+        acc[r][c] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(p), dw[c]), dx, acc[r][c]);
+        if constexpr (F == kQ4_1) acc[r][c] = _mm512_fmadd_ps(mw[c], xs, acc[r][c]);
+      });
+    });
+  }
+  unroll<R>([&](auto r) {
+    unroll<C>([&](auto c) {
+      t.y[(r0 + r) * t.ldy + c0 + c] = _mm512_reduce_add_ps(acc[r][c]);
+    });
+  });
+}
+
+template <int F, int R, int C>
+void tile_rows(const Task& t, int64_t r0, int64_t rows, int64_t c0) {
+  if constexpr (R > 1) {
+    if (rows < R) return tile_rows<F, R - 1, C>(t, r0, rows, c0);
+  }
+  tile<F, R, C>(t, r0, c0);
+}
+
+template <int F>
+void run(const Task& t, int64_t c0, int64_t cols, int64_t rows) {
+  int64_t c = c0;
+  for (; c + kCols2 <= c0 + cols; c += kCols2)
+    for (int64_t r = 0; r < rows; r += kRows)
+      tile_rows<F, kRows, kCols2>(t, r, std::min<int64_t>(kRows, rows - r), c);
+  for (; c < c0 + cols; ++c)
+    for (int64_t r = 0; r < rows; r += kRows)
+      tile_rows<F, kRows, 1>(t, r, std::min<int64_t>(kRows, rows - r), c);
+}
+
+}  // namespace zmm
 #endif
 
 // Shares tasks 0..n-1 between the calling thread and the pool; returns when all are done.
@@ -321,8 +432,8 @@ Run run_of(int64_t path) {
 #ifdef __AVXVNNI__
     case kAvxVnni: return ymm::run<ymm::AvxVnniDot, F>;
 #endif
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    case kAvx512Vnni: return ymm::run<ymm::Avx512VnniDot, F>;
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    case kAvx512Vnni: return zmm::run<F>;
 #endif
     default: return nullptr;
   }
@@ -360,7 +471,7 @@ ffi::Error GgufMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Bu
   const int64_t m = xd[0], k = xd[1], n = wd[1], rb = wd[2];
   if (m == 0 || n == 0) return ffi::Error::Success();
   const int64_t l = std::clamp<int64_t>(layer.typed_data()[0], 0, wd[0] - 1);
-  Acts acts(m, k);
+  Acts acts(m, k, path == kAvx512Vnni || (path < 0 && (kBuiltPaths >> kAvx512Vnni & 1u)));
   const float* xf = x.typed_data();
   constexpr int64_t kRowBlock = 16, kParallel = 1 << 16;
   auto quantize = [&](int64_t i) {
