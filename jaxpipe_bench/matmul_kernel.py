@@ -28,7 +28,6 @@ from jaxpipe.kernels import gguf_blocks, int8
 from jaxpipe.kernels import gguf_matmul as gm
 from jaxpipe.kernels import int8_matmul as im
 from jaxpipe.kernels import matmul as mm
-from jaxpipe.runtime.kernel_choice import random_blocks
 from jaxpipe_bench.cli import check_names, check_sizes, dims
 
 # (K, N): SmolLM2-135M's fused q/k/v/o-sized and MLP weights, and its LM head.
@@ -166,7 +165,7 @@ def measure_gguf(k: int, n: int, m: int, repeats: int, fmt: str,
     file's order; rows quantized per block inside every call)."""
     form = gguf_blocks.format_of(fmt)
     copies = max(1, STACK_BYTES // (n * gguf_blocks.row_bytes(form, k)))
-    rows = jnp.asarray(random_blocks(form, (copies, n, k)))
+    rows = jnp.asarray(gguf_blocks.random_blocks(form, (copies, n, k)))
     ws = tuple(rows[i] for i in range(copies))
     x = jnp.asarray(np.random.default_rng(2).normal(size=(m, k)), jnp.float32)  # [M, K]
     ops = 2 * m * k * n * copies / 1e9

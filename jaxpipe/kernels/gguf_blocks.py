@@ -76,6 +76,19 @@ def _nibbles(qs) -> jax.Array:
     return jnp.concatenate([qs & 15, qs >> 4], axis=-1)
 
 
+def random_blocks(fmt: Format, shape: tuple[int, ...], seed: int = 0) -> np.ndarray:
+    """Random GGUF rows [..., N, R] uint8 for weights of `shape` [..., N, K]: random codes,
+    block scales (and q4_1 minimums) of about 1 / 64 as f16 (timing inputs, not a model's)."""
+    rng = np.random.default_rng(seed)
+    *lead, n, k = shape
+    blocks = rng.integers(0, 256, size=(*lead, n, k // BLOCK, fmt.block_bytes),
+                          dtype=np.uint8)
+    scales = (rng.uniform(0.5, 1.5, size=(*blocks.shape[:-1], 2)) / 64).astype(np.float16)
+    head = 4 if fmt.name == "q4_1" else 2
+    blocks[..., :head] = scales.view(np.uint8)[..., :head]
+    return blocks.reshape(*lead, n, -1)
+
+
 def decode(w, fmt: Format) -> tuple[jax.Array, jax.Array, jax.Array | None]:
     """GGUF rows w [..., N, R] uint8 (R = K / 32 blocks of fmt.block_bytes) -> (codes
     [..., N, K / 32, 32] int8 as the dot multiplies them (q4_0: q - 8; q4_1: 0..15), d

@@ -423,7 +423,7 @@ def time_gguf_matmul(mm: Matmul, rows: int, layers: int = 2) -> dict[str, float]
     sliced rows, each kernel path on the stack in place. Gated: silu(gate) * up after the
     product, in XLA, for every candidate (the kernel has no gated mode)."""
     fmt = gguf_blocks.format_of(mm.quant)
-    w = jnp.asarray(random_blocks(fmt, (layers, mm.n, mm.k)))
+    w = jnp.asarray(gguf_blocks.random_blocks(fmt, (layers, mm.n, mm.k)))
     x = jnp.asarray(np.random.default_rng(0).normal(size=(rows, mm.k)), jnp.float32)
     layer = jnp.int32(layers - 1)
 
@@ -442,19 +442,6 @@ def time_gguf_matmul(mm: Matmul, rows: int, layers: int = 2) -> dict[str, float]
     for path in gguf_matmul.paths():
         out[path] = _seconds(jax.jit(functools.partial(kernel, path=path)), x, w, layer)
     return out
-
-
-def random_blocks(fmt: gguf_blocks.Format, shape: tuple[int, ...], seed: int = 0) -> np.ndarray:
-    """Random GGUF rows [..., N, R] uint8 for weights of `shape` [..., N, K]: random codes,
-    block scales (and q4_1 minimums) of about 1 / 64 as f16 (timing inputs, not a model's)."""
-    rng = np.random.default_rng(seed)
-    *lead, n, k = shape
-    blocks = rng.integers(0, 256, size=(*lead, n, k // gguf_blocks.BLOCK, fmt.block_bytes),
-                          dtype=np.uint8)
-    scales = (rng.uniform(0.5, 1.5, size=(*blocks.shape[:-1], 2)) / 64).astype(np.float16)
-    head = 4 if fmt.name == "q4_1" else 2
-    blocks[..., :head] = scales.view(np.uint8)[..., :head]
-    return blocks.reshape(*lead, n, -1)
 
 
 def time_experts(case: ExpertsCase, tokens: int, layers: int = 2) -> dict[str, float]:

@@ -155,6 +155,15 @@ def test_reference_is_the_numpy_arithmetic():
         close(np.asarray(got), x, rows, fmt)
 
 
+@pytest.mark.parametrize("fmt", list(gb.FORMATS))
+def test_random_blocks_are_finite_weights_of_the_shape(fmt):
+    """The timing inputs (kernel choice, benchmark): valid blocks, scales about 1 / 64."""
+    rows = gb.random_blocks(gb.FORMATS[fmt], (2, 3, 64))
+    assert rows.shape == (2, 3, 2 * gb.FORMATS[fmt].block_bytes) and rows.dtype == np.uint8
+    w = gguf.quants.dequantize(rows.reshape(6, -1), TYPES[fmt])
+    assert w.shape == (6, 64) and np.isfinite(w).all() and 0 < np.abs(w).max() < 16
+
+
 def test_bad_format_and_shapes_are_named():
     with pytest.raises(ValueError, match="'q5_0'.*q8_0, q4_0, q4_1"):
         gb.format_of("q5_0")
