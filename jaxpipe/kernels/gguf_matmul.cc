@@ -3,12 +3,14 @@
 //
 //   x      [M, K]     float32 rows, quantized here per block of 32 as llama.cpp pairs with the
 //                     format: q8_0 codes and f16 scale (q8_0, q4_0 weights), plus q8_1's
-//                     f16(d * sum codes) (q4_1 weights)
+//                     f16(d * sum codes) (q4_1 weights); q8_k per 256 (q4_k weights)
 //   w      [L, N, R]  uint8: L stacked GGUF matrices of N rows (output columns), each row K / 32
 //                     blocks of the format (R bytes), read in place at `layer`
 //   layer  []         int32: which of the L (clamped to [0, L))
 //   y      [M, N]     float32: per block an exact int32 sum of code products, then
-//                     y += (dx dw) sumi (+ mw sx for q4_1), in f32 (llama.cpp's vec_dot)
+//                     y += (dx dw) sumi (+ mw sx for q4_1), in f32 (llama.cpp's vec_dot);
+//                     q4_k: per super-block exact sums of sc_j sumi_j and m_j xsum_j, then
+//                     y += (dx d) isum - (dx dmin) msum
 //
 // Blocks are decoded in registers: q4's 16 nibble bytes become one 32-byte vector (low
 // nibbles, codes 0..15, then high ones, 16..31: the order of the activation block's codes).
@@ -50,8 +52,10 @@ constexpr int64_t kBlock = 32;
 constexpr int64_t kCols = 64;   // output columns per task
 constexpr int64_t kChunk = 48;  // rows per task
 
-enum Format : int64_t { kQ8_0 = 0, kQ4_0 = 1, kQ4_1 = 2 };
-constexpr int64_t kBlockBytes[] = {34, 18, 20};
+enum Format : int64_t { kQ8_0 = 0, kQ4_0 = 1, kQ4_1 = 2, kQ4_K = 3 };
+constexpr int64_t kBlockBytes[] = {34, 18, 20, 144};
+constexpr int64_t kBlockWeights[] = {32, 32, 32, 256};
+constexpr int64_t kSuper = 256;  // a k-quant super-block: 8 sub-blocks of kBlock
 
 enum Path : int64_t { kPortable = 0, kAvx2 = 1, kAvxVnni = 2, kAvx512Vnni = 3 };
 
@@ -79,13 +83,48 @@ inline float to_f16(float v) { return static_cast<float>(static_cast<_Float16>(v
 // (f16-rounded) and s = f16(d * sum of codes) (q8_1).
 // `wide` (the 512-bit path) adds d and s as 8 lanes a block, [M, B, 8], so that one 64-byte
 // load is a block pair's: d8 = d in all 8 lanes; s8 = s in lane 0, zeros after.
+// q8_k (`kq`, for q4_k): d [M, K / 256] (f32, per super-block) and sum [M, K / 32] (each
+// sub-block's code sum) instead.
 struct Acts {
   int64_t k, blocks;
   std::vector<int8_t> codes;
   std::vector<float> d, s, d8, s8;
-  Acts(int64_t m, int64_t k_, bool wide)
-      : k(k_), blocks(k_ / kBlock), codes(m * k_), d(m * blocks), s(m * blocks),
-        d8(wide ? 8 * m * blocks : 0), s8(d8.size()) {}
+  std::vector<int32_t> sum;
+  Acts(int64_t m, int64_t k_, bool wide, bool kq)
+      : k(k_), blocks(k_ / kBlock), codes(m * k_), d(kq ? m * (k_ / kSuper) : m * blocks),
+        s(kq ? 0 : m * blocks), d8(wide && !kq ? 8 * m * blocks : 0), s8(d8.size()),
+        sum(kq ? m * blocks : 0) {}
+  // Row r as q8_k (gguf_blocks.quantize_rows_k, to the bit): per 256, v = the first value of
+  // largest magnitude, iscale = -127 / v, codes = min(127, round half to even(iscale x)),
+  // d = 1 / iscale (all 0 for a zero super-block).
+  void quantize_k(const float* x, int64_t r) {
+    const int64_t supers = k / kSuper;
+    for (int64_t b = 0; b < supers; ++b) {
+      const float* v = x + b * kSuper;
+      int8_t* q = codes.data() + r * k + b * kSuper;
+      float amax = 0.f, top = 0.f;
+      for (int i = 0; i < kSuper; ++i)
+        if (std::fabs(v[i]) > amax) amax = std::fabs(v[i]), top = v[i];
+      int32_t* sums = sum.data() + r * blocks + b * (kSuper / kBlock);
+      if (amax == 0.f) {
+        std::fill(q, q + kSuper, 0);
+        std::fill(sums, sums + kSuper / kBlock, 0);
+        d[r * supers + b] = 0.f;
+        continue;
+      }
+      float iscale = -127.f / top;
+      asm volatile("" : "+x"(iscale));  // no reassociation into the products below
+      for (int j = 0; j < kSuper / kBlock; ++j) {
+        int32_t total = 0;
+        for (int i = j * kBlock; i < (j + 1) * kBlock; ++i) {
+          q[i] = static_cast<int8_t>(std::min(127.f, std::nearbyint(iscale * v[i])));
+          total += q[i];
+        }
+        sums[j] = total;
+      }
+      d[r * supers + b] = 1.f / iscale;
+    }
+  }
   // Row r's blocks (gguf_blocks.quantize_rows, to the bit): d = amax * f32(1 / 127),
   // codes = roundf(x * (1 / d)) (0 where d is 0), clamped to [-127, 127].
   void quantize(const float* x, int64_t r) {
@@ -168,6 +207,48 @@ __attribute__((optimize("no-tree-vectorize"))) void run(const Task& t, int64_t c
   }
 }
 
+// q4_k super-block at p: its eight 6-bit scales and minimums (ggml's get_scale_min_k4).
+inline void scales_k(const uint8_t* p, int32_t* sc, int32_t* mn) {
+  const uint8_t* s = p + 4;
+  for (int j = 0; j < 4; ++j) {
+    sc[j] = s[j] & 63;
+    mn[j] = s[j + 4] & 63;
+    sc[j + 4] = (s[j + 8] & 15) | ((s[j] >> 6) << 4);
+    mn[j + 4] = (s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4);
+  }
+}
+
+__attribute__((optimize("no-tree-vectorize"))) void run_k(const Task& t, int64_t c0,
+                                                          int64_t cols, int64_t rows) {
+  const Acts& a = *t.a;
+  const int64_t supers = a.k / kSuper;
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t m = t.m0 + r;
+    for (int64_t c = c0; c < c0 + cols; ++c) {
+      float acc = 0.f;
+      for (int64_t b = 0; b < supers; ++b) {
+        const uint8_t* p = t.w + c * t.rb + b * kBlockBytes[kQ4_K];
+        const int8_t* xq = a.codes.data() + m * a.k + b * kSuper;
+        int32_t sc[8], mn[8], isum = 0, msum = 0;
+        scales_k(p, sc, mn);
+        for (int j = 0; j < 8; ++j) {
+          int32_t sumi = 0;
+          for (int i = 0; i < kBlock; ++i) {
+            const uint8_t byte = p[16 + 32 * (j / 2) + i];
+            sumi += (j % 2 ? byte >> 4 : byte & 15) * int32_t{xq[kBlock * j + i]};
+          }
+          isum += sc[j] * sumi;
+          msum += mn[j] * a.sum[m * a.blocks + b * 8 + j];
+        }
+        const float dx = a.d[m * supers + b];
+        acc = acc - (dx * f16(p + 2)) * static_cast<float>(msum) +
+              (dx * f16(p)) * static_cast<float>(isum);
+      }
+      t.y[r * t.ldy + c] = acc;
+    }
+  }
+}
+
 }  // namespace portable
 
 #ifdef __AVX2__
@@ -179,6 +260,10 @@ struct Avx2Dot {
   static __m256i dot(__m256i u, __m256i s) {
     return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
   }
+  // acc + the s16 pairs of u x s times sc (q4_k's sub-block scale; pairs <= 2 x 15 x 127)
+  static __m256i scaled(__m256i acc, __m256i u, __m256i s, __m256i sc) {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), sc));
+  }
 };
 
 #ifdef __AVXVNNI__
@@ -186,6 +271,20 @@ struct AvxVnniDot {
   static constexpr int kRows = 4, kCols2 = 2;
   static __m256i dot(__m256i u, __m256i s) {
     return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
+  }
+  static __m256i scaled(__m256i acc, __m256i u, __m256i s, __m256i sc) {  // vpdpwssd
+    return _mm256_dpwssd_avx_epi32(acc, _mm256_maddubs_epi16(u, s), sc);
+  }
+};
+#endif
+
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+// q4_k on the avx512_vnni path: the 256-bit tile (one sub-block a vector) with EVEX vpdpwssd
+// and 32 registers (more rows a tile); the 512-bit block-pair tile is for the 32-blocks.
+struct Avx512KDot {
+  static constexpr int kRows = 4, kCols2 = 2;
+  static __m256i scaled(__m256i acc, __m256i u, __m256i s, __m256i sc) {
+    return _mm256_dpwssd_epi32(acc, _mm256_maddubs_epi16(u, s), sc);
   }
 };
 #endif
@@ -266,6 +365,81 @@ void tile_rows(const Task& t, int64_t r0, int64_t rows, int64_t c0) {
     if (rows < R) return tile_rows<Dot, F, R - 1, C>(t, r0, rows, c0);
   }
   tile<Dot, F, R, C>(t, r0, c0);
+}
+
+// q4_k: y[R rows, C columns at c0]. Per super-block, each lane's sum over the 8 sub-blocks of
+// sc_j x its products stays an exact int32 (<= 32 x 15 x 127 x 63 < 2^24, so its conversion
+// is exact too), then one scale; the minimums' integer sum goes in scalar.
+template <typename Dot, int R, int C>
+void tile_k(const Task& t, int64_t r0, int64_t c0) {
+  const Acts& a = *t.a;
+  const int64_t supers = a.k / kSuper;
+  __m256 acc[R][C];
+  unroll<R>([&](auto r) { unroll<C>([&](auto c) { acc[r][c] = _mm256_setzero_ps(); }); });
+  for (int64_t b = 0; b < supers; ++b) {
+    int32_t sc[C][8], mn[C][8];
+    const uint8_t* p[C];
+    unroll<C>([&](auto c) {
+      p[c] = t.w + (c0 + c) * t.rb + b * kBlockBytes[kQ4_K];
+      portable::scales_k(p[c], sc[c], mn[c]);
+    });
+    __m256i isum[R][C];
+    unroll<R>([&](auto r) { unroll<C>([&](auto c) { isum[r][c] = _mm256_setzero_si256(); }); });
+    for (int q = 0; q < 4; ++q) {  // 32 bytes: sub-blocks 2q (low nibbles) and 2q + 1
+      __m256i lo[C], hi[C];
+      unroll<C>([&](auto c) {
+        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p[c] + 16 + 32 * q));
+        lo[c] = _mm256_and_si256(raw, _mm256_set1_epi8(15));
+        hi[c] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), _mm256_set1_epi8(15));
+      });
+      unroll<R>([&](auto r) {
+        const int8_t* x = a.codes.data() + (t.m0 + r0 + r) * a.k + b * kSuper + 64 * q;
+        const __m256i xlo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+        const __m256i xhi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 32));
+        unroll<C>([&](auto c) {
+          isum[r][c] = Dot::scaled(isum[r][c], lo[c], xlo,
+                                   _mm256_set1_epi16(static_cast<int16_t>(sc[c][2 * q])));
+          isum[r][c] = Dot::scaled(isum[r][c], hi[c], xhi,
+                                   _mm256_set1_epi16(static_cast<int16_t>(sc[c][2 * q + 1])));
+        });
+      });
+    }
+    unroll<R>([&](auto r) {
+      const int64_t m = t.m0 + r0 + r;
+      const float dx = a.d[m * supers + b];
+      const int32_t* xs = a.sum.data() + m * a.blocks + b * 8;
+      unroll<C>([&](auto c) {
+        int32_t msum = 0;
+        for (int j = 0; j < 8; ++j) msum += mn[c][j] * xs[j];
+        const float low = -(dx * f16(p[c] + 2)) * static_cast<float>(msum);
+        acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r][c]), _mm256_set1_ps(dx * f16(p[c])),
+                                    _mm256_add_ps(acc[r][c], _mm256_setr_ps(low, 0, 0, 0, 0, 0, 0, 0)));
+      });
+    });
+  }
+  unroll<R>([&](auto r) {
+    unroll<C>([&](auto c) { t.y[(r0 + r) * t.ldy + c0 + c] = hsum(acc[r][c]); });
+  });
+}
+
+template <typename Dot, int R, int C>
+void tile_rows_k(const Task& t, int64_t r0, int64_t rows, int64_t c0) {
+  if constexpr (R > 1) {
+    if (rows < R) return tile_rows_k<Dot, R - 1, C>(t, r0, rows, c0);
+  }
+  tile_k<Dot, R, C>(t, r0, c0);
+}
+
+template <typename Dot>
+void run_k(const Task& t, int64_t c0, int64_t cols, int64_t rows) {
+  constexpr int R = Dot::kRows, C = Dot::kCols2;
+  int64_t c = c0;
+  for (; c + C <= c0 + cols; c += C)
+    for (int64_t r = 0; r < rows; r += R)
+      tile_rows_k<Dot, R, C>(t, r, std::min<int64_t>(R, rows - r), c);
+  for (; c < c0 + cols; ++c)
+    for (int64_t r = 0; r < rows; r += R)
+      tile_rows_k<Dot, R, 1>(t, r, std::min<int64_t>(R, rows - r), c);
 }
 
 template <typename Dot, int F>
@@ -439,6 +613,22 @@ Run run_of(int64_t path) {
   }
 }
 
+Run run_k_of(int64_t path) {
+  switch (path) {
+    case kPortable: return portable::run_k;
+#ifdef __AVX2__
+    case kAvx2: return ymm::run_k<ymm::Avx2Dot>;
+#endif
+#ifdef __AVXVNNI__
+    case kAvxVnni: return ymm::run_k<ymm::AvxVnniDot>;
+#endif
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AVX512BW__)
+    case kAvx512Vnni: return ymm::run_k<ymm::Avx512KDot>;
+#endif
+    default: return nullptr;
+  }
+}
+
 // `path`'s routine for `format` (`path` < 0: the last this build has); null if none here.
 Run run_of(int64_t format, int64_t path) {
   if (path < 0) path = 31 - __builtin_clz(kBuiltPaths);
@@ -447,6 +637,7 @@ Run run_of(int64_t format, int64_t path) {
     case kQ8_0: return run_of<kQ8_0>(path);
     case kQ4_0: return run_of<kQ4_0>(path);
     case kQ4_1: return run_of<kQ4_1>(path);
+    case kQ4_K: return run_k_of(path);
     default: return nullptr;
   }
 }
@@ -455,14 +646,16 @@ ffi::Error GgufMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Bu
                           ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y,
                           int64_t format, int64_t path) {
   auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
-  if (format < 0 || format > kQ4_1)
+  if (format < 0 || format > kQ4_K)
     return ffi::Error::InvalidArgument("gguf_matmul: unknown format " + std::to_string(format));
   const int64_t bb = kBlockBytes[format];
-  if (xd.size() != 2 || wd.size() != 3 || yd.size() != 2 || xd[1] % kBlock != 0 ||
-      wd[2] != xd[1] / kBlock * bb || yd[0] != xd[0] || yd[1] != wd[1] ||
+  const int64_t per = kBlockWeights[format];
+  if (xd.size() != 2 || wd.size() != 3 || yd.size() != 2 || xd[1] % per != 0 ||
+      wd[2] != xd[1] / per * bb || yd[0] != xd[0] || yd[1] != wd[1] ||
       layer.element_count() != 1 || wd[0] < 1)
     return ffi::Error::InvalidArgument(
-        "gguf_matmul: need x [M,K] f32 (K % 32 == 0), w [L,N,K/32*block bytes] u8, layer [], "
+        "gguf_matmul: need x [M,K] f32 (K a multiple of the block), w [L,N,K/block*bytes] u8, "
+        "layer [], "
         "y [M,N]");
   const Run run = run_of(format, path);
   if (run == nullptr)
@@ -471,12 +664,13 @@ ffi::Error GgufMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Bu
   const int64_t m = xd[0], k = xd[1], n = wd[1], rb = wd[2];
   if (m == 0 || n == 0) return ffi::Error::Success();
   const int64_t l = std::clamp<int64_t>(layer.typed_data()[0], 0, wd[0] - 1);
-  Acts acts(m, k, path == kAvx512Vnni || (path < 0 && (kBuiltPaths >> kAvx512Vnni & 1u)));
+  const bool kq = format == kQ4_K;
+  Acts acts(m, k, path == kAvx512Vnni || (path < 0 && (kBuiltPaths >> kAvx512Vnni & 1u)), kq);
   const float* xf = x.typed_data();
   constexpr int64_t kRowBlock = 16, kParallel = 1 << 16;
   auto quantize = [&](int64_t i) {
     for (int64_t r = i * kRowBlock; r < std::min(m, (i + 1) * kRowBlock); ++r)
-      acts.quantize(xf + r * k, r);
+      kq ? acts.quantize_k(xf + r * k, r) : acts.quantize(xf + r * k, r);
   };
   const int64_t row_blocks = (m + kRowBlock - 1) / kRowBlock;
   if (m * k < kParallel)

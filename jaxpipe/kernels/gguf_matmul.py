@@ -2,15 +2,18 @@
 called through `jax.ffi` that decodes the blocks in registers (`gguf_matmul.cc`), beside the
 bf16 and int8 kernels and in their style; the arithmetic is `kernels/gguf_blocks.py`'s.
 
-Why the file's own order: a GGUF row is one output column's K weights in blocks of 32, and
-a block (its scale, then its codes) is exactly the operand of one 32-byte multiply of the
-activation block's codes; so the kernel reads each row as one sequential stream, no repacking
-at load, and the bytes kept in memory are the file's (0.56 bytes a weight for q4_1).
+Why the file's own order: a GGUF row is one output column's K weights in blocks of 32 (q4_k:
+super-blocks of 256, eight sub-blocks of 32), and a block's codes are exactly the operand of
+one 32-byte multiply of the activation block's codes; so the kernel reads each row as one
+sequential stream, no repacking at load, and the bytes kept in memory are the file's (0.625
+bytes a weight for q4_1, 0.5625 for q4_k).
 
 Paths (`PATHS`), each compiled where the CPU runs it: "portable" (plain loops), "avx2"
-(vpmaddubsw), "avx_vnni" (vpdpbusd, VEX), "avx512_vnni" (vpdpbusd, EVEX, 32 registers).
-`paths()` lists this machine's; which one (or XLA's reference, `gguf_blocks.reference`) runs a
-shape and row count is measured (`runtime/kernel_choice.py`, `Matmul.quant` = the format's
+(vpmaddubsw), "avx_vnni" (vpdpbusd, VEX, 256-bit), "avx512_vnni" (vpdpbusd on 512-bit
+vectors, two blocks each). q4_k runs one 256-bit tile on every SIMD path (its sub-block scale
+multiplies vpmaddubsw's s16 pairs: vpmaddwd, or vpdpwssd on the VNNI paths). `paths()` lists
+this machine's; which one (or XLA's reference, `gguf_blocks.reference`) runs a shape and row
+count is measured (`runtime/kernel_choice.py`, `Matmul.quant` = the format's
 name). Rows are quantized per block inside the kernel exactly as `gguf_blocks.quantize_rows`
 does, so a call is one op. Weights are a stack [L, N, R] read in place at a traced layer
 index, as the other kernels read theirs. A custom call cannot be partitioned: on a sharded
@@ -33,7 +36,7 @@ from jaxpipe.kernels.build import register
 SOURCE = Path(__file__).with_name("gguf_matmul.cc")
 TARGET = "jaxpipe_gguf_matmul"
 PATHS = ("portable", "avx2", "avx_vnni", "avx512_vnni")  # gguf_matmul.cc's Path
-FORMAT_CODES = {"q8_0": 0, "q4_0": 1, "q4_1": 2}  # gguf_matmul.cc's Format
+FORMAT_CODES = {"q8_0": 0, "q4_0": 1, "q4_1": 2, "q4_k": 3}  # gguf_matmul.cc's Format
 
 
 @functools.cache
@@ -89,10 +92,10 @@ def _check(x, w, form: gguf_blocks.Format, layer) -> None:
     if x.ndim < 1 or w.ndim not in (2, 3) or w.dtype != jnp.uint8:
         raise ValueError(f"gguf_matmul: x must be [..., K] and w uint8 rows [N, R] or [L, N, "
                          f"R]; got x {x.shape}, w {w.dtype} {w.shape}")
-    if w.shape[-1] != gguf_blocks.row_bytes(form, x.shape[-1]):
-        raise ValueError(f"gguf_matmul: a {form.name} row of K = {x.shape[-1]} is "
-                         f"{x.shape[-1] // gguf_blocks.BLOCK * form.block_bytes} bytes; w "
-                         f"has {w.shape[-1]} (w {w.shape})")
+    want = gguf_blocks.row_bytes(form, x.shape[-1])  # (K a multiple of the block)
+    if w.shape[-1] != want:
+        raise ValueError(f"gguf_matmul: a {form.name} row of K = {x.shape[-1]} is {want} "
+                         f"bytes; w has {w.shape[-1]} (w {w.shape})")
     if (w.ndim == 3) != (layer is not None):
         raise ValueError(f"gguf_matmul: a layer index goes with a stacked w [L, N, R] and only "
                          f"with it; got w {w.shape}, layer {layer!r}")

@@ -22,7 +22,8 @@ from jaxpipe.kernels import gguf_matmul as gm  # noqa: E402
 from jaxpipe.runtime.kernel_choice import HEAD_ROWS, ROWS  # noqa: E402
 
 TYPES = {"q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizationType.Q4_0,
-         "q4_1": gguf.GGMLQuantizationType.Q4_1}
+         "q4_1": gguf.GGMLQuantizationType.Q4_1, "q4_k": gguf.GGMLQuantizationType.Q4_K}
+SMALL = ["q8_0", "q4_0", "q4_1"]  # the formats of 32-weight blocks (q8_0 / q8_1 activations)
 BUCKETS = sorted(set(ROWS) | set(HEAD_ROWS))  # every row count the dispatcher can choose at
 U = 2.0**-24  # f32's unit roundoff
 
@@ -103,7 +104,7 @@ def close(got, x, rows, fmt):
 # -- decoding and quantization -----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("fmt", list(gb.FORMATS))
+@pytest.mark.parametrize("fmt", SMALL)
 def test_dequantize_equals_gguf(fmt):
     rng = np.random.default_rng(1)
     w = rng.normal(size=(37, 96)).astype(np.float32) * rng.uniform(0.01, 50, size=(37, 1))
@@ -115,7 +116,7 @@ def test_dequantize_equals_gguf(fmt):
     np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
 
 
-@pytest.mark.parametrize("fmt", list(gb.FORMATS))
+@pytest.mark.parametrize("fmt", SMALL)
 def test_decode_is_ggml_block_layout(fmt):
     rows = quantized(np.random.default_rng(2).normal(size=(5, 64)), fmt)
     codes, d, m = gb.decode(jnp.asarray(rows), gb.FORMATS[fmt])
@@ -149,13 +150,13 @@ def test_codes_round_halves_away_from_zero():
 
 def test_reference_is_the_numpy_arithmetic():
     x, w = inputs(9, 576, 70, seed=4)
-    for fmt in gb.FORMATS:
+    for fmt in SMALL:
         rows = quantized(w, fmt)
         got = jax.jit(partial(gb.reference, fmt=gb.FORMATS[fmt]))(jnp.asarray(x), rows)
         close(np.asarray(got), x, rows, fmt)
 
 
-@pytest.mark.parametrize("fmt", list(gb.FORMATS))
+@pytest.mark.parametrize("fmt", SMALL)
 def test_random_blocks_are_finite_weights_of_the_shape(fmt):
     """The timing inputs (kernel choice, benchmark): valid blocks, scales about 1 / 64."""
     rows = gb.random_blocks(gb.FORMATS[fmt], (2, 3, 64))
@@ -165,7 +166,7 @@ def test_random_blocks_are_finite_weights_of_the_shape(fmt):
 
 
 def test_bad_format_and_shapes_are_named():
-    with pytest.raises(ValueError, match="'q5_0'.*q8_0, q4_0, q4_1"):
+    with pytest.raises(ValueError, match="'q5_0'.*q8_0, q4_0, q4_1, q4_k"):
         gb.format_of("q5_0")
     with pytest.raises(ValueError, match=r"multiple of 32; got \(2, 33\)"):
         gb.quantize_rows(jnp.zeros((2, 33)), "q8_0")
@@ -197,7 +198,7 @@ def unit_blocks(codes: np.ndarray, fmt: str) -> np.ndarray:
 
 
 @needs_kernel
-@pytest.mark.parametrize("fmt", list(gb.FORMATS))
+@pytest.mark.parametrize("fmt", SMALL)
 @pytest.mark.parametrize("m,k,n", [(1, 32, 1), (5, 64, 7), (13, 576, 67), (50, 1536, 9)])
 def test_integer_sums_are_exact(fmt, m, k, n, gguf_path):
     """Unit scales (x's integer blocks hold a 127, so dx = 1; dw = 1): y is the sum of the
@@ -232,7 +233,7 @@ def test_kernel_quantizes_rows_as_numpy(gguf_path):
 
 
 @needs_kernel
-@pytest.mark.parametrize("fmt", list(gb.FORMATS))
+@pytest.mark.parametrize("fmt", SMALL)
 @pytest.mark.parametrize("m", [*BUCKETS, 3, 53, 2053])
 def test_every_row_bucket_matches_float64(fmt, m, gguf_path):
     """Each row count the kernel choice times and odd ones past and between them (a tile's 4
@@ -246,7 +247,7 @@ def test_every_row_bucket_matches_float64(fmt, m, gguf_path):
 
 
 @needs_kernel
-@pytest.mark.parametrize("fmt", list(gb.FORMATS))
+@pytest.mark.parametrize("fmt", SMALL)
 def test_stack_reads_the_traced_layer_in_place(fmt, gguf_path):
     x, _ = inputs(6, 96, 1, seed=5)
     stack = np.stack([quantized(inputs(1, 96, 130, seed=10 + i)[1], fmt) for i in range(3)])
@@ -273,6 +274,164 @@ def test_kernel_bad_input_is_named():
         gm.gguf_matmul(jnp.ones((2, 64)), rows, "q4_1", path="amx")
     with pytest.raises(ValueError, match="layer index goes with a stacked w"):
         gm.gguf_matmul(jnp.ones((2, 64)), rows, "q4_1", layer=0)
+    with pytest.raises(ValueError, match="q4_k: K must be a multiple of 256; got 576"):
+        gm.gguf_matmul(jnp.ones((2, 576)), jnp.zeros((3, 324), jnp.uint8), "q4_k")
+
+
+# -- q4_k (super-blocks of 256, q8_k activations) ---------------------------------------------
+
+
+def np_decode_k(rows: np.ndarray):
+    """q4_k rows [N, R] -> (codes [N, S, 8, 32], sc, m [N, S, 8], d, dmin [N, S]) as int64 /
+    f64, from ggml's block_q4_K: d, dmin, 12 scale bytes (get_scale_min_k4), 128 nibble bytes."""
+    b = rows.reshape(rows.shape[0], -1, 144)
+    d, dmin = np_f16(b[..., 0:2]), np_f16(b[..., 2:4])
+    s = b[..., 4:16].astype(np.int64)
+    sc, m = np.zeros(s.shape[:-1] + (8,), np.int64), np.zeros(s.shape[:-1] + (8,), np.int64)
+    for j in range(4):
+        sc[..., j], m[..., j] = s[..., j] & 63, s[..., j + 4] & 63
+        sc[..., j + 4] = (s[..., j + 8] & 15) | ((s[..., j] >> 6) << 4)
+        m[..., j + 4] = (s[..., j + 8] >> 4) | ((s[..., j + 4] >> 6) << 4)
+    qs = b[..., 16:].astype(np.int64).reshape(*b.shape[:-1], 4, 32)
+    codes = np.stack([qs & 15, qs >> 4], axis=-2).reshape(*b.shape[:-1], 8, 32)
+    return codes, sc, m, d, dmin
+
+
+def np_quantize_k(x: np.ndarray):
+    """llama.cpp's quantize_row_q8_K of rows x [M, K]: per 256, v = the first value of largest
+    magnitude, iscale = f32(-127 / v), codes = min(127, round half to even(iscale x)), d =
+    f32(1 / iscale). Returns (codes [M, S, 256] int64, d [M, S] f64)."""
+    blocks = np.asarray(x, np.float32).reshape(x.shape[0], -1, 256)
+    top = np.take_along_axis(blocks, np.abs(blocks).argmax(-1)[..., None], -1)[..., 0]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        iscale = (np.float32(-127) / top).astype(np.float32)
+        d = np.where(top == 0, 0, np.float32(1) / iscale).astype(np.float32)
+        codes = np.where(top[..., None] == 0, 0,
+                         np.minimum(127, np.rint(blocks * iscale[..., None])))
+    return codes.astype(np.int64), d.astype(np.float64)
+
+
+def np_dot_k(x: np.ndarray, rows: np.ndarray):
+    """(y [M, N] f64 = sum_s (dx d) isum - (dx dmin) msum, the magnitude for f32 rounding)."""
+    xq, xd = np_quantize_k(x)
+    wq, sc, m, d, dmin = np_decode_k(rows)
+    xq = xq.reshape(*xq.shape[:-1], 8, 32)
+    sumi = np.einsum("msji,nsji->mnsj", xq, wq)
+    mag = np.einsum("msji,nsji->mnsj", np.abs(xq), wq) * sc[None]
+    isum, msum = (sumi * sc[None]).sum(-1), np.einsum("msj,nsj->mns", xq.sum(-1), m)
+    hi, lo = xd[:, None, :] * d[None], xd[:, None, :] * dmin[None]
+    y = (hi * isum - lo * msum).sum(-1)
+    return y, (np.abs(hi) * mag.sum(-1) + np.abs(lo * msum)).sum(-1)
+
+
+def close_k(got, x, rows):
+    want, mag = np_dot_k(x, rows)
+    assert got.shape == want.shape and got.dtype == np.float32
+    np.testing.assert_array_less(np.abs(got - want), (x.shape[-1] // 256 + 10) * U * mag + 1e-30)
+
+
+Q4K = gb.FORMATS["q4_k"]
+
+
+def test_q4_k_dequantize_equals_gguf_and_decodes_ggml_layout():
+    rows = gb.random_blocks(Q4K, (29, 512), seed=9)
+    rows[0, 4:16] = 255  # every scale and minimum at 63
+    want = gguf.quants.dequantize(rows, TYPES["q4_k"])
+    got = np.asarray(gb.dequantize(jnp.asarray(rows), Q4K))
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+    for a, b in zip(gb.decode_k(jnp.asarray(rows), Q4K), np_decode_k(rows), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), b)
+
+
+def test_quantize_rows_k_is_llama_cpp_q8_k():
+    rng = np.random.default_rng(10)
+    x = (rng.normal(size=(9, 512)) * rng.uniform(1e-3, 1e3, size=(9, 1))).astype(np.float32)
+    x[0, :256] = 0  # a zero super-block
+    x[1] /= np.abs(x[1]).max()
+    x[1, 3], x[1, 7] = -50, 50  # two of largest magnitude: the first (negative) is v
+    codes, d, sums = gb.quantize_rows_k(jnp.asarray(x))
+    want_codes, want_d = np_quantize_k(x)
+    np.testing.assert_array_equal(np.asarray(codes), want_codes)
+    np.testing.assert_array_equal(np.asarray(d), want_d)
+    np.testing.assert_array_equal(np.asarray(sums), want_codes.reshape(9, 2, 8, 32).sum(-1))
+    assert np.asarray(codes)[1, 0, 3] == -127 and np.asarray(codes)[1, 0, 7] == 127  # v: -127
+
+
+def test_q4_k_reference_is_the_numpy_arithmetic():
+    x, _ = inputs(7, 768, 1, seed=11)
+    rows = gb.random_blocks(Q4K, (70, 768), seed=11)
+    close_k(np.asarray(jax.jit(partial(gb.reference, fmt=Q4K))(jnp.asarray(x), rows)), x, rows)
+
+
+def unit_blocks_k(codes, sc, m, dmin: float) -> np.ndarray:
+    """q4_k rows with d = 1, dmin, the given codes [N, K] (0..15) and scales / minimums [N,
+    S, 8] (0..63) packed as ggml's get_scale_min_k4 reads them."""
+    n, k = codes.shape
+    b = np.zeros((n, k // 256, 144), np.uint8)
+    b[..., 0:2] = np.frombuffer(np.float16(1).tobytes(), np.uint8)
+    b[..., 2:4] = np.frombuffer(np.float16(dmin).tobytes(), np.uint8)
+    for j in range(4):
+        b[..., 4 + j] = (sc[..., j] & 63) | ((sc[..., j + 4] >> 4) << 6)
+        b[..., 8 + j] = (m[..., j] & 63) | ((m[..., j + 4] >> 4) << 6)
+        b[..., 12 + j] = (sc[..., j + 4] & 15) | ((m[..., j + 4] & 15) << 4)
+    q = codes.reshape(n, k // 256, 4, 2, 32)
+    b[..., 16:] = (q[..., 0, :] | (q[..., 1, :] << 4)).reshape(n, k // 256, 128)
+    return b.reshape(n, -1)
+
+
+@needs_kernel
+@pytest.mark.parametrize("m,k,n", [(1, 256, 1), (5, 512, 7), (13, 768, 9)])
+def test_q4_k_integer_sums_are_exact(m, k, n, gguf_path):
+    """d = dmin = 1 and x's super-blocks led by 127 (so q8_k's d = -1 and its codes are -x):
+    y = sum_j sc_j (x_j . q_j) - sum_j m_j sum x_j, integers, exact in f32 below 2^24."""
+    rng = np.random.default_rng(m + k + n)
+    wc = rng.integers(0, 16, size=(n, k))
+    sc, mn = rng.integers(0, 64, size=(2, n, k // 256, 8))
+    x = rng.integers(-127, 128, size=(m, k)).astype(np.float32)
+    x[:, ::256] = 127
+    rows = unit_blocks_k(wc, sc, mn, 1.0)
+    np.testing.assert_array_equal(np_decode_k(rows)[1], sc)  # the packing is ggml's
+    np.testing.assert_array_equal(np_decode_k(rows)[2], mn)
+    xs = x.reshape(m, -1, 8, 32).astype(np.int64)
+    ws = wc.reshape(n, -1, 8, 32)
+    want = (np.einsum("msji,nsji->mnsj", xs, ws) * sc[None]).sum((-1, -2)) - np.einsum(
+        "msj,nsj->mn", xs.sum(-1), mn)
+    assert np.abs(want).max() < 2**24
+    np.testing.assert_array_equal(kernel(x, rows, "q4_k", gguf_path), want)
+
+
+@needs_kernel
+def test_kernel_quantizes_rows_as_q8_k(gguf_path):
+    """One-hot q4_k weights (d = 1, sc = 1, no minimum) read the kernel's q8_k codes back:
+    y[m, j] = dx qx_j, rounded once. Thousands of rows of random magnitudes (near-ties of
+    iscale x included), in parallel (M K >= 2^16)."""
+    rng = np.random.default_rng(13)
+    x = (rng.normal(size=(4099, 256)) * rng.uniform(1e-3, 1e3, size=(4099, 1))).astype(np.float32)
+    if gguf_path == "portable":
+        x = x[:300]
+    ones = np.ones((256, 1, 8), np.int64)
+    rows = unit_blocks_k(np.eye(256, dtype=np.int64), ones, 0 * ones, 0.0)
+    codes, d = np_quantize_k(x)
+    want = (d[:, 0, None] * codes[:, 0]).astype(np.float32)
+    np.testing.assert_array_equal(kernel(x, rows, "q4_k", gguf_path), want)
+
+
+@needs_kernel
+@pytest.mark.parametrize("m", [*BUCKETS, 3, 53, 2053])
+def test_q4_k_every_row_bucket_matches_float64(m, gguf_path):
+    if gguf_path == "portable" and m > 256:
+        pytest.skip("the plain loops are slow; the portable path is checked up to 256 rows")
+    x, _ = inputs(m, 512, 1, seed=m)
+    rows = gb.random_blocks(Q4K, (67, 512), seed=m)
+    close_k(kernel(x, rows, "q4_k", gguf_path), x, rows)
+
+
+@needs_kernel
+def test_q4_k_stack_reads_the_traced_layer(gguf_path):
+    x, _ = inputs(6, 256, 1, seed=12)
+    stack = gb.random_blocks(Q4K, (3, 5, 256), seed=12)
+    for layer in (0, 2):
+        close_k(kernel(x, stack, "q4_k", gguf_path, layer=jnp.int32(layer)), x, stack[layer])
 
 
 # -- the shipped model's tensors ------------------------------------------------------------------
