@@ -29,7 +29,13 @@ w = (d sc_j) q - (dmin m_j). Its activations are q8_k (llama.cpp's `quantize_row
 256, the value of largest magnitude v (the first), iscale = -127 / v, codes = round half to
 even of iscale x, d = 1 / iscale in f32 (no f16), and each sub-block of 32's code sum. The dot,
 per super-block: isum = sum_j sc_j sumi_j and msum = sum_j m_j xsum_j, both exact integers,
-then y += (dx d) isum - (dx dmin) msum. Q6_K is not here yet.
+then y += (dx d) isum - (dx dmin) msum.
+
+q6_k (210 bytes a super-block): 128 bytes ql (low 4 bits), 64 bytes qh (high 2 bits), 16 int8
+scales (one per 16 weights), d f16; in each half of 128 weights (64 ql bytes, 32 qh bytes),
+weight 32u + l (u = 0..3, l < 32) is ql[l + 32 (u % 2)]'s low nibble (u < 2) or high one,
+with bits 2u, 2u + 1 of qh[l] above it; w = (d sc_(i / 16)) (q - 32). With q8_k: isum =
+sum_i sc_i sum (q - 32) x over each 16, exact, then y += (dx d) isum.
 """
 
 from __future__ import annotations
@@ -61,7 +67,8 @@ class Format:
 
 FORMATS = {f.name: f for f in (Format("q8_0", 8, 34, "q8_0"), Format("q4_0", 2, 18, "q8_0"),
                                Format("q4_1", 3, 20, "q8_1"),
-                               Format("q4_k", 12, 144, "q8_k", SUPER))}
+                               Format("q4_k", 12, 144, "q8_k", SUPER),
+                               Format("q6_k", 14, 210, "q8_k", SUPER))}
 
 
 def format_of(name: str) -> Format:
@@ -98,6 +105,11 @@ def random_blocks(fmt: Format, shape: tuple[int, ...], seed: int = 0) -> np.ndar
     blocks = rng.integers(0, 256, size=(*lead, n, k // fmt.block, fmt.block_bytes),
                           dtype=np.uint8)
     scales = (rng.uniform(0.5, 1.5, size=(*blocks.shape[:-1], 2)) / 64).astype(np.float16)
+    if fmt.name == "q6_k":  # d last; scales int8 in [-64, 64)
+        blocks[..., 208:] = scales.view(np.uint8)[..., :2]
+        scales = rng.integers(-64, 64, size=(*blocks.shape[:-1], 16)).astype(np.int8)
+        blocks[..., 192:208] = scales.view(np.uint8)
+        return blocks.reshape(*lead, n, -1)
     head = 4 if fmt.name in ("q4_1", "q4_k") else 2  # q4_k: d, dmin
     blocks[..., :head] = scales.view(np.uint8)[..., :head]
     return blocks.reshape(*lead, n, -1)
@@ -138,9 +150,32 @@ def decode_k(w, fmt: Format) -> tuple[jax.Array, ...]:
     return codes, sc, m, d, dmin
 
 
+def decode_k6(w, fmt: Format) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """q6_k rows w [..., N, R] uint8 -> (codes [..., N, S, 16, 16] int8 (q - 32, in [-32, 32)),
+    sc [..., N, S, 16] int32 (each 16 weights' int8 scale), d [..., N, S] f32)."""
+    w = jnp.asarray(w)
+    if w.dtype != jnp.uint8 or w.ndim < 2 or w.shape[-1] % fmt.block_bytes:
+        raise ValueError(f"GGUF {fmt.name}: w must be uint8 rows [..., N, blocks * "
+                         f"{fmt.block_bytes}]; got {w.dtype} {w.shape}")
+    b = w.reshape(*w.shape[:-1], w.shape[-1] // fmt.block_bytes, fmt.block_bytes)
+    lead = b.shape[:-1]
+    ql = b[..., :128].reshape(*lead, 2, 1, 64)  # [.., half, nibble, 64]
+    ql = jnp.concatenate([ql & 15, ql >> 4], axis=-2).reshape(*lead, 2, 4, 32)
+    qh = b[..., 128:192].reshape(*lead, 2, 1, 32)
+    qh = jnp.concatenate([(qh >> (2 * u)) & 3 for u in range(4)], axis=-2)  # [.., 2, 4, 32]
+    codes = (ql | (qh << 4)).astype(jnp.int8) - 32
+    sc = jax.lax.bitcast_convert_type(b[..., 192:208], jnp.int8).astype(jnp.int32)
+    return codes.reshape(*lead, 16, 16), sc, _f16(b[..., 208], b[..., 209])
+
+
 def dequantize(w, fmt: Format) -> jax.Array:
     """GGUF rows w [..., N, R] uint8 -> weights [..., N, K] f32 (equal to
     `gguf.quants.dequantize`: d * q, then + m; q4_k: (d sc) q - dmin m)."""
+    if fmt.name == "q6_k":
+        codes, sc, d = decode_k6(w, fmt)
+        scale = d[..., None] * sc.astype(jnp.float32)
+        y = scale[..., None] * codes.astype(jnp.float32)
+        return y.reshape(*y.shape[:-3], -1)
     if fmt.activations == "q8_k":
         codes, sc, m, d, dmin = decode_k(w, fmt)
         scale = d[..., None] * sc.astype(jnp.float32)
@@ -197,6 +232,26 @@ def quantize_rows_k(x) -> tuple[jax.Array, jax.Array, jax.Array]:
     return codes, d, sums
 
 
+def reference_k6(x, w, fmt: Format) -> jax.Array:
+    """x [M, K] @ q6_k rows w [N, R] -> [M, N] f32 (llama.cpp's q6_K x q8_K dot): per
+    super-block, isum = sum_i sc_i ((q - 32) . x) over each 16 as one int32 dot of x's codes
+    with the codes times their scale, then y += (dx d) isum."""
+    codes, sc, d = decode_k6(w, fmt)
+    x_codes, x_d, _ = quantize_rows_k(x)
+    scaled = (codes.astype(jnp.int32) * sc[..., None]).astype(jnp.int16)  # <= 32 x 128
+    scaled = scaled.reshape(*scaled.shape[:-2], SUPER)
+
+    def block(acc, b):
+        xq, xd, wq, wd = b
+        isum = jax.lax.dot_general(xq.astype(jnp.int16), wq, (((1,), (1,)), ((), ())),
+                                   preferred_element_type=jnp.int32)
+        return acc + (xd[:, None] * wd[None, :]) * isum.astype(jnp.float32), None
+
+    per_block = tuple(jnp.moveaxis(a, 1, 0) for a in (x_codes, x_d, scaled, d))
+    acc = jnp.zeros((x_codes.shape[0], codes.shape[0]), jnp.float32)
+    return jax.lax.scan(block, acc, per_block)[0]
+
+
 def reference_k(x, w, fmt: Format) -> jax.Array:
     """x [M, K] @ q4_k rows w [N, R] -> [M, N] f32 (llama.cpp's q4_K x q8_K dot): per
     super-block, isum = sum_j sc_j (x_j . q_j) as one int32 dot of x's codes with the codes
@@ -249,7 +304,8 @@ def reference(x, w, fmt: Format) -> jax.Array:
         k, n = jnp.shape(x)[-1], jnp.shape(w)[-2]
         if jnp.shape(w)[-1] != row_bytes(fmt, k):
             raise ValueError(f"GGUF {fmt.name}: x's K {k} does not match w {jnp.shape(w)}")
-        y = reference_k(jnp.reshape(x, (-1, k)), w, fmt)
+        dot = reference_k6 if fmt.name == "q6_k" else reference_k
+        y = dot(jnp.reshape(x, (-1, k)), w, fmt)
         return y.reshape(*jnp.shape(x)[:-1], n)
     w_codes, w_d, w_m = decode(w, fmt)
     if jnp.shape(x)[-1] != w_codes.shape[-2] * BLOCK:

@@ -3,14 +3,15 @@
 //
 //   x      [M, K]     float32 rows, quantized here per block of 32 as llama.cpp pairs with the
 //                     format: q8_0 codes and f16 scale (q8_0, q4_0 weights), plus q8_1's
-//                     f16(d * sum codes) (q4_1 weights); q8_k per 256 (q4_k weights)
+//                     f16(d * sum codes) (q4_1 weights); q8_k per 256 (q4_k, q6_k weights)
 //   w      [L, N, R]  uint8: L stacked GGUF matrices of N rows (output columns), each row K / 32
 //                     blocks of the format (R bytes), read in place at `layer`
 //   layer  []         int32: which of the L (clamped to [0, L))
 //   y      [M, N]     float32: per block an exact int32 sum of code products, then
 //                     y += (dx dw) sumi (+ mw sx for q4_1), in f32 (llama.cpp's vec_dot);
 //                     q4_k: per super-block exact sums of sc_j sumi_j and m_j xsum_j, then
-//                     y += (dx d) isum - (dx dmin) msum
+//                     y += (dx d) isum - (dx dmin) msum; q6_k: y += (dx d) sum_i sc_i sumi_i
+//                     (each 16 weights' int8 scale)
 //
 // Blocks are decoded in registers: q4's 16 nibble bytes become one 32-byte vector (low
 // nibbles, codes 0..15, then high ones, 16..31: the order of the activation block's codes).
@@ -52,9 +53,9 @@ constexpr int64_t kBlock = 32;
 constexpr int64_t kCols = 64;   // output columns per task
 constexpr int64_t kChunk = 48;  // rows per task
 
-enum Format : int64_t { kQ8_0 = 0, kQ4_0 = 1, kQ4_1 = 2, kQ4_K = 3 };
-constexpr int64_t kBlockBytes[] = {34, 18, 20, 144};
-constexpr int64_t kBlockWeights[] = {32, 32, 32, 256};
+enum Format : int64_t { kQ8_0 = 0, kQ4_0 = 1, kQ4_1 = 2, kQ4_K = 3, kQ6_K = 4 };
+constexpr int64_t kBlockBytes[] = {34, 18, 20, 144, 210};
+constexpr int64_t kBlockWeights[] = {32, 32, 32, 256, 256};
 constexpr int64_t kSuper = 256;  // a k-quant super-block: 8 sub-blocks of kBlock
 
 enum Path : int64_t { kPortable = 0, kAvx2 = 1, kAvxVnni = 2, kAvx512Vnni = 3 };
@@ -243,6 +244,37 @@ __attribute__((optimize("no-tree-vectorize"))) void run_k(const Task& t, int64_t
         const float dx = a.d[m * supers + b];
         acc = acc - (dx * f16(p + 2)) * static_cast<float>(msum) +
               (dx * f16(p)) * static_cast<float>(isum);
+      }
+      t.y[r * t.ldy + c] = acc;
+    }
+  }
+}
+
+// q6_k code i (0..255, as q - 32) of the super-block at p (ggml's block_q6_K).
+inline int32_t code_k6(const uint8_t* p, int i) {
+  const int h = i / 128, u = i % 128 / 32, l = i % 32;
+  const uint8_t lo = p[64 * h + l + 32 * (u % 2)], hi = p[128 + 32 * h + l];
+  return ((u < 2 ? lo & 15 : lo >> 4) | (((hi >> (2 * u)) & 3) << 4)) - 32;
+}
+
+__attribute__((optimize("no-tree-vectorize"))) void run_k6(const Task& t, int64_t c0,
+                                                           int64_t cols, int64_t rows) {
+  const Acts& a = *t.a;
+  const int64_t supers = a.k / kSuper;
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t m = t.m0 + r;
+    for (int64_t c = c0; c < c0 + cols; ++c) {
+      float acc = 0.f;
+      for (int64_t b = 0; b < supers; ++b) {
+        const uint8_t* p = t.w + c * t.rb + b * kBlockBytes[kQ6_K];
+        const int8_t* xq = a.codes.data() + m * a.k + b * kSuper;
+        int32_t isum = 0;
+        for (int j = 0; j < 16; ++j) {
+          int32_t sumi = 0;
+          for (int i = 16 * j; i < 16 * j + 16; ++i) sumi += code_k6(p, i) * int32_t{xq[i]};
+          isum += static_cast<int8_t>(p[192 + j]) * sumi;
+        }
+        acc += (a.d[m * supers + b] * f16(p + 208)) * static_cast<float>(isum);
       }
       t.y[r * t.ldy + c] = acc;
     }
@@ -442,6 +474,78 @@ void run_k(const Task& t, int64_t c0, int64_t cols, int64_t rows) {
       tile_rows_k<Dot, R, 1>(t, r, std::min<int64_t>(R, rows - r), c);
 }
 
+// q6_k: y[R rows, C columns at c0]. A 32-weight chunk's codes q - 32 go in as |q - 32| (u8,
+// <= 32) with x carrying their sign (vpsignb), so the s16 pairs are exact signed sums with no
+// offset to take off; each 16's scale multiplies its pairs (vpmaddwd / vpdpwssd).
+template <typename Dot, int R, int C>
+void tile_k6(const Task& t, int64_t r0, int64_t c0) {
+  const Acts& a = *t.a;
+  const int64_t supers = a.k / kSuper;
+  __m256 acc[R][C];
+  unroll<R>([&](auto r) { unroll<C>([&](auto c) { acc[r][c] = _mm256_setzero_ps(); }); });
+  const __m256i low4 = _mm256_set1_epi8(15), top2 = _mm256_set1_epi8(0x30);
+  for (int64_t b = 0; b < supers; ++b) {
+    const uint8_t* p[C];
+    unroll<C>([&](auto c) { p[c] = t.w + (c0 + c) * t.rb + b * kBlockBytes[kQ6_K]; });
+    __m256i isum[R][C];
+    unroll<R>([&](auto r) { unroll<C>([&](auto c) { isum[r][c] = _mm256_setzero_si256(); }); });
+    for (int ch = 0; ch < 8; ++ch) {  // 32 weights: half ch / 4, u = ch % 4
+      const int h = ch / 4, u = ch % 4;
+      __m256i wq[C], sc[C];
+      unroll<C>([&](auto c) {
+        const uint8_t* q = p[c];
+        const __m256i ql = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 64 * h + 32 * (u % 2)));
+        const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 128 + 32 * h));
+        const __m256i lo = _mm256_and_si256(u < 2 ? ql : _mm256_srli_epi16(ql, 4), low4);
+        // bits 2u, 2u + 1 of qh to bits 4, 5
+        const __m256i hb = u == 0 ? _mm256_slli_epi16(qh, 4) : u == 1 ? _mm256_slli_epi16(qh, 2)
+                           : u == 2 ? qh : _mm256_srli_epi16(qh, 2);
+        wq[c] = _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_and_si256(hb, top2)), _mm256_set1_epi8(32));
+        const int8_t* s = reinterpret_cast<const int8_t*>(q + 192 + 2 * ch);
+        sc[c] = _mm256_set_m128i(_mm_set1_epi16(s[1]), _mm_set1_epi16(s[0]));
+      });
+      unroll<R>([&](auto r) {
+        const int8_t* x = a.codes.data() + (t.m0 + r0 + r) * a.k + b * kSuper + 32 * ch;
+        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+        unroll<C>([&](auto c) {
+          isum[r][c] = Dot::scaled(isum[r][c], _mm256_abs_epi8(wq[c]),
+                                   _mm256_sign_epi8(xv, wq[c]), sc[c]);
+        });
+      });
+    }
+    unroll<R>([&](auto r) {
+      const float dx = a.d[(t.m0 + r0 + r) * supers + b];
+      unroll<C>([&](auto c) {
+        acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r][c]),
+                                    _mm256_set1_ps(dx * f16(p[c] + 208)), acc[r][c]);
+      });
+    });
+  }
+  unroll<R>([&](auto r) {
+    unroll<C>([&](auto c) { t.y[(r0 + r) * t.ldy + c0 + c] = hsum(acc[r][c]); });
+  });
+}
+
+template <typename Dot, int R, int C>
+void tile_rows_k6(const Task& t, int64_t r0, int64_t rows, int64_t c0) {
+  if constexpr (R > 1) {
+    if (rows < R) return tile_rows_k6<Dot, R - 1, C>(t, r0, rows, c0);
+  }
+  tile_k6<Dot, R, C>(t, r0, c0);
+}
+
+template <typename Dot>
+void run_k6(const Task& t, int64_t c0, int64_t cols, int64_t rows) {
+  constexpr int R = Dot::kRows, C = Dot::kCols2;
+  int64_t c = c0;
+  for (; c + C <= c0 + cols; c += C)
+    for (int64_t r = 0; r < rows; r += R)
+      tile_rows_k6<Dot, R, C>(t, r, std::min<int64_t>(R, rows - r), c);
+  for (; c < c0 + cols; ++c)
+    for (int64_t r = 0; r < rows; r += R)
+      tile_rows_k6<Dot, R, 1>(t, r, std::min<int64_t>(R, rows - r), c);
+}
+
 template <typename Dot, int F>
 void run(const Task& t, int64_t c0, int64_t cols, int64_t rows) {
   constexpr int R = Dot::kRows, C = Dot::kCols2;
@@ -629,6 +733,22 @@ Run run_k_of(int64_t path) {
   }
 }
 
+Run run_k6_of(int64_t path) {
+  switch (path) {
+    case kPortable: return portable::run_k6;
+#ifdef __AVX2__
+    case kAvx2: return ymm::run_k6<ymm::Avx2Dot>;
+#endif
+#ifdef __AVXVNNI__
+    case kAvxVnni: return ymm::run_k6<ymm::AvxVnniDot>;
+#endif
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AVX512BW__)
+    case kAvx512Vnni: return ymm::run_k6<ymm::Avx512KDot>;
+#endif
+    default: return nullptr;
+  }
+}
+
 // `path`'s routine for `format` (`path` < 0: the last this build has); null if none here.
 Run run_of(int64_t format, int64_t path) {
   if (path < 0) path = 31 - __builtin_clz(kBuiltPaths);
@@ -638,6 +758,7 @@ Run run_of(int64_t format, int64_t path) {
     case kQ4_0: return run_of<kQ4_0>(path);
     case kQ4_1: return run_of<kQ4_1>(path);
     case kQ4_K: return run_k_of(path);
+    case kQ6_K: return run_k6_of(path);
     default: return nullptr;
   }
 }
@@ -646,7 +767,7 @@ ffi::Error GgufMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Bu
                           ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y,
                           int64_t format, int64_t path) {
   auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
-  if (format < 0 || format > kQ4_K)
+  if (format < 0 || format > kQ6_K)
     return ffi::Error::InvalidArgument("gguf_matmul: unknown format " + std::to_string(format));
   const int64_t bb = kBlockBytes[format];
   const int64_t per = kBlockWeights[format];
@@ -664,7 +785,7 @@ ffi::Error GgufMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Bu
   const int64_t m = xd[0], k = xd[1], n = wd[1], rb = wd[2];
   if (m == 0 || n == 0) return ffi::Error::Success();
   const int64_t l = std::clamp<int64_t>(layer.typed_data()[0], 0, wd[0] - 1);
-  const bool kq = format == kQ4_K;
+  const bool kq = format == kQ4_K || format == kQ6_K;
   Acts acts(m, k, path == kAvx512Vnni || (path < 0 && (kBuiltPaths >> kAvx512Vnni & 1u)), kq);
   const float* xf = x.typed_data();
   constexpr int64_t kRowBlock = 16, kParallel = 1 << 16;

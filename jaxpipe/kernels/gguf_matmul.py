@@ -2,15 +2,15 @@
 called through `jax.ffi` that decodes the blocks in registers (`gguf_matmul.cc`), beside the
 bf16 and int8 kernels and in their style; the arithmetic is `kernels/gguf_blocks.py`'s.
 
-Why the file's own order: a GGUF row is one output column's K weights in blocks of 32 (q4_k:
-super-blocks of 256, eight sub-blocks of 32), and a block's codes are exactly the operand of
-one 32-byte multiply of the activation block's codes; so the kernel reads each row as one
-sequential stream, no repacking at load, and the bytes kept in memory are the file's (0.625
-bytes a weight for q4_1, 0.5625 for q4_k).
+Why the file's own order: a GGUF row is one output column's K weights in blocks of 32 (q4_k,
+q6_k: super-blocks of 256), and a block's codes are exactly the operand of one 32-byte multiply
+of the activation block's codes; so the kernel reads each row as one sequential stream, no
+repacking at load, and the bytes kept in memory are the file's (0.625 bytes a weight for q4_1,
+0.5625 for q4_k, 0.8203 for q6_k).
 
 Paths (`PATHS`), each compiled where the CPU runs it: "portable" (plain loops), "avx2"
-(vpmaddubsw), "avx_vnni" (vpdpbusd, VEX, 256-bit), "avx512_vnni" (vpdpbusd on 512-bit
-vectors, two blocks each). q4_k runs one 256-bit tile on every SIMD path (its sub-block scale
+(vpmaddubsw), "avx_vnni" (vpdpbusd, VEX, 256-bit), "avx512_vnni" (vpdpbusd on 512-bit vectors,
+two blocks each). q4_k and q6_k run one 256-bit tile on every SIMD path (the sub-block scale
 multiplies vpmaddubsw's s16 pairs: vpmaddwd, or vpdpwssd on the VNNI paths). `paths()` lists
 this machine's; which one (or XLA's reference, `gguf_blocks.reference`) runs a shape and row
 count is measured (`runtime/kernel_choice.py`, `Matmul.quant` = the format's
@@ -36,7 +36,7 @@ from jaxpipe.kernels.build import register
 SOURCE = Path(__file__).with_name("gguf_matmul.cc")
 TARGET = "jaxpipe_gguf_matmul"
 PATHS = ("portable", "avx2", "avx_vnni", "avx512_vnni")  # gguf_matmul.cc's Path
-FORMAT_CODES = {"q8_0": 0, "q4_0": 1, "q4_1": 2, "q4_k": 3}  # gguf_matmul.cc's Format
+FORMAT_CODES = {"q8_0": 0, "q4_0": 1, "q4_1": 2, "q4_k": 3, "q6_k": 4}  # gguf_matmul.cc's Format
 
 
 @functools.cache

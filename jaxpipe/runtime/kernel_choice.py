@@ -13,9 +13,9 @@ offered the same way, at the same row counts: "xla" (XLA's int8 dot, `kernels/in
 the codes in natural order) and each path of the int8 kernel (`kernels/int8_matmul.py`, codes
 in int8 panel order), rows quantized per token inside every candidate. A weight kept in
 GGUF's quantized blocks (`quantization="gguf"`, `Matmul.quant` the format: "q4_1", "q8_0",
-"q4_0", "q4_k") is offered "xla" (`kernels/gguf_blocks.py`'s reference) and each path of the GGUF
-kernel (`kernels/gguf_matmul.py`); both read the file's block order, so there is no order to
-choose, only the fastest at each row count. A step of T tokens
+"q4_0", "q4_k", "q6_k") is offered "xla" (`kernels/gguf_blocks.py`'s reference) and each
+path of the GGUF kernel (`kernels/gguf_matmul.py`); both read the file's block order, so
+there is no order to choose, only the fastest at each row count. A step of T tokens
 uses the choice measured at the smallest measured row count >= T (the largest past them).
 Attention candidates: "kernel" (the C++ ragged-span kernel, which also writes the step's
 K/V) and "xla" (its jnp reference), timed on a decode and a prefill step of the model's

@@ -190,7 +190,7 @@ def test_the_scripts_documented_flags_reach_their_configs(module, cls, argv, wan
      "MatmulKernelConfig.shapes: '576' is not 2 positive integers NxN"),
     ("matmul_kernel", "MatmulKernelConfig", ["--gguf-formats", "q5_k"],
      "MatmulKernelConfig.gguf_formats must be one or more of ['q8_0', 'q4_0', 'q4_1', "
-     "'q4_k']"),
+     "'q4_k', 'q6_k']"),
     ("moe_kernel", "MoeKernelConfig", ["--cases", "8x2x256"], "is not 4 positive integers"),
     ("ep_exchange", "EpExchangeConfig", ["--capacity-factor", "0"],
      "EpExchangeConfig.capacity_factor must be > 0"),

@@ -22,7 +22,8 @@ from jaxpipe.kernels import gguf_matmul as gm  # noqa: E402
 from jaxpipe.runtime.kernel_choice import HEAD_ROWS, ROWS  # noqa: E402
 
 TYPES = {"q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizationType.Q4_0,
-         "q4_1": gguf.GGMLQuantizationType.Q4_1, "q4_k": gguf.GGMLQuantizationType.Q4_K}
+         "q4_1": gguf.GGMLQuantizationType.Q4_1, "q4_k": gguf.GGMLQuantizationType.Q4_K,
+         "q6_k": gguf.GGMLQuantizationType.Q6_K}
 SMALL = ["q8_0", "q4_0", "q4_1"]  # the formats of 32-weight blocks (q8_0 / q8_1 activations)
 BUCKETS = sorted(set(ROWS) | set(HEAD_ROWS))  # every row count the dispatcher can choose at
 U = 2.0**-24  # f32's unit roundoff
@@ -166,7 +167,7 @@ def test_random_blocks_are_finite_weights_of_the_shape(fmt):
 
 
 def test_bad_format_and_shapes_are_named():
-    with pytest.raises(ValueError, match="'q5_0'.*q8_0, q4_0, q4_1, q4_k"):
+    with pytest.raises(ValueError, match="'q5_0'.*q8_0, q4_0, q4_1, q4_k, q6_k"):
         gb.format_of("q5_0")
     with pytest.raises(ValueError, match=r"multiple of 32; got \(2, 33\)"):
         gb.quantize_rows(jnp.zeros((2, 33)), "q8_0")
@@ -432,6 +433,115 @@ def test_q4_k_stack_reads_the_traced_layer(gguf_path):
     stack = gb.random_blocks(Q4K, (3, 5, 256), seed=12)
     for layer in (0, 2):
         close_k(kernel(x, stack, "q4_k", gguf_path, layer=jnp.int32(layer)), x, stack[layer])
+
+
+# -- q6_k (super-blocks of 256, a scale per 16, q8_k activations) ------------------------------
+
+
+Q6K = gb.FORMATS["q6_k"]
+
+
+def np_decode_k6(rows: np.ndarray):
+    """q6_k rows [N, R] -> (codes [N, S, 256] int64 as q - 32, sc [N, S, 16], d [N, S]) read
+    weight by weight from ggml's block_q6_K (ql, qh, scales, d)."""
+    b = rows.reshape(rows.shape[0], -1, 210).astype(np.int64)
+    codes = np.zeros(b.shape[:-1] + (256,), np.int64)
+    for i in range(256):
+        h, u, lane = i // 128, i % 128 // 32, i % 32
+        lo = b[..., 64 * h + lane + 32 * (u % 2)]
+        lo = lo & 15 if u < 2 else lo >> 4
+        codes[..., i] = (lo | (((b[..., 128 + 32 * h + lane] >> (2 * u)) & 3) << 4)) - 32
+    sc = rows.reshape(rows.shape[0], -1, 210)[..., 192:208].view(np.int8).astype(np.int64)
+    return codes, sc, np_f16(rows.reshape(rows.shape[0], -1, 210)[..., 208:210])
+
+
+def np_dot_k6(x, rows):
+    """(y [M, N] f64 = sum_s (dx d) sum_i sc_i sumi_i, the magnitude for f32 rounding)."""
+    xq, xd = np_quantize_k(x)
+    wq, sc, d = np_decode_k6(rows)
+    xq = xq.reshape(*xq.shape[:-1], 16, 16)
+    wq = wq.reshape(*wq.shape[:-1], 16, 16)
+    isum = (np.einsum("msji,nsji->mnsj", xq, wq) * sc[None]).sum(-1)
+    mag = (np.einsum("msji,nsji->mnsj", np.abs(xq), np.abs(wq)) * np.abs(sc[None])).sum(-1)
+    scale = xd[:, None, :] * d[None]
+    return (scale * isum).sum(-1), (np.abs(scale) * mag).sum(-1)
+
+
+def close_k6(got, x, rows):
+    want, mag = np_dot_k6(x, rows)
+    assert got.shape == want.shape and got.dtype == np.float32
+    np.testing.assert_array_less(np.abs(got - want), (x.shape[-1] // 256 + 10) * U * mag + 1e-30)
+
+
+def test_q6_k_dequantize_equals_gguf_and_decodes_ggml_layout():
+    rows = gb.random_blocks(Q6K, (29, 512), seed=14)
+    rows[0, 192:208] = 128  # scales at -128
+    want = gguf.quants.dequantize(rows, TYPES["q6_k"])
+    got = np.asarray(gb.dequantize(jnp.asarray(rows), Q6K))
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+    codes, sc, d = gb.decode_k6(jnp.asarray(rows), Q6K)
+    want_codes, want_sc, want_d = np_decode_k6(rows)
+    np.testing.assert_array_equal(np.asarray(codes).reshape(want_codes.shape), want_codes)
+    np.testing.assert_array_equal(np.asarray(sc), want_sc)
+    np.testing.assert_array_equal(np.asarray(d), want_d)
+
+
+def test_q6_k_reference_is_the_numpy_arithmetic():
+    x, _ = inputs(7, 768, 1, seed=15)
+    rows = gb.random_blocks(Q6K, (70, 768), seed=15)
+    close_k6(np.asarray(jax.jit(partial(gb.reference, fmt=Q6K))(jnp.asarray(x), rows)), x, rows)
+
+
+def unit_blocks_k6(codes, sc) -> np.ndarray:
+    """q6_k rows with d = 1, the given codes [N, K] (q in 0..63, stored) and scales [N, S,
+    16] (int8), laid out as ggml's block_q6_K."""
+    n, k = codes.shape
+    q = codes.reshape(n, k // 256, 2, 4, 32)  # [.., half, u, lane]
+    b = np.zeros((n, k // 256, 210), np.uint8)
+    for h in range(2):
+        b[..., 64 * h:64 * h + 32] = (q[..., h, 0, :] & 15) | ((q[..., h, 2, :] & 15) << 4)
+        b[..., 64 * h + 32:64 * h + 64] = (q[..., h, 1, :] & 15) | ((q[..., h, 3, :] & 15) << 4)
+        b[..., 128 + 32 * h:160 + 32 * h] = sum((q[..., h, u, :] >> 4) << (2 * u) for u in range(4))
+    b[..., 192:208] = sc.astype(np.int8).view(np.uint8)
+    b[..., 208:210] = np.frombuffer(np.float16(1).tobytes(), np.uint8)
+    return b.reshape(n, -1)
+
+
+@needs_kernel
+@pytest.mark.parametrize("m,k,n", [(1, 256, 1), (5, 512, 7), (13, 768, 9)])
+def test_q6_k_integer_sums_are_exact(m, k, n, gguf_path):
+    """d = 1 and x's super-blocks led by 127 (q8_k's d = -1, codes -x): y = sum_i sc_i (x_i .
+    (q_i - 32)), integers, exact in f32 below 2^24; scales span [-128, 127], codes [0, 63]."""
+    rng = np.random.default_rng(m + k + n)
+    wc = rng.integers(0, 64, size=(n, k))
+    sc = rng.integers(-128, 128, size=(n, k // 256, 16))
+    x = rng.integers(-127, 128, size=(m, k)).astype(np.float32)
+    x[:, ::256] = 127
+    rows = unit_blocks_k6(wc, sc)
+    np.testing.assert_array_equal(np_decode_k6(rows)[0], (wc - 32).reshape(n, -1, 256))
+    xs = x.reshape(m, -1, 16, 16).astype(np.int64)
+    want = (np.einsum("msji,nsji->mnsj", xs, (wc - 32).reshape(n, -1, 16, 16)) * sc[None]).sum(
+        (-1, -2))
+    assert np.abs(want).max() < 2**24
+    np.testing.assert_array_equal(kernel(x, rows, "q6_k", gguf_path), want)
+
+
+@needs_kernel
+@pytest.mark.parametrize("m", [*BUCKETS, 3, 53, 2053])
+def test_q6_k_every_row_bucket_matches_float64(m, gguf_path):
+    if gguf_path == "portable" and m > 256:
+        pytest.skip("the plain loops are slow; the portable path is checked up to 256 rows")
+    x, _ = inputs(m, 512, 1, seed=m)
+    rows = gb.random_blocks(Q6K, (67, 512), seed=m)
+    close_k6(kernel(x, rows, "q6_k", gguf_path), x, rows)
+
+
+@needs_kernel
+def test_q6_k_stack_reads_the_traced_layer(gguf_path):
+    x, _ = inputs(6, 256, 1, seed=16)
+    stack = gb.random_blocks(Q6K, (3, 5, 256), seed=16)
+    for layer in (0, 2):
+        close_k6(kernel(x, stack, "q6_k", gguf_path, layer=jnp.int32(layer)), x, stack[layer])
 
 
 # -- the shipped model's tensors ------------------------------------------------------------------

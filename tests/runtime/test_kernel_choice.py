@@ -207,7 +207,7 @@ def test_a_forced_path_applies_to_the_weights_whose_kernel_has_it(monkeypatch):
     assert (d.impl(WQ8, 1), d.impl(WQ, 1)) == ("avx512_vnni", "avx512_bf16")
     d = KernelChoice(force=XLA, timings={})
     assert (d.impl(WQ8, 1), d.order(WQ8)) == (XLA, NATURAL_ORDER)
-    quants = "none, int8, q8_0, q4_0, q4_1, q4_k"
+    quants = "none, int8, q8_0, q4_0, q4_1, q4_k, q6_k"
     with pytest.raises(ValueError, match=rf"Matmul.quant must be one of {quants}; got 'fp8'"):
         Matmul("wq", 576, 576, quant="fp8")
 
@@ -258,8 +258,8 @@ def test_gguf_timer_times_every_gguf_candidate():
     GGUF path this machine has), gated and not, for each format."""
     from jaxpipe.kernels import gguf_matmul
 
-    for quant in ("q4_1", "q8_0", "q4_0", "q4_k"):
-        k = 256 if quant == "q4_k" else 64  # a multiple of the format's block
+    for quant in ("q4_1", "q8_0", "q4_0", "q4_k", "q6_k"):
+        k = 256 if quant.endswith("_k") else 64  # a multiple of the format's block
         for mm in (Matmul("w", k, 70, quant=quant), Matmul("g", k, 128, True, quant)):
             got = kernel_choice.time_gguf_matmul(mm, 3)
             assert set(got) == {XLA, *gguf_matmul.paths()}
