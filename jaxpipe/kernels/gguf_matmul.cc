@@ -43,11 +43,14 @@
 #include <immintrin.h>
 #endif
 
+#include "cpu_kernel.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
+
+using jaxpipe_cpu::parallel_for, jaxpipe_cpu::unroll;
 
 constexpr int64_t kBlock = 32;
 constexpr int64_t kCols = 64;   // output columns per task
@@ -322,15 +325,6 @@ struct Avx512KDot {
 #endif
 
 
-template <typename F, int... I>
-__attribute__((always_inline)) inline void unroll(F&& f, std::integer_sequence<int, I...>) {
-  (f(std::integral_constant<int, I>{}), ...);
-}
-template <int N, typename F>
-__attribute__((always_inline)) inline void unroll(F&& f) {
-  unroll(f, std::make_integer_sequence<int, N>{});
-}
-
 // A block's 32 codes as one vector (q4: 0..15, low nibbles then high).
 template <int F>
 inline __m256i codes(const uint8_t* p) {
@@ -570,15 +564,6 @@ void run(const Task& t, int64_t c0, int64_t cols, int64_t rows) {
 // of the products, not of a shifted sum. An odd last block runs as a pair, its second half 0.
 namespace zmm {
 
-template <typename F, int... I>
-__attribute__((always_inline)) inline void unroll(F&& f, std::integer_sequence<int, I...>) {
-  (f(std::integral_constant<int, I>{}), ...);
-}
-template <int N, typename F>
-__attribute__((always_inline)) inline void unroll(F&& f) {
-  unroll(f, std::make_integer_sequence<int, N>{});
-}
-
 constexpr int kRows = 6, kCols2 = 2;
 
 // Blocks b and b + 1 (`both` false: b only, zeros after) of the row at p: codes as the u8
@@ -673,30 +658,6 @@ void run(const Task& t, int64_t c0, int64_t cols, int64_t rows) {
 
 }  // namespace zmm
 #endif
-
-// Shares tasks 0..n-1 between the calling thread and the pool; returns when all are done.
-template <typename F>
-void parallel_for(ffi::ThreadPool& pool, int64_t n, F&& fn) {
-  struct State {
-    std::atomic<int64_t> next{0}, done{0};
-  };
-  auto state = std::make_shared<State>();
-  auto work = [state, n, &fn]() {
-    for (int64_t i; (i = state->next.fetch_add(1)) < n;) {
-      fn(i);
-      state->done.fetch_add(1);
-    }
-  };
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), n) - 1;
-  // A helper that starts after all tasks are claimed touches only `state` (kept alive by
-  // its shared_ptr), never `fn`, so returning before every helper has run is safe.
-  for (int64_t i = 0; i < helpers; ++i)
-    pool.Schedule([state, n, work]() {
-      if (state->next.load() < n) work();
-    });
-  work();
-  while (state->done.load() < n) std::this_thread::yield();
-}
 
 using Run = void (*)(const Task&, int64_t, int64_t, int64_t);
 
