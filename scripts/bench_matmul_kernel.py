@@ -1,7 +1,8 @@
-"""bf16 and int8 (W8A8) matmuls: the C++ kernels vs XLA's dots per row count (logic and
+"""bf16, int8 (W8A8) and GGUF block matmuls: the C++ kernels vs XLA's dots per row count (logic and
 flags: `MatmulKernelConfig` in jaxpipe_bench.matmul_kernel).
 
   python scripts/bench_matmul_kernel.py --rows 1,8,16,32,64,128,256 --json out/matmul_kernel.json
+  python scripts/bench_matmul_kernel.py --gguf-formats q4_1,q8_0,q4_0 --gguf-paths avx512_vnni
 """
 
 from __future__ import annotations

@@ -14,6 +14,11 @@ once per machine), and a Pallas attention kernel for GPUs.
                          activation quantization, XLA's int8 dot (the int8 reference)
     int8_matmul.py       x @ w with int8 weights in int8 panel order (int8_matmul.cc): VNNI,
                          AVX2 and AMX int8 paths
+    gguf_blocks.py       GGUF's quantized blocks (q8_0, q4_0, q4_1, q4_k, q6_k) in jnp: decoding,
+                         llama.cpp's q8_0 / q8_1 / q8_k activations, XLA's dot of the pair
+                         (the GGUF reference)
+    gguf_matmul.py       x @ w with w in the GGUF file's blocks, decoded in registers
+                         (gguf_matmul.cc): AVX2, AVX-VNNI and AVX-512 VNNI paths
     empty.py             an array XLA allocates and no program writes (empty.cc)
     build.py             compiles a C++ kernel once per machine and registers its handler
 """

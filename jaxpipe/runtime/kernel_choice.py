@@ -11,7 +11,11 @@ counts of the best candidate reading each order; each row count then runs the fa
 candidate that reads that order. An int8 weight (`quantization="int8"`, `Matmul.quant`) is
 offered the same way, at the same row counts: "xla" (XLA's int8 dot, `kernels/int8.py`, on
 the codes in natural order) and each path of the int8 kernel (`kernels/int8_matmul.py`, codes
-in int8 panel order), rows quantized per token inside every candidate. A step of T tokens
+in int8 panel order), rows quantized per token inside every candidate. A weight kept in
+GGUF's quantized blocks (`quantization="gguf"`, `Matmul.quant` the format: "q4_1", "q8_0",
+"q4_0", "q4_k", "q6_k") is offered "xla" (`kernels/gguf_blocks.py`'s reference) and each
+path of the GGUF kernel (`kernels/gguf_matmul.py`); both read the file's block order, so
+there is no order to choose, only the fastest at each row count. A step of T tokens
 uses the choice measured at the smallest measured row count >= T (the largest past them).
 Attention candidates: "kernel" (the C++ ragged-span kernel, which also writes the step's
 K/V) and "xla" (its jnp reference), timed on a decode and a prefill step of the model's
@@ -51,7 +55,7 @@ import numpy as np
 
 from jaxpipe.config.cache_dir import cache_dir
 from jaxpipe.config.engine import EngineConfig
-from jaxpipe.kernels import int8, int8_matmul, matmul, ragged_attention
+from jaxpipe.kernels import gguf_blocks, gguf_matmul, int8, int8_matmul, matmul, ragged_attention
 from jaxpipe.kernels.build import cpu_flags
 from jaxpipe.kernels.paged import to_storage
 from jaxpipe.kv.device_cache import BLOCK
@@ -64,14 +68,16 @@ ROWS = (1, 8, 32, 64, 128, 256, 512, 2048)  # the row counts each matmul is time
 HEAD_ROWS = (1, 8, 32, 64, 128, 256)  # the LM head's (it runs on the sampled rows only)
 EXPERT_TOKENS = (1, 8, 64, 256)  # the token counts each MoE layer's experts are timed at
 PANEL_ORDER, NATURAL_ORDER = "panel", "natural"
-QUANTS = ("none", "int8")  # a weight's storage: bf16, or dynamic W8A8 int8 codes + scales
+# A weight's storage: bf16, dynamic W8A8 int8 codes + scales, or a GGUF block format.
+QUANTS = ("none", "int8", *gguf_blocks.FORMATS)
 
 
 @dataclasses.dataclass(frozen=True)
 class Matmul:
     """One weight's multiplication as a device runs it: its shard [K, N] (`gated`: N holds
     the gate and up halves and the product is silu(gate) * up), stored as `quant` ("none":
-    bf16; "int8": int8 codes with a scale per column, rows quantized per token)."""
+    bf16; "int8": int8 codes with a scale per column, rows quantized per token; a GGUF
+    format such as "q4_1": the file's blocks, rows quantized per block as llama.cpp does)."""
 
     name: str
     k: int
@@ -122,13 +128,15 @@ class ExpertsCase:
 
 def candidates(quant: str = "none") -> tuple[str, ...]:
     """The matmul implementations this machine can run for a weight stored as `quant`: XLA's
-    dot and the paths of that weight's kernel (bf16's, or the int8 kernel's)."""
+    dot and the paths of that weight's kernel (bf16's, the int8 kernel's or the GGUF one's)."""
+    if quant in gguf_blocks.FORMATS:
+        return (XLA, *gguf_matmul.paths())
     return (XLA, *(int8_matmul.paths() if quant == "int8" else matmul.paths()))
 
 
-def order_of(impl: str) -> str:
-    """The weight order an implementation reads."""
-    return NATURAL_ORDER if impl == XLA else PANEL_ORDER
+def order_of(impl: str, quant: str = "none") -> str:
+    """The weight order an implementation reads (GGUF blocks: the file's, for every one)."""
+    return NATURAL_ORDER if impl == XLA or quant in gguf_blocks.FORMATS else PANEL_ORDER
 
 
 def nearest_rows(rows: int, measured: Iterable[int] = ROWS) -> int:
@@ -138,20 +146,21 @@ def nearest_rows(rows: int, measured: Iterable[int] = ROWS) -> int:
     return next((m for m in measured if m >= rows), measured[-1])
 
 
-def choose_order(seconds: dict[int, dict[str, float]]) -> str:
+def choose_order(seconds: dict[int, dict[str, float]], quant: str = "none") -> str:
     """A weight's order from its timings {rows: {impl: seconds}}: the order whose best
     implementation has the lower total over the row counts (natural on a tie)."""
     def total(order: str) -> float:
-        best = [min((s for i, s in by_impl.items() if order_of(i) == order), default=np.inf)
+        best = [min((s for i, s in by_impl.items() if order_of(i, quant) == order),
+                    default=np.inf)
                 for by_impl in seconds.values()]
         return float(sum(best))
 
     return PANEL_ORDER if total(PANEL_ORDER) < total(NATURAL_ORDER) else NATURAL_ORDER
 
 
-def choose_impl(by_impl: dict[str, float], order: str) -> str:
+def choose_impl(by_impl: dict[str, float], order: str, quant: str = "none") -> str:
     """The fastest implementation reading `order` among timings {impl: seconds}."""
-    usable = {i: s for i, s in by_impl.items() if order_of(i) == order}
+    usable = {i: s for i, s in by_impl.items() if order_of(i, quant) == order}
     if not usable:
         raise ValueError(f"no implementation reading the {order} order was timed: {by_impl}")
     return min(usable, key=usable.get)
@@ -161,14 +170,15 @@ class KernelChoice:
     """The measured choices for one machine (`table`), or one forced implementation.
 
     `force`: None (measure), "xla", or a kernel path of `matmul.paths()` or
-    `int8_matmul.paths()`; it applies to the weights whose kernel has it ("xla" to all),
+    `int8_matmul.paths()` or `gguf_matmul.paths()`; it applies to the weights whose kernel
+    has it ("xla" to all),
     the others are measured. Timings come from `timings` (injected: tests) or are measured
     and cached as shapes are asked for."""
 
     def __init__(self, force: str | None = None, timings: dict[str, dict] | None = None,
                  cache: Path | None = None):
         if force is not None:  # (only then: listing the int8 paths builds that kernel)
-            every = dict.fromkeys((*candidates(), *candidates("int8")))
+            every = dict.fromkeys((*candidates(), *candidates("int8"), *candidates("q4_1")))
             if force not in every:
                 raise ValueError(f"matmul={force!r} cannot run here; this machine has "
                                  f"{', '.join(every)}")
@@ -184,7 +194,8 @@ class KernelChoice:
         """{rows: {impl: seconds}} of `mm`, measuring (and caching) it the first time."""
         if mm.key() not in self.timings:
             rows = HEAD_ROWS if mm.name == "lm_head" else ROWS
-            timer = time_int8_matmul if mm.quant == "int8" else time_matmul
+            timer = {"none": time_matmul, "int8": time_int8_matmul}.get(mm.quant,
+                                                                        time_gguf_matmul)
             self.timings[mm.key()] = {str(m): timer(mm, m) for m in rows}
             self._save()
         return {int(m): by_impl for m, by_impl in self.timings[mm.key()].items()}
@@ -192,15 +203,15 @@ class KernelChoice:
     def order(self, mm: Matmul) -> str:
         """The order `mm`'s weight is kept in."""
         if self.forced(mm) is not None:
-            return order_of(self.forced(mm))
-        return choose_order(self.seconds(mm))
+            return order_of(self.forced(mm), mm.quant)
+        return choose_order(self.seconds(mm), mm.quant)
 
     def impl(self, mm: Matmul, rows: int) -> str:
         """The implementation a call of `rows` rows runs (one reading `order(mm)`)."""
         if self.forced(mm) is not None:
             return self.forced(mm)
         seconds = self.seconds(mm)
-        return choose_impl(seconds[nearest_rows(rows, seconds)], self.order(mm))
+        return choose_impl(seconds[nearest_rows(rows, seconds)], self.order(mm), mm.quant)
 
     def forced(self, mm: Matmul) -> str | None:
         """The forced implementation where `mm`'s kernel has it (None: measured)."""
@@ -281,7 +292,7 @@ def machine() -> dict:
     model = next((line.split(":", 1)[1].strip() for line in _cpuinfo().splitlines()
                   if line.startswith("model name")), platform.processor())
     sources = b"".join(p.read_bytes() for p in (matmul.SOURCE, int8_matmul.SOURCE,
-                                                 ragged_attention.SOURCE))
+                                                 gguf_matmul.SOURCE, ragged_attention.SOURCE))
     return {"cpu": model, "isa": isa(), "jaxlib": jaxlib.__version__,
             "flags": hashlib.sha256(cpu_flags().encode()).hexdigest()[:12],
             "kernels": hashlib.sha256(sources).hexdigest()[:12]}
@@ -405,6 +416,34 @@ def time_int8_matmul(mm: Matmul, rows: int, layers: int = 2) -> dict[str, float]
     return out
 
 
+def time_gguf_matmul(mm: Matmul, rows: int, layers: int = 2) -> dict[str, float]:
+    """Seconds per call of each GGUF candidate for `mm` (its format `mm.quant`) at `rows` rows
+    (x f32, quantized per block inside the call), on a stack of `layers` weights in GGUF rows
+    [layers, N, R] read at a traced layer index as the step reads them: XLA's reference on the
+    sliced rows, each kernel path on the stack in place. Gated: silu(gate) * up after the
+    product, in XLA, for every candidate (the kernel has no gated mode)."""
+    fmt = gguf_blocks.format_of(mm.quant)
+    w = jnp.asarray(gguf_blocks.random_blocks(fmt, (layers, mm.n, mm.k)))
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(rows, mm.k)), jnp.float32)
+    layer = jnp.int32(layers - 1)
+
+    def gate(y):
+        half = y.shape[-1] // 2
+        return jax.nn.silu(y[..., :half]) * y[..., half:] if mm.gated else y
+
+    def xla(x, w, layer):
+        return gate(gguf_blocks.reference(x, jax.lax.dynamic_index_in_dim(w, layer, 0, False),
+                                          fmt))
+
+    def kernel(x, w, layer, path):
+        return gate(gguf_matmul.gguf_matmul(x, w, fmt.name, layer, path=path))
+
+    out = {XLA: _seconds(jax.jit(xla), x, w, layer)}
+    for path in gguf_matmul.paths():
+        out[path] = _seconds(jax.jit(functools.partial(kernel, path=path)), x, w, layer)
+    return out
+
+
 def time_experts(case: ExpertsCase, tokens: int, layers: int = 2) -> dict[str, float]:
     """Seconds per call of `moe.experts_mlp` on the "dense" and "grouped" paths for
     `tokens` tokens routed by a random router (bf16 weights), on a stack of `layers` layers'
@@ -465,7 +504,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=main.__doc__)
     p.add_argument("--model", default=EngineConfig.model)
     p.add_argument("--quant", choices=QUANTS, default="none",
-                   help="the weights' storage: bf16 (none) or int8 (dynamic W8A8)")
+                   help="the weights' storage: bf16 (none), int8 (W8A8), a GGUF format")
     args = p.parse_args()
     cfg = source_config(resolve_model(args.model))
     d = for_machine()

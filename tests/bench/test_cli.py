@@ -144,6 +144,8 @@ def test_the_default_gguf_is_the_default_models():
      {"cases": ("prefill 1x512",), "json_path": "a.json"}),
     ("matmul_kernel", "MatmulKernelConfig", ["--rows", "1,8", "--shapes", "576x3072,64x32"],
      {"rows": (1, 8), "weight_shapes": [(576, 3072), (64, 32)]}),
+    ("matmul_kernel", "MatmulKernelConfig", ["--gguf-formats", "q8_0,q4_0", "--gguf-paths", "avx2"],
+     {"gguf_formats": ("q8_0", "q4_0"), "gguf_paths": ("avx2",)}),
     ("moe_kernel", "MoeKernelConfig", ["--tokens", "8,64", "--cases", "8x2x256x512",
                                        "--ragged-max-gflop", "5"],
      {"tokens": (8, 64), "expert_shapes": [(8, 2, 256, 512)], "ragged_max_gflop": 5.0}),
@@ -186,6 +188,9 @@ def test_the_scripts_documented_flags_reach_their_configs(module, cls, argv, wan
     ("attention", "AttentionBenchConfig", ["--tables", "random"], "invalid choice: 'random'"),
     ("matmul_kernel", "MatmulKernelConfig", ["--shapes", "576"],
      "MatmulKernelConfig.shapes: '576' is not 2 positive integers NxN"),
+    ("matmul_kernel", "MatmulKernelConfig", ["--gguf-formats", "q5_k"],
+     "MatmulKernelConfig.gguf_formats must be one or more of ['q8_0', 'q4_0', 'q4_1', "
+     "'q4_k', 'q6_k']"),
     ("moe_kernel", "MoeKernelConfig", ["--cases", "8x2x256"], "is not 4 positive integers"),
     ("ep_exchange", "EpExchangeConfig", ["--capacity-factor", "0"],
      "EpExchangeConfig.capacity_factor must be > 0"),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from jaxpipe.kernels import gguf_matmul as gm
 from jaxpipe.kernels import int8_matmul as im
 from jaxpipe.kernels import matmul as mm
 from jaxpipe.kernels import ragged_attention as ra
@@ -39,4 +40,14 @@ def int8_path(request) -> str:
                if request.param == "amx_int8" else "this CPU's build lacks it")
         pytest.skip(f"no {request.param} int8 path here: {why}; its build has "
                     f"{', '.join(im.paths()) or 'no kernel'}")
+    return request.param
+
+
+@pytest.fixture(params=gm.PATHS)
+def gguf_path(request) -> str:
+    """Each GGUF block kernel path in turn; one this machine's build lacks is skipped with the
+    reason."""
+    if request.param not in gm.paths():
+        pytest.skip(f"no {request.param} GGUF path here: this CPU's build has "
+                    f"{', '.join(gm.paths()) or 'no kernel'}")
     return request.param

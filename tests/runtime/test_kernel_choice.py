@@ -207,7 +207,8 @@ def test_a_forced_path_applies_to_the_weights_whose_kernel_has_it(monkeypatch):
     assert (d.impl(WQ8, 1), d.impl(WQ, 1)) == ("avx512_vnni", "avx512_bf16")
     d = KernelChoice(force=XLA, timings={})
     assert (d.impl(WQ8, 1), d.order(WQ8)) == (XLA, NATURAL_ORDER)
-    with pytest.raises(ValueError, match=r"Matmul.quant must be one of none, int8; got 'fp8'"):
+    quants = "none, int8, q8_0, q4_0, q4_1, q4_k, q6_k"
+    with pytest.raises(ValueError, match=rf"Matmul.quant must be one of {quants}; got 'fp8'"):
         Matmul("wq", 576, 576, quant="fp8")
 
 
@@ -220,3 +221,46 @@ def test_int8_timer_times_every_int8_candidate():
         got = kernel_choice.time_int8_matmul(mm, 3)
         assert set(got) == {XLA, *int8_matmul.paths()}
         assert all(s > 0 for s in got.values())
+
+
+WQ41 = Matmul("wq", 576, 576, quant="q4_1")
+
+
+def test_a_gguf_weight_takes_the_fastest_candidate_at_each_row_count(tmp_path, monkeypatch):
+    """A GGUF weight (its format as `quant`) is timed by the GGUF timer under a key of its
+    own; XLA's reference and the kernel read the same blocks, so each row count takes its
+    fastest candidate, XLA's included, with no order between them."""
+    calls = []
+
+    def fake_gguf(mm, rows):
+        calls.append((mm.key(), rows))
+        return {XLA: 1.0 if rows >= 512 else 5.0, "avx2": 2.0, "avx512_vnni": 1.5}
+
+    monkeypatch.setattr(kernel_choice, "time_gguf_matmul", fake_gguf)
+    monkeypatch.setattr(kernel_choice, "time_int8_matmul", None)
+    d = KernelChoice(cache=tmp_path / "kernel_choice.json")
+    assert WQ41.key() == "wq:576x576:q4_1"
+    assert d.order(WQ41) == NATURAL_ORDER
+    assert [d.impl(WQ41, m) for m in (1, 256, 257, 512, 4096)] == [
+        "avx512_vnni", "avx512_vnni", XLA, XLA, XLA]
+    assert [rows for _, rows in calls] == list(kernel_choice.ROWS)
+
+
+def test_gguf_candidates_are_xla_and_the_gguf_kernels_paths(monkeypatch):
+    monkeypatch.setattr(kernel_choice.gguf_matmul, "paths", lambda: ("portable", "avx2"))
+    assert kernel_choice.candidates("q8_0") == (XLA, "portable", "avx2")
+    assert kernel_choice.order_of("avx2", "q4_1") == NATURAL_ORDER
+    assert kernel_choice.order_of("avx2", "int8") == PANEL_ORDER
+
+
+def test_gguf_timer_times_every_gguf_candidate():
+    """The real timer on a tiny shape: one number per candidate (XLA's reference and every
+    GGUF path this machine has), gated and not, for each format."""
+    from jaxpipe.kernels import gguf_matmul
+
+    for quant in ("q4_1", "q8_0", "q4_0", "q4_k", "q6_k"):
+        k = 256 if quant.endswith("_k") else 64  # a multiple of the format's block
+        for mm in (Matmul("w", k, 70, quant=quant), Matmul("g", k, 128, True, quant)):
+            got = kernel_choice.time_gguf_matmul(mm, 3)
+            assert set(got) == {XLA, *gguf_matmul.paths()}
+            assert all(s > 0 for s in got.values())
