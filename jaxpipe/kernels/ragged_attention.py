@@ -61,7 +61,7 @@ import numpy as np
 
 from jaxpipe.kernels import attention_math
 from jaxpipe.kernels.build import register
-from jaxpipe.kernels.paged import OUT_OF_RANGE, from_storage, gather, to_storage
+from jaxpipe.kernels.paged import OUT_OF_RANGE, from_storage, gather, head_dim_of, to_storage
 
 SOURCE = Path(__file__).with_name("ragged_attention.cc")
 TARGET = "jaxpipe_ragged_attention"
@@ -271,9 +271,9 @@ def _attributes(softcap: float, scale: float | None, path: str | None, pool) -> 
     if not math.isfinite(softcap):
         raise ValueError(f"ragged_attention: softcap must be finite (<= 0: none); got "
                          f"{softcap!r}")
-    if path is not None and not (path in paths() and takes(path, pool.dtype, pool.shape[-1])):
+    if path is not None and not (path in paths() and takes(path, pool.dtype, head_dim_of(pool))):
         raise ValueError(f"ragged_attention: path {path!r} cannot run a {pool.dtype} pool of "
-                         f"head dim {pool.shape[-1]} here; this machine has "
+                         f"head dim {head_dim_of(pool)} here; this machine has "
                          f"{', '.join(paths())}, and the avx paths take bf16 pools of head "
                          f"dim {' or '.join(map(str, VECTOR_DIMS))}")
     return {"scale": np.float32(scale or 0.0), "softcap": np.float32(max(softcap, 0.0)),
@@ -287,9 +287,10 @@ def _as_pool(x):
 
 
 def _check_shapes(q, k, v, table, q_start, q_len, kv_len) -> None:
-    if q.ndim != 3 or k.ndim != 5 or k.shape != v.shape or k.shape[-1] != q.shape[-1]:
+    if q.ndim != 3 or k.ndim != 5 or k.shape != v.shape or head_dim_of(k) != q.shape[-1]:
         raise ValueError(f"ragged_attention: q must be [T, H, D] and k, v [L, NB, Hkv, BS, D] "
-                         f"or [NB, Hkv, BS, D] with the same D; got q {q.shape}, k {k.shape}, "
+                         f"or [NB, Hkv, BS, D] with the same D (int8 pools: rows of D + 2, "
+                         f"codes and scale); got q {q.shape}, k {k.shape} {k.dtype}, "
                          f"v {v.shape}")
     if q.shape[1] % k.shape[2]:
         raise ValueError(f"ragged_attention: {q.shape[1]} query heads is not a multiple of "
@@ -300,6 +301,7 @@ def _check_shapes(q, k, v, table, q_start, q_len, kv_len) -> None:
         raise ValueError(f"ragged_attention: table must be [R, MB] and q_start, q_len, kv_len "
                          f"[R]; got table {table.shape}, "
                          + ", ".join(f"{n} {s}" for n, s in spans.items()))
-    if k.dtype != v.dtype or k.dtype not in (jnp.float32, jnp.bfloat16, jnp.uint16):
-        raise ValueError(f"ragged_attention: k and v must both be float32, bfloat16 or uint16 "
-                         f"(bf16 bits); got {k.dtype} and {v.dtype}")
+    if k.dtype != v.dtype or k.dtype not in (jnp.float32, jnp.bfloat16, jnp.uint16, jnp.int8):
+        raise ValueError(f"ragged_attention: k and v must both be float32, bfloat16, uint16 "
+                         f"(bf16 bits) or int8 (codes and scales, `kv_int8.py`); got {k.dtype} "
+                         f"and {v.dtype}")
