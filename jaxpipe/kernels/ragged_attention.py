@@ -43,7 +43,10 @@ positions (or its window) and a prefill chunk reads each block once per tile (fi
 scripts/bench_attention.py). The kernel has paths (`PATHS`; `paths()` says which this build
 has): "portable" loops for every call, and "avx2" (decode rows) and "avx512_bf16" (decode rows
 and prefill tiles, vdpbf16ps) for bf16 pools of head dim 64, 128 or 256; each honours the
-window, softcap and scale. A call runs `path_for`'s path unless it names one (`path`), and
+window, softcap and scale. An int8 pool (`kv_cache_dtype="int8"`: rows of D codes and a bf16
+scale, `kernels/kv_int8.py`) runs on "portable", which dequantizes each row as it loads it
+(and `write_and_attend` quantizes the rows it writes, as `kv_int8.quantize` does).
+A call runs `path_for`'s path unless it names one (`path`), and
 fails if that one cannot run it. A custom call cannot be partitioned by the SPMD partitioner:
 on a sharded layout call it inside `jax.shard_map`, heads split over the tensor-parallel axis.
 """
@@ -117,7 +120,8 @@ def ragged_attention(q, k, v, table, q_start, q_len, kv_len, layer=0, *, window=
     """Causal attention of each row's span of query tokens over its paged keys and values.
 
     q [T, H, D] f32: the step's query tokens; k, v [L, NB, Hkv, BS, D] (f32, bf16, or bf16
-    stored as u16), or [NB, Hkv, BS, D] for L = 1; table [R, MB] i32: row r's position t is
+    stored as u16; or int8 rows [.., D + 2] of codes and a scale, `kv_int8.py`), or
+    [NB, Hkv, BS, D] for L = 1; table [R, MB] i32: row r's position t is
     k[layer, table[r, t // BS], :, t % BS]; q_start, q_len, kv_len [R] i32: row r's queries
     are tokens q_start[r] .. q_start[r] + q_len[r] - 1 at positions kv_len[r] - q_len[r] ..
     kv_len[r] - 1, query i attending over keys 0 .. kv_len[r] - q_len[r] + i (q_len 0: idle

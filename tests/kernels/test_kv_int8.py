@@ -10,14 +10,19 @@ import numpy as np
 import pytest
 
 from jaxpipe.kernels import kv_int8
+from jaxpipe.kernels import pallas_attention as pa
 from jaxpipe.kernels import ragged_attention as ra
 from jaxpipe.kernels.paged import from_storage, storage_dtype, to_storage
 from kernels.attention_cases import (
+    BS,
+    CAP,
     IMPLS,
     KV_LEN,
+    NB,
     Q_LEN,
     Q_START,
     UNCOVERED,
+    T,
     close,
     i32,
     inputs,
@@ -25,6 +30,7 @@ from kernels.attention_cases import (
     shuffled_table,
     want,
 )
+from kernels.test_ragged_attention import fresh_tokens, numpy_rope
 
 
 def numpy_scale(x):
@@ -99,3 +105,55 @@ def test_int8_pool_with_window_softcap_and_scale(impl, window, softcap, scale):
     close(got, want(q, k, v, table, layer=1, window=window, softcap=softcap, scale=scale),
           tol=5e-5)
 
+
+
+@pytest.mark.parametrize("head_dim,heads,kv_heads", [(16, 6, 2), (64, 9, 3)])
+def test_write_and_attend_quantizes_the_rotated_keys(head_dim, heads, kv_heads):
+    """The C++ kernel's write (and the jnp path's): each span token's rotated key and its
+    value land as int8 rows within half a step of float64 NumPy's, nothing else changes, and
+    the output is float64 attention over the pool as written."""
+    if not ra.available():
+        pytest.skip("the C++ kernel cannot be built here")
+    _, k, v = inputs(jnp.int8, seed=11, head_dim=head_dim, heads=heads, kv_heads=kv_heads,
+                     layers=2)
+    q, kv, cos, sin = fresh_tokens(11, heads, kv_heads, head_dim)
+    table = shuffled_table(seed=11)
+    table[4, 3] = NB + 5  # row 4: positions 15..19 have no block (not written, not read)
+    args = (q, kv, cos, sin, k, v, *i32(table, Q_START, Q_LEN, KV_LEN))
+    out, k2, v2 = jax.jit(ra.write_and_attend)(*args, jnp.int32(1))
+    ref_out, ref_k, ref_v = jax.jit(ra.write_and_attend_reference)(*args, jnp.int32(1))
+    rows, pos = (np.asarray(a) for a in ra.token_rows(Q_START, Q_LEN, KV_LEN, T, CAP))
+    rot_k, values = numpy_rope(kv[:, 0], cos, sin), np.asarray(kv[:, 1], np.float64)
+    written = np.zeros(k.shape[:4], bool)  # [L, NB, Hkv, BS]
+    for token in np.flatnonzero(rows >= 0):
+        block, offset = table[rows[token], pos[token] // BS], pos[token] % BS
+        if not 0 <= block < NB:
+            continue
+        written[1, block, :, offset] = True
+        for pool, ref, x in ((k2, ref_k, rot_k[token]), (v2, ref_v, values[token])):
+            got = np.asarray(pool)[1, block, :, offset]  # [Hkv, D + 2]
+            step = numpy_scale(x)[:, None]
+            assert (np.abs(numpy_dequantize(got) - x) <= step / 2 + 1e-6).all()
+            # the jnp path's rows: the same, up to a code where f32 rotations round apart
+            other = numpy_dequantize(np.asarray(ref)[1, block, :, offset])
+            assert (np.abs(numpy_dequantize(got) - other) <= 1.01 * step).all()
+    for new, old in ((k2, k), (v2, v)):
+        np.testing.assert_array_equal(np.asarray(new)[~written], np.asarray(old)[~written])
+    rot_q = jnp.asarray(numpy_rope(q, cos, sin), jnp.float32)
+    close(np.asarray(out), want(rot_q, k2, v2, table, layer=1), tol=5e-5)
+    close(np.asarray(ref_out), want(rot_q, ref_k, ref_v, table, layer=1), tol=5e-5)
+
+
+def test_bad_int8_pools_are_named():
+    """An int8 pool must hold rows of D + 2 (codes and scale); the avx paths take bf16 only."""
+    q, k, v = inputs(jnp.int8)
+    spans = i32(shuffled_table(), Q_START, Q_LEN, KV_LEN)
+    with pytest.raises(ValueError, match=r"int8 pools: rows of D \+ 2"):
+        pa.pallas_attention(q, k[..., :-2], v[..., :-2], *spans, interpret=True)
+    if not ra.available():
+        return
+    with pytest.raises(ValueError, match=r"int8 pools: rows of D \+ 2"):
+        ra.ragged_attention(q, k[..., :-2], v[..., :-2], *spans)
+    for path in set(ra.paths()) - {"portable"}:
+        with pytest.raises(ValueError, match=f"path '{path}' cannot run a int8 pool"):
+            ra.ragged_attention(q, k, v, *spans, path=path)
