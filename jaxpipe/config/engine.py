@@ -24,6 +24,7 @@ Matmul = Literal["auto", "xla", "portable", "avx2", "avx512_bf16", "amx"]
 Scheduler = Literal["auto", "seesaw", "prefill_first", "decode_first", "tdpipe", "throttle"]
 Predictor = Literal["learned", "oracle"]  # jaxpipe.scheduler.predictor
 Sampler = Literal["device", "host"]
+KvCacheDtype = Literal["auto", "int8"]  # jaxpipe/kernels/paged.py KV_CACHE_DTYPES
 ConstrainedSteps = Literal["skip", "land"]  # jaxpipe/engine/structured.py
 ATTENTION = typing.get_args(Attention)
 MATMULS = typing.get_args(Matmul)
@@ -31,6 +32,7 @@ SCHEDULERS = typing.get_args(Scheduler)
 PREDICTORS = typing.get_args(Predictor)
 SAMPLERS = typing.get_args(Sampler)
 CONSTRAINED_STEPS = typing.get_args(ConstrainedSteps)
+KV_CACHE_DTYPES = typing.get_args(KvCacheDtype)
 
 
 def _default_cache_dir() -> str:
@@ -64,6 +66,10 @@ class EngineConfig:
         the newest (to the host tier, or to be recomputed). It must hold one max_model_len
         sequence. Default (both None): sized from the free memory, see memory_utilization.
     kv_cache_tokens: the device KV store in tokens (wins over kv_cache_gb).
+    kv_cache_dtype: how the KV cache is stored (vLLM's field): "auto", the model's dtype, or
+        "int8": each token's K and V per KV head as int8 codes with a bf16 scale (symmetric,
+        max|x| / 127), dequantized as attention reads them; about half the bytes a token, so
+        the same memory holds about twice the tokens.
     memory_utilization: the fraction of the devices' free memory (accelerators: memory_stats;
         CPU devices: the host's available RAM), once the weights and the activations of the
         largest step are taken from it, that the device KV pool gets when kv_cache_gb /
@@ -162,6 +168,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 4096
     kv_cache_gb: float | None = None
     kv_cache_tokens: int | None = None
+    kv_cache_dtype: KvCacheDtype = "auto"
     seed: int = 0
     random_weights: bool = False
     compilation_cache_dir: str | None = field(default_factory=_default_cache_dir)
@@ -226,6 +233,7 @@ class EngineConfig:
                       lambda x: x > 0)
         if self.kv_cache_tokens is not None:
             _check_int("kv_cache_tokens", self.kv_cache_tokens, 1, 1 << 40)
+        _check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         _check_number("memory_utilization", self.memory_utilization, "a number in (0, 1] or None",
                       lambda x: 0 < x <= 1)
         _check_number("host_kv_gb", self.host_kv_gb, "a number >= 0 or None", lambda x: x >= 0)

@@ -176,7 +176,7 @@ def make_runner(config: EngineConfig, prep: Prepared, buckets: Buckets, num_slot
     return Runner(prep.model_config, weights, buckets, num_slots, prep.max_model_len,
                   prep.dtype, prep.layouts, devices, num_blocks, attention=config.attention,
                   sampler=config.sampler, sampler_threads=config.sampler_threads,
-                  kernels=kernels)
+                  kernels=kernels, kv_cache_dtype=config.kv_cache_dtype)
 
 
 def choose_kernels(config: EngineConfig, cfg: ModelConfig, dtype,
@@ -189,7 +189,8 @@ def choose_kernels(config: EngineConfig, cfg: ModelConfig, dtype,
     chosen = kernel_choice.for_machine(_forced(config))
     if config.attention == "auto":
         attention_impl("auto", devices, partial(chosen.attention, attention_cases(cfg),
-                                                storage_dtype(dtype, "cpu")))
+                                                storage_dtype(dtype, "cpu",
+                                                              config.kv_cache_dtype)))
     return chosen
 
 

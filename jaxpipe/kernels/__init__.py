@@ -4,7 +4,9 @@ once per machine), and a Pallas attention kernel for GPUs.
 
     attention_math.py    attention and RoPE in jnp: the model's math, every kernel's reference
     paged.py             the paged KV pool as every attention path reads it: block tables,
-                         OUT_OF_RANGE, the storage dtype (bf16 as u16 bits on CPU)
+                         OUT_OF_RANGE, the storage dtype (bf16 as u16 bits on CPU; int8)
+    kv_int8.py           the int8 KV cache's rows: D codes and a bf16 scale per token and KV
+                         head, quantize / dequantize
     ragged_attention.py  ragged query spans over the paged pool: the C++ kernel
                          (ragged_attention.cc) and the same contract in jnp (`reference`)
     pallas_attention.py  that contract in Pallas (Triton on GPU; interpreted on CPU for tests)

@@ -7,6 +7,10 @@ bf16 caches are stored on CPU as their uint16 bit patterns: XLA's CPU backend up
 buffers to f32 around a dynamic-update-slice or scatter, turning each one-token write into a
 copy of the whole cache (measured: 84 ms per layer write at 64 slots x 2048 tokens, vs 0.01 ms
 as u16). `to_storage` / `from_storage` are the only places that know this.
+
+An int8 cache (`kv_cache_dtype="int8"`) is stored as rows of D codes and a bf16 scale
+(`kernels/kv_int8.py`): its pools are [L, NB, Hkv, BS, D + 2] int8, `to_storage` quantizes and
+`from_storage` dequantizes (to f32).
 """
 
 from __future__ import annotations
@@ -15,23 +19,51 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxpipe.kernels import kv_int8
 
-def storage_dtype(dtype, platform: str = "cpu") -> jnp.dtype:
-    """The dtype cache buffers are kept in for a compute dtype on `platform`: bf16 as its u16
-    bits on CPU (the module docstring), as itself elsewhere."""
+KV_CACHE_DTYPES = ("auto", "int8")  # EngineConfig.kv_cache_dtype: "auto" is the model's dtype
+
+
+def storage_dtype(dtype, platform: str = "cpu", kv_cache_dtype: str = "auto") -> jnp.dtype:
+    """The dtype cache buffers are kept in for a compute dtype on `platform`: int8 for
+    kv_cache_dtype "int8"; else bf16 as its u16 bits on CPU (the module docstring), as itself
+    elsewhere."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got "
+                         f"{kv_cache_dtype!r}")
+    if kv_cache_dtype == "int8":
+        return jnp.dtype(jnp.int8)
     bf16 = jnp.dtype(dtype) == jnp.bfloat16
     return jnp.dtype(jnp.uint16) if bf16 and platform == "cpu" else jnp.dtype(dtype)
 
 
+def row_width(head_dim: int, stored) -> int:
+    """The last axis of a pool of `stored` dtype for vectors of `head_dim`: D + 2 for int8
+    (codes and scale), D otherwise."""
+    return kv_int8.row_width(head_dim) if jnp.dtype(stored) == jnp.int8 else head_dim
+
+
+def head_dim_of(pool) -> int:
+    """The head dim of the vectors a pool [..., W] stores (`row_width`'s inverse)."""
+    width = pool.shape[-1]
+    return kv_int8.head_dim_of(width) if pool.dtype == jnp.int8 else width
+
+
 def to_storage(x: jax.Array, cache: jax.Array) -> jax.Array:
-    """Values about to be written into `cache` (any float dtype) -> the cache's storage dtype."""
+    """Values about to be written into `cache` (any float dtype; [..., D]) -> the cache's
+    storage dtype (int8: quantized rows [..., D + 2])."""
+    if cache.dtype == jnp.int8:
+        return kv_int8.quantize(x)
     if cache.dtype == jnp.uint16:
         return jax.lax.bitcast_convert_type(x.astype(jnp.bfloat16), jnp.uint16)
     return x.astype(cache.dtype)
 
 
 def from_storage(x: jax.Array) -> jax.Array:
-    """A slice read from the cache -> its compute dtype (free: a bitcast)."""
+    """A slice read from the cache -> its compute dtype (free: a bitcast; int8 rows
+    [..., D + 2] -> f32 [..., D], dequantized)."""
+    if x.dtype == jnp.int8:
+        return kv_int8.dequantize(x)
     if x.dtype == jnp.uint16:
         return jax.lax.bitcast_convert_type(x, jnp.bfloat16)
     return x

@@ -39,6 +39,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from jaxpipe.kernels import kv_int8
 from jaxpipe.kernels.ragged_attention import _as_pool, _check_shapes, key_ranges
 
 
@@ -247,5 +248,8 @@ def _online_softmax(carry, s, vb):
 
 
 def _values(x):
-    """A block read from the pool -> its compute dtype (u16 holds bf16 bits)."""
+    """A block read from the pool -> its compute dtype (u16 holds bf16 bits; int8 rows of
+    codes and a scale are dequantized to f32 in the tile, `kv_int8.py`)."""
+    if x.dtype == jnp.int8:
+        return kv_int8.dequantize(x)
     return jax.lax.bitcast_convert_type(x, jnp.bfloat16) if x.dtype == jnp.uint16 else x

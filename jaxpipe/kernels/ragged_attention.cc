@@ -114,6 +114,28 @@ inline void load_row(const uint16_t* src, float* dst, int64_t d) {
   for (int64_t i = 0; i < d; ++i) dst[i] = bf16_to_f32(src[i]);
 }
 
+// An int8 cache's row (kernels/kv_int8.py): d codes, then its scale's bf16 bits (low byte,
+// high byte); the vector is codes * scale, dequantized here as the row is read.
+constexpr int64_t kScaleBytes = 2;
+
+inline float row_scale(const int8_t* row, int64_t d) {
+  uint16_t bits;
+  std::memcpy(&bits, row + d, sizeof bits);  // little-endian: low byte first
+  return bf16_to_f32(bits);
+}
+
+inline void load_row(const int8_t* src, float* dst, int64_t d) {
+  const float scale = row_scale(src, d);
+#pragma omp simd
+  for (int64_t i = 0; i < d; ++i) dst[i] = float(src[i]) * scale;
+}
+
+// Elements of one stored row of head dim d in a pool of T: d, or d codes and a scale (int8).
+template <typename T>
+constexpr int64_t row_width(int64_t d) {
+  return std::is_same_v<T, int8_t> ? d + kScaleBytes : d;
+}
+
 struct Shape {
   int64_t tokens, heads, kv_heads, dim;  // T, H, Hkv, D
   int64_t layers, blocks, block_size;    // L, NB, BS
@@ -247,10 +269,10 @@ template <int DIM, typename T>
 void block_scores(const float* __restrict q, const T* __restrict k, const T* next, int64_t n,
                   int64_t m_count, int64_t dyn_d, float scale, float* __restrict scores,
                   int64_t stride, float* __restrict row) {
-  const int64_t d = DIM > 0 ? DIM : dyn_d;
+  const int64_t d = DIM > 0 ? DIM : dyn_d, w = row_width<T>(d);
   for (int64_t t = 0; t < n; ++t) {
-    prefetch_row(next, t, d);
-    load_row(k + t * d, row, d);
+    prefetch_row(next, t, w);
+    load_row(k + t * w, row, d);
     for (int64_t m = 0; m < m_count; ++m) {
       const float* qq = q + m * d;
       float acc = 0.f;
@@ -265,13 +287,18 @@ constexpr int64_t kKeys = 16;  // keys per chunk in the multi-query score path
 
 inline float to_f32(float x) { return x; }
 inline float to_f32(uint16_t x) { return bf16_to_f32(x); }
+inline float to_f32(int8_t x) { return float(x); }
 
 // kt [D, kKeys] <- keys k [n, D] (n <= kKeys) as float32, transposed, zero-padded past n.
 template <int DIM, typename T>
 void load_transposed(const T* __restrict k, int64_t n, int64_t dyn_d, float* __restrict kt) {
-  const int64_t d = DIM > 0 ? DIM : dyn_d;
-  for (int64_t t = 0; t < kKeys; ++t)
-    for (int64_t i = 0; i < d; ++i) kt[i * kKeys + t] = t < n ? to_f32(k[t * d + i]) : 0.f;
+  const int64_t d = DIM > 0 ? DIM : dyn_d, w = row_width<T>(d);
+  for (int64_t t = 0; t < kKeys; ++t) {
+    float scale = 1.f;  // int8 rows: codes times the row's scale
+    if constexpr (std::is_same_v<T, int8_t>) scale = t < n ? row_scale(k + t * w, d) : 0.f;
+    for (int64_t i = 0; i < d; ++i)
+      kt[i * kKeys + t] = t < n ? to_f32(k[t * w + i]) * scale : 0.f;
+  }
 }
 
 // scores[r * stride + t] = q_r . k_t * scale for ROWS query vectors q [ROWS, D] and c <= kKeys
@@ -304,7 +331,7 @@ __attribute__((noinline)) void block_scores_tiled(const float* __restrict q,
   const int64_t d = DIM > 0 ? DIM : dyn_d;
   for (int64_t t0 = 0; t0 < n; t0 += kKeys) {
     const int64_t c = std::min(kKeys, n - t0);
-    load_transposed<DIM>(k + t0 * d, c, d, kt);
+    load_transposed<DIM>(k + t0 * row_width<T>(d), c, d, kt);
     int64_t m = 0;
     for (; m + kRows <= m_count; m += kRows)
       chunk_dots<kRows, DIM>(q + m * d, kt, c, d, scale, scores + m * stride + t0, stride);
@@ -319,10 +346,10 @@ template <int DIM, typename T>
 void block_values(const float* __restrict probs, const T* __restrict v, const T* next,
                   int64_t n, int64_t m_count, int64_t dyn_d, int64_t stride,
                   float* __restrict out, float* __restrict row) {
-  const int64_t d = DIM > 0 ? DIM : dyn_d;
+  const int64_t d = DIM > 0 ? DIM : dyn_d, w = row_width<T>(d);
   for (int64_t t = 0; t < n; ++t) {
-    prefetch_row(next, t, d);
-    load_row(v + t * d, row, d);
+    prefetch_row(next, t, w);
+    load_row(v + t * w, row, d);
     for (int64_t m = 0; m < m_count; ++m) {
       const float p = probs[m * stride + t];
       float* o = out + m * d;
@@ -359,7 +386,8 @@ __attribute__((noinline)) void block_values_tiled(const float* __restrict probs,
                                                   float* __restrict out, float* __restrict vf) {
   for (int64_t t0 = 0; t0 < n; t0 += kKeys) {
     const int64_t c = std::min(kKeys, n - t0);
-    for (int64_t t = 0; t < c; ++t) load_row(v + (t0 + t) * DIM, vf + t * DIM, DIM);
+    for (int64_t t = 0; t < c; ++t)
+      load_row(v + (t0 + t) * row_width<T>(DIM), vf + t * DIM, DIM);
     int64_t m = 0;
     for (; m + 2 <= m_count; m += 2)
       chunk_values<2, DIM>(probs + m * stride + t0, vf, c, stride, out + m * DIM);
@@ -481,7 +509,8 @@ void attend_tile(const Inputs<T>& in, const Shape& s, const Span& span, const Ti
   w.row.resize(d * kKeys);
   load_queries(in.q, s, token, h, count, bf16, w.q.data());
   const int32_t* table = in.table + tile.row * s.max_blocks;
-  const int64_t head = h * s.block_size * d, stride = s.kv_heads * s.block_size * d;
+  const int64_t w_row = row_width<T>(d);
+  const int64_t head = h * s.block_size * w_row, stride = s.kv_heads * s.block_size * w_row;
   const Paged<T> k{in.k + head, table, stride, s.block_size, s.blocks};
   const Paged<T> v{in.v + head, table, stride, s.block_size, s.blocks};
   scores_of<DIM>(w.q.data(), k, from, tile.keys, m_count, count == 1, d,
@@ -1285,7 +1314,9 @@ const char* shape_of(ffi::Buffer<ffi::F32>& q, ffi::AnyBuffer& k, ffi::AnyBuffer
   for (auto* x : {&q_start, &q_len, &kv_len})
     if (static_cast<int64_t>(x->element_count()) != s.rows)
       return "ragged_attention: q_start, q_len and kv_len must be [R]";
-  if (kd[4] != s.dim || s.kv_heads < 1 || s.heads % s.kv_heads != 0 || s.layers < 1 ||
+  // An int8 pool's rows hold D codes and a scale (kernels/kv_int8.py).
+  const int64_t width = k.element_type() == ffi::S8 ? s.dim + kScaleBytes : s.dim;
+  if (kd[4] != width || s.kv_heads < 1 || s.heads % s.kv_heads != 0 || s.layers < 1 ||
       s.block_size < 1)
     return "ragged_attention: inconsistent shapes";
   if (k.element_type() != v.element_type()) return "ragged_attention: k and v dtypes differ";
@@ -1319,6 +1350,21 @@ inline void rope(const float* x, const float* c, const float* sn, int64_t d, flo
 }
 
 inline void store_row(const float* x, int64_t d, float* y) { std::copy(x, x + d, y); }
+
+// x quantized into an int8 row (kernels/kv_int8.py's `quantize`, bit for bit): scale =
+// max|x| / 127 rounded up to bf16, codes rint(x / scale), then the scale's bits.
+inline void store_row(const float* x, int64_t d, int8_t* y) {
+  float amax = 0.f;
+  for (int64_t i = 0; i < d; ++i) amax = std::max(amax, std::fabs(x[i]));
+  const float step = amax / 127.f;
+  uint32_t bits;
+  std::memcpy(&bits, &step, sizeof bits);
+  const uint16_t scale_bits = static_cast<uint16_t>((bits + 0xffffu) >> 16);  // ceil to bf16
+  const float scale = bf16_to_f32(scale_bits), div = scale > 0 ? scale : 1.f;
+  for (int64_t i = 0; i < d; ++i)
+    y[i] = static_cast<int8_t>(std::clamp(std::nearbyint(x[i] / div), -127.f, 127.f));
+  std::memcpy(y + d, &scale_bits, sizeof scale_bits);
+}
 inline void store_row(const float* x, int64_t d, uint16_t* y) {
   for (int64_t i = 0; i < d; ++i) {
     const float r = round_bf16(x[i]);
@@ -1350,7 +1396,7 @@ void rope_and_write(ffi::ThreadPool& pool, const float* q, const float* kv, cons
       if (block < 0 || block >= s.blocks) continue;
       for (int64_t head = 0; head < s.kv_heads; ++head) {
         const int64_t at = ((block * s.kv_heads + head) * s.block_size +
-                             t.position % s.block_size) * d;
+                             t.position % s.block_size) * row_width<T>(d);
         const float* key = kv + ((t.token * 2) * s.kv_heads + head) * d;
         rope(key, cs, sn, d, rotated.data());
         store_row(rotated.data(), d, k + at);
@@ -1387,7 +1433,7 @@ template <typename T>
 void run_layer(ffi::ThreadPool& pool, Args a, const Shape& s,
                const std::array<const float*, 4>* fresh = nullptr) {
   const int64_t l = std::clamp<int64_t>(a.layer, 0, s.layers - 1);
-  const int64_t offset = l * s.blocks * s.kv_heads * s.block_size * s.dim;
+  const int64_t offset = l * s.blocks * s.kv_heads * s.block_size * row_width<T>(s.dim);
   T* k = static_cast<T*>(a.k) + offset;
   T* v = static_cast<T*>(a.v) + offset;
   const std::vector<Span> spans = spans_of(a, s);
@@ -1404,11 +1450,12 @@ template <typename... Fresh>
 ffi::Error run_typed(ffi::ThreadPool& pool, ffi::DataType type, Args a, const Shape& s,
                     const Fresh*... fresh) {
   const int64_t asked = a.path;
-  a.path = path_for(asked, type != ffi::F32, s.dim);
+  a.path = path_for(asked, type == ffi::U16 || type == ffi::BF16, s.dim);
   if (a.path < 0)
     return ffi::Error::InvalidArgument(
         "ragged_attention: path " + std::to_string(asked) + " is not built here or cannot run "
-        "this call (the avx paths take bf16 pools with head dim 64, 128 or 256)");
+        "this call (the avx paths take bf16 pools with head dim 64, 128 or 256; int8 pools "
+        "run on the portable path)");
   switch (type) {
     case ffi::F32:
       run_layer<float>(pool, a, s, fresh...);
@@ -1417,8 +1464,11 @@ ffi::Error run_typed(ffi::ThreadPool& pool, ffi::DataType type, Args a, const Sh
     case ffi::BF16:
       run_layer<uint16_t>(pool, a, s, fresh...);
       return ffi::Error::Success();
+    case ffi::S8:
+      run_layer<int8_t>(pool, a, s, fresh...);
+      return ffi::Error::Success();
     default:
-      return ffi::Error::InvalidArgument("ragged_attention: k/v must be f32, bf16 or u16");
+      return ffi::Error::InvalidArgument("ragged_attention: k/v must be f32, bf16, u16 or s8");
   }
 }
 

@@ -43,7 +43,10 @@ positions (or its window) and a prefill chunk reads each block once per tile (fi
 scripts/bench_attention.py). The kernel has paths (`PATHS`; `paths()` says which this build
 has): "portable" loops for every call, and "avx2" (decode rows) and "avx512_bf16" (decode rows
 and prefill tiles, vdpbf16ps) for bf16 pools of head dim 64, 128 or 256; each honours the
-window, softcap and scale. A call runs `path_for`'s path unless it names one (`path`), and
+window, softcap and scale. An int8 pool (`kv_cache_dtype="int8"`: rows of D codes and a bf16
+scale, `kernels/kv_int8.py`) runs on "portable", which dequantizes each row as it loads it
+(and `write_and_attend` quantizes the rows it writes, as `kv_int8.quantize` does).
+A call runs `path_for`'s path unless it names one (`path`), and
 fails if that one cannot run it. A custom call cannot be partitioned by the SPMD partitioner:
 on a sharded layout call it inside `jax.shard_map`, heads split over the tensor-parallel axis.
 """
@@ -61,7 +64,7 @@ import numpy as np
 
 from jaxpipe.kernels import attention_math
 from jaxpipe.kernels.build import register
-from jaxpipe.kernels.paged import OUT_OF_RANGE, from_storage, gather, to_storage
+from jaxpipe.kernels.paged import OUT_OF_RANGE, from_storage, gather, head_dim_of, to_storage
 
 SOURCE = Path(__file__).with_name("ragged_attention.cc")
 TARGET = "jaxpipe_ragged_attention"
@@ -117,7 +120,8 @@ def ragged_attention(q, k, v, table, q_start, q_len, kv_len, layer=0, *, window=
     """Causal attention of each row's span of query tokens over its paged keys and values.
 
     q [T, H, D] f32: the step's query tokens; k, v [L, NB, Hkv, BS, D] (f32, bf16, or bf16
-    stored as u16), or [NB, Hkv, BS, D] for L = 1; table [R, MB] i32: row r's position t is
+    stored as u16; or int8 rows [.., D + 2] of codes and a scale, `kv_int8.py`), or
+    [NB, Hkv, BS, D] for L = 1; table [R, MB] i32: row r's position t is
     k[layer, table[r, t // BS], :, t % BS]; q_start, q_len, kv_len [R] i32: row r's queries
     are tokens q_start[r] .. q_start[r] + q_len[r] - 1 at positions kv_len[r] - q_len[r] ..
     kv_len[r] - 1, query i attending over keys 0 .. kv_len[r] - q_len[r] + i (q_len 0: idle
@@ -271,9 +275,9 @@ def _attributes(softcap: float, scale: float | None, path: str | None, pool) -> 
     if not math.isfinite(softcap):
         raise ValueError(f"ragged_attention: softcap must be finite (<= 0: none); got "
                          f"{softcap!r}")
-    if path is not None and not (path in paths() and takes(path, pool.dtype, pool.shape[-1])):
+    if path is not None and not (path in paths() and takes(path, pool.dtype, head_dim_of(pool))):
         raise ValueError(f"ragged_attention: path {path!r} cannot run a {pool.dtype} pool of "
-                         f"head dim {pool.shape[-1]} here; this machine has "
+                         f"head dim {head_dim_of(pool)} here; this machine has "
                          f"{', '.join(paths())}, and the avx paths take bf16 pools of head "
                          f"dim {' or '.join(map(str, VECTOR_DIMS))}")
     return {"scale": np.float32(scale or 0.0), "softcap": np.float32(max(softcap, 0.0)),
@@ -287,9 +291,10 @@ def _as_pool(x):
 
 
 def _check_shapes(q, k, v, table, q_start, q_len, kv_len) -> None:
-    if q.ndim != 3 or k.ndim != 5 or k.shape != v.shape or k.shape[-1] != q.shape[-1]:
+    if q.ndim != 3 or k.ndim != 5 or k.shape != v.shape or head_dim_of(k) != q.shape[-1]:
         raise ValueError(f"ragged_attention: q must be [T, H, D] and k, v [L, NB, Hkv, BS, D] "
-                         f"or [NB, Hkv, BS, D] with the same D; got q {q.shape}, k {k.shape}, "
+                         f"or [NB, Hkv, BS, D] with the same D (int8 pools: rows of D + 2, "
+                         f"codes and scale); got q {q.shape}, k {k.shape} {k.dtype}, "
                          f"v {v.shape}")
     if q.shape[1] % k.shape[2]:
         raise ValueError(f"ragged_attention: {q.shape[1]} query heads is not a multiple of "
@@ -300,6 +305,7 @@ def _check_shapes(q, k, v, table, q_start, q_len, kv_len) -> None:
         raise ValueError(f"ragged_attention: table must be [R, MB] and q_start, q_len, kv_len "
                          f"[R]; got table {table.shape}, "
                          + ", ".join(f"{n} {s}" for n, s in spans.items()))
-    if k.dtype != v.dtype or k.dtype not in (jnp.float32, jnp.bfloat16, jnp.uint16):
-        raise ValueError(f"ragged_attention: k and v must both be float32, bfloat16 or uint16 "
-                         f"(bf16 bits); got {k.dtype} and {v.dtype}")
+    if k.dtype != v.dtype or k.dtype not in (jnp.float32, jnp.bfloat16, jnp.uint16, jnp.int8):
+        raise ValueError(f"ragged_attention: k and v must both be float32, bfloat16, uint16 "
+                         f"(bf16 bits) or int8 (codes and scales, `kv_int8.py`); got {k.dtype} "
+                         f"and {v.dtype}")

@@ -13,9 +13,11 @@ HND inside a block keeps each (block, head) contiguous over tokens, which is wha
 reads (measured on CPU: attention's einsum over an NHD cache ran 4x slower than over HND). The
 pool is donated to each step and updated in place.
 
-The pool's storage dtype (bf16 as u16 bits on CPU), `OUT_OF_RANGE` and the gather through a
-block table are the kernels' (`kernels/paged.py`): every attention path reads the pool the same
-way.
+The pool's storage dtype (bf16 as u16 bits on CPU; int8 with `kv_cache_dtype="int8"`, each
+row D codes and its scale, [.., D + 2], `kernels/kv_int8.py`), `OUT_OF_RANGE` and the gather
+through a block table are the kernels' (`kernels/paged.py`): every attention path reads the
+pool the same way. Everything here moves rows whatever they hold, so an int8 pool's codes and
+scales travel together (host tier, layout switch, prefix cache) with no float round trip.
 """
 
 from __future__ import annotations
@@ -32,8 +34,8 @@ BLOCK = 16  # tokens per KV block
 class KVCache(NamedTuple):
     """Keys and values of the block pool, every layer's. Donated through each step."""
 
-    k: jax.Array  # [L, NB, Hkv, BLOCK, D]
-    v: jax.Array  # [L, NB, Hkv, BLOCK, D]
+    k: jax.Array  # [L, NB, Hkv, BLOCK, D] (int8: [L, NB, Hkv, BLOCK, D + 2], scales inside)
+    v: jax.Array  # [L, NB, Hkv, BLOCK, D] (int8: as k)
 
 
 def blocks_for(tokens: int) -> int:

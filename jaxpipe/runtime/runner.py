@@ -213,9 +213,10 @@ class Placement:
                                         pipeline.unpack_program(*args))
         self.logits = pipeline.logits_program(cfg, cfg.vocab_size, layout, self.mesh,
                                               self.head_path)
-        kv = sharding.kv_sharding(cfg, padding, layout, self.mesh, num_blocks)
+        kv = sharding.kv_sharding(cfg, padding, layout, self.mesh, num_blocks, kv_dtype)
         self.cache = KVCache(kv, kv)
-        self._kv_shape, self._kv_dtype = sharding.kv_shape(cfg, padding, num_blocks), kv_dtype
+        self._kv_shape = sharding.kv_shape(cfg, padding, num_blocks, kv_dtype)
+        self._kv_dtype = kv_dtype
         spec = sharding.spec(("layers", "kv_heads", "seq", "head_dim"), layout)
         self.staging = [NamedSharding(self.mesh, spec)] * 2  # one sequence's K, V
         self.act_sharding = NamedSharding(self.mesh, P("pp"))  # [pp, T, E]: a slot per stage
@@ -272,18 +273,21 @@ class Runner:
     def __init__(self, cfg: ModelConfig, weights: dict | Path, buckets: Buckets,
                  num_slots: int, max_len: int, dtype, layouts: dict[str, Layout], devices,
                  num_blocks: int, attention: str = "auto", sampler: str = "device",
-                 sampler_threads: int = 2, kernels: KernelChoice | None = None):
+                 sampler_threads: int = 2, kernels: KernelChoice | None = None,
+                 kv_cache_dtype: str = "auto"):
         """`weights`: unpadded weights (name -> host or device array, as `param_decls`), or
         the path of an orbax checkpoint to restore straight into the prefill layout.
         `sampler`: "device" (the sampling program) or "host" (`host_sampler.py` on
         `sampler_threads` worker threads). `kernels`: which implementation runs each
         matmul and the attention, measured on this machine (None: XLA's dot, and the C++
-        attention kernel where it builds)."""
+        attention kernel where it builds). `kv_cache_dtype`: "auto" (the pool in `dtype`) or
+        "int8" (`kernels/kv_int8.py`)."""
         _check_runner_args(layouts, num_blocks)
         self.config, self.buckets = cfg, buckets
         self.num_slots, self.max_len, self.num_blocks = num_slots, max_len, num_blocks
         self.max_blocks = device_cache.blocks_for(max_len)
         self.kv_chunk = kv_chunk_tokens(max_len)
+        self.kv_dtype = storage_dtype(dtype, devices[0].platform, kv_cache_dtype)
         self._init_placements(dtype, layouts, devices, attention, kernels)
         self._init_device_state(weights, dtype, devices)
         self._init_sampling(sampler, sampler_threads)
@@ -296,7 +300,7 @@ class Runner:
         self.precision = "highest" if jnp.dtype(dtype) == jnp.float32 else None
         if devices[0].platform == "cpu":
             memory.keep_freed_memory()
-        kv_dtype = storage_dtype(dtype, devices[0].platform)
+        kv_dtype = self.kv_dtype
         self.attention = attention_impl(attention, devices, kernels and partial(
             kernels.attention, attention_cases(self.config), kv_dtype))
         self.layouts = dict(layouts)

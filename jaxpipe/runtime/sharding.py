@@ -42,6 +42,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpipe.config.layout import Layout
 from jaxpipe.config.model import ModelConfig
+from jaxpipe.kernels.paged import row_width
 from jaxpipe.kv.device_cache import BLOCK
 from jaxpipe.model.decoder import param_decls
 
@@ -281,15 +282,18 @@ def param_shardings(cfg: ModelConfig, padding: Padding, layout: Layout,
             for name, d in param_decls(cfg).items()}
 
 
-def kv_shape(cfg: ModelConfig, padding: Padding, num_blocks: int):
-    """Shape of the stacked KV block pool, K or V: [L', NB, Hkv', BLOCK, D]."""
+def kv_shape(cfg: ModelConfig, padding: Padding, num_blocks: int, stored=None):
+    """Shape of the stacked KV block pool, K or V: [L', NB, Hkv', BLOCK, D] (an int8 pool,
+    `stored` int8: rows of D + 2, codes and scale, `kernels/kv_int8.py`)."""
+    width = cfg.head_dim if stored is None else row_width(cfg.head_dim, stored)
     return (padding.size("layers", cfg.num_layers), num_blocks,
-            padding.size("kv_heads", cfg.num_kv_heads), BLOCK, cfg.head_dim)
+            padding.size("kv_heads", cfg.num_kv_heads), BLOCK, width)
 
 
 def kv_sharding(cfg: ModelConfig, padding: Padding, layout: Layout, mesh: Mesh,
-                num_blocks: int) -> NamedSharding:
-    return named_sharding(mesh, layout, KV_AXES, kv_shape(cfg, padding, num_blocks), "KV store")
+                num_blocks: int, stored=None) -> NamedSharding:
+    return named_sharding(mesh, layout, KV_AXES, kv_shape(cfg, padding, num_blocks, stored),
+                          "KV store")
 
 
 # ---- moving between layouts ----------------------------------------------------------------------

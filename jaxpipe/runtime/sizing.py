@@ -18,6 +18,7 @@ import jax.numpy as jnp
 
 from jaxpipe.config.layout import Layout
 from jaxpipe.config.model import ModelConfig
+from jaxpipe.kernels.paged import storage_dtype
 from jaxpipe.kv import device_cache
 from jaxpipe.runtime import memory, pipeline, sharding
 from jaxpipe.runtime.kernel_choice import KernelChoice
@@ -66,7 +67,8 @@ def size(config, model, dtype, layouts: dict, devices, weight_bytes: int,
     `devices`: the weights take `weight_bytes`, a sequence at most `max_len` tokens. Raises a
     ValueError naming the setting when the pool cannot hold one sequence, or the pool and the
     weights do not fit in the devices' free memory."""
-    block = block_bytes(model, dtype, layouts)
+    kv = config.kv_cache_dtype
+    block = block_bytes(model, dtype, layouts, kv)
     reserve = activation_bytes(model, max(config.max_num_batched_tokens,
                                           config.max_num_seqs or 0),
                                config.max_num_seqs or DEFAULT_MAX_NUM_SEQS)
@@ -76,7 +78,7 @@ def size(config, model, dtype, layouts: dict, devices, weight_bytes: int,
     check_fits(budget, blocks * block, weight_bytes, devices)
     budget = with_host_tier(budget, config, devices, blocks * block, weight_bytes)
     return Sizes(budget, seqs, blocks, host_tokens(config, budget.host_bytes,
-                                                   token_bytes(model, dtype, layouts)))
+                                                   token_bytes(model, dtype, layouts, kv)))
 
 
 def host_tokens(config, host_bytes: float, per_token: int) -> int:
@@ -87,12 +89,12 @@ def host_tokens(config, host_bytes: float, per_token: int) -> int:
     return int(host_bytes // per_token)
 
 
-def token_bytes(model, dtype, layouts: dict) -> int:
+def token_bytes(model, dtype, layouts: dict, kv_cache_dtype: str = "auto") -> int:
     """Bytes of one token's K and V (every layer, the padded layers and KV heads) in one copy
     of the pool: what the host tier keeps of a swapped-out token (the pool's ep replicas are
     one array)."""
     ep = max(lo.ep for lo in layouts.values())
-    return block_bytes(model, dtype, layouts) // ep // device_cache.BLOCK
+    return block_bytes(model, dtype, layouts, kv_cache_dtype) // ep // device_cache.BLOCK
 
 
 def utilization(config, devices) -> float:
@@ -126,13 +128,15 @@ def model_bytes(model, dtype) -> int:
     return model.num_params() * dtype.itemsize
 
 
-def block_bytes(model, dtype, layouts: dict) -> int:
+def block_bytes(model, dtype, layouts: dict, kv_cache_dtype: str = "auto") -> int:
     """Bytes of one KV block (K and V, every layer), as stored: with the layers and KV heads
     the layouts pad to (SmolLM2 on tp=8: 8 KV heads for 3, 32 layers for 30 — 2.8x the
-    unpadded bytes), times the largest ep degree (the pool is replicated over ep)."""
-    shape = sharding.kv_shape(model, sharding.padding_for(model, layouts.values()), 1)
+    unpadded bytes), times the largest ep degree (the pool is replicated over ep). An int8
+    cache (`kv_cache_dtype`) stores D + 2 bytes a token and head (codes and a bf16 scale)."""
+    stored = storage_dtype(dtype, "cpu", kv_cache_dtype)  # bf16 and its u16 bits: 2 bytes
+    shape = sharding.kv_shape(model, sharding.padding_for(model, layouts.values()), 1, stored)
     ep = max(lo.ep for lo in layouts.values())
-    return 2 * math.prod(shape) * dtype.itemsize * ep
+    return 2 * math.prod(shape) * stored.itemsize * ep
 
 
 def budget_for(config, devices, weight_bytes: int, reserve_bytes: int,

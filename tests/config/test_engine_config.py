@@ -48,6 +48,8 @@ BAD_ENGINE_CONFIGS = [
     (dict(prefix_caching="on"), "prefix_caching"),
     (dict(sampler="cpu"), "sampler must be one of"),
     (dict(sampler_threads=0), "sampler_threads"),
+    (dict(kv_cache_dtype="fp8"), "kv_cache_dtype"),
+    (dict(kv_cache_dtype="bfloat16"), "kv_cache_dtype"),
 ]
 
 

@@ -112,6 +112,10 @@ def test_values_reach_the_config_with_the_fields_types(parser):
     assert config_kwargs(EngineConfig, parser.parse_args([])) == {}  # its defaults apply
     with pytest.raises(SystemExit):
         parser.parse_args(["--max-num-seqs", "many"])
+    kv = config_from_args(EngineConfig, parser.parse_args(["--kv-cache-dtype", "int8"]), parser)
+    assert kv.kv_cache_dtype == "int8"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--kv-cache-dtype", "fp8"])
 
 
 def test_scheduler_flags_reach_engine_config(parser, capsys):

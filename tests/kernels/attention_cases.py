@@ -78,7 +78,7 @@ def shuffled_table(seed=0):
 
 def inputs(storage, seed=0, head_dim=D, layers=1, heads=H, kv_heads=HKV, tokens=T):
     """q [T, H, D] f32; k, v [layers, NB, Hkv, BS, D] in `storage` (float32, uint16 = bf16
-    bits, or bfloat16)."""
+    bits, or bfloat16; int8: rows [..., D + 2] of codes and a scale)."""
     rng = np.random.default_rng(seed)
     q = rng.normal(size=(tokens, heads, head_dim)).astype(np.float32)
     k = rng.normal(size=(layers, NB, kv_heads, BS, head_dim)).astype(np.float32)
@@ -88,8 +88,19 @@ def inputs(storage, seed=0, head_dim=D, layers=1, heads=H, kv_heads=HKV, tokens=
 
 
 def f64(*arrays):
-    """float64 copies (a u16 pool holds bf16 bits)."""
-    return [np.asarray(from_storage(jnp.asarray(a)), np.float64) for a in arrays]
+    """float64 copies (a u16 pool holds bf16 bits; an int8 pool rows of codes and a bf16
+    scale, read back here by `numpy_dequantize`, not by the code under test)."""
+    return [numpy_dequantize(np.asarray(a)) if jnp.asarray(a).dtype == jnp.int8
+            else np.asarray(from_storage(jnp.asarray(a)), np.float64) for a in arrays]
+
+
+def numpy_dequantize(rows):
+    """int8 rows [..., D + 2] (D codes, then a bf16 scale: low byte, high byte) -> float64
+    [..., D] codes * scale: the int8 KV cache's format (kernels/kv_int8.py) in NumPy."""
+    tail = rows[..., -2:].view(np.uint8).astype(np.uint32)
+    bits = (tail[..., 0] | tail[..., 1] << 8) << 16
+    scale = bits.astype(np.uint32).view(np.float32).astype(np.float64)
+    return rows[..., :-2].astype(np.float64) * scale[..., None]
 
 
 def i32(*arrays):

@@ -161,7 +161,7 @@ def test_bad_shapes_are_named():
         ra.ragged_attention(q, k, v, table, q_start, q_len, kv_len[:6])
     with pytest.raises(ValueError, match="kv heads"):
         ra.ragged_attention(q[:, :5], k, v, table, q_start, q_len, kv_len)
-    with pytest.raises(ValueError, match="float32, bfloat16 or uint16"):
+    with pytest.raises(ValueError, match="float32, bfloat16, uint16 .* or int8"):
         ra.ragged_attention(q, k, v.astype(jnp.float16), table, q_start, q_len, kv_len)
 
 

@@ -45,11 +45,12 @@ def insert(caches, slot: int, staged):
     return device_cache.write_blocks(caches, TABLE[slot], values)
 
 
-def filled_caches(dtype=jnp.float32, seed=0) -> list:
-    """A pool of 13 blocks per layer [NB, Hkv, BLOCK, D] of random values, as stored."""
+def filled_caches(dtype=jnp.float32, seed=0, kv_cache_dtype="auto") -> list:
+    """A pool of 13 blocks per layer [NB, Hkv, BLOCK, D] of random values, as stored (int8:
+    rows [.., D + 2] of codes and a scale)."""
     rng = np.random.default_rng(seed)
     pool = jax.ShapeDtypeStruct((13, CFG.num_kv_heads, device_cache.BLOCK, CFG.head_dim),
-                                paged.storage_dtype(dtype))
+                                paged.storage_dtype(dtype, "cpu", kv_cache_dtype))
 
     def filled():
         return paged.to_storage(jnp.asarray(rng.normal(size=pool.shape)), pool)
@@ -57,13 +58,19 @@ def filled_caches(dtype=jnp.float32, seed=0) -> list:
     return [device_cache.KVCache(filled(), filled()) for _ in range(CFG.num_layers)]
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_swap_out_then_in_to_another_slot_is_exact(dtype):
-    caches = filled_caches(dtype)
+@pytest.mark.parametrize("dtype,kv", [(jnp.float32, "auto"), (jnp.bfloat16, "auto"),
+                                      (jnp.bfloat16, "int8")])
+def test_swap_out_then_in_to_another_slot_is_exact(dtype, kv):
+    """int8: the codes and scales go to the host and back as they are (byte-exact)."""
+    caches = filled_caches(dtype, kv_cache_dtype=kv)
+    width = CFG.head_dim + 2 if kv == "int8" else CFG.head_dim
+    assert caches[0].k.shape[-1] == width
     before = [(dense(c.k), dense(c.v)) for c in caches]
     host = HostKVBuffer()
     swap_out(host, "a", caches, slot=1, tokens=11)
-    assert host.entries["a"].arrays[0].shape == (2, 16, 8)  # 11 tokens held in a bucket of 16
+    held = host.entries["a"].arrays[0]
+    assert held.shape == (2, 16, width)  # 11 tokens held in a bucket of 16
+    assert held.dtype == caches[0].k.dtype
     if host.memory_kind:
         assert host.entries["a"].arrays[0].sharding.memory_kind == host.memory_kind
     prefetch = Prefetcher(host)

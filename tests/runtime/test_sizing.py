@@ -185,3 +185,28 @@ def test_kv_block_counts_one_copy_per_ep_device():
     layouts = {"prefill": Layout.parse("ep=4,tp=2"), "decode": Layout.parse("ep=2,tp=4")}
     one = 2 * 3 * 16 * 4 * 8 * 2  # KV heads replicated to 4 for tp=4
     assert sizing.block_bytes(model, jnp.dtype(jnp.bfloat16), layouts) == 4 * one
+
+
+def test_int8_kv_pool_holds_about_twice_the_tokens(monkeypatch):
+    """SmolLM2-135M (head dim 64): an int8 row is 64 codes and a 2-byte scale, 66 bytes for
+    bf16's 128, so the same pool memory holds 128 / 66 = 1.94x the blocks (>= 1.9x, issue
+    51); the host tier likewise."""
+    import jax.numpy as jnp
+
+    from jaxpipe.model.loading import source_config
+    from jaxpipe.model.presets import resolve_model
+
+    monkeypatch.setattr(memory, "host_available_bytes", lambda: 100 * GIB)
+    model = source_config(resolve_model("smollm2-135m"))
+    one = Layout.parse("pp=1")
+    bf16, layouts = jnp.dtype(jnp.bfloat16), {"prefill": one, "decode": one}
+    block = 2 * model.num_layers * 16 * model.num_kv_heads * model.head_dim * 2
+    assert sizing.block_bytes(model, bf16, layouts) == block == BLOCK_BYTES
+    int8 = 2 * model.num_layers * 16 * model.num_kv_heads * (model.head_dim + 2)
+    assert sizing.block_bytes(model, bf16, layouts, "int8") == int8
+    sizes = {kv: sizing.size(EngineConfig(kv_cache_gb=1.0, host_kv_gb=0.5, kv_cache_dtype=kv),
+                             model, bf16, layouts, CPU, 10_000, 2048)
+             for kv in ("auto", "int8")}
+    assert sizes["int8"].num_blocks / sizes["auto"].num_blocks >= 1.9
+    assert sizes["int8"].host_tokens / sizes["auto"].host_tokens >= 1.9
+    assert sizes["auto"].num_blocks == GIB // BLOCK_BYTES
