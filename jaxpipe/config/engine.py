@@ -65,7 +65,7 @@ class EngineConfig:
         "fp8": e4m3 weights per output channel and per-token e4m3 activations through XLA's
         fp8 dot (for GPUs; on CPU it checks the numbers, it is not fast). Every decoder
         linear (q, kv, o, gate/up, down, MoE experts) and the LM head (see quantize_lm_head);
-        the embedding lookup, norms and biases stay in `dtype`.
+        the embedding lookup, norms and biases stay in `dtype`. None (vLLM's) is "none".
     quantize_lm_head: with quantization, quantize the LM head too (True; tied embeddings: a
         quantized copy of the embedding, the lookup keeps `dtype`); False keeps it in `dtype`.
     max_model_len: longest prompt + output, in tokens (default: min(model limit, 2048)).
@@ -235,6 +235,8 @@ class EngineConfig:
                 f"EngineConfig.model must be a preset name or a path, got {self.model!r}")
         _set(self, "model", str(self.model))
         _check_choice("dtype", self.dtype, DTYPES)
+        if self.quantization is None:  # vLLM's spelling of no quantization
+            _set(self, "quantization", "none")
         _check_choice("quantization", self.quantization, QUANTIZATIONS)
         if not isinstance(self.quantize_lm_head, bool):
             raise ValueError(f"EngineConfig.quantize_lm_head must be True or False, got "

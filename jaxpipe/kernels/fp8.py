@@ -3,9 +3,11 @@ weights with a scale per output channel, e4m3 activations with a scale per token
 summed in f32 by XLA's dot on float8_e4m3fn operands. For GPUs (Hopper and later multiply
 e4m3 natively); on CPU XLA upcasts, so this is where the numbers are checked, not timed.
 
-- A weight w [..., K, N]: s_w[n] = max_k |w[k, n]| / 448 (e4m3's largest finite value),
-  q_w = e4m3(clip(w / s_w, -448, 448)) (round to nearest even in the cast).
-- Activations x [..., K], per row: s_x[m] = max_k |x[m, k]| / 448, q_x likewise.
+- A weight w [..., K, N]: s_w[n] = max_k |w[k, n]| * f32(1 / 448) (448: e4m3's largest
+  finite value), q_w = e4m3(clip(w * f32(1 / s_w), -448, 448)) (round to nearest even in
+  the cast). Products by reciprocals, not divisions, as `int8.py` defines its own: XLA may
+  rewrite a division so, and then only the products reproduce to the bit.
+- Activations x [..., K], per row: s_x[m] = max_k |x[m, k]| * f32(1 / 448), q_x likewise.
 - y[m, n] = (sum_k f32(q_x[m, k]) f32(q_w[k, n])) * s_w[n] * s_x[m], the sum in f32.
 A slice of zeros gets scale 1 (codes 0). The clip matters: e4m3fn has no infinity, a value
 rounded past 448 by the division would become NaN in the cast.
@@ -15,17 +17,19 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 DTYPE = jnp.float8_e4m3fn
 FMAX = 448.0  # e4m3fn's largest finite value
+STEP = np.float32(1 / FMAX)
 
 
 def _quantize(v, axis: int) -> tuple[jax.Array, jax.Array]:
     """v's e4m3 codes (same shape) and f32 scales (`axis` removed), per slice along `axis`."""
     v = jnp.asarray(v, jnp.float32)
     amax = jnp.max(jnp.abs(v), axis=axis, keepdims=True, initial=0.0)
-    scale = jnp.where(amax > 0, amax / jnp.float32(FMAX), jnp.float32(1))
-    codes = jnp.clip(v / scale, -FMAX, FMAX).astype(DTYPE)
+    scale = jnp.where(amax > 0, amax * STEP, jnp.float32(1))
+    codes = jnp.clip(v * (1 / scale), -FMAX, FMAX).astype(DTYPE)
     return codes, jnp.squeeze(scale, axis)
 
 

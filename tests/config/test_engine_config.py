@@ -182,7 +182,11 @@ def test_matmul_names_xla_or_a_kernel_path():
         EngineConfig(matmul="amx2")
 
 
-@pytest.mark.parametrize("value", ["int4", "INT8", None, 8])
+def test_quantization_none_is_vllms_spelling_of_none():
+    assert EngineConfig(quantization=None).quantization == "none"
+
+
+@pytest.mark.parametrize("value", ["int4", "INT8", "", 8])
 def test_quantization_names_the_accepted_values(value):
     with pytest.raises(ValueError, match=r"EngineConfig.quantization must be one of \('none', "
                                          rf"'int8', 'fp8'\), got {value!r}"):
