@@ -22,6 +22,12 @@ summed with a `psum` over ep; everything else is computed alike on the ep device
 last stage keeps the residual of each sequence's last token in the step ([R, E]); only those
 go through the LM head (`logits_program`: the bf16 kernel on each device's vocab shard, or
 XLA's dot partitioned from the vocab-split weights).
+
+With `quantization` (`model/quantized.py`) the matmul weights are `QuantizedWeight`s (codes
+and per-output-channel scales, sharded alike): the int8 kernel reads the ones the kernel
+choice gives it in int8 panel order (`kernel_dot`, `REORDER`), XLA's int8 or fp8 dot the
+rest (`decoder.xla_dot`). Activations are quantized per row on each device, so under tp a
+row-split matmul's (wo, w_down) rows are quantized per shard.
 """
 
 from __future__ import annotations
