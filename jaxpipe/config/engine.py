@@ -19,8 +19,12 @@ from jaxpipe.config.model import DTYPES, Dtype
 # EngineConfig's options that take one of a fixed set of values: a Literal each, so its flag
 # lists (and argparse checks) the choices; __post_init__ checks them too, for Python callers.
 Attention = Literal["auto", "kernel", "pallas", "pallas-interpret", "xla"]
-# "auto", "xla" and the bf16 kernel's paths (jaxpipe.kernels.matmul.PATHS).
-Matmul = Literal["auto", "xla", "portable", "avx2", "avx512_bf16", "amx"]
+# "auto", "xla", the bf16 kernel's paths (jaxpipe.kernels.matmul.PATHS) and the int8 kernel's
+# own (jaxpipe.kernels.int8_matmul.PATHS; "portable" and "avx2" name a path of each).
+Matmul = Literal["auto", "xla", "portable", "avx2", "avx512_bf16", "amx", "avx_vnni",
+                 "avx512_vnni", "amx_int8"]
+# How the linear layers' weights are stored (vLLM's field): jaxpipe/model/quantized.py.
+Quantization = Literal["none", "int8", "fp8"]
 Scheduler = Literal["auto", "seesaw", "prefill_first", "decode_first", "tdpipe", "throttle"]
 Predictor = Literal["learned", "oracle"]  # jaxpipe.scheduler.predictor
 Sampler = Literal["device", "host"]
@@ -28,6 +32,7 @@ KvCacheDtype = Literal["auto", "int8"]  # jaxpipe/kernels/paged.py KV_CACHE_DTYP
 ConstrainedSteps = Literal["skip", "land"]  # jaxpipe/engine/structured.py
 ATTENTION = typing.get_args(Attention)
 MATMULS = typing.get_args(Matmul)
+QUANTIZATIONS = typing.get_args(Quantization)
 SCHEDULERS = typing.get_args(Scheduler)
 PREDICTORS = typing.get_args(Predictor)
 SAMPLERS = typing.get_args(Sampler)
@@ -53,6 +58,16 @@ class EngineConfig:
     model: a preset name from `models/` (e.g. "smollm2-135m"), a path to a `.gguf` file, an HF
         directory (config.json + *.safetensors) or an orbax checkpoint made by scripts/convert.py.
     dtype: "bfloat16" (fast on CPU with f32 accumulation) or "float32".
+    quantization: how the linear layers' weights are stored (vLLM's field). "none": in
+        `dtype`. "int8": dynamic W8A8, weights quantized once at load to int8 with a scale per
+        output channel, activations per token at run time, int32 sums (the C++ int8 kernel
+        where measured fastest, XLA's int8 dot elsewhere): about half bf16's weight bytes.
+        "fp8": e4m3 weights per output channel and per-token e4m3 activations through XLA's
+        fp8 dot (for GPUs; on CPU it checks the numbers, it is not fast). Every decoder
+        linear (q, kv, o, gate/up, down, MoE experts) and the LM head (see quantize_lm_head);
+        the embedding lookup, norms and biases stay in `dtype`. None (vLLM's) is "none".
+    quantize_lm_head: with quantization, quantize the LM head too (True; tied embeddings: a
+        quantized copy of the embedding, the lookup keeps `dtype`); False keeps it in `dtype`.
     max_model_len: longest prompt + output, in tokens (default: min(model limit, 2048)).
     max_num_seqs: sequences on the device at once (decode batch rows). Default: 256 (fewer
         only if the device KV pool has fewer blocks). Each sequence takes blocks as it grows;
@@ -163,6 +178,8 @@ class EngineConfig:
 
     model: str = "smollm2-135m"
     dtype: Dtype = "bfloat16"
+    quantization: Quantization = "none"
+    quantize_lm_head: bool = True
     max_model_len: int | None = None
     max_num_seqs: int | None = None
     max_num_batched_tokens: int = 4096
@@ -218,6 +235,12 @@ class EngineConfig:
                 f"EngineConfig.model must be a preset name or a path, got {self.model!r}")
         _set(self, "model", str(self.model))
         _check_choice("dtype", self.dtype, DTYPES)
+        if self.quantization is None:  # vLLM's spelling of no quantization
+            _set(self, "quantization", "none")
+        _check_choice("quantization", self.quantization, QUANTIZATIONS)
+        if not isinstance(self.quantize_lm_head, bool):
+            raise ValueError(f"EngineConfig.quantize_lm_head must be True or False, got "
+                             f"{self.quantize_lm_head!r}")
 
     def _check_batch(self) -> None:
         """The batch's limits: sequences on the device, tokens a step, tokens a sequence."""

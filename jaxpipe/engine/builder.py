@@ -36,6 +36,7 @@ from jaxpipe.kv.manager import KVManager
 from jaxpipe.model import loading
 from jaxpipe.model.decoder import Decoder, init_random, param_decls
 from jaxpipe.model.presets import resolve_model
+from jaxpipe.model.quantized import Quantization
 from jaxpipe.model.tokenizer import Tokenizer
 from jaxpipe.runtime import distributed, kernel_choice, sharding, sizing
 from jaxpipe.runtime.buckets import Buckets
@@ -81,7 +82,8 @@ def build(config: EngineConfig, devices: list, leader: distributed.Leader | None
     kernels = choose_kernels(config, prep.model_config, prep.dtype, devices)
     sizes = sizing.size(config, prep.model_config, prep.dtype, prep.layouts, devices,
                         sizing.weight_bytes(prep.model_config, prep.dtype, prep.layouts,
-                                            devices, kernels), prep.max_model_len)
+                                            devices, kernels, quantization(config)),
+                        prep.max_model_len)
     if leader is not None:
         leader.send("setup", {"max_num_seqs": sizes.max_num_seqs, "num_blocks": sizes.num_blocks,
                               "timings": kernels and kernels.timings,
@@ -176,7 +178,15 @@ def make_runner(config: EngineConfig, prep: Prepared, buckets: Buckets, num_slot
     return Runner(prep.model_config, weights, buckets, num_slots, prep.max_model_len,
                   prep.dtype, prep.layouts, devices, num_blocks, attention=config.attention,
                   sampler=config.sampler, sampler_threads=config.sampler_threads,
-                  kernels=kernels, kv_cache_dtype=config.kv_cache_dtype)
+                  kernels=kernels, kv_cache_dtype=config.kv_cache_dtype,
+                  quant=quantization(config))
+
+
+def quantization(config: EngineConfig) -> Quantization | None:
+    """The weights quantized at load (`EngineConfig.quantization`); None: none."""
+    if config.quantization == "none":
+        return None
+    return Quantization(config.quantization, config.quantize_lm_head)
 
 
 def choose_kernels(config: EngineConfig, cfg: ModelConfig, dtype,

@@ -16,6 +16,8 @@ once per machine), and a Pallas attention kernel for GPUs.
                          activation quantization, XLA's int8 dot (the int8 reference)
     int8_matmul.py       x @ w with int8 weights in int8 panel order (int8_matmul.cc): VNNI,
                          AVX2 and AMX int8 paths
+    fp8.py               dynamic fp8 (e4m3) W8A8's arithmetic in jnp: per-column weights,
+                         per-row activations, XLA's fp8 dot (quantization="fp8", for GPUs)
     gguf_blocks.py       GGUF's quantized blocks (q8_0, q4_0, q4_1, q4_k, q6_k) in jnp: decoding,
                          llama.cpp's q8_0 / q8_1 / q8_k activations, XLA's dot of the pair
                          (the GGUF reference)

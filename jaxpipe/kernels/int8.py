@@ -82,3 +82,10 @@ def reference(x, w_codes, w_scale) -> jax.Array:
     N] int8 in natural order, w_scale [N]) -> [..., N] f32, through XLA's int8 dot."""
     x_codes, x_scale = quantize_rows(x)
     return quantized_reference(x_codes, x_scale, w_codes, w_scale)
+
+
+def accumulate(x_codes, w_codes, dimension_numbers) -> jax.Array:
+    """XLA's dot_general of int8 codes, exact int32 sums (what `quantized_reference` runs,
+    for callers with other contractions: an MoE layer's experts)."""
+    return jax.lax.dot_general(x_codes, w_codes, dimension_numbers,
+                               preferred_element_type=jnp.int32)

@@ -109,8 +109,9 @@ class StackedWeight:
 
     def value(self) -> jax.Array:
         """The layer's weight [*shape] (a copy, where XLA's ops read it)."""
-        return jax.lax.dynamic_index_in_dim(self.stack, self.layer, keepdims=False
-                                            ).reshape(self.shape)
+        # (a tree map: the stack may be a pytree of arrays, `model/quantized.py`'s weights)
+        return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(
+            a, self.layer, keepdims=False), self.stack).reshape(self.shape)
 
 
 def bf16_matmul(x, w, layer=None, *, gated: bool = False, path: str | None = None) -> jax.Array:

@@ -3,6 +3,8 @@ loaders of each checkpoint format, and the tokenizer.
 
     decoder.py     the decoder (Flax NNX): parameters declared once, the per-layer math
     moe.py         the mixture-of-experts MLP: the router and the experts' paths
+    quantized.py   weights stored quantized (quantization="int8" / "fp8"): codes and
+                   per-output-channel scales in the params tree, their shardings
     family.py      what a model family is (`Family`): names, config rules, tensor tables
     families/      one module per family (`llama`, `qwen2_moe`, ...) and the registry
     tensors.py     jaxpipe's checkpoint tensor names, and how they stack into parameters

@@ -27,6 +27,7 @@ from flax import nnx
 from jaxpipe.config.model import ModelConfig
 from jaxpipe.kernels.attention_math import apply_rope, causal_attention, softcap
 from jaxpipe.model import moe
+from jaxpipe.model.quantized import QuantizedWeight
 
 LAYER_PARAMS = ("attn_norm", "wq", "wkv", "wo", "mlp_norm", "w_gate_up", "w_down",
                 "bq", "bkv", "q_norm", "k_norm", "post_attn_norm", "post_mlp_norm",
@@ -251,7 +252,10 @@ def embed(head: HeadParams, tokens, scale: float = 1.0):
 
 
 def xla_dot(x, w):
-    """x [M, K] @ w [K, N] -> [M, N] f32, x cast to w's dtype, accumulated in f32."""
+    """x [M, K] @ w [K, N] -> [M, N] f32, x cast to w's dtype, accumulated in f32; a
+    quantized w (`QuantizedWeight`): x quantized per row, its kind's dot (`model/quantized.py`)."""
+    if isinstance(w, QuantizedWeight):
+        return w.dot(x)
     return jnp.dot(x.astype(w.dtype), w, preferred_element_type=jnp.float32)
 
 

@@ -37,6 +37,10 @@ import jax
 import jax.numpy as jnp
 
 from jaxpipe.kernels import matmul
+from jaxpipe.model.quantized import KINDS, QuantizedWeight
+
+# The code dtypes of quantized experts (`model/quantized.py`): only the dense path reads them.
+QUANTIZED_DTYPES = (jnp.int8, jnp.float8_e4m3fn)
 
 
 def route(h, w_router, k: int, normalize: bool):
@@ -75,7 +79,9 @@ def experts_mlp(h, weights, experts, w_gate_up, w_down, path: str | None = None)
     stacked layers' (`kernels/matmul.StackedWeight`, the step's): the grouped kernel reads
     them in place, the other paths slice them out."""
     path = path or experts_path_for(jax.default_backend())
-    if callable(path):
+    if w_gate_up.dtype in QUANTIZED_DTYPES:  # quantized experts: only the dense path reads them
+        path = "dense"
+    elif callable(path):
         path = path(h.shape[0], experts.shape[1], w_gate_up, w_down)
     if path == "measured":  # no chooser given: the one every shape runs
         path = "dense"
@@ -113,12 +119,20 @@ def grouped_fits(w_gate_up, w_down) -> bool:
             and jax.default_backend() == "cpu" and matmul.available())
 
 
+def _gates(weights, experts, x: int):
+    """Each token's weight for each of the x experts [T, X] (zero where an expert is not
+    one of its k; ids >= X dropped)."""
+    t = weights.shape[0]
+    return jnp.zeros((t, x), jnp.float32).at[jnp.arange(t)[:, None], experts].add(
+        weights, mode="drop")
+
+
 def _dense(h, weights, experts, w_gate_up, w_down):
     """Every expert on every token; the products weighted by gates [T, X] (zero where an
     expert is not one of a token's k)."""
-    t, x = h.shape[0], w_gate_up.shape[0]
-    gates = jnp.zeros((t, x), jnp.float32).at[jnp.arange(t)[:, None], experts].add(
-        weights, mode="drop")  # ids >= X: dropped
+    if isinstance(w_gate_up, QuantizedWeight):
+        return _dense_quantized(h, weights, experts, w_gate_up, w_down)
+    gates = _gates(weights, experts, w_gate_up.shape[0])
     gate_up = jnp.einsum("td,xdgf->txgf", h.astype(w_gate_up.dtype), w_gate_up,
                          preferred_element_type=jnp.float32)  # [T, X, 2, F]
     act = jax.nn.silu(gate_up[..., 0, :]) * gate_up[..., 1, :] * gates[..., None]  # [T, X, F]
@@ -126,6 +140,26 @@ def _dense(h, weights, experts, w_gate_up, w_down):
     # CPU backend has no bf16 x bf16 -> f32 batched dot "txf,xfd->txd" inside the step's scan.)
     return jnp.einsum("txf,xfd->td", act.astype(w_down.dtype), w_down,
                       preferred_element_type=jnp.float32)
+
+
+def _dense_quantized(h, weights, experts, w_gate_up: QuantizedWeight,
+                     w_down: QuantizedWeight):
+    """`_dense` on quantized experts (`quantization="int8"` / "fp8"), through XLA's dot of
+    the kind's codes: h [T, E] quantized per token for the gate/up products, each (token,
+    expert) row of the gated activations [T, X, F] per row for the down products (a row of
+    an expert the token did not choose is zeros: codes 0). No grouped int8 kernel yet."""
+    kind = KINDS[w_gate_up.kind]
+    x, e = w_gate_up.shape[0], w_gate_up.shape[1]
+    gates = _gates(weights, experts, x)
+    hq, hs = kind.quantize_rows(h)  # [T, E], [T]
+    acc = kind.accumulate(hq, w_gate_up.codes.reshape(x, e, -1), (((1,), (1,)), ((), ())))
+    gate_up = acc.astype(jnp.float32) * w_gate_up.scale.reshape(x, -1) * hs[:, None, None]
+    f = gate_up.shape[-1] // 2  # [T, X, 2F]: gate then up
+    act = jax.nn.silu(gate_up[..., :f]) * gate_up[..., f:] * gates[..., None]  # [T, X, F]
+    aq, as_ = kind.quantize_rows(act)  # [T, X, F], [T, X]
+    acc = kind.accumulate(aq, w_down.codes, (((2,), (1,)), ((1,), (0,))))  # [X, T, E]
+    out = acc.astype(jnp.float32) * w_down.scale[:, None, :] * as_.T[..., None]
+    return jnp.sum(out, axis=0)
 
 
 def _grouped(h, weights, experts, w_gate_up, w_down):

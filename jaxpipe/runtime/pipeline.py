@@ -22,6 +22,12 @@ summed with a `psum` over ep; everything else is computed alike on the ep device
 last stage keeps the residual of each sequence's last token in the step ([R, E]); only those
 go through the LM head (`logits_program`: the bf16 kernel on each device's vocab shard, or
 XLA's dot partitioned from the vocab-split weights).
+
+With `quantization` (`model/quantized.py`) the matmul weights are `QuantizedWeight`s (codes
+and per-output-channel scales, sharded alike): the int8 kernel reads the ones the kernel
+choice gives it in int8 panel order (`kernel_dot`, `REORDER`), XLA's int8 or fp8 dot the
+rest (`decoder.xla_dot`). Activations are quantized per row on each device, so under tp a
+row-split matmul's (wo, w_down) rows are quantized per shard.
 """
 
 from __future__ import annotations
@@ -39,12 +45,19 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpipe.config.layout import Layout
 from jaxpipe.config.model import ModelConfig
-from jaxpipe.kernels import attention_math, matmul, pallas_attention, ragged_attention
+from jaxpipe.kernels import (
+    attention_math,
+    int8_matmul,
+    matmul,
+    pallas_attention,
+    ragged_attention,
+)
 from jaxpipe.kernels.matmul import StackedWeight
 from jaxpipe.kernels.paged import OUT_OF_RANGE, to_storage
 from jaxpipe.kv.device_cache import BLOCK, KVCache
 from jaxpipe.model import decoder
 from jaxpipe.model.decoder import LAYER_PARAMS, HeadParams, LayerParams, param_decls
+from jaxpipe.model.quantized import Quantization, QuantizedWeight
 from jaxpipe.runtime import kernel_choice, sharding
 from jaxpipe.runtime.kernel_choice import PANEL_ORDER, KernelChoice, Matmul
 
@@ -80,17 +93,22 @@ def attend(q, k, v, mb: dict, layer, *, attention: str, max_kv: int, window=0,
               window=window, softcap=softcap, scale=scale)
 
 
-def kernel_dot(x, w: StackedWeight):
-    """`decoder._matmul`'s dot with the C++ bf16 kernel on a weight in panel order
-    (`kernels/matmul.py`), on the path measured fastest for x's rows. Call inside
+def kernel_dot(x, w: StackedWeight, gated: bool = False):
+    """`decoder._matmul`'s dot with a C++ kernel on a weight in panel order, on the path
+    measured fastest for x's rows: the bf16 kernel (`kernels/matmul.py`), or the int8 one
+    (`kernels/int8_matmul.py`, int8 panel order) on a quantized weight. Call inside
     `shard_map`."""
-    return matmul.bf16_matmul(x, w.stacked(), w.layer, path=w.path(x.shape[0]))
+    stack, path = w.stacked(), w.path(x.shape[0])
+    if isinstance(stack, QuantizedWeight):
+        return int8_matmul.int8_matmul(x, stack.codes, stack.scale, w.layer, gated=gated,
+                                       path=path)
+    return matmul.bf16_matmul(x, stack, w.layer, gated=gated, path=path)
 
 
 def kernel_gated(x, w: StackedWeight):
     """`decoder.gated_mlp`'s fused gate: the kernel's `gated` mode (the [M, 2F] product is never
     written). Call inside `shard_map`."""
-    return matmul.bf16_matmul(x, w.stacked(), w.layer, gated=True, path=w.path(x.shape[0]))
+    return kernel_dot(x, w, gated=True)
 
 
 # The layer weights the step multiplies by, and how many of their axes after "layers" are
@@ -119,30 +137,52 @@ def layer_params(layers: LayerParams, j, packed: KernelPaths) -> LayerParams:
 
 def local_matmuls(shardings: dict) -> dict[str, Matmul]:
     """Each matmul weight's multiplication on one device (its shard as [K, N]; the fused
-    gate where its halves are whole panel pairs), from the weights' `NamedSharding`s and
-    padded shapes: name -> (sharding, shape). Only weights whose shard has an even K, what
-    panel order pairs. A weight the model has not (an MoE model's dense MLP) is left out
-    of `shardings` and of the result."""
+    gate where its halves are whole panel pairs), from the weights' `NamedSharding`s (a
+    `QuantizedWeight` of them: int8) and padded shapes: name -> (sharding, shape). Only
+    bf16 weights whose shard has an even K, what panel order pairs; int8 packs any K. A
+    weight the model has not (an MoE model's dense MLP) is left out of `shardings` and of
+    the result."""
     out = {}
     for name, (place, shape) in shardings.items():
+        quant = _quant(place)
+        local = _codes(place).shard_shape(shape)
         contracted = MATMUL_PARAMS[name]
-        local = place.shard_shape(shape)
         k, n = math.prod(local[1:1 + contracted]), math.prod(local[1 + contracted:])
-        if k % 2 == 0:
+        if k % 2 == 0 or quant == "int8":
             out[name] = Matmul(name, k, n, gated=name == "w_gate_up"
-                               and local[-1] % matmul.PANEL == 0)
+                               and local[-1] % matmul.PANEL == 0, quant=quant)
     return out
 
 
-def reorder_local(layers: dict, fn) -> dict:
-    """`fn` (`matmul.pack` or `unpack`) on each weight of `layers` (name -> this device's
+def _codes(w):
+    """A weight's array (or sharding, spec): a quantized one's codes."""
+    return w.codes if isinstance(w, QuantizedWeight) else w
+
+
+def _quant(w) -> str:
+    """`Matmul.quant` of a weight (or its sharding): "none", or its quantized kind."""
+    return w.kind if isinstance(w, QuantizedWeight) else "none"
+
+
+# Each weight storage's panel order: (pack, unpack) of the bf16 kernel's, the int8 kernel's.
+REORDER = {"none": (matmul.pack, matmul.unpack), "int8": (int8_matmul.pack, int8_matmul.unpack)}
+
+
+def reorder(w, direction: int, k: int | None = None):
+    """w in its storage's panel order (`REORDER`; `direction` 0: pack) or back (1): a
+    stacked layer weight [L', ...] as [L', k, N'] (k: its contracted size), or the LM head
+    [E, V'] as it is (k None); on a quantized weight, its codes. Shape kept."""
+    fn, codes = REORDER[_quant(w)][direction], _codes(w)
+    out = fn(codes if k is None else codes.reshape(codes.shape[0], k, -1)).reshape(codes.shape)
+    return dataclasses.replace(w, codes=out) if isinstance(w, QuantizedWeight) else out
+
+
+def reorder_local(layers: dict, direction: int) -> dict:
+    """Pack (`direction` 0) or unpack (1) each weight of `layers` (name -> this device's
     stacked block of a matmul weight, [L', ...]) as [L', K', N'], shape kept. Call inside
     `shard_map`."""
-    out = {}
-    for name, w in layers.items():
-        k = math.prod(w.shape[1:1 + MATMUL_PARAMS[name]])
-        out[name] = fn(w.reshape(w.shape[0], k, -1)).reshape(w.shape)
-    return out
+    return {name: reorder(w, direction, math.prod(_codes(w).shape[1:1 + MATMUL_PARAMS[name]]))
+            for name, w in layers.items()}
 
 
 HEAD_AXES = ("embed", "vocab")  # the LM head as the kernel reads it: [E, V]
@@ -150,38 +190,57 @@ HEAD_AXES = ("embed", "vocab")  # the LM head as the kernel reads it: [E, V]
 
 def local_head(shardings: dict, shapes: dict) -> Matmul | None:
     """The LM head's multiplication on one device, [E, V'] (tied: the embedding's shard
-    transposed), from the weights' `NamedSharding`s and padded shapes; None for an odd E,
-    which panel order cannot pair."""
+    transposed; quantized: its own [E, V]), from the weights' `NamedSharding`s and padded
+    shapes; None for an odd E in bf16, which panel order cannot pair."""
     name = "lm_head" if "lm_head" in shardings else "embed"
-    local = shardings[name].shard_shape(shapes[name])
+    place = shardings[name]
+    if isinstance(place, QuantizedWeight):
+        shape = shapes["lm_head"] if "lm_head" in shapes else shapes["embed"][::-1]
+        return Matmul("lm_head", *place.codes.shard_shape(shape), quant=place.kind)
+    local = place.shard_shape(shapes[name])
     e, v = local if name == "lm_head" else local[::-1]
     return Matmul("lm_head", e, v) if e % 2 == 0 else None
 
 
-def _layers_program(cfg: ModelConfig, layout: Layout, mesh, names: Iterable[str], fn):
+def _layers_program(specs: dict, mesh, names: Iterable[str], direction: int):
     """shard_map(layers) -> layers with each device's shards of the matmul weights `names`
-    reordered by `fn` (`matmul.pack` / `unpack`), shapes and shardings kept."""
+    packed (`direction` 0) or unpacked (1), shapes and shardings kept. specs: the
+    parameters' (`sharding.param_specs`)."""
+    specs = {n: specs[n] for n in names}
+    return jax.shard_map(lambda ws: reorder_local(ws, direction), mesh=mesh,
+                         in_specs=(specs,), out_specs=specs, check_vma=False)
+
+
+def _head_program(cfg: ModelConfig, layout: Layout, mesh, direction: int,
+                  quant: Quantization | None):
+    """shard_map of the LM head into (`direction` 0) or out of (1) its panel order: each
+    device's [E, V'] shard, a quantized head's codes (the head is its own [E, V] then);
+    packing a bf16 head takes the tied embedding [V', E], transposed, or "lm_head"."""
     decls = param_decls(cfg)
-    specs = {n: sharding.spec(decls[n].axes, layout) for n in names}
-    return jax.shard_map(lambda ws: reorder_local(ws, fn), mesh=mesh, in_specs=(specs,),
-                         out_specs=specs, check_vma=False)
+    specs = sharding.param_specs(cfg, layout, quant)
+    if quant is not None and quant.lm_head:
+        return jax.shard_map(partial(reorder, direction=direction), mesh=mesh,
+                             in_specs=(specs["lm_head"],), out_specs=specs["lm_head"],
+                             check_vma=False)
+    transpose = "lm_head" not in decls and direction == 0
+    head_in = sharding.spec(decls["embed"].axes if transpose else HEAD_AXES, layout)
+
+    def local(w):  # this device's [V', E] (tied, packing) or [E, V']
+        return reorder(w.T if transpose else w, direction)
+
+    return jax.shard_map(local, mesh=mesh, in_specs=(head_in,),
+                         out_specs=sharding.spec(HEAD_AXES, layout), check_vma=False)
 
 
-def pack_program(cfg: ModelConfig, layout: Layout, mesh, names: Iterable[str], head: bool):
+def pack_program(cfg: ModelConfig, layout: Layout, mesh, names: Iterable[str], head: bool,
+                 quant: Quantization | None = None):
     """jit(params in natural order, donated) -> params as the step reads them: each device's
-    shards of the matmul weights `names` in panel order (`matmul.pack`); with `head`, the LM
-    head [E, V] in panel order too, as "lm_head" (tied embeddings: a copy of the embedding's
-    transpose; the lookup keeps reading "embed")."""
-    decls = param_decls(cfg)
-    head_in = sharding.spec(decls["lm_head" if "lm_head" in decls else "embed"].axes, layout)
-    head_out = sharding.spec(HEAD_AXES, layout)
-
-    def local_head(w):  # this device's [V', E] (tied) or [E, V'] -> [E, V'] in panel order
-        return matmul.pack(w if "lm_head" in decls else w.T)
-
-    layers = _layers_program(cfg, layout, mesh, names, matmul.pack)
-    lm_head = jax.shard_map(local_head, mesh=mesh, in_specs=(head_in,), out_specs=head_out,
-                            check_vma=False)
+    shards of the matmul weights `names` in their kernel's panel order (`REORDER`: bf16's,
+    or int8's for weights quantized by `quant`); with `head`, the LM head [E, V] in panel
+    order too, as "lm_head" (tied bf16 embeddings: a copy of the embedding's transpose;
+    the lookup keeps reading "embed")."""
+    layers = _layers_program(sharding.param_specs(cfg, layout, quant), mesh, names, 0)
+    lm_head = _head_program(cfg, layout, mesh, 0, quant)
 
     def run(params):
         out = params | layers({n: params[n] for n in names})
@@ -192,18 +251,17 @@ def pack_program(cfg: ModelConfig, layout: Layout, mesh, names: Iterable[str], h
     return jax.jit(run, donate_argnums=0)
 
 
-def unpack_program(cfg: ModelConfig, layout: Layout, mesh, names: Iterable[str], head: bool):
+def unpack_program(cfg: ModelConfig, layout: Layout, mesh, names: Iterable[str], head: bool,
+                   quant: Quantization | None = None):
     """The inverse of `pack_program` (a new tree; params not donated): natural order, and no
-    "lm_head" for tied embeddings."""
-    decls = param_decls(cfg)
-    head_spec = sharding.spec(HEAD_AXES, layout)
-    layers = _layers_program(cfg, layout, mesh, names, matmul.unpack)
-    lm_head = jax.shard_map(matmul.unpack, mesh=mesh, in_specs=(head_spec,),
-                            out_specs=head_spec, check_vma=False)
+    "lm_head" for tied bf16 embeddings (a quantized head stays: it is the only copy)."""
+    keep_head = "lm_head" in param_decls(cfg) or (quant is not None and quant.lm_head)
+    layers = _layers_program(sharding.param_specs(cfg, layout, quant), mesh, names, 1)
+    lm_head = _head_program(cfg, layout, mesh, 1, quant)
 
     def run(params):
         out = params | layers({n: params[n] for n in names})
-        if head and "lm_head" in decls:
+        if head and keep_head:
             out["lm_head"] = lm_head(params["lm_head"])
         elif head:
             del out["lm_head"]
@@ -234,7 +292,8 @@ class StageOptions:
     `windows`: every padded layer's sliding window (0: none; `sharding.layer_windows`), ()
     for none at all; `moe_layers`: whether each padded layer runs its experts
     (`sharding.layer_experts`), () where every layer of the model is alike; `experts`: the
-    experts' path chooser (`moe.experts_mlp`'s; None: `kernel_choice.experts_path`)."""
+    experts' path chooser (`moe.experts_mlp`'s; None: `kernel_choice.experts_path`);
+    `quant`: which weights are quantized and how (None: none)."""
 
     attention: str
     max_kv: int
@@ -243,6 +302,7 @@ class StageOptions:
     windows: tuple[int, ...] = ()
     moe_layers: tuple[bool, ...] = ()
     experts: Callable | None = None
+    quant: Quantization | None = None  # the quantized weights (`model/quantized.py`)
 
 
 def stage_layers(cfg: ModelConfig, layers: LayerParams, x, mb: dict, cache: KVCache,
@@ -332,10 +392,9 @@ class StepAttention:
         return attn, (k, v)
 
 
-def _specs(cfg: ModelConfig, layout: Layout):
-    decls = param_decls(cfg)
-    layer_specs = LayerParams(*(sharding.spec(decls[n].axes, layout) if n in decls else None
-                                for n in LAYER_PARAMS))
+def _specs(cfg: ModelConfig, layout: Layout, quant: Quantization | None):
+    specs = sharding.param_specs(cfg, layout, quant)
+    layer_specs = LayerParams(*(specs.get(n) for n in LAYER_PARAMS))
     kv = sharding.spec(sharding.KV_AXES, layout)
     return layer_specs, KVCache(kv, kv)
 
@@ -369,7 +428,7 @@ def tick_program(cfg: ModelConfig, layout: Layout, mesh, opts: StageOptions, out
     once per number of sampled rows. `score` [S] i32 (None: S = 0): token indices of the
     leaving micro-batch whose residuals follow the rows' in `hidden` ([out_rows + S, E]):
     the prompt positions that score the next prompt token (`prompt_scores.py`)."""
-    layer_specs, cache_specs = _specs(cfg, layout)
+    layer_specs, cache_specs = _specs(cfg, layout, opts.quant)
     keys = ("rows", "positions", "table", "q_start", "q_len", "kv_len", "last")
     shift = [(i, (i + 1) % layout.pp) for i in range(layout.pp)]
 
@@ -417,16 +476,26 @@ HEAD_MIN_ROWS = 2
 
 
 def logits_program(cfg: ModelConfig, vocab: int, layout: Layout | None = None, mesh=None,
-                   packed: Callable[[int], str] | None = None):
+                   packed: Callable[[int], str] | None = None,
+                   quant: Quantization | None = None):
     """jit(params, hidden [R, E], rows=static n) -> logits [n, vocab] f32 of the first n rows
     (the sampled ones): the LM head only where a token is sampled. `packed`: params hold the
     head as the bf16 kernel reads it ("lm_head" [E, V] in panel order, `pack_program`), each
     device multiplies its vocab shard on `mesh` (`layout`'s) on the kernel path
-    `packed(rows)`; otherwise XLA partitions the head's dot from the vocab-split weights."""
-
+    `packed(rows)`; otherwise XLA partitions the head's dot from the vocab-split weights.
+    `quant`: the quantized weights (a quantized head: the int8 kernel on int8 panel order,
+    or XLA's dot of its kind)."""
     def head(h, w):
-        return jax.shard_map(partial(matmul.bf16_matmul, path=packed(h.shape[0])), mesh=mesh,
-                             in_specs=(P(), sharding.spec(HEAD_AXES, layout)),
+        head_spec = (sharding.param_specs(cfg, layout, quant)["lm_head"]
+                     if quant is not None and quant.lm_head else sharding.spec(HEAD_AXES, layout))
+
+        def local(h, w):  # this device's vocab shard, [E, V'] in its panel order
+            path = packed(h.shape[0])
+            if isinstance(w, QuantizedWeight):
+                return int8_matmul.int8_matmul(h, w.codes, w.scale, path=path)
+            return matmul.bf16_matmul(h, w, path=path)
+
+        return jax.shard_map(local, mesh=mesh, in_specs=(P(), head_spec),
                              out_specs=sharding.spec((None, "vocab"), layout),
                              check_vma=False)(h, w)
 
@@ -449,10 +518,11 @@ def logits_program(cfg: ModelConfig, vocab: int, layout: Layout | None = None, m
 
 def kernel_matmuls(cfg: ModelConfig, padding: sharding.Padding, shardings: dict,
                    kernels: KernelChoice | None) -> tuple[dict[str, Matmul], Matmul | None]:
-    """The matmuls of a layout (its weights' `shardings`) that `kernels` gives to the bf16
-    kernel, measuring them first if they are new: the layer weights (name -> the local
-    multiplication) and the LM head (None: XLA's)."""
-    if kernels is None:
+    """The matmuls of a layout (its weights' `shardings`; `QuantizedWeight`s of them for
+    quantized weights) that `kernels` gives to a C++ kernel (bf16's, or int8's for an int8
+    weight), measuring them first if they are new: the layer weights (name -> the local
+    multiplication) and the LM head (None: XLA's). fp8 weights are always XLA's."""
+    if kernels is None or "fp8" in map(_quant, shardings.values()):
         return {}, None
     shapes = sharding.padded_shapes(cfg, padding)
     local = local_matmuls({n: (shardings[n], shapes[n]) for n in MATMUL_PARAMS

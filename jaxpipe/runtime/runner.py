@@ -34,8 +34,9 @@ from jaxpipe.kernels import ragged_attention
 from jaxpipe.kernels.paged import OUT_OF_RANGE, storage_dtype
 from jaxpipe.kv import device_cache
 from jaxpipe.kv.device_cache import BLOCK, KVCache
-from jaxpipe.model import orbax_dir
+from jaxpipe.model import orbax_dir, quantized
 from jaxpipe.model.decoder import param_decls
+from jaxpipe.model.quantized import Quantization, QuantizedWeight
 from jaxpipe.runtime import (
     memory,
     pipeline,
@@ -194,25 +195,28 @@ class Placement:
     """One layout's mesh and the shardings of everything that moves between layouts."""
 
     def __init__(self, cfg: ModelConfig, padding: sharding.Padding, layout: Layout, devices,
-                 num_blocks: int, kv_dtype, kernels: KernelChoice | None = None):
-        """`kernels`: the bf16 weights' measured choices; the matmul weights whose chosen
-        implementation is the bf16 kernel (`self.packed`, and the LM head: `self.head_path`)
-        are kept in its panel order (`kernels/matmul.py`), each device's shards reordered.
-        None: XLA's dot on natural order (f32 weights, or no kernels)."""
-        self.layout = layout
+                 num_blocks: int, kv_dtype, kernels: KernelChoice | None = None,
+                 quant: Quantization | None = None):
+        """`kernels`: the weights' measured choices; the matmul weights whose chosen
+        implementation is a C++ kernel (`self.packed`, and the LM head: `self.head_path`)
+        are kept in its panel order (`kernels/matmul.py`, int8's for int8 weights), each
+        device's shards reordered. None: XLA's dot on natural order (f32 weights, or no
+        kernels). `quant`: the weights kept quantized (`model/quantized.py`; None: none)."""
+        self.layout, self.quant = layout, quant
         self.mesh = sharding.make_mesh(layout, devices)
-        self.params = sharding.param_shardings(cfg, padding, layout, self.mesh)
+        self.params = sharding.param_shardings(cfg, padding, layout, self.mesh, quant)
         layers, head = pipeline.kernel_matmuls(cfg, padding, self.params, kernels)
         self.packed = {n: partial(kernels.impl, mm) for n, mm in layers.items()}
         self.head_path = None if head is None else partial(kernels.impl, head)
         self.experts = partial(experts_path, chosen=kernels)  # the experts' chooser
         self._pack = self._unpack = None  # None: the step reads the natural order
         if self.packed or self.head_path:
-            args = (cfg, layout, self.mesh, tuple(self.packed), self.head_path is not None)
+            args = (cfg, layout, self.mesh, tuple(self.packed), self.head_path is not None,
+                    quant)
             self._pack, self._unpack = (pipeline.pack_program(*args),
                                         pipeline.unpack_program(*args))
         self.logits = pipeline.logits_program(cfg, cfg.vocab_size, layout, self.mesh,
-                                              self.head_path)
+                                              self.head_path, quant)
         kv = sharding.kv_sharding(cfg, padding, layout, self.mesh, num_blocks, kv_dtype)
         self.cache = KVCache(kv, kv)
         self._kv_shape = sharding.kv_shape(cfg, padding, num_blocks, kv_dtype)
@@ -274,20 +278,22 @@ class Runner:
                  num_slots: int, max_len: int, dtype, layouts: dict[str, Layout], devices,
                  num_blocks: int, attention: str = "auto", sampler: str = "device",
                  sampler_threads: int = 2, kernels: KernelChoice | None = None,
-                 kv_cache_dtype: str = "auto"):
+                 kv_cache_dtype: str = "auto", quant: Quantization | None = None):
         """`weights`: unpadded weights (name -> host or device array, as `param_decls`), or
         the path of an orbax checkpoint to restore straight into the prefill layout.
         `sampler`: "device" (the sampling program) or "host" (`host_sampler.py` on
         `sampler_threads` worker threads). `kernels`: which implementation runs each
         matmul and the attention, measured on this machine (None: XLA's dot, and the C++
         attention kernel where it builds). `kv_cache_dtype`: "auto" (the pool in `dtype`) or
-        "int8" (`kernels/kv_int8.py`)."""
+        "int8" (`kernels/kv_int8.py`). `quant`: the weights quantized at load
+        (`EngineConfig.quantization`; None: none)."""
         _check_runner_args(layouts, num_blocks)
         self.config, self.buckets = cfg, buckets
         self.num_slots, self.max_len, self.num_blocks = num_slots, max_len, num_blocks
         self.max_blocks = device_cache.blocks_for(max_len)
         self.kv_chunk = kv_chunk_tokens(max_len)
         self.kv_dtype = storage_dtype(dtype, devices[0].platform, kv_cache_dtype)
+        self.quant = quant
         self._init_placements(dtype, layouts, devices, attention, kernels)
         self._init_device_state(weights, dtype, devices)
         self._init_sampling(sampler, sampler_threads)
@@ -307,7 +313,7 @@ class Runner:
         self.padding = sharding.padding_for(self.config, self.layouts.values())
         weight_kernels = kernels if jnp.dtype(dtype) == jnp.bfloat16 else None
         self.placements = {p: Placement(self.config, self.padding, self.layouts[p], devices,
-                                        self.num_blocks, kv_dtype, weight_kernels)
+                                        self.num_blocks, kv_dtype, weight_kernels, self.quant)
                            for p in PHASES}
 
     def _init_device_state(self, weights: dict | Path, dtype, devices) -> None:
@@ -579,6 +585,7 @@ class Runner:
             place = self.placements[self.phase]
             opts = pipeline.StageOptions(
                 self.attention, max_kv, packed=place.packed, experts=place.experts,
+                quant=self.quant,
                 windows=sharding.layer_windows(self.config, self.padding),
                 moe_layers=sharding.layer_experts(self.config, self.padding))
             self._programs[key] = pipeline.tick_program(
@@ -703,16 +710,46 @@ class Runner:
         """Padded weights in the current layout: from host/device arrays (padded on the host),
         or restored from an orbax checkpoint straight into the layout's shardings."""
         place = self.placements[self.phase]
+        decls = param_decls(self.config)
         if isinstance(weights, dict):  # one at a time: each host copy goes before the next
-            placed = {name: jax.device_put(
-                sharding.pad_value(decl, weights[name], self.padding).astype(dtype),
-                place.params[name]) for name, decl in param_decls(self.config).items()}
-            return place.pack(placed)
+            placed = {}
+            for name, decl in decls.items():
+                placed[name] = jax.device_put(
+                    sharding.pad_value(decl, weights[name], self.padding).astype(dtype),
+                    sharding.float_sharding(place.params[name]))
+                self._quantize(placed, name)
+            return place.pack(self._quantize_head(placed))
         target = sharding.restore_target(self.config, self.padding, place.layout, place.mesh, dtype)
         cfg, values = orbax_dir.load_orbax(weights, target)
         if cfg != self.config:
             raise ValueError(f"orbax checkpoint {weights} holds {cfg}, expected {self.config}")
-        return place.pack(sharding.pad_on_device(self.config, values, self.padding, place.params))
+        placed = sharding.pad_on_device(self.config, values, self.padding, jax.tree.map(
+            sharding.float_sharding, {n: place.params[n] for n in decls},
+            is_leaf=lambda s: isinstance(s, QuantizedWeight)))
+        for name in decls:
+            self._quantize(placed, name)
+        return place.pack(self._quantize_head(placed))
+
+    def _quantize(self, params: dict, name: str) -> None:
+        """Replace weight `name` of `params` (placed, in the model's dtype) by its quantized
+        form in the current layout, where `self.quant` quantizes it: the float copy goes
+        as soon as the codes exist."""
+        target = self.placements[self.phase].params[name]
+        if isinstance(target, QuantizedWeight) and not isinstance(params[name], QuantizedWeight):
+            decls = param_decls(self.config)
+            fn = quantized.quantize_program(name, self.quant.axes(name, decls), self.quant.kind,
+                                            target)
+            params[name] = fn(params.pop(name))
+
+    def _quantize_head(self, params: dict) -> dict:
+        """`params` with a tied model's quantized LM head ("lm_head" [E, V], the embedding's
+        transpose quantized) where the head is quantized; the embedding stays."""
+        target = self.placements[self.phase].params.get("lm_head")
+        if isinstance(target, QuantizedWeight) and "lm_head" not in params:
+            fn = quantized.quantize_program("lm_head", quantized.HEAD_AXES, self.quant.kind,
+                                            target, transpose=True)
+            params["lm_head"] = fn(params["embed"])
+        return params
 
 
 def _check_runner_args(layouts: dict[str, Layout], num_blocks: int) -> None:

@@ -45,6 +45,7 @@ from jaxpipe.config.model import ModelConfig
 from jaxpipe.kernels.paged import row_width
 from jaxpipe.kv.device_cache import BLOCK
 from jaxpipe.model.decoder import param_decls
+from jaxpipe.model.quantized import Quantization, QuantizedWeight
 
 MESH_AXES = ("dp", "pp", "ep", "tp")
 # Logical axis -> mesh axis. Axes not listed (embed, head_dim, kv_pair, gate_up, seq) are never
@@ -274,12 +275,38 @@ def named_sharding(mesh: Mesh, layout: Layout, axes: tuple, shape: tuple[int, ..
     return NamedSharding(mesh, s)
 
 
-def param_shardings(cfg: ModelConfig, padding: Padding, layout: Layout,
-                    mesh: Mesh) -> dict[str, NamedSharding]:
-    """name -> NamedSharding of every (padded) parameter under `layout`."""
+def param_shardings(cfg: ModelConfig, padding: Padding, layout: Layout, mesh: Mesh,
+                    quant: Quantization | None = None) -> dict:
+    """name -> NamedSharding of every (padded) parameter under `layout`; with `quant`, its
+    quantized weights' as `QuantizedWeight`s of NamedShardings (codes and scale), "lm_head"
+    included where the head is quantized (a tied model's too)."""
     shapes = padded_shapes(cfg, padding)
-    return {name: named_sharding(mesh, layout, d.axes, shapes[name], f"parameter {name!r}")
-            for name, d in param_decls(cfg).items()}
+    decls = param_decls(cfg)
+    out = {name: named_sharding(mesh, layout, d.axes, shapes[name], f"parameter {name!r}")
+           for name, d in decls.items()}
+    if quant is None:
+        return out
+    sizes = {a: n for name, d in decls.items() for a, n in zip(d.axes, shapes[name],
+                                                                  strict=True)}
+    for name in quant.names(decls):
+        out[name] = quant.wrap(name, decls, lambda axes, name=name: named_sharding(
+            mesh, layout, axes, tuple(sizes[a] for a in axes), f"parameter {name!r}"))
+    return out
+
+
+def float_sharding(s):
+    """A parameter's sharding in the model's dtype: a quantized weight's codes' (the weight
+    before it is quantized, `model/quantized.py`), else `s`."""
+    return s.codes if isinstance(s, QuantizedWeight) else s
+
+
+def param_specs(cfg: ModelConfig, layout: Layout, quant: Quantization | None = None) -> dict:
+    """name -> PartitionSpec of every parameter under `layout` (`param_shardings`' specs)."""
+    decls = param_decls(cfg)
+    out = {name: spec(d.axes, layout) for name, d in decls.items()}
+    for name in quant.names(decls) if quant is not None else ():
+        out[name] = quant.wrap(name, decls, lambda axes: spec(axes, layout))
+    return out
 
 
 def kv_shape(cfg: ModelConfig, padding: Padding, num_blocks: int, stored=None):

@@ -20,6 +20,8 @@ from jaxpipe.config.layout import Layout
 from jaxpipe.config.model import ModelConfig
 from jaxpipe.kernels.paged import storage_dtype
 from jaxpipe.kv import device_cache
+from jaxpipe.model.decoder import param_decls
+from jaxpipe.model.quantized import Quantization, quantized_bytes
 from jaxpipe.runtime import memory, pipeline, sharding
 from jaxpipe.runtime.kernel_choice import KernelChoice
 
@@ -123,9 +125,18 @@ def activation_bytes(model, tokens: int, rows: int) -> int:
     return 4 * (ACTIVATION_FACTOR * tokens * per_token + 3 * rows * v + v * e)
 
 
-def model_bytes(model, dtype) -> int:
-    """Bytes of the weights in `dtype` (unpadded)."""
-    return model.num_params() * dtype.itemsize
+def model_bytes(model, dtype, quant: Quantization | None = None) -> int:
+    """Bytes of the weights in `dtype` (unpadded); with `quant`, its quantized weights as
+    stored (a byte a code, 4 a scale per output channel; a tied model's quantized LM head
+    is a copy beside the embedding)."""
+    if quant is None:
+        return model.num_params() * jnp.dtype(dtype).itemsize
+    decls = param_decls(model)
+    names = quant.names(decls)
+    plain = sum(math.prod(d.shape) for n, d in decls.items() if n not in names)
+    shape = lambda n: decls[n].shape if n in decls else decls["embed"].shape[::-1]  # noqa: E731
+    return plain * jnp.dtype(dtype).itemsize + sum(
+        quantized_bytes(n, shape(n), quant.axes(n, decls)) for n in names)
 
 
 def block_bytes(model, dtype, layouts: dict, kv_cache_dtype: str = "auto") -> int:
@@ -223,11 +234,12 @@ def _pool_from_free(config, devices, weight_bytes: int, reserve_bytes: int):
     return max(0.0, pool), setting
 
 
-def weight_bytes(cfg, dtype, layouts: dict, devices, kernels) -> int:
+def weight_bytes(cfg, dtype, layouts: dict, devices, kernels,
+                 quant: Quantization | None = None) -> int:
     """Bytes of the weights a runner holds: every copy it keeps (`weight_copies`), the packed
-    LM head (`packed_head_bytes`) included."""
-    packed = packed_head_bytes(cfg, dtype, layouts, devices, kernels)
-    return (model_bytes(cfg, dtype) + packed) * weight_copies(layouts, devices)
+    LM head (`packed_head_bytes`) included; `quant`: the weights quantized at load."""
+    packed = packed_head_bytes(cfg, dtype, layouts, devices, kernels, quant)
+    return (model_bytes(cfg, dtype, quant) + packed) * weight_copies(layouts, devices)
 
 
 def weight_copies(layouts: dict[str, Layout], devices) -> int:
@@ -239,16 +251,16 @@ def weight_copies(layouts: dict[str, Layout], devices) -> int:
 
 
 def packed_head_bytes(cfg: ModelConfig, dtype, layouts: dict[str, Layout], devices,
-                      kernels: KernelChoice | None) -> int:
+                      kernels: KernelChoice | None, quant: Quantization | None = None) -> int:
     """Bytes a runner adds to the weights: the LM head's copy in panel order when the head is
-    tied to the embedding and the kernel multiplies it in some layout. Measures (through
-    `kernels`) every matmul of every layout it has not seen, so that a runner made next
-    finds them measured."""
+    tied to the embedding and the kernel multiplies it in some layout (a quantized head is
+    counted by `model_bytes`). Measures (through `kernels`) every matmul of every layout it
+    has not seen, so that a runner made next finds them measured."""
     kernels = kernels if jnp.dtype(dtype) == jnp.bfloat16 else None
     padding = sharding.padding_for(cfg, layouts.values())
     heads = [pipeline.kernel_matmuls(cfg, padding, sharding.param_shardings(
-        cfg, padding, layout, sharding.make_mesh(layout, devices)), kernels)[1]
+        cfg, padding, layout, sharding.make_mesh(layout, devices), quant), kernels)[1]
         for layout in set(layouts.values())]
-    if not cfg.tie_embeddings or not any(heads):
+    if not cfg.tie_embeddings or not any(heads) or (quant is not None and quant.lm_head):
         return 0
     return cfg.hidden_size * cfg.vocab_size * jnp.dtype(dtype).itemsize

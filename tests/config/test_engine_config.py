@@ -172,9 +172,29 @@ def test_auto_layouts_are_the_planners_choice():
 
 def test_matmul_names_xla_or_a_kernel_path():
     from jaxpipe.config.engine import MATMULS
+    from jaxpipe.kernels import int8_matmul
     from jaxpipe.kernels.matmul import PATHS
 
-    assert MATMULS == ("auto", "xla", *PATHS)
+    assert MATMULS == ("auto", "xla", *dict.fromkeys((*PATHS, *int8_matmul.PATHS)))
     with pytest.raises(ValueError, match=r"EngineConfig.matmul must be one of \('auto', 'xla', "
-                                         r"'portable', 'avx2', 'avx512_bf16', 'amx'\), got 'amx2'"):
+                                         r"'portable', 'avx2', 'avx512_bf16', 'amx', 'avx_vnni', "
+                                         r"'avx512_vnni', 'amx_int8'\), got 'amx2'"):
         EngineConfig(matmul="amx2")
+
+
+def test_quantization_none_is_vllms_spelling_of_none():
+    assert EngineConfig(quantization=None).quantization == "none"
+
+
+@pytest.mark.parametrize("value", ["int4", "INT8", "", 8])
+def test_quantization_names_the_accepted_values(value):
+    with pytest.raises(ValueError, match=r"EngineConfig.quantization must be one of \('none', "
+                                         rf"'int8', 'fp8'\), got {value!r}"):
+        EngineConfig(quantization=value)
+
+
+def test_quantize_lm_head_must_be_a_bool():
+    assert EngineConfig(quantization="int8", quantize_lm_head=False).quantize_lm_head is False
+    with pytest.raises(ValueError, match="EngineConfig.quantize_lm_head must be True or False, "
+                                         "got 'no'"):
+        EngineConfig(quantize_lm_head="no")

@@ -66,3 +66,59 @@ def test_packed_lm_head_gives_the_reference_logits(gguf_weights, rows, path):
     np.testing.assert_allclose(got, want, rtol=1e-2, atol=1e-2 * np.abs(want).max())
     natural = pipeline.unpack_program(cfg, layout, mesh, frozenset(), True)(packed)
     assert set(natural) == set(values)
+
+
+def int8_paths() -> list[str]:
+    from jaxpipe.kernels import int8_matmul
+
+    return [None, *int8_matmul.PATHS]  # None: XLA's int8 dot on the natural order
+
+
+@pytest.mark.parametrize("path", int8_paths())
+@pytest.mark.parametrize("rows", [1, 3, 40])
+def test_int8_lm_head_gives_the_w8a8_reference_logits(gguf_weights, rows, path):
+    """quantization="int8": SmolLM2's tied head quantized from the bf16 embedding ([E, V],
+    a scale per token of the vocabulary), packed in int8 panel order with the layer weights
+    by `pack_program` and multiplied by `logits_program` on each int8 kernel path (None:
+    XLA's int8 dot, natural order), against float64 NumPy of the same W8A8 arithmetic;
+    `unpack_program` gives back every code as it was."""
+    import jax
+    from np_quant import w8a8
+
+    from jaxpipe.config.layout import Layout
+    from jaxpipe.kernels import int8_matmul
+    from jaxpipe.model import quantized
+    from jaxpipe.model.decoder import param_decls
+    from jaxpipe.runtime.sharding import make_mesh
+
+    if path is not None and path not in int8_matmul.paths():
+        pytest.skip(f"this machine's int8 kernel build has no {path} path (it has "
+                    f"{', '.join(int8_matmul.paths()) or 'none'})")
+    cfg, values = gguf_weights
+    quant = quantized.Quantization("int8")
+    layout = Layout.parse("pp=1,tp=1")
+    mesh = make_mesh(layout, jax.devices()[:1])
+    decls = param_decls(cfg)
+    params = {k: jnp.asarray(v, jnp.bfloat16) for k, v in values.items()}
+    names = quant.names(decls)
+    for name in names:
+        source = params["embed"].T if name == "lm_head" else params[name]
+        params[name] = quantized.quantize(source, name, quant.axes(name, decls), "int8")
+    natural = jax.tree.map(np.asarray, params)
+    layers = names[:-1] if path is not None else ()
+    if path is not None:
+        params = pipeline.pack_program(cfg, layout, mesh, layers, True, quant)(params)
+    hidden = np.random.default_rng(rows).standard_normal((rows + 2, cfg.hidden_size))
+    fn = pipeline.logits_program(cfg, cfg.vocab_size, layout, mesh,
+                                 path and (lambda rows: path), quant)
+    got = np.asarray(fn(params, jnp.asarray(hidden, jnp.float32), rows=rows))
+    x = hidden[:rows].astype(np.float32)
+    h = x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + np.float32(cfg.rms_norm_eps))
+    h = h * values["final_norm"].astype(np.float32)
+    embed = np.asarray(jnp.asarray(values["embed"], jnp.bfloat16), np.float32)
+    want = w8a8(h, embed.T)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+    if path is not None:
+        back = pipeline.unpack_program(cfg, layout, mesh, layers, True, quant)(params)
+        for name in names:
+            np.testing.assert_array_equal(np.asarray(back[name].codes), natural[name].codes)
