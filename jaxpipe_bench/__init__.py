@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from jaxpipe.config.checks import check_choices
-from jaxpipe.config.engine import Attention, EngineConfig, Quantization, Sampler
+from jaxpipe.config.engine import Attention, EngineConfig, Sampler
 from jaxpipe.config.model import Dtype
 from jaxpipe_bench.engine_fields import field_choices, label
 from jaxpipe_bench.matmul import DEFAULT_SHAPES
@@ -73,7 +73,6 @@ class BenchConfig:
         temperature 1 with the request's seed (jaxpipe's SamplingParams.n, OpenVINO's
         num_return_sequences; HF runs each prompt that many times); 1: greedy.
     dtype: the engines' compute dtype.
-    quantization: jaxpipe's weight quantization (EngineConfig.quantization: none, int8, fp8).
     model: jaxpipe's model (a preset name or a path).
     peer_model: the peers' model and the workload's vocabulary: a GGUF file or an HF directory
         (config.json + safetensors + tokenizer); None: the bundled SmolLM2-135M-Instruct GGUF
@@ -127,7 +126,6 @@ class BenchConfig:
     input_range: str | None = None
     samples: int = 1
     dtype: Dtype = EngineConfig.dtype
-    quantization: Quantization = EngineConfig.quantization
     model: str = EngineConfig.model
     peer_model: str | None = field(default=None, metadata={"flags": ("--peer-model", "--gguf")})
     max_num_seqs: int | None = None
@@ -354,7 +352,7 @@ def _engine_kwargs(cfg: BenchConfig, workload: Sequence[Request]) -> dict[str, A
         kwargs["max_num_batched_tokens"] = cfg.max_num_batched_tokens
     if cfg.kv_cache_gb:
         kwargs["kv_cache_gb"] = cfg.kv_cache_gb
-    for name in ("overlap", "sampler", "mesh", "quantization"):
+    for name in ("overlap", "sampler", "mesh"):
         if getattr(cfg, name) != getattr(EngineConfig, name):
             kwargs[name] = getattr(cfg, name)
     if cfg.attention is not None:
