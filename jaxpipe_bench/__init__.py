@@ -288,26 +288,32 @@ def run_jaxpipe(
     engine = Engine(engine_cfg)
     startup_s = time.perf_counter() - start
     log(f"[jaxpipe] engine built in {startup_s:.1f}s")
+    try:
+        result = _measured(cfg, engine, workload, log)
+    finally:
+        engine.close()
+    result.update(engine="jaxpipe", dtype=engine_cfg.dtype, batch_size=engine.max_num_seqs,
+                  fields=fields, startup_s=startup_s, engine_config=dict(vars(engine_cfg)))
+    result.update(max_num_batched_tokens=vars(engine_cfg).get("max_num_batched_tokens"),
+                  prefix_caching=vars(engine_cfg).get("prefix_caching"))
+    return result, engine.model_config
+
+
+def _measured(cfg: BenchConfig, engine: Any, workload: Sequence[Request], log: Log) -> dict:
+    """Warm `engine` up, then time `generate` over the workload: the throughput row, with the
+    warm-up's seconds and the run's stats."""
     warmup = warmup_requests(workload, cfg.warmup_prompts)
     start = time.perf_counter()
     if warmup:
         check_outputs(_generate(engine, warmup), warmup)
     warmup_s = time.perf_counter() - start
     elapsed, stats = _timed_generate(engine, workload, log)
-    result = throughput(workload, elapsed)
-    result.update(engine="jaxpipe", dtype=engine_cfg.dtype, batch_size=engine.max_num_seqs,
-                  fields=fields)
-    result.update(max_num_batched_tokens=vars(engine_cfg).get("max_num_batched_tokens"))
-    result.update(engine_config=dict(vars(engine_cfg)), startup_s=startup_s, warmup_s=warmup_s)
-    result.update(stats)
-    result.update(prefix_caching=vars(engine_cfg).get("prefix_caching"),
-                  prefix_cache_hit_rate=stats["engine_stats"].get("prefix_cache_hit_rate"))
+    result = throughput(workload, elapsed) | stats | {"warmup_s": warmup_s}
+    result["prefix_cache_hit_rate"] = stats["engine_stats"].get("prefix_cache_hit_rate")
     log(f"[jaxpipe] {result['output_tok_s']:.1f} output tok/s in {elapsed:.1f}s "
         f"(CPU: {stats['process_cpu_s']:.1f}s, of which the engine's thread "
         f"{stats['engine_thread_cpu_s']:.2f}s)")
-    model_config = engine.model_config
-    engine.close()
-    return result, model_config
+    return result
 
 
 def _timed_generate(engine: Any, workload: Sequence[Request], log: Log) -> tuple[float, dict]:

@@ -157,6 +157,7 @@ class _FakeEngine:
     """Stands in for jaxpipe.Engine: echoes prompts, returns `max_tokens` tokens (or fewer)."""
 
     short_by = 0
+    closed = 0  # engines closed (each run closes its own before the next is built)
 
     def __init__(self, config):
         self.config = config
@@ -175,6 +176,9 @@ class _FakeEngine:
     def stats(self):
         return {"steps": 1}
 
+    def close(self):
+        type(self).closed += 1
+
 
 @pytest.fixture
 def fake_engine(monkeypatch):
@@ -183,7 +187,7 @@ def fake_engine(monkeypatch):
     monkeypatch.setattr(jaxpipe, "Engine", _FakeEngine, raising=False)
     monkeypatch.setattr(jaxpipe, "EngineConfig", SimpleNamespace, raising=False)
     monkeypatch.setattr(jaxpipe, "SamplingParams", SimpleNamespace, raising=False)
-    _FakeEngine.short_by = 0
+    _FakeEngine.short_by = _FakeEngine.closed = 0
     return _FakeEngine
 
 
@@ -196,7 +200,7 @@ def test_run_jaxpipe_with_fake_engine(fake_engine):
     assert result["engine_config"]["max_model_len"] == 128  # 120 rounded up to 128
     assert result["batch_size"] == 4 and result["engine_stats"] == {"steps": 1}
     assert result["process_cpu_s"] >= result["engine_thread_cpu_s"] >= 0  # every thread's >= one's
-    assert model_config is SMOLLM2
+    assert model_config is SMOLLM2 and _FakeEngine.closed == 1
 
 
 def test_run_jaxpipe_rejects_short_outputs(fake_engine):
@@ -206,6 +210,7 @@ def test_run_jaxpipe_rejects_short_outputs(fake_engine):
     workload = make_workload(3, 0, VOCAB, input_len=10, output_len=5)
     with pytest.raises(RuntimeError, match=r"got \[4\] output tokens, expected 1 x 5"):
         run_jaxpipe(BenchConfig(warmup_prompts=0), workload, log=lambda _: None)
+    assert fake_engine.closed == 1  # closed on the way out too
 
 
 def test_check_outputs_detects_reordering():
