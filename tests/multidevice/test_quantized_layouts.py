@@ -11,6 +11,8 @@ import pytest
 from conftest import greedy_workload, one_device_tokens, one_layout_engine
 from prefix_workload import tokens
 
+from jaxpipe import Engine, EngineConfig
+
 INT8 = dict(quantization="int8", dtype="bfloat16", max_model_len=96, max_num_seqs=4,
             max_num_batched_tokens=32, warmup=False, show_progress=False)
 
@@ -34,3 +36,22 @@ def test_a_pipeline_layout_gives_the_single_device_int8_tokens(tiny_orbax, workl
             == one_device
     finally:
         engine.close()
+
+
+def test_a_kept_layouts_weights_survive_the_switches(tiny_orbax, workload):
+    """With the int8 kernel's portable path forced, both layouts of a pair pack their
+    weights, so every re-shard goes through a donating pack; the weights kept for the layout
+    left (its replicated norms are the same arrays in both layouts) must come out of it
+    whole: a second round of switches, onto the kept weights, gives the first round's
+    tokens."""
+    engine = Engine(EngineConfig(model=str(tiny_orbax), mesh="cpu-8", prefill="pp=8",
+                                 decode="tp=8", prefix_caching=False, matmul="portable",
+                                 **INT8))
+    try:
+        prompts, params = workload
+        first = tokens(engine.generate(prompt_token_ids=prompts, sampling_params=params))
+        second = tokens(engine.generate(prompt_token_ids=prompts, sampling_params=params))
+        assert engine.runner.keep_weights and engine.stats()["reshards"] >= 3
+    finally:
+        engine.close()
+    assert second == first
