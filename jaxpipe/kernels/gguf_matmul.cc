@@ -171,6 +171,28 @@ struct Task {
   int64_t ldy;
 };
 
+// A path's columns c0 .. c0 + cols - 1 over `rows` rows in tiles `Tile<R, C>::go(t, r0, c0)`
+// of R rows and C columns: whole tiles, then the rows left in a tile of fewer rows (the
+// compile-time R each has), then the last columns one at a time.
+template <template <int, int> class Tile, int R, int C>
+void tile_rows(const Task& t, int64_t r0, int64_t rows, int64_t c0) {
+  if constexpr (R > 1) {
+    if (rows < R) return tile_rows<Tile, R - 1, C>(t, r0, rows, c0);
+  }
+  Tile<R, C>::go(t, r0, c0);
+}
+
+template <template <int, int> class Tile, int R, int C>
+void run_tiles(const Task& t, int64_t c0, int64_t cols, int64_t rows) {
+  int64_t c = c0;
+  for (; c + C <= c0 + cols; c += C)
+    for (int64_t r = 0; r < rows; r += R)
+      tile_rows<Tile, R, C>(t, r, std::min<int64_t>(R, rows - r), c);
+  for (; c < c0 + cols; ++c)
+    for (int64_t r = 0; r < rows; r += R)
+      tile_rows<Tile, R, 1>(t, r, std::min<int64_t>(R, rows - r), c);
+}
+
 namespace portable {
 
 // Code i (0..31) of the block at p, as the dot multiplies it (q4_0: q - 8).
@@ -384,15 +406,6 @@ void tile(const Task& t, int64_t r0, int64_t c0) {
   });
 }
 
-// Rows r0 .. r0 + rows - 1 (rows <= R) of columns c0 .. c0 + C - 1.
-template <typename Dot, int F, int R, int C>
-void tile_rows(const Task& t, int64_t r0, int64_t rows, int64_t c0) {
-  if constexpr (R > 1) {
-    if (rows < R) return tile_rows<Dot, F, R - 1, C>(t, r0, rows, c0);
-  }
-  tile<Dot, F, R, C>(t, r0, c0);
-}
-
 // q4_k: y[R rows, C columns at c0]. Per super-block, each lane's sum over the 8 sub-blocks of
 // sc_j x its products stays an exact int32 (<= 32 x 15 x 127 x 63 < 2^24, so its conversion
 // is exact too), then one scale; the minimums' integer sum goes in scalar.
@@ -448,26 +461,6 @@ void tile_k(const Task& t, int64_t r0, int64_t c0) {
   });
 }
 
-template <typename Dot, int R, int C>
-void tile_rows_k(const Task& t, int64_t r0, int64_t rows, int64_t c0) {
-  if constexpr (R > 1) {
-    if (rows < R) return tile_rows_k<Dot, R - 1, C>(t, r0, rows, c0);
-  }
-  tile_k<Dot, R, C>(t, r0, c0);
-}
-
-template <typename Dot>
-void run_k(const Task& t, int64_t c0, int64_t cols, int64_t rows) {
-  constexpr int R = Dot::kRows, C = Dot::kCols2;
-  int64_t c = c0;
-  for (; c + C <= c0 + cols; c += C)
-    for (int64_t r = 0; r < rows; r += R)
-      tile_rows_k<Dot, R, C>(t, r, std::min<int64_t>(R, rows - r), c);
-  for (; c < c0 + cols; ++c)
-    for (int64_t r = 0; r < rows; r += R)
-      tile_rows_k<Dot, R, 1>(t, r, std::min<int64_t>(R, rows - r), c);
-}
-
 // q6_k: y[R rows, C columns at c0]. A 32-weight chunk's codes q - 32 go in as |q - 32| (u8,
 // <= 32) with x carrying their sign (vpsignb), so the s16 pairs are exact signed sums with no
 // offset to take off; each 16's scale multiplies its pairs (vpmaddwd / vpdpwssd).
@@ -520,36 +513,41 @@ void tile_k6(const Task& t, int64_t r0, int64_t c0) {
   });
 }
 
-template <typename Dot, int R, int C>
-void tile_rows_k6(const Task& t, int64_t r0, int64_t rows, int64_t c0) {
-  if constexpr (R > 1) {
-    if (rows < R) return tile_rows_k6<Dot, R - 1, C>(t, r0, rows, c0);
-  }
-  tile_k6<Dot, R, C>(t, r0, c0);
-}
-
+// Each tile kind of a path `Dot` as a `run_tiles` Tile: the 32-weight formats' (F), q4_k's
+// and q6_k's.
+template <typename Dot, int F>
+struct Blocks {
+  template <int R, int C>
+  struct Tile {
+    static void go(const Task& t, int64_t r0, int64_t c0) { tile<Dot, F, R, C>(t, r0, c0); }
+  };
+};
 template <typename Dot>
-void run_k6(const Task& t, int64_t c0, int64_t cols, int64_t rows) {
-  constexpr int R = Dot::kRows, C = Dot::kCols2;
-  int64_t c = c0;
-  for (; c + C <= c0 + cols; c += C)
-    for (int64_t r = 0; r < rows; r += R)
-      tile_rows_k6<Dot, R, C>(t, r, std::min<int64_t>(R, rows - r), c);
-  for (; c < c0 + cols; ++c)
-    for (int64_t r = 0; r < rows; r += R)
-      tile_rows_k6<Dot, R, 1>(t, r, std::min<int64_t>(R, rows - r), c);
-}
+struct Q4K {
+  template <int R, int C>
+  struct Tile {
+    static void go(const Task& t, int64_t r0, int64_t c0) { tile_k<Dot, R, C>(t, r0, c0); }
+  };
+};
+template <typename Dot>
+struct Q6K {
+  template <int R, int C>
+  struct Tile {
+    static void go(const Task& t, int64_t r0, int64_t c0) { tile_k6<Dot, R, C>(t, r0, c0); }
+  };
+};
 
 template <typename Dot, int F>
 void run(const Task& t, int64_t c0, int64_t cols, int64_t rows) {
-  constexpr int R = Dot::kRows, C = Dot::kCols2;
-  int64_t c = c0;
-  for (; c + C <= c0 + cols; c += C)
-    for (int64_t r = 0; r < rows; r += R)
-      tile_rows<Dot, F, R, C>(t, r, std::min<int64_t>(R, rows - r), c);
-  for (; c < c0 + cols; ++c)  // the last columns one at a time
-    for (int64_t r = 0; r < rows; r += R)
-      tile_rows<Dot, F, R, 1>(t, r, std::min<int64_t>(R, rows - r), c);
+  run_tiles<Blocks<Dot, F>::template Tile, Dot::kRows, Dot::kCols2>(t, c0, cols, rows);
+}
+template <typename Dot>
+void run_k(const Task& t, int64_t c0, int64_t cols, int64_t rows) {
+  run_tiles<Q4K<Dot>::template Tile, Dot::kRows, Dot::kCols2>(t, c0, cols, rows);
+}
+template <typename Dot>
+void run_k6(const Task& t, int64_t c0, int64_t cols, int64_t rows) {
+  run_tiles<Q6K<Dot>::template Tile, Dot::kRows, Dot::kCols2>(t, c0, cols, rows);
 }
 
 }  // namespace ymm
@@ -637,23 +635,17 @@ void tile(const Task& t, int64_t r0, int64_t c0) {
   });
 }
 
-template <int F, int R, int C>
-void tile_rows(const Task& t, int64_t r0, int64_t rows, int64_t c0) {
-  if constexpr (R > 1) {
-    if (rows < R) return tile_rows<F, R - 1, C>(t, r0, rows, c0);
-  }
-  tile<F, R, C>(t, r0, c0);
-}
+template <int F>
+struct Blocks {
+  template <int R, int C>
+  struct Tile {
+    static void go(const Task& t, int64_t r0, int64_t c0) { tile<F, R, C>(t, r0, c0); }
+  };
+};
 
 template <int F>
 void run(const Task& t, int64_t c0, int64_t cols, int64_t rows) {
-  int64_t c = c0;
-  for (; c + kCols2 <= c0 + cols; c += kCols2)
-    for (int64_t r = 0; r < rows; r += kRows)
-      tile_rows<F, kRows, kCols2>(t, r, std::min<int64_t>(kRows, rows - r), c);
-  for (; c < c0 + cols; ++c)
-    for (int64_t r = 0; r < rows; r += kRows)
-      tile_rows<F, kRows, 1>(t, r, std::min<int64_t>(kRows, rows - r), c);
+  run_tiles<Blocks<F>::template Tile, kRows, kCols2>(t, c0, cols, rows);
 }
 
 }  // namespace zmm
