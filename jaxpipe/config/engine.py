@@ -62,6 +62,8 @@ class EngineConfig:
         `dtype`. "int8": dynamic W8A8, weights quantized once at load to int8 with a scale per
         output channel, activations per token at run time, int32 sums (the C++ int8 kernel
         where measured fastest, XLA's int8 dot elsewhere): about half bf16's weight bytes.
+        The float weights are first smoothed (SmoothQuant, `model/smoothing.py`: activation
+        outlier channels folded into the weights, calibrated on a shipped text at load).
         "fp8": e4m3 weights per output channel and per-token e4m3 activations through XLA's
         fp8 dot (for GPUs; on CPU it checks the numbers, it is not fast). Every decoder
         linear (q, kv, o, gate/up, down, MoE experts) and the LM head (see quantize_lm_head);

@@ -33,7 +33,7 @@ from jaxpipe.engine.step_builder import restore_penalties
 from jaxpipe.engine.structured import Constraints
 from jaxpipe.kernels.paged import storage_dtype
 from jaxpipe.kv.manager import KVManager
-from jaxpipe.model import loading
+from jaxpipe.model import loading, smoothing
 from jaxpipe.model.decoder import Decoder, init_random, param_decls
 from jaxpipe.model.presets import resolve_model
 from jaxpipe.model.quantized import Quantization
@@ -175,6 +175,7 @@ def make_runner(config: EngineConfig, prep: Prepared, buckets: Buckets, num_slot
     model = prep.model
     weights = model if isinstance(model, Path) else {
         name: getattr(model, name)[...] for name in param_decls(prep.model_config)}
+    weights = _smoothed(config, prep, weights)
     return Runner(prep.model_config, weights, buckets, num_slots, prep.max_model_len,
                   prep.dtype, prep.layouts, devices, num_blocks, attention=config.attention,
                   sampler=config.sampler, sampler_threads=config.sampler_threads,
@@ -187,6 +188,19 @@ def quantization(config: EngineConfig) -> Quantization | None:
     if config.quantization == "none":
         return None
     return Quantization(config.quantization, config.quantize_lm_head)
+
+
+def _smoothed(config: EngineConfig, prep: Prepared, weights: dict | Path) -> dict | Path:
+    """int8's weights smoothed before quantization (`model/smoothing.py`); as given for the
+    other kinds, random weights (nothing to calibrate) and orbax checkpoints (restored
+    straight into shardings: not smoothed, with a log line)."""
+    if config.quantization != "int8" or config.random_weights:
+        return weights
+    if isinstance(weights, Path):
+        log.info("int8 smoothing skipped: orbax checkpoints are restored straight into the "
+                 "layout, unsmoothed")
+        return weights
+    return smoothing.smooth_model(prep.model_config, weights, prep.tokenizer)
 
 
 def choose_kernels(config: EngineConfig, cfg: ModelConfig, dtype,

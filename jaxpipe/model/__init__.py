@@ -5,6 +5,8 @@ loaders of each checkpoint format, and the tokenizer.
     moe.py         the mixture-of-experts MLP: the router and the experts' paths
     quantized.py   weights stored quantized (quantization="int8" / "fp8"): codes and
                    per-output-channel scales in the params tree, their shardings
+    smoothing.py   int8's SmoothQuant-style smoothing of the float weights before they
+                   are quantized, calibrated on data/calibration.txt
     family.py      what a model family is (`Family`): names, config rules, tensor tables
     families/      one module per family (`llama`, `qwen2_moe`, ...) and the registry
     tensors.py     jaxpipe's checkpoint tensor names, and how they stack into parameters
