@@ -46,8 +46,8 @@
 // (whole blocks prefetched at once two blocks ahead ran at 14-15 GB/s). The same pools on
 // AVX2 + FMA ("avx2"): decode tasks in `avx2::`, tiles of several queries on the portable
 // code; it also takes int8 pools (kernels/kv_int8.py) of those head dims, each row's codes
-// widened to f32 8 at a time and times its scale (loaded once a row) as the row is read, q
-// and the probabilities kept f32 as the portable path keeps them. Otherwise ("portable": f32 pools, other head dims, or asked for) f32 code: a decode
+// widened to f32 8 at a time, its scale applied once a row (to the key's score, the value's
+// probability), q and the probabilities kept f32 as the portable path keeps them. Otherwise ("portable": f32 pools, other head dims, or asked for) f32 code: a decode
 // task does G dots per key; a tile of several queries scores 16 keys at a time against a
 // transposed copy and, for a compile-time D, sums values with its outputs held in registers.
 // Every path honours windows, soft caps and scales.
@@ -1086,31 +1086,39 @@ inline void widen_rows(const uint16_t* __restrict src, int64_t n, float* __restr
 }
 
 // dst [n, D] f32 <- an int8 pool's rows src [n, D + 2] (codes, then the row's bf16 scale):
-// each row's codes widened to f32 8 at a time and multiplied by its scale, loaded once per
-// row: the portable `load_row`'s values to the bit (float(code) * scale). `next`: as above.
+// each row's codes widened to f32 8 at a time, its scale into scales[r], applied once per
+// row by the caller (to the row's score, or to its probability). `next`: as above.
 template <int D>
 inline void widen_rows(const int8_t* __restrict src, int64_t n, float* __restrict dst,
-                       const int8_t* next) {
+                       const int8_t* next, float* __restrict scales) {
   constexpr int64_t kWidth = D + kScaleBytes;
   for (int64_t r = 0; r < n; ++r) {
     const int8_t* row = src + r * kWidth;
     if (next != nullptr)
       for (int64_t i = 0; i < kWidth; i += 64)
         _mm_prefetch(reinterpret_cast<const char*>(next + r * kWidth + i), _MM_HINT_T0);
-    const __m256 sc = _mm256_set1_ps(row_scale(row, D));
+    scales[r] = row_scale(row, D);
     unroll<D / 8>([&](auto c) {
       const __m128i x = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + 8 * c));
-      _mm256_storeu_ps(dst + r * D + 8 * c,
-                       _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(x)), sc));
+      _mm256_storeu_ps(dst + r * D + 8 * c, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(x)));
     });
   }
 }
 
+// A bf16 pool's rows carry no scale: `scales` is unused.
+template <int D>
+inline void widen_rows(const uint16_t* __restrict src, int64_t n, float* __restrict dst,
+                       const uint16_t* next, float*) {
+  widen_rows<D>(src, n, dst, next);
+}
+
 // st[g * ls + i] = scale * q_g . k_i for the block's rows i (kf [8-rounded n, D]; rows past
-// n are stale and their scores past the row's keys, which the softmax never reads).
+// n are stale and their scores past the row's keys, which the softmax never reads), each
+// also times rows[i] where `rows` is given (an int8 row's scale: kf holds its codes).
 template <int D>
 void block_scores(const float* __restrict kf, int64_t n, const float* __restrict q,
-                  int64_t g_count, float scale, float* __restrict st, int64_t ls) {
+                  int64_t g_count, float scale, float* __restrict st, int64_t ls,
+                  const float* __restrict rows) {
   const __m256 sc = _mm256_set1_ps(scale);
   for (int64_t g = 0; g < g_count; ++g)
     for (int64_t i0 = 0; i0 < n; i0 += 8) {
@@ -1122,7 +1130,8 @@ void block_scores(const float* __restrict kf, int64_t n, const float* __restrict
           acc[i] = _mm256_fmadd_ps(_mm256_loadu_ps(kf + (i0 + i) * D + c), qc, acc[i]);
         });
       }
-      _mm256_storeu_ps(st + g * ls + i0, _mm256_mul_ps(lanes_total(acc), sc));
+      const __m256 by = rows ? _mm256_mul_ps(_mm256_loadu_ps(rows + i0), sc) : sc;
+      _mm256_storeu_ps(st + g * ls + i0, _mm256_mul_ps(lanes_total(acc), by));
     }
 }
 
@@ -1157,14 +1166,14 @@ inline void softmax(float* s, int64_t len, bool round) {
 // the head's output in registers at a time.
 template <int D>
 void block_values(const float* __restrict vf, int64_t n, const float* __restrict p, int64_t ls,
-                  int64_t g_count, float* __restrict out) {
+                  int64_t g_count, float* __restrict out, const float* __restrict rows) {
   constexpr int kPass = D / 8 < 8 ? D / 8 : 8;  // accumulators per pass
   for (int64_t g = 0; g < g_count; ++g)
     for (int c0 = 0; c0 < D; c0 += 8 * kPass) {
       __m256 acc[kPass];
       unroll<kPass>([&](auto c) { acc[c] = _mm256_loadu_ps(out + g * D + c0 + 8 * c); });
       for (int64_t i = 0; i < n; ++i) {
-        const __m256 pb = _mm256_broadcast_ss(p + g * ls + i);
+        const __m256 pb = _mm256_set1_ps(rows ? p[g * ls + i] * rows[i] : p[g * ls + i]);
         unroll<kPass>([&](auto c) {
           acc[c] = _mm256_fmadd_ps(pb, _mm256_loadu_ps(vf + i * D + c0 + 8 * c), acc[c]);
         });
@@ -1175,14 +1184,17 @@ void block_values(const float* __restrict vf, int64_t n, const float* __restrict
 
 struct Work {
   std::vector<float> q, st, rows, out;  // q [G, D], st [G, ls], rows [8-rounded BS, D], out [G, D]
+  std::vector<float> scales;            // [8-rounded BS]: an int8 block's row scales
 };
 
 // A one-query task: the G heads of kv head h over the query's keys tile.from .. tile.keys - 1
 // (its window, which may begin inside a block). A block's scores are stored 8 keys at a time
 // from its first key read (any block size): those past them are overwritten by the next
 // block's or land in st's 8 spare entries. A bf16 pool (T u16) rounds q and the
-// probabilities to bf16, as the XLA path does; an int8 pool's rows are dequantized as they
-// are widened and q and the probabilities stay f32, as the portable path keeps them.
+// probabilities to bf16, as the XLA path does; an int8 pool's codes are widened as they are,
+// each key row's scale multiplies its score and each value row's its probability (once a
+// row, not once an element), and q and the probabilities stay f32 as the portable path
+// keeps them.
 template <int D, typename T>
 void decode(const Inputs<T>& in, const Shape& s, const Span& span, const Tile& tile,
             int64_t h, Work& w) {
@@ -1203,6 +1215,8 @@ void decode(const Inputs<T>& in, const Shape& s, const Span& span, const Tile& t
   w.q.resize(g_count * D);
   w.st.resize(g_count * ls);
   w.rows.resize((s.block_size + 7) / 8 * 8 * D);
+  w.scales.assign((s.block_size + 7) / 8 * 8, 0.f);
+  float* rs = kBf16 ? nullptr : w.scales.data();
   w.out.assign(g_count * D, 0.f);
   const float* src = in.q + (token * s.heads + h * g_count) * D;
   for (int64_t i = 0; i < g_count * D; i += 8) {
@@ -1211,16 +1225,16 @@ void decode(const Inputs<T>& in, const Shape& s, const Span& span, const Tile& t
   }
   const float scale = scale_of(in.opt.scale, D);
   each_block(from, end, s.block_size, [&](int64_t j, int64_t o, int64_t n, int64_t at) {
-    widen_rows<D>(k.block(j) + o * kRow, n, w.rows.data(), k.after(j + 1, end));
-    block_scores<D>(w.rows.data(), n, w.q.data(), g_count, scale, w.st.data() + at, ls);
+    widen_rows<D>(k.block(j) + o * kRow, n, w.rows.data(), k.after(j + 1, end), rs);
+    block_scores<D>(w.rows.data(), n, w.q.data(), g_count, scale, w.st.data() + at, ls, rs);
   });
   for (int64_t g = 0; g < g_count; ++g) {
     soft_cap(w.st.data() + g * ls, len, in.opt.softcap);
     softmax(w.st.data() + g * ls, len, kBf16);
   }
   each_block(from, end, s.block_size, [&](int64_t j, int64_t o, int64_t n, int64_t at) {
-    widen_rows<D>(v.block(j) + o * kRow, n, w.rows.data(), v.after(j + 1, end));
-    block_values<D>(w.rows.data(), n, w.st.data() + at, ls, g_count, w.out.data());
+    widen_rows<D>(v.block(j) + o * kRow, n, w.rows.data(), v.after(j + 1, end), rs);
+    block_values<D>(w.rows.data(), n, w.st.data() + at, ls, g_count, w.out.data(), rs);
   });
   std::copy_n(w.out.data(), g_count * D, dst);
 }
