@@ -182,6 +182,29 @@ def _unpack_cols(flat, k: int, width: int):
     return jnp.concatenate(out, axis=-2)
 
 
+def packed_columns(w, cols) -> jax.Array:
+    """Columns `cols` [...] of w [K, N] kept in int8 panel order (`pack`), read in place:
+    [..., K], equal to `unpack(w)[:, cols]` moved last, without unpacking the rest."""
+    k, n = w.shape
+    return jnp.take(w.reshape(-1), packed_index(k, n, cols))
+
+
+def packed_index(k: int, n: int, cols):
+    """Where column c's k-th value sits in a [K, N] weight in panel order (flat): its
+    panel's start, then a quad row's 4 bytes for each column (k < K // 4 * 4) or, in the
+    tail, K % 4 bytes a column. cols [...] -> [..., K] i32."""
+    full, kf = n // PANEL * PANEL, k // QUAD * QUAD
+    cols = jnp.asarray(cols, jnp.int32)[..., None]
+    tail_panel = cols >= full
+    width = jnp.where(tail_panel, n - full, PANEL)
+    c = jnp.where(tail_panel, cols - full, cols % PANEL)
+    start = jnp.where(tail_panel, full, cols // PANEL * PANEL) * k
+    j = jnp.arange(k, dtype=jnp.int32)
+    quads = j // QUAD * width * QUAD + c * QUAD + j % QUAD
+    tail = kf * width + c * (k - kf) + (j - kf)
+    return start + jnp.where(j < kf, quads, tail)
+
+
 def _permute_last4(a, order: tuple[int, ...]):
     """Permute the last four axes of `a` by `order` (indices among those four)."""
     lead = a.ndim - 4

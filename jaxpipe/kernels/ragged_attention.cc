@@ -45,7 +45,9 @@
 // 17-18): rows are prefetched 32 positions ahead, a row's lines at a time as rows are used
 // (whole blocks prefetched at once two blocks ahead ran at 14-15 GB/s). The same pools on
 // AVX2 + FMA ("avx2"): decode tasks in `avx2::`, tiles of several queries on the portable
-// code. Otherwise ("portable": f32 pools, other head dims, or asked for) f32 code: a decode
+// code; it also takes int8 pools (kernels/kv_int8.py) of those head dims, each row's codes
+// widened to f32 8 at a time, its scale applied once a row (to the key's score, the value's
+// probability), q and the probabilities kept f32 as the portable path keeps them. Otherwise ("portable": f32 pools, other head dims, or asked for) f32 code: a decode
 // task does G dots per key; a tile of several queries scores 16 keys at a time against a
 // transposed copy and, for a compile-time D, sums values with its outputs held in registers.
 // Every path honours windows, soft caps and scales.
@@ -1083,11 +1085,40 @@ inline void widen_rows(const uint16_t* __restrict src, int64_t n, float* __restr
   }
 }
 
+// dst [n, D] f32 <- an int8 pool's rows src [n, D + 2] (codes, then the row's bf16 scale):
+// each row's codes widened to f32 8 at a time, its scale into scales[r], applied once per
+// row by the caller (to the row's score, or to its probability). `next`: as above.
+template <int D>
+inline void widen_rows(const int8_t* __restrict src, int64_t n, float* __restrict dst,
+                       const int8_t* next, float* __restrict scales) {
+  constexpr int64_t kWidth = D + kScaleBytes;
+  for (int64_t r = 0; r < n; ++r) {
+    const int8_t* row = src + r * kWidth;
+    if (next != nullptr)
+      for (int64_t i = 0; i < kWidth; i += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(next + r * kWidth + i), _MM_HINT_T0);
+    scales[r] = row_scale(row, D);
+    unroll<D / 8>([&](auto c) {
+      const __m128i x = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + 8 * c));
+      _mm256_storeu_ps(dst + r * D + 8 * c, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(x)));
+    });
+  }
+}
+
+// A bf16 pool's rows carry no scale: `scales` is unused.
+template <int D>
+inline void widen_rows(const uint16_t* __restrict src, int64_t n, float* __restrict dst,
+                       const uint16_t* next, float*) {
+  widen_rows<D>(src, n, dst, next);
+}
+
 // st[g * ls + i] = scale * q_g . k_i for the block's rows i (kf [8-rounded n, D]; rows past
-// n are stale and their scores past the row's keys, which the softmax never reads).
+// n are stale and their scores past the row's keys, which the softmax never reads), each
+// also times rows[i] where `rows` is given (an int8 row's scale: kf holds its codes).
 template <int D>
 void block_scores(const float* __restrict kf, int64_t n, const float* __restrict q,
-                  int64_t g_count, float scale, float* __restrict st, int64_t ls) {
+                  int64_t g_count, float scale, float* __restrict st, int64_t ls,
+                  const float* __restrict rows) {
   const __m256 sc = _mm256_set1_ps(scale);
   for (int64_t g = 0; g < g_count; ++g)
     for (int64_t i0 = 0; i0 < n; i0 += 8) {
@@ -1099,12 +1130,13 @@ void block_scores(const float* __restrict kf, int64_t n, const float* __restrict
           acc[i] = _mm256_fmadd_ps(_mm256_loadu_ps(kf + (i0 + i) * D + c), qc, acc[i]);
         });
       }
-      _mm256_storeu_ps(st + g * ls + i0, _mm256_mul_ps(lanes_total(acc), sc));
+      const __m256 by = rows ? _mm256_mul_ps(_mm256_loadu_ps(rows + i0), sc) : sc;
+      _mm256_storeu_ps(st + g * ls + i0, _mm256_mul_ps(lanes_total(acc), by));
     }
 }
 
-// s[0 .. len) <- its softmax (len >= 1), rounded to bf16.
-inline void softmax(float* s, int64_t len) {
+// s[0 .. len) <- its softmax (len >= 1), rounded to bf16 where `round` (a bf16 pool's).
+inline void softmax(float* s, int64_t len, bool round) {
   __m256 mx = _mm256_set1_ps(-INFINITY);
   for (int64_t t = 0; t < len; t += 8) {
     const __m256 in = _mm256_castsi256_ps(lanes(std::min<int64_t>(8, len - t)));
@@ -1124,22 +1156,24 @@ inline void softmax(float* s, int64_t len) {
   sum = _mm256_hadd_ps(sum, sum);
   sum = _mm256_hadd_ps(sum, sum);
   const __m256 inv = _mm256_div_ps(_mm256_set1_ps(1.f), sum);
-  for (int64_t t = 0; t < len; t += 8)
-    _mm256_storeu_ps(s + t, round_bf16(_mm256_mul_ps(_mm256_loadu_ps(s + t), inv)));
+  for (int64_t t = 0; t < len; t += 8) {
+    const __m256 p = _mm256_mul_ps(_mm256_loadu_ps(s + t), inv);
+    _mm256_storeu_ps(s + t, round ? round_bf16(p) : p);
+  }
 }
 
 // out[g] += sum_i p[g * ls + i] * v_i over the block's n rows (vf [n, D] f32), 8 vectors of
 // the head's output in registers at a time.
 template <int D>
 void block_values(const float* __restrict vf, int64_t n, const float* __restrict p, int64_t ls,
-                  int64_t g_count, float* __restrict out) {
+                  int64_t g_count, float* __restrict out, const float* __restrict rows) {
   constexpr int kPass = D / 8 < 8 ? D / 8 : 8;  // accumulators per pass
   for (int64_t g = 0; g < g_count; ++g)
     for (int c0 = 0; c0 < D; c0 += 8 * kPass) {
       __m256 acc[kPass];
       unroll<kPass>([&](auto c) { acc[c] = _mm256_loadu_ps(out + g * D + c0 + 8 * c); });
       for (int64_t i = 0; i < n; ++i) {
-        const __m256 pb = _mm256_broadcast_ss(p + g * ls + i);
+        const __m256 pb = _mm256_set1_ps(rows ? p[g * ls + i] * rows[i] : p[g * ls + i]);
         unroll<kPass>([&](auto c) {
           acc[c] = _mm256_fmadd_ps(pb, _mm256_loadu_ps(vf + i * D + c0 + 8 * c), acc[c]);
         });
@@ -1150,15 +1184,22 @@ void block_values(const float* __restrict vf, int64_t n, const float* __restrict
 
 struct Work {
   std::vector<float> q, st, rows, out;  // q [G, D], st [G, ls], rows [8-rounded BS, D], out [G, D]
+  std::vector<float> scales;            // [8-rounded BS]: an int8 block's row scales
 };
 
 // A one-query task: the G heads of kv head h over the query's keys tile.from .. tile.keys - 1
 // (its window, which may begin inside a block). A block's scores are stored 8 keys at a time
 // from its first key read (any block size): those past them are overwritten by the next
-// block's or land in st's 8 spare entries.
-template <int D>
-void decode(const Inputs<uint16_t>& in, const Shape& s, const Span& span, const Tile& tile,
+// block's or land in st's 8 spare entries. A bf16 pool (T u16) rounds q and the
+// probabilities to bf16, as the XLA path does; an int8 pool's codes are widened as they are,
+// each key row's scale multiplies its score and each value row's its probability (once a
+// row, not once an element), and q and the probabilities stay f32 as the portable path
+// keeps them.
+template <int D, typename T>
+void decode(const Inputs<T>& in, const Shape& s, const Span& span, const Tile& tile,
             int64_t h, Work& w) {
+  constexpr bool kBf16 = std::is_same_v<T, uint16_t>;
+  constexpr int64_t kRow = row_width<T>(D);
   const int64_t g_count = s.heads / s.kv_heads, token = span.start + tile.lo;
   const int64_t from = tile.from, end = tile.keys, len = end - from;
   float* dst = in.out + (token * s.heads + h * g_count) * D;  // the G heads, consecutive
@@ -1167,29 +1208,33 @@ void decode(const Inputs<uint16_t>& in, const Shape& s, const Span& span, const 
     return;
   }
   const int32_t* table = in.table + tile.row * s.max_blocks;
-  const int64_t head = h * s.block_size * D, stride = s.kv_heads * s.block_size * D;
-  const Paged<uint16_t> k{in.k + head, table, stride, s.block_size, s.blocks};
-  const Paged<uint16_t> v{in.v + head, table, stride, s.block_size, s.blocks};
+  const int64_t head = h * s.block_size * kRow, stride = s.kv_heads * s.block_size * kRow;
+  const Paged<T> k{in.k + head, table, stride, s.block_size, s.blocks};
+  const Paged<T> v{in.v + head, table, stride, s.block_size, s.blocks};
   const int64_t ls = (len + 7) / 8 * 8 + 8;
   w.q.resize(g_count * D);
   w.st.resize(g_count * ls);
   w.rows.resize((s.block_size + 7) / 8 * 8 * D);
+  w.scales.assign((s.block_size + 7) / 8 * 8, 0.f);
+  float* rs = kBf16 ? nullptr : w.scales.data();
   w.out.assign(g_count * D, 0.f);
   const float* src = in.q + (token * s.heads + h * g_count) * D;
-  for (int64_t i = 0; i < g_count * D; i += 8)
-    _mm256_storeu_ps(w.q.data() + i, round_bf16(_mm256_loadu_ps(src + i)));
+  for (int64_t i = 0; i < g_count * D; i += 8) {
+    const __m256 x = _mm256_loadu_ps(src + i);
+    _mm256_storeu_ps(w.q.data() + i, kBf16 ? round_bf16(x) : x);
+  }
   const float scale = scale_of(in.opt.scale, D);
   each_block(from, end, s.block_size, [&](int64_t j, int64_t o, int64_t n, int64_t at) {
-    widen_rows<D>(k.block(j) + o * D, n, w.rows.data(), k.after(j + 1, end));
-    block_scores<D>(w.rows.data(), n, w.q.data(), g_count, scale, w.st.data() + at, ls);
+    widen_rows<D>(k.block(j) + o * kRow, n, w.rows.data(), k.after(j + 1, end), rs);
+    block_scores<D>(w.rows.data(), n, w.q.data(), g_count, scale, w.st.data() + at, ls, rs);
   });
   for (int64_t g = 0; g < g_count; ++g) {
     soft_cap(w.st.data() + g * ls, len, in.opt.softcap);
-    softmax(w.st.data() + g * ls, len);
+    softmax(w.st.data() + g * ls, len, kBf16);
   }
   each_block(from, end, s.block_size, [&](int64_t j, int64_t o, int64_t n, int64_t at) {
-    widen_rows<D>(v.block(j) + o * D, n, w.rows.data(), v.after(j + 1, end));
-    block_values<D>(w.rows.data(), n, w.st.data() + at, ls, g_count, w.out.data());
+    widen_rows<D>(v.block(j) + o * kRow, n, w.rows.data(), v.after(j + 1, end), rs);
+    block_values<D>(w.rows.data(), n, w.st.data() + at, ls, g_count, w.out.data(), rs);
   });
   std::copy_n(w.out.data(), g_count * D, dst);
 }
@@ -1211,13 +1256,18 @@ constexpr uint32_t kBuiltPaths = (1u << kPortable)
 #endif
     ;
 
-// The path a call on a pool of `bf16` (or f32) elements and head dim `dim` runs: `path`, or
-// (< 0) the last this build has that can run it; -1 if `path` is not built or cannot run it.
-int64_t path_for(int64_t path, bool bf16, int64_t dim) {
-  const bool vector = bf16 && (dim == 64 || dim == 128 || dim == 256);  // the avx* paths' own
-  if (path < 0) return vector ? 31 - __builtin_clz(kBuiltPaths) : int64_t{kPortable};
-  if (path >= 32 || !(kBuiltPaths >> path & 1u)) return -1;
-  return path == kPortable || vector ? path : -1;
+// The path a call on a pool of `bf16`, `int8` (or f32) elements and head dim `dim` runs:
+// `path`, or (< 0) the last this build has that can run it; -1 if `path` is not built or
+// cannot run it. avx2 takes bf16 and int8 pools, avx512_bf16 (vdpbf16ps) bf16 ones only: an
+// int8 row's dequantized values are not bf16 numbers.
+int64_t path_for(int64_t path, bool bf16, bool int8, int64_t dim) {
+  const bool dims = dim == 64 || dim == 128 || dim == 256;  // the avx* paths' own
+  const uint32_t takes = (1u << kPortable) | (dims && (bf16 || int8) ? 1u << kAvx2 : 0u) |
+                         (dims && bf16 ? 1u << kAvx512Bf16 : 0u);
+  const uint32_t usable = kBuiltPaths & takes;
+  if (path < 0) return 31 - __builtin_clz(usable);
+  if (path >= 32 || !(usable >> path & 1u)) return -1;
+  return path;
 }
 
 // (tile, kv head; -1: all of them): a decode row's kv heads in one task, one after the other:
@@ -1252,10 +1302,10 @@ void run_avx512_bf16(ffi::ThreadPool& pool, const Inputs<uint16_t>& in,
 #endif
 }
 
-// The tiles' tasks on the avx2 path: decode rows in `avx2::`, tiles of several queries on the
-// portable code.
-template <int D>
-void run_avx2(ffi::ThreadPool& pool, const Inputs<uint16_t>& in, const std::vector<Span>& spans,
+// The tiles' tasks on the avx2 path (a bf16 or an int8 pool): decode rows in `avx2::`, tiles
+// of several queries on the portable code.
+template <int D, typename T>
+void run_avx2(ffi::ThreadPool& pool, const Inputs<T>& in, const std::vector<Span>& spans,
               const std::vector<Tile>& tiles, const Shape& s) {
 #if defined(__AVX2__) && defined(__FMA__)
   const auto tasks = row_tasks(tiles, s);
@@ -1264,11 +1314,11 @@ void run_avx2(ffi::ThreadPool& pool, const Inputs<uint16_t>& in, const std::vect
     const Tile& tile = tiles[i];
     if (h >= 0) {
       thread_local Scratch scratch;
-      return attend_tile<D, uint16_t>(in, s, spans[tile.row], tile, h, scratch);
+      return attend_tile<D, T>(in, s, spans[tile.row], tile, h, scratch);
     }
     thread_local avx2::Work work;
     for (int64_t head = 0; head < s.kv_heads; ++head)
-      avx2::decode<D>(in, s, spans[tile.row], tile, head, work);
+      avx2::decode<D, T>(in, s, spans[tile.row], tile, head, work);
   });
 #endif
 }
@@ -1281,10 +1331,10 @@ void run(ffi::ThreadPool& pool, const Inputs<T>& in, const std::vector<Span>& sp
   zero_uncovered(spans, tiles, s, in.out);
   auto each = [&](auto dim) {
     constexpr int kDim = decltype(dim)::value;
-    if constexpr (std::is_same_v<T, uint16_t> && kDim > 0) {
+    if constexpr (std::is_same_v<T, uint16_t> && kDim > 0)
       if (path == kAvx512Bf16) return run_avx512_bf16<kDim>(pool, in, spans, tiles, s);
-      if (path == kAvx2) return run_avx2<kDim>(pool, in, spans, tiles, s);
-    }
+    if constexpr (!std::is_same_v<T, float> && kDim > 0)
+      if (path == kAvx2) return run_avx2<kDim, T>(pool, in, spans, tiles, s);
     parallel_for(pool, int64_t(tiles.size()) * s.kv_heads, [&](int64_t task) {
       const Tile& tile = tiles[task / s.kv_heads];
       thread_local Scratch scratch;
@@ -1450,12 +1500,12 @@ template <typename... Fresh>
 ffi::Error run_typed(ffi::ThreadPool& pool, ffi::DataType type, Args a, const Shape& s,
                     const Fresh*... fresh) {
   const int64_t asked = a.path;
-  a.path = path_for(asked, type == ffi::U16 || type == ffi::BF16, s.dim);
+  a.path = path_for(asked, type == ffi::U16 || type == ffi::BF16, type == ffi::S8, s.dim);
   if (a.path < 0)
     return ffi::Error::InvalidArgument(
         "ragged_attention: path " + std::to_string(asked) + " is not built here or cannot run "
-        "this call (the avx paths take bf16 pools with head dim 64, 128 or 256; int8 pools "
-        "run on the portable path)");
+        "this call (the avx paths take head dim 64, 128 or 256: avx2 bf16 and int8 pools, "
+        "avx512_bf16 bf16 pools)");
   switch (type) {
     case ffi::F32:
       run_layer<float>(pool, a, s, fresh...);

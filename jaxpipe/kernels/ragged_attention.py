@@ -44,8 +44,10 @@ scripts/bench_attention.py). The kernel has paths (`PATHS`; `paths()` says which
 has): "portable" loops for every call, and "avx2" (decode rows) and "avx512_bf16" (decode rows
 and prefill tiles, vdpbf16ps) for bf16 pools of head dim 64, 128 or 256; each honours the
 window, softcap and scale. An int8 pool (`kv_cache_dtype="int8"`: rows of D codes and a bf16
-scale, `kernels/kv_int8.py`) runs on "portable", which dequantizes each row as it loads it
-(and `write_and_attend` quantizes the rows it writes, as `kv_int8.quantize` does).
+scale, `kernels/kv_int8.py`) runs on "portable", which dequantizes each row as it loads it,
+and, with head dim 64, 128 or 256, on "avx2" (decode rows: codes widened to f32 8 at a time,
+times the row's scale; its default where built); `write_and_attend` quantizes the rows it
+writes, as `kv_int8.quantize` does.
 A call runs `path_for`'s path unless it names one (`path`), and
 fails if that one cannot run it. A custom call cannot be partitioned by the SPMD partitioner:
 on a sharded layout call it inside `jax.shard_map`, heads split over the tensor-parallel axis.
@@ -70,7 +72,7 @@ SOURCE = Path(__file__).with_name("ragged_attention.cc")
 TARGET = "jaxpipe_ragged_attention"
 WRITE_TARGET = "jaxpipe_ragged_attention_write"
 PATHS = ("portable", "avx2", "avx512_bf16")  # ragged_attention.cc's Path, by index
-VECTOR_DIMS = (64, 128, 256)  # the head dims the avx paths take (on bf16 pools)
+VECTOR_DIMS = (64, 128, 256)  # the head dims the avx paths take (bf16 pools; avx2 int8 too)
 
 
 @functools.cache
@@ -92,7 +94,8 @@ def available() -> bool:
 def paths() -> tuple[str, ...]:
     """The kernel's paths this machine's build has, in `PATHS` order; () without the kernel.
     "portable" runs every call; "avx2" (decode rows; tiles of several queries on the portable
-    code) and "avx512_bf16" (every tile) take bf16 pools with head dim 64, 128 or 256."""
+    code; bf16 and int8 pools) and "avx512_bf16" (every tile; bf16 pools) take head dim 64,
+    128 or 256."""
     lib = _library()
     if lib is None:
         return ()
@@ -111,7 +114,9 @@ def path_for(kv_dtype, head_dim: int) -> str | None:
 def takes(path: str, kv_dtype, head_dim: int) -> bool:
     """Whether kernel path `path` runs a pool of `kv_dtype` and head dim `head_dim`."""
     bf16 = jnp.dtype(kv_dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.uint16))
-    return path == "portable" or (bf16 and head_dim in VECTOR_DIMS)
+    int8 = jnp.dtype(kv_dtype) == jnp.dtype(jnp.int8)
+    return path == "portable" or (head_dim in VECTOR_DIMS and (
+        bf16 or (int8 and path == "avx2")))
 
 
 def ragged_attention(q, k, v, table, q_start, q_len, kv_len, layer=0, *, window=0,
@@ -278,8 +283,9 @@ def _attributes(softcap: float, scale: float | None, path: str | None, pool) -> 
     if path is not None and not (path in paths() and takes(path, pool.dtype, head_dim_of(pool))):
         raise ValueError(f"ragged_attention: path {path!r} cannot run a {pool.dtype} pool of "
                          f"head dim {head_dim_of(pool)} here; this machine has "
-                         f"{', '.join(paths())}, and the avx paths take bf16 pools of head "
-                         f"dim {' or '.join(map(str, VECTOR_DIMS))}")
+                         f"{', '.join(paths())}, and the avx paths take head dim "
+                         f"{' or '.join(map(str, VECTOR_DIMS))}: avx2 bf16 and int8 pools, "
+                         f"avx512_bf16 bf16 pools")
     return {"scale": np.float32(scale or 0.0), "softcap": np.float32(max(softcap, 0.0)),
             "path": np.int64(-1 if path is None else PATHS.index(path))}
 

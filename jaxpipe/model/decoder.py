@@ -185,7 +185,7 @@ class ExpertShard(NamedTuple):
 class HeadParams(NamedTuple):
     """What turns tokens into the residual stream and back into logits."""
 
-    embed: jax.Array  # [V, E]
+    embed: jax.Array  # [V, E]; a tied quantized model: its QuantizedWeight LM head [E, V]
     final_norm: jax.Array  # [E]
     lm_head: jax.Array | None  # [E, V], None when tied to `embed`
 
@@ -244,9 +244,14 @@ class Decoder(nnx.Module):
 # ---- per-layer functions (pure, over arrays) ---------------------------------------------------
 
 
-def embed(head: HeadParams, tokens, scale: float = 1.0):
+def embed(head: HeadParams, tokens, scale: float = 1.0, rows=None):
     """tokens [...] i32 -> residual stream [..., E] f32, times `scale` (rounded to the
-    embedding's dtype, as HF's Gemma does)."""
+    embedding's dtype, as HF's Gemma does). A quantized `head.embed` is a tied LM head [E,
+    V] (`model/quantized.py`): its dequantized rows, read by `rows(weight, tokens)` (None:
+    `QuantizedWeight.rows`, natural order), times `scale` in f32."""
+    if isinstance(head.embed, QuantizedWeight):
+        x = (rows or QuantizedWeight.rows)(head.embed, tokens)
+        return x if scale == 1.0 else x * jnp.float32(scale)
     x = jnp.take(head.embed, tokens, axis=0).astype(jnp.float32)
     return x if scale == 1.0 else x * jnp.asarray(scale, head.embed.dtype).astype(jnp.float32)
 

@@ -10,8 +10,10 @@ is its module's (`kernels/int8.py`, `kernels/fp8.py`); `dot` is XLA's path for e
 
 Weights are quantized once, on the devices, right after each is placed in the first layout
 (`quantize`): the float copy of a weight is dropped as soon as its codes exist. A tied LM
-head gets its own quantized copy [E, V] (the embedding lookup keeps reading the float
-embedding).
+head is quantized from the embedding's transpose [E, V] and is then the model's only copy of
+it: the embedding lookup gathers the tokens' columns of the codes and dequantizes just them
+(`QuantizedWeight.rows`; the per-output-channel scale of an [E, V] head is a scale per
+vocabulary entry), and the float embedding is dropped (`Quantization.tied`).
 """
 
 from __future__ import annotations
@@ -72,6 +74,14 @@ class QuantizedWeight:
         return QuantizedWeight(codes, self.scale.reshape(*codes.shape[:-2], codes.shape[-1]),
                                self.kind)
 
+    def rows(self, ids) -> jax.Array:
+        """This [K, N] weight read as [N, K] at rows `ids` [...] (a tied LM head [E, V] read
+        as the embedding [V, E]): the ids' columns of the codes times their scales, f32
+        [..., K], exactly those rows of the dequantized weight. Natural order; XLA
+        partitions the gather of a sharded weight."""
+        codes = jnp.moveaxis(jnp.take(self.codes, ids, axis=-1), 0, -1)  # [..., K]
+        return dequantize_rows(codes, jnp.take(self.scale, ids, axis=-1))
+
     def dot(self, x) -> jax.Array:
         """x [M, K] @ this weight as [K, N] -> [M, N] f32, through XLA (`KINDS[kind]`)."""
         return KINDS[self.kind].reference(x, self.codes, self.scale)
@@ -101,6 +111,11 @@ class Quantization:
         names = tuple(n for n in CONTRACTED if n in decls and n != "lm_head")
         return names + (("lm_head",) if self.lm_head else ())
 
+    def tied(self, decls: dict) -> bool:
+        """Whether the model's embedding is read from its quantized LM head (tied
+        embeddings, the head quantized): then no float "embed" is kept."""
+        return self.lm_head and "lm_head" not in decls
+
     def axes(self, name: str, decls: dict) -> tuple[str, ...]:
         """The weight's logical axes as stored quantized (the tied head: [E, V])."""
         return HEAD_AXES if name == "lm_head" else decls[name].axes
@@ -115,6 +130,12 @@ class Quantization:
 def scale_axes(name: str, axes: tuple[str, ...]) -> tuple[str, ...]:
     """A quantized weight's scale axes: its axes without the contracted ones."""
     return tuple(a for a in axes if a not in CONTRACTED[name])
+
+
+def dequantize_rows(codes, scale) -> jax.Array:
+    """codes [..., K] (int8 or e4m3) times scale [...] -> f32 [..., K]: rows of a quantized
+    weight read as [N, K], each scaled by its own output channel's scale."""
+    return codes.astype(jnp.float32) * scale.astype(jnp.float32)[..., None]
 
 
 def quantize(w, name: str, axes: tuple[str, ...], kind: str) -> QuantizedWeight:

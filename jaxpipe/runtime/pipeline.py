@@ -55,7 +55,7 @@ from jaxpipe.kernels import (
 from jaxpipe.kernels.matmul import StackedWeight
 from jaxpipe.kernels.paged import OUT_OF_RANGE, to_storage
 from jaxpipe.kv.device_cache import BLOCK, KVCache
-from jaxpipe.model import decoder
+from jaxpipe.model import decoder, quantized
 from jaxpipe.model.decoder import LAYER_PARAMS, HeadParams, LayerParams, param_decls
 from jaxpipe.model.quantized import Quantization, QuantizedWeight
 from jaxpipe.runtime import kernel_choice, sharding
@@ -245,7 +245,8 @@ def pack_program(cfg: ModelConfig, layout: Layout, mesh, names: Iterable[str], h
     def run(params):
         out = params | layers({n: params[n] for n in names})
         if head:
-            out["lm_head"] = lm_head(params.get("lm_head", params["embed"]))
+            out["lm_head"] = lm_head(params["lm_head"] if "lm_head" in params
+                                     else params["embed"])
         return out
 
     return jax.jit(run, donate_argnums=0)
@@ -293,7 +294,9 @@ class StageOptions:
     for none at all; `moe_layers`: whether each padded layer runs its experts
     (`sharding.layer_experts`), () where every layer of the model is alike; `experts`: the
     experts' path chooser (`moe.experts_mlp`'s; None: `kernel_choice.experts_path`);
-    `quant`: which weights are quantized and how (None: none)."""
+    `quant`: which weights are quantized and how (None: none); `head_packed`: the LM head
+    is in its kernel's panel order (a tied quantized head's rows are then read from it
+    there, `embedding_rows`)."""
 
     attention: str
     max_kv: int
@@ -303,6 +306,7 @@ class StageOptions:
     moe_layers: tuple[bool, ...] = ()
     experts: Callable | None = None
     quant: Quantization | None = None  # the quantized weights (`model/quantized.py`)
+    head_packed: bool = False  # the LM head is in its kernel's panel order (`pack_program`)
 
 
 def stage_layers(cfg: ModelConfig, layers: LayerParams, x, mb: dict, cache: KVCache,
@@ -400,8 +404,10 @@ def _specs(cfg: ModelConfig, layout: Layout, quant: Quantization | None):
 
 
 def split_params(params: dict) -> tuple[LayerParams, HeadParams]:
-    """The stacked layer weights and the head (embedding, final norm, LM head)."""
-    head = HeadParams(params["embed"], params["final_norm"], params.get("lm_head"))
+    """The stacked layer weights and the head (embedding, final norm, LM head; a tied
+    quantized head is the embedding too, `Quantization.tied`)."""
+    embed = params["embed"] if "embed" in params else params["lm_head"]
+    head = HeadParams(embed, params["final_norm"], params.get("lm_head"))
     return LayerParams(*(params.get(n) for n in LAYER_PARAMS)), head
 
 
@@ -429,6 +435,7 @@ def tick_program(cfg: ModelConfig, layout: Layout, mesh, opts: StageOptions, out
     leaving micro-batch whose residuals follow the rows' in `hidden` ([out_rows + S, E]):
     the prompt positions that score the next prompt token (`prompt_scores.py`)."""
     layer_specs, cache_specs = _specs(cfg, layout, opts.quant)
+    embed_rows = embedding_rows(cfg, layout, mesh, opts.quant) if opts.head_packed else None
     keys = ("rows", "positions", "table", "q_start", "q_len", "kv_len", "last")
     shift = [(i, (i + 1) % layout.pp) for i in range(layout.pp)]
 
@@ -452,7 +459,7 @@ def tick_program(cfg: ModelConfig, layout: Layout, mesh, opts: StageOptions, out
     def tick(params, cache, act, inputs, prev, score=None):
         layers, head = split_params(params)
         x0 = decoder.embed(head, fed_tokens(inputs.tokens[0], inputs.feed[0], prev),
-                           cfg.embed_scale)  # [Tm, E]: the entering micro-batch
+                           cfg.embed_scale, embed_rows)  # [Tm, E]: the entering micro-batch
         score = jnp.zeros(0, jnp.int32) if score is None else score
         hidden, act, cache = staged(layers, x0, act, {k: getattr(inputs, k) for k in keys},
                                     cache, score)
@@ -461,6 +468,32 @@ def tick_program(cfg: ModelConfig, layout: Layout, mesh, opts: StageOptions, out
                                 hidden[rows:]]), cache, act
 
     return jax.jit(tick, donate_argnames=("cache", "act"))
+
+
+def embedding_rows(cfg: ModelConfig, layout: Layout, mesh, quant: Quantization | None):
+    """`decoder.embed`'s `rows` for a tied quantized LM head in int8 panel order (None for
+    any other head): (head, tokens [T]) -> [T, E] f32, each device reading the tokens of
+    its vocab shard from its own panels (`int8_matmul.packed_columns`), zeros for the
+    others', summed over tp (one non-zero term a value: exact). The rows equal
+    `QuantizedWeight.rows` on the unpacked head."""
+    if quant is None or not quant.tied(param_decls(cfg)):
+        return None
+    spec = sharding.param_specs(cfg, layout, quant)["lm_head"]
+
+    def local(w: QuantizedWeight, tokens):  # this device's [E, V'] in panel order
+        n = w.codes.shape[-1]
+        ids = tokens - (lax.axis_index("tp") * n if layout.tp > 1 else 0)
+        mine = (ids >= 0) & (ids < n)
+        ids = jnp.clip(ids, 0, n - 1)
+        x = quantized.dequantize_rows(int8_matmul.packed_columns(w.codes, ids), w.scale[ids])
+        x = jnp.where(mine[:, None], x, 0.0)
+        return lax.psum(x, "tp") if layout.tp > 1 else x
+
+    def rows(w: QuantizedWeight, tokens):
+        return jax.shard_map(local, mesh=mesh, in_specs=(spec, P()), out_specs=P(),
+                             check_vma=False)(w, tokens)
+
+    return rows
 
 
 def fed_tokens(tokens, feed, prev):

@@ -205,6 +205,8 @@ class Placement:
         self.layout, self.quant = layout, quant
         self.mesh = sharding.make_mesh(layout, devices)
         self.params = sharding.param_shardings(cfg, padding, layout, self.mesh, quant)
+        # every parameter as placed before it is quantized (a tied head: the embedding)
+        self.float_params = sharding.param_shardings(cfg, padding, layout, self.mesh)
         layers, head = pipeline.kernel_matmuls(cfg, padding, self.params, kernels)
         self.packed = {n: partial(kernels.impl, mm) for n, mm in layers.items()}
         self.head_path = None if head is None else partial(kernels.impl, head)
@@ -585,7 +587,7 @@ class Runner:
             place = self.placements[self.phase]
             opts = pipeline.StageOptions(
                 self.attention, max_kv, packed=place.packed, experts=place.experts,
-                quant=self.quant,
+                quant=self.quant, head_packed=place.head_path is not None,
                 windows=sharding.layer_windows(self.config, self.padding),
                 moe_layers=sharding.layer_experts(self.config, self.padding))
             self._programs[key] = pipeline.tick_program(
@@ -716,16 +718,14 @@ class Runner:
             for name, decl in decls.items():
                 placed[name] = jax.device_put(
                     sharding.pad_value(decl, weights[name], self.padding).astype(dtype),
-                    sharding.float_sharding(place.params[name]))
+                    place.float_params[name])
                 self._quantize(placed, name)
             return place.pack(self._quantize_head(placed))
         target = sharding.restore_target(self.config, self.padding, place.layout, place.mesh, dtype)
         cfg, values = orbax_dir.load_orbax(weights, target)
         if cfg != self.config:
             raise ValueError(f"orbax checkpoint {weights} holds {cfg}, expected {self.config}")
-        placed = sharding.pad_on_device(self.config, values, self.padding, jax.tree.map(
-            sharding.float_sharding, {n: place.params[n] for n in decls},
-            is_leaf=lambda s: isinstance(s, QuantizedWeight)))
+        placed = sharding.pad_on_device(self.config, values, self.padding, place.float_params)
         for name in decls:
             self._quantize(placed, name)
         return place.pack(self._quantize_head(placed))
@@ -734,7 +734,7 @@ class Runner:
         """Replace weight `name` of `params` (placed, in the model's dtype) by its quantized
         form in the current layout, where `self.quant` quantizes it: the float copy goes
         as soon as the codes exist."""
-        target = self.placements[self.phase].params[name]
+        target = self.placements[self.phase].params.get(name)
         if isinstance(target, QuantizedWeight) and not isinstance(params[name], QuantizedWeight):
             decls = param_decls(self.config)
             fn = quantized.quantize_program(name, self.quant.axes(name, decls), self.quant.kind,
@@ -743,12 +743,13 @@ class Runner:
 
     def _quantize_head(self, params: dict) -> dict:
         """`params` with a tied model's quantized LM head ("lm_head" [E, V], the embedding's
-        transpose quantized) where the head is quantized; the embedding stays."""
+        transpose quantized) where the head is quantized: then the only copy, the float
+        embedding goes (the lookup reads the head's rows, `decoder.embed`)."""
         target = self.placements[self.phase].params.get("lm_head")
         if isinstance(target, QuantizedWeight) and "lm_head" not in params:
             fn = quantized.quantize_program("lm_head", quantized.HEAD_AXES, self.quant.kind,
                                             target, transpose=True)
-            params["lm_head"] = fn(params["embed"])
+            params["lm_head"] = fn(params.pop("embed"))
         return params
 
 

@@ -45,7 +45,7 @@ from jaxpipe.config.model import ModelConfig
 from jaxpipe.kernels.paged import row_width
 from jaxpipe.kv.device_cache import BLOCK
 from jaxpipe.model.decoder import param_decls
-from jaxpipe.model.quantized import Quantization, QuantizedWeight
+from jaxpipe.model.quantized import Quantization
 
 MESH_AXES = ("dp", "pp", "ep", "tp")
 # Logical axis -> mesh axis. Axes not listed (embed, head_dim, kv_pair, gate_up, seq) are never
@@ -279,7 +279,9 @@ def param_shardings(cfg: ModelConfig, padding: Padding, layout: Layout, mesh: Me
                     quant: Quantization | None = None) -> dict:
     """name -> NamedSharding of every (padded) parameter under `layout`; with `quant`, its
     quantized weights' as `QuantizedWeight`s of NamedShardings (codes and scale), "lm_head"
-    included where the head is quantized (a tied model's too)."""
+    included where the head is quantized (a tied model's too, which then has no "embed":
+    `Quantization.tied`). Without `quant`: every parameter as placed in the model's dtype,
+    before its weights are quantized."""
     shapes = padded_shapes(cfg, padding)
     decls = param_decls(cfg)
     out = {name: named_sharding(mesh, layout, d.axes, shapes[name], f"parameter {name!r}")
@@ -291,13 +293,9 @@ def param_shardings(cfg: ModelConfig, padding: Padding, layout: Layout, mesh: Me
     for name in quant.names(decls):
         out[name] = quant.wrap(name, decls, lambda axes, name=name: named_sharding(
             mesh, layout, axes, tuple(sizes[a] for a in axes), f"parameter {name!r}"))
+    if quant.tied(decls):
+        del out["embed"]
     return out
-
-
-def float_sharding(s):
-    """A parameter's sharding in the model's dtype: a quantized weight's codes' (the weight
-    before it is quantized, `model/quantized.py`), else `s`."""
-    return s.codes if isinstance(s, QuantizedWeight) else s
 
 
 def param_specs(cfg: ModelConfig, layout: Layout, quant: Quantization | None = None) -> dict:
@@ -306,6 +304,8 @@ def param_specs(cfg: ModelConfig, layout: Layout, quant: Quantization | None = N
     out = {name: spec(d.axes, layout) for name, d in decls.items()}
     for name in quant.names(decls) if quant is not None else ():
         out[name] = quant.wrap(name, decls, lambda axes: spec(axes, layout))
+    if quant is not None and quant.tied(decls):
+        del out["embed"]
     return out
 
 

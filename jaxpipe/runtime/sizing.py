@@ -128,12 +128,13 @@ def activation_bytes(model, tokens: int, rows: int) -> int:
 def model_bytes(model, dtype, quant: Quantization | None = None) -> int:
     """Bytes of the weights in `dtype` (unpadded); with `quant`, its quantized weights as
     stored (a byte a code, 4 a scale per output channel; a tied model's quantized LM head
-    is a copy beside the embedding)."""
+    is the embedding too, `Quantization.tied`: no float embedding is kept)."""
     if quant is None:
         return model.num_params() * jnp.dtype(dtype).itemsize
     decls = param_decls(model)
     names = quant.names(decls)
-    plain = sum(math.prod(d.shape) for n, d in decls.items() if n not in names)
+    dropped = names + (("embed",) if quant.tied(decls) else ())
+    plain = sum(math.prod(d.shape) for n, d in decls.items() if n not in dropped)
     shape = lambda n: decls[n].shape if n in decls else decls["embed"].shape[::-1]  # noqa: E731
     return plain * jnp.dtype(dtype).itemsize + sum(
         quantized_bytes(n, shape(n), quant.axes(n, decls)) for n in names)

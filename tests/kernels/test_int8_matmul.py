@@ -147,6 +147,16 @@ def test_pack_is_the_panel_order_and_unpack_its_inverse(k, n):
     np.testing.assert_array_equal(np.asarray(im.unpack(jnp.asarray(packed))), w)
 
 
+@pytest.mark.parametrize("k,n", [(1, 1), (3, 64), (5, 129), (576, 192), (523, 131)])
+def test_columns_are_read_in_place_from_the_panel_order(k, n):
+    """The columns of a weight in panel order (a tied int8 head's rows, read as the
+    embedding) are NumPy's columns of the natural weight, tail panel and tail rows too."""
+    w = np.random.default_rng(k + n).integers(-127, 128, (k, n)).astype(np.int8)
+    cols = np.array([[0, n - 1, n // 2], [n - 1, 0, (7 * n) // 9]])
+    got = im.packed_columns(jnp.asarray(np_panel_order(w).reshape(k, n)), jnp.asarray(cols))
+    np.testing.assert_array_equal(np.asarray(got), np.moveaxis(w[:, cols], 0, -1))
+
+
 def test_pack_keeps_leading_axes_apart():
     w = (np.arange(3 * 7 * 70) % 255 - 127).astype(np.int8).reshape(3, 7, 70)
     packed = np.asarray(im.pack(jnp.asarray(w)))

@@ -106,6 +106,48 @@ def test_int8_pool_with_window_softcap_and_scale(impl, window, softcap, scale):
           tol=5e-5)
 
 
+def int8_paths(head_dim):
+    if not ra.available():
+        pytest.skip("the C++ kernel cannot be built here")
+    return [p for p in ra.paths() if ra.takes(p, jnp.int8, head_dim)]
+
+
+@pytest.mark.parametrize("head_dim,heads,kv_heads", [(64, 9, 3), (64, 8, 1), (128, 8, 2),
+                                                     (256, 4, 4)])
+@pytest.mark.parametrize("window,softcap,scale", [(0, 0.0, None), (6, 3.0, 0.3)])
+def test_every_kernel_path_reads_int8_pools_as_numpy(head_dim, heads, kv_heads, window,
+                                                     softcap, scale):
+    """Each path this build has that takes an int8 pool (avx2's decode rows: codes widened
+    to f32 and times the row's scale, q and probabilities f32) against float64 attention
+    over the NumPy-dequantized K/V, decode rows and tiles, windows, soft caps and scales."""
+    paths = int8_paths(head_dim)
+    assert "portable" in paths and ("avx2" in paths) == ("avx2" in ra.paths())
+    q, k, v = inputs(jnp.int8, seed=head_dim + heads, head_dim=head_dim, heads=heads,
+                     kv_heads=kv_heads)
+    table = shuffled_table(seed=heads)
+    expected = want(q, k, v, table, window=window, softcap=softcap, scale=scale)
+    for path in paths:
+        got = np.asarray(jax.jit(ra.ragged_attention, static_argnames=(
+            "softcap", "scale", "path"))(q, k, v, *i32(table, Q_START, Q_LEN, KV_LEN),
+                                         window=jnp.int32(window), softcap=softcap,
+                                         scale=scale, path=path))
+        close(got, expected, tol=5e-5)
+        assert not got[UNCOVERED].any()
+
+
+def test_int8_pools_default_to_avx2_and_refuse_avx512_bf16():
+    """vdpbf16ps multiplies bf16 pairs, which an int8 row's dequantized values are not."""
+    if "avx2" not in ra.paths():
+        pytest.skip("no avx2 path in this build")
+    assert ra.path_for(jnp.int8, 64) == "avx2" and ra.path_for(jnp.int8, 16) == "portable"
+    assert not ra.takes("avx512_bf16", jnp.int8, 64)
+    if "avx512_bf16" in ra.paths():
+        q, k, v = inputs(jnp.int8, seed=1, head_dim=64)
+        with pytest.raises(ValueError, match="path 'avx512_bf16' cannot run a int8 pool of "
+                                             "head dim 64 .*avx2 bf16 and int8 pools"):
+            ra.ragged_attention(q, k, v, *i32(shuffled_table(seed=1), Q_START, Q_LEN, KV_LEN),
+                                path="avx512_bf16")
+
 
 @pytest.mark.parametrize("head_dim,heads,kv_heads", [(16, 6, 2), (64, 9, 3)])
 def test_write_and_attend_quantizes_the_rotated_keys(head_dim, heads, kv_heads):
@@ -145,7 +187,8 @@ def test_write_and_attend_quantizes_the_rotated_keys(head_dim, heads, kv_heads):
 
 
 def test_bad_int8_pools_are_named():
-    """An int8 pool must hold rows of D + 2 (codes and scale); the avx paths take bf16 only."""
+    """An int8 pool must hold rows of D + 2 (codes and scale); no avx path takes one of a
+    head dim other than 64, 128 or 256."""
     q, k, v = inputs(jnp.int8)
     spans = i32(shuffled_table(), Q_START, Q_LEN, KV_LEN)
     with pytest.raises(ValueError, match=r"int8 pools: rows of D \+ 2"):

@@ -6,6 +6,8 @@ NumPy reference of the same quantized arithmetic."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -105,6 +107,31 @@ def test_quantized_experts_run_dense_and_match_numpy(kind):
     want = np_experts(h, np.asarray(weights, np.float64), np.asarray(experts), gate_up, down,
                       kind)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+def test_the_embedding_lookup_reads_the_dequantized_heads_rows(kind):
+    """A tied model's quantized head [E, V] is its embedding: `decoder.embed` gathers the
+    tokens' columns, each times its vocabulary entry's scale, exactly NumPy's dequantized
+    head (codes x per-column scale, the exact product rounded once to f32) transposed, at
+    the tokens, times the embedding scale in f32."""
+    e, v = 11, 13
+    table = np.random.default_rng(3).standard_normal((v, e)).astype(np.float32)  # [V, E]
+    head = quantized.quantize(jnp.asarray(table.T), "lm_head", ("embed", "vocab"), kind)
+    codes, scale = QUANTIZE[kind](table.T, -2)  # [E, V], [V]
+    want = (np.asarray(codes, np.float64) * scale).T.astype(np.float32)  # [V, E]
+    tokens = np.array([[0, 12, 5], [5, 7, 1]], np.int32)
+    got = decoder.embed(decoder.HeadParams(head, jnp.ones(e), head), jnp.asarray(tokens))
+    np.testing.assert_array_equal(np.asarray(got), want[tokens])
+    scaled = decoder.embed(decoder.HeadParams(head, jnp.ones(e), head), tokens[0], 2.5)
+    np.testing.assert_array_equal(np.asarray(scaled), want[tokens[0]] * np.float32(2.5))
+
+
+def test_a_tied_quantized_head_stands_for_the_embedding():
+    decls = decoder.param_decls(_tiny_config())
+    assert Quantization("int8").tied(decls) and not Quantization("int8", False).tied(decls)
+    untied = decoder.param_decls(dataclasses.replace(_tiny_config(), tie_embeddings=False))
+    assert not Quantization("int8").tied(untied)
 
 
 def test_quantization_lists_its_weights_and_refuses_unknown_kinds():
