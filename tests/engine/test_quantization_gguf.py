@@ -4,13 +4,14 @@ the engine scores text as the same file dequantized to f32 does, up to the activ
 quantization.
 
 The tolerance: both engines multiply by the same weights (the f32 engine by the blocks'
-exact values), so the gguf engine differs only in rounding its activations, per block of 32,
-to steps of amax / 127 (q8_0 / q8_1; about 2^-6 of a typical value of a block whose max is
-3-4 of them), where the bf16 engine rounds both weights and activations to 2^-9 of
-themselves. So the median |logprob| change of the scored token from the f32 engine must
-stay within 8x the bf16 engine's change (measured: see the assertion's message), and at
-least 90% of top-1 tokens agree (the issue's bar for greedy tokens). The budget counts the
-file's block bytes, and a non-GGUF model or a tp layout is refused by name."""
+exact values), so the gguf engine (bf16 norms) differs mainly in rounding its activations,
+per block of 32, to steps of amax / 127 (q8_0 / q8_1; about 2^-6 of a typical value of a
+block whose max is 3-4 of them), where the bf16 engine rounds both weights and activations
+to 2^-9 of themselves. So the median |logprob| change of the scored token from the f32
+engine must stay within 8x the bf16 engine's change (measured: 3.7x, 0.0213 against
+0.0057), and at least 90% of top-1 tokens agree (the issue's bar for greedy tokens;
+measured 95%, bf16 98%). The budget counts the file's block bytes; a non-GGUF model is
+refused by name (a tp layout: tests/multidevice/test_gguf_layouts.py)."""
 
 from __future__ import annotations
 
