@@ -23,8 +23,9 @@ Attention = Literal["auto", "kernel", "pallas", "pallas-interpret", "xla"]
 # own (jaxpipe.kernels.int8_matmul.PATHS; "portable" and "avx2" name a path of each).
 Matmul = Literal["auto", "xla", "portable", "avx2", "avx512_bf16", "amx", "avx_vnni",
                  "avx512_vnni", "amx_int8"]
-# How the linear layers' weights are stored (vLLM's field): jaxpipe/model/quantized.py.
-Quantization = Literal["none", "int8", "fp8"]
+# How the linear layers' weights are stored (vLLM's field): jaxpipe/model/quantized.py
+# ("gguf": jaxpipe/model/gguf_quantized.py).
+Quantization = Literal["none", "int8", "fp8", "gguf"]
 Scheduler = Literal["auto", "seesaw", "prefill_first", "decode_first", "tdpipe", "throttle"]
 Predictor = Literal["learned", "oracle"]  # jaxpipe.scheduler.predictor
 Sampler = Literal["device", "host"]
@@ -68,6 +69,12 @@ class EngineConfig:
         fp8 dot (for GPUs; on CPU it checks the numbers, it is not fast). Every decoder
         linear (q, kv, o, gate/up, down, MoE experts) and the LM head (see quantize_lm_head);
         the embedding lookup, norms and biases stay in `dtype`. None (vLLM's) is "none".
+        "gguf" (a GGUF model only; tp=1 layouts): the file's quantized blocks (Q8_0, Q4_0,
+        Q4_1, Q4_K, Q6_K) kept as they are, multiplied by the GGUF kernel or XLA's reference
+        of the format, activations quantized per block as llama.cpp does; a tied LM head is
+        the embedding's blocks, and the lookup decodes only the gathered rows. Tensors of
+        other types are dequantized at load, as with "none" (one log line each);
+        quantize_lm_head does not apply.
     quantize_lm_head: with quantization, quantize the LM head too (True; tied embeddings: a
         quantized copy of the embedding, the lookup keeps `dtype`); False keeps it in `dtype`.
     max_model_len: longest prompt + output, in tokens (default: min(model limit, 2048)).

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
@@ -35,6 +35,8 @@ from jaxpipe.kernels.paged import storage_dtype
 from jaxpipe.kv.manager import KVManager
 from jaxpipe.model import loading, smoothing
 from jaxpipe.model.decoder import Decoder, init_random, param_decls
+from jaxpipe.model.gguf_quantized import GgufWeight
+from jaxpipe.model.gguf_weights import kept_weights
 from jaxpipe.model.presets import resolve_model
 from jaxpipe.model.quantized import Quantization
 from jaxpipe.model.tokenizer import Tokenizer
@@ -56,6 +58,8 @@ class Prepared:
     tokenizer: Tokenizer | None
     max_model_len: int
     layouts: dict[str, Layout]
+    # quantization="gguf": the weights kept in the file's blocks (host), by parameter name
+    blocks: dict[str, GgufWeight] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -82,7 +86,7 @@ def build(config: EngineConfig, devices: list, leader: distributed.Leader | None
     kernels = choose_kernels(config, prep.model_config, prep.dtype, devices)
     sizes = sizing.size(config, prep.model_config, prep.dtype, prep.layouts, devices,
                         sizing.weight_bytes(prep.model_config, prep.dtype, prep.layouts,
-                                            devices, kernels, quantization(config)),
+                                            devices, kernels, quantization(config, prep)),
                         prep.max_model_len)
     if leader is not None:
         leader.send("setup", {"max_num_seqs": sizes.max_num_seqs, "num_blocks": sizes.num_blocks,
@@ -147,8 +151,22 @@ def prepare(config: EngineConfig, num_devices: int) -> Prepared:
     _enable_compilation_cache(config.compilation_cache_dir)
     dtype = jnp.dtype(config.dtype)
     model_config, model, tokenizer = _load(config, dtype)
+    layouts = _resolve_layouts(config, model_config, num_devices)
     return Prepared(dtype, model_config, model, tokenizer, _max_model_len(config, model_config),
-                    _resolve_layouts(config, model_config, num_devices))
+                    layouts, _gguf_blocks(config, model_config, layouts))
+
+
+def _gguf_blocks(config: EngineConfig, cfg: ModelConfig, layouts: dict[str, Layout]) -> dict:
+    """quantization="gguf": the weights kept in the GGUF file's blocks (else none), on
+    layouts without tensor parallelism (the blocks are not split over tp yet)."""
+    if config.quantization != "gguf":
+        return {}
+    for phase, layout in layouts.items():
+        if layout.tp > 1:
+            raise ValueError(f"quantization='gguf' runs layouts with tp=1 (pipeline stages); "
+                             f"the {phase} layout is {layout}: use pp, or "
+                             "quantization='none' / 'int8' for tp > 1")
+    return kept_weights(resolve_model(config.model).path, cfg)
 
 
 def mesh_devices(mesh: MeshPreset, cluster: Cluster | None = None) -> list:
@@ -174,19 +192,25 @@ def make_runner(config: EngineConfig, prep: Prepared, buckets: Buckets, num_slot
     holding the weights of `prep.model` (restored from orbax when it is a path)."""
     model = prep.model
     weights = model if isinstance(model, Path) else {
-        name: getattr(model, name)[...] for name in param_decls(prep.model_config)}
+        name: prep.blocks[name] if name in prep.blocks else getattr(model, name)[...]
+        for name in param_decls(prep.model_config)}
     weights = _smoothed(config, prep, weights)
     return Runner(prep.model_config, weights, buckets, num_slots, prep.max_model_len,
                   prep.dtype, prep.layouts, devices, num_blocks, attention=config.attention,
                   sampler=config.sampler, sampler_threads=config.sampler_threads,
                   kernels=kernels, kv_cache_dtype=config.kv_cache_dtype,
-                  quant=quantization(config))
+                  quant=quantization(config, prep))
 
 
-def quantization(config: EngineConfig) -> Quantization | None:
-    """The weights quantized at load (`EngineConfig.quantization`); None: none."""
+def quantization(config: EngineConfig, prep: Prepared) -> Quantization | None:
+    """The weights quantized at load (`EngineConfig.quantization`; "gguf": those `prep` keeps
+    in the file's blocks); None: none."""
     if config.quantization == "none":
         return None
+    if config.quantization == "gguf":
+        formats = tuple((name, w.kind) for name, w in prep.blocks.items())
+        head = "lm_head" if "lm_head" in param_decls(prep.model_config) else "embed"
+        return Quantization("gguf", head in prep.blocks, formats)
     return Quantization(config.quantization, config.quantize_lm_head)
 
 
@@ -249,6 +273,11 @@ def _load(config: EngineConfig, dtype) -> tuple[ModelConfig, Decoder | Path, Tok
     """Architecture, weights and tokenizer. An orbax checkpoint is not read here: its path is
     returned, for the runner to restore straight into the layout's shardings."""
     source = resolve_model(config.model)
+    if config.quantization == "gguf" and (source.kind != "gguf" or config.random_weights):
+        raise ValueError(f"quantization='gguf' keeps a GGUF file's blocks: it needs a GGUF "
+                         f"model (a .gguf path or a preset whose weights are one) and its "
+                         f"weights; model {config.model!r} is {source.kind}"
+                         + (" with random_weights" if config.random_weights else ""))
     tokenizer = loading.load_tokenizer(source)
     if config.random_weights:
         cfg = loading.source_config(source)  # the metadata alone: the weights are not read

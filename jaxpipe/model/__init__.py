@@ -14,6 +14,8 @@ loaders of each checkpoint format, and the tokenizer.
     hf_dir.py      HF checkpoint directories (config.json, *.safetensors)
     gguf_file.py   GGUF files (llama.cpp's format)
     gguf_weights.py a GGUF's matrices kept in their quantized blocks (quantization="gguf")
+    gguf_quantized.py such a weight in the params tree (`GgufWeight`): its layout, shardings,
+                   padding and bytes
     orbax_dir.py   orbax checkpoints (scripts/convert.py's)
     loading.py     a resolved model source -> its architecture, weights and tokenizer
     presets.py     where a model comes from: a preset in `models/`, or a path

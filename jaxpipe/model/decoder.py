@@ -27,6 +27,7 @@ from flax import nnx
 from jaxpipe.config.model import ModelConfig
 from jaxpipe.kernels.attention_math import apply_rope, causal_attention, softcap
 from jaxpipe.model import moe
+from jaxpipe.model.gguf_quantized import GgufWeight
 from jaxpipe.model.quantized import QuantizedWeight
 
 LAYER_PARAMS = ("attn_norm", "wq", "wkv", "wo", "mlp_norm", "w_gate_up", "w_down",
@@ -248,9 +249,13 @@ def embed(head: HeadParams, tokens, scale: float = 1.0, rows=None):
     """tokens [...] i32 -> residual stream [..., E] f32, times `scale` (rounded to the
     embedding's dtype, as HF's Gemma does). A quantized `head.embed` is a tied LM head [E,
     V] (`model/quantized.py`): its dequantized rows, read by `rows(weight, tokens)` (None:
-    `QuantizedWeight.rows`, natural order), times `scale` in f32."""
+    `QuantizedWeight.rows`, natural order), times `scale` in f32; GGUF blocks (`GgufWeight`):
+    only the gathered rows are decoded."""
     if isinstance(head.embed, QuantizedWeight):
         x = (rows or QuantizedWeight.rows)(head.embed, tokens)
+        return x if scale == 1.0 else x * jnp.float32(scale)
+    if isinstance(head.embed, GgufWeight):
+        x = head.embed.lookup(tokens)
         return x if scale == 1.0 else x * jnp.float32(scale)
     x = jnp.take(head.embed, tokens, axis=0).astype(jnp.float32)
     return x if scale == 1.0 else x * jnp.asarray(scale, head.embed.dtype).astype(jnp.float32)
@@ -258,8 +263,9 @@ def embed(head: HeadParams, tokens, scale: float = 1.0, rows=None):
 
 def xla_dot(x, w):
     """x [M, K] @ w [K, N] -> [M, N] f32, x cast to w's dtype, accumulated in f32; a
-    quantized w (`QuantizedWeight`): x quantized per row, its kind's dot (`model/quantized.py`)."""
-    if isinstance(w, QuantizedWeight):
+    quantized w (`QuantizedWeight`): x quantized per row, its kind's dot (`model/quantized.py`);
+    GGUF blocks (`GgufWeight`): XLA's reference of the format (`model/gguf_quantized.py`)."""
+    if isinstance(w, (QuantizedWeight, GgufWeight)):
         return w.dot(x)
     return jnp.dot(x.astype(w.dtype), w, preferred_element_type=jnp.float32)
 
@@ -410,7 +416,9 @@ def gated_mlp(h, w, dot=None, gated=None, act: str = "silu"):
 def logits(cfg: ModelConfig, head: HeadParams, x):
     """x [b, E] f32 -> logits [b, V] f32."""
     h = rms_norm(x, head.final_norm, cfg.rms_norm_eps)
-    if head.lm_head is None:  # tied: contract with the embedding's E axis, [V, E] as stored
+    if head.lm_head is None and isinstance(head.embed, GgufWeight):  # tied, in its blocks
+        out = head.embed.dot(h)
+    elif head.lm_head is None:  # tied: contract with the embedding's E axis, [V, E] as stored
         out = jax.lax.dot_general(h.astype(head.embed.dtype), head.embed,
                                   (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
     else:

@@ -27,8 +27,11 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader, quants
 
 from jaxpipe.config.model import ModelConfig
+from jaxpipe.model import gguf_quantized
+from jaxpipe.model.decoder import param_decls
 from jaxpipe.model.family import Family, rename
 from jaxpipe.model.gguf_file import gguf_config, gguf_family
+from jaxpipe.model.gguf_quantized import GgufWeight
 
 log = logging.getLogger(__name__)
 
@@ -123,3 +126,16 @@ def _row_order(cfg: ModelConfig, family: Family, name: str, n: int) -> np.ndarra
                                                                               probe[order]):
         return None
     return order
+
+
+def kept_weights(path: Path, cfg: ModelConfig) -> dict[str, GgufWeight]:
+    """The weights of the GGUF file at `path` (architecture `cfg`) kept in their blocks on
+    the devices (`quantization="gguf"`), as host `GgufWeight`s by parameter name; a tied
+    model's head is its embedding ("embed"), whose lookup then reads the blocks too."""
+    decls = param_decls(cfg)
+    out = {}
+    for param, rows in read_block_rows(path).items():
+        name = "embed" if param == "lm_head" and "lm_head" not in decls else param
+        d = decls[name]
+        out[name] = gguf_quantized.host_weight(name, d.shape, d.axes, rows.kind, rows.data)
+    return out

@@ -14,6 +14,9 @@ head is quantized from the embedding's transpose [E, V] and is then the model's 
 it: the embedding lookup gathers the tokens' columns of the codes and dequantizes just them
 (`QuantizedWeight.rows`; the per-output-channel scale of an [E, V] head is a scale per
 vocabulary entry), and the float embedding is dropped (`Quantization.tied`).
+`quantization="gguf"` keeps a GGUF file's own blocks instead (`GgufWeight`,
+`model/gguf_quantized.py`): which weights, and in which format, is the file's
+(`Quantization.formats`); a tied head is then the "embed" weight's blocks.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxpipe.kernels import fp8, int8
+from jaxpipe.model import gguf_quantized
+from jaxpipe.model.gguf_quantized import GgufWeight
 
 KINDS = {"int8": int8, "fp8": fp8}  # kind -> the module of its arithmetic
 # The quantized weights and their contracted (K) logical axes: `decoder._matmul`'s first n
@@ -87,44 +92,67 @@ class QuantizedWeight:
         return KINDS[self.kind].reference(x, self.codes, self.scale)
 
 
+GGUF = "gguf"  # the kind whose weights are a GGUF file's blocks (`GgufWeight`)
+
+
 def check_kind(kind: str) -> str:
-    if kind not in KINDS:
-        raise ValueError(f"quantization must be one of {', '.join(KINDS)} (or 'none'); got "
-                         f"{kind!r}")
+    if kind not in KINDS and kind != GGUF:
+        raise ValueError(f"quantization must be one of {', '.join(KINDS)}, {GGUF} (or "
+                         f"'none'); got {kind!r}")
     return kind
 
 
 @dataclasses.dataclass(frozen=True)
 class Quantization:
-    """Which weights a runner keeps quantized and how: `kind` ("int8" or "fp8"), and
-    whether the LM head is (`lm_head`; False keeps it in the model's dtype)."""
+    """Which weights a runner keeps quantized and how: `kind` ("int8", "fp8" or "gguf"),
+    and whether the LM head is (`lm_head`; False keeps it in the model's dtype). "gguf":
+    `formats`, the weights kept in the file's blocks and their formats ((name, format)
+    pairs; a tied model's head is "embed"), and `lm_head` whether the head is one of them."""
 
     kind: str
     lm_head: bool = True
+    formats: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self):
         check_kind(self.kind)
 
+    @property
+    def gguf(self) -> bool:
+        return self.kind == GGUF
+
     def names(self, decls: dict) -> tuple[str, ...]:
         """The quantized weights of a model (`decoder.param_decls`), "lm_head" included
-        (also for tied embeddings) when the head is quantized."""
+        (also for tied embeddings) when the head is quantized; "gguf": those of `formats`."""
+        if self.gguf:
+            return tuple(n for n, _ in self.formats if n in decls)
         names = tuple(n for n in CONTRACTED if n in decls and n != "lm_head")
         return names + (("lm_head",) if self.lm_head else ())
 
     def tied(self, decls: dict) -> bool:
         """Whether the model's embedding is read from its quantized LM head (tied
         embeddings, the head quantized): then no float "embed" is kept."""
-        return self.lm_head and "lm_head" not in decls
+        return not self.gguf and self.lm_head and "lm_head" not in decls
 
     def axes(self, name: str, decls: dict) -> tuple[str, ...]:
         """The weight's logical axes as stored quantized (the tied head: [E, V])."""
         return HEAD_AXES if name == "lm_head" else decls[name].axes
 
-    def wrap(self, name: str, decls: dict, fn) -> QuantizedWeight:
-        """`QuantizedWeight(fn(codes' axes), fn(scale's axes))`: a tree of specs or
-        shardings for weight `name`."""
+    def wrap(self, name: str, decls: dict, fn) -> QuantizedWeight | GgufWeight:
+        """`QuantizedWeight(fn(codes' axes), fn(scale's axes))` ("gguf": `GgufWeight(fn(block
+        axes))`): a tree of specs or shardings for weight `name`."""
+        if self.gguf:
+            return gguf_quantized.wrap(name, decls[name].shape, decls[name].axes,
+                                       dict(self.formats)[name], fn)
         axes = self.axes(name, decls)
         return QuantizedWeight(fn(axes), fn(scale_axes(name, axes)), self.kind)
+
+    def stored_bytes(self, name: str, decls: dict) -> int:
+        """Bytes of weight `name` as stored quantized (unpadded)."""
+        if self.gguf:
+            d = decls[name]
+            return gguf_quantized.stored_bytes(name, d.shape, d.axes, dict(self.formats)[name])
+        shape = decls[name].shape if name in decls else decls["embed"].shape[::-1]
+        return quantized_bytes(name, shape, self.axes(name, decls))
 
 
 def scale_axes(name: str, axes: tuple[str, ...]) -> tuple[str, ...]:

@@ -28,6 +28,13 @@ and per-output-channel scales, sharded alike): the int8 kernel reads the ones th
 choice gives it in int8 panel order (`kernel_dot`, `REORDER`), XLA's int8 or fp8 dot the
 rest (`decoder.xla_dot`). Activations are quantized per row on each device, so under tp a
 row-split matmul's (wo, w_down) rows are quantized per shard.
+
+With `quantization="gguf"` the matmul weights are a GGUF file's blocks (`GgufWeight`,
+`model/gguf_quantized.py`), read in the file's order: no panel order, so every one is a
+`StackedWeight` and the kernel choice picks, per row count, the GGUF kernel
+(`kernels/gguf_matmul.py`, reading the stack in place) or XLA's reference of the format
+(`gguf_dot`). The kernel has no gated mode: the fused gate is the [M, 2F] product, then
+the gate in XLA. The LM head (a tied model's: the embedding's blocks) likewise.
 """
 
 from __future__ import annotations
@@ -47,6 +54,8 @@ from jaxpipe.config.layout import Layout
 from jaxpipe.config.model import ModelConfig
 from jaxpipe.kernels import (
     attention_math,
+    gguf_blocks,
+    gguf_matmul,
     int8_matmul,
     matmul,
     pallas_attention,
@@ -57,6 +66,7 @@ from jaxpipe.kernels.paged import OUT_OF_RANGE, to_storage
 from jaxpipe.kv.device_cache import BLOCK, KVCache
 from jaxpipe.model import decoder, quantized
 from jaxpipe.model.decoder import LAYER_PARAMS, HeadParams, LayerParams, param_decls
+from jaxpipe.model.gguf_quantized import GgufWeight
 from jaxpipe.model.quantized import Quantization, QuantizedWeight
 from jaxpipe.runtime import kernel_choice, sharding
 from jaxpipe.runtime.kernel_choice import PANEL_ORDER, KernelChoice, Matmul
@@ -99,10 +109,28 @@ def kernel_dot(x, w: StackedWeight, gated: bool = False):
     (`kernels/int8_matmul.py`, int8 panel order) on a quantized weight. Call inside
     `shard_map`."""
     stack, path = w.stacked(), w.path(x.shape[0])
+    if isinstance(stack, GgufWeight):
+        return gguf_dot(x, w, path, gated)
     if isinstance(stack, QuantizedWeight):
         return int8_matmul.int8_matmul(x, stack.codes, stack.scale, w.layer, gated=gated,
                                        path=path)
     return matmul.bf16_matmul(x, stack, w.layer, gated=gated, path=path)
+
+
+def gguf_dot(x, w: StackedWeight, path: str, gated: bool = False):
+    """x [M, K] @ layer `w.layer` of a stack of GGUF blocks: the GGUF kernel on `path`,
+    reading the stack in place, or XLA's reference of the format on the layer's slice
+    (`path` "xla"); `gated`: silu of the first half of the [M, 2F] product times the second,
+    in XLA."""
+    if path == kernel_choice.XLA:
+        y = w.value().dot(x)
+    else:
+        stack = w.stacked()
+        y = gguf_matmul.gguf_matmul(x, stack.rows(), stack.kind, w.layer, path=path)
+    if not gated:
+        return y
+    f = y.shape[-1] // 2
+    return jax.nn.silu(y[:, :f]) * y[:, f:]
 
 
 def kernel_gated(x, w: StackedWeight):
@@ -144,6 +172,9 @@ def local_matmuls(shardings: dict) -> dict[str, Matmul]:
     the result."""
     out = {}
     for name, (place, shape) in shardings.items():
+        if isinstance(place, GgufWeight):
+            out[name] = _gguf_matmul(name, place, shape)
+            continue
         quant = _quant(place)
         local = _codes(place).shard_shape(shape)
         contracted = MATMUL_PARAMS[name]
@@ -152,6 +183,17 @@ def local_matmuls(shardings: dict) -> dict[str, Matmul]:
             out[name] = Matmul(name, k, n, gated=name == "w_gate_up"
                                and local[-1] % matmul.PANEL == 0, quant=quant)
     return out
+
+
+def _gguf_matmul(name: str, place: GgufWeight, shape: tuple[int, ...]) -> Matmul:
+    """A weight in GGUF blocks (a `GgufWeight` of shardings; `shape` its padded float shape)
+    as one device's [K, N] multiplication: its format as `Matmul.quant`."""
+    blocks = (*shape[:len(shape) - len(place.k_shape) - place.n_ndim],
+              *shape[len(shape) - place.n_ndim:], 0)  # the block axes; the bytes unsplit
+    local = place.data.shard_shape(blocks)
+    n = math.prod(local[len(local) - 1 - place.n_ndim:-1])
+    return Matmul(name, math.prod(place.k_shape), n, gated=name == "w_gate_up",
+                  quant=place.kind)
 
 
 def _codes(w):
@@ -194,6 +236,9 @@ def local_head(shardings: dict, shapes: dict) -> Matmul | None:
     shapes; None for an odd E in bf16, which panel order cannot pair."""
     name = "lm_head" if "lm_head" in shardings else "embed"
     place = shardings[name]
+    if isinstance(place, GgufWeight):
+        shape = shapes[name] if name == "lm_head" else shapes[name][::-1]
+        return dataclasses.replace(_gguf_matmul("lm_head", place, shape), gated=False)
     if isinstance(place, QuantizedWeight):
         shape = shapes["lm_head"] if "lm_head" in shapes else shapes["embed"][::-1]
         return Matmul("lm_head", *place.codes.shard_shape(shape), quant=place.kind)
@@ -240,7 +285,7 @@ def pack_program(cfg: ModelConfig, layout: Layout, mesh, names: Iterable[str], h
     order too, as "lm_head" (tied bf16 embeddings: a copy of the embedding's transpose;
     the lookup keeps reading "embed")."""
     layers = _layers_program(sharding.param_specs(cfg, layout, quant), mesh, names, 0)
-    lm_head = _head_program(cfg, layout, mesh, 0, quant)
+    lm_head = _head_program(cfg, layout, mesh, 0, quant) if head else None
 
     def run(params):
         out = params | layers({n: params[n] for n in names})
@@ -258,7 +303,7 @@ def unpack_program(cfg: ModelConfig, layout: Layout, mesh, names: Iterable[str],
     "lm_head" for tied bf16 embeddings (a quantized head stays: it is the only copy)."""
     keep_head = "lm_head" in param_decls(cfg) or (quant is not None and quant.lm_head)
     layers = _layers_program(sharding.param_specs(cfg, layout, quant), mesh, names, 1)
-    lm_head = _head_program(cfg, layout, mesh, 1, quant)
+    lm_head = _head_program(cfg, layout, mesh, 1, quant) if head else None
 
     def run(params):
         out = params | layers({n: params[n] for n in names})
@@ -518,12 +563,14 @@ def logits_program(cfg: ModelConfig, vocab: int, layout: Layout | None = None, m
     `packed(rows)`; otherwise XLA partitions the head's dot from the vocab-split weights.
     `quant`: the quantized weights (a quantized head: the int8 kernel on int8 panel order,
     or XLA's dot of its kind)."""
-    def head(h, w):
-        head_spec = (sharding.param_specs(cfg, layout, quant)["lm_head"]
+    def head(h, w, name):
+        head_spec = (sharding.param_specs(cfg, layout, quant)[name]
                      if quant is not None and quant.lm_head else sharding.spec(HEAD_AXES, layout))
 
         def local(h, w):  # this device's vocab shard, [E, V'] in its panel order
             path = packed(h.shape[0])
+            if isinstance(w, GgufWeight):  # [V', R] in GGUF blocks
+                return _gguf_head(h, w, path)
             if isinstance(w, QuantizedWeight):
                 return int8_matmul.int8_matmul(h, w.codes, w.scale, path=path)
             return matmul.bf16_matmul(h, w, path=path)
@@ -536,7 +583,9 @@ def logits_program(cfg: ModelConfig, vocab: int, layout: Layout | None = None, m
         _, params_head = split_params(params)
         if packed:
             h = decoder.rms_norm(hidden[:rows], params_head.final_norm, cfg.rms_norm_eps)
-            return attention_math.softcap(head(h, params["lm_head"])[:, :vocab], cfg.final_softcap)
+            name = "lm_head" if "lm_head" in params else "embed"  # tied GGUF: the embedding
+            return attention_math.softcap(head(h, params[name], name)[:, :vocab],
+                                          cfg.final_softcap)
         n = max(rows, HEAD_MIN_ROWS)
         if hidden.shape[0] < n:
             hidden = jnp.pad(hidden, ((0, n - hidden.shape[0]), (0, 0)))
@@ -549,19 +598,35 @@ def logits_program(cfg: ModelConfig, vocab: int, layout: Layout | None = None, m
     return jax.jit(logits, static_argnames="rows")
 
 
+def _in_stack(kernels: KernelChoice, mm: Matmul) -> bool:
+    """Whether the step reads `mm`'s weight as a `StackedWeight`: in panel order, or in GGUF
+    blocks."""
+    return mm.quant in gguf_blocks.FORMATS or kernels.order(mm) == PANEL_ORDER
+
+
+def _gguf_head(h, w: GgufWeight, path: str):
+    """h [M, E] @ the LM head in GGUF blocks w [V', R]: the GGUF kernel on `path`, or XLA's
+    reference ("xla")."""
+    if path == kernel_choice.XLA:
+        return w.dot(h)
+    return gguf_matmul.gguf_matmul(h, w.rows(), w.kind, path=path)
+
+
 def kernel_matmuls(cfg: ModelConfig, padding: sharding.Padding, shardings: dict,
                    kernels: KernelChoice | None) -> tuple[dict[str, Matmul], Matmul | None]:
     """The matmuls of a layout (its weights' `shardings`; `QuantizedWeight`s of them for
     quantized weights) that `kernels` gives to a C++ kernel (bf16's, or int8's for an int8
     weight), measuring them first if they are new: the layer weights (name -> the local
-    multiplication) and the LM head (None: XLA's). fp8 weights are always XLA's."""
+    multiplication) and the LM head (None: XLA's). fp8 weights are always XLA's. Weights in
+    GGUF blocks are all kept (their order is the file's; the choice per row count may be
+    XLA's reference, `gguf_dot`)."""
     if kernels is None or "fp8" in map(_quant, shardings.values()):
         return {}, None
     shapes = sharding.padded_shapes(cfg, padding)
     local = local_matmuls({n: (shardings[n], shapes[n]) for n in MATMUL_PARAMS
                                     if n in shardings})
-    layers = {n: mm for n, mm in local.items() if kernels.order(mm) == PANEL_ORDER}
+    layers = {n: mm for n, mm in local.items() if _in_stack(kernels, mm)}
     head = local_head(shardings, shapes)
-    if head is None or kernels.order(head) != PANEL_ORDER:
+    if head is None or not _in_stack(kernels, head):
         head = None
     return layers, head

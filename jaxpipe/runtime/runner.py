@@ -36,6 +36,7 @@ from jaxpipe.kv import device_cache
 from jaxpipe.kv.device_cache import BLOCK, KVCache
 from jaxpipe.model import orbax_dir, quantized
 from jaxpipe.model.decoder import param_decls
+from jaxpipe.model.gguf_quantized import GgufWeight
 from jaxpipe.model.quantized import Quantization, QuantizedWeight
 from jaxpipe.runtime import (
     memory,
@@ -212,9 +213,12 @@ class Placement:
         self.head_path = None if head is None else partial(kernels.impl, head)
         self.experts = partial(experts_path, chosen=kernels)  # the experts' chooser
         self._pack = self._unpack = None  # None: the step reads the natural order
-        if self.packed or self.head_path:
-            args = (cfg, layout, self.mesh, tuple(self.packed), self.head_path is not None,
-                    quant)
+        # Weights in GGUF blocks are read in the file's order: nothing to pack.
+        names = tuple(n for n in self.packed if not isinstance(self.params[n], GgufWeight))
+        head_name = "lm_head" if "lm_head" in self.params else "embed"
+        head = self.head_path is not None and not isinstance(self.params[head_name], GgufWeight)
+        if names or head:
+            args = (cfg, layout, self.mesh, names, head, quant)
             self._pack, self._unpack = (pipeline.pack_program(*args),
                                         pipeline.unpack_program(*args))
         self.logits = pipeline.logits_program(cfg, cfg.vocab_size, layout, self.mesh,
@@ -716,9 +720,7 @@ class Runner:
         if isinstance(weights, dict):  # one at a time: each host copy goes before the next
             placed = {}
             for name, decl in decls.items():
-                placed[name] = jax.device_put(
-                    sharding.pad_value(decl, weights[name], self.padding).astype(dtype),
-                    place.float_params[name])
+                placed[name] = self._put_weight(name, decl, weights[name], dtype)
                 self._quantize(placed, name)
             return place.pack(self._quantize_head(placed))
         target = sharding.restore_target(self.config, self.padding, place.layout, place.mesh, dtype)
@@ -729,6 +731,16 @@ class Runner:
         for name in decls:
             self._quantize(placed, name)
         return place.pack(self._quantize_head(placed))
+
+    def _put_weight(self, name: str, decl, value, dtype):
+        """Host weight `name` padded and placed in the current layout: in `dtype`, or as it
+        is where it is kept in a GGUF file's blocks (a `GgufWeight`)."""
+        place = self.placements[self.phase]
+        if isinstance(value, GgufWeight):
+            return jax.device_put(sharding.pad_blocks(name, decl, value, self.padding),
+                                  place.params[name])
+        return jax.device_put(sharding.pad_value(decl, value, self.padding).astype(dtype),
+                              place.float_params[name])
 
     def _quantize(self, params: dict, name: str) -> None:
         """Replace weight `name` of `params` (placed, in the model's dtype) by its quantized

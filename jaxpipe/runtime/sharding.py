@@ -29,6 +29,7 @@ A size a rule cannot split raises; nothing is ever silently replicated.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Iterable
@@ -44,7 +45,9 @@ from jaxpipe.config.layout import Layout
 from jaxpipe.config.model import ModelConfig
 from jaxpipe.kernels.paged import row_width
 from jaxpipe.kv.device_cache import BLOCK
+from jaxpipe.model import gguf_quantized
 from jaxpipe.model.decoder import param_decls
+from jaxpipe.model.gguf_quantized import ROW_BYTES, GgufWeight
 from jaxpipe.model.quantized import Quantization
 
 MESH_AXES = ("dp", "pp", "ep", "tp")
@@ -191,6 +194,16 @@ def pad_value(decl, value, padding: Padding) -> np.ndarray:
     return a
 
 
+def pad_blocks(name: str, decl, w: GgufWeight, padding: Padding) -> GgufWeight:
+    """Host weight `name` (`decl`) in GGUF blocks -> padded: zero rows (zero blocks, whose
+    weights are 0 in every format) where its block axes pad."""
+    a = np.asarray(w.data)
+    for dim, axis in enumerate(gguf_quantized.block_axes(name, decl.axes)):
+        if axis in padding.index:
+            a = _take_or_zero(a, padding.index[axis], dim)
+    return dataclasses.replace(w, data=a)
+
+
 def pad_on_device(cfg: ModelConfig, values: dict, padding: Padding,
                   shardings: dict[str, NamedSharding]) -> dict:
     """Device arrays (unpadded) -> padded arrays, computed by XLA straight into `shardings`."""
@@ -290,6 +303,7 @@ def param_shardings(cfg: ModelConfig, padding: Padding, layout: Layout, mesh: Me
         return out
     sizes = {a: n for name, d in decls.items() for a, n in zip(d.axes, shapes[name],
                                                                   strict=True)}
+    sizes[ROW_BYTES] = 0  # a GGUF row's bytes (`gguf_quantized.py`): never split
     for name in quant.names(decls):
         out[name] = quant.wrap(name, decls, lambda axes, name=name: named_sharding(
             mesh, layout, axes, tuple(sizes[a] for a in axes), f"parameter {name!r}"))

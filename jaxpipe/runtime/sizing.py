@@ -21,7 +21,7 @@ from jaxpipe.config.model import ModelConfig
 from jaxpipe.kernels.paged import storage_dtype
 from jaxpipe.kv import device_cache
 from jaxpipe.model.decoder import param_decls
-from jaxpipe.model.quantized import Quantization, quantized_bytes
+from jaxpipe.model.quantized import Quantization
 from jaxpipe.runtime import memory, pipeline, sharding
 from jaxpipe.runtime.kernel_choice import KernelChoice
 
@@ -128,16 +128,15 @@ def activation_bytes(model, tokens: int, rows: int) -> int:
 def model_bytes(model, dtype, quant: Quantization | None = None) -> int:
     """Bytes of the weights in `dtype` (unpadded); with `quant`, its quantized weights as
     stored (a byte a code, 4 a scale per output channel; a tied model's quantized LM head
-    is the embedding too, `Quantization.tied`: no float embedding is kept)."""
+    is the embedding too, `Quantization.tied`: no float embedding is kept; "gguf": the
+    file's blocks, a tied head being the embedding's own)."""
     if quant is None:
         return model.num_params() * jnp.dtype(dtype).itemsize
     decls = param_decls(model)
     names = quant.names(decls)
     dropped = names + (("embed",) if quant.tied(decls) else ())
     plain = sum(math.prod(d.shape) for n, d in decls.items() if n not in dropped)
-    shape = lambda n: decls[n].shape if n in decls else decls["embed"].shape[::-1]  # noqa: E731
-    return plain * jnp.dtype(dtype).itemsize + sum(
-        quantized_bytes(n, shape(n), quant.axes(n, decls)) for n in names)
+    return plain * jnp.dtype(dtype).itemsize + sum(quant.stored_bytes(n, decls) for n in names)
 
 
 def block_bytes(model, dtype, layouts: dict, kv_cache_dtype: str = "auto") -> int:

@@ -189,7 +189,7 @@ def test_quantization_none_is_vllms_spelling_of_none():
 @pytest.mark.parametrize("value", ["int4", "INT8", "", 8])
 def test_quantization_names_the_accepted_values(value):
     with pytest.raises(ValueError, match=r"EngineConfig.quantization must be one of \('none', "
-                                         rf"'int8', 'fp8'\), got {value!r}"):
+                                         rf"'int8', 'fp8', 'gguf'\), got {value!r}"):
         EngineConfig(quantization=value)
 
 

@@ -139,7 +139,7 @@ def test_quantization_lists_its_weights_and_refuses_unknown_kinds():
     assert Quantization("int8").names(decls) == ("wq", "wkv", "wo", "w_gate_up", "w_down",
                                                  "lm_head")
     assert "lm_head" not in Quantization("fp8", lm_head=False).names(decls)
-    with pytest.raises(ValueError, match="quantization must be one of int8, fp8 .or 'none'.; "
+    with pytest.raises(ValueError, match="quantization must be one of int8, fp8, gguf .or 'none'.; "
                                          "got 'int4'"):
         Quantization("int4")
     assert isinstance(Quantization("int8").wrap("wo", decls, lambda axes: axes),
