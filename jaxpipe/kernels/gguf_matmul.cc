@@ -18,14 +18,15 @@
 //   1 avx2         vpmaddubsw + vpmaddwd (u8 x s8 pairs into s16, then int32)
 //   2 avx_vnni     vpdpbusd, VEX, 256-bit
 //   3 avx512_vnni  vpdpbusd on 512-bit vectors
-// The 32-weight formats (q8_0, q4_0, q4_1) from kQuadRows rows: a task decodes its panel of
-// kCols weight rows once into quad order (namespace quad: a vector is 8 or 16 columns' 4
-// codes, as the int8 kernel's panels) and multiplies it by all its rows in register tiles
-// of rows x columns, one vpdpbusd a (row, 8 or 16 columns, 4 k's), per-block int32 sums
-// scaled into f32 accumulators, one output a lane. Fewer rows, q4_k and q6_k: blocks decoded
-// in registers as they are read (q4's 16 nibble bytes become one 32-byte vector: low nibbles,
-// codes 0..15, then high ones, 16..31; the 512-bit tile takes two blocks a vector, namespace
-// zmm), one vector a (row, column, block) and a horizontal sum per output.
+// The 32-weight formats (q8_0, q4_0, q4_1), and q4_k on avx512_vnni, from kQuadRows rows:
+// a task decodes its panel of kCols weight rows once into quad order (namespace quad: a
+// vector is 8 or 16 columns' 4 codes, as the int8 kernel's panels) and multiplies it by all
+// its rows in register tiles of rows x columns, one vpdpbusd a (row, 8 or 16 columns, 4
+// k's), per-block int32 sums scaled into f32 accumulators, one output a lane. Fewer rows,
+// q6_k, and q4_k on the 256-bit paths: blocks decoded in registers as they are read (q4's 16
+// nibble bytes become one 32-byte vector: low nibbles, codes 0..15, then high ones, 16..31;
+// the 512-bit tile takes two blocks a vector, namespace zmm), one vector a (row, column,
+// block) and a horizontal sum per output.
 // The multiplies take u8 x s8. q4 codes are the u8 side as they are (0..15; q4_0's -8 comes
 // off as 8 * x's codes); q8_0 weights go in as w + 128 (the VNNI paths; 128 * x's codes come
 // off) or as |w| (u8, up to 128) with x carrying w's sign (vpsignb; x's codes are in
@@ -584,9 +585,12 @@ namespace quad {
 
 // One task's panel in quad order: q [blocks, 8, width] int32 lanes (4 codes each), d (and m
 // for q4_1) [blocks, width] f32; width = the columns rounded up to 16, zeros past them.
+// q4_k (blocks = its sub-blocks of 32): d and m hold each super-block's d and dmin
+// [blocks / 8, width], sc each sub-block's scale [blocks, width] and mp its minimums in
+// pairs of s16 (m_2i, m_2i+1) [blocks / 2, width].
 struct Panel {
   int64_t width = 0, blocks = 0;
-  std::vector<int32_t> q;
+  std::vector<int32_t> q, sc, mp;
   std::vector<float> d, m;
   void reset(int64_t w, int64_t b) {
     width = w, blocks = b;
@@ -773,6 +777,59 @@ void run(const Task& t, int64_t c0, int64_t cols, int64_t rows) {
                                     std::min<int64_t>(16, cols - g));
 }
 
+// q4_k's 8 columns at w (cols valid) into lanes g .. g + 7: per super-block, each 32 nibble
+// bytes are sub-blocks 2i (low nibbles) and 2i + 1 (high), both laid out as decode8's; the
+// scales and minimums through ggml's get_scale_min_k4 (portable::scales_k).
+inline void decode8_k(const uint8_t* w, int64_t rb, int64_t cols, Panel& pn, int64_t g) {
+  constexpr int64_t bb = kBlockBytes[kQ4_K];
+  static const std::vector<uint8_t> zero(bb, 0);
+  const int64_t width = pn.width, supers = pn.blocks / 8;
+  for (int64_t b = 0; b < supers; ++b) {
+    const uint8_t* p[8];
+    for (int c = 0; c < 8; ++c) p[c] = c < cols ? w + c * rb + b * bb : zero.data();
+    for (int i = 0; i < 4; ++i) {
+      __m256i lo[2][4], hi[2][4], out[4];  // [sub-block 2i or 2i + 1][column pair]
+      for (int j = 0; j < 4; ++j) {
+        const auto* a = reinterpret_cast<const __m128i*>(p[j] + 16 + 32 * i);
+        const auto* z = reinterpret_cast<const __m128i*>(p[j + 4] + 16 + 32 * i);
+        const __m256i v0 = _mm256_set_m128i(_mm_loadu_si128(z), _mm_loadu_si128(a));
+        const __m256i v1 = _mm256_set_m128i(_mm_loadu_si128(z + 1), _mm_loadu_si128(a + 1));
+        const __m256i low4 = _mm256_set1_epi8(15);
+        lo[0][j] = _mm256_and_si256(v0, low4);
+        hi[0][j] = _mm256_and_si256(v1, low4);
+        lo[1][j] = _mm256_and_si256(_mm256_srli_epi16(v0, 4), low4);
+        hi[1][j] = _mm256_and_si256(_mm256_srli_epi16(v1, 4), low4);
+      }
+      for (int h = 0; h < 2; ++h) {
+        int32_t* q = pn.q.data() + (8 * b + 2 * i + h) * 8 * width + g;
+        transpose4(lo[h], out);
+        for (int u = 0; u < 4; ++u)
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + u * width), out[u]);
+        transpose4(hi[h], out);
+        for (int u = 0; u < 4; ++u)
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + (4 + u) * width), out[u]);
+      }
+    }
+    for (int c = 0; c < 8; ++c) {
+      int32_t sc[8], mn[8];
+      portable::scales_k(p[c], sc, mn);
+      for (int j = 0; j < 8; ++j) pn.sc[(8 * b + j) * width + g + c] = sc[j];
+      for (int j = 0; j < 4; ++j)
+        pn.mp[(4 * b + j) * width + g + c] = mn[2 * j] | (mn[2 * j + 1] << 16);
+      pn.d[b * width + g + c] = f16(p[c]);
+      pn.m[b * width + g + c] = f16(p[c] + 2);
+    }
+  }
+}
+
+inline void decode_k(const Task& t, int64_t c0, int64_t cols, Panel& pn) {
+  pn.reset((cols + 15) / 16 * 16, t.a->blocks);
+  pn.sc.resize(pn.blocks * pn.width);
+  pn.mp.resize(pn.blocks / 2 * pn.width);
+  for (int64_t g = 0; g < pn.width; g += 8)
+    decode8_k(t.w + (c0 + g) * t.rb, t.rb, std::clamp<int64_t>(cols - g, 0, 8), pn, g);
+}
+
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 // The 512-bit path: y[R rows from r0, 16 NV columns from g].
 template <int F, int R, int NV>
@@ -844,6 +901,97 @@ void run512(const Task& t, int64_t c0, int64_t cols, int64_t rows) {
   for (int64_t g = 0; g < cols; g += 32)
     for (int64_t r = 0; r < rows; r += kRows512)
       tile_rows512<F, kRows512>(at, pn, r, std::min<int64_t>(kRows512, rows - r), g,
+                                std::min<int64_t>(32, cols - g));
+}
+
+// q4_k on the 512-bit path: y[R rows from r0, 16 NV columns from g]. Per super-block the
+// exact integers of the reference: isum = sum_j sc_j sumi_j (each sub-block's dpbusd sums
+// times its column's scale, vpmulld) and msum = sum_j m_j xsum_j (s16 pairs, vpdpwssd);
+// then y += (dx d) isum - (dx dmin) msum, per lane.
+template <int R, int NV>
+void tile512_k(const Task& t, const Panel& pn, int64_t r0, int64_t g, int64_t cols) {
+  const Acts& a = *t.a;
+  const int64_t width = pn.width, row0 = t.m0 + r0, supers = pn.blocks / 8;
+  __m512 acc[R][NV];
+  unroll<R>([&](auto r) { unroll<NV>([&](auto v) { acc[r][v] = _mm512_setzero_ps(); }); });
+  for (int64_t b = 0; b < supers; ++b) {
+    __m512i isum[R][NV], msum[R][NV];
+    unroll<R>([&](auto r) { unroll<NV>([&](auto v) { isum[r][v] = _mm512_setzero_si512(); }); });
+    for (int64_t j = 0; j < 8; ++j) {
+      const int64_t sb = 8 * b + j;
+      const int32_t* q = pn.q.data() + sb * 8 * width + g;
+      __m512i s[R][NV];
+      unroll<R>([&](auto r) { unroll<NV>([&](auto v) { s[r][v] = _mm512_setzero_si512(); }); });
+      unroll<8>([&](auto u) {
+        __m512i wv[NV];
+        unroll<NV>([&](auto v) { wv[v] = _mm512_loadu_si512(q + u * width + 16 * v); });
+        unroll<R>([&](auto r) {
+          int32_t xq;
+          std::memcpy(&xq, a.codes.data() + (row0 + r) * a.k + sb * kBlock + 4 * u, 4);
+          const __m512i xv = _mm512_set1_epi32(xq);
+          unroll<NV>([&](auto v) { s[r][v] = _mm512_dpbusd_epi32(s[r][v], wv[v], xv); });
+        });
+      });
+      unroll<NV>([&](auto v) {
+        const __m512i sc = _mm512_loadu_si512(pn.sc.data() + sb * width + g + 16 * v);
+        unroll<R>([&](auto r) {
+          isum[r][v] = _mm512_add_epi32(isum[r][v], _mm512_mullo_epi32(s[r][v], sc));
+        });
+      });
+    }
+    unroll<R>([&](auto r) { unroll<NV>([&](auto v) { msum[r][v] = _mm512_setzero_si512(); }); });
+    for (int64_t j = 0; j < 4; ++j) {
+      __m512i mp[NV];
+      unroll<NV>([&](auto v) { mp[v] = _mm512_loadu_si512(pn.mp.data() + (4 * b + j) * width + g + 16 * v); });
+      unroll<R>([&](auto r) {
+        const int32_t* xs = a.sum.data() + (row0 + r) * a.blocks + 8 * b + 2 * j;
+        const uint32_t pair = (static_cast<uint32_t>(xs[0]) & 0xffffu) | static_cast<uint32_t>(xs[1]) << 16;
+        const __m512i xp = _mm512_set1_epi32(static_cast<int32_t>(pair));
+        unroll<NV>([&](auto v) { msum[r][v] = _mm512_dpwssd_epi32(msum[r][v], mp[v], xp); });
+      });
+    }
+    unroll<NV>([&](auto v) {
+      const __m512 d = _mm512_loadu_ps(pn.d.data() + b * width + g + 16 * v);
+      const __m512 dmin = _mm512_loadu_ps(pn.m.data() + b * width + g + 16 * v);
+      unroll<R>([&](auto r) {
+        const __m512 dx = _mm512_set1_ps(a.d[(row0 + r) * supers + b]);
+        acc[r][v] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(msum[r][v]), _mm512_mul_ps(dx, dmin), acc[r][v]);
+        acc[r][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r][v]), _mm512_mul_ps(dx, d), acc[r][v]);
+      });
+    });
+  }
+  const int64_t tail = cols - 16 * (NV - 1);
+  const __mmask16 last = static_cast<__mmask16>(tail >= 16 ? 0xffffu : (1u << tail) - 1);
+  unroll<R>([&](auto r) {
+    float* dst = t.y + (r0 + r) * t.ldy + g;
+    unroll<NV>([&](auto v) {
+      _mm512_mask_storeu_ps(dst + 16 * v, v + 1 < NV ? static_cast<__mmask16>(0xffffu) : last,
+                            acc[r][v]);
+    });
+  });
+}
+
+constexpr int kRows512K = 4;
+
+template <int R>
+void tile_rows512_k(const Task& t, const Panel& pn, int64_t r0, int64_t rows, int64_t g,
+                    int64_t cols) {
+  if constexpr (R > 1) {
+    if (rows < R) return tile_rows512_k<R - 1>(t, pn, r0, rows, g, cols);
+  }
+  if (cols > 16)
+    tile512_k<R, 2>(t, pn, r0, g, cols);
+  else
+    tile512_k<R, 1>(t, pn, r0, g, cols);
+}
+
+void run512_k(const Task& t, int64_t c0, int64_t cols, int64_t rows) {
+  thread_local Panel pn;
+  decode_k(t, c0, cols, pn);
+  const Task at{t.a, t.m0, t.w, t.rb, t.y + c0, t.ldy};
+  for (int64_t g = 0; g < cols; g += 32)
+    for (int64_t r = 0; r < rows; r += kRows512K)
+      tile_rows512_k<kRows512K>(at, pn, r, std::min<int64_t>(kRows512K, rows - r), g,
                                 std::min<int64_t>(32, cols - g));
 }
 #endif
@@ -968,7 +1116,7 @@ Run run_of(int64_t path, bool direct) {
   }
 }
 
-Run run_k_of(int64_t path) {
+Run run_k_of(int64_t path, bool direct) {
   switch (path) {
     case kPortable: return portable::run_k;
 #ifdef __AVX2__
@@ -978,7 +1126,7 @@ Run run_k_of(int64_t path) {
     case kAvxVnni: return ymm::run_k<ymm::AvxVnniDot>;
 #endif
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AVX512BW__)
-    case kAvx512Vnni: return ymm::run_k<ymm::Avx512KDot>;
+    case kAvx512Vnni: return direct ? ymm::run_k<ymm::Avx512KDot> : quad::run512_k;
 #endif
     default: return nullptr;
   }
@@ -1009,10 +1157,16 @@ Run run_of(int64_t format, int64_t path, bool direct) {
     case kQ8_0: return run_of<kQ8_0>(path, direct);
     case kQ4_0: return run_of<kQ4_0>(path, direct);
     case kQ4_1: return run_of<kQ4_1>(path, direct);
-    case kQ4_K: return run_k_of(path);
+    case kQ4_K: return run_k_of(path, direct);
     case kQ6_K: return run_k6_of(path);
     default: return nullptr;
   }
+}
+
+// Whether `format` on `path` decodes its tasks' panels (from kQuadRows rows).
+bool quad_rows(int64_t format, int64_t path) {
+  if (path == kPortable || format == kQ6_K) return false;
+  return format != kQ4_K || path == kAvx512Vnni;
 }
 
 // Rows per task: kChunk, or for a task that decodes its panel first (`quad`) as many as
@@ -1064,7 +1218,7 @@ ffi::Error GgufMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Bu
   const uint8_t* wl = w.typed_data() + l * n * rb;
   const int64_t col_tasks = (n + kCols - 1) / kCols;
   const int64_t chunk =
-      rows_per_task(m, col_tasks, pool.num_threads(), !kq && path != kPortable && m >= kQuadRows);
+      rows_per_task(m, col_tasks, pool.num_threads(), quad_rows(format, path) && m >= kQuadRows);
   const int64_t chunks = (m + chunk - 1) / chunk;
   float* out = y->typed_data();
   parallel_for(pool, col_tasks * chunks, [&](int64_t i) {
