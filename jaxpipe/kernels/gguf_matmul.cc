@@ -13,21 +13,29 @@
 //                     y += (dx d) isum - (dx dmin) msum; q6_k: y += (dx d) sum_i sc_i sumi_i
 //                     (each 16 weights' int8 scale)
 //
-// Blocks are decoded in registers: q4's 16 nibble bytes become one 32-byte vector (low
-// nibbles, codes 0..15, then high ones, 16..31: the order of the activation block's codes).
 // Paths (the `path` attribute; `jaxpipe_gguf_matmul_paths` says which this build has):
 //   0 portable     plain loops, any CPU
 //   1 avx2         vpmaddubsw + vpmaddwd (u8 x s8 pairs into s16, then int32)
 //   2 avx_vnni     vpdpbusd, VEX, 256-bit
-//   3 avx512_vnni  vpdpbusd on 512-bit vectors, two blocks a vector (namespace zmm)
+//   3 avx512_vnni  vpdpbusd on 512-bit vectors
+// The 32-weight formats (q8_0, q4_0, q4_1), and q4_k on avx512_vnni, from kQuadRows rows:
+// a task decodes its panel of kCols weight rows once into quad order (namespace quad: a
+// vector is 8 or 16 columns' 4 codes, as the int8 kernel's panels) and multiplies it by all
+// its rows in register tiles of rows x columns, one vpdpbusd a (row, 8 or 16 columns, 4
+// k's), per-block int32 sums scaled into f32 accumulators, one output a lane. Fewer rows,
+// q6_k, and q4_k on the 256-bit paths: blocks decoded in registers as they are read (q4's 16
+// nibble bytes become one 32-byte vector: low nibbles, codes 0..15, then high ones, 16..31;
+// the 512-bit tile takes two blocks a vector, namespace zmm), one vector a (row, column,
+// block) and a horizontal sum per output.
 // The multiplies take u8 x s8. q4 codes are the u8 side as they are (0..15; q4_0's -8 comes
-// off as 8 * x's codes, lane by lane); q8_0 weights go in as |w| (u8, up
-// to 128) with x carrying w's sign (vpsignb; x's codes are in [-127, 127]): a vpmaddubsw pair
-// is then at most 2 x 128 x 127 = 32512, never saturated, and every sum is exact.
+// off as 8 * x's codes); q8_0 weights go in as w + 128 (the VNNI paths; 128 * x's codes come
+// off) or as |w| (u8, up to 128) with x carrying w's sign (vpsignb; x's codes are in
+// [-127, 127]): a vpmaddubsw pair is then at most 2 x 128 x 127 = 32512, never saturated,
+// and every sum is exact.
 //
-// A task is (a chunk of kCols output columns, a chunk of kChunk rows), over XLA's thread pool;
-// within it, tiles of kRows rows x kCols2 columns keep their columns' blocks in L1 while all the
-// rows read them.
+// A task is (a chunk of kCols output columns, a chunk of rows), over XLA's thread pool; the
+// direct tiles' chunks are kChunk rows, a decoded panel's as many as keep every thread 4
+// tasks (`rows_per_task`), so that a decode serves many rows.
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -55,6 +63,8 @@ using jaxpipe_cpu::parallel_for, jaxpipe_cpu::unroll;
 constexpr int64_t kBlock = 32;
 constexpr int64_t kCols = 64;   // output columns per task
 constexpr int64_t kChunk = 48;  // rows per task
+constexpr int64_t kQuadChunk = 384;  // rows per task at most, on a decoded panel
+constexpr int64_t kQuadRows = 4;     // rows from which tasks decode their panel (quad::)
 
 enum Format : int64_t { kQ8_0 = 0, kQ4_0 = 1, kQ4_1 = 2, kQ4_K = 3, kQ6_K = 4 };
 constexpr int64_t kBlockBytes[] = {34, 18, 20, 144, 210};
@@ -97,7 +107,7 @@ struct Acts {
   Acts(int64_t m, int64_t k_, bool wide, bool kq)
       : k(k_), blocks(k_ / kBlock), codes(m * k_), d(kq ? m * (k_ / kSuper) : m * blocks),
         s(kq ? 0 : m * blocks), d8(wide && !kq ? 8 * m * blocks : 0), s8(d8.size()),
-        sum(kq ? m * blocks : 0) {}
+        sum(m * blocks) {}
   // Row r as q8_k (gguf_blocks.quantize_rows_k, to the bit): per 256, v = the first value of
   // largest magnitude, iscale = -127 / v, codes = min(127, round half to even(iscale x)),
   // d = 1 / iscale (all 0 for a zero super-block).
@@ -152,6 +162,7 @@ struct Acts {
       const int64_t at = r * blocks + b;
       d[at] = to_f16(dd);
       s[at] = to_f16(dd * static_cast<float>(total));
+      sum[at] = total;
       if (!d8.empty()) {
         std::fill(d8.begin() + 8 * at, d8.begin() + 8 * at + 8, d[at]);
         s8[8 * at] = s[at];
@@ -553,6 +564,441 @@ void run_k6(const Task& t, int64_t c0, int64_t cols, int64_t rows) {
 }  // namespace ymm
 #endif
 
+#ifdef __AVX2__
+// The 32-weight formats on the SIMD paths, as the int8 kernel multiplies: a task first decodes
+// its panel of the file's rows (kCols columns, every block; `Panel`) into "quad order", the
+// int8 kernel's panel order: for block b and quad j (its codes 4j .. 4j + 3), the panel's
+// columns side by side, one int32 lane each. A vector of weights is then 8 or 16 columns'
+// quads, the operand of one vpdpbusd whose other operand is one x row's quad broadcast, so
+// each int32 lane sums one (row, column)'s block over its 8 quads without a horizontal add,
+// and the f32 step (cvt, x dx dw, + mw sx for q4_1) runs once per block on 8 or 16 outputs.
+// The decode (nibbles unpacked, an 8 x 8 transpose of quads per 8 columns) is done once per
+// task and used by all its rows.
+//
+// The u8 operand is the weight: q4 codes as they are (0..15), q8_0's w xor 0x80 = w + 128
+// (`kFlip`); the offset comes off each (row, block)'s integer sum before it is converted, as
+// its initial value -off x (sum of x's block codes) (off = 128 for flipped q8_0, 8 for q4_0's
+// q - 8, 0 for q4_1): every block's sum is then exactly llama.cpp's sumi. avx2's vpmaddubsw
+// would saturate on 255 x 127 pairs, so there q8_0 stays signed and goes in as |w| with x
+// carrying w's sign (vpsignb), as the 256-bit 32-weight tile does.
+namespace quad {
+
+// One task's panel in quad order: q [blocks, 8, width] int32 lanes (4 codes each), d (and m
+// for q4_1) [blocks, width] f32; width = the columns rounded up to 16, zeros past them.
+// q4_k (blocks = its sub-blocks of 32): d and m hold each super-block's d and dmin
+// [blocks / 8, width], sc each sub-block's scale [blocks, width] and mp its minimums in
+// pairs of s16 (m_2i, m_2i+1) [blocks / 2, width].
+struct Panel {
+  int64_t width = 0, blocks = 0;
+  std::vector<int32_t> q, sc, mp;
+  std::vector<float> d, m;
+  void reset(int64_t w, int64_t b) {
+    width = w, blocks = b;
+    q.resize(b * 8 * w);
+    d.resize(b * w);
+    m.resize(b * w);
+  }
+};
+
+// a[0..3]'s 4 dwords (per 128-bit lane) transposed: a[j] lane dword i -> out[i] lane dword j.
+inline void transpose4(const __m256i* a, __m256i* out) {
+  const __m256i t0 = _mm256_unpacklo_epi32(a[0], a[1]), t1 = _mm256_unpackhi_epi32(a[0], a[1]);
+  const __m256i t2 = _mm256_unpacklo_epi32(a[2], a[3]), t3 = _mm256_unpackhi_epi32(a[2], a[3]);
+  out[0] = _mm256_unpacklo_epi64(t0, t2);
+  out[1] = _mm256_unpackhi_epi64(t0, t2);
+  out[2] = _mm256_unpacklo_epi64(t1, t3);
+  out[3] = _mm256_unpackhi_epi64(t1, t3);
+}
+
+// The f16 at byte `at` (0 or 2) of each of v's 8 int32 lanes, as 8 floats.
+inline __m256 halves(__m256i v, int at) {
+  const __m256i pick = at == 0 ? _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, -1, -1, -1, -1, -1, -1,
+                                                  -1, -1, 0, 1, 4, 5, 8, 9, 12, 13, -1, -1, -1, -1,
+                                                  -1, -1, -1, -1)
+                               : _mm256_setr_epi8(2, 3, 6, 7, 10, 11, 14, 15, -1, -1, -1, -1, -1,
+                                                  -1, -1, -1, 2, 3, 6, 7, 10, 11, 14, 15, -1, -1,
+                                                  -1, -1, -1, -1, -1, -1);
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(v, pick), 0b1000);
+  return _mm256_cvtph_ps(_mm256_castsi256_si128(packed));
+}
+
+alignas(64) constexpr uint8_t kZeroBlock[64] = {};  // the columns past the panel's last
+
+// Columns c0 .. c0 + cols - 1 (cols <= 8) of `w` (rows rb bytes), every block, into the
+// panel's lanes g .. g + 7: vector j of column pair (c, c + 4) holds quads 0..3 (or 4..7) of
+// both in its two halves; one transpose4 then gives quad i of all 8 columns in order.
+template <int F, bool kFlip>
+void decode8(const uint8_t* w, int64_t rb, int64_t cols, Panel& pn, int64_t g) {
+  constexpr int64_t bb = kBlockBytes[F], off = F == kQ8_0 ? 2 : F == kQ4_1 ? 4 : 2;
+  const uint8_t* row[8];
+  for (int c = 0; c < 8; ++c) row[c] = c < cols ? w + c * rb : nullptr;
+  const int64_t width = pn.width;
+  for (int64_t b = 0; b < pn.blocks; ++b) {
+    const uint8_t* p[8];
+    for (int c = 0; c < 8; ++c) p[c] = row[c] ? row[c] + b * bb : kZeroBlock;
+    __m256i lo[4], hi[4], out[4];
+    for (int j = 0; j < 4; ++j) {
+      const auto* a = reinterpret_cast<const __m128i*>(p[j] + off);
+      const auto* z = reinterpret_cast<const __m128i*>(p[j + 4] + off);
+      if constexpr (F == kQ8_0) {
+        lo[j] = _mm256_set_m128i(_mm_loadu_si128(z), _mm_loadu_si128(a));
+        hi[j] = _mm256_set_m128i(_mm_loadu_si128(z + 1), _mm_loadu_si128(a + 1));
+        if constexpr (kFlip) {
+          lo[j] = _mm256_xor_si256(lo[j], _mm256_set1_epi8(-128));
+          hi[j] = _mm256_xor_si256(hi[j], _mm256_set1_epi8(-128));
+        }
+      } else {
+        const __m256i v = _mm256_set_m128i(_mm_loadu_si128(z), _mm_loadu_si128(a));
+        lo[j] = _mm256_and_si256(v, _mm256_set1_epi8(15));
+        hi[j] = _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(15));
+      }
+    }
+    int32_t* q = pn.q.data() + b * 8 * width + g;
+    transpose4(lo, out);
+    for (int i = 0; i < 4; ++i) _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + i * width), out[i]);
+    transpose4(hi, out);
+    for (int i = 0; i < 4; ++i)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + (4 + i) * width), out[i]);
+    // The 8 columns' headers (d, and m for q4_1: f16s at bytes 0 and 2), converted together.
+    int32_t h[8];
+    for (int c = 0; c < 8; ++c) std::memcpy(h + c, p[c], 4);
+    const __m256i head = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(h));
+    _mm256_storeu_ps(pn.d.data() + b * width + g, halves(head, 0));
+    if constexpr (F == kQ4_1) _mm256_storeu_ps(pn.m.data() + b * width + g, halves(head, 2));
+  }
+}
+
+// Columns c0 .. c0 + cols - 1 of the task's weights into `pn` (cols <= kCols).
+template <int F, bool kFlip>
+void decode(const Task& t, int64_t c0, int64_t cols, Panel& pn) {
+  pn.reset((cols + 15) / 16 * 16, t.a->blocks);
+  for (int64_t g = 0; g < pn.width; g += 8)
+    decode8<F, kFlip>(t.w + (c0 + g) * t.rb, t.rb, std::clamp<int64_t>(cols - g, 0, 8), pn, g);
+}
+
+// What comes off a (row, block)'s integer sum: off x its code sum.
+template <int F, bool kFlip>
+constexpr int32_t kOff = F == kQ4_0 ? 8 : F == kQ8_0 && kFlip ? 128 : 0;
+
+// y[R rows from r0, 8 NV columns from g] over the decoded panel (the 256-bit paths).
+template <typename Dot, int F, int R, int NV>
+void tile(const Task& t, const Panel& pn, int64_t r0, int64_t g, int64_t cols) {
+  constexpr bool flip = Dot::kFlip;
+  const Acts& a = *t.a;
+  const int64_t width = pn.width, row0 = t.m0 + r0;
+  __m256 acc[R][NV];
+  unroll<R>([&](auto r) { unroll<NV>([&](auto v) { acc[r][v] = _mm256_setzero_ps(); }); });
+  for (int64_t b = 0; b < pn.blocks; ++b) {
+    __m256i s[R][NV];
+    unroll<R>([&](auto r) {
+      const __m256i init = _mm256_set1_epi32(-kOff<F, flip> * a.sum[(row0 + r) * a.blocks + b]);
+      unroll<NV>([&](auto v) { s[r][v] = init; });
+    });
+    const int32_t* q = pn.q.data() + b * 8 * width + g;
+    unroll<8>([&](auto j) {
+      __m256i wv[NV];
+      unroll<NV>([&](auto v) {
+        wv[v] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + j * width + 8 * v));
+      });
+      unroll<R>([&](auto r) {
+        int32_t xq;
+        std::memcpy(&xq, a.codes.data() + (row0 + r) * a.k + b * kBlock + 4 * j, 4);
+        const __m256i xv = _mm256_set1_epi32(xq);
+        unroll<NV>([&](auto v) {
+          if constexpr (F == kQ8_0 && !flip)
+            s[r][v] = Dot::add(s[r][v], _mm256_abs_epi8(wv[v]), _mm256_sign_epi8(xv, wv[v]));
+          else
+            s[r][v] = Dot::add(s[r][v], wv[v], xv);
+        });
+      });
+    });
+    __m256 dw[NV], mw[NV];
+    unroll<NV>([&](auto v) {
+      dw[v] = _mm256_loadu_ps(pn.d.data() + b * width + g + 8 * v);
+      if constexpr (F == kQ4_1) mw[v] = _mm256_loadu_ps(pn.m.data() + b * width + g + 8 * v);
+    });
+    unroll<R>([&](auto r) {
+      const int64_t at = (row0 + r) * a.blocks + b;
+      const __m256 dx = _mm256_set1_ps(a.d[at]);
+      unroll<NV>([&](auto v) {
+        acc[r][v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[r][v]), _mm256_mul_ps(dw[v], dx), acc[r][v]);
+        if constexpr (F == kQ4_1) acc[r][v] = _mm256_fmadd_ps(mw[v], _mm256_set1_ps(a.s[at]), acc[r][v]);
+      });
+    });
+  }
+  const __m256i last = jaxpipe_cpu::lanes(cols - 8 * (NV - 1));
+  unroll<R>([&](auto r) {
+    float* dst = t.y + (r0 + r) * t.ldy + g;
+    unroll<NV>([&](auto v) {
+      if (v + 1 < NV || cols >= 8 * NV)
+        _mm256_storeu_ps(dst + 8 * v, acc[r][v]);
+      else
+        _mm256_maskstore_ps(dst + 8 * v, last, acc[r][v]);
+    });
+  });
+}
+
+// u8 x s8 -> int32 sums of 4 (the two 256-bit paths).
+struct Avx2Dot {
+  static constexpr int kRows = 2;
+  static constexpr bool kFlip = false;
+  static __m256i add(__m256i acc, __m256i u, __m256i s) {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+  }
+};
+#ifdef __AVXVNNI__
+struct AvxVnniDot {
+  static constexpr int kRows = 3;
+  static constexpr bool kFlip = true;
+  static __m256i add(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_avx_epi32(acc, u, s); }
+};
+#endif
+
+template <typename Dot, int F, int R>
+void tile_rows(const Task& t, const Panel& pn, int64_t r0, int64_t rows, int64_t g, int64_t cols) {
+  if constexpr (R > 1) {
+    if (rows < R) return tile_rows<Dot, F, R - 1>(t, pn, r0, rows, g, cols);
+  }
+  if (cols > 8)
+    tile<Dot, F, R, 2>(t, pn, r0, g, cols);
+  else
+    tile<Dot, F, R, 1>(t, pn, r0, g, cols);
+}
+
+// A task on a 256-bit path: decode, then 16-column slices over all the rows.
+template <typename Dot, int F>
+void run(const Task& t, int64_t c0, int64_t cols, int64_t rows) {
+  thread_local Panel pn;
+  decode<F, Dot::kFlip>(t, c0, cols, pn);
+  const Task at{t.a, t.m0, t.w, t.rb, t.y + c0, t.ldy};
+  for (int64_t g = 0; g < cols; g += 16)
+    for (int64_t r = 0; r < rows; r += Dot::kRows)
+      tile_rows<Dot, F, Dot::kRows>(at, pn, r, std::min<int64_t>(Dot::kRows, rows - r), g,
+                                    std::min<int64_t>(16, cols - g));
+}
+
+// q4_k's 8 columns at w (cols valid) into lanes g .. g + 7: per super-block, each 32 nibble
+// bytes are sub-blocks 2i (low nibbles) and 2i + 1 (high), both laid out as decode8's; the
+// scales and minimums through ggml's get_scale_min_k4 (portable::scales_k).
+inline void decode8_k(const uint8_t* w, int64_t rb, int64_t cols, Panel& pn, int64_t g) {
+  constexpr int64_t bb = kBlockBytes[kQ4_K];
+  static const std::vector<uint8_t> zero(bb, 0);
+  const int64_t width = pn.width, supers = pn.blocks / 8;
+  for (int64_t b = 0; b < supers; ++b) {
+    const uint8_t* p[8];
+    for (int c = 0; c < 8; ++c) p[c] = c < cols ? w + c * rb + b * bb : zero.data();
+    for (int i = 0; i < 4; ++i) {
+      __m256i lo[2][4], hi[2][4], out[4];  // [sub-block 2i or 2i + 1][column pair]
+      for (int j = 0; j < 4; ++j) {
+        const auto* a = reinterpret_cast<const __m128i*>(p[j] + 16 + 32 * i);
+        const auto* z = reinterpret_cast<const __m128i*>(p[j + 4] + 16 + 32 * i);
+        const __m256i v0 = _mm256_set_m128i(_mm_loadu_si128(z), _mm_loadu_si128(a));
+        const __m256i v1 = _mm256_set_m128i(_mm_loadu_si128(z + 1), _mm_loadu_si128(a + 1));
+        const __m256i low4 = _mm256_set1_epi8(15);
+        lo[0][j] = _mm256_and_si256(v0, low4);
+        hi[0][j] = _mm256_and_si256(v1, low4);
+        lo[1][j] = _mm256_and_si256(_mm256_srli_epi16(v0, 4), low4);
+        hi[1][j] = _mm256_and_si256(_mm256_srli_epi16(v1, 4), low4);
+      }
+      for (int h = 0; h < 2; ++h) {
+        int32_t* q = pn.q.data() + (8 * b + 2 * i + h) * 8 * width + g;
+        transpose4(lo[h], out);
+        for (int u = 0; u < 4; ++u)
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + u * width), out[u]);
+        transpose4(hi[h], out);
+        for (int u = 0; u < 4; ++u)
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + (4 + u) * width), out[u]);
+      }
+    }
+    for (int c = 0; c < 8; ++c) {
+      int32_t sc[8], mn[8];
+      portable::scales_k(p[c], sc, mn);
+      for (int j = 0; j < 8; ++j) pn.sc[(8 * b + j) * width + g + c] = sc[j];
+      for (int j = 0; j < 4; ++j)
+        pn.mp[(4 * b + j) * width + g + c] = mn[2 * j] | (mn[2 * j + 1] << 16);
+      pn.d[b * width + g + c] = f16(p[c]);
+      pn.m[b * width + g + c] = f16(p[c] + 2);
+    }
+  }
+}
+
+inline void decode_k(const Task& t, int64_t c0, int64_t cols, Panel& pn) {
+  pn.reset((cols + 15) / 16 * 16, t.a->blocks);
+  pn.sc.resize(pn.blocks * pn.width);
+  pn.mp.resize(pn.blocks / 2 * pn.width);
+  for (int64_t g = 0; g < pn.width; g += 8)
+    decode8_k(t.w + (c0 + g) * t.rb, t.rb, std::clamp<int64_t>(cols - g, 0, 8), pn, g);
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+// The 512-bit path: y[R rows from r0, 16 NV columns from g].
+template <int F, int R, int NV>
+void tile512(const Task& t, const Panel& pn, int64_t r0, int64_t g, int64_t cols) {
+  const Acts& a = *t.a;
+  const int64_t width = pn.width, row0 = t.m0 + r0;
+  __m512 acc[R][NV];
+  unroll<R>([&](auto r) { unroll<NV>([&](auto v) { acc[r][v] = _mm512_setzero_ps(); }); });
+  for (int64_t b = 0; b < pn.blocks; ++b) {
+    __m512i s[R][NV];
+    unroll<R>([&](auto r) {
+      const __m512i init = _mm512_set1_epi32(-kOff<F, true> * a.sum[(row0 + r) * a.blocks + b]);
+      unroll<NV>([&](auto v) { s[r][v] = init; });
+    });
+    const int32_t* q = pn.q.data() + b * 8 * width + g;
+    unroll<8>([&](auto j) {
+      __m512i wv[NV];
+      unroll<NV>([&](auto v) { wv[v] = _mm512_loadu_si512(q + j * width + 16 * v); });
+      unroll<R>([&](auto r) {
+        int32_t xq;
+        std::memcpy(&xq, a.codes.data() + (row0 + r) * a.k + b * kBlock + 4 * j, 4);
+        const __m512i xv = _mm512_set1_epi32(xq);
+        unroll<NV>([&](auto v) { s[r][v] = _mm512_dpbusd_epi32(s[r][v], wv[v], xv); });
+      });
+    });
+    __m512 dw[NV], mw[NV];
+    unroll<NV>([&](auto v) {
+      dw[v] = _mm512_loadu_ps(pn.d.data() + b * width + g + 16 * v);
+      if constexpr (F == kQ4_1) mw[v] = _mm512_loadu_ps(pn.m.data() + b * width + g + 16 * v);
+    });
+    unroll<R>([&](auto r) {
+      const int64_t at = (row0 + r) * a.blocks + b;
+      const __m512 dx = _mm512_set1_ps(a.d[at]);
+      unroll<NV>([&](auto v) {
+        acc[r][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[r][v]), _mm512_mul_ps(dw[v], dx), acc[r][v]);
+        if constexpr (F == kQ4_1) acc[r][v] = _mm512_fmadd_ps(mw[v], _mm512_set1_ps(a.s[at]), acc[r][v]);
+      });
+    });
+  }
+  const int64_t tail = cols - 16 * (NV - 1);
+  const __mmask16 last = static_cast<__mmask16>(tail >= 16 ? 0xffffu : (1u << tail) - 1);
+  unroll<R>([&](auto r) {
+    float* dst = t.y + (r0 + r) * t.ldy + g;
+    unroll<NV>([&](auto v) {
+      _mm512_mask_storeu_ps(dst + 16 * v, v + 1 < NV ? static_cast<__mmask16>(0xffffu) : last,
+                            acc[r][v]);
+    });
+  });
+}
+
+constexpr int kRows512 = 6;
+
+template <int F, int R>
+void tile_rows512(const Task& t, const Panel& pn, int64_t r0, int64_t rows, int64_t g, int64_t cols) {
+  if constexpr (R > 1) {
+    if (rows < R) return tile_rows512<F, R - 1>(t, pn, r0, rows, g, cols);
+  }
+  if (cols > 16)
+    tile512<F, R, 2>(t, pn, r0, g, cols);
+  else
+    tile512<F, R, 1>(t, pn, r0, g, cols);
+}
+
+template <int F>
+void run512(const Task& t, int64_t c0, int64_t cols, int64_t rows) {
+  thread_local Panel pn;
+  decode<F, true>(t, c0, cols, pn);
+  const Task at{t.a, t.m0, t.w, t.rb, t.y + c0, t.ldy};
+  for (int64_t g = 0; g < cols; g += 32)
+    for (int64_t r = 0; r < rows; r += kRows512)
+      tile_rows512<F, kRows512>(at, pn, r, std::min<int64_t>(kRows512, rows - r), g,
+                                std::min<int64_t>(32, cols - g));
+}
+
+// q4_k on the 512-bit path: y[R rows from r0, 16 NV columns from g]. Per super-block the
+// exact integers of the reference: isum = sum_j sc_j sumi_j (each sub-block's dpbusd sums
+// times its column's scale, vpmulld) and msum = sum_j m_j xsum_j (s16 pairs, vpdpwssd);
+// then y += (dx d) isum - (dx dmin) msum, per lane.
+template <int R, int NV>
+void tile512_k(const Task& t, const Panel& pn, int64_t r0, int64_t g, int64_t cols) {
+  const Acts& a = *t.a;
+  const int64_t width = pn.width, row0 = t.m0 + r0, supers = pn.blocks / 8;
+  __m512 acc[R][NV];
+  unroll<R>([&](auto r) { unroll<NV>([&](auto v) { acc[r][v] = _mm512_setzero_ps(); }); });
+  for (int64_t b = 0; b < supers; ++b) {
+    __m512i isum[R][NV], msum[R][NV];
+    unroll<R>([&](auto r) { unroll<NV>([&](auto v) { isum[r][v] = _mm512_setzero_si512(); }); });
+    for (int64_t j = 0; j < 8; ++j) {
+      const int64_t sb = 8 * b + j;
+      const int32_t* q = pn.q.data() + sb * 8 * width + g;
+      __m512i s[R][NV];
+      unroll<R>([&](auto r) { unroll<NV>([&](auto v) { s[r][v] = _mm512_setzero_si512(); }); });
+      unroll<8>([&](auto u) {
+        __m512i wv[NV];
+        unroll<NV>([&](auto v) { wv[v] = _mm512_loadu_si512(q + u * width + 16 * v); });
+        unroll<R>([&](auto r) {
+          int32_t xq;
+          std::memcpy(&xq, a.codes.data() + (row0 + r) * a.k + sb * kBlock + 4 * u, 4);
+          const __m512i xv = _mm512_set1_epi32(xq);
+          unroll<NV>([&](auto v) { s[r][v] = _mm512_dpbusd_epi32(s[r][v], wv[v], xv); });
+        });
+      });
+      unroll<NV>([&](auto v) {
+        const __m512i sc = _mm512_loadu_si512(pn.sc.data() + sb * width + g + 16 * v);
+        unroll<R>([&](auto r) {
+          isum[r][v] = _mm512_add_epi32(isum[r][v], _mm512_mullo_epi32(s[r][v], sc));
+        });
+      });
+    }
+    unroll<R>([&](auto r) { unroll<NV>([&](auto v) { msum[r][v] = _mm512_setzero_si512(); }); });
+    for (int64_t j = 0; j < 4; ++j) {
+      __m512i mp[NV];
+      unroll<NV>([&](auto v) { mp[v] = _mm512_loadu_si512(pn.mp.data() + (4 * b + j) * width + g + 16 * v); });
+      unroll<R>([&](auto r) {
+        const int32_t* xs = a.sum.data() + (row0 + r) * a.blocks + 8 * b + 2 * j;
+        const uint32_t pair = (static_cast<uint32_t>(xs[0]) & 0xffffu) | static_cast<uint32_t>(xs[1]) << 16;
+        const __m512i xp = _mm512_set1_epi32(static_cast<int32_t>(pair));
+        unroll<NV>([&](auto v) { msum[r][v] = _mm512_dpwssd_epi32(msum[r][v], mp[v], xp); });
+      });
+    }
+    unroll<NV>([&](auto v) {
+      const __m512 d = _mm512_loadu_ps(pn.d.data() + b * width + g + 16 * v);
+      const __m512 dmin = _mm512_loadu_ps(pn.m.data() + b * width + g + 16 * v);
+      unroll<R>([&](auto r) {
+        const __m512 dx = _mm512_set1_ps(a.d[(row0 + r) * supers + b]);
+        acc[r][v] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(msum[r][v]), _mm512_mul_ps(dx, dmin), acc[r][v]);
+        acc[r][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r][v]), _mm512_mul_ps(dx, d), acc[r][v]);
+      });
+    });
+  }
+  const int64_t tail = cols - 16 * (NV - 1);
+  const __mmask16 last = static_cast<__mmask16>(tail >= 16 ? 0xffffu : (1u << tail) - 1);
+  unroll<R>([&](auto r) {
+    float* dst = t.y + (r0 + r) * t.ldy + g;
+    unroll<NV>([&](auto v) {
+      _mm512_mask_storeu_ps(dst + 16 * v, v + 1 < NV ? static_cast<__mmask16>(0xffffu) : last,
+                            acc[r][v]);
+    });
+  });
+}
+
+constexpr int kRows512K = 4;
+
+template <int R>
+void tile_rows512_k(const Task& t, const Panel& pn, int64_t r0, int64_t rows, int64_t g,
+                    int64_t cols) {
+  if constexpr (R > 1) {
+    if (rows < R) return tile_rows512_k<R - 1>(t, pn, r0, rows, g, cols);
+  }
+  if (cols > 16)
+    tile512_k<R, 2>(t, pn, r0, g, cols);
+  else
+    tile512_k<R, 1>(t, pn, r0, g, cols);
+}
+
+void run512_k(const Task& t, int64_t c0, int64_t cols, int64_t rows) {
+  thread_local Panel pn;
+  decode_k(t, c0, cols, pn);
+  const Task at{t.a, t.m0, t.w, t.rb, t.y + c0, t.ldy};
+  for (int64_t g = 0; g < cols; g += 32)
+    for (int64_t r = 0; r < rows; r += kRows512K)
+      tile_rows512_k<kRows512K>(at, pn, r, std::min<int64_t>(kRows512K, rows - r), g,
+                                std::min<int64_t>(32, cols - g));
+}
+#endif
+
+}  // namespace quad
+#endif
+
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 // 512-bit vpdpbusd, two blocks a vector: lanes 0-7 hold block b's sums, 8-15 block b + 1's,
 // so each scale vector is [b's x 8, b + 1's x 8]. AVX-512 has no vpsignb, so q8_0 weights go
@@ -654,23 +1100,23 @@ void run(const Task& t, int64_t c0, int64_t cols, int64_t rows) {
 using Run = void (*)(const Task&, int64_t, int64_t, int64_t);
 
 template <int F>
-Run run_of(int64_t path) {
+Run run_of(int64_t path, bool direct) {
   switch (path) {
     case kPortable: return portable::run<F>;
 #ifdef __AVX2__
-    case kAvx2: return ymm::run<ymm::Avx2Dot, F>;
+    case kAvx2: return direct ? ymm::run<ymm::Avx2Dot, F> : quad::run<quad::Avx2Dot, F>;
 #endif
 #ifdef __AVXVNNI__
-    case kAvxVnni: return ymm::run<ymm::AvxVnniDot, F>;
+    case kAvxVnni: return direct ? ymm::run<ymm::AvxVnniDot, F> : quad::run<quad::AvxVnniDot, F>;
 #endif
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-    case kAvx512Vnni: return zmm::run<F>;
+    case kAvx512Vnni: return direct ? zmm::run<F> : quad::run512<F>;
 #endif
     default: return nullptr;
   }
 }
 
-Run run_k_of(int64_t path) {
+Run run_k_of(int64_t path, bool direct) {
   switch (path) {
     case kPortable: return portable::run_k;
 #ifdef __AVX2__
@@ -680,7 +1126,7 @@ Run run_k_of(int64_t path) {
     case kAvxVnni: return ymm::run_k<ymm::AvxVnniDot>;
 #endif
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AVX512BW__)
-    case kAvx512Vnni: return ymm::run_k<ymm::Avx512KDot>;
+    case kAvx512Vnni: return direct ? ymm::run_k<ymm::Avx512KDot> : quad::run512_k;
 #endif
     default: return nullptr;
   }
@@ -703,17 +1149,34 @@ Run run_k6_of(int64_t path) {
 }
 
 // `path`'s routine for `format` (`path` < 0: the last this build has); null if none here.
-Run run_of(int64_t format, int64_t path) {
-  if (path < 0) path = 31 - __builtin_clz(kBuiltPaths);
+// `direct`: the 32-weight formats' tiles that read the blocks in place (below kQuadRows rows,
+// where a panel's decode would cost more than its rows' multiplies save).
+Run run_of(int64_t format, int64_t path, bool direct) {
   if (path > 31 || !(kBuiltPaths >> path & 1u)) return nullptr;
   switch (format) {
-    case kQ8_0: return run_of<kQ8_0>(path);
-    case kQ4_0: return run_of<kQ4_0>(path);
-    case kQ4_1: return run_of<kQ4_1>(path);
-    case kQ4_K: return run_k_of(path);
+    case kQ8_0: return run_of<kQ8_0>(path, direct);
+    case kQ4_0: return run_of<kQ4_0>(path, direct);
+    case kQ4_1: return run_of<kQ4_1>(path, direct);
+    case kQ4_K: return run_k_of(path, direct);
     case kQ6_K: return run_k6_of(path);
     default: return nullptr;
   }
+}
+
+// Whether `format` on `path` decodes its tasks' panels (from kQuadRows rows).
+bool quad_rows(int64_t format, int64_t path) {
+  if (path == kPortable || format == kQ6_K) return false;
+  return format != kQ4_K || path == kAvx512Vnni;
+}
+
+// Rows per task: kChunk, or for a task that decodes its panel first (`quad`) as many as
+// keep 4 tasks a thread (a panel's decode is then shared by more rows), at most kQuadChunk.
+int64_t rows_per_task(int64_t m, int64_t col_tasks, int64_t threads, bool quad) {
+  if (!quad) return kChunk;
+  int64_t chunk = kQuadChunk;
+  while (chunk > kChunk && col_tasks * ((m + chunk - 1) / chunk) < 4 * std::max<int64_t>(threads, 1))
+    chunk /= 2;
+  return chunk;
 }
 
 ffi::Error GgufMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
@@ -731,7 +1194,8 @@ ffi::Error GgufMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Bu
         "gguf_matmul: need x [M,K] f32 (K a multiple of the block), w [L,N,K/block*bytes] u8, "
         "layer [], "
         "y [M,N]");
-  const Run run = run_of(format, path);
+  if (path < 0) path = 31 - __builtin_clz(kBuiltPaths);
+  const Run run = run_of(format, path, xd[0] < kQuadRows);
   if (run == nullptr)
     return ffi::Error::InvalidArgument("gguf_matmul: this build has no path " +
                                        std::to_string(path));
@@ -752,12 +1216,15 @@ ffi::Error GgufMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Bu
   else
     parallel_for(pool, row_blocks, quantize);
   const uint8_t* wl = w.typed_data() + l * n * rb;
-  const int64_t col_tasks = (n + kCols - 1) / kCols, chunks = (m + kChunk - 1) / kChunk;
+  const int64_t col_tasks = (n + kCols - 1) / kCols;
+  const int64_t chunk =
+      rows_per_task(m, col_tasks, pool.num_threads(), quad_rows(format, path) && m >= kQuadRows);
+  const int64_t chunks = (m + chunk - 1) / chunk;
   float* out = y->typed_data();
   parallel_for(pool, col_tasks * chunks, [&](int64_t i) {
-    const int64_t c0 = i / chunks * kCols, m0 = i % chunks * kChunk;
+    const int64_t c0 = i / chunks * kCols, m0 = i % chunks * chunk;
     const Task t{&acts, m0, wl, rb, out + m0 * n, n};
-    run(t, c0, std::min(kCols, n - c0), std::min(kChunk, m - m0));
+    run(t, c0, std::min(kCols, n - c0), std::min(chunk, m - m0));
   });
   return ffi::Error::Success();
 }

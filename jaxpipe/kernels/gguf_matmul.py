@@ -9,15 +9,18 @@ repacking at load, and the bytes kept in memory are the file's (0.625 bytes a we
 0.5625 for q4_k, 0.8203 for q6_k).
 
 Paths (`PATHS`), each compiled where the CPU runs it: "portable" (plain loops), "avx2"
-(vpmaddubsw), "avx_vnni" (vpdpbusd, VEX, 256-bit), "avx512_vnni" (vpdpbusd on 512-bit vectors,
-two blocks each). q4_k and q6_k run one 256-bit tile on every SIMD path (the sub-block scale
-multiplies vpmaddubsw's s16 pairs: vpmaddwd, or vpdpwssd on the VNNI paths). `paths()` lists
-this machine's; which one (or XLA's reference, `gguf_blocks.reference`) runs a shape and row
-count is measured (`runtime/kernel_choice.py`, `Matmul.quant` = the format's
-name). Rows are quantized per block inside the kernel exactly as `gguf_blocks.quantize_rows`
-does, so a call is one op. Weights are a stack [L, N, R] read in place at a traced layer
-index, as the other kernels read theirs. A custom call cannot be partitioned: on a sharded
-layout call it inside `jax.shard_map`.
+(vpmaddubsw), "avx_vnni" (vpdpbusd, VEX, 256-bit), "avx512_vnni" (vpdpbusd on 512-bit
+vectors). For q8_0, q4_0 and q4_1 from a few rows up, each task decodes its panel of weight
+rows once into the int8 kernel's quad order (in a thread's scratch, never stored) and runs
+register tiles of rows x columns over it, one int32 lane per output. q4_k and q6_k run one
+256-bit tile on every SIMD path (the sub-block scale multiplies vpmaddubsw's s16 pairs:
+vpmaddwd, or vpdpwssd on the VNNI paths). `paths()` lists this machine's; which one (or
+XLA's reference, `gguf_blocks.reference`) runs a shape and row count is measured
+(`runtime/kernel_choice.py`, `Matmul.quant` = the format's name). Rows are quantized per
+block inside the kernel exactly as `gguf_blocks.quantize_rows` does, so a call is one op.
+Weights are a stack [L, N, R] read in place at a traced layer index, as the other kernels
+read theirs. A custom call cannot be partitioned: on a sharded layout call it inside
+`jax.shard_map`.
 """
 
 from __future__ import annotations
