@@ -356,8 +356,13 @@ def for_machine(force: str | None = None) -> KernelChoice:
 def _seconds(fn, *args, min_seconds: float = 0.01, repeats: int = 3) -> float:
     """The fastest of `repeats` timings of `fn(*args)`, after a first call that compiles;
     each timing runs enough calls to last `min_seconds`. The minimum, since what slows a run
-    on a shared machine is other work."""
-    jax.block_until_ready(fn(*args))
+    on a shared machine is other work. Refused inside a trace (a jit being traced), where
+    `fn` would only be staged and the timings would measure the tracing."""
+    out = fn(*args)
+    if any(isinstance(a, jax.core.Tracer) for a in jax.tree.leaves((out, args))):
+        raise RuntimeError("kernel_choice: a kernel timing was asked for inside a trace; "
+                           "measure before tracing the step (KernelChoice.seconds)")
+    jax.block_until_ready(out)
     best, inner = np.inf, 1
     for _ in range(repeats):
         start = time.perf_counter()

@@ -600,8 +600,13 @@ def logits_program(cfg: ModelConfig, vocab: int, layout: Layout | None = None, m
 
 def _in_stack(kernels: KernelChoice, mm: Matmul) -> bool:
     """Whether the step reads `mm`'s weight as a `StackedWeight`: in panel order, or in GGUF
-    blocks."""
-    return mm.quant in gguf_blocks.FORMATS or kernels.order(mm) == PANEL_ORDER
+    blocks. Either way its timings are measured here, before any step is traced: the step
+    asks for the path per row count while it is being traced, where a timing would time
+    nothing (`kernel_choice._seconds` refuses)."""
+    if mm.quant in gguf_blocks.FORMATS:
+        kernels.seconds(mm)
+        return True
+    return kernels.order(mm) == PANEL_ORDER
 
 
 def _gguf_head(h, w: GgufWeight, path: str):

@@ -264,3 +264,29 @@ def test_gguf_timer_times_every_gguf_candidate():
             got = kernel_choice.time_gguf_matmul(mm, 3)
             assert set(got) == {XLA, *gguf_matmul.paths()}
             assert all(s > 0 for s in got.values())
+
+
+def test_a_timing_inside_a_trace_is_refused():
+    """Inside a jit being traced a timed call is only staged: the timing would measure the
+    tracing (what made every GGUF path look equally fast when the step asked first)."""
+    import jax
+    import jax.numpy as jnp
+
+    def traced(x):
+        kernel_choice._seconds(jnp.sin, x)
+        return x
+
+    with pytest.raises(RuntimeError, match="inside a trace"):
+        jax.jit(traced)(jnp.ones(3))
+
+
+def test_gguf_weights_are_measured_when_the_layout_is_placed(monkeypatch):
+    """`kernel_matmuls` (a layout's placement, before any step is traced) measures a GGUF
+    weight's timings, as it measures the bf16 and int8 ones to choose their order."""
+    from jaxpipe.runtime import pipeline
+
+    monkeypatch.setattr(kernel_choice, "time_gguf_matmul",
+                        lambda mm, rows: {XLA: 2.0, "avx2": 1.0})
+    d = KernelChoice(timings={})
+    assert pipeline._in_stack(d, WQ41)
+    assert WQ41.key() in d.timings
