@@ -33,7 +33,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from jaxpipe.kernels import int8
+from jaxpipe.kernels import int8, matmul
 from jaxpipe.kernels.build import register
 
 SOURCE = Path(__file__).with_name("int8_matmul.cc")
@@ -123,10 +123,8 @@ def _call(x, x_scale, w, w_scale, layer, gated: bool, path: str | None) -> jax.A
 
 
 def gated_reference(x, w_codes, w_scale) -> jax.Array:
-    """XLA's `int8.reference` then silu(first half of the columns) * second half."""
-    y = int8.reference(x, w_codes, w_scale)
-    half = y.shape[-1] // 2
-    return jax.nn.silu(y[..., :half]) * y[..., half:]
+    """XLA's `int8.reference` then the gate (`matmul.silu_gate`)."""
+    return matmul.silu_gate(int8.reference(x, w_codes, w_scale))
 
 
 def pack(w) -> jax.Array:

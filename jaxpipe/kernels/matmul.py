@@ -184,11 +184,15 @@ def reference(x, w) -> jax.Array:
     return jnp.dot(x.astype(jnp.bfloat16), w, preferred_element_type=jnp.float32)
 
 
-def gated_reference(x, w) -> jax.Array:
-    """XLA's `reference` then silu(first half of the columns) * second half -> [..., N/2]."""
-    y = reference(x, w)
+def silu_gate(y) -> jax.Array:
+    """The fused gate of a [..., 2F] gate_up product: silu(first half) * second half."""
     half = y.shape[-1] // 2
     return jax.nn.silu(y[..., :half]) * y[..., half:]
+
+
+def gated_reference(x, w) -> jax.Array:
+    """XLA's `reference` then the gate (`silu_gate`) -> [..., N/2]."""
+    return silu_gate(reference(x, w))
 
 
 def pack(w) -> jax.Array:

@@ -433,8 +433,7 @@ def time_gguf_matmul(mm: Matmul, rows: int, layers: int = 2) -> dict[str, float]
     layer = jnp.int32(layers - 1)
 
     def gate(y):
-        half = y.shape[-1] // 2
-        return jax.nn.silu(y[..., :half]) * y[..., half:] if mm.gated else y
+        return matmul.silu_gate(y) if mm.gated else y
 
     def xla(x, w, layer):
         return gate(gguf_blocks.reference(x, jax.lax.dynamic_index_in_dim(w, layer, 0, False),

@@ -127,10 +127,7 @@ def gguf_dot(x, w: StackedWeight, path: str, gated: bool = False):
     else:
         stack = w.stacked()
         y = gguf_matmul.gguf_matmul(x, stack.rows(), stack.kind, w.layer, path=path)
-    if not gated:
-        return y
-    f = y.shape[-1] // 2
-    return jax.nn.silu(y[:, :f]) * y[:, f:]
+    return matmul.silu_gate(y) if gated else y
 
 
 def kernel_gated(x, w: StackedWeight):
