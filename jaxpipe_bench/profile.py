@@ -31,7 +31,7 @@ from pathlib import Path
 
 JSON_PATH = "out/profile_step.json"  # scripts/profile_step.py's --json unless told
 FAMILIES = ("matmuls", "attention", "other", "lm_head", "sampling", "swaps")
-PROGRAMS = {"jit_step": None, "jit_logits": "lm_head", "jit__sample": "sampling",
+PROGRAMS = {"jit_tick": None, "jit_logits": "lm_head", "jit__sample": "sampling",
             "jit_logprob_parts": "sampling"}  # None: by instruction
 
 INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%(\S+) = .*?\s([a-z][\w-]*)\((.*)$")
@@ -110,9 +110,10 @@ def op_seconds(trace_dir: Path, families: dict[int, Callable[[str], str]]) -> Co
     return total
 
 
-def profile_workload(cfg, dump: Path, log=print) -> dict:
-    """Serve `cfg`'s workload (a `BenchConfig`) on jaxpipe under the profiler; the dump
-    directory must be the one `enable_dump` gave XLA. Returns the breakdown."""
+def profile_workload(cfg, dump: Path, log=print, fields: dict | None = None) -> dict:
+    """Serve `cfg`'s workload (a `BenchConfig`) on jaxpipe under the profiler, `fields`
+    (EngineConfig fields, one of `--engine-field`'s configurations) over the benchmark's; the
+    dump directory must be the one `enable_dump` gave XLA. Returns the breakdown."""
     import jax
 
     from jaxpipe import Engine, EngineConfig
@@ -128,7 +129,7 @@ def profile_workload(cfg, dump: Path, log=print) -> dict:
     vocab, special = peer_vocab(peer_model_path(cfg))
     workload = make_workload(cfg.num_prompts, cfg.seed, vocab, cfg.input_len, cfg.output_len,
                              special)
-    kwargs = _engine_kwargs(cfg, workload) | {"compilation_cache_dir": None}
+    kwargs = _engine_kwargs(cfg, workload) | dict(fields or {}) | {"compilation_cache_dir": None}
     engine = Engine(EngineConfig(**kwargs))
     _generate(engine, warmup_requests(workload, cfg.warmup_prompts))
     engine.reset_stats()
@@ -146,7 +147,8 @@ def profile_workload(cfg, dump: Path, log=print) -> dict:
     engine.close()
     output_tokens = sum(r.output_len for r in workload)
     log(f"[profile] {output_tokens / elapsed:.1f} output tok/s in {elapsed:.1f}s (traced)")
-    return {"elapsed_s": elapsed, "output_tok_s": output_tokens / elapsed,
+    return {"fields": dict(fields or {}), "elapsed_s": elapsed,
+            "output_tok_s": output_tokens / elapsed,
             "steps": stats["steps"], "op_seconds": {f: seconds.get(f, 0.0) for f in
                                                     (*FAMILIES, "unknown")},
             "host_seconds": stats["host_seconds"],
