@@ -58,6 +58,7 @@ SPAN_CASES = {  # name -> (q_len per row, kv_len per row)
 
 
 TABLES = ("identity", "shuffled")
+KV_DTYPES = ("bf16", "int8")
 SpanCase = Literal[tuple(SPAN_CASES)]
 Table = Literal[TABLES]
 HeadShapes = Literal[tuple(HEADS)]
@@ -73,6 +74,8 @@ class AttentionBenchConfig:
     heads: the model whose head shapes to use (HEADS)
     windows: sliding windows to time (0: none)
     paths: kernel paths to time by name as well (e.g. portable,avx512_bf16)
+    kv_dtypes: the pools' dtypes, each timed in turn: bf16, int8 (`kv_cache_dtype="int8"`: the
+      same values quantized, kernels/kv_int8.py)
     xla: time the XLA reference too (its gather needs [T, Hkv, MB*BS, D] f32 per K and V)
     repeats: timed calls of each (the median is kept)
     json_path: write the points here (none: only the table)
@@ -84,6 +87,7 @@ class AttentionBenchConfig:
     heads: HeadShapes = "smollm2"
     windows: tuple[int, ...] = (0,)
     paths: tuple[str, ...] = ()
+    kv_dtypes: tuple[str, ...] = ("bf16",)
     xla: bool = True
     repeats: int = 5
     json_path: str | None = field(default=None, metadata={"flags": ("--json",)})
@@ -91,6 +95,7 @@ class AttentionBenchConfig:
     def __post_init__(self):
         check_names(self, "cases", SPAN_CASES)
         check_names(self, "tables", TABLES)
+        check_names(self, "kv_dtypes", KV_DTYPES)
         check_counts(self, "block_size", "repeats")
         if not self.windows or min(self.windows) < 0:
             raise ValueError(f"AttentionBenchConfig.windows must be one or more integers >= 0 "
@@ -98,23 +103,27 @@ class AttentionBenchConfig:
 
 
 def run(config: AttentionBenchConfig) -> list[dict]:
-    """One point per (case, table, window) of `config`, in that order."""
+    """One point per (case, table, window, kv dtype) of `config`, in that order."""
     return [measure_spans(c, *SPAN_CASES[c], config.block_size, t, config.repeats,
-                          window=w, heads=config.heads, paths=config.paths, xla=config.xla)
-            for c in config.cases for t in config.tables for w in config.windows]
+                          window=w, heads=config.heads, paths=config.paths, xla=config.xla,
+                          kv_dtype=d)
+            for c in config.cases for t in config.tables for w in config.windows
+            for d in config.kv_dtypes]
 
 
 def measure_spans(name: str, q_len: list[int], kv_len: list[int], block_size: int = 16,
                   table: str = "shuffled", repeats: int = 5, seed: int = 0, window: int = 0,
                   heads: str = "smollm2", paths: tuple[str, ...] = (),
-                  xla: bool = True) -> dict:
+                  xla: bool = True, kv_dtype: str = "bf16") -> dict:
     """One step of spans (row r: q_len[r] queries ending at position kv_len[r] - 1, rows laid
     out in q in order) over the last `window` keys of each query (0: all), with `heads`'
-    shapes (a key of HEADS): milliseconds per layer of the kernel ("ragged": its default
-    path; each of `paths` by name) and of the XLA reference (if `xla`)."""
+    shapes (a key of HEADS), on a `kv_dtype` pool (KV_DTYPES): milliseconds per layer of the
+    kernel ("ragged": its default path; each of `paths` by name) and of the XLA reference (if
+    `xla`)."""
     import jax
     import jax.numpy as jnp
 
+    from jaxpipe.kernels import kv_int8
     from jaxpipe.kernels import ragged_attention as ra
 
     num_heads, kv_heads, head_dim = HEADS[heads]
@@ -123,6 +132,8 @@ def measure_spans(name: str, q_len: list[int], kv_len: list[int], block_size: in
     blocks = block_table(rows, -(-max(kv_len) // block_size), table, rng)  # [R, MB]
     pool = (blocks.size, kv_heads, block_size, head_dim)  # [NB, Hkv, BS, D]
     k, v = (jnp.asarray(rng.integers(0x3c00, 0x3f80, pool, dtype=np.uint16)) for _ in "kv")
+    if kv_dtype == "int8":
+        k, v = (kv_int8.quantize(jax.lax.bitcast_convert_type(x, jnp.bfloat16)) for x in (k, v))
     q = jnp.asarray(rng.normal(size=(tokens, num_heads, head_dim)), jnp.float32)
     spans = [jnp.asarray(x, jnp.int32) for x in (blocks, np.cumsum([0, *q_len[:-1]]), q_len,
                                                   kv_len)]
@@ -136,7 +147,8 @@ def measure_spans(name: str, q_len: list[int], kv_len: list[int], block_size: in
     if xla:
         calls["xla"] = call(ra.reference)
     t = _interleaved_medians(calls, repeats)
-    return {"case": name, "heads": heads, "window": window, "rows": rows, "tokens": tokens,
+    return {"case": name, "heads": heads, "kv": kv_dtype, "window": window, "rows": rows,
+            "tokens": tokens,
             "mean_kv": float(np.mean(kv_len)), "table": table, "block_size": block_size,
             "path": ra.path_for(k.dtype, head_dim), "ms": {c: s * 1e3 for c, s in t.items()}}
 
@@ -145,14 +157,15 @@ def format_spans(points: list[dict]) -> str:
     """The points as a table: milliseconds per layer of each timed call, and the default
     path's speedup over the slowest of them."""
     calls = list(dict.fromkeys(c for p in points for c in p["ms"]))
-    head = (f"{'case':<26} {'heads':>8} {'window':>6} {'table':>9} {'tokens':>6} "
+    head = (f"{'case':<26} {'heads':>8} {'kv':>4} {'window':>6} {'table':>9} {'tokens':>6} "
             f"{'mean kv':>7} " + " ".join(f"{c + ' ms':>15}" for c in calls)
             + f" {'vs slowest':>10}")
     lines = [head, "-" * len(head)]
     for p in points:
         ms = p["ms"]
         cells = " ".join(f"{ms[c]:>15.2f}" if c in ms else f"{'-':>15}" for c in calls)
-        lines.append(f"{p['case']:<26} {p['heads']:>8} {p['window']:>6} {p['table']:>9} "
+        lines.append(f"{p['case']:<26} {p['heads']:>8} {p['kv']:>4} {p['window']:>6} "
+                     f"{p['table']:>9} "
                      f"{p['tokens']:>6} {p['mean_kv']:>7.0f} {cells} "
                      f"{max(ms.values()) / ms['ragged']:>9.2f}x")
     return "\n".join(lines)

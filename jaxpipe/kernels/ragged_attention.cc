@@ -47,7 +47,9 @@
 // AVX2 + FMA ("avx2"): decode tasks in `avx2::`, tiles of several queries on the portable
 // code; it also takes int8 pools (kernels/kv_int8.py) of those head dims, each row's codes
 // widened to f32 8 at a time, its scale applied once a row (to the key's score, the value's
-// probability), q and the probabilities kept f32 as the portable path keeps them. Otherwise ("portable": f32 pools, other head dims, or asked for) f32 code: a decode
+// probability), q and the probabilities kept f32 as the portable path keeps them; on the
+// avx512_bf16 path an int8 pool's decode rows run the same steps 16 lanes wide (`avx2::wide`,
+// AVX-512F). Otherwise ("portable": f32 pools, other head dims, or asked for) f32 code: a decode
 // task does G dots per key; a tile of several queries scores 16 keys at a time against a
 // transposed copy and, for a compile-time D, sums values with its outputs held in registers.
 // Every path honours windows, soft caps and scales.
@@ -1182,9 +1184,97 @@ void block_values(const float* __restrict vf, int64_t n, const float* __restrict
     }
 }
 
+#ifdef __AVX512BF16__
+// An int8 pool's decode rows 16 lanes wide (AVX-512F, on the avx512_bf16 path's CPUs): the
+// same steps as above, keys 16 at a time. Measured (bench_attention.py --kv-dtypes int8, AMD
+// EPYC avx512_bf16, decode 64 rows x 2048 keys): 8 lanes ran at 12.6 GB/s, compute-bound,
+// where a bf16 pool's avx512_bf16 decode reads 28.6 GB/s.
+namespace wide {
+
+// r[i] = the sum of v[i]'s 16 lanes, i < 16: pairs, then quads inside 128-bit lanes, then
+// across them (45 shuffles and adds for 16 dots).
+inline __m512 lanes_total(const __m512 (&v)[16]) {
+  __m512 s[8], u[4];
+  unroll<8>([&](auto j) {  // per 128-bit lane: (a even, b even, a odd, b odd) of keys 2j, 2j + 1
+    s[j] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * j], v[2 * j + 1]),
+                         _mm512_unpackhi_ps(v[2 * j], v[2 * j + 1]));
+  });
+  unroll<4>([&](auto j) {  // per 128-bit lane: keys 4j .. 4j + 3, that lane's part of each
+    u[j] = _mm512_add_ps(_mm512_shuffle_ps(s[2 * j], s[2 * j + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(s[2 * j], s[2 * j + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  });
+  const __m512 a = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512 b = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// dst [n, D] f32 <- int8 rows src [n, D + 2], 16 codes at a time; scales as `avx2::widen_rows`.
+template <int D>
+inline void widen_rows(const int8_t* __restrict src, int64_t n, float* __restrict dst,
+                       const int8_t* next, float* __restrict scales) {
+  constexpr int64_t kWidth = D + kScaleBytes;
+  for (int64_t r = 0; r < n; ++r) {
+    const int8_t* row = src + r * kWidth;
+    if (next != nullptr)
+      for (int64_t i = 0; i < kWidth; i += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(next + r * kWidth + i), _MM_HINT_T0);
+    scales[r] = row_scale(row, D);
+    unroll<D / 16>([&](auto c) {
+      const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * c));
+      _mm512_storeu_ps(dst + r * D + 16 * c, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(x)));
+    });
+  }
+}
+
+// `avx2::block_scores` 16 keys at a time (kf [16-rounded n, D], rows' scales given).
+template <int D>
+void block_scores(const float* __restrict kf, int64_t n, const float* __restrict q,
+                  int64_t g_count, float scale, float* __restrict st, int64_t ls,
+                  const float* __restrict rows) {
+  const __m512 sc = _mm512_set1_ps(scale);
+  for (int64_t g = 0; g < g_count; ++g)
+    for (int64_t i0 = 0; i0 < n; i0 += 16) {
+      __m512 acc[16];
+      unroll<16>([&](auto i) { acc[i] = _mm512_setzero_ps(); });
+      for (int c = 0; c < D; c += 16) {
+        const __m512 qc = _mm512_loadu_ps(q + g * D + c);
+        unroll<16>([&](auto i) {
+          acc[i] = _mm512_fmadd_ps(_mm512_loadu_ps(kf + (i0 + i) * D + c), qc, acc[i]);
+        });
+      }
+      const __m512 by = _mm512_mul_ps(_mm512_loadu_ps(rows + i0), sc);
+      _mm512_storeu_ps(st + g * ls + i0, _mm512_mul_ps(lanes_total(acc), by));
+    }
+}
+
+// `avx2::block_values` 16 lanes wide (vf [n, D] f32 codes, rows' scales given).
+template <int D>
+void block_values(const float* __restrict vf, int64_t n, const float* __restrict p, int64_t ls,
+                  int64_t g_count, float* __restrict out, const float* __restrict rows) {
+  constexpr int kPass = D / 16 < 8 ? D / 16 : 8;  // accumulators per pass
+  for (int64_t g = 0; g < g_count; ++g)
+    for (int c0 = 0; c0 < D; c0 += 16 * kPass) {
+      __m512 acc[kPass];
+      unroll<kPass>([&](auto c) { acc[c] = _mm512_loadu_ps(out + g * D + c0 + 16 * c); });
+      for (int64_t i = 0; i < n; ++i) {
+        const __m512 pb = _mm512_set1_ps(p[g * ls + i] * rows[i]);
+        unroll<kPass>([&](auto c) {
+          acc[c] = _mm512_fmadd_ps(pb, _mm512_loadu_ps(vf + i * D + c0 + 16 * c), acc[c]);
+        });
+      }
+      unroll<kPass>([&](auto c) { _mm512_storeu_ps(out + g * D + c0 + 16 * c, acc[c]); });
+    }
+}
+
+}  // namespace wide
+#endif  // __AVX512BF16__
+
 struct Work {
-  std::vector<float> q, st, rows, out;  // q [G, D], st [G, ls], rows [8-rounded BS, D], out [G, D]
-  std::vector<float> scales;            // [8-rounded BS]: an int8 block's row scales
+  std::vector<float> q, st, rows, out;  // q [G, D], st [G, ls], rows [kKeys-rounded BS, D], out
+  std::vector<float> scales;            // [kKeys-rounded BS]: an int8 block's row scales
 };
 
 // A one-query task: the G heads of kv head h over the query's keys tile.from .. tile.keys - 1
@@ -1194,12 +1284,13 @@ struct Work {
 // probabilities to bf16, as the XLA path does; an int8 pool's codes are widened as they are,
 // each key row's scale multiplies its score and each value row's its probability (once a
 // row, not once an element), and q and the probabilities stay f32 as the portable path
-// keeps them.
-template <int D, typename T>
+// keeps them. kWide (an int8 pool on the avx512_bf16 path): the blocks' keys 16 at a time
+// (`wide::`), the rest as here.
+template <int D, typename T, bool kWide = false>
 void decode(const Inputs<T>& in, const Shape& s, const Span& span, const Tile& tile,
             int64_t h, Work& w) {
   constexpr bool kBf16 = std::is_same_v<T, uint16_t>;
-  constexpr int64_t kRow = row_width<T>(D);
+  constexpr int64_t kRow = row_width<T>(D), kKeys = kWide ? 16 : 8;
   const int64_t g_count = s.heads / s.kv_heads, token = span.start + tile.lo;
   const int64_t from = tile.from, end = tile.keys, len = end - from;
   float* dst = in.out + (token * s.heads + h * g_count) * D;  // the G heads, consecutive
@@ -1211,11 +1302,12 @@ void decode(const Inputs<T>& in, const Shape& s, const Span& span, const Tile& t
   const int64_t head = h * s.block_size * kRow, stride = s.kv_heads * s.block_size * kRow;
   const Paged<T> k{in.k + head, table, stride, s.block_size, s.blocks};
   const Paged<T> v{in.v + head, table, stride, s.block_size, s.blocks};
-  const int64_t ls = (len + 7) / 8 * 8 + 8;
+  const int64_t ls = (len + kKeys - 1) / kKeys * kKeys + kKeys;
+  const int64_t block_rows = (s.block_size + kKeys - 1) / kKeys * kKeys;
   w.q.resize(g_count * D);
   w.st.resize(g_count * ls);
-  w.rows.resize((s.block_size + 7) / 8 * 8 * D);
-  w.scales.assign((s.block_size + 7) / 8 * 8, 0.f);
+  w.rows.resize(block_rows * D);
+  w.scales.assign(block_rows, 0.f);
   float* rs = kBf16 ? nullptr : w.scales.data();
   w.out.assign(g_count * D, 0.f);
   const float* src = in.q + (token * s.heads + h * g_count) * D;
@@ -1225,16 +1317,32 @@ void decode(const Inputs<T>& in, const Shape& s, const Span& span, const Tile& t
   }
   const float scale = scale_of(in.opt.scale, D);
   each_block(from, end, s.block_size, [&](int64_t j, int64_t o, int64_t n, int64_t at) {
-    widen_rows<D>(k.block(j) + o * kRow, n, w.rows.data(), k.after(j + 1, end), rs);
-    block_scores<D>(w.rows.data(), n, w.q.data(), g_count, scale, w.st.data() + at, ls, rs);
+    float* rows = w.rows.data();
+#ifdef __AVX512BF16__
+    if constexpr (kWide) {
+      wide::widen_rows<D>(k.block(j) + o * kRow, n, rows, k.after(j + 1, end), rs);
+      wide::block_scores<D>(rows, n, w.q.data(), g_count, scale, w.st.data() + at, ls, rs);
+      return;
+    }
+#endif
+    widen_rows<D>(k.block(j) + o * kRow, n, rows, k.after(j + 1, end), rs);
+    block_scores<D>(rows, n, w.q.data(), g_count, scale, w.st.data() + at, ls, rs);
   });
   for (int64_t g = 0; g < g_count; ++g) {
     soft_cap(w.st.data() + g * ls, len, in.opt.softcap);
     softmax(w.st.data() + g * ls, len, kBf16);
   }
   each_block(from, end, s.block_size, [&](int64_t j, int64_t o, int64_t n, int64_t at) {
-    widen_rows<D>(v.block(j) + o * kRow, n, w.rows.data(), v.after(j + 1, end), rs);
-    block_values<D>(w.rows.data(), n, w.st.data() + at, ls, g_count, w.out.data(), rs);
+    float* rows = w.rows.data();
+#ifdef __AVX512BF16__
+    if constexpr (kWide) {
+      wide::widen_rows<D>(v.block(j) + o * kRow, n, rows, v.after(j + 1, end), rs);
+      wide::block_values<D>(rows, n, w.st.data() + at, ls, g_count, w.out.data(), rs);
+      return;
+    }
+#endif
+    widen_rows<D>(v.block(j) + o * kRow, n, rows, v.after(j + 1, end), rs);
+    block_values<D>(rows, n, w.st.data() + at, ls, g_count, w.out.data(), rs);
   });
   std::copy_n(w.out.data(), g_count * D, dst);
 }
@@ -1258,12 +1366,12 @@ constexpr uint32_t kBuiltPaths = (1u << kPortable)
 
 // The path a call on a pool of `bf16`, `int8` (or f32) elements and head dim `dim` runs:
 // `path`, or (< 0) the last this build has that can run it; -1 if `path` is not built or
-// cannot run it. avx2 takes bf16 and int8 pools, avx512_bf16 (vdpbf16ps) bf16 ones only: an
-// int8 row's dequantized values are not bf16 numbers.
+// cannot run it. avx2 and avx512_bf16 take bf16 and int8 pools (avx512_bf16's int8 decode rows
+// run `wide::`, AVX-512F f32 products: an int8 row's dequantized values are not bf16 numbers).
 int64_t path_for(int64_t path, bool bf16, bool int8, int64_t dim) {
   const bool dims = dim == 64 || dim == 128 || dim == 256;  // the avx* paths' own
-  const uint32_t takes = (1u << kPortable) | (dims && (bf16 || int8) ? 1u << kAvx2 : 0u) |
-                         (dims && bf16 ? 1u << kAvx512Bf16 : 0u);
+  const uint32_t takes = (1u << kPortable) |
+                         (dims && (bf16 || int8) ? (1u << kAvx2) | (1u << kAvx512Bf16) : 0u);
   const uint32_t usable = kBuiltPaths & takes;
   if (path < 0) return 31 - __builtin_clz(usable);
   if (path >= 32 || !(usable >> path & 1u)) return -1;
@@ -1302,9 +1410,10 @@ void run_avx512_bf16(ffi::ThreadPool& pool, const Inputs<uint16_t>& in,
 #endif
 }
 
-// The tiles' tasks on the avx2 path (a bf16 or an int8 pool): decode rows in `avx2::`, tiles
-// of several queries on the portable code.
-template <int D, typename T>
+// The tiles' tasks on the avx2 path (a bf16 or an int8 pool), or an int8 pool's on the
+// avx512_bf16 path (kWide): decode rows in `avx2::decode`, tiles of several queries on the
+// portable code.
+template <int D, typename T, bool kWide = false>
 void run_avx2(ffi::ThreadPool& pool, const Inputs<T>& in, const std::vector<Span>& spans,
               const std::vector<Tile>& tiles, const Shape& s) {
 #if defined(__AVX2__) && defined(__FMA__)
@@ -1318,7 +1427,7 @@ void run_avx2(ffi::ThreadPool& pool, const Inputs<T>& in, const std::vector<Span
     }
     thread_local avx2::Work work;
     for (int64_t head = 0; head < s.kv_heads; ++head)
-      avx2::decode<D, T>(in, s, spans[tile.row], tile, head, work);
+      avx2::decode<D, T, kWide>(in, s, spans[tile.row], tile, head, work);
   });
 #endif
 }
@@ -1333,6 +1442,10 @@ void run(ffi::ThreadPool& pool, const Inputs<T>& in, const std::vector<Span>& sp
     constexpr int kDim = decltype(dim)::value;
     if constexpr (std::is_same_v<T, uint16_t> && kDim > 0)
       if (path == kAvx512Bf16) return run_avx512_bf16<kDim>(pool, in, spans, tiles, s);
+#ifdef __AVX512BF16__
+    if constexpr (std::is_same_v<T, int8_t> && kDim > 0)
+      if (path == kAvx512Bf16) return run_avx2<kDim, T, true>(pool, in, spans, tiles, s);
+#endif
     if constexpr (!std::is_same_v<T, float> && kDim > 0)
       if (path == kAvx2) return run_avx2<kDim, T>(pool, in, spans, tiles, s);
     parallel_for(pool, int64_t(tiles.size()) * s.kv_heads, [&](int64_t task) {
@@ -1504,8 +1617,7 @@ ffi::Error run_typed(ffi::ThreadPool& pool, ffi::DataType type, Args a, const Sh
   if (a.path < 0)
     return ffi::Error::InvalidArgument(
         "ragged_attention: path " + std::to_string(asked) + " is not built here or cannot run "
-        "this call (the avx paths take head dim 64, 128 or 256: avx2 bf16 and int8 pools, "
-        "avx512_bf16 bf16 pools)");
+        "this call (the avx paths take head dim 64, 128 or 256, bf16 and int8 pools)");
   switch (type) {
     case ffi::F32:
       run_layer<float>(pool, a, s, fresh...);

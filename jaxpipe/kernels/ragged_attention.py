@@ -46,8 +46,10 @@ and prefill tiles, vdpbf16ps) for bf16 pools of head dim 64, 128 or 256; each ho
 window, softcap and scale. An int8 pool (`kv_cache_dtype="int8"`: rows of D codes and a bf16
 scale, `kernels/kv_int8.py`) runs on "portable", which dequantizes each row as it loads it,
 and, with head dim 64, 128 or 256, on "avx2" (decode rows: codes widened to f32 8 at a time,
-times the row's scale; its default where built); `write_and_attend` quantizes the rows it
-writes, as `kv_int8.quantize` does.
+times the row's scale) and "avx512_bf16" (the same decode rows 16 lanes wide with AVX-512F:
+an int8 row's values are not bf16 numbers, so no vdpbf16ps; its default where built), tiles
+of several queries on the portable code; `write_and_attend` quantizes the rows it writes, as
+`kv_int8.quantize` does.
 A call runs `path_for`'s path unless it names one (`path`), and
 fails if that one cannot run it. A custom call cannot be partitioned by the SPMD partitioner:
 on a sharded layout call it inside `jax.shard_map`, heads split over the tensor-parallel axis.
@@ -94,8 +96,8 @@ def available() -> bool:
 def paths() -> tuple[str, ...]:
     """The kernel's paths this machine's build has, in `PATHS` order; () without the kernel.
     "portable" runs every call; "avx2" (decode rows; tiles of several queries on the portable
-    code; bf16 and int8 pools) and "avx512_bf16" (every tile; bf16 pools) take head dim 64,
-    128 or 256."""
+    code; bf16 and int8 pools) and "avx512_bf16" (every tile of a bf16 pool; an int8 pool's
+    decode rows) take head dim 64, 128 or 256."""
     lib = _library()
     if lib is None:
         return ()
@@ -115,8 +117,7 @@ def takes(path: str, kv_dtype, head_dim: int) -> bool:
     """Whether kernel path `path` runs a pool of `kv_dtype` and head dim `head_dim`."""
     bf16 = jnp.dtype(kv_dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.uint16))
     int8 = jnp.dtype(kv_dtype) == jnp.dtype(jnp.int8)
-    return path == "portable" or (head_dim in VECTOR_DIMS and (
-        bf16 or (int8 and path == "avx2")))
+    return path == "portable" or (head_dim in VECTOR_DIMS and (bf16 or int8))
 
 
 def ragged_attention(q, k, v, table, q_start, q_len, kv_len, layer=0, *, window=0,
@@ -284,8 +285,7 @@ def _attributes(softcap: float, scale: float | None, path: str | None, pool) -> 
         raise ValueError(f"ragged_attention: path {path!r} cannot run a {pool.dtype} pool of "
                          f"head dim {head_dim_of(pool)} here; this machine has "
                          f"{', '.join(paths())}, and the avx paths take head dim "
-                         f"{' or '.join(map(str, VECTOR_DIMS))}: avx2 bf16 and int8 pools, "
-                         f"avx512_bf16 bf16 pools")
+                         f"{' or '.join(map(str, VECTOR_DIMS))} (bf16 and int8 pools)")
     return {"scale": np.float32(scale or 0.0), "softcap": np.float32(max(softcap, 0.0)),
             "path": np.int64(-1 if path is None else PATHS.index(path))}
 

@@ -26,6 +26,7 @@ from kernels.attention_cases import (
     close,
     i32,
     inputs,
+    numpy_attention,
     numpy_dequantize,
     shuffled_table,
     want,
@@ -117,11 +118,12 @@ def int8_paths(head_dim):
 @pytest.mark.parametrize("window,softcap,scale", [(0, 0.0, None), (6, 3.0, 0.3)])
 def test_every_kernel_path_reads_int8_pools_as_numpy(head_dim, heads, kv_heads, window,
                                                      softcap, scale):
-    """Each path this build has that takes an int8 pool (avx2's decode rows: codes widened
-    to f32 and times the row's scale, q and probabilities f32) against float64 attention
-    over the NumPy-dequantized K/V, decode rows and tiles, windows, soft caps and scales."""
+    """Each path this build has that takes an int8 pool (avx2's and avx512_bf16's decode
+    rows: codes widened to f32, 8 or 16 lanes at a time, and times the row's scale, q and
+    probabilities f32) against float64 attention over the NumPy-dequantized K/V, decode rows
+    and tiles, windows, soft caps and scales."""
     paths = int8_paths(head_dim)
-    assert "portable" in paths and ("avx2" in paths) == ("avx2" in ra.paths())
+    assert "portable" in paths and set(paths) == set(ra.paths())
     q, k, v = inputs(jnp.int8, seed=head_dim + heads, head_dim=head_dim, heads=heads,
                      kv_heads=kv_heads)
     table = shuffled_table(seed=heads)
@@ -135,18 +137,33 @@ def test_every_kernel_path_reads_int8_pools_as_numpy(head_dim, heads, kv_heads, 
         assert not got[UNCOVERED].any()
 
 
-def test_int8_pools_default_to_avx2_and_refuse_avx512_bf16():
-    """vdpbf16ps multiplies bf16 pairs, which an int8 row's dequantized values are not."""
+@pytest.mark.parametrize("head_dim,heads,kv_heads", [(64, 9, 3), (128, 8, 2), (256, 4, 1)])
+def test_int8_decode_rows_of_every_length_match_numpy(head_dim, heads, kv_heads):
+    """Decode rows only, in 16-token blocks, of lengths around the avx paths' groups of 8 and
+    16 keys and across blocks (1 .. 300 keys), on each path that takes an int8 pool, against
+    float64 attention over the NumPy-dequantized K/V."""
+    kv_len = [1, 7, 8, 9, 15, 16, 17, 31, 33, 64, 100, 250, 300]
+    rows, block, max_blocks = len(kv_len), 16, 19
+    rng = np.random.default_rng(head_dim)
+    pool = (1, rows * max_blocks + 3, kv_heads, block, head_dim)
+    k, v = (kv_int8.quantize(jnp.asarray(rng.normal(size=pool), jnp.float32)) for _ in "kv")
+    q = jnp.asarray(rng.normal(size=(rows, heads, head_dim)), jnp.float32)
+    table = rng.permutation(pool[1])[: rows * max_blocks].reshape(rows, max_blocks)
+    q_start, q_len = list(range(rows)), [1] * rows
+    expected = numpy_attention(np.asarray(q, np.float64), numpy_dequantize(np.asarray(k)),
+                               numpy_dequantize(np.asarray(v)), table, q_start, q_len, kv_len)
+    for path in int8_paths(head_dim):
+        got = ra.ragged_attention(q, k, v, *i32(table, q_start, q_len, kv_len), path=path)
+        close(np.asarray(got), expected, tol=5e-5)
+
+
+def test_int8_pools_default_to_the_widest_path():
+    """An int8 pool of head dim 64 runs on the last path the build has (avx512_bf16's
+    16-lane decode rows where built, else avx2's 8), one of head dim 16 on the portable code."""
     if "avx2" not in ra.paths():
         pytest.skip("no avx2 path in this build")
-    assert ra.path_for(jnp.int8, 64) == "avx2" and ra.path_for(jnp.int8, 16) == "portable"
-    assert not ra.takes("avx512_bf16", jnp.int8, 64)
-    if "avx512_bf16" in ra.paths():
-        q, k, v = inputs(jnp.int8, seed=1, head_dim=64)
-        with pytest.raises(ValueError, match="path 'avx512_bf16' cannot run a int8 pool of "
-                                             "head dim 64 .*avx2 bf16 and int8 pools"):
-            ra.ragged_attention(q, k, v, *i32(shuffled_table(seed=1), Q_START, Q_LEN, KV_LEN),
-                                path="avx512_bf16")
+    assert ra.path_for(jnp.int8, 64) == ra.paths()[-1]
+    assert ra.path_for(jnp.int8, 16) == "portable"
 
 
 @pytest.mark.parametrize("head_dim,heads,kv_heads", [(16, 6, 2), (64, 9, 3)])
