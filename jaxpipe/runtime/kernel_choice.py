@@ -66,6 +66,7 @@ from jaxpipe.model.presets import resolve_model
 XLA = "xla"
 ROWS = (1, 8, 32, 64, 128, 256, 512, 2048)  # the row counts each matmul is timed at
 HEAD_ROWS = (1, 8, 32, 64, 128, 256)  # the LM head's (it runs on the sampled rows only)
+PRUNE_FACTOR = 10  # `beaten`: how much slower than the fastest, twice, drops a candidate
 EXPERT_TOKENS = (1, 8, 64, 256)  # the token counts each MoE layer's experts are timed at
 PANEL_ORDER, NATURAL_ORDER = "panel", "natural"
 # A weight's storage: bf16, dynamic W8A8 int8 codes + scales, or a GGUF block format.
@@ -158,6 +159,25 @@ def choose_order(seconds: dict[int, dict[str, float]], quant: str = "none") -> s
     return PANEL_ORDER if total(PANEL_ORDER) < total(NATURAL_ORDER) else NATURAL_ORDER
 
 
+def beaten(table: dict[str, dict[str, float]], quant: str = "none") -> frozenset[str]:
+    """The candidates not worth timing at the next row count, from `table` {rows: {impl:
+    seconds}} at the row counts before it (ascending): those that took more than PRUNE_FACTOR
+    times the fastest at each of the last two (a kernel's portable GGUF path runs 10-100x the
+    vector paths at every row count, 0.9 s a call at 2048 rows). XLA's fixed cost per call
+    makes it up to 8x the kernels at 1 and 8 rows and close at 2048, hence two counts and 10x;
+    and the fastest of each weight order is always timed, so both orders keep a time at
+    every row count."""
+    slow: dict[str, int] = {}  # impl -> row counts in a row it lost by PRUNE_FACTOR (or skipped)
+    for by_impl in table.values():
+        fastest = min(by_impl.values())
+        orders = {order_of(i, quant) for i in by_impl}
+        own_best = {o: min(t for i, t in by_impl.items() if order_of(i, quant) == o)
+                    for o in orders}
+        slow |= {i: slow.get(i, 0) + 1 if s > PRUNE_FACTOR * fastest
+                 and s > own_best[order_of(i, quant)] else 0 for i, s in by_impl.items()}
+    return frozenset(i for i, n in slow.items() if n >= 2)
+
+
 def choose_impl(by_impl: dict[str, float], order: str, quant: str = "none") -> str:
     """The fastest implementation reading `order` among timings {impl: seconds}."""
     usable = {i: s for i, s in by_impl.items() if order_of(i, quant) == order}
@@ -196,7 +216,10 @@ class KernelChoice:
             rows = HEAD_ROWS if mm.name == "lm_head" else ROWS
             timer = {"none": time_matmul, "int8": time_int8_matmul}.get(mm.quant,
                                                                         time_gguf_matmul)
-            self.timings[mm.key()] = {str(m): timer(mm, m) for m in rows}
+            table: dict[str, dict[str, float]] = {}
+            for m in rows:  # ascending: what lost badly at fewer rows is not timed at more
+                table[str(m)] = timer(mm, m, skip=beaten(table, mm.quant))
+            self.timings[mm.key()] = table
             self._save()
         return {int(m): by_impl for m, by_impl in self.timings[mm.key()].items()}
 
@@ -374,9 +397,10 @@ def _seconds(fn, *args, min_seconds: float = 0.01, repeats: int = 3) -> float:
     return float(best)
 
 
-def time_matmul(mm: Matmul, rows: int, layers: int = 2) -> dict[str, float]:
-    """Seconds per call of each candidate for `mm` at `rows` rows, on a stack of `layers`
-    weights read at a traced layer index, as the step reads them."""
+def time_matmul(mm: Matmul, rows: int, layers: int = 2,
+                skip: frozenset[str] = frozenset()) -> dict[str, float]:
+    """Seconds per call of each candidate for `mm` at `rows` rows (but those in `skip`), on a
+    stack of `layers` weights read at a traced layer index, as the step reads them."""
     rng = np.random.default_rng(0)
     w = jnp.asarray(rng.normal(size=(layers, mm.k, mm.n)), jnp.bfloat16)
     x = jnp.asarray(rng.normal(size=(rows, mm.k)), jnp.float32)
@@ -386,20 +410,25 @@ def time_matmul(mm: Matmul, rows: int, layers: int = 2) -> dict[str, float]:
         w_l = jax.lax.dynamic_index_in_dim(w, layer, keepdims=False)
         return (matmul.gated_reference if mm.gated else matmul.reference)(x, w_l)
 
-    out = {XLA: _seconds(jax.jit(xla), x, w, layer)}
+    out = {} if XLA in skip else {XLA: _seconds(jax.jit(xla), x, w, layer)}
     packed = matmul.pack(w)
-    for path in matmul.paths():
+    for path in _timed(matmul.paths(), skip):
         fn = jax.jit(functools.partial(matmul.bf16_matmul, gated=mm.gated, path=path))
         out[path] = _seconds(fn, x, packed, layer)
     return out
 
 
-def time_int8_matmul(mm: Matmul, rows: int, layers: int = 2) -> dict[str, float]:
-    """Seconds per call of each int8 candidate for `mm` at `rows` rows (x f32, quantized per
-    row inside the call), on a stack of `layers` int8 weights read at a traced layer index
-    as the step reads them: XLA's int8 dot on the sliced codes (natural order), each int8
-    kernel path on the stack in place (panel order). Gated: silu(gate) * up after XLA's, in
-    the kernel (`gated=True`) for its paths."""
+def _timed(paths: Iterable[str], skip: frozenset[str]) -> list[str]:
+    return [p for p in paths if p not in skip]
+
+
+def time_int8_matmul(mm: Matmul, rows: int, layers: int = 2,
+                     skip: frozenset[str] = frozenset()) -> dict[str, float]:
+    """Seconds per call of each int8 candidate (but those in `skip`) for `mm` at `rows` rows
+    (x f32, quantized per row inside the call), on a stack of `layers` int8 weights read at a
+    traced layer index as the step reads them: XLA's int8 dot on the sliced codes (natural
+    order), each int8 kernel path on the stack in place (panel order). Gated: silu(gate) * up
+    after XLA's, in the kernel (`gated=True`) for its paths."""
     rng = np.random.default_rng(0)
     codes, scales = int8.quantize_weight(jnp.asarray(rng.normal(size=(layers, mm.k, mm.n)),
                                                      jnp.float32))
@@ -413,20 +442,22 @@ def time_int8_matmul(mm: Matmul, rows: int, layers: int = 2) -> dict[str, float]
     def kernel(x, w, s, layer, path):
         return int8_matmul.int8_matmul(x, w, s, layer, gated=mm.gated, path=path)
 
-    out = {XLA: _seconds(jax.jit(xla), x, codes, scales, layer)}
+    out = {} if XLA in skip else {XLA: _seconds(jax.jit(xla), x, codes, scales, layer)}
     packed = int8_matmul.pack(codes)
-    for path in int8_matmul.paths():
+    for path in _timed(int8_matmul.paths(), skip):
         out[path] = _seconds(jax.jit(functools.partial(kernel, path=path)), x, packed, scales,
                              layer)
     return out
 
 
-def time_gguf_matmul(mm: Matmul, rows: int, layers: int = 2) -> dict[str, float]:
-    """Seconds per call of each GGUF candidate for `mm` (its format `mm.quant`) at `rows` rows
-    (x f32, quantized per block inside the call), on a stack of `layers` weights in GGUF rows
-    [layers, N, R] read at a traced layer index as the step reads them: XLA's reference on the
-    sliced rows, each kernel path on the stack in place. Gated: silu(gate) * up after the
-    product, in XLA, for every candidate (the kernel has no gated mode)."""
+def time_gguf_matmul(mm: Matmul, rows: int, layers: int = 2,
+                     skip: frozenset[str] = frozenset()) -> dict[str, float]:
+    """Seconds per call of each GGUF candidate (but those in `skip`) for `mm` (its format
+    `mm.quant`) at `rows` rows (x f32, quantized per block inside the call), on a stack of
+    `layers` weights in GGUF rows [layers, N, R] read at a traced layer index as the step
+    reads them: XLA's reference on the sliced rows, each kernel path on the stack in place.
+    Gated: silu(gate) * up after the product, in XLA, for every candidate (the kernel has no
+    gated mode)."""
     fmt = gguf_blocks.format_of(mm.quant)
     w = jnp.asarray(gguf_blocks.random_blocks(fmt, (layers, mm.n, mm.k)))
     x = jnp.asarray(np.random.default_rng(0).normal(size=(rows, mm.k)), jnp.float32)
@@ -442,8 +473,8 @@ def time_gguf_matmul(mm: Matmul, rows: int, layers: int = 2) -> dict[str, float]
     def kernel(x, w, layer, path):
         return gate(gguf_matmul.gguf_matmul(x, w, fmt.name, layer, path=path))
 
-    out = {XLA: _seconds(jax.jit(xla), x, w, layer)}
-    for path in gguf_matmul.paths():
+    out = {} if XLA in skip else {XLA: _seconds(jax.jit(xla), x, w, layer)}
+    for path in _timed(gguf_matmul.paths(), skip):
         out[path] = _seconds(jax.jit(functools.partial(kernel, path=path)), x, w, layer)
     return out
 

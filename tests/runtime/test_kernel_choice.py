@@ -77,7 +77,7 @@ def test_experts_take_the_faster_dispatch_at_the_nearest_token_count():
 def test_timings_are_measured_once_and_cached_per_machine(tmp_path, monkeypatch):
     calls = []
 
-    def fake_time(mm, rows):
+    def fake_time(mm, rows, skip=frozenset()):
         calls.append((mm.key(), rows))
         return {XLA: 1.0 / rows, "avx2": 0.5 / rows}
 
@@ -167,12 +167,12 @@ def test_an_int8_weight_is_its_own_entry_measured_by_the_int8_timer(tmp_path, mo
     the measurement's: the kernel where it is faster, XLA's order where that wins overall."""
     calls = []
 
-    def fake_int8(mm, rows):
+    def fake_int8(mm, rows, skip=frozenset()):
         calls.append((mm.key(), rows))
         fast = "avx512_vnni" if rows <= 64 else "avx_vnni"
         return {XLA: 3.0, "avx2": 2.0, fast: 1.0, "portable": 9.0}
 
-    def no_bf16(mm, rows):
+    def no_bf16(mm, rows, skip=frozenset()):
         raise AssertionError(f"the bf16 timer ran for {mm.key()}")
 
     monkeypatch.setattr(kernel_choice, "time_int8_matmul", fake_int8)
@@ -232,7 +232,7 @@ def test_a_gguf_weight_takes_the_fastest_candidate_at_each_row_count(tmp_path, m
     fastest candidate, XLA's included, with no order between them."""
     calls = []
 
-    def fake_gguf(mm, rows):
+    def fake_gguf(mm, rows, skip=frozenset()):
         calls.append((mm.key(), rows))
         return {XLA: 1.0 if rows >= 512 else 5.0, "avx2": 2.0, "avx512_vnni": 1.5}
 
@@ -286,7 +286,39 @@ def test_gguf_weights_are_measured_when_the_layout_is_placed(monkeypatch):
     from jaxpipe.runtime import pipeline
 
     monkeypatch.setattr(kernel_choice, "time_gguf_matmul",
-                        lambda mm, rows: {XLA: 2.0, "avx2": 1.0})
+                        lambda mm, rows, skip=frozenset(): {XLA: 2.0, "avx2": 1.0})
     d = KernelChoice(timings={})
     assert pipeline._in_stack(d, WQ41)
     assert WQ41.key() in d.timings
+
+
+def test_a_candidate_far_behind_at_two_row_counts_is_not_timed_at_more(tmp_path, monkeypatch):
+    """`beaten`: a candidate over PRUNE_FACTOR x the fastest at two row counts in a row is not
+    timed at larger ones; one over it at a single count, or the fastest of its order, is."""
+    asked = {}
+
+    def fake_gguf(mm, rows, skip=frozenset()):
+        asked[rows] = skip
+        times = {XLA: 5e-4 + 1e-6 * rows, "avx512_vnni": 1e-5 * rows,
+                 "avx2": 1.4e-5 * rows, "portable": 4e-4 * rows}  # portable: 40x
+        return {impl: s for impl, s in times.items() if impl not in skip}
+
+    monkeypatch.setattr(kernel_choice, "time_gguf_matmul", fake_gguf)
+    d = KernelChoice(cache=tmp_path / "kernel_choice.json")
+    d.order(WQ41)
+    rows = kernel_choice.ROWS
+    assert [("portable" in asked[m]) for m in rows] == [False, False, *[True] * (len(rows) - 2)]
+    # XLA: 50x at 1 row, 6.4x at 8, then closer: never two counts in a row past 10x
+    assert not any(XLA in skip or "avx2" in skip for skip in asked.values())
+    assert "portable" not in d.timings[WQ41.key()]["64"]
+    # XLA, 50x behind at 1 row, still timed at 2048 rows, where its fixed cost no longer counts
+    assert d.impl(WQ41, 32) == "avx512_vnni" and d.impl(WQ41, 4096) == XLA
+
+
+def test_beaten_keeps_each_orders_fastest():
+    table = {"1": {XLA: 1.0, "avx2": 0.01, "portable": 0.5},
+             "8": {XLA: 1.0, "avx2": 0.08, "portable": 4.0}}
+    assert kernel_choice.beaten(table) == {"portable"}  # XLA: the natural order's fastest
+    assert kernel_choice.beaten({"1": table["1"]}) == frozenset()  # one count is not enough
+    table["32"] = {XLA: 1.0, "avx2": 0.32, "portable": 2.0}  # within 10x again
+    assert kernel_choice.beaten(table) == frozenset()
