@@ -1088,9 +1088,10 @@ inline void widen_rows(const uint16_t* __restrict src, int64_t n, float* __restr
 }
 
 // dst [n, D] f32 <- an int8 pool's rows src [n, D + 2] (codes, then the row's bf16 scale):
-// each row's codes widened to f32 8 at a time, its scale into scales[r], applied once per
-// row by the caller (to the row's score, or to its probability). `next`: as above.
-template <int D>
+// each row's codes widened to f32 8 at a time (16 with AVX-512F: kWide), its scale into
+// scales[r], applied once per row by the caller (to the row's score, or to its probability).
+// `next`: as above.
+template <int D, bool kWide = false>
 inline void widen_rows(const int8_t* __restrict src, int64_t n, float* __restrict dst,
                        const int8_t* next, float* __restrict scales) {
   constexpr int64_t kWidth = D + kScaleBytes;
@@ -1100,6 +1101,15 @@ inline void widen_rows(const int8_t* __restrict src, int64_t n, float* __restric
       for (int64_t i = 0; i < kWidth; i += 64)
         _mm_prefetch(reinterpret_cast<const char*>(next + r * kWidth + i), _MM_HINT_T0);
     scales[r] = row_scale(row, D);
+#ifdef __AVX512BF16__
+    if constexpr (kWide) {
+      unroll<D / 16>([&](auto c) {
+        const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * c));
+        _mm512_storeu_ps(dst + r * D + 16 * c, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(x)));
+      });
+      continue;
+    }
+#endif
     unroll<D / 8>([&](auto c) {
       const __m128i x = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + 8 * c));
       _mm256_storeu_ps(dst + r * D + 8 * c, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(x)));
@@ -1108,7 +1118,7 @@ inline void widen_rows(const int8_t* __restrict src, int64_t n, float* __restric
 }
 
 // A bf16 pool's rows carry no scale: `scales` is unused.
-template <int D>
+template <int D, bool kWide = false>
 inline void widen_rows(const uint16_t* __restrict src, int64_t n, float* __restrict dst,
                        const uint16_t* next, float*) {
   widen_rows<D>(src, n, dst, next);
@@ -1211,24 +1221,6 @@ inline __m512 lanes_total(const __m512 (&v)[16]) {
                        _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-// dst [n, D] f32 <- int8 rows src [n, D + 2], 16 codes at a time; scales as `avx2::widen_rows`.
-template <int D>
-inline void widen_rows(const int8_t* __restrict src, int64_t n, float* __restrict dst,
-                       const int8_t* next, float* __restrict scales) {
-  constexpr int64_t kWidth = D + kScaleBytes;
-  for (int64_t r = 0; r < n; ++r) {
-    const int8_t* row = src + r * kWidth;
-    if (next != nullptr)
-      for (int64_t i = 0; i < kWidth; i += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(next + r * kWidth + i), _MM_HINT_T0);
-    scales[r] = row_scale(row, D);
-    unroll<D / 16>([&](auto c) {
-      const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * c));
-      _mm512_storeu_ps(dst + r * D + 16 * c, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(x)));
-    });
-  }
-}
-
 // `avx2::block_scores` 16 keys at a time (kf [16-rounded n, D], rows' scales given).
 template <int D>
 void block_scores(const float* __restrict kf, int64_t n, const float* __restrict q,
@@ -1320,7 +1312,7 @@ void decode(const Inputs<T>& in, const Shape& s, const Span& span, const Tile& t
     float* rows = w.rows.data();
 #ifdef __AVX512BF16__
     if constexpr (kWide) {
-      wide::widen_rows<D>(k.block(j) + o * kRow, n, rows, k.after(j + 1, end), rs);
+      widen_rows<D, true>(k.block(j) + o * kRow, n, rows, k.after(j + 1, end), rs);
       wide::block_scores<D>(rows, n, w.q.data(), g_count, scale, w.st.data() + at, ls, rs);
       return;
     }
@@ -1336,7 +1328,7 @@ void decode(const Inputs<T>& in, const Shape& s, const Span& span, const Tile& t
     float* rows = w.rows.data();
 #ifdef __AVX512BF16__
     if constexpr (kWide) {
-      wide::widen_rows<D>(v.block(j) + o * kRow, n, rows, v.after(j + 1, end), rs);
+      widen_rows<D, true>(v.block(j) + o * kRow, n, rows, v.after(j + 1, end), rs);
       wide::block_values<D>(rows, n, w.st.data() + at, ls, g_count, w.out.data(), rs);
       return;
     }
