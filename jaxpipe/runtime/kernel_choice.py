@@ -169,10 +169,9 @@ def beaten(table: dict[str, dict[str, float]], quant: str = "none") -> frozenset
     every row count."""
     slow: dict[str, int] = {}  # impl -> row counts in a row it lost by PRUNE_FACTOR (or skipped)
     for by_impl in table.values():
-        fastest = min(by_impl.values())
-        orders = {order_of(i, quant) for i in by_impl}
-        own_best = {o: min(t for i, t in by_impl.items() if order_of(i, quant) == o)
-                    for o in orders}
+        fastest, own_best = min(by_impl.values()), {}
+        for i, s in by_impl.items():
+            own_best[order_of(i, quant)] = min(s, own_best.get(order_of(i, quant), np.inf))
         slow |= {i: slow.get(i, 0) + 1 if s > PRUNE_FACTOR * fastest
                  and s > own_best[order_of(i, quant)] else 0 for i, s in by_impl.items()}
     return frozenset(i for i, n in slow.items() if n >= 2)
