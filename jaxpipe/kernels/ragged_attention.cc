@@ -48,11 +48,13 @@
 // code; it also takes int8 pools (kernels/kv_int8.py) of those head dims, each row's codes
 // widened to f32 8 at a time, its scale applied once a row (to the key's score, the value's
 // probability), q and the probabilities kept f32 as the portable path keeps them; on the
-// avx512_bf16 path an int8 pool's decode rows run the same steps 16 lanes wide (`avx2::wide`,
-// AVX-512F). Otherwise ("portable": f32 pools, other head dims, or asked for) f32 code: a decode
-// task does G dots per key; a tile of several queries scores 16 keys at a time against a
-// transposed copy and, for a compile-time D, sums values with its outputs held in registers.
-// Every path honours windows, soft caps and scales.
+// avx512_bf16 path (with avx512_vnni) an int8 pool's decode rows run int16 products instead
+// (`avx2::vnni`, vpdpwssd: q and the probabilities times the value scales quantized per head
+// to int16; decode 256 rows x 2048 keys 18.6-20.1 -> 13.9-14.4 ms a layer, against a bf16
+// pool's 21.2-24.2). Otherwise ("portable": f32 pools, other head dims, or asked for) f32
+// code: a decode task does G dots per key; a tile of several queries scores 16 keys at a
+// time against a transposed copy and, for a compile-time D, sums values with its outputs held
+// in registers. Every path honours windows, soft caps and scales.
 #include <algorithm>
 #include <array>
 #include <atomic>
@@ -1088,10 +1090,9 @@ inline void widen_rows(const uint16_t* __restrict src, int64_t n, float* __restr
 }
 
 // dst [n, D] f32 <- an int8 pool's rows src [n, D + 2] (codes, then the row's bf16 scale):
-// each row's codes widened to f32 8 at a time (16 with AVX-512F: kWide), its scale into
-// scales[r], applied once per row by the caller (to the row's score, or to its probability).
-// `next`: as above.
-template <int D, bool kWide = false>
+// each row's codes widened to f32 8 at a time, its scale into scales[r], applied once per row
+// by the caller (to the row's score, or to its probability). `next`: as above.
+template <int D>
 inline void widen_rows(const int8_t* __restrict src, int64_t n, float* __restrict dst,
                        const int8_t* next, float* __restrict scales) {
   constexpr int64_t kWidth = D + kScaleBytes;
@@ -1101,15 +1102,6 @@ inline void widen_rows(const int8_t* __restrict src, int64_t n, float* __restric
       for (int64_t i = 0; i < kWidth; i += 64)
         _mm_prefetch(reinterpret_cast<const char*>(next + r * kWidth + i), _MM_HINT_T0);
     scales[r] = row_scale(row, D);
-#ifdef __AVX512BF16__
-    if constexpr (kWide) {
-      unroll<D / 16>([&](auto c) {
-        const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * c));
-        _mm512_storeu_ps(dst + r * D + 16 * c, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(x)));
-      });
-      continue;
-    }
-#endif
     unroll<D / 8>([&](auto c) {
       const __m128i x = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + 8 * c));
       _mm256_storeu_ps(dst + r * D + 8 * c, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(x)));
@@ -1118,7 +1110,7 @@ inline void widen_rows(const int8_t* __restrict src, int64_t n, float* __restric
 }
 
 // A bf16 pool's rows carry no scale: `scales` is unused.
-template <int D, bool kWide = false>
+template <int D>
 inline void widen_rows(const uint16_t* __restrict src, int64_t n, float* __restrict dst,
                        const uint16_t* next, float*) {
   widen_rows<D>(src, n, dst, next);
@@ -1194,80 +1186,264 @@ void block_values(const float* __restrict vf, int64_t n, const float* __restrict
     }
 }
 
-#ifdef __AVX512BF16__
-// An int8 pool's decode rows 16 lanes wide (AVX-512F, on the avx512_bf16 path's CPUs): the
-// same steps as above, keys 16 at a time. Measured (bench_attention.py --kv-dtypes int8, AMD
-// EPYC avx512_bf16, decode 64 rows x 2048 keys): 8 lanes ran at 12.6 GB/s, compute-bound,
-// where a bf16 pool's avx512_bf16 decode reads 28.6 GB/s.
-namespace wide {
 
-// r[i] = the sum of v[i]'s 16 lanes, i < 16: pairs, then quads inside 128-bit lanes, then
-// across them (45 shuffles and adds for 16 dots).
-inline __m512 lanes_total(const __m512 (&v)[16]) {
-  __m512 s[8], u[4];
-  unroll<8>([&](auto j) {  // per 128-bit lane: (a even, b even, a odd, b odd) of keys 2j, 2j + 1
-    s[j] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * j], v[2 * j + 1]),
-                         _mm512_unpackhi_ps(v[2 * j], v[2 * j + 1]));
-  });
-  unroll<4>([&](auto j) {  // per 128-bit lane: keys 4j .. 4j + 3, that lane's part of each
-    u[j] = _mm512_add_ps(_mm512_shuffle_ps(s[2 * j], s[2 * j + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                         _mm512_shuffle_ps(s[2 * j], s[2 * j + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-  });
-  const __m512 a = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                                 _mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(3, 1, 3, 1)));
-  const __m512 b = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(2, 0, 2, 0)),
-                                 _mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(3, 1, 3, 1)));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(2, 0, 2, 0)),
-                       _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 1, 3, 1)));
+#if defined(__AVX512BF16__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+// An int8 pool's decode rows by int16 products (vpdpwssd, avx512_vnni), on the avx512_bf16
+// path's CPUs: the codes sign-extended to int16 (exact); q quantized per head to int16
+// (q_g = qs_g * q16_g, qs_g = max |q_g| / 32767, nearest even), and each head's
+// probability-times-row-scale w_t quantized the same way over the task's keys for the
+// values. Sums are exact int32 (a key's dot: D / 16 products a lane, at most 16 x 32767 x 127;
+// values flushed to f32 every kFlush keys: kFlush x 32767 x 127 < 2^31), so the arithmetic is
+// `int16_reference` in tests/kernels/test_kv_int8.py to the rounding of the two quantizations.
+namespace vnni {
+
+constexpr float kStep16 = 1.f / 32767.f;
+constexpr int64_t kFlush = 256;  // keys between int32 -> f32 flushes of the value sums
+
+// v [n] -> codes [n] with v ~= s * codes; returns s (1 where v is all zero).
+inline float quantize16(const float* v, int64_t n, int16_t* codes) {
+  float amax = 0.f;
+  for (int64_t i = 0; i < n; ++i) amax = std::max(amax, std::fabs(v[i]));
+  const float s = amax > 0.f ? amax * kStep16 : 1.f, inv = 1.f / s;
+  for (int64_t i = 0; i < n; ++i)
+    codes[i] = static_cast<int16_t>(std::clamp(std::nearbyint(v[i] * inv), -32767.f, 32767.f));
+  return s;
 }
 
-// `avx2::block_scores` 16 keys at a time (kf [16-rounded n, D], rows' scales given).
+// r[i] = the sum of v[i]'s 16 int32 lanes, i < 16 (exact): pairs, then quads inside 128-bit
+// lanes, then across them (45 shuffles and adds for 16 dots).
+inline __m512i lanes_total(const __m512i (&v)[16]) {
+  auto ps = [](__m512i x) { return _mm512_castsi512_ps(x); };
+  auto si = [](__m512 x) { return _mm512_castps_si512(x); };
+  __m512i s8[8], u[4];
+  unroll<8>([&](auto j) {
+    s8[j] = _mm512_add_epi32(_mm512_unpacklo_epi32(v[2 * j], v[2 * j + 1]),
+                             _mm512_unpackhi_epi32(v[2 * j], v[2 * j + 1]));
+  });
+  unroll<4>([&](auto j) {
+    u[j] = _mm512_add_epi32(
+        si(_mm512_shuffle_ps(ps(s8[2 * j]), ps(s8[2 * j + 1]), _MM_SHUFFLE(1, 0, 1, 0))),
+        si(_mm512_shuffle_ps(ps(s8[2 * j]), ps(s8[2 * j + 1]), _MM_SHUFFLE(3, 2, 3, 2))));
+  });
+  auto halves = [](__m512i x, __m512i y) {
+    return _mm512_add_epi32(_mm512_shuffle_i32x4(x, y, _MM_SHUFFLE(2, 0, 2, 0)),
+                            _mm512_shuffle_i32x4(x, y, _MM_SHUFFLE(3, 1, 3, 1)));
+  };
+  return halves(halves(u[0], u[1]), halves(u[2], u[3]));
+}
+
+// kw [16-rounded n, D] int16 <- the block's rows' codes, scales[r] their scales (rows past n:
+// zeros, scale 0); asks for the same lines of `next` (or nullptr) as widen_rows does.
 template <int D>
-void block_scores(const float* __restrict kf, int64_t n, const float* __restrict q,
-                  int64_t g_count, float scale, float* __restrict st, int64_t ls,
-                  const float* __restrict rows) {
-  const __m512 sc = _mm512_set1_ps(scale);
-  for (int64_t g = 0; g < g_count; ++g)
+inline void widen16(const int8_t* __restrict src, int64_t n, int16_t* __restrict kw,
+                    float* __restrict scales, const int8_t* next) {
+  constexpr int64_t kWidth = D + kScaleBytes;
+  const int64_t padded = (n + 15) / 16 * 16;
+  for (int64_t r = 0; r < padded; ++r) {
+    if (r >= n) {
+      unroll<D / 32>([&](auto c) {
+        _mm512_storeu_si512(kw + r * D + 32 * c, _mm512_setzero_si512());
+      });
+      scales[r] = 0.f;
+      continue;
+    }
+    const int8_t* row = src + r * kWidth;
+    if (next != nullptr)
+      for (int64_t i = 0; i < kWidth; i += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(next + r * kWidth + i), _MM_HINT_T0);
+    scales[r] = row_scale(row, D);
+    unroll<D / 32>([&](auto c) {
+      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 32 * c));
+      _mm512_storeu_si512(kw + r * D + 32 * c, _mm512_cvtepi8_epi16(x));
+    });
+  }
+}
+
+// st[g * ls + i] = scale * qs[g] * scales[i] * (q16_g . kw_i) for the block's rows, 16 at a
+// time.
+template <int D>
+void block_scores(const int16_t* __restrict kw, int64_t n, const int16_t* __restrict q16,
+                  const float* qs, int64_t g_count, float scale, float* __restrict st,
+                  int64_t ls, const float* __restrict scales) {
+  for (int64_t g = 0; g < g_count; ++g) {
+    const __m512 by = _mm512_set1_ps(scale * qs[g]);
     for (int64_t i0 = 0; i0 < n; i0 += 16) {
-      __m512 acc[16];
-      unroll<16>([&](auto i) { acc[i] = _mm512_setzero_ps(); });
-      for (int c = 0; c < D; c += 16) {
-        const __m512 qc = _mm512_loadu_ps(q + g * D + c);
+      __m512i acc[16];
+      unroll<16>([&](auto i) { acc[i] = _mm512_setzero_si512(); });
+      unroll<D / 32>([&](auto c) {
+        const __m512i qc = _mm512_loadu_si512(q16 + g * D + 32 * c);
         unroll<16>([&](auto i) {
-          acc[i] = _mm512_fmadd_ps(_mm512_loadu_ps(kf + (i0 + i) * D + c), qc, acc[i]);
+          const __m512i key = _mm512_loadu_si512(kw + (i0 + i) * D + 32 * c);
+          acc[i] = _mm512_dpwssd_epi32(acc[i], key, qc);
         });
-      }
-      const __m512 by = _mm512_mul_ps(_mm512_loadu_ps(rows + i0), sc);
-      _mm512_storeu_ps(st + g * ls + i0, _mm512_mul_ps(lanes_total(acc), by));
+      });
+      const __m512 dots = _mm512_cvtepi32_ps(lanes_total(acc));
+      _mm512_storeu_ps(st + g * ls + i0,
+                       _mm512_mul_ps(_mm512_mul_ps(dots, _mm512_loadu_ps(scales + i0)), by));
     }
+  }
 }
 
-// `avx2::block_values` 16 lanes wide (vf [n, D] f32 codes, rows' scales given).
+// out[g] = ws[g] * sum_t w16[g * lw + t] * v_t (codes) over keys from .. from + len - 1, GS
+// heads g0 .. g0 + GS - 1 a pass: key pairs interleaved as int16 (t, t + 1) per dim, one
+// vpdpwssd per 16 dims and head.
+template <int GS, int D>
+void values(const Paged<int8_t>& v, int64_t from, int64_t len, const int16_t* w16, int64_t lw,
+            const float* ws, int64_t g0, float* out) {
+  constexpr int NC = D / 16;
+  alignas(64) static constexpr int8_t kZeros[D + kScaleBytes] = {};
+  const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9,
+                                      40, 8, 39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1,
+                                      32, 0);
+  const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+  __m512 sum[GS][NC];
+  __m512i acc[GS][NC];
+  unroll<GS>([&](auto g) { unroll<NC>([&](auto c) {
+    sum[g][c] = _mm512_setzero_ps();
+    acc[g][c] = _mm512_setzero_si512();
+  }); });
+  Cursor<int8_t> rows{v, D + kScaleBytes, from, kZeros}, ahead{v, D + kScaleBytes, from, kZeros};
+  for (int64_t i = 0; i < 32 && i < len; ++i) ahead.next();
+  for (int64_t t = 0; t < len; t += 2) {
+    for (int64_t i = t + 32; i < t + 34 && i < len; ++i)
+      prefetch_row(ahead.next(), 0, D + kScaleBytes);
+    const int8_t* a = rows.next();
+    const int8_t* b = t + 1 < len ? rows.next() : kZeros;
+    __m512i p[NC];
+    unroll<NC / 2>([&](auto c) {
+      const __m512i x = _mm512_cvtepi8_epi16(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + 32 * c)));
+      const __m512i y = _mm512_cvtepi8_epi16(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 32 * c)));
+      p[2 * c] = _mm512_permutex2var_epi16(x, lo, y);
+      p[2 * c + 1] = _mm512_permutex2var_epi16(x, hi, y);
+    });
+    unroll<GS>([&](auto g) {
+      int32_t pair;
+      std::memcpy(&pair, w16 + (g0 + g) * lw + t, sizeof pair);
+      const __m512i wp = _mm512_set1_epi32(pair);
+      unroll<NC>([&](auto c) { acc[g][c] = _mm512_dpwssd_epi32(acc[g][c], p[c], wp); });
+    });
+    if ((t + 2) % kFlush == 0) {
+      unroll<GS>([&](auto g) { unroll<NC>([&](auto c) {
+        sum[g][c] = _mm512_add_ps(sum[g][c], _mm512_cvtepi32_ps(acc[g][c]));
+        acc[g][c] = _mm512_setzero_si512();
+      }); });
+    }
+  }
+  unroll<GS>([&](auto g) {
+    const __m512 scale = _mm512_set1_ps(ws[g0 + g]);
+    unroll<NC>([&](auto c) {
+      const __m512 total = _mm512_add_ps(sum[g][c], _mm512_cvtepi32_ps(acc[g][c]));
+      _mm512_storeu_ps(out + (g0 + g) * D + 16 * c, _mm512_mul_ps(total, scale));
+    });
+  });
+}
+
+// `values` for the G heads, as many a pass as 24 accumulators hold.
 template <int D>
-void block_values(const float* __restrict vf, int64_t n, const float* __restrict p, int64_t ls,
-                  int64_t g_count, float* __restrict out, const float* __restrict rows) {
-  constexpr int kPass = D / 16 < 8 ? D / 16 : 8;  // accumulators per pass
-  for (int64_t g = 0; g < g_count; ++g)
-    for (int c0 = 0; c0 < D; c0 += 16 * kPass) {
-      __m512 acc[kPass];
-      unroll<kPass>([&](auto c) { acc[c] = _mm512_loadu_ps(out + g * D + c0 + 16 * c); });
-      for (int64_t i = 0; i < n; ++i) {
-        const __m512 pb = _mm512_set1_ps(p[g * ls + i] * rows[i]);
-        unroll<kPass>([&](auto c) {
-          acc[c] = _mm512_fmadd_ps(pb, _mm512_loadu_ps(vf + i * D + c0 + 16 * c), acc[c]);
-        });
-      }
-      unroll<kPass>([&](auto c) { _mm512_storeu_ps(out + g * D + c0 + 16 * c, acc[c]); });
+void values_for(const Paged<int8_t>& v, int64_t from, int64_t len, const int16_t* w16,
+                int64_t lw, const float* ws, int64_t g_count, float* out) {
+  constexpr int kMost = D == 64 ? 6 : D == 128 ? 3 : 1;
+  for (int64_t g0 = 0; g0 < g_count; g0 += kMost) {
+    auto pass = [&](auto gs) {
+      values<decltype(gs)::value, D>(v, from, len, w16, lw, ws, g0, out);
+    };
+    switch (std::min<int64_t>(kMost, g_count - g0)) {
+      case 1: pass(std::integral_constant<int, 1>{}); break;
+      case 2: if constexpr (kMost >= 2) pass(std::integral_constant<int, 2>{}); break;
+      case 3: if constexpr (kMost >= 3) pass(std::integral_constant<int, 3>{}); break;
+      case 4: if constexpr (kMost >= 4) pass(std::integral_constant<int, 4>{}); break;
+      case 5: if constexpr (kMost >= 5) pass(std::integral_constant<int, 5>{}); break;
+      default: if constexpr (kMost >= 6) pass(std::integral_constant<int, 6>{}); break;
     }
+  }
 }
 
-}  // namespace wide
-#endif  // __AVX512BF16__
+}  // namespace vnni
+#define JAXPIPE_INT16_DECODE 1
+#endif
 
 struct Work {
   std::vector<float> q, st, rows, out;  // q [G, D], st [G, ls], rows [kKeys-rounded BS, D], out
   std::vector<float> scales;            // [kKeys-rounded BS]: an int8 block's row scales
+  std::vector<int16_t> q16, kw, w16;    // decode16: q [G, D], a block's keys, weights [G, lw]
+  std::vector<float> qs, ws, key_scales;  // their scales [G], [G]; every value row's scale [ls]
 };
+
+// A one-query task's parts: its G heads, its keys from .. end - 1 (len of them), its G heads'
+// query vectors and where their outputs go, and kv head h's pages of K and V.
+template <typename T>
+struct OneQuery {
+  int64_t g_count, from, end, len;
+  const float* q;  // the G heads' query vectors, consecutive
+  float* dst;
+  Paged<T> k, v;
+  OneQuery(const Inputs<T>& in, const Shape& s, const Span& span, const Tile& tile, int64_t h,
+           int64_t d)
+      : g_count(s.heads / s.kv_heads), from(tile.from), end(tile.keys), len(end - from),
+        q(in.q + ((span.start + tile.lo) * s.heads + h * g_count) * d),
+        dst(in.out + ((span.start + tile.lo) * s.heads + h * g_count) * d),
+        k(pages(in.k, in, s, tile, h, d)), v(pages(in.v, in, s, tile, h, d)) {}
+  static Paged<T> pages(const T* pool, const Inputs<T>& in, const Shape& s, const Tile& tile,
+                        int64_t h, int64_t d) {
+    const int64_t row = row_width<T>(d);
+    return Paged<T>{pool + h * s.block_size * row, in.table + tile.row * s.max_blocks,
+                    s.kv_heads * s.block_size * row, s.block_size, s.blocks};
+  }
+};
+
+#ifdef JAXPIPE_INT16_DECODE
+// `decode` of an int8 pool on the avx512_bf16 path's CPUs with avx512_vnni: int16 products
+// (`vnni::`). Scores a block at a time (its codes sign-extended once into kw, each head's 16
+// keys a pass); the probabilities times each key's scale quantized per head, then the values
+// in key pairs from the pool.
+template <int D>
+void decode16(const Inputs<int8_t>& in, const Shape& s, const Span& span, const Tile& tile,
+              int64_t h, Work& w) {
+  constexpr int64_t kRow = D + kScaleBytes;
+  const OneQuery<int8_t> task(in, s, span, tile, h, D);
+  const int64_t g_count = task.g_count, from = task.from, end = task.end, len = task.len;
+  const float* q = task.q;
+  float* dst = task.dst;
+  const auto &k = task.k, &v = task.v;
+  if (len <= 0) return std::fill_n(dst, g_count * D, 0.f), void();
+  const int64_t ls = (len + 15) / 16 * 16 + 16, lw = (len + 1) / 2 * 2;
+  const int64_t block_rows = (s.block_size + 15) / 16 * 16;
+  w.st.resize(g_count * ls);
+  w.kw.resize(block_rows * D);
+  w.scales.resize(block_rows);
+  w.key_scales.resize(ls);
+  w.q16.resize(g_count * D);
+  w.qs.resize(g_count);
+  w.w16.resize(g_count * lw);
+  w.ws.resize(g_count);
+  w.out.resize(g_count * D);
+  for (int64_t g = 0; g < g_count; ++g)
+    w.qs[g] = vnni::quantize16(q + g * D, D, w.q16.data() + g * D);
+  const float scale = scale_of(in.opt.scale, D);
+  each_block(from, end, s.block_size, [&](int64_t j, int64_t o, int64_t n, int64_t at) {
+    vnni::widen16<D>(k.block(j) + o * kRow, n, w.kw.data(), w.scales.data(),
+                     k.after(j + 1, end));
+    vnni::block_scores<D>(w.kw.data(), n, w.q16.data(), w.qs.data(), g_count, scale,
+                          w.st.data() + at, ls, w.scales.data());
+  });
+  each_block(from, end, s.block_size, [&](int64_t j, int64_t o, int64_t n, int64_t at) {
+    const int8_t* rows = v.block(j) + o * kRow;  // the value rows' scales (and their lines)
+    for (int64_t r = 0; r < n; ++r) w.key_scales[at + r] = row_scale(rows + r * kRow, D);
+  });
+  for (int64_t g = 0; g < g_count; ++g) {
+    float* p = w.st.data() + g * ls;
+    soft_cap(p, len, in.opt.softcap);
+    softmax(p, len, false);
+    for (int64_t t = 0; t < len; ++t) p[t] *= w.key_scales[t];  // the value rows' scales
+    w.ws[g] = vnni::quantize16(p, len, w.w16.data() + g * lw);
+    std::fill(w.w16.data() + g * lw + len, w.w16.data() + (g + 1) * lw, int16_t{0});
+  }
+  vnni::values_for<D>(v, from, len, w.w16.data(), lw, w.ws.data(), g_count, w.out.data());
+  std::copy_n(w.out.data(), g_count * D, dst);
+}
+#endif
 
 // A one-query task: the G heads of kv head h over the query's keys tile.from .. tile.keys - 1
 // (its window, which may begin inside a block). A block's scores are stored 8 keys at a time
@@ -1276,24 +1452,24 @@ struct Work {
 // probabilities to bf16, as the XLA path does; an int8 pool's codes are widened as they are,
 // each key row's scale multiplies its score and each value row's its probability (once a
 // row, not once an element), and q and the probabilities stay f32 as the portable path
-// keeps them. kWide (an int8 pool on the avx512_bf16 path): the blocks' keys 16 at a time
-// (`wide::`), the rest as here.
+// keeps them. kWide (an int8 pool on the avx512_bf16 path): `decode16`'s int16 products
+// where the build has avx512_vnni (every CPU with avx512_bf16 so far), else as here.
 template <int D, typename T, bool kWide = false>
 void decode(const Inputs<T>& in, const Shape& s, const Span& span, const Tile& tile,
             int64_t h, Work& w) {
-  constexpr bool kBf16 = std::is_same_v<T, uint16_t>;
-  constexpr int64_t kRow = row_width<T>(D), kKeys = kWide ? 16 : 8;
-  const int64_t g_count = s.heads / s.kv_heads, token = span.start + tile.lo;
-  const int64_t from = tile.from, end = tile.keys, len = end - from;
-  float* dst = in.out + (token * s.heads + h * g_count) * D;  // the G heads, consecutive
-  if (len <= 0) {
-    std::fill_n(dst, g_count * D, 0.f);
-    return;
+#ifdef JAXPIPE_INT16_DECODE
+  if constexpr (kWide && std::is_same_v<T, int8_t>) {
+    return decode16<D>(in, s, span, tile, h, w);
   }
-  const int32_t* table = in.table + tile.row * s.max_blocks;
-  const int64_t head = h * s.block_size * kRow, stride = s.kv_heads * s.block_size * kRow;
-  const Paged<T> k{in.k + head, table, stride, s.block_size, s.blocks};
-  const Paged<T> v{in.v + head, table, stride, s.block_size, s.blocks};
+#endif
+  constexpr bool kBf16 = std::is_same_v<T, uint16_t>;
+  constexpr int64_t kRow = row_width<T>(D), kKeys = 8;
+  const OneQuery<T> task(in, s, span, tile, h, D);
+  const int64_t g_count = task.g_count, from = task.from, end = task.end, len = task.len;
+  const float* q = task.q;
+  float* dst = task.dst;
+  const auto &k = task.k, &v = task.v;
+  if (len <= 0) return std::fill_n(dst, g_count * D, 0.f), void();
   const int64_t ls = (len + kKeys - 1) / kKeys * kKeys + kKeys;
   const int64_t block_rows = (s.block_size + kKeys - 1) / kKeys * kKeys;
   w.q.resize(g_count * D);
@@ -1302,7 +1478,7 @@ void decode(const Inputs<T>& in, const Shape& s, const Span& span, const Tile& t
   w.scales.assign(block_rows, 0.f);
   float* rs = kBf16 ? nullptr : w.scales.data();
   w.out.assign(g_count * D, 0.f);
-  const float* src = in.q + (token * s.heads + h * g_count) * D;
+  const float* src = q;
   for (int64_t i = 0; i < g_count * D; i += 8) {
     const __m256 x = _mm256_loadu_ps(src + i);
     _mm256_storeu_ps(w.q.data() + i, kBf16 ? round_bf16(x) : x);
@@ -1310,13 +1486,6 @@ void decode(const Inputs<T>& in, const Shape& s, const Span& span, const Tile& t
   const float scale = scale_of(in.opt.scale, D);
   each_block(from, end, s.block_size, [&](int64_t j, int64_t o, int64_t n, int64_t at) {
     float* rows = w.rows.data();
-#ifdef __AVX512BF16__
-    if constexpr (kWide) {
-      widen_rows<D, true>(k.block(j) + o * kRow, n, rows, k.after(j + 1, end), rs);
-      wide::block_scores<D>(rows, n, w.q.data(), g_count, scale, w.st.data() + at, ls, rs);
-      return;
-    }
-#endif
     widen_rows<D>(k.block(j) + o * kRow, n, rows, k.after(j + 1, end), rs);
     block_scores<D>(rows, n, w.q.data(), g_count, scale, w.st.data() + at, ls, rs);
   });
@@ -1326,13 +1495,6 @@ void decode(const Inputs<T>& in, const Shape& s, const Span& span, const Tile& t
   }
   each_block(from, end, s.block_size, [&](int64_t j, int64_t o, int64_t n, int64_t at) {
     float* rows = w.rows.data();
-#ifdef __AVX512BF16__
-    if constexpr (kWide) {
-      widen_rows<D, true>(v.block(j) + o * kRow, n, rows, v.after(j + 1, end), rs);
-      wide::block_values<D>(rows, n, w.st.data() + at, ls, g_count, w.out.data(), rs);
-      return;
-    }
-#endif
     widen_rows<D>(v.block(j) + o * kRow, n, rows, v.after(j + 1, end), rs);
     block_values<D>(rows, n, w.st.data() + at, ls, g_count, w.out.data(), rs);
   });
@@ -1359,7 +1521,7 @@ constexpr uint32_t kBuiltPaths = (1u << kPortable)
 // The path a call on a pool of `bf16`, `int8` (or f32) elements and head dim `dim` runs:
 // `path`, or (< 0) the last this build has that can run it; -1 if `path` is not built or
 // cannot run it. avx2 and avx512_bf16 take bf16 and int8 pools (avx512_bf16's int8 decode rows
-// run `wide::`, AVX-512F f32 products: an int8 row's dequantized values are not bf16 numbers).
+// run `decode16`'s int16 products: an int8 row's dequantized values are not bf16 numbers).
 int64_t path_for(int64_t path, bool bf16, bool int8, int64_t dim) {
   const bool dims = dim == 64 || dim == 128 || dim == 256;  // the avx* paths' own
   const uint32_t takes = (1u << kPortable) |
@@ -1403,8 +1565,8 @@ void run_avx512_bf16(ffi::ThreadPool& pool, const Inputs<uint16_t>& in,
 }
 
 // The tiles' tasks on the avx2 path (a bf16 or an int8 pool), or an int8 pool's on the
-// avx512_bf16 path (kWide): decode rows in `avx2::decode`, tiles of several queries on the
-// portable code.
+// avx512_bf16 path (kWide: `decode16`'s int16 products): decode rows in `avx2::decode`, tiles
+// of several queries on the portable code.
 template <int D, typename T, bool kWide = false>
 void run_avx2(ffi::ThreadPool& pool, const Inputs<T>& in, const std::vector<Span>& spans,
               const std::vector<Tile>& tiles, const Shape& s) {
@@ -1728,3 +1890,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpipeRaggedAttentionWrite, RaggedAttentionWriteI
 
 // Bit i set: path i (Path above) is compiled into this build (-march=native).
 extern "C" uint32_t jaxpipe_attention_paths() { return kBuiltPaths; }
+
+// 1 where the avx512_bf16 path runs an int8 pool's decode rows by int16 products (vnni::).
+extern "C" uint32_t jaxpipe_attention_int16_decode() {
+#ifdef JAXPIPE_INT16_DECODE
+  return 1;
+#else
+  return 0;
+#endif
+}

@@ -46,9 +46,11 @@ and prefill tiles, vdpbf16ps) for bf16 pools of head dim 64, 128 or 256; each ho
 window, softcap and scale. An int8 pool (`kv_cache_dtype="int8"`: rows of D codes and a bf16
 scale, `kernels/kv_int8.py`) runs on "portable", which dequantizes each row as it loads it,
 and, with head dim 64, 128 or 256, on "avx2" (decode rows: codes widened to f32 8 at a time,
-times the row's scale) and "avx512_bf16" (the same decode rows 16 lanes wide with AVX-512F:
-an int8 row's values are not bf16 numbers, so no vdpbf16ps; its default where built), tiles
-of several queries on the portable code; `write_and_attend` quantizes the rows it writes, as
+times the row's scale) and "avx512_bf16" (decode rows by int16 products, avx512_vnni's
+vpdpwssd, `int16_decode`: the codes exact as int16, q and each head's probabilities times the
+value rows' scales quantized per head to int16, sums exact in int32; an int8 row's values
+are not bf16 numbers, so no vdpbf16ps; its default where built), tiles of several queries
+on the portable code; `write_and_attend` quantizes the rows it writes, as
 `kv_int8.quantize` does.
 A call runs `path_for`'s path unless it names one (`path`), and
 fails if that one cannot run it. A custom call cannot be partitioned by the SPMD partitioner:
@@ -104,6 +106,20 @@ def paths() -> tuple[str, ...]:
     lib.jaxpipe_attention_paths.restype = ctypes.c_uint32
     mask = lib.jaxpipe_attention_paths()
     return tuple(name for i, name in enumerate(PATHS) if mask >> i & 1)
+
+
+@functools.cache
+def int16_decode() -> bool:
+    """Whether this build's "avx512_bf16" path runs an int8 pool's decode rows (one query a
+    tile) by int16 products (avx512_vnni's vpdpwssd): q quantized per head to int16, and each
+    head's probabilities times the value rows' scales quantized to int16 over its keys
+    (the arithmetic `tests/kernels/attention_cases.numpy_attention` models with `v_scales`);
+    elsewhere those rows are f32 products of the widened codes."""
+    lib = _library()
+    if lib is None:
+        return False
+    lib.jaxpipe_attention_int16_decode.restype = ctypes.c_uint32
+    return bool(lib.jaxpipe_attention_int16_decode())
 
 
 def path_for(kv_dtype, head_dim: int) -> str | None:

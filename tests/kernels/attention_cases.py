@@ -36,14 +36,29 @@ R, T = len(Q_LEN), 97
 UNCOVERED = [0, 32, 87, 95, 96]
 
 
+def int16_codes(x):
+    """x -> (codes, s), x ~= s * codes: the kernel's int16 quantization (`vnni::quantize16`)
+    in float32, as it computes it: s = max|x| * f32(1 / 32767) (1 if all zero), codes =
+    round-half-even(x * f32(1 / s))."""
+    x32 = np.asarray(x, np.float32)
+    amax = np.abs(x32).max()
+    s = amax * (np.float32(1) / np.float32(32767)) if amax > 0 else np.float32(1)
+    return np.clip(np.rint(x32 * (np.float32(1) / s)), -32767, 32767), np.float32(s)
+
+
 def numpy_attention(q, k, v, table, q_start, q_len, kv_len, layer=0, window=0, softcap=0.0,
-                    scale=None):
+                    scale=None, v_scales=None):
     """Textbook softmax(logits)·v in float64, query by query, each key found by walking the
     row's table: position t is k[layer, table[r, t // BS], :, t % BS]. The query at position
     p sees keys lo .. p, lo = p - window + 1 with a window (> 0), else 0; logits are
     q·kᵀ·scale (default 1/√D), then softcap·tanh(logit / softcap) if softcap > 0. Applies the
     contract's clamping rules itself: a query's keys stop before the first of its blocks (lo's
-    .. p's) whose table entry is outside [0, NB)."""
+    .. p's) whose table entry is outside [0, NB).
+
+    `v_scales` ([L, NB, Hkv, BS], an int8 pool's value rows' scales): the kernel's int16
+    decode rows (`ragged_attention.int16_decode`) for each query alone in its tile of 16
+    (one-query tasks): q per head as int16 codes times their scale, and each head's
+    probabilities times the value rows' scales as int16 codes over the query's keys."""
     num_tokens, heads, d = q.shape
     g, bs, nb = heads // k.shape[2], k.shape[3], k.shape[1]
     scale = 1 / np.sqrt(d) if scale is None else scale
@@ -61,12 +76,22 @@ def numpy_attention(q, k, v, table, q_start, q_len, kv_len, layer=0, window=0, s
             where = [(table[r, t // bs], t % bs) for t in range(lo, hi)]
             keys = np.stack([k[layer, b, :, o] for b, o in where], 1)  # [Hkv, n, D]
             vals = np.stack([v[layer, b, :, o] for b, o in where], 1)
+            alone = v_scales is not None and i // 16 * 16 == ql - 1
             for head in range(heads):
-                s = keys[head // g] @ q[token, head] * scale
+                qh = q[token, head]
+                if alone:
+                    codes, qs = int16_codes(qh)
+                    qh = codes.astype(np.float64) * np.float64(qs)
+                s = keys[head // g] @ qh * scale
                 if softcap > 0:
                     s = softcap * np.tanh(s / softcap)
                 e = np.exp(s - s.max())
-                out[token, head] = (e / e.sum()) @ vals[head // g]
+                p = e / e.sum()
+                if alone:
+                    vs = np.array([v_scales[layer, b, head // g, o] for b, o in where])
+                    codes, ws = int16_codes(p.astype(np.float32) * vs.astype(np.float32))
+                    p = codes.astype(np.float64) * np.float64(ws) / vs
+                out[token, head] = p @ vals[head // g]
     return out
 
 
@@ -94,23 +119,39 @@ def f64(*arrays):
             else np.asarray(from_storage(jnp.asarray(a)), np.float64) for a in arrays]
 
 
+def numpy_row_scales(rows):
+    """int8 rows [..., D + 2] -> their scales [...] (the bf16 after the codes), float64."""
+    tail = rows[..., -2:].view(np.uint8).astype(np.uint32)
+    bits = (tail[..., 0] | tail[..., 1] << 8) << 16
+    return bits.astype(np.uint32).view(np.float32).astype(np.float64)
+
+
 def numpy_dequantize(rows):
     """int8 rows [..., D + 2] (D codes, then a bf16 scale: low byte, high byte) -> float64
     [..., D] codes * scale: the int8 KV cache's format (kernels/kv_int8.py) in NumPy."""
-    tail = rows[..., -2:].view(np.uint8).astype(np.uint32)
-    bits = (tail[..., 0] | tail[..., 1] << 8) << 16
-    scale = bits.astype(np.uint32).view(np.float32).astype(np.float64)
-    return rows[..., :-2].astype(np.float64) * scale[..., None]
+    return rows[..., :-2].astype(np.float64) * numpy_row_scales(rows)[..., None]
 
 
 def i32(*arrays):
     return [jnp.asarray(a, jnp.int32) for a in arrays]
 
 
-def want(q, k, v, table, q_start=Q_START, q_len=Q_LEN, kv_len=KV_LEN, layer=0, **options):
-    """The float64 reference; options: window, softcap, scale."""
+def want(q, k, v, table, q_start=Q_START, q_len=Q_LEN, kv_len=KV_LEN, layer=0, int16=False,
+         **options):
+    """The float64 reference; options: window, softcap, scale. `int16`: an int8 pool's
+    one-query tasks as the kernel's int16 decode rows compute them (`numpy_attention`'s
+    `v_scales`)."""
+    v_scales = numpy_row_scales(np.asarray(v)) if int16 else None
     return numpy_attention(*f64(q, k, v), np.asarray(table), q_start, q_len, kv_len, layer,
-                           **options)
+                           v_scales=v_scales, **options)
+
+
+def int16_rows(path, kv_dtype, head_dim) -> bool:
+    """Whether kernel `path` (None: the default) runs an int8 pool's one-query tasks by int16
+    products on this build."""
+    path = path or ra.path_for(kv_dtype, head_dim)
+    return (jnp.dtype(kv_dtype) == jnp.dtype(jnp.int8) and path == "avx512_bf16"
+            and head_dim in ra.VECTOR_DIMS and ra.int16_decode())
 
 
 def xla(q, k, v, table, q_start=Q_START, q_len=Q_LEN, kv_len=KV_LEN, layer=0, max_kv=None,

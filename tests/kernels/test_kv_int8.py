@@ -26,8 +26,10 @@ from kernels.attention_cases import (
     close,
     i32,
     inputs,
+    int16_rows,
     numpy_attention,
     numpy_dequantize,
+    numpy_row_scales,
     shuffled_table,
     want,
 )
@@ -92,7 +94,8 @@ def test_int8_pool_matches_numpy(impl, head_dim, heads, kv_heads):
     assert k.dtype == jnp.int8 and k.shape[-1] == head_dim + 2
     table = shuffled_table(seed=2)
     got = np.asarray(runner(impl)(q, k, v, *i32(table, Q_START, Q_LEN, KV_LEN)))
-    close(got, want(q, k, v, table), tol=5e-5)
+    int16 = impl == "cpu" and int16_rows(None, jnp.int8, head_dim)
+    close(got, want(q, k, v, table, int16=int16), tol=5e-5)
     assert not got[UNCOVERED].any()
 
 
@@ -118,17 +121,19 @@ def int8_paths(head_dim):
 @pytest.mark.parametrize("window,softcap,scale", [(0, 0.0, None), (6, 3.0, 0.3)])
 def test_every_kernel_path_reads_int8_pools_as_numpy(head_dim, heads, kv_heads, window,
                                                      softcap, scale):
-    """Each path this build has that takes an int8 pool (avx2's and avx512_bf16's decode
-    rows: codes widened to f32, 8 or 16 lanes at a time, and times the row's scale, q and
-    probabilities f32) against float64 attention over the NumPy-dequantized K/V, decode rows
-    and tiles, windows, soft caps and scales."""
+    """Each path this build has that takes an int8 pool (avx2's decode rows: codes widened
+    to f32 and times the row's scale, q and probabilities f32; avx512_bf16's: int16 products
+    where the build has them, `int16_rows`, else 16-lane f32 ones) against float64 attention
+    over the NumPy-dequantized K/V (with the int16 quantizations where the path makes them),
+    decode rows and tiles, windows, soft caps and scales."""
     paths = int8_paths(head_dim)
     assert "portable" in paths and set(paths) == set(ra.paths())
     q, k, v = inputs(jnp.int8, seed=head_dim + heads, head_dim=head_dim, heads=heads,
                      kv_heads=kv_heads)
     table = shuffled_table(seed=heads)
-    expected = want(q, k, v, table, window=window, softcap=softcap, scale=scale)
     for path in paths:
+        expected = want(q, k, v, table, window=window, softcap=softcap, scale=scale,
+                        int16=int16_rows(path, jnp.int8, head_dim))
         got = np.asarray(jax.jit(ra.ragged_attention, static_argnames=(
             "softcap", "scale", "path"))(q, k, v, *i32(table, Q_START, Q_LEN, KV_LEN),
                                          window=jnp.int32(window), softcap=softcap,
@@ -150,9 +155,11 @@ def test_int8_decode_rows_of_every_length_match_numpy(head_dim, heads, kv_heads)
     q = jnp.asarray(rng.normal(size=(rows, heads, head_dim)), jnp.float32)
     table = rng.permutation(pool[1])[: rows * max_blocks].reshape(rows, max_blocks)
     q_start, q_len = list(range(rows)), [1] * rows
-    expected = numpy_attention(np.asarray(q, np.float64), numpy_dequantize(np.asarray(k)),
-                               numpy_dequantize(np.asarray(v)), table, q_start, q_len, kv_len)
     for path in int8_paths(head_dim):
+        v_scales = numpy_row_scales(np.asarray(v)) if int16_rows(path, jnp.int8, head_dim) else None
+        expected = numpy_attention(np.asarray(q, np.float64), numpy_dequantize(np.asarray(k)),
+                                   numpy_dequantize(np.asarray(v)), table, q_start, q_len,
+                                   kv_len, v_scales=v_scales)
         got = ra.ragged_attention(q, k, v, *i32(table, q_start, q_len, kv_len), path=path)
         close(np.asarray(got), expected, tol=5e-5)
 
@@ -199,7 +206,8 @@ def test_write_and_attend_quantizes_the_rotated_keys(head_dim, heads, kv_heads):
     for new, old in ((k2, k), (v2, v)):
         np.testing.assert_array_equal(np.asarray(new)[~written], np.asarray(old)[~written])
     rot_q = jnp.asarray(numpy_rope(q, cos, sin), jnp.float32)
-    close(np.asarray(out), want(rot_q, k2, v2, table, layer=1), tol=5e-5)
+    close(np.asarray(out), want(rot_q, k2, v2, table, layer=1,
+                                int16=int16_rows(None, jnp.int8, head_dim)), tol=5e-5)
     close(np.asarray(ref_out), want(rot_q, ref_k, ref_v, table, layer=1), tol=5e-5)
 
 
