@@ -1089,12 +1089,11 @@ inline void widen_rows(const uint16_t* __restrict src, int64_t n, float* __restr
   }
 }
 
-// dst [n, D] f32 <- an int8 pool's rows src [n, D + 2] (codes, then the row's bf16 scale):
-// each row's codes widened to f32 8 at a time, its scale into scales[r], applied once per row
-// by the caller (to the row's score, or to its probability). `next`: as above.
-template <int D>
-inline void widen_rows(const int8_t* __restrict src, int64_t n, float* __restrict dst,
-                       const int8_t* next, float* __restrict scales) {
+// fn(row r, r) for an int8 block's rows src [n, D + 2] (codes, then the row's bf16 scale),
+// each row's scale into scales[r], asking meanwhile for the same lines of `next` (the next
+// block, or nullptr) to be cached, as the row is read.
+template <int D, typename F>
+inline void int8_rows(const int8_t* src, int64_t n, const int8_t* next, float* scales, F&& fn) {
   constexpr int64_t kWidth = D + kScaleBytes;
   for (int64_t r = 0; r < n; ++r) {
     const int8_t* row = src + r * kWidth;
@@ -1102,11 +1101,22 @@ inline void widen_rows(const int8_t* __restrict src, int64_t n, float* __restric
       for (int64_t i = 0; i < kWidth; i += 64)
         _mm_prefetch(reinterpret_cast<const char*>(next + r * kWidth + i), _MM_HINT_T0);
     scales[r] = row_scale(row, D);
+    fn(row, r);
+  }
+}
+
+// dst [n, D] f32 <- an int8 pool's rows src [n, D + 2] (codes, then the row's bf16 scale):
+// each row's codes widened to f32 8 at a time, its scale into scales[r], applied once per row
+// by the caller (to the row's score, or to its probability). `next`: as above.
+template <int D>
+inline void widen_rows(const int8_t* __restrict src, int64_t n, float* __restrict dst,
+                       const int8_t* next, float* __restrict scales) {
+  int8_rows<D>(src, n, next, scales, [&](const int8_t* row, int64_t r) {
     unroll<D / 8>([&](auto c) {
       const __m128i x = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + 8 * c));
       _mm256_storeu_ps(dst + r * D + 8 * c, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(x)));
     });
-  }
+  });
 }
 
 // A bf16 pool's rows carry no scale: `scales` is unused.
@@ -1237,25 +1247,15 @@ inline __m512i lanes_total(const __m512i (&v)[16]) {
 template <int D>
 inline void widen16(const int8_t* __restrict src, int64_t n, int16_t* __restrict kw,
                     float* __restrict scales, const int8_t* next) {
-  constexpr int64_t kWidth = D + kScaleBytes;
-  const int64_t padded = (n + 15) / 16 * 16;
-  for (int64_t r = 0; r < padded; ++r) {
-    if (r >= n) {
-      unroll<D / 32>([&](auto c) {
-        _mm512_storeu_si512(kw + r * D + 32 * c, _mm512_setzero_si512());
-      });
-      scales[r] = 0.f;
-      continue;
-    }
-    const int8_t* row = src + r * kWidth;
-    if (next != nullptr)
-      for (int64_t i = 0; i < kWidth; i += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(next + r * kWidth + i), _MM_HINT_T0);
-    scales[r] = row_scale(row, D);
+  int8_rows<D>(src, n, next, scales, [&](const int8_t* row, int64_t r) {
     unroll<D / 32>([&](auto c) {
       const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 32 * c));
       _mm512_storeu_si512(kw + r * D + 32 * c, _mm512_cvtepi8_epi16(x));
     });
+  });
+  for (int64_t r = n; r < (n + 15) / 16 * 16; ++r) {
+    std::fill_n(kw + r * D, D, int16_t{0});
+    scales[r] = 0.f;
   }
 }
 
@@ -1291,7 +1291,8 @@ template <int GS, int D>
 void values(const Paged<int8_t>& v, int64_t from, int64_t len, const int16_t* w16, int64_t lw,
             const float* ws, int64_t g0, float* out) {
   constexpr int NC = D / 16;
-  alignas(64) static constexpr int8_t kZeros[D + kScaleBytes] = {};
+  static_assert(D + kScaleBytes <= sizeof(fast::kZeroRow), "a zero row");
+  const auto* zeros = reinterpret_cast<const int8_t*>(fast::kZeroRow);
   const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9,
                                       40, 8, 39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1,
                                       32, 0);
@@ -1302,13 +1303,13 @@ void values(const Paged<int8_t>& v, int64_t from, int64_t len, const int16_t* w1
     sum[g][c] = _mm512_setzero_ps();
     acc[g][c] = _mm512_setzero_si512();
   }); });
-  Cursor<int8_t> rows{v, D + kScaleBytes, from, kZeros}, ahead{v, D + kScaleBytes, from, kZeros};
+  Cursor<int8_t> rows{v, D + kScaleBytes, from, zeros}, ahead{v, D + kScaleBytes, from, zeros};
   for (int64_t i = 0; i < 32 && i < len; ++i) ahead.next();
   for (int64_t t = 0; t < len; t += 2) {
     for (int64_t i = t + 32; i < t + 34 && i < len; ++i)
       prefetch_row(ahead.next(), 0, D + kScaleBytes);
     const int8_t* a = rows.next();
-    const int8_t* b = t + 1 < len ? rows.next() : kZeros;
+    const int8_t* b = t + 1 < len ? rows.next() : zeros;
     __m512i p[NC];
     unroll<NC / 2>([&](auto c) {
       const __m512i x = _mm512_cvtepi8_epi16(
@@ -1368,7 +1369,7 @@ struct Work {
   std::vector<float> q, st, rows, out;  // q [G, D], st [G, ls], rows [kKeys-rounded BS, D], out
   std::vector<float> scales;            // [kKeys-rounded BS]: an int8 block's row scales
   std::vector<int16_t> q16, kw, w16;    // decode16: q [G, D], a block's keys, weights [G, lw]
-  std::vector<float> qs, ws, key_scales;  // their scales [G], [G]; every value row's scale [ls]
+  std::vector<float> qs, ws, value_scales;  // their scales [G], [G]; value rows' scales [ls]
 };
 
 // A one-query task's parts: its G heads, its keys from .. end - 1 (len of them), its G heads'
@@ -1413,7 +1414,7 @@ void decode16(const Inputs<int8_t>& in, const Shape& s, const Span& span, const 
   w.st.resize(g_count * ls);
   w.kw.resize(block_rows * D);
   w.scales.resize(block_rows);
-  w.key_scales.resize(ls);
+  w.value_scales.resize(ls);
   w.q16.resize(g_count * D);
   w.qs.resize(g_count);
   w.w16.resize(g_count * lw);
@@ -1430,13 +1431,13 @@ void decode16(const Inputs<int8_t>& in, const Shape& s, const Span& span, const 
   });
   each_block(from, end, s.block_size, [&](int64_t j, int64_t o, int64_t n, int64_t at) {
     const int8_t* rows = v.block(j) + o * kRow;  // the value rows' scales (and their lines)
-    for (int64_t r = 0; r < n; ++r) w.key_scales[at + r] = row_scale(rows + r * kRow, D);
+    for (int64_t r = 0; r < n; ++r) w.value_scales[at + r] = row_scale(rows + r * kRow, D);
   });
   for (int64_t g = 0; g < g_count; ++g) {
     float* p = w.st.data() + g * ls;
     soft_cap(p, len, in.opt.softcap);
     softmax(p, len, false);
-    for (int64_t t = 0; t < len; ++t) p[t] *= w.key_scales[t];  // the value rows' scales
+    for (int64_t t = 0; t < len; ++t) p[t] *= w.value_scales[t];  // the value rows' scales
     w.ws[g] = vnni::quantize16(p, len, w.w16.data() + g * lw);
     std::fill(w.w16.data() + g * lw + len, w.w16.data() + (g + 1) * lw, int16_t{0});
   }
@@ -1478,9 +1479,8 @@ void decode(const Inputs<T>& in, const Shape& s, const Span& span, const Tile& t
   w.scales.assign(block_rows, 0.f);
   float* rs = kBf16 ? nullptr : w.scales.data();
   w.out.assign(g_count * D, 0.f);
-  const float* src = q;
   for (int64_t i = 0; i < g_count * D; i += 8) {
-    const __m256 x = _mm256_loadu_ps(src + i);
+    const __m256 x = _mm256_loadu_ps(q + i);
     _mm256_storeu_ps(w.q.data() + i, kBf16 ? round_bf16(x) : x);
   }
   const float scale = scale_of(in.opt.scale, D);
