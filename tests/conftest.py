@@ -137,6 +137,19 @@ def _once_per_run(tmp_path_factory, name: str, build):
         return value
 
 
+def pytest_sessionfinish(session):
+    """The run's shared pickles (the float32 HF model alone is 527 MB) go when the run ends,
+    pass or fail: they are a cache, and a CI machine's disk is not always large. Only the
+    process that made the run's base temp (pytest-xdist's controller, or a run without
+    workers) removes them, after every worker has ended."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    base = getattr(session.config, "_tmp_path_factory", None)
+    base = getattr(base, "_basetemp", None)  # None where nothing asked for a temp dir
+    for saved in Path(base).glob("*.pickle") if base else ():
+        saved.unlink(missing_ok=True)
+
+
 def _run_shared_dir(tmp_path_factory) -> Path:
     """A directory every pytest-xdist worker of this run shares (their base temp's parent)."""
     base = tmp_path_factory.getbasetemp()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import re
+import shutil
 
 import numpy as np
 import pytest
@@ -24,7 +25,7 @@ PROMPTS = ["The capital of France is", "def fib(n):"]
 def hf_dir(hf_model, gguf_path, tmp_path_factory):
     """The HF reference model saved with `save_pretrained`, and the GGUF's tokenizer written
     by jaxpipe (as its metadata says, whichever transformers release is installed: 5.5 reads
-    SmolLM2's GGUF as a CodeLlama tokenizer)."""
+    SmolLM2's GGUF as a CodeLlama tokenizer); removed after the module."""
     path = tmp_path_factory.mktemp("hf_smollm2")
     # A GGUF-loaded model is flagged as quantized (transformers >= 5.6) and refuses to save:
     # copy its (already dequantized) weights into a plain model of the same config.
@@ -34,7 +35,8 @@ def hf_dir(hf_model, gguf_path, tmp_path_factory):
     plain.load_state_dict(hf_model.state_dict())
     plain.save_pretrained(path)
     Tokenizer.from_gguf(gguf_path).save(path)
-    return path
+    yield path
+    shutil.rmtree(path, ignore_errors=True)  # 540 MB of float32: not kept past this module
 
 
 def test_gguf_config_matches_transformers(gguf_weights, hf_model):
