@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from jaxpipe.kernels import int8_matmul, matmul
 from jaxpipe.runtime import kernel_choice
 from jaxpipe.runtime.kernel_choice import NATURAL_ORDER, PANEL_ORDER, XLA, KernelChoice, Matmul
 
@@ -50,8 +51,13 @@ def test_a_tie_keeps_natural_order():
 def test_forcing_one_implementation():
     d = KernelChoice(force=XLA, timings={})
     assert (d.order(WQ), d.impl(WQ, 64)) == (NATURAL_ORDER, XLA)
-    with pytest.raises(ValueError, match=r"matmul='amx' cannot run here; this machine has xla"):
-        KernelChoice(force="amx", timings={})
+    built = {*kernel_choice.candidates(), *kernel_choice.candidates("int8"),
+             *kernel_choice.candidates("q4_1")}
+    missing = next((p for p in (*matmul.PATHS, *int8_matmul.PATHS) if p not in built),
+                   "no_such_path")  # an AMX CPU builds every path
+    with pytest.raises(ValueError, match=rf"matmul='{missing}' cannot run here; this machine "
+                                         rf"has xla"):
+        KernelChoice(force=missing, timings={})
 
 
 def test_attention_takes_the_lower_total():
