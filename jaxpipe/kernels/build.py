@@ -3,13 +3,17 @@
 A kernel is built with the system C++ compiler against the XLA FFI headers shipped in jaxlib,
 for this CPU (`-march=native`), into `~/.cache/jaxpipe/kernels/` keyed by the source, the
 flags, jaxlib's version and the CPU's feature flags, so an edited source, a new jaxlib or a
-different machine rebuilds. Several processes may build at once: each writes a private temp
-file and renames it into place.
+different machine rebuilds. Processes that need the same library at once (pytest's workers,
+a cluster's processes on one machine) take turns on a lock file beside it: the first builds,
+the others wait and load its library, rather than each compiling it (1-3 minutes of a core per
+kernel on a 2-core Xeon). The library is written to a private temp file and renamed into
+place, so a reader never sees half of one.
 """
 
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import hashlib
 import logging
 import os
@@ -51,6 +55,14 @@ def build(source: Path) -> Path:
     if target.is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or the process dies
+        if not target.is_file():  # (another process may have built it while this one waited)
+            _compile(cxx, source, target)
+    return target
+
+
+def _compile(cxx: str, source: Path, target: Path) -> None:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     cmd = [cxx, *FLAGS, "-I", jax.ffi.include_dir(), "-I", str(source.parent), str(source),
@@ -61,7 +73,6 @@ def build(source: Path) -> Path:
         raise KernelBuildError(f"compiling {source.name} failed:\n{' '.join(cmd)}\n"
                                f"{proc.stderr[-2000:]}")
     os.replace(tmp, target)
-    return target
 
 
 def _key(source: Path, cxx: str) -> str:
