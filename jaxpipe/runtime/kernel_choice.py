@@ -6,8 +6,9 @@ kernel's paths compiled for this CPU); it never picks one.
 Matmul candidates, for a bf16 weight [K, N] (one device's shard) and a number of rows M:
 "xla" (XLA's dot on the weight in natural order, sliced from the stacked layers as the step
 does) and each kernel path (`kernels/matmul.py`, the weight in panel order). A weight is
-stored in one order, so its order is chosen first, by the summed time over the measured row
-counts of the best candidate reading each order; each row count then runs the fastest
+stored in one order, so its order is chosen first: the order whose best candidate is the
+lesser factor behind the fastest over the measured row counts (the geometric mean, so that
+each row count counts alike); each row count then runs the fastest
 candidate that reads that order. An int8 weight (`quantization="int8"`, `Matmul.quant`) is
 offered the same way, at the same row counts: "xla" (XLA's int8 dot, `kernels/int8.py`, on
 the codes in natural order) and each path of the int8 kernel (`kernels/int8_matmul.py`, codes
@@ -149,14 +150,21 @@ def nearest_rows(rows: int, measured: Iterable[int] = ROWS) -> int:
 
 def choose_order(seconds: dict[int, dict[str, float]], quant: str = "none") -> str:
     """A weight's order from its timings {rows: {impl: seconds}}: the order whose best
-    implementation has the lower total over the row counts (natural on a tie)."""
-    def total(order: str) -> float:
-        best = [min((s for i, s in by_impl.items() if order_of(i, quant) == order),
-                    default=np.inf)
-                for by_impl in seconds.values()]
-        return float(sum(best))
+    implementation is slower than the other order's by the lower factor over the row counts
+    (the geometric mean of its time over the best time at each count; natural on a tie).
+    Each row count weighs alike whatever its size, since a step of each runs: a sum of
+    seconds let 2048 rows decide alone, and on an AMX Xeon kept XLA's order (with a layer
+    copy a step) where the kernel is 1.3-10x faster at the 1-64 rows of decode steps."""
+    def log_slowdown(order: str) -> float:
+        total = 0.0
+        for by_impl in seconds.values():
+            own = min((s for i, s in by_impl.items() if order_of(i, quant) == order),
+                      default=np.inf)
+            total += float(np.log(own / min(by_impl.values())))
+        return total
 
-    return PANEL_ORDER if total(PANEL_ORDER) < total(NATURAL_ORDER) else NATURAL_ORDER
+    return PANEL_ORDER if log_slowdown(PANEL_ORDER) < log_slowdown(NATURAL_ORDER) \
+        else NATURAL_ORDER
 
 
 def beaten(table: dict[str, dict[str, float]], quant: str = "none") -> frozenset[str]:
