@@ -75,11 +75,30 @@ $(VENV_LATEST)/.test: pyproject.toml
 	touch $@
 
 # No torch there (its CPU build on this disk is for Python 3.11): HF-parity tests skip.
+# What a new JAX release breaks first, not the whole suite again (`make test` has that on the
+# locked JAX): each C++ kernel once through the FFI (under jit, shard_map and a traced layer
+# index, not the shape sweeps), the attention kernels, the KV pool, the kernel choice, the
+# engine and its executor, then sharding and the layout pairs on 8 virtual devices.
+LATEST_JAX_TESTS ?= tests/kv tests/runtime/test_kernel_choice.py tests/engine/test_engine.py \
+	tests/engine/test_executor.py tests/kernels/test_ragged_attention.py \
+	tests/kernels/test_pallas_attention.py tests/kernels/test_kv_int8.py tests/kernels/test_fp8.py \
+	tests/kernels/test_attention_contract.py \
+	tests/kernels/test_matmul.py::test_under_jit tests/kernels/test_matmul.py::test_inside_shard_map \
+	tests/kernels/test_matmul.py::test_stacked_weight_picks_its_layer_in_place \
+	tests/kernels/test_int8_matmul.py::test_inside_shard_map \
+	tests/kernels/test_int8_matmul.py::test_stacked_weight_picks_its_layer_in_place \
+	tests/kernels/test_gguf_matmul.py::test_kernel_equals_xla_reference_and_leading_axes \
+	tests/kernels/test_gguf_matmul.py::test_stack_reads_the_traced_layer_in_place \
+	tests/kernels/test_grouped_matmul.py::test_grouped_path_equals_dense_and_float64
+LATEST_JAX_MULTIDEVICE ?= tests/multidevice/test_sharding.py tests/multidevice/test_mpmd.py \
+	tests/multidevice/test_layouts_engine.py
+
 test-jax-latest: $(VENV_LATEST)/.test
 	$(VENV_LATEST)/bin/python -c "import jax; print('jax', jax.__version__)"
-	$(VENV_LATEST)/bin/python -m pytest -q -p no:cacheprovider $(PARALLEL) tests/kernels tests/kv \
-		tests/runtime/test_kernel_choice.py tests/engine/test_engine.py tests/engine/test_executor.py \
-		tests/test_multidevice.py
+	$(VENV_LATEST)/bin/python -m pytest -q -p no:cacheprovider -m "not slow" $(PARALLEL) \
+		$(LATEST_JAX_TESTS)
+	JAXPIPE_MULTIDEVICE=1 $(VENV_LATEST)/bin/python -m pytest -q -p no:cacheprovider $(PARALLEL) \
+		$(LATEST_JAX_MULTIDEVICE)
 
 # The lock files, regenerated from pyproject.toml's test extra and requirements/peers.in at the
 # newest releases they admit. Review the diff, run `make test`, commit.
