@@ -1,7 +1,5 @@
 """Runs tests/multidevice/ in a child pytest process with 8 virtual CPU devices (JAX fixes the
-device count when its backend starts, and this process runs on one device). The child spreads
-its files over one worker per core, as `make test` does (this process only waits): about
-8.7 -> 6.5 minutes on a 2-core Xeon."""
+device count when its backend starts, and this process runs on one device)."""
 
 from __future__ import annotations
 
@@ -22,7 +20,6 @@ def test_multidevice_suite():
                XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} "
                          "--xla_force_host_platform_device_count=8".strip())
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
-                           "-n", "auto", "--maxprocesses=4", "--dist", "loadfile",
                            str(TESTS / "multidevice")], cwd=TESTS.parent, env=env,
                           capture_output=True, text=True, timeout=1800)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
