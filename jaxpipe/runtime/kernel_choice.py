@@ -150,8 +150,8 @@ def nearest_rows(rows: int, measured: Iterable[int] = ROWS) -> int:
 
 def choose_order(seconds: dict[int, dict[str, float]], quant: str = "none") -> str:
     """A weight's order from its timings {rows: {impl: seconds}}: the order whose best
-    implementation is slower than the other order's by the lower factor over the row counts
-    (the geometric mean of its time over the best time at each count; natural on a tie).
+    implementation is the lesser factor slower than the fastest candidate over the row counts
+    (the geometric mean of those factors; natural on a tie).
     Each row count weighs alike whatever its size, since a step of each runs: a sum of
     seconds let 2048 rows decide alone, and on an AMX Xeon kept XLA's order (with a layer
     copy a step) where the kernel is 1.3-10x faster at the 1-64 rows of decode steps."""
