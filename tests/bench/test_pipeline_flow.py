@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from jaxpipe_bench.pipeline_flow import FlowBenchConfig, format_ratios, ratios
+from jaxpipe_bench.pipeline_flow import FlowBenchConfig, fits, format_ratios, ratios
 
 
 def _run(layout, scheduler, tok_s, digest="a", step_ms=None):
@@ -31,6 +31,18 @@ def test_the_table_lists_the_ratios_and_each_runs_step_costs():
     assert table[3].split() == ["throttle", "cpu-1", "16", "rows", "131.5", "128", "rows",
                                 "212.5"]
     assert table[4].split()[:5] == ["throttle", "pp=8", "16", "rows", "68.6"]
+
+
+def test_a_row_count_whose_micro_batches_do_not_fit_the_pool_is_skipped_not_fatal():
+    # The engine's pool in the default run held 1,152 blocks of 16 tokens: 128 rows a
+    # micro-batch over pp=8 are 1,024 sequences of 80 positions, 5,120 blocks.
+    assert not fits(128 * 8, 80, 1152)
+    assert fits(16 * 8, 80, 1152) and fits(128, 80, 1152)
+    assert fits(230, 80, 1152) and not fits(231, 80, 1152)  # 5 blocks each
+    runs = [_run("cpu-1", "throttle", 400.0, step_ms={"16": 131.5, "128": 212.5}),
+            _run("pp=8", "throttle", 240.0, step_ms={"16": 68.6, "128": None})]
+    table = format_ratios({"runs": runs, "ratios": ratios(runs)}).splitlines()
+    assert table[4].split() == ["throttle", "pp=8", "16", "rows", "68.6", "128", "rows", "-"]
 
 
 @pytest.mark.parametrize("rows", [(0,), (16, 129)])
