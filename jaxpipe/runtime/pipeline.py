@@ -238,10 +238,32 @@ def local_head(shardings: dict, shapes: dict) -> Matmul | None:
         return dataclasses.replace(_gguf_matmul("lm_head", place, shape), gated=False)
     if isinstance(place, QuantizedWeight):
         shape = shapes["lm_head"] if "lm_head" in shapes else shapes["embed"][::-1]
-        return Matmul("lm_head", *place.codes.shard_shape(shape), quant=place.kind)
+        e, v = place.codes.shard_shape(shape)
+        return Matmul("lm_head", e, v // _slice_count(place.codes, v), quant=place.kind)
     local = place.shard_shape(shapes[name])
     e, v = local if name == "lm_head" else local[::-1]
-    return Matmul("lm_head", e, v) if e % 2 == 0 else None
+    return Matmul("lm_head", e, v // _slice_count(place, v)) if e % 2 == 0 else None
+
+
+def _slice_count(place: NamedSharding, local_vocab: int) -> int:
+    """Of how many slices of its shard (`local_vocab` columns) each device multiplies one."""
+    layout = Layout(**{axis: place.mesh.shape.get(axis, 1) for axis in ("pp", "tp", "ep", "dp")})
+    return head_slices(layout, local_vocab * layout.tp)[1]
+
+
+def head_slices(layout: Layout, vocab: int) -> tuple[tuple[str, ...], int]:
+    """The mesh axes past tp over which the logits split (`sharding.logits_spec`) and how many
+    slices they make of each device's tp shard of a kernel's LM head [E, vocab] in panel
+    order: each device multiplies only its own slice, read in place (panel order stores panel
+    after panel, so a slice of whole panels is one contiguous [E, vocab / tp / slices] block
+    in that order). ((), 1) where a slice would not be whole panels: every device then
+    multiplies its whole shard."""
+    split = sharding.logits_spec(layout, vocab)[1] or ()
+    axes = tuple(a for a in ((split,) if isinstance(split, str) else split) if a != "tp")
+    count = math.prod(getattr(layout, a) for a in axes)
+    if count == 1 or (vocab // layout.tp) % (count * matmul.PANEL):
+        return (), 1
+    return axes, count
 
 
 def _layers_program(specs: dict, mesh, names: Iterable[str], direction: int):
@@ -556,24 +578,33 @@ def logits_program(cfg: ModelConfig, vocab: int, layout: Layout | None = None, m
     """jit(params, hidden [R, E], rows=static n) -> logits [n, vocab] f32 of the first n rows
     (the sampled ones): the LM head only where a token is sampled. `packed`: params hold the
     head as the bf16 kernel reads it ("lm_head" [E, V] in panel order, `pack_program`), each
-    device multiplies its vocab shard on `mesh` (`layout`'s) on the kernel path
-    `packed(rows)`; otherwise XLA partitions the head's dot from the vocab-split weights.
+    device multiplies its own slice of the vocabulary (its tp shard's, split again over ep
+    and pp where whole panels allow, `head_slices`, as `sharding.logits_spec` splits the
+    logits) on `mesh` (`layout`'s) on the kernel path `packed(rows)`; otherwise XLA
+    partitions the head's dot from the vocab-split weights as the logits' spec asks.
     `quant`: the quantized weights (a quantized head: the int8 kernel on int8 panel order,
     or XLA's dot of its kind)."""
     def head(h, w, name):
         head_spec = (sharding.param_specs(cfg, layout, quant)[name]
                      if quant is not None and quant.lm_head else sharding.spec(HEAD_AXES, layout))
+        gguf = isinstance(w, GgufWeight)
+        axes, count = ((), 1) if gguf else head_slices(layout, _head_columns(w))
 
         def local(h, w):  # this device's vocab shard, [E, V'] in its panel order
             path = packed(h.shape[0])
-            if isinstance(w, GgufWeight):  # [V', R] in GGUF blocks
+            if gguf:  # [V', R] in GGUF blocks
                 return _gguf_head(h, w, path)
+            index = 0  # this device's slice of its shard (`head_slices`), read in place
+            for axis in axes:
+                index = index * getattr(layout, axis) + lax.axis_index(axis)
             if isinstance(w, QuantizedWeight):
-                return int8_matmul.int8_matmul(h, w.codes, w.scale, path=path)
-            return matmul.bf16_matmul(h, w, path=path)
+                return int8_matmul.int8_matmul(h, _slices(w.codes, count),
+                                               w.scale.reshape(count, -1), index, path=path)
+            return matmul.bf16_matmul(h, _slices(w, count), index, path=path)
 
-        return jax.shard_map(local, mesh=mesh, in_specs=(P(), head_spec),
-                             out_specs=sharding.spec((None, "vocab"), layout),
+        out = (sharding.logits_spec(layout, _head_columns(w)) if count > 1
+               else sharding.spec((None, "vocab"), layout))
+        return jax.shard_map(local, mesh=mesh, in_specs=(P(), head_spec), out_specs=out,
                              check_vma=False)(h, w)
 
     def logits(params, hidden, rows: int):
@@ -604,6 +635,18 @@ def _in_stack(kernels: KernelChoice, mm: Matmul) -> bool:
         kernels.seconds(mm)
         return True
     return kernels.order(mm) == PANEL_ORDER
+
+
+def _head_columns(w) -> int:
+    """The (padded) vocabulary of an LM head [E, V] in a kernel's panel order (int8: codes)."""
+    return (w.codes if isinstance(w, QuantizedWeight) else w).shape[-1]
+
+
+def _slices(w, count: int):
+    """A head's local [E, V'] in panel order as `count` stacked [E, V' / count] heads, each
+    in panel order itself (whole panels, `head_slices`): a reshape, no copy."""
+    e, v = w.shape
+    return w.reshape(count, e, v // count)
 
 
 def _gguf_head(h, w: GgufWeight, path: str):

@@ -7,6 +7,7 @@ reference's, and the pipeline fills once and drains once."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import jax
@@ -17,9 +18,13 @@ from conftest import TINY
 from jax.sharding import PartitionSpec as P
 
 from jaxpipe.config.layout import Layout
+from jaxpipe.kernels import int8_matmul, matmul
+from jaxpipe.model import decoder
 from jaxpipe.model.decoder import Decoder
+from jaxpipe.model.quantized import Quantization
 from jaxpipe.runtime import sharding, step_inputs
 from jaxpipe.runtime.buckets import Buckets
+from jaxpipe.runtime.kernel_choice import KernelChoice
 from jaxpipe.runtime.runner import Runner
 from jaxpipe.runtime.step_inputs import Piece
 
@@ -183,6 +188,43 @@ def test_every_device_computes_its_own_slice_of_the_logits(tiny_values, prompts,
     assert padded == 256
     hlo = place.logits.lower(runner.params, hidden, rows=1).compile().as_text()
     assert re.search(r"f32\[2,32\]\S* (dot|fusion)\(", hlo), hlo
+
+
+# An even hidden size (panel order pairs K) and a vocabulary of 1021 tokens, padded to 1024:
+# 128 columns, two panels, on each of 8 devices.
+WIDE = dataclasses.replace(TINY, vocab_size=1021, hidden_size=38)
+
+
+@pytest.mark.parametrize("quant", [None, "int8"])
+@pytest.mark.parametrize("layout", ["pp=8", "pp=4,tp=2"])
+def test_the_kernels_lm_head_is_split_over_every_device_too(prompts, layout, quant):
+    """A head the C++ kernel multiplies (panel order, bf16 or int8 codes) is whole on every
+    stage, as XLA's is; each device multiplies only its own two panels of it, read in place
+    (`pipeline.head_slices`), not the whole head, and the logits are those of the layout
+    with the same tp and no pp."""
+    if not (matmul.available() and (quant is None or int8_matmul.available())):
+        pytest.skip("the C++ kernels cannot be built here")
+    values = decoder.numpy_random_values(WIDE, seed=3)
+    force = KernelChoice(force="portable")  # the same kernel path on every layout
+
+    def runner(spec):
+        parsed = Layout.parse(spec)
+        return Runner(WIDE, values, Buckets.for_engine(8, MAX_LEN, 128), 8, MAX_LEN,
+                      jnp.bfloat16, {"prefill": parsed, "decode": parsed},
+                      jax.devices()[: parsed.num_devices], POOL, kernels=force,
+                      quant=quant and Quantization(quant))
+
+    # The reference has the same tp (int8 quantizes each tp shard's activations on its own)
+    # and a head whole on each device.
+    one, split = runner("tp=2" if "tp=2" in layout else "pp=1,tp=1"), runner(layout)
+    place = split.placements[split.phase]
+    assert place.head_path is not None  # the kernel's head, not XLA's
+    pieces = [Piece(p, 0, list(TABLE[i])) for i, p in enumerate(prompts)]
+    np.testing.assert_allclose(run(split, pieces, 8), run(one, pieces, 8), atol=3e-2,
+                               rtol=3e-2)
+    hidden = split.hidden(build(split, pieces))
+    hlo = place.logits.lower(split.params, hidden, rows=8).compile().as_text()
+    assert re.findall(r"f32\[8,(\d+)\]\S* custom-call\(", hlo) == ["128"], hlo
 
 
 def test_the_logits_split_over_the_axes_that_divide_the_vocabulary():
