@@ -119,24 +119,16 @@ def step_costs(runner, rows: tuple[int, ...], context: int, repeats: int = 3) ->
     """rows -> ms of one decode step of that many rows at `context` positions (one stage),
     or of one tick (pp stages: pp micro-batches of that many rows fill and drain the pipeline
     in 2pp - 1 ticks, each tick timed as their mean), medians of `repeats`; None where the pp
-    micro-batches' sequences do not fit the runner's KV pool (`fits`)."""
+    micro-batches' sequences do not fit the runner's KV pool (`synthetic_step.fits`: 128 rows
+    a micro-batch over pp=8 are 1,024 sequences, which the engine's pool does not hold)."""
     # (here, not at the top: the parent process never imports jax, `_child`'s reason)
-    from jaxpipe.runtime.synthetic_step import median_seconds, step_call
+    from jaxpipe.runtime.synthetic_step import fits, median_seconds, step_call
 
     pp = runner.layout.pp
     ticks = 2 * pp - 1 if pp > 1 else 1
     return {str(r): 1e3 * median_seconds(step_call(runner, r * pp, 1, start=context - 1,
                                                    microbatches=pp), repeats) / ticks
             if fits(r * pp, context, runner.num_blocks) else None for r in rows}
-
-
-def fits(sequences: int, context: int, num_blocks: int) -> bool:
-    """Whether `sequences` synthetic sequences of `context` positions fit a pool of
-    `num_blocks` KV blocks (`synthetic_step.uniform_pieces` gives each its own blocks): 128
-    rows a micro-batch over pp=8 are 1,024 sequences, which the engine's pool does not hold."""
-    from jaxpipe.kv.device_cache import blocks_for
-
-    return sequences * blocks_for(context) <= num_blocks
 
 
 def run(cfg: FlowBenchConfig, log=print) -> dict:

@@ -227,10 +227,11 @@ def reorder_local(layers: dict, direction: int) -> dict:
 HEAD_AXES = ("embed", "vocab")  # the LM head as the kernel reads it: [E, V]
 
 
-def local_head(shardings: dict, shapes: dict) -> Matmul | None:
+def local_head(shardings: dict, shapes: dict, layout: Layout) -> Matmul | None:
     """The LM head's multiplication on one device, [E, V'] (tied: the embedding's shard
     transposed; quantized: its own [E, V]), from the weights' `NamedSharding`s and padded
-    shapes; None for an odd E in bf16, which panel order cannot pair."""
+    shapes; None for an odd E in bf16, which panel order cannot pair. Under `layout` a
+    kernel's head is its slice of the device's shard (`head_slices`)."""
     name = "lm_head" if "lm_head" in shardings else "embed"
     place = shardings[name]
     if isinstance(place, GgufWeight):
@@ -239,16 +240,10 @@ def local_head(shardings: dict, shapes: dict) -> Matmul | None:
     if isinstance(place, QuantizedWeight):
         shape = shapes["lm_head"] if "lm_head" in shapes else shapes["embed"][::-1]
         e, v = place.codes.shard_shape(shape)
-        return Matmul("lm_head", e, v // _slice_count(place.codes, v), quant=place.kind)
+        return Matmul("lm_head", e, v // head_slices(layout, v * layout.tp)[1], quant=place.kind)
     local = place.shard_shape(shapes[name])
     e, v = local if name == "lm_head" else local[::-1]
-    return Matmul("lm_head", e, v // _slice_count(place, v)) if e % 2 == 0 else None
-
-
-def _slice_count(place: NamedSharding, local_vocab: int) -> int:
-    """Of how many slices of its shard (`local_vocab` columns) each device multiplies one."""
-    layout = Layout(**{axis: place.mesh.shape.get(axis, 1) for axis in ("pp", "tp", "ep", "dp")})
-    return head_slices(layout, local_vocab * layout.tp)[1]
+    return Matmul("lm_head", e, v // head_slices(layout, v * layout.tp)[1]) if e % 2 == 0 else None
 
 
 def head_slices(layout: Layout, vocab: int) -> tuple[tuple[str, ...], int]:
@@ -658,7 +653,8 @@ def _gguf_head(h, w: GgufWeight, path: str):
 
 
 def kernel_matmuls(cfg: ModelConfig, padding: sharding.Padding, shardings: dict,
-                   kernels: KernelChoice | None) -> tuple[dict[str, Matmul], Matmul | None]:
+                   kernels: KernelChoice | None,
+                   layout: Layout) -> tuple[dict[str, Matmul], Matmul | None]:
     """The matmuls of a layout (its weights' `shardings`; `QuantizedWeight`s of them for
     quantized weights) that `kernels` gives to a C++ kernel (bf16's, or int8's for an int8
     weight), measuring them first if they are new: the layer weights (name -> the local
@@ -671,7 +667,7 @@ def kernel_matmuls(cfg: ModelConfig, padding: sharding.Padding, shardings: dict,
     local = local_matmuls({n: (shardings[n], shapes[n]) for n in MATMUL_PARAMS
                                     if n in shardings})
     layers = {n: mm for n, mm in local.items() if _in_stack(kernels, mm)}
-    head = local_head(shardings, shapes)
+    head = local_head(shardings, shapes, layout)
     if head is None or not _in_stack(kernels, head):
         head = None
     return layers, head

@@ -208,7 +208,7 @@ class Placement:
         self.params = sharding.param_shardings(cfg, padding, layout, self.mesh, quant)
         # every parameter as placed before it is quantized (a tied head: the embedding)
         self.float_params = sharding.param_shardings(cfg, padding, layout, self.mesh)
-        layers, head = pipeline.kernel_matmuls(cfg, padding, self.params, kernels)
+        layers, head = pipeline.kernel_matmuls(cfg, padding, self.params, kernels, layout)
         self.packed = {n: partial(kernels.impl, mm) for n, mm in layers.items()}
         self.head_path = None if head is None else partial(kernels.impl, head)
         self.experts = partial(experts_path, chosen=kernels)  # the experts' chooser

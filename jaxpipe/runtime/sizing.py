@@ -259,7 +259,7 @@ def packed_head_bytes(cfg: ModelConfig, dtype, layouts: dict[str, Layout], devic
     kernels = kernels if jnp.dtype(dtype) == jnp.bfloat16 else None
     padding = sharding.padding_for(cfg, layouts.values())
     heads = [pipeline.kernel_matmuls(cfg, padding, sharding.param_shardings(
-        cfg, padding, layout, sharding.make_mesh(layout, devices), quant), kernels)[1]
+        cfg, padding, layout, sharding.make_mesh(layout, devices), quant), kernels, layout)[1]
         for layout in set(layouts.values())]
     if not cfg.tie_embeddings or not any(heads) or (quant is not None and quant.lm_head):
         return 0

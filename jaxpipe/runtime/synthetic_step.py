@@ -34,12 +34,18 @@ def uniform_pieces(runner, batch: int, length: int, start: int = 0) -> list[Piec
     same experts, and the step would read 2 of 8 experts' weights where a real one reads
     nearly all."""
     per_seq = blocks_for(start + length)
-    if batch * per_seq > runner.num_blocks:
+    if not fits(batch, start + length, runner.num_blocks):
         raise ValueError(f"{batch} sequences of {start + length} positions need "
                          f"{batch * per_seq} KV blocks; the runner has {runner.num_blocks}")
     ids = np.random.default_rng(0).integers(1, SYNTHETIC_IDS, (batch, length)).tolist()
     return [Piece(ids[r], start, list(range(r * per_seq, (r + 1) * per_seq)))
             for r in range(batch)]
+
+
+def fits(sequences: int, positions: int, num_blocks: int) -> bool:
+    """Whether `sequences` synthetic sequences of `positions` positions each fit a pool of
+    `num_blocks` KV blocks (`uniform_pieces` gives each its own blocks)."""
+    return sequences * blocks_for(positions) <= num_blocks
 
 
 def uniform_inputs(runner, batch: int, length: int, start: int = 0) -> StepInputs:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from jaxpipe_bench.pipeline_flow import FlowBenchConfig, fits, format_ratios, ratios
+from jaxpipe.runtime.synthetic_step import fits
+from jaxpipe_bench.pipeline_flow import FlowBenchConfig, format_ratios, ratios
 
 
 def _run(layout, scheduler, tok_s, digest="a", step_ms=None):

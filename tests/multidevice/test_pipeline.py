@@ -215,7 +215,7 @@ def test_the_kernels_lm_head_is_split_over_every_device_too(prompts, layout, qua
                       quant=quant and Quantization(quant))
 
     # The reference has the same tp (int8 quantizes each tp shard's activations on its own)
-    # and a head whole on each device.
+    # and no pp: each device multiplies its whole tp shard of the head.
     one, split = runner("tp=2" if "tp=2" in layout else "pp=1,tp=1"), runner(layout)
     place = split.placements[split.phase]
     assert place.head_path is not None  # the kernel's head, not XLA's
