@@ -236,7 +236,9 @@ def local_head(shardings: dict, shapes: dict, layout: Layout) -> Matmul | None:
     place = shardings[name]
     if isinstance(place, GgufWeight):
         shape = shapes[name] if name == "lm_head" else shapes[name][::-1]
-        return dataclasses.replace(_gguf_matmul("lm_head", place, shape), gated=False)
+        mm = _gguf_matmul("lm_head", place, shape)
+        count = head_slices(layout, mm.n * layout.tp, unit=1)[1]
+        return dataclasses.replace(mm, n=mm.n // count, gated=False)
     if isinstance(place, QuantizedWeight):
         shape = shapes["lm_head"] if "lm_head" in shapes else shapes["embed"][::-1]
         e, v = place.codes.shard_shape(shape)
@@ -246,17 +248,19 @@ def local_head(shardings: dict, shapes: dict, layout: Layout) -> Matmul | None:
     return Matmul("lm_head", e, v // head_slices(layout, v * layout.tp)[1]) if e % 2 == 0 else None
 
 
-def head_slices(layout: Layout, vocab: int) -> tuple[tuple[str, ...], int]:
+def head_slices(layout: Layout, vocab: int,
+                unit: int = matmul.PANEL) -> tuple[tuple[str, ...], int]:
     """The mesh axes past tp over which the logits split (`sharding.logits_spec`) and how many
-    slices they make of each device's tp shard of a kernel's LM head [E, vocab] in panel
-    order: each device multiplies only its own slice, read in place (panel order stores panel
-    after panel, so a slice of whole panels is one contiguous [E, vocab / tp / slices] block
-    in that order). ((), 1) where a slice would not be whole panels: every device then
-    multiplies its whole shard."""
+    slices they make of each device's tp shard of a kernel's LM head [E, vocab]: each device
+    multiplies only its own slice, read in place. In panel order a slice of whole panels
+    (`unit` columns) is one contiguous [E, vocab / tp / slices] block, panel order storing
+    panel after panel; in GGUF blocks (`unit` 1) a vocabulary row is one contiguous row of
+    blocks. ((), 1) where a slice would not be whole units: every device then multiplies its
+    whole shard."""
     split = sharding.logits_spec(layout, vocab)[1] or ()
     axes = tuple(a for a in ((split,) if isinstance(split, str) else split) if a != "tp")
     count = math.prod(getattr(layout, a) for a in axes)
-    if count == 1 or (vocab // layout.tp) % (count * matmul.PANEL):
+    if count == 1 or (vocab // layout.tp) % (count * unit):
         return (), 1
     return axes, count
 
@@ -583,15 +587,15 @@ def logits_program(cfg: ModelConfig, vocab: int, layout: Layout | None = None, m
         head_spec = (sharding.param_specs(cfg, layout, quant)[name]
                      if quant is not None and quant.lm_head else sharding.spec(HEAD_AXES, layout))
         gguf = isinstance(w, GgufWeight)
-        axes, count = ((), 1) if gguf else head_slices(layout, _head_columns(w))
+        axes, count = head_slices(layout, _head_columns(w), 1 if gguf else matmul.PANEL)
 
         def local(h, w):  # this device's vocab shard, [E, V'] in its panel order
             path = packed(h.shape[0])
-            if gguf:  # [V', R] in GGUF blocks
-                return _gguf_head(h, w, path)
             index = 0  # this device's slice of its shard (`head_slices`), read in place
             for axis in axes:
                 index = index * getattr(layout, axis) + lax.axis_index(axis)
+            if gguf:  # [V', R] in GGUF blocks
+                return _gguf_head(h, w, path, count, index)
             if isinstance(w, QuantizedWeight):
                 return int8_matmul.int8_matmul(h, _slices(w.codes, count),
                                                w.scale.reshape(count, -1), index, path=path)
@@ -644,12 +648,15 @@ def _slices(w, count: int):
     return w.reshape(count, e, v // count)
 
 
-def _gguf_head(h, w: GgufWeight, path: str):
-    """h [M, E] @ the LM head in GGUF blocks w [V', R]: the GGUF kernel on `path`, or XLA's
+def _gguf_head(h, w: GgufWeight, path: str, count: int, index):
+    """h [M, E] @ slice `index` of `count` of the LM head in GGUF blocks w [V', R]
+    (`head_slices`): the GGUF kernel on `path`, reading its rows in place, or XLA's
     reference ("xla")."""
+    rows = w.rows()
+    stack = rows.reshape(count, rows.shape[0] // count, rows.shape[1])
     if path == kernel_choice.XLA:
-        return w.dot(h)
-    return gguf_matmul.gguf_matmul(h, w.rows(), w.kind, path=path)
+        return gguf_blocks.reference(h, stack[index], gguf_blocks.format_of(w.kind))
+    return gguf_matmul.gguf_matmul(h, stack, w.kind, index, path=path)
 
 
 def kernel_matmuls(cfg: ModelConfig, padding: sharding.Padding, shardings: dict,

@@ -8,6 +8,8 @@ refused by name: the blocks are not split over tp."""
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -30,26 +32,51 @@ PROMPTS = ["The history of the printing press begins", "def fibonacci(n):",
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 
-def gguf_fields() -> dict:
-    path = gguf_matmul.paths()[-1] if gguf_matmul.paths() else "xla"
-    return dict(model="smollm2-135m", quantization="gguf", matmul=path, max_model_len=96,
+def kernel_path() -> str:
+    return gguf_matmul.paths()[-1] if gguf_matmul.paths() else "xla"
+
+
+def gguf_fields(path: str | None = None) -> dict:
+    return dict(model="smollm2-135m", quantization="gguf", matmul=path or kernel_path(),
+                max_model_len=96,
                 max_num_seqs=4, max_num_batched_tokens=32, prefix_caching=False,
                 warmup=False, show_progress=False)
 
 
-def run(**fields) -> list[list[int]]:
-    engine = Engine(EngineConfig(**gguf_fields(), **fields))
+def run(path: str, **fields) -> list[list[int]]:
+    engine = Engine(EngineConfig(**gguf_fields(path), **fields))
     try:
         if fields:
             assert isinstance(engine.runner.params["wq"], GgufWeight)
             assert engine.runner.params["wq"].shape[0] == 32  # 30 layers over 8 stages
+            if path != "xla":
+                assert head_kernel_columns(engine.runner) == [49152 // 8]
         return tokens(engine.generate(PROMPTS, [GREEDY] * len(PROMPTS)))
     finally:
         engine.close()
 
 
-def test_a_pipeline_layout_gives_the_single_device_gguf_tokens(smollm2_source):
-    assert run(mesh="cpu-8", prefill="pp=8", decode="pp=8") == run()
+def head_kernel_columns(runner: Runner) -> list[int]:
+    """The vocabulary columns each GGUF kernel call of the compiled LM head computes on one
+    device: the whole (tied) head, or each device's own slice of it."""
+    place = runner.placements[runner.phase]
+    assert place.head_path is not None  # the GGUF kernel's head, not XLA's dot
+    pieces = [Piece([1, 2, 3], 0, [0])]
+    size = runner.buckets.tokens(3)
+    hidden = runner.hidden(step_inputs.build(pieces, size, runner.buckets.rows(size),
+                                             runner.max_blocks))
+    hlo = place.logits.lower(runner.params, hidden, rows=1).compile().as_text()
+    return [int(n) for n in re.findall(r"f32\[\d+,(\d+)\]\S* custom-call\(.*"
+                                       + gguf_matmul.TARGET, hlo)]
+
+
+@pytest.mark.parametrize("path", ["kernel", "xla"])
+def test_a_pipeline_layout_gives_the_single_device_gguf_tokens(smollm2_source, path):
+    """... on the GGUF kernel and on XLA's reference of the format, and each stage multiplies
+    only its own eighth of the vocabulary in the LM head, not the whole head
+    (`pipeline.head_slices`)."""
+    path = kernel_path() if path == "kernel" else path
+    assert run(path, mesh="cpu-8", prefill="pp=8", decode="pp=8") == run(path)
 
 
 def test_a_tp_layout_is_refused(smollm2_source):
