@@ -587,7 +587,8 @@ def logits_program(cfg: ModelConfig, vocab: int, layout: Layout | None = None, m
         head_spec = (sharding.param_specs(cfg, layout, quant)[name]
                      if quant is not None and quant.lm_head else sharding.spec(HEAD_AXES, layout))
         gguf = isinstance(w, GgufWeight)
-        axes, count = head_slices(layout, _head_columns(w), 1 if gguf else matmul.PANEL)
+        columns = _head_columns(w)
+        axes, count = head_slices(layout, columns, 1 if gguf else matmul.PANEL)
 
         def local(h, w):  # this device's vocab shard, [E, V'] in its panel order
             path = packed(h.shape[0])
@@ -601,7 +602,7 @@ def logits_program(cfg: ModelConfig, vocab: int, layout: Layout | None = None, m
                                                w.scale.reshape(count, -1), index, path=path)
             return matmul.bf16_matmul(h, _slices(w, count), index, path=path)
 
-        out = (sharding.logits_spec(layout, _head_columns(w)) if count > 1
+        out = (sharding.logits_spec(layout, columns) if count > 1
                else sharding.spec((None, "vocab"), layout))
         return jax.shard_map(local, mesh=mesh, in_specs=(P(), head_spec), out_specs=out,
                              check_vma=False)(h, w)
@@ -637,7 +638,8 @@ def _in_stack(kernels: KernelChoice, mm: Matmul) -> bool:
 
 
 def _head_columns(w) -> int:
-    """The (padded) vocabulary of an LM head [E, V] in a kernel's panel order (int8: codes)."""
+    """The (padded) vocabulary of an LM head [E, V] as a kernel reads it (int8: its codes in
+    panel order; GGUF: its blocks' float shape)."""
     return (w.codes if isinstance(w, QuantizedWeight) else w).shape[-1]
 
 
