@@ -43,9 +43,42 @@ def lock_hash(lock: Path = LOCK) -> str:
     return hashlib.sha256(lock.read_bytes()).hexdigest()
 
 
-def ensure_env(log: Log = print, venv: Path | None = None, lock: Path = LOCK) -> Path:
+# The CPU flags (/proc/cpuinfo) and the llama.cpp (ggml) build options that name them.
+LLAMA_ISA = (("avx", "AVX"), ("avx2", "AVX2"), ("fma", "FMA"), ("f16c", "F16C"),
+             ("bmi2", "BMI2"), ("avx_vnni", "AVX_VNNI"), ("avx512f", "AVX512"),
+             ("avx512_vbmi", "AVX512_VBMI"), ("avx512_vnni", "AVX512_VNNI"),
+             ("avx512_bf16", "AVX512_BF16"))
+
+
+def llama_cmake_args(flags: set[str]) -> str | None:
+    """CMAKE_ARGS for llama-cpp-python's build from source on a CPU with `flags`: None (its
+    own -march=native) unless the CPU has AMX. There -march=native compiles ggml's AMX int8
+    path, which stopped on an illegal instruction (`tilezero` on an OpenMP thread, with the
+    process's AMX permission asked or not) on the 2-core Intel Xeon of family 6 model 207
+    (llama-cpp-python 0.3.36); so the build names the CPU's other extensions and leaves AMX
+    out, and llama.cpp runs its AVX-512 VNNI paths."""
+    if not {"amx_tile", "amx_int8", "amx_bf16"} & flags:
+        return None
+    return " ".join(["-DGGML_NATIVE=OFF",
+                     *(f"-DGGML_{name}=ON" for flag, name in LLAMA_ISA if flag in flags),
+                     "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"])
+
+
+def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> set[str]:
+    """This CPU's flags (none where /proc/cpuinfo is not there)."""
+    if not cpuinfo.is_file():
+        return set()
+    for line in cpuinfo.read_text().splitlines():
+        if line.startswith("flags"):
+            return set(line.partition(":")[2].split())
+    return set()
+
+
+def ensure_env(log: Log = print, venv: Path | None = None, lock: Path = LOCK,
+               flags: set[str] | None = None) -> Path:
     """The peers' Python, building (or rebuilding, when the lock changed) its environment
-    first: `python -m venv`, then `pip install -r` the lock (a few minutes, once)."""
+    first: `python -m venv`, then `pip install -r` the lock (a few minutes, once; llama.cpp
+    built from source for this CPU, `flags`: /proc/cpuinfo's, `llama_cmake_args`)."""
     venv = venv or env_dir()
     python = venv / "bin" / "python"
     want = lock_hash(lock)
@@ -56,14 +89,19 @@ def ensure_env(log: Log = print, venv: Path | None = None, lock: Path = LOCK) ->
         "minutes)")
     if not python.is_file():
         _check([sys.executable, "-m", "venv", str(venv)], "creating the peers' venv")
+    env = dict(os.environ)
+    cmake = llama_cmake_args(cpu_flags() if flags is None else flags)
+    if cmake and "CMAKE_ARGS" not in env:
+        log(f"[peers] an AMX CPU: llama.cpp is built without its AMX path, CMAKE_ARGS={cmake}")
+        env["CMAKE_ARGS"] = cmake
     _check([str(python), "-m", "pip", "install", "-q", "-r", str(lock)],
-           f"installing {lock.name} into {venv}")
+           f"installing {lock.name} into {venv}", env)
     stamp.write_text(want + "\n")
     return python
 
 
-def _check(cmd: list[str], what: str) -> None:
-    proc = subprocess.run(cmd)
+def _check(cmd: list[str], what: str, env: dict | None = None) -> None:
+    proc = subprocess.run(cmd, env=env)
     if proc.returncode:
         raise RuntimeError(f"{what} failed (exit {proc.returncode}): {' '.join(cmd)}")
 

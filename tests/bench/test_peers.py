@@ -239,7 +239,7 @@ def test_peer_env_is_built_once_per_lock(tmp_path, monkeypatch):
     monkeypatch.setattr(peers.subprocess, "run", fake_run)
     lock, venv = tmp_path / "peers.lock", tmp_path / "venv"
     lock.write_text("transformers==5.5.4\n")
-    python = peers.ensure_env(lambda _: None, venv, lock)
+    python = peers.ensure_env(lambda _: None, venv, lock, flags={"avx2"})
     assert python == venv / "bin" / "python"
     assert calls == [["-m", "venv"], ["-m", "pip"]]
     peers.ensure_env(lambda _: None, venv, lock)
@@ -335,3 +335,43 @@ def test_hf_runs_a_rollout_one_row_per_sample(tiny_hf_dir):
                     str(tiny_hf_dir), None)
     assert (result["num_requests"], result["output_tokens"]) == (4, 12)
     assert result["computed_token_slots"] == 4 * (3 + 3)  # one batch of 4 rows, padded to 3
+
+
+def test_llama_cpp_is_built_without_amx_on_an_amx_cpu(tmp_path, monkeypatch):
+    """On a CPU with AMX the peers' pip install builds llama.cpp with the CPU's other
+    extensions named and AMX off (its AMX path stopped on an illegal instruction on an AMX
+    Xeon); elsewhere it keeps llama-cpp-python's own -march=native; a CMAKE_ARGS the user
+    set is kept."""
+    from jaxpipe_bench import peers
+
+    xeon = {"avx", "avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile",
+            "amx_int8", "amx_bf16"}
+    args = peers.llama_cmake_args(xeon).split()
+    assert args[0] == "-DGGML_NATIVE=OFF"
+    assert {"-DGGML_AVX512=ON", "-DGGML_AVX512_VNNI=ON", "-DGGML_AVX512_BF16=ON",
+            "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_TILE=OFF"} <= set(args)
+    assert "-DGGML_AVX_VNNI=ON" not in args  # not among the flags
+    assert peers.llama_cmake_args({"avx", "avx2", "avx512f", "avx512_bf16"}) is None
+
+    seen = []
+    monkeypatch.setattr(peers.subprocess, "run", lambda cmd, env=None: (
+        seen.append((env or {}).get("CMAKE_ARGS")), SimpleNamespace(returncode=0))[1])
+    (tmp_path / "venv" / "bin").mkdir(parents=True)
+    (tmp_path / "venv" / "bin" / "python").write_text("")
+    lock = tmp_path / "peers.lock"
+    for i, (flags, user) in enumerate([(xeon, None), ({"avx2"}, None), (xeon, "-DX=1")]):
+        lock.write_text(f"llama-cpp-python==0.3.{i}\n")  # a new lock each time: a build
+        monkeypatch.delenv("CMAKE_ARGS", raising=False)
+        if user:
+            monkeypatch.setenv("CMAKE_ARGS", user)
+        peers.ensure_env(lambda _: None, tmp_path / "venv", lock, flags=flags)
+    assert seen == [peers.llama_cmake_args(xeon), None, "-DX=1"]
+
+
+def test_cpu_flags_are_read_from_cpuinfo(tmp_path):
+    from jaxpipe_bench import peers
+
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nflags\t\t: fpu avx2 amx_int8\n\nprocessor\t: 1\n")
+    assert peers.cpu_flags(info) == {"fpu", "avx2", "amx_int8"}
+    assert peers.cpu_flags(tmp_path / "missing") == set()
