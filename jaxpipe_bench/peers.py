@@ -64,21 +64,12 @@ def llama_cmake_args(flags: set[str]) -> str | None:
                      "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"])
 
 
-def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> set[str]:
-    """This CPU's flags (none where /proc/cpuinfo is not there)."""
-    if not cpuinfo.is_file():
-        return set()
-    for line in cpuinfo.read_text().splitlines():
-        if line.startswith("flags"):
-            return set(line.partition(":")[2].split())
-    return set()
-
-
 def ensure_env(log: Log = print, venv: Path | None = None, lock: Path = LOCK,
                flags: set[str] | None = None) -> Path:
     """The peers' Python, building (or rebuilding, when the lock changed) its environment
     first: `python -m venv`, then `pip install -r` the lock (a few minutes, once; llama.cpp
-    built from source for this CPU, `flags`: /proc/cpuinfo's, `llama_cmake_args`)."""
+    built from source for this CPU, `flags`: /proc/cpuinfo's, `build.cpu_flags`,
+    `llama_cmake_args`)."""
     venv = venv or env_dir()
     python = venv / "bin" / "python"
     want = lock_hash(lock)
@@ -90,7 +81,11 @@ def ensure_env(log: Log = print, venv: Path | None = None, lock: Path = LOCK,
     if not python.is_file():
         _check([sys.executable, "-m", "venv", str(venv)], "creating the peers' venv")
     env = dict(os.environ)
-    cmake = llama_cmake_args(cpu_flags() if flags is None else flags)
+    if flags is None:
+        from jaxpipe.kernels.build import cpu_flags  # (here: importing it imports jax)
+
+        flags = set(cpu_flags().split())
+    cmake = llama_cmake_args(flags)
     if cmake and "CMAKE_ARGS" not in env:
         log(f"[peers] an AMX CPU: llama.cpp is built without its AMX path, CMAKE_ARGS={cmake}")
         env["CMAKE_ARGS"] = cmake

@@ -367,11 +367,3 @@ def test_llama_cpp_is_built_without_amx_on_an_amx_cpu(tmp_path, monkeypatch):
         peers.ensure_env(lambda _: None, tmp_path / "venv", lock, flags=flags)
     assert seen == [peers.llama_cmake_args(xeon), None, "-DX=1"]
 
-
-def test_cpu_flags_are_read_from_cpuinfo(tmp_path):
-    from jaxpipe_bench import peers
-
-    info = tmp_path / "cpuinfo"
-    info.write_text("processor\t: 0\nflags\t\t: fpu avx2 amx_int8\n\nprocessor\t: 1\n")
-    assert peers.cpu_flags(info) == {"fpu", "avx2", "amx_int8"}
-    assert peers.cpu_flags(tmp_path / "missing") == set()

@@ -49,32 +49,38 @@ def run(path: str, **fields) -> list[list[int]]:
         if fields:
             assert isinstance(engine.runner.params["wq"], GgufWeight)
             assert engine.runner.params["wq"].shape[0] == 32  # 30 layers over 8 stages
+            hlo = head_hlo(engine.runner)
             if path != "xla":
-                assert head_kernel_columns(engine.runner) == [49152 // 8]
+                assert kernel_columns(hlo) == [49152 // 8]
+            assert not re.search(r"\[\d+,49152\]", hlo)  # no device holds every logit
         return tokens(engine.generate(PROMPTS, [GREEDY] * len(PROMPTS)))
     finally:
         engine.close()
 
 
-def head_kernel_columns(runner: Runner) -> list[int]:
-    """The vocabulary columns each GGUF kernel call of the compiled LM head computes on one
-    device: the whole (tied) head, or each device's own slice of it."""
+def head_hlo(runner: Runner) -> str:
+    """The compiled LM head of `runner`'s layout (the GGUF kernel's or XLA's reference's)."""
     place = runner.placements[runner.phase]
-    assert place.head_path is not None  # the GGUF kernel's head, not XLA's dot
+    assert place.head_path is not None  # the head in GGUF blocks, not XLA's dot of bf16
     pieces = [Piece([1, 2, 3], 0, [0])]
     size = runner.buckets.tokens(3)
     hidden = runner.hidden(step_inputs.build(pieces, size, runner.buckets.rows(size),
                                              runner.max_blocks))
-    hlo = place.logits.lower(runner.params, hidden, rows=1).compile().as_text()
+    return place.logits.lower(runner.params, hidden, rows=1).compile().as_text()
+
+
+def kernel_columns(hlo: str) -> list[int]:
+    """The vocabulary columns each GGUF kernel call in `hlo` computes on one device: the
+    whole (tied) head, or each device's own slice of it."""
     return [int(n) for n in re.findall(r"f32\[\d+,(\d+)\]\S* custom-call\(.*"
                                        + gguf_matmul.TARGET, hlo)]
 
 
 @pytest.mark.parametrize("path", ["kernel", "xla"])
 def test_a_pipeline_layout_gives_the_single_device_gguf_tokens(smollm2_source, path):
-    """... on the GGUF kernel and on XLA's reference of the format, and each stage multiplies
-    only its own eighth of the vocabulary in the LM head, not the whole head
-    (`pipeline.head_slices`)."""
+    """pp=8 gives the single-device greedy tokens, on the GGUF kernel and on XLA's reference
+    of the format, and each stage multiplies only its own eighth of the vocabulary in the
+    LM head, not the whole head (`pipeline.head_slices`)."""
     path = kernel_path() if path == "kernel" else path
     assert run(path, mesh="cpu-8", prefill="pp=8", decode="pp=8") == run(path)
 
