@@ -7,7 +7,7 @@ its bound. `pack` / `unpack` against an element-by-element NumPy statement of th
 
 from __future__ import annotations
 
-from functools import partial
+from functools import cache, partial
 
 import jax
 import jax.numpy as jnp
@@ -210,13 +210,21 @@ def test_every_row_bucket_matches_float64(m, int8_path):
 def test_model_shapes_match_float64_and_xla(m, k, n, int8_path):
     """The decoder's shapes: x and w quantized by jaxpipe (`int8_matmul` quantizes rows
     itself), against float64 NumPy and XLA's int8 dot."""
+    x, packed, ws, want, xla = model_case(m, k, n)
+    got = np.asarray(jax.jit(partial(im.int8_matmul, path=int8_path))(x, packed, ws))
+    close_f32(got, want)
+    close_f32(got, xla)
+
+
+@cache
+def model_case(m, k, n):
+    """(x, w's codes in panel order, its scales, float64 NumPy's y, XLA's y) for a model
+    shape: computed once for every path."""
     x, w = inputs(m, k, n, seed=m + n)
     want, *_ = np_w8a8(x, w)
     wq, ws = int8.quantize_weight(jnp.asarray(w))
-    got = np.asarray(jax.jit(partial(im.int8_matmul, path=int8_path))(
-        jnp.asarray(x), im.pack(wq), ws))
-    close_f32(got, want)
-    close_f32(got, np.asarray(jax.jit(int8.reference)(jnp.asarray(x), wq, ws), np.float64))
+    xla = np.asarray(jax.jit(int8.reference)(jnp.asarray(x), wq, ws), np.float64)
+    return jnp.asarray(x), im.pack(wq), ws, want, xla
 
 
 @needs_kernel
