@@ -335,18 +335,39 @@ def long_inputs(storage, head_dim, heads, kv_heads, seed):
             table, perm[6 * L_MB:])
 
 
-def check_windows(path, storage, q, k, v, table, windows, spans):
+def case_inputs(case: tuple) -> tuple:
+    """(q, k, v, table, spans) of a windows case (kind, storage, head_dim, heads, kv_heads):
+    "short" the shared cases (BS = 5), "long" block size 16 on rows of up to 128 keys."""
+    kind, storage, head_dim, heads, kv_heads = case
+    if kind == "short":
+        q, k, v = inputs(storage, seed=31, head_dim=head_dim, heads=heads, kv_heads=kv_heads)
+        return q, k, v, shuffled_table(seed=31), dict(q_start=Q_START, q_len=Q_LEN,
+                                                      kv_len=KV_LEN)
+    q, k, v, table, _ = long_inputs(storage, head_dim, heads, kv_heads, seed=32)
+    return q, k, v, table, L_SPANS
+
+
+@functools.cache
+def window_references(case: tuple, windows: tuple) -> dict:
+    """softcap -> (the float64 result without a window, {window: (float64 NumPy's, the XLA
+    path's)}) for a windows case: the same for every kernel path, so computed once."""
+    q, k, v, table, spans = case_inputs(case)
+    return {softcap: (want(q, k, v, table, **spans, softcap=softcap), {
+        window: (want(q, k, v, table, **spans, window=window, softcap=softcap),
+                 run("xla", q, k, v, table, **spans, window=window, softcap=softcap))
+        for window in windows}) for softcap in (0.0, 2.0)}
+
+
+def check_windows(path, case: tuple, windows: tuple):
     """The C++ kernel on `path` against float64 NumPy and the XLA path for each window, with
     and without a softcap; a window shorter than the rows changes the result."""
-    exact_tol, xla_tol = tolerances(storage)
-    for softcap in (0.0, 2.0):
-        full = want(q, k, v, table, **spans, softcap=softcap)
-        for window in windows:
+    q, k, v, table, spans = case_inputs(case)
+    exact_tol, xla_tol = tolerances(case[1])
+    for softcap, (full, by_window) in window_references(case, windows).items():
+        for window, (expected, xla_result) in by_window.items():
             got = run("cpu", q, k, v, table, **spans, window=window, softcap=softcap, path=path)
-            expected = want(q, k, v, table, **spans, window=window, softcap=softcap)
             np.testing.assert_allclose(got, expected, atol=exact_tol, rtol=exact_tol)
-            np.testing.assert_allclose(got, run("xla", q, k, v, table, **spans, window=window,
-                                                softcap=softcap), atol=xla_tol, rtol=xla_tol)
+            np.testing.assert_allclose(got, xla_result, atol=xla_tol, rtol=xla_tol)
             if 0 < window < max(spans["kv_len"]):
                 assert not np.allclose(got, full, atol=0.1)
 
@@ -359,11 +380,8 @@ def test_kernel_paths_with_windows_match_numpy(attention_path, storage, head_dim
     spans of several tiles): windows of one key, inside a block, of a block, crossing block
     edges (7, 13), longer than a tile (17), the whole row (40) and beyond."""
     skip_unless_taken(attention_path, storage, head_dim)
-    q, k, v = inputs(storage, seed=31, head_dim=head_dim, heads=heads, kv_heads=kv_heads)
-    table = shuffled_table(seed=31)
-    spans = dict(q_start=Q_START, q_len=Q_LEN, kv_len=KV_LEN)
-    check_windows(attention_path, storage, q, k, v, table, (1, 3, BS, 7, 13, 17, CAP, 1000),
-                  spans)
+    check_windows(attention_path, ("short", storage, head_dim, heads, kv_heads),
+                  (1, 3, BS, 7, 13, 17, CAP, 1000))
 
 
 @pytest.mark.parametrize("storage,head_dim,heads,kv_heads", [
@@ -373,9 +391,8 @@ def test_kernel_paths_on_long_rows(attention_path, storage, head_dim, heads, kv_
     """Each path at block size 16 on rows of up to 128 keys: windows shorter than a block,
     of one block, one past it, of two blocks and one, of a tile's reach, longer than a row."""
     skip_unless_taken(attention_path, storage, head_dim)
-    q, k, v, table, _ = long_inputs(storage, head_dim, heads, kv_heads, seed=32)
-    check_windows(attention_path, storage, q, k, v, table, (1, 15, 16, 17, 33, 64, 200),
-                  L_SPANS)
+    check_windows(attention_path, ("long", storage, head_dim, heads, kv_heads),
+                  (1, 15, 16, 17, 33, 64, 200))
 
 
 @pytest.mark.parametrize("storage,head_dim", [(jnp.float32, 64), (jnp.uint16, 64),
