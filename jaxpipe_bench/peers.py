@@ -2,7 +2,7 @@
 
 The OpenVINO and HF peers (`jaxpipe_peers`) run in `.venv-peers` beside the checkout's
 `.venv`, built from `requirements/peers.lock` the first time a benchmark needs it (or by
-`make bench-env`) and rebuilt when the lock changes; `JAXPIPE_PEERS_VENV` puts it
+`make bench-env`) and rebuilt when the lock or the CPU changes; `JAXPIPE_PEERS_VENV` puts it
 elsewhere. A peer is one child process: the benchmark writes a job file (the workload's
 token ids and the peer's sweep), the child writes a result file. The child's output goes
 straight to this process's terminal, so its progress and errors read as before.
@@ -25,7 +25,7 @@ Log = Callable[[str], None]
 
 ROOT = Path(jaxpipe_peers.__file__).resolve().parents[1]  # the checkout holding both packages
 LOCK = ROOT / "requirements" / "peers.lock"
-_STAMP = ".jaxpipe-peers-lock"  # in the venv: the hash of the lock it was built from
+_STAMP = ".jaxpipe-peers-lock"  # in the venv: the hashes of the lock and CPU it was built for
 
 
 def env_dir() -> Path:
@@ -35,7 +35,7 @@ def env_dir() -> Path:
 
 
 def lock_hash(lock: Path = LOCK) -> str:
-    """What the environment's stamp must say for it to be current."""
+    """The lock's part of what the environment's stamp must say for it to be current."""
     if not lock.is_file():
         raise FileNotFoundError(
             f"the peers' lock {lock} is missing: the peers run from a jaxpipe checkout "
@@ -64,31 +64,54 @@ def llama_cmake_args(flags: set[str]) -> str | None:
                      "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"])
 
 
+def cpu_key(flags: set[str]) -> str:
+    """A short hash of a CPU's feature flags: llama.cpp is compiled for the CPU it is built
+    on, so an environment built on another CPU (a checkout shared between machines) is
+    rebuilt rather than run into an illegal instruction."""
+    return hashlib.sha256(" ".join(sorted(flags)).encode()).hexdigest()[:16]
+
+
+def llama_pin(lock: Path) -> str | None:
+    """The lock's `llama-cpp-python==X` line, if it has one."""
+    for line in lock.read_text().splitlines():
+        if line.startswith("llama-cpp-python=="):
+            return line.split()[0]
+    return None
+
+
 def ensure_env(log: Log = print, venv: Path | None = None, lock: Path = LOCK,
                flags: set[str] | None = None) -> Path:
-    """The peers' Python, building (or rebuilding, when the lock changed) its environment
-    first: `python -m venv`, then `pip install -r` the lock (a few minutes, once; llama.cpp
-    built from source for this CPU, `flags`: /proc/cpuinfo's, `build.cpu_flags`,
-    `llama_cmake_args`)."""
+    """The peers' Python, building (or rebuilding, when the lock or the CPU changed) its
+    environment first: `python -m venv`, then `pip install -r` the lock (a few minutes,
+    once; llama.cpp built from source for this CPU, `flags`: /proc/cpuinfo's,
+    `build.cpu_flags`, `llama_cmake_args`, never a wheel pip cached from a build on
+    another CPU or with other options)."""
     venv = venv or env_dir()
     python = venv / "bin" / "python"
-    want = lock_hash(lock)
-    stamp = venv / _STAMP
-    if python.is_file() and stamp.is_file() and stamp.read_text().strip() == want:
-        return python
-    log(f"[peers] building the peers' environment in {venv} from {lock.name} (once; a few "
-        "minutes)")
-    if not python.is_file():
-        _check([sys.executable, "-m", "venv", str(venv)], "creating the peers' venv")
-    env = dict(os.environ)
     if flags is None:
         from jaxpipe.kernels.build import cpu_flags  # (here: importing it imports jax)
 
         flags = set(cpu_flags().split())
+    want = f"{lock_hash(lock)} cpu {cpu_key(flags)}"
+    stamp = venv / _STAMP
+    have = stamp.read_text().strip() if python.is_file() and stamp.is_file() else None
+    if have == want:
+        return python
+    why = "the lock changed" if have and have.split()[0] != want.split()[0] else (
+        "built on another CPU" if have else "once")
+    log(f"[peers] building the peers' environment in {venv} from {lock.name} ({why}; a few "
+        "minutes)")
+    if not python.is_file():
+        _check([sys.executable, "-m", "venv", str(venv)], "creating the peers' venv")
+    env = dict(os.environ)
     cmake = llama_cmake_args(flags)
     if cmake and "CMAKE_ARGS" not in env:
         log(f"[peers] an AMX CPU: llama.cpp is built without its AMX path, CMAKE_ARGS={cmake}")
         env["CMAKE_ARGS"] = cmake
+    pin = llama_pin(lock)
+    if pin:  # built here, now: pip's wheel cache keys a build by version, not CPU or options
+        _check([str(python), "-m", "pip", "install", "-q", "--no-cache-dir", "--force-reinstall",
+                "--no-deps", pin], f"building {pin} for this CPU", env)
     _check([str(python), "-m", "pip", "install", "-q", "-r", str(lock)],
            f"installing {lock.name} into {venv}", env)
     stamp.write_text(want + "\n")

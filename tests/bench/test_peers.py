@@ -224,7 +224,7 @@ def test_peers_package_imports_nothing_of_jaxpipe():
             assert not [n for n in names if n.split(".")[0] == "jaxpipe"], path
 
 
-def test_peer_env_is_built_once_per_lock(tmp_path, monkeypatch):
+def test_peer_env_is_built_once_per_lock_and_cpu(tmp_path, monkeypatch):
     from jaxpipe_bench import peers
 
     calls = []
@@ -242,13 +242,33 @@ def test_peer_env_is_built_once_per_lock(tmp_path, monkeypatch):
     python = peers.ensure_env(lambda _: None, venv, lock, flags={"avx2"})
     assert python == venv / "bin" / "python"
     assert calls == [["-m", "venv"], ["-m", "pip"]]
-    peers.ensure_env(lambda _: None, venv, lock)
+    peers.ensure_env(lambda _: None, venv, lock, flags={"avx2"})
     assert len(calls) == 2  # current: nothing runs
     lock.write_text("transformers==5.5.5\n")
-    peers.ensure_env(lambda _: None, venv, lock)
+    peers.ensure_env(lambda _: None, venv, lock, flags={"avx2"})
     assert calls[2:] == [["-m", "pip"]]  # a new lock reinstalls into the same venv
+    logged = []
+    peers.ensure_env(logged.append, venv, lock, flags={"avx2", "avx512f"})
+    assert calls[3:] == [["-m", "pip"]] and "another CPU" in logged[0]  # a new CPU: rebuilt
     with pytest.raises(FileNotFoundError, match="make lock"):
         peers.ensure_env(lambda _: None, venv, tmp_path / "missing.lock")
+
+
+def test_llama_cpp_is_built_here_never_taken_from_pips_wheel_cache(tmp_path, monkeypatch):
+    """pip caches a wheel it built by the package's version alone, whatever CPU and options
+    built it: the lock's llama-cpp-python is built first, without the cache, then the lock."""
+    from jaxpipe_bench import peers
+
+    calls = []
+    monkeypatch.setattr(peers.subprocess, "run", lambda cmd, env=None: (
+        calls.append(cmd[4:]), SimpleNamespace(returncode=0))[1])
+    (tmp_path / "venv" / "bin").mkdir(parents=True)
+    (tmp_path / "venv" / "bin" / "python").write_text("")
+    lock = tmp_path / "peers.lock"
+    lock.write_text("jinja2==3.1.6\n    # via x\nllama-cpp-python==0.3.36\n    # via y\n")
+    peers.ensure_env(lambda _: None, tmp_path / "venv", lock, flags={"avx2"})
+    assert calls == [["-q", "--no-cache-dir", "--force-reinstall", "--no-deps",
+                      "llama-cpp-python==0.3.36"], ["-q", "-r", str(lock)]]
 
 
 def test_a_failing_peer_names_itself():
@@ -365,5 +385,6 @@ def test_llama_cpp_is_built_without_amx_on_an_amx_cpu(tmp_path, monkeypatch):
         if user:
             monkeypatch.setenv("CMAKE_ARGS", user)
         peers.ensure_env(lambda _: None, tmp_path / "venv", lock, flags=flags)
-    assert seen == [peers.llama_cmake_args(xeon), None, "-DX=1"]
+    # Each build: llama-cpp-python alone, then the lock, with the same CMAKE_ARGS.
+    assert seen == [arg for arg in (peers.llama_cmake_args(xeon), None, "-DX=1") for _ in "ab"]
 
