@@ -98,7 +98,7 @@ def ensure_env(log: Log = print, venv: Path | None = None, lock: Path = LOCK,
     if have == want:
         return python
     why = "the lock changed" if have and have.split()[0] != want.split()[0] else (
-        "built on another CPU" if have else "once")
+        "not built for this CPU" if have else "once")
     log(f"[peers] building the peers' environment in {venv} from {lock.name} ({why}; a few "
         "minutes)")
     if not python.is_file():
