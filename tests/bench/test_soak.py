@@ -122,6 +122,20 @@ def test_rss_windows_compare_the_engine_before_the_kill_with_the_settled_restart
     assert _compared(warm + grown).violations == ["RSS grew from 100 to 130 bytes (> 25%)"]
 
 
+def test_a_slow_restart_extends_the_run_until_the_after_window_fills():
+    # CI's HTTP soak on a loaded 2-core Xeon: killed at 36.4 s of 90, serving 44.5 s later,
+    # so the window after it settles (10 s) began at 90.9 s and held 4 samples: a breach
+    soak = Soak("127.0.0.1:1", 0, SoakConfig(seconds=90.0, rss_window=0.2, settle=10.0))
+    soak.result.killed_at, soak.result.restart_seconds = 36.4, 44.5
+    end = soak._after_window_end()
+    assert end == pytest.approx(36.4 + 44.5 + 10 + 18)  # rss_window x seconds after settling
+    steady = [(t, 100) for t in range(0, int(end) + 1)]
+    assert _compared(steady, 36.4, 44.5, 90.0).violations == []
+    assert "too few RSS samples" in _compared(steady[:95], 36.4, 44.5, 90.0).violations[0]
+    soak.result.restart_seconds = 20.0  # a restart that leaves the window: the run as set
+    assert soak._after_window_end() == 90.0
+
+
 def test_the_front_end_outlives_the_kill_and_gets_the_tight_bound():
     flat = [(t, 100) for t in range(0, 100)]
     result = _compared(flat, front=lambda t: 20 if t < 40 else 23)
