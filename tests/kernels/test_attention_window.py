@@ -335,9 +335,11 @@ def long_inputs(storage, head_dim, heads, kv_heads, seed):
             table, perm[6 * L_MB:])
 
 
+@functools.cache
 def case_inputs(case: tuple) -> tuple:
     """(q, k, v, table, spans) of a windows case (kind, storage, head_dim, heads, kv_heads):
-    "short" the shared cases (BS = 5), "long" block size 16 on rows of up to 128 keys."""
+    "short" the shared cases (BS = 5), "long" block size 16 on rows of up to 128 keys.
+    Made once per case, for every path."""
     kind, storage, head_dim, heads, kv_heads = case
     if kind == "short":
         q, k, v = inputs(storage, seed=31, head_dim=head_dim, heads=heads, kv_heads=kv_heads)
