@@ -41,8 +41,9 @@ one kv head: each K/V block is read once for all of them, and blocks past the ti
 (or before its first query's window) are never read, so a decode row reads its own kv_len
 positions (or its window) and a prefill chunk reads each block once per tile (figures in
 scripts/bench_attention.py). The kernel has paths (`PATHS`; `paths()` says which this build
-has): "portable" loops for every call, and "avx2" (decode rows) and "avx512_bf16" (decode rows
-and prefill tiles, vdpbf16ps) for bf16 pools of head dim 64, 128 or 256; each honours the
+has): "portable" loops for every call, and "avx2" (decode rows), "avx512_bf16" (decode rows
+and prefill tiles, vdpbf16ps) and "amx" (avx512_bf16's, with prefill tiles on AMX tiles,
+tdpbf16ps; CPUs with amx_bf16) for bf16 pools of head dim 64, 128 or 256; each honours the
 window, softcap and scale. An int8 pool (`kv_cache_dtype="int8"`: rows of D codes and a bf16
 scale, `kernels/kv_int8.py`) runs on "portable", which dequantizes each row as it loads it,
 and, with head dim 64, 128 or 256, on "avx2" (decode rows: codes widened to f32 8 at a time,
@@ -75,8 +76,9 @@ from jaxpipe.kernels.paged import OUT_OF_RANGE, from_storage, gather, head_dim_o
 SOURCE = Path(__file__).with_name("ragged_attention.cc")
 TARGET = "jaxpipe_ragged_attention"
 WRITE_TARGET = "jaxpipe_ragged_attention_write"
-PATHS = ("portable", "avx2", "avx512_bf16")  # ragged_attention.cc's Path, by index
-VECTOR_DIMS = (64, 128, 256)  # the head dims the avx paths take (bf16 pools; avx2 int8 too)
+PATHS = ("portable", "avx2", "avx512_bf16", "amx")  # ragged_attention.cc's Path, by index
+VECTOR_DIMS = (64, 128, 256)  # the head dims the avx and amx paths take (bf16 pools; int8 too
+#                               on the avx paths)
 
 
 @functools.cache
@@ -98,8 +100,9 @@ def available() -> bool:
 def paths() -> tuple[str, ...]:
     """The kernel's paths this machine's build has, in `PATHS` order; () without the kernel.
     "portable" runs every call; "avx2" (decode rows; tiles of several queries on the portable
-    code; bf16 and int8 pools) and "avx512_bf16" (every tile of a bf16 pool; an int8 pool's
-    decode rows) take head dim 64, 128 or 256."""
+    code; bf16 and int8 pools), "avx512_bf16" (every tile of a bf16 pool; an int8 pool's
+    decode rows) and "amx" (a bf16 pool's tiles of several queries on AMX tiles, where the CPU
+    has amx_bf16 and Linux lets the process use them) take head dim 64, 128 or 256."""
     lib = _library()
     if lib is None:
         return ()
@@ -133,7 +136,7 @@ def takes(path: str, kv_dtype, head_dim: int) -> bool:
     """Whether kernel path `path` runs a pool of `kv_dtype` and head dim `head_dim`."""
     bf16 = jnp.dtype(kv_dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.uint16))
     int8 = jnp.dtype(kv_dtype) == jnp.dtype(jnp.int8)
-    return path == "portable" or (head_dim in VECTOR_DIMS and (bf16 or int8))
+    return path == "portable" or (head_dim in VECTOR_DIMS and (bf16 or (int8 and path != "amx")))
 
 
 def ragged_attention(q, k, v, table, q_start, q_len, kv_len, layer=0, *, window=0,
