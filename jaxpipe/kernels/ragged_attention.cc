@@ -630,6 +630,8 @@ struct Work {
   std::vector<__m512i> qv;   // [G, D / 32]: a decode query's heads as bf16 pairs
   std::vector<uint32_t> pa;  // [MP, keys / 2]: pp transposed, a query vector's pairs a row (amx)
   std::vector<uint16_t> pad;  // [16, D]: a group of key rows copied out of the pool (amx)
+  std::vector<uint16_t> kb, vb;  // [keys, D]: an int8 pool's codes as bf16 (amx)
+  std::vector<float> ks, vs, s16;  // [keys]: their rows' scales; [keys, 16]: scores (amx)
 };
 
 // Query vector m of a tile (m = qi * G + g: query qi, head g of kv head h) in q or out.
@@ -699,38 +701,50 @@ void scores(const Paged<uint16_t>& k, int64_t from, int64_t end, const uint32_t*
   });
 }
 
+// Query lanes c .. c + 15 of st [len, mp]: each lane's scores over its keys lo .. hi - 1 ->
+// their exponentials shifted by the lane's maximum (the other keys: 0), in place; returns
+// 1 / each lane's sum (0 for a lane that sees no key).
+inline __m512 exps(float* st, int64_t len, int64_t mp, int64_t c, const int32_t* lo,
+                   const int32_t* hi) {
+  const __m512i first = _mm512_loadu_si512(lo + c), end = _mm512_loadu_si512(hi + c);
+  auto inside = [&](int64_t t) {  // the lanes that see key t
+    const __m512i at = _mm512_set1_epi32(int(t));
+    return _mm512_mask_cmpgt_epi32_mask(_mm512_cmple_epi32_mask(first, at), end, at);
+  };
+  __m512 mx = _mm512_set1_ps(-INFINITY);
+  for (int64_t t = 0; t < len; ++t)
+    mx = _mm512_mask_max_ps(mx, inside(t), mx, _mm512_loadu_ps(st + t * mp + c));
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t t = 0; t < len; ++t) {
+    const __mmask16 in = inside(t);
+    const __m512 e = _mm512_maskz_mov_ps(
+        in, exp_nonpositive(_mm512_maskz_sub_ps(in, _mm512_loadu_ps(st + t * mp + c), mx)));
+    sum = _mm512_add_ps(sum, e);
+    _mm512_storeu_ps(st + t * mp + c, e);
+  }
+  const __mmask16 any = _mm512_cmp_ps_mask(sum, _mm512_setzero_ps(), _CMP_GT_OQ);
+  return _mm512_maskz_div_ps(any, _mm512_set1_ps(1.f), sum);
+}
+
+// 16 lanes of x (t) and of y (t + 1), rounded to bf16, as 16 pairs (x_i, y_i).
+inline __m512i pairs_of(__m512 x, __m512 y) {
+  const __m512i order = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
+                                         24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17,
+                                         1, 16, 0);
+  return _mm512_permutexvar_epi16(order, (__m512i)_mm512_cvtne2ps_pbh(y, x));
+}
+
 // Softmax down each query lane c of st [len, mp] over its keys lo[c] .. hi[c] - 1 (the others:
 // 0), the probabilities as bf16 pairs along keys into pp [ceil(len / 2), mp].
 void softmax_pairs(float* st, int64_t len, int64_t mp, const int32_t* lo, const int32_t* hi,
                    uint32_t* pp) {
-  const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
-                                         24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17,
-                                         1, 16, 0);
   for (int64_t c = 0; c < mp; c += 16) {
-    const __m512i first = _mm512_loadu_si512(lo + c), end = _mm512_loadu_si512(hi + c);
-    auto inside = [&](int64_t t) {  // the lanes that see key t
-      const __m512i at = _mm512_set1_epi32(int(t));
-      return _mm512_mask_cmpgt_epi32_mask(_mm512_cmple_epi32_mask(first, at), end, at);
-    };
-    __m512 mx = _mm512_set1_ps(-INFINITY);
-    for (int64_t t = 0; t < len; ++t)
-      mx = _mm512_mask_max_ps(mx, inside(t), mx, _mm512_loadu_ps(st + t * mp + c));
-    __m512 sum = _mm512_setzero_ps();
-    for (int64_t t = 0; t < len; ++t) {
-      const __mmask16 in = inside(t);
-      const __m512 e = _mm512_maskz_mov_ps(
-          in, exp_nonpositive(_mm512_maskz_sub_ps(in, _mm512_loadu_ps(st + t * mp + c), mx)));
-      sum = _mm512_add_ps(sum, e);
-      _mm512_storeu_ps(st + t * mp + c, e);
-    }
-    const __mmask16 any = _mm512_cmp_ps_mask(sum, _mm512_setzero_ps(), _CMP_GT_OQ);
-    const __m512 inv = _mm512_maskz_div_ps(any, _mm512_set1_ps(1.f), sum);
+    const __m512 inv = exps(st, len, mp, c, lo, hi);
     for (int64_t t = 0; t < len; t += 2) {
       const __m512 p0 = _mm512_mul_ps(_mm512_loadu_ps(st + t * mp + c), inv);
       const __m512 p1 = t + 1 < len ? _mm512_mul_ps(_mm512_loadu_ps(st + (t + 1) * mp + c), inv)
                                     : _mm512_setzero_ps();
-      const __m512i b = (__m512i)_mm512_cvtne2ps_pbh(p1, p0);  // [p0 lanes | p1 lanes]
-      _mm512_storeu_si512(pp + t / 2 * mp + c, _mm512_permutexvar_epi16(pairs, b));
+      _mm512_storeu_si512(pp + t / 2 * mp + c, pairs_of(p0, p1));
     }
   }
 }
@@ -986,6 +1000,142 @@ void attend_amx(const Inputs<uint16_t>& in, const Shape& s, const Span& span, co
   for (int64_t c = 0; c < mc; ++c)
     std::copy(w.out.data() + c * D, w.out.data() + (c + 1) * D,
               in.out + vector_at(s, token, h, m0 + c));
+}
+// ---- an int8 pool's tiles of several queries on AMX tiles -----------------------------------
+//
+// An int8 row's codes are exact bf16 numbers; its scale multiplies the row's score (K) or
+// probability (V). The portable path keeps q and the probabilities f32: here each f32 x of
+// them is split into two bf16 numbers, x1 = bf16(x) and x2 = bf16(x - x1) (|x - x1 - x2| <=
+// 2^-17 |x|), carried as two sets of 16 query lanes of the tile's products (lanes 0-15 the
+// first parts, 16-31 the second) and summed after. A task turns its keys' and values' codes
+// into bf16 rows once, for all its passes of 16 query vectors.
+
+// rows [16-rounded len, D] <- the codes of positions from .. from + len - 1 as bf16 (a block
+// outside the pool, and rows past len: zeros), scales [the same] their rows' scales (0 there).
+template <int D>
+void codes_as_bf16(const Paged<int8_t>& p, int64_t from, int64_t len, uint16_t* rows,
+                   float* scales) {
+  static_assert(D + kScaleBytes <= sizeof(kZeroRow), "a zero row");
+  Cursor<int8_t> cursor{p, D + kScaleBytes, from, reinterpret_cast<const int8_t*>(kZeroRow)};
+  for (int64_t t = 0; t < len; ++t) {
+    const int8_t* row = cursor.next();
+    scales[t] = row_scale(row, D);
+    unroll<D / 16>([&](auto c) {
+      const __m512 x = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * c))));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(rows + t * D + 16 * c),
+                          (__m256i)_mm512_cvtneps_pbh(x));
+    });
+  }
+  const int64_t end = (len + 15) / 16 * 16;
+  std::fill(rows + len * D, rows + end * D, uint16_t{0});
+  std::fill(scales + len, scales + end, 0.f);
+}
+
+// x's 16 lanes rounded to bf16 (nearest even), as f32.
+inline __m512 bf16_part(__m512 x) {
+  const __m512i b = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(x));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(b, 16));
+}
+
+// qt [D / 2, 32]: lane c < mc the first bf16 parts of query vector m0 + c's pairs, lane 16 + c
+// the second parts (other lanes: 0).
+void load_qt_split(const float* q, const Shape& s, int64_t token, int64_t h, int64_t m0,
+                   int64_t mc, uint32_t* qt) {
+  const int64_t d = s.dim;
+  std::fill(qt, qt + d / 2 * 32, 0u);
+  for (int64_t c = 0; c < mc; ++c) {
+    const float* x = q + vector_at(s, token, h, m0 + c);
+    for (int64_t i = 0; i < d / 2; ++i) {
+      const float a = x[2 * i], b = x[2 * i + 1];
+      qt[i * 32 + c] = bf16_pair(a, b);
+      qt[i * 32 + 16 + c] = bf16_pair(a - round_bf16(a), b - round_bf16(b));
+    }
+  }
+}
+
+// The softmax of the 16 query lanes of st [len, 16] (lane c over keys lo[c] .. hi[c] - 1),
+// each probability times its value row's scale (vscale [even-rounded len]) and split in two
+// bf16 parts, as pairs along keys: pp [ceil(len / 2), 32], lanes 0-15 the first parts, 16-31
+// the second.
+void softmax_split(float* st, int64_t len, const int32_t* lo, const int32_t* hi,
+                   const float* vscale, uint32_t* pp) {
+  const __m512 inv = exps(st, len, 16, 0, lo, hi);
+  for (int64_t t = 0; t < len; t += 2) {
+    const __m512 p0 = _mm512_mul_ps(_mm512_loadu_ps(st + t * 16),
+                                    _mm512_mul_ps(inv, _mm512_set1_ps(vscale[t])));
+    const __m512 p1 = t + 1 < len ? _mm512_mul_ps(_mm512_loadu_ps(st + (t + 1) * 16),
+                                                  _mm512_mul_ps(inv, _mm512_set1_ps(vscale[t + 1])))
+                                  : _mm512_setzero_ps();
+    _mm512_storeu_si512(pp + t / 2 * 32, pairs_of(p0, p1));
+    _mm512_storeu_si512(pp + t / 2 * 32 + 16,
+                        pairs_of(_mm512_sub_ps(p0, bf16_part(p0)), _mm512_sub_ps(p1, bf16_part(p1))));
+  }
+}
+
+// Query vectors m0 .. m0 + mc - 1 (mc <= 16) of an int8 task whose keys' and values' codes
+// are w.kb and w.vp's pairs (len keys, `lp` pairs).
+template <int D>
+void attend_int8_pass(const Inputs<int8_t>& in, const Shape& s, const Span& span,
+                      const Tile& tile, int64_t h, int64_t m0, int64_t mc, int64_t len,
+                      int64_t lp, Work& w) {
+  static constexpr int32_t kOnly[2] = {0, -1};  // one block holds them all
+  const int64_t token = span.start + tile.lo, len16 = (len + 15) / 16 * 16;
+  const Paged<uint16_t> kb{w.kb.data(), kOnly, 0, len16, 1};
+  key_lanes(span, tile, s, in.opt.window, m0, mc, 16, w);
+  load_qt_split(in.q, s, token, h, m0, mc, w.qt.data());
+  amx_scores<2, D>(kb, 0, len, w.qt.data(), 32, w.st.data(), w.pad.data());
+  const float scale = scale_of(in.opt.scale, D);
+  for (int64_t t = 0; t < len; ++t) {
+    const float by = w.ks[t] * scale;
+    for (int64_t c = 0; c < 16; ++c)
+      w.s16[t * 16 + c] = (w.st[t * 32 + c] + w.st[t * 32 + 16 + c]) * by;
+  }
+  soft_cap(w.s16.data(), len * 16, in.opt.softcap);
+  softmax_split(w.s16.data(), len, w.lo.data(), w.hi.data(), w.vs.data(), w.pp.data());
+  std::fill(w.pp.begin() + (len + 1) / 2 * 32, w.pp.begin() + lp * 32, 0u);
+  rows_of_pairs(w.pp.data(), lp, 32, w.pa.data());
+  amx_values<D>(w.pa.data(), lp, 32, w.vp.data(), w.out.data());
+  for (int64_t c = 0; c < mc; ++c) {
+    float* dst = in.out + vector_at(s, token, h, m0 + c);
+    for (int64_t i = 0; i < D; ++i) dst[i] = w.out[c * D + i] + w.out[(16 + c) * D + i];
+  }
+}
+
+// A task of several queries (kv head h) on an int8 pool, 16 query vectors a pass.
+template <int D>
+void attend_int8(const Inputs<int8_t>& in, const Shape& s, const Span& span, const Tile& tile,
+                 int64_t h, Work& w) {
+  static constexpr int32_t kOnly[2] = {0, -1};
+  const int64_t len = tile.keys - tile.from, len16 = std::max<int64_t>((len + 15) / 16 * 16, 16);
+  const int64_t pairs = (len + 1) / 2, lp = std::max<int64_t>((pairs + 15) / 16 * 16, 16);
+  const int64_t width = D + kScaleBytes;
+  const int32_t* table = in.table + tile.row * s.max_blocks;
+  const int64_t head = h * s.block_size * width, stride = s.kv_heads * s.block_size * width;
+  const Paged<int8_t> k{in.k + head, table, stride, s.block_size, s.blocks};
+  const Paged<int8_t> v{in.v + head, table, stride, s.block_size, s.blocks};
+  w.kb.resize(len16 * D);
+  w.vb.resize(len16 * D);
+  w.ks.resize(len16);
+  w.vs.resize(len16);
+  codes_as_bf16<D>(k, tile.from, len, w.kb.data(), w.ks.data());
+  codes_as_bf16<D>(v, tile.from, len, w.vb.data(), w.vs.data());
+  w.vp.resize(lp * D);
+  value_pairs<D>(Paged<uint16_t>{w.vb.data(), kOnly, 0, len16, 1}, 0, len, w.vp.data());
+  std::fill(w.vp.begin() + pairs * D, w.vp.end(), 0u);
+  w.qt.resize(D / 2 * 32);
+  w.st.resize(len16 * 32);
+  w.s16.resize(len16 * 16);
+  w.pp.resize(lp * 32);
+  w.pa.resize(lp * 32);
+  w.out.resize(32 * D);
+  w.pad.resize(16 * D);
+  amx_configure();
+  const int64_t m_count = (tile.hi - tile.lo) * (s.heads / s.kv_heads);
+  for (int64_t m0 = 0; m0 < m_count; m0 += 16)
+    attend_int8_pass<D>(in, s, span, tile, h, m0, std::min<int64_t>(16, m_count - m0), len, lp,
+                        w);
+  _tile_release();
 }
 #endif  // JAXPIPE_AMX
 
@@ -1706,12 +1856,12 @@ uint32_t usable_paths() {
 // `path`, or (< 0) the last this build has that can run it; -1 if `path` is not built or
 // cannot run it. avx2 and avx512_bf16 take bf16 and int8 pools (avx512_bf16's int8 decode rows
 // run `decode16`'s int16 products: an int8 row's dequantized values are not bf16 numbers);
-// amx takes bf16 pools.
+// so does amx (its int8 tiles: `fast::attend_int8`).
 int64_t path_for(int64_t path, bool bf16, bool int8, int64_t dim) {
   const bool dims = dim == 64 || dim == 128 || dim == 256;  // the avx* and amx paths' own
-  const uint32_t takes = (1u << kPortable) |
-                         (dims && (bf16 || int8) ? (1u << kAvx2) | (1u << kAvx512Bf16) : 0u) |
-                         (dims && bf16 ? (1u << kAmx) : 0u);
+  const uint32_t takes =
+      (1u << kPortable) |
+      (dims && (bf16 || int8) ? (1u << kAvx2) | (1u << kAvx512Bf16) | (1u << kAmx) : 0u);
   const uint32_t usable = usable_paths() & takes;
   if (path < 0) return 31 - __builtin_clz(usable);
   if (path >= 32 || !(usable >> path & 1u)) return -1;
@@ -1754,7 +1904,7 @@ void run_avx512_bf16(ffi::ThreadPool& pool, const Inputs<uint16_t>& in,
 // The tiles' tasks on the avx2 path (a bf16 or an int8 pool), or an int8 pool's on the
 // avx512_bf16 path (kWide: `decode16`'s int16 products): decode rows in `avx2::decode`, tiles
 // of several queries on the portable code.
-template <int D, typename T, bool kWide = false>
+template <int D, typename T, bool kWide = false, bool kAmxTiles = false>
 void run_avx2(ffi::ThreadPool& pool, const Inputs<T>& in, const std::vector<Span>& spans,
               const std::vector<Tile>& tiles, const Shape& s) {
 #if defined(__AVX2__) && defined(__FMA__)
@@ -1763,6 +1913,12 @@ void run_avx2(ffi::ThreadPool& pool, const Inputs<T>& in, const std::vector<Span
     const auto [i, h] = tasks[t];
     const Tile& tile = tiles[i];
     if (h >= 0) {
+#ifdef JAXPIPE_AMX
+      if constexpr (kAmxTiles && std::is_same_v<T, int8_t>) {
+        thread_local fast::Work work;
+        return fast::attend_int8<D>(in, s, spans[tile.row], tile, h, work);
+      }
+#endif
       thread_local Scratch scratch;
       return attend_tile<D, T>(in, s, spans[tile.row], tile, h, scratch);
     }
@@ -1788,6 +1944,10 @@ void run(ffi::ThreadPool& pool, const Inputs<T>& in, const std::vector<Span>& sp
 #ifdef __AVX512BF16__
     if constexpr (std::is_same_v<T, int8_t> && kDim > 0)
       if (path == kAvx512Bf16) return run_avx2<kDim, T, true>(pool, in, spans, tiles, s);
+#endif
+#ifdef JAXPIPE_AMX
+    if constexpr (std::is_same_v<T, int8_t> && kDim > 0)
+      if (path == kAmx) return run_avx2<kDim, T, true, true>(pool, in, spans, tiles, s);
 #endif
     if constexpr (!std::is_same_v<T, float> && kDim > 0)
       if (path == kAvx2) return run_avx2<kDim, T>(pool, in, spans, tiles, s);

@@ -50,9 +50,11 @@ and, with head dim 64, 128 or 256, on "avx2" (decode rows: codes widened to f32 
 times the row's scale) and "avx512_bf16" (decode rows by int16 products, avx512_vnni's
 vpdpwssd, `int16_decode`: the codes exact as int16, q and each head's probabilities times the
 value rows' scales quantized per head to int16, sums exact in int32; an int8 row's values
-are not bf16 numbers, so no vdpbf16ps; its default where built), tiles of several queries
-on the portable code; `write_and_attend` quantizes the rows it writes, as
-`kv_int8.quantize` does.
+are not bf16 numbers, so no vdpbf16ps), tiles of several queries on the portable code, and
+on "amx" (its default where built: avx512_bf16's decode rows, and tiles of several queries
+on AMX tiles, the codes as exact bf16 numbers, q and the probabilities times the value rows'
+scales each split into two bf16 parts, so within 2^-17 of the portable path's f32);
+`write_and_attend` quantizes the rows it writes, as `kv_int8.quantize` does.
 A call runs `path_for`'s path unless it names one (`path`), and
 fails if that one cannot run it. A custom call cannot be partitioned by the SPMD partitioner:
 on a sharded layout call it inside `jax.shard_map`, heads split over the tensor-parallel axis.
@@ -77,8 +79,7 @@ SOURCE = Path(__file__).with_name("ragged_attention.cc")
 TARGET = "jaxpipe_ragged_attention"
 WRITE_TARGET = "jaxpipe_ragged_attention_write"
 PATHS = ("portable", "avx2", "avx512_bf16", "amx")  # ragged_attention.cc's Path, by index
-VECTOR_DIMS = (64, 128, 256)  # the head dims the avx and amx paths take (bf16 pools; int8 too
-#                               on the avx paths)
+VECTOR_DIMS = (64, 128, 256)  # the head dims the avx and amx paths take (bf16 and int8 pools)
 
 
 @functools.cache
@@ -101,8 +102,8 @@ def paths() -> tuple[str, ...]:
     """The kernel's paths this machine's build has, in `PATHS` order; () without the kernel.
     "portable" runs every call; "avx2" (decode rows; tiles of several queries on the portable
     code; bf16 and int8 pools), "avx512_bf16" (every tile of a bf16 pool; an int8 pool's
-    decode rows) and "amx" (a bf16 pool's tiles of several queries on AMX tiles, where the CPU
-    has amx_bf16 and Linux lets the process use them) take head dim 64, 128 or 256."""
+    decode rows) and "amx" (tiles of several queries on AMX tiles, where the CPU has amx_bf16
+    and Linux lets the process use them; bf16 and int8 pools) take head dim 64, 128 or 256."""
     lib = _library()
     if lib is None:
         return ()
@@ -113,9 +114,9 @@ def paths() -> tuple[str, ...]:
 
 @functools.cache
 def int16_decode() -> bool:
-    """Whether this build's "avx512_bf16" path runs an int8 pool's decode rows (one query a
-    tile) by int16 products (avx512_vnni's vpdpwssd): q quantized per head to int16, and each
-    head's probabilities times the value rows' scales quantized to int16 over its keys
+    """Whether this build's "avx512_bf16" and "amx" paths run an int8 pool's decode rows (one
+    query a tile) by int16 products (avx512_vnni's vpdpwssd): q quantized per head to int16,
+    and each head's probabilities times the value rows' scales quantized to int16 over its keys
     (the arithmetic `tests/kernels/attention_cases.numpy_attention` models with `v_scales`);
     elsewhere those rows are f32 products of the widened codes."""
     lib = _library()
@@ -136,7 +137,7 @@ def takes(path: str, kv_dtype, head_dim: int) -> bool:
     """Whether kernel path `path` runs a pool of `kv_dtype` and head dim `head_dim`."""
     bf16 = jnp.dtype(kv_dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.uint16))
     int8 = jnp.dtype(kv_dtype) == jnp.dtype(jnp.int8)
-    return path == "portable" or (head_dim in VECTOR_DIMS and (bf16 or (int8 and path != "amx")))
+    return path == "portable" or (head_dim in VECTOR_DIMS and (bf16 or int8))
 
 
 def ragged_attention(q, k, v, table, q_start, q_len, kv_len, layer=0, *, window=0,

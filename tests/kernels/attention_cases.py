@@ -150,7 +150,7 @@ def int16_rows(path, kv_dtype, head_dim) -> bool:
     """Whether kernel `path` (None: the default) runs an int8 pool's one-query tasks by int16
     products on this build."""
     path = path or ra.path_for(kv_dtype, head_dim)
-    return (jnp.dtype(kv_dtype) == jnp.dtype(jnp.int8) and path == "avx512_bf16"
+    return (jnp.dtype(kv_dtype) == jnp.dtype(jnp.int8) and path in ("avx512_bf16", "amx")
             and head_dim in ra.VECTOR_DIMS and ra.int16_decode())
 
 

@@ -495,10 +495,9 @@ def not_built() -> str:
 
 @pytest.mark.parametrize("storage,head_dim,path", [(jnp.float32, 64, "avx512_bf16"),
                                                    (jnp.uint16, 16, "avx2"),
-                                                   (jnp.int8, 64, "amx"),
                                                    (jnp.uint16, 64, None)])
 def test_a_path_that_cannot_run_the_call_is_named(storage, head_dim, path):
-    """A path that does not take the pool (amx: bf16 pools only), or is not built here."""
+    """A path that does not take the pool, or is not built here."""
     if not ra.available():
         pytest.skip("the C++ kernel cannot be built here")
     path = path or not_built()

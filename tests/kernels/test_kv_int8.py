@@ -127,7 +127,7 @@ def test_every_kernel_path_reads_int8_pools_as_numpy(head_dim, heads, kv_heads, 
     over the NumPy-dequantized K/V (with the int16 quantizations where the path makes them),
     decode rows and tiles, windows, soft caps and scales."""
     paths = int8_paths(head_dim)
-    assert "portable" in paths and set(paths) == set(ra.paths()) - {"amx"}  # amx: bf16 only
+    assert "portable" in paths and set(paths) == set(ra.paths())
     q, k, v = inputs(jnp.int8, seed=head_dim + heads, head_dim=head_dim, heads=heads,
                      kv_heads=kv_heads)
     table = shuffled_table(seed=heads)
@@ -165,13 +165,12 @@ def test_int8_decode_rows_of_every_length_match_numpy(head_dim, heads, kv_heads)
 
 
 def test_int8_pools_default_to_the_widest_path():
-    """An int8 pool of head dim 64 runs on the last path the build has but amx (bf16 pools
-    only): avx512_bf16's 16-lane decode rows where built, else avx2's 8; one of head dim 16 on
-    the portable code."""
+    """An int8 pool of head dim 64 runs on the last path the build has (amx's AMX tiles and
+    int16 decode rows, avx512_bf16's int16 decode rows, or avx2's 8-lane ones, where built),
+    one of head dim 16 on the portable code."""
     if "avx2" not in ra.paths():
         pytest.skip("no avx2 path in this build")
-    assert not ra.takes("amx", jnp.int8, 64)
-    assert ra.path_for(jnp.int8, 64) == [p for p in ra.paths() if p != "amx"][-1]
+    assert ra.path_for(jnp.int8, 64) == ra.paths()[-1]
     assert ra.path_for(jnp.int8, 16) == "portable"
 
 
