@@ -445,6 +445,14 @@ struct Inputs {
   Options opt;
 };
 
+// Kv head h's pages of `pool` (the layer's K or V, in.k or in.v) in the tile's row.
+template <typename T>
+Paged<T> pages(const T* pool, const Inputs<T>& in, const Shape& s, const Tile& tile, int64_t h) {
+  const int64_t row = row_width<T>(s.dim);
+  return Paged<T>{pool + h * s.block_size * row, in.table + tile.row * s.max_blocks,
+                  s.kv_heads * s.block_size * row, s.block_size, s.blocks};
+}
+
 // A worker's buffers, reused across its tasks (kept per XLA thread between calls: at most
 // kTile * G * (MB * BS + 2 * D) floats).
 struct Scratch {
@@ -524,11 +532,7 @@ void attend_tile(const Inputs<T>& in, const Shape& s, const Span& span, const Ti
   w.out.assign(m_count * d, 0.f);
   w.row.resize(d * kKeys);
   load_queries(in.q, s, token, h, count, bf16, w.q.data());
-  const int32_t* table = in.table + tile.row * s.max_blocks;
-  const int64_t w_row = row_width<T>(d);
-  const int64_t head = h * s.block_size * w_row, stride = s.kv_heads * s.block_size * w_row;
-  const Paged<T> k{in.k + head, table, stride, s.block_size, s.blocks};
-  const Paged<T> v{in.v + head, table, stride, s.block_size, s.blocks};
+  const Paged<T> k = pages(in.k, in, s, tile, h), v = pages(in.v, in, s, tile, h);
   scores_of<DIM>(w.q.data(), k, from, tile.keys, m_count, count == 1, d,
                  scale_of(in.opt.scale, d), w.scores.data(), w.row.data());
   soft_cap(w.scores.data(), m_count * width, in.opt.softcap);
@@ -832,10 +836,7 @@ void attend_nv(const Inputs<uint16_t>& in, const Shape& s, const Span& span, con
   w.out.resize(mc * D);
   key_lanes(span, tile, s, in.opt.window, m0, mc, mp, w);
   load_qt(in.q, s, token, h, m0, mc, mp, w.qt.data());
-  const int32_t* table = in.table + tile.row * s.max_blocks;
-  const int64_t head = h * s.block_size * D, stride = s.kv_heads * s.block_size * D;
-  const Paged<uint16_t> k{in.k + head, table, stride, s.block_size, s.blocks};
-  const Paged<uint16_t> v{in.v + head, table, stride, s.block_size, s.blocks};
+  const Paged<uint16_t> k = pages(in.k, in, s, tile, h), v = pages(in.v, in, s, tile, h);
   scores<NV, D>(k, tile.from, tile.keys, w.qt.data(), mp, scale_of(in.opt.scale, D),
                 w.st.data());
   soft_cap(w.st.data(), len * mp, in.opt.softcap);
@@ -981,10 +982,7 @@ void attend_amx(const Inputs<uint16_t>& in, const Shape& s, const Span& span, co
   w.pad.resize(16 * D);
   key_lanes(span, tile, s, in.opt.window, m0, mc, mp, w);
   load_qt(in.q, s, token, h, m0, mc, mp, w.qt.data());
-  const int32_t* table = in.table + tile.row * s.max_blocks;
-  const int64_t head = h * s.block_size * D, stride = s.kv_heads * s.block_size * D;
-  const Paged<uint16_t> k{in.k + head, table, stride, s.block_size, s.blocks};
-  const Paged<uint16_t> v{in.v + head, table, stride, s.block_size, s.blocks};
+  const Paged<uint16_t> k = pages(in.k, in, s, tile, h), v = pages(in.v, in, s, tile, h);
   amx_configure();
   amx_scores<NV, D>(k, tile.from, tile.keys, w.qt.data(), mp, w.st.data(), w.pad.data());
   const float scale = scale_of(in.opt.scale, D);
@@ -1109,11 +1107,7 @@ void attend_int8(const Inputs<int8_t>& in, const Shape& s, const Span& span, con
   static constexpr int32_t kOnly[2] = {0, -1};
   const int64_t len = tile.keys - tile.from, len16 = std::max<int64_t>((len + 15) / 16 * 16, 16);
   const int64_t pairs = (len + 1) / 2, lp = std::max<int64_t>((pairs + 15) / 16 * 16, 16);
-  const int64_t width = D + kScaleBytes;
-  const int32_t* table = in.table + tile.row * s.max_blocks;
-  const int64_t head = h * s.block_size * width, stride = s.kv_heads * s.block_size * width;
-  const Paged<int8_t> k{in.k + head, table, stride, s.block_size, s.blocks};
-  const Paged<int8_t> v{in.v + head, table, stride, s.block_size, s.blocks};
+  const Paged<int8_t> k = pages(in.k, in, s, tile, h), v = pages(in.v, in, s, tile, h);
   w.kb.resize(len16 * D);
   w.vb.resize(len16 * D);
   w.ks.resize(len16);
@@ -1295,10 +1289,7 @@ void decode(const Inputs<uint16_t>& in, const Shape& s, const Span& span, const 
     return;
   }
   constexpr int NP = D / 32;
-  const int32_t* table = in.table + tile.row * s.max_blocks;
-  const int64_t head = h * s.block_size * D, stride = s.kv_heads * s.block_size * D;
-  const Paged<uint16_t> k{in.k + head, table, stride, s.block_size, s.blocks};
-  const Paged<uint16_t> v{in.v + head, table, stride, s.block_size, s.blocks};
+  const Paged<uint16_t> k = pages(in.k, in, s, tile, h), v = pages(in.v, in, s, tile, h);
   const int64_t ls = (len + 31) / 32 * 32, lp = ls / 2;  // whole vectors of keys and pairs
   w.st.assign(g_count * ls, 0.f);
   w.pp.resize(g_count * lp);
@@ -1707,13 +1698,7 @@ struct OneQuery {
       : g_count(s.heads / s.kv_heads), from(tile.from), end(tile.keys), len(end - from),
         q(in.q + ((span.start + tile.lo) * s.heads + h * g_count) * d),
         dst(in.out + ((span.start + tile.lo) * s.heads + h * g_count) * d),
-        k(pages(in.k, in, s, tile, h, d)), v(pages(in.v, in, s, tile, h, d)) {}
-  static Paged<T> pages(const T* pool, const Inputs<T>& in, const Shape& s, const Tile& tile,
-                        int64_t h, int64_t d) {
-    const int64_t row = row_width<T>(d);
-    return Paged<T>{pool + h * s.block_size * row, in.table + tile.row * s.max_blocks,
-                    s.kv_heads * s.block_size * row, s.block_size, s.blocks};
-  }
+        k(pages(in.k, in, s, tile, h)), v(pages(in.v, in, s, tile, h)) {}
 };
 
 #ifdef JAXPIPE_INT16_DECODE
