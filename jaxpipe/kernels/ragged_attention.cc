@@ -822,8 +822,20 @@ void key_lanes(const Span& span, const Tile& tile, const Shape& s, int64_t windo
   }
 }
 
+// w.vp <- the value pairs of a task's keys tile.from .. tile.keys - 1, once for all its passes
+// of query vectors, then zeros up to a whole AMX tile of 16 pairs.
+template <int D>
+void task_value_pairs(const Paged<uint16_t>& v, const Tile& tile, Work& w) {
+  const int64_t len = tile.keys - tile.from, pairs = (len + 1) / 2;
+  const int64_t lp = std::max<int64_t>((pairs + 15) / 16 * 16, 1);
+  w.vp.resize(lp * D);
+  value_pairs<D>(v, tile.from, len, w.vp.data());
+  std::fill(w.vp.begin() + pairs * D, w.vp.end(), 0u);
+}
+
 // Query vectors m0 .. m0 + mc - 1 (mc <= 16 * NV) of a task, over the keys tile.from ..
-// tile.keys - 1: blocks before the first query's window start are not read.
+// tile.keys - 1: blocks before the first query's window start are not read. w.vp holds the
+// task's value pairs (task_value_pairs).
 template <int NV, int D>
 void attend_nv(const Inputs<uint16_t>& in, const Shape& s, const Span& span, const Tile& tile,
                int64_t h, int64_t m0, int64_t mc, Work& w) {
@@ -832,16 +844,14 @@ void attend_nv(const Inputs<uint16_t>& in, const Shape& s, const Span& span, con
   w.qt.resize(D / 2 * mp);
   w.st.resize(std::max<int64_t>(len, 1) * mp);
   w.pp.resize(std::max<int64_t>(pairs, 1) * mp);
-  w.vp.resize(std::max<int64_t>(pairs, 1) * D);
   w.out.resize(mc * D);
   key_lanes(span, tile, s, in.opt.window, m0, mc, mp, w);
   load_qt(in.q, s, token, h, m0, mc, mp, w.qt.data());
-  const Paged<uint16_t> k = pages(in.k, in, s, tile, h), v = pages(in.v, in, s, tile, h);
+  const Paged<uint16_t> k = pages(in.k, in, s, tile, h);
   scores<NV, D>(k, tile.from, tile.keys, w.qt.data(), mp, scale_of(in.opt.scale, D),
                 w.st.data());
   soft_cap(w.st.data(), len * mp, in.opt.softcap);
   softmax_pairs(w.st.data(), len, mp, w.lo.data(), w.hi.data(), w.pp.data());
-  value_pairs<D>(v, tile.from, len, w.vp.data());
   constexpr int DC = D < 128 ? D : 128, R = DC == 64 ? 6 : 3;  // R * DC / 16 accumulators
   for (int64_t c0 = 0; c0 < D; c0 += DC)
     for (int64_t c = 0; c < mc; c += R)
@@ -967,7 +977,8 @@ void amx_values(const uint32_t* pa, int64_t lp, int64_t mp, const uint32_t* vp, 
     }
 }
 
-// attend_nv on AMX tiles: query vectors m0 .. m0 + mc - 1 (mc <= 16 * NV) of a task.
+// attend_nv on AMX tiles: query vectors m0 .. m0 + mc - 1 (mc <= 16 * NV) of a task (its
+// value pairs in w.vp, zero up to a whole tile's 16 pairs).
 template <int NV, int D>
 void attend_amx(const Inputs<uint16_t>& in, const Shape& s, const Span& span, const Tile& tile,
                 int64_t h, int64_t m0, int64_t mc, Work& w) {
@@ -976,13 +987,12 @@ void attend_amx(const Inputs<uint16_t>& in, const Shape& s, const Span& span, co
   w.qt.resize(D / 2 * mp);
   w.st.resize(std::max<int64_t>((len + 15) / 16 * 16, 1) * mp);
   w.pp.resize(std::max<int64_t>(lp, 1) * mp);
-  w.vp.resize(std::max<int64_t>(lp, 1) * D);
   w.pa.resize(std::max<int64_t>(lp, 1) * mp);
   w.out.resize(mp * D);
   w.pad.resize(16 * D);
   key_lanes(span, tile, s, in.opt.window, m0, mc, mp, w);
   load_qt(in.q, s, token, h, m0, mc, mp, w.qt.data());
-  const Paged<uint16_t> k = pages(in.k, in, s, tile, h), v = pages(in.v, in, s, tile, h);
+  const Paged<uint16_t> k = pages(in.k, in, s, tile, h);
   amx_configure();
   amx_scores<NV, D>(k, tile.from, tile.keys, w.qt.data(), mp, w.st.data(), w.pad.data());
   const float scale = scale_of(in.opt.scale, D);
@@ -990,8 +1000,6 @@ void attend_amx(const Inputs<uint16_t>& in, const Shape& s, const Span& span, co
   soft_cap(w.st.data(), len * mp, in.opt.softcap);
   softmax_pairs(w.st.data(), len, mp, w.lo.data(), w.hi.data(), w.pp.data());
   std::fill(w.pp.begin() + pairs * mp, w.pp.begin() + lp * mp, 0u);
-  value_pairs<D>(v, tile.from, len, w.vp.data());
-  std::fill(w.vp.begin() + pairs * D, w.vp.begin() + lp * D, 0u);
   rows_of_pairs(w.pp.data(), lp, mp, w.pa.data());
   amx_values<D>(w.pa.data(), lp, mp, w.vp.data(), w.out.data());
   _tile_release();
@@ -1007,6 +1015,9 @@ void attend_amx(const Inputs<uint16_t>& in, const Shape& s, const Span& span, co
 // 2^-17 |x|), carried as two sets of 16 query lanes of the tile's products (lanes 0-15 the
 // first parts, 16-31 the second) and summed after. A task turns its keys' and values' codes
 // into bf16 rows once, for all its passes of 16 query vectors.
+
+// The block table of rows made by a task: one block holds them all.
+constexpr int32_t kOneBlock[2] = {0, -1};
 
 // rows [16-rounded len, D] <- the codes of positions from .. from + len - 1 as bf16 (a block
 // outside the pool, and rows past len: zeros), scales [the same] their rows' scales (0 there).
@@ -1077,9 +1088,8 @@ template <int D>
 void attend_int8_pass(const Inputs<int8_t>& in, const Shape& s, const Span& span,
                       const Tile& tile, int64_t h, int64_t m0, int64_t mc, int64_t len,
                       int64_t lp, Work& w) {
-  static constexpr int32_t kOnly[2] = {0, -1};  // one block holds them all
   const int64_t token = span.start + tile.lo, len16 = (len + 15) / 16 * 16;
-  const Paged<uint16_t> kb{w.kb.data(), kOnly, 0, len16, 1};
+  const Paged<uint16_t> kb{w.kb.data(), kOneBlock, 0, len16, 1};
   key_lanes(span, tile, s, in.opt.window, m0, mc, 16, w);
   load_qt_split(in.q, s, token, h, m0, mc, w.qt.data());
   amx_scores<2, D>(kb, 0, len, w.qt.data(), 32, w.st.data(), w.pad.data());
@@ -1104,7 +1114,6 @@ void attend_int8_pass(const Inputs<int8_t>& in, const Shape& s, const Span& span
 template <int D>
 void attend_int8(const Inputs<int8_t>& in, const Shape& s, const Span& span, const Tile& tile,
                  int64_t h, Work& w) {
-  static constexpr int32_t kOnly[2] = {0, -1};
   const int64_t len = tile.keys - tile.from, len16 = std::max<int64_t>((len + 15) / 16 * 16, 16);
   const int64_t pairs = (len + 1) / 2, lp = std::max<int64_t>((pairs + 15) / 16 * 16, 16);
   const Paged<int8_t> k = pages(in.k, in, s, tile, h), v = pages(in.v, in, s, tile, h);
@@ -1115,7 +1124,7 @@ void attend_int8(const Inputs<int8_t>& in, const Shape& s, const Span& span, con
   codes_as_bf16<D>(k, tile.from, len, w.kb.data(), w.ks.data());
   codes_as_bf16<D>(v, tile.from, len, w.vb.data(), w.vs.data());
   w.vp.resize(lp * D);
-  value_pairs<D>(Paged<uint16_t>{w.vb.data(), kOnly, 0, len16, 1}, 0, len, w.vp.data());
+  value_pairs<D>(Paged<uint16_t>{w.vb.data(), kOneBlock, 0, len16, 1}, 0, len, w.vp.data());
   std::fill(w.vp.begin() + pairs * D, w.vp.end(), 0u);
   w.qt.resize(D / 2 * 32);
   w.st.resize(len16 * 32);
@@ -1318,6 +1327,7 @@ template <int D, bool kAmx = false>
 void attend_tile(const Inputs<uint16_t>& in, const Shape& s, const Span& span,
                  const Tile& tile, int64_t h, Work& w) {
   if (tile.hi - tile.lo == 1) return decode<D>(in, s, span, tile, h, w);
+  task_value_pairs<D>(pages(in.v, in, s, tile, h), tile, w);
   const int64_t m_count = (tile.hi - tile.lo) * (s.heads / s.kv_heads);
   for (int64_t m0 = 0; m0 < m_count; m0 += 48) {
     const int64_t mc = std::min<int64_t>(48, m_count - m0);
