@@ -51,7 +51,8 @@
 // avx512_bf16 path (with avx512_vnni) an int8 pool's decode rows run int16 products instead
 // (`avx2::vnni`, vpdpwssd: q and the probabilities times the value scales quantized per head
 // to int16; decode 256 rows x 2048 keys 18.6-20.1 -> 13.9-14.4 ms a layer, against a bf16
-// pool's 21.2-24.2). With amx_bf16 ("amx", `fast::attend_amx`): avx512_bf16's, but a bf16
+// pool's 21.2-24.2), and its tiles of several queries bf16 products of the codes and of q and
+// the probabilities split in two bf16 parts each (`fast::attend_int8`). With amx_bf16 ("amx", `fast::attend_amx`): avx512_bf16's, but a bf16
 // pool's tiles of several queries run their two products on AMX tiles (tdpbf16ps), keys read
 // from the pool as A tiles in place; on an Intel Xeon model 207 (amx_bf16) a 512-query chunk
 // after 1536 keys 19.45 -> 10.70 ms a layer, 4 x 256 after 256 8.14 -> 3.73. Otherwise ("portable": f32 pools, other head dims, or asked for) f32
@@ -822,20 +823,20 @@ void key_lanes(const Span& span, const Tile& tile, const Shape& s, int64_t windo
   }
 }
 
-// w.vp <- the value pairs of a task's keys tile.from .. tile.keys - 1, once for all its passes
-// of query vectors, then zeros up to a whole AMX tile of 16 pairs.
+// vp <- the value pairs of positions from .. from + len - 1 (value_pairs), then zeros up to a
+// whole AMX tile of 16 pairs (one at least): once for all of a task's passes of query vectors.
 template <int D>
-void task_value_pairs(const Paged<uint16_t>& v, const Tile& tile, Work& w) {
-  const int64_t len = tile.keys - tile.from, pairs = (len + 1) / 2;
-  const int64_t lp = std::max<int64_t>((pairs + 15) / 16 * 16, 1);
-  w.vp.resize(lp * D);
-  value_pairs<D>(v, tile.from, len, w.vp.data());
-  std::fill(w.vp.begin() + pairs * D, w.vp.end(), 0u);
+void tile_value_pairs(const Paged<uint16_t>& v, int64_t from, int64_t len,
+                      std::vector<uint32_t>& vp) {
+  const int64_t pairs = (len + 1) / 2, lp = std::max<int64_t>((pairs + 15) / 16 * 16, 16);
+  vp.resize(lp * D);
+  value_pairs<D>(v, from, len, vp.data());
+  std::fill(vp.begin() + pairs * D, vp.end(), 0u);
 }
 
 // Query vectors m0 .. m0 + mc - 1 (mc <= 16 * NV) of a task, over the keys tile.from ..
 // tile.keys - 1: blocks before the first query's window start are not read. w.vp holds the
-// task's value pairs (task_value_pairs).
+// task's value pairs (tile_value_pairs).
 template <int NV, int D>
 void attend_nv(const Inputs<uint16_t>& in, const Shape& s, const Span& span, const Tile& tile,
                int64_t h, int64_t m0, int64_t mc, Work& w) {
@@ -1007,14 +1008,18 @@ void attend_amx(const Inputs<uint16_t>& in, const Shape& s, const Span& span, co
     std::copy(w.out.data() + c * D, w.out.data() + (c + 1) * D,
               in.out + vector_at(s, token, h, m0 + c));
 }
-// ---- an int8 pool's tiles of several queries on AMX tiles -----------------------------------
+#endif  // JAXPIPE_AMX
+
+// ---- an int8 pool's tiles of several queries: bf16 products (avx512_bf16 and amx paths) ------
 //
 // An int8 row's codes are exact bf16 numbers; its scale multiplies the row's score (K) or
 // probability (V). The portable path keeps q and the probabilities f32: here each f32 x of
 // them is split into two bf16 numbers, x1 = bf16(x) and x2 = bf16(x - x1) (|x - x1 - x2| <=
 // 2^-17 |x|), carried as two sets of 16 query lanes of the tile's products (lanes 0-15 the
 // first parts, 16-31 the second) and summed after. A task turns its keys' and values' codes
-// into bf16 rows once, for all its passes of 16 query vectors.
+// into bf16 rows once, for all its passes of 16 query vectors. The products run as a bf16
+// pool's do: vdpbf16ps (attend_nv's `scores` and `value_rows`), or AMX tiles (kAmx:
+// attend_amx's).
 
 // The block table of rows made by a task: one block holds them all.
 constexpr int32_t kOneBlock[2] = {0, -1};
@@ -1082,9 +1087,28 @@ void softmax_split(float* st, int64_t len, const int32_t* lo, const int32_t* hi,
   }
 }
 
+// out [32, D] rows c and 16 + c (c < mc) <- the 32 query lanes' probabilities pp [lp, 32] times
+// the value pairs vp [lp, D] (lp: pairs rounded up to whole tiles of 16, zero past `pairs`).
+template <int D, bool kAmx>
+void split_values(const uint32_t* pp, int64_t pairs, int64_t lp, int64_t mc, const uint32_t* vp,
+                  Work& w) {
+#ifdef JAXPIPE_AMX
+  if constexpr (kAmx) {
+    rows_of_pairs(pp, lp, 32, w.pa.data());
+    return amx_values<D>(w.pa.data(), lp, 32, vp, w.out.data());
+  }
+#endif
+  constexpr int DC = D < 128 ? D : 128, R = DC == 64 ? 6 : 3;  // as attend_nv
+  for (int64_t part : {0, 16})
+    for (int64_t c0 = 0; c0 < D; c0 += DC)
+      for (int64_t c = 0; c < mc; c += R)
+        value_tail<R, D, DC>(pp + part + c, 32, vp, pairs, c0, w.out.data() + (part + c) * D,
+                             std::min<int64_t>(R, mc - c));
+}
+
 // Query vectors m0 .. m0 + mc - 1 (mc <= 16) of an int8 task whose keys' and values' codes
 // are w.kb and w.vp's pairs (len keys, `lp` pairs).
-template <int D>
+template <int D, bool kAmx>
 void attend_int8_pass(const Inputs<int8_t>& in, const Shape& s, const Span& span,
                       const Tile& tile, int64_t h, int64_t m0, int64_t mc, int64_t len,
                       int64_t lp, Work& w) {
@@ -1092,7 +1116,10 @@ void attend_int8_pass(const Inputs<int8_t>& in, const Shape& s, const Span& span
   const Paged<uint16_t> kb{w.kb.data(), kOneBlock, 0, len16, 1};
   key_lanes(span, tile, s, in.opt.window, m0, mc, 16, w);
   load_qt_split(in.q, s, token, h, m0, mc, w.qt.data());
-  amx_scores<2, D>(kb, 0, len, w.qt.data(), 32, w.st.data(), w.pad.data());
+#ifdef JAXPIPE_AMX
+  if constexpr (kAmx) amx_scores<2, D>(kb, 0, len, w.qt.data(), 32, w.st.data(), w.pad.data());
+#endif
+  if constexpr (!kAmx) scores<2, D>(kb, 0, len, w.qt.data(), 32, 1.f, w.st.data());
   const float scale = scale_of(in.opt.scale, D);
   for (int64_t t = 0; t < len; ++t) {
     const float by = w.ks[t] * scale;
@@ -1102,8 +1129,7 @@ void attend_int8_pass(const Inputs<int8_t>& in, const Shape& s, const Span& span
   soft_cap(w.s16.data(), len * 16, in.opt.softcap);
   softmax_split(w.s16.data(), len, w.lo.data(), w.hi.data(), w.vs.data(), w.pp.data());
   std::fill(w.pp.begin() + (len + 1) / 2 * 32, w.pp.begin() + lp * 32, 0u);
-  rows_of_pairs(w.pp.data(), lp, 32, w.pa.data());
-  amx_values<D>(w.pa.data(), lp, 32, w.vp.data(), w.out.data());
+  split_values<D, kAmx>(w.pp.data(), (len + 1) / 2, lp, mc, w.vp.data(), w);
   for (int64_t c = 0; c < mc; ++c) {
     float* dst = in.out + vector_at(s, token, h, m0 + c);
     for (int64_t i = 0; i < D; ++i) dst[i] = w.out[c * D + i] + w.out[(16 + c) * D + i];
@@ -1111,11 +1137,11 @@ void attend_int8_pass(const Inputs<int8_t>& in, const Shape& s, const Span& span
 }
 
 // A task of several queries (kv head h) on an int8 pool, 16 query vectors a pass.
-template <int D>
+template <int D, bool kAmx = false>
 void attend_int8(const Inputs<int8_t>& in, const Shape& s, const Span& span, const Tile& tile,
                  int64_t h, Work& w) {
   const int64_t len = tile.keys - tile.from, len16 = std::max<int64_t>((len + 15) / 16 * 16, 16);
-  const int64_t pairs = (len + 1) / 2, lp = std::max<int64_t>((pairs + 15) / 16 * 16, 16);
+  const int64_t lp = std::max<int64_t>(((len + 1) / 2 + 15) / 16 * 16, 16);
   const Paged<int8_t> k = pages(in.k, in, s, tile, h), v = pages(in.v, in, s, tile, h);
   w.kb.resize(len16 * D);
   w.vb.resize(len16 * D);
@@ -1123,9 +1149,7 @@ void attend_int8(const Inputs<int8_t>& in, const Shape& s, const Span& span, con
   w.vs.resize(len16);
   codes_as_bf16<D>(k, tile.from, len, w.kb.data(), w.ks.data());
   codes_as_bf16<D>(v, tile.from, len, w.vb.data(), w.vs.data());
-  w.vp.resize(lp * D);
-  value_pairs<D>(Paged<uint16_t>{w.vb.data(), kOneBlock, 0, len16, 1}, 0, len, w.vp.data());
-  std::fill(w.vp.begin() + pairs * D, w.vp.end(), 0u);
+  tile_value_pairs<D>(Paged<uint16_t>{w.vb.data(), kOneBlock, 0, len16, 1}, 0, len, w.vp);
   w.qt.resize(D / 2 * 32);
   w.st.resize(len16 * 32);
   w.s16.resize(len16 * 16);
@@ -1133,14 +1157,17 @@ void attend_int8(const Inputs<int8_t>& in, const Shape& s, const Span& span, con
   w.pa.resize(lp * 32);
   w.out.resize(32 * D);
   w.pad.resize(16 * D);
-  amx_configure();
+#ifdef JAXPIPE_AMX
+  if constexpr (kAmx) amx_configure();
+#endif
   const int64_t m_count = (tile.hi - tile.lo) * (s.heads / s.kv_heads);
   for (int64_t m0 = 0; m0 < m_count; m0 += 16)
-    attend_int8_pass<D>(in, s, span, tile, h, m0, std::min<int64_t>(16, m_count - m0), len, lp,
-                        w);
-  _tile_release();
+    attend_int8_pass<D, kAmx>(in, s, span, tile, h, m0, std::min<int64_t>(16, m_count - m0),
+                              len, lp, w);
+#ifdef JAXPIPE_AMX
+  if constexpr (kAmx) _tile_release();
+#endif
 }
-#endif  // JAXPIPE_AMX
 
 // ---- decode: one query, its G heads, keys in vector lanes ---------------------------------------
 //
@@ -1327,7 +1354,7 @@ template <int D, bool kAmx = false>
 void attend_tile(const Inputs<uint16_t>& in, const Shape& s, const Span& span,
                  const Tile& tile, int64_t h, Work& w) {
   if (tile.hi - tile.lo == 1) return decode<D>(in, s, span, tile, h, w);
-  task_value_pairs<D>(pages(in.v, in, s, tile, h), tile, w);
+  tile_value_pairs<D>(pages(in.v, in, s, tile, h), tile.from, tile.keys - tile.from, w.vp);
   const int64_t m_count = (tile.hi - tile.lo) * (s.heads / s.kv_heads);
   for (int64_t m0 = 0; m0 < m_count; m0 += 48) {
     const int64_t mc = std::min<int64_t>(48, m_count - m0);
@@ -1850,8 +1877,8 @@ uint32_t usable_paths() {
 // The path a call on a pool of `bf16`, `int8` (or f32) elements and head dim `dim` runs:
 // `path`, or (< 0) the last this build has that can run it; -1 if `path` is not built or
 // cannot run it. avx2 and avx512_bf16 take bf16 and int8 pools (avx512_bf16's int8 decode rows
-// run `decode16`'s int16 products: an int8 row's dequantized values are not bf16 numbers);
-// so does amx (its int8 tiles: `fast::attend_int8`).
+// run `decode16`'s int16 products: an int8 row's dequantized values are not bf16 numbers; its
+// int8 tiles `fast::attend_int8`); so does amx (its int8 tiles on AMX tiles).
 int64_t path_for(int64_t path, bool bf16, bool int8, int64_t dim) {
   const bool dims = dim == 64 || dim == 128 || dim == 256;  // the avx* and amx paths' own
   const uint32_t takes =
@@ -1896,10 +1923,11 @@ void run_avx512_bf16(ffi::ThreadPool& pool, const Inputs<uint16_t>& in,
 #endif
 }
 
-// The tiles' tasks on the avx2 path (a bf16 or an int8 pool), or an int8 pool's on the
-// avx512_bf16 path (kWide: `decode16`'s int16 products): decode rows in `avx2::decode`, tiles
-// of several queries on the portable code.
-template <int D, typename T, bool kWide = false, bool kAmxTiles = false>
+// The tiles' tasks on the avx2 path (a bf16 or an int8 pool: decode rows in `avx2::decode`,
+// tiles of several queries on the portable code), or an int8 pool's on the avx512_bf16 path
+// (kWide: decode rows on `decode16`'s int16 products, tiles on `fast::attend_int8`'s bf16
+// products) or on the amx path (kWide and kAmx: the tiles' products on AMX tiles).
+template <int D, typename T, bool kWide = false, bool kAmx = false>
 void run_avx2(ffi::ThreadPool& pool, const Inputs<T>& in, const std::vector<Span>& spans,
               const std::vector<Tile>& tiles, const Shape& s) {
 #if defined(__AVX2__) && defined(__FMA__)
@@ -1908,10 +1936,10 @@ void run_avx2(ffi::ThreadPool& pool, const Inputs<T>& in, const std::vector<Span
     const auto [i, h] = tasks[t];
     const Tile& tile = tiles[i];
     if (h >= 0) {
-#ifdef JAXPIPE_AMX
-      if constexpr (kAmxTiles && std::is_same_v<T, int8_t>) {
+#ifdef __AVX512BF16__
+      if constexpr (kWide && std::is_same_v<T, int8_t>) {
         thread_local fast::Work work;
-        return fast::attend_int8<D>(in, s, spans[tile.row], tile, h, work);
+        return fast::attend_int8<D, kAmx>(in, s, spans[tile.row], tile, h, work);
       }
 #endif
       thread_local Scratch scratch;

@@ -101,9 +101,9 @@ def available() -> bool:
 def paths() -> tuple[str, ...]:
     """The kernel's paths this machine's build has, in `PATHS` order; () without the kernel.
     "portable" runs every call; "avx2" (decode rows; tiles of several queries on the portable
-    code; bf16 and int8 pools), "avx512_bf16" (every tile of a bf16 pool; an int8 pool's
-    decode rows) and "amx" (tiles of several queries on AMX tiles, where the CPU has amx_bf16
-    and Linux lets the process use them; bf16 and int8 pools) take head dim 64, 128 or 256."""
+    code; bf16 and int8 pools), "avx512_bf16" (every tile of a bf16 or an int8 pool) and
+    "amx" (tiles of several queries on AMX tiles, where the CPU has amx_bf16 and Linux lets
+    the process use them; bf16 and int8 pools) take head dim 64, 128 or 256."""
     lib = _library()
     if lib is None:
         return ()

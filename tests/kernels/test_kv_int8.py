@@ -123,9 +123,10 @@ def test_every_kernel_path_reads_int8_pools_as_numpy(head_dim, heads, kv_heads, 
                                                      softcap, scale):
     """Each path this build has that takes an int8 pool (avx2's decode rows: codes widened
     to f32 and times the row's scale, q and probabilities f32; avx512_bf16's: int16 products
-    where the build has them, `int16_rows`, else 16-lane f32 ones) against float64 attention
-    over the NumPy-dequantized K/V (with the int16 quantizations where the path makes them),
-    decode rows and tiles, windows, soft caps and scales."""
+    where the build has them, `int16_rows`, else 16-lane f32 ones; the tiles of avx512_bf16
+    and amx: bf16 products of q and the probabilities split in two bf16 parts each) against
+    float64 attention over the NumPy-dequantized K/V (with the int16 quantizations where the
+    path makes them), decode rows and tiles, windows, soft caps and scales."""
     paths = int8_paths(head_dim)
     assert "portable" in paths and set(paths) == set(ra.paths())
     q, k, v = inputs(jnp.int8, seed=head_dim + heads, head_dim=head_dim, heads=heads,
