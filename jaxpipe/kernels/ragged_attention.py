@@ -50,10 +50,10 @@ and, with head dim 64, 128 or 256, on "avx2" (decode rows: codes widened to f32 
 times the row's scale) and "avx512_bf16" (decode rows by int16 products, avx512_vnni's
 vpdpwssd, `int16_decode`: the codes exact as int16, q and each head's probabilities times the
 value rows' scales quantized per head to int16, sums exact in int32; an int8 row's values
-are not bf16 numbers, so no vdpbf16ps), tiles of several queries on the portable code, and
-on "amx" (its default where built: avx512_bf16's decode rows, and tiles of several queries
-on AMX tiles, the codes as exact bf16 numbers, q and the probabilities times the value rows'
-scales each split into two bf16 parts, so within 2^-17 of the portable path's f32);
+are not bf16 numbers, so no vdpbf16ps; tiles of several queries by vdpbf16ps products of
+the codes as exact bf16 numbers, q and the probabilities times the value rows' scales each
+split into two bf16 parts, so within 2^-17 of the portable path's f32), and on "amx" (its
+default where built: avx512_bf16's decode rows, and the same tiles' products on AMX tiles);
 `write_and_attend` quantizes the rows it writes, as `kv_int8.quantize` does.
 A call runs `path_for`'s path unless it names one (`path`), and
 fails if that one cannot run it. A custom call cannot be partitioned by the SPMD partitioner:
