@@ -52,13 +52,15 @@
 // (`avx2::vnni`, vpdpwssd: q and the probabilities times the value scales quantized per head
 // to int16; decode 256 rows x 2048 keys 18.6-20.1 -> 13.9-14.4 ms a layer, against a bf16
 // pool's 21.2-24.2), and its tiles of several queries bf16 products of the codes and of q and
-// the probabilities split in two bf16 parts each (`fast::attend_int8`). With amx_bf16 ("amx", `fast::attend_amx`): avx512_bf16's, but a bf16
-// pool's tiles of several queries run their two products on AMX tiles (tdpbf16ps), keys read
-// from the pool as A tiles in place; on an Intel Xeon model 207 (amx_bf16) a 512-query chunk
-// after 1536 keys 19.45 -> 10.70 ms a layer, 4 x 256 after 256 8.14 -> 3.73. Otherwise ("portable": f32 pools, other head dims, or asked for) f32
-// code: a decode task does G dots per key; a tile of several queries scores 16 keys at a
-// time against a transposed copy and, for a compile-time D, sums values with its outputs held
-// in registers. Every path honours windows, soft caps and scales.
+// the probabilities split in two bf16 parts each (`fast::attend_int8`; on an AMD EPYC family
+// 25, SmolLM2's heads, 1.37-1.47x the portable code's speed). With amx_bf16 ("amx",
+// `fast::attend_amx`): avx512_bf16's, but a bf16 pool's tiles of several queries run their
+// two products on AMX tiles (tdpbf16ps), keys read from the pool as A tiles in place; on an
+// Intel Xeon model 207 (amx_bf16) a 512-query chunk after 1536 keys 19.45 -> 10.70 ms a
+// layer, 4 x 256 after 256 8.14 -> 3.73. Otherwise ("portable": f32 pools, other head dims,
+// or asked for) f32 code: a decode task does G dots per key; a tile of several queries scores
+// 16 keys at a time against a transposed copy and, for a compile-time D, sums values with its
+// outputs held in registers. Every path honours windows, soft caps and scales.
 #include <algorithm>
 #include <array>
 #include <atomic>
@@ -1154,12 +1156,14 @@ void attend_int8(const Inputs<int8_t>& in, const Shape& s, const Span& span, con
   w.st.resize(len16 * 32);
   w.s16.resize(len16 * 16);
   w.pp.resize(lp * 32);
-  w.pa.resize(lp * 32);
   w.out.resize(32 * D);
-  w.pad.resize(16 * D);
+  if constexpr (kAmx) {
+    w.pa.resize(lp * 32);
+    w.pad.resize(16 * D);
 #ifdef JAXPIPE_AMX
-  if constexpr (kAmx) amx_configure();
+    amx_configure();
 #endif
+  }
   const int64_t m_count = (tile.hi - tile.lo) * (s.heads / s.kv_heads);
   for (int64_t m0 = 0; m0 < m_count; m0 += 16)
     attend_int8_pass<D, kAmx>(in, s, span, tile, h, m0, std::min<int64_t>(16, m_count - m0),
