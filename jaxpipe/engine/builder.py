@@ -34,7 +34,7 @@ from jaxpipe.engine.structured import Constraints
 from jaxpipe.kernels.paged import storage_dtype
 from jaxpipe.kv.manager import KVManager
 from jaxpipe.model import loading, smoothing
-from jaxpipe.model.decoder import Decoder, init_random, param_decls
+from jaxpipe.model.decoder import checked_values, init_random, param_decls
 from jaxpipe.model.gguf_quantized import GgufWeight
 from jaxpipe.model.gguf_weights import kept_weights
 from jaxpipe.model.presets import resolve_model
@@ -54,7 +54,9 @@ class Prepared:
 
     dtype: jnp.dtype
     model_config: ModelConfig
-    model: Decoder | Path  # a path: an orbax checkpoint, restored straight into shardings
+    # the host weights by parameter name (quantization="gguf": those kept in the file's
+    # blocks as `GgufWeight`s); a path: an orbax checkpoint, restored straight into shardings
+    weights: dict | Path
     tokenizer: Tokenizer | None
     max_model_len: int
     layouts: dict[str, Layout]
@@ -146,27 +148,38 @@ def follow(config: EngineConfig) -> None:
 
 
 def prepare(config: EngineConfig, num_devices: int) -> Prepared:
-    """What every process derives alike from the config: dtype, architecture, the loaded
-    model, tokenizer, max_model_len and the two layouts."""
+    """What every process derives alike from the config: dtype, architecture (from the
+    model's metadata), the two layouts, the loaded weights, tokenizer and max_model_len."""
     _enable_compilation_cache(config.compilation_cache_dir)
     dtype = jnp.dtype(config.dtype)
-    model_config, model, tokenizer = _load(config, dtype)
+    source = resolve_model(config.model)
+    _check_gguf_source(config, source)
+    model_config = loading.source_config(source)
     layouts = _resolve_layouts(config, model_config, num_devices)
-    return Prepared(dtype, model_config, model, tokenizer, _max_model_len(config, model_config),
-                    layouts, _gguf_blocks(config, model_config, layouts))
+    _check_gguf_layouts(config, layouts)
+    blocks = kept_weights(source.path, model_config) if config.quantization == "gguf" else {}
+    return Prepared(dtype, model_config, _load(config, source, model_config, dtype, blocks),
+                    loading.load_tokenizer(source), _max_model_len(config, model_config),
+                    layouts, blocks)
 
 
-def _gguf_blocks(config: EngineConfig, cfg: ModelConfig, layouts: dict[str, Layout]) -> dict:
-    """quantization="gguf": the weights kept in the GGUF file's blocks (else none), on
-    layouts without tensor parallelism (the blocks are not split over tp yet)."""
-    if config.quantization != "gguf":
-        return {}
+def _check_gguf_source(config: EngineConfig, source) -> None:
+    """quantization="gguf" keeps a GGUF file's blocks: it needs a GGUF file's weights."""
+    if config.quantization == "gguf" and (source.kind != "gguf" or config.random_weights):
+        raise ValueError(f"quantization='gguf' keeps a GGUF file's blocks: it needs a GGUF "
+                         f"model (a .gguf path or a preset whose weights are one) and its "
+                         f"weights; model {config.model!r} is {source.kind}"
+                         + (" with random_weights" if config.random_weights else ""))
+
+
+def _check_gguf_layouts(config: EngineConfig, layouts: dict[str, Layout]) -> None:
+    """quantization="gguf" runs layouts without tensor parallelism (the blocks are not split
+    over tp yet)."""
     for phase, layout in layouts.items():
-        if layout.tp > 1:
+        if config.quantization == "gguf" and layout.tp > 1:
             raise ValueError(f"quantization='gguf' runs layouts with tp=1 (pipeline stages); "
                              f"the {phase} layout is {layout}: use pp, or "
                              "quantization='none' / 'int8' for tp > 1")
-    return kept_weights(resolve_model(config.model).path, cfg)
 
 
 def mesh_devices(mesh: MeshPreset, cluster: Cluster | None = None) -> list:
@@ -189,12 +202,8 @@ def mesh_devices(mesh: MeshPreset, cluster: Cluster | None = None) -> list:
 def make_runner(config: EngineConfig, prep: Prepared, buckets: Buckets, num_slots: int,
                 num_blocks: int, devices: list, kernels: KernelChoice | None) -> Runner:
     """The runner over `prep.layouts` of `devices` (one device: pp=1,tp=1 for both phases),
-    holding the weights of `prep.model` (restored from orbax when it is a path)."""
-    model = prep.model
-    weights = model if isinstance(model, Path) else {
-        name: prep.blocks[name] if name in prep.blocks else getattr(model, name)[...]
-        for name in param_decls(prep.model_config)}
-    weights = _smoothed(config, prep, weights)
+    holding `prep.weights` (restored from orbax when it is a path)."""
+    weights = _smoothed(config, prep, prep.weights)
     return Runner(prep.model_config, weights, buckets, num_slots, prep.max_model_len,
                   prep.dtype, prep.layouts, devices, num_blocks, attention=config.attention,
                   sampler=config.sampler, sampler_threads=config.sampler_threads,
@@ -269,26 +278,25 @@ def _resolve_layouts(config: EngineConfig, cfg: ModelConfig, num_devices: int) -
     return {k: Layout.parse(v) for k, v in layouts.items()}
 
 
-def _load(config: EngineConfig, dtype) -> tuple[ModelConfig, Decoder | Path, Tokenizer | None]:
-    """Architecture, weights and tokenizer. An orbax checkpoint is not read here: its path is
-    returned, for the runner to restore straight into the layout's shardings."""
-    source = resolve_model(config.model)
-    if config.quantization == "gguf" and (source.kind != "gguf" or config.random_weights):
-        raise ValueError(f"quantization='gguf' keeps a GGUF file's blocks: it needs a GGUF "
-                         f"model (a .gguf path or a preset whose weights are one) and its "
-                         f"weights; model {config.model!r} is {source.kind}"
-                         + (" with random_weights" if config.random_weights else ""))
-    tokenizer = loading.load_tokenizer(source)
-    if config.random_weights:
-        cfg = loading.source_config(source)  # the metadata alone: the weights are not read
-        return cfg, init_random(cfg, config.seed, dtype), tokenizer
+def _load(config: EngineConfig, source, cfg: ModelConfig, dtype,
+          blocks: dict[str, GgufWeight]) -> dict | Path:
+    """The host weights of architecture `cfg` by parameter name: `blocks` (GGUF blocks) and
+    the others read from the model (those in `blocks` neither read nor dequantized). An
+    orbax checkpoint is not read here: its path is returned, for the runner to restore
+    straight into the layout's shardings."""
+    if config.random_weights:  # the metadata alone: the weights are not read
+        model = init_random(cfg, config.seed, dtype)
+        return {name: getattr(model, name)[...] for name in param_decls(cfg)}
     if source.kind == "orbax":
-        return loading.source_config(source), source.path, tokenizer
+        return source.path
     start = time.perf_counter()
-    cfg, values = loading.load_weights(source)
-    model = Decoder(cfg, dtype=dtype, values=values)
+    loaded_cfg, values = loading.load_weights(source, frozenset(blocks))
+    if loaded_cfg != cfg:
+        raise ValueError(f"model {source.name!r}: its weights' architecture {loaded_cfg} is "
+                         f"not its metadata's {cfg}")
+    weights = checked_values(cfg, values, dtype, frozenset(blocks)) | blocks
     log.info("loaded %s in %.1f s", source.name, time.perf_counter() - start)
-    return cfg, model, tokenizer
+    return weights
 
 
 def _max_model_len(config: EngineConfig, cfg: ModelConfig) -> int:

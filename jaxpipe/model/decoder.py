@@ -198,19 +198,10 @@ class Decoder(nnx.Module):
                  values: dict[str, jax.Array] | None = None):
         """Random init from `rngs` (seeded) or take `values` (name -> array) from a loader."""
         self.config = cfg
-        decls = param_decls(cfg)
-        if values is not None and set(values) != set(decls):
-            raise ValueError(f"weights do not match the architecture: missing "
-                             f"{sorted(set(decls) - set(values))}, unexpected "
-                             f"{sorted(set(values) - set(decls))}")
-        for name, decl in decls.items():
-            if values is not None:
-                value = jnp.asarray(values[name], dtype)
-                if value.shape != decl.shape:
-                    raise ValueError(f"weight {name!r} has shape {value.shape}, the "
-                                     f"architecture needs {decl.shape}")
-            else:
-                value = _init_value(decl, rngs.params(), dtype)
+        if values is not None:
+            values = checked_values(cfg, values, dtype)
+        for name, decl in param_decls(cfg).items():
+            value = _init_value(decl, rngs.params(), dtype) if values is None else values[name]
             setattr(self, name, nnx.Param(value, sharding_names=decl.axes, eager_sharding=False))
 
     def layer(self, index: int) -> LayerParams:
@@ -503,6 +494,25 @@ def rope_tables(cfg: ModelConfig, positions, local=False):
     cos, sin = rope_angles(cfg, positions, local)
     return (jnp.concatenate([cos, cos], axis=-1)[..., None, :],
             jnp.concatenate([sin, sin], axis=-1)[..., None, :])
+
+
+def checked_values(cfg: ModelConfig, values: dict, dtype,
+                   held: frozenset[str] = frozenset()) -> dict[str, jax.Array]:
+    """A loader's `values` (name -> array) as arrays of `dtype`, checked against the
+    architecture: each parameter's shape, and every parameter there but those `held`
+    elsewhere (GGUF blocks)."""
+    decls = param_decls(cfg)
+    if set(values) != set(decls) - held:
+        raise ValueError(f"weights do not match the architecture: missing "
+                         f"{sorted(set(decls) - held - set(values))}, unexpected "
+                         f"{sorted(set(values) - (set(decls) - held))}")
+    out = {}
+    for name, value in values.items():
+        out[name] = jnp.asarray(value, dtype)
+        if out[name].shape != decls[name].shape:
+            raise ValueError(f"weight {name!r} has shape {out[name].shape}, the "
+                             f"architecture needs {decls[name].shape}")
+    return out
 
 
 def init_random(cfg: ModelConfig, seed: int, dtype=jnp.float32) -> Decoder:

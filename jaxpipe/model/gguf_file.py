@@ -5,7 +5,8 @@ the format."""
 
 from __future__ import annotations
 
-from functools import cached_property
+import os
+from functools import cache, cached_property
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +15,25 @@ from gguf import GGUFReader, quants
 from jaxpipe.config.model import ModelConfig
 from jaxpipe.model import families, tensors
 from jaxpipe.model.family import Family, rename
+
+
+def open_gguf(path: str | os.PathLike) -> GGUFReader:
+    """The GGUF file at `path`, parsed (its metadata, and its tensors mapped, not read). An
+    engine reads one file's header four times (architecture, blocks, weights, tokenizer) and
+    a header takes seconds to parse (SmolLM2's: 2.0-2.4 s; its tokenizer arrays): one parse
+    serves them all while the file is unchanged."""
+    path = Path(path).absolute()
+    stat = path.stat()  # FileNotFoundError names the path
+    return _parsed(path, stat.st_mtime_ns, stat.st_size)
+
+
+@cache
+def _parsed(path: Path, mtime_ns: int, size: int) -> GGUFReader:
+    del mtime_ns, size  # the cache's key: a file written again is parsed again
+    try:
+        return GGUFReader(str(path))
+    except Exception as exc:  # gguf raises bare ValueErrors without the path
+        raise ValueError(f"could not read {str(path)!r} as a GGUF file: {exc}") from exc
 
 
 class GGUFMetadata:
@@ -99,14 +119,16 @@ def gguf_config(reader) -> ModelConfig:
     return ModelConfig(**fields | dict(family.features) | family.gguf_fields(meta))
 
 
-def load_gguf(path: Path) -> tuple[ModelConfig, dict[str, np.ndarray]]:
-    """Read and dequantize a GGUF file."""
+def load_gguf(path: Path, skip: frozenset[str] = frozenset()
+              ) -> tuple[ModelConfig, dict[str, np.ndarray]]:
+    """Read and dequantize a GGUF file, one tensor at a time as `tensors.stack` asks for it;
+    the parameters in `skip` (those kept in their blocks, `gguf_weights.py`) are not read."""
 
-    reader = GGUFReader(str(path))
+    reader = open_gguf(path)
     family, cfg = gguf_family(reader), gguf_config(reader)
     if any(t.name == "rope_freqs.weight" for t in reader.tensors):
         raise ValueError(f"{path}: GGUF with rope_freqs (Llama-3.1 scaling) is not supported yet")
-    named: dict[str, np.ndarray] = {}
+    by_name = {}
     for t in reader.tensors:
         if t.name in family.gguf_config_tensors:
             continue
@@ -115,7 +137,12 @@ def load_gguf(path: Path) -> tuple[ModelConfig, dict[str, np.ndarray]]:
             raise ValueError(f"{path}: GGUF tensor {t.name!r} is not supported (a part of "
                              f"the {cfg.num_layers}-layer {family.name} model jaxpipe does "
                              "not run)")
+        by_name[ours] = t
+
+    def read(name: str) -> np.ndarray:
+        t = by_name[name]
         value = quants.dequantize(t.data, t.tensor_type).astype(np.float32)
-        named[ours] = family.gguf_value(cfg, ours, value.reshape(
-            [int(n) for n in reversed(t.shape)]))
-    return cfg, tensors.stack(cfg, tensors.split_fused(cfg, named))
+        return family.gguf_value(cfg, name, value.reshape([int(n) for n in reversed(t.shape)]))
+
+    lazy = tensors.Lazy(by_name, read)
+    return cfg, tensors.stack(cfg, tensors.split_fused(cfg, lazy), skip)

@@ -24,13 +24,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFReader, quants
+from gguf import GGMLQuantizationType, quants
 
 from jaxpipe.config.model import ModelConfig
 from jaxpipe.model import gguf_quantized
 from jaxpipe.model.decoder import param_decls
 from jaxpipe.model.family import Family, rename
-from jaxpipe.model.gguf_file import gguf_config, gguf_family
+from jaxpipe.model.gguf_file import gguf_config, gguf_family, open_gguf
 from jaxpipe.model.gguf_quantized import GgufWeight
 
 log = logging.getLogger(__name__)
@@ -72,7 +72,7 @@ def read_block_rows(path: Path, kinds: tuple[str, ...] = KEPT) -> dict[str, Bloc
     """The linear weights of the GGUF file at `path` (a dense model's) and its LM head
     ("lm_head": the output matrix, or the token embedding when tied) whose blocks are of
     `kinds`, by decoder parameter name; the others are left out, each named in a log line."""
-    reader = GGUFReader(str(path))
+    reader = open_gguf(path)
     family, cfg = gguf_family(reader), gguf_config(reader)
     if cfg.is_moe:
         raise ValueError(f"{path}: GGUF blocks are read for dense models only; "

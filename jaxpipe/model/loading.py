@@ -6,21 +6,24 @@ in: GGUF (`gguf_file.py`), an HF safetensors directory (`hf_dir.py`) or an orbax
 from __future__ import annotations
 
 import json
-
-from gguf import GGUFReader
+from functools import partial
 
 from jaxpipe.config.model import ModelConfig
 from jaxpipe.model import gguf_file, hf_dir, orbax_dir
 from jaxpipe.model.tokenizer import Tokenizer
 
 
-def load_weights(source) -> tuple[ModelConfig, dict]:
-    """Route on a resolved `ModelSource`."""
-    loaders = {"gguf": gguf_file.load_gguf, "hf": hf_dir.load_hf_dir,
+def load_weights(source, skip: frozenset[str] = frozenset()) -> tuple[ModelConfig, dict]:
+    """Route on a resolved `ModelSource`; a GGUF file's parameters in `skip` (those kept in
+    their blocks) are not read."""
+    loaders = {"gguf": partial(gguf_file.load_gguf, skip=skip), "hf": hf_dir.load_hf_dir,
                "orbax": orbax_dir.load_orbax}
     if source.kind not in loaders:
         raise ValueError(f"model {source.name!r} has no weights (architecture-only preset); "
                          "use EngineConfig(random_weights=True) for benchmarks")
+    if skip and source.kind != "gguf":
+        raise ValueError(f"only a GGUF file's weights are read in part; {source.name!r} is "
+                         f"{source.kind}")
     return loaders[source.kind](source.path)
 
 
@@ -31,7 +34,7 @@ def source_config(source) -> ModelConfig:
         return source.config
     if source.kind == "gguf":
 
-        return gguf_file.gguf_config(GGUFReader(str(source.path)))
+        return gguf_file.gguf_config(gguf_file.open_gguf(source.path))
     if source.kind == "hf":
         return hf_dir.hf_config(json.loads((source.path / "config.json").read_text()))
     if source.kind == "orbax":
@@ -43,7 +46,7 @@ def load_tokenizer(source):
     """The tokenizer that goes with a resolved `ModelSource`, or None (architecture-only)."""
 
     if source.kind == "gguf":
-        return Tokenizer.from_gguf(source.path)
+        return Tokenizer.from_gguf_reader(gguf_file.open_gguf(source.path))
     if source.kind in ("hf", "orbax") and (source.path / "tokenizer.json").is_file():
         return Tokenizer.from_hf_dir(source.path)
     return None

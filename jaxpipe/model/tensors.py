@@ -22,7 +22,7 @@ GGUF's, transformers' in-memory down).
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
 import numpy as np
 
@@ -31,17 +31,38 @@ from jaxpipe.config.model import ModelConfig
 _FUSED = re.compile(r"layers\.(\d+)\.(qkv|gate_up|experts\.(?:gate_up|gate|up|down))")
 
 
-def split_fused(cfg: ModelConfig, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """`tensors` with every fused tensor replaced by its parts (see the module docstring)."""
-    out = {}
-    for name, value in tensors.items():
-        match = _FUSED.fullmatch(name)
-        if match is None:
-            out[name] = value
-            continue
-        pre, part = f"layers.{match[1]}.", match[2]
-        out |= {pre + n: v for n, v in _split(cfg, part, value).items()}
-    return out
+class Lazy(Mapping):
+    """Tensors by name, each read by `read(name)` when it is looked up (a loader's file read
+    one tensor at a time, and only the tensors `stack` asks for)."""
+
+    def __init__(self, names: Iterable[str], read: Callable[[str], np.ndarray]):
+        self._names, self._read = dict.fromkeys(names), read
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        if name not in self._names:
+            raise KeyError(name)
+        return self._read(name)
+
+    def __contains__(self, name: object) -> bool:  # Mapping's own would read the tensor
+        return name in self._names
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+
+def split_fused(cfg: ModelConfig, tensors: Mapping[str, np.ndarray]) -> Mapping[str, np.ndarray]:
+    """`tensors` with every fused tensor replaced by its parts (see the module docstring).
+    The others are not read here: a `Lazy` mapping stays lazy for them."""
+    fused = {name: match for name in tensors if (match := _FUSED.fullmatch(name)) is not None}
+    parts = {}
+    for name, match in fused.items():
+        pre = f"layers.{match[1]}."
+        parts |= {pre + n: v for n, v in _split(cfg, match[2], tensors[name]).items()}
+    kept = [name for name in tensors if name not in fused]
+    return Lazy(kept + list(parts), lambda name: parts[name] if name in parts else tensors[name])
 
 
 def _split(cfg: ModelConfig, part: str, value: np.ndarray) -> dict[str, np.ndarray]:
@@ -59,36 +80,43 @@ def _split(cfg: ModelConfig, part: str, value: np.ndarray) -> dict[str, np.ndarr
     return {f"experts.{x}.{kind}": w for x, w in enumerate(value)}
 
 
-def stack(cfg: ModelConfig, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+def stack(cfg: ModelConfig, tensors: Mapping[str, np.ndarray],
+          skip: frozenset[str] = frozenset()) -> dict[str, np.ndarray]:
     """jaxpipe-named [out, in] tensors -> the decoder's stacked parameters
     (`decoder.param_decls`): matrices transposed to [in, out], heads split out, layers
-    stacked along a leading axis."""
+    stacked along a leading axis. The parameters in `skip` (a dense model's linear weights,
+    embedding and LM head: those held elsewhere, as GGUF blocks) are left out, their tensors
+    not read."""
     E, H, K, D = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     get = _getter(tensors)
 
     def layers(name: str, fn: Callable[[np.ndarray], np.ndarray] = lambda w: w) -> np.ndarray:
         return np.stack([fn(get(f"layers.{i}.{name}")) for i in range(cfg.num_layers)])
 
-    values = {
-        "embed": get("embed"),
-        "final_norm": get("final_norm"),
-        "attn_norm": layers("attn_norm"),
-        "mlp_norm": layers("mlp_norm"),
-        "wq": layers("q", lambda w: w.T.reshape(E, H, D)),
-        "wkv": np.stack([layers(n, lambda w: w.T.reshape(E, K, D)) for n in "kv"],
-                        axis=2),  # [L, E, 2, Hkv, D]
-        "wo": layers("o", lambda w: w.T.reshape(H, D, E)),
+    build = {
+        "embed": lambda: get("embed"),
+        "final_norm": lambda: get("final_norm"),
+        "attn_norm": lambda: layers("attn_norm"),
+        "mlp_norm": lambda: layers("mlp_norm"),
+        "wq": lambda: layers("q", lambda w: w.T.reshape(E, H, D)),
+        "wkv": lambda: np.stack([layers(n, lambda w: w.T.reshape(E, K, D)) for n in "kv"],
+                                axis=2),  # [L, E, 2, Hkv, D]
+        "wo": lambda: layers("o", lambda w: w.T.reshape(H, D, E)),
     }
+    if cfg.intermediate_size and not cfg.dense_layers:  # the dense MLP (Qwen2-MoE: shared)
+        build["w_gate_up"] = lambda: np.stack([layers(n, lambda w: w.T) for n in ("gate", "up")],
+                                              axis=2)  # [L, E, 2, F]
+        build["w_down"] = lambda: layers("down", lambda w: w.T)
+    if not cfg.tie_embeddings:
+        build["lm_head"] = lambda: get("lm_head").T
+    if skip - set(build):
+        raise ValueError(f"stack can leave out {sorted(build)} of this architecture, not "
+                         f"{sorted(skip - set(build))}")
+    values = {name: make() for name, make in build.items() if name not in skip}
     if cfg.dense_layers:  # a mixed dense/MoE model's, zero-padded
         values |= _mixed_mlp(cfg, get)
-    elif cfg.intermediate_size:  # the dense MLP (Qwen2-MoE: the shared expert)
-        values["w_gate_up"] = np.stack([layers(n, lambda w: w.T) for n in ("gate", "up")],
-                                       axis=2)  # [L, E, 2, F]
-        values["w_down"] = layers("down", lambda w: w.T)
     if cfg.is_moe:
         values |= _experts(cfg, get)
-    if not cfg.tie_embeddings:
-        values["lm_head"] = get("lm_head").T
     return values | _optional(cfg, layers)
 
 
@@ -108,7 +136,7 @@ def _optional(cfg: ModelConfig, layers) -> dict[str, np.ndarray]:
     return values
 
 
-def _getter(tensors: dict[str, np.ndarray]) -> Callable[[str], np.ndarray]:
+def _getter(tensors: Mapping[str, np.ndarray]) -> Callable[[str], np.ndarray]:
     def get(name: str) -> np.ndarray:
         if name not in tensors:
             raise ValueError(f"the checkpoint has no tensor for jaxpipe's {name!r}, which its "

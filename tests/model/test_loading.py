@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from jaxpipe import Engine, EngineConfig, SamplingParams
-from jaxpipe.model import loading, orbax_dir
+from jaxpipe.model import gguf_file, loading, orbax_dir
 from jaxpipe.model.hf_dir import hf_config
 from jaxpipe.model.presets import resolve_model
 from jaxpipe.model.tokenizer import Tokenizer
@@ -122,3 +122,25 @@ def test_corrupt_gguf_fails_at_engine_construction_naming_it(tmp_path):
     path.write_bytes(b"not a gguf file at all")
     with pytest.raises(ValueError, match=re.escape(str(path))):
         Engine(EngineConfig(model=str(path), warmup=False, show_progress=False))
+
+
+def _write_gguf(path, arch: str) -> None:
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_tensor("x", np.arange(4, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_a_gguf_file_is_parsed_once_until_it_changes(tmp_path):
+    path = tmp_path / "tiny.gguf"
+    _write_gguf(path, "llama")
+    first = gguf_file.open_gguf(path)
+    assert gguf_file.open_gguf(str(path)) is first
+    _write_gguf(path, "a-longer-architecture")  # another size: parsed again
+    again = gguf_file.open_gguf(path)
+    assert again is not first
+    assert again.fields["general.architecture"].contents() == "a-longer-architecture"
