@@ -290,7 +290,7 @@ def _load(config: EngineConfig, source, cfg: ModelConfig, dtype,
     if source.kind == "orbax":
         return source.path
     start = time.perf_counter()
-    loaded_cfg, values = loading.load_weights(source, frozenset(blocks))
+    loaded_cfg, values = loading.load_weights(source, frozenset(blocks), dtype)
     if loaded_cfg != cfg:
         raise ValueError(f"model {source.name!r}: its weights' architecture {loaded_cfg} is "
                          f"not its metadata's {cfg}")

@@ -201,7 +201,8 @@ class Decoder(nnx.Module):
         if values is not None:
             values = checked_values(cfg, values, dtype)
         for name, decl in param_decls(cfg).items():
-            value = _init_value(decl, rngs.params(), dtype) if values is None else values[name]
+            value = (_init_value(decl, rngs.params(), dtype) if values is None
+                     else jnp.asarray(values[name]))
             setattr(self, name, nnx.Param(value, sharding_names=decl.axes, eager_sharding=False))
 
     def layer(self, index: int) -> LayerParams:
@@ -497,10 +498,10 @@ def rope_tables(cfg: ModelConfig, positions, local=False):
 
 
 def checked_values(cfg: ModelConfig, values: dict, dtype,
-                   held: frozenset[str] = frozenset()) -> dict[str, jax.Array]:
-    """A loader's `values` (name -> array) as arrays of `dtype`, checked against the
-    architecture: each parameter's shape, and every parameter there but those `held`
-    elsewhere (GGUF blocks)."""
+                   held: frozenset[str] = frozenset()) -> dict[str, np.ndarray]:
+    """A loader's `values` (name -> array) as host arrays of `dtype` (those already of it
+    as they are), checked against the architecture: each parameter's shape, and every
+    parameter there but those `held` elsewhere (GGUF blocks)."""
     decls = param_decls(cfg)
     if set(values) != set(decls) - held:
         raise ValueError(f"weights do not match the architecture: missing "
@@ -508,7 +509,7 @@ def checked_values(cfg: ModelConfig, values: dict, dtype,
                          f"{sorted(set(values) - (set(decls) - held))}")
     out = {}
     for name, value in values.items():
-        out[name] = jnp.asarray(value, dtype)
+        out[name] = np.asarray(value, dtype)
         if out[name].shape != decls[name].shape:
             raise ValueError(f"weight {name!r} has shape {out[name].shape}, the "
                              f"architecture needs {decls[name].shape}")

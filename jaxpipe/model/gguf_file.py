@@ -119,10 +119,11 @@ def gguf_config(reader) -> ModelConfig:
     return ModelConfig(**fields | dict(family.features) | family.gguf_fields(meta))
 
 
-def load_gguf(path: Path, skip: frozenset[str] = frozenset()
+def load_gguf(path: Path, skip: frozenset[str] = frozenset(), dtype=np.float32
               ) -> tuple[ModelConfig, dict[str, np.ndarray]]:
-    """Read and dequantize a GGUF file, one tensor at a time as `tensors.stack` asks for it;
-    the parameters in `skip` (those kept in their blocks, `gguf_weights.py`) are not read."""
+    """Read and dequantize a GGUF file into parameters of `dtype`, one tensor at a time as
+    `tensors.stack` asks for it; the parameters in `skip` (those kept in their blocks,
+    `gguf_weights.py`) are not read."""
 
     reader = open_gguf(path)
     family, cfg = gguf_family(reader), gguf_config(reader)
@@ -145,4 +146,4 @@ def load_gguf(path: Path, skip: frozenset[str] = frozenset()
         return family.gguf_value(cfg, name, value.reshape([int(n) for n in reversed(t.shape)]))
 
     lazy = tensors.Lazy(by_name, read)
-    return cfg, tensors.stack(cfg, tensors.split_fused(cfg, lazy), skip)
+    return cfg, tensors.stack(cfg, tensors.split_fused(cfg, lazy), skip, dtype)

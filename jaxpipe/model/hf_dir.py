@@ -78,8 +78,9 @@ def _refuse_unsupported(c: dict, family: Family) -> None:
                          "supported: causal attention")
 
 
-def load_hf_dir(path: Path) -> tuple[ModelConfig, dict[str, np.ndarray]]:
-    """Read config.json and every *.safetensors file of an HF checkpoint directory."""
+def load_hf_dir(path: Path, dtype=np.float32) -> tuple[ModelConfig, dict[str, np.ndarray]]:
+    """Read config.json and every *.safetensors file of an HF checkpoint directory into
+    parameters of `dtype`."""
     config = json.loads((path / "config.json").read_text())
     family, cfg = families.for_hf_config(config), hf_config(config)
     files = sorted(path.glob("*.safetensors"))
@@ -88,7 +89,7 @@ def load_hf_dir(path: Path) -> tuple[ModelConfig, dict[str, np.ndarray]]:
     named: dict[str, np.ndarray] = {}
     for file in files:
         named |= _read_file(file, family, cfg)
-    return cfg, tensors.stack(cfg, tensors.split_fused(cfg, named))
+    return cfg, tensors.stack(cfg, tensors.split_fused(cfg, named), dtype=dtype)
 
 
 def _read_file(file: Path, family: Family, cfg: ModelConfig) -> dict[str, np.ndarray]:

@@ -8,16 +8,20 @@ from __future__ import annotations
 import json
 from functools import partial
 
+import numpy as np
+
 from jaxpipe.config.model import ModelConfig
 from jaxpipe.model import gguf_file, hf_dir, orbax_dir
 from jaxpipe.model.tokenizer import Tokenizer
 
 
-def load_weights(source, skip: frozenset[str] = frozenset()) -> tuple[ModelConfig, dict]:
-    """Route on a resolved `ModelSource`; a GGUF file's parameters in `skip` (those kept in
-    their blocks) are not read."""
-    loaders = {"gguf": partial(gguf_file.load_gguf, skip=skip), "hf": hf_dir.load_hf_dir,
-               "orbax": orbax_dir.load_orbax}
+def load_weights(source, skip: frozenset[str] = frozenset(), dtype=np.float32
+                 ) -> tuple[ModelConfig, dict]:
+    """Route on a resolved `ModelSource`; GGUF and HF weights come in `dtype` (an orbax
+    checkpoint's in its own), a GGUF file's parameters in `skip` (those kept in their
+    blocks) not read."""
+    loaders = {"gguf": partial(gguf_file.load_gguf, skip=skip, dtype=dtype),
+               "hf": partial(hf_dir.load_hf_dir, dtype=dtype), "orbax": orbax_dir.load_orbax}
     if source.kind not in loaders:
         raise ValueError(f"model {source.name!r} has no weights (architecture-only preset); "
                          "use EngineConfig(random_weights=True) for benchmarks")

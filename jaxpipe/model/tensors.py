@@ -81,34 +81,46 @@ def _split(cfg: ModelConfig, part: str, value: np.ndarray) -> dict[str, np.ndarr
 
 
 def stack(cfg: ModelConfig, tensors: Mapping[str, np.ndarray],
-          skip: frozenset[str] = frozenset()) -> dict[str, np.ndarray]:
+          skip: frozenset[str] = frozenset(), dtype=np.float32) -> dict[str, np.ndarray]:
     """jaxpipe-named [out, in] tensors -> the decoder's stacked parameters
-    (`decoder.param_decls`): matrices transposed to [in, out], heads split out, layers
-    stacked along a leading axis. The parameters in `skip` (a dense model's linear weights,
-    embedding and LM head: those held elsewhere, as GGUF blocks) are left out, their tensors
-    not read."""
+    (`decoder.param_decls`) in `dtype`: matrices transposed to [in, out], heads split out,
+    layers stacked along a leading axis, each parameter cast as soon as it is built (a lazy
+    `tensors` then holds one parameter's tensors in f32 at a time). The parameters in `skip`
+    (a dense model's linear weights, embedding and LM head: those held elsewhere, as GGUF
+    blocks) are left out, their tensors not read."""
     E, H, K, D = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     get = _getter(tensors)
 
-    def layers(name: str, fn: Callable[[np.ndarray], np.ndarray] = lambda w: w) -> np.ndarray:
-        return np.stack([fn(get(f"layers.{i}.{name}")) for i in range(cfg.num_layers)])
+    def layers(names: str | tuple[str, ...], fn: Callable[[np.ndarray], np.ndarray] = lambda w: w
+               ) -> np.ndarray:
+        """[L, ...]: fn of each layer's tensor `names` (several: stacked on axis 1 of each
+        layer's), in `dtype`, filled a layer at a time (no stack of f32 copies)."""
+        def layer(i: int) -> np.ndarray:
+            if isinstance(names, str):
+                return fn(get(f"layers.{i}.{names}"))
+            return np.stack([fn(get(f"layers.{i}.{n}")) for n in names], axis=1)
+
+        first = layer(0)
+        out = np.empty((cfg.num_layers, *first.shape), dtype)
+        out[0] = first
+        for i in range(1, cfg.num_layers):
+            out[i] = layer(i)
+        return out
 
     build = {
-        "embed": lambda: get("embed"),
-        "final_norm": lambda: get("final_norm"),
+        "embed": lambda: get("embed").astype(dtype),
+        "final_norm": lambda: get("final_norm").astype(dtype),
         "attn_norm": lambda: layers("attn_norm"),
         "mlp_norm": lambda: layers("mlp_norm"),
         "wq": lambda: layers("q", lambda w: w.T.reshape(E, H, D)),
-        "wkv": lambda: np.stack([layers(n, lambda w: w.T.reshape(E, K, D)) for n in "kv"],
-                                axis=2),  # [L, E, 2, Hkv, D]
+        "wkv": lambda: layers(("k", "v"), lambda w: w.T.reshape(E, K, D)),  # [L, E, 2, Hkv, D]
         "wo": lambda: layers("o", lambda w: w.T.reshape(H, D, E)),
     }
     if cfg.intermediate_size and not cfg.dense_layers:  # the dense MLP (Qwen2-MoE: shared)
-        build["w_gate_up"] = lambda: np.stack([layers(n, lambda w: w.T) for n in ("gate", "up")],
-                                              axis=2)  # [L, E, 2, F]
+        build["w_gate_up"] = lambda: layers(("gate", "up"), lambda w: w.T)  # [L, E, 2, F]
         build["w_down"] = lambda: layers("down", lambda w: w.T)
     if not cfg.tie_embeddings:
-        build["lm_head"] = lambda: get("lm_head").T
+        build["lm_head"] = lambda: get("lm_head").T.astype(dtype)
     if skip - set(build):
         raise ValueError(f"stack can leave out {sorted(build)} of this architecture, not "
                          f"{sorted(skip - set(build))}")
@@ -117,7 +129,8 @@ def stack(cfg: ModelConfig, tensors: Mapping[str, np.ndarray],
         values |= _mixed_mlp(cfg, get)
     if cfg.is_moe:
         values |= _experts(cfg, get)
-    return values | _optional(cfg, layers)
+    values |= _optional(cfg, layers)
+    return {name: value.astype(dtype, copy=False) for name, value in values.items()}
 
 
 def _optional(cfg: ModelConfig, layers) -> dict[str, np.ndarray]:

@@ -144,3 +144,16 @@ def test_a_gguf_file_is_parsed_once_until_it_changes(tmp_path):
     again = gguf_file.open_gguf(path)
     assert again is not first
     assert again.fields["general.architecture"].contents() == "a-longer-architecture"
+
+
+def test_weights_load_in_the_engines_dtype_as_the_f32_load_rounded(gguf_weights):
+    """Each parameter cast as the loader builds it: the f32 load rounded to bf16, exactly."""
+    import ml_dtypes
+
+    cfg, f32 = gguf_weights
+    got_cfg, bf16 = loading.load_weights(resolve_model("smollm2-135m"),
+                                         dtype=ml_dtypes.bfloat16)
+    assert got_cfg == cfg and set(bf16) == set(f32)
+    for name, value in bf16.items():
+        assert value.dtype == ml_dtypes.bfloat16, name
+        np.testing.assert_array_equal(value, f32[name].astype(ml_dtypes.bfloat16), name)
