@@ -19,9 +19,9 @@ from jaxpipe.model.family import Family, rename
 
 def open_gguf(path: str | os.PathLike) -> GGUFReader:
     """The GGUF file at `path`, parsed (its metadata, and its tensors mapped, not read). An
-    engine reads one file's header four times (architecture, blocks, weights, tokenizer) and
-    a header takes seconds to parse (SmolLM2's: 2.0-2.4 s; its tokenizer arrays): one parse
-    serves them all while the file is unchanged."""
+    engine reads a file's header for four things (architecture, blocks, weights, tokenizer)
+    and a header takes seconds to parse (SmolLM2's: 2.0-2.4 s; its tokenizer arrays): one
+    parse serves them all while the file is unchanged."""
     path = Path(path).absolute()
     stat = path.stat()  # FileNotFoundError names the path
     return _parsed(path, stat.st_mtime_ns, stat.st_size)

@@ -108,8 +108,8 @@ def stack(cfg: ModelConfig, tensors: Mapping[str, np.ndarray],
         return out
 
     build = {
-        "embed": lambda: get("embed").astype(dtype),
-        "final_norm": lambda: get("final_norm").astype(dtype),
+        "embed": lambda: get("embed").astype(dtype, copy=False),
+        "final_norm": lambda: get("final_norm").astype(dtype, copy=False),
         "attn_norm": lambda: layers("attn_norm"),
         "mlp_norm": lambda: layers("mlp_norm"),
         "wq": lambda: layers("q", lambda w: w.T.reshape(E, H, D)),
@@ -120,7 +120,7 @@ def stack(cfg: ModelConfig, tensors: Mapping[str, np.ndarray],
         build["w_gate_up"] = lambda: layers(("gate", "up"), lambda w: w.T)  # [L, E, 2, F]
         build["w_down"] = lambda: layers("down", lambda w: w.T)
     if not cfg.tie_embeddings:
-        build["lm_head"] = lambda: get("lm_head").T.astype(dtype)
+        build["lm_head"] = lambda: get("lm_head").T.astype(dtype, copy=False)
     if skip - set(build):
         raise ValueError(f"stack can leave out {sorted(build)} of this architecture, not "
                          f"{sorted(skip - set(build))}")
