@@ -79,22 +79,29 @@ def _refuse_unsupported(c: dict, family: Family) -> None:
 
 
 def load_hf_dir(path: Path, dtype=np.float32) -> tuple[ModelConfig, dict[str, np.ndarray]]:
-    """Read config.json and every *.safetensors file of an HF checkpoint directory into
-    parameters of `dtype`."""
+    """Read config.json and the *.safetensors files of an HF checkpoint directory into
+    parameters of `dtype`, one tensor at a time as `tensors.stack` asks for it."""
     config = json.loads((path / "config.json").read_text())
     family, cfg = families.for_hf_config(config), hf_config(config)
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{path} has config.json but no *.safetensors files")
-    named: dict[str, np.ndarray] = {}
+    where: dict[str, tuple[Path, str]] = {}
     for file in files:
-        named |= _read_file(file, family, cfg)
-    return cfg, tensors.stack(cfg, tensors.split_fused(cfg, named), dtype=dtype)
+        where |= _names_in(file, family)
+
+    def read(ours: str) -> np.ndarray:
+        file, name = where[ours]
+        with safe_open(str(file), framework="flax") as f:
+            value = np.asarray(f.get_tensor(name), dtype=np.float32)
+        return family.hf_value(cfg, ours, value)
+
+    lazy = tensors.Lazy(where, read)
+    return cfg, tensors.stack(cfg, tensors.split_fused(cfg, lazy), dtype=dtype)
 
 
-def _read_file(file: Path, family: Family, cfg: ModelConfig) -> dict[str, np.ndarray]:
-    """One safetensors file's tensors under jaxpipe's names, their values fixed."""
-
+def _names_in(file: Path, family: Family) -> dict[str, tuple[Path, str]]:
+    """One safetensors file's tensors by jaxpipe's name -> (the file, the checkpoint's name)."""
     out = {}
     with safe_open(str(file), framework="flax") as f:
         for name in f.keys():
@@ -104,6 +111,5 @@ def _read_file(file: Path, family: Family, cfg: ModelConfig) -> dict[str, np.nda
             if ours is None:
                 raise ValueError(f"{file}: tensor {name!r} is not one of {family.name}'s "
                                  "(model/families/) that jaxpipe runs")
-            value = np.asarray(f.get_tensor(name), dtype=np.float32)
-            out[ours] = family.hf_value(cfg, ours, value)
+            out[ours] = (file, name)
     return out
