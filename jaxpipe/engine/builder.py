@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
@@ -60,8 +60,6 @@ class Prepared:
     tokenizer: Tokenizer | None
     max_model_len: int
     layouts: dict[str, Layout]
-    # quantization="gguf": the weights kept in the file's blocks (host), by parameter name
-    blocks: dict[str, GgufWeight] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -160,7 +158,7 @@ def prepare(config: EngineConfig, num_devices: int) -> Prepared:
     blocks = kept_weights(source.path, model_config) if config.quantization == "gguf" else {}
     return Prepared(dtype, model_config, _load(config, source, model_config, dtype, blocks),
                     loading.load_tokenizer(source), _max_model_len(config, model_config),
-                    layouts, blocks)
+                    layouts)
 
 
 def _check_gguf_source(config: EngineConfig, source) -> None:
@@ -175,8 +173,10 @@ def _check_gguf_source(config: EngineConfig, source) -> None:
 def _check_gguf_layouts(config: EngineConfig, layouts: dict[str, Layout]) -> None:
     """quantization="gguf" runs layouts without tensor parallelism (the blocks are not split
     over tp yet)."""
+    if config.quantization != "gguf":
+        return
     for phase, layout in layouts.items():
-        if config.quantization == "gguf" and layout.tp > 1:
+        if layout.tp > 1:
             raise ValueError(f"quantization='gguf' runs layouts with tp=1 (pipeline stages); "
                              f"the {phase} layout is {layout}: use pp, or "
                              "quantization='none' / 'int8' for tp > 1")
@@ -217,9 +217,10 @@ def quantization(config: EngineConfig, prep: Prepared) -> Quantization | None:
     if config.quantization == "none":
         return None
     if config.quantization == "gguf":
-        formats = tuple((name, w.kind) for name, w in prep.blocks.items())
+        kept = {n: w for n, w in prep.weights.items() if isinstance(w, GgufWeight)}
+        formats = tuple((name, w.kind) for name, w in kept.items())
         head = "lm_head" if "lm_head" in param_decls(prep.model_config) else "embed"
-        return Quantization("gguf", head in prep.blocks, formats)
+        return Quantization("gguf", head in kept, formats)
     return Quantization(config.quantization, config.quantize_lm_head)
 
 
