@@ -199,10 +199,10 @@ class Decoder(nnx.Module):
         """Random init from `rngs` (seeded) or take `values` (name -> array) from a loader."""
         self.config = cfg
         if values is not None:
-            values = checked_values(cfg, values, dtype)
+            check_values(cfg, values)
         for name, decl in param_decls(cfg).items():
             value = (_init_value(decl, rngs.params(), dtype) if values is None
-                     else jnp.asarray(values[name]))
+                     else jnp.asarray(values[name], dtype))
             setattr(self, name, nnx.Param(value, sharding_names=decl.axes, eager_sharding=False))
 
     def layer(self, index: int) -> LayerParams:
@@ -497,23 +497,26 @@ def rope_tables(cfg: ModelConfig, positions, local=False):
             jnp.concatenate([sin, sin], axis=-1)[..., None, :])
 
 
-def checked_values(cfg: ModelConfig, values: dict, dtype,
-                   held: frozenset[str] = frozenset()) -> dict[str, np.ndarray]:
-    """A loader's `values` (name -> array) as host arrays of `dtype` (those already of it
-    as they are), checked against the architecture: each parameter's shape, and every
-    parameter there but those `held` elsewhere (GGUF blocks)."""
+def check_values(cfg: ModelConfig, values: dict, held: frozenset[str] = frozenset()) -> None:
+    """Raise unless `values` (name -> array) fit the architecture: every parameter there but
+    those `held` elsewhere (GGUF blocks), each of its shape."""
     decls = param_decls(cfg)
     if set(values) != set(decls) - held:
         raise ValueError(f"weights do not match the architecture: missing "
                          f"{sorted(set(decls) - held - set(values))}, unexpected "
                          f"{sorted(set(values) - (set(decls) - held))}")
-    out = {}
     for name, value in values.items():
-        out[name] = np.asarray(value, dtype)
-        if out[name].shape != decls[name].shape:
-            raise ValueError(f"weight {name!r} has shape {out[name].shape}, the "
+        if tuple(np.shape(value)) != decls[name].shape:
+            raise ValueError(f"weight {name!r} has shape {tuple(np.shape(value))}, the "
                              f"architecture needs {decls[name].shape}")
-    return out
+
+
+def checked_values(cfg: ModelConfig, values: dict, dtype,
+                   held: frozenset[str] = frozenset()) -> dict[str, np.ndarray]:
+    """A loader's `values`, checked (`check_values`), as host arrays of `dtype` (those
+    already of it as they are)."""
+    check_values(cfg, values, held)
+    return {name: np.asarray(value, dtype) for name, value in values.items()}
 
 
 def init_random(cfg: ModelConfig, seed: int, dtype=jnp.float32) -> Decoder:
