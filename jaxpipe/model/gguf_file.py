@@ -124,7 +124,6 @@ def load_gguf(path: Path, skip: frozenset[str] = frozenset(), dtype=np.float32
     """Read and dequantize a GGUF file into parameters of `dtype`, one tensor at a time as
     `tensors.stack` asks for it; the parameters in `skip` (those kept in their blocks,
     `gguf_weights.py`) are not read."""
-
     reader = open_gguf(path)
     family, cfg = gguf_family(reader), gguf_config(reader)
     if any(t.name == "rope_freqs.weight" for t in reader.tensors):

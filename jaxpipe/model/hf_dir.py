@@ -5,6 +5,7 @@ names) is the family module's (`model/families/`); this module reads the format.
 from __future__ import annotations
 
 import json
+from contextlib import ExitStack
 from pathlib import Path
 
 import numpy as np
@@ -86,30 +87,32 @@ def load_hf_dir(path: Path, dtype=np.float32) -> tuple[ModelConfig, dict[str, np
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{path} has config.json but no *.safetensors files")
-    where: dict[str, tuple[Path, str]] = {}
-    for file in files:
-        where |= _names_in(file, family)
+    with ExitStack() as opened:  # each file opened once (mapped), closed after the load
+        handles = {file: opened.enter_context(safe_open(str(file), framework="flax"))
+                   for file in files}
+        where: dict[str, tuple[Path, str]] = {}
+        for file, handle in handles.items():
+            where |= _names_in(file, handle, family)
 
-    def read(ours: str) -> np.ndarray:
-        file, name = where[ours]
-        with safe_open(str(file), framework="flax") as f:
-            value = np.asarray(f.get_tensor(name), dtype=np.float32)
-        return family.hf_value(cfg, ours, value)
+        def read(ours: str) -> np.ndarray:
+            file, name = where[ours]
+            value = np.asarray(handles[file].get_tensor(name), dtype=np.float32)
+            return family.hf_value(cfg, ours, value)
 
-    lazy = tensors.Lazy(where, read)
-    return cfg, tensors.stack(cfg, tensors.split_fused(cfg, lazy), dtype=dtype)
+        lazy = tensors.Lazy(where, read)
+        return cfg, tensors.stack(cfg, tensors.split_fused(cfg, lazy), dtype=dtype)
 
 
-def _names_in(file: Path, family: Family) -> dict[str, tuple[Path, str]]:
-    """One safetensors file's tensors by jaxpipe's name -> (the file, the checkpoint's name)."""
+def _names_in(file: Path, handle, family: Family) -> dict[str, tuple[Path, str]]:
+    """One safetensors file's tensors (`handle`: the file opened) by jaxpipe's name ->
+    (the file, the checkpoint's name)."""
     out = {}
-    with safe_open(str(file), framework="flax") as f:
-        for name in f.keys():
-            ours = rename(family.hf_names, name)
-            if ours is None and name.endswith(_NOT_WEIGHTS):
-                continue
-            if ours is None:
-                raise ValueError(f"{file}: tensor {name!r} is not one of {family.name}'s "
-                                 "(model/families/) that jaxpipe runs")
-            out[ours] = (file, name)
+    for name in handle.keys():
+        ours = rename(family.hf_names, name)
+        if ours is None and name.endswith(_NOT_WEIGHTS):
+            continue
+        if ours is None:
+            raise ValueError(f"{file}: tensor {name!r} is not one of {family.name}'s "
+                             "(model/families/) that jaxpipe runs")
+        out[ours] = (file, name)
     return out

@@ -37,7 +37,6 @@ def source_config(source) -> ModelConfig:
     if source.config is not None:
         return source.config
     if source.kind == "gguf":
-
         return gguf_file.gguf_config(gguf_file.open_gguf(source.path))
     if source.kind == "hf":
         return hf_dir.hf_config(json.loads((source.path / "config.json").read_text()))
@@ -48,7 +47,6 @@ def source_config(source) -> ModelConfig:
 
 def load_tokenizer(source):
     """The tokenizer that goes with a resolved `ModelSource`, or None (architecture-only)."""
-
     if source.kind == "gguf":
         return Tokenizer.from_gguf_reader(gguf_file.open_gguf(source.path))
     if source.kind in ("hf", "orbax") and (source.path / "tokenizer.json").is_file():
