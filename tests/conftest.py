@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import pickle
+import sys
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,43 @@ GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # The one engine configuration the engine and HF-parity tests share.
 ENGINE_KWARGS = dict(model="smollm2-135m", dtype="float32", max_model_len=256, max_num_seqs=8,
                      warmup=False, show_progress=False)
+
+
+# A worker's resident memory above which a module's end also drops JAX's compiled programs.
+RELEASE_ABOVE_BYTES = 4 << 30
+
+
+@pytest.fixture(scope="module", autouse=True)
+def release_memory_after_each_module():
+    """Give back what a test module left once its fixtures are gone. A pytest-xdist worker
+    runs module after module in one process: the engine keeps what malloc frees for reuse
+    (`memory.keep_freed_memory`), and JAX keeps every program it compiled, so without this a
+    worker grew to 9-10 GB over `make test` and the two of them left 0.1-1 GB of a 24 GB
+    machine free, where an engine sized from the free memory refused to start. Above
+    RELEASE_ABOVE_BYTES, JAX's caches go too (the shared session engine then compiles again
+    in the next module that steps it)."""
+    yield
+    if "jax" not in sys.modules:
+        return
+    import gc
+
+    import jax
+
+    from jaxpipe.runtime import memory
+
+    gc.collect()
+    if _resident_bytes() > RELEASE_ABOVE_BYTES:
+        jax.clear_caches()
+        gc.collect()
+    memory.release_freed_memory()
+
+
+def _resident_bytes() -> int:
+    try:
+        with open("/proc/self/statm") as f:  # Linux: pages in total, resident, ...
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return 0
 
 
 def gguf_dir() -> Path:
