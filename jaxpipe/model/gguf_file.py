@@ -21,15 +21,16 @@ def open_gguf(path: str | os.PathLike) -> GGUFReader:
     """The GGUF file at `path`, parsed (its metadata, and its tensors mapped, not read). An
     engine reads a file's header for four things (architecture, blocks, weights, tokenizer)
     and a header takes seconds to parse (SmolLM2's: 2.0-2.4 s; its tokenizer arrays): one
-    parse serves them all while the file's size and modification time stay the same."""
+    parse serves them all while the file (its inode: another file moved there, as `cp -p`
+    or `rsync` leave it, is another), its size and its modification time stay the same."""
     path = Path(path).absolute()
     stat = path.stat()  # FileNotFoundError names the path
-    return _parsed(path, stat.st_mtime_ns, stat.st_size)
+    return _parsed(path, stat.st_ino, stat.st_mtime_ns, stat.st_size)
 
 
 @lru_cache(maxsize=4)  # an engine's file or two; not every file a process ever opened
-def _parsed(path: Path, mtime_ns: int, size: int) -> GGUFReader:
-    del mtime_ns, size  # the cache's key: a file written again (new mtime) is parsed again
+def _parsed(path: Path, inode: int, mtime_ns: int, size: int) -> GGUFReader:
+    del inode, mtime_ns, size  # the cache's key: a file written again is parsed again
     try:
         return GGUFReader(str(path))
     except Exception as exc:  # gguf raises bare ValueErrors without the path

@@ -4,6 +4,7 @@ loader's weights; orbax checkpoints round-trip; bad paths fail naming the path."
 from __future__ import annotations
 
 import copy
+import os
 import re
 import shutil
 
@@ -144,6 +145,19 @@ def test_a_gguf_file_is_parsed_once_until_it_changes(tmp_path):
     again = gguf_file.open_gguf(path)
     assert again is not first
     assert again.fields["general.architecture"].contents() == "a-longer-architecture"
+
+
+def test_a_gguf_file_moved_over_another_of_its_size_and_time_is_parsed_again(tmp_path):
+    """`cp -p` / `rsync` write a new file and move it over the old one, keeping the time."""
+    path, other = tmp_path / "tiny.gguf", tmp_path / "other.gguf"
+    _write_gguf(path, "llama")
+    _write_gguf(other, "qwen2")  # as long a name: the same size
+    assert gguf_file.open_gguf(path).fields["general.architecture"].contents() == "llama"
+    old = path.stat()
+    os.utime(other, ns=(old.st_atime_ns, old.st_mtime_ns))
+    os.replace(other, path)
+    assert (path.stat().st_size, path.stat().st_mtime_ns) == (old.st_size, old.st_mtime_ns)
+    assert gguf_file.open_gguf(path).fields["general.architecture"].contents() == "qwen2"
 
 
 def test_weights_load_in_the_engines_dtype_as_the_f32_load_rounded(gguf_weights):
