@@ -31,8 +31,9 @@ def release_memory_after_each_module():
     (`memory.keep_freed_memory`), and JAX keeps every program it compiled, so without this a
     worker grew to 9-10 GB over `make test` and the two of them left 0.1-1 GB of a 24 GB
     machine free, where an engine sized from the free memory refused to start. Above
-    RELEASE_ABOVE_BYTES, JAX's caches go too (the shared session engine then compiles again
-    in the next module that steps it)."""
+    RELEASE_ABOVE_BYTES, JAX's staging caches go too (`_clear_staging_caches`), and a full
+    garbage collection runs (only then: one takes 0.4-1.4 s in a worker, two minutes of
+    `make test` when it ran after every module)."""
     yield
     if "jax" not in sys.modules:
         return
@@ -42,11 +43,22 @@ def release_memory_after_each_module():
 
     from jaxpipe.runtime import memory
 
-    gc.collect()
     if _resident_bytes() > RELEASE_ABOVE_BYTES:
-        jax.clear_caches()
+        _clear_staging_caches(jax)
         gc.collect()
     memory.release_freed_memory()
+
+
+def _clear_staging_caches(jax) -> None:
+    """JAX's Python-side caches (traces, lowerings, the compiled programs of eager ops and of
+    functions no longer alive), not the C++ caches of the jitted functions still in use: a
+    session-scoped engine keeps its compiled steps (`jax.clear_caches` clears both). The
+    whole of `jax.clear_caches` where JAX's internals moved."""
+    try:
+        from jax._src.util import clear_all_caches
+    except ImportError:
+        clear_all_caches = jax.clear_caches
+    clear_all_caches()
 
 
 def _resident_bytes() -> int:
