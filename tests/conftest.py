@@ -20,7 +20,8 @@ ENGINE_KWARGS = dict(model="smollm2-135m", dtype="float32", max_model_len=256, m
                      warmup=False, show_progress=False)
 
 
-# A worker's resident memory above which a module's end also drops JAX's compiled programs.
+# A worker's resident memory above which a module's end also clears JAX's staging caches and
+# collects garbage (`release_memory_after_each_module`).
 RELEASE_ABOVE_BYTES = 4 << 30
 
 
@@ -32,8 +33,9 @@ def release_memory_after_each_module():
     worker grew to 9-10 GB over `make test` and the two of them left 0.1-1 GB of a 24 GB
     machine free, where an engine sized from the free memory refused to start. Above
     RELEASE_ABOVE_BYTES, JAX's staging caches go too (`_clear_staging_caches`), and a full
-    garbage collection runs (only then: one takes 0.4-1.4 s in a worker, two minutes of
-    `make test` when it ran after every module)."""
+    garbage collection runs (only then: one takes 0.4-1.4 s in a worker; run after every
+    module, they made `make test` 15:10-15:27, against 14:33 as it is and 13:21 with no fixture, on
+    an AMD EPYC family 25 model 17)."""
     yield
     if "jax" not in sys.modules:
         return
