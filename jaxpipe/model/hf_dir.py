@@ -88,7 +88,7 @@ def load_hf_dir(path: Path, dtype=np.float32) -> tuple[ModelConfig, dict[str, np
     if not files:
         raise FileNotFoundError(f"{path} has config.json but no *.safetensors files")
     with ExitStack() as opened:  # each file opened once (mapped), closed after the load
-        handles = {file: opened.enter_context(safe_open(str(file), framework="flax"))
+        handles = {file: opened.enter_context(safe_open(str(file), framework="np"))
                    for file in files}
         where: dict[str, tuple[Path, str]] = {}
         for file, handle in handles.items():

@@ -13,6 +13,7 @@ import pytest
 
 from jaxpipe import Engine, EngineConfig, SamplingParams
 from jaxpipe.model import gguf_file, loading, orbax_dir
+from jaxpipe.model import hf_dir as hf_dir_module
 from jaxpipe.model.hf_dir import hf_config
 from jaxpipe.model.presets import resolve_model
 from jaxpipe.model.tokenizer import Tokenizer
@@ -59,6 +60,40 @@ def test_hf_dir_weights_equal_gguf_weights(hf_dir, gguf_weights):
     for name, value in values.items():
         np.testing.assert_array_equal(np.asarray(hf_values[name]), np.asarray(value),
                                       err_msg=name)
+
+
+def test_hf_dir_load_reads_each_checkpoint_tensor_once(hf_dir, monkeypatch):
+    """The load reads a tensor when the decoder's parameters ask for it, and only then: each
+    of the checkpoint's tensors once (the files' own key lists: the independent count)."""
+    from safetensors import safe_open
+
+    reads: dict[str, int] = {}
+
+    class Counted:
+        def __init__(self, handle):
+            self._handle = handle
+
+        def __enter__(self):
+            self._handle.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self._handle.__exit__(*exc)
+
+        def keys(self):
+            return self._handle.keys()
+
+        def get_tensor(self, name):
+            reads[name] = reads.get(name, 0) + 1
+            return self._handle.get_tensor(name)
+
+    monkeypatch.setattr(hf_dir_module, "safe_open", lambda *a, **k: Counted(safe_open(*a, **k)))
+    loading.load_weights(resolve_model(str(hf_dir)))
+    names = set()
+    for file in hf_dir.glob("*.safetensors"):
+        with safe_open(str(file), framework="np") as handle:
+            names |= set(handle.keys())
+    assert reads == dict.fromkeys(names, 1)
 
 
 def test_engine_on_hf_dir_matches_gguf_engine(hf_dir, engine):
