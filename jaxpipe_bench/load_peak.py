@@ -1,0 +1,91 @@
+"""The memory a model's load takes (scripts/bench_load.py): `builder.prepare` (header, weights
+in the engine's dtype, tokenizer) in a fresh Python process per case, and that process's
+resident memory before it (after the imports) and at its peak: all of it (`ru_maxrss`, the
+mapped file's pages the load touched included) and its private memory alone (`RssAnon`,
+sampled every 2 ms: what the load allocates, without the file's page cache).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import dataclass, field
+
+from jaxpipe.config.engine import EngineConfig
+from jaxpipe_bench.cli import check_names
+
+QUANTIZATIONS = ("none", "int8", "gguf")
+
+# One case, run as `python -c CHILD model quantization dtype`: prints {before, peak, private}
+# in bytes.
+CHILD = """
+import json, resource, sys, threading, time
+from jaxpipe.config.engine import EngineConfig
+from jaxpipe.engine import builder
+
+def status(field):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field))
+
+private, done = [0], threading.Event()
+
+def sample():
+    while not done.is_set():
+        private[0] = max(private[0], status("RssAnon:"))
+        time.sleep(0.002)
+
+model, quantization, dtype = sys.argv[1:4]
+before = status("VmRSS:")
+sampler = threading.Thread(target=sample)
+sampler.start()
+builder.prepare(EngineConfig(model=model, quantization=quantization, dtype=dtype), 1)
+done.set()
+sampler.join()
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+print(json.dumps({"before": before, "peak": peak, "private": private[0]}))
+"""
+
+
+@dataclass(frozen=True)
+class LoadPeakConfig:
+    """What `scripts/bench_load.py` measures (its flags, jaxpipe.config.flags).
+
+    model: a preset, a .gguf file or an HF / Orbax checkpoint directory
+    quantization: the EngineConfig.quantization values to load it with, one process each
+    dtype: the engine's dtype (EngineConfig.dtype)
+    json_path: write the points here (none: only the table)
+    """
+
+    model: str = EngineConfig.model
+    quantization: tuple[str, ...] = ("none",)
+    dtype: str = EngineConfig.dtype
+    json_path: str | None = field(default=None, metadata={"flags": ("--json",)})
+
+    def __post_init__(self):
+        check_names(self, "quantization", QUANTIZATIONS)
+
+
+def measure(config: LoadPeakConfig) -> list[dict]:
+    """One point per quantization: {quantization, before_gb, peak_gb, peak_private_gb}."""
+    points = []
+    for quantization in config.quantization:
+        done = subprocess.run([sys.executable, "-c", CHILD, config.model, quantization,
+                               config.dtype], capture_output=True, text=True, check=False)
+        if done.returncode != 0:
+            raise RuntimeError(f"loading {config.model} with quantization={quantization!r} "
+                               f"failed:\n{done.stderr[-4000:]}")
+        sizes = json.loads(done.stdout.strip().splitlines()[-1])
+        points.append({"quantization": quantization, "before_gb": sizes["before"] / 1e9,
+                       "peak_gb": sizes["peak"] / 1e9,
+                       "peak_private_gb": sizes["private"] / 1e9})
+    return points
+
+
+def render(points: list[dict], config: LoadPeakConfig) -> str:
+    lines = [f"{config.model}, dtype {config.dtype}: resident memory of the loading process",
+             "| quantization | before the load, GB | peak, GB | peak private (RssAnon), GB |",
+             "|---|---|---|---|"]
+    lines += [f"| {p['quantization']} | {p['before_gb']:.2f} | {p['peak_gb']:.2f} | "
+              f"{p['peak_private_gb']:.2f} |" for p in points]
+    return "\n".join(lines)
