@@ -1090,7 +1090,8 @@ void softmax_split(float* st, int64_t len, const int32_t* lo, const int32_t* hi,
 }
 
 // out [32, D] rows c and 16 + c (c < mc) <- the 32 query lanes' probabilities pp [lp, 32] times
-// the value pairs vp [lp, D] (lp: pairs rounded up to whole tiles of 16, zero past `pairs`).
+// the value pairs vp [lp, D] (lp: pairs rounded up to whole tiles of 16; the AMX tiles read
+// all lp, zero past `pairs`, the others only `pairs`).
 template <int D, bool kAmx>
 void split_values(const uint32_t* pp, int64_t pairs, int64_t lp, int64_t mc, const uint32_t* vp,
                   Work& w) {
@@ -1130,7 +1131,8 @@ void attend_int8_pass(const Inputs<int8_t>& in, const Shape& s, const Span& span
   }
   soft_cap(w.s16.data(), len * 16, in.opt.softcap);
   softmax_split(w.s16.data(), len, w.lo.data(), w.hi.data(), w.vs.data(), w.pp.data());
-  std::fill(w.pp.begin() + (len + 1) / 2 * 32, w.pp.begin() + lp * 32, 0u);
+  if constexpr (kAmx)  // AMX tiles read lp pairs; value_tail reads the (len + 1) / 2 written
+    std::fill(w.pp.begin() + (len + 1) / 2 * 32, w.pp.begin() + lp * 32, 0u);
   split_values<D, kAmx>(w.pp.data(), (len + 1) / 2, lp, mc, w.vp.data(), w);
   for (int64_t c = 0; c < mc; ++c) {
     float* dst = in.out + vector_at(s, token, h, m0 + c);
