@@ -25,6 +25,13 @@ from jaxpipe.planner.simulate import simulate
 from jaxpipe.planner.workloads import constant, synthetic
 
 QUICK = 4  # --quick simulates 1/QUICK of the requests
+TOLERANCE = 0.15  # within 15% of a paper's headline counts as reproduced (issue 48)
+
+
+def against_paper(simulated: float, paper: float) -> str:
+    """'within 15%' of the paper's figure, or how far from it ('-55%')."""
+    off = simulated / paper - 1
+    return f"within {TOLERANCE:.0%}" if abs(off) <= TOLERANCE else f"{off:+.0%}"
 
 
 @dataclass(frozen=True)

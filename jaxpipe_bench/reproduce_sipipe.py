@@ -37,7 +37,7 @@ from jaxpipe.model.presets import resolve_model
 from jaxpipe.planner.hostcost import SIPIPE, VLLM_PP
 from jaxpipe.planner.simulate import simulate
 from jaxpipe.planner.workloads import synthetic
-from jaxpipe_bench.reproduce import ReproduceConfig, report_tables
+from jaxpipe_bench.reproduce import TOLERANCE, ReproduceConfig, report_tables
 
 NUM_REQUESTS = 2000
 MESH = "h100x8-nvlink"
@@ -51,7 +51,6 @@ METHODS = {  # name -> (host cost, in_flight relative to pp)
     "pp in flight": (SIPIPE, 0),
 }
 PAPER = {"min": 1.6, "max": 2.1}  # SiPipe over vLLM, same PP configuration, 8x H100 (Fig. 8a)
-TOLERANCE = 0.15  # within 15% of the paper's headline counts as reproduced
 
 
 def compare(num_requests: int = NUM_REQUESTS) -> list[dict]:

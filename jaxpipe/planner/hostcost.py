@@ -42,7 +42,8 @@ are the calibration to do); the presets are derived from the papers:
   (consistent with SiPipe's 12-19%), and gLLM's runtime alone (gLLM w/ CK) is 10% faster than
   vLLM's (Fig. 15). Not a separate preset: the SiPipe-derived ones agree with it.
 - TD-Pipe and gLLM's own runtimes overlap host work with the device (§3.3 of gLLM: "hiding
-  CPU operations overhead"); `NO_HOST`, the default, keeps their reproductions as before.
+  CPU operations overhead"): their rows in the reproductions have `NO_HOST`, the default,
+  and the vLLM baselines beside them `VLLM_PP`.
 """
 
 from __future__ import annotations
