@@ -37,7 +37,7 @@ from jaxpipe.model.presets import resolve_model
 from jaxpipe.planner.hostcost import SIPIPE, VLLM_PP
 from jaxpipe.planner.simulate import simulate
 from jaxpipe.planner.workloads import synthetic
-from jaxpipe_bench.reproduce import TOLERANCE, ReproduceConfig, report_tables
+from jaxpipe_bench.reproduce import ReproduceConfig, against_paper, report_tables
 
 NUM_REQUESTS = 2000
 MESH = "h100x8-nvlink"
@@ -73,15 +73,16 @@ def compare(num_requests: int = NUM_REQUESTS) -> list[dict]:
 
 
 def verdict(rows: list[dict]) -> str:
-    """The simulated range beside the paper's, and whether its top is within TOLERANCE."""
+    """The simulated range beside the paper's, and whether its top is within
+    `reproduce.TOLERANCE` of the paper's."""
     gains = [r["gain"] for r in rows]
     lo, hi = min(gains), max(gains)
-    close = abs(hi - PAPER["max"]) <= TOLERANCE * PAPER["max"]
+    judged = against_paper(hi, PAPER["max"])
     line = (f"simulated: {lo:.2f}-{hi:.2f}x   paper: {PAPER['min']}-{PAPER['max']}x "
             f"(up to {PAPER['max']}x)")
-    if close:
-        return line + f"; the top is within {TOLERANCE:.0%} of the paper's"
-    return line + (f"; the top is {hi / PAPER['max'] - 1:+.0%} from the paper's: only input "
+    if judged.startswith("within"):
+        return line + f"; the top is {judged} of the paper's"
+    return line + (f"; the top is {judged} from the paper's: only input "
                    "preparation and sampling are modelled (not SAT's stalls, stage jitter or "
                    "vLLM's measured kernels), at constants derived from SiPipe's vLLM profile")
 
