@@ -8,43 +8,17 @@ sampled every 2 ms: what the load allocates, without the file's page cache).
 from __future__ import annotations
 
 import json
+import resource
 import subprocess
 import sys
+import threading
+import time
 from dataclasses import dataclass, field
 
 from jaxpipe.config.engine import EngineConfig
 from jaxpipe_bench.cli import check_names
 
 QUANTIZATIONS = ("none", "int8", "gguf")
-
-# One case, run as `python -c CHILD model quantization dtype`: prints {before, peak, private}
-# in bytes.
-CHILD = """
-import json, resource, sys, threading, time
-from jaxpipe.config.engine import EngineConfig
-from jaxpipe.engine import builder
-
-def status(field):
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field))
-
-private, done = [0], threading.Event()
-
-def sample():
-    while not done.is_set():
-        private[0] = max(private[0], status("RssAnon:"))
-        time.sleep(0.002)
-
-model, quantization, dtype = sys.argv[1:4]
-before = status("VmRSS:")
-sampler = threading.Thread(target=sample)
-sampler.start()
-builder.prepare(EngineConfig(model=model, quantization=quantization, dtype=dtype), 1)
-done.set()
-sampler.join()
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-print(json.dumps({"before": before, "peak": peak, "private": private[0]}))
-"""
 
 
 @dataclass(frozen=True)
@@ -70,15 +44,13 @@ def measure(config: LoadPeakConfig) -> list[dict]:
     """One point per quantization: {quantization, before_gb, peak_gb, peak_private_gb}."""
     points = []
     for quantization in config.quantization:
-        done = subprocess.run([sys.executable, "-c", CHILD, config.model, quantization,
-                               config.dtype], capture_output=True, text=True, check=False)
+        done = subprocess.run([sys.executable, "-m", "jaxpipe_bench.load_peak", config.model,
+                               quantization, config.dtype], capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"loading {config.model} with quantization={quantization!r} "
                                f"failed:\n{done.stderr[-4000:]}")
         sizes = json.loads(done.stdout.strip().splitlines()[-1])
-        points.append({"quantization": quantization, "before_gb": sizes["before"] / 1e9,
-                       "peak_gb": sizes["peak"] / 1e9,
-                       "peak_private_gb": sizes["private"] / 1e9})
+        points.append({"quantization": quantization, **{k: v / 1e9 for k, v in sizes.items()}})
     return points
 
 
@@ -89,3 +61,33 @@ def render(points: list[dict], config: LoadPeakConfig) -> str:
     lines += [f"| {p['quantization']} | {p['before_gb']:.2f} | {p['peak_gb']:.2f} | "
               f"{p['peak_private_gb']:.2f} |" for p in points]
     return "\n".join(lines)
+
+
+def _status(field_name: str) -> int:
+    """A /proc/self/status memory field in bytes."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field_name))
+
+
+def _main_child(model: str, quantization: str, dtype: str) -> None:
+    """One case, in this fresh process: prints {before_gb, peak_gb, peak_private_gb} in bytes."""
+    from jaxpipe.engine import builder
+
+    before, private, done = _status("VmRSS:"), [0], threading.Event()
+
+    def sample():
+        while not done.is_set():
+            private[0] = max(private[0], _status("RssAnon:"))
+            time.sleep(0.002)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    builder.prepare(EngineConfig(model=model, quantization=quantization, dtype=dtype), 1)
+    done.set()
+    sampler.join()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    print(json.dumps({"before_gb": before, "peak_gb": peak, "peak_private_gb": private[0]}))
+
+
+if __name__ == "__main__":
+    _main_child(*sys.argv[1:4])
