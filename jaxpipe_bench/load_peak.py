@@ -1,14 +1,14 @@
 """The memory a model's load takes (scripts/bench_load.py): `builder.prepare` (header, weights
 in the engine's dtype, tokenizer) in a fresh Python process per case, and that process's
-resident memory before it (after the imports) and at its peak: all of it (`ru_maxrss`, the
-mapped file's pages the load touched included) and its private memory alone (`RssAnon`,
-sampled every 2 ms: what the load allocates, without the file's page cache).
+resident memory before it (after the imports) and at its peak: all of it (`VmHWM`, the
+mapped file's pages the load touched included; not `ru_maxrss`, which keeps the parent's
+across the exec) and its private memory alone (`RssAnon`, sampled every 2 ms: what the load
+allocates, without the file's page cache).
 """
 
 from __future__ import annotations
 
 import json
-import resource
 import subprocess
 import sys
 import threading
@@ -85,8 +85,8 @@ def _main_child(model: str, quantization: str, dtype: str) -> None:
     builder.prepare(EngineConfig(model=model, quantization=quantization, dtype=dtype), 1)
     done.set()
     sampler.join()
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    print(json.dumps({"before_gb": before, "peak_gb": peak, "peak_private_gb": private[0]}))
+    print(json.dumps({"before_gb": before, "peak_gb": _status("VmHWM:"),
+                      "peak_private_gb": private[0]}))
 
 
 if __name__ == "__main__":
