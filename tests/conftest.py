@@ -34,8 +34,8 @@ def release_memory_after_each_module():
     machine free, where an engine sized from the free memory refused to start. Above
     RELEASE_ABOVE_BYTES, JAX's staging caches go too (`_clear_staging_caches`), and a full
     garbage collection runs (only then: one takes 0.4-1.4 s in a worker; run after every
-    module, they made `make test` 15:10-15:27, against 14:33 as it is and 13:21 with no fixture, on
-    an AMD EPYC family 25 model 17)."""
+    module, they made `make test` 15:10-15:27, against 13:21 with no fixture and 14:33-15:34
+    with this one in the runs since, on an AMD EPYC family 25 model 17, avx2 avx512_bf16)."""
     yield
     if "jax" not in sys.modules:
         return
