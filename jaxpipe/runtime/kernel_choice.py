@@ -404,13 +404,27 @@ def _seconds(fn, *args, min_seconds: float = 0.01, repeats: int = 3) -> float:
     return float(best)
 
 
+def _normal(shape: tuple[int, ...], dtype=np.float32, seed: int = 0,
+            scale: float = 1.0, chunk: int = 1 << 22) -> jax.Array:
+    """Seeded standard-normal timing inputs times `scale` in `dtype`, drawn as float32 a
+    chunk at a time into the array: NumPy's float64 draw of an LM head's two-layer stack (the
+    default model's) was 0.45 GB on top of an engine's start on a machine with no timings
+    cached yet, and XLA's random draw takes several times its output."""
+    rng = np.random.default_rng(seed)
+    out = np.empty(shape, jnp.dtype(dtype))
+    flat = out.reshape(-1)
+    for i in range(0, flat.size, chunk):
+        n = min(chunk, flat.size - i)
+        flat[i:i + n] = rng.standard_normal(n, np.float32) * np.float32(scale)
+    return jnp.asarray(out)
+
+
 def time_matmul(mm: Matmul, rows: int, layers: int = 2,
                 skip: frozenset[str] = frozenset()) -> dict[str, float]:
     """Seconds per call of each candidate for `mm` at `rows` rows (but those in `skip`), on a
     stack of `layers` weights read at a traced layer index, as the step reads them."""
-    rng = np.random.default_rng(0)
-    w = jnp.asarray(rng.normal(size=(layers, mm.k, mm.n)), jnp.bfloat16)
-    x = jnp.asarray(rng.normal(size=(rows, mm.k)), jnp.float32)
+    w = _normal((layers, mm.k, mm.n), jnp.bfloat16)
+    x = _normal((rows, mm.k), seed=1)
     layer = jnp.int32(layers - 1)
 
     def xla(x, w, layer):
@@ -418,7 +432,8 @@ def time_matmul(mm: Matmul, rows: int, layers: int = 2,
         return (matmul.gated_reference if mm.gated else matmul.reference)(x, w_l)
 
     out = {} if XLA in skip else {XLA: _seconds(jax.jit(xla), x, w, layer)}
-    packed = matmul.pack(w)
+    packed = jax.jit(matmul.pack)(w)  # one copy; eager, each reshape and transpose was one
+    del w
     for path in _timed(matmul.paths(), skip):
         fn = jax.jit(functools.partial(matmul.bf16_matmul, gated=mm.gated, path=path))
         out[path] = _seconds(fn, x, packed, layer)
@@ -436,10 +451,8 @@ def time_int8_matmul(mm: Matmul, rows: int, layers: int = 2,
     traced layer index as the step reads them: XLA's int8 dot on the sliced codes (natural
     order), each int8 kernel path on the stack in place (panel order). Gated: silu(gate) * up
     after XLA's, in the kernel (`gated=True`) for its paths."""
-    rng = np.random.default_rng(0)
-    codes, scales = int8.quantize_weight(jnp.asarray(rng.normal(size=(layers, mm.k, mm.n)),
-                                                     jnp.float32))
-    x = jnp.asarray(rng.normal(size=(rows, mm.k)), jnp.float32)
+    codes, scales = int8.quantize_weight(_normal((layers, mm.k, mm.n)))
+    x = _normal((rows, mm.k), seed=1)
     layer = jnp.int32(layers - 1)
     def xla(x, w, s, layer):
         pick = functools.partial(jax.lax.dynamic_index_in_dim, index=layer, keepdims=False)
@@ -450,7 +463,8 @@ def time_int8_matmul(mm: Matmul, rows: int, layers: int = 2,
         return int8_matmul.int8_matmul(x, w, s, layer, gated=mm.gated, path=path)
 
     out = {} if XLA in skip else {XLA: _seconds(jax.jit(xla), x, codes, scales, layer)}
-    packed = int8_matmul.pack(codes)
+    packed = jax.jit(int8_matmul.pack)(codes)
+    del codes
     for path in _timed(int8_matmul.paths(), skip):
         out[path] = _seconds(jax.jit(functools.partial(kernel, path=path)), x, packed, scales,
                              layer)
@@ -467,7 +481,7 @@ def time_gguf_matmul(mm: Matmul, rows: int, layers: int = 2,
     gated mode)."""
     fmt = gguf_blocks.format_of(mm.quant)
     w = jnp.asarray(gguf_blocks.random_blocks(fmt, (layers, mm.n, mm.k)))
-    x = jnp.asarray(np.random.default_rng(0).normal(size=(rows, mm.k)), jnp.float32)
+    x = _normal((rows, mm.k), seed=1)
     layer = jnp.int32(layers - 1)
 
     def gate(y):
@@ -492,14 +506,12 @@ def time_experts(case: ExpertsCase, tokens: int, layers: int = 2) -> dict[str, f
     experts read at a traced layer index, as the step reads them (`matmul.StackedWeight`:
     grouped reads it in place, dense slices it)."""
 
-    rng = np.random.default_rng(0)
     c = case
-    h = jnp.asarray(rng.normal(size=(tokens, c.hidden)), jnp.float32)
-    router = jnp.asarray(rng.normal(size=(c.hidden, c.experts)), jnp.float32)
-    gate_up = jnp.asarray(rng.normal(size=(layers, c.experts, c.hidden, 2, c.inter))
-                          / c.hidden ** 0.5, jnp.bfloat16)
-    down = jnp.asarray(rng.normal(size=(layers, c.experts, c.inter, c.hidden)) / c.inter ** 0.5,
-                       jnp.bfloat16)
+    h = _normal((tokens, c.hidden))
+    router = _normal((c.hidden, c.experts), seed=1)
+    gate_up = _normal((layers, c.experts, c.hidden, 2, c.inter), jnp.bfloat16, 2,
+                      c.hidden ** -0.5)
+    down = _normal((layers, c.experts, c.inter, c.hidden), jnp.bfloat16, 3, c.inter ** -0.5)
     weights, experts = moe.route(h, router, c.k, True)
     layer = jnp.int32(layers - 1)
 
@@ -515,17 +527,17 @@ def time_attention(case: AttentionCase, kv_dtype) -> dict[str, float]:
     """Seconds per call of the kernel (`write_and_attend`) and the XLA reference for one
     step of `case` (each row's keys in its own blocks of the pool)."""
 
-    rng = np.random.default_rng(0)
     c = case
     per_row = -(-(c.context + c.q_len) // BLOCK)
     tokens = c.rows * c.q_len
     pool_shape = (1, c.rows * per_row, c.kv_heads, BLOCK, c.head_dim)
     zeros = jnp.zeros(pool_shape, jnp.float32)
-    k = to_storage(jnp.asarray(rng.normal(size=pool_shape), jnp.float32), zeros.astype(kv_dtype))
-    v = to_storage(jnp.asarray(rng.normal(size=pool_shape), jnp.float32), zeros.astype(kv_dtype))
-    q = jnp.asarray(rng.normal(size=(tokens, c.heads, c.head_dim)), jnp.float32)
-    kv = jnp.asarray(rng.normal(size=(tokens, 2, c.kv_heads, c.head_dim)), jnp.float32)
-    angles = jnp.asarray(rng.uniform(size=(tokens, c.head_dim // 2)), jnp.float32)
+    k = to_storage(_normal(pool_shape), zeros.astype(kv_dtype))
+    v = to_storage(_normal(pool_shape, seed=1), zeros.astype(kv_dtype))
+    q = _normal((tokens, c.heads, c.head_dim), seed=2)
+    kv = _normal((tokens, 2, c.kv_heads, c.head_dim), seed=3)
+    angles = jnp.asarray(np.random.default_rng(4).uniform(size=(tokens, c.head_dim // 2)),
+                         jnp.float32)
     table = jnp.arange(c.rows * per_row, dtype=jnp.int32).reshape(c.rows, per_row)
     q_start = jnp.arange(c.rows, dtype=jnp.int32) * c.q_len
     q_len = jnp.full((c.rows,), c.q_len, jnp.int32)

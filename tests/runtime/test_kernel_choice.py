@@ -341,3 +341,21 @@ def test_beaten_keeps_each_orders_fastest():
     assert kernel_choice.beaten({"1": table["1"]}) == frozenset()  # one count is not enough
     table["32"] = {XLA: 1.0, "avx2": 0.32, "portable": 2.0}  # within 10x again
     assert kernel_choice.beaten(table) == frozenset()
+
+
+def test_timing_inputs_are_seeded_normals_of_the_asked_dtype_and_scale():
+    """The timers' random inputs (drawn a float32 chunk at a time, not as one float64 array):
+    the dtype and shape asked for, mean 0 and standard deviation `scale`, each chunk its own
+    draw, the same draw for the same seed and another for another seed."""
+    import numpy as np
+
+    x = kernel_choice._normal((3, 1001), "bfloat16", seed=5, scale=0.5, chunk=700)
+    assert x.dtype == np.dtype("bfloat16") and x.shape == (3, 1001)
+    v = np.asarray(x, np.float64)
+    assert abs(v.mean()) < 0.03 and abs(v.std() - 0.5) < 0.02
+    flat = v.reshape(-1)
+    assert not np.array_equal(flat[:700], flat[700:1400])  # each chunk a new draw
+    same = kernel_choice._normal((3, 1001), "bfloat16", seed=5, scale=0.5, chunk=700)
+    assert np.array_equal(np.asarray(same), np.asarray(x))
+    assert not np.array_equal(np.asarray(kernel_choice._normal((3, 1001), seed=6)),
+                              np.asarray(kernel_choice._normal((3, 1001), seed=5)))
