@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from jaxpipe.config.engine import EngineConfig
 from jaxpipe_bench.cli import check_names
+from jaxpipe_bench.proc_memory import status_bytes
 
 QUANTIZATIONS = ("none", "int8", "gguf")
 
@@ -63,21 +64,15 @@ def render(points: list[dict], config: LoadPeakConfig) -> str:
     return "\n".join(lines)
 
 
-def _status(field_name: str) -> int:
-    """A /proc/self/status memory field in bytes."""
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field_name))
-
-
 def _main_child(model: str, quantization: str, dtype: str) -> None:
     """One case, in this fresh process: prints {before_gb, peak_gb, peak_private_gb} in bytes."""
     from jaxpipe.engine import builder
 
-    before, private, done = _status("VmRSS:"), [0], threading.Event()
+    before, private, done = status_bytes("VmRSS"), [0], threading.Event()
 
     def sample():
         while not done.is_set():
-            private[0] = max(private[0], _status("RssAnon:"))
+            private[0] = max(private[0], status_bytes("RssAnon"))
             time.sleep(0.002)
 
     sampler = threading.Thread(target=sample)
@@ -85,7 +80,7 @@ def _main_child(model: str, quantization: str, dtype: str) -> None:
     builder.prepare(EngineConfig(model=model, quantization=quantization, dtype=dtype), 1)
     done.set()
     sampler.join()
-    print(json.dumps({"before_gb": before, "peak_gb": _status("VmHWM:"),
+    print(json.dumps({"before_gb": before, "peak_gb": status_bytes("VmHWM"),
                       "peak_private_gb": private[0]}))
 
 

@@ -1,16 +1,16 @@
 """Engines built, used, closed and built again in one process (scripts/rebuild_engines.py):
 the first one's memory must come back (`Engine.close()`), so the second fits where the first
-did. The process's RSS after each stage and its peak, from /proc and getrusage.
+did. The process's RSS after each stage and its peak (/proc/self/status).
 """
 
 from __future__ import annotations
 
 import re
-import resource
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from jaxpipe.config.checks import check_counts
+from jaxpipe_bench.proc_memory import status_bytes
 
 _CPU_MESH = re.compile(r"^cpu-([1-9][0-9]*)$")
 
@@ -40,16 +40,13 @@ class RebuildConfig:
 
 
 def rss_gib() -> float:
-    """This process's resident memory now, GiB (/proc/self/status)."""
-    for line in open("/proc/self/status"):
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 2**20
-    return float("nan")
+    """This process's resident memory now, GiB."""
+    return status_bytes("VmRSS") / 2**30
 
 
 def peak_gib() -> float:
     """This process's peak resident memory so far, GiB."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    return status_bytes("VmHWM") / 2**30
 
 
 def run(config: RebuildConfig, log: Callable[[str], None] = print) -> None:

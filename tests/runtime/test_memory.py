@@ -10,6 +10,7 @@ import pytest
 from conftest import gguf_dir
 
 from jaxpipe.runtime import memory
+from jaxpipe_bench.proc_memory import status_bytes
 
 GIB = 2**30
 
@@ -23,13 +24,6 @@ def test_free_bytes_sums_the_accelerators_and_reads_the_host_for_cpu(monkeypatch
     assert memory.free_bytes([SimpleNamespace(platform="gpu", memory_stats=dict)]) is None
 
 
-def rss_bytes() -> int:
-    for line in open("/proc/self/status"):
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError("no VmRSS")
-
-
 def test_a_cleared_array_reads_as_zeros_and_costs_memory_only_once_written():
     """A written 256 MiB array, cleared, gives its pages back (RSS falls by most of it) and
     reads as zeros, the partial pages at its ends included; a donated in-place write of one
@@ -39,14 +33,14 @@ def test_a_cleared_array_reads_as_zeros_and_costs_memory_only_once_written():
     import numpy as np
 
     x = jax.block_until_ready(jax.jit(lambda: jnp.full((256, 1024, 512), 9, jnp.uint16))())
-    before = rss_bytes()
+    before = status_bytes("VmRSS")
     assert memory.clear(x)
-    after = rss_bytes()
+    after = status_bytes("VmRSS")
     assert before - after > 0.8 * x.nbytes
     assert not np.asarray(x[0, 0]).any() and not np.asarray(x[-1, -1]).any()
     write = jax.jit(lambda c: c.at[7].set(3), donate_argnums=0)
     y = jax.block_until_ready(write(x))
-    assert rss_bytes() - after < 0.1 * y.nbytes  # one row of 256 was committed, not all
+    assert status_bytes("VmRSS") - after < 0.1 * y.nbytes  # one row of 256 was committed, not all
     assert int(y[7, 0, 0]) == 3 and not np.asarray(y[:7]).any() and not np.asarray(y[8:]).any()
 
 
@@ -64,13 +58,13 @@ def test_zeros_take_no_memory_until_written_and_a_donated_write_stays_in_place()
     if not empty.available():
         pytest.skip("no C++ compiler: the pool's zeros are written, then cleared")
     sharding = NamedSharding(jax.make_mesh((1,), ("x",)), P())
-    before = rss_bytes()
+    before = status_bytes("VmRSS")
     x = memory.zeros((256, 1024, 1024), jnp.uint16, sharding)
-    assert rss_bytes() - before < 0.05 * x.nbytes
+    assert status_bytes("VmRSS") - before < 0.05 * x.nbytes
     buffer = x.unsafe_buffer_pointer()
     write = jax.jit(lambda c: c.at[7].set(3), donate_argnums=0)
     y = jax.block_until_ready(write(x))
-    assert y.unsafe_buffer_pointer() == buffer and rss_bytes() - before < 0.05 * y.nbytes
+    assert y.unsafe_buffer_pointer() == buffer and status_bytes("VmRSS") - before < 0.05 * y.nbytes
     assert int(y[7, 0, 0]) == 3 and not np.asarray(y[:7]).any() and not np.asarray(y[8:]).any()
 
 
@@ -96,10 +90,10 @@ START = """
 import json, sys
 from jaxpipe import Engine, SamplingParams
 from jaxpipe.kernels import empty
+from jaxpipe_bench.proc_memory import status_bytes
 
 def peak():
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+    return status_bytes("VmHWM")
 
 engine = Engine(**json.loads(sys.argv[1]), warmup=False, show_progress=False)
 built = peak()
