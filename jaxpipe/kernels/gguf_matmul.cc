@@ -18,12 +18,12 @@
 //   1 avx2         vpmaddubsw + vpmaddwd (u8 x s8 pairs into s16, then int32)
 //   2 avx_vnni     vpdpbusd, VEX, 256-bit
 //   3 avx512_vnni  vpdpbusd on 512-bit vectors
-// The 32-weight formats (q8_0, q4_0, q4_1), and q4_k on avx512_vnni, from kQuadRows rows:
+// The 32-weight formats (q8_0, q4_0, q4_1), and q4_k and q6_k on avx512_vnni, from kQuadRows rows:
 // a task decodes its panel of kCols weight rows once into quad order (namespace quad: a
 // vector is 8 or 16 columns' 4 codes, as the int8 kernel's panels) and multiplies it by all
 // its rows in register tiles of rows x columns, one vpdpbusd a (row, 8 or 16 columns, 4
 // k's), per-block int32 sums scaled into f32 accumulators, one output a lane. Fewer rows,
-// q6_k, and q4_k on the 256-bit paths: blocks decoded in registers as they are read (q4's 16
+// and q4_k and q6_k on the 256-bit paths: blocks decoded in registers as they are read (q4's 16
 // nibble bytes become one 32-byte vector: low nibbles, codes 0..15, then high ones, 16..31;
 // the 512-bit tile takes two blocks a vector, namespace zmm), one vector a (row, column,
 // block) and a horizontal sum per output.
@@ -103,11 +103,11 @@ struct Acts {
   int64_t k, blocks;
   std::vector<int8_t> codes;
   std::vector<float> d, s, d8, s8;
-  std::vector<int32_t> sum;
-  Acts(int64_t m, int64_t k_, bool wide, bool kq)
+  std::vector<int32_t> sum, sum16;  // codes' sums per block of 32; per 16 (`halves`)
+  Acts(int64_t m, int64_t k_, bool wide, bool kq, bool halves)
       : k(k_), blocks(k_ / kBlock), codes(m * k_), d(kq ? m * (k_ / kSuper) : m * blocks),
         s(kq ? 0 : m * blocks), d8(wide && !kq ? 8 * m * blocks : 0), s8(d8.size()),
-        sum(m * blocks) {}
+        sum(m * blocks), sum16(halves ? m * (k_ / 16) : 0) {}
   // Row r as q8_k (gguf_blocks.quantize_rows_k, to the bit): per 256, v = the first value of
   // largest magnitude, iscale = -127 / v, codes = min(127, round half to even(iscale x)),
   // d = 1 / iscale (all 0 for a zero super-block).
@@ -120,9 +120,11 @@ struct Acts {
       for (int i = 0; i < kSuper; ++i)
         if (std::fabs(v[i]) > amax) amax = std::fabs(v[i]), top = v[i];
       int32_t* sums = sum.data() + r * blocks + b * (kSuper / kBlock);
+      int32_t* sums16 = sum16.empty() ? nullptr : sum16.data() + (r * k + b * kSuper) / 16;
       if (amax == 0.f) {
         std::fill(q, q + kSuper, 0);
         std::fill(sums, sums + kSuper / kBlock, 0);
+        if (sums16) std::fill(sums16, sums16 + kSuper / 16, 0);
         d[r * supers + b] = 0.f;
         continue;
       }
@@ -135,6 +137,11 @@ struct Acts {
           total += q[i];
         }
         sums[j] = total;
+      }
+      for (int j = 0; sums16 && j < kSuper / 16; ++j) {
+        int32_t total = 0;
+        for (int i = 16 * j; i < 16 * (j + 1); ++i) total += q[i];
+        sums16[j] = total;
       }
       d[r * supers + b] = 1.f / iscale;
     }
@@ -830,6 +837,54 @@ inline void decode_k(const Task& t, int64_t c0, int64_t cols, Panel& pn) {
     decode8_k(t.w + (c0 + g) * t.rb, t.rb, std::clamp<int64_t>(cols - g, 0, 8), pn, g);
 }
 
+// q6_k's 8 columns at w (cols valid) into lanes g .. g + 7: each 32 weights' codes q (0..63,
+// stored; the 32 comes off as 32 x's codes per 16) as ymm::tile_k6 assembles them, then
+// laid out as decode8's; sc each 16's scale [16 per super-block, width], d [supers, width].
+inline void decode8_k6(const uint8_t* w, int64_t rb, int64_t cols, Panel& pn, int64_t g) {
+  constexpr int64_t bb = kBlockBytes[kQ6_K];
+  static const std::vector<uint8_t> zero(bb, 0);
+  const int64_t width = pn.width, supers = pn.blocks / 8;
+  const __m256i low4 = _mm256_set1_epi8(15), top2 = _mm256_set1_epi8(0x30);
+  for (int64_t b = 0; b < supers; ++b) {
+    const uint8_t* p[8];
+    for (int c = 0; c < 8; ++c) p[c] = c < cols ? w + c * rb + b * bb : zero.data();
+    for (int ch = 0; ch < 8; ++ch) {  // 32 weights: half ch / 4, u = ch % 4
+      const int h = ch / 4, u = ch % 4;
+      __m256i code[8], lo[4], hi[4], out[4];
+      for (int c = 0; c < 8; ++c) {
+        const __m256i ql = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p[c] + 64 * h + 32 * (u % 2)));
+        const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p[c] + 128 + 32 * h));
+        const __m256i low = _mm256_and_si256(u < 2 ? ql : _mm256_srli_epi16(ql, 4), low4);
+        const __m256i hb = u == 0 ? _mm256_slli_epi16(qh, 4) : u == 1 ? _mm256_slli_epi16(qh, 2)
+                           : u == 2 ? qh : _mm256_srli_epi16(qh, 2);
+        code[c] = _mm256_or_si256(low, _mm256_and_si256(hb, top2));
+      }
+      for (int j = 0; j < 4; ++j) {  // column pair (j, j + 4), as decode8's
+        lo[j] = _mm256_permute2x128_si256(code[j], code[j + 4], 0x20);
+        hi[j] = _mm256_permute2x128_si256(code[j], code[j + 4], 0x31);
+      }
+      int32_t* q = pn.q.data() + (8 * b + ch) * 8 * width + g;
+      transpose4(lo, out);
+      for (int i = 0; i < 4; ++i) _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + i * width), out[i]);
+      transpose4(hi, out);
+      for (int i = 0; i < 4; ++i)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + (4 + i) * width), out[i]);
+    }
+    for (int c = 0; c < 8; ++c) {
+      const auto* sc = reinterpret_cast<const int8_t*>(p[c] + 192);
+      for (int j = 0; j < 16; ++j) pn.sc[(16 * b + j) * width + g + c] = sc[j];
+      pn.d[b * width + g + c] = f16(p[c] + 208);
+    }
+  }
+}
+
+inline void decode_k6(const Task& t, int64_t c0, int64_t cols, Panel& pn) {
+  pn.reset((cols + 15) / 16 * 16, t.a->blocks);
+  pn.sc.resize(2 * pn.blocks * pn.width);
+  for (int64_t g = 0; g < pn.width; g += 8)
+    decode8_k6(t.w + (c0 + g) * t.rb, t.rb, std::clamp<int64_t>(cols - g, 0, 8), pn, g);
+}
+
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 // The 512-bit path: y[R rows from r0, 16 NV columns from g].
 template <int F, int R, int NV>
@@ -971,28 +1026,94 @@ void tile512_k(const Task& t, const Panel& pn, int64_t r0, int64_t g, int64_t co
   });
 }
 
+// q6_k on the 512-bit path: y[R rows from r0, 16 NV columns from g]. Per 16 weights the
+// dpbusd sums of q x x, less 32 x's sum (q - 32, exactly), times the column's scale into
+// isum (vpmulld); per super-block y += (dx d) isum, as ymm::tile_k6.
+template <int R, int NV>
+void tile512_k6(const Task& t, const Panel& pn, int64_t r0, int64_t g, int64_t cols) {
+  const Acts& a = *t.a;
+  const int64_t width = pn.width, row0 = t.m0 + r0, supers = pn.blocks / 8, k16 = a.k / 16;
+  __m512 acc[R][NV];
+  unroll<R>([&](auto r) { unroll<NV>([&](auto v) { acc[r][v] = _mm512_setzero_ps(); }); });
+  for (int64_t b = 0; b < supers; ++b) {
+    __m512i isum[R][NV];
+    unroll<R>([&](auto r) { unroll<NV>([&](auto v) { isum[r][v] = _mm512_setzero_si512(); }); });
+    for (int64_t j = 0; j < 16; ++j) {  // the 16 weights 16 j ..: quads 4 (j % 2) .. of 32-block j / 2
+      const int64_t h = 16 * b + j;
+      const int32_t* q = pn.q.data() + ((8 * b + j / 2) * 8 + 4 * (j % 2)) * width + g;
+      __m512i s[R][NV];
+      unroll<R>([&](auto r) {
+        const __m512i init = _mm512_set1_epi32(-32 * a.sum16[(row0 + r) * k16 + h]);
+        unroll<NV>([&](auto v) { s[r][v] = init; });
+      });
+      unroll<4>([&](auto u) {
+        __m512i wv[NV];
+        unroll<NV>([&](auto v) { wv[v] = _mm512_loadu_si512(q + u * width + 16 * v); });
+        unroll<R>([&](auto r) {
+          int32_t xq;
+          std::memcpy(&xq, a.codes.data() + (row0 + r) * a.k + 16 * h + 4 * u, 4);
+          const __m512i xv = _mm512_set1_epi32(xq);
+          unroll<NV>([&](auto v) { s[r][v] = _mm512_dpbusd_epi32(s[r][v], wv[v], xv); });
+        });
+      });
+      unroll<NV>([&](auto v) {
+        const __m512i sc = _mm512_loadu_si512(pn.sc.data() + h * width + g + 16 * v);
+        unroll<R>([&](auto r) {
+          isum[r][v] = _mm512_add_epi32(isum[r][v], _mm512_mullo_epi32(s[r][v], sc));
+        });
+      });
+    }
+    unroll<NV>([&](auto v) {
+      const __m512 d = _mm512_loadu_ps(pn.d.data() + b * width + g + 16 * v);
+      unroll<R>([&](auto r) {
+        const __m512 dx = _mm512_set1_ps(a.d[(row0 + r) * supers + b]);
+        acc[r][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r][v]), _mm512_mul_ps(dx, d), acc[r][v]);
+      });
+    });
+  }
+  const int64_t tail = cols - 16 * (NV - 1);
+  const __mmask16 last = static_cast<__mmask16>(tail >= 16 ? 0xffffu : (1u << tail) - 1);
+  unroll<R>([&](auto r) {
+    float* dst = t.y + (r0 + r) * t.ldy + g;
+    unroll<NV>([&](auto v) {
+      _mm512_mask_storeu_ps(dst + 16 * v, v + 1 < NV ? static_cast<__mmask16>(0xffffu) : last,
+                            acc[r][v]);
+    });
+  });
+}
+
 constexpr int kRows512K = 4;
 
-template <int R>
+// q4_k's tiles, or q6_k's (`kK6`).
+template <bool kK6, int R>
 void tile_rows512_k(const Task& t, const Panel& pn, int64_t r0, int64_t rows, int64_t g,
                     int64_t cols) {
   if constexpr (R > 1) {
-    if (rows < R) return tile_rows512_k<R - 1>(t, pn, r0, rows, g, cols);
+    if (rows < R) return tile_rows512_k<kK6, R - 1>(t, pn, r0, rows, g, cols);
   }
-  if (cols > 16)
-    tile512_k<R, 2>(t, pn, r0, g, cols);
-  else
-    tile512_k<R, 1>(t, pn, r0, g, cols);
+  if constexpr (kK6) {
+    if (cols > 16)
+      tile512_k6<R, 2>(t, pn, r0, g, cols);
+    else
+      tile512_k6<R, 1>(t, pn, r0, g, cols);
+  } else {
+    if (cols > 16)
+      tile512_k<R, 2>(t, pn, r0, g, cols);
+    else
+      tile512_k<R, 1>(t, pn, r0, g, cols);
+  }
 }
 
+// A q4_k task, or a q6_k one (`kK6`), on the 512-bit path: decode, then 32-column slices.
+template <bool kK6>
 void run512_k(const Task& t, int64_t c0, int64_t cols, int64_t rows) {
   thread_local Panel pn;
-  decode_k(t, c0, cols, pn);
+  kK6 ? decode_k6(t, c0, cols, pn) : decode_k(t, c0, cols, pn);
   const Task at{t.a, t.m0, t.w, t.rb, t.y + c0, t.ldy};
   for (int64_t g = 0; g < cols; g += 32)
     for (int64_t r = 0; r < rows; r += kRows512K)
-      tile_rows512_k<kRows512K>(at, pn, r, std::min<int64_t>(kRows512K, rows - r), g,
-                                std::min<int64_t>(32, cols - g));
+      tile_rows512_k<kK6, kRows512K>(at, pn, r, std::min<int64_t>(kRows512K, rows - r), g,
+                                     std::min<int64_t>(32, cols - g));
 }
 #endif
 
@@ -1126,13 +1247,13 @@ Run run_k_of(int64_t path, bool direct) {
     case kAvxVnni: return ymm::run_k<ymm::AvxVnniDot>;
 #endif
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AVX512BW__)
-    case kAvx512Vnni: return direct ? ymm::run_k<ymm::Avx512KDot> : quad::run512_k;
+    case kAvx512Vnni: return direct ? ymm::run_k<ymm::Avx512KDot> : quad::run512_k<false>;
 #endif
     default: return nullptr;
   }
 }
 
-Run run_k6_of(int64_t path) {
+Run run_k6_of(int64_t path, bool direct) {
   switch (path) {
     case kPortable: return portable::run_k6;
 #ifdef __AVX2__
@@ -1142,7 +1263,7 @@ Run run_k6_of(int64_t path) {
     case kAvxVnni: return ymm::run_k6<ymm::AvxVnniDot>;
 #endif
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AVX512BW__)
-    case kAvx512Vnni: return ymm::run_k6<ymm::Avx512KDot>;
+    case kAvx512Vnni: return direct ? ymm::run_k6<ymm::Avx512KDot> : quad::run512_k<true>;
 #endif
     default: return nullptr;
   }
@@ -1158,15 +1279,15 @@ Run run_of(int64_t format, int64_t path, bool direct) {
     case kQ4_0: return run_of<kQ4_0>(path, direct);
     case kQ4_1: return run_of<kQ4_1>(path, direct);
     case kQ4_K: return run_k_of(path, direct);
-    case kQ6_K: return run_k6_of(path);
+    case kQ6_K: return run_k6_of(path, direct);
     default: return nullptr;
   }
 }
 
 // Whether `format` on `path` decodes its tasks' panels (from kQuadRows rows).
 bool quad_rows(int64_t format, int64_t path) {
-  if (path == kPortable || format == kQ6_K) return false;
-  return format != kQ4_K || path == kAvx512Vnni;
+  if (path == kPortable) return false;
+  return (format != kQ4_K && format != kQ6_K) || path == kAvx512Vnni;
 }
 
 // Rows per task: kChunk, or for a task that decodes its panel first (`quad`) as many as
@@ -1203,7 +1324,8 @@ ffi::Error GgufMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Bu
   if (m == 0 || n == 0) return ffi::Error::Success();
   const int64_t l = std::clamp<int64_t>(layer.typed_data()[0], 0, wd[0] - 1);
   const bool kq = format == kQ4_K || format == kQ6_K;
-  Acts acts(m, k, path == kAvx512Vnni || (path < 0 && (kBuiltPaths >> kAvx512Vnni & 1u)), kq);
+  Acts acts(m, k, path == kAvx512Vnni || (path < 0 && (kBuiltPaths >> kAvx512Vnni & 1u)), kq,
+            format == kQ6_K && quad_rows(format, path) && m >= kQuadRows);
   const float* xf = x.typed_data();
   constexpr int64_t kRowBlock = 16, kParallel = 1 << 16;
   auto quantize = [&](int64_t i) {
