@@ -885,6 +885,87 @@ inline void decode_k6(const Task& t, int64_t c0, int64_t cols, Panel& pn) {
     decode8_k6(t.w + (c0 + g) * t.rb, t.rb, std::clamp<int64_t>(cols - g, 0, 8), pn, g);
 }
 
+// q6_k on the 256-bit paths: y[R rows from r0, 8 NV columns from g], tile512_k6's arithmetic
+// (below) on 8 lanes. Dot's u8 x s8 pairs are at most 2 x 63 x 127, never saturated.
+template <typename Dot, int R, int NV>
+void tile_k6(const Task& t, const Panel& pn, int64_t r0, int64_t g, int64_t cols) {
+  const Acts& a = *t.a;
+  const int64_t width = pn.width, row0 = t.m0 + r0, supers = pn.blocks / 8, k16 = a.k / 16;
+  __m256 acc[R][NV];
+  unroll<R>([&](auto r) { unroll<NV>([&](auto v) { acc[r][v] = _mm256_setzero_ps(); }); });
+  for (int64_t b = 0; b < supers; ++b) {
+    __m256i isum[R][NV];
+    unroll<R>([&](auto r) { unroll<NV>([&](auto v) { isum[r][v] = _mm256_setzero_si256(); }); });
+    for (int64_t j = 0; j < 16; ++j) {
+      const int64_t h = 16 * b + j;
+      const int32_t* q = pn.q.data() + ((8 * b + j / 2) * 8 + 4 * (j % 2)) * width + g;
+      __m256i s[R][NV];
+      unroll<R>([&](auto r) {
+        const __m256i init = _mm256_set1_epi32(-32 * a.sum16[(row0 + r) * k16 + h]);
+        unroll<NV>([&](auto v) { s[r][v] = init; });
+      });
+      unroll<4>([&](auto u) {
+        __m256i wv[NV];
+        unroll<NV>([&](auto v) {
+          wv[v] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + u * width + 8 * v));
+        });
+        unroll<R>([&](auto r) {
+          int32_t xq;
+          std::memcpy(&xq, a.codes.data() + (row0 + r) * a.k + 16 * h + 4 * u, 4);
+          const __m256i xv = _mm256_set1_epi32(xq);
+          unroll<NV>([&](auto v) { s[r][v] = Dot::add(s[r][v], wv[v], xv); });
+        });
+      });
+      unroll<NV>([&](auto v) {
+        const __m256i sc = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pn.sc.data() + h * width + g + 8 * v));
+        unroll<R>([&](auto r) {
+          isum[r][v] = _mm256_add_epi32(isum[r][v], _mm256_mullo_epi32(s[r][v], sc));
+        });
+      });
+    }
+    unroll<NV>([&](auto v) {
+      const __m256 d = _mm256_loadu_ps(pn.d.data() + b * width + g + 8 * v);
+      unroll<R>([&](auto r) {
+        const __m256 dx = _mm256_set1_ps(a.d[(row0 + r) * supers + b]);
+        acc[r][v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r][v]), _mm256_mul_ps(dx, d), acc[r][v]);
+      });
+    });
+  }
+  const __m256i last = jaxpipe_cpu::lanes(cols - 8 * (NV - 1));
+  unroll<R>([&](auto r) {
+    float* dst = t.y + (r0 + r) * t.ldy + g;
+    unroll<NV>([&](auto v) {
+      if (v + 1 < NV || cols >= 8 * NV)
+        _mm256_storeu_ps(dst + 8 * v, acc[r][v]);
+      else
+        _mm256_maskstore_ps(dst + 8 * v, last, acc[r][v]);
+    });
+  });
+}
+
+// A q6_k task on a 256-bit path: decode, then 16-column slices over all the rows.
+template <typename Dot, int R>
+void tile_rows_k6(const Task& t, const Panel& pn, int64_t r0, int64_t rows, int64_t g, int64_t cols) {
+  if constexpr (R > 1) {
+    if (rows < R) return tile_rows_k6<Dot, R - 1>(t, pn, r0, rows, g, cols);
+  }
+  if (cols > 8)
+    tile_k6<Dot, R, 2>(t, pn, r0, g, cols);
+  else
+    tile_k6<Dot, R, 1>(t, pn, r0, g, cols);
+}
+
+template <typename Dot>
+void run_k6(const Task& t, int64_t c0, int64_t cols, int64_t rows) {
+  thread_local Panel pn;
+  decode_k6(t, c0, cols, pn);
+  const Task at{t.a, t.m0, t.w, t.rb, t.y + c0, t.ldy};
+  for (int64_t g = 0; g < cols; g += 16)
+    for (int64_t r = 0; r < rows; r += Dot::kRows)
+      tile_rows_k6<Dot, Dot::kRows>(at, pn, r, std::min<int64_t>(Dot::kRows, rows - r), g,
+                                    std::min<int64_t>(16, cols - g));
+}
+
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 // The 512-bit path: y[R rows from r0, 16 NV columns from g].
 template <int F, int R, int NV>
@@ -1257,10 +1338,10 @@ Run run_k6_of(int64_t path, bool direct) {
   switch (path) {
     case kPortable: return portable::run_k6;
 #ifdef __AVX2__
-    case kAvx2: return ymm::run_k6<ymm::Avx2Dot>;
+    case kAvx2: return direct ? ymm::run_k6<ymm::Avx2Dot> : quad::run_k6<quad::Avx2Dot>;
 #endif
 #ifdef __AVXVNNI__
-    case kAvxVnni: return ymm::run_k6<ymm::AvxVnniDot>;
+    case kAvxVnni: return direct ? ymm::run_k6<ymm::AvxVnniDot> : quad::run_k6<quad::AvxVnniDot>;
 #endif
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AVX512BW__)
     case kAvx512Vnni: return direct ? ymm::run_k6<ymm::Avx512KDot> : quad::run512_k<true>;
@@ -1287,7 +1368,7 @@ Run run_of(int64_t format, int64_t path, bool direct) {
 // Whether `format` on `path` decodes its tasks' panels (from kQuadRows rows).
 bool quad_rows(int64_t format, int64_t path) {
   if (path == kPortable) return false;
-  return (format != kQ4_K && format != kQ6_K) || path == kAvx512Vnni;
+  return format != kQ4_K || path == kAvx512Vnni;
 }
 
 // Rows per task: kChunk, or for a task that decodes its panel first (`quad`) as many as
