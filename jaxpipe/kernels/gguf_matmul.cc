@@ -18,12 +18,12 @@
 //   1 avx2         vpmaddubsw + vpmaddwd (u8 x s8 pairs into s16, then int32)
 //   2 avx_vnni     vpdpbusd, VEX, 256-bit
 //   3 avx512_vnni  vpdpbusd on 512-bit vectors
-// The 32-weight formats (q8_0, q4_0, q4_1), and q4_k and q6_k on avx512_vnni, from kQuadRows rows:
+// The 32-weight formats (q8_0, q4_0, q4_1) and q6_k, and q4_k on avx512_vnni, from kQuadRows rows:
 // a task decodes its panel of kCols weight rows once into quad order (namespace quad: a
 // vector is 8 or 16 columns' 4 codes, as the int8 kernel's panels) and multiplies it by all
 // its rows in register tiles of rows x columns, one vpdpbusd a (row, 8 or 16 columns, 4
 // k's), per-block int32 sums scaled into f32 accumulators, one output a lane. Fewer rows,
-// and q4_k and q6_k on the 256-bit paths: blocks decoded in registers as they are read (q4's 16
+// and q4_k on the 256-bit paths: blocks decoded in registers as they are read (q4's 16
 // nibble bytes become one 32-byte vector: low nibbles, codes 0..15, then high ones, 16..31;
 // the 512-bit tile takes two blocks a vector, namespace zmm), one vector a (row, column,
 // block) and a horizontal sum per output.
@@ -594,7 +594,8 @@ namespace quad {
 // for q4_1) [blocks, width] f32; width = the columns rounded up to 16, zeros past them.
 // q4_k (blocks = its sub-blocks of 32): d and m hold each super-block's d and dmin
 // [blocks / 8, width], sc each sub-block's scale [blocks, width] and mp its minimums in
-// pairs of s16 (m_2i, m_2i+1) [blocks / 2, width].
+// pairs of s16 (m_2i, m_2i+1) [blocks / 2, width]. q6_k: d each super-block's d [blocks / 8,
+// width], sc each 16 weights' scale [2 blocks, width].
 struct Panel {
   int64_t width = 0, blocks = 0;
   std::vector<int32_t> q, sc, mp;
