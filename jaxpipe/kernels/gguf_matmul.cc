@@ -608,6 +608,32 @@ struct Panel {
   }
 };
 
+// A task over its decoded panel: `Decode` its columns once, then slices of two vectors
+// (2 kVec columns) in tiles `Tile<R, NV>::go(t, pn, r0, g, cols)` of R rows (kR, the rows
+// left in a tile of fewer) and NV vectors (1 for a last slice of kVec columns or fewer).
+template <template <int, int> class Tile, int R, int kVec>
+void panel_rows(const Task& t, const Panel& pn, int64_t r0, int64_t rows, int64_t g, int64_t cols) {
+  if constexpr (R > 1) {
+    if (rows < R) return panel_rows<Tile, R - 1, kVec>(t, pn, r0, rows, g, cols);
+  }
+  if (cols > kVec)
+    Tile<R, 2>::go(t, pn, r0, g, cols);
+  else
+    Tile<R, 1>::go(t, pn, r0, g, cols);
+}
+
+template <void (*Decode)(const Task&, int64_t, int64_t, Panel&), template <int, int> class Tile,
+          int kR, int kVec>
+void run_panel(const Task& t, int64_t c0, int64_t cols, int64_t rows) {
+  thread_local Panel pn;
+  Decode(t, c0, cols, pn);
+  const Task at{t.a, t.m0, t.w, t.rb, t.y + c0, t.ldy};
+  for (int64_t g = 0; g < cols; g += 2 * kVec)
+    for (int64_t r = 0; r < rows; r += kR)
+      panel_rows<Tile, kR, kVec>(at, pn, r, std::min<int64_t>(kR, rows - r), g,
+                                 std::min<int64_t>(2 * kVec, cols - g));
+}
+
 // a[0..3]'s 4 dwords (per 128-bit lane) transposed: a[j] lane dword i -> out[i] lane dword j.
 inline void transpose4(const __m256i* a, __m256i* out) {
   const __m256i t0 = _mm256_unpacklo_epi32(a[0], a[1]), t1 = _mm256_unpackhi_epi32(a[0], a[1]);
@@ -762,27 +788,20 @@ struct AvxVnniDot {
 };
 #endif
 
-template <typename Dot, int F, int R>
-void tile_rows(const Task& t, const Panel& pn, int64_t r0, int64_t rows, int64_t g, int64_t cols) {
-  if constexpr (R > 1) {
-    if (rows < R) return tile_rows<Dot, F, R - 1>(t, pn, r0, rows, g, cols);
-  }
-  if (cols > 8)
-    tile<Dot, F, R, 2>(t, pn, r0, g, cols);
-  else
-    tile<Dot, F, R, 1>(t, pn, r0, g, cols);
-}
+template <typename Dot, int F>
+struct BlockTiles {
+  template <int R, int NV>
+  struct T {
+    static void go(const Task& t, const Panel& pn, int64_t r0, int64_t g, int64_t cols) {
+      tile<Dot, F, R, NV>(t, pn, r0, g, cols);
+    }
+  };
+};
 
-// A task on a 256-bit path: decode, then 16-column slices over all the rows.
+// A task on a 256-bit path: 16-column slices of 8-lane vectors.
 template <typename Dot, int F>
 void run(const Task& t, int64_t c0, int64_t cols, int64_t rows) {
-  thread_local Panel pn;
-  decode<F, Dot::kFlip>(t, c0, cols, pn);
-  const Task at{t.a, t.m0, t.w, t.rb, t.y + c0, t.ldy};
-  for (int64_t g = 0; g < cols; g += 16)
-    for (int64_t r = 0; r < rows; r += Dot::kRows)
-      tile_rows<Dot, F, Dot::kRows>(at, pn, r, std::min<int64_t>(Dot::kRows, rows - r), g,
-                                    std::min<int64_t>(16, cols - g));
+  run_panel<decode<F, Dot::kFlip>, BlockTiles<Dot, F>::template T, Dot::kRows, 8>(t, c0, cols, rows);
 }
 
 // q4_k's 8 columns at w (cols valid) into lanes g .. g + 7: per super-block, each 32 nibble
@@ -944,27 +963,19 @@ void tile_k6(const Task& t, const Panel& pn, int64_t r0, int64_t g, int64_t cols
   });
 }
 
-// A q6_k task on a 256-bit path: decode, then 16-column slices over all the rows.
-template <typename Dot, int R>
-void tile_rows_k6(const Task& t, const Panel& pn, int64_t r0, int64_t rows, int64_t g, int64_t cols) {
-  if constexpr (R > 1) {
-    if (rows < R) return tile_rows_k6<Dot, R - 1>(t, pn, r0, rows, g, cols);
-  }
-  if (cols > 8)
-    tile_k6<Dot, R, 2>(t, pn, r0, g, cols);
-  else
-    tile_k6<Dot, R, 1>(t, pn, r0, g, cols);
-}
+template <typename Dot>
+struct K6Tiles {
+  template <int R, int NV>
+  struct T {
+    static void go(const Task& t, const Panel& pn, int64_t r0, int64_t g, int64_t cols) {
+      tile_k6<Dot, R, NV>(t, pn, r0, g, cols);
+    }
+  };
+};
 
 template <typename Dot>
 void run_k6(const Task& t, int64_t c0, int64_t cols, int64_t rows) {
-  thread_local Panel pn;
-  decode_k6(t, c0, cols, pn);
-  const Task at{t.a, t.m0, t.w, t.rb, t.y + c0, t.ldy};
-  for (int64_t g = 0; g < cols; g += 16)
-    for (int64_t r = 0; r < rows; r += Dot::kRows)
-      tile_rows_k6<Dot, Dot::kRows>(at, pn, r, std::min<int64_t>(Dot::kRows, rows - r), g,
-                                    std::min<int64_t>(16, cols - g));
+  run_panel<decode_k6, K6Tiles<Dot>::template T, Dot::kRows, 8>(t, c0, cols, rows);
 }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -1019,26 +1030,19 @@ void tile512(const Task& t, const Panel& pn, int64_t r0, int64_t g, int64_t cols
 
 constexpr int kRows512 = 6;
 
-template <int F, int R>
-void tile_rows512(const Task& t, const Panel& pn, int64_t r0, int64_t rows, int64_t g, int64_t cols) {
-  if constexpr (R > 1) {
-    if (rows < R) return tile_rows512<F, R - 1>(t, pn, r0, rows, g, cols);
-  }
-  if (cols > 16)
-    tile512<F, R, 2>(t, pn, r0, g, cols);
-  else
-    tile512<F, R, 1>(t, pn, r0, g, cols);
-}
+template <int F>
+struct Tiles512 {
+  template <int R, int NV>
+  struct T {
+    static void go(const Task& t, const Panel& pn, int64_t r0, int64_t g, int64_t cols) {
+      tile512<F, R, NV>(t, pn, r0, g, cols);
+    }
+  };
+};
 
 template <int F>
 void run512(const Task& t, int64_t c0, int64_t cols, int64_t rows) {
-  thread_local Panel pn;
-  decode<F, true>(t, c0, cols, pn);
-  const Task at{t.a, t.m0, t.w, t.rb, t.y + c0, t.ldy};
-  for (int64_t g = 0; g < cols; g += 32)
-    for (int64_t r = 0; r < rows; r += kRows512)
-      tile_rows512<F, kRows512>(at, pn, r, std::min<int64_t>(kRows512, rows - r), g,
-                                std::min<int64_t>(32, cols - g));
+  run_panel<decode<F, true>, Tiles512<F>::template T, kRows512, 16>(t, c0, cols, rows);
 }
 
 // q4_k on the 512-bit path: y[R rows from r0, 16 NV columns from g]. Per super-block the
@@ -1166,36 +1170,26 @@ void tile512_k6(const Task& t, const Panel& pn, int64_t r0, int64_t g, int64_t c
 
 constexpr int kRows512K = 4;
 
-// q4_k's tiles, or q6_k's (`kK6`).
-template <bool kK6, int R>
-void tile_rows512_k(const Task& t, const Panel& pn, int64_t r0, int64_t rows, int64_t g,
-                    int64_t cols) {
-  if constexpr (R > 1) {
-    if (rows < R) return tile_rows512_k<kK6, R - 1>(t, pn, r0, rows, g, cols);
+// q4_k's and q6_k's tiles on the 512-bit path as run_panel's Tiles.
+template <int R, int NV>
+struct K4Tiles512 {
+  static void go(const Task& t, const Panel& pn, int64_t r0, int64_t g, int64_t cols) {
+    tile512_k<R, NV>(t, pn, r0, g, cols);
   }
-  if constexpr (kK6) {
-    if (cols > 16)
-      tile512_k6<R, 2>(t, pn, r0, g, cols);
-    else
-      tile512_k6<R, 1>(t, pn, r0, g, cols);
-  } else {
-    if (cols > 16)
-      tile512_k<R, 2>(t, pn, r0, g, cols);
-    else
-      tile512_k<R, 1>(t, pn, r0, g, cols);
+};
+template <int R, int NV>
+struct K6Tiles512 {
+  static void go(const Task& t, const Panel& pn, int64_t r0, int64_t g, int64_t cols) {
+    tile512_k6<R, NV>(t, pn, r0, g, cols);
   }
-}
+};
 
-// A q4_k task, or a q6_k one (`kK6`), on the 512-bit path: decode, then 32-column slices.
-template <bool kK6>
+// A q4_k (q6_k) task on the 512-bit path: 32-column slices of 16-lane vectors.
 void run512_k(const Task& t, int64_t c0, int64_t cols, int64_t rows) {
-  thread_local Panel pn;
-  kK6 ? decode_k6(t, c0, cols, pn) : decode_k(t, c0, cols, pn);
-  const Task at{t.a, t.m0, t.w, t.rb, t.y + c0, t.ldy};
-  for (int64_t g = 0; g < cols; g += 32)
-    for (int64_t r = 0; r < rows; r += kRows512K)
-      tile_rows512_k<kK6, kRows512K>(at, pn, r, std::min<int64_t>(kRows512K, rows - r), g,
-                                     std::min<int64_t>(32, cols - g));
+  run_panel<decode_k, K4Tiles512, kRows512K, 16>(t, c0, cols, rows);
+}
+void run512_k6(const Task& t, int64_t c0, int64_t cols, int64_t rows) {
+  run_panel<decode_k6, K6Tiles512, kRows512K, 16>(t, c0, cols, rows);
 }
 #endif
 
@@ -1329,7 +1323,7 @@ Run run_k_of(int64_t path, bool direct) {
     case kAvxVnni: return ymm::run_k<ymm::AvxVnniDot>;
 #endif
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AVX512BW__)
-    case kAvx512Vnni: return direct ? ymm::run_k<ymm::Avx512KDot> : quad::run512_k<false>;
+    case kAvx512Vnni: return direct ? ymm::run_k<ymm::Avx512KDot> : quad::run512_k;
 #endif
     default: return nullptr;
   }
@@ -1345,7 +1339,7 @@ Run run_k6_of(int64_t path, bool direct) {
     case kAvxVnni: return direct ? ymm::run_k6<ymm::AvxVnniDot> : quad::run_k6<quad::AvxVnniDot>;
 #endif
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AVX512BW__)
-    case kAvx512Vnni: return direct ? ymm::run_k6<ymm::Avx512KDot> : quad::run512_k<true>;
+    case kAvx512Vnni: return direct ? ymm::run_k6<ymm::Avx512KDot> : quad::run512_k6;
 #endif
     default: return nullptr;
   }
