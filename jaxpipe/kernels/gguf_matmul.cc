@@ -18,15 +18,15 @@
 //   1 avx2         vpmaddubsw + vpmaddwd (u8 x s8 pairs into s16, then int32)
 //   2 avx_vnni     vpdpbusd, VEX, 256-bit
 //   3 avx512_vnni  vpdpbusd on 512-bit vectors
-// The 32-weight formats (q8_0, q4_0, q4_1) and q6_k, and q4_k on avx512_vnni, from kQuadRows rows:
+// Every format on every SIMD path, from kQuadRows rows:
 // a task decodes its panel of kCols weight rows once into quad order (namespace quad: a
 // vector is 8 or 16 columns' 4 codes, as the int8 kernel's panels) and multiplies it by all
 // its rows in register tiles of rows x columns, one vpdpbusd a (row, 8 or 16 columns, 4
-// k's), per-block int32 sums scaled into f32 accumulators, one output a lane. Fewer rows,
-// and q4_k on the 256-bit paths: blocks decoded in registers as they are read (q4's 16
-// nibble bytes become one 32-byte vector: low nibbles, codes 0..15, then high ones, 16..31;
-// the 512-bit tile takes two blocks a vector, namespace zmm), one vector a (row, column,
-// block) and a horizontal sum per output.
+// k's), per-block int32 sums scaled into f32 accumulators, one output a lane (the k-quants:
+// per sub-block sums times its scale, vpmulld, then per super-block). Fewer rows: blocks
+// decoded in registers as they are read (q4's 16 nibble bytes become one 32-byte vector: low
+// nibbles, codes 0..15, then high ones, 16..31; the 512-bit tile takes two blocks a vector,
+// namespace zmm), one vector a (row, column, block) and a horizontal sum per output.
 // The multiplies take u8 x s8. q4 codes are the u8 side as they are (0..15; q4_0's -8 comes
 // off as 8 * x's codes); q8_0 weights go in as w + 128 (the VNNI paths; 128 * x's codes come
 // off) or as |w| (u8, up to 128) with x carrying w's sign (vpsignb; x's codes are in
@@ -65,6 +65,7 @@ constexpr int64_t kCols = 64;   // output columns per task
 constexpr int64_t kChunk = 48;  // rows per task
 constexpr int64_t kQuadChunk = 384;  // rows per task at most, on a decoded panel
 constexpr int64_t kQuadRows = 4;     // rows from which tasks decode their panel (quad::)
+constexpr int64_t kQuadRowsK256 = 16;  // the same for q4_k and q6_k on the 256-bit paths
 
 enum Format : int64_t { kQ8_0 = 0, kQ4_0 = 1, kQ4_1 = 2, kQ4_K = 3, kQ6_K = 4 };
 constexpr int64_t kBlockBytes[] = {34, 18, 20, 144, 210};
@@ -857,6 +858,93 @@ inline void decode_k(const Task& t, int64_t c0, int64_t cols, Panel& pn) {
     decode8_k(t.w + (c0 + g) * t.rb, t.rb, std::clamp<int64_t>(cols - g, 0, 8), pn, g);
 }
 
+// q4_k on the 256-bit paths: y[R rows from r0, 8 NV columns from g], tile512_k's arithmetic
+// (below) on 8 lanes, the minimums' s16 pairs through vpmaddwd.
+template <typename Dot, int R, int NV>
+void tile_k(const Task& t, const Panel& pn, int64_t r0, int64_t g, int64_t cols) {
+  const Acts& a = *t.a;
+  const int64_t width = pn.width, row0 = t.m0 + r0, supers = pn.blocks / 8;
+  __m256 acc[R][NV];
+  unroll<R>([&](auto r) { unroll<NV>([&](auto v) { acc[r][v] = _mm256_setzero_ps(); }); });
+  for (int64_t b = 0; b < supers; ++b) {
+    __m256i isum[R][NV], msum[R][NV];
+    unroll<R>([&](auto r) { unroll<NV>([&](auto v) { isum[r][v] = _mm256_setzero_si256(); }); });
+    for (int64_t j = 0; j < 8; ++j) {
+      const int64_t sb = 8 * b + j;
+      const int32_t* q = pn.q.data() + sb * 8 * width + g;
+      __m256i s[R][NV];
+      unroll<R>([&](auto r) { unroll<NV>([&](auto v) { s[r][v] = _mm256_setzero_si256(); }); });
+      unroll<8>([&](auto u) {
+        __m256i wv[NV];
+        unroll<NV>([&](auto v) {
+          wv[v] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + u * width + 8 * v));
+        });
+        unroll<R>([&](auto r) {
+          int32_t xq;
+          std::memcpy(&xq, a.codes.data() + (row0 + r) * a.k + sb * kBlock + 4 * u, 4);
+          const __m256i xv = _mm256_set1_epi32(xq);
+          unroll<NV>([&](auto v) { s[r][v] = Dot::add(s[r][v], wv[v], xv); });
+        });
+      });
+      unroll<NV>([&](auto v) {
+        const __m256i sc = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pn.sc.data() + sb * width + g + 8 * v));
+        unroll<R>([&](auto r) {
+          isum[r][v] = _mm256_add_epi32(isum[r][v], _mm256_mullo_epi32(s[r][v], sc));
+        });
+      });
+    }
+    unroll<R>([&](auto r) { unroll<NV>([&](auto v) { msum[r][v] = _mm256_setzero_si256(); }); });
+    for (int64_t j = 0; j < 4; ++j) {
+      __m256i mp[NV];
+      unroll<NV>([&](auto v) {
+        mp[v] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pn.mp.data() + (4 * b + j) * width + g + 8 * v));
+      });
+      unroll<R>([&](auto r) {
+        const int32_t* xs = a.sum.data() + (row0 + r) * a.blocks + 8 * b + 2 * j;
+        const uint32_t pair = (static_cast<uint32_t>(xs[0]) & 0xffffu) | static_cast<uint32_t>(xs[1]) << 16;
+        const __m256i xp = _mm256_set1_epi32(static_cast<int32_t>(pair));
+        unroll<NV>([&](auto v) {
+          msum[r][v] = _mm256_add_epi32(msum[r][v], _mm256_madd_epi16(mp[v], xp));
+        });
+      });
+    }
+    unroll<NV>([&](auto v) {
+      const __m256 d = _mm256_loadu_ps(pn.d.data() + b * width + g + 8 * v);
+      const __m256 dmin = _mm256_loadu_ps(pn.m.data() + b * width + g + 8 * v);
+      unroll<R>([&](auto r) {
+        const __m256 dx = _mm256_set1_ps(a.d[(row0 + r) * supers + b]);
+        acc[r][v] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(msum[r][v]), _mm256_mul_ps(dx, dmin), acc[r][v]);
+        acc[r][v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r][v]), _mm256_mul_ps(dx, d), acc[r][v]);
+      });
+    });
+  }
+  const __m256i last = jaxpipe_cpu::lanes(cols - 8 * (NV - 1));
+  unroll<R>([&](auto r) {
+    float* dst = t.y + (r0 + r) * t.ldy + g;
+    unroll<NV>([&](auto v) {
+      if (v + 1 < NV || cols >= 8 * NV)
+        _mm256_storeu_ps(dst + 8 * v, acc[r][v]);
+      else
+        _mm256_maskstore_ps(dst + 8 * v, last, acc[r][v]);
+    });
+  });
+}
+
+template <typename Dot>
+struct K4Tiles {
+  template <int R, int NV>
+  struct T {
+    static void go(const Task& t, const Panel& pn, int64_t r0, int64_t g, int64_t cols) {
+      tile_k<Dot, R, NV>(t, pn, r0, g, cols);
+    }
+  };
+};
+
+template <typename Dot>
+void run_k(const Task& t, int64_t c0, int64_t cols, int64_t rows) {
+  run_panel<decode_k, K4Tiles<Dot>::template T, Dot::kRows, 8>(t, c0, cols, rows);
+}
+
 // q6_k's 8 columns at w (cols valid) into lanes g .. g + 7: each 32 weights' codes q (0..63,
 // stored; the 32 comes off as 32 x's codes per 16) as ymm::tile_k6 assembles them, then
 // laid out as decode8's; sc each 16's scale [16 per super-block, width], d [supers, width].
@@ -1317,10 +1405,10 @@ Run run_k_of(int64_t path, bool direct) {
   switch (path) {
     case kPortable: return portable::run_k;
 #ifdef __AVX2__
-    case kAvx2: return ymm::run_k<ymm::Avx2Dot>;
+    case kAvx2: return direct ? ymm::run_k<ymm::Avx2Dot> : quad::run_k<quad::Avx2Dot>;
 #endif
 #ifdef __AVXVNNI__
-    case kAvxVnni: return ymm::run_k<ymm::AvxVnniDot>;
+    case kAvxVnni: return direct ? ymm::run_k<ymm::AvxVnniDot> : quad::run_k<quad::AvxVnniDot>;
 #endif
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AVX512BW__)
     case kAvx512Vnni: return direct ? ymm::run_k<ymm::Avx512KDot> : quad::run512_k;
@@ -1346,8 +1434,8 @@ Run run_k6_of(int64_t path, bool direct) {
 }
 
 // `path`'s routine for `format` (`path` < 0: the last this build has); null if none here.
-// `direct`: the 32-weight formats' tiles that read the blocks in place (below kQuadRows rows,
-// where a panel's decode would cost more than its rows' multiplies save).
+// `direct`: the tiles that read the blocks in place (where `decodes` says no: too few rows for
+// a panel's decode to cost less than its rows' multiplies save).
 Run run_of(int64_t format, int64_t path, bool direct) {
   if (path > 31 || !(kBuiltPaths >> path & 1u)) return nullptr;
   switch (format) {
@@ -1360,10 +1448,12 @@ Run run_of(int64_t format, int64_t path, bool direct) {
   }
 }
 
-// Whether `format` on `path` decodes its tasks' panels (from kQuadRows rows).
-bool quad_rows(int64_t format, int64_t path) {
+// Whether a call of `m` rows decodes its tasks' panels: on every SIMD path, from kQuadRows
+// rows (the k-quants on the 256-bit paths from kQuadRowsK256, where their decode costs more).
+bool decodes(int64_t format, int64_t path, int64_t m) {
   if (path == kPortable) return false;
-  return format != kQ4_K || path == kAvx512Vnni;
+  const bool k_quant = format == kQ4_K || format == kQ6_K;
+  return m >= (k_quant && path != kAvx512Vnni ? kQuadRowsK256 : kQuadRows);
 }
 
 // Rows per task: kChunk, or for a task that decodes its panel first (`quad`) as many as
@@ -1392,7 +1482,8 @@ ffi::Error GgufMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Bu
         "layer [], "
         "y [M,N]");
   if (path < 0) path = 31 - __builtin_clz(kBuiltPaths);
-  const Run run = run_of(format, path, xd[0] < kQuadRows);
+  const bool quad = decodes(format, path, xd[0]);
+  const Run run = run_of(format, path, !quad);
   if (run == nullptr)
     return ffi::Error::InvalidArgument("gguf_matmul: this build has no path " +
                                        std::to_string(path));
@@ -1401,7 +1492,7 @@ ffi::Error GgufMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Bu
   const int64_t l = std::clamp<int64_t>(layer.typed_data()[0], 0, wd[0] - 1);
   const bool kq = format == kQ4_K || format == kQ6_K;
   Acts acts(m, k, path == kAvx512Vnni || (path < 0 && (kBuiltPaths >> kAvx512Vnni & 1u)), kq,
-            format == kQ6_K && quad_rows(format, path) && m >= kQuadRows);
+            format == kQ6_K && quad);
   const float* xf = x.typed_data();
   constexpr int64_t kRowBlock = 16, kParallel = 1 << 16;
   auto quantize = [&](int64_t i) {
@@ -1416,7 +1507,7 @@ ffi::Error GgufMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Bu
   const uint8_t* wl = w.typed_data() + l * n * rb;
   const int64_t col_tasks = (n + kCols - 1) / kCols;
   const int64_t chunk =
-      rows_per_task(m, col_tasks, pool.num_threads(), quad_rows(format, path) && m >= kQuadRows);
+      rows_per_task(m, col_tasks, pool.num_threads(), quad);
   const int64_t chunks = (m + chunk - 1) / chunk;
   float* out = y->typed_data();
   parallel_for(pool, col_tasks * chunks, [&](int64_t i) {
