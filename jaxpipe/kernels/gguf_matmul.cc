@@ -131,18 +131,14 @@ struct Acts {
       }
       float iscale = -127.f / top;
       asm volatile("" : "+x"(iscale));  // no reassociation into the products below
-      for (int j = 0; j < kSuper / kBlock; ++j) {
+      for (int j = 0; j < 2 * kSuper / kBlock; ++j) {  // 16 codes each
         int32_t total = 0;
-        for (int i = j * kBlock; i < (j + 1) * kBlock; ++i) {
+        for (int i = 16 * j; i < 16 * (j + 1); ++i) {
           q[i] = static_cast<int8_t>(std::min(127.f, std::nearbyint(iscale * v[i])));
           total += q[i];
         }
-        sums[j] = total;
-      }
-      for (int j = 0; sums16 && j < kSuper / 16; ++j) {
-        int32_t total = 0;
-        for (int i = 16 * j; i < 16 * (j + 1); ++i) total += q[i];
-        sums16[j] = total;
+        if (sums16) sums16[j] = total;
+        sums[j / 2] = j % 2 ? sums[j / 2] + total : total;
       }
       d[r * supers + b] = 1.f / iscale;
     }

@@ -116,9 +116,10 @@ print(json.dumps(dict(
 # SPMD programs, the weights' host copy during the switch). While the pool was written at
 # creation (main 06ef788) the three peaked at 4.5 GB (a 6.7 GiB pool), 2.2 GB and 7.3 GB.
 # The first engine on a machine also times its kernels (runtime/kernel_choice.py) and peaks
-# higher: on one device 1.79 GB against 1.60 GB with the timings cached (AMD EPYC family 25
-# model 17, 2026-12-01; it was 1.95 GB while the timers drew float64 inputs and packed eagerly,
-# over the 1.88 GB bound, and failed make test on a fresh cache).
+# higher: on one device 1.79 GB against 1.60 GB with the timings cached (`start()` with
+# ~/.cache/jaxpipe/kernel_choice removed, then again; AMD EPYC family 25 model 17,
+# 2026-12-01). It was 1.95 GB while the timers drew float64 inputs and packed eagerly: over
+# the 1.88 GB bound, and make test failed on a fresh cache.
 MARGIN = {"cpu-1": 0.9e9, "cpu-8": 2.5e9}
 
 
