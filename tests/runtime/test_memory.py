@@ -88,9 +88,19 @@ def test_zeros_without_the_allocation_kernel_are_written_then_cleared(monkeypatc
 # worker's size.
 START = """
 import json, sys
+from pathlib import Path
 from jaxpipe import Engine, SamplingParams
 from jaxpipe.kernels import empty
+from jaxpipe.runtime import kernel_choice
 from jaxpipe_bench.proc_memory import status_bytes
+
+timings = Path(sys.argv[2])  # the kernel timings' file: what it lacks is timed
+kernel_choice.cache_path = lambda: timings
+
+def timed():
+    return len(json.loads(timings.read_text())["timings"]) if timings.is_file() else 0
+
+before = timed()
 
 def peak():
     return status_bytes("VmHWM")
@@ -103,7 +113,7 @@ engine.generate(["The capital of France is", "Water boils at", "Once upon a time
                  "def add(a, b):", "E = mc", "Roses are red,"],
                 SamplingParams(temperature=0.0, max_tokens=8))
 print(json.dumps(dict(
-    built=built, generated=peak(), lazy=empty.available(),
+    built=built, generated=peak(), lazy=empty.available(), measured=timed() > before,
     weights=engine.budget.weight_bytes, reserve=engine.budget.reserve_bytes,
     pool=sum(a.nbytes for a in pool), reshards=engine.stats()["reshards"],
     in_place=pointers == [s.data.unsafe_buffer_pointer()
@@ -116,15 +126,30 @@ print(json.dumps(dict(
 # SPMD programs, the weights' host copy during the switch). While the pool was written at
 # creation (main 06ef788) the three peaked at 4.5 GB (a 6.7 GiB pool), 2.2 GB and 7.3 GB.
 # The first engine on a machine also times its kernels (runtime/kernel_choice.py) and peaks
-# higher: on one device 1.79 GB against 1.60 GB with the timings cached (`start()` with
-# ~/.cache/jaxpipe/kernel_choice removed, then again; AMD EPYC family 25 model 17,
-# 2026-12-01). It was 1.95 GB while the timers drew float64 inputs and packed eagerly: over
-# the 1.88 GB bound, and make test failed on a fresh cache.
+# higher: what the timings compiled stays (in malloc's thread arenas; `KernelChoice._record`
+# gives the rest back). On one device, five first starts peaked at 1.67-1.85 GB (median 1.77)
+# against 1.63 GB with the timings cached (AMD EPYC family 26 model 2, 2026-12-02); 1.88-1.95
+# GB while the freed timing buffers stayed with malloc, over the warm bound of 1.88 GB, and
+# make test failed whenever this test's child happened to be the first on the machine to
+# time the default model. The children keep their timings in a file of this module's own,
+# so that which of them measure is fixed: the first case (the file new), and cpu-8 (its
+# tp=4 shards' shapes), not the 2 GiB pool's; each reports whether it did (`measured`).
+MARGIN = {"cpu-1": 0.9e9, "cpu-8": 2.5e9}
+FIRST_START = 0.25e9  # what an engine that times its kernels may take on top
+
+
+@pytest.fixture(scope="module")
+def timings(tmp_path_factory):
+    """The kernel timings' file the children share: none before the first."""
+    return tmp_path_factory.mktemp("kernel_choice") / "timings.json"
+
+
 MARGIN = {"cpu-1": 0.9e9, "cpu-8": 2.5e9}
 
 
-def start(**kwargs) -> dict:
-    """What `START` reports for an engine of `kwargs`."""
+def start(timings, **kwargs) -> dict:
+    """What `START` reports for an engine of `kwargs` whose kernel timings are cached in the
+    file `timings` (measured first where it does not exist)."""
     import json
     import os
     import subprocess
@@ -133,7 +158,8 @@ def start(**kwargs) -> dict:
 
     gguf_dir()
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
-    done = subprocess.run([sys.executable, "-c", START, json.dumps(kwargs)], text=True,
+    done = subprocess.run([sys.executable, "-c", START, json.dumps(kwargs), str(timings)],
+                          text=True,
                           capture_output=True, timeout=1200, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -141,16 +167,19 @@ def start(**kwargs) -> dict:
 
 @pytest.mark.parametrize("kwargs", [{}, {"kv_cache_gb": 2},
                                     {"mesh": "cpu-8", "prefill": "pp=8", "decode": "tp=4,pp=2"}],
-                         ids=["default-pool", "2gb-pool", "cpu-8-switching"])
-def test_an_engine_takes_its_weights_and_activations_not_its_pool(kwargs):
-    """A default-sized engine (the pool 0.4 of the free RAM), one with a 2 GiB pool, and a
-    cpu-8 one that switches layouts (prefill pp=8, decode tp=4,pp=2): the peak RSS, after
-    construction and after six short requests, stays within the weights, the activation
-    reserve and a fixed margin, whatever the pool's size; the steps write the pool in place."""
-    got = start(**kwargs)
+                         ids=["default-pool-first-start", "2gb-pool", "cpu-8-switching"])
+def test_an_engine_takes_its_weights_and_activations_not_its_pool(kwargs, timings):
+    """A default-sized engine (the pool 0.4 of the free RAM) that times its kernels first,
+    as on a new machine, one with a 2 GiB pool that finds them timed, and a cpu-8 one that
+    switches layouts (prefill pp=8, decode tp=4,pp=2): the peak RSS, after construction and
+    after six short requests, stays within the weights, the activation reserve and a fixed
+    margin (`FIRST_START` more where it timed kernels), whatever the pool's size; the steps
+    write the pool in place."""
+    got = start(timings, **kwargs)
     if not got["lazy"]:
         pytest.skip("no C++ compiler: the pool's zeros are written, then cleared")
-    bound = got["weights"] + got["reserve"] + MARGIN[kwargs.get("mesh", "cpu-1")]
+    bound = (got["weights"] + got["reserve"] + MARGIN[kwargs.get("mesh", "cpu-1")]
+             + FIRST_START * got["measured"])
     assert got["built"] <= bound and got["generated"] <= bound, (got, bound)
     if "mesh" in kwargs:
         assert got["reshards"] == 1
