@@ -232,9 +232,13 @@ class Placement:
         self.act_sharding = NamedSharding(self.mesh, P("pp"))  # [pp, T, E]: a slot per stage
         self.spare: KVCache | None = None  # this layout's zeroed pool, kept by `keep`
 
-    def pack(self, params: dict) -> dict:
-        """Weights placed in this layout (natural order; donated) as the step reads them."""
-        return self._pack(params) if self._pack else params
+    def pack(self, params: dict, keep: dict | None = None) -> dict:
+        """Weights placed in this layout (natural order; donated) as the step reads them.
+        `keep`: weights that must outlive the packing (another layout's, kept): a leaf of
+        `params` holding one of their buffers is copied before the program takes it."""
+        if self._pack is None:
+            return params
+        return self._pack(params if keep is None else sharding.unshared(params, keep))
 
     def unpack(self, params: dict) -> dict:
         """The step's weights in this layout back in natural order (a new tree), for a
@@ -419,7 +423,9 @@ class Runner:
         elif params is None:
             start = time.perf_counter()
             natural = self.placements[left].unpack(self.params)
-            params = jax.block_until_ready(place.pack(sharding.reshard(natural, place.params)))
+            kept = self.params if self.keep_weights else None
+            params = jax.block_until_ready(place.pack(sharding.reshard(natural, place.params),
+                                                      keep=kept))
             seconds = time.perf_counter() - start
         if self.keep_weights and params is not self.params:
             self._kept_weights[left] = self.params

@@ -370,6 +370,24 @@ def _relabel(x: jax.Array, target) -> jax.Array:
         x.shape, target, [shard.data for shard in x.addressable_shards])
 
 
+def unshared(tree, other):
+    """`tree` with each leaf that holds one of `other`'s buffers replaced by a copy (the same
+    sharding, buffers of its own), so that a program may take `tree` donated while `other`
+    lives on. `reshard` returns a leaf already in place as it was, or relabelled over the
+    same buffers (`_relabel`): donating it deletes `other`'s leaf with it (a replicated
+    final norm, moving from pp=8 to a tp=8 layout that packs, was deleted under the pp=8
+    weights kept for the switch back)."""
+    theirs = {s.data.unsafe_buffer_pointer()
+              for x in jax.tree.leaves(other) for s in x.addressable_shards}
+
+    def own(x):
+        if theirs.isdisjoint(s.data.unsafe_buffer_pointer() for s in x.addressable_shards):
+            return x
+        return jax.device_put(x, x.sharding, may_alias=False)
+
+    return jax.tree.map(own, tree)
+
+
 def placed(tree, shardings) -> bool:
     """Whether every leaf of `tree` already has its shards where `shardings` puts them
     (`reshard` would copy nothing), found without moving anything."""
