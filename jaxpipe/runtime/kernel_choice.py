@@ -294,9 +294,8 @@ class KernelChoice:
     def _record(self, key: str, timings: dict) -> None:
         """Keep (and cache) a new measurement, and give what its inputs took back to the OS:
         malloc keeps most of it otherwise (the timings' buffers are freed, not returned), and
-        an engine's first start on a machine, the weights loaded, peaked 0.25 GB over one
-        with the timings cached (1.95 GB against 1.63 GB on an AMD EPYC family 26 model 2;
-        1.70 GB with this)."""
+        an engine's first start on a machine peaked up to 0.3 GB over one with the timings
+        cached (tests/runtime/test_memory.py's figures)."""
         self.timings[key] = timings
         self._save()
         memory.release_freed_memory()
