@@ -69,7 +69,7 @@ class EngineConfig:
         fp8 dot (for GPUs; on CPU it checks the numbers, it is not fast). Every decoder
         linear (q, kv, o, gate/up, down, MoE experts) and the LM head (see quantize_lm_head);
         the embedding lookup, norms and biases stay in `dtype`. None (vLLM's) is "none".
-        "gguf" (a GGUF model only; tp=1 layouts): the file's quantized blocks (Q8_0, Q4_0,
+        "gguf" (a GGUF model only; every layout, tp too): the file's quantized blocks (Q8_0, Q4_0,
         Q4_1, Q4_K, Q6_K) kept as they are, multiplied by the GGUF kernel or XLA's reference
         of the format, activations quantized per block as llama.cpp does; a tied LM head is
         the embedding's blocks, and the lookup decodes only the gathered rows. Tensors of

@@ -15,6 +15,7 @@ once (the weights, the activation reserve, the device pool and the host tier: `s
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass
 from functools import partial
@@ -33,7 +34,7 @@ from jaxpipe.engine.step_builder import restore_penalties
 from jaxpipe.engine.structured import Constraints
 from jaxpipe.kernels.paged import storage_dtype
 from jaxpipe.kv.manager import KVManager
-from jaxpipe.model import loading, smoothing
+from jaxpipe.model import gguf_quantized, loading, smoothing
 from jaxpipe.model.decoder import checked_values, init_random, param_decls
 from jaxpipe.model.gguf_quantized import GgufWeight
 from jaxpipe.model.gguf_weights import kept_weights
@@ -154,8 +155,8 @@ def prepare(config: EngineConfig, num_devices: int) -> Prepared:
     _check_gguf_source(config, source)
     model_config = loading.source_config(source)
     layouts = _resolve_layouts(config, model_config, num_devices)
-    _check_gguf_layouts(config, layouts)
     blocks = kept_weights(source.path, model_config) if config.quantization == "gguf" else {}
+    _check_gguf_splits(layouts, model_config, blocks)
     return Prepared(dtype, model_config, _load(config, source, model_config, dtype, blocks),
                     loading.load_tokenizer(source), _max_model_len(config, model_config),
                     layouts)
@@ -170,16 +171,14 @@ def _check_gguf_source(config: EngineConfig, source) -> None:
                          + (" with random_weights" if config.random_weights else ""))
 
 
-def _check_gguf_layouts(config: EngineConfig, layouts: dict[str, Layout]) -> None:
-    """quantization="gguf" runs layouts without tensor parallelism (the blocks are not split
-    over tp yet)."""
-    if config.quantization != "gguf":
-        return
-    for phase, layout in layouts.items():
-        if layout.tp > 1:
-            raise ValueError(f"quantization='gguf' runs layouts with tp=1 (pipeline stages); "
-                             f"the {phase} layout is {layout}: use pp, or "
-                             "quantization='none' / 'int8' for tp > 1")
+def _check_gguf_splits(layouts: dict[str, Layout], cfg: ModelConfig,
+                       blocks: dict[str, GgufWeight]) -> None:
+    """quantization="gguf" splits the row-split weights' blocks over tp
+    (`gguf_quantized.check_splits`): a clear error where one cannot be split whole."""
+    tp = math.lcm(*(layout.tp for layout in layouts.values()))
+    decls = param_decls(cfg)
+    for name, w in blocks.items():
+        gguf_quantized.check_splits(name, decls[name].shape, decls[name].axes, w.kind, tp)
 
 
 def mesh_devices(mesh: MeshPreset, cluster: Cluster | None = None) -> list:

@@ -64,7 +64,7 @@ from jaxpipe.kernels import (
 from jaxpipe.kernels.matmul import StackedWeight
 from jaxpipe.kernels.paged import OUT_OF_RANGE, to_storage
 from jaxpipe.kv.device_cache import BLOCK, KVCache
-from jaxpipe.model import decoder, quantized
+from jaxpipe.model import decoder, gguf_quantized, quantized
 from jaxpipe.model.decoder import LAYER_PARAMS, HeadParams, LayerParams, param_decls
 from jaxpipe.model.gguf_quantized import GgufWeight
 from jaxpipe.model.quantized import Quantization, QuantizedWeight
@@ -185,12 +185,11 @@ def local_matmuls(shardings: dict) -> dict[str, Matmul]:
 def _gguf_matmul(name: str, place: GgufWeight, shape: tuple[int, ...]) -> Matmul:
     """A weight in GGUF blocks (a `GgufWeight` of shardings; `shape` its padded float shape)
     as one device's [K, N] multiplication: its format as `Matmul.quant`."""
-    blocks = (*shape[:len(shape) - len(place.k_shape) - place.n_ndim],
-              *shape[len(shape) - place.n_ndim:], 0)  # the block axes; the bytes unsplit
-    local = place.data.shard_shape(blocks)
-    n = math.prod(local[len(local) - 1 - place.n_ndim:-1])
-    return Matmul(name, math.prod(place.k_shape), n, gated=name == "w_gate_up",
-                  quant=place.kind)
+    local = place.data.shard_shape(place.data_shape(shape))  # the bytes unsplit
+    n_at = len(local) - 1 - place.grouped - place.n_ndim
+    n = math.prod(local[n_at:n_at + place.n_ndim])
+    k = gguf_quantized.k_of(place.k_shape, local[-2] if place.grouped else None)
+    return Matmul(name, math.prod(k), n, gated=name == "w_gate_up", quant=place.kind)
 
 
 def _codes(w):

@@ -47,7 +47,7 @@ from jaxpipe.kernels.paged import row_width
 from jaxpipe.kv.device_cache import BLOCK
 from jaxpipe.model import gguf_quantized
 from jaxpipe.model.decoder import param_decls
-from jaxpipe.model.gguf_quantized import ROW_BYTES, GgufWeight
+from jaxpipe.model.gguf_quantized import GgufWeight
 from jaxpipe.model.quantized import Quantization
 
 MESH_AXES = ("dp", "pp", "ep", "tp")
@@ -59,7 +59,8 @@ MESH_AXES = ("dp", "pp", "ep", "tp")
 # rest of the MLP's. Under ep each device also holds only its own experts (`experts` -> ep);
 # `router` (the router's expert scores) is never split: every device routes every token.
 RULES = {"layers": "pp", "heads": "tp", "kv_heads": "tp", "mlp": "tp", "moe_mlp": "tp",
-         "experts": "ep", "vocab": "tp", "batch": "dp"}
+         "experts": "ep", "vocab": "tp", "batch": "dp",
+         "mlp_blocks": "tp"}  # w_down's rows in GGUF blocks, split as "mlp" (gguf_quantized.py)
 # Logical axes of the stacked KV store (one array for K, one for V).
 KV_AXES = ("layers", "kv_blocks", "kv_heads", "seq", "head_dim")
 
@@ -198,7 +199,7 @@ def pad_blocks(name: str, decl, w: GgufWeight, padding: Padding) -> GgufWeight:
     """Host weight `name` (`decl`) in GGUF blocks -> padded: zero rows (zero blocks, whose
     weights are 0 in every format) where its block axes pad."""
     a = np.asarray(w.data)
-    for dim, axis in enumerate(gguf_quantized.block_axes(name, decl.axes)):
+    for dim, axis in enumerate(gguf_quantized.block_axes(name, decl.shape, decl.axes, w.kind)):
         if axis in padding.index:
             a = _take_or_zero(a, padding.index[axis], dim)
     return dataclasses.replace(w, data=a)
@@ -303,13 +304,24 @@ def param_shardings(cfg: ModelConfig, padding: Padding, layout: Layout, mesh: Me
         return out
     sizes = {a: n for name, d in decls.items() for a, n in zip(d.axes, shapes[name],
                                                                   strict=True)}
-    sizes[ROW_BYTES] = 0  # a GGUF row's bytes (`gguf_quantized.py`): never split
     for name in quant.names(decls):
-        out[name] = quant.wrap(name, decls, lambda axes, name=name: named_sharding(
-            mesh, layout, axes, tuple(sizes[a] for a in axes), f"parameter {name!r}"))
+        stored = _stored_shape(quant, name, decls, shapes, sizes)
+        out[name] = quant.wrap(name, decls, lambda axes, name=name, stored=stored:
+                               named_sharding(mesh, layout, axes, stored(axes),
+                                              f"parameter {name!r}"))
     if quant.tied(decls):
         del out["embed"]
     return out
+
+
+def _stored_shape(quant: Quantization, name: str, decls: dict, shapes: dict, sizes: dict):
+    """axes -> the padded shape of (a part of) quantized weight `name` with those logical
+    axes: its GGUF blocks' (`gguf_quantized.block_shape`), or the sizes of its axes."""
+    if quant.gguf:
+        d = decls[name]
+        blocks = gguf_quantized.block_shape(name, shapes[name], d.axes, dict(quant.formats)[name])
+        return lambda axes: blocks
+    return lambda axes: tuple(sizes[a] for a in axes)
 
 
 def param_specs(cfg: ModelConfig, layout: Layout, quant: Quantization | None = None) -> dict:
