@@ -19,7 +19,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from prefix_workload import tokens
 from quant_agreement import agreement, scores
@@ -27,7 +26,7 @@ from quant_agreement import agreement, scores
 from jaxpipe import Engine, EngineConfig, SamplingParams
 from jaxpipe.config.layout import Layout
 from jaxpipe.kernels import gguf_matmul
-from jaxpipe.model import gguf_quantized, gguf_weights
+from jaxpipe.model import gguf_weights
 from jaxpipe.model.decoder import param_decls
 from jaxpipe.model.gguf_file import gguf_config, open_gguf
 from jaxpipe.model.gguf_quantized import GgufWeight
@@ -97,19 +96,20 @@ def test_a_pipeline_layout_gives_the_single_device_gguf_tokens(smollm2_source, p
 
 @pytest.mark.parametrize("name", ["wo", "w_down"])
 def test_a_row_split_weight_on_tp4_gives_the_whole_product(smollm2_source, name):
-    """A row-split weight placed as a runner places it on tp=4 (wo's 9 heads padded to 12
-    with zero groups; its groups split over tp, `gguf_quantized.GROUPS`): each device's GGUF
-    kernel product of its slice of K, summed over tp, is the whole weight's reference
-    product on one device."""
+    """A row-split weight placed in a runner's shardings on tp=4 (`sharding.param_shardings`;
+    wo's 9 heads padded to 12 with zero groups; its groups split over tp,
+    `gguf_quantized.GROUPS`): each device's GGUF kernel product of its slice of K, summed
+    over tp, is the whole weight's reference product on one device."""
     cfg = gguf_config(open_gguf(smollm2_source.path))
-    decl = param_decls(cfg)[name]
+    kept = gguf_weights.kept_weights(smollm2_source.path, cfg)
+    quant = Quantization("gguf", True, tuple((n, w.kind) for n, w in kept.items()))
     layout = Layout(tp=4)
-    padded = sharding.pad_blocks(name, decl, gguf_weights.kept_weights(
-        smollm2_source.path, cfg)[name], sharding.padding_for(cfg, [layout]))
+    padding = sharding.padding_for(cfg, [layout])
+    padded = sharding.pad_blocks(name, param_decls(cfg)[name], kept[name], padding)
     mesh = sharding.make_mesh(layout, jax.devices()[:4])
-    spec = gguf_quantized.wrap(name, decl.shape, decl.axes, padded.kind,
-                               lambda axes: sharding.spec(axes, layout))
-    w = jax.device_put(padded, jax.tree.map(lambda s: NamedSharding(mesh, s), spec))
+    place = sharding.param_shardings(cfg, padding, layout, mesh, quant)[name]
+    w = jax.device_put(padded, place)
+    spec = jax.tree.map(lambda s: s.spec, place)
     layer = cfg.num_layers - 1
     k = math.prod(padded.shape[1:1 + len(padded.k_shape)])
     x = np.random.default_rng(7).normal(size=(5, k)).astype(np.float32)
