@@ -8,6 +8,7 @@ resolve `prefill="auto"` / `decode="auto"`.
     planner.py    the prefill and decode layouts (c_p, c_d) the cost model predicts best
     simulate.py   the real policies over the scheduler's loop, step times from the cost model
     hostcost.py   the host's time per micro-batch (preparing, sampling), from the papers
+    virtual_engines.py  vLLM V0's pipeline parallelism: pp schedulers, 1/pp of the KV each
     workloads.py  seeded request-length workloads (sharegpt, arxiv, constant:IN:OUT)
     cli.py        `python -m jaxpipe.planner` (__main__.py): the planner's table
 """

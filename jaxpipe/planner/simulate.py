@@ -39,6 +39,7 @@ from jaxpipe.planner.planner import (
     host_kv_tokens,
     layout_name,
 )
+from jaxpipe.planner.virtual_engines import VirtualEngines, assign
 from jaxpipe.planner.workloads import Workload
 from jaxpipe.scheduler import (
     Driver,
@@ -334,7 +335,8 @@ def _downsample(timeline: list, points: int = TIMELINE_POINTS) -> list:
 def simulate(model: ModelConfig, mesh: MeshPreset, workload: Workload, policy: str,
              prefill: Layout, decode: Layout | None = None, host_kv_gb: float = HOST_KV_GB,
              pipelined: bool = False, host_cost: HostCost = NO_HOST,
-             in_flight: int | None = None, **policy_options) -> SimResult:
+             in_flight: int | None = None, virtual_engines: bool = False,
+             **policy_options) -> SimResult:
     """Serve `workload` with `policy` on `prefill` (and `decode`, default the same) layouts.
 
     `pipelined`: micro-batches with host-driven ticks on one layout (`PipelinedSimExecutor`:
@@ -345,43 +347,60 @@ def simulate(model: ModelConfig, mesh: MeshPreset, workload: Workload, policy: s
     `host_cost`: the host's time per micro-batch (hostcost.py; default none); `in_flight`:
     the pipelined executor's micro-batches in flight while the next is formed (pp - 1, the
     engine's and the default: host work on the critical path; pp: overlapped).
-    Raises ValueError if a layout cannot hold the weights plus the longest request."""
+    `virtual_engines`: vLLM V0's pipeline parallelism (virtual_engines.py): pp schedulers,
+    each with 1/pp of the KV and its own requests, one micro-batch in flight each (pipelined
+    runs of a one-micro-batch policy only; `policy_object` is then the list of policies).
+    Raises ValueError if a layout (or a virtual engine's share of it) cannot hold the weights
+    plus the longest request."""
 
     decode = decode or prefill
     pipelined = pipelined or policy in PIPELINED_POLICIES
     if pipelined and prefill != decode:
         raise ValueError(f"a pipelined run uses one layout; got {prefill} and {decode}")
+    if virtual_engines and (not pipelined or policy in PIPELINED_POLICIES):
+        raise ValueError(f"virtual_engines: vLLM's pipelined baseline (pipelined=True, a "
+                         f"policy other than {PIPELINED_POLICIES}); got {policy!r}, "
+                         f"pipelined={pipelined}")
     cost_p, cost_d = (CostModel(model, mesh.hardware, x) for x in (prefill, decode))
-    state = _make_state(model, workload, cost_p, cost_d, host_kv_gb)
+    engines = prefill.pp if virtual_engines else 1
+    states = make_states(model, workload, cost_p, cost_d, host_kv_gb, engines)
     opts = _policy_options(policy, prefill, decode, policy_options, pipelined)
     if policy == "tdpipe" and opts.get("finish_ratio") is None:
         opts.setdefault("timing", CostTiming(cost_p, workload.mean_prompt
                                              + workload.mean_output / 2, workload.mean_prompt))
-    pol = make_policy(policy, **opts)
+    policies = [make_policy(policy, **opts) for _ in states]
     executor = (PipelinedSimExecutor(cost_p, host_cost, in_flight) if pipelined
                 else SimExecutor(cost_p, cost_d, host_cost))
-    Driver(pol, state, executor).run()
-    executor.record_host(state)
+    if virtual_engines:
+        VirtualEngines(policies, states, executor).run()
+    else:
+        Driver(policies[0], states[0], executor).run()
+    executor.record_host(states[0])
     seconds = max(executor.clock, executor.link)
     result = SimResult(policy, layout_name(prefill), layout_name(decode), seconds,
-                       workload.total_prompt, workload.total_output, state.num_finished,
-                       executor.stats)
+                       workload.total_prompt, workload.total_output,
+                       sum(s.num_finished for s in states), executor.stats)
     if pipelined:
         result.utilisation = executor.busy_seconds / (prefill.pp * seconds)
-    result.policy_object = pol
+    result.policy_object = policies if virtual_engines else policies[0]
     return result
 
 
-def _make_state(model: ModelConfig, w: Workload, cost_p: CostModel, cost_d: CostModel,
-                host_kv_gb: float) -> SchedulerState:
-    device_kv = min(cost_p.kv_capacity_tokens(), cost_d.kv_capacity_tokens())
+def make_states(model: ModelConfig, w: Workload, cost_p: CostModel, cost_d: CostModel,
+                 host_kv_gb: float, engines: int = 1) -> list[SchedulerState]:
+    """One state holding every request (one scheduler: up to MAX_NUM_SEQS per micro-batch,
+    pp of them), or `engines` virtual engines' states, each with 1/engines of both KV tiers
+    and MAX_NUM_SEQS, the requests assigned as vLLM V0 does (virtual_engines.py)."""
+    device_kv = min(cost_p.kv_capacity_tokens(), cost_d.kv_capacity_tokens()) // engines
     if device_kv < w.max_len:
+        share = f" (1/{engines} each, vLLM's virtual engines)" if engines > 1 else ""
         raise ValueError(f"layouts {cost_p.layout} / {cost_d.layout} hold {device_kv} tokens of "
-                         f"KV beside the weights; the longest request needs {w.max_len}")
-    state = SchedulerState(device_kv, MAX_NUM_SEQS * cost_d.layout.pp,
-                           host_kv_tokens(model, host_kv_gb))
-    state.add(*(SeqInfo(i, p, o) for i, (p, o) in enumerate(w.requests)))
-    return state
+                         f"KV beside the weights{share}; the longest request needs {w.max_len}")
+    max_seqs = MAX_NUM_SEQS * (cost_d.layout.pp if engines == 1 else 1)
+    states = [SchedulerState(device_kv, max_seqs, host_kv_tokens(model, host_kv_gb) // engines)
+              for _ in range(engines)]
+    assign(states, [SeqInfo(i, p, o) for i, (p, o) in enumerate(w.requests)])
+    return states
 
 
 def _policy_options(policy: str, prefill: Layout, decode: Layout, options: dict,

@@ -129,14 +129,14 @@ class Driver:
             for runs in steps:
                 self._launch(runs)
                 while len(self.in_flight) > self.executor.in_flight:
-                    self._land()
+                    self.land()
         elif action is None:
             if not self.in_flight:
                 return False
-            self._land()  # the policy waits for the oldest step in flight
+            self.land()  # the policy waits for the oldest step in flight
         else:
             while self.in_flight:
-                self._land()
+                self.land()
             self._execute(action)
         return True
 
@@ -202,10 +202,11 @@ class Driver:
             self.state.busy.update(held)  # they join again when this step lands
             self.in_flight.append(InFlight(runs, handle, held))
 
-    def _land(self) -> None:
+    def land(self) -> None:
         """The oldest step in flight lands: the sequences the executor says ended leave the
         state (those freed at launch or aborted meanwhile have left already), and the policy
-        hears exactly each run's own."""
+        hears exactly each run's own. Public for a caller that interleaves several drivers
+        over one executor (the simulator's vLLM virtual engines, planner/virtual_engines.py)."""
         step = self.in_flight.popleft()
         self.state.busy.difference_update(step.held)
         ended = set(self.executor.land(step.handle, self.state))
