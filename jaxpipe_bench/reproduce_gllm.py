@@ -9,7 +9,10 @@ model's micro-batch timing:
   micro-batch) on pp=4, micro-batches with host-driven ticks, and vLLM's host time per
   micro-batch (`hostcost.VLLM_PP`, from SiPipe's profile of vLLM, as the SiPipe
   reproduction's vLLM row: input preparation on the critical path, sampling on the last
-  stage's GPUs).
+  stage's GPUs), scheduled by V0's 4 virtual engines (`virtual_engines=True`: 1/4 of the KV
+  and its own requests each). The paper ran vLLM 0.8.1, V1 by default and V0 where V1
+  crashed (§4.1); 0.8.1's V1 ran pipeline parallelism on Ray only (one scheduler), its V0 on
+  virtual engines, and the paper does not say which served its PP rows.
 - gLLM w/ CK: the same policy on gLLM's runtime, which hides the CPU's work behind the
   devices' (§3.3): no host time (the paper: 10% more throughput than vLLM, Fig. 15).
 - SGLang (TP): the same chunked-prefill policy on tp=4, no host time (SGLang's scheduler
@@ -44,7 +47,8 @@ TP, PP = Layout(tp=4), Layout(pp=4)
 FLOW = {"pipelined": True}  # pp - 1 in flight while one is formed, as the engine
 CHUNKED = {"chunked": True, "max_prefill_tokens": 2048}
 METHODS = {  # name -> (policy, layout, options)
-    "vLLM (PP, Sarathi)": ("prefill_first", PP, {**CHUNKED, **FLOW, "host_cost": VLLM_PP}),
+    "vLLM (PP, Sarathi)": ("prefill_first", PP, {**CHUNKED, **FLOW, "host_cost": VLLM_PP,
+                                                 "virtual_engines": True}),
     "gLLM w/ CK": ("prefill_first", PP, {**CHUNKED, **FLOW}),
     "SGLang (TP, Sarathi)": ("prefill_first", TP, CHUNKED),
     "gLLM": ("throttle", PP, FLOW),

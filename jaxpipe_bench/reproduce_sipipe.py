@@ -8,7 +8,10 @@ differ only in host time (jaxpipe/planner/hostcost.py says where each constant c
 
 - vLLM (PP): `VLLM_PP` with pp - 1 micro-batches in flight: input preparation on the critical
   path of every stage (SiPipe's intra-stage bubble) and sampling on the last stage's GPUs
-  (its load-imbalance bubble).
+  (its load-imbalance bubble); scheduled by vLLM V0's pp virtual engines
+  (`virtual_engines=True`: 1/pp of the KV and its own requests each; the paper does not
+  name its vLLM version). SiPipe's rows keep one scheduler over one pool, as its §4.1 has
+  it ("the scheduler selects a microbatch from unfinished sequences").
 - SiPipe: `SIPIPE`, also with pp - 1 in flight (it dispatches micro-batch n+p when n's
   samples are back, §4.2): later stages prepare their input ahead (TSEM, `stages_wait`
   False) and sampling runs on the host (CPU sampling), so the host time left on the
@@ -45,10 +48,10 @@ MODELS = (("Qwen2.5-72B", "qwen2.5-72b"), ("Llama-3.1-70B", "llama2-70b"),
           ("Mixtral-8x7B", "mixtral-8x7b"))
 LAYOUTS = (("P^2_4", Layout(pp=2, tp=4)), ("P^4_2", Layout(pp=4, tp=2)))
 CHUNKED = {"chunked": True, "max_prefill_tokens": 2048, "pipelined": True}
-METHODS = {  # name -> (host cost, in_flight relative to pp)
-    "vLLM (PP)": (VLLM_PP, -1),
-    "SiPipe": (SIPIPE, -1),
-    "pp in flight": (SIPIPE, 0),
+METHODS = {  # name -> (host cost, in_flight relative to pp, vLLM V0's virtual engines)
+    "vLLM (PP)": (VLLM_PP, -1, True),
+    "SiPipe": (SIPIPE, -1, False),
+    "pp in flight": (SIPIPE, 0, False),
 }
 PAPER = {"min": 1.6, "max": 2.1}  # SiPipe over vLLM, same PP configuration, 8x H100 (Fig. 8a)
 
@@ -62,8 +65,8 @@ def compare(num_requests: int = NUM_REQUESTS) -> list[dict]:
         model = resolve_model(preset).config
         for label, layout in LAYOUTS:
             runs = {m: simulate(model, mesh, w, "prefill_first", layout, host_cost=host,
-                                in_flight=layout.pp + rel, **CHUNKED)
-                    for m, (host, rel) in METHODS.items()}
+                                in_flight=layout.pp + rel, virtual_engines=ve, **CHUNKED)
+                    for m, (host, rel, ve) in METHODS.items()}
             tps = {m: r.throughput for m, r in runs.items()}
             rows.append({"model": name, "preset": preset, "config": label,
                          "throughput": tps, "gain": tps["SiPipe"] / tps["vLLM (PP)"],

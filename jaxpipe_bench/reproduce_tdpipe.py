@@ -5,8 +5,10 @@ Every method runs the same `sharegpt-1k` workload (ShareGPT lengths, prompts < 1
 as the paper filters them) on 4 GPUs with the cost model's micro-batch timing:
 
 - TP+SB / TP+HB: `prefill_first` on tp=4 without / with chunked prefill (hybrid batches).
-- PP+SB / PP+HB: the same on pp=4, micro-batches with host-driven ticks (vLLM's virtual
-  engines: each micro-batch is scheduled from the sequences not in flight).
+- PP+SB / PP+HB: the same on pp=4, micro-batches with host-driven ticks, scheduled as vLLM
+  0.5.3 (the paper's, §4.1) does (`virtual_engines=True`, planner/virtual_engines.py): 4
+  virtual engines, each a scheduler with 1/4 of the KV blocks, its own requests (a request
+  goes to the one with the fewest unfinished and stays) and one micro-batch in flight.
 - TD-Pipe: `tdpipe` on pp=4 (learned predictor, work stealing, intensity switch).
 
 The four baselines are vLLM's, so they carry vLLM's host time per step or micro-batch
@@ -40,11 +42,13 @@ SCENARIOS = (("L20 + 13B", "l20x4-pcie", "llama2-13b"), ("L20 + 32B", "l20x4-pci
 TP, PP = Layout(tp=4), Layout(pp=4)
 FLOW = {"pipelined": True}  # pp - 1 in flight while one is formed, as the engine
 VLLM = {"host_cost": VLLM_PP}  # the baselines' runtime: vLLM's host time (hostcost.py)
+# vLLM 0.5.3's pipeline parallelism: pp virtual engines, 1/pp of the KV each (virtual_engines.py)
+VLLM_PP_FLOW = {**FLOW, **VLLM, "virtual_engines": True}
 METHODS = {  # name -> (policy, layout, options)
     "TP+SB": ("prefill_first", TP, {"chunked": False, **VLLM}),
     "TP+HB": ("prefill_first", TP, {"chunked": True, **VLLM}),
-    "PP+SB": ("prefill_first", PP, {"chunked": False, **FLOW, **VLLM}),
-    "PP+HB": ("prefill_first", PP, {"chunked": True, **FLOW, **VLLM}),
+    "PP+SB": ("prefill_first", PP, {"chunked": False, **VLLM_PP_FLOW}),
+    "PP+HB": ("prefill_first", PP, {"chunked": True, **VLLM_PP_FLOW}),
     "TD-Pipe": ("tdpipe", PP, FLOW),
 }
 # §4.2, 4-GPU cases: the most TD-Pipe gains over each baseline across the four scenarios.

@@ -13,3 +13,9 @@ def test_the_same_policy_on_vllms_runtime_is_slower_than_on_gllms():
         assert r["throughput"]["gLLM w/ CK"] > r["throughput"]["vLLM (PP, Sarathi)"]
         assert r["gain"]["vLLM (PP, Sarathi)"] > r["gain"]["gLLM w/ CK"]
     assert "gLLM w/ CK" in reproduce_gllm.format_compare(rows)
+
+
+def test_only_the_vllm_row_runs_on_virtual_engines():
+    ve = {m for m, (_, _, opts) in reproduce_gllm.METHODS.items()
+          if opts.get("virtual_engines")}
+    assert ve == {"vLLM (PP, Sarathi)"}

@@ -15,3 +15,7 @@ def test_table_has_the_papers_rows_and_sipipe_beats_vllm():
         assert r["gain"] > 1.0
     table = reproduce_sipipe.format_compare(rows)
     assert "P^4_2" in table and "paper: 1.6-2.1x" in table
+
+
+def test_only_the_vllm_row_runs_on_virtual_engines():
+    assert {m for m, (_, _, ve) in reproduce_sipipe.METHODS.items() if ve} == {"vLLM (PP)"}

@@ -22,3 +22,9 @@ def test_a_baseline_with_vllms_host_time_is_slower_than_without():
     assert opts["host_cost"] is VLLM_PP and with_host < without.throughput
     row = next(r for r in rows if r["scenario"] == "A100 + 32B")
     assert row["throughput"]["PP+SB"] == with_host  # the table ran this very simulation
+
+
+def test_only_the_vllm_pp_baselines_run_on_virtual_engines():
+    ve = {m for m, (_, _, opts) in reproduce_tdpipe.METHODS.items()
+          if opts.get("virtual_engines")}
+    assert ve == {"PP+SB", "PP+HB"}
