@@ -6,7 +6,9 @@ runs the scheduler's one loop (`jaxpipe.scheduler.Driver`, as the engine does) o
 
 - `Run`: one step on the current layout (prefill layout in the prefill phase, else decode),
   landing at once; completed prefills sent to the host tier are copied out on the host link in
-  the background. `PipelinedSimExecutor` keeps up to pp micro-batches in flight instead.
+  the background. `PipelinedSimExecutor` keeps up to pp micro-batches in flight instead,
+  formed by one scheduler or (`virtual_engines`) by vLLM V0's pp schedulers, one each
+  (virtual_engines.py).
 - Host time (`HostCost`, hostcost.py): the host prepares each step before it starts and, with
   the host sampler, samples it when it lands; the single-step executor waits for both, the
   pipelined one overlaps them with the stages as far as its `in_flight` allows.
