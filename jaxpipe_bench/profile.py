@@ -7,6 +7,9 @@ trace saw is put in a family by the instruction it ran in its module:
 
   matmuls    the step's projections: the C++ bf16 matmul kernel's calls and XLA's dot fusions
   attention  the step's ragged attention kernel calls
+  collectives  the step's cross-device ops: the stage hand-over (`collective-permute`), tp's
+             psums (`all-reduce`), gathers and all-to-alls; on CPU an op's time includes
+             its wait for the other devices to reach it
   other      every other op of the step: norms, RoPE, residual adds, KV writes, the
              embedding, copies (XLA's copies of weight slices count here)
   lm_head    the logits program (the LM head on the sampled rows)
@@ -30,7 +33,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 JSON_PATH = "out/profile_step.json"  # scripts/profile_step.py's --json unless told
-FAMILIES = ("matmuls", "attention", "other", "lm_head", "sampling", "swaps")
+FAMILIES = ("matmuls", "attention", "collectives", "other", "lm_head", "sampling", "swaps")
+COLLECTIVES = ("all-reduce", "all-gather", "all-to-all", "collective-permute", "reduce-scatter")
 PROGRAMS = {"jit_tick": None, "jit_logits": "lm_head", "jit__sample": "sampling",
             "jit_logprob_parts": "sampling"}  # None: by instruction
 
@@ -47,9 +51,10 @@ def enable_dump(where: str | Path) -> None:
 
 
 def instruction_families(hlo: str) -> dict[str, str]:
-    """Instruction name -> "matmuls", "attention" or "other" for the instructions of one
-    compiled module's text: custom calls by target (the bf16 matmul and the ragged attention
-    kernels), fusions by whether they compute a dot."""
+    """Instruction name -> "matmuls", "attention", "collectives" or "other" for the
+    instructions of one compiled module's text: custom calls by target (the bf16 matmul and
+    the ragged attention kernels), collectives by op (their async -start / -done halves too),
+    fusions by whether they compute a dot."""
     bodies: dict[str, list[tuple[str, str, str]]] = {}
     current = None
     for line in hlo.splitlines():
@@ -71,6 +76,8 @@ def _family(op: str, rest: str, dots: set[str]) -> str:
                 else "other")
     if op in ("dot", "convolution"):
         return "matmuls"
+    if op.removesuffix("-start").removesuffix("-done") in COLLECTIVES:
+        return "collectives"
     called = re.search(r"calls=%(\S+?)[,}\s]", rest + " ")
     return "matmuls" if op == "fusion" and called and called.group(1) in dots else "other"
 

@@ -27,3 +27,35 @@ def test_the_step_program_is_classified_by_instruction(tiny_smollm2):
     assert name in profile.PROGRAMS and profile.PROGRAMS[name] is None, name
     families = set(profile.instruction_families(hlo).values())
     assert {"matmuls", "attention", "other"} <= families, families
+
+
+HLO = """HloModule jit_tick, entry_computation_layout={()->f32[4]{0}}
+
+%fused_dot (p0: f32[4,4], p1: f32[4]) -> f32[4] {
+  %p0 = f32[4,4]{1,0} parameter(0)
+  %p1 = f32[4]{0} parameter(1)
+  ROOT %dot.1 = f32[4]{0} dot(f32[4,4]{1,0} %p0, f32[4]{0} %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+ENTRY %main.9 (a: f32[4,4], b: f32[4]) -> f32[4] {
+  %a = f32[4,4]{1,0} parameter(0)
+  %b = f32[4]{0} parameter(1)
+  %fusion.2 = f32[4]{0} fusion(f32[4,4]{1,0} %a, f32[4]{0} %b), kind=kOutput, calls=%fused_dot
+  %all-reduce.3 = f32[4]{0} all-reduce(f32[4]{0} %fusion.2), replica_groups={{0,1}}, to_apply=%add
+  %collective-permute-start.4 = (f32[4]{0}, f32[4]{0}) collective-permute-start(f32[4]{0} %all-reduce.3), source_target_pairs={{0,1},{1,0}}
+  %collective-permute-done.5 = f32[4]{0} collective-permute-done((f32[4]{0}, f32[4]{0}) %collective-permute-start.4)
+  ROOT %add.6 = f32[4]{0} add(f32[4]{0} %collective-permute-done.5, f32[4]{0} %b)
+}
+"""
+
+
+def test_cross_device_ops_are_their_own_family():
+    """The stage hand-over and tp's psums are counted apart from the step's other ops, so a
+    pipelined layout's profile shows what its collectives cost (issue 48's "where the time
+    goes"); the dot fusion stays a matmul, the add "other"."""
+    families = profile.instruction_families(HLO)
+    assert families["all-reduce.3"] == "collectives"
+    assert families["collective-permute-start.4"] == "collectives"
+    assert families["collective-permute-done.5"] == "collectives"
+    assert families["fusion.2"] == "matmuls"
+    assert families["add.6"] == "other"
