@@ -34,7 +34,8 @@ HLO = """HloModule jit_tick, entry_computation_layout={()->f32[4]{0}}
 %fused_dot (p0: f32[4,4], p1: f32[4]) -> f32[4] {
   %p0 = f32[4,4]{1,0} parameter(0)
   %p1 = f32[4]{0} parameter(1)
-  ROOT %dot.1 = f32[4]{0} dot(f32[4,4]{1,0} %p0, f32[4]{0} %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  ROOT %dot.1 = f32[4]{0} dot(f32[4,4]{1,0} %p0, f32[4]{0} %p1), lhs_contracting_dims={1},
+      rhs_contracting_dims={0}
 }
 
 ENTRY %main.9 (a: f32[4,4], b: f32[4]) -> f32[4] {
@@ -42,9 +43,10 @@ ENTRY %main.9 (a: f32[4,4], b: f32[4]) -> f32[4] {
   %b = f32[4]{0} parameter(1)
   %fusion.2 = f32[4]{0} fusion(f32[4,4]{1,0} %a, f32[4]{0} %b), kind=kOutput, calls=%fused_dot
   %all-reduce.3 = f32[4]{0} all-reduce(f32[4]{0} %fusion.2), replica_groups={{0,1}}, to_apply=%add
-  %collective-permute-start.4 = (f32[4]{0}, f32[4]{0}) collective-permute-start(f32[4]{0} %all-reduce.3), source_target_pairs={{0,1},{1,0}}
-  %collective-permute-done.5 = f32[4]{0} collective-permute-done((f32[4]{0}, f32[4]{0}) %collective-permute-start.4)
-  ROOT %add.6 = f32[4]{0} add(f32[4]{0} %collective-permute-done.5, f32[4]{0} %b)
+  %permute-start.4 = (f32[4], f32[4]) collective-permute-start(f32[4] %all-reduce.3),
+      source_target_pairs={{0,1},{1,0}}
+  %permute-done.5 = f32[4] collective-permute-done((f32[4], f32[4]) %permute-start.4)
+  ROOT %add.6 = f32[4]{0} add(f32[4]{0} %permute-done.5, f32[4]{0} %b)
 }
 """
 
@@ -55,7 +57,7 @@ def test_cross_device_ops_are_their_own_family():
     goes"); the dot fusion stays a matmul, the add "other"."""
     families = profile.instruction_families(HLO)
     assert families["all-reduce.3"] == "collectives"
-    assert families["collective-permute-start.4"] == "collectives"
-    assert families["collective-permute-done.5"] == "collectives"
+    assert families["permute-start.4"] == "collectives"
+    assert families["permute-done.5"] == "collectives"
     assert families["fusion.2"] == "matmuls"
     assert families["add.6"] == "other"
