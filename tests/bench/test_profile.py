@@ -31,22 +31,20 @@ def test_the_step_program_is_classified_by_instruction(tiny_smollm2):
 
 HLO = """HloModule jit_tick, entry_computation_layout={()->f32[4]{0}}
 
-%fused_dot (p0: f32[4,4], p1: f32[4]) -> f32[4] {
-  %p0 = f32[4,4]{1,0} parameter(0)
-  %p1 = f32[4]{0} parameter(1)
-  ROOT %dot.1 = f32[4]{0} dot(f32[4,4]{1,0} %p0, f32[4]{0} %p1), lhs_contracting_dims={1},
-      rhs_contracting_dims={0}
+%fused_dot (x: f32[4,4], y: f32[4]) -> f32[4] {
+  %x = f32[4,4] parameter(0)
+  %y = f32[4] parameter(1)
+  ROOT %d.1 = f32[4] dot(f32[4,4] %x, f32[4] %y), lhs_contracting_dims={1}, rhs_contracting_dims={0}
 }
 
 ENTRY %main.9 (a: f32[4,4], b: f32[4]) -> f32[4] {
-  %a = f32[4,4]{1,0} parameter(0)
-  %b = f32[4]{0} parameter(1)
-  %fusion.2 = f32[4]{0} fusion(f32[4,4]{1,0} %a, f32[4]{0} %b), kind=kOutput, calls=%fused_dot
-  %all-reduce.3 = f32[4]{0} all-reduce(f32[4]{0} %fusion.2), replica_groups={{0,1}}, to_apply=%add
-  %permute-start.4 = (f32[4], f32[4]) collective-permute-start(f32[4] %all-reduce.3),
-      source_target_pairs={{0,1},{1,0}}
-  %permute-done.5 = f32[4] collective-permute-done((f32[4], f32[4]) %permute-start.4)
-  ROOT %add.6 = f32[4]{0} add(f32[4]{0} %permute-done.5, f32[4]{0} %b)
+  %a = f32[4,4] parameter(0)
+  %b = f32[4] parameter(1)
+  %fusion.2 = f32[4] fusion(f32[4,4] %a, f32[4] %b), kind=kOutput, calls=%fused_dot
+  %ar.3 = f32[4] all-reduce(f32[4] %fusion.2), replica_groups={{0,1}}, to_apply=%add
+  %cp-start.4 = (f32[4], f32[4]) collective-permute-start(f32[4] %ar.3), source_target_pairs={{0,1}}
+  %cp-done.5 = f32[4] collective-permute-done((f32[4], f32[4]) %cp-start.4)
+  ROOT %add.6 = f32[4] add(f32[4] %cp-done.5, f32[4] %b)
 }
 """
 
@@ -56,8 +54,8 @@ def test_cross_device_ops_are_their_own_family():
     pipelined layout's profile shows what its collectives cost (issue 48's "where the time
     goes"); the dot fusion stays a matmul, the add "other"."""
     families = profile.instruction_families(HLO)
-    assert families["all-reduce.3"] == "collectives"
-    assert families["permute-start.4"] == "collectives"
-    assert families["permute-done.5"] == "collectives"
+    assert families["ar.3"] == "collectives"
+    assert families["cp-start.4"] == "collectives"
+    assert families["cp-done.5"] == "collectives"
     assert families["fusion.2"] == "matmuls"
     assert families["add.6"] == "other"
