@@ -47,6 +47,8 @@ class FlowBenchConfig:
     layouts: cpu-1 (one device), or cpu-8 layouts, each run with one layout for both phases
     schedulers: the policies, each run on every layout
     max_num_seqs: EngineConfig.max_num_seqs
+    overlap: EngineConfig.overlap; off, a micro-batch's sequences wait for it to land before
+        they join another (no token-safe execution: the host's work between the ticks)
     step_rows: rows of the decode micro-batches timed alone after each run (ms per step on one
         device, per tick over pp stages; none: skipped)
     trace: write the Perfetto trace of the first cpu-8 run here
@@ -62,6 +64,7 @@ class FlowBenchConfig:
     layouts: tuple[str, ...] = (ONE_DEVICE, "pp=8", "pp=4,tp=2")
     schedulers: tuple[str, ...] = ("throttle", "tdpipe")
     max_num_seqs: int = 128
+    overlap: bool = EngineConfig.overlap
     step_rows: tuple[int, ...] = (16, 128)
     trace: str | None = None
     json_path: str = field(default="out/bench_pipeline.json", metadata={"flags": ("--json",)})
@@ -78,7 +81,7 @@ def engine_config(cfg: FlowBenchConfig, layout: str, scheduler: str) -> dict:
     """EngineConfig fields of one run."""
     kwargs = dict(model=cfg.model, dtype=cfg.dtype, scheduler=scheduler,
                   max_model_len=cfg.input_len + cfg.output_len + 16,
-                  max_num_seqs=cfg.max_num_seqs, show_progress=False)
+                  max_num_seqs=cfg.max_num_seqs, overlap=cfg.overlap, show_progress=False)
     if layout != ONE_DEVICE:
         kwargs.update(mesh="cpu-8", prefill=layout, decode=layout)
     return kwargs

@@ -146,7 +146,10 @@ class EngineConfig:
     overlap: dispatch each step before the previous step's tokens reach the host (decode
         tokens are fed from the device), so the host's scheduling, input building and stop
         checks run while the device computes; outputs are the same either way. A request that
-        stops is then in one more step, whose token for it is discarded.
+        stops is then in one more step, whose token for it is discarded. Over pp stages the
+        micro-batch entering next takes the sequences of the one that just left the last
+        stage, their tokens fed from it (SiPipe's token-safe execution); without overlap they
+        wait for it to land.
     detok_worker: detokenize (for stop strings and streaming) and search stop strings on a
         worker thread, off the engine loop; outputs are the same either way.
     sampler: where the next token is chosen: "device" (a small program after the LM head) or

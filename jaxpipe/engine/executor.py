@@ -13,7 +13,12 @@ This class is the loop's executor (`StepExecutor`) for the engine. Overlap
 (`EngineConfig.overlap`): a Run is applied to the state when its step is dispatched, and the
 step before it lands (tokens appended, stop checks) only after that, so the host's work runs
 while the device computes; decode tokens not yet on the host are fed from the step in flight
-on the device. Any other action waits for the step in flight to land first.
+on the device. Any other action waits for the step in flight to land first. Over pp stages
+(`flowing`) the same holds for the micro-batch that left the last stage in the tick just
+dispatched (SiPipe's token-safe execution): the driver releases it (`left`), its sequences join
+the micro-batch entering next with their tokens fed from its sampled rows on the device (with
+the host sampler, sampled on the host first: stage 0 needs them), and it lands while that one
+runs.
 
 Words kept to one meaning across the package: a step *lands* when its tokens are on the host
 (and so do the runs it carried: `Policy.landed`); a sequence is *freed* when its slot and KV
@@ -48,6 +53,7 @@ from jaxpipe.kv.manager import KVManager
 from jaxpipe.request.stopping import DetokWorker
 from jaxpipe.runtime import step_timing
 from jaxpipe.runtime.buckets import Buckets
+from jaxpipe.runtime.flow import Pending
 from jaxpipe.runtime.runner import Dispatched, HostSampled, Runner, StepOutput
 from jaxpipe.scheduler import (
     Action,
@@ -86,8 +92,9 @@ class Executor(StepExecutor):
         self.engine_stats = EngineStats(runner, self.state, self.kv)
         self.detok = DetokWorker()  # used by the requests added while config.detok_worker
         self.output = OutputProcessor(self.state, self.kv, self.detok, self.engine_stats,
-                                      max_model_len)
+                                      max_model_len, end=self.driver.end)
         self._flight: Flight | None = None  # the newest step dispatched and not yet landed
+        self._feeder: Flight | None = None  # flowing: the one released, not landed (`release`)
         self._landed: list[Sequence] = []  # sequences that got a token in this step() call
         self._overlap = config.overlap  # set_overlap flips it on an idle engine
         self._history: set[Sequence] = set()  # unfinished requests with multi-token bad words
@@ -114,7 +121,7 @@ class Executor(StepExecutor):
     @property
     def chained(self) -> bool:
         """Whether a sequence in the step in flight may join the next (its token fed on the
-        device): on one stage only."""
+        device): on one stage (over pp stages only once its micro-batch left, `left`)."""
         return not self.flowing
 
     @property
@@ -132,27 +139,40 @@ class Executor(StepExecutor):
     @property
     def overlap(self) -> bool:
         """Whether a step is dispatched before the previous one's tokens are on the host
-        (`EngineConfig.overlap`; one stage only: a flowing pipeline keeps pp - 1 micro-batches
-        in flight anyway)."""
-        return self._overlap and not self.flowing
+        (`EngineConfig.overlap`): on one stage the next step feeds from the one in flight;
+        over pp stages the micro-batch entering next feeds from the one that just left the
+        last stage (`left`; without overlap its sequences wait for it to land, the host's
+        work between the ticks)."""
+        return self._overlap
 
     @property
     def in_flight(self) -> int:
-        """Steps left in flight while the next is scheduled (the driver's): pp - 1 micro-
-        batches over pp stages, else one with overlap, unless a request's bad word of several
-        tokens needs its newest tokens on the host to know its next ban (`needs_history`),
-        or a constrained request runs with constrained_steps "land": each step then lands
-        before the next is built."""
-        if self.flowing:  # a sequence waits for its micro-batch to land anyway
-            return self.runner.layout.pp - 1
+        """Steps left in flight while the next is scheduled (the driver's): over pp stages the
+        pp - 1 micro-batches in the pipeline and, with overlap, the one that left in the last
+        tick (released, `left`: it lands while the next runs); on one stage one with overlap,
+        unless a request's bad word of several tokens needs its newest tokens on the host to
+        know its next ban (`needs_history`), or a constrained request runs with
+        constrained_steps "land": each step then lands before the next is built."""
+        if self.flowing:
+            return self.runner.layout.pp - 1 + int(self.overlap)
         return int(self.overlap and not self._needs_history() and not self._lands_first())
 
     def waits(self, seq: Sequence) -> bool:
         """Whether `seq` sits out the step after its own even where sequences chain: a
         constrained sequence's next mask needs its token in flight on the host (its matcher
         advanced), so it joins the step after that (constrained_steps "skip",
-        `engine/structured.py`)."""
+        `engine/structured.py`). Over pp stages a constrained sequence, and one whose bad
+        words of several tokens need its newest token on the host, waits for its
+        micro-batch to land (no stage waits: others fill the micro-batches meanwhile)."""
+        if self.flowing:
+            return seq.grammar is not None or seq.stop.needs_history
         return seq.grammar is not None and self.config.constrained_steps == "skip"
+
+    def left(self, flight: Flight) -> bool:
+        """Whether `flight`'s micro-batch has left the last stage (over pp stages; on one
+        stage a step's sequences chain instead)."""
+        return (self.flowing and self.overlap and isinstance(flight.out, Pending)
+                and flight.out.done is not None)
 
     def _lands_first(self) -> bool:
         """constrained_steps "land": while a constrained request runs, no step overlaps."""
@@ -182,10 +202,9 @@ class Executor(StepExecutor):
 
     def has_work(self) -> bool:
         """Whether a request is unfinished: in the scheduler state, or (already freed: its
-        last token) in the step in flight."""
-        flight = self._flight
-        return self.state.has_work() or (
-            flight is not None and any(not s.is_finished for s in flight.freed))
+        last token) in a step in flight."""
+        return self.state.has_work() or any(
+            not s.is_finished for step in self.driver.in_flight for s in step.handle.freed)
 
     def add(self, seq: Sequence) -> None:
         """Queue a new request's sequence."""
@@ -197,7 +216,7 @@ class Executor(StepExecutor):
             self._constrained.update(seq.group)
 
     def abort(self, seq: Sequence) -> None:
-        self.state.abort(seq.request_id)
+        self.driver.end(seq.request_id)  # (in a micro-batch in flight: when it leaves)
         self.output.finish(seq, "abort")
         self.engine_stats.note_host()
 
@@ -267,20 +286,20 @@ class Executor(StepExecutor):
         `prefill_to_host` each completed prefill's KV then goes to the host tier
         (asynchronously: later steps overlap the copies)."""
         start = time.perf_counter()
-        feeder = None if self.flowing else self._flight
+        feeder = self._feeder if self.flowing else self._flight
         step = self.builder.build(runs[0] if len(runs) == 1 else _merge(runs), feeder)
         if step is None:
             return None
         start = self.timeline.part("build", start)
         sampling_inputs = self.builder.sampling_inputs(step)
-        start = self._ready_to_dispatch(step, self.timeline.part("sample", start))
+        start = self._ready_to_dispatch(step, feeder, self.timeline.part("sample", start))
         prev = feeder.out if feeder is not None else None
         out = self.runner.dispatch(step.inputs, step.slots, sampling_inputs, prev, step.score)
         record = self.timeline.dispatch("step", start, len(step.run.decode),
                                         step.run.prefill_tokens, out)
         self.timeline.part("dispatch", start, record)
         self._flight = Flight(runs, step.sampled, out, record, scored=step.scored)
-        if self.flowing:  # its KV is whole when it leaves the last stage: out at land
+        if self.flowing:  # its KV is whole when it leaves the last stage: out then
             self._flight.to_host = step.to_host
         else:
             for seq, tokens in step.to_host:
@@ -288,16 +307,16 @@ class Executor(StepExecutor):
         self.engine_stats.dispatched(step)
         return self._flight
 
-    def _ready_to_dispatch(self, step: Step, start: float) -> float:
-        """What must be done before `step` is dispatched: a host-sampled step in flight whose
-        tokens `step` feeds is sampled (the device waits for the host sampler), and queued
+    def _ready_to_dispatch(self, step: Step, feeder: Flight | None, start: float) -> float:
+        """What must be done before `step` is dispatched: a host-sampled step whose tokens
+        `step` feeds (`feeder`) is sampled (the device waits for the host sampler), and queued
         swap-outs are read out of the pool before `step` reuses their blocks, once the step
         in flight (which wrote them) is done: the wait is the device's, timed as the
         timeline's, and swap_seconds only the reads; then the prefix cache's host-tier moves
         (blocks `step` overwrites read out, blocks it reads copied back). Returns now."""
         flight = self._flight
-        if step.feeds and isinstance(flight.out, HostSampled):
-            _, start = self._bring(flight)
+        if step.feeds and isinstance(_results(feeder.out), HostSampled):
+            _, start = self._bring(feeder)
         if not self.kv.outgoing:
             self._move_blocks()
             return start
@@ -314,6 +333,19 @@ class Executor(StepExecutor):
         self.kv.move_blocks(self.state.host_kv.take_moves())
         self.kv.copy_blocks(self.state.device_kv.take_copies())
 
+    def release(self, flight: Flight, seqs: list[Sequence]) -> None:
+        """`flight` left the last stage and the driver releases it (before the state records
+        it): `seqs` (their token in it is certainly their last) are freed, its completed
+        prefills for the host tier are queued for it now (its KV is whole; their blocks are
+        still theirs), and the next micro-batch may feed from it."""
+        freed = set(seqs)
+        for seq, tokens in flight.to_host:
+            if seq not in freed:
+                self.kv.swap_out(seq, tokens)
+        flight.to_host = []
+        self.free(flight, seqs)
+        self._feeder = flight
+
     def free(self, flight: Flight, seqs: list[Sequence]) -> None:
         """The driver freed `seqs` at dispatch (their token in `flight` is certainly their
         last): their KV goes now, so the next step may admit others in their place (device
@@ -329,10 +361,12 @@ class Executor(StepExecutor):
         now): the driver finishes them and tells the policy each run's own."""
         if self._flight is flight:
             self._flight = None
+        if self._feeder is flight:
+            self._feeder = None
         out, start = self._bring(flight)
         self.output.record_prompt(flight.scored, out)
         landed, ended = self.output.process(flight.sampled, out)
-        for seq, tokens in flight.to_host:  # the state moves them when the run returns
+        for seq, tokens in flight.to_host:  # (not released: the state moves them now)
             if seq.request_id not in ended:
                 self.kv.swap_out(seq, tokens)
         self._landed += landed
@@ -443,7 +477,7 @@ class Flight:
 
     runs: list[Run]
     sampled: list[Sequence]
-    out: Dispatched | HostSampled
+    out: Dispatched | HostSampled | Pending  # Pending: a micro-batch over pp stages
     record: StepRecord
     freed: list[Sequence] = field(default_factory=list)  # freed at dispatch: their last token
     to_host: list = field(default_factory=list)  # (seq, tokens): prefills to swap out at land
@@ -451,6 +485,11 @@ class Flight:
 
     def __post_init__(self):
         self.rows = {seq: i for i, seq in enumerate(self.sampled)}  # seq -> its sampled row
+
+
+def _results(out):
+    """A step's own results: a micro-batch's once it left (`Pending.done`), or the step's."""
+    return out.done if isinstance(out, Pending) else out
 
 
 def _merge(runs: list[Run]) -> Run:

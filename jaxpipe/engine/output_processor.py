@@ -26,9 +26,12 @@ class OutputProcessor:
     """Tokens appended, stops checked, sequences finished and freed, for one engine."""
 
     def __init__(self, state: SchedulerState, kv: KVManager, detok: DetokWorker,
-                 stats: EngineStats, max_model_len: int):
+                 stats: EngineStats, max_model_len: int, end=None):
+        """`end(seq_id)`: how a sequence a stop string ended leaves the scheduler state (the
+        driver's `Driver.end`: at once, or when its micro-batch in flight leaves)."""
         self.state, self.kv, self.detok, self.stats = state, kv, detok, stats
         self.max_model_len = max_model_len
+        self.end = end if end is not None else state.abort
 
     def process(self, sampled: list[Sequence], out: StepOutput
                 ) -> tuple[list[Sequence], set[str]]:
@@ -97,7 +100,7 @@ class OutputProcessor:
         ended = [seq for seq in self.detok.drain() if not seq.is_finished]
         for seq in ended:
             self.finish(seq, None)
-            self.state.abort(seq.request_id)
+            self.end(seq.request_id)
         return ended
 
 

@@ -38,7 +38,8 @@ from jaxpipe.kv.host_buffer import HostKVBuffer, stage
 from jaxpipe.runtime.flow import Pending
 
 CONNECT_SECONDS = 300.0  # how long the leader waits for every follower to say hello
-KEEP_STEPS = 4  # dispatched steps a follower keeps for the next step's `prev`
+KEEP_STEPS = 4  # dispatched steps a follower keeps for the next step's `prev`, at least: over
+# pp stages a micro-batch feeds from the one pp steps before it (`Follower.keep`)
 # A process that stops answering JAX's coordination service for this long is declared dead,
 # and every other process of the cluster then stops (JAX terminates it): the bound on how
 # long a leader can hang in a collective with a dead follower.
@@ -279,6 +280,7 @@ class Follower:
         self.runner, self.channel = runner, channel
         self.host = HostKVBuffer()
         self.steps: dict[int, object] = {}
+        self.keep = max(KEEP_STEPS, 1 + max(lay.pp for lay in runner.layouts.values()))
 
     def serve(self) -> None:
         """Until the leader sends "close" (then the runner is closed too)."""
@@ -299,7 +301,7 @@ class Follower:
     def _dispatch(self, step, inputs, slots, sampling_inputs, prev, score=None):
         self.steps[step] = self.runner.dispatch(inputs, slots, sampling_inputs,
                                                 self.steps.get(prev), score)
-        self.steps.pop(step - KEEP_STEPS, None)
+        self.steps.pop(step - self.keep, None)
 
     def _swap_out(self, seq_id, blocks, tokens):
         self.host.put(seq_id, self.runner.kv_extract(blocks, tokens), tokens)

@@ -43,8 +43,14 @@ class Pending:
     def __init__(self, drain):
         self.drain = drain
         self.done = None  # the runner's Dispatched / HostSampled once it left
-        self.tokens = None  # no later step feeds from a micro-batch still in the pipeline
         self.step_id = None  # the leader's step number (distributed.MirroredRunner)
+
+    @property
+    def tokens(self):
+        """Its sampled tokens on the device, for the `prev` of a micro-batch that takes its
+        sequences' next inputs from them (None while it is in the pipeline, or host-sampled
+        and not sampled yet)."""
+        return None if self.done is None else self.done.tokens
 
     def result(self):
         """Its results (a `Dispatched` or `HostSampled`), once it has left."""

@@ -30,11 +30,23 @@ so the engine and the simulator cannot disagree about where a sequence is.
 
 How many steps stay in flight is the executor's: on one stage the engine keeps one while it
 schedules the next (overlap: the device feeds the tokens in flight to the next step, so their
-sequences may join it: `chained`), or none; over pp stages the engine and the pipelined
-simulator keep pp - 1 micro-batches in flight while the next one is formed (the pipeline never
-drains: a sequence waits for its micro-batch to leave the last stage, `chained` False).
-Where sequences chain, one the executor says `waits` (a constrained sequence: its next token's
-mask needs this one on the host) stays busy until its step lands and sits the next one out.
+sequences may join it: `chained`), or none; over pp stages a sequence waits for its micro-batch
+to leave the last stage (`chained` False: the pipeline never drains, pp - 1 micro-batches stay
+in flight while the next one is formed). Where the executor says when a micro-batch *left*
+(`left`: the engine's flowing pipeline), the driver releases it then, before it lands
+(SiPipe's token-safe execution): its sequences may join the next micro-batch at once, their
+tokens fed on the device from its sampled rows, and the host lands it (waits, samples,
+appends, checks stops) while that next one runs. Released too then: the sequences whose token
+in it is certainly their last (freed), its completed prefills for the host tier and its
+samples' forks (`SchedulerState.returned`); the policy hears `left`. Where steps do not
+release early (the simulator's pipeline), a micro-batch's sequences return when it lands.
+
+A sequence that ends while it is already in a later micro-batch in flight (its stop found when
+the earlier one landed, a stop string, an abort) keeps its slot and blocks until that one
+leaves too (`end`): that micro-batch's later stages still write its KV and its sampler still
+updates its slot's penalty state, which a new owner of the slot must not see. Where sequences
+chain, one the executor says `waits` (a constrained sequence: its next token's mask needs this
+one on the host) stays busy until its step lands and sits the next one out.
 """
 
 from __future__ import annotations
@@ -83,6 +95,17 @@ class StepExecutor:
         """`seqs`, of the step `handle`, were freed in the state at launch: their token in
         flight is certainly their last (they finish when it lands)."""
 
+    def left(self, handle: object) -> bool:
+        """Whether the step `handle`'s micro-batch has left the last stage (its KV is written
+        and its tokens sampled on the device), so that its sequences may join another before
+        it lands. False: they return when it lands."""
+        return False
+
+    def release(self, handle: object, seqs: list[SeqInfo]) -> None:
+        """The step `handle` left and the driver releases it (`left`), before the state
+        records it: `seqs`, whose token in it is certainly their last, are freed; its
+        sequences may be in the next step, their tokens fed from it."""
+
     def land(self, handle: object, state: SchedulerState) -> Iterable[Hashable]:
         """Wait for the step `handle`; the ids of its sequences that ended as it landed."""
         raise NotImplementedError
@@ -99,6 +122,8 @@ class InFlight:
     runs: list[Run]
     handle: object
     held: list[Hashable] = dataclasses.field(default_factory=list)  # out until it lands
+    sampled: list[SeqInfo] = dataclasses.field(default_factory=list)  # its sampled sequences
+    released: bool = False  # its sequences returned when it left, before it landed
 
 
 class Driver:
@@ -107,6 +132,7 @@ class Driver:
     def __init__(self, policy: Policy, state: SchedulerState, executor: StepExecutor):
         self.policy, self.state, self.executor = policy, state, executor
         self.in_flight: deque[InFlight] = deque()  # launched, not landed, oldest first
+        self._ending: dict[Hashable, bool] = {}  # ended, in a micro-batch in flight: abort?
 
     def run(self, max_steps: int = 10_000_000) -> int:
         """Step until every sequence finished and every step landed; returns the steps.
@@ -128,12 +154,14 @@ class Driver:
         if steps:
             for runs in steps:
                 self._launch(runs)
+                self._release_left()
                 while len(self.in_flight) > self.executor.in_flight:
                     self.land()
         elif action is None:
             if not self.in_flight:
                 return False
             self.land()  # the policy waits for the oldest step in flight
+            self._release_left()  # (others may have left in the idle ticks that brought it)
         else:
             while self.in_flight:
                 self.land()
@@ -200,23 +228,88 @@ class Driver:
             held = [s.seq_id for s in sampled if self.executor.chained
                     and s.location is Location.DEVICE and self.executor.waits(s)]
             self.state.busy.update(held)  # they join again when this step lands
-            self.in_flight.append(InFlight(runs, handle, held))
+            self.in_flight.append(InFlight(runs, handle, held, sampled))
+
+    def _release_left(self) -> None:
+        """Release every step in flight whose micro-batch has left the last stage (the
+        executor's `left`), oldest first; the ones released before land first, so at most
+        one released step waits to land (the next step's tokens are fed from it)."""
+        fresh = [s for s in self.in_flight if not s.released and self.executor.left(s.handle)]
+        for step in fresh:
+            while self.in_flight[0].released:
+                self.land()
+            self._release(step)
+
+    def _release(self, step: InFlight) -> None:
+        """`step` left: its sequences return to the state now (less those the executor says
+        `waits`: they stay out until it lands), those whose token in it is certainly their
+        last are freed, the ones that ended meanwhile leave; the policy hears `left`."""
+        step.released = True
+        ending = self._ended_in(step)
+        live = [s for s in step.sampled if s.location is Location.DEVICE
+                and s.seq_id not in ending]
+        last = [s for s in live if s.generated >= s.max_output_len]
+        step.held = [s.seq_id for s in live
+                     if s.generated < s.max_output_len and self.executor.waits(s)]
+        self.executor.release(step.handle, last)  # (its swap-outs read the blocks held now)
+        for run in step.runs:
+            self.state.returned(run)
+        self.state.busy.update(step.held)
+        self._leave(ending)
+        self.state.finish(s.seq_id for s in last)
+        for run in step.runs:
+            self._left(run)
 
     def land(self) -> None:
         """The oldest step in flight lands: the sequences the executor says ended leave the
-        state (those freed at launch or aborted meanwhile have left already), and the policy
-        hears exactly each run's own. Public for a caller that interleaves several drivers
-        over one executor (the simulator's vLLM virtual engines, planner/virtual_engines.py)."""
+        state (those freed at launch or aborted meanwhile have left already; one already in a
+        later micro-batch in flight when that one leaves, `end`), and the policy hears
+        exactly each run's own. Public for a caller that interleaves several drivers over
+        one executor (the simulator's vLLM virtual engines, planner/virtual_engines.py)."""
         step = self.in_flight.popleft()
         self.state.busy.difference_update(step.held)
+        ending = {} if step.released else self._ended_in(step)
         ended = set(self.executor.land(step.handle, self.state))
         done = [[s for s in run.seqs if s.seq_id in ended] for run in step.runs]
-        self.state.finish(s.seq_id for seqs in done for s in seqs
-                          if s.location is not Location.FINISHED)
+        for seq in (s for seqs in done for s in seqs):
+            if seq.location is not Location.FINISHED and seq.seq_id not in ending:
+                self.end(seq.seq_id, abort=False)
+        self._leave(ending)
         for run, seqs in zip(step.runs, done, strict=True):
-            if not self.executor.chained:
-                self.state.returned(run)
+            if not step.released:
+                if not self.executor.chained:
+                    self.state.returned(run)
+                self._left(run)
             self.policy.landed(run, seqs, self.state)
+
+    def _left(self, run: Run) -> None:
+        """Tell the policy `run` left the last stage (a policy without `left` needs not)."""
+        left = getattr(self.policy, "left", None)
+        if left is not None:
+            left(run, self.state)
+
+    def end(self, seq_id: Hashable, abort: bool = True) -> None:
+        """`seq_id` ended (`abort`: cancelled, or cut by a stop string; else by its own
+        token): it leaves the state now, or, while it is in a micro-batch in flight that has
+        not left the last stage (where sequences do not chain), when that one leaves."""
+        if not self.executor.chained and any(
+                not step.released and any(s.seq_id == seq_id for r in step.runs for s in r.seqs)
+                for step in self.in_flight):
+            self._ending[seq_id] = self._ending.get(seq_id, False) or abort
+        elif abort:
+            self.state.abort(seq_id)
+        else:
+            self.state.finish([seq_id])
+
+    def _ended_in(self, step: InFlight) -> dict[Hashable, bool]:
+        """The sequences of `step` that ended while it was in flight (`end`), taken out."""
+        ids = {s.seq_id for run in step.runs for s in run.seqs}
+        return {i: self._ending.pop(i) for i in list(self._ending) if i in ids}
+
+    def _leave(self, ending: dict[Hashable, bool]) -> None:
+        """The sequences that ended while in a micro-batch that has now left leave the state."""
+        for seq_id, abort in ending.items():
+            self.end(seq_id, abort)
 
     def _execute(self, action: Action) -> None:
         """Do a Switch / SwapIn / Preempt decided before the steps in flight landed, less the

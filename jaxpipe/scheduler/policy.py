@@ -45,11 +45,18 @@ class Policy:
     def schedule(self, state: SchedulerState) -> Action | None:
         raise NotImplementedError
 
+    def left(self, run: Run, state: SchedulerState) -> None:
+        """`run`'s micro-batch left the last stage: its sequences may be scheduled again (the
+        engine's flowing pipeline says so before it lands, their tokens still on the device;
+        elsewhere just before `landed`). Policies that regroup returning batches override
+        this."""
+
     def landed(self, run: Run, finished: list[SeqInfo], state: SchedulerState) -> None:
         """`run` landed (its tokens are back; it was applied to `state` at launch);
         `finished` are exactly the sequences of `run` that ended when it landed (they have
-        left `state`: this is the one place a policy sees them). Policies that learn from
-        outcomes or regroup returning batches override this."""
+        left `state`, or leave it when the micro-batch they are already in leaves the last
+        stage: `Driver.end`; this is the one place a policy sees them). Policies that learn
+        from outcomes override this."""
 
     def _in_phase(self, state: SchedulerState, phase: Phase, action: Action) -> Action:
         """`action` if the weights are in `phase`'s layout, else the switch to it first."""

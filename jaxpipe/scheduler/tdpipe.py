@@ -229,18 +229,21 @@ class TDPipe(Policy):
             if batch:
                 return Run(decode=batch)
 
+    def left(self, run: Run, state: SchedulerState) -> None:
+        """In the decode phase the batch returns for work stealing as it leaves the last
+        stage (its sequences that end meanwhile are dropped when it is taken, `_decode`)."""
+        if run.decode and self.phase == "decode":
+            self._returned.append([s for s in run.decode if s.seq_id in state.device])
+
     def landed(self, run: Run, finished: list[SeqInfo], state: SchedulerState) -> None:
-        """The predictor learns from `run`'s finished sequences; in the decode phase the
-        batch's survivors return for work stealing."""
+        """The predictor learns from `run`'s finished sequences."""
         if self.predictor is not None:
             for seq in finished:
                 if seq.first_prediction is not None:
                     self.predictions.append((seq.first_prediction, seq.generated))
                 self.predictor.observe(seq)
         if run.decode and self.phase == "decode":
-            ended = {s.seq_id for s in finished}
             self._phase_done += len(finished)
-            self._returned.append([s for s in run.decode if s.seq_id not in ended])
 
     # ---- decode -> prefill ----------------------------------------------------------------
     def _should_prefill(self, state: SchedulerState) -> bool:

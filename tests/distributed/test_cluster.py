@@ -115,6 +115,9 @@ def test_two_processes_give_the_tokens_of_one(tiny, tmp_path, prefill, decode):
             assert stats["swap_in_bytes"] == stats["swap_out_bytes"]
         assert stats["control_messages"] >= stats["steps"] > 0, name
         assert "control_messages" not in one[name]["stats"]
+    # prefill_first decodes on the pp layout: each micro-batch entering took the tokens of the
+    # one that had just left the last stage, on both processes (followers keep pp steps)
+    assert two["prefill_first"]["stats"]["fed_steps"] > 0
 
 
 def test_the_leaders_token_masks_reach_every_process(tmp_path):

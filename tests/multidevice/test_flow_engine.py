@@ -60,7 +60,8 @@ def test_every_policy_on_every_pipelined_layout_matches_one_device(engines, refe
     assert counts["busy_slots"] > counts["ticks"]  # micro-batches were in flight together
     state = engine.executor.state
     assert not state.busy and state.device_kv.pool.num_free == DEVICE_KV // 16
-    assert engine.runner.ticks.in_flight() == 0 and stats["fed_steps"] == 0
+    assert engine.runner.ticks.in_flight() == 0
+    assert stats["fed_steps"] > 0  # micro-batches took tokens from one not yet landed
     if policy in ("throttle", "prefill_first", "seesaw"):  # they admit more than fits
         assert stats["preemptions"] > 0
 
@@ -114,6 +115,61 @@ def test_samples_fork_when_their_prompt_leaves_the_pipeline(engines, layout, pol
         del engine.executor.state.device_kv.fork
     assert [[list(c.token_ids) for c in o.outputs] for o in outs] == [[a] * 3 for a in alone]
     assert any(forked)  # some samples shared their prompt's blocks (others found no room)
+    state = engine.executor.state
+    assert not state.busy and state.device_kv.pool.num_free == DEVICE_KV // 16
+
+
+STOPPING = dict(temperature=0.0, repetition_penalty=1.3, presence_penalty=0.4)
+
+
+@pytest.fixture(scope="module")
+def stopping(tiny_orbax, workload):
+    """The workload's prompts with penalties, each ending on a stop token: the token its
+    single-device output with the penalties has at index 3 (so requests end at a token only
+    the host learns, mid-way, while others decode); and the single-device tokens of that."""
+    prompts, params = workload
+    free = one_device_tokens(tiny_orbax, (prompts, [
+        SamplingParams(max_tokens=p.max_tokens, **STOPPING) for p in params]),
+        max_num_seqs=16, **FAST)
+    stops = [SamplingParams(max_tokens=p.max_tokens, stop_token_ids=[out[min(3, len(out) - 1)]],
+                            **STOPPING) for p, out in zip(params, free, strict=True)]
+    reference = one_device_tokens(tiny_orbax, (prompts, stops), max_num_seqs=16, **FAST)
+    assert any(len(r) < len(f) for r, f in zip(reference, free, strict=True))
+    return (prompts, stops), reference
+
+
+@pytest.fixture(scope="module")
+def host_sampled(tiny_orbax):
+    engine = one_layout_engine(tiny_orbax, "pp=4,tp=2", max_num_seqs=8,
+                               kv_cache_tokens=DEVICE_KV, host_kv_tokens=HOST_KV,
+                               tdpipe_finish_ratio=0.5, sampler="host", **FAST)
+    yield engine
+    engine.close()
+
+
+@pytest.mark.parametrize("sampler", ["device", "host"])
+@pytest.mark.parametrize("policy", ["throttle", "tdpipe"])
+def test_token_safe_execution_with_stops_and_penalties_matches_one_device(
+        engines, host_sampled, stopping, sampler, policy):
+    """SiPipe's token-safe execution: a micro-batch's sequences enter the next one as it
+    leaves the last stage, their tokens fed on the device (sampled on the device, or on the
+    host first), before it lands. Requests that stop on a token the host learns only then
+    are already in the next micro-batch: they keep their slot (its penalty state) and blocks
+    until that one leaves too, so the requests taking their slots after them (8 slots, 12
+    requests, a pool that preempts) get the single-device tokens."""
+    engine = engines["pp=4,tp=2"] if sampler == "device" else host_sampled
+    engine.set_scheduler(policy)
+    engine.reset_stats()
+    driver, deferred = engine.executor.driver, []
+    ended_in = driver._ended_in
+    driver._ended_in = lambda step: deferred.append(ended_in(step)) or deferred[-1]
+    try:
+        prompts, params = stopping[0]
+        outs = engine.generate(prompt_token_ids=prompts, sampling_params=params)
+    finally:
+        del driver._ended_in
+    assert tokens(outs) == stopping[1]
+    assert engine.stats()["fed_steps"] > 0 and any(deferred)
     state = engine.executor.state
     assert not state.busy and state.device_kv.pool.num_free == DEVICE_KV // 16
 

@@ -1,8 +1,11 @@
 """The one loop's rules (`Driver`), with hand-made policies and a recording executor: a run is
 applied at launch and its sequences finish at land; a sequence whose token in flight is its
 last is freed at launch; a chained executor's sequences may join the next step, a host-ticked
-one's wait for their micro-batch; an action decided before a landing loses the sequences that
-ended in it; a swap-in is recorded before the executor moves the KV, a preemption after."""
+one's wait for their micro-batch, and where the executor says a micro-batch left the last
+stage they join the next before it lands (token-safe execution), one that ends meanwhile
+keeping its slot until the micro-batch it is already in leaves too; an action decided before a
+landing loses the sequences that ended in it; a swap-in is recorded before the executor moves
+the KV, a preemption after."""
 
 from __future__ import annotations
 
@@ -57,6 +60,36 @@ class Recorder(StepExecutor):
 
     def execute(self, action, state):
         self.seen.append((action.kind.value, [(s.seq_id, s.location) for s in action.seqs]))
+
+
+class Flowing(Recorder):
+    """A pipeline of `stages` (the engine's flowing executor): a step leaves the last stage
+    in the launch of the (stages - 1)-th step after it; `stages` steps stay unlanded."""
+
+    def __init__(self, stages: int, ends=()):
+        super().__init__(in_flight=stages, chained=False, ends=ends)
+        self.stages, self.launches = stages, 0
+
+    def launch(self, runs, state):
+        handle = {"ids": super().launch(runs, state), "n": self.launches,
+                  "seqs": [s for r in runs for s in r.seqs]}
+        self.launches += 1
+        return handle
+
+    def left(self, handle):
+        return self.launches - 1 - handle["n"] >= self.stages - 1
+
+    def release(self, handle, seqs):
+        self.seen.append(("release", handle["ids"], [s.seq_id for s in seqs]))
+        self.ends.update(s.seq_id for s in seqs)
+
+    def land(self, handle, state):  # (its last token, as the output processor finds it)
+        self.ends.update(s.seq_id for s in handle["seqs"] if s.generated >= s.max_output_len)
+        return super().land(handle["ids"], state)
+
+
+def one_idle(state):
+    return Run(decode=state.idle()[:1]) if state.idle() else None
 
 
 def decoding(n: int, output: int = 10, host: int = 0) -> tuple[SchedulerState, list[SeqInfo]]:
@@ -190,3 +223,49 @@ def test_split_deals_decodes_round_robin_and_prompts_to_the_lightest_piece():
     assert [len(p.seqs) for p in run.split(9)] == [1] * 5  # no empty piece
     (whole,) = run.split(1)
     assert sorted(s.seq_id for s in whole.seqs) == [0, 1, 2, 3, 4]
+
+
+def test_a_micro_batch_that_left_releases_its_sequences_before_it_lands():
+    """Two stages, one sequence per micro-batch: micro-batch 0 (a) leaves as 1 (b) enters and
+    is released; a enters again (its token fed on the device, counted) before 0 lands, and 0
+    lands only as the next one leaves, while a is in flight."""
+    state, (a, b) = decoding(2)
+    executor = Flowing(stages=2)
+    driver = Driver(Scripted(one_idle), state, executor)
+    for _ in range(3):
+        driver.step()
+    assert [e for e in executor.seen if e[0] != "free"] == [
+        ("launch", [(0, 1)]), ("launch", [(1, 1)]), ("release", [0], []),
+        ("launch", [(0, 2)]), ("land", [0]), ("release", [1], [])]
+    assert state.busy == {0} and [s.seq_id for s in state.idle()] == [1]
+    assert a.generated == 3
+
+
+def test_a_sequence_ended_while_in_a_later_micro_batch_keeps_its_slot_until_that_leaves():
+    """a ends as micro-batch 0 lands, when it is already in micro-batch 2: it stays in the
+    state (slot and blocks: micro-batch 2's later stages still write them) until 2 leaves, is
+    never scheduled again, and the policy hears its end once, with 0's landing."""
+    state, (a, b) = decoding(2)
+    policy = Scripted(one_idle)
+    driver = Driver(policy, state, Flowing(stages=2, ends={0}))
+    for _ in range(3):
+        driver.step()
+    assert policy.heard == [([0], [0])]
+    assert a.location is Location.DEVICE and a.slot is not None and 0 in state.busy
+    driver.step()  # b enters; micro-batch 2 (a) leaves: a leaves the state
+    assert a.location is Location.FINISHED and a.slot is None
+    assert [s.seq_id for s in state.idle()] == [] and state.busy == {1}
+    driver.run()
+    assert policy.heard.count(([0], [0])) == 1 and not state.has_work()
+
+
+def test_an_abort_waits_for_the_micro_batch_in_flight_but_not_for_an_idle_sequence():
+    state, (a, b) = decoding(2)
+    driver = Driver(Scripted(one_idle), state, Flowing(stages=2))
+    driver.step()  # a in micro-batch 0, still in the pipeline; b idle
+    driver.end(b.seq_id)
+    driver.end(a.seq_id)
+    assert b.location is Location.FINISHED
+    assert a.location is Location.DEVICE and a.slot is not None
+    driver.run()
+    assert a.location is Location.FINISHED and not state.has_work()

@@ -68,8 +68,11 @@ def launch_round(policy, state, depth):
 
 
 def land(policy, state, run, finish: int):
-    """Land `run` with its first `finish` sequences finished."""
-    policy.landed(run, state.apply(run, [s.seq_id for s in run.decode[:finish]]), state)
+    """Land `run` with its first `finish` sequences finished (the driver's order: they
+    leave the state, the policy hears the run left, then that it landed)."""
+    finished = state.apply(run, [s.seq_id for s in run.decode[:finish]])
+    policy.left(run, state)
+    policy.landed(run, finished, state)
 
 
 @pytest.mark.parametrize("stealing,sizes", [(True, [1, 1, 3, 3, 3]), (False, [1, 1, 4, 4, 1])])
