@@ -45,6 +45,7 @@ class FlowBenchConfig:
     model: model preset or path
     dtype: EngineConfig.dtype (float32: every layout gives the same tokens)
     layouts: cpu-1 (one device), or cpu-8 layouts, each run with one layout for both phases
+        (one --layout flag each: a layout has commas, `--layout pp=4,tp=2`)
     schedulers: the policies, each run on every layout
     max_num_seqs: EngineConfig.max_num_seqs
     overlap: EngineConfig.overlap; off, a micro-batch's sequences wait for it to land before
@@ -61,7 +62,8 @@ class FlowBenchConfig:
     seed: int = SEED
     model: str = EngineConfig.model
     dtype: Dtype = "float32"
-    layouts: tuple[str, ...] = (ONE_DEVICE, "pp=8", "pp=4,tp=2")
+    layouts: tuple[str, ...] = field(default=(ONE_DEVICE, "pp=8", "pp=4,tp=2"),
+                                     metadata={"flags": ("--layout",), "repeat": True})
     schedulers: tuple[str, ...] = ("throttle", "tdpipe")
     max_num_seqs: int = 128
     overlap: bool = EngineConfig.overlap
