@@ -10,6 +10,7 @@ import pytest
 
 from jaxpipe import Engine, EngineConfig
 from jaxpipe.config.cluster import Cluster, check_same, cluster_of, shared_fields
+from jaxpipe.config.layout import Layout
 from jaxpipe.engine.builder import follow
 from jaxpipe.runtime import distributed
 
@@ -80,6 +81,7 @@ class Recorder:
     def __init__(self):
         self.calls = []
         self.num_blocks = 7
+        self.layouts = {"prefill": Layout.parse("pp=8"), "decode": Layout.parse("tp=8")}
 
     def __getattr__(self, name):
         def call(*args):
@@ -127,8 +129,10 @@ def test_the_follower_runs_the_leaders_device_calls_in_order():
     names = [name for name, _ in remote.calls]
     assert names == ["dispatch", "dispatch", "set_phase", "restore_penalties", "kv_extract",
                      "host.put", "host.drop", "close"]
-    # the second step's `prev` is the follower's own handle of the first step
+    # the second step's `prev` is the follower's own handle of the first step; a follower
+    # keeps a step for pp + 1 more (over pp=8 a micro-batch feeds from the one 8 steps back)
     assert remote.calls[1][1][3] is follower.steps[0]
+    assert follower.keep == 9
     assert (first.step_id, second.step_id) == (0, 1)
     assert [c[1][:3] for c in remote.calls[:2]] == [c[1][:3] for c in local.calls[:2]]
     assert remote.calls[2] == local.calls[2] == ("set_phase", ("decode", [3, 4]))
