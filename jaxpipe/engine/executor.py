@@ -315,7 +315,7 @@ class Executor(StepExecutor):
         timeline's, and swap_seconds only the reads; then the prefix cache's host-tier moves
         (blocks `step` overwrites read out, blocks it reads copied back). Returns now."""
         flight = self._flight
-        if step.feeds and isinstance(_results(feeder.out), HostSampled):
+        if step.feeds and feeder.out.tokens is None:  # host-sampled, not sampled yet
             _, start = self._bring(feeder)
         if not self.kv.outgoing:
             self._move_blocks()
@@ -485,11 +485,6 @@ class Flight:
 
     def __post_init__(self):
         self.rows = {seq: i for i, seq in enumerate(self.sampled)}  # seq -> its sampled row
-
-
-def _results(out):
-    """A step's own results: a micro-batch's once it left (`Pending.done`), or the step's."""
-    return out.done if isinstance(out, Pending) else out
 
 
 def _merge(runs: list[Run]) -> Run:
