@@ -13,8 +13,12 @@ last stage, in line with its other work). Whether host work is on the critical p
 executor's `in_flight` (simulate.py): with pp micro-batches in flight the host forms the next
 one while the devices run the current tick; with pp - 1 it waits for the tick, and with
 `stages_wait` every stage waits for its input too (jaxpipe's one tick program over all
-stages; vLLM's PP, where each stage prepares its own input before its forward). Without it
-only stage 0 waits: later stages prepare ahead (SiPipe's token-safe execution model).
+stages without overlap; vLLM's PP, where each stage prepares its own input before its
+forward). Without it only stage 0 waits: later stages prepare ahead (SiPipe's token-safe
+execution model). `token_safe` (the engine's flowing pipeline with overlap, its default):
+pp in flight, a micro-batch released when it leaves the last stage, the next one prepared
+while the stages run: preparation is hidden and only the host sampler's time stays on the
+path (stage 0 needs the sampled token).
 
 The price of pp in flight: micro-batch k+1 is formed while k-pp+1 is still on the last stage.
 When every sequence is in flight the policy has nothing to form and waits (the two depths run

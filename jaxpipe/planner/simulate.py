@@ -11,7 +11,8 @@ runs the scheduler's one loop (`jaxpipe.scheduler.Driver`, as the engine does) o
   (virtual_engines.py).
 - Host time (`HostCost`, hostcost.py): the host prepares each step before it starts and, with
   the host sampler, samples it when it lands; the single-step executor waits for both, the
-  pipelined one overlaps them with the stages as far as its `in_flight` allows.
+  pipelined one overlaps them with the stages as far as its `in_flight` (or `token_safe`, the
+  engine's flowing pipeline) allows.
 - `Switch`: waits for the host link to drain, then loads the new weight shards; KV still on the
   devices is re-sharded through the host (out and back in).
 - `SwapIn` / `Preempt(swap)`: KV copies on the host link, overlapping later steps; a step that
@@ -185,6 +186,19 @@ class SimExecutor(StepExecutor):
             timeline.append((self.clock, state.host_kv.used))
 
 
+@dataclass(eq=False)
+class Flowing:
+    """A simulated micro-batch in flight: when it leaves the last stage, the sequences it
+    samples, the ids it ends, its launch number, and when its tokens are on the host (host
+    sampler) or the device (None: the host has not sampled it yet)."""
+
+    exit: float
+    sampling: list
+    ended: list
+    index: int
+    ready: float | None = None
+
+
 class PipelinedSimExecutor(SimExecutor):
     """Micro-batches through `pp` stages with host-driven ticks, up to `in_flight` in flight
     while the host forms the next (each formed by the policy as one leaves; a sequence waits
@@ -195,26 +209,40 @@ class PipelinedSimExecutor(SimExecutor):
 
     The host is one worker (`host`: when it is next free): it prepares each micro-batch
     before it enters stage 0 and, with the host sampler, samples each one that lands.
-    `in_flight` pp - 1 (the engine's rule, the default) forms k+1 only once k-pp+1 left the
+    `in_flight` pp - 1 (the engine's rule without overlap) forms k+1 only once k-pp+1 left the
     last stage, and (`HostCost.stages_wait`) every later stage prepares its own input before
     its forward (the engine's one tick program; vLLM's PP, SiPipe's intra-stage bubble): host
     time on the critical path of every stage. `in_flight` pp lands micro-batch k-pp and forms
     k+1 while the stages run k: host work is hidden while it is shorter than a stage, but free
-    sequences may form an extra, smaller micro-batch (hostcost.py)."""
+    sequences may form an extra, smaller micro-batch (hostcost.py).
+
+    `token_safe` (SiPipe's token-safe execution, the engine's rule with overlap: pp in flight,
+    scheduler/loop.py): micro-batch k-pp+1 is released once k was launched (pp - 1 launched
+    after it; or once the clock passed its exit, when no new one came), so its sequences may
+    be in k+1, which the host prepares while the stages run k; a sequence enters stage 0 no
+    earlier than its token of the micro-batch before is there (its exit, or with the host
+    sampler its sampling, which the host does after preparing k+1, as the engine samples a
+    host-sampled feeder just before it dispatches)."""
 
     chained = False  # a micro-batch's tokens are back only when it leaves the last stage
 
-    def __init__(self, cost: CostModel, host: HostCost = NO_HOST, in_flight: int | None = None):
+    def __init__(self, cost: CostModel, host: HostCost = NO_HOST, in_flight: int | None = None,
+                 token_safe: bool = False):
         super().__init__(cost, cost, host)
         pp = cost.layout.pp
         self.stages = [0.0] * pp  # when each stage is next free
-        self.in_flight = pp - 1 if in_flight is None else in_flight
-        if self.in_flight not in (pp - 1, pp):
-            raise ValueError(f"in_flight={in_flight}: accepted pp - 1 = {pp - 1} (host on the "
-                             f"critical path) or pp = {pp} (host overlapped)")
+        self.in_flight = (pp if token_safe else pp - 1) if in_flight is None else in_flight
+        if self.in_flight not in (pp - 1, pp) or (token_safe and self.in_flight != pp):
+            accepted = (f"pp = {pp} (token-safe execution)" if token_safe else
+                        f"pp - 1 = {pp - 1} (host on the critical path) or pp = {pp} (host "
+                        f"overlapped)")
+            raise ValueError(f"in_flight={in_flight}: accepted {accepted}")
+        self.token_safe = token_safe
         self.flow_depth = pp  # a one-micro-batch policy's run is split over them
         self.busy_seconds = 0.0  # stage-seconds of work (for the pipeline utilisation)
         self.host = 0.0  # when the host is next free
+        self.launched = 0  # micro-batches launched
+        self._unsampled: list[Flowing] = []  # released, host-sampled before the next enters
 
     @property
     def host_blocking(self) -> bool:
@@ -222,15 +250,17 @@ class PipelinedSimExecutor(SimExecutor):
         forward) rather than overlapped with the stages."""
         return self.in_flight < len(self.stages) and self.host_cost.stages_wait
 
-    def launch(self, runs: list[Run], state: SchedulerState) -> tuple[float, list, list]:
-        """Prepare the micro-batch on the host, then queue it on the stages; the handle:
-        (when it leaves the last stage, the sequences it samples, the ids it ends)."""
+    def launch(self, runs: list[Run], state: SchedulerState) -> Flowing:
+        """Prepare the micro-batch on the host (and sample the released micro-batches it may
+        take tokens from), then queue it on the stages."""
         (run,) = runs
         dt = self._stage_time(run, state)
         sampling = run.sampling()
         prepare = self.host_cost.prepare(len(run.seqs))
         self.host = max(self.clock, self.host) + prepare
         self.stats.host_seconds += prepare
+        while self._unsampled:
+            self._sample(self._unsampled.pop(0))
         stall = prepare if self.host_blocking else 0.0
         last = dt + self.host_cost.device_sample(len(sampling))
         t = max([self.host] + [self.kv_ready.pop(s.seq_id, 0.0) for s in run.decode])
@@ -239,7 +269,9 @@ class PipelinedSimExecutor(SimExecutor):
             t = max(t, free) + work + (stall if i else 0.0)
             self.stages[i] = t
         self.busy_seconds += dt * (len(self.stages) - 1) + last
-        return t, sampling, [s.seq_id for s in sampling if s.generated + 1 >= s.max_output_len]
+        self.launched += 1
+        ended = [s.seq_id for s in sampling if s.generated + 1 >= s.max_output_len]
+        return Flowing(t, sampling, ended, self.launched - 1)
 
     def _stage_time(self, run: Run, state: SchedulerState) -> float:
         """The cost model's time of `run` on one stage; counted as prefill or decode."""
@@ -257,17 +289,47 @@ class PipelinedSimExecutor(SimExecutor):
             self.stats.prefill_seconds += dt
         return dt
 
-    def land(self, handle: tuple[float, list, list], state: SchedulerState) -> list[Hashable]:
-        """The micro-batch left the last stage at `done`; the host sampler samples it then
-        (after the host's earlier work)."""
-        done, sampling, ended = handle
-        sample = self.host_cost.host_sample(len(sampling))
-        if sample:
-            done = self.host = max(done, self.host) + sample
-            self.stats.host_seconds += sample
-        self.clock = max(self.clock, done)
-        self.stats.tokens_generated += len(sampling)
-        return ended
+    def left(self, handle: Flowing) -> bool:
+        """Token-safe: released pp - 1 launches after it, or once the clock passed its exit."""
+        return self.token_safe and (self.launched - handle.index >= len(self.stages)
+                                    or handle.exit <= self.clock)
+
+    def release(self, handle: Flowing, seqs: list[SeqInfo]) -> None:
+        """Its sequences' next tokens are there when it is (the host sampler: sampled before
+        the next micro-batch enters)."""
+        if self.host_cost.host_sample(len(handle.sampling)):
+            self._unsampled.append(handle)
+        else:
+            handle.ready = handle.exit
+        self._feed(handle)
+
+    def _feed(self, handle: Flowing) -> None:
+        """A micro-batch decoding one of `handle`'s sequences enters no earlier than its
+        token (`ready`; None: the host samples it first, and the next entry waits for the
+        host anyway)."""
+        ready = handle.exit if handle.ready is None else handle.ready
+        for s in handle.sampling:
+            self.kv_ready[s.seq_id] = max(self.kv_ready.get(s.seq_id, 0.0), ready)
+
+    def _sample(self, handle: Flowing) -> None:
+        """The host samples `handle` once it left the last stage, after its earlier work."""
+        handle.ready = self.host = max(handle.exit, self.host) + self.host_cost.host_sample(
+            len(handle.sampling))
+        self.stats.host_seconds += self.host_cost.host_sample(len(handle.sampling))
+
+    def land(self, handle: Flowing, state: SchedulerState) -> list[Hashable]:
+        """The micro-batch left the last stage at `exit`; the host sampler samples it then
+        (after the host's earlier work), unless it did when the next one entered."""
+        if handle in self._unsampled:
+            self._unsampled.remove(handle)
+        if handle.ready is None:
+            if self.host_cost.host_sample(len(handle.sampling)):
+                self._sample(handle)
+            else:
+                handle.ready = handle.exit
+        self.clock = max(self.clock, handle.ready)
+        self.stats.tokens_generated += len(handle.sampling)
+        return handle.ended
 
 
 @dataclass(frozen=True)
@@ -338,7 +400,7 @@ def simulate(model: ModelConfig, mesh: MeshPreset, workload: Workload, policy: s
              prefill: Layout, decode: Layout | None = None, host_kv_gb: float = HOST_KV_GB,
              pipelined: bool = False, host_cost: HostCost = NO_HOST,
              in_flight: int | None = None, virtual_engines: bool = False,
-             **policy_options) -> SimResult:
+             token_safe: bool = False, **policy_options) -> SimResult:
     """Serve `workload` with `policy` on `prefill` (and `decode`, default the same) layouts.
 
     `pipelined`: micro-batches with host-driven ticks on one layout (`PipelinedSimExecutor`:
@@ -348,7 +410,9 @@ def simulate(model: ModelConfig, mesh: MeshPreset, workload: Workload, policy: s
     `prefill_first` on a single layout defaults to chunked prefill (the paper's vLLM baseline).
     `host_cost`: the host's time per micro-batch (hostcost.py; default none); `in_flight`:
     the pipelined executor's micro-batches in flight while the next is formed (pp - 1, the
-    engine's and the default: host work on the critical path; pp: overlapped).
+    default: host work on the critical path; pp: overlapped). `token_safe`: the engine's
+    flowing pipeline (SiPipe's token-safe execution, `PipelinedSimExecutor`): pp in flight,
+    a micro-batch's sequences join the next one once it left the last stage.
     `virtual_engines`: vLLM V0's pipeline parallelism (virtual_engines.py): pp schedulers,
     each with 1/pp of the KV and its own requests, one micro-batch in flight each (pipelined
     runs of a one-micro-batch policy only; `policy_object` is then the list of policies).
@@ -371,7 +435,11 @@ def simulate(model: ModelConfig, mesh: MeshPreset, workload: Workload, policy: s
         opts.setdefault("timing", CostTiming(cost_p, workload.mean_prompt
                                              + workload.mean_output / 2, workload.mean_prompt))
     policies = [make_policy(policy, **opts) for _ in states]
-    executor = (PipelinedSimExecutor(cost_p, host_cost, in_flight) if pipelined
+    if token_safe and (not pipelined or virtual_engines):
+        raise ValueError(f"token_safe: the engine's flowing pipeline (pipelined=True, one "
+                         f"scheduler); got pipelined={pipelined}, "
+                         f"virtual_engines={virtual_engines}")
+    executor = (PipelinedSimExecutor(cost_p, host_cost, in_flight, token_safe) if pipelined
                 else SimExecutor(cost_p, cost_d, host_cost))
     if virtual_engines:
         VirtualEngines(policies, states, executor).run()

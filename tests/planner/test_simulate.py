@@ -90,7 +90,8 @@ def test_a_layout_too_small_is_refused(setup):
 PP4 = Layout(pp=4)
 PIPELINED_RUNS = [("tdpipe", {}), ("tdpipe", {"predictor": "oracle", "finish_ratio": 0.5}),
                   ("throttle", {}), ("prefill_first", {"pipelined": True, "chunked": True}),
-                  ("prefill_first", {"pipelined": True, "chunked": False})]
+                  ("prefill_first", {"pipelined": True, "chunked": False}),
+                  ("tdpipe", {"token_safe": True}), ("throttle", {"token_safe": True})]
 
 
 @pytest.mark.parametrize("policy,options", PIPELINED_RUNS)
