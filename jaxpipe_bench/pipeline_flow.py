@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from jaxpipe.config.checks import check_counts
-from jaxpipe.config.engine import EngineConfig
+from jaxpipe.config.engine import EngineConfig, Sampler
 from jaxpipe.config.model import Dtype
 from jaxpipe_bench import _generate, check_outputs, warmup_requests
 from jaxpipe_bench.report import machine_info
@@ -50,6 +50,8 @@ class FlowBenchConfig:
     max_num_seqs: EngineConfig.max_num_seqs
     overlap: EngineConfig.overlap; off, a micro-batch's sequences wait for it to land before
         they join another (no token-safe execution: the host's work between the ticks)
+    sampler: EngineConfig.sampler ("host": over pp stages a micro-batch the next one feeds
+        from is sampled on the host between the ticks)
     step_rows: rows of the decode micro-batches timed alone after each run (ms per step on one
         device, per tick over pp stages; none: skipped)
     trace: write the Perfetto trace of the first cpu-8 run here
@@ -67,6 +69,7 @@ class FlowBenchConfig:
     schedulers: tuple[str, ...] = ("throttle", "tdpipe")
     max_num_seqs: int = 128
     overlap: bool = EngineConfig.overlap
+    sampler: Sampler = EngineConfig.sampler
     step_rows: tuple[int, ...] = (16, 128)
     trace: str | None = None
     json_path: str = field(default="out/bench_pipeline.json", metadata={"flags": ("--json",)})
@@ -83,7 +86,8 @@ def engine_config(cfg: FlowBenchConfig, layout: str, scheduler: str) -> dict:
     """EngineConfig fields of one run."""
     kwargs = dict(model=cfg.model, dtype=cfg.dtype, scheduler=scheduler,
                   max_model_len=cfg.input_len + cfg.output_len + 16,
-                  max_num_seqs=cfg.max_num_seqs, overlap=cfg.overlap, show_progress=False)
+                  max_num_seqs=cfg.max_num_seqs, overlap=cfg.overlap, sampler=cfg.sampler,
+                  show_progress=False)
     if layout != ONE_DEVICE:
         kwargs.update(mesh="cpu-8", prefill=layout, decode=layout)
     return kwargs
