@@ -80,16 +80,16 @@ $(VENV_LATEST)/.test: pyproject.toml
 # index, not the shape sweeps), the attention kernels, the KV pool, the kernel choice, the
 # engine and its executor, then sharding and the layout pairs on 8 virtual devices.
 LATEST_JAX_TESTS ?= tests/kv tests/runtime/test_kernel_choice.py tests/engine/test_engine.py \
-	tests/engine/test_executor.py tests/kernels/test_ragged_attention.py \
-	tests/kernels/test_pallas_attention.py tests/kernels/test_kv_int8.py tests/kernels/test_fp8.py \
-	tests/kernels/test_attention_contract.py \
-	tests/kernels/test_matmul.py::test_under_jit tests/kernels/test_matmul.py::test_inside_shard_map \
-	tests/kernels/test_matmul.py::test_stacked_weight_picks_its_layer_in_place \
-	tests/kernels/test_int8_matmul.py::test_inside_shard_map \
-	tests/kernels/test_int8_matmul.py::test_stacked_weight_picks_its_layer_in_place \
-	tests/kernels/test_gguf_matmul.py::test_kernel_equals_xla_reference_and_leading_axes \
-	tests/kernels/test_gguf_matmul.py::test_stack_reads_the_traced_layer_in_place \
-	tests/kernels/test_grouped_matmul.py::test_grouped_path_equals_dense_and_float64
+	tests/engine/test_executor.py tests/kernel_tests/test_ragged_attention.py \
+	tests/kernel_tests/test_pallas_attention.py tests/kernel_tests/test_kv_int8.py tests/kernel_tests/test_fp8.py \
+	tests/kernel_tests/test_attention_contract.py \
+	tests/kernel_tests/test_matmul.py::test_under_jit tests/kernel_tests/test_matmul.py::test_inside_shard_map \
+	tests/kernel_tests/test_matmul.py::test_stacked_weight_picks_its_layer_in_place \
+	tests/kernel_tests/test_int8_matmul.py::test_inside_shard_map \
+	tests/kernel_tests/test_int8_matmul.py::test_stacked_weight_picks_its_layer_in_place \
+	tests/kernel_tests/test_gguf_matmul.py::test_kernel_equals_xla_reference_and_leading_axes \
+	tests/kernel_tests/test_gguf_matmul.py::test_stack_reads_the_traced_layer_in_place \
+	tests/kernel_tests/test_grouped_matmul.py::test_grouped_path_equals_dense_and_float64
 LATEST_JAX_MULTIDEVICE ?= tests/multidevice/test_sharding.py tests/multidevice/test_mpmd.py \
 	tests/multidevice/test_layouts_engine.py
 

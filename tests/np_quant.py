@@ -1,5 +1,5 @@
 """NumPy's statement of the quantized arithmetic (independent of jaxpipe), the reference of
-the quantization tests (tests/kernels/test_fp8.py, tests/model/test_quantized.py,
+the quantization tests (tests/kernel_tests/test_fp8.py, tests/model/test_quantized.py,
 tests/runtime/test_pipeline.py): per-slice symmetric quantization and the float64 result of
 the quantized dot, for int8 (`kernels/int8.py`'s statement) and e4m3 (`kernels/fp8.py`'s,
 through ml_dtypes)."""

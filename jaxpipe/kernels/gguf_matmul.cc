@@ -223,7 +223,7 @@ int32_t code(const uint8_t* p, int i) {
 }
 
 // Not vectorized: GCC 12 turns the q8_0 sum below into vpdpbusd with the signed codes as
-// unsigned (wrong sums: found by tests/kernels/test_gguf_matmul.py), and plain loops are
+// unsigned (wrong sums: found by tests/kernel_tests/test_gguf_matmul.py), and plain loops are
 // this path's point.
 template <int F>
 __attribute__((optimize("no-tree-vectorize"))) void run(const Task& t, int64_t c0,

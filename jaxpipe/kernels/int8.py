@@ -16,7 +16,7 @@ add the zero point 128 to the weight in registers and take 128 * sum_k q_x back 
 zeros gets scale 1 (its codes are 0, so its outputs are 0). A row with inf or NaN yields NaN.
 
 Error: each code is within half a step (s / 2) of its value, so |y - x @ w| is at most
-sum_k (|x_k| s_w / 2 + |w_k| s_x / 2 + s_x s_w / 4) (tests/kernels/test_int8_matmul.py
+sum_k (|x_k| s_w / 2 + |w_k| s_x / 2 + s_x s_w / 4) (tests/kernel_tests/test_int8_matmul.py
 checks it).
 """
 

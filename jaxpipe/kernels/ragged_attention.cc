@@ -1560,7 +1560,7 @@ void block_values(const float* __restrict vf, int64_t n, const float* __restrict
 // probability-times-row-scale w_t quantized the same way over the task's keys for the
 // values. Sums are exact int32 (a key's dot: D / 16 products a lane, at most 16 x 32767 x 127;
 // values flushed to f32 every kFlush keys: kFlush x 32767 x 127 < 2^31), so the arithmetic is
-// `int16_reference` in tests/kernels/test_kv_int8.py to the rounding of the two quantizations.
+// `int16_reference` in tests/kernel_tests/test_kv_int8.py to the rounding of the two quantizations.
 namespace vnni {
 
 constexpr float kStep16 = 1.f / 32767.f;

@@ -117,7 +117,7 @@ def int16_decode() -> bool:
     """Whether this build's "avx512_bf16" and "amx" paths run an int8 pool's decode rows (one
     query a tile) by int16 products (avx512_vnni's vpdpwssd): q quantized per head to int16,
     and each head's probabilities times the value rows' scales quantized to int16 over its keys
-    (the arithmetic `tests/kernels/attention_cases.numpy_attention` models with `v_scales`);
+    (the arithmetic `tests/kernel_tests/attention_cases.numpy_attention` models with `v_scales`);
     elsewhere those rows are f32 products of the widened codes."""
     lib = _library()
     if lib is None:

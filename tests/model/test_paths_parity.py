@@ -2,7 +2,7 @@
 (`EngineConfig.attention`, `EngineConfig.matmul`): f32 SmolLM2-135M against HF transformers
 with each attention, and bf16 on each matmul path against bf16 on XLA's dot everywhere on the
 two-layer SmolLM2 of tests/conftest.py (the kernel's numerics on SmolLM2-135M's own shapes
-are checked against float64 in tests/kernels/test_matmul.py; here, that the step runs it on
+are checked against float64 in tests/kernel_tests/test_matmul.py; here, that the step runs it on
 every matmul: full panels and narrow tails, the fused gate, the LM head)."""
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ from jaxpipe.kernels import kv_int8
 from jaxpipe.kernels import pallas_attention as pa
 from jaxpipe.kernels import ragged_attention as ra
 from jaxpipe.kernels.paged import from_storage, storage_dtype, to_storage
-from kernels.attention_cases import (
+from kernel_tests.attention_cases import (
     BS,
     CAP,
     IMPLS,
@@ -33,7 +33,7 @@ from kernels.attention_cases import (
     shuffled_table,
     want,
 )
-from kernels.test_ragged_attention import fresh_tokens, numpy_rope
+from kernel_tests.test_ragged_attention import fresh_tokens, numpy_rope
 
 
 def numpy_scale(x):

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from jaxpipe.kernels import pallas_attention as pa
-from kernels.attention_cases import (
+from kernel_tests.attention_cases import (
     CAP,
     KV_LEN,
     NB,

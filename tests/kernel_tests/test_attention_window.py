@@ -18,7 +18,7 @@ import pytest
 from jaxpipe.kernels import attention_math
 from jaxpipe.kernels import ragged_attention as ra
 from jaxpipe.kernels.paged import to_storage
-from kernels.attention_cases import (
+from kernel_tests.attention_cases import (
     BS,
     CAP,
     IMPLS,

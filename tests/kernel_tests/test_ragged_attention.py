@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from jaxpipe.kernels import ragged_attention as ra
-from kernels.attention_cases import (
+from kernel_tests.attention_cases import (
     BS,
     CAP,
     KV_LEN,
