@@ -97,7 +97,9 @@ class SimExecutor(StepExecutor):
         self.host_cost = host
         self.clock = 0.0  # seconds since the start
         self.link = 0.0  # when the host link finishes its queued copies
-        self.kv_ready: dict[Hashable, float] = {}  # swapped-in sequence -> when its KV arrives
+        # sequence -> the earliest a step with it may start: its swapped-in KV there, or (pipelined,
+        # token-safe) its token of the micro-batch before
+        self.enter_after: dict[Hashable, float] = {}
         self.stats = SimStats()
 
     def scheduled(self, start: float, state: SchedulerState) -> None:
@@ -132,7 +134,7 @@ class SimExecutor(StepExecutor):
             len(sampling))
         self.stats.host_seconds += host
         start = max([self.clock + host]
-                    + [self.kv_ready.pop(s.seq_id, 0.0) for s in action.decode])
+                    + [self.enter_after.pop(s.seq_id, 0.0) for s in action.decode])
         dt = cm.step_time(len(action.seqs), tokens, pairs, kv, dependent=bool(action.decode))
         dt += self.host_cost.device_sample(len(sampling))
         self.clock = start + dt
@@ -173,7 +175,7 @@ class SimExecutor(StepExecutor):
     def _swap_in(self, action: SwapIn, state: SchedulerState) -> None:
         cm = self.cost[state.phase]
         for seq in action.seqs:
-            self.kv_ready[seq.seq_id] = self._copy(cm, seq.computed, out=False)
+            self.enter_after[seq.seq_id] = self._copy(cm, seq.computed, out=False)
 
     def _preempt(self, action: Preempt, state: SchedulerState) -> None:
         self.stats.preemptions += len(action.seqs)
@@ -189,8 +191,8 @@ class SimExecutor(StepExecutor):
 @dataclass(eq=False)
 class Flowing:
     """A simulated micro-batch in flight: when it leaves the last stage, the sequences it
-    samples, the ids it ends, its launch number, and when its tokens are on the host (host
-    sampler) or the device (None: the host has not sampled it yet)."""
+    samples, the ids it ends, its launch number, and when its tokens are ready (on the device
+    as it leaves, or on the host once the host sampler sampled them; None: not sampled yet)."""
 
     exit: float
     sampling: list
@@ -242,7 +244,7 @@ class PipelinedSimExecutor(SimExecutor):
         self.busy_seconds = 0.0  # stage-seconds of work (for the pipeline utilisation)
         self.host = 0.0  # when the host is next free
         self.launched = 0  # micro-batches launched
-        self._unsampled: list[Flowing] = []  # released, host-sampled before the next enters
+        self._unsampled: list[Flowing] = []  # released, sampled before the next enters
 
     @property
     def host_blocking(self) -> bool:
@@ -263,7 +265,7 @@ class PipelinedSimExecutor(SimExecutor):
             self._sample(self._unsampled.pop(0))
         stall = prepare if self.host_blocking else 0.0
         last = dt + self.host_cost.device_sample(len(sampling))
-        t = max([self.host] + [self.kv_ready.pop(s.seq_id, 0.0) for s in run.decode])
+        t = max([self.host] + [self.enter_after.pop(s.seq_id, 0.0) for s in run.decode])
         for i, free in enumerate(self.stages):
             work = last if i == len(self.stages) - 1 else dt
             t = max(t, free) + work + (stall if i else 0.0)
@@ -295,38 +297,30 @@ class PipelinedSimExecutor(SimExecutor):
                                     or handle.exit <= self.clock)
 
     def release(self, handle: Flowing, seqs: list[SeqInfo]) -> None:
-        """Its sequences' next tokens are there when it is (the host sampler: sampled before
-        the next micro-batch enters)."""
-        if self.host_cost.host_sample(len(handle.sampling)):
-            self._unsampled.append(handle)
-        else:
-            handle.ready = handle.exit
-        self._feed(handle)
-
-    def _feed(self, handle: Flowing) -> None:
         """A micro-batch decoding one of `handle`'s sequences enters no earlier than its
-        token (`ready`; None: the host samples it first, and the next entry waits for the
-        host anyway)."""
-        ready = handle.exit if handle.ready is None else handle.ready
+        tokens: it leaves the last stage at `exit`, and the host sampler samples it before the
+        next micro-batch enters (that entry waits for the host anyway)."""
+        self._unsampled.append(handle)
         for s in handle.sampling:
-            self.kv_ready[s.seq_id] = max(self.kv_ready.get(s.seq_id, 0.0), ready)
+            self.enter_after[s.seq_id] = max(self.enter_after.get(s.seq_id, 0.0), handle.exit)
 
     def _sample(self, handle: Flowing) -> None:
-        """The host samples `handle` once it left the last stage, after its earlier work."""
-        handle.ready = self.host = max(handle.exit, self.host) + self.host_cost.host_sample(
-            len(handle.sampling))
-        self.stats.host_seconds += self.host_cost.host_sample(len(handle.sampling))
+        """Its tokens are ready when it left the last stage (the device sampler), or when the
+        host sampled them after its earlier work."""
+        seconds = self.host_cost.host_sample(len(handle.sampling))
+        if not seconds:
+            handle.ready = handle.exit
+            return
+        handle.ready = self.host = max(handle.exit, self.host) + seconds
+        self.stats.host_seconds += seconds
 
     def land(self, handle: Flowing, state: SchedulerState) -> list[Hashable]:
-        """The micro-batch left the last stage at `exit`; the host sampler samples it then
-        (after the host's earlier work), unless it did when the next one entered."""
+        """The micro-batch left the last stage at `exit`; its tokens are sampled then, unless
+        they were when the next one entered."""
         if handle in self._unsampled:
             self._unsampled.remove(handle)
         if handle.ready is None:
-            if self.host_cost.host_sample(len(handle.sampling)):
-                self._sample(handle)
-            else:
-                handle.ready = handle.exit
+            self._sample(handle)
         self.clock = max(self.clock, handle.ready)
         self.stats.tokens_generated += len(handle.sampling)
         return handle.ended
