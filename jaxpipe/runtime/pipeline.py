@@ -362,7 +362,6 @@ class StageOptions:
 
     attention: str
     max_kv: int
-    unroll: bool = True
     packed: KernelPaths = dataclasses.field(default_factory=dict)
     windows: tuple[int, ...] = ()
     moe_layers: tuple[bool, ...] = ()
@@ -392,8 +391,25 @@ def stage_layers(cfg: ModelConfig, layers: LayerParams, x, mb: dict, cache: KVCa
                                   shard, experts, attention.moe_layer(j))
         return (x, k, v), None
 
-    (x, k, v), _ = lax.scan(body, (x, *cache), jnp.arange(count), unroll=opts.unroll)
+    (x, k, v), _ = lax.scan(body, (x, *cache), jnp.arange(count),
+                            unroll=unrolled(layers, opts.packed))
     return x, KVCache(k, v)
+
+
+def unrolled(layers: LayerParams, packed: KernelPaths) -> bool:
+    """Whether the layer loop is unrolled: unless XLA's dot multiplies an f32 weight sliced
+    from the stacked layers. The kernels read their weights in place at a layer index, a
+    constant once unrolled. XLA's dot copies a sliced weight first, and in an unrolled loop
+    XLA hoists every layer's copies into one temporary buffer, allocated and page-faulted on
+    every step: an f32 SmolLM2 decode step copied 425 MB that way, at about 3x the rolled
+    loop's time (`scripts/profile_step.py --dtype float32`: "other" 286 ms a step against
+    52 ms of matmuls; rolled, one layer's slices, 14 MB, live at a time). A bf16 or
+    quantized weight on XLA's dot stays unrolled: rolled, XLA converts the whole stack to
+    f32 outside the loop on every step (432 MB of temporaries for bf16 SmolLM2 against the
+    unrolled loop's 212 MB of slices)."""
+    return not any(a is not None and name in MATMUL_PARAMS and name not in packed
+                   and getattr(a, "dtype", None) == jnp.float32
+                   for name, a in zip(LAYER_PARAMS, layers, strict=True))
 
 
 def _dot(x, w):
